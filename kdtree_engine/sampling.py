@@ -1,0 +1,109 @@
+"""Logits to tokens: greedy, temperature, top-k, top-p, with seeded generators.
+
+The one place where a distribution over the vocabulary is formed from logits. The accept walk of
+speculative decoding samples the target through :func:`sample` at every tree node, so plain decoding
+and speculative decoding share the same rule and, for greedy, the same tie-breaking (lowest id).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+class SamplingError(ValueError):
+    """A sampling parameter is out of range."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request decoding parameters. ``temperature == 0`` means greedy."""
+
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop_token_ids, list):
+            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        self.validate()
+
+    def validate(self) -> None:
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 0:
+            raise SamplingError(f"sampling field 'max_tokens' must be an integer >= 0, got {self.max_tokens!r}")
+        t = self.temperature
+        if not isinstance(t, (int, float)) or isinstance(t, bool) or not t >= 0.0 or t == float("inf"):
+            raise SamplingError(f"sampling field 'temperature' must be a finite number >= 0, got {t!r}")
+        p = self.top_p
+        if not isinstance(p, (int, float)) or isinstance(p, bool) or not 0.0 < p <= 1.0:
+            raise SamplingError(f"sampling field 'top_p' must be in (0, 1], got {p!r}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+            raise SamplingError(f"sampling field 'top_k' must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise SamplingError(f"sampling field 'seed' must be an integer or None, got {self.seed!r}")
+        for s in self.stop_token_ids:
+            if not isinstance(s, int) or isinstance(s, bool) or s < 0:
+                raise SamplingError(f"sampling field 'stop_token_ids' must hold token ids >= 0, got {s!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise SamplingError(f"sampling field 'ignore_eos' must be a bool, got {self.ignore_eos!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
+    """A torch.Generator on ``device``: seeded when ``seed`` is given, else from fresh entropy."""
+    g = torch.Generator(device=device)
+    if seed is None:
+        g.seed()
+    else:
+        g.manual_seed(int(seed))
+    return g
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """Argmax over the last axis; ties go to the lowest token id.  [..., V] -> [...]"""
+    # torch.argmax returns the first maximal index on every backend (documented).
+    return torch.argmax(logits, dim=-1)
+
+
+def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """float32 probabilities [..., V] of the token the rule would emit.
+
+    Greedy gives a one-hot at the argmax. Otherwise softmax(logits / temperature) restricted to the
+    top-k tokens and then to the smallest top-p nucleus (the top token is always kept), renormalized.
+    """
+    x = logits.float()
+    if params.greedy:
+        out = torch.zeros_like(x)
+        return out.scatter_(-1, greedy(x).unsqueeze(-1), 1.0)
+    x = x / float(params.temperature)
+    V = x.shape[-1]
+    if 0 < params.top_k < V:
+        kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]  # [..., 1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    if params.top_p < 1.0:
+        sp, idx = torch.sort(probs, dim=-1, descending=True, stable=True)
+        before = torch.cumsum(sp, dim=-1) - sp  # mass strictly before each sorted entry
+        drop_sorted = before >= params.top_p  # the first entry has before == 0 and is always kept
+        drop = torch.zeros_like(drop_sorted).scatter_(-1, idx, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token per row: logits [V] -> LongTensor [] ; [T, V] -> LongTensor [T]. No host sync."""
+    if params.greedy:
+        return greedy(logits)
+    probs = probs_from_logits(logits, params)
+    flat = probs.reshape(-1, probs.shape[-1])  # [R, V]
+    tok = torch.multinomial(flat, 1, generator=generator).squeeze(-1)  # [R]
+    return tok.reshape(probs.shape[:-1])

@@ -1,0 +1,50 @@
+import pytest
+import torch
+
+from kdtree_engine.sampling import (SamplingError, SamplingParams, greedy, make_generator,
+                                    probs_from_logits, sample)
+
+
+def test_params_validation_names_field():
+    for kwargs, name in [({"max_tokens": -1}, "max_tokens"), ({"temperature": -0.5}, "temperature"),
+                         ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"top_k": -2}, "top_k"),
+                         ({"seed": 1.5}, "seed"), ({"stop_token_ids": (-1,)}, "stop_token_ids")]:
+        with pytest.raises(SamplingError, match=name):
+            SamplingParams(**kwargs)
+    assert SamplingParams(stop_token_ids=[3, 4]).stop_token_ids == (3, 4)
+
+
+def test_greedy_ties_lowest_id():
+    logits = torch.tensor([[0.0, 2.0, 2.0, 1.0], [5.0, 5.0, 5.0, 5.0]])
+    assert greedy(logits).tolist() == [1, 0]
+    assert sample(logits, SamplingParams()).tolist() == [1, 0]
+    p = probs_from_logits(logits, SamplingParams())
+    assert p.tolist() == [[0, 1, 0, 0], [1, 0, 0, 0]]
+
+
+def test_temperature_topk_topp_probs():
+    logits = torch.log(torch.tensor([0.1, 0.4, 0.2, 0.3]))
+    p = probs_from_logits(logits, SamplingParams(temperature=1.0))
+    torch.testing.assert_close(p, torch.tensor([0.1, 0.4, 0.2, 0.3]))
+    p = probs_from_logits(logits, SamplingParams(temperature=1.0, top_k=2))
+    torch.testing.assert_close(p, torch.tensor([0.0, 4 / 7, 0.0, 3 / 7]))
+    # nucleus 0.6: 0.4 then 0.3 (mass before 0.3 is 0.4 < 0.6) -> keep {1, 3}
+    p = probs_from_logits(logits, SamplingParams(temperature=1.0, top_p=0.6))
+    torch.testing.assert_close(p, torch.tensor([0.0, 4 / 7, 0.0, 3 / 7]))
+    p = probs_from_logits(logits, SamplingParams(temperature=1.0, top_p=0.3))
+    torch.testing.assert_close(p, torch.tensor([0.0, 1.0, 0.0, 0.0]))
+    p = probs_from_logits(logits, SamplingParams(temperature=2.0))
+    q = torch.sqrt(torch.tensor([0.1, 0.4, 0.2, 0.3]))
+    torch.testing.assert_close(p, q / q.sum())
+
+
+def test_sample_seeded_and_distribution():
+    logits = torch.log(torch.tensor([0.1, 0.4, 0.2, 0.3])).expand(20000, 4)
+    params = SamplingParams(temperature=1.0, seed=7)
+    a = sample(logits, params, make_generator(7))
+    b = sample(logits, params, make_generator(7))
+    assert torch.equal(a, b) and a.shape == (20000,)
+    freq = torch.bincount(a, minlength=4).float() / a.numel()
+    assert (freq - torch.tensor([0.1, 0.4, 0.2, 0.3])).abs().max() < 0.02
+    one = sample(logits[0], params, make_generator(1))
+    assert one.shape == () and one.dtype == torch.long
