@@ -1,0 +1,178 @@
+"""Building blocks: RMSNorm, YaRN rope (interleaved pairs), Linear and the one ``linear()`` dispatch.
+
+Every matrix product of a weight in the model goes through :func:`linear`; the kernel is chosen
+there from the weight's format (dense / W4A16) and the device, never in model code.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig, yarn_mscale
+
+log = logging.getLogger("kdtree_engine")
+
+Parallel = Literal["column", "row", "replicated"]
+
+_LOGGED: set[str] = set()
+
+
+def log_once(key: str, msg: str) -> None:
+    """Log an automatic choice the first time it is made."""
+    if key not in _LOGGED:
+        _LOGGED.add(key)
+        log.info(msg)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Linear(nn.Module):
+    """A weight of shape [out, in]: dense ``weight`` or INT4 ``weight_packed`` + ``weight_scale``.
+
+    ``parallel`` records how the weight would be split under tensor parallelism (column: by output,
+    row: by input) so the seams are in place; this engine runs it unsplit.
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, parallel: Parallel = "replicated",
+                 group_size: int | None = None, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.parallel = parallel
+        self.group_size = group_size
+        if group_size is None:
+            self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+        else:
+            if in_features % group_size or in_features % 8:
+                raise ValueError(f"in_features {in_features} is not a multiple of group size {group_size}")
+            self.register_buffer("weight_packed", torch.zeros(out_features, in_features // 8, dtype=torch.int32))
+            self.register_buffer("weight_scale", torch.zeros(out_features, in_features // group_size, dtype=dtype))
+
+    @property
+    def quantized(self) -> bool:
+        return self.group_size is not None
+
+    def dense_weight(self) -> torch.Tensor:
+        """The weight as a dense [out, in] tensor (dequantized if INT4)."""
+        if self.group_size is None:
+            return self.weight
+        from ..quant import dequantize
+        return dequantize(self.weight_packed, self.weight_scale, self.group_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self)
+
+    def extra_repr(self) -> str:
+        fmt = "dense" if self.group_size is None else f"w4a16 g{self.group_size}"
+        return f"{self.in_features} -> {self.out_features}, {fmt}, {self.parallel}"
+
+
+def linear(x: torch.Tensor, layer: Linear) -> torch.Tensor:
+    """The single dispatch point for weight matmuls. x: [..., in] -> [..., out]."""
+    if layer.group_size is None:
+        return F.linear(x, layer.weight)
+    from ..kernels.dispatch import w4a16_matmul
+    shape = x.shape
+    out = w4a16_matmul(x.reshape(-1, shape[-1]), layer.weight_packed, layer.weight_scale, layer.group_size)
+    return out.reshape(*shape[:-1], layer.out_features)
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)). Used by dense layers and the shared expert."""
+
+    def __init__(self, hidden: int, inter: int, *, dtype: torch.dtype, group_size: int | None = None) -> None:
+        super().__init__()
+        self.gate_proj = Linear(hidden, inter, parallel="column", group_size=group_size, dtype=dtype)
+        self.up_proj = Linear(hidden, inter, parallel="column", group_size=group_size, dtype=dtype)
+        self.down_proj = Linear(inter, hidden, parallel="row", group_size=group_size, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+# ---- rope ------------------------------------------------------------------------------------
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies [R/2] (float64) for the rope dims, with YaRN when configured."""
+    dim = cfg.qk_rope_head_dim
+    base = cfg.rope_theta
+    inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))  # [R/2]
+    y = cfg.rope_scaling
+    if y is None:
+        return inv
+
+    def corr(rot: float) -> float:
+        return dim * math.log(y.original_max_position_embeddings / (rot * 2 * math.pi)) / (2 * math.log(base))
+
+    lo = max(math.floor(corr(y.beta_fast)), 0)
+    hi = min(math.ceil(corr(y.beta_slow)), dim - 1)
+    if lo == hi:
+        hi += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - lo) / (hi - lo)).clamp(0, 1)  # [R/2]
+    # ramp 0 -> keep the original frequency (extrapolation), 1 -> divide by factor (interpolation)
+    return inv * (1 - ramp) + (inv / y.factor) * ramp
+
+
+def rope_multiplier(cfg: ModelConfig) -> float:
+    y = cfg.rope_scaling
+    if y is None:
+        return 1.0
+    return yarn_mscale(y.factor, y.mscale) / yarn_mscale(y.factor, y.mscale_all_dim or 0.0)
+
+
+class Rope(nn.Module):
+    """cos/sin tables [P, R/2] (float32) for positions 0..P-1; grown on demand."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int = 4096) -> None:
+        super().__init__()
+        self.inv_freq = rope_inv_freq(cfg)
+        self.mult = rope_multiplier(cfg)
+        self.limit = cfg.max_position_embeddings
+        self.register_buffer("cos", torch.empty(0), persistent=False)
+        self.register_buffer("sin", torch.empty(0), persistent=False)
+        self._build(min(max_positions, self.limit))
+
+    def _build(self, n: int) -> None:
+        t = torch.arange(n, dtype=torch.float64)
+        freqs = torch.outer(t, self.inv_freq)  # [P, R/2]
+        dev = self.cos.device
+        self.cos = (freqs.cos() * self.mult).float().to(dev)
+        self.sin = (freqs.sin() * self.mult).float().to(dev)
+
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # Grows the table only when a longer position is asked for (host read is for growth only).
+        need = int(positions.max()) + 1 if positions.numel() else 0
+        if need > self.cos.shape[0]:
+            self._build(max(need, 2 * self.cos.shape[0]))
+        return self.cos[positions], self.sin[positions]  # [T, R/2] each
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved pairs (x0,x1),(x2,x3),... of the last dim.
+
+    x: [T, ..., R]; cos/sin: [T, R/2]. The output is written de-interleaved ([rotated evens,
+    rotated odds]); q and k get the same treatment, so their dot products are those of the
+    interleaved rotation.
+    """
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
+    c = cos.view(shape)
+    s = sin.view(shape)
+    xf = x.float()
+    x1, x2 = xf[..., 0::2], xf[..., 1::2]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)

@@ -1,0 +1,116 @@
+"""Multi-head latent attention (MLA), DeepSeek-V3 / K2.
+
+Two forms with the same math:
+  naive     (prefill with an empty prefix): up-project the latents with kv_b_proj, ordinary
+            causal attention over [T, N, P+R] keys and [T, N, V] values.
+  absorbed  (decode, tree verify, chunks over a cached prefix): W_UK folded into the query, the
+            576-wide latent cache read as keys and (its first 512) as values, W_UV after.
+Notation: N heads, P qk_nope, R qk_rope, V v_head, C kv_lora_rank, S cached tokens, T new tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+from .layers import Linear, RMSNorm, apply_rope
+
+
+class MLA(nn.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.n_heads = cfg.num_attention_heads  # per rank under TP (one place to split)
+        N, P, R, V, C = self.n_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        H = cfg.hidden_size
+        if cfg.q_lora_rank is None:
+            self.q_proj = Linear(H, N * (P + R), parallel="column", dtype=dtype)
+        else:
+            self.q_a_proj = Linear(H, cfg.q_lora_rank, dtype=dtype)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+            self.q_b_proj = Linear(cfg.q_lora_rank, N * (P + R), parallel="column", dtype=dtype)
+        self.kv_a_proj_with_mqa = Linear(H, C + R, dtype=dtype)
+        self.kv_a_layernorm = RMSNorm(C, cfg.rms_norm_eps)
+        self.kv_b_proj = Linear(C, N * (P + V), parallel="column", dtype=dtype)
+        self.o_proj = Linear(N * V, H, parallel="row", dtype=dtype)
+        self.scale = cfg.softmax_scale
+        self._absorbed: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_UK [N, P, C] and W_UV [N, V, C] split from kv_b_proj (built once after loading)."""
+        if self._absorbed is None or self._absorbed[0].device != self.kv_b_proj.dense_weight().device:
+            cfg = self.cfg
+            w = self.kv_b_proj.dense_weight().view(self.n_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+            self._absorbed = (w[:, : cfg.qk_nope_head_dim].contiguous(), w[:, cfg.qk_nope_head_dim:].contiguous())
+        return self._absorbed
+
+    def reset_absorbed(self) -> None:
+        self._absorbed = None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
+                start: int, tree_mask: torch.Tensor | None) -> torch.Tensor:
+        """x [T, H]; cos/sin [T, R/2]; kv_cache [S_max, C+R] of this layer, committed [0, start).
+
+        Writes the T new latents to slots start..start+T-1. tree_mask [T, T] bool (ancestor-or-self)
+        or None for causal. Returns [T, H].
+        """
+        cfg = self.cfg
+        T = x.shape[0]
+        N, P, R, C = self.n_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
+        if cfg.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(T, N, P + R)
+        q_nope, q_pe = q[..., :P], apply_rope(q[..., P:], cos, sin)  # [T, N, P], [T, N, R]
+        kva = self.kv_a_proj_with_mqa(x)  # [T, C+R]
+        c_kv = self.kv_a_layernorm(kva[:, :C])  # [T, C]
+        k_pe = apply_rope(kva[:, C:], cos, sin)  # [T, R]
+        kv_cache[start:start + T, :C] = c_kv
+        kv_cache[start:start + T, C:] = k_pe
+        if start == 0 and tree_mask is None:
+            o = self._naive(q_nope, q_pe, c_kv, k_pe)
+        else:
+            o = self._absorbed_attn(q_nope, q_pe, kv_cache[: start + T], start, tree_mask)
+        return self.o_proj(o.reshape(T, -1))
+
+    def _naive(self, q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        T, N, P = q_nope.shape
+        kv = self.kv_b_proj(c_kv).view(T, N, P + cfg.v_head_dim)
+        k_nope, v = kv[..., :P], kv[..., P:]  # [T, N, P], [T, N, V]
+        scores = (torch.einsum("tnp,snp->nts", q_nope.float(), k_nope.float())
+                  + torch.einsum("tnr,sr->nts", q_pe.float(), k_pe.float())) * self.scale  # [N, T, T]
+        causal = torch.ones(T, T, dtype=torch.bool, device=q_nope.device).tril()
+        scores = scores.masked_fill(~causal, float("-inf"))
+        p = scores.softmax(-1)
+        return torch.einsum("nts,snv->tnv", p, v.float()).to(q_nope.dtype)  # [T, N, V]
+
+    def _absorbed_attn(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, start: int,
+                       tree_mask: torch.Tensor | None) -> torch.Tensor:
+        from ..kernels.dispatch import mla_attention
+        w_uk, w_uv = self.absorbed_weights()
+        q_lat = torch.einsum("tnp,npc->tnc", q_nope, w_uk)  # [T, N, C]
+        o_lat = mla_attention(q_lat, q_pe, kv, start, tree_mask, self.scale, self.cfg.kv_lora_rank)  # [T, N, C]
+        return torch.einsum("tnc,nvc->tnv", o_lat, w_uv)  # [T, N, V]
+
+
+def mla_attention_reference(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, start: int,
+                            tree_mask: torch.Tensor | None, scale: float, kv_lora_rank: int) -> torch.Tensor:
+    """Absorbed attention in torch. q_lat [T, N, C], q_pe [T, N, R], kv [start+T, C+R] -> [T, N, C].
+
+    Query i sees every committed slot [0, start) and new slot start+j where tree_mask[i, j]
+    (causal when tree_mask is None). Softmax in float32.
+    """
+    T = q_lat.shape[0]
+    C = kv_lora_rank
+    c_kv, k_pe = kv[:, :C].float(), kv[:, C:].float()  # [S, C], [S, R]
+    scores = (torch.einsum("tnc,sc->nts", q_lat.float(), c_kv)
+              + torch.einsum("tnr,sr->nts", q_pe.float(), k_pe)) * scale  # [N, T, S]
+    if tree_mask is None:
+        tree_mask = torch.ones(T, T, dtype=torch.bool, device=kv.device).tril()
+    visible = torch.cat([torch.ones(T, start, dtype=torch.bool, device=kv.device), tree_mask.to(kv.device)], dim=1)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    p = scores.softmax(-1)
+    return torch.einsum("nts,sc->tnc", p, c_kv).to(q_lat.dtype)

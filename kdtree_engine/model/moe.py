@@ -1,0 +1,118 @@
+"""Mixture of experts: sigmoid router (noaux_tc), routed experts through the one ``moe()`` entry,
+and the shared expert.
+
+Routed experts are stacked per layer: w13 [E, 2I, H] (rows 0..I-1 gate_proj, I..2I-1 up_proj) and
+w2 [E, H, I]; INT4 experts keep the checkpoint layout stacked the same way (``*_packed`` int32
+[E, N, K/8], ``*_scale`` [E, N, K/g]).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from .layers import MLP, log_once
+
+
+class Router(nn.Module):
+    """gate.weight [E, H] and e_score_correction_bias [E], both kept in float32."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        E = cfg.n_routed_experts
+        self.weight = nn.Parameter(torch.zeros(E, cfg.hidden_size, dtype=torch.float32), requires_grad=False)
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(E, dtype=torch.float32), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (topk_ids int64 [T, k], topk_weights float32 [T, k])."""
+        cfg = self.cfg
+        scores = F.linear(x.float(), self.weight).sigmoid()  # [T, E]
+        choice = scores + self.e_score_correction_bias  # bias only chooses experts
+        if cfg.n_group > 1:
+            T = x.shape[0]
+            grouped = choice.view(T, cfg.n_group, -1)  # [T, G, E/G]
+            group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # [T, G]
+            keep = group_scores.topk(cfg.topk_group, dim=-1).indices  # [T, topk_group]
+            mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+            choice = grouped.masked_fill(~mask.unsqueeze(-1), float("-inf")).view(T, -1)
+        ids = choice.topk(cfg.num_experts_per_tok, dim=-1).indices  # [T, k]
+        w = scores.gather(1, ids)
+        if cfg.norm_topk_prob:
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        return ids, w * cfg.routed_scaling_factor
+
+
+class Experts(nn.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype, group_size: int | None) -> None:
+        super().__init__()
+        E, H, I = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.num_experts, self.hidden, self.inter = E, H, I
+        self.group_size = group_size
+        if group_size is None:
+            self.w13 = nn.Parameter(torch.zeros(E, 2 * I, H, dtype=dtype), requires_grad=False)
+            self.w2 = nn.Parameter(torch.zeros(E, H, I, dtype=dtype), requires_grad=False)
+        else:
+            for name, (n, k) in (("w13", (2 * I, H)), ("w2", (H, I))):
+                if k % group_size:
+                    raise ValueError(f"expert input dim {k} is not a multiple of group size {group_size}")
+                self.register_buffer(f"{name}_packed", torch.zeros(E, n, k // 8, dtype=torch.int32))
+                self.register_buffer(f"{name}_scale", torch.zeros(E, n, k // group_size, dtype=dtype))
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return moe(x, ids, weights, self)
+
+
+def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Experts) -> torch.Tensor:
+    """The single MoE entry: x [T, H], ids [T, k], weights [T, k] -> sum_k w * expert(x) [T, H]."""
+    if experts.group_size is not None:
+        from ..kernels.dispatch import int4_backend
+        if int4_backend(x.device) == "triton":
+            from ..kernels.moe_w4a16 import fused_moe_w4a16
+            return fused_moe_w4a16(x, experts.w13_packed, experts.w13_scale, experts.w2_packed,
+                                   experts.w2_scale, ids, weights, experts.group_size)
+    log_once(f"moe:{x.device.type}:{experts.group_size}", f"MoE on {x.device.type}: torch per-expert loop")
+    return moe_reference(x, ids, weights, experts)
+
+
+def _expert_weights(experts: Experts, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if experts.group_size is None:
+        return experts.w13[e], experts.w2[e]
+    from ..quant import dequantize
+    g = experts.group_size
+    return (dequantize(experts.w13_packed[e], experts.w13_scale[e], g),
+            dequantize(experts.w2_packed[e], experts.w2_scale[e], g))
+
+
+def moe_reference(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Experts) -> torch.Tensor:
+    """Loop over the experts that are hit; float32 accumulation of the weighted sum."""
+    T, k = ids.shape
+    out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
+    flat = ids.reshape(-1)
+    for e in torch.unique(flat).tolist():
+        pos = (flat == e).nonzero().squeeze(1)  # [n] indices into T*k
+        tok = pos // k
+        w13, w2 = _expert_weights(experts, e)
+        h = F.linear(x[tok], w13)  # [n, 2I]
+        gate, up = h.chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, w2)  # [n, H]
+        out.index_add_(0, tok, y.float() * weights.reshape(-1)[pos].unsqueeze(1))
+    return out.to(x.dtype)
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype, group_size: int | None) -> None:
+        super().__init__()
+        self.gate = Router(cfg)
+        self.experts = Experts(cfg, dtype=dtype, group_size=group_size)
+        self.shared_experts = (MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, dtype=dtype)
+                               if cfg.n_shared_experts > 0 else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids, w = self.gate(x)
+        out = self.experts(x, ids, w)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out

@@ -1,0 +1,226 @@
+"""The K2 target: embed -> decoder layers (MLA + dense MLP / MoE) -> final norm -> lm_head.
+
+Parameter names follow the Hugging Face checkpoint without its ``model.`` prefix, except routed
+experts, which are stacked per layer (see moe.py). Aux hidden states: id L is the output of decoder
+layer L (HF ``hidden_states[L + 1]``; index 0 there is the embedding output).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Iterable, Protocol
+
+import torch
+from torch import nn
+
+from ..cache import LatentCache
+from ..config import ModelConfig
+from .layers import MLP, Linear, RMSNorm, Rope
+from .mla import MLA
+from .moe import MoE
+
+_EXPERT = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.(weight|weight_packed|weight_scale)$")
+
+
+class QuantPolicy(Protocol):
+    """Which linears are INT4 (by canonical module name, e.g. ``layers.1.mlp.experts.0.gate_proj``)."""
+
+    group_size: int
+
+    def is_quantized(self, module_name: str) -> bool: ...
+
+
+class LoadError(ValueError):
+    """A tensor does not fit the model (name, expected and found value in the message)."""
+
+
+@dataclass
+class TargetOutput:
+    logits: torch.Tensor  # [T, V] float32
+    aux: torch.Tensor | None  # [T, len(aux_layers) * H]
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, idx: int, *, dtype: torch.dtype, quant: QuantPolicy | None) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = MLA(cfg, dtype=dtype)
+        if cfg.is_moe_layer(idx):
+            g = quant.group_size if quant and quant.is_quantized(f"layers.{idx}.mlp.experts.0.gate_proj") else None
+            self.mlp: nn.Module = MoE(cfg, dtype=dtype, group_size=g)
+        else:
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor, start: int,
+                tree_mask: torch.Tensor | None) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv, start, tree_mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Target(nn.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 quant: QuantPolicy | None = None, quantize_on_load: bool = False) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.quant = quant
+        self.quantize_on_load = quantize_on_load
+        with self.device:
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+            self.embed_tokens.weight.requires_grad_(False)
+            self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype=dtype, quant=quant)
+                                        for i in range(cfg.num_hidden_layers))
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.lm_head_proj = Linear(cfg.hidden_size, cfg.vocab_size, parallel="column", dtype=dtype)
+            self.rope = Rope(cfg)
+        # Norm weights follow the model dtype (HF multiplies in the activation dtype).
+        for m in self.modules():
+            if isinstance(m, RMSNorm):
+                m.weight.data = m.weight.data.to(dtype)
+                m.weight.requires_grad_(False)
+        self._loaded: set[str] = set()
+
+    # ---- weights ---------------------------------------------------------------------------
+    def _slot(self, name: str) -> torch.Tensor:
+        if name == "lm_head.weight":
+            return self.lm_head_proj.weight
+        try:
+            return self.get_parameter(name)
+        except AttributeError:
+            pass
+        try:
+            return self.get_buffer(name)
+        except AttributeError:
+            raise LoadError(f"tensor '{name}' does not belong to this model") from None
+
+    def expected_names(self) -> set[str]:
+        """Canonical checkpoint names this model needs (experts listed per expert)."""
+        names: set[str] = set()
+        skip = ("rope.", "w13", "w2")
+        for n, _ in list(self.named_parameters()) + list(self.named_buffers()):
+            if n.startswith("lm_head_proj."):
+                names.add("lm_head." + n.split(".", 1)[1])
+            elif not any(n.startswith(s) or f".experts.{s}" in n for s in skip):
+                names.add(n)
+        for i, layer in enumerate(self.layers):
+            if isinstance(layer.mlp, MoE):
+                suffixes = ("weight",) if layer.mlp.experts.group_size is None else ("weight_packed", "weight_scale")
+                for e in range(self.cfg.n_routed_experts):
+                    for p in ("gate", "up", "down"):
+                        for s in suffixes:
+                            names.add(f"layers.{i}.mlp.experts.{e}.{p}_proj.{s}")
+        return names
+
+    @torch.no_grad()
+    def load_tensor(self, name: str, tensor: torch.Tensor) -> None:
+        """Copy one checkpoint tensor (canonical name) into place; shapes are checked."""
+        m = _EXPERT.match(name)
+        if m:
+            self._load_expert(name, int(m.group(1)), int(m.group(2)), m.group(3), m.group(4), tensor)
+        else:
+            dst = self._slot(name)
+            self._copy(name, dst, tensor)
+        self._loaded.add(name)
+
+    def _load_expert(self, name: str, layer: int, e: int, proj: str, kind: str, tensor: torch.Tensor) -> None:
+        if layer >= len(self.layers) or not isinstance(self.layers[layer].mlp, MoE):
+            raise LoadError(f"tensor '{name}': layer {layer} has no routed experts")
+        ex = self.layers[layer].mlp.experts
+        if e >= ex.num_experts:
+            raise LoadError(f"tensor '{name}': expert {e} >= n_routed_experts {ex.num_experts}")
+        I = ex.inter
+        rows = slice(0, I) if proj == "gate" else slice(I, 2 * I) if proj == "up" else slice(None)
+        base = "w2" if proj == "down" else "w13"
+        if ex.group_size is None:
+            if kind != "weight":
+                raise LoadError(f"tensor '{name}': experts of layer {layer} are dense, found an INT4 tensor")
+            self._copy(name, getattr(ex, base)[e, rows], tensor)
+            return
+        if kind == "weight":
+            if not self.quantize_on_load:
+                raise LoadError(f"tensor '{name}': experts of layer {layer} are INT4 (weight_packed/weight_scale), "
+                                f"found a dense weight")
+            from ..quant import quantize
+            packed, scale = quantize(tensor.to(self.device, torch.float32), ex.group_size, dtype=self.dtype)
+            self._copy(name + "(packed)", getattr(ex, f"{base}_packed")[e, rows], packed)
+            self._copy(name + "(scale)", getattr(ex, f"{base}_scale")[e, rows], scale)
+            self._loaded.add(name.replace(".weight", ".weight_packed"))
+            self._loaded.add(name.replace(".weight", ".weight_scale"))
+            return
+        suffix = "packed" if kind == "weight_packed" else "scale"
+        self._copy(name, getattr(ex, f"{base}_{suffix}")[e, rows], tensor)
+
+    @staticmethod
+    def _copy(name: str, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if tuple(dst.shape) != tuple(src.shape):
+            raise LoadError(f"tensor '{name}': expected shape {tuple(dst.shape)}, found {tuple(src.shape)}")
+        if dst.dtype == torch.int32 and src.dtype != torch.int32:
+            raise LoadError(f"tensor '{name}': expected dtype int32, found {src.dtype}")
+        dst.copy_(src)
+
+    def finish_loading(self) -> None:
+        """Check that every tensor arrived; prepare derived weights."""
+        missing = sorted(self.expected_names() - self._loaded)
+        if missing:
+            more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+            raise LoadError(f"missing tensors: {', '.join(missing[:5])}{more}")
+        for layer in self.layers:
+            layer.self_attn.reset_absorbed()
+
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> "Target":
+        for name, t in tensors:
+            self.load_tensor(name, t)
+        self.finish_loading()
+        return self
+
+    @classmethod
+    def random(cls, cfg: ModelConfig, seed: int = 0, *, dtype: torch.dtype = torch.float32,
+               device: str | torch.device = "cpu") -> "Target":
+        """A target with the well-conditioned random weights of the numpy reference generator."""
+        from ..reference import random_weights
+        model = cls(cfg, dtype=dtype, device=device)
+        return model.load_weights((k, torch.from_numpy(v)) for k, v in random_weights(cfg, seed).items())
+
+    # ---- compute -----------------------------------------------------------------------------
+    def new_cache(self, max_tokens: int) -> LatentCache:
+        return LatentCache(self.cfg, max_tokens, dtype=self.dtype, device=self.device)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(ids)  # [T, H]
+
+    def lm_head(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head_proj(h).float()  # [T, V]
+
+    @torch.no_grad()
+    def forward(self, ids: torch.Tensor, cache: LatentCache, positions: torch.Tensor | None = None,
+                tree_mask: torch.Tensor | None = None, aux_layers: tuple[int, ...] = ()) -> TargetOutput:
+        """ids [T] -> logits [T, V] (float32) and the requested aux hidden states.
+
+        positions default to cache.length + arange(T). With tree_mask None the step is causal and
+        committed; with a tree mask [T, T] (ancestor-or-self) the entries stay pending until
+        ``cache.commit(keep)``.
+        """
+        T = ids.shape[0]
+        start = cache.reserve(T)
+        if positions is None:
+            positions = torch.arange(start, start + T, device=self.device)
+        if tree_mask is not None and tuple(tree_mask.shape) != (T, T):
+            raise ValueError(f"tree_mask must be [{T}, {T}], got {tuple(tree_mask.shape)}")
+        cos, sin = self.rope.tables(positions)
+        h = self.embed(ids.to(self.device))
+        wanted = set(aux_layers)
+        if len(wanted) != len(aux_layers) or any(not 0 <= l < len(self.layers) for l in wanted):
+            raise ValueError(f"aux_layers {aux_layers} must be distinct layer ids < {len(self.layers)}")
+        saved: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, cache.layer(i), start, tree_mask)
+            if i in wanted:
+                saved[i] = h
+        aux_out = torch.cat([saved[l] for l in aux_layers], dim=-1) if aux_layers else None
+        logits = self.lm_head(self.norm(h))
+        if tree_mask is None:
+            cache.commit_all()
+        return TargetOutput(logits=logits, aux=aux_out)
