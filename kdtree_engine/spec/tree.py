@@ -1,0 +1,212 @@
+"""Draft trees: the DDTree best-first builder and the DFlash chain.
+
+A drafter pass gives per-position distributions q_1..q_L over the vocabulary (L = block size - 1).
+Under the factorized surrogate Q(y) = prod_i q_i(y_i), the expected accepted depth of a
+prefix-closed tree is the sum of its nodes' prefix probabilities, so the best tree under a budget of
+``budget`` non-root nodes is the set of the ``budget`` most probable prefixes. It is found
+best-first: every candidate prefix has exactly one generator (its previous sibling, else its
+parent), scores never increase along a generator edge, so the pops come out in non-increasing score
+order and parents are popped before their children.
+
+Tie-break (shared by every builder here, so they return the identical tree): among equal scores the
+candidate pushed first wins. A pop pushes its next sibling first, then its first child. Scores are
+accumulated along the path, ``score(child) = score(parent) + lp[depth, rank]``, in float32 in both
+builders, so equal inputs give bit-identical scores.
+
+Node order is pop order: node 0 is the root (the bonus token, depth 0), parents precede children.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import torch
+
+# Log-probs are clamped from below so that every real candidate has a finite score (a -inf logit
+# must not tie with an empty slot of the vectorized pool). 16 such terms stay finite in float32.
+LP_FLOOR = -1.0e30
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """A draft tree in node (pop) order; n = number of non-root nodes, N1 = n + 1."""
+
+    tokens: torch.Tensor     # [N1] long; tokens[0] = root (bonus token)
+    parents: torch.Tensor    # [N1] long; parents[0] = -1, parents[i] < i
+    depths: torch.Tensor     # [N1] long; depths[0] = 0
+    positions: torch.Tensor  # [N1] long; start + depth
+    mask: torch.Tensor       # [N1, N1] bool; mask[i, j] = j is i or an ancestor of i
+
+    @property
+    def num_nodes(self) -> int:
+        """Nodes including the root (the verify width)."""
+        return int(self.tokens.shape[0])
+
+
+def topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-position top-k log-probabilities of raw drafter logits (no temperature).
+
+    logits [L, V] -> (lp [L, k] float32, descending; ids [L, k] long).
+    """
+    x = logits.float()
+    k = min(k, x.shape[-1])
+    vals, ids = torch.topk(x, k, dim=-1)  # [L, k]
+    lp = vals - torch.logsumexp(x, dim=-1, keepdim=True)
+    return lp, ids
+
+
+def tree_size(budget: int, depth: int, k: int) -> int:
+    """Nodes a best-first tree gets: min(budget, number of prefixes of length 1..depth over k tokens)."""
+    total, level = 0, 1
+    for _ in range(depth):
+        level *= k
+        total += level
+        if total >= budget:
+            return budget
+    return total
+
+
+def _ancestor_mask_from_parents(parents: list[int]) -> list[list[bool]]:
+    n1 = len(parents)
+    rows: list[list[bool]] = []
+    for i, p in enumerate(parents):
+        row = [False] * n1 if p < 0 else list(rows[p])
+        row[i] = True
+        rows.append(row)
+    return rows
+
+
+def _finish(tokens: list[int], parents: list[int], depths: list[int], start: int,
+            device: torch.device | str) -> DraftTree:
+    dep = torch.tensor(depths, dtype=torch.long, device=device)
+    return DraftTree(
+        tokens=torch.tensor(tokens, dtype=torch.long, device=device),
+        parents=torch.tensor(parents, dtype=torch.long, device=device),
+        depths=dep,
+        positions=dep + start,
+        mask=torch.tensor(_ancestor_mask_from_parents(parents), dtype=torch.bool, device=device),
+    )
+
+
+def build_tree_heap(lp: torch.Tensor, ids: torch.Tensor, budget: int, root_token: int,
+                    start: int) -> DraftTree:
+    """Reference builder: Python heap on the host.
+
+    lp [L, K] float (descending per row), ids [L, K] long, budget = max non-root nodes (>= 0),
+    root_token = the bonus token, start = its position.
+    """
+    if budget < 0:
+        raise ValueError(f"budget must be >= 0, got {budget}")
+    device = ids.device
+    lpl = lp.detach().float().clamp_min(LP_FLOOR).cpu()  # float32 arithmetic, as the vectorized builder
+    idl = ids.detach().cpu().tolist()
+    L, K = lpl.shape
+    tokens, parents, depths = [int(root_token)], [-1], [0]
+    scores = [torch.zeros((), dtype=torch.float32)]
+    heap: list[tuple[float, int, int, int, int, torch.Tensor]] = []
+    counter = 0
+    if L > 0 and K > 0 and budget > 0:
+        s = scores[0] + lpl[0, 0]
+        heap.append((-float(s), counter, 0, 1, 0, s))  # (key, push order, parent, depth, rank, score)
+        counter += 1
+    while heap and len(tokens) - 1 < budget:
+        _, _, par, d, r, s = heapq.heappop(heap)
+        idx = len(tokens)
+        tokens.append(int(idl[d - 1][r]))
+        parents.append(par)
+        depths.append(d)
+        scores.append(s)
+        if r + 1 < K:
+            s2 = scores[par] + lpl[d - 1, r + 1]
+            heapq.heappush(heap, (-float(s2), counter, par, d, r + 1, s2))
+            counter += 1
+        if d < L:
+            s3 = s + lpl[d, 0]
+            heapq.heappush(heap, (-float(s3), counter, idx, d + 1, 0, s3))
+            counter += 1
+    return _finish(tokens, parents, depths, start, device)
+
+
+def build_tree(lp: torch.Tensor, ids: torch.Tensor, budget: int, root_token: torch.Tensor | int,
+               start: torch.Tensor | int) -> DraftTree:
+    """Vectorized builder on the device of ``lp``: the same tree as :func:`build_tree_heap`.
+
+    No host synchronization: the node count n = :func:`tree_size` follows from shapes alone, and the
+    loop runs n fixed iterations over a candidate pool of 2n + 1 slots (slot = push order), each a
+    handful of tensor ops (argmax takes the first maximum, which is the earliest push).
+    ``root_token`` and ``start`` may be 0-d device tensors.
+    """
+    if budget < 0:
+        raise ValueError(f"budget must be >= 0, got {budget}")
+    device = lp.device
+    L, K = lp.shape
+    n = tree_size(budget, L, K) if K > 0 else 0
+    lpf = lp.detach().float().clamp_min(LP_FLOOR).reshape(-1)  # [L*K]
+    idf = ids.reshape(-1)  # [L*K]
+    P = 2 * n + 1
+    pool_score = torch.full((P,), float("-inf"), dtype=torch.float32, device=device)
+    pool_pscore = torch.zeros((P,), dtype=torch.float32, device=device)  # parent's score
+    pool_meta = torch.zeros((3, P), dtype=torch.long, device=device)  # parent, depth, rank
+    tok = torch.empty((n + 1,), dtype=torch.long, device=device)
+    par = torch.empty((n + 1,), dtype=torch.long, device=device)
+    dep = torch.empty((n + 1,), dtype=torch.long, device=device)
+    tok[0] = root_token if isinstance(root_token, torch.Tensor) else int(root_token)
+    par[0] = -1
+    dep[0] = 0
+    if n > 0:
+        pool_score[0] = lpf[0]
+        pool_meta[1, 0] = 1
+    neg_inf = torch.full((1,), float("-inf"), dtype=torch.float32, device=device)
+    zero = torch.zeros((1,), dtype=torch.long, device=device)
+    last = L * K - 1
+    for i in range(n):
+        # all per-iteration values are [1]-shaped device tensors: index_select, never Python ints
+        j = torch.argmax(pool_score).reshape(1)  # first maximum = earliest push among ties
+        s = pool_score.index_select(0, j)  # [1]
+        ps = pool_pscore.index_select(0, j)  # [1]
+        meta = pool_meta.index_select(1, j)  # [3, 1]
+        p, d, r = meta[0], meta[1], meta[2]  # [1] each
+        pool_score.index_fill_(0, j, float("-inf"))
+        flat = (d - 1) * K + r  # [1]
+        tok[i + 1:i + 2] = idf.index_select(0, flat)
+        par[i + 1:i + 2] = p
+        dep[i + 1:i + 2] = d
+        # slot 2i+1: next sibling (same parent, rank r+1); slot 2i+2: first child (depth d+1, rank 0)
+        sib_lp = lpf.index_select(0, (flat + 1).clamp(max=last))
+        child_lp = lpf.index_select(0, (d * K).clamp(max=last))
+        pool_score[2 * i + 1:2 * i + 3] = torch.cat([
+            torch.where(r + 1 < K, ps + sib_lp, neg_inf),
+            torch.where(d < L, s + child_lp, neg_inf)])
+        pool_pscore[2 * i + 1:2 * i + 3] = torch.cat([ps, s])
+        pool_meta[:, 2 * i + 1:2 * i + 3] = torch.stack([
+            torch.cat([p, zero + (i + 1)]), torch.cat([d, d + 1]), torch.cat([r + 1, zero])])
+    return DraftTree(tokens=tok, parents=par, depths=dep, positions=dep + start,
+                     mask=ancestor_mask(par, max_depth=L))
+
+
+def ancestor_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """Ancestor-or-self mask [N1, N1] from parents [N1] (parents[0] = -1), by pointer chasing.
+
+    ``max_depth`` bounds the tree depth, so the loop length is static (no host sync).
+    """
+    n1 = parents.shape[0]
+    rows = torch.arange(n1, device=parents.device)
+    up = parents.clamp_min(0)  # the root points to itself
+    mask = torch.zeros((n1, n1), dtype=torch.bool, device=parents.device)
+    cur = rows
+    for _ in range(max_depth + 1):
+        mask[rows, cur] = True
+        cur = up[cur]
+    return mask
+
+
+def chain_tree(root_token: torch.Tensor | int, draft_tokens: torch.Tensor, start: torch.Tensor | int) -> DraftTree:
+    """The DFlash chain as a one-branch tree: root -> d_1 -> ... -> d_L.  draft_tokens [L]."""
+    device = draft_tokens.device
+    L = draft_tokens.shape[0]
+    root = root_token if isinstance(root_token, torch.Tensor) else torch.tensor(int(root_token), device=device)
+    tokens = torch.cat([root.reshape(1).to(device=device, dtype=torch.long), draft_tokens.long()])  # [L+1]
+    dep = torch.arange(L + 1, device=device)
+    return DraftTree(tokens=tokens, parents=dep - 1, depths=dep, positions=dep + start,
+                     mask=torch.ones((L + 1, L + 1), dtype=torch.bool, device=device).tril())
