@@ -1,0 +1,163 @@
+"""``kdtree`` command line: generate | golden make / check | selfcheck.
+
+Exit codes: 0 success; 1 a check found a mismatch; 2 bad input (missing or unreadable model,
+bad flag value, prompt too long, corrupt bundle). Logs go to stderr; ``--json`` prints exactly one
+JSON object on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import tempfile
+from pathlib import Path
+from typing import Sequence
+
+EXIT_MISMATCH = 1
+EXIT_BAD_INPUT = 2
+
+
+class BadInput(Exception):
+    """Input the user can fix; printed without a traceback, exit 2."""
+
+
+def _bad_input_types() -> tuple[type[BaseException], ...]:
+    from .config import ConfigError
+    from .quant import QuantError
+    from .sampling import SamplingError
+    from .spec.decode import PromptError
+    from .model.target import LoadError
+    types: list[type[BaseException]] = [BadInput, ConfigError, QuantError, SamplingError, PromptError, LoadError,
+                                         FileNotFoundError]
+    try:
+        from .weights import WeightsError
+        types.append(WeightsError)
+    except ImportError:
+        pass
+    try:
+        from .bundle import BundleError
+        types.append(BundleError)
+    except ImportError:
+        pass
+    return tuple(types)
+
+
+def _ids(text: str) -> list[int]:
+    try:
+        ids = [int(x) for x in text.replace(" ", "").split(",") if x != ""]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+    if not ids:
+        raise argparse.ArgumentTypeError("--prompt-ids is empty")
+    return ids
+
+
+def add_generate_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate text or token ids from a prompt")
+    p.add_argument("prompt", nargs="?", help="prompt text (needs the model's tokenizer.json)")
+    p.add_argument("--model", required=True, help="HF-format checkpoint directory")
+    p.add_argument("--prompt-ids", type=_ids, help="prompt as comma-separated token ids")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                   help="default: bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--quantize", choices=["none", "w4a16"], default="none",
+                   help="w4a16: quantize the routed experts of a dense checkpoint while loading")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    p.set_defaults(func=cmd_generate)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from .engine import LLM
+    from .sampling import SamplingParams
+
+    if (args.prompt is None) == (args.prompt_ids is None):
+        raise BadInput("give exactly one of PROMPT or --prompt-ids")
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
+    if not Path(args.model).is_dir():
+        raise BadInput(f"--model {args.model!r} is not a directory")
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, quantize=args.quantize, progress=True)
+    prompt = args.prompt if args.prompt_ids is None else args.prompt_ids
+    if isinstance(prompt, str) and llm.tokenizer is None:
+        raise BadInput(f"{args.model} has no tokenizer.json; pass the prompt as --prompt-ids")
+    streamed: list[int] = []
+    printed = [""]
+
+    def on_tokens(toks: list[int]) -> None:
+        streamed.extend(toks)
+        if llm.tokenizer is None:
+            sys.stdout.write("".join(f"{t} " for t in toks))
+        else:
+            text = llm.decode(streamed) or ""
+            if text.startswith(printed[0]):
+                sys.stdout.write(text[len(printed[0]):])
+                printed[0] = text
+        sys.stdout.flush()
+
+    res = llm.generate(prompt, params, on_tokens=None if args.json else on_tokens)[0]
+    if args.json:
+        print(json.dumps({"token_ids": res.token_ids, "text": res.text, "finish_reason": res.finish_reason,
+                          "stats": res.stats}))
+    else:
+        sys.stdout.write("\n")
+        s = res.stats
+        print(f"[{s['generated_tokens']} tokens, finish {res.finish_reason}, prefill {s['prefill_s']:.3f}s, "
+              f"decode {s['decode_s']:.3f}s, {s['tokens_per_s']:.1f} tok/s]", file=sys.stderr)
+    return 0
+
+
+def add_selfcheck_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("selfcheck", help="make a golden bundle from the numpy reference and check the engine on it")
+    p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.set_defaults(func=cmd_selfcheck)
+
+
+def cmd_selfcheck(args: argparse.Namespace) -> int:
+    from .golden import main as golden_main
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "k2-tiny.golden.safetensors")
+        rc = golden_main(["make", "--preset", "k2-tiny", "--seed", str(args.seed), "--tokens", str(args.tokens),
+                          "--out", out])
+        if rc:
+            return rc
+        check = ["check", out, "--dtype", args.dtype] + (["--device", args.device] if args.device else [])
+        return golden_main(check)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kdtree", description="Kimi K2 inference with DFlash + DDTree speculative decoding")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_generate_parser(sub)
+    from .golden import add_golden_parser
+    add_golden_parser(sub)
+    add_selfcheck_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, stream=sys.stderr,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.func(args) or 0)
+    except _bad_input_types() as e:
+        print(f"kdtree: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+if __name__ == "__main__":
+    sys.exit(main())

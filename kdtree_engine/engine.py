@@ -1,0 +1,134 @@
+"""Python API: load a target (and later a drafter) and a tokenizer; generate.
+
+    from kdtree_engine import LLM, SamplingParams
+    llm = LLM("path/to/checkpoint")
+    out = llm.generate(["def quicksort(items):"], SamplingParams(max_tokens=64))[0]
+    print(out.text, out.stats["tokens_per_s"])
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Callable, Mapping, Sequence
+
+import torch
+
+from .config import ModelConfig
+from .model.layers import log_once
+from .model.target import Target
+from .quant import QuantError, k2_quantization_config, parse_quantization_config
+from .sampling import SamplingParams
+from .spec.decode import GenerationResult, generate
+
+log = logging.getLogger("kdtree_engine")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(device: str | None) -> torch.device:
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        log_once("device", f"device: {device} (automatic)")
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise ValueError(f"--device must be cpu or cuda, got {device!r}")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("--device cuda was asked for but no CUDA device is available")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype is None:
+        dtype = "bfloat16" if device.type == "cuda" else "float32"
+        log_once("dtype", f"dtype: {dtype} (automatic for {device.type})")
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def load_target(path: str | Path, *, device: torch.device, dtype: torch.dtype,
+                quantize: str | None = None, progress: bool = True) -> Target:
+    """Load an HF-format K2-family checkpoint directory, streaming shard by shard."""
+    from .weights import iter_checkpoint
+
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"model directory {str(path)!r} does not exist")
+    cfg = ModelConfig.from_pretrained(path)
+    scheme = parse_quantization_config(cfg.quantization)
+    on_load = False
+    if quantize not in (None, "none", "w4a16"):
+        raise ValueError(f"--quantize must be none or w4a16, got {quantize!r}")
+    if quantize == "w4a16":
+        if scheme is not None:
+            raise QuantError(f"{path}: the checkpoint is already quantized; drop --quantize w4a16")
+        scheme = parse_quantization_config(k2_quantization_config(32))
+        on_load = True
+        log.info("quantizing routed experts to W4A16 (group 32) while loading")
+    target = Target(cfg, dtype=dtype, device=device, quant=scheme, quantize_on_load=on_load)
+    for name, tensor in iter_checkpoint(path, cfg, progress=progress):
+        target.load_tensor(name, tensor)
+    target.finish_loading()
+    return target
+
+
+def target_from_weights(cfg: ModelConfig, weights: Mapping[str, torch.Tensor], *, device: torch.device | str,
+                        dtype: torch.dtype) -> Target:
+    """Build a target from canonical-name tensors (e.g. a golden bundle); INT4 per cfg.quantization."""
+    scheme = parse_quantization_config(cfg.quantization)
+    target = Target(cfg, dtype=dtype, device=device, quant=scheme)
+    return target.load_weights(weights.items())
+
+
+def greedy_from_weights(cfg: ModelConfig, weights: Mapping[str, torch.Tensor], prompt_ids: list[int],
+                        n_tokens: int, device: str | torch.device, dtype: torch.dtype) -> list[int]:
+    """Greedy tokens (EOS ignored) of the engine on the given weights: what golden checks compare."""
+    target = target_from_weights(cfg, weights, device=device, dtype=dtype)
+    res = generate(target, prompt_ids, SamplingParams(max_tokens=n_tokens, ignore_eos=True))
+    return res.token_ids
+
+
+def load_tokenizer(path: str | Path):
+    """The directory's tokenizer.json as a ``tokenizers.Tokenizer``, or None when there is none."""
+    file = Path(path) / "tokenizer.json"
+    if not file.exists():
+        return None
+    from tokenizers import Tokenizer
+    return Tokenizer.from_file(str(file))
+
+
+class LLM:
+    """A loaded model ready to generate."""
+
+    def __init__(self, model: str | Path, *, device: str | None = None, dtype: str | torch.dtype | None = None,
+                 quantize: str | None = None, progress: bool = True) -> None:
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        self.target = load_target(model, device=self.device, dtype=self.dtype, quantize=quantize, progress=progress)
+        self.tokenizer = load_tokenizer(model)
+
+    def encode(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model directory has no tokenizer.json; pass token ids (--prompt-ids)")
+            return self.tokenizer.encode(prompt).ids
+        return [int(t) for t in prompt]
+
+    def decode(self, ids: Sequence[int]) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode(list(ids))
+
+    def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+                 params: SamplingParams | None = None, *,
+                 on_tokens: Callable[[list[int]], None] | None = None) -> list[GenerationResult]:
+        """Generate for one prompt or a list of prompts (text or token ids), one after another."""
+        params = params or SamplingParams()
+        single = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], int))
+        batch = [prompts] if single else list(prompts)
+        results = []
+        for p in batch:
+            res = generate(self.target, self.encode(p), params, on_tokens=on_tokens)
+            res.text = self.decode(res.token_ids)
+            results.append(res)
+        return results
