@@ -1,0 +1,337 @@
+"""The DFlash drafter: a Qwen3-style stack that predicts a whole block in one non-causal pass.
+
+It has no embedding and no LM head: block tokens go through the target's ``embed`` and the final
+(normed) hidden states through the target's ``lm_head``. Target conditioning: the outputs of target
+layers ``target_layer_ids`` (id L = output of decoder layer L) are concatenated, mapped to the draft
+width by ``fc`` and normed by ``hidden_norm``; every layer projects these context features with its
+own k_proj/v_proj (+ k_norm, + RoPE at the context tokens' positions) into extra keys/values. Queries
+come from the block [bonus, MASK x (B-1)] only; attention over context + block has no mask.
+
+Context cache: per layer, K/V of the projected features of committed tokens only. A draft call
+appends the features of the tokens committed since the last call (positions cache.length ..
+start-1) and never caches block K/V, so after every call cache.length == start, the bonus position.
+
+Tensor names are those of the released checkpoints (no ``model.`` prefix): ``fc.weight``,
+``hidden_norm.weight``, ``norm.weight`` and per layer ``layers.i.{input_layernorm,
+post_attention_layernorm}.weight``, ``layers.i.self_attn.{q,k,v,o}_proj.weight``,
+``layers.i.self_attn.{q,k}_norm.weight``, ``layers.i.mlp.{gate,up,down}_proj.weight``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+from typing import Iterable, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from ..draft_config import DraftConfig
+from .layers import MLP, Linear, RMSNorm
+
+
+class DraftMismatchError(ValueError):
+    """The drafter does not fit the target (hidden size, vocabulary or target layer ids)."""
+
+
+class DraftLoadError(ValueError):
+    """A drafter checkpoint is missing a tensor or holds one that does not fit."""
+
+
+class TargetLike(Protocol):
+    cfg: ModelConfig
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor: ...
+
+    def lm_head(self, h: torch.Tensor) -> torch.Tensor: ...
+
+
+# ---- rope (rotate-half, Qwen3 style) -------------------------------------------------------------
+
+def rope_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [T, d] for positions [T], computed in float32 as transformers' Qwen3 does."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim))
+    freqs = positions.float().unsqueeze(-1) * inv.unsqueeze(0)  # [T, d/2]
+    emb = torch.cat([freqs, freqs], dim=-1)  # [T, d]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    h = x.shape[-1] // 2
+    return torch.cat([-x[..., h:], x[..., :h]], dim=-1)
+
+
+def apply_rope_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, d]; cos/sin [T, d]."""
+    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x * c + _rotate_half(x) * s
+
+
+# ---- context cache -------------------------------------------------------------------------------
+
+class DraftCache:
+    """Per-layer K/V of projected target features, one entry per committed token before the bonus."""
+
+    def __init__(self, cfg: DraftConfig, max_tokens: int, *, dtype: torch.dtype, device: torch.device | str) -> None:
+        if max_tokens <= 0:
+            raise ValueError(f"max_tokens must be positive, got {max_tokens}")
+        self.capacity = max_tokens
+        shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, max_tokens, cfg.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [layers, Hkv, S, d]
+        self.v = torch.zeros(shape, dtype=dtype, device=device)  # [layers, Hkv, S, d]
+        self.length = 0
+
+    def crop(self, n: int) -> None:
+        if not 0 <= n <= self.length:
+            raise ValueError(f"crop({n}) outside [0, {self.length}]")
+        self.length = n
+
+
+# ---- modules -------------------------------------------------------------------------------------
+
+class DraftAttention(nn.Module):
+    def __init__(self, cfg: DraftConfig, window: int | None, *, dtype: torch.dtype) -> None:
+        super().__init__()
+        D, H, Hkv, d = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.heads, self.kv_heads, self.head_dim, self.window = H, Hkv, d, window
+        self.q_proj = Linear(D, H * d, parallel="column", dtype=dtype)
+        self.k_proj = Linear(D, Hkv * d, parallel="column", dtype=dtype)
+        self.v_proj = Linear(D, Hkv * d, parallel="column", dtype=dtype)
+        self.o_proj = Linear(H * d, D, parallel="row", dtype=dtype)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+
+    def context_kv(self, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Projected context features [C, D] -> k, v [Hkv, C, d] (k normed and rotated)."""
+        C = ctx.shape[0]
+        k = self.k_norm(self.k_proj(ctx).view(C, self.kv_heads, self.head_dim))
+        k = apply_rope_half(k, cos, sin)
+        v = self.v_proj(ctx).view(C, self.kv_heads, self.head_dim)
+        return k.transpose(0, 1), v.transpose(0, 1)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_ctx: torch.Tensor,
+                v_ctx: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+        """x [B, D] (normed block stream); k_ctx/v_ctx [Hkv, S, d] (cached context) -> [B, D]."""
+        B = x.shape[0]
+        q = apply_rope_half(self.q_norm(self.q_proj(x).view(B, self.heads, self.head_dim)), cos, sin)
+        kb = apply_rope_half(self.k_norm(self.k_proj(x).view(B, self.kv_heads, self.head_dim)), cos, sin)
+        vb = self.v_proj(x).view(B, self.kv_heads, self.head_dim)
+        k = torch.cat([k_ctx, kb.transpose(0, 1)], dim=1)  # [Hkv, S+B, d]
+        v = torch.cat([v_ctx, vb.transpose(0, 1)], dim=1)  # [Hkv, S+B, d]
+        rep = self.heads // self.kv_heads
+        if rep > 1:
+            k = k.repeat_interleave(rep, dim=0)  # [H, S+B, d]
+            v = v.repeat_interleave(rep, dim=0)
+        mask = None
+        if self.window is not None:
+            # sliding layers: a query at p sees keys at positions > p - window (block keys included)
+            mask = k_pos.unsqueeze(0) > (q_pos.unsqueeze(1) - self.window)  # [B, S+B]
+        o = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask,
+                                           scale=1.0 / math.sqrt(self.head_dim))  # [H, B, d]
+        return self.o_proj(o.transpose(0, 1).reshape(B, self.heads * self.head_dim))
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, cfg: DraftConfig, window: int | None, *, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = DraftAttention(cfg, window, dtype=dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype)
+
+
+_RENAMES = ((re.compile(r"^model\."), ""), (re.compile(r"^midlayer\."), "layers.0."),
+            (re.compile(r"^encoder\.fc\."), "fc."))
+
+
+class DFlashDrafter(nn.Module):
+    def __init__(self, cfg: DraftConfig, *, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu") -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.dtype = dtype
+        self.device = torch.device(device)
+        D = cfg.hidden_size
+        windows = cfg.sliding_windows or (None,) * cfg.num_hidden_layers
+        with self.device:
+            self.fc = Linear(cfg.num_context_features * D, D, parallel="replicated", dtype=dtype)
+            self.hidden_norm = RMSNorm(D, cfg.rms_norm_eps)
+            self.layers = nn.ModuleList(DraftLayer(cfg, windows[i], dtype=dtype) for i in range(cfg.num_hidden_layers))
+            self.norm = RMSNorm(D, cfg.rms_norm_eps)
+        for m in self.modules():
+            if isinstance(m, RMSNorm):
+                m.weight.data = m.weight.data.to(dtype)
+        self.requires_grad_(False)
+
+    # ---- target compatibility ----------------------------------------------------------------
+    @property
+    def target_layer_ids(self) -> tuple[int, ...]:
+        return self.cfg.target_layer_ids
+
+    @property
+    def block_size(self) -> int:
+        return self.cfg.block_size
+
+    def check_target(self, tcfg: ModelConfig) -> None:
+        """Raise DraftMismatchError naming what does not fit the target."""
+        check_draft_fits(self.cfg, tcfg)
+
+    # ---- compute -----------------------------------------------------------------------------
+    def new_cache(self, max_tokens: int) -> DraftCache:
+        return DraftCache(self.cfg, max_tokens, dtype=self.dtype, device=self.device)
+
+    @torch.no_grad()
+    def forward(self, ctx_features: torch.Tensor | None, block_embeds: torch.Tensor, cache: DraftCache,
+                start: int) -> torch.Tensor:
+        """One draft pass.
+
+        ctx_features [C, K*D]: target features of the tokens at positions cache.length .. start-1
+        (committed since the last call); block_embeds [B, D]: target embeddings of the block at
+        positions start .. start+B-1. Returns the final-normed hidden states [B, D]. Afterwards
+        cache.length == start.
+        """
+        C = 0 if ctx_features is None else ctx_features.shape[0]
+        L0 = cache.length
+        if L0 + C != start:
+            raise ValueError(f"draft context ends at {L0 + C} (cache {L0} + {C} new), block starts at {start}")
+        if start > cache.capacity:
+            raise ValueError(f"draft cache holds {cache.capacity} tokens; {start} needed")
+        B = block_embeds.shape[0]
+        dev, dt, cfg = self.device, self.dtype, self.cfg
+        q_pos = torch.arange(start, start + B, device=dev)  # [B]
+        k_pos = torch.arange(0, start + B, device=dev)  # [start+B]
+        cos_b, sin_b = rope_tables(q_pos, cfg.head_dim, cfg.rope_theta, dt)
+        if C:
+            ctx = self.hidden_norm(self.fc(ctx_features.to(device=dev, dtype=dt)))  # [C, D]
+            cos_c, sin_c = rope_tables(torch.arange(L0, start, device=dev), cfg.head_dim, cfg.rope_theta, dt)
+        h = block_embeds.to(device=dev, dtype=dt)  # [B, D]
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            if C:
+                k_c, v_c = attn.context_kv(ctx, cos_c, sin_c)  # [Hkv, C, d]
+                cache.k[i, :, L0:start] = k_c
+                cache.v[i, :, L0:start] = v_c
+            x = layer.input_layernorm(h)
+            h = h + attn(x, cos_b, sin_b, cache.k[i, :, :start], cache.v[i, :, :start], q_pos, k_pos)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        cache.length = start
+        return self.norm(h)
+
+    @torch.no_grad()
+    def propose(self, target: TargetLike, ctx_features: torch.Tensor | None, bonus: torch.Tensor,
+                cache: DraftCache, start: int) -> torch.Tensor:
+        """Draft logits [B-1, V] (float32) for positions start+1 .. start+B-1.
+
+        bonus: the newest token ([] or [1] long), not yet consumed by the target, at position start.
+        """
+        B = self.cfg.block_size
+        block = torch.full((B,), self.cfg.mask_token_id, dtype=torch.long, device=self.device)
+        block[:1] = bonus.reshape(1)
+        h = self.forward(ctx_features, target.embed(block), cache, start)  # [B, D]
+        return target.lm_head(h[1:])  # output k predicts the token at start + k
+
+    # ---- construction ------------------------------------------------------------------------
+    @classmethod
+    def random(cls, cfg: DraftConfig, seed: int = 0, *, dtype: torch.dtype = torch.float32,
+               device: str | torch.device = "cpu", scale: float = 1.0) -> "DFlashDrafter":
+        """Random weights (fan-in scaled normal; norm weights near 1), deterministic in ``seed``."""
+        model = cls(cfg, dtype=dtype, device=device)
+        g = torch.Generator().manual_seed(seed)
+        tensors = {}
+        for name, p in model.state_dict().items():
+            if name.endswith("norm.weight"):
+                t = 1.0 + 0.1 * torch.randn(p.shape, generator=g)
+            else:
+                t = torch.randn(p.shape, generator=g) * (scale / math.sqrt(p.shape[-1]))
+            tensors[name] = t
+        return model.load_weights(tensors.items())
+
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> "DFlashDrafter":
+        """Strict load: every tensor present once, with the expected shape."""
+        slots = dict(self.state_dict(keep_vars=True))
+        seen: set[str] = set()
+        for raw_name, t in tensors:
+            name = raw_name
+            for pat, rep in _RENAMES:
+                name = pat.sub(rep, name)
+            if name.startswith(("embed_tokens.", "lm_head.")):
+                raise DraftLoadError(f"tensor '{raw_name}': drafters with their own embedding / lm_head are not "
+                                     "supported (the target's are shared)")
+            if name not in slots:
+                raise DraftLoadError(f"tensor '{raw_name}' does not belong to a DFlash drafter with this config")
+            dst = slots[name]
+            if tuple(dst.shape) != tuple(t.shape):
+                raise DraftLoadError(f"tensor '{raw_name}': expected shape {tuple(dst.shape)}, found {tuple(t.shape)}")
+            with torch.no_grad():
+                dst.copy_(t.to(dst.dtype))
+            seen.add(name)
+        missing = sorted(set(slots) - seen)
+        if missing:
+            more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+            raise DraftLoadError(f"missing drafter tensors: {', '.join(missing[:5])}{more}")
+        return self
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, target_cfg: ModelConfig | None = None, *,
+                        dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> "DFlashDrafter":
+        """Load a drafter directory (config.json + model.safetensors, or sharded with an index).
+
+        With ``target_cfg`` the fit is checked before any weight is read (DraftMismatchError).
+        """
+        from safetensors import safe_open
+
+        path = Path(path)
+        cfg = DraftConfig.from_pretrained(path)
+        if target_cfg is not None:
+            check_draft_fits(cfg, target_cfg)
+        files = sorted(path.glob("*.safetensors"))
+        index = path / "model.safetensors.index.json"
+        if index.exists():
+            files = sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
+        if not files:
+            raise DraftLoadError(f"no *.safetensors file in {path}")
+
+        def stream() -> Iterable[tuple[str, torch.Tensor]]:
+            for f in files:
+                with safe_open(str(f), framework="pt") as sf:
+                    for k in sf.keys():
+                        yield k, sf.get_tensor(k)
+
+        return cls(cfg, dtype=dtype, device=device).load_weights(stream())
+
+
+def check_draft_fits(cfg: DraftConfig, tcfg: ModelConfig) -> None:
+    """Raise DraftMismatchError when a drafter cannot serve this target."""
+    if cfg.hidden_size != tcfg.hidden_size:
+        raise DraftMismatchError(
+            f"drafter hidden_size {cfg.hidden_size} != target hidden_size {tcfg.hidden_size} "
+            "(the drafter uses the target's embedding and lm_head)")
+    if cfg.vocab_size is not None and cfg.vocab_size != tcfg.vocab_size:
+        raise DraftMismatchError(f"drafter vocab_size {cfg.vocab_size} != target vocab_size {tcfg.vocab_size}")
+    if cfg.mask_token_id >= tcfg.vocab_size:
+        raise DraftMismatchError(
+            f"drafter mask_token_id {cfg.mask_token_id} is outside the target vocabulary ({tcfg.vocab_size})")
+    if max(cfg.target_layer_ids) >= tcfg.num_hidden_layers:
+        raise DraftMismatchError(
+            f"drafter target_layer_ids {list(cfg.target_layer_ids)} reach past the target's "
+            f"{tcfg.num_hidden_layers} layers")
+    if cfg.num_target_layers is not None and cfg.num_target_layers != tcfg.num_hidden_layers:
+        raise DraftMismatchError(
+            f"drafter was trained for a target with num_target_layers {cfg.num_target_layers}; "
+            f"this target has {tcfg.num_hidden_layers}")
+
+
+def save_drafter(path: str | Path, drafter: DFlashDrafter) -> Path:
+    """Write config.json + model.safetensors in the released layout."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(drafter.cfg.to_dict(), indent=2))
+    sd = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
+    save_file(sd, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
