@@ -1,4 +1,15 @@
-"""The generation loop. ``spec="none"``: plain decoding, one token a round.
+"""The generation loop: one harness for ``spec`` = "none", "dflash" and "ddtree".
+
+Round (batch 1)::
+
+    drafter(ctx = aux features of the tokens committed last round, block = [bonus, MASK x (B-1)])
+      -> draft logits [B-1, V] -> tree (dflash: argmax chain; ddtree: best-first over top-K
+      log-probs, ``budget`` non-root nodes) -> one target forward over the tree (ancestor-only mask,
+      aux features of the drafter's target layers) -> target picks per node -> accept walk ->
+      cache.commit(accepted) -> emit accepted drafts + bonus
+
+``spec="none"`` is the same loop with no drafter: the tree is the root alone, one token a round,
+run as a plain causal step.
 
 Stop rule: a round's tokens are emitted in order; the first EOS (unless ``ignore_eos``) or stop
 token ends the request and is itself included in ``token_ids`` (finish_reason "stop"); reaching
@@ -7,22 +18,54 @@ point is emitted.
 
 Timing: ``prefill_s`` covers the prompt forward that yields the first token; ``decode_s`` the rest;
 ``tokens_per_s`` = tokens produced after the first / decode_s (decode speed, prefill excluded).
+Stage timers (``draft_s``, ``tree_s``, ``verify_s``, ``commit_s``) synchronize the device around
+each stage. ``tau`` = mean accepted length per round, bonus included (1.0 for "none");
+``accepted_per_depth[d]`` = rounds whose draft at depth d+1 was accepted.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 import torch
 
 from ..model.target import Target
-from ..sampling import SamplingParams, make_generator, sample
+from ..sampling import SamplingParams, greedy, make_generator, sample
+from .accept import accept, target_picks
+from .tree import DraftTree, build_tree, chain_tree, topk_logprobs
+
+SpecMethod = Literal["none", "dflash", "ddtree"]
+SPEC_METHODS: tuple[str, ...] = ("none", "dflash", "ddtree")
 
 
 class PromptError(ValueError):
     """The prompt cannot be run (empty, too long, ids outside the vocabulary)."""
+
+
+class SpecError(ValueError):
+    """The speculative decoding settings are inconsistent (method, drafter, budget)."""
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """How to decode: ``method`` none | dflash | ddtree; ``budget`` = non-root tree nodes (ddtree).
+
+    For ddtree, ``budget`` None means block size - 1 (the chain's node count).
+    """
+
+    method: str = "none"
+    budget: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise SpecError(f"spec field 'method' must be one of {', '.join(SPEC_METHODS)}; got {self.method!r}")
+        if self.budget is not None:
+            if not isinstance(self.budget, int) or isinstance(self.budget, bool) or self.budget < 1:
+                raise SpecError(f"spec field 'budget' must be a positive integer, got {self.budget!r}")
+            if self.method != "ddtree":
+                raise SpecError(f"spec field 'budget' applies to --spec ddtree only (method is {self.method!r})")
 
 
 @dataclass
@@ -61,6 +104,10 @@ class Emitter:
         self.tokens: list[int] = []
         self.finish_reason: str | None = None
 
+    @property
+    def remaining(self) -> int:
+        return self.limit - len(self.tokens)
+
     def push(self, toks: list[int]) -> bool:
         """Emit tokens in order; returns True when the request is finished."""
         out: list[int] = []
@@ -80,38 +127,148 @@ class Emitter:
         return self.finish_reason is not None
 
 
+class _Timer:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.totals: dict[str, float] = {"draft_s": 0.0, "tree_s": 0.0, "verify_s": 0.0, "commit_s": 0.0}
+        self._t = 0.0
+
+    def start(self) -> None:
+        _sync(self.device)
+        self._t = time.perf_counter()
+
+    def lap(self, key: str) -> None:
+        _sync(self.device)
+        now = time.perf_counter()
+        self.totals[key] += now - self._t
+        self._t = now
+
+
+def resolve_spec(spec: str | SpecConfig, drafter: Any, budget: int | None) -> SpecConfig:
+    sc = spec if isinstance(spec, SpecConfig) else SpecConfig(method=spec, budget=budget)
+    if isinstance(spec, SpecConfig) and budget is not None:
+        sc = SpecConfig(method=sc.method, budget=budget)
+    if sc.method != "none" and drafter is None:
+        raise SpecError(f"--spec {sc.method} needs a drafter (--draft DIR)")
+    return sc
+
+
 def generate(target: Target, prompt_ids: list[int], params: SamplingParams, *,
+             spec: str | SpecConfig = "none", drafter: Any = None, budget: int | None = None,
              on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
-    """Plain decoding of one request."""
+    """Decode one request with plain decoding, DFlash (chain) or DDTree (tree of ``budget`` nodes).
+
+    ``drafter`` is a :class:`kdtree_engine.model.dflash.DFlashDrafter` (or anything with its
+    ``propose`` / ``new_cache`` / ``target_layer_ids`` / ``block_size``); it is checked against the
+    target (DraftMismatchError) before any work.
+    """
+    sc = resolve_spec(spec, drafter, budget)
     check_prompt(target, prompt_ids)
+    if drafter is not None and sc.method != "none" and hasattr(drafter, "check_target"):
+        drafter.check_target(target.cfg)
     cfg = target.cfg
     dev = target.device
-    limit = min(params.max_tokens, cfg.max_position_embeddings - len(prompt_ids))
+    S = len(prompt_ids)
+    limit = min(params.max_tokens, cfg.max_position_embeddings - S)
     emit = Emitter(target, params, limit, on_tokens)
     gen = make_generator(params.seed, dev)
-    cache = target.new_cache(len(prompt_ids) + max(limit, 1))
-    stats: dict[str, Any] = {"prompt_tokens": len(prompt_ids)}
+    use_draft = sc.method != "none"
+    B = drafter.block_size if use_draft else 1
+    tree_nodes = 1 if not use_draft else (B if sc.method == "dflash" else 1 + (sc.budget or B - 1))
+    stats: dict[str, Any] = {"prompt_tokens": S, "spec": sc.method}
+    if sc.method == "ddtree":
+        stats["budget"] = sc.budget or B - 1
+    timer = _Timer(dev)
+    rounds = 0
+    accepted_lens: list[int] = []
+    per_depth = [0] * max(B - 1, 0)
+    draft_tokens = 0
     if limit == 0:
-        return GenerationResult([], "length", {**stats, "generated_tokens": 0, "prefill_s": 0.0,
-                                               "decode_s": 0.0, "tokens_per_s": 0.0})
+        return GenerationResult([], "length", _finish_stats(stats, emit, 0.0, 0.0, rounds, accepted_lens,
+                                                             per_depth, draft_tokens, timer))
+    cache = target.new_cache(S + limit + tree_nodes)
+    aux_layers = tuple(drafter.target_layer_ids) if use_draft else ()
     _sync(dev)
     t0 = time.perf_counter()
     ids = torch.tensor(prompt_ids, dtype=torch.long, device=dev)
-    logits = target(ids, cache).logits[-1]
-    tok = int(sample(logits, params, gen))
+    out = target(ids, cache, aux_layers=aux_layers)
+    bonus = sample(out.logits[-1], params, gen)  # [] the newest token, not yet fed to the target
+    tok = int(bonus)
     _sync(dev)
     t1 = time.perf_counter()
     done = emit.push([tok])
-    rounds = 0
-    while not done:
-        logits = target(torch.tensor([tok], device=dev), cache).logits[-1]
-        tok = int(sample(logits, params, gen))
-        rounds += 1
-        done = emit.push([tok])
+
+    if not use_draft:
+        while not done:
+            timer.start()
+            logits = target(bonus.reshape(1), cache).logits[-1]
+            bonus = sample(logits, params, gen)
+            tok = int(bonus)
+            timer.lap("verify_s")
+            rounds += 1
+            accepted_lens.append(1)
+            done = emit.push([tok])
+    else:
+        dcache = drafter.new_cache(S + limit + 1)
+        ctx = out.aux  # [S, K*D] features of the prompt, positions 0..S-1
+        start = S  # position of the bonus token = committed length
+        while not done:
+            timer.start()
+            # drafts past the request's end or the context limit are never used
+            depth = min(B - 1, emit.remaining - 1, cfg.max_position_embeddings - 1 - start)
+            if depth > 0:
+                draft_logits = drafter.propose(target, ctx, bonus, dcache, start)[:depth]  # [depth, V]
+            timer.lap("draft_s")
+            tree = _make_tree(sc, draft_logits if depth > 0 else None, bonus, start, B)
+            timer.lap("tree_s")
+            vout = target(tree.tokens, cache, positions=tree.positions, tree_mask=tree.mask, aux_layers=aux_layers)
+            picks = target_picks(vout.logits, params, gen)  # [N1]
+            res = accept(tree, picks)
+            timer.lap("verify_s")
+            cache.commit(res.accepted)
+            ctx = vout.aux.index_select(0, res.accepted)  # [A, K*D] positions start .. start+A-1
+            new = torch.cat([tree.tokens.index_select(0, res.accepted[1:]), res.bonus.reshape(1)]).tolist()
+            bonus = res.bonus
+            timer.lap("commit_s")
+            A = res.num_accepted
+            start += A
+            rounds += 1
+            draft_tokens += tree.num_nodes - 1
+            accepted_lens.append(A)
+            for d in range(A - 1):
+                per_depth[d] += 1
+            done = emit.push(new)
+        dcache.crop(min(dcache.length, start))
     _sync(dev)
     t2 = time.perf_counter()
-    decode_s = t2 - t1
+    return GenerationResult(emit.tokens, emit.finish_reason or "length",
+                            _finish_stats(stats, emit, t1 - t0, t2 - t1, rounds, accepted_lens, per_depth,
+                                          draft_tokens, timer))
+
+
+def _make_tree(sc: SpecConfig, draft_logits: torch.Tensor | None, bonus: torch.Tensor, start: int,
+               B: int) -> DraftTree:
+    dev = bonus.device
+    if draft_logits is None:  # no room for drafts: the root alone (a plain step)
+        return chain_tree(bonus, torch.empty(0, dtype=torch.long, device=dev), start)
+    if sc.method == "dflash":
+        return chain_tree(bonus, greedy(draft_logits), start)
+    budget = sc.budget or B - 1
+    lp, ids = topk_logprobs(draft_logits, budget)  # [depth, K]
+    return build_tree(lp, ids, budget, bonus, start)
+
+
+def _finish_stats(stats: dict[str, Any], emit: Emitter, prefill_s: float, decode_s: float, rounds: int,
+                  accepted_lens: list[int], per_depth: list[int], draft_tokens: int, timer: _Timer) -> dict[str, Any]:
     n = len(emit.tokens)
-    stats.update(generated_tokens=n, prefill_s=t1 - t0, decode_s=decode_s,
-                 tokens_per_s=(n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0, rounds=rounds)
-    return GenerationResult(emit.tokens, emit.finish_reason or "length", stats)
+    stats.update(
+        generated_tokens=n, prefill_s=prefill_s, decode_s=decode_s,
+        tokens_per_s=(n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0,
+        rounds=rounds,
+        tau=sum(accepted_lens) / len(accepted_lens) if accepted_lens else 0.0,
+        draft_tokens=draft_tokens,
+        accepted_tokens=sum(a - 1 for a in accepted_lens),
+        accepted_per_depth=per_depth,
+        **timer.totals,
+    )
+    return stats
