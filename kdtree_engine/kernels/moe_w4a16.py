@@ -1,0 +1,337 @@
+"""Fused MoE over INT4 (W4A16) routed experts, compressed-tensors layout read in place.
+
+    out[t] = sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)),  e = topk_ids[t, j]
+
+Stacked expert tensors (checkpoint layout, no repack):
+  w13_packed int32 [E, 2I, H/8], w13_scale [E, 2I, H/g]   rows 0..I-1 gate_proj, I..2I-1 up_proj
+  w2_packed  int32 [E, H, I/8],  w2_scale  [E, H, I/g]
+
+Four launches, no host synchronisation (CUDA-graph capturable):
+  1. align (one program): counts per expert, pairs (t, j) sorted by expert into blocks of BLOCK_M rows;
+     per block: expert id and number of valid rows. Blocks are only emitted for experts that are
+     touched, so the GEMM grids below cover exactly the (expert, N-tile) pairs in use (plus a few
+     empty programs that exit at once: the grid is a host-side upper bound, cdiv(P, BM) + min(E, P)).
+  2. gate/up GEMM with the SwiGLU epilogue: each program streams BLOCK_N gate rows and the matching
+     BLOCK_N up rows of its expert over all of H; writes silu(g) * u in x.dtype to inter[P, I].
+  3. down GEMM: inter rows of the block @ w2[e].T, times the router weight, fp32 to y[P, H].
+  4. top-k sum: out[t] = sum_j y[t*k + j] in j order (deterministic; no atomics).
+The routed pair (t, j) keeps its own row in inter / y, so the result of a token never depends on
+which other tokens share its expert block (batch invariance; see w4a16.py for the reduction rules).
+Pairs whose expert id is outside [0, E) (e.g. -1 for experts owned by another rank) contribute 0.
+
+Decode (T = 1..16): a token touches 8 experts; grid = touched blocks x N tiles (w13: 2I/BLOCK_N per
+expert, w2: H/BLOCK_N), i.e. 512 / 896 programs at T = 1 on K2 shapes, each streaming whole weight rows
+with 16-byte loads; no split-K is needed at these sizes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from kdtree_engine.kernels.w4a16 import _load_dequant, _mma, check_w4, interpreting
+from kdtree_engine.quant import dequantize
+
+# ----------------------------------------------------------------------------------------------
+# configuration
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    BLOCK_M: int = 16    # token rows per expert block (>= 16: tl.dot minimum)
+    BLOCK_N: int = 64    # weight rows per program (w13: gate rows; up rows come with them)
+    BLOCK_K: int = 256
+    SWAP_AB: bool = True
+    num_warps: int = 4
+    num_stages: int = 4
+    BLOCK_N2: int | None = None  # down GEMM BLOCK_N (default: BLOCK_N)
+
+    def as_dict(self) -> dict:
+        return dict(BLOCK_M=self.BLOCK_M, BLOCK_N=self.BLOCK_N, BLOCK_K=self.BLOCK_K, SWAP_AB=self.SWAP_AB,
+                    num_warps=self.num_warps, num_stages=self.num_stages, BLOCK_N2=self.BLOCK_N2)
+
+
+# (max T * top_k, config); first match wins. BLOCK_K and SWAP_AB are shared (batch invariance).
+MOE_CONFIGS: list[tuple[int, MoEConfig]] = [
+    (256, MoEConfig(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=4)),
+    (1024, MoEConfig(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=3)),
+    (1 << 62, MoEConfig(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)),
+]
+
+
+def moe_config(num_pairs: int) -> MoEConfig:
+    for max_p, cfg in MOE_CONFIGS:
+        if num_pairs <= max_p:
+            return cfg
+    return MOE_CONFIGS[-1][1]
+
+
+# ----------------------------------------------------------------------------------------------
+# kernels
+
+
+@triton.jit
+def _moe_align_kernel(ids_ptr, P, E, sorted_ptr, blk_expert_ptr, blk_rows_ptr, max_blocks,
+                      BM: tl.constexpr, E_P2: tl.constexpr, CH: tl.constexpr, BCH: tl.constexpr):
+    """One program. ids [P] (flattened topk_ids) -> sorted_ptr [max_blocks*BM] pair ids grouped by
+    expert in BM-row blocks; blk_expert / blk_rows [max_blocks] (rows = 0 for unused blocks)."""
+    offs_e = tl.arange(0, E_P2)
+    counts = tl.zeros([E_P2], dtype=tl.int32)
+    for c0 in range(0, P, CH):
+        offs = c0 + tl.arange(0, CH)
+        ids = tl.load(ids_ptr + offs, mask=offs < P, other=-1).to(tl.int32)
+        ids = tl.where((ids >= 0) & (ids < E), ids, -1)
+        counts += tl.sum((ids[:, None] == offs_e[None, :]).to(tl.int32), axis=0)
+    nblk = (counts + BM - 1) // BM                       # [E_P2]
+    blk_end = tl.cumsum(nblk, axis=0)                    # inclusive
+    blk_start = blk_end - nblk
+    total = tl.sum(nblk, axis=0)
+
+    # position of each pair: its expert's first row + its rank among that expert's pairs (stable)
+    running = blk_start * BM
+    for c0 in range(0, P, CH):
+        offs = c0 + tl.arange(0, CH)
+        ids = tl.load(ids_ptr + offs, mask=offs < P, other=-1).to(tl.int32)
+        ids = tl.where((ids >= 0) & (ids < E), ids, -1)
+        oh = (ids[:, None] == offs_e[None, :]).to(tl.int32)       # [CH, E_P2]
+        excl = tl.cumsum(oh, axis=0) - oh
+        pos = tl.sum(oh * (excl + running[None, :]), axis=1)      # [CH]
+        tl.store(sorted_ptr + pos, offs, mask=(offs < P) & (ids >= 0))
+        running += tl.sum(oh, axis=0)
+
+    # per block: expert = number of experts whose blocks end at or before it
+    for b0 in range(0, max_blocks, BCH):
+        b = b0 + tl.arange(0, BCH)
+        e_of_b = tl.sum((blk_end[None, :] <= b[:, None]).to(tl.int32), axis=1)   # [BCH]
+        sel = (offs_e[None, :] == e_of_b[:, None]).to(tl.int32)
+        start_b = tl.sum(sel * blk_start[None, :], axis=1)
+        cnt_b = tl.sum(sel * counts[None, :], axis=1)
+        valid = b < total
+        rows = tl.where(valid, tl.minimum(cnt_b - (b - start_b) * BM, BM), 0)
+        tl.store(blk_expert_ptr + b, tl.where(valid, e_of_b, 0), mask=b < max_blocks)
+        tl.store(blk_rows_ptr + b, rows, mask=b < max_blocks)
+
+
+@triton.jit
+def _moe_w13_kernel(x_ptr, w_ptr, s_ptr, inter_ptr, sorted_ptr, blk_expert_ptr, blk_rows_ptr,
+                    H, I, TOPK,
+                    stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_it,
+                    G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    SWAP_AB: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
+    pid_b = tl.program_id(0)   # expert block (fastest: blocks of one expert share its weights in L2)
+    pid_n = tl.program_id(1)
+    rows = tl.load(blk_rows_ptr + pid_b)
+    if rows == 0:
+        return
+    e = tl.load(blk_expert_ptr + pid_b).to(tl.int64)
+    DTYPE: tl.constexpr = x_ptr.dtype.element_ty
+
+    offs_r = tl.arange(0, BLOCK_M)
+    r_mask = offs_r < rows
+    pair = tl.load(sorted_ptr + pid_b * BLOCK_M + offs_r, mask=r_mask, other=0)
+    tok = pair // TOPK
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < I
+    wg_ptr = w_ptr + e * stride_we
+    wu_ptr = wg_ptr + I * stride_wn
+    sg_ptr = s_ptr + e * stride_se
+    su_ptr = sg_ptr + I * stride_sn
+    x_rows = x_ptr + tok[:, None].to(tl.int64) * stride_xt
+    offs_k = tl.arange(0, BLOCK_K)
+
+    if SWAP_AB:
+        acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        kk = k0 + offs_k
+        xt = tl.load(x_rows + kk[None, :], mask=r_mask[:, None] & (kk[None, :] < H), other=0.0)
+        wg = _load_dequant(wg_ptr, sg_ptr, offs_n, n_mask, stride_wn, stride_sn, k0, H,
+                           G, BLOCK_N, BLOCK_K, DTYPE)
+        wu = _load_dequant(wu_ptr, su_ptr, offs_n, n_mask, stride_wn, stride_sn, k0, H,
+                           G, BLOCK_N, BLOCK_K, DTYPE)
+        acc_g = _mma(acc_g, wg, xt, SWAP_AB, UPCAST, PREC)
+        acc_u = _mma(acc_u, wu, xt, SWAP_AB, UPCAST, PREC)
+    if SWAP_AB:
+        acc_g = tl.trans(acc_g)
+        acc_u = tl.trans(acc_u)
+    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u        # silu(gate) * up, fp32   [BLOCK_M, BLOCK_N]
+    o_ptrs = inter_ptr + pair[:, None].to(tl.int64) * stride_it + offs_n[None, :]
+    tl.store(o_ptrs, h.to(inter_ptr.dtype.element_ty), mask=r_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _moe_w2_kernel(a_ptr, w_ptr, s_ptr, y_ptr, tw_ptr, sorted_ptr, blk_expert_ptr, blk_rows_ptr,
+                   H, I,
+                   stride_at, stride_we, stride_wn, stride_se, stride_sn, stride_yt,
+                   G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   SWAP_AB: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
+    pid_b = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rows = tl.load(blk_rows_ptr + pid_b)
+    if rows == 0:
+        return
+    e = tl.load(blk_expert_ptr + pid_b).to(tl.int64)
+    DTYPE: tl.constexpr = a_ptr.dtype.element_ty
+
+    offs_r = tl.arange(0, BLOCK_M)
+    r_mask = offs_r < rows
+    pair = tl.load(sorted_ptr + pid_b * BLOCK_M + offs_r, mask=r_mask, other=0)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < H
+    we_ptr = w_ptr + e * stride_we
+    se_ptr = s_ptr + e * stride_se
+    a_rows = a_ptr + pair[:, None].to(tl.int64) * stride_at
+    offs_k = tl.arange(0, BLOCK_K)
+
+    if SWAP_AB:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        kk = k0 + offs_k
+        at = tl.load(a_rows + kk[None, :], mask=r_mask[:, None] & (kk[None, :] < I), other=0.0)
+        wt = _load_dequant(we_ptr, se_ptr, offs_n, n_mask, stride_wn, stride_sn, k0, I,
+                           G, BLOCK_N, BLOCK_K, DTYPE)
+        acc = _mma(acc, wt, at, SWAP_AB, UPCAST, PREC)
+    if SWAP_AB:
+        acc = tl.trans(acc)
+    tw = tl.load(tw_ptr + pair, mask=r_mask, other=0.0).to(tl.float32)
+    acc = acc * tw[:, None]
+    o_ptrs = y_ptr + pair[:, None].to(tl.int64) * stride_yt + offs_n[None, :]
+    tl.store(o_ptrs, acc, mask=r_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _moe_topk_sum_kernel(y_ptr, ids_ptr, out_ptr, H, E, stride_yt, stride_ot,
+                         TOPK: tl.constexpr, BLOCK_H: tl.constexpr):
+    t = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = offs < H
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for j in tl.static_range(TOPK):
+        p = t * TOPK + j
+        eid = tl.load(ids_ptr + p + tl.zeros_like(offs))     # broadcast: a vector mask below
+        ok = mask & (eid >= 0) & (eid < E)
+        acc += tl.load(y_ptr + p.to(tl.int64) * stride_yt + offs, mask=ok, other=0.0)
+    tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# ----------------------------------------------------------------------------------------------
+# Python entry points
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """Group (token, slot) pairs by expert. Returns (sorted_pairs [max_blocks*BM] int32,
+    blk_expert [max_blocks] int32, blk_rows [max_blocks] int32); rows = 0 marks an unused block and
+    sorted entries past a block's rows are unspecified."""
+    ids = topk_ids.reshape(-1)
+    if not ids.is_contiguous():
+        ids = ids.contiguous()
+    P = ids.numel()
+    max_blocks = triton.cdiv(P, block_m) + min(num_experts, P)
+    dev = ids.device
+    sorted_pairs = torch.zeros(max_blocks * block_m, device=dev, dtype=torch.int32)
+    blk_expert = torch.empty(max_blocks, device=dev, dtype=torch.int32)
+    blk_rows = torch.empty(max_blocks, device=dev, dtype=torch.int32)
+    e_p2 = triton.next_power_of_2(max(num_experts, 2))
+    ch = max(2, min(triton.next_power_of_2(P), 16384 // e_p2, 64))
+    bch = max(2, min(triton.next_power_of_2(max_blocks), 8192 // e_p2, 64))
+    _moe_align_kernel[(1,)](ids, P, num_experts, sorted_pairs, blk_expert, blk_rows, max_blocks,
+                            BM=block_m, E_P2=e_p2, CH=ch, BCH=bch, num_warps=8 if e_p2 >= 256 else 4)
+    return sorted_pairs, blk_expert, blk_rows
+
+
+def fused_moe_w4a16(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.Tensor,
+                    w2_packed: torch.Tensor, w2_scale: torch.Tensor, topk_ids: torch.Tensor,
+                    topk_weights: torch.Tensor, group_size: int,
+                    config: MoEConfig | None = None) -> torch.Tensor:
+    """x [T, H] -> [T, H] (x.dtype): routed experts only (the caller adds the shared expert)."""
+    if x.dim() != 2:
+        raise ValueError(f"x must be [T, H], got {tuple(x.shape)}")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"x dtype {x.dtype} not supported (bf16, fp16, fp32)")
+    T, H = x.shape
+    E, two_i, h8 = w13_packed.shape
+    I = two_i // 2
+    check_w4(w13_packed, w13_scale, group_size, H, "w13")
+    check_w4(w2_packed, w2_scale, group_size, I, "w2")
+    if two_i != 2 * I or w2_packed.shape[:2] != (E, H):
+        raise ValueError(f"w13 {tuple(w13_packed.shape)} / w2 {tuple(w2_packed.shape)} do not match "
+                         f"E={E}, H={H}, I={I}")
+    if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != T:
+        raise ValueError(f"topk_ids {tuple(topk_ids.shape)} / topk_weights {tuple(topk_weights.shape)} "
+                         f"must both be [T={T}, k]")
+    for name, w in (("w13_packed", w13_packed), ("w13_scale", w13_scale), ("w2_packed", w2_packed),
+                    ("w2_scale", w2_scale)):
+        if w.stride(-1) != 1 or w.stride(-2) != w.shape[-1]:
+            raise ValueError(f"{name} must be contiguous in its last two dims")
+    topk = topk_ids.shape[1]
+    out = torch.empty_like(x)
+    if T == 0:
+        return out
+    x = x.contiguous()
+    P = T * topk
+    cfg = config or moe_config(P)
+    block_k = max(cfg.BLOCK_K, group_size)
+    bn2 = cfg.BLOCK_N2 or cfg.BLOCK_N
+    upcast = interpreting()
+    prec = "ieee" if (x.dtype == torch.float32 or upcast) else "tf32"
+    ids = topk_ids.reshape(-1).contiguous()
+    tw = topk_weights.reshape(-1).contiguous()
+
+    sorted_pairs, blk_expert, blk_rows = moe_align(ids, E, cfg.BLOCK_M)
+    max_blocks = blk_rows.numel()
+    inter = torch.empty((P, I), device=x.device, dtype=x.dtype)
+    y = torch.empty((P, H), device=x.device, dtype=torch.float32)
+
+    _moe_w13_kernel[(max_blocks, triton.cdiv(I, cfg.BLOCK_N))](
+        x, w13_packed, w13_scale, inter, sorted_pairs, blk_expert, blk_rows, H, I, topk,
+        x.stride(0), w13_packed.stride(0), w13_packed.stride(1), w13_scale.stride(0), w13_scale.stride(1),
+        inter.stride(0),
+        G=group_size, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=block_k, SWAP_AB=cfg.SWAP_AB,
+        UPCAST=upcast, PREC=prec, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    _moe_w2_kernel[(max_blocks, triton.cdiv(H, bn2))](
+        inter, w2_packed, w2_scale, y, tw, sorted_pairs, blk_expert, blk_rows, H, I,
+        inter.stride(0), w2_packed.stride(0), w2_packed.stride(1), w2_scale.stride(0), w2_scale.stride(1),
+        y.stride(0),
+        G=group_size, BLOCK_M=cfg.BLOCK_M, BLOCK_N=bn2, BLOCK_K=block_k, SWAP_AB=cfg.SWAP_AB,
+        UPCAST=upcast, PREC=prec, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    BLOCK_H = 1024
+    _moe_topk_sum_kernel[(T, triton.cdiv(H, BLOCK_H))](
+        y, ids, out, H, E, y.stride(0), out.stride(0), TOPK=topk, BLOCK_H=BLOCK_H, num_warps=4)
+    return out
+
+
+def fused_moe_reference(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.Tensor,
+                        w2_packed: torch.Tensor, w2_scale: torch.Tensor, topk_ids: torch.Tensor,
+                        topk_weights: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Plain torch, per touched expert: dequantize, fp32 math throughout; [T, H] in x.dtype."""
+    T, H = x.shape
+    E = w13_packed.shape[0]
+    I = w13_packed.shape[1] // 2
+    topk = topk_ids.shape[1]
+    xf = x.float()
+    out = torch.zeros((T, H), device=x.device, dtype=torch.float32)
+    ids = topk_ids.reshape(-1).long()
+    tw = topk_weights.reshape(-1).float()
+    tok = torch.arange(T * topk, device=x.device) // topk
+    valid = (ids >= 0) & (ids < E)
+    for e in torch.unique(ids[valid]).tolist():
+        sel = torch.nonzero(ids == e).squeeze(1)         # pairs routed to e
+        t = tok[sel]
+        w13 = dequantize(w13_packed[e], w13_scale[e], group_size, torch.float32)  # [2I, H]
+        w2 = dequantize(w2_packed[e], w2_scale[e], group_size, torch.float32)     # [H, I]
+        gu = xf[t] @ w13.T                                                          # [n, 2I]
+        h = F.silu(gu[:, :I]) * gu[:, I:]
+        out.index_add_(0, t, (h @ w2.T) * tw[sel, None])
+    return out.to(x.dtype)
+
+
+__all__ = ["MoEConfig", "MOE_CONFIGS", "moe_config", "moe_align", "fused_moe_w4a16", "fused_moe_reference"]
