@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Literal
+from typing import Callable, Literal
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +19,11 @@ from ..config import ModelConfig, yarn_mscale
 log = logging.getLogger("kdtree_engine")
 
 Parallel = Literal["column", "row", "replicated"]
+GroupOf = Callable[[str], "int | None"]  # leaf module name -> INT4 group size, or None for dense
+
+
+def dense_only(_: str) -> None:
+    return None
 
 _LOGGED: set[str] = set()
 
@@ -96,11 +101,11 @@ def linear(x: torch.Tensor, layer: Linear) -> torch.Tensor:
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)). Used by dense layers and the shared expert."""
 
-    def __init__(self, hidden: int, inter: int, *, dtype: torch.dtype, group_size: int | None = None) -> None:
+    def __init__(self, hidden: int, inter: int, *, dtype: torch.dtype, group_of: GroupOf = dense_only) -> None:
         super().__init__()
-        self.gate_proj = Linear(hidden, inter, parallel="column", group_size=group_size, dtype=dtype)
-        self.up_proj = Linear(hidden, inter, parallel="column", group_size=group_size, dtype=dtype)
-        self.down_proj = Linear(inter, hidden, parallel="row", group_size=group_size, dtype=dtype)
+        self.gate_proj = Linear(hidden, inter, parallel="column", group_size=group_of("gate_proj"), dtype=dtype)
+        self.up_proj = Linear(hidden, inter, parallel="column", group_size=group_of("up_proj"), dtype=dtype)
+        self.down_proj = Linear(inter, hidden, parallel="row", group_size=group_of("down_proj"), dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -14,26 +14,26 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from .layers import Linear, RMSNorm, apply_rope
+from .layers import GroupOf, Linear, RMSNorm, apply_rope, dense_only
 
 
 class MLA(nn.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype, group_of: GroupOf = dense_only) -> None:
         super().__init__()
         self.cfg = cfg
         self.n_heads = cfg.num_attention_heads  # per rank under TP (one place to split)
         N, P, R, V, C = self.n_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
         H = cfg.hidden_size
         if cfg.q_lora_rank is None:
-            self.q_proj = Linear(H, N * (P + R), parallel="column", dtype=dtype)
+            self.q_proj = Linear(H, N * (P + R), parallel="column", dtype=dtype, group_size=group_of("q_proj"))
         else:
-            self.q_a_proj = Linear(H, cfg.q_lora_rank, dtype=dtype)
+            self.q_a_proj = Linear(H, cfg.q_lora_rank, dtype=dtype, group_size=group_of("q_a_proj"))
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
-            self.q_b_proj = Linear(cfg.q_lora_rank, N * (P + R), parallel="column", dtype=dtype)
-        self.kv_a_proj_with_mqa = Linear(H, C + R, dtype=dtype)
+            self.q_b_proj = Linear(cfg.q_lora_rank, N * (P + R), parallel="column", dtype=dtype, group_size=group_of("q_b_proj"))
+        self.kv_a_proj_with_mqa = Linear(H, C + R, dtype=dtype, group_size=group_of("kv_a_proj_with_mqa"))
         self.kv_a_layernorm = RMSNorm(C, cfg.rms_norm_eps)
-        self.kv_b_proj = Linear(C, N * (P + V), parallel="column", dtype=dtype)
-        self.o_proj = Linear(N * V, H, parallel="row", dtype=dtype)
+        self.kv_b_proj = Linear(C, N * (P + V), parallel="column", dtype=dtype, group_size=group_of("kv_b_proj"))
+        self.o_proj = Linear(N * V, H, parallel="row", dtype=dtype, group_size=group_of("o_proj"))
         self.scale = cfg.softmax_scale
         self._absorbed: tuple[torch.Tensor, torch.Tensor] | None = None
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
-from .layers import MLP, log_once
+from .layers import MLP, GroupOf, dense_only, log_once
 
 
 class Router(nn.Module):
@@ -103,12 +103,13 @@ def moe_reference(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, exp
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype, group_size: int | None) -> None:
+    def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype, group_size: int | None,
+                 shared_group_of: GroupOf = dense_only) -> None:
         super().__init__()
         self.gate = Router(cfg)
         self.experts = Experts(cfg, dtype=dtype, group_size=group_size)
-        self.shared_experts = (MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, dtype=dtype)
-                               if cfg.n_shared_experts > 0 else None)
+        self.shared_experts = (MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, dtype=dtype,
+                                   group_of=shared_group_of) if cfg.n_shared_experts > 0 else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, w = self.gate(x)

@@ -16,7 +16,7 @@ from torch import nn
 
 from ..cache import LatentCache
 from ..config import ModelConfig
-from .layers import MLP, Linear, RMSNorm, Rope
+from .layers import MLP, GroupOf, Linear, RMSNorm, Rope
 from .mla import MLA
 from .moe import MoE
 
@@ -41,17 +41,30 @@ class TargetOutput:
     aux: torch.Tensor | None  # [T, len(aux_layers) * H]
 
 
+def group_of(quant: QuantPolicy | None, prefix: str) -> GroupOf:
+    """Leaf name -> INT4 group size (or None) for the linears under module ``prefix``."""
+    def g(leaf: str) -> int | None:
+        name = f"{prefix}.{leaf}" if prefix else leaf
+        return quant.group_size if quant is not None and quant.is_quantized(name) else None
+    return g
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, idx: int, *, dtype: torch.dtype, quant: QuantPolicy | None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = MLA(cfg, dtype=dtype)
+        self.self_attn = MLA(cfg, dtype=dtype, group_of=group_of(quant, f"layers.{idx}.self_attn"))
         if cfg.is_moe_layer(idx):
-            g = quant.group_size if quant and quant.is_quantized(f"layers.{idx}.mlp.experts.0.gate_proj") else None
-            self.mlp: nn.Module = MoE(cfg, dtype=dtype, group_size=g)
+            experts = group_of(quant, f"layers.{idx}.mlp.experts.0")
+            sizes = {experts(p) for p in ("gate_proj", "up_proj", "down_proj")}
+            if len(sizes) != 1:
+                raise LoadError(f"layer {idx}: routed experts must be all INT4 or all dense (gate/up/down differ)")
+            self.mlp: nn.Module = MoE(cfg, dtype=dtype, group_size=sizes.pop(),
+                                      shared_group_of=group_of(quant, f"layers.{idx}.mlp.shared_experts"))
         else:
-            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype)
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype,
+                           group_of=group_of(quant, f"layers.{idx}.mlp"))
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor, start: int,
                 tree_mask: torch.Tensor | None) -> torch.Tensor:
@@ -74,7 +87,8 @@ class Target(nn.Module):
             self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype=dtype, quant=quant)
                                         for i in range(cfg.num_hidden_layers))
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-            self.lm_head_proj = Linear(cfg.hidden_size, cfg.vocab_size, parallel="column", dtype=dtype)
+            self.lm_head_proj = Linear(cfg.hidden_size, cfg.vocab_size, parallel="column", dtype=dtype,
+                                       group_size=group_of(quant, "")("lm_head"))
             self.rope = Rope(cfg)
         # Norm weights follow the model dtype (HF multiplies in the activation dtype).
         for m in self.modules():
