@@ -191,7 +191,7 @@ class _Checker:
     def __init__(self, cfg: ModelConfig, scheme: QuantScheme | None | Any = _NO_SCHEME) -> None:
         self.cfg = cfg
         self.specs = expected_tensors(cfg, scheme)
-        self.seen: dict[str, str] = {}  # canonical -> "file: raw"
+        self.seen: dict[str, tuple[str, str]] = {}  # canonical -> (raw name, file)
         self.layout = "k2"
 
     def see(self, raw: str, shape: tuple[int, ...], dtype: torch.dtype | str, where: str) -> str | None:
@@ -202,12 +202,13 @@ class _Checker:
         if raw.startswith("language_model."):
             self.layout = "k25"
         if canon in self.seen:
-            raise WeightsError(f"{where}: tensor '{raw}' duplicates '{self.seen[canon]}'")
+            first, file = self.seen[canon]
+            raise WeightsError(f"{where}: tensor '{raw}' duplicates '{first}' (in {file})")
         spec = self.specs.get(canon)
         if spec is None:
             raise WeightsError(f"{where}: unexpected tensor '{raw}' (shape {list(shape)}, "
                                f"{_dtype_str(dtype)}){self._hint(canon)}")
-        self.seen[canon] = f"{where}: {raw}"
+        self.seen[canon] = (raw, where)
         if tuple(shape) != spec.shape:
             raise WeightsError(f"{where}: tensor '{raw}' has shape {list(shape)}, expected "
                                f"{list(spec.shape)} from the config")
@@ -447,12 +448,18 @@ def _split(named: dict[str, torch.Tensor], shard_bytes: int | None) -> list[dict
     return shards
 
 
-def _storable(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach().to("cpu").contiguous()
-    # safetensors refuses tensors that share storage (views, tied weights): give views their own.
-    if t.untyped_storage().nbytes() != t.nbytes or t.storage_offset():
-        t = t.clone()
-    return t
+def _storable(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """CPU, contiguous, and no two tensors sharing storage (safetensors refuses views and aliases)."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for n, t in tensors.items():
+        t = t.detach().to("cpu").contiguous()
+        ptr = t.untyped_storage().data_ptr()
+        if t.untyped_storage().nbytes() != t.nbytes or t.storage_offset() or (ptr in seen and t.nbytes):
+            t = t.clone()
+        seen.add(t.untyped_storage().data_ptr())
+        out[n] = t
+    return out
 
 
 def _write_all(directory: Path, files: Mapping[str, Any]) -> None:
@@ -465,7 +472,7 @@ def _write_all(directory: Path, files: Mapping[str, Any]) -> None:
             if isinstance(payload, str):
                 Path(tmp).write_text(payload)
             else:
-                save_file({n: _storable(t) for n, t in payload.items()}, tmp, metadata={"format": "pt"})
+                save_file(_storable(payload), tmp, metadata={"format": "pt"})
     except BaseException:
         for tmp in temps.values():
             tmp.unlink(missing_ok=True)
