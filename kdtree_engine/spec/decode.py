@@ -31,10 +31,11 @@ from typing import Any, Callable, Literal
 
 import torch
 
+from ..model.layers import log_once
 from ..model.target import Target
 from ..sampling import SamplingParams, greedy, make_generator, sample
 from .accept import accept, target_picks
-from .tree import DraftTree, build_tree, chain_tree, topk_logprobs
+from .tree import DraftTree, build_tree, build_tree_heap, chain_tree, topk_logprobs
 
 SpecMethod = Literal["none", "dflash", "ddtree"]
 SPEC_METHODS: tuple[str, ...] = ("none", "dflash", "ddtree")
@@ -155,7 +156,7 @@ def resolve_spec(spec: str | SpecConfig, drafter: Any, budget: int | None) -> Sp
 
 def generate(target: Target, prompt_ids: list[int], params: SamplingParams, *,
              spec: str | SpecConfig = "none", drafter: Any = None, budget: int | None = None,
-             on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
+             on_tokens: Callable[[list[int]], None] | None = None, tree_impl: str = "auto") -> GenerationResult:
     """Decode one request with plain decoding, DFlash (chain) or DDTree (tree of ``budget`` nodes).
 
     ``drafter`` is a :class:`kdtree_engine.model.dflash.DFlashDrafter` (or anything with its
@@ -164,6 +165,7 @@ def generate(target: Target, prompt_ids: list[int], params: SamplingParams, *,
     """
     sc = resolve_spec(spec, drafter, budget)
     check_prompt(target, prompt_ids)
+    impl = pick_tree_impl(tree_impl, target.device) if sc.method == "ddtree" else "vectorized"
     if drafter is not None and sc.method != "none" and hasattr(drafter, "check_target"):
         drafter.check_target(target.cfg)
     cfg = target.cfg
@@ -219,7 +221,7 @@ def generate(target: Target, prompt_ids: list[int], params: SamplingParams, *,
             if depth > 0:
                 draft_logits = drafter.propose(target, ctx, bonus, dcache, start)[:depth]  # [depth, V]
             timer.lap("draft_s")
-            tree = _make_tree(sc, draft_logits if depth > 0 else None, bonus, start, B)
+            tree = _make_tree(sc, draft_logits if depth > 0 else None, bonus, start, B, impl)
             timer.lap("tree_s")
             vout = target(tree.tokens, cache, positions=tree.positions, tree_mask=tree.mask, aux_layers=aux_layers)
             picks = target_picks(vout.logits, params, gen)  # [N1]
@@ -246,8 +248,21 @@ def generate(target: Target, prompt_ids: list[int], params: SamplingParams, *,
                                           draft_tokens, timer))
 
 
+TREE_IMPLS = ("auto", "vectorized", "heap")
+
+
+def pick_tree_impl(impl: str, device: torch.device) -> str:
+    """"auto": the vectorized builder on accelerators (no host sync), the heap on the CPU, where a
+    few hundred tiny tensor ops cost more than a host heap. Both give the identical tree."""
+    if impl not in TREE_IMPLS:
+        raise SpecError(f"tree builder must be one of {', '.join(TREE_IMPLS)}; got {impl!r}")
+    chosen = impl if impl != "auto" else ("heap" if device.type == "cpu" else "vectorized")
+    log_once(f"tree:{device.type}:{chosen}", f"DDTree builder on {device.type}: {chosen}")
+    return chosen
+
+
 def _make_tree(sc: SpecConfig, draft_logits: torch.Tensor | None, bonus: torch.Tensor, start: int,
-               B: int) -> DraftTree:
+               B: int, tree_impl: str = "vectorized") -> DraftTree:
     dev = bonus.device
     if draft_logits is None:  # no room for drafts: the root alone (a plain step)
         return chain_tree(bonus, torch.empty(0, dtype=torch.long, device=dev), start)
@@ -255,7 +270,8 @@ def _make_tree(sc: SpecConfig, draft_logits: torch.Tensor | None, bonus: torch.T
         return chain_tree(bonus, greedy(draft_logits), start)
     budget = sc.budget or B - 1
     lp, ids = topk_logprobs(draft_logits, budget)  # [depth, K]
-    return build_tree(lp, ids, budget, bonus, start)
+    builder = build_tree if tree_impl == "vectorized" else build_tree_heap
+    return builder(lp, ids, budget, bonus, start)
 
 
 def _finish_stats(stats: dict[str, Any], emit: Emitter, prefill_s: float, decode_s: float, rounds: int,

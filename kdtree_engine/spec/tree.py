@@ -21,6 +21,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 # Log-probs are clamped from below so that every real candidate has a finite score (a -inf logit
@@ -67,31 +68,9 @@ def tree_size(budget: int, depth: int, k: int) -> int:
     return total
 
 
-def _ancestor_mask_from_parents(parents: list[int]) -> list[list[bool]]:
-    n1 = len(parents)
-    rows: list[list[bool]] = []
-    for i, p in enumerate(parents):
-        row = [False] * n1 if p < 0 else list(rows[p])
-        row[i] = True
-        rows.append(row)
-    return rows
-
-
-def _finish(tokens: list[int], parents: list[int], depths: list[int], start: int,
-            device: torch.device | str) -> DraftTree:
-    dep = torch.tensor(depths, dtype=torch.long, device=device)
-    return DraftTree(
-        tokens=torch.tensor(tokens, dtype=torch.long, device=device),
-        parents=torch.tensor(parents, dtype=torch.long, device=device),
-        depths=dep,
-        positions=dep + start,
-        mask=torch.tensor(_ancestor_mask_from_parents(parents), dtype=torch.bool, device=device),
-    )
-
-
-def build_tree_heap(lp: torch.Tensor, ids: torch.Tensor, budget: int, root_token: int,
-                    start: int) -> DraftTree:
-    """Reference builder: Python heap on the host.
+def build_tree_heap(lp: torch.Tensor, ids: torch.Tensor, budget: int, root_token: int | torch.Tensor,
+                    start: int | torch.Tensor) -> DraftTree:
+    """Reference builder: a Python heap on the host (also the fast path on the CPU).
 
     lp [L, K] float (descending per row), ids [L, K] long, budget = max non-root nodes (>= 0),
     root_token = the bonus token, start = its position.
@@ -99,12 +78,13 @@ def build_tree_heap(lp: torch.Tensor, ids: torch.Tensor, budget: int, root_token
     if budget < 0:
         raise ValueError(f"budget must be >= 0, got {budget}")
     device = ids.device
-    lpl = lp.detach().float().clamp_min(LP_FLOOR).cpu()  # float32 arithmetic, as the vectorized builder
+    # numpy float32 scalars: the same float32 additions as the vectorized builder
+    lpl = lp.detach().float().clamp_min(LP_FLOOR).cpu().numpy()
     idl = ids.detach().cpu().tolist()
     L, K = lpl.shape
     tokens, parents, depths = [int(root_token)], [-1], [0]
-    scores = [torch.zeros((), dtype=torch.float32)]
-    heap: list[tuple[float, int, int, int, int, torch.Tensor]] = []
+    scores = [np.float32(0.0)]
+    heap: list[tuple[float, int, int, int, int, np.float32]] = []
     counter = 0
     if L > 0 and K > 0 and budget > 0:
         s = scores[0] + lpl[0, 0]
@@ -125,7 +105,20 @@ def build_tree_heap(lp: torch.Tensor, ids: torch.Tensor, budget: int, root_token
             s3 = s + lpl[d, 0]
             heapq.heappush(heap, (-float(s3), counter, idx, d + 1, 0, s3))
             counter += 1
-    return _finish(tokens, parents, depths, start, device)
+    n1 = len(tokens)
+    mask = np.zeros((n1, n1), dtype=bool)  # row i = row of its parent + itself
+    for i in range(n1):
+        if parents[i] >= 0:
+            mask[i] = mask[parents[i]]
+        mask[i, i] = True
+    dep = torch.tensor(depths, dtype=torch.long, device=device)
+    return DraftTree(
+        tokens=torch.tensor(tokens, dtype=torch.long, device=device),
+        parents=torch.tensor(parents, dtype=torch.long, device=device),
+        depths=dep,
+        positions=dep + (int(start) if isinstance(start, torch.Tensor) else start),
+        mask=torch.from_numpy(mask).to(device),
+    )
 
 
 def build_tree(lp: torch.Tensor, ids: torch.Tensor, budget: int, root_token: torch.Tensor | int,
