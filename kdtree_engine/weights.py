@@ -10,6 +10,12 @@ Strictness. :func:`iter_checkpoint` first reads every shard's header and checks 
 against :func:`expected_tensors` (names, shapes, dtypes, the values of ``weight_shape``), so a bad
 checkpoint fails before any weight is read; each problem raises :class:`WeightsError` naming the
 file, the tensor as spelled in the file, the expected and the found value.
+
+Yield. (canonical name, CPU tensor in the file's dtype), in file order (shards sorted by name,
+tensors in header order), so consumers must not assume any order. Dense tensors end in ``.weight``
+(router bias: ``.e_score_correction_bias``); INT4 linears yield ``.weight_packed`` int32 [N, K/8]
+and ``.weight_scale`` [N, K/g] (g = ``quant_scheme(cfg).group_size``), never ``.weight_shape``
+(checked, then dropped). A tied model may omit ``lm_head.weight``.
 """
 
 from __future__ import annotations
@@ -242,6 +248,8 @@ class _Checker:
 
     def _hint(self, canon: str) -> str:
         module, _, suffix = canon.rpartition(".")
+        if suffix == "weight_scale_inv":
+            return "; an FP8 block scale: FP8 checkpoints are not supported"
         if suffix == "weight" and module + ".weight_packed" in self.specs:
             return ("; the quantization_config makes this linear INT4 (expected weight_packed, "
                     "weight_scale, weight_shape)")
