@@ -1,0 +1,265 @@
+"""Batch-invariant dense GEMM: y = x @ W.T for a dense weight W [N, K] (bf16 / fp16 / fp32).
+
+Why: cuBLAS picks its kernel, tile and split-K from M, so the same token's logits differ by a few ulps
+between a 1-token decode step and a 129-token tree verify, and greedy text drifts. Here every output
+element y[m, n] is reduced over K in an order fixed by (N, K) alone:
+
+- the K axis is cut into SPLIT contiguous chunks of ``k_per_split`` (a multiple of BLOCK_K); inside a
+  chunk the accumulator is one fp32 chain over BLOCK_K steps (each step a tensor-core dot over its
+  k16 slices, in k order), so the order depends on BLOCK_K and SPLIT only;
+- SPLIT > 1 writes fp32 partials [SPLIT, M, N] and a second small kernel sums them in split order
+  (no atomics, deterministic);
+- BLOCK_K and SPLIT come from (N, K, dtype) only (``reduction_for``); M picks only the output tiling
+  (BLOCK_M, BLOCK_N, warps, stages: ``tile_for``), which changes which program computes an element,
+  not how it is summed. SWAP_AB is fixed (always on), so the weight rows are always the MMA's M side.
+
+Batch invariance of the tensor-core path across tilings (wgmma with a different N size, a different
+number of warpgroups) is a property of the hardware, checked bit for bit on the GPU by
+tests/gpu/test_batch_invariance_gpu.py; fp32 inputs use input_precision="ieee" (FMA chain in k order).
+
+Kernel layout (memory-bound at M <= 16, so the small-M path is about streaming the weight):
+- SWAP_AB computes each tile as W_tile [BLOCK_N, BLOCK_K] @ x_tile.T [BLOCK_K, BLOCK_M]: the weight
+  rows fill the 64-row side of a Hopper wgmma and the few tokens its N side (16..256);
+- grid (m tiles fastest, n tiles, splits): programs that share a weight tile run side by side, so at
+  large M the weight is read from HBM about once;
+- weight loads use evict_first (streamed once); x is small and stays in L2.
+
+CPU: ``bi_linear_reference`` (fp32 matmul) is the CPU path and the test oracle. Under TRITON_INTERPRET=1
+the Triton kernel runs on CPU tensors. There tl.dot is numpy's matmul, whose summation order follows the
+tile shape, so by default the interpreted kernel replaces the dot by a k-ordered fp32 sum (products
+rounded to fp32, then summed in k order), which keeps the interpreted kernel batch-invariant too;
+KDTREE_GEMM_INTERP=dot keeps tl.dot (operands upcast to fp32: triton 3.9's interpreter computes bf16
+tl.dot wrongly).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _interp_mode() -> str:
+    """Under the interpreter: "sum" (default, k-ordered, batch-invariant) or "dot" (tl.dot through
+    numpy's matmul; used by one test so the GPU's code line also runs on the CPU)."""
+    mode = os.environ.get("KDTREE_GEMM_INTERP", "sum")
+    if mode not in ("sum", "dot"):
+        raise ValueError(f"KDTREE_GEMM_INTERP must be 'sum' or 'dot', got {mode!r}")
+    return mode
+
+
+# ----------------------------------------------------------------------------------------------
+# configuration
+
+
+@dataclass(frozen=True)
+class Reduction:
+    """How one output element is summed over K. A function of (N, K, dtype) only: never of M."""
+    BLOCK_K: int
+    split_k: int
+
+    def k_per_split(self, K: int) -> int:
+        return triton.cdiv(triton.cdiv(K, self.BLOCK_K), self.split_k) * self.BLOCK_K
+
+    def n_splits(self, K: int) -> int:
+        """Splits that actually hold k (empty trailing splits dropped)."""
+        return max(1, triton.cdiv(K, self.k_per_split(K)))
+
+
+@dataclass(frozen=True)
+class Tile:
+    """How the output is tiled. May depend on M (does not change any element's reduction order)."""
+    BLOCK_M: int = 16   # tokens per program (>= 16: tl.dot minimum)
+    BLOCK_N: int = 64   # weight rows per program (the wgmma M side: 64 or 128)
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+# K-step per dtype: 16-bit inputs stream 128 k (256 B per weight row) per step; fp32 runs the FMA
+# (ieee) dot, whose register tile grows with BLOCK_K, so it steps by 32.
+_BLOCK_K = {torch.bfloat16: 128, torch.float16: 128, torch.float32: 32}
+
+# Programs wanted in flight before splitting K (the H200 has 132 SMs). A constant rather than the
+# device's SM count, so the reduction order is the same on every device.
+_TARGET_PROGRAMS = 264
+_SPLIT_REF_BLOCK_N = 64
+_MIN_STEPS_PER_SPLIT = 4
+_MAX_SPLIT = 16
+
+# Per-shape reductions for the K2 dense linears (N, K) -> (BLOCK_K, split) for 16-bit dtypes, where the
+# generic rule is not the best trade between small-M streaming (wants splits) and large-M compute
+# (partials cost traffic). Measured on an H200 with bench/gemm.py --sweep.
+K2_REDUCTIONS: dict[tuple[int, int], Reduction] = {}
+
+# M buckets: (max M, tile). The first bucket with M <= max M is used.
+TILES_16BIT: list[tuple[int, Tile]] = [
+    (16, Tile(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=4)),
+    (32, Tile(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=4)),
+    (64, Tile(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=4)),
+    (1 << 62, Tile(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)),
+]
+TILES_FP32: list[tuple[int, Tile]] = [
+    (16, Tile(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=2)),
+    (1 << 62, Tile(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=2)),
+]
+
+
+def _generic_split(N: int, K: int, block_k: int) -> int:
+    """Split-K from (N, K) only: enough programs for the GPU, at least 4 K-steps per split."""
+    n_tiles = triton.cdiv(N, _SPLIT_REF_BLOCK_N)
+    k_steps = triton.cdiv(K, block_k)
+    split = 1
+    while (n_tiles * split < _TARGET_PROGRAMS and split * 2 <= _MAX_SPLIT
+           and k_steps // (split * 2) >= _MIN_STEPS_PER_SPLIT):
+        split *= 2
+    return split
+
+
+def reduction_for(N: int, K: int, dtype: torch.dtype) -> Reduction:
+    """The fixed reduction of an [N, K] weight: the only knobs that decide a row's rounding."""
+    if dtype != torch.float32 and (N, K) in K2_REDUCTIONS:
+        return K2_REDUCTIONS[(N, K)]
+    bk = _BLOCK_K[dtype]
+    return Reduction(BLOCK_K=bk, split_k=_generic_split(N, K, bk))
+
+
+def tile_for(M: int, dtype: torch.dtype) -> Tile:
+    for max_m, t in (TILES_FP32 if dtype == torch.float32 else TILES_16BIT):
+        if M <= max_m:
+            return t
+    raise AssertionError("unreachable")
+
+
+# ----------------------------------------------------------------------------------------------
+# kernels
+
+
+@triton.jit
+def _bi_gemm_kernel(x_ptr, w_ptr, out_ptr,
+                    M, N, K, k_per_split,
+                    stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_os,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    UPCAST: tl.constexpr, INTERP_SUM: tl.constexpr, PREC: tl.constexpr,
+                    OUT_F32: tl.constexpr):
+    # grid: (m tiles [fastest, so programs sharing a weight tile run together], n tiles, splits)
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(K, k_start + k_per_split)
+
+    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm      # [BM, 1]
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn      # [BN, 1]
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)           # swapped: weight rows x tokens
+    for k0 in range(k_start, k_end, BLOCK_K):
+        kk = k0 + offs_k
+        k_mask = kk < k_end
+        w = tl.load(w_rows + kk[None, :] * stride_wk, mask=n_mask[:, None] & k_mask[None, :], other=0.0,
+                    eviction_policy="evict_first")                  # [BN, BK]
+        x = tl.load(x_rows + kk[None, :] * stride_xk, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        if INTERP_SUM:
+            # interpreter only: a k-ordered sum per element (numpy's matmul picks its summation order
+            # from the tile shape, which would make the interpreted kernel depend on BLOCK_M)
+            prod = w.to(tl.float32)[:, :, None] * tl.trans(x.to(tl.float32))[None, :, :]
+            acc += tl.sum(prod, axis=1)
+        else:
+            if UPCAST:
+                w = w.to(tl.float32)
+                x = x.to(tl.float32)
+            acc = tl.dot(w, tl.trans(x), acc, input_precision=PREC)  # [BN, BM]
+
+    acc = tl.trans(acc)                                             # [BM, BN]
+    o_ptrs = out_ptr + pid_k * stride_os + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    o_mask = m_mask[:, None] & n_mask[None, :]
+    if OUT_F32:
+        tl.store(o_ptrs, acc, mask=o_mask)
+    else:
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
+
+
+@triton.jit
+def _split_sum_kernel(part_ptr, out_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    """out[i] = (((part[0, i] + part[1, i]) + part[2, i]) + ...), in split order."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLIT):
+        acc += tl.load(part_ptr + s * MN + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# ----------------------------------------------------------------------------------------------
+# Python entry points
+
+
+def bi_linear_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ w [N, K].T with fp32 math, result in x.dtype (the CPU path and test oracle)."""
+    return (x.float() @ w.float().T).to(x.dtype)
+
+
+def _check(x: torch.Tensor, w: torch.Tensor) -> None:
+    if x.dim() != 2 or w.dim() != 2:
+        raise ValueError(f"bi_linear wants x [M, K] and w [N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
+    if x.dtype not in _DTYPES:
+        raise TypeError(f"bi_linear: dtype {x.dtype} not supported (bf16, fp16, fp32)")
+    if w.dtype != x.dtype:
+        raise TypeError(f"bi_linear: x is {x.dtype} but w is {w.dtype}; they must match")
+    if x.shape[1] != w.shape[1]:
+        raise ValueError(f"bi_linear: x has K={x.shape[1]} but w has K={w.shape[1]}")
+    if x.device != w.device:
+        raise ValueError(f"bi_linear: x on {x.device}, w on {w.device}")
+
+
+def bi_linear(x: torch.Tensor, w: torch.Tensor, *, tile: Tile | None = None,
+              reduction: Reduction | None = None) -> torch.Tensor:
+    """Batch-invariant x [M, K] @ w [N, K].T -> [M, N] in x.dtype (Triton; fp32 accumulation).
+
+    Row m of the result is bit-identical whatever M is (for a given device, N, K, dtype). ``tile``
+    overrides the M-bucket tiling (benchmarks / sweeps; any tile keeps the invariance);
+    ``reduction`` overrides the (N, K) reduction (sweeps only: it changes the rounding)."""
+    _check(x, w)
+    M, K = x.shape
+    N = w.shape[0]
+    out = torch.empty((M, N), device=x.device, dtype=x.dtype)
+    if M == 0 or N == 0:
+        return out
+    if K == 0:
+        return out.zero_()
+    t = tile or tile_for(M, x.dtype)
+    red = reduction or reduction_for(N, K, x.dtype)
+    kps = red.k_per_split(K)
+    split = red.n_splits(K)
+    interp = interpreting()
+    prec = "ieee" if (x.dtype == torch.float32 or interp) else "tf32"  # (tf32 is ignored for 16-bit)
+    target = out if split == 1 else torch.empty((split, M, N), device=x.device, dtype=torch.float32)
+    grid = (triton.cdiv(M, t.BLOCK_M), triton.cdiv(N, t.BLOCK_N), split)
+    _bi_gemm_kernel[grid](
+        x, w, target, M, N, K, kps,
+        x.stride(0), x.stride(1), w.stride(0), w.stride(1), N, M * N,
+        BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N, BLOCK_K=red.BLOCK_K,
+        UPCAST=interp, INTERP_SUM=interp and _interp_mode() == "sum", PREC=prec, OUT_F32=split > 1,
+        num_warps=t.num_warps, num_stages=t.num_stages)
+    if split > 1:
+        BLOCK = 1024
+        _split_sum_kernel[(triton.cdiv(M * N, BLOCK),)](target, out, M * N, SPLIT=split, BLOCK=BLOCK,
+                                                          num_warps=4)
+    return out
+
+
+__all__ = ["Reduction", "Tile", "K2_REDUCTIONS", "TILES_16BIT", "TILES_FP32", "reduction_for", "tile_for",
+           "bi_linear", "bi_linear_reference", "interpreting"]
