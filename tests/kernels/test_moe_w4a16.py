@@ -1,0 +1,127 @@
+"""Fused INT4 MoE: torch reference vs a naive per-token loop, and the Triton kernels under the
+interpreter (child process, see _interp.py) vs the reference at small odd shapes."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+HERE = Path(__file__).resolve()
+sys.path.insert(0, str(HERE.parent))
+
+from kdtree_engine.kernels.moe_w4a16 import fused_moe_reference, fused_moe_w4a16  # noqa: E402
+from kdtree_engine.quant import dequantize  # noqa: E402
+from test_w4a16 import DT, TOL, rand_w4  # noqa: E402
+
+
+def make_moe(T, H, I, E, k, G, dtype, gen, ids_mode="distinct"):
+    w13p, w13s = rand_w4(E, 2 * I, H, group_size=G, gen=gen)
+    w2p, w2s = rand_w4(E, H, I, group_size=G, gen=gen)
+    x = torch.randn(T, H, generator=gen).to(dtype)
+    if ids_mode == "distinct":
+        ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
+    else:  # with repeats and some -1 (not owned here): those pairs contribute nothing
+        ids = torch.randint(-1, E, (T, k), generator=gen)
+    tw = torch.rand(T, k, generator=gen)
+    return x, w13p, w13s, w2p, w2s, ids, tw
+
+
+# ---------------------------------------------------------------------------------- in process
+
+
+def test_reference_matches_per_token_loop():
+    gen = torch.Generator().manual_seed(3)
+    T, H, I, E, k, G = 4, 64, 32, 6, 3, 32
+    x, w13p, w13s, w2p, w2s, ids, tw = make_moe(T, H, I, E, k, G, torch.float32, gen, ids_mode="mixed")
+    ref = fused_moe_reference(x, w13p, w13s, w2p, w2s, ids, tw, G).double()
+    want = torch.zeros(T, H, dtype=torch.float64)
+    for t in range(T):
+        for j in range(k):
+            e = int(ids[t, j])
+            if e < 0:
+                continue
+            w13 = dequantize(w13p[e], w13s[e], G, torch.float64)
+            w2 = dequantize(w2p[e], w2s[e], G, torch.float64)
+            gu = w13 @ x[t].double()
+            want[t] += float(tw[t, j]) * (w2 @ (F.silu(gu[:I]) * gu[I:]))
+    assert ((ref - want).norm() / want.norm()).item() < 1e-5
+
+
+def test_rejects_bad_inputs():
+    gen = torch.Generator().manual_seed(4)
+    x, w13p, w13s, w2p, w2s, ids, tw = make_moe(2, 64, 32, 4, 2, 32, torch.float32, gen)
+    with pytest.raises(ValueError):
+        fused_moe_w4a16(x, w13p, w13s, w2p, w2s, ids[:, :1], tw, 32)
+    with pytest.raises(ValueError):
+        fused_moe_w4a16(x, w13p, w13s, w2p[:, :32], w2s[:, :32], ids, tw, 32)
+    with pytest.raises(ValueError):
+        fused_moe_w4a16(x, w13p, w13s, w2p, w2s, ids, tw, 64)
+
+
+# ---------------------------------------------------------------------------------- interpreter
+
+CASES = {
+    # name: (T, H, I, E, k, group, dtype, ids_mode, config overrides)
+    "t1_fp32_e5_k2": (1, 96, 64, 5, 2, 32, "fp32", "distinct", {}),
+    "t3_bf16_h160_e7_k3": (3, 160, 64, 7, 3, 32, "bf16", "distinct", {}),
+    "t17_fp32_g64_e9_k3": (17, 192, 64, 9, 3, 64, "fp32", "distinct", {}),
+    "t17_fp16_e9_k2": (17, 96, 64, 9, 2, 32, "fp16", "distinct", {}),
+    "t5_fp32_repeats_and_unowned": (5, 96, 64, 6, 3, 32, "fp32", "mixed", {}),
+    "t17_fp32_noswap_bm32": (17, 160, 64, 8, 3, 32, "fp32", "distinct", {"SWAP_AB": False, "BLOCK_M": 32}),
+    "t40_fp32_e3_multiblock": (40, 96, 64, 3, 2, 32, "fp32", "distinct", {}),
+    "t9_bf16_bn32_bn2_64": (9, 96, 96, 6, 2, 32, "bf16", "distinct", {"BLOCK_N": 32, "BLOCK_N2": 64}),
+}
+
+
+def _run_one(name, spec):
+    from dataclasses import replace
+
+    from kdtree_engine.kernels.moe_w4a16 import moe_config
+
+    T, H, I, E, k, G, dt, ids_mode, over = spec
+    seed = int.from_bytes(os.urandom(4), "little")
+    gen = torch.Generator().manual_seed(seed)
+    x, w13p, w13s, w2p, w2s, ids, tw = make_moe(T, H, I, E, k, G, DT[dt], gen, ids_mode)
+    cfg = replace(moe_config(T * k), **over) if over else None
+    y = fused_moe_w4a16(x, w13p, w13s, w2p, w2s, ids, tw, G, config=cfg)
+    ref = fused_moe_reference(x, w13p, w13s, w2p, w2s, ids, tw, G).double()
+    yd = y.double()
+    return {
+        "dtype_ok": y.dtype == x.dtype and tuple(y.shape) == (T, H),
+        "nonfinite": int((~torch.isfinite(yd)).sum()),
+        "rel": float((yd - ref).norm() / ref.norm()),
+        "seed": seed,
+    }
+
+
+import _interp  # noqa: E402
+
+_interp.register(HERE, list(CASES))
+
+
+@pytest.fixture(scope="module")
+def interp_results():
+    from _interp import run_cases
+
+    return run_cases(HERE, list(CASES))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_fused_moe_interpreted(interp_results, name):
+    rec = interp_results[name]
+    assert "error" not in rec, rec["error"]
+    assert rec["dtype_ok"]
+    assert rec["nonfinite"] == 0, "unwritten (NaN-poisoned) or non-finite outputs"
+    tol = TOL[CASES[name][6]]
+    assert rec["rel"] < tol, f"relative error {rec['rel']:.3g} >= {tol} (seed {rec['seed']})"
+
+
+if __name__ == "__main__" and "--interp-cases" in sys.argv:
+    from _interp import child_main
+
+    child_main(CASES, _run_one, sys.argv[sys.argv.index("--interp-cases") + 1:])
