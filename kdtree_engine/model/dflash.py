@@ -315,14 +315,14 @@ def check_draft_fits(cfg: DraftConfig, tcfg: ModelConfig) -> None:
     if cfg.mask_token_id >= tcfg.vocab_size:
         raise DraftMismatchError(
             f"drafter mask_token_id {cfg.mask_token_id} is outside the target vocabulary ({tcfg.vocab_size})")
-    if max(cfg.target_layer_ids) >= tcfg.num_hidden_layers:
-        raise DraftMismatchError(
-            f"drafter target_layer_ids {list(cfg.target_layer_ids)} reach past the target's "
-            f"{tcfg.num_hidden_layers} layers")
     if cfg.num_target_layers is not None and cfg.num_target_layers != tcfg.num_hidden_layers:
         raise DraftMismatchError(
             f"drafter was trained for a target with num_target_layers {cfg.num_target_layers}; "
             f"this target has {tcfg.num_hidden_layers}")
+    if max(cfg.target_layer_ids) >= tcfg.num_hidden_layers:
+        raise DraftMismatchError(
+            f"drafter target_layer_ids {list(cfg.target_layer_ids)} reach past the target's "
+            f"{tcfg.num_hidden_layers} layers")
 
 
 def save_drafter(path: str | Path, drafter: DFlashDrafter) -> Path:
