@@ -59,7 +59,7 @@ class MoEConfig:
 MOE_CONFIGS: list[tuple[int, MoEConfig]] = [
     (256, MoEConfig(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=4)),
     (1024, MoEConfig(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=3)),
-    (1 << 62, MoEConfig(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)),
+    (1 << 62, MoEConfig(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)),
 ]
 
 

@@ -66,8 +66,11 @@ DENSE_CONFIGS: list[tuple[int, W4Config]] = [
     (16, W4Config(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=4)),
     (32, W4Config(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=4)),
     (64, W4Config(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)),
-    (1 << 62, W4Config(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)),
+    (1 << 62, W4Config(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2)),
 ]
+# Shared memory per pipeline stage ~ BLOCK_N*BLOCK_K/2 (int4) + BLOCK_M*BLOCK_K*2 (x) bytes, plus one
+# dequantized [BLOCK_N, BLOCK_K] tile when the MMA reads it from shared memory: keep the total under
+# ~200 KB (Hopper: 227 KB per block).
 
 # Programs we want in flight before splitting K; the H200 has 132 SMs. A constant (not the device's
 # SM count) so that the reduction order is the same on every device.

@@ -1,0 +1,139 @@
+"""Benchmark helpers: rooflines measured in the same run, graph-replay timing with rotating inputs,
+JSON + Markdown writers.
+
+Timing (`time_calls`): the calls (one per rotating input set) are captured once into a CUDA graph and
+the graph is replayed; per-call time = median replay time / number of calls. Graph replay removes
+Python launch gaps, which would otherwise dominate kernels of 10-50 us; rotating input sets whose
+total size exceeds L2 keeps repeated calls from reading the weights out of L2. If capture fails the
+same loop is timed eagerly with CUDA events (reported as graph=False).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+
+def device_info() -> dict:
+    import triton
+
+    p = torch.cuda.get_device_properties(0)
+    return {
+        "gpu": p.name, "sm_count": p.multi_processor_count,
+        "l2_bytes": getattr(p, "L2_cache_size", None), "mem_bytes": p.total_memory,
+        "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+    }
+
+
+def l2_bytes() -> int:
+    return int(getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 0) or 50 * 2**20)
+
+
+def _events_median(fn: Callable[[], None], reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        a = torch.cuda.Event(enable_timing=True)
+        b = torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)  # us
+    return statistics.median(times)
+
+
+def time_calls(calls: Sequence[Callable[[], object]], reps: int = 20, warmup: int = 2,
+               use_graph: bool = True) -> dict:
+    """Median microseconds per call over `calls` run back to back (see module docstring)."""
+    for _ in range(warmup):
+        for c in calls:
+            c()
+    torch.cuda.synchronize()
+
+    def run_all():
+        for c in calls:
+            c()
+
+    if use_graph:
+        try:
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                run_all()
+            torch.cuda.current_stream().wait_stream(s)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                run_all()
+            g.replay()
+            torch.cuda.synchronize()
+            t = _events_median(g.replay, reps)
+            del g
+            return {"us": t / len(calls), "graph": True}
+        except Exception as exc:  # noqa: BLE001 - fall back to eager timing, reported
+            torch.cuda.synchronize()
+            err = f"{type(exc).__name__}: {exc}"[:200]
+            t = _events_median(run_all, reps)
+            return {"us": t / len(calls), "graph": False, "graph_error": err}
+    t = _events_median(run_all, reps)
+    return {"us": t / len(calls), "graph": False}
+
+
+def copy_bandwidth(nbytes: int = 2 * 2**30, reps: int = 20) -> float:
+    """Device-to-device copy, bytes read + written per second (B/s)."""
+    a = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    t = time_calls([lambda: b.copy_(a)], reps=reps, use_graph=False)["us"]
+    del a, b
+    return 2 * nbytes / (t * 1e-6)
+
+
+def bf16_matmul_rate(n: int = 8192, reps: int = 20) -> float:
+    """FLOP/s of a large bf16 matmul on random data."""
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    t = time_calls([lambda: a @ b], reps=reps, use_graph=False)["us"]
+    return 2 * n**3 / (t * 1e-6)
+
+
+def command_line() -> str:
+    return " ".join([os.path.basename(sys.executable)] + sys.argv) if sys.argv else "python"
+
+
+def write_results(out_dir: str | Path, stem: str, payload: dict, md_lines: list[str]) -> tuple[Path, Path]:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    jp = out / f"{stem}.json"
+    mp = out / f"{stem}.md"
+    jp.write_text(json.dumps(payload, indent=1, default=str) + "\n")
+    mp.write_text("\n".join(md_lines) + "\n")
+    return jp, mp
+
+
+def md_table(headers: list[str], rows: list[list]) -> list[str]:
+    def f(v):
+        if v is None:
+            return "n/a"
+        if isinstance(v, float):
+            return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
+        return str(v)
+
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(f(v) for v in r) + " |" for r in rows]
+    return lines
+
+
+class Clock:
+    def __init__(self):
+        self.t0 = time.time()
+
+    def __call__(self) -> float:
+        return time.time() - self.t0
