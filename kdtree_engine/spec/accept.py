@@ -44,10 +44,10 @@ def accept_path_mask(tree: DraftTree, picks: torch.Tensor) -> tuple[torch.Tensor
     """
     parent_pick = picks.index_select(0, tree.parents.clamp_min(0))  # [N1]
     match = tree.tokens == parent_pick  # [N1]
-    match[0] = True
+    match[:1].fill_(True)  # the root (fill_, not a host-to-device copy)
     on_path = ~(tree.mask & ~match.unsqueeze(0)).any(dim=-1)  # [N1]
-    deepest = torch.argmax(torch.where(on_path, tree.depths, -1))
-    return on_path, picks[deepest]
+    deepest = torch.argmax(torch.where(on_path, tree.depths, -1)).reshape(1)
+    return on_path, picks.index_select(0, deepest).reshape(())
 
 
 def accept(tree: DraftTree, picks: torch.Tensor) -> AcceptResult:

@@ -144,12 +144,16 @@ def build_tree(lp: torch.Tensor, ids: torch.Tensor, budget: int, root_token: tor
     tok = torch.empty((n + 1,), dtype=torch.long, device=device)
     par = torch.empty((n + 1,), dtype=torch.long, device=device)
     dep = torch.empty((n + 1,), dtype=torch.long, device=device)
-    tok[0] = root_token if isinstance(root_token, torch.Tensor) else int(root_token)
-    par[0] = -1
-    dep[0] = 0
+    # fill_ with Python scalars, never `t[i] = scalar`: that is a host-to-device copy (a sync)
+    if isinstance(root_token, torch.Tensor):
+        tok[:1] = root_token.reshape(1)
+    else:
+        tok[:1].fill_(int(root_token))
+    par[:1].fill_(-1)
+    dep[:1].fill_(0)
     if n > 0:
-        pool_score[0] = lpf[0]
-        pool_meta[1, 0] = 1
+        pool_score[:1] = lpf[:1]
+        pool_meta[1, :1].fill_(1)
     neg_inf = torch.full((1,), float("-inf"), dtype=torch.float32, device=device)
     zero = torch.zeros((1,), dtype=torch.long, device=device)
     last = L * K - 1
@@ -187,10 +191,11 @@ def ancestor_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
     rows = torch.arange(n1, device=parents.device)
     up = parents.clamp_min(0)  # the root points to itself
     mask = torch.zeros((n1, n1), dtype=torch.bool, device=parents.device)
+    true = torch.ones((), dtype=torch.bool, device=parents.device)
     cur = rows
     for _ in range(max_depth + 1):
-        mask[rows, cur] = True
-        cur = up[cur]
+        mask.index_put_((rows, cur), true)
+        cur = up.index_select(0, cur)
     return mask
 
 
@@ -203,3 +208,40 @@ def chain_tree(root_token: torch.Tensor | int, draft_tokens: torch.Tensor, start
     dep = torch.arange(L + 1, device=device)
     return DraftTree(tokens=tokens, parents=dep - 1, depths=dep, positions=dep + start,
                      mask=torch.ones((L + 1, L + 1), dtype=torch.bool, device=device).tril())
+
+
+class GraphTreeBuilder:
+    """:func:`build_tree` captured in a CUDA graph per (depth, K, budget): one replay instead of
+    ~25 kernel launches per node. Inputs are copied into static buffers, outputs cloned out (the
+    next replay overwrites them). CUDA only; same tree as :func:`build_tree`."""
+
+    def __init__(self) -> None:
+        self._graphs: dict[tuple, tuple] = {}
+
+    def __call__(self, lp: torch.Tensor, ids: torch.Tensor, budget: int, root_token: torch.Tensor | int,
+                 start: torch.Tensor | int) -> DraftTree:
+        dev = lp.device
+        key = (tuple(lp.shape), lp.dtype, ids.dtype, budget, dev)
+        if key not in self._graphs:
+            s_lp, s_ids = lp.detach().clone(), ids.clone()
+            s_root = torch.zeros((), dtype=torch.long, device=dev)
+            side = torch.cuda.Stream(dev)
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):  # warm-up outside capture (allocator, lazy init)
+                build_tree(s_lp, s_ids, budget, s_root, 0)
+            torch.cuda.current_stream(dev).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = build_tree(s_lp, s_ids, budget, s_root, 0)
+            self._graphs[key] = (graph, s_lp, s_ids, s_root, out)
+        graph, s_lp, s_ids, s_root, out = self._graphs[key]
+        s_lp.copy_(lp)
+        s_ids.copy_(ids)
+        if isinstance(root_token, torch.Tensor):
+            s_root.copy_(root_token.reshape(()))
+        else:
+            s_root.fill_(int(root_token))
+        graph.replay()
+        dep = out.depths.clone()
+        return DraftTree(tokens=out.tokens.clone(), parents=out.parents.clone(), depths=dep,
+                         positions=dep + start, mask=out.mask.clone())
