@@ -167,17 +167,23 @@ def _bi_gemm_kernel(x_ptr, w_ptr, out_ptr,
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn      # [BN, 1]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)           # swapped: weight rows x tokens
     for k0 in range(k_start, k_end, BLOCK_K):
-        kk = k0 + offs_k
-        k_mask = kk < k_end
-        w = tl.load(w_rows + kk[None, :] * stride_wk, mask=n_mask[:, None] & k_mask[None, :], other=0.0,
-                    eviction_policy="evict_first")                  # [BN, BK]
-        x = tl.load(x_rows + kk[None, :] * stride_xk, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         if INTERP_SUM:
             # interpreter only: a k-ordered sum per element (numpy's matmul picks its summation order
-            # from the tile shape, which would make the interpreted kernel depend on BLOCK_M)
-            prod = w.to(tl.float32)[:, :, None] * tl.trans(x.to(tl.float32))[None, :, :]
-            acc += tl.sum(prod, axis=1)
+            # from the tile shape, which would make the interpreted kernel depend on BLOCK_M); 16 k at
+            # a time to stay under the interpreter's tensor size limit
+            for s in tl.static_range(0, BLOCK_K, 16):
+                kk = k0 + s + tl.arange(0, 16)
+                k_mask = kk < k_end
+                w = tl.load(w_rows + kk[None, :] * stride_wk, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+                x = tl.load(x_rows + kk[None, :] * stride_xk, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+                prod = w.to(tl.float32)[:, :, None] * tl.trans(x.to(tl.float32))[None, :, :]  # [BN, 16, BM]
+                acc += tl.sum(prod, axis=1)
         else:
+            kk = k0 + offs_k
+            k_mask = kk < k_end
+            w = tl.load(w_rows + kk[None, :] * stride_wk, mask=n_mask[:, None] & k_mask[None, :], other=0.0,
+                        eviction_policy="evict_first")              # [BN, BK]
+            x = tl.load(x_rows + kk[None, :] * stride_xk, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
             if UPCAST:
                 w = w.to(tl.float32)
                 x = x.to(tl.float32)

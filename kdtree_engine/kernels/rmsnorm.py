@@ -1,0 +1,83 @@
+"""Batch-invariant RMSNorm: one program per row, fp32 math, HF convention.
+
+    y = weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)        (as layers.RMSNorm)
+
+The mean is a tl.sum over one [BLOCK_H] tile held by one program (BLOCK_H = next power of two >= H,
+num_warps from H), so the order in which a row's squares are added depends on H only, never on how
+many rows share the launch. The product with the weight is computed in fp32 and rounded once to the
+output dtype, which is what torch does for a bf16 * bf16 (or mixed) elementwise product; the output
+dtype is torch's promotion of (weight.dtype, x.dtype), as in layers.RMSNorm.
+
+Why a kernel: torch's CUDA mean is a generic reduction whose launch shape (threads per output, and
+whether one row is split across blocks) is chosen from the number of rows, so its result for a row
+may depend on M; tests/gpu/test_batch_invariance_gpu.py measures whether it does on the machine and
+bench/gemm.py reports it. This kernel does not depend on that answer.
+
+CPU: ``rmsnorm_reference`` is layers.RMSNorm's arithmetic (the oracle). Under TRITON_INTERPRET=1 the
+kernel runs on CPU tensors (tests/kernels/test_rmsnorm.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_MAX_H = 65536
+
+
+@triton.jit
+def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, H, stride_xm, stride_om, eps,
+                    BLOCK_H: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_H)
+    mask = offs < H
+    x = tl.load(x_ptr + row * stride_xm + offs, mask=mask, other=0.0).to(tl.float32)
+    ms = tl.sum(x * x, axis=0) / H
+    r = tl.div_rn(1.0, tl.sqrt_rn(ms + eps))  # correctly rounded (IEEE) sqrt and division
+    y = (x * r).to(x_ptr.dtype.element_ty)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+    o = w.to(tl.float32) * y.to(tl.float32)
+    tl.store(out_ptr + row * stride_om + offs, o.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """layers.RMSNorm.forward, as a function (the CPU path and test oracle)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def _warps(block_h: int) -> int:
+    return max(1, min(16, block_h // 512))
+
+
+def bi_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Batch-invariant RMSNorm over the last dim. x [..., H], weight [H] -> [..., H] (Triton).
+
+    Output dtype = torch.promote_types(weight.dtype, x.dtype), as `weight * x_normed.to(x.dtype)`."""
+    if x.dtype not in _DTYPES or weight.dtype not in _DTYPES:
+        raise TypeError(f"bi_rmsnorm: dtypes {x.dtype}, {weight.dtype} not supported (bf16, fp16, fp32)")
+    H = x.shape[-1]
+    if weight.shape != (H,):
+        raise ValueError(f"bi_rmsnorm: weight shape {tuple(weight.shape)} does not match H={H}")
+    if H > _MAX_H:
+        raise ValueError(f"bi_rmsnorm: H={H} > {_MAX_H} (one row per program)")
+    if x.device != weight.device:
+        raise ValueError(f"bi_rmsnorm: x on {x.device}, weight on {weight.device}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, H)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    weight = weight.contiguous()
+    M = x2.shape[0]
+    out = torch.empty((M, H), device=x.device, dtype=torch.promote_types(weight.dtype, x.dtype))
+    if M and H:
+        BLOCK_H = triton.next_power_of_2(H)
+        _rmsnorm_kernel[(M,)](x2, weight, out, H, x2.stride(0), out.stride(0), float(eps),
+                              BLOCK_H=BLOCK_H, num_warps=_warps(BLOCK_H))
+    return out.reshape(*lead, H)
+
+
+__all__ = ["bi_rmsnorm", "rmsnorm_reference"]

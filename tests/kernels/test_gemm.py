@@ -1,0 +1,193 @@
+"""Batch-invariant dense GEMM: configuration rules in process, and the Triton kernel under the
+interpreter (in a child process, see _interp.py): accuracy against float64 at small odd shapes with
+fresh random inputs and NaN-poisoned outputs, and bitwise batch invariance (a row computed alone
+equals the same row computed inside launches of M = 2..129)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+HERE = Path(__file__).resolve()
+sys.path.insert(0, str(HERE.parent))
+
+from kdtree_engine.kernels.gemm import (  # noqa: E402
+    K2_REDUCTIONS, TILES_16BIT, TILES_FP32, Reduction, Tile, bi_linear, bi_linear_reference, reduction_for,
+    tile_for)
+
+DT = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# Relative error bounds against float64 on the same (rounded) inputs. The interpreter of triton 3.9 casts
+# fp32 -> bf16 by truncation (the GPU rounds to nearest), hence the loose bf16 bound.
+TOL = {"fp32": 2e-6, "fp16": 2e-3, "bf16": 1.5e-2}
+
+K2_SHAPES = [(2112, 7168), (12288, 1536), (7168, 8192), (4096, 7168), (7168, 2048), (163840, 7168),
+             (384, 7168)]
+
+
+# ---------------------------------------------------------------------------------- in process
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_reduction_depends_on_shape_only(dtype):
+    for n, k in K2_SHAPES + [(5, 16), (33, 130), (100, 4096)]:
+        red = reduction_for(n, k, dtype)
+        assert red == reduction_for(n, k, dtype)
+        assert red.split_k >= 1 and red.BLOCK_K >= 16 and red.BLOCK_K % 16 == 0
+        kps = red.k_per_split(k)
+        assert kps % red.BLOCK_K == 0
+        # the splits cover K exactly once, none empty
+        assert (red.n_splits(k) - 1) * kps < k <= red.n_splits(k) * kps
+
+
+def test_tiles_are_valid_for_every_m():
+    for table in (TILES_16BIT, TILES_FP32):
+        assert table[-1][0] >= 1 << 40
+        for _, t in table:
+            assert t.BLOCK_M >= 16 and t.BLOCK_N >= 16 and t.num_warps in (1, 2, 4, 8, 16)
+    for m in (1, 16, 17, 64, 65, 129, 256, 5000):
+        assert tile_for(m, torch.bfloat16).BLOCK_M >= 16
+    for red in K2_REDUCTIONS.values():
+        assert isinstance(red, Reduction) and red.split_k >= 1
+
+
+def test_rejects_bad_inputs():
+    x = torch.randn(2, 16)
+    with pytest.raises(TypeError):
+        bi_linear(x, torch.randn(4, 16, dtype=torch.float64))
+    with pytest.raises(TypeError):
+        bi_linear(x.double(), torch.randn(4, 16).double())
+    with pytest.raises(ValueError):
+        bi_linear(x, torch.randn(4, 17))
+    with pytest.raises(ValueError):
+        bi_linear(x[None], torch.randn(4, 16))
+
+
+def test_reference_matches_float64():
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(7, 33, generator=g), torch.randn(9, 33, generator=g)
+    ref = x.double() @ w.double().T
+    got = bi_linear_reference(x, w).double()
+    assert float((got - ref).norm() / ref.norm()) < 1e-6
+
+
+# ---------------------------------------------------------------------------------- interpreter
+
+# name: (M, N, K, dtype, options)
+CASES: dict[str, tuple] = {}
+# every (M, N), (M, K) and (N, K) pair of M in {1, 3, 17, 64}, N in {5, 33, 100}, K in {16, 48, 130}
+for _i, _m in enumerate((1, 3, 17, 64)):
+    for _j, _n in enumerate((5, 33, 100)):
+        _k = (16, 48, 130)[(_i + _j) % 3]
+        CASES[f"acc_fp32_m{_m}_n{_n}_k{_k}"] = (_m, _n, _k, "fp32", {})
+CASES.update({
+    "acc_bf16_m3_n33_k130": (3, 33, 130, "bf16", {}),
+    "acc_bf16_m65_n100_k48_bigtile": (65, 100, 48, "bf16", {}),
+    "acc_fp16_m17_n100_k130": (17, 100, 130, "fp16", {}),
+    "acc_fp32_auto_split": (5, 40, 520, "fp32", {"expect_split": True}),
+    "acc_fp32_forced_split3_bk16": (6, 33, 130, "fp32", {"reduction": (16, 3)}),
+    "acc_bf16_forced_split5": (17, 20, 200, "bf16", {"reduction": (32, 5)}),
+    "acc_fp32_noncontig": (7, 33, 130, "fp32", {"noncontig": True}),
+    "acc_fp32_tl_dot": (17, 33, 130, "fp32", {"interp": "dot"}),
+    "acc_bf16_tl_dot_split": (3, 33, 300, "bf16", {"interp": "dot", "reduction": (32, 2)}),
+    # bitwise: rows alone (M = 1) vs inside launches of M = 2..129
+    "inv_fp32_default": (129, 33, 130, "fp32", {"invariance": True}),
+    "inv_fp32_split3_any_tile": (129, 50, 200, "fp32", {"invariance": True, "reduction": (32, 3), "tiles": True}),
+    "inv_bf16_split2": (129, 33, 200, "bf16", {"invariance": True, "reduction": (32, 2)}),
+})
+
+_INV_M = (2, 3, 17, 33, 64, 65, 129)
+_INV_ROWS = (0, 1, 16, 31, 64, 128)
+
+
+def _inputs(M, N, K, dt, gen, noncontig=False):
+    x = torch.randn(M, 2 * K if noncontig else K, generator=gen).to(DT[dt])
+    w = torch.randn(K if noncontig else N, N if noncontig else K, generator=gen).to(DT[dt])
+    if noncontig:
+        x = x[:, ::2]   # row stride 2K, k stride 2
+        w = w.T         # [N, K] with k stride N
+    return x, w
+
+
+def _run_one(name, spec):
+    M, N, K, dt, opt = spec
+    seed = int.from_bytes(os.urandom(4), "little")  # fresh inputs each run; reported on failure
+    gen = torch.Generator().manual_seed(seed)
+    red = Reduction(*opt["reduction"]) if "reduction" in opt else None
+    if "interp" in opt:
+        os.environ["KDTREE_GEMM_INTERP"] = opt["interp"]
+    try:
+        x, w = _inputs(M, N, K, dt, gen, opt.get("noncontig", False))
+        if not opt.get("invariance"):
+            y = bi_linear(x, w, reduction=red)
+            ref = x.double() @ w.double().T
+            yd = y.double()
+            rec = {"ok_meta": y.dtype == x.dtype and tuple(y.shape) == (M, N),
+                   "nonfinite": int((~torch.isfinite(yd)).sum()),
+                   "rel": float((yd - ref).norm() / ref.norm()),
+                   "split": (red or reduction_for(N, K, x.dtype)).n_splits(K)}
+            return rec | {"seed": seed}
+        # invariance: each sampled row alone, then every launch size; all launches also agree with
+        # the largest one on every row they share
+        tiles = [None]
+        if opt.get("tiles"):
+            tiles = [Tile(16, 64, 4, 2), Tile(32, 32, 2, 3), Tile(64, 64, 4, 4), Tile(128, 128, 8, 2)]
+        alone = {}
+        for i in _INV_ROWS:
+            alone[i] = bi_linear(x[i:i + 1], w, reduction=red, tile=tiles[i % len(tiles)])
+        big = bi_linear(x, w, reduction=red)
+        bad = []
+        for j, m in enumerate(_INV_M):
+            y = bi_linear(x[:m], w, reduction=red, tile=tiles[j % len(tiles)])
+            if not torch.equal(y, big[:m]):
+                bad.append(f"M={m} differs from M={M} on shared rows")
+            for i in _INV_ROWS:
+                if i < m and not torch.equal(y[i], alone[i][0]):
+                    bad.append(f"row {i}: M={m} != M=1")
+        ref = x.double() @ w.double().T
+        return {"ok_meta": True, "nonfinite": int((~torch.isfinite(big)).sum()), "bad": bad[:10],
+                "rel": float((big.double() - ref).norm() / ref.norm()), "seed": seed}
+    finally:
+        os.environ.pop("KDTREE_GEMM_INTERP", None)
+
+
+import _interp  # noqa: E402
+
+_interp.register(HERE, list(CASES))
+
+
+@pytest.fixture(scope="module")
+def interp_results():
+    from _interp import run_cases
+
+    return run_cases(HERE, list(CASES))
+
+
+@pytest.mark.parametrize("name", [n for n in CASES if n.startswith("acc_")])
+def test_kernel_accuracy_interpreted(interp_results, name):
+    rec = interp_results[name]
+    assert "error" not in rec, rec["error"]
+    assert rec["ok_meta"]
+    assert rec["nonfinite"] == 0, "unwritten (NaN-poisoned) or non-finite outputs"
+    tol = TOL[CASES[name][3]]
+    assert rec["rel"] < tol, f"relative error {rec['rel']:.3g} >= {tol} (seed {rec['seed']})"
+    if CASES[name][4].get("expect_split"):
+        assert rec["split"] > 1
+
+
+@pytest.mark.parametrize("name", [n for n in CASES if n.startswith("inv_")])
+def test_kernel_batch_invariant_interpreted(interp_results, name):
+    rec = interp_results[name]
+    assert "error" not in rec, rec["error"]
+    assert rec["nonfinite"] == 0
+    assert rec["rel"] < TOL[CASES[name][3]], f"seed {rec['seed']}"
+    assert not rec["bad"], f"{rec['bad']} (seed {rec['seed']})"
+
+
+if __name__ == "__main__" and "--interp-cases" in sys.argv:
+    from _interp import child_main
+
+    child_main(CASES, _run_one, sys.argv[sys.argv.index("--interp-cases") + 1:])
