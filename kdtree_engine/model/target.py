@@ -115,6 +115,8 @@ class Target(nn.Module):
         names: set[str] = set()
         skip = ("rope.", "w13", "w2")
         for n, _ in list(self.named_parameters()) + list(self.named_buffers()):
+            if n.startswith("lm_head_proj.") and self.cfg.tie_word_embeddings:
+                continue  # tied: the embedding serves as lm_head
             if n.startswith("lm_head_proj."):
                 names.add("lm_head." + n.split(".", 1)[1])
             elif not any(n.startswith(s) or f".experts.{s}" in n for s in skip):
@@ -181,6 +183,10 @@ class Target(nn.Module):
         if missing:
             more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
             raise LoadError(f"missing tensors: {', '.join(missing[:5])}{more}")
+        if self.cfg.tie_word_embeddings:
+            if self.lm_head_proj.quantized:
+                raise LoadError("tie_word_embeddings with an INT4 lm_head is not supported")
+            self.lm_head_proj.weight = self.embed_tokens.weight
         for layer in self.layers:
             layer.self_attn.reset_absorbed()
 
