@@ -1,0 +1,258 @@
+"""Benchmark: batch-invariant dense GEMM (kernels/gemm.py) against cuBLAS (torch F.linear) on the K2
+dense shapes, bf16, at M = 1, 4, 16, 64, 129, 256; plus RMSNorm (kernels/rmsnorm.py) against torch.
+
+    python bench/gemm.py --out bench/results            # writes gemm-<gpu>.json and .md
+    python bench/gemm.py --sweep                        # also times candidate tiles / reductions
+
+For every point: median time (triton.testing.do_bench, L2 flushed between runs), effective TB/s on the
+weight bytes, the ratio of cuBLAS time to ours (1.0 = parity; >= 0.9 is the cost target), the relative
+error of each against an fp32 product, and whether each is batch-invariant at that point (rows computed
+alone, M = 1, against the same rows inside the M-row launch, bit for bit). Ceilings measured in the same
+run: device-to-device copy bandwidth (bytes read + written) and the bf16 matmul rate at 8192^3.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+SHAPES = [  # name, N (out), K (in)
+    ("q_a+kv_a", 2112, 7168),
+    ("q_b", 12288, 1536),
+    ("o_proj", 7168, 8192),
+    ("shared_w13", 4096, 7168),
+    ("shared_w2", 7168, 2048),
+    ("lm_head", 163840, 7168),
+]
+MS = [1, 4, 16, 64, 129, 256]
+
+
+def _bench(fn, rep_ms: float = 20.0) -> float:
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, warmup=5, rep=rep_ms, return_mode="median"))  # ms
+
+
+def _gpu_tag() -> str:
+    name = torch.cuda.get_device_name().lower()
+    for tag in ("h200", "h100", "a100", "b200", "l40s"):
+        if tag in name:
+            return tag
+    return "".join(c if c.isalnum() else "-" for c in name).strip("-")
+
+
+def ceilings() -> dict:
+    n = 1 << 29  # 1 GiB of bf16
+    a = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    b = torch.empty_like(a)
+    t = _bench(lambda: b.copy_(a), 20)
+    copy_tbs = 2 * a.numel() * 2 / (t * 1e-3) / 1e12
+    del a, b
+    s = 8192
+    x = torch.randn(s, s, device="cuda", dtype=torch.bfloat16)
+    y = torch.randn(s, s, device="cuda", dtype=torch.bfloat16)
+    t = _bench(lambda: x @ y, 50)
+    return {"copy_TBps": copy_tbs, "bf16_matmul_TFLOPs": 2 * s ** 3 / (t * 1e-3) / 1e12}
+
+
+def _rows_alone_equal(fn, x: torch.Tensor, y: torch.Tensor, rows) -> tuple[bool, float]:
+    """Are rows of y = fn(x) equal bitwise to fn(x[i:i+1])? Also the max abs difference."""
+    worst = 0.0
+    for i in rows:
+        d = (fn(x[i:i + 1])[0].float() - y[i].float()).abs().max().item()
+        worst = max(worst, d)
+    return worst == 0.0, worst
+
+
+def bench_gemm(shapes, ms, rep_ms: float) -> list[dict]:
+    from kdtree_engine.kernels.gemm import bi_linear, reduction_for, tile_for
+
+    out = []
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for name, N, K in shapes:
+        w = (torch.randn(N, K, device="cuda", generator=g) * K ** -0.5).to(torch.bfloat16)
+        xs = torch.randn(max(ms), K, device="cuda", generator=g).to(torch.bfloat16)
+        wbytes = N * K * 2
+        red = reduction_for(N, K, torch.bfloat16)
+        for M in ms:
+            x = xs[:M]
+            ref = x.float() @ w.float().T
+            y_cb = F.linear(x, w)
+            y_bi = bi_linear(x, w)
+            rows = sorted({0, M // 2, M - 1})
+            cb_inv, cb_diff = _rows_alone_equal(lambda a: F.linear(a, w), x, y_cb, rows)
+            bi_inv, bi_diff = _rows_alone_equal(lambda a: bi_linear(a, w), x, y_bi, rows)
+            t_cb = _bench(lambda: F.linear(x, w), rep_ms)
+            t_bi = _bench(lambda: bi_linear(x, w), rep_ms)
+            tile = tile_for(M, torch.bfloat16)
+            rec = {
+                "shape": name, "N": N, "K": K, "M": M,
+                "cublas_us": t_cb * 1e3, "bi_us": t_bi * 1e3,
+                "cublas_TBps": wbytes / (t_cb * 1e-3) / 1e12, "bi_TBps": wbytes / (t_bi * 1e-3) / 1e12,
+                "bi_TFLOPs": 2 * M * N * K / (t_bi * 1e-3) / 1e12,
+                "speed_vs_cublas": t_cb / t_bi,
+                "cublas_rel_err": float((y_cb.float() - ref).norm() / ref.norm()),
+                "bi_rel_err": float((y_bi.float() - ref).norm() / ref.norm()),
+                "cublas_invariant": cb_inv, "cublas_max_row_diff": cb_diff,
+                "bi_invariant": bi_inv, "bi_max_row_diff": bi_diff,
+                "BLOCK_K": red.BLOCK_K, "split_k": red.n_splits(K),
+                "tile": f"{tile.BLOCK_M}x{tile.BLOCK_N} w{tile.num_warps} s{tile.num_stages}",
+            }
+            out.append(rec)
+            print(f"{name:11s} M={M:4d}  cublas {rec['cublas_us']:8.1f} us  bi {rec['bi_us']:8.1f} us  "
+                  f"ratio {rec['speed_vs_cublas']:.3f}  bi {rec['bi_TBps']:.2f} TB/s  "
+                  f"inv cublas={cb_inv} bi={bi_inv}", flush=True)
+        del w, xs
+        torch.cuda.empty_cache()
+    return out
+
+
+def bench_rmsnorm(ms, rep_ms: float) -> list[dict]:
+    from kdtree_engine.kernels.rmsnorm import bi_rmsnorm, rmsnorm_reference
+
+    out = []
+    for H in (7168, 1536, 512):
+        w = (torch.rand(H, device="cuda") + 0.5).to(torch.bfloat16)
+        xs = torch.randn(max(ms), H, device="cuda").to(torch.bfloat16)
+        for M in ms:
+            x = xs[:M]
+            rows = sorted({0, M // 2, M - 1})
+            y_t = rmsnorm_reference(x, w, 1e-6)
+            y_b = bi_rmsnorm(x, w, 1e-6)
+            t_inv, t_diff = _rows_alone_equal(lambda a: rmsnorm_reference(a, w, 1e-6), x, y_t, rows)
+            b_inv, b_diff = _rows_alone_equal(lambda a: bi_rmsnorm(a, w, 1e-6), x, y_b, rows)
+            rec = {"H": H, "M": M,
+                   "torch_us": _bench(lambda: rmsnorm_reference(x, w, 1e-6), rep_ms) * 1e3,
+                   "bi_us": _bench(lambda: bi_rmsnorm(x, w, 1e-6), rep_ms) * 1e3,
+                   "torch_invariant": t_inv, "torch_max_row_diff": t_diff,
+                   "bi_invariant": b_inv, "bi_max_row_diff": b_diff,
+                   "max_abs_diff_vs_torch": (y_b.float() - y_t.float()).abs().max().item()}
+            out.append(rec)
+        print(f"rmsnorm H={H}: torch invariant at all M: {all(r['torch_invariant'] for r in out if r['H'] == H)}",
+              flush=True)
+    return out
+
+
+def sweep(shapes, ms, rep_ms: float) -> list[dict]:
+    """Times candidate reductions (BLOCK_K, split) and tiles; prints the best per (shape, M)."""
+    from kdtree_engine.kernels.gemm import Reduction, Tile, bi_linear
+
+    tiles_small = [Tile(16, 64, 4, 4), Tile(16, 64, 4, 6), Tile(16, 128, 4, 4), Tile(16, 128, 8, 4)]
+    tiles_mid = [Tile(64, 64, 4, 4), Tile(32, 128, 4, 4), Tile(64, 128, 4, 3)]
+    tiles_big = [Tile(128, 128, 8, 3), Tile(64, 128, 4, 3), Tile(128, 256, 8, 3), Tile(256, 128, 8, 3)]
+    out = []
+    g = torch.Generator(device="cuda").manual_seed(1)
+    t_end = time.time() + 240  # keep the whole sweep bounded
+    for name, N, K in shapes:
+        w = (torch.randn(N, K, device="cuda", generator=g) * K ** -0.5).to(torch.bfloat16)
+        xs = torch.randn(max(ms), K, device="cuda", generator=g).to(torch.bfloat16)
+        reds = [Reduction(bk, s) for bk in (64, 128) for s in (1, 2, 4, 8) if (K + bk - 1) // bk >= 4 * s]
+        for M in ms:
+            if time.time() > t_end:
+                print("sweep: time budget spent", flush=True)
+                return out
+            x = xs[:M]
+            t_cb = _bench(lambda: F.linear(x, w), rep_ms)
+            tiles = tiles_small if M <= 16 else tiles_mid if M <= 64 else tiles_big
+            best = {}
+            for red in reds:
+                for tile in tiles:
+                    if (tile.BLOCK_N + tile.BLOCK_M) * red.BLOCK_K * 2 * tile.num_stages > 220 * 1024:
+                        continue
+                    try:
+                        t = _bench(lambda: bi_linear(x, w, tile=tile, reduction=red), rep_ms)
+                    except Exception as e:  # out of shared memory etc.
+                        print(f"  skip {red} {tile}: {type(e).__name__}", flush=True)
+                        continue
+                    key = (red.BLOCK_K, red.split_k)
+                    if key not in best or t < best[key][0]:
+                        best[key] = (t, tile)
+            for (bk, s), (t, tile) in sorted(best.items()):
+                out.append({"shape": name, "M": M, "BLOCK_K": bk, "split": s, "us": t * 1e3,
+                            "ratio": t_cb / t, "tile": [tile.BLOCK_M, tile.BLOCK_N, tile.num_warps, tile.num_stages]})
+            top = sorted(best.items(), key=lambda kv: kv[1][0])[:3]
+            print(f"sweep {name:11s} M={M:4d} cublas {t_cb * 1e3:7.1f} us | " + " | ".join(
+                f"bk{bk} s{s} {t * 1e3:7.1f} us ({t_cb / t:.2f}) {tl.BLOCK_M}x{tl.BLOCK_N}w{tl.num_warps}s{tl.num_stages}"
+                for (bk, s), (t, tl) in top), flush=True)
+        del w, xs
+        torch.cuda.empty_cache()
+    return out
+
+
+def write_md(path: Path, res: dict) -> None:
+    c = res["ceilings"]
+    lines = [f"# Batch-invariant GEMM vs cuBLAS — {res['gpu']}", "",
+             f"torch {res['torch']}, triton {res['triton']}. Ceilings measured in the same run: copy "
+             f"{c['copy_TBps']:.2f} TB/s (read+write), bf16 matmul {c['bf16_matmul_TFLOPs']:.0f} TFLOP/s.",
+             "ratio = cuBLAS time / bi_linear time (>= 0.90 meets the cost target). inv = rows computed "
+             "alone equal the rows inside the M-row launch, bit for bit.", "",
+             "| shape | N x K | M | cuBLAS us | bi us | ratio | bi TB/s (weights) | bi TFLOP/s | cuBLAS inv | bi inv | "
+             "split | tile |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in res["gemm"]:
+        lines.append(f"| {r['shape']} | {r['N']}x{r['K']} | {r['M']} | {r['cublas_us']:.1f} | {r['bi_us']:.1f} | "
+                     f"{r['speed_vs_cublas']:.3f} | {r['bi_TBps']:.2f} | {r['bi_TFLOPs']:.0f} | "
+                     f"{'yes' if r['cublas_invariant'] else 'NO'} | {'yes' if r['bi_invariant'] else 'NO'} | "
+                     f"{r['split_k']} | {r['tile']} |")
+    if res.get("rmsnorm"):
+        lines += ["", "## RMSNorm (bf16)", "", "| H | M | torch us | bi us | torch inv | bi inv | max diff vs torch |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in res["rmsnorm"]:
+            lines.append(f"| {r['H']} | {r['M']} | {r['torch_us']:.1f} | {r['bi_us']:.1f} | "
+                         f"{'yes' if r['torch_invariant'] else 'NO'} | {'yes' if r['bi_invariant'] else 'NO'} | "
+                         f"{r['max_abs_diff_vs_torch']:.3g} |")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(REPO / "bench" / "results"), help="folder for gemm-<gpu>.json/.md")
+    ap.add_argument("--ms", default=",".join(map(str, MS)), help="comma-separated M values")
+    ap.add_argument("--shapes", default="", help="comma-separated shape names (default: all)")
+    ap.add_argument("--rep-ms", type=float, default=20.0, help="do_bench repetition time per point")
+    ap.add_argument("--sweep", action="store_true", help="also time candidate tiles / reductions")
+    ap.add_argument("--sweep-ms", default="1,16,64,129,256", help="M values of the sweep")
+    ap.add_argument("--no-rmsnorm", action="store_true")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/gemm.py needs a CUDA device")
+    import triton
+
+    t0 = time.time()
+    ms = [int(m) for m in args.ms.split(",") if m]
+    names = [s for s in args.shapes.split(",") if s]
+    shapes = [s for s in SHAPES if not names or s[0] in names]
+    torch.backends.cuda.matmul.allow_tf32 = False
+    res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+           "python": platform.python_version(), "ceilings": ceilings()}
+    print(f"ceilings: {res['ceilings']}", flush=True)
+    res["gemm"] = bench_gemm(shapes, ms, args.rep_ms)
+    if not args.no_rmsnorm:
+        res["rmsnorm"] = bench_rmsnorm(ms, args.rep_ms)
+    if args.sweep:
+        res["sweep"] = sweep(shapes, [int(m) for m in args.sweep_ms.split(",") if m], min(args.rep_ms, 10.0))
+    res["wall_s"] = time.time() - t0
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tag = _gpu_tag()
+    (out / f"gemm-{tag}.json").write_text(json.dumps(res, indent=1))
+    write_md(out / f"gemm-{tag}.md", res)
+    print(f"\n{'shape':11s} {'M':>4s} {'cuBLAS us':>9s} {'bi us':>8s} {'ratio':>6s} {'TB/s':>5s} inv(cb,bi)")
+    for r in res["gemm"]:
+        print(f"{r['shape']:11s} {r['M']:4d} {r['cublas_us']:9.1f} {r['bi_us']:8.1f} {r['speed_vs_cublas']:6.3f} "
+              f"{r['bi_TBps']:5.2f} {int(r['cublas_invariant'])}{int(r['bi_invariant'])}")
+    print(f"wrote {out / f'gemm-{tag}.json'} and .md in {res['wall_s']:.0f} s")
+    return res
+
+
+if __name__ == "__main__":
+    main()
