@@ -1,0 +1,377 @@
+"""Absorbed MLA attention (decode, tree verify, chunked prefill over a cached prefix) in Triton.
+
+    o_lat[t, h] = softmax_s(scale * (q_lat[t, h] . c_kv[s] + q_pe[t, h] . k_pe[s])) @ c_kv
+    kv = [c_kv | k_pe]  [S + T, C + R]   (one 576-wide latent per slot, shared by all heads: MQA)
+
+Query t sees every committed slot [0, S) and new slot S + j where tree_mask[t, j] (causal when
+tree_mask is None). The torch reference (and CPU path, and test oracle) is
+`kdtree_engine.model.mla.mla_attention_reference`.
+
+Design
+------
+Rows. The T*N (query, head) rows share the same keys, so they are packed into the M side of the
+tl.dot tiles (BLOCK_M rows per program); per tile the K/V block is loaded once for all its rows.
+
+Virtual key sequence. Each query t reads the sequence  [0, S) + (its visible new slots, ascending)
+of length L_t = S + n_t. Position p < S is slot p; position S + k is slot S + idx[t, k], the k-th
+visible new slot. For a tree node (ancestor-or-self mask, parent[i] < i) that sequence is the prefix,
+its ancestors root first, then itself: exactly the keys, in the same order, that plain decoding reads
+at the same token after the accepted path has been committed to slots S, S+1, .... This is what makes
+speculative output equal plain decoding bit for bit (below).
+
+Split over the keys (flash-decoding). The virtual sequence is cut into chunks of CHUNK keys at fixed
+positions (multiples of CHUNK, a constant of the config; it never depends on T, S or the rows of a
+launch). One program computes one chunk for one tile of rows (and one slice of the 512 output
+columns, V_SPLIT slices): online softmax in fp32 over BLOCK_N-key blocks, then writes the chunk's
+normalised output o_c and its log2-sum-exp. A second kernel merges a row's chunks in chunk order:
+    m = max_c lse_c;  w_c = 2^(lse_c - m);  o = (sum_c w_c o_c) / (sum_c w_c)     (c = 0, 1, ...)
+A row with one chunk is written directly (bit-identical to merging one chunk: w = 1).
+
+Two kinds of program, the same kernel code (only the address of a key differs):
+  packed  rows t-major over all T*N rows; keys at their slots. Used for every chunk of the causal
+          case (per-row length mask p < L_t; a row with no key in the chunk is not stored) and for
+          the chunks that lie wholly in [0, S) in the tree case.
+  gather  tree case, chunks from S // CHUNK on: one query per tile (its heads), keys gathered
+          through idx[t] (one [BLOCK_N, C+R] row gather), length mask p < L_t.
+Cascade vs one pass: this is the cascade's split (shared prefix for all rows, per-query tree part),
+but the boundary is a chunk boundary instead of S, so no third partial and no extra merge; the tree
+part costs at most one chunk + T keys per query. An in-kernel [T, T] mask over physical slots would
+read the same bytes but put the path keys at other positions than plain decoding does, which breaks
+bit equality (tile grouping of the max and of the P@V sums).
+
+Batch invariance (a row's result does not depend on T or on which rows share its launch):
+  * chunk boundaries are fixed virtual positions (CHUNK is per config, independent of T/S);
+  * within a chunk, BLOCK_N blocks start at the chunk start; blocks past a row's length are exact
+    no-ops for that row (p = 0, alpha = 1, acc + 0);
+  * BLOCK_M / BLOCK_N / warps / stages / input precision come from the config, chosen from
+    (N, dtype) only, never from T; rows of an MMA tile are independent;
+  * the merge runs in chunk order with the same formula for any number of rows.
+Checked bit for bit by tests/kernels/test_mla_attention.py (interpreter, fp32) and
+tests/gpu/test_mla_attention_gpu.py (H200, bf16).
+
+Workspace: partial outputs fp32 [T*N, n_chunks, C] + lse [T*N, n_chunks] when more than one chunk,
+n_chunks = cdiv(S + T, CHUNK); e.g. T=129, N=8, S=128K, CHUNK=512: 1032 x 258 x 2 KB = 545 MB.
+
+Under TRITON_INTERPRET=1 (CPU) the dot operands are upcast to fp32 (the 3.9 interpreter computes bf16
+dots wrongly) and each dot is a broadcast product + sum, whose per-row value does not depend on the
+row's position in the tile (numpy's matmul does depend on it; an MMA does not).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    CHUNK: int = 512     # keys per split (reduction structure: part of batch invariance)
+    BLOCK_M: int = 16    # (query, head) rows per program
+    BLOCK_N: int = 32    # keys per inner step (divides CHUNK)
+    V_SPLIT: int = 1     # output-column slices per row tile (each recomputes the scores)
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def as_dict(self) -> dict:
+        return dict(CHUNK=self.CHUNK, BLOCK_M=self.BLOCK_M, BLOCK_N=self.BLOCK_N, V_SPLIT=self.V_SPLIT,
+                    num_warps=self.num_warps, num_stages=self.num_stages)
+
+
+# Default config per heads-per-rank N (first entry with N <= max N). Chosen from bench/mla_attention.py
+# on an H200; every field is fixed per (N, dtype) so rows are batch-invariant across T.
+DEFAULT_CONFIGS: list[tuple[int, MLAConfig]] = [
+    (16, MLAConfig(CHUNK=512, BLOCK_M=16, BLOCK_N=32, V_SPLIT=1, num_warps=4, num_stages=2)),
+    (1 << 30, MLAConfig(CHUNK=512, BLOCK_M=32, BLOCK_N=32, V_SPLIT=1, num_warps=4, num_stages=2)),
+]
+
+
+def default_config(n_heads: int) -> MLAConfig:
+    for max_n, cfg in DEFAULT_CONFIGS:
+        if n_heads <= max_n:
+            return cfg
+    return DEFAULT_CONFIGS[-1][1]
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+# ----------------------------------------------------------------------------------------------
+# kernels
+
+
+@triton.jit
+def _mla_chunk_kernel(
+    ql_ptr, qp_ptr, kv_ptr, idx_ptr, nvis_ptr, po_ptr, pl_ptr, out_ptr,
+    T, S, N, c_first,
+    stride_qlt, stride_qln, stride_qpt, stride_qpn, stride_kv, stride_idx,
+    stride_pom, stride_poc, stride_plm, stride_ot, stride_on,
+    qk_scale,
+    C: tl.constexpr, R: tl.constexpr, CP: tl.constexpr, RP: tl.constexpr, DV: tl.constexpr,
+    CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    GATHER: tl.constexpr, CAUSAL: tl.constexpr, DIRECT: tl.constexpr,
+    UPCAST: tl.constexpr, PREC: tl.constexpr,
+):
+    # grid: (row tiles [packed] or T * head tiles [gather], chunks, V_SPLIT)
+    pid_r = tl.program_id(0)
+    c = c_first + tl.program_id(1)
+    pid_v = tl.program_id(2)
+    DT: tl.constexpr = kv_ptr.dtype.element_ty
+    offs_i = tl.arange(0, BLOCK_M)
+    if GATHER:
+        n_ht = tl.cdiv(N, BLOCK_M)
+        t_q = pid_r // n_ht
+        h = (pid_r % n_ht) * BLOCK_M + offs_i
+        row_ok = h < N
+        t = tl.zeros((BLOCK_M,), dtype=tl.int32) + t_q
+        L_row = S + tl.load(nvis_ptr + t)  # [BM]
+        L_max = S + tl.load(nvis_ptr + t_q)
+    else:
+        rows = pid_r * BLOCK_M + offs_i
+        row_ok = rows < T * N
+        t = rows // N
+        h = rows % N
+        if CAUSAL:
+            L_row = S + t + 1
+            L_max = S + tl.minimum(T * N - 1, pid_r * BLOCK_M + BLOCK_M - 1) // N + 1
+        else:  # tree case: packed programs cover only whole chunks of [0, S)
+            L_row = tl.zeros((BLOCK_M,), dtype=tl.int32) + S
+            L_max = S
+    p0 = c * CHUNK
+    if p0 >= L_max:
+        return
+    p_end = tl.minimum(p0 + CHUNK, L_max)
+
+    offs_c = tl.arange(0, CP)
+    offs_r = tl.arange(0, RP)
+    t64 = t.to(tl.int64)
+    h64 = h.to(tl.int64)
+    q_lat = tl.load(ql_ptr + t64[:, None] * stride_qlt + h64[:, None] * stride_qln + offs_c[None, :],
+                    mask=row_ok[:, None] & (offs_c[None, :] < C), other=0.0)
+    q_pe = tl.load(qp_ptr + t64[:, None] * stride_qpt + h64[:, None] * stride_qpn + offs_r[None, :],
+                   mask=row_ok[:, None] & (offs_r[None, :] < R), other=0.0)
+    if UPCAST:
+        q_lat = q_lat.to(tl.float32)
+        q_pe = q_pe.to(tl.float32)
+    offs_v = pid_v * DV + tl.arange(0, DV)
+
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, DV), dtype=tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    for start in range(p0, p_end, BLOCK_N):
+        p = start + offs_n  # virtual positions [BN]
+        k_ok = p < p_end
+        if GATHER:
+            j = tl.load(idx_ptr + t_q.to(tl.int64) * stride_idx + (p - S), mask=k_ok & (p >= S), other=0)
+            slot = tl.where(p < S, p, S + j)
+        else:
+            slot = p
+        krow = kv_ptr + slot.to(tl.int64)[:, None] * stride_kv
+        k_lat = tl.load(krow + offs_c[None, :], mask=k_ok[:, None] & (offs_c[None, :] < C), other=0.0)
+        k_pe = tl.load(krow + C + offs_r[None, :], mask=k_ok[:, None] & (offs_r[None, :] < R), other=0.0)
+        if DV == CP:
+            v = k_lat
+        else:
+            v = tl.load(krow + offs_v[None, :], mask=k_ok[:, None] & (offs_v[None, :] < C), other=0.0)
+        if UPCAST:
+            k_lat = k_lat.to(tl.float32)
+            k_pe = k_pe.to(tl.float32)
+            v = v.to(tl.float32)
+        # (no nested @jit helper: the interpreter re-patches builtins on every call of one)
+        if UPCAST:  # interpreter: row-exact broadcast products (see module docstring)
+            s = (tl.sum(q_lat[:, :, None] * tl.trans(k_lat)[None, :, :], 1)
+                 + tl.sum(q_pe[:, :, None] * tl.trans(k_pe)[None, :, :], 1))
+        else:
+            s = tl.dot(q_lat, tl.trans(k_lat), input_precision=PREC)
+            s = tl.dot(q_pe, tl.trans(k_pe), s, input_precision=PREC)
+        s = s * qk_scale
+        s = tl.where(p[None, :] < L_row[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        pr = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(pr, 1)
+        if UPCAST:
+            acc = acc * alpha[:, None] + tl.sum(pr[:, :, None] * v[None, :, :], 1)
+        else:
+            acc = tl.dot(pr.to(DT), v, acc * alpha[:, None], input_precision=PREC)
+        m_i = m_new
+
+    o = acc / l_i[:, None]
+    store_row = row_ok & (p0 < L_row)
+    v_ok = offs_v < C
+    if DIRECT:
+        o_ptrs = out_ptr + t64[:, None] * stride_ot + h64[:, None] * stride_on + offs_v[None, :]
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=store_row[:, None] & v_ok[None, :])
+    else:
+        r64 = t64 * N + h64
+        po = po_ptr + r64[:, None] * stride_pom + c * stride_poc + offs_v[None, :]
+        tl.store(po, o, mask=store_row[:, None] & v_ok[None, :])
+        if pid_v == 0:
+            tl.store(pl_ptr + r64 * stride_plm + c, m_i + tl.log2(l_i), mask=store_row)
+
+
+@triton.jit
+def _mla_merge_kernel(po_ptr, pl_ptr, nvis_ptr, out_ptr, S, N,
+                      stride_pom, stride_poc, stride_plm, stride_ot, stride_on,
+                      C: tl.constexpr, CP: tl.constexpr, CHUNK: tl.constexpr, CAUSAL: tl.constexpr):
+    """One program per row: merge its chunks in chunk order."""
+    r = tl.program_id(0)
+    t = r // N
+    h = r % N
+    if CAUSAL:
+        L = S + t + 1
+    else:
+        L = S + tl.load(nvis_ptr + t)
+    n_ch = tl.cdiv(L, CHUNK)
+    r64 = r.to(tl.int64)
+    one = tl.arange(0, 1)
+    m = tl.full((1,), float("-inf"), dtype=tl.float32)
+    for c in range(0, n_ch):
+        m = tl.maximum(m, tl.load(pl_ptr + r64 * stride_plm + c + one))
+    offs = tl.arange(0, CP)
+    cmask = offs < C
+    acc = tl.zeros((CP,), dtype=tl.float32)
+    den = tl.zeros((1,), dtype=tl.float32)
+    for c in range(0, n_ch):
+        w = tl.exp2(tl.load(pl_ptr + r64 * stride_plm + c + one) - m)
+        acc += w * tl.load(po_ptr + r64 * stride_pom + c * stride_poc + offs, mask=cmask, other=0.0)
+        den += w
+    o = acc / den
+    tl.store(out_ptr + t.to(tl.int64) * stride_ot + h.to(tl.int64) * stride_on + offs,
+             o.to(out_ptr.dtype.element_ty), mask=cmask)
+
+
+# ----------------------------------------------------------------------------------------------
+# Python entry point
+
+
+def _check(q_lat, q_pe, kv, start, tree_mask, kv_lora_rank):
+    if q_lat.dim() != 3 or q_pe.dim() != 3 or kv.dim() != 2:
+        raise ValueError(f"expected q_lat [T, N, C], q_pe [T, N, R], kv [S+T, C+R]; got "
+                         f"{tuple(q_lat.shape)}, {tuple(q_pe.shape)}, {tuple(kv.shape)}")
+    T, N, C = q_lat.shape
+    if C != kv_lora_rank:
+        raise ValueError(f"q_lat has C={C} but kv_lora_rank={kv_lora_rank}")
+    if q_pe.shape[:2] != (T, N):
+        raise ValueError(f"q_pe {tuple(q_pe.shape)} does not match q_lat {tuple(q_lat.shape)} in [T, N]")
+    R = q_pe.shape[2]
+    if kv.shape[1] != C + R:
+        raise ValueError(f"kv width {kv.shape[1]} != C + R = {C} + {R}")
+    if not isinstance(start, int) or start < 0:
+        raise ValueError(f"start must be a non-negative int, got {start!r}")
+    if kv.shape[0] != start + T:
+        raise ValueError(f"kv has {kv.shape[0]} rows, expected start + T = {start} + {T}")
+    for name, x in (("q_lat", q_lat), ("q_pe", q_pe), ("kv", kv)):
+        if x.dtype not in _DTYPES:
+            raise TypeError(f"{name} dtype {x.dtype} not supported (bf16, fp16, fp32)")
+        if x.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dimension (stride {x.stride()})")
+        if x.device != kv.device:
+            raise ValueError(f"{name} is on {x.device}, kv on {kv.device}")
+    if not (q_lat.dtype == q_pe.dtype == kv.dtype):
+        raise TypeError(f"dtypes differ: q_lat {q_lat.dtype}, q_pe {q_pe.dtype}, kv {kv.dtype}")
+    if tree_mask is not None:
+        if tree_mask.dtype != torch.bool or tuple(tree_mask.shape) != (T, T):
+            raise ValueError(f"tree_mask must be bool [T, T] = [{T}, {T}], got {tree_mask.dtype} "
+                             f"{tuple(tree_mask.shape)}")
+    return T, N, C, R
+
+
+def tree_gather_index(tree_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Visible new slots per query, ascending: idx int32 [T, T] (first nvis[t] valid), nvis int32 [T]."""
+    T = tree_mask.shape[0]
+    nvis = tree_mask.sum(1, dtype=torch.int32)
+    # stable sort of (not visible) puts the visible columns first, in ascending order
+    idx = torch.sort((~tree_mask).to(torch.uint8), dim=1, stable=True).indices.to(torch.int32)
+    return idx.contiguous(), nvis.contiguous()
+
+
+def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, start: int,
+                  tree_mask: torch.Tensor | None, scale: float, kv_lora_rank: int | None = None,
+                  config: MLAConfig | None = None) -> torch.Tensor:
+    """Absorbed MLA attention (Triton). q_lat [T, N, C], q_pe [T, N, R], kv [start+T, C+R] -> [T, N, C].
+
+    Query i sees slots [0, start) and start + j where tree_mask[i, j] (causal when None). `config`
+    overrides the per-N default (benchmarks; a different config changes the rounding)."""
+    if kv_lora_rank is None:
+        kv_lora_rank = q_lat.shape[-1]
+    T, N, C, R = _check(q_lat, q_pe, kv, start, tree_mask, kv_lora_rank)
+    S = start
+    out = torch.empty((T, N, C), device=q_lat.device, dtype=q_lat.dtype)
+    if T == 0 or N == 0:
+        return out
+    cfg = config or default_config(N)
+    if cfg.CHUNK % cfg.BLOCK_N:
+        raise ValueError(f"CHUNK {cfg.CHUNK} must be a multiple of BLOCK_N {cfg.BLOCK_N}")
+    CP = triton.next_power_of_2(C)
+    RP = max(16, triton.next_power_of_2(R))
+    if CP % cfg.V_SPLIT:
+        raise ValueError(f"V_SPLIT {cfg.V_SPLIT} must divide {CP}")
+    DV = CP // cfg.V_SPLIT
+    interp = interpreting()
+    upcast = interp  # fp32 operands and row-exact dots under the interpreter
+    prec = "ieee" if (q_lat.dtype == torch.float32 or upcast) else "tf32"
+    qk_scale = float(scale) * LOG2E
+    causal = tree_mask is None
+    dev = kv.device
+    if causal:
+        idx = nvis = torch.zeros(1, dtype=torch.int32, device=dev)  # unused
+        stride_idx = 0
+    else:
+        idx, nvis = tree_gather_index(tree_mask.to(dev))
+        stride_idx = idx.stride(0)
+
+    n_ch = triton.cdiv(S + T, cfg.CHUNK)
+    direct = n_ch == 1
+    if direct:
+        po, pl = out, out  # unused
+        spom = spoc = splm = 0
+    else:
+        po = torch.empty((T * N, n_ch, C), device=dev, dtype=torch.float32)
+        pl = torch.empty((T * N, n_ch), device=dev, dtype=torch.float32)
+        spom, spoc, splm = po.stride(0), po.stride(1), pl.stride(0)
+
+    common = dict(C=C, R=R, CP=CP, RP=RP, DV=DV, CHUNK=cfg.CHUNK, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
+                  CAUSAL=causal, DIRECT=direct, UPCAST=upcast, PREC=prec,
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    args_tail = (q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), kv.stride(0), stride_idx,
+                 spom, spoc, splm, out.stride(0), out.stride(1), qk_scale)
+    n_tiles = triton.cdiv(T * N, cfg.BLOCK_M)
+    if causal:
+        grid = (n_tiles, n_ch, cfg.V_SPLIT)
+        _mla_chunk_kernel[grid](q_lat, q_pe, kv, idx, nvis, po, pl, out, T, S, N, 0, *args_tail,
+                                GATHER=False, **common)
+    else:
+        c_split = S // cfg.CHUNK  # chunks [0, c_split) lie wholly in the committed prefix
+        if c_split > 0:
+            grid = (n_tiles, c_split, cfg.V_SPLIT)
+            _mla_chunk_kernel[grid](q_lat, q_pe, kv, idx, nvis, po, pl, out, T, S, N, 0, *args_tail,
+                                    GATHER=False, **common)
+        n_tail = n_ch - c_split
+        grid = (T * triton.cdiv(N, cfg.BLOCK_M), n_tail, cfg.V_SPLIT)
+        _mla_chunk_kernel[grid](q_lat, q_pe, kv, idx, nvis, po, pl, out, T, S, N, c_split, *args_tail,
+                                GATHER=True, **common)
+    if not direct:
+        _mla_merge_kernel[(T * N,)](po, pl, nvis, out, S, N, spom, spoc, splm, out.stride(0), out.stride(1),
+                                    C=C, CP=CP, CHUNK=cfg.CHUNK, CAUSAL=causal, num_warps=4)
+    return out
+
+
+def mla_attention_reference(q_lat, q_pe, kv, start, tree_mask, scale, kv_lora_rank=None):
+    """The torch oracle (kdtree_engine.model.mla.mla_attention_reference)."""
+    from kdtree_engine.model.mla import mla_attention_reference as ref
+    return ref(q_lat, q_pe, kv, start, tree_mask, scale, kv_lora_rank if kv_lora_rank is not None
+               else q_lat.shape[-1])
+
+
+__all__ = ["MLAConfig", "DEFAULT_CONFIGS", "default_config", "mla_attention", "mla_attention_reference",
+           "tree_gather_index", "interpreting", "LOG2E"]

@@ -1,0 +1,194 @@
+"""Absorbed MLA attention: the Triton kernel under the interpreter (child process, see _interp.py) vs
+the torch reference at small odd shapes, causal and random-tree masks; batch invariance bit for bit
+(a query alone, T = 1 over its visible set, equals its rows inside the larger launch)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+HERE = Path(__file__).resolve()
+sys.path.insert(0, str(HERE.parent))
+
+from kdtree_engine.kernels.mla_attention import MLAConfig, mla_attention, tree_gather_index  # noqa: E402
+from kdtree_engine.model.mla import mla_attention_reference  # noqa: E402
+
+C, R = 32, 16
+
+
+def random_tree_mask(T: int, gen: torch.Generator) -> torch.Tensor:
+    """Ancestor-or-self mask of a random tree with parent[i] < i (node 0 the root)."""
+    mask = torch.zeros(T, T, dtype=torch.bool)
+    for i in range(T):
+        if i:
+            parent = int(torch.randint(0, i, (1,), generator=gen))
+            mask[i] = mask[parent]
+        mask[i, i] = True
+    return mask
+
+
+def make_inputs(T, N, S, gen, dtype=torch.float32):
+    q_lat = torch.randn(T, N, C, generator=gen).to(dtype)
+    q_pe = torch.randn(T, N, R, generator=gen).to(dtype)
+    kv = torch.randn(S + T, C + R, generator=gen).to(dtype)
+    return q_lat, q_pe, kv
+
+
+def rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+# ---------------------------------------------------------------------------------- in process
+
+
+def test_tree_gather_index():
+    g = torch.Generator().manual_seed(3)
+    m = random_tree_mask(9, g)
+    idx, nvis = tree_gather_index(m)
+    for i in range(9):
+        want = torch.nonzero(m[i]).flatten().tolist()
+        assert nvis[i] == len(want)
+        assert idx[i, : len(want)].tolist() == want
+        assert want[-1] == i  # self last: the path order plain decoding commits
+
+
+def test_rejects_bad_inputs():
+    q_lat, q_pe, kv = make_inputs(3, 2, 5, torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError):
+        mla_attention(q_lat, q_pe, kv[:-1], 5, None, 0.1, C)  # kv rows != S + T
+    with pytest.raises(ValueError):
+        mla_attention(q_lat, q_pe, kv, 5, None, 0.1, C + 1)
+    with pytest.raises(ValueError):
+        mla_attention(q_lat, q_pe[:, :, :-1], kv, 5, None, 0.1, C)  # C + R != kv width
+    with pytest.raises(ValueError):
+        mla_attention(q_lat, q_pe, kv, 5, torch.ones(3, 2, dtype=torch.bool), 0.1, C)
+    with pytest.raises(ValueError):
+        mla_attention(q_lat, q_pe, kv, 5, torch.ones(3, 3), 0.1, C)  # not bool
+    with pytest.raises(ValueError):
+        mla_attention(q_lat.transpose(1, 2).contiguous().transpose(1, 2), q_pe, kv, 5, None, 0.1, C)
+    with pytest.raises(TypeError):
+        mla_attention(q_lat.double(), q_pe, kv, 5, None, 0.1, C)
+
+
+# ---------------------------------------------------------------------------------- interpreter
+
+# Configs for the interpreter: small chunks so that a few dozen keys cross chunk boundaries (the GPU
+# default is CHUNK=512); the interpreter is slow per op, so S = 300 runs with larger blocks.
+CONFIGS = {
+    "c32": MLAConfig(CHUNK=32, BLOCK_M=16, BLOCK_N=16, num_stages=1),
+    "c64": MLAConfig(CHUNK=64, BLOCK_M=16, BLOCK_N=32, num_stages=1),
+    "c128": MLAConfig(CHUNK=128, BLOCK_M=16, BLOCK_N=64, num_stages=1),
+    "vsplit": MLAConfig(CHUNK=64, BLOCK_M=16, BLOCK_N=32, V_SPLIT=2, num_stages=1),
+    "default": None,
+}
+
+# name: (kind, N, S, T, mask, config, variant)
+CASES: dict[str, tuple] = {}
+for _S, _cfg in ((0, "c32"), (1, "c64"), (37, "c32")):
+    for _T in (1, 5, 17):
+        for _mask in ("causal", "tree"):
+            if _T == 1 and _mask == "tree":
+                continue
+            CASES[f"N3_S{_S}_T{_T}_{_mask}_{_cfg}"] = ("ref", 3, _S, _T, _mask, _cfg, "")
+for _T, _mask, _cfg in ((1, "causal", "c128"), (5, "tree", "c128"), (17, "causal", "c128"), (17, "tree", "c128"),
+                        (5, "causal", "default"), (17, "tree", "default")):
+    CASES[f"N4_S300_T{_T}_{_mask}_{_cfg}"] = ("ref", 4, 300, _T, _mask, _cfg, "")
+CASES["N4_S37_T5_tree_c64"] = ("ref", 4, 37, 5, "tree", "c64", "")
+CASES["N4_S100_T17_tree_vsplit"] = ("ref", 4, 100, 17, "tree", "vsplit", "")
+CASES["N3_S100_T9_causal_vsplit"] = ("ref", 3, 100, 9, "causal", "vsplit", "")
+CASES["N3_S37_T5_tree_noncontig"] = ("ref", 3, 37, 5, "tree", "c32", "noncontig")
+CASES["N3_S37_T5_tree_bf16"] = ("ref", 3, 37, 5, "tree", "c32", "bf16")
+CASES["inv_N4_S70_T17_tree"] = ("inv", 4, 70, 17, "tree", "c32", "")
+CASES["inv_N3_S45_T13_tree"] = ("inv", 3, 45, 13, "tree", "c32", "")
+CASES["inv_N4_S61_T7_causal"] = ("inv", 4, 61, 7, "causal", "c32", "")
+CASES["inv_N20_S40_T9_tree_vsplit"] = ("inv", 20, 40, 9, "tree", "vsplit", "")
+
+TOL = {"fp32": 2e-5, "bf16": 2e-2}
+
+
+def _run_ref(N, S, T, mask_kind, cfg_name, variant, gen):
+    dtype = torch.bfloat16 if variant == "bf16" else torch.float32
+    q_lat, q_pe, kv = make_inputs(T, N, S, gen, dtype)
+    if variant == "noncontig":  # strided T/N views and a cache slice of a wider buffer
+        q_lat = torch.randn(N, T, C, generator=gen).transpose(0, 1)
+        big = torch.randn(S + T + 5, C + R, generator=gen)
+        kv = big[: S + T]
+    mask = None if mask_kind == "causal" else random_tree_mask(T, gen)
+    scale = 0.3
+    out = mla_attention(q_lat, q_pe, kv, S, mask, scale, C, config=CONFIGS[cfg_name])
+    ref = mla_attention_reference(q_lat.double(), q_pe.double(), kv.double(), S, mask, scale, C)
+    return {"rel": rel(out, ref), "nonfinite": int((~torch.isfinite(out)).sum()),
+            "dtype_ok": out.dtype == dtype and tuple(out.shape) == (T, N, C), "dtype": str(dtype)}
+
+
+def _run_inv(N, S, T, mask_kind, cfg_name, variant, gen):
+    """Every query alone (T = 1 over prefix + its visible new slots, compacted) == its rows in the batch."""
+    cfg = CONFIGS[cfg_name]
+    q_lat, q_pe, kv = make_inputs(T, N, S, gen)
+    mask = torch.ones(T, T, dtype=torch.bool).tril() if mask_kind == "causal" else random_tree_mask(T, gen)
+    scale = 0.25
+    full = mla_attention(q_lat, q_pe, kv, S, None if mask_kind == "causal" else mask, scale, C, config=cfg)
+    bad, worst = [], 0.0
+    for i in range(T):
+        path = torch.nonzero(mask[i]).flatten()
+        kv_i = torch.cat([kv[:S], kv[S + path]])
+        one = mla_attention(q_lat[i:i + 1], q_pe[i:i + 1], kv_i, S + len(path) - 1, None, scale, C, config=cfg)
+        if not torch.equal(one[0], full[i]):
+            bad.append(i)
+            worst = max(worst, float((one[0] - full[i]).abs().max()))
+    # a sub-batch: the first half of the queries (their masks restricted) equals the full launch too
+    h = (T + 1) // 2
+    sub = mla_attention(q_lat[:h], q_pe[:h], kv[: S + h], S, None if mask_kind == "causal" else
+                        mask[:h, :h].contiguous(), scale, C, config=cfg)
+    return {"bad": bad, "worst": worst, "sub_equal": bool(torch.equal(sub, full[:h])),
+            "nonfinite": int((~torch.isfinite(full)).sum())}
+
+
+def _run_one(name, spec):
+    kind, N, S, T, mask_kind, cfg_name, variant = spec
+    seed = int.from_bytes(os.urandom(4), "little")  # fresh inputs every run; reported on failure
+    gen = torch.Generator().manual_seed(seed)
+    rec = (_run_ref if kind == "ref" else _run_inv)(N, S, T, mask_kind, cfg_name, variant, gen)
+    rec["seed"] = seed
+    return rec
+
+
+import _interp  # noqa: E402
+
+_interp.register(HERE, list(CASES))
+
+
+@pytest.fixture(scope="module")
+def interp_results():
+    from _interp import run_cases
+
+    return run_cases(HERE, list(CASES))
+
+
+@pytest.mark.parametrize("name", [n for n in CASES if CASES[n][0] == "ref"])
+def test_kernel_interpreted(interp_results, name):
+    rec = interp_results[name]
+    assert "error" not in rec, rec["error"]
+    assert rec["dtype_ok"]
+    assert rec["nonfinite"] == 0, "unwritten (NaN-poisoned) or non-finite outputs"
+    tol = TOL["bf16" if "bfloat16" in rec["dtype"] else "fp32"]
+    assert rec["rel"] < tol, f"relative error {rec['rel']:.3g} >= {tol} (seed {rec['seed']})"
+
+
+@pytest.mark.parametrize("name", [n for n in CASES if CASES[n][0] == "inv"])
+def test_batch_invariant_interpreted(interp_results, name):
+    rec = interp_results[name]
+    assert "error" not in rec, rec["error"]
+    assert rec["nonfinite"] == 0
+    assert not rec["bad"], f"queries {rec['bad']} differ alone vs batched (max {rec['worst']:.3g}, seed {rec['seed']})"
+    assert rec["sub_equal"], f"a sub-batch differs from the full launch (seed {rec['seed']})"
+
+
+if __name__ == "__main__" and "--interp-cases" in sys.argv:
+    from _interp import child_main
+
+    child_main(CASES, _run_one, sys.argv[sys.argv.index("--interp-cases") + 1:])
