@@ -33,7 +33,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kdtree_engine.kernels.w4a16 import _load_dequant, _mma, check_w4, interpreting
+from kdtree_engine.kernels.w4a16 import _load_dequant, _mma, check_w4, fp32_stages, interpreting
 from kdtree_engine.quant import dequantize
 
 # ----------------------------------------------------------------------------------------------
@@ -286,6 +286,7 @@ def fused_moe_w4a16(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.
     ids = topk_ids.reshape(-1).contiguous()
     tw = topk_weights.reshape(-1).contiguous()
 
+    stages = fp32_stages(cfg.num_stages, x.dtype)
     sorted_pairs, blk_expert, blk_rows = moe_align(ids, E, cfg.BLOCK_M)
     max_blocks = blk_rows.numel()
     inter = torch.empty((P, I), device=x.device, dtype=x.dtype)
@@ -296,13 +297,13 @@ def fused_moe_w4a16(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.
         x.stride(0), w13_packed.stride(0), w13_packed.stride(1), w13_scale.stride(0), w13_scale.stride(1),
         inter.stride(0),
         G=group_size, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=block_k, SWAP_AB=cfg.SWAP_AB,
-        UPCAST=upcast, PREC=prec, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        UPCAST=upcast, PREC=prec, num_warps=cfg.num_warps, num_stages=stages)
     _moe_w2_kernel[(max_blocks, triton.cdiv(H, bn2))](
         inter, w2_packed, w2_scale, y, tw, sorted_pairs, blk_expert, blk_rows, H, I,
         inter.stride(0), w2_packed.stride(0), w2_packed.stride(1), w2_scale.stride(0), w2_scale.stride(1),
         y.stride(0),
         G=group_size, BLOCK_M=cfg.BLOCK_M, BLOCK_N=bn2, BLOCK_K=block_k, SWAP_AB=cfg.SWAP_AB,
-        UPCAST=upcast, PREC=prec, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        UPCAST=upcast, PREC=prec, num_warps=cfg.num_warps, num_stages=stages)
     BLOCK_H = 1024
     _moe_topk_sum_kernel[(T, triton.cdiv(H, BLOCK_H))](
         y, ids, out, H, E, y.stride(0), out.stride(0), TOPK=topk, BLOCK_H=BLOCK_H, num_warps=4)

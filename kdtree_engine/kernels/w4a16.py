@@ -31,7 +31,7 @@ tl.dot wrongly, so there (and only there) the dot operands are upcast to fp32.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -93,6 +93,12 @@ def _split_k(N: int, K: int, block_k: int) -> int:
     while n_tiles * split < _TARGET_PROGRAMS and split * 2 <= 16 and k_steps // (split * 2) >= 4:
         split *= 2
     return split
+
+
+def fp32_stages(num_stages: int, dtype: torch.dtype) -> int:
+    """fp32 tiles are twice the bytes (and the fp32 dot reads both operands from shared memory):
+    two stages keep the shared memory of the default configs under Hopper's 227 KB."""
+    return min(num_stages, 2) if dtype == torch.float32 else num_stages
 
 
 def interpreting() -> bool:
@@ -272,7 +278,7 @@ def w4a16_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, gro
         x.stride(0), packed.stride(0), scale.stride(0), N, M * N,
         G=group_size, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=block_k,
         SWAP_AB=cfg.SWAP_AB, UPCAST=upcast, PREC=prec, OUT_F32=split > 1,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=fp32_stages(cfg.num_stages, x.dtype))
     if split > 1:
         BLOCK = 1024
         _split_sum_kernel[(triton.cdiv(M * N, BLOCK),)](target, out, M * N, SPLIT=split, BLOCK=BLOCK,
@@ -281,4 +287,4 @@ def w4a16_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, gro
 
 
 __all__ = ["W4Config", "DENSE_CONFIGS", "REDUCTION_BLOCK_K", "dense_config", "w4a16_linear",
-           "w4a16_linear_reference", "check_w4", "interpreting", "replace"]
+           "w4a16_linear_reference", "check_w4", "interpreting", "fp32_stages"]
