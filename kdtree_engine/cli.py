@@ -27,10 +27,13 @@ def _bad_input_types() -> tuple[type[BaseException], ...]:
     from .config import ConfigError
     from .quant import QuantError
     from .sampling import SamplingError
-    from .spec.decode import PromptError
+    from .spec.decode import PromptError, SpecError
+    from .model.dflash import DraftLoadError, DraftMismatchError
+    from .draft_config import DraftConfigError
     from .model.target import LoadError
     types: list[type[BaseException]] = [BadInput, ConfigError, QuantError, SamplingError, PromptError, LoadError,
-                                         FileNotFoundError]
+                                         FileNotFoundError, SpecError, DraftLoadError, DraftMismatchError,
+                                         DraftConfigError]
     try:
         from .weights import WeightsError
         types.append(WeightsError)
@@ -70,6 +73,10 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
                    help="default: bfloat16 on cuda, float32 on cpu")
     p.add_argument("--quantize", choices=["none", "w4a16"], default="none",
                    help="w4a16: quantize the routed experts of a dense checkpoint while loading")
+    p.add_argument("--draft", default=None, help="DFlash drafter directory")
+    p.add_argument("--spec", choices=["none", "dflash", "ddtree"], default=None,
+                   help="decoding strategy (default: ddtree with --draft, else none)")
+    p.add_argument("--budget", type=int, default=None, help="ddtree: non-root tree nodes (default block size - 1)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     p.set_defaults(func=cmd_generate)
 
@@ -84,7 +91,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
                             top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
     if not Path(args.model).is_dir():
         raise BadInput(f"--model {args.model!r} is not a directory")
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, quantize=args.quantize, progress=True)
+    spec = args.spec or ("ddtree" if args.draft else "none")
+    if args.budget is not None and spec != "ddtree":
+        raise BadInput(f"--budget applies to --spec ddtree only (spec is {spec})")
+    llm = LLM(args.model, draft=args.draft, spec=spec, budget=args.budget, device=args.device, dtype=args.dtype,
+              quantize=args.quantize, progress=True)
     prompt = args.prompt if args.prompt_ids is None else args.prompt_ids
     if isinstance(prompt, str) and llm.tokenizer is None:
         raise BadInput(f"{args.model} has no tokenizer.json; pass the prompt as --prompt-ids")
@@ -109,9 +120,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write("\n")
         s = res.stats
-        print(f"[{s['generated_tokens']} tokens, finish {res.finish_reason}, prefill {s['prefill_s']:.3f}s, "
-              f"decode {s['decode_s']:.3f}s, {s['tokens_per_s']:.1f} tok/s]", file=sys.stderr)
+        print(format_stats(res.finish_reason, s), file=sys.stderr)
     return 0
+
+
+def format_stats(finish_reason: str, s: dict) -> str:
+    line = (f"[{s['generated_tokens']} tokens, finish {finish_reason}, prefill {s['prefill_s']:.3f}s, "
+            f"decode {s['decode_s']:.3f}s, {s['tokens_per_s']:.1f} tok/s")
+    if s.get("spec", "none") != "none":
+        line += (f", spec {s['spec']}" + (f" budget {s['budget']}" if "budget" in s else "")
+                 + f", rounds {s['rounds']}, tau {s['tau']:.2f}, accepted per depth {s['accepted_per_depth']}"
+                 + f", draft {s['draft_s']:.3f}s tree {s['tree_s']:.3f}s verify {s['verify_s']:.3f}s"
+                 + f" commit {s['commit_s']:.3f}s")
+    return line + "]"
 
 
 def add_selfcheck_parser(sub: argparse._SubParsersAction) -> None:

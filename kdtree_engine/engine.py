@@ -90,6 +90,16 @@ def greedy_from_weights(cfg: ModelConfig, weights: Mapping[str, torch.Tensor], p
     return res.token_ids
 
 
+def load_drafter(path: str | Path, target: Target):
+    """A DFlash drafter directory, checked against the target (DraftMismatchError when it does not fit)."""
+    from .model.dflash import DFlashDrafter
+
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"drafter directory {str(path)!r} does not exist")
+    return DFlashDrafter.from_pretrained(path, target.cfg, dtype=target.dtype, device=target.device)
+
+
 def load_tokenizer(path: str | Path):
     """The directory's tokenizer.json as a ``tokenizers.Tokenizer``, or None when there is none."""
     file = Path(path) / "tokenizer.json"
@@ -102,11 +112,18 @@ def load_tokenizer(path: str | Path):
 class LLM:
     """A loaded model ready to generate."""
 
-    def __init__(self, model: str | Path, *, device: str | None = None, dtype: str | torch.dtype | None = None,
+    def __init__(self, model: str | Path, *, draft: str | Path | None = None, spec: str = "none",
+                 budget: int | None = None, device: str | None = None, dtype: str | torch.dtype | None = None,
                  quantize: str | None = None, progress: bool = True) -> None:
+        from .spec.decode import resolve_spec
+
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
+        if spec != "none" and draft is None:
+            resolve_spec(spec, None, budget)  # raises the error that names --draft
         self.target = load_target(model, device=self.device, dtype=self.dtype, quantize=quantize, progress=progress)
+        self.drafter = None if draft is None else load_drafter(draft, self.target)
+        self.spec = resolve_spec(spec, self.drafter, budget)
         self.tokenizer = load_tokenizer(model)
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
@@ -128,7 +145,8 @@ class LLM:
         batch = [prompts] if single else list(prompts)
         results = []
         for p in batch:
-            res = generate(self.target, self.encode(p), params, on_tokens=on_tokens)
+            res = generate(self.target, self.encode(p), params, spec=self.spec, drafter=self.drafter,
+                           on_tokens=on_tokens)
             res.text = self.decode(res.token_ids)
             results.append(res)
         return results
