@@ -1,0 +1,129 @@
+"""The `kdtree` command: JSON contract, streaming, spec flags, exit codes for bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kdtree_engine import reference
+from kdtree_engine.cli import main
+from kdtree_engine.config import preset
+from kdtree_engine.draft_config import DraftConfig
+from kdtree_engine.model.dflash import DFlashDrafter, save_drafter
+from kdtree_engine.weights import save_checkpoint
+
+CFG = preset("k2-tiny")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("ckpt") / "tiny"
+    weights = {k: torch.from_numpy(v) for k, v in reference.random_weights(CFG, 0).items()}
+    save_checkpoint(d, CFG, weights, layout="k2")
+    return d
+
+
+def draft_cfg(**kw) -> DraftConfig:
+    base = dict(hidden_size=CFG.hidden_size, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=16, block_size=4, mask_token_id=CFG.vocab_size - 1,
+                target_layer_ids=(0, 2), num_target_layers=CFG.num_hidden_layers, vocab_size=CFG.vocab_size)
+    return DraftConfig(**{**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("draft") / "d"
+    save_drafter(d, DFlashDrafter.random(draft_cfg(), seed=1))
+    return d
+
+
+def run_json(capsys, argv: list[str]) -> dict:
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1, "stdout must hold exactly one JSON object"
+    return json.loads(out)
+
+
+def test_generate_json_contract_and_reference_tokens(capsys, model_dir) -> None:
+    prompt = [5, 7, 11, 13]
+    obj = run_json(capsys, ["generate", "--model", str(model_dir), "--prompt-ids", "5,7,11,13",
+                            "--max-tokens", "12", "--ignore-eos", "--json"])
+    assert set(obj) == {"token_ids", "text", "finish_reason", "stats"}
+    assert obj["text"] is None and obj["finish_reason"] == "length"
+    for key in ("prompt_tokens", "generated_tokens", "prefill_s", "decode_s", "tokens_per_s"):
+        assert key in obj["stats"]
+    assert obj["stats"]["prompt_tokens"] == 4 and obj["stats"]["generated_tokens"] == 12
+    weights = reference.random_weights(CFG, 0)
+    assert obj["token_ids"] == reference.greedy(CFG, weights, prompt, 12)
+
+
+def test_spec_flags_give_the_same_tokens(capsys, model_dir, draft_dir) -> None:
+    base = ["generate", "--model", str(model_dir), "--prompt-ids", "3,1,4,1,5", "--max-tokens", "20",
+            "--ignore-eos", "--json"]
+    plain = run_json(capsys, base)
+    for extra in (["--draft", str(draft_dir), "--spec", "dflash"],
+                  ["--draft", str(draft_dir), "--spec", "ddtree", "--budget", "6"]):
+        obj = run_json(capsys, base + extra)
+        assert obj["token_ids"] == plain["token_ids"]
+        assert obj["stats"]["rounds"] >= 1 and obj["stats"]["tau"] >= 1.0
+        assert len(obj["stats"]["accepted_per_depth"]) == 3
+
+
+def test_streaming_prints_tokens_and_stats(capsys, model_dir) -> None:
+    assert main(["generate", "--model", str(model_dir), "--prompt-ids", "9,8", "--max-tokens", "5",
+                 "--ignore-eos"]) == 0
+    cap = capsys.readouterr()
+    assert len(cap.out.split()) == 5
+    assert "tok/s" in cap.err
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--model", "/nonexistent/dir", "--prompt-ids", "1"], "/nonexistent/dir"),
+    (["--prompt-ids", "1,2", "--max-tokens", "-1"], "max_tokens"),
+    (["--prompt-ids", "1,2", "--top-p", "0"], "top_p"),
+    (["--prompt-ids", "1,99999"], "99999"),
+    (["hello"], "tokenizer"),
+    (["--prompt-ids", "1", "--spec", "ddtree"], "--draft"),
+    (["--prompt-ids", "1", "--budget", "4"], "--budget"),
+])
+def test_bad_input_exits_2_naming_it(capsys, model_dir, argv, needle) -> None:
+    if "--model" not in argv:
+        argv = ["--model", str(model_dir)] + argv
+    assert main(["generate"] + argv) == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_prompt_longer_than_max_positions_exits_2(capsys, tmp_path) -> None:
+    cfg = CFG.replace(max_position_embeddings=16)
+    weights = {k: torch.from_numpy(v) for k, v in reference.random_weights(cfg, 0).items()}
+    save_checkpoint(tmp_path / "m", cfg, weights)
+    ids = ",".join(["1"] * 20)
+    assert main(["generate", "--model", str(tmp_path / "m"), "--prompt-ids", ids]) == 2
+    assert "max_position_embeddings" in capsys.readouterr().err
+
+
+def test_corrupt_checkpoint_exits_2(capsys, model_dir, tmp_path) -> None:
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text((model_dir / "config.json").read_text())
+    (bad / "model.safetensors").write_bytes((model_dir / "model.safetensors").read_bytes()[:1000])
+    assert main(["generate", "--model", str(bad), "--prompt-ids", "1"]) == 2
+    assert "model.safetensors" in capsys.readouterr().err
+
+
+def test_mismatched_drafter_exits_2(capsys, model_dir, tmp_path) -> None:
+    save_drafter(tmp_path / "wide", DFlashDrafter.random(draft_cfg(hidden_size=CFG.hidden_size * 2), seed=0))
+    assert main(["generate", "--model", str(model_dir), "--draft", str(tmp_path / "wide"),
+                 "--prompt-ids", "1"]) == 2
+    assert "hidden" in capsys.readouterr().err
+
+
+def test_unknown_flag_value_exits_2(model_dir) -> None:
+    r = subprocess.run([sys.executable, "-m", "kdtree_engine.cli", "generate", "--model", str(model_dir),
+                        "--prompt-ids", "1", "--dtype", "float8"], capture_output=True, text=True)
+    assert r.returncode == 2 and "--dtype" in r.stderr
