@@ -95,10 +95,18 @@ _SPLIT_REF_BLOCK_N = 64
 _MIN_STEPS_PER_SPLIT = 4
 _MAX_SPLIT = 16
 
-# Per-shape reductions for the K2 dense linears (N, K) -> (BLOCK_K, split) for 16-bit dtypes, where the
-# generic rule is not the best trade between small-M streaming (wants splits) and large-M compute
-# (partials cost traffic). Measured on an H200 with bench/gemm.py --sweep.
-K2_REDUCTIONS: dict[tuple[int, int], Reduction] = {}
+# Per-shape configs for the K2 dense linears (16-bit dtypes), measured on an H200 with
+# `bench/gemm.py --sweep` (CUDA-graph timing): (N, K) -> (reduction, M-bucket tiles or None for the
+# default buckets). The reduction trades small-M streaming (wants more programs: splits) against large-M
+# compute (partials cost traffic and a second launch); the tiles only change speed, never bits.
+K2_CONFIGS: dict[tuple[int, int], tuple[Reduction, list[tuple[int, Tile]] | None]] = {
+    (2112, 7168): (Reduction(64, 4), None),       # q_a_proj + kv_a_proj_with_mqa
+    (12288, 1536): (Reduction(64, 1), None),      # q_b_proj
+    (7168, 8192): (Reduction(128, 1), None),      # o_proj
+    (4096, 7168): (Reduction(128, 2), None),      # shared expert gate+up
+    (7168, 2048): (Reduction(64, 1), None),       # shared expert down
+    (163840, 7168): (Reduction(128, 1), None),    # lm_head
+}
 
 # M buckets: (max M, tile). The first bucket with M <= max M is used.
 TILES_16BIT: list[tuple[int, Tile]] = [
@@ -126,17 +134,21 @@ def _generic_split(N: int, K: int, block_k: int) -> int:
 
 def reduction_for(N: int, K: int, dtype: torch.dtype) -> Reduction:
     """The fixed reduction of an [N, K] weight: the only knobs that decide a row's rounding."""
-    if dtype != torch.float32 and (N, K) in K2_REDUCTIONS:
-        return K2_REDUCTIONS[(N, K)]
+    if dtype != torch.float32 and (N, K) in K2_CONFIGS:
+        return K2_CONFIGS[(N, K)][0]
     bk = _BLOCK_K[dtype]
     return Reduction(BLOCK_K=bk, split_k=_generic_split(N, K, bk))
 
 
-def tile_for(M: int, dtype: torch.dtype) -> Tile:
-    for max_m, t in (TILES_FP32 if dtype == torch.float32 else TILES_16BIT):
+def tile_for(M: int, dtype: torch.dtype, N: int | None = None, K: int | None = None) -> Tile:
+    """Output tiling for M rows (speed only: any tile gives the same bits)."""
+    table = TILES_FP32 if dtype == torch.float32 else TILES_16BIT
+    if dtype != torch.float32 and (N, K) in K2_CONFIGS and K2_CONFIGS[(N, K)][1]:
+        table = K2_CONFIGS[(N, K)][1]
+    for max_m, t in table:
         if M <= max_m:
             return t
-    raise AssertionError("unreachable")
+    return table[-1][1]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -246,7 +258,7 @@ def bi_linear(x: torch.Tensor, w: torch.Tensor, *, tile: Tile | None = None,
         return out
     if K == 0:
         return out.zero_()
-    t = tile or tile_for(M, x.dtype)
+    t = tile or tile_for(M, x.dtype, N, K)
     red = reduction or reduction_for(N, K, x.dtype)
     kps = red.k_per_split(K)
     split = red.n_splits(K)
@@ -267,5 +279,5 @@ def bi_linear(x: torch.Tensor, w: torch.Tensor, *, tile: Tile | None = None,
     return out
 
 
-__all__ = ["Reduction", "Tile", "K2_REDUCTIONS", "TILES_16BIT", "TILES_FP32", "reduction_for", "tile_for",
+__all__ = ["Reduction", "Tile", "K2_CONFIGS", "TILES_16BIT", "TILES_FP32", "reduction_for", "tile_for",
            "bi_linear", "bi_linear_reference", "interpreting"]

@@ -16,7 +16,7 @@ HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parent))
 
 from kdtree_engine.kernels.gemm import (  # noqa: E402
-    K2_REDUCTIONS, TILES_16BIT, TILES_FP32, Reduction, Tile, bi_linear, bi_linear_reference, reduction_for,
+    K2_CONFIGS, TILES_16BIT, TILES_FP32, Reduction, Tile, bi_linear, bi_linear_reference, reduction_for,
     tile_for)
 
 DT = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -50,7 +50,7 @@ def test_tiles_are_valid_for_every_m():
             assert t.BLOCK_M >= 16 and t.BLOCK_N >= 16 and t.num_warps in (1, 2, 4, 8, 16)
     for m in (1, 16, 17, 64, 65, 129, 256, 5000):
         assert tile_for(m, torch.bfloat16).BLOCK_M >= 16
-    for red in K2_REDUCTIONS.values():
+    for red, tiles in K2_CONFIGS.values():
         assert isinstance(red, Reduction) and red.split_k >= 1
 
 
