@@ -1,0 +1,117 @@
+"""Absorbed MLA attention on CUDA at K2 shapes (C = 512, R = 64; N = 64 heads, and 8 per rank under
+TP8): bf16 against the torch reference, and batch invariance bit for bit in bf16 (a tree node alone,
+T = 1 over the prefix + its compacted path, equals its rows inside the tree launch)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kdtree_engine.kernels.mla_attention import default_config, mla_attention
+from kdtree_engine.model.mla import mla_attention_reference
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+C, R = 512, 64
+SCALE = 0.1352  # about K2's softmax scale (192 ** -0.5 with YaRN mscale^2)
+
+
+def random_tree_mask(T: int, gen: torch.Generator) -> torch.Tensor:
+    """Ancestor-or-self mask of a random tree, parent[i] < i, biased towards deep paths."""
+    mask = torch.zeros(T, T, dtype=torch.bool)
+    for i in range(T):
+        if i:
+            lo = max(0, i - 4)
+            parent = int(torch.randint(lo, i, (1,), generator=gen))
+            mask[i] = mask[parent]
+        mask[i, i] = True
+    return mask
+
+
+def inputs(T, N, S, seed, dtype=torch.bfloat16):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q_lat = torch.randn(T, N, C, generator=g, device="cuda").to(dtype)
+    q_pe = torch.randn(T, N, R, generator=g, device="cuda").to(dtype)
+    kv = torch.randn(S + T, C + R, generator=g, device="cuda").to(dtype)
+    return q_lat, q_pe, kv
+
+
+def poison_allocator(nbytes: int = 1 << 30) -> None:
+    """Fill free cached blocks with NaN so that an unwritten output element shows up."""
+    x = torch.full((nbytes // 4,), float("nan"), device="cuda")
+    del x
+
+
+def rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+@pytest.mark.parametrize("N", [64, 8])
+@pytest.mark.parametrize("S", [4096, 32768])
+@pytest.mark.parametrize("T", [1, 16, 64, 129])
+def test_bf16_vs_reference(N, S, T):
+    seed = int(torch.randint(1 << 30, (1,)))
+    q_lat, q_pe, kv = inputs(T, N, S, seed)
+    mask = None if T == 1 else random_tree_mask(T, torch.Generator().manual_seed(seed)).cuda()
+    poison_allocator()
+    out = mla_attention(q_lat, q_pe, kv, S, mask, SCALE, C)
+    torch.cuda.synchronize()
+    ref = mla_attention_reference(q_lat.float(), q_pe.float(), kv.float(), S, mask, SCALE, C)
+    assert out.dtype == torch.bfloat16 and out.shape == (T, N, C)
+    assert torch.isfinite(out).all(), "unwritten (NaN-poisoned) or non-finite outputs"
+    e = rel(out, ref)
+    assert e < 1e-2, f"relative error {e:.3g} (seed {seed})"
+
+
+@pytest.mark.parametrize("N,S,T", [(8, 0, 2048), (64, 1000, 300), (8, 4096 + 17, 16), (64, 511, 2)])
+def test_bf16_causal_chunks(N, S, T):
+    """Causal blocks: a prefill chunk with no prefix, chunks over a prefix, a chunk-boundary start."""
+    seed = int(torch.randint(1 << 30, (1,)))
+    q_lat, q_pe, kv = inputs(T, N, S, seed)
+    poison_allocator()
+    out = mla_attention(q_lat, q_pe, kv, S, None, SCALE, C)
+    ref = mla_attention_reference(q_lat.float(), q_pe.float(), kv.float(), S, None, SCALE, C)
+    assert torch.isfinite(out).all()
+    assert rel(out, ref) < 1e-2, f"seed {seed}"
+
+
+def test_fp32_vs_reference():
+    seed = int(torch.randint(1 << 30, (1,)))
+    q_lat, q_pe, kv = inputs(33, 8, 3000, seed, torch.float32)
+    mask = random_tree_mask(33, torch.Generator().manual_seed(seed)).cuda()
+    out = mla_attention(q_lat, q_pe, kv, 3000, mask, SCALE, C)
+    ref = mla_attention_reference(q_lat.double(), q_pe.double(), kv.double(), 3000, mask, SCALE, C)
+    assert out.dtype == torch.float32
+    assert rel(out, ref) < 1e-5, f"seed {seed}"
+
+
+@pytest.mark.parametrize("N", [8, 64])
+@pytest.mark.parametrize("S,T", [(4096 - 20, 64), (32768 + 3, 129)])
+def test_tree_batch_invariant_bf16(N, S, T):
+    """Each node alone (its path committed at S.., T = 1) == its rows in the tree launch, bit for bit."""
+    seed = int(torch.randint(1 << 30, (1,)))
+    q_lat, q_pe, kv = inputs(T, N, S, seed)
+    mask = random_tree_mask(T, torch.Generator().manual_seed(seed))
+    full = mla_attention(q_lat, q_pe, kv, S, mask.cuda(), SCALE, C)
+    bad = []
+    for i in range(T):
+        path = torch.nonzero(mask[i]).flatten().cuda()
+        kv_i = torch.cat([kv[:S], kv[S + path]])
+        one = mla_attention(q_lat[i:i + 1], q_pe[i:i + 1], kv_i, S + len(path) - 1, None, SCALE, C)
+        if not torch.equal(one[0], full[i]):
+            bad.append((i, float((one[0].float() - full[i].float()).abs().max())))
+    assert not bad, f"nodes differ alone vs in the tree: {bad[:8]} (seed {seed}, config {default_config(N)})"
+
+
+@pytest.mark.parametrize("N", [8, 64])
+def test_causal_batch_invariant_bf16(N):
+    """Decode (T = 1) equals the same row inside a causal block of 16 and a prefill-sized block."""
+    S, T = 5000, 40
+    seed = int(torch.randint(1 << 30, (1,)))
+    q_lat, q_pe, kv = inputs(T, N, S, seed)
+    full = mla_attention(q_lat, q_pe, kv, S, None, SCALE, C)
+    part = mla_attention(q_lat[:16], q_pe[:16], kv[: S + 16], S, None, SCALE, C)
+    assert torch.equal(part, full[:16])
+    for i in (0, 7, 15, 39):
+        one = mla_attention(q_lat[i:i + 1], q_pe[i:i + 1], kv[: S + i + 1], S + i, None, SCALE, C)
+        assert torch.equal(one[0], full[i]), f"row {i} (seed {seed})"
