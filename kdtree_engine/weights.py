@@ -403,6 +403,17 @@ def config_dict(cfg: ModelConfig, layout: str = "k2") -> dict[str, Any]:
     return out
 
 
+def with_weight_shapes(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Adds the ``weight_shape`` ([N, K] int32, as the released files store it) of every INT4 linear
+    that lacks one."""
+    out = dict(tensors)
+    for name, t in tensors.items():
+        if name.endswith(".weight_packed"):
+            shape_name = name[: -len("packed")] + "shape"
+            out.setdefault(shape_name, torch.tensor([t.shape[-2], t.shape[-1] * 8], dtype=torch.int32))
+    return out
+
+
 def save_checkpoint(directory: str | Path, cfg: ModelConfig, tensors: Mapping[str, torch.Tensor], *,
                     layout: Literal["k2", "k25"] = "k2", shard_bytes: int | None = None,
                     extra: Mapping[str, torch.Tensor] | None = None, check: bool = False) -> None:
@@ -416,6 +427,7 @@ def save_checkpoint(directory: str | Path, cfg: ModelConfig, tensors: Mapping[st
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {sorted(LAYOUTS)}, got {layout!r}")
+    tensors = with_weight_shapes(tensors)
     if check:
         checker = _Checker(cfg)
         for name, t in tensors.items():
