@@ -99,18 +99,29 @@ _MAX_SPLIT = 16
 # `bench/gemm.py --sweep` (CUDA-graph timing): (N, K) -> (reduction, M-bucket tiles or None for the
 # default buckets). The reduction trades small-M streaming (wants more programs: splits) against large-M
 # compute (partials cost traffic and a second launch); the tiles only change speed, never bits.
+_S = Tile(16, 64, 4, 6)     # M <= 16: weight streaming, deep pipeline
+_M32 = Tile(32, 64, 4, 4)
+_M64 = Tile(64, 64, 4, 4)
 K2_CONFIGS: dict[tuple[int, int], tuple[Reduction, list[tuple[int, Tile]] | None]] = {
-    (2112, 7168): (Reduction(64, 4), None),       # q_a_proj + kv_a_proj_with_mqa
-    (12288, 1536): (Reduction(64, 1), None),      # q_b_proj
-    (7168, 8192): (Reduction(128, 1), None),      # o_proj
-    (4096, 7168): (Reduction(128, 2), None),      # shared expert gate+up
-    (7168, 2048): (Reduction(64, 1), None),       # shared expert down
-    (163840, 7168): (Reduction(128, 1), None),    # lm_head
+    # q_a_proj + kv_a_proj_with_mqa: 33 row tiles only, so split K in 2 to fill the GPU
+    (2112, 7168): (Reduction(128, 2), [(16, _S), (32, _M32), (64, _M64), (1 << 62, Tile(128, 64, 4, 4))]),
+    # q_b_proj
+    (12288, 1536): (Reduction(64, 1), [(16, _S), (32, _M32), (64, _M64), (1 << 62, Tile(256, 128, 8, 3))]),
+    # o_proj
+    (7168, 8192): (Reduction(128, 1), [(16, _S), (32, _M32), (64, _M64), (1 << 62, Tile(128, 128, 8, 3))]),
+    # shared expert gate+up
+    (4096, 7168): (Reduction(128, 1), [(16, _S), (32, _M32), (64, _M64), (192, Tile(64, 128, 4, 4)),
+                                       (1 << 62, Tile(128, 64, 4, 4))]),
+    # shared expert down
+    (7168, 2048): (Reduction(128, 1), [(16, _S), (32, _M32), (64, _M64), (1 << 62, Tile(128, 128, 8, 3))]),
+    # lm_head
+    (163840, 7168): (Reduction(64, 1), [(16, _S), (32, _M32), (64, Tile(64, 128, 4, 4)),
+                                        (1 << 62, Tile(256, 128, 8, 3))]),
 }
 
 # M buckets: (max M, tile). The first bucket with M <= max M is used.
 TILES_16BIT: list[tuple[int, Tile]] = [
-    (16, Tile(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=4)),
+    (16, Tile(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=6)),
     (32, Tile(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=4)),
     (64, Tile(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=4)),
     (1 << 62, Tile(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)),
