@@ -194,12 +194,13 @@ def encode_docs(tok, docs: Sequence[tuple[str, str]], workers: int | None = None
 
 
 def random_windows(stream: torch.Tensor, batch: int, length: int, gen: torch.Generator) -> torch.Tensor:
-    """[batch, length] random windows of the token stream (CPU)."""
+    """[batch, length] random windows of the token stream (on the generator's device)."""
     hi = stream.numel() - length
     if hi <= 0:
         raise ValueError(f"token stream of {stream.numel()} tokens is shorter than a window of {length}")
-    starts = torch.randint(0, hi + 1, (batch,), generator=gen)
-    return stream[starts.unsqueeze(1) + torch.arange(length)]
+    starts = torch.randint(0, hi + 1, (batch,), generator=gen, device=gen.device)
+    idx = starts.unsqueeze(1) + torch.arange(length, device=gen.device)
+    return stream.to(gen.device)[idx]
 
 
 def consecutive_windows(stream: torch.Tensor, length: int, max_windows: int | None = None) -> torch.Tensor:

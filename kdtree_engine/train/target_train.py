@@ -231,6 +231,7 @@ class MoE(nn.Module):
         self.shared_experts = MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts) \
             if cfg.n_shared_experts else None
         self.register_buffer("load", torch.zeros(cfg.n_routed_experts), persistent=False)
+        self.register_buffer("last_load", torch.zeros(cfg.n_routed_experts), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -318,16 +319,16 @@ class TrainModel(nn.Module):
         return self.lm_head(h).float(), aux
 
     @torch.no_grad()
-    def update_router_bias(self, u: float) -> list[list[float]]:
-        """Aux-loss-free balancing step; returns each MoE layer's load fractions and resets them."""
-        fractions = []
+    def update_router_bias(self, u: float) -> None:
+        """Aux-loss-free balancing step (no host sync): bias += u * sign(mean load - load); resets the loads."""
         for m in self.moe_layers():
-            load = m.load
-            if load.sum() > 0:
-                m.gate.e_score_correction_bias += u * torch.sign(load.mean() - load)
-                fractions.append((load / load.sum()).tolist())
-            load.zero_()
-        return fractions
+            m.gate.e_score_correction_bias += u * torch.sign(m.load.mean() - m.load)
+            m.last_load.copy_(m.load)
+            m.load.zero_()
+
+    def expert_load_fractions(self) -> list[list[float]]:
+        """Share of routed tokens per expert in the last training step, per MoE layer."""
+        return [(m.last_load / m.last_load.sum().clamp_min(1)).tolist() for m in self.moe_layers()]
 
 
 def pick_expert_impl(model: TrainModel, device: torch.device, log: Callable[[str], None] = print) -> str:
@@ -438,11 +439,16 @@ class TrainResult:
 
 def train_target(cfg: ModelConfig, train_stream: torch.Tensor, eval_windows: torch.Tensor, s: TargetTrainSettings,
                  device: torch.device, log: Callable[[str], None] = print) -> TrainResult:
-    """Train from scratch on random windows of ``train_stream`` for ``s.minutes`` (or ``s.max_steps``)."""
+    """Train from scratch on random windows of ``train_stream`` for ``s.minutes`` (or ``s.max_steps``).
+
+    Time-boxed runs measure the step time (steps 20..60, again 60..150) and fix the step count that
+    fits, so the cosine schedule ends with the time box; the loop also stops at the time box.
+    """
     from .data import random_windows
 
     torch.manual_seed(s.seed)
-    gen = torch.Generator().manual_seed(s.seed + 1)
+    stream = train_stream.to(device)
+    gen = torch.Generator(device=device).manual_seed(s.seed + 1)
     model = TrainModel(cfg, dropout=s.dropout)
     model.init_weights(s.seed)
     model.to(device).train()
@@ -458,17 +464,18 @@ def train_target(cfg: ModelConfig, train_stream: torch.Tensor, eval_windows: tor
         except Exception as e:
             log(f"torch.compile failed ({e}); eager")
     budget = s.minutes * 60.0
-    total = s.max_steps or 10**9  # re-estimated from the measured step time when time-boxed
+    timed = s.max_steps is None
+    total = s.max_steps if not timed else 10**9  # re-estimated from the measured step time
+    sched_total = total if not timed else 10**6
+    eval_every = s.eval_every or (max(1, total // 10) if not timed else 0)
     t0 = time.perf_counter()
     curve: list[dict] = []
-    ema = None
-    step = 0
-    tokens = 0
-    eval_every = s.eval_every
-    last_load: list = []
+    ema = torch.zeros((), device=device)
+    step = tokens = 0
+    mark = (0, t0)
     while step < total:
-        batch = random_windows(train_stream, s.batch, s.seq_len + 1, gen).to(device, non_blocking=True)
-        lr = lr_at(step, total if total < 10**9 else 10**6, s)
+        batch = random_windows(stream, s.batch, s.seq_len + 1, gen)
+        lr = lr_at(step, sched_total, s)
         for gp in opt.param_groups:
             gp["lr"] = lr
         with autocast(device):
@@ -485,38 +492,40 @@ def train_target(cfg: ModelConfig, train_stream: torch.Tensor, eval_windows: tor
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip)
         opt.step()
-        last_load = model.update_router_bias(s.bias_update)
+        model.update_router_bias(s.bias_update)
+        with torch.no_grad():
+            ema = loss.detach() if step == 0 else 0.95 * ema + 0.05 * loss.detach()
         step += 1
         tokens += s.batch * s.seq_len
-        if step % 10 == 0 or step == total:
-            lv = float(loss)
-            ema = lv if ema is None else 0.9 * ema + 0.1 * lv
-        elapsed = time.perf_counter() - t0
-        if s.max_steps is None and step in (20, 60, 150):
-            # steps that fit: measured rate since the previous checkpoint (excludes start-up)
-            if step == 20:
-                mark = (step, elapsed)
-            else:
-                rate = (elapsed - mark[1]) / (step - mark[0])
-                reserve = 0.04 * budget  # periodic evaluations
-                total = max(step + 1, int(step + (budget - reserve - elapsed) / rate))
-                if not eval_every:
-                    eval_every = max(25, total // 12)
+        now = time.perf_counter()
+        elapsed = now - t0
+        if timed and step in (20, 60, 150):
+            if step > 20:
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                now = time.perf_counter()
+                rate = (now - mark[1]) / (step - mark[0])
+                reserve = 0.03 * budget  # periodic evaluations
+                total = max(step + 1, int(step + (budget - reserve - (now - t0)) / rate))
+                sched_total = total
+                eval_every = s.eval_every or max(25, total // 12)
                 log(f"target: {rate * 1000:.1f} ms/step -> {total} steps in {s.minutes:g} min "
                     f"({total * s.batch * s.seq_len / 1e6:.0f}M tokens, "
                     f"{total * s.batch * s.seq_len / max(1, train_stream.numel()):.1f} epochs)")
-        if s.max_steps is not None and not eval_every:
-            eval_every = max(1, total // 10)
-        if (eval_every and step % eval_every == 0) or step == total or elapsed > budget:
+            else:
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+            mark = (step, time.perf_counter())
+        over = timed and elapsed > budget
+        if (eval_every and step % eval_every == 0) or step == total or over:
             ev = evaluate_loss(model, eval_windows[: s.eval_windows], device)
-            lv = float(loss)
+            lv, ev_ema = float(loss.detach()), float(ema)
             curve.append({"step": step, "tokens": tokens, "seconds": round(elapsed, 2), "lr": lr,
-                          "train_loss": lv, "train_loss_ema": ema, "eval_loss": ev["loss"]})
-            load_max = max((max(f) for f in last_load), default=0.0)
+                          "train_loss": lv, "train_loss_ema": ev_ema, "eval_loss": ev["loss"]})
+            load_max = max((max(f) for f in model.expert_load_fractions()), default=0.0)
             log(f"target step {step}/{total if total < 10**9 else '?'} {elapsed:6.1f}s lr {lr:.2e} "
-                f"loss {lv:.3f} (ema {ema if ema is not None else lv:.3f}) held-out {ev['loss']:.3f} "
-                f"max expert load {load_max:.2f}")
-        if s.max_steps is None and elapsed > budget:
+                f"loss {lv:.3f} (ema {ev_ema:.3f}) held-out {ev['loss']:.3f} max expert load {load_max:.2f}")
+        if over:
             log(f"target: time box reached at step {step}")
             break
     if device.type == "cuda":
@@ -524,7 +533,7 @@ def train_target(cfg: ModelConfig, train_stream: torch.Tensor, eval_windows: tor
     seconds = time.perf_counter() - t0
     model.eval()
     return TrainResult(model=model, steps=step, tokens=tokens, seconds=seconds, curve=curve,
-                       settings=asdict(s), expert_impl=impl, final_load=last_load)
+                       settings=asdict(s), expert_impl=impl, final_load=model.expert_load_fractions())
 
 
 @torch.no_grad()
@@ -543,7 +552,7 @@ def generate(model: TrainModel, prompts: torch.Tensor, new_tokens: int, *, tempe
             last = logits[:, -1].float()
             if temperature > 0:
                 probs = torch.softmax(last / temperature, dim=-1)
-                nxt = torch.multinomial(probs.cpu(), 1, generator=gen).squeeze(1).to(device)
+                nxt = torch.multinomial(probs, 1, generator=gen).squeeze(1)
             else:
                 nxt = last.argmax(-1)
             out[:, P + t] = nxt
