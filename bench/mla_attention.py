@@ -44,15 +44,14 @@ TREE_NODES = [1, 16, 64]
 HEADS = [64, 8]
 
 SWEEP = [
-    MLAConfig(CHUNK=512, BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=2),
     MLAConfig(CHUNK=512, BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=2),
-    MLAConfig(CHUNK=512, BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=2),
-    MLAConfig(CHUNK=512, BLOCK_M=32, BLOCK_N=32, num_warps=8, num_stages=2),
+    MLAConfig(CHUNK=512, BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=3),
+    MLAConfig(CHUNK=256, BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=2),
+    MLAConfig(CHUNK=256, BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=3),
     MLAConfig(CHUNK=512, BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2),
     MLAConfig(CHUNK=512, BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=1),
-    MLAConfig(CHUNK=1024, BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=2),
-    MLAConfig(CHUNK=256, BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=2),
-    MLAConfig(CHUNK=512, BLOCK_M=16, BLOCK_N=32, V_SPLIT=2, num_warps=4, num_stages=2),
+    MLAConfig(CHUNK=256, BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2),
+    MLAConfig(CHUNK=512, BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=2),
 ]
 
 

@@ -23,9 +23,10 @@ Split over the keys (flash-decoding). The virtual sequence is cut into chunks of
 positions (multiples of CHUNK, a constant of the config; it never depends on T, S or the rows of a
 launch). One program computes one chunk for one tile of rows (and one slice of the 512 output
 columns, V_SPLIT slices): online softmax in fp32 over BLOCK_N-key blocks, then writes the chunk's
-normalised output o_c and its log2-sum-exp. A second kernel merges a row's chunks in chunk order:
-    m = max_c lse_c;  w_c = 2^(lse_c - m);  o = (sum_c w_c o_c) / (sum_c w_c)     (c = 0, 1, ...)
-A row with one chunk is written directly (bit-identical to merging one chunk: w = 1).
+normalised output o_c and its log2-sum-exp. A second kernel merges a row's chunks:
+    m = max_c lse_c;  w_c = 2^(lse_c - m);  o = (sum_c w_c o_c) / (sum_c w_c)
+summing MERGE_BLOCK_C chunks per step, steps in chunk order (a fixed order for a given chunk count).
+A row with one chunk is written directly (bit-identical to merging one chunk: w = 1, the rest 0).
 
 Two kinds of program, the same kernel code (only the address of a key differs):
   packed  rows t-major over all T*N rows; keys at their slots. Used for every chunk of the causal
@@ -89,6 +90,11 @@ DEFAULT_CONFIGS: list[tuple[int, MLAConfig]] = [
     (16, MLAConfig(CHUNK=512, BLOCK_M=16, BLOCK_N=32, V_SPLIT=1, num_warps=4, num_stages=2)),
     (1 << 30, MLAConfig(CHUNK=512, BLOCK_M=32, BLOCK_N=32, V_SPLIT=1, num_warps=4, num_stages=2)),
 ]
+
+
+# Merge kernel tiles (fixed: they set the summation order of the merge).
+MERGE_BLOCK_D = 128
+MERGE_BLOCK_C = 16
 
 
 def default_config(n_heads: int) -> MLAConfig:
@@ -220,34 +226,45 @@ def _mla_chunk_kernel(
 
 
 @triton.jit
-def _mla_merge_kernel(po_ptr, pl_ptr, nvis_ptr, out_ptr, S, N,
+def _mla_merge_kernel(po_ptr, pl_ptr, nvis_ptr, out_ptr, S, N, NC,
                       stride_pom, stride_poc, stride_plm, stride_ot, stride_on,
-                      C: tl.constexpr, CP: tl.constexpr, CHUNK: tl.constexpr, CAUSAL: tl.constexpr):
-    """One program per row: merge its chunks in chunk order."""
+                      C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, CHUNK: tl.constexpr,
+                      CAUSAL: tl.constexpr):
+    """grid (rows, C / BLOCK_D): merge a row's chunks, BLOCK_C chunks per step, in chunk order.
+
+    The summation order depends on (n_chunks, BLOCK_C, BLOCK_D) only. Chunks past the row's count
+    weigh exactly 0, so one chunk merges to its own value bit for bit (as the direct write)."""
     r = tl.program_id(0)
+    d0 = tl.program_id(1) * BLOCK_D
     t = r // N
     h = r % N
     if CAUSAL:
         L = S + t + 1
     else:
         L = S + tl.load(nvis_ptr + t)
-    n_ch = tl.cdiv(L, CHUNK)
+    n_ch = tl.minimum(tl.cdiv(L, CHUNK), NC)
     r64 = r.to(tl.int64)
-    one = tl.arange(0, 1)
-    m = tl.full((1,), float("-inf"), dtype=tl.float32)
-    for c in range(0, n_ch):
-        m = tl.maximum(m, tl.load(pl_ptr + r64 * stride_plm + c + one))
-    offs = tl.arange(0, CP)
-    cmask = offs < C
-    acc = tl.zeros((CP,), dtype=tl.float32)
-    den = tl.zeros((1,), dtype=tl.float32)
-    for c in range(0, n_ch):
-        w = tl.exp2(tl.load(pl_ptr + r64 * stride_plm + c + one) - m)
-        acc += w * tl.load(po_ptr + r64 * stride_pom + c * stride_poc + offs, mask=cmask, other=0.0)
+    offs_c = tl.arange(0, BLOCK_C)
+    m = tl.full((BLOCK_C,), float("-inf"), dtype=tl.float32)
+    for c0 in range(0, n_ch, BLOCK_C):
+        cc = c0 + offs_c
+        m = tl.maximum(m, tl.load(pl_ptr + r64 * stride_plm + cc, mask=cc < n_ch, other=float("-inf")))
+    m_all = tl.max(m, 0)
+    offs_d = d0 + tl.arange(0, BLOCK_D)
+    d_ok = offs_d < C
+    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    den = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    for c0 in range(0, n_ch, BLOCK_C):
+        cc = c0 + offs_c
+        c_ok = cc < n_ch
+        w = tl.exp2(tl.load(pl_ptr + r64 * stride_plm + cc, mask=c_ok, other=float("-inf")) - m_all)
+        o = tl.load(po_ptr + r64 * stride_pom + cc[:, None].to(tl.int64) * stride_poc + offs_d[None, :],
+                    mask=c_ok[:, None] & d_ok[None, :], other=0.0)
+        acc += tl.sum(w[:, None] * o, 0)
         den += w
-    o = acc / den
-    tl.store(out_ptr + t.to(tl.int64) * stride_ot + h.to(tl.int64) * stride_on + offs,
-             o.to(out_ptr.dtype.element_ty), mask=cmask)
+    o = acc / tl.sum(den, 0)
+    tl.store(out_ptr + t.to(tl.int64) * stride_ot + h.to(tl.int64) * stride_on + offs_d,
+             o.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -361,8 +378,10 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, sta
         _mla_chunk_kernel[grid](q_lat, q_pe, kv, idx, nvis, po, pl, out, T, S, N, c_split, *args_tail,
                                 GATHER=True, **common)
     if not direct:
-        _mla_merge_kernel[(T * N,)](po, pl, nvis, out, S, N, spom, spoc, splm, out.stride(0), out.stride(1),
-                                    C=C, CP=CP, CHUNK=cfg.CHUNK, CAUSAL=causal, num_warps=4)
+        block_d = min(CP, MERGE_BLOCK_D)
+        _mla_merge_kernel[(T * N, triton.cdiv(C, block_d))](
+            po, pl, nvis, out, S, N, n_ch, spom, spoc, splm, out.stride(0), out.stride(1),
+            C=C, BLOCK_D=block_d, BLOCK_C=MERGE_BLOCK_C, CHUNK=cfg.CHUNK, CAUSAL=causal, num_warps=4)
     return out
 
 
