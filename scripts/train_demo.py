@@ -53,7 +53,10 @@ def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--target-minutes", type=float, default=4.5)
-    p.add_argument("--draft-minutes", type=float, default=3.5, help="continuation pool + drafter training")
+    p.add_argument("--target-max-epochs", type=float, default=16.0,
+                   help="stop the target after this many passes over the train split (0: time box only)")
+    p.add_argument("--draft-minutes", type=float, default=6.5,
+                   help="continuation pool + drafter training (shortened to keep --max-total-minutes)")
     p.add_argument("--max-total-minutes", type=float, default=9.25,
                    help="wall-clock cap of the whole run; the drafter phase is shortened to keep it")
     p.add_argument("--seed", type=int, default=0)
@@ -143,7 +146,8 @@ def main(argv=None) -> dict:
     t = time.perf_counter()
     cfg = TT.demo_model_config(tok.get_vocab_size(), tiny=tiny)
     ts = TT.TargetTrainSettings(minutes=args.target_minutes, max_steps=args.target_steps, seed=args.seed,
-                                compile=args.compile, expert_impl=args.expert_impl)
+                                compile=args.compile, expert_impl=args.expert_impl,
+                                max_epochs=args.target_max_epochs or None)
     if tiny:
         ts.batch, ts.seq_len, ts.warmup_steps, ts.eval_windows, ts.dropout = 4, 64, 3, 4, 0.0
         ts.lr, ts.eval_every = 3e-3, 10
@@ -191,7 +195,7 @@ def main(argv=None) -> dict:
     # ---- 4. drafter ----------------------------------------------------------------------------
     t = time.perf_counter()
     dcfg = DT.demo_draft_config(cfg, mask_id, tiny=tiny)
-    reserve = 15 if tiny else 45  # drafter evaluation, engine check, writing
+    reserve = 15 if tiny else 40  # drafter evaluation, engine check, writing
     minutes = args.draft_minutes
     left = (deadline - time.perf_counter() - reserve) / 60
     if args.draft_steps is None and not tiny and left < minutes:
@@ -201,19 +205,20 @@ def main(argv=None) -> dict:
     dsets = DT.DraftTrainSettings(minutes=minutes, max_steps=args.draft_steps, seed=args.seed)
     if tiny:
         dsets.batch, dsets.seq_len, dsets.blocks_per_seq, dsets.pool_seqs, dsets.gen_batch = 4, 64, 8, 8, 4
-        dsets.prefix_lens, dsets.warmup_steps, dsets.lr = (8, 16), 3, 3e-3
+        dsets.prefix_lens, dsets.warmup_steps, dsets.lr, dsets.sample_every = (8, 16), 3, 3e-3, 2
         if dsets.max_steps is None:
             dsets.max_steps = 12
-    dres = DT.train_drafter(target, dcfg, train_stream, dsets, device, log)
+    # held-out prompts, continued by the target in the pool's first batch (for the drafter evaluation)
+    n_eval = 4 if tiny else 64
+    P = dsets.prefix_lens[0]
+    prompts = D.consecutive_windows(held_stream, P, max_windows=n_eval)
+    dres = DT.train_drafter(target, dcfg, train_stream, dsets, device, log, eval_prompts=prompts)
     phases["draft_train"] = round(time.perf_counter() - t, 2)
     t = time.perf_counter()
     from kdtree_engine.model.dflash import save_drafter
     save_drafter(out / "draft", DT.export_drafter(dres.drafter))
     # held-out evaluation: continuations of held-out prefixes (what decoding sees) and held-out data
-    n_eval = 4 if tiny else 64
-    P = 8 if tiny else 64
-    prompts = D.consecutive_windows(held_stream, P, max_windows=n_eval).to(device)
-    cont = TT.generate(target, prompts, dsets.seq_len - P)
+    cont = dres.eval_continuations
     dev_eval = {"heldout_greedy_continuations": DT.evaluate_drafter(dres.drafter, target, cont, P, device,
                                                                      seed=args.seed)}
     data_seqs = D.consecutive_windows(held_stream, dsets.seq_len, max_windows=n_eval)

@@ -128,14 +128,15 @@ def draft_hidden(drafter: DFlashDrafter, feats: torch.Tensor, block_embeds: torc
 
 
 @torch.no_grad()
-def target_features(target: TrainModel, ids: torch.Tensor, layer_ids: tuple[int, ...]
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """ids [B, S] -> (features [B, S, K*H], greedy [B, S]: greedy[:, t] = argmax logits[:, t-1], greedy[:, 0] = -1)."""
+def target_features(target: TrainModel, ids: torch.Tensor, layer_ids: tuple[int, ...], *,
+                    with_logits: bool = False):
+    """ids [B, S] -> (features [B, S, K*H], greedy [B, S]: greedy[:, t] = argmax logits[:, t-1], greedy[:, 0] = -1)
+    (+ the target's logits [B, S, V] with ``with_logits``)."""
     with autocast(ids.device):
         logits, aux = target(ids, aux_layers=layer_ids)
     greedy = torch.full_like(ids, -1)
     greedy[:, 1:] = logits[:, :-1].argmax(-1)
-    return aux, greedy
+    return (aux, greedy, logits) if with_logits else (aux, greedy)
 
 
 def sample_anchors(B: int, S: int, Bk: int, n: int, lo: torch.Tensor | int, gen: torch.Generator,
@@ -173,28 +174,45 @@ def position_weights(Bk: int, gamma: float, device: torch.device) -> torch.Tenso
     return torch.exp(-(torch.arange(1, Bk, device=device, dtype=torch.float32) - 1) / gamma)  # [Bk-1]
 
 
+def draft_loss(logits: torch.Tensor, labels: torch.Tensor, wpos: torch.Tensor, target_logits: torch.Tensor | None,
+               anchors: torch.Tensor, soft_weight: float) -> torch.Tensor:
+    """Position-weighted CE on the target's greedy tokens, plus ``soft_weight`` x the CE to the target's
+    full distribution at the same positions (logits [B, n, Bk-1, V]; target_logits [B, S, V])."""
+    B, n, K, V = logits.shape
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    ce = -logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)  # [B, n, K]
+    if target_logits is not None and soft_weight > 0:
+        # the target's distribution for the token at anchor + k comes from its logits at anchor + k - 1
+        pos = (anchors.unsqueeze(-1) + torch.arange(K, device=anchors.device)).view(B, n * K)
+        tl = target_logits.gather(1, pos.unsqueeze(-1).expand(B, n * K, V)).view(B, n, K, V)
+        soft = -(torch.softmax(tl.float(), dim=-1) * logp).sum(-1)  # [B, n, K]
+        ce = (1 - soft_weight) * ce + soft_weight * soft
+    return (ce * wpos).sum() / (wpos.sum() * B * n)
+
+
 # ---- training -----------------------------------------------------------------------------------
 
 @dataclass
 class DraftTrainSettings:
-    minutes: float = 3.5  # whole phase: continuation pool + training
+    minutes: float = 6.5  # whole phase: continuation pool + training
     max_steps: int | None = None
-    batch: int = 32  # sequences per step
+    batch: int = 64  # sequences per step
     seq_len: int = 512
     blocks_per_seq: int = 64
-    lr: float = 1.5e-3
+    lr: float = 2e-3
     min_lr_frac: float = 0.1
     warmup_steps: int = 60
     weight_decay: float = 0.01
     betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = 1.0
     gamma: float = 7.0
-    pool_seqs: int = 4096  # target continuations generated before training
+    soft_weight: float = 0.5  # share of the loss on the target's full distribution (rest: its argmax)
+    pool_seqs: int = 12288  # target continuations generated before training (the time share may cut it)
     pool_time_frac: float = 0.2  # at most this share of the phase for the pool
-    gen_batch: int = 512
-    prefix_lens: tuple[int, ...] = (16, 32, 64, 128)
-    sample_frac: float = 0.25  # share of the pool sampled at temperature 1 (the rest greedy)
-    pool_step_frac: float = 0.75  # share of steps on pool sequences (the rest on data windows)
+    gen_batch: int = 4096  # generation is launch-bound: wide batches are nearly free
+    prefix_lens: tuple[int, ...] = (64, 32, 128, 16)  # first batch: 64 (the held-out prompts' length)
+    sample_every: int = 4  # every 4th pool batch is sampled at temperature 1 (the rest greedy)
+    pool_step_frac: float = 0.8  # share of steps on pool sequences (the rest on data windows)
     seed: int = 0
 
 
@@ -207,38 +225,52 @@ class DraftResult:
     pool_seconds: float
     curve: list[dict] = field(default_factory=list)
     settings: dict = field(default_factory=dict)
+    eval_continuations: torch.Tensor | None = None
 
 
 @torch.no_grad()
 def continuation_pool(target: TrainModel, stream: torch.Tensor, n_seqs: int, seq_len: int,
-                      prefix_lens: tuple[int, ...], sample_frac: float, gen_batch: int, device: torch.device,
-                      seed: int, deadline: float | None = None, log: Callable[[str], None] = print
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sequences [N, seq_len] on device, prefix lengths [N]): data prefixes + target continuations."""
+                      prefix_lens: tuple[int, ...], sample_every: int, gen_batch: int, device: torch.device,
+                      seed: int, deadline: float | None = None, extra_prompts: torch.Tensor | None = None,
+                      log: Callable[[str], None] = print) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Data prefixes + target continuations [N, seq_len] (on device).
+
+    Batch i uses prefix length prefix_lens[i % len]; it is sampled at temperature 1 when
+    i % sample_every == sample_every - 1, else greedy. ``extra_prompts`` [m, prefix_lens[0]] ride along
+    in the first (greedy) batch; their continuations are returned separately.
+    """
     from .data import random_windows
 
     g = torch.Generator(device=device).manual_seed(seed)
     dg = torch.Generator(device=device).manual_seed(seed + 1)
     stream = stream.to(device)
-    seqs, prefixes = [], []
+    seqs = []
+    extra = None
     made, i = 0, 0
     while made < n_seqs:
         b = min(gen_batch, n_seqs - made)
         P = prefix_lens[i % len(prefix_lens)]
-        temp = 1.0 if (i * 0.618) % 1.0 < sample_frac else 0.0
+        temp = 1.0 if sample_every and i % sample_every == sample_every - 1 else 0.0
         prompts = random_windows(stream, b, P, g)
-        seqs.append(generate(target, prompts, seq_len - P, temperature=temp, gen=dg))
-        prefixes.append(torch.full((b,), P, dtype=torch.long, device=device))
+        m = 0
+        if i == 0 and extra_prompts is not None:
+            m = extra_prompts.shape[0]
+            prompts = torch.cat([prompts, extra_prompts.to(device)])
+        out = generate(target, prompts, seq_len - P, temperature=temp, gen=dg)
+        if m:
+            extra, out = out[b:], out[:b]
+        seqs.append(out)
         made += b
         i += 1
         if deadline is not None and time.perf_counter() > deadline:
             log(f"drafter: continuation pool stopped by its time share at {made} sequences")
             break
-    return torch.cat(seqs), torch.cat(prefixes)
+    return torch.cat(seqs), extra
 
 
 def train_drafter(target: TrainModel, dcfg: DraftConfig, train_stream: torch.Tensor, s: DraftTrainSettings,
-                  device: torch.device, log: Callable[[str], None] = print) -> DraftResult:
+                  device: torch.device, log: Callable[[str], None] = print,
+                  eval_prompts: torch.Tensor | None = None) -> DraftResult:
     """Continuation pool, then drafter steps until ``s.minutes`` (whole phase) or ``s.max_steps``."""
     from .data import random_windows
 
@@ -248,9 +280,10 @@ def train_drafter(target: TrainModel, dcfg: DraftConfig, train_stream: torch.Ten
     target.eval().requires_grad_(False)
     torch.manual_seed(s.seed)
     stream = train_stream.to(device)
-    pool, pool_prefix = continuation_pool(
-        target, stream, s.pool_seqs, s.seq_len, s.prefix_lens, s.sample_frac, s.gen_batch, device,
-        s.seed + 11, deadline=t0 + s.pool_time_frac * budget if timed else None, log=log)
+    pool, eval_cont = continuation_pool(
+        target, stream, s.pool_seqs, s.seq_len, s.prefix_lens, s.sample_every, s.gen_batch, device,
+        s.seed + 11, deadline=t0 + s.pool_time_frac * budget if timed else None, extra_prompts=eval_prompts,
+        log=log)
     if device.type == "cuda":
         torch.cuda.synchronize()
     pool_s = time.perf_counter() - t0
@@ -279,7 +312,7 @@ def train_drafter(target: TrainModel, dcfg: DraftConfig, train_stream: torch.Ten
             ids = pool[rows]  # anchors anywhere: data prefix and continuation
         else:
             ids = random_windows(stream, s.batch, s.seq_len, dg)
-        feats, greedy = target_features(target, ids, layer_ids)
+        feats, greedy, tlogits = target_features(target, ids, layer_ids, with_logits=True)
         anchors = sample_anchors(s.batch, s.seq_len, Bk, s.blocks_per_seq, 1, dg, device)
         labels = block_labels(greedy, anchors, Bk)
         lr = lr_at(step, sched_total, s)
@@ -287,9 +320,8 @@ def train_drafter(target: TrainModel, dcfg: DraftConfig, train_stream: torch.Ten
             gp["lr"] = lr
         with autocast(device):
             logits = block_logits(drafter, target, feats, ids, anchors)
-        ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                             reduction="none").view(labels.shape)
-        loss = (ce * wpos).sum() / (wpos.sum() * labels.shape[0] * labels.shape[1])
+        loss = draft_loss(logits, labels, wpos, tlogits, anchors, s.soft_weight)
+        del tlogits
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), s.grad_clip)
@@ -325,7 +357,7 @@ def train_drafter(target: TrainModel, dcfg: DraftConfig, train_stream: torch.Ten
         torch.cuda.synchronize()
     drafter.requires_grad_(False).eval()
     return DraftResult(drafter=drafter, steps=step, seconds=time.perf_counter() - t0, pool_seqs=pool.shape[0],
-                       pool_seconds=pool_s, curve=curve, settings=asdict(s))
+                       pool_seconds=pool_s, curve=curve, settings=asdict(s), eval_continuations=eval_cont)
 
 
 @torch.no_grad()

@@ -217,7 +217,7 @@ class Experts(nn.Module):
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
         tok = order // k
-        counts = torch.bincount(flat, minlength=E)
+        counts = torch.zeros(E, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
         y = EXPERT_IMPLS[self.impl](x[tok], counts, self.w13, self.w2)  # [M*k, H]
         y = y.float() * w.reshape(-1)[order].unsqueeze(1)
         return torch.zeros(M, x.shape[1], dtype=torch.float32, device=x.device).index_add_(0, tok, y)
@@ -237,8 +237,9 @@ class MoE(nn.Module):
         shape = x.shape
         xf = x.reshape(-1, shape[-1])
         ids, w = self.gate(xf)
-        if self.training:
-            self.load += torch.bincount(ids.reshape(-1), minlength=self.load.shape[0]).float()
+        if self.training:  # index_add, not bincount: no host sync
+            flat = ids.reshape(-1)
+            self.load.index_add_(0, flat, torch.ones(flat.shape, dtype=self.load.dtype, device=flat.device))
         out = self.experts(xf, ids, w)
         if self.shared_experts is not None:
             out = out + self.shared_experts(xf).float()
@@ -270,8 +271,11 @@ class TrainModel(nn.Module):
         self.layers = nn.ModuleList(Layer(cfg, i, dropout) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.register_buffer("inv_freq", rope_inv_freq(cfg).float(), persistent=False)
-        self.rope_mult = rope_multiplier(cfg)
+        # cos/sin [P, R/2] from float64 angles, as the engine's table
+        freqs = torch.outer(torch.arange(cfg.max_position_embeddings, dtype=torch.float64), rope_inv_freq(cfg))
+        mult = rope_multiplier(cfg)
+        self.register_buffer("rope_cos", (freqs.cos() * mult).float(), persistent=False)
+        self.register_buffer("rope_sin", (freqs.sin() * mult).float(), persistent=False)
 
     def moe_layers(self) -> list[MoE]:
         return [l.mlp for l in self.layers if isinstance(l.mlp, MoE)]
@@ -294,9 +298,7 @@ class TrainModel(nn.Module):
             m.gate.e_score_correction_bias.zero_()
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # float64 angles as the engine's table, then float32
-        freqs = positions.double().unsqueeze(-1) * self.inv_freq.double().unsqueeze(0)  # [T, R/2]
-        return (freqs.cos() * self.rope_mult).float(), (freqs.sin() * self.rope_mult).float()
+        return self.rope_cos[positions], self.rope_sin[positions]  # [T, R/2] each
 
     def forward(self, ids: torch.Tensor, *, aux_layers: tuple[int, ...] = (), cache: KVCache | None = None,
                 return_hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -363,8 +365,9 @@ def pick_expert_impl(model: TrainModel, device: torch.device, log: Callable[[str
 
 @dataclass
 class TargetTrainSettings:
-    minutes: float = 4.5
-    max_steps: int | None = None  # fixed step count (reproducible schedule); None = fill the time box
+    minutes: float = 4.5  # time box (a cap: max_epochs usually ends the run first)
+    max_steps: int | None = None  # fixed step count (reproducible schedule); None = time box / epochs
+    max_epochs: float | None = 16.0  # passes over the train split; beyond this the model mostly memorizes
     batch: int = 64
     seq_len: int = 1024
     lr: float = 1.5e-3
@@ -464,9 +467,13 @@ def train_target(cfg: ModelConfig, train_stream: torch.Tensor, eval_windows: tor
         except Exception as e:
             log(f"torch.compile failed ({e}); eager")
     budget = s.minutes * 60.0
-    timed = s.max_steps is None
-    total = s.max_steps if not timed else 10**9  # re-estimated from the measured step time
-    sched_total = total if not timed else 10**6
+    epoch_steps = (math.ceil(s.max_epochs * train_stream.numel() / (s.batch * s.seq_len))
+                   if s.max_epochs else 10**9)
+    timed = s.max_steps is None and epoch_steps > 150
+    total = s.max_steps if s.max_steps is not None else (10**9 if timed else epoch_steps)
+    sched_total = total if not timed else min(10**6, epoch_steps)
+    if s.max_steps is None and not timed:
+        log(f"target: {total} steps = {s.max_epochs:g} epochs of the train split")
     eval_every = s.eval_every or (max(1, total // 10) if not timed else 0)
     t0 = time.perf_counter()
     curve: list[dict] = []
@@ -506,17 +513,18 @@ def train_target(cfg: ModelConfig, train_stream: torch.Tensor, eval_windows: tor
                 now = time.perf_counter()
                 rate = (now - mark[1]) / (step - mark[0])
                 reserve = 0.03 * budget  # periodic evaluations
-                total = max(step + 1, int(step + (budget - reserve - (now - t0)) / rate))
+                fit = max(step + 1, int(step + (budget - reserve - (now - t0)) / rate))
+                total = min(fit, epoch_steps)
                 sched_total = total
                 eval_every = s.eval_every or max(25, total // 12)
-                log(f"target: {rate * 1000:.1f} ms/step -> {total} steps in {s.minutes:g} min "
+                log(f"target: {rate * 1000:.1f} ms/step -> {total} steps ({'epoch cap' if total < fit else 'time box'}) "
                     f"({total * s.batch * s.seq_len / 1e6:.0f}M tokens, "
                     f"{total * s.batch * s.seq_len / max(1, train_stream.numel()):.1f} epochs)")
             else:
                 if device.type == "cuda":
                     torch.cuda.synchronize()
             mark = (step, time.perf_counter())
-        over = timed and elapsed > budget
+        over = s.max_steps is None and elapsed > budget
         if (eval_every and step % eval_every == 0) or step == total or over:
             ev = evaluate_loss(model, eval_windows[: s.eval_windows], device)
             lv, ev_ema = float(loss.detach()), float(ema)
@@ -547,7 +555,8 @@ def generate(model: TrainModel, prompts: torch.Tensor, new_tokens: int, *, tempe
     out = torch.empty(B, P + new_tokens, dtype=torch.long, device=device)
     out[:, :P] = prompts
     with autocast(device):
-        logits, _ = model(prompts, cache=cache)
+        h, _ = model(prompts, cache=cache, return_hidden=True)
+        logits = model.lm_head(h[:, -1:]).float()  # only the last position's logits
         for t in range(new_tokens):
             last = logits[:, -1].float()
             if temperature > 0:
