@@ -84,11 +84,18 @@ class MLAConfig:
                     num_warps=self.num_warps, num_stages=self.num_stages)
 
 
-# Default config per heads-per-rank N (first entry with N <= max N). Chosen from bench/mla_attention.py
-# on an H200; every field is fixed per (N, dtype) so rows are batch-invariant across T.
+# Default config per heads-per-rank N (first entry with N <= max N). Every field is fixed per N, never
+# chosen from T, so rows are batch-invariant across T. Chosen from the sweep of bench/mla_attention.py
+# on an H200 (torch 2.11, triton 3.6), median us, S=32K (128K) / T:
+#   config (CHUNK, BM, BN, warps, stages)  N=8 T=1       T=16   T=64  | N=64 T=1     T=16   T=64
+#   512, 32, 64, 4, 2                     56 (90)       92     257   |  57 (147)    425    1522
+#   512, 16, 64, 4, 3                     33 (83)      123     383   |   -           647    2411
+#   512, 16, 32, 4, 2                     45 (76)      116     367   |  65 (174)    602    2194
+#   512, 64, 32, 8, 2                     68 (155)      98     291   |  70 (159)    530    1895
+# Tree verify (T = 16..64) is the engine's common step, so BM=32/BN=64 for every N; for plain decoding at
+# N <= 16, (512, 16, 64, 4, 3) is faster at T = 1.
 DEFAULT_CONFIGS: list[tuple[int, MLAConfig]] = [
-    (16, MLAConfig(CHUNK=512, BLOCK_M=16, BLOCK_N=32, V_SPLIT=1, num_warps=4, num_stages=2)),
-    (1 << 30, MLAConfig(CHUNK=512, BLOCK_M=32, BLOCK_N=32, V_SPLIT=1, num_warps=4, num_stages=2)),
+    (1 << 30, MLAConfig(CHUNK=512, BLOCK_M=32, BLOCK_N=64, V_SPLIT=1, num_warps=4, num_stages=2)),
 ]
 
 

@@ -95,8 +95,8 @@ for _S, _cfg in ((0, "c32"), (1, "c64"), (37, "c32")):
             if _T == 1 and _mask == "tree":
                 continue
             CASES[f"N3_S{_S}_T{_T}_{_mask}_{_cfg}"] = ("ref", 3, _S, _T, _mask, _cfg, "")
-for _T, _mask, _cfg in ((1, "causal", "c128"), (5, "tree", "c128"), (17, "causal", "c128"), (17, "tree", "c128"),
-                        (17, "causal", "default"), (5, "tree", "default")):
+for _T, _mask, _cfg in ((1, "causal", "c128"), (5, "tree", "c128"), (17, "causal", "c128"), (13, "tree", "c128"),
+                        (9, "causal", "default"), (5, "tree", "default")):
     CASES[f"N4_S300_T{_T}_{_mask}_{_cfg}"] = ("ref", 4, 300, _T, _mask, _cfg, "")
 CASES["N4_S37_T5_tree_c64"] = ("ref", 4, 37, 5, "tree", "c64", "")
 CASES["N4_S100_T9_tree_vsplit"] = ("ref", 4, 100, 9, "tree", "vsplit", "")
