@@ -292,8 +292,9 @@ def engine_check(out: Path, target, held_stream: torch.Tensor, tok, log, tiny: b
                  "windows": n, "tokens_per_window": L}
     log(f"engine (CPU fp32) held-out loss on {n} windows: {eng_loss / n:.4f}; training code on the same: "
         f"{ref_loss / n:.4f}")
-    prompts = D.consecutive_windows(held_stream, 32, max_windows=2 if tiny else 3)
-    new = 16 if tiny else 128
+    prompts = D.consecutive_windows(held_stream, 32, max_windows=1 if tiny else 3)
+    new = 12 if tiny else 128
+    specs = (("none", None), ("dflash", None), ("ddtree", 32)) + ((("ddtree", 64),) if not tiny else ())
     runs = []
     for i, p in enumerate(prompts.tolist()):
         if time.perf_counter() > deadline - 20:
@@ -301,7 +302,7 @@ def engine_check(out: Path, target, held_stream: torch.Tensor, tok, log, tiny: b
             break
         row = {"prompt": i}
         base = None
-        for spec, budget in (("none", None), ("dflash", None), ("ddtree", 32)):
+        for spec, budget in specs:
             r = generate(eng, p, SamplingParams(max_tokens=new, ignore_eos=True), spec=spec, drafter=drafter,
                          budget=budget)
             key = spec if budget is None else f"{spec}{budget}"

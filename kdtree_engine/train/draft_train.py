@@ -256,7 +256,15 @@ def continuation_pool(target: TrainModel, stream: torch.Tensor, n_seqs: int, seq
         if i == 0 and extra_prompts is not None:
             m = extra_prompts.shape[0]
             prompts = torch.cat([prompts, extra_prompts.to(device)])
-        out = generate(target, prompts, seq_len - P, temperature=temp, gen=dg)
+        try:
+            out = generate(target, prompts, seq_len - P, temperature=temp, gen=dg)
+        except torch.OutOfMemoryError:
+            if gen_batch <= 64:
+                raise
+            gen_batch //= 2
+            torch.cuda.empty_cache()
+            log(f"drafter: out of memory generating; batch now {gen_batch}")
+            continue
         if m:
             extra, out = out[b:], out[:b]
         seqs.append(out)
@@ -312,18 +320,28 @@ def train_drafter(target: TrainModel, dcfg: DraftConfig, train_stream: torch.Ten
             ids = pool[rows]  # anchors anywhere: data prefix and continuation
         else:
             ids = random_windows(stream, s.batch, s.seq_len, dg)
-        feats, greedy, tlogits = target_features(target, ids, layer_ids, with_logits=True)
-        anchors = sample_anchors(s.batch, s.seq_len, Bk, s.blocks_per_seq, 1, dg, device)
-        labels = block_labels(greedy, anchors, Bk)
         lr = lr_at(step, sched_total, s)
         for gp in opt.param_groups:
             gp["lr"] = lr
-        with autocast(device):
-            logits = block_logits(drafter, target, feats, ids, anchors)
-        loss = draft_loss(logits, labels, wpos, tlogits, anchors, s.soft_weight)
-        del tlogits
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
+        try:
+            feats, greedy, tlogits = target_features(target, ids, layer_ids, with_logits=True)
+            anchors = sample_anchors(ids.shape[0], s.seq_len, Bk, s.blocks_per_seq, 1, dg, device)
+            labels = block_labels(greedy, anchors, Bk)
+            with autocast(device):
+                logits = block_logits(drafter, target, feats, ids, anchors)
+            loss = draft_loss(logits, labels, wpos, tlogits, anchors, s.soft_weight)
+            del tlogits
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+        except torch.OutOfMemoryError:
+            if s.batch <= 8 or step > 0:
+                raise
+            feats = greedy = tlogits = logits = loss = None
+            opt.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
+            s.batch //= 2
+            log(f"drafter: out of memory at the first step; batch now {s.batch} sequences")
+            continue
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), s.grad_clip)
         opt.step()
         with torch.no_grad():
