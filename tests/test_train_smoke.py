@@ -209,3 +209,17 @@ def test_tiny_run_drafter_loads_and_fits(tiny_run) -> None:
     o = target(ids, target.new_cache(64), aux_layers=d.target_layer_ids)
     logits = d.propose(target, o.aux, ids[-1:].clone(), d.new_cache(64), 20)
     assert logits.shape == (15, target.cfg.vocab_size) and torch.isfinite(logits).all()
+
+
+def test_tiny_run_int4_checkpoint_loads_in_hf_with_compressed_tensors(tiny_run) -> None:
+    """Where compressed-tensors is installed, transformers decompresses the INT4 experts on load."""
+    pytest.importorskip("compressed_tensors")
+    from transformers import DeepseekV3ForCausalLM
+    out, _ = tiny_run
+    hf = DeepseekV3ForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ids = torch.randint(2, 500, (40,), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+    eng = load_target(out, device=torch.device("cpu"), dtype=torch.float32, progress=False)
+    # transformers keeps the decompressed experts in bf16; the engine dequantizes to float32
+    assert rel(eng(ids, eng.new_cache(64)).logits, ref) < 2e-2
