@@ -55,7 +55,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--target-minutes", type=float, default=4.5)
     p.add_argument("--target-max-epochs", type=float, default=16.0,
                    help="stop the target after this many passes over the train split (0: time box only)")
-    p.add_argument("--draft-minutes", type=float, default=6.5,
+    p.add_argument("--draft-minutes", type=float, default=7.0,
                    help="continuation pool + drafter training (shortened to keep --max-total-minutes)")
     p.add_argument("--max-total-minutes", type=float, default=9.25,
                    help="wall-clock cap of the whole run; the drafter phase is shortened to keep it")
