@@ -60,7 +60,8 @@ def _ids(text: str) -> list[int]:
 def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text or token ids from a prompt")
     p.add_argument("prompt", nargs="?", help="prompt text (needs the model's tokenizer.json)")
-    p.add_argument("--model", required=True, help="HF-format checkpoint directory")
+    p.add_argument("--model", default=None,
+                   help="HF-format checkpoint directory (default: the embedded demo model, with its drafter)")
     p.add_argument("--prompt-ids", type=_ids, help="prompt as comma-separated token ids")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -77,28 +78,47 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--spec", choices=["none", "dflash", "ddtree"], default=None,
                    help="decoding strategy (default: ddtree with --draft, else none)")
     p.add_argument("--budget", type=int, default=None, help="ddtree: non-root tree nodes (default block size - 1)")
+    p.add_argument("--compare", action=argparse.BooleanOptionalAction, default=None,
+                   help="also run plain decoding and report the speedup (default: on for the embedded demo)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     p.set_defaults(func=cmd_generate)
+
+
+DEMO_DIR = Path(__file__).parent / "assets" / "demo"
+DEMO_BUDGET = 32  # the budget `kdtree bench spec` measured best for the demo on the CPU
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from .engine import LLM
     from .sampling import SamplingParams
+    from .spec.decode import generate
 
+    log = logging.getLogger("kdtree_engine")
     if (args.prompt is None) == (args.prompt_ids is None):
         raise BadInput("give exactly one of PROMPT or --prompt-ids")
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
-    if not Path(args.model).is_dir():
-        raise BadInput(f"--model {args.model!r} is not a directory")
-    spec = args.spec or ("ddtree" if args.draft else "none")
-    if args.budget is not None and spec != "ddtree":
+    demo = args.model is None
+    model, draft, budget, compare = args.model, args.draft, args.budget, args.compare
+    if demo:
+        if not (DEMO_DIR / "config.json").exists():
+            raise BadInput(f"no --model given and the embedded demo model is missing ({DEMO_DIR})")
+        model = str(DEMO_DIR)
+        draft = draft or str(DEMO_DIR / "draft")
+        compare = True if compare is None else compare
+        log.info("no --model: the embedded demo (K2-architecture model trained on Python code, DFlash drafter)")
+    if not Path(model).is_dir():
+        raise BadInput(f"--model {model!r} is not a directory")
+    spec = args.spec or ("ddtree" if draft else "none")
+    if budget is None and demo and spec == "ddtree":
+        budget = DEMO_BUDGET
+    if budget is not None and spec != "ddtree":
         raise BadInput(f"--budget applies to --spec ddtree only (spec is {spec})")
-    llm = LLM(args.model, draft=args.draft, spec=spec, budget=args.budget, device=args.device, dtype=args.dtype,
+    llm = LLM(model, draft=draft, spec=spec, budget=budget, device=args.device, dtype=args.dtype,
               quantize=args.quantize, progress=True)
     prompt = args.prompt if args.prompt_ids is None else args.prompt_ids
     if isinstance(prompt, str) and llm.tokenizer is None:
-        raise BadInput(f"{args.model} has no tokenizer.json; pass the prompt as --prompt-ids")
+        raise BadInput(f"{model} has no tokenizer.json; pass the prompt as --prompt-ids")
     streamed: list[int] = []
     printed = [""]
 
@@ -113,14 +133,23 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 printed[0] = text
         sys.stdout.flush()
 
+    if not args.json and isinstance(prompt, str):
+        sys.stdout.write(prompt)
     res = llm.generate(prompt, params, on_tokens=None if args.json else on_tokens)[0]
+    stats = dict(res.stats)
+    if compare and spec != "none":
+        # Plain decoding of the same request, in the same process, for the speedup figure.
+        base = generate(llm.target, llm.encode(prompt), params)
+        stats["baseline_tokens_per_s"] = base.stats["tokens_per_s"]
+        stats["speedup"] = (stats["tokens_per_s"] / base.stats["tokens_per_s"]
+                            if base.stats["tokens_per_s"] > 0 else 0.0)
+        stats["same_tokens_as_plain"] = base.token_ids == res.token_ids
     if args.json:
         print(json.dumps({"token_ids": res.token_ids, "text": res.text, "finish_reason": res.finish_reason,
-                          "stats": res.stats}))
+                          "stats": stats}))
     else:
         sys.stdout.write("\n")
-        s = res.stats
-        print(format_stats(res.finish_reason, s), file=sys.stderr)
+        print(format_stats(res.finish_reason, stats), file=sys.stderr)
     return 0
 
 
@@ -132,6 +161,9 @@ def format_stats(finish_reason: str, s: dict) -> str:
                  + f", rounds {s['rounds']}, tau {s['tau']:.2f}, accepted per depth {s['accepted_per_depth']}"
                  + f", draft {s['draft_s']:.3f}s tree {s['tree_s']:.3f}s verify {s['verify_s']:.3f}s"
                  + f" commit {s['commit_s']:.3f}s")
+    if "speedup" in s:
+        line += (f", plain decoding {s['baseline_tokens_per_s']:.1f} tok/s, speedup {s['speedup']:.2f}x"
+                 f", same tokens as plain: {'yes' if s['same_tokens_as_plain'] else 'NO'}")
     return line + "]"
 
 

@@ -80,6 +80,17 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Expe
 def _expert_weights(experts: Experts, e: int) -> tuple[torch.Tensor, torch.Tensor]:
     if experts.group_size is None:
         return experts.w13[e], experts.w2[e]
+    if experts.w13_packed.device.type == "cpu":
+        # The CPU path multiplies dense weights: dequantize once (same values every call) and keep them.
+        dense = experts.__dict__.get("_dense_cpu")
+        if dense is None:
+            from ..quant import dequantize
+            g = experts.group_size
+            dense = (dequantize(experts.w13_packed, experts.w13_scale, g),
+                     dequantize(experts.w2_packed, experts.w2_scale, g))
+            experts.__dict__["_dense_cpu"] = dense
+            log_once("moe:cpu-dequant", "MoE on cpu: INT4 experts dequantized once and kept for the torch path")
+        return dense[0][e], dense[1][e]
     from ..quant import dequantize
     g = experts.group_size
     return (dequantize(experts.w13_packed[e], experts.w13_scale[e], g),

@@ -189,6 +189,8 @@ class Target(nn.Module):
             self.lm_head_proj.weight = self.embed_tokens.weight
         for layer in self.layers:
             layer.self_attn.reset_absorbed()
+            if isinstance(layer.mlp, MoE):
+                layer.mlp.experts.__dict__.pop("_dense_cpu", None)  # derived from the old weights
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> "Target":
         for name, t in tensors:
