@@ -117,6 +117,11 @@ def make_bundle(cfg: ModelConfig | str, seed: int, n_tokens: int, prompt_len: in
         raise ValueError("n_tokens and prompt_len must be >= 1")
     if prompt_len + n_tokens > cfg.max_position_embeddings:
         raise ValueError(f"prompt_len + n_tokens exceeds max_position_embeddings ({cfg.max_position_embeddings})")
+    if quant == "w4a16":
+        # The engine learns which linears are INT4 from the config, as from a real checkpoint.
+        from kdtree_engine.quant import k2_quantization_config
+
+        cfg = cfg.replace(quantization=k2_quantization_config(group_size))
     weights = reference.random_weights(
         cfg, seed, quantize_experts_group=group_size if quant == "w4a16" else None)
     rng = np.random.default_rng([seed, 0x60])

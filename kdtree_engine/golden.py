@@ -1,7 +1,8 @@
 """``kdtree golden make | check``: write golden bundles from the numpy reference, check the engine.
 
 The CLI registers these with ``add_golden_parser(subparsers)``; each leaf parser sets
-``func(args) -> int`` (the exit code). ``python -m kdtree_engine.golden ...`` runs them standalone.
+``func(args) -> int`` (the exit code). ``main(argv)`` (argv starting with ``make`` / ``check``) and ``python -m kdtree_engine.golden`` run them
+standalone.
 
 Exit codes of ``check``: 0 all tokens match, 1 mismatch, 2 bundle missing/unreadable/malformed
 (or the engine cannot be run).
@@ -28,7 +29,12 @@ def add_golden_parser(subparsers: Any) -> argparse.ArgumentParser:
     golden = subparsers.add_parser("golden", help="golden bundles: make from the numpy reference, check the engine",
                                    description="Golden bundles: one .safetensors with a random model, a prompt "
                                                "and the float64 reference's greedy tokens.")
-    sub = golden.add_subparsers(dest="golden_cmd", metavar="{make,check}")
+    _add_commands(golden)
+    return golden
+
+
+def _add_commands(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="golden_cmd", metavar="{make,check}")
     sub.required = True
 
     mk = sub.add_parser("make", help="write a bundle from the numpy reference (float64)")
@@ -46,7 +52,6 @@ def add_golden_parser(subparsers: Any) -> argparse.ArgumentParser:
     ck.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ck.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ck.set_defaults(func=cmd_check)
-    return golden
 
 
 def cmd_make(args: argparse.Namespace) -> int:
@@ -114,8 +119,9 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kdtree")
-    add_golden_parser(parser.add_subparsers(dest="command", required=True))
+    """``kdtree golden`` on its own: argv starts with ``make`` or ``check``."""
+    parser = argparse.ArgumentParser(prog="kdtree golden")
+    _add_commands(parser)
     args = parser.parse_args(argv)
     return int(args.func(args))
 

@@ -417,6 +417,11 @@ def random_weights(cfg: ModelConfig, seed: int, *, quantize_experts_group: int |
                                * lin(*c.shape, RW_EXPERT_OUT if proj == "down_proj" else 1.0)).astype(np.float32)
                         for proj, c in common.items()}
                 for proj, mat in mats.items():
+                    # Sparse outliers, as trained weights have: they set the group absmax, so INT4
+                    # quantization visibly changes the model (W4A16 goldens differ from float ones).
+                    outlier = rng.random(mat.shape) < RW_OUTLIER_P
+                    keep_rms = math.sqrt(1.0 + RW_OUTLIER_P * (RW_OUTLIER_X**2 - 1.0))
+                    mat = (np.where(outlier, mat * RW_OUTLIER_X, mat) / keep_rms).astype(np.float32)
                     if quantize_experts_group is None:
                         w[ep + proj + ".weight"] = mat
                     else:
@@ -441,3 +446,5 @@ RW_EXPERT_OUT = 0.45    # routed experts' down_proj
 RW_ROUTER_GAIN = 2.0    # router logits std
 RW_BIAS = 0.1           # e_score_correction_bias std
 RW_EXPERT_SPREAD = 0.5  # expert-specific share (0: identical experts, 1: independent)
+RW_OUTLIER_P = 0.03    # share of routed-expert weights that are outliers
+RW_OUTLIER_X = 4.0     # outlier multiplier
