@@ -75,6 +75,12 @@ class GenerationResult:
     finish_reason: str  # "length" | "stop"
     stats: dict[str, Any] = field(default_factory=dict)
     text: str | None = None
+    # The last round that drafted (dflash / ddtree; None for "none"): its tree, the accepted node
+    # indices (root first), the bonus token, and per-node draft log-probs (root: None). For display.
+    last_tree: DraftTree | None = None
+    last_accepted: list[int] | None = None
+    last_bonus: int | None = None
+    last_draft_logprobs: list[float | None] | None = None
 
 
 def _sync(device: torch.device) -> None:
@@ -185,6 +191,7 @@ def generate(target: Target, prompt_ids: list[int], params: SamplingParams, *,
     accepted_lens: list[int] = []
     per_depth = [0] * max(B - 1, 0)
     draft_tokens = 0
+    last: tuple | None = None  # (tree, accept result, draft logits) of the last round that drafted
     if limit == 0:
         return GenerationResult([], "length", _finish_stats(stats, emit, 0.0, 0.0, rounds, accepted_lens,
                                                              per_depth, draft_tokens, timer))
@@ -239,13 +246,28 @@ def generate(target: Target, prompt_ids: list[int], params: SamplingParams, *,
             accepted_lens.append(A)
             for d in range(A - 1):
                 per_depth[d] += 1
+            if depth > 0:
+                last = (tree, res, draft_logits)
             done = emit.push(new)
         dcache.crop(min(dcache.length, start))
     _sync(dev)
     t2 = time.perf_counter()
-    return GenerationResult(emit.tokens, emit.finish_reason or "length",
-                            _finish_stats(stats, emit, t1 - t0, t2 - t1, rounds, accepted_lens, per_depth,
-                                          draft_tokens, timer))
+    result = GenerationResult(emit.tokens, emit.finish_reason or "length",
+                              _finish_stats(stats, emit, t1 - t0, t2 - t1, rounds, accepted_lens, per_depth,
+                                            draft_tokens, timer))
+    if last is not None:
+        _set_last_round(result, *last)
+    return result
+
+
+def _set_last_round(result: GenerationResult, tree: DraftTree, res: Any, draft_logits: torch.Tensor) -> None:
+    """Record a round for display (after timing): tree, accepted path, bonus, draft log-probs per node."""
+    result.last_tree = tree
+    result.last_accepted = [int(i) for i in res.accepted.tolist()]
+    result.last_bonus = int(res.bonus)
+    lp = torch.log_softmax(draft_logits.float(), dim=-1)  # [depth, V]
+    depths, tokens = tree.depths.tolist(), tree.tokens.tolist()
+    result.last_draft_logprobs = [None if d == 0 else float(lp[d - 1, t]) for d, t in zip(depths, tokens)]
 
 
 TREE_IMPLS = ("auto", "graph", "vectorized", "heap")
