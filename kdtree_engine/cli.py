@@ -78,6 +78,9 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--spec", choices=["none", "dflash", "ddtree"], default=None,
                    help="decoding strategy (default: ddtree with --draft, else none)")
     p.add_argument("--budget", type=int, default=None, help="ddtree: non-root tree nodes (default block size - 1)")
+    p.add_argument("--batch-invariant", choices=["on", "off"], default="off",
+                   help="on: dense CUDA matmuls through the Triton GEMM whose per-row result does not depend on "
+                        "how many rows share the launch (measured bitwise at K2 shapes; not yet checked end to end)")
     p.add_argument("--compare", action=argparse.BooleanOptionalAction, default=None,
                    help="also run plain decoding and report the speedup (default: on for the embedded demo)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
@@ -115,7 +118,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if budget is not None and spec != "ddtree":
         raise BadInput(f"--budget applies to --spec ddtree only (spec is {spec})")
     llm = LLM(model, draft=draft, spec=spec, budget=budget, device=args.device, dtype=args.dtype,
-              quantize=args.quantize, progress=True)
+              quantize=args.quantize, batch_invariant=args.batch_invariant == "on", progress=True)
     prompt = args.prompt if args.prompt_ids is None else args.prompt_ids
     if isinstance(prompt, str) and llm.tokenizer is None:
         raise BadInput(f"{model} has no tokenizer.json; pass the prompt as --prompt-ids")

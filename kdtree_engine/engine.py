@@ -114,9 +114,11 @@ class LLM:
 
     def __init__(self, model: str | Path, *, draft: str | Path | None = None, spec: str = "none",
                  budget: int | None = None, device: str | None = None, dtype: str | torch.dtype | None = None,
-                 quantize: str | None = None, progress: bool = True) -> None:
+                 quantize: str | None = None, batch_invariant: bool = False, progress: bool = True) -> None:
+        from .kernels.dispatch import set_batch_invariant
         from .spec.decode import resolve_spec
 
+        set_batch_invariant(batch_invariant)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         if spec != "none" and draft is None:

@@ -1,8 +1,13 @@
-"""Kernel choice for W4A16 weights: one place, chosen by device, logged once.
+"""Kernel choice: one place, chosen by the weight's format and the device, each choice logged once.
 
-CUDA tensors use the Triton kernels; CPU tensors use their torch references (dequantize, then
-matmul in float32). ``KDTREE_INT4_BACKEND=torch|triton`` forces one (tests use ``triton`` with
-``TRITON_INTERPRET=1`` on the CPU).
+  dense linear   CPU: torch ``F.linear``. CUDA: cuBLAS, or with batch invariance on the Triton GEMM
+                 whose per-row reduction order does not depend on the number of rows (kernels/gemm.py).
+  W4A16 linear   CPU: dequantize + float32 matmul. CUDA: Triton (kernels/w4a16.py).
+  MLA attention  CPU: the torch reference (model/mla.py). CUDA: Triton (kernels/mla_attention.py).
+
+``KDTREE_INT4_BACKEND`` / ``KDTREE_ATTN_BACKEND`` = ``torch`` | ``triton`` force one backend (tests run the
+Triton code on the CPU with ``TRITON_INTERPRET=1``). Batch invariance is set by
+:func:`set_batch_invariant` (the CLI's ``--batch-invariant``).
 """
 
 from __future__ import annotations
@@ -10,19 +15,50 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.nn.functional as F
 
 from ..model.layers import log_once
 from ..quant import dequantize
 
-_FORCED = os.environ.get("KDTREE_INT4_BACKEND")
-if _FORCED not in (None, "", "torch", "triton"):
-    raise ValueError(f"KDTREE_INT4_BACKEND must be 'torch' or 'triton', got {_FORCED!r}")
+BACKENDS = ("torch", "triton")
+
+
+def _forced(var: str) -> str | None:
+    value = os.environ.get(var) or None
+    if value not in (None,) + BACKENDS:
+        raise ValueError(f"{var} must be one of {BACKENDS}, got {value!r}")
+    return value
+
+
+_INT4_FORCED = _forced("KDTREE_INT4_BACKEND")
+_ATTN_FORCED = _forced("KDTREE_ATTN_BACKEND")
+_BATCH_INVARIANT = False
+
+
+def set_batch_invariant(on: bool) -> None:
+    """Dense CUDA matmuls through the batch-invariant Triton GEMM (True) or cuBLAS (False)."""
+    global _BATCH_INVARIANT
+    _BATCH_INVARIANT = bool(on)
+    log_once(f"batch-invariant:{_BATCH_INVARIANT}",
+             f"dense linears on cuda: {'batch-invariant Triton GEMM' if _BATCH_INVARIANT else 'cuBLAS'}")
+
+
+def _backend(kind: str, forced: str | None, device: torch.device) -> str:
+    backend = forced or ("triton" if device.type == "cuda" else "torch")
+    log_once(f"{kind}:{device.type}:{backend}", f"{kind} kernels on {device.type}: {backend}")
+    return backend
 
 
 def int4_backend(device: torch.device) -> str:
-    backend = _FORCED or ("triton" if device.type == "cuda" else "torch")
-    log_once(f"int4:{device.type}:{backend}", f"W4A16 kernels on {device.type}: {backend}")
-    return backend
+    return _backend("W4A16", _INT4_FORCED, device)
+
+
+def dense_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ w [N, K].T -> [M, N] for dense weights (same dtype)."""
+    if _BATCH_INVARIANT and x.is_cuda:
+        from .gemm import bi_linear
+        return bi_linear(x, w)
+    return F.linear(x, w)
 
 
 def w4a16_matmul_reference(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
@@ -42,6 +78,8 @@ def w4a16_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, gro
 def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, start: int,
                   tree_mask: torch.Tensor | None, scale: float, kv_lora_rank: int) -> torch.Tensor:
     """Absorbed MLA attention over the latent cache + the new block; see mla_attention_reference."""
+    if _backend("MLA attention", _ATTN_FORCED, kv.device) == "triton":
+        from .mla_attention import mla_attention as triton_mla
+        return triton_mla(q_lat, q_pe, kv, start, tree_mask, scale, kv_lora_rank)
     from ..model.mla import mla_attention_reference
-    log_once(f"mla:{kv.device.type}", f"MLA attention on {kv.device.type}: torch")
     return mla_attention_reference(q_lat, q_pe, kv, start, tree_mask, scale, kv_lora_rank)

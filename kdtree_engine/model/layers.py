@@ -90,11 +90,13 @@ class Linear(nn.Module):
 
 def linear(x: torch.Tensor, layer: Linear) -> torch.Tensor:
     """The single dispatch point for weight matmuls. x: [..., in] -> [..., out]."""
-    if layer.group_size is None:
-        return F.linear(x, layer.weight)
-    from ..kernels.dispatch import w4a16_matmul
+    from ..kernels.dispatch import dense_matmul, w4a16_matmul
     shape = x.shape
-    out = w4a16_matmul(x.reshape(-1, shape[-1]), layer.weight_packed, layer.weight_scale, layer.group_size)
+    x2 = x.reshape(-1, shape[-1])
+    if layer.group_size is None:
+        out = dense_matmul(x2, layer.weight)
+    else:
+        out = w4a16_matmul(x2, layer.weight_packed, layer.weight_scale, layer.group_size)
     return out.reshape(*shape[:-1], layer.out_features)
 
 

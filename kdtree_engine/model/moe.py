@@ -29,7 +29,8 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (topk_ids int64 [T, k], topk_weights float32 [T, k])."""
         cfg = self.cfg
-        scores = F.linear(x.float(), self.weight).sigmoid()  # [T, E]
+        from ..kernels.dispatch import dense_matmul
+        scores = dense_matmul(x.float(), self.weight).sigmoid()  # [T, E], float32 router
         choice = scores + self.e_score_correction_bias  # bias only chooses experts
         if cfg.n_group > 1:
             T = x.shape[0]
@@ -99,6 +100,7 @@ def _expert_weights(experts: Experts, e: int) -> tuple[torch.Tensor, torch.Tenso
 
 def moe_reference(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Experts) -> torch.Tensor:
     """Loop over the experts that are hit; float32 accumulation of the weighted sum."""
+    from ..kernels.dispatch import dense_matmul
     T, k = ids.shape
     out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
     flat = ids.reshape(-1)
@@ -106,9 +108,9 @@ def moe_reference(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, exp
         pos = (flat == e).nonzero().squeeze(1)  # [n] indices into T*k
         tok = pos // k
         w13, w2 = _expert_weights(experts, e)
-        h = F.linear(x[tok], w13)  # [n, 2I]
+        h = dense_matmul(x[tok], w13)  # [n, 2I]
         gate, up = h.chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, w2)  # [n, H]
+        y = dense_matmul(F.silu(gate) * up, w2)  # [n, H]
         out.index_add_(0, tok, y.float() * weights.reshape(-1)[pos].unsqueeze(1))
     return out.to(x.dtype)
 
