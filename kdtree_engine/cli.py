@@ -192,6 +192,34 @@ def cmd_selfcheck(args: argparse.Namespace) -> int:
         return golden_main(check)
 
 
+SOURCE_BENCHES = {"kernels": "W4A16 linear and fused MoE at K2 shapes", "mla_attention": "MLA attention kernel",
+                  "gemm": "batch-invariant dense GEMM vs cuBLAS"}
+
+
+def add_bench_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="benchmarks (results in bench/results/)")
+    bsub = p.add_subparsers(dest="bench", required=True)
+    from .bench_spec import add_bench_spec_parser
+    add_bench_spec_parser(bsub)
+    for name, what in SOURCE_BENCHES.items():
+        q = bsub.add_parser(name.replace("_", "-"), help=f"{what} (GPU; needs the source checkout's bench/)",
+                            add_help=False)
+        q.add_argument("rest", nargs=argparse.REMAINDER)
+        q.set_defaults(func=lambda args, name=name: cmd_source_bench(name, args.rest))
+
+
+def cmd_source_bench(name: str, argv: list[str]) -> int:
+    """Runs bench/<name>.py's main(argv) from the source checkout this package was installed from."""
+    import importlib
+
+    root = Path(__file__).resolve().parents[1]
+    if not (root / "bench" / f"{name}.py").exists():
+        raise BadInput(f"kdtree bench {name.replace('_', '-')} runs bench/{name}.py of the source checkout; "
+                       f"it is not beside this installation ({root})")
+    sys.path.insert(0, str(root))
+    return int(importlib.import_module(f"bench.{name}").main(argv) or 0)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kdtree", description="Kimi K2 inference with DFlash + DDTree speculative decoding")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -200,6 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .golden import add_golden_parser
     add_golden_parser(sub)
     add_selfcheck_parser(sub)
+    add_bench_parser(sub)
     return parser
 
 
