@@ -83,7 +83,9 @@ def default_prompts(tokenizer: Any, num: int, tokens: int, root: str | Path | No
             continue
         m = _DEF_LINE.search(text)
         body = text[m.start():] if m else text
-        ids = tokenizer.encode(body).ids
+        ids = tokenizer.encode(body[: 16 * tokens]).ids  # a prefix is enough (~3.5 bytes a token)
+        if len(ids) < tokens + 1 and len(body) > 16 * tokens:
+            ids = tokenizer.encode(body).ids
         if len(ids) < tokens:
             continue
         ids = ids[:tokens]

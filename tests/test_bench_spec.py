@@ -1,0 +1,141 @@
+"""``kdtree bench spec`` on a tiny random target + drafter; default prompts come from held-out files only."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from kdtree_engine import bench_spec, reference
+from kdtree_engine.config import preset
+from kdtree_engine.draft_config import DraftConfig
+from kdtree_engine.model.dflash import DFlashDrafter, save_drafter
+from kdtree_engine.train.data import is_heldout, list_sources, stdlib_root
+from kdtree_engine.weights import save_checkpoint
+
+CFG = preset("k2-tiny")
+DEMO = Path(bench_spec.__file__).parent / "assets" / "demo"
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("bench")
+    weights = {k: torch.from_numpy(v) for k, v in reference.random_weights(CFG, 0).items()}
+    save_checkpoint(root / "model", CFG, weights, layout="k2")
+    dcfg = DraftConfig(hidden_size=CFG.hidden_size, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                       num_key_value_heads=1, head_dim=16, block_size=4, mask_token_id=CFG.vocab_size - 1,
+                       target_layer_ids=(0, 2), num_target_layers=CFG.num_hidden_layers, vocab_size=CFG.vocab_size)
+    save_drafter(root / "draft", DFlashDrafter.random(dcfg, seed=1))
+    return root / "model", root / "draft"
+
+
+def test_bench_spec_tiny(dirs, tmp_path, capsys) -> None:
+    model, draft = dirs
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps([[5, 7, 11, 13, 17], [3, 1, 4, 1, 5, 9, 2, 6]]))
+    out = tmp_path / "out"
+    threads = torch.get_num_threads()
+    try:
+        rc = bench_spec.main(["--model", str(model), "--draft", str(draft), "--prompts", str(prompts),
+                              "--budgets", "2,4", "--max-tokens", "16", "--device", "cpu", "--threads", "1",
+                              "--out", str(out)])
+    finally:
+        torch.set_num_threads(threads)
+    assert rc == 0
+    table = capsys.readouterr().out
+    assert "ddtree-4" in table.splitlines()[-1]
+    report = json.loads((out / "spec-cpu.json").read_text())
+    assert (out / "spec-cpu.md").read_text().startswith("# Speculative decoding benchmark (cpu)")
+    names = [r["setting"] for r in report["results"]]
+    assert names == ["none", "dflash", "ddtree-2", "ddtree-4"]
+    assert len(report["prompts"]) == 2
+    for rec in report["results"]:
+        assert rec["lossless"] is True, rec["setting"]
+        assert rec["tau"] >= 1.0 and rec["tokens_per_s"] > 0 and rec["speedup"] > 0
+        assert len(rec["runs"]) == 2 and all(r["generated_tokens"] == 16 for r in rec["runs"])
+        assert sum(rec["accept_len_hist"]) == rec["rounds"]
+        # the histogram and tau agree: pooled tau = mean accepted length over all rounds
+        mean_len = sum((i + 1) * c for i, c in enumerate(rec["accept_len_hist"])) / rec["rounds"]
+        assert mean_len == pytest.approx(rec["tau_micro"])
+    assert report["results"][0]["tau"] == 1.0 and report["results"][0]["speedup"] == 1.0
+    for key in ("torch", "device", "threads"):
+        assert key in report["env"]
+    assert "--budgets 2,4" in report["command"] or report["options"]["budgets"] == [2, 4]
+
+
+def test_bench_spec_registers_under_bench(dirs) -> None:
+    parser = argparse.ArgumentParser(prog="kdtree")
+    sub = parser.add_subparsers(dest="command")
+    bench = sub.add_parser("bench").add_subparsers(dest="bench_command")
+    bench_spec.add_bench_spec_parser(bench)
+    args = parser.parse_args(["bench", "spec", "--budgets", "4,8", "--methods", "none,ddtree"])
+    assert args.func is bench_spec.cmd_bench_spec and args.budgets == [4, 8] and args.methods == ["none", "ddtree"]
+    assert bench_spec.settings_for(args.methods, args.budgets) == [("none", None), ("ddtree", 4), ("ddtree", 8)]
+
+
+def test_bad_prompts_file_exits_2(dirs, tmp_path, capsys) -> None:
+    model, draft = dirs
+    bad = tmp_path / "p.json"
+    bad.write_text('{"not": "a list"}')
+    assert bench_spec.main(["--model", str(model), "--draft", str(draft), "--prompts", str(bad),
+                            "--out", str(tmp_path)]) == 2
+    assert "p.json" in capsys.readouterr().err
+    text = tmp_path / "p.txt"
+    text.write_text("hello\n")
+    assert bench_spec.main(["--model", str(model), "--draft", str(draft), "--prompts", str(text),
+                            "--out", str(tmp_path)]) == 2
+    assert "tokenizer" in capsys.readouterr().err
+
+
+def test_plot_without_matplotlib_is_a_clear_error(dirs, tmp_path, capsys, monkeypatch) -> None:
+    import builtins
+    real_import = builtins.__import__
+
+    def no_mpl(name, *a, **kw):
+        if name == "matplotlib" or name.startswith("matplotlib."):
+            raise ImportError("no matplotlib")
+        return real_import(name, *a, **kw)
+
+    monkeypatch.setattr(builtins, "__import__", no_mpl)
+    model, draft = dirs
+    assert bench_spec.main(["--model", str(model), "--draft", str(draft), "--plot", str(tmp_path / "x.png"),
+                            "--out", str(tmp_path)]) == 2
+    assert "matplotlib" in capsys.readouterr().err
+
+
+def test_text_prompts_file_split_on_dashes(tmp_path) -> None:
+    f = tmp_path / "p.txt"
+    f.write_text("def a():\n    pass\n---\n\n---   \nclass B:\n    x = 1\n")
+    assert bench_spec.read_prompts_file(f) == ["def a():\n    pass", "class B:\n    x = 1"]
+
+
+def test_accept_hist_from_per_depth() -> None:
+    # 5 rounds: accepted drafts 0, 1, 1, 3, 0 -> per_depth [3, 1, 1]
+    assert bench_spec.accept_hist(5, [3, 1, 1]) == [2, 2, 0, 1]
+    assert bench_spec.accept_hist(4, [0, 0, 0]) == [4]
+
+
+def test_gpu_tag() -> None:
+    assert bench_spec.gpu_tag("NVIDIA H200") == "h200"
+    assert bench_spec.gpu_tag("NVIDIA A100-SXM4-80GB") == "a100"
+    assert bench_spec.gpu_tag("NVIDIA GeForce RTX 4090") == "4090"
+
+
+def test_default_prompts_come_from_heldout_files_only() -> None:
+    from kdtree_engine.engine import load_tokenizer
+
+    tok = load_tokenizer(DEMO)
+    root = stdlib_root()
+    prompts = bench_spec.default_prompts(tok, 6, 48, root=root)
+    assert len(prompts) == 6
+    sources = set(list_sources(root))
+    assert len({p.source for p in prompts}) == 6
+    for p in prompts:
+        assert p.source in sources and is_heldout(p.source), p.source
+        assert len(p.ids) == 48
+        text = (root / p.source).read_text(encoding="utf-8")
+        at = text.find(p.text)
+        assert at >= 0 and (at == 0 or text[at - 1] == "\n"), p.source  # starts at a line boundary
