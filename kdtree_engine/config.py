@@ -18,7 +18,9 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, TypeVar
+
+T = TypeVar("T")
 
 
 class ConfigError(ValueError):
@@ -200,20 +202,7 @@ class ModelConfig:
     @classmethod
     def from_pretrained(cls, path: str | Path) -> "ModelConfig":
         """Read ``<dir>/config.json`` (or a path to the JSON file itself)."""
-        path = Path(path)
-        file = path / "config.json" if path.is_dir() else path
-        if not file.exists():
-            raise ConfigError(f"no config.json in {path}")
-        try:
-            raw = json.loads(file.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise ConfigError(f"{file}: not readable JSON ({e})") from e
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{file}: top level must be a JSON object")
-        try:
-            return cls.from_dict(raw)
-        except ConfigError as e:
-            raise ConfigError(f"{file}: {e}") from None
+        return read_config_json(path, cls.from_dict, ConfigError)
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> "ModelConfig":
@@ -281,6 +270,24 @@ class ModelConfig:
 
     def replace(self, **changes: Any) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
+
+
+def read_config_json(path: str | Path, parse: Callable[[dict], T], error: type[ConfigError]) -> T:
+    """Load ``<dir>/config.json`` (or the JSON file itself) and parse it; errors name the file."""
+    path = Path(path)
+    file = path / "config.json" if path.is_dir() else path
+    if not file.exists():
+        raise error(f"no config.json in {path}")
+    try:
+        raw = json.loads(file.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise error(f"{file}: not readable JSON ({e})") from e
+    if not isinstance(raw, dict):
+        raise error(f"{file}: top level must be a JSON object")
+    try:
+        return parse(raw)
+    except error as e:
+        raise error(f"{file}: {e}") from None
 
 
 def _typed(name: str, value: Any, typ: type) -> Any:

@@ -10,12 +10,11 @@ Missing target layer ids are derived as the released drafters were trained: even
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from .config import ConfigError
+from .config import ConfigError, read_config_json
 
 
 class DraftConfigError(ConfigError):
@@ -112,20 +111,7 @@ class DraftConfig:
     # ---- I/O ---------------------------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, path: str | Path) -> "DraftConfig":
-        path = Path(path)
-        file = path / "config.json" if path.is_dir() else path
-        if not file.exists():
-            raise DraftConfigError(f"no config.json in {path}")
-        try:
-            raw = json.loads(file.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise DraftConfigError(f"{file}: not readable JSON ({e})") from e
-        if not isinstance(raw, dict):
-            raise DraftConfigError(f"{file}: top level must be a JSON object")
-        try:
-            return cls.from_dict(raw)
-        except DraftConfigError as e:
-            raise DraftConfigError(f"{file}: {e}") from None
+        return read_config_json(path, cls.from_dict, DraftConfigError)
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> "DraftConfig":

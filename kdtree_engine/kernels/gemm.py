@@ -41,6 +41,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .split_sum import split_sum
+
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -221,17 +223,6 @@ def _bi_gemm_kernel(x_ptr, w_ptr, out_ptr,
         tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
-@triton.jit
-def _split_sum_kernel(part_ptr, out_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
-    """out[i] = (((part[0, i] + part[1, i]) + part[2, i]) + ...), in split order."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < MN
-    acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
-    for s in tl.static_range(1, SPLIT):
-        acc += tl.load(part_ptr + s * MN + offs, mask=mask, other=0.0)
-    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
 # ----------------------------------------------------------------------------------------------
 # Python entry points
 
@@ -284,9 +275,7 @@ def bi_linear(x: torch.Tensor, w: torch.Tensor, *, tile: Tile | None = None,
         UPCAST=interp, INTERP_SUM=interp and _interp_mode() == "sum", PREC=prec, OUT_F32=split > 1,
         num_warps=t.num_warps, num_stages=t.num_stages)
     if split > 1:
-        BLOCK = 1024
-        _split_sum_kernel[(triton.cdiv(M * N, BLOCK),)](target, out, M * N, SPLIT=split, BLOCK=BLOCK,
-                                                          num_warps=4)
+        split_sum(target, out, split)
     return out
 
 

@@ -37,6 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .split_sum import split_sum
+
 from kdtree_engine.quant import dequantize
 
 # ----------------------------------------------------------------------------------------------
@@ -210,17 +212,6 @@ def _w4a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr,
         tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
-@triton.jit
-def _split_sum_kernel(part_ptr, out_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
-    """out[i] = sum_s part[s, i], s in order."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < MN
-    acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
-    for s in tl.static_range(1, SPLIT):
-        acc += tl.load(part_ptr + s * MN + offs, mask=mask, other=0.0)
-    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
 # ----------------------------------------------------------------------------------------------
 # Python entry points
 
@@ -280,9 +271,7 @@ def w4a16_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, gro
         SWAP_AB=cfg.SWAP_AB, UPCAST=upcast, PREC=prec, OUT_F32=split > 1,
         num_warps=cfg.num_warps, num_stages=fp32_stages(cfg.num_stages, x.dtype))
     if split > 1:
-        BLOCK = 1024
-        _split_sum_kernel[(triton.cdiv(M * N, BLOCK),)](target, out, M * N, SPLIT=split, BLOCK=BLOCK,
-                                                          num_warps=4)
+        split_sum(target, out, split)
     return out
 
 

@@ -1,0 +1,25 @@
+"""The fixed-order reduction of split-K partials shared by the GEMM kernels (no atomics)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _split_sum_kernel(part_ptr, out_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    """out[i] = (((part[0, i] + part[1, i]) + part[2, i]) + ...), in split order."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLIT):
+        acc += tl.load(part_ptr + s * MN + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def split_sum(parts: torch.Tensor, out: torch.Tensor, split: int) -> None:
+    """out [M, N] = sum over s of parts [split, M, N] (float32), added in the order s = 0, 1, ..."""
+    mn = out.numel()
+    block = 1024
+    _split_sum_kernel[(triton.cdiv(mn, block),)](parts, out, mn, SPLIT=split, BLOCK=block, num_warps=4)
