@@ -3,7 +3,10 @@
   dense linear   CPU: torch ``F.linear``. CUDA: cuBLAS, or with batch invariance on the Triton GEMM
                  whose per-row reduction order does not depend on the number of rows (kernels/gemm.py).
   W4A16 linear   CPU: dequantize + float32 matmul. CUDA: Triton (kernels/w4a16.py).
-  MLA attention  CPU: the torch reference (model/mla.py). CUDA: Triton (kernels/mla_attention.py).
+  MLA attention  the torch reference (model/mla.py) by default on every device; the Triton kernel
+                 (kernels/mla_attention.py, split-KV flash decoding, batch-invariant) with
+                 ``KDTREE_ATTN_BACKEND=triton``. It passes its own GPU tests; it becomes the CUDA default
+                 once the end-to-end GPU suite has run with it.
 
 ``KDTREE_INT4_BACKEND`` / ``KDTREE_ATTN_BACKEND`` = ``torch`` | ``triton`` force one backend (tests run the
 Triton code on the CPU with ``TRITON_INTERPRET=1``). Batch invariance is set by
@@ -43,8 +46,8 @@ def set_batch_invariant(on: bool) -> None:
              f"dense linears on cuda: {'batch-invariant Triton GEMM' if _BATCH_INVARIANT else 'cuBLAS'}")
 
 
-def _backend(kind: str, forced: str | None, device: torch.device) -> str:
-    backend = forced or ("triton" if device.type == "cuda" else "torch")
+def _backend(kind: str, forced: str | None, device: torch.device, cuda_default: str = "triton") -> str:
+    backend = forced or (cuda_default if device.type == "cuda" else "torch")
     log_once(f"{kind}:{device.type}:{backend}", f"{kind} kernels on {device.type}: {backend}")
     return backend
 
@@ -78,7 +81,7 @@ def w4a16_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, gro
 def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, start: int,
                   tree_mask: torch.Tensor | None, scale: float, kv_lora_rank: int) -> torch.Tensor:
     """Absorbed MLA attention over the latent cache + the new block; see mla_attention_reference."""
-    if _backend("MLA attention", _ATTN_FORCED, kv.device) == "triton":
+    if _backend("MLA attention", _ATTN_FORCED, kv.device, cuda_default="torch") == "triton":
         from .mla_attention import mla_attention as triton_mla
         return triton_mla(q_lat, q_pe, kv, start, tree_mask, scale, kv_lora_rank)
     from ..model.mla import mla_attention_reference
