@@ -1,0 +1,306 @@
+"""End-to-end decoding rounds on a small model: rounds/s and tokens/s for plain decoding, DFlash and DDTree,
+and how much of a round's wall time the device spends outside kernels.
+
+    python bench/round.py --out bench/results                 # the embedded demo model (+ its drafter)
+    python bench/round.py --out DIR --model DIR --draft DIR --budgets 8,32 --max-tokens 128
+    python bench/round.py --out DIR --tiny                    # a few tokens, one prompt (CPU smoke run)
+
+Settings: none, dflash, ddtree at each of ``--budgets`` (default 8, 32), greedy, EOS ignored, the same
+prompts for all (held-out standard-library files as in ``kdtree bench spec``; a fixed code snippet when
+none is found). Each setting: one warm-up generation, then every prompt once.
+
+Per setting (decode only, prefill excluded): rounds/s = rounds / decode time; tokens/s = (tokens - 1) /
+decode time; tau = tokens per round; ms per round and the engine's stage times per round (draft, tree,
+verify, commit; the stage timers synchronise the device at each boundary, as they always do); lossless =
+greedy tokens equal to plain decoding's.
+
+Modes: ``eager`` is what the engine runs today. ``graph`` (a whole round replayed from a CUDA graph)
+is reported as "n/a: no graph path" because the engine has none yet.
+
+Outside kernels (CUDA only, else n/a): prompt 0 is generated twice more under torch.profiler, once with
+max_tokens = 1 (prefill only) and once in full; the kernel time of the rounds = union of the device
+intervals of kernels (and memcpy/memset) of the full run minus that of the prefill-only run. Fraction
+outside kernels = 1 - that / the decode wall time of the same prompt without the profiler (same tokens,
+same rounds). Also: kernel launches per round and device-busy ms per round.
+
+Writes ``<out>/round-<gpu>.json`` and ``.md`` (``cpu`` off the GPU); prints a short table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench import common  # noqa: E402
+from kdtree_engine.bench_spec import Prompt, default_prompts, device_tag, environment, setting_name  # noqa: E402
+from kdtree_engine.engine import (load_drafter, load_target, load_tokenizer, resolve_device,  # noqa: E402
+                                  resolve_dtype)
+from kdtree_engine.sampling import SamplingParams  # noqa: E402
+from kdtree_engine.spec.decode import generate  # noqa: E402
+
+DEMO = ROOT / "kdtree_engine" / "assets" / "demo"
+GRAPH_NA = "n/a: no graph path"
+FALLBACK_TEXT = (
+    "def merge_sorted(a, b):\n    \"\"\"Merge two sorted lists into one sorted list.\"\"\"\n    out = []\n"
+    "    i = j = 0\n    while i < len(a) and j < len(b):\n        if a[i] <= b[j]:\n            out.append(a[i])\n"
+    "            i += 1\n        else:\n            out.append(b[j])\n            j += 1\n"
+)
+
+
+# ---- prompts ---------------------------------------------------------------------------------
+
+def make_prompts(tokenizer: Any, vocab: int, num: int, tokens: int) -> tuple[list[Prompt], str]:
+    if tokenizer is not None:
+        try:
+            return default_prompts(tokenizer, num, tokens), "held-out stdlib files"
+        except Exception:  # noqa: BLE001 - any failure falls back to the fixed snippet
+            ids = tokenizer.encode(FALLBACK_TEXT).ids[:tokens]
+            return [Prompt(ids=ids, text=FALLBACK_TEXT)], "fixed snippet"
+    g = torch.Generator().manual_seed(0)
+    return ([Prompt(ids=torch.randint(2, vocab, (tokens,), generator=g).tolist()) for _ in range(num)],
+            "random token ids (no tokenizer)")
+
+
+# ---- profiler --------------------------------------------------------------------------------
+
+def device_busy(prof: Any) -> dict:
+    """Union of device-side intervals (kernels, memcpy, memset) in a profile: busy us and event count."""
+    spans = []
+    kernels = 0
+    for e in prof.events():
+        dt = getattr(e, "device_type", None)
+        if dt is None or "CUDA" not in str(dt):
+            continue
+        tr = e.time_range
+        spans.append((tr.start, tr.end))
+        kernels += 1
+    spans.sort()
+    busy, cur_s, cur_e = 0.0, None, None
+    for s, e in spans:
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                busy += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None:
+        busy += cur_e - cur_s
+    if not spans:  # no device events listed: fall back to the summed self device time of all ops
+        total = 0.0
+        for k in prof.key_averages():
+            total += float(getattr(k, "self_device_time_total", getattr(k, "self_cuda_time_total", 0.0)) or 0.0)
+        return {"busy_us": total, "events": 0, "method": "sum of self device time"}
+    return {"busy_us": busy, "events": kernels, "method": "union of device intervals"}
+
+
+def profile_generate(fn: Callable[[], Any]) -> tuple[Any, dict]:
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        res = fn()
+        torch.cuda.synchronize()
+    return res, device_busy(prof)
+
+
+# ---- the benchmark ---------------------------------------------------------------------------
+
+def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
+    clock = common.Clock()
+    dev = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, dev)
+    cuda = dev.type == "cuda"
+    model = Path(args.model)
+    draft = Path(args.draft) if args.draft else (model / "draft" if (model / "draft").is_dir() else None)
+    target = load_target(model, device=dev, dtype=dtype, progress=False)
+    drafter = load_drafter(draft, target) if draft is not None else None
+    tok = load_tokenizer(model)
+    prompts, source = make_prompts(tok, target.cfg.vocab_size, args.prompts, args.prompt_tokens)
+    log(f"loaded {model.name} (+ {draft.name if draft else 'no drafter'}) on {dev} {dtype}, "
+        f"{len(prompts)} prompts ({clock():.1f} s)")
+    settings: list[tuple[str, int | None]] = [("none", None)]
+    if drafter is not None:
+        settings += [("dflash", None)] + [("ddtree", b) for b in args.budgets]
+    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+    warm = dataclasses.replace(params, max_tokens=min(args.max_tokens, args.warmup_tokens))
+
+    results = []
+    plain: list[list[int]] | None = None
+    for method, budget in settings:
+        name = setting_name(method, budget)
+        d = drafter if method != "none" else None
+
+        def gen(p: Prompt, sp: SamplingParams = params):
+            return generate(target, p.ids, sp, spec=method, drafter=d, budget=budget)
+
+        gen(prompts[0], warm)
+        runs = []
+        for i, p in enumerate(prompts):
+            res = gen(p)
+            s = res.stats
+            runs.append({"prompt": i, "tokens": s["generated_tokens"], "rounds": s["rounds"],
+                         "decode_s": s["decode_s"], "prefill_s": s["prefill_s"], "tau": s["tau"],
+                         **{k: s[k] for k in ("draft_s", "tree_s", "verify_s", "commit_s")},
+                         "token_ids": res.token_ids})
+        if plain is None:
+            plain = [r["token_ids"] for r in runs]
+        decode = sum(r["decode_s"] for r in runs)
+        rounds = sum(r["rounds"] for r in runs)
+        steps = sum(max(r["tokens"] - 1, 0) for r in runs)
+        rec: dict[str, Any] = {
+            "setting": name, "method": method, "budget": budget, "prompts": len(runs),
+            "tokens": sum(r["tokens"] for r in runs), "rounds": rounds, "decode_s": decode,
+            "eager": {
+                "rounds_per_s": rounds / decode if decode > 0 else None,
+                "tokens_per_s": steps / decode if decode > 0 else None,
+                "ms_per_round": 1e3 * decode / rounds if rounds else None,
+            },
+            "graph": GRAPH_NA,
+            "tau": steps / rounds if rounds else None,
+            "stage_ms_per_round": {k[:-2]: 1e3 * sum(r[k] for r in runs) / rounds if rounds else None
+                                   for k in ("draft_s", "tree_s", "verify_s", "commit_s")},
+            "lossless": all(r["token_ids"] == ref for r, ref in zip(runs, plain)),
+            "runs": [{k: v for k, v in r.items() if k != "token_ids"} for r in runs],
+        }
+        # ---- time outside kernels (CUDA): profiled prefill-only and full runs of prompt 0 ----
+        if cuda:
+            try:
+                _, pre = profile_generate(lambda: gen(prompts[0], dataclasses.replace(params, max_tokens=1)))
+                res, full = profile_generate(lambda: gen(prompts[0]))
+                r0 = runs[0]
+                busy_us = full["busy_us"] - pre["busy_us"]
+                n_rounds = res.stats["rounds"]
+                rec["kernels"] = {
+                    "prompt": 0, "rounds": n_rounds, "same_tokens": res.token_ids == plain[0],
+                    "busy_method": full["method"],
+                    "device_busy_ms_per_round": busy_us / 1e3 / n_rounds if n_rounds else None,
+                    "wall_ms_per_round": 1e3 * r0["decode_s"] / r0["rounds"] if r0["rounds"] else None,
+                    "launches_per_round": (full["events"] - pre["events"]) / n_rounds if n_rounds else None,
+                    "outside_kernels_frac": 1 - busy_us / 1e6 / r0["decode_s"] if r0["decode_s"] > 0 else None,
+                    "profiled_wall_s": res.stats["decode_s"],
+                }
+            except Exception as exc:  # noqa: BLE001 - the profile is reported missing, the rates stand
+                rec["kernels"] = {"error": f"{type(exc).__name__}: {exc}"[:300], "outside_kernels_frac": None}
+        else:
+            rec["kernels"] = {"outside_kernels_frac": None, "note": "n/a: no CUDA device"}
+        results.append(rec)
+        e = rec["eager"]
+        log(f"{name:>10}: {e['rounds_per_s']:.1f} rounds/s, {e['tokens_per_s']:.1f} tok/s, tau {rec['tau']:.2f}, "
+            f"outside kernels {_pct(rec['kernels'].get('outside_kernels_frac'))} ({clock():.0f} s)")
+    base = results[0]["eager"]["tokens_per_s"]
+    for rec in results:
+        t = rec["eager"]["tokens_per_s"]
+        rec["eager"]["speedup"] = t / base if base and t else None
+    env = environment(dev, dtype)
+    if cuda:
+        env["gpu"] = common.device_info()
+    return {
+        "command": common.command_line(), "env": env, "model": str(model), "draft": str(draft) if draft else None,
+        "block_size": getattr(drafter, "block_size", None), "prompt_source": source,
+        "prompt_tokens": [len(p.ids) for p in prompts], "max_tokens": args.max_tokens,
+        "budgets": list(args.budgets), "modes": {"eager": "the engine's generate()", "graph": GRAPH_NA},
+        "results": results, "elapsed_s": clock(),
+    }
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{100 * x:.0f}%"
+
+
+def markdown(rep: dict, tag: str) -> list[str]:
+    env = rep["env"]
+    lines = [f"# Decoding rounds end to end ({tag})", "",
+             f"Command: `{rep['command']}`", "",
+             f"torch {env['torch']}, device {env['device']} ({env['device_name']}), dtype {env['dtype']}. "
+             f"Model `{rep['model']}`, drafter `{rep['draft']}` (block {rep['block_size']}); "
+             f"{len(rep['prompt_tokens'])} prompts of {rep['prompt_tokens']} tokens ({rep['prompt_source']}), "
+             f"{rep['max_tokens']} tokens each, greedy, EOS ignored, one warm-up per setting.", "",
+             "Decode only (prefill excluded). eager: the engine's generate(); graph: a round replayed from a CUDA "
+             f"graph ({GRAPH_NA} in this engine yet). Outside kernels: 1 - device-busy time (union of kernel / memcpy "
+             "intervals, torch.profiler, prefill subtracted) / decode wall time of the same prompt unprofiled. "
+             "Stage ms: the engine's stage timers (they synchronise at each stage boundary).", ""]
+    rows = []
+    for r in rep["results"]:
+        e, k, st = r["eager"], r["kernels"], r["stage_ms_per_round"]
+        rows.append([r["setting"], e["rounds_per_s"], e["tokens_per_s"], e.get("speedup"), r["tau"], e["ms_per_round"],
+                     r["graph"], r["graph"], k.get("device_busy_ms_per_round"), k.get("launches_per_round"),
+                     _pct(k.get("outside_kernels_frac")), st["draft"], st["tree"], st["verify"], st["commit"],
+                     "yes" if r["lossless"] else "NO"])
+    lines += common.md_table(["setting", "eager rounds/s", "eager tok/s", "speedup", "tau", "ms/round",
+                              "graph rounds/s", "graph tok/s", "kernel ms/round", "launches/round", "outside kernels",
+                              "draft ms", "tree ms", "verify ms", "commit ms", "lossless"], rows)
+    lines += ["", f"Elapsed {rep['elapsed_s']:.0f} s."]
+    return lines
+
+
+def short_table(rep: dict) -> str:
+    out = [f"{'setting':>10} {'rounds/s':>9} {'tok/s':>8} {'tau':>5} {'ms/round':>9} {'kern ms':>8} "
+           f"{'outside':>8} {'graph':>6} lossless"]
+    for r in rep["results"]:
+        e, k = r["eager"], r["kernels"]
+        kms = k.get("device_busy_ms_per_round")
+        out.append(f"{r['setting']:>10} {e['rounds_per_s']:>9.1f} {e['tokens_per_s']:>8.1f} {r['tau']:>5.2f} "
+                   f"{e['ms_per_round']:>9.2f} {('%.2f' % kms) if kms is not None else 'n/a':>8} "
+                   f"{_pct(k.get('outside_kernels_frac')):>8} {'n/a':>6} {'yes' if r['lossless'] else 'NO'}")
+    out.append(f"(graph: {GRAPH_NA})")
+    return "\n".join(out)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--model", default=str(DEMO), help="target checkpoint directory (default: the embedded demo)")
+    ap.add_argument("--draft", default=None, help="DFlash drafter directory (default: <model>/draft if present)")
+    ap.add_argument("--budgets", type=lambda s: [int(x) for x in s.split(",") if x], default=[8, 32],
+                    help="DDTree budgets (non-root nodes), comma separated")
+    ap.add_argument("--max-tokens", type=int, default=None, help="tokens per prompt (default 128; --tiny 6)")
+    ap.add_argument("--prompts", type=int, default=None, help="number of prompts (default 4; --tiny 1)")
+    ap.add_argument("--prompt-tokens", type=int, default=None, help="prompt length (default 64; --tiny 16)")
+    ap.add_argument("--warmup-tokens", type=int, default=None, help="tokens of the warm-up run (default 32; --tiny 3)")
+    ap.add_argument("--device", default=None, help="cuda | cpu (default: cuda when available)")
+    ap.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: bfloat16 on CUDA, float32 on CPU)")
+    ap.add_argument("--tiny", action="store_true", help="one short prompt, a few tokens (smoke test)")
+    a = ap.parse_args(argv)
+    a.max_tokens = a.max_tokens or (6 if a.tiny else 128)
+    a.prompts = a.prompts or (1 if a.tiny else 4)
+    a.prompt_tokens = a.prompt_tokens or (16 if a.tiny else 64)
+    a.warmup_tokens = a.warmup_tokens or (3 if a.tiny else 32)
+    if min(a.max_tokens, a.prompts, a.prompt_tokens, a.warmup_tokens) < 1 or any(b < 1 for b in a.budgets):
+        ap.error("counts and budgets must be positive")
+    return a
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    args = parse_args(argv)
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    dev = resolve_device(args.device)
+    threads = torch.get_num_threads()
+    if dev.type == "cpu" and args.tiny:
+        torch.set_num_threads(1)  # a tiny model: extra threads only add contention
+    try:
+        rep = run(args, log)
+    finally:
+        torch.set_num_threads(threads)
+    tag = device_tag(dev)
+    jp, mp = common.write_results(args.out, f"round-{tag}", rep, markdown(rep, tag))
+    print(f"wrote {jp} and {mp}")
+    print(short_table(rep))
+    return rep
+
+
+if __name__ == "__main__":
+    main()
