@@ -21,6 +21,10 @@ Timing: ``prefill_s`` covers the prompt forward that yields the first token; ``d
 Stage timers (``draft_s``, ``tree_s``, ``verify_s``, ``commit_s``) synchronize the device around
 each stage. ``tau`` = mean accepted length per round, bonus included (1.0 for "none");
 ``accepted_per_depth[d]`` = rounds whose draft at depth d+1 was accepted.
+
+``budget="auto"`` (ddtree): each round's budget is chosen by :mod:`.budget` from the measured
+verify cost curve and the drafter's calibrated acceptance; stats then carry ``budget: "auto"``,
+``budget_chosen`` ({budget: rounds}) and ``budget_auto`` (the chooser's final state and curve).
 """
 
 from __future__ import annotations
@@ -31,10 +35,11 @@ from typing import Any, Callable, Literal
 
 import torch
 
-from ..model.layers import log_once
+from ..model.layers import log, log_once
 from ..model.target import Target
 from ..sampling import SamplingParams, greedy, make_generator, sample
 from .accept import accept, target_picks
+from .budget import AUTO, AutoBudget, auto_budget_for, auto_max_budget
 from .tree import DraftTree, GraphTreeBuilder, build_tree, build_tree_heap, chain_tree, topk_logprobs
 
 SpecMethod = Literal["none", "dflash", "ddtree"]
@@ -53,18 +58,22 @@ class SpecError(ValueError):
 class SpecConfig:
     """How to decode: ``method`` none | dflash | ddtree; ``budget`` = non-root tree nodes (ddtree).
 
-    For ddtree, ``budget`` None means block size - 1 (the chain's node count).
+    For ddtree, ``budget`` None means block size - 1 (the chain's node count); ``"auto"`` picks
+    it per round (see :mod:`kdtree_engine.spec.budget`).
     """
 
     method: str = "none"
-    budget: int | None = None
+    budget: int | str | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
             raise SpecError(f"spec field 'method' must be one of {', '.join(SPEC_METHODS)}; got {self.method!r}")
         if self.budget is not None:
-            if not isinstance(self.budget, int) or isinstance(self.budget, bool) or self.budget < 1:
-                raise SpecError(f"spec field 'budget' must be a positive integer, got {self.budget!r}")
+            if isinstance(self.budget, str):
+                if self.budget != AUTO:
+                    raise SpecError(f"spec field 'budget' must be a positive integer or {AUTO!r}, got {self.budget!r}")
+            elif not isinstance(self.budget, int) or isinstance(self.budget, bool) or self.budget < 1:
+                raise SpecError(f"spec field 'budget' must be a positive integer or {AUTO!r}, got {self.budget!r}")
             if self.method != "ddtree":
                 raise SpecError(f"spec field 'budget' applies to --spec ddtree only (method is {self.method!r})")
 
@@ -151,7 +160,7 @@ class _Timer:
         self._t = now
 
 
-def resolve_spec(spec: str | SpecConfig, drafter: Any, budget: int | None) -> SpecConfig:
+def resolve_spec(spec: str | SpecConfig, drafter: Any, budget: int | str | None) -> SpecConfig:
     sc = spec if isinstance(spec, SpecConfig) else SpecConfig(method=spec, budget=budget)
     if isinstance(spec, SpecConfig) and budget is not None:
         sc = SpecConfig(method=sc.method, budget=budget)
@@ -161,9 +170,10 @@ def resolve_spec(spec: str | SpecConfig, drafter: Any, budget: int | None) -> Sp
 
 
 def generate(target: Target, prompt_ids: list[int], params: SamplingParams, *,
-             spec: str | SpecConfig = "none", drafter: Any = None, budget: int | None = None,
+             spec: str | SpecConfig = "none", drafter: Any = None, budget: int | str | None = None,
              on_tokens: Callable[[list[int]], None] | None = None, tree_impl: str = "auto") -> GenerationResult:
-    """Decode one request with plain decoding, DFlash (chain) or DDTree (tree of ``budget`` nodes).
+    """Decode one request with plain decoding, DFlash (chain) or DDTree (tree of ``budget`` nodes,
+    or ``budget="auto"``: chosen per round).
 
     ``drafter`` is a :class:`kdtree_engine.model.dflash.DFlashDrafter` (or anything with its
     ``propose`` / ``new_cache`` / ``target_layer_ids`` / ``block_size``); it is checked against the
@@ -182,10 +192,14 @@ def generate(target: Target, prompt_ids: list[int], params: SamplingParams, *,
     gen = make_generator(params.seed, dev)
     use_draft = sc.method != "none"
     B = drafter.block_size if use_draft else 1
-    tree_nodes = 1 if not use_draft else (B if sc.method == "dflash" else 1 + (sc.budget or B - 1))
+    auto = sc.method == "ddtree" and sc.budget == AUTO
+    max_budget = auto_max_budget(B, cfg.vocab_size) if auto else (sc.budget or B - 1)
+    tree_nodes = 1 if not use_draft else (B if sc.method == "dflash" else 1 + max_budget)
     stats: dict[str, Any] = {"prompt_tokens": S, "spec": sc.method}
     if sc.method == "ddtree":
-        stats["budget"] = sc.budget or B - 1
+        stats["budget"] = AUTO if auto else max_budget
+    if auto:
+        stats["budget_chosen"] = {}
     timer = _Timer(dev)
     rounds = 0
     accepted_lens: list[int] = []
@@ -195,6 +209,9 @@ def generate(target: Target, prompt_ids: list[int], params: SamplingParams, *,
     if limit == 0:
         return GenerationResult([], "length", _finish_stats(stats, emit, 0.0, 0.0, rounds, accepted_lens,
                                                              per_depth, draft_tokens, timer))
+    chooser: AutoBudget | None = None
+    if auto:  # the verify cost curve is measured on first use (once per model, device, dtype)
+        chooser = auto_budget_for(target, block_size=B, context=S + limit // 2, max_budget=max_budget)
     cache = target.new_cache(S + limit + tree_nodes)
     aux_layers = tuple(drafter.target_layer_ids) if use_draft else ()
     _sync(dev)
@@ -222,13 +239,14 @@ def generate(target: Target, prompt_ids: list[int], params: SamplingParams, *,
         ctx = out.aux  # [S, K*D] features of the prompt, positions 0..S-1
         start = S  # position of the bonus token = committed length
         while not done:
+            before = dict(timer.totals) if chooser is not None else None
             timer.start()
             # drafts past the request's end or the context limit are never used
             depth = min(B - 1, emit.remaining - 1, cfg.max_position_embeddings - 1 - start)
             if depth > 0:
                 draft_logits = drafter.propose(target, ctx, bonus, dcache, start)[:depth]  # [depth, V]
             timer.lap("draft_s")
-            tree = _make_tree(sc, draft_logits if depth > 0 else None, bonus, start, B, impl)
+            tree = _make_tree(sc, draft_logits if depth > 0 else None, bonus, start, B, impl, chooser)
             timer.lap("tree_s")
             vout = target(tree.tokens, cache, positions=tree.positions, tree_mask=tree.mask, aux_layers=aux_layers)
             picks = target_picks(vout.logits, params, gen)  # [N1]
@@ -240,6 +258,9 @@ def generate(target: Target, prompt_ids: list[int], params: SamplingParams, *,
             bonus = res.bonus
             timer.lap("commit_s")
             A = res.num_accepted
+            if chooser is not None:
+                dt = {k: timer.totals[k] - before[k] for k in timer.totals}
+                chooser.observe(A - 1, dt["draft_s"], dt["tree_s"] + dt["commit_s"], dt["verify_s"])
             start += A
             rounds += 1
             draft_tokens += tree.num_nodes - 1
@@ -252,6 +273,9 @@ def generate(target: Target, prompt_ids: list[int], params: SamplingParams, *,
         dcache.crop(min(dcache.length, start))
     _sync(dev)
     t2 = time.perf_counter()
+    if chooser is not None:
+        stats.update(chooser.stats())
+        log.debug("budget auto: chosen budgets %s (rounds each)", stats["budget_chosen"])
     result = GenerationResult(emit.tokens, emit.finish_reason or "length",
                               _finish_stats(stats, emit, t1 - t0, t2 - t1, rounds, accepted_lens, per_depth,
                                             draft_tokens, timer))
@@ -294,15 +318,20 @@ def pick_tree_impl(impl: str, device: torch.device) -> str:
 
 
 def _make_tree(sc: SpecConfig, draft_logits: torch.Tensor | None, bonus: torch.Tensor, start: int,
-               B: int, tree_impl: str = "vectorized") -> DraftTree:
+               B: int, tree_impl: str = "vectorized", chooser: AutoBudget | None = None) -> DraftTree:
     dev = bonus.device
     if draft_logits is None:  # no room for drafts: the root alone (a plain step)
         return chain_tree(bonus, torch.empty(0, dtype=torch.long, device=dev), start)
     if sc.method == "dflash":
         return chain_tree(bonus, greedy(draft_logits), start)
+    builder = {"vectorized": build_tree, "heap": build_tree_heap, "graph": _GRAPH_BUILDER}[tree_impl]
+    if chooser is not None:
+        # one top-K for the largest budget; the budget-b tree only ever uses ranks < b
+        lp, ids = topk_logprobs(draft_logits, chooser.max_budget)  # [depth, K]
+        budget = chooser.choose(lp)
+        return builder(lp[:, :budget], ids[:, :budget], budget, bonus, start)
     budget = sc.budget or B - 1
     lp, ids = topk_logprobs(draft_logits, budget)  # [depth, K]
-    builder = {"vectorized": build_tree, "heap": build_tree_heap, "graph": _GRAPH_BUILDER}[tree_impl]
     return builder(lp, ids, budget, bonus, start)
 
 
