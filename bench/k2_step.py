@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import shlex
 import math
 import statistics
 import sys
@@ -447,7 +448,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
                                    speedup_vs_plain=tok_s / (1e3 / t1))
             proj_rows.append({"T": r["T"], **r["projection"]})
     return {
-        "command": common.command_line(), "device": env, "dtype": str(dtype).replace("torch.", ""),
+        "command": args.command, "device": env, "dtype": str(dtype).replace("torch.", ""),
         "tiny": bool(args.tiny), "copy_Bps": copy_bw, "matmul_flops": mm_rate,
         "config": {k: getattr(cfg, k) for k in ("hidden_size", "num_attention_heads", "n_routed_experts",
                                                  "num_experts_per_tok", "moe_intermediate_size", "intermediate_size",
@@ -664,6 +665,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> dict:
     args = parse_args(argv)
+    args.command = (common.command_line() if argv is None
+                    else " ".join(["python", "bench/k2_step.py"] + [shlex.quote(a) for a in argv]))
 
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import shlex
 import statistics
 import sys
 import time
@@ -205,7 +206,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
     if cuda:
         env["gpu"] = common.device_info()
     return {
-        "command": common.command_line(), "env": env, "model": str(model), "draft": str(draft) if draft else None,
+        "command": args.command, "env": env, "model": str(model), "draft": str(draft) if draft else None,
         "block_size": getattr(drafter, "block_size", None), "prompt_source": source,
         "prompt_tokens": [len(p.ids) for p in prompts], "max_tokens": args.max_tokens,
         "budgets": list(args.budgets), "modes": {"eager": "the engine's generate()", "graph": GRAPH_NA},
@@ -283,6 +284,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> dict:
     args = parse_args(argv)
+    args.command = (common.command_line() if argv is None
+                    else " ".join(["python", "bench/round.py"] + [shlex.quote(a) for a in argv]))
 
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)

@@ -1,0 +1,121 @@
+"""CPU smoke tests of bench/k2_step.py and bench/round.py at tiny sizes: they run, write their JSON and
+Markdown, and the numbers are finite. No timing is asserted."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench import k2_step, round as round_bench  # noqa: E402
+
+
+def finite(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+@pytest.fixture(scope="module")
+def k2_report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("k2_step")
+    rep = k2_step.main(["--tiny", "--device", "cpu", "--out", str(out), "--nodes", "1,4,8", "--reps", "2",
+                        "--tau", "3"])
+    return out, rep
+
+
+def test_k2_step_writes_files(k2_report):
+    out, rep = k2_report
+    data = json.loads((out / "k2_step-cpu.json").read_text())
+    md = (out / "k2_step-cpu.md").read_text()
+    assert data["tiny"] is True and data["nodes"] == [1, 4, 8]
+    assert "k2_step.py" in data["command"] or "--tiny" in data["command"]
+    for key in ("copy_Bps", "matmul_flops", "static_bytes", "assumptions", "assumptions_text", "steps", "projection"):
+        assert key in data
+    assert finite(data["copy_Bps"]) and data["copy_Bps"] > 0
+    assert "Projection" in md and "all-reduce" in md
+
+
+def test_k2_step_fields_finite(k2_report):
+    _, rep = k2_report
+    steps = rep["steps"]
+    assert [s["T"] for s in steps] == [1, 4, 8]
+    cfg = rep["config"]
+    for s in steps:
+        assert "error" not in s and "skipped" not in s, s
+        assert s["kind"] == ("decode" if s["T"] == 1 else "verify")
+        assert s["finite"] is True
+        for k in ("attn_us", "moe_us", "layer_us", "layer_roofline_us", "layer_x_copy", "layer_x_roof",
+                  "attn_x_copy", "moe_x_copy"):
+            assert finite(s[k]) and s[k] > 0, k
+        # distinct experts: between top-k (one token) and all experts, counted per layer
+        assert len(s["touched_experts"]) == rep["layers_timed"]
+        assert all(cfg["num_experts_per_tok"] <= t <= min(cfg["n_routed_experts"], s["T"] * cfg["num_experts_per_tok"])
+                   for t in s["touched_experts"])
+        b = s["bytes"]
+        assert b["layer"] == pytest.approx(b["attention"] + b["moe"])
+        assert b["routed_experts"] == pytest.approx(s["touched_experts_mean"] * rep["static_bytes"]["expert_bytes"])
+        rk = s["rank"]
+        for k in ("attn_us", "moe_us", "dense_mlp_us", "lm_head_us", "experts_busiest_mean"):
+            assert finite(rk[k]), k
+        p = s["projection"]
+        for k in ("compute_us", "comm_us", "step_ms", "step_floor_ms", "round_ms", "tokens_per_s", "breakeven_tau"):
+            assert finite(p[k]) and p[k] > 0, k
+    plain = steps[0]["projection"]
+    assert plain["tokens_per_s"] == pytest.approx(1e3 / plain["step_ms"])
+    tree = steps[1]["projection"]
+    assert tree["tokens_per_s"] == pytest.approx(3 * 1e3 / (tree["step_ms"] + rep["assumptions"]["draft_ms"]))
+    assert len(rep["projection"]) == 3
+
+
+def test_k2_step_random_tree():
+    mask, depth = k2_step.random_tree(9, seed=1)
+    assert mask.diagonal().all() and mask[:, 0].all()
+    assert not mask.triu(1).any()  # parents come before children
+    assert torch.equal(mask.sum(1) - 1, depth)  # ancestors (self excluded) = depth
+
+
+@pytest.fixture(scope="module")
+def round_report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("round")
+    rep = round_bench.main(["--tiny", "--device", "cpu", "--out", str(out), "--budgets", "4,8"])
+    return out, rep
+
+
+def test_round_writes_files(round_report):
+    out, rep = round_report
+    data = json.loads((out / "round-cpu.json").read_text())
+    assert (out / "round-cpu.md").exists()
+    assert [r["setting"] for r in data["results"]] == ["none", "dflash", "ddtree-4", "ddtree-8"]
+    assert data["modes"]["graph"].startswith("n/a")
+
+
+def test_round_fields_finite(round_report):
+    _, rep = round_report
+    for r in rep["results"]:
+        e = r["eager"]
+        for k in ("rounds_per_s", "tokens_per_s", "ms_per_round", "speedup"):
+            assert finite(e[k]) and e[k] > 0, (r["setting"], k)
+        assert finite(r["tau"]) and r["tau"] >= 1.0
+        assert r["graph"].startswith("n/a")
+        assert r["kernels"]["outside_kernels_frac"] is None  # CPU: no kernel profile
+        assert r["lossless"] is True
+        assert all(finite(v) for v in r["stage_ms_per_round"].values())
+    assert rep["results"][0]["tau"] == 1.0
+
+
+def test_device_busy_union():
+    def ev(dev, s, e):
+        return SimpleNamespace(device_type=dev, time_range=SimpleNamespace(start=s, end=e))
+
+    prof = SimpleNamespace(events=lambda: [ev("DeviceType.CUDA", 0, 10), ev("DeviceType.CUDA", 5, 12),
+                                           ev("DeviceType.CPU", 0, 100), ev("DeviceType.CUDA", 20, 25)])
+    got = round_bench.device_busy(prof)
+    assert got["busy_us"] == 17 and got["events"] == 3
