@@ -1,7 +1,8 @@
 """``kdtree bench spec``: plain decoding vs DFlash vs DDTree over a range of tree budgets.
 
 For every setting (``none``, ``dflash``, ``ddtree`` at each budget) every prompt is generated once
-after one warm-up generation of that setting, and the report gives:
+(``--repeats R``: R times, the fastest run kept) after one warm-up generation of that setting, and
+the report gives:
 
 * ``tokens_per_s``: decode speed with prefill excluded, sum over prompts of (generated tokens - 1)
   / sum of ``decode_s`` (the first token comes from the prefill); ``tokens_per_s_macro`` is the
@@ -208,9 +209,13 @@ def accept_hist(rounds: int, per_depth: Sequence[int]) -> list[int]:
 
 
 def run_bench(target: Any, drafter: Any, prompts: Sequence[Prompt], settings: Sequence[tuple[str, int | None]],
-              params: Any, *, warmup: bool = True,
+              params: Any, *, warmup: bool = True, repeats: int = 1,
               progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
-    """Generate every prompt under every setting; per-setting records (see the module docstring)."""
+    """Generate every prompt under every setting; per-setting records (see the module docstring).
+
+    With ``repeats`` > 1 each prompt is generated that many times and the run with the shortest
+    decode time is kept (the others differ only by interference from the rest of the machine).
+    """
     from .spec.decode import generate
 
     say = progress or (lambda s: None)
@@ -225,7 +230,11 @@ def run_bench(target: Any, drafter: Any, prompts: Sequence[Prompt], settings: Se
             generate(target, prompts[0].ids, wp, spec=method, drafter=d, budget=budget)
         runs = []
         for i, p in enumerate(prompts):
-            res = generate(target, p.ids, params, spec=method, drafter=d, budget=budget)
+            tries = [generate(target, p.ids, params, spec=method, drafter=d, budget=budget)
+                     for _ in range(max(repeats, 1))]
+            res = min(tries, key=lambda r: r.stats["decode_s"])
+            if any(t.token_ids != res.token_ids for t in tries) and greedy:
+                raise RuntimeError(f"{name}: prompt {i} gave different greedy tokens on repeated runs")
             s = res.stats
             runs.append({
                 "prompt": i, "generated_tokens": s["generated_tokens"], "finish_reason": res.finish_reason,
@@ -318,7 +327,8 @@ def markdown(report: dict[str, Any]) -> str:
          f"Model `{cfg['model']}`, drafter `{cfg['draft']}` (block size {cfg['block_size']}); "
          f"{len(report['prompts'])} prompts ({cfg['prompt_source']}), max tokens {cfg['max_tokens']}, "
          f"temperature {cfg['temperature']}, EOS {'stops' if cfg['stop_at_eos'] else 'ignored'}; "
-         "one warm-up generation per setting.", "",
+         "one warm-up generation per setting"
+         + (f", fastest of {cfg['repeats']} runs per prompt" if cfg.get("repeats", 1) > 1 else "") + ".", "",
          "tok/s: decode only (tokens after the first / decode time, prefill excluded), pooled over prompts; "
          "macro: mean of per-prompt values. tau: mean accepted length per round incl. the bonus token, "
          "mean over prompts. Speedup: tok/s over plain decoding. Stage times: ms per round. "
@@ -430,6 +440,8 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--stop-at-eos", action="store_true", help="stop at EOS (default: ignore it)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up generation of each setting")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="generate each prompt this many times per setting and keep the fastest run")
     p.add_argument("--out", default="bench/results", help="directory for spec-<device>.json and .md")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="plot tau / speedup vs budget (matplotlib)")
     p.set_defaults(func=cmd_bench_spec)
@@ -441,6 +453,14 @@ def add_bench_spec_parser(bench_sub: argparse._SubParsersAction) -> argparse.Arg
     p = bench_sub.add_parser("spec", help="benchmark plain / DFlash / DDTree decoding over tree budgets",
                              description=__doc__.split("\n\n")[0])
     return configure_parser(p)
+
+
+def _shown(path: Path) -> str:
+    """A path relative to the working directory when it lies under it (reports stay machine-neutral)."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
 
 
 def _command_line() -> str:
@@ -466,7 +486,8 @@ def cmd_bench_spec(args: argparse.Namespace) -> int:
         except ImportError:
             raise BadInput("--plot needs matplotlib, which is not installed (pip install matplotlib)") from None
     for flag, v in (("--max-tokens", args.max_tokens), ("--prompt-tokens", args.prompt_tokens),
-                    ("--num-prompts", args.num_prompts), ("--threads", args.threads)):
+                    ("--num-prompts", args.num_prompts), ("--threads", args.threads),
+                    ("--repeats", args.repeats)):
         if v is not None and v < 1:
             raise BadInput(f"{flag} must be a positive integer, got {v}")
     if args.threads:
@@ -507,7 +528,7 @@ def cmd_bench_spec(args: argparse.Namespace) -> int:
              env["dtype"], env["threads"])
     t0 = time.perf_counter()
     records = run_bench(target, drafter, prompts, settings, params, warmup=not args.no_warmup,
-                        progress=lambda s: log.info("%s", s))
+                        repeats=args.repeats, progress=lambda s: log.info("%s", s))
     if "loadavg_start" in env:
         env["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     tag = device_tag(device)
@@ -515,10 +536,10 @@ def cmd_bench_spec(args: argparse.Namespace) -> int:
         "command": _command_line(),
         "options": {k: v for k, v in vars(args).items() if k != "func"},
         "device_tag": tag, "env": env, "wall_s": time.perf_counter() - t0,
-        "config": {"model": str(model), "draft": str(draft) if needs_draft else None,
+        "config": {"model": _shown(model), "draft": _shown(draft) if needs_draft else None,
                    "block_size": getattr(drafter, "block_size", None), "max_tokens": args.max_tokens,
                    "temperature": args.temperature, "seed": args.seed, "stop_at_eos": args.stop_at_eos,
-                   "prompt_source": source, "warmup": not args.no_warmup},
+                   "prompt_source": source, "warmup": not args.no_warmup, "repeats": args.repeats},
         "prompts": [{"source": p.source, "ids": p.ids, "text": p.text} for p in prompts],
         "results": records,
     }

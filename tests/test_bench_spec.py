@@ -41,7 +41,7 @@ def test_bench_spec_tiny(dirs, tmp_path, capsys) -> None:
     try:
         rc = bench_spec.main(["--model", str(model), "--draft", str(draft), "--prompts", str(prompts),
                               "--budgets", "2,4", "--max-tokens", "16", "--device", "cpu", "--threads", "1",
-                              "--out", str(out)])
+                              "--repeats", "2", "--out", str(out)])
     finally:
         torch.set_num_threads(threads)
     assert rc == 0
@@ -60,6 +60,7 @@ def test_bench_spec_tiny(dirs, tmp_path, capsys) -> None:
         # the histogram and tau agree: pooled tau = mean accepted length over all rounds
         mean_len = sum((i + 1) * c for i, c in enumerate(rec["accept_len_hist"])) / rec["rounds"]
         assert mean_len == pytest.approx(rec["tau_micro"])
+    assert report["config"]["repeats"] == 2
     assert report["results"][0]["tau"] == 1.0 and report["results"][0]["speedup"] == 1.0
     for key in ("torch", "device", "threads"):
         assert key in report["env"]
