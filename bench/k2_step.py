@@ -289,6 +289,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
     layer_bytes = sum(nbytes(t) for t in list(probe.parameters()) + list(probe.buffers()))
     del probe
     if cuda:
+        torch.cuda.empty_cache()  # the roofline buffers are cached by the allocator
         free, _ = torch.cuda.mem_get_info()
         fit = int((free - 12 * 2**30) // (layer_bytes * 1.05))
         if fit < n_layers:

@@ -121,6 +121,9 @@ def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
     dev = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, dev)
     cuda = dev.type == "cuda"
+    if args.batch_invariant:
+        from kdtree_engine.kernels.dispatch import set_batch_invariant
+        set_batch_invariant(True)
     model = Path(args.model)
     draft = Path(args.draft) if args.draft else (model / "draft" if (model / "draft").is_dir() else None)
     target = load_target(model, device=dev, dtype=dtype, progress=False)
@@ -209,7 +212,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
         "command": args.command, "env": env, "model": str(model), "draft": str(draft) if draft else None,
         "block_size": getattr(drafter, "block_size", None), "prompt_source": source,
         "prompt_tokens": [len(p.ids) for p in prompts], "max_tokens": args.max_tokens,
-        "budgets": list(args.budgets), "modes": {"eager": "the engine's generate()", "graph": GRAPH_NA},
+        "budgets": list(args.budgets), "batch_invariant": bool(args.batch_invariant), "modes": {"eager": "the engine's generate()", "graph": GRAPH_NA},
         "results": results, "elapsed_s": clock(),
     }
 
@@ -225,7 +228,8 @@ def markdown(rep: dict, tag: str) -> list[str]:
              f"torch {env['torch']}, device {env['device']} ({env['device_name']}), dtype {env['dtype']}. "
              f"Model `{rep['model']}`, drafter `{rep['draft']}` (block {rep['block_size']}); "
              f"{len(rep['prompt_tokens'])} prompts of {rep['prompt_tokens']} tokens ({rep['prompt_source']}), "
-             f"{rep['max_tokens']} tokens each, greedy, EOS ignored, one warm-up per setting.", "",
+             f"{rep['max_tokens']} tokens each, greedy, EOS ignored, one warm-up per setting; batch-invariant "
+             f"matmuls {'on' if rep['batch_invariant'] else 'off'}.", "",
              "Decode only (prefill excluded). eager: the engine's generate(); graph: a round replayed from a CUDA "
              f"graph ({GRAPH_NA} in this engine yet). Outside kernels: 1 - device-busy time (union of kernel / memcpy "
              "intervals, torch.profiler, prefill subtracted) / decode wall time of the same prompt unprofiled. "
@@ -271,6 +275,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--warmup-tokens", type=int, default=None, help="tokens of the warm-up run (default 32; --tiny 3)")
     ap.add_argument("--device", default=None, help="cuda | cpu (default: cuda when available)")
     ap.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: bfloat16 on CUDA, float32 on CPU)")
+    ap.add_argument("--batch-invariant", action="store_true",
+                    help="dense CUDA matmuls through the batch-invariant Triton GEMM (as kdtree --batch-invariant on)")
     ap.add_argument("--tiny", action="store_true", help="one short prompt, a few tokens (smoke test)")
     a = ap.parse_args(argv)
     a.max_tokens = a.max_tokens or (6 if a.tiny else 128)
