@@ -504,8 +504,13 @@ def bench_step(T, S, cfg, layers, kv, rope, rank_attn, shared_r, dense_r, head_r
         out["attn_us"], out["graph"] = t["us"], t["graph"]
         if "graph_error" in t:
             out["graph_error"] = t["graph_error"]
-        out["moe_us"] = time_us([lambda l=l: moe_call(l, hs[l]) for l in range(L)], reps)["us"]
-        out["layer_us"] = time_us([lambda l=l: layer_call(l) for l in range(L)], reps)["us"]
+        t_moe = time_us([lambda l=l: moe_call(l, hs[l]) for l in range(L)], reps)
+        t_layer = time_us([lambda l=l: layer_call(l) for l in range(L)], reps)
+        out["moe_us"], out["layer_us"] = t_moe["us"], t_layer["us"]
+        out["graph"] = bool(t["graph"] and t_moe["graph"] and t_layer["graph"])
+        for tt in (t_moe, t_layer):
+            if "graph_error" in tt:
+                out.setdefault("graph_error", tt["graph_error"])
 
         # ---- one rank of W: the EP rank with the most touched experts in each layer ----
         bases, busiest, pairs = [], [], []
