@@ -45,6 +45,7 @@ log = logging.getLogger("kdtree_engine")
 
 AUTO = "auto"
 AUTO_MAX_BUDGET = 256  # largest tree --budget auto considers (verify width 257)
+SCALE_MIN, SCALE_MAX = 0.1, 10.0  # bounds of the observed / measured verify time correction
 
 
 def default_candidates(max_budget: int) -> tuple[int, ...]:
@@ -211,10 +212,11 @@ class VerifyCostModel:
 
     @classmethod
     def measure(cls, target: Any, *, context: int, max_nodes: int, grid: Sequence[int] | None = None,
-                warmup: int = 1, repeats: int = 3, seed: int = 0) -> "VerifyCostModel":
+                warmup: int = 1, repeats: int = 5, seed: int = 0) -> "VerifyCostModel":
         """Time ``target`` verifying n random tokens (a chain, ancestor-only mask) after ``context``
         cached tokens, for each n in ``grid`` (default :func:`default_grid`): ``warmup`` untimed
-        runs, then the median of ``repeats``, the device synchronized around each."""
+        runs, then the median of ``repeats``, the device synchronized around each. The curve is
+        made non-decreasing (a running maximum): more nodes never cost less, a dip is noise."""
         cfg, dev = target.cfg, target.device
         grid = sorted(set(int(n) for n in (grid or default_grid(max_nodes))))
         top = grid[-1]
@@ -240,7 +242,7 @@ class VerifyCostModel:
                 if i >= warmup:
                     times.append(time.perf_counter() - t0)
                 cache.crop(context)  # drop the pending tree entries
-            pts[n] = statistics.median(times)
+            pts[n] = max(statistics.median(times), max(pts.values(), default=0.0))
         return cls(pts, source="measured", context=context)
 
 
@@ -315,7 +317,7 @@ class AutoBudget:
 
     def round_seconds(self) -> torch.Tensor:
         """Predicted seconds of a round for each candidate budget."""
-        scale = min(max(self.verify_scale.value, 0.25), 4.0)
+        scale = min(max(self.verify_scale.value, SCALE_MIN), SCALE_MAX)
         t = scale * self._verify_s + self.t_draft.value + self.t_overhead.value
         return t.clamp_min(1e-12)
 
@@ -370,7 +372,7 @@ class AutoBudget:
         if verify_s is not None:
             model_s = float(self.cost(b + 1))
             if model_s > 0:
-                self.verify_scale.update(min(max(verify_s / model_s, 0.25), 4.0))
+                self.verify_scale.update(min(max(verify_s / model_s, SCALE_MIN), SCALE_MAX))
 
     def histogram(self) -> dict[int, int]:
         return dict(sorted(Counter(self.chosen).items()))
