@@ -57,6 +57,18 @@ def _ids(text: str) -> list[int]:
     return ids
 
 
+def _budget(text: str) -> int | str:
+    if text == "auto":
+        return "auto"
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"--budget must be a positive integer or 'auto', got {text!r}")
+    return value
+
+
 def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text or token ids from a prompt")
     p.add_argument("prompt", nargs="?", help="prompt text (needs the model's tokenizer.json)")
@@ -77,7 +89,9 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--draft", default=None, help="DFlash drafter directory")
     p.add_argument("--spec", choices=["none", "dflash", "ddtree"], default=None,
                    help="decoding strategy (default: ddtree with --draft, else none)")
-    p.add_argument("--budget", type=int, default=None, help="ddtree: non-root tree nodes (default block size - 1)")
+    p.add_argument("--budget", type=_budget, default=None,
+                   help="ddtree: non-root tree nodes, or 'auto': chosen each round from the measured verify cost "
+                        "and the drafter's running acceptance (default block size - 1)")
     p.add_argument("--batch-invariant", choices=["on", "off"], default="off",
                    help="on: dense CUDA matmuls through the Triton GEMM whose per-row result does not depend on "
                         "how many rows share the launch (measured bitwise at K2 shapes; not yet checked end to end)")
@@ -160,7 +174,8 @@ def format_stats(finish_reason: str, s: dict) -> str:
     line = (f"[{s['generated_tokens']} tokens, finish {finish_reason}, prefill {s['prefill_s']:.3f}s, "
             f"decode {s['decode_s']:.3f}s, {s['tokens_per_s']:.1f} tok/s")
     if s.get("spec", "none") != "none":
-        line += (f", spec {s['spec']}" + (f" budget {s['budget']}" if "budget" in s else "")
+        chosen = (f" (chosen per round, mean {s['budget_auto']['mean']:.1f})" if "budget_auto" in s else "")
+        line += (f", spec {s['spec']}" + (f" budget {s['budget']}{chosen}" if "budget" in s else "")
                  + f", rounds {s['rounds']}, tau {s['tau']:.2f}, accepted per depth {s['accepted_per_depth']}"
                  + f", draft {s['draft_s']:.3f}s tree {s['tree_s']:.3f}s verify {s['verify_s']:.3f}s"
                  + f" commit {s['commit_s']:.3f}s")

@@ -113,7 +113,7 @@ class LLM:
     """A loaded model ready to generate."""
 
     def __init__(self, model: str | Path, *, draft: str | Path | None = None, spec: str = "none",
-                 budget: int | None = None, device: str | None = None, dtype: str | torch.dtype | None = None,
+                 budget: int | str | None = None, device: str | None = None, dtype: str | torch.dtype | None = None,
                  quantize: str | None = None, batch_invariant: bool = False, progress: bool = True) -> None:
         from .kernels.dispatch import set_batch_invariant
         from .spec.decode import resolve_spec

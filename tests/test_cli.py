@@ -67,7 +67,8 @@ def test_spec_flags_give_the_same_tokens(capsys, model_dir, draft_dir) -> None:
             "--ignore-eos", "--json"]
     plain = run_json(capsys, base)
     for extra in (["--draft", str(draft_dir), "--spec", "dflash"],
-                  ["--draft", str(draft_dir), "--spec", "ddtree", "--budget", "6"]):
+                  ["--draft", str(draft_dir), "--spec", "ddtree", "--budget", "6"],
+                  ["--draft", str(draft_dir), "--spec", "ddtree", "--budget", "auto"]):
         obj = run_json(capsys, base + extra)
         assert obj["token_ids"] == plain["token_ids"]
         assert obj["stats"]["rounds"] >= 1 and obj["stats"]["tau"] >= 1.0
@@ -123,7 +124,8 @@ def test_mismatched_drafter_exits_2(capsys, model_dir, tmp_path) -> None:
     assert "hidden" in capsys.readouterr().err
 
 
-def test_unknown_flag_value_exits_2(model_dir) -> None:
+@pytest.mark.parametrize("flag,value", [("--dtype", "float8"), ("--budget", "x"), ("--budget", "0")])
+def test_unknown_flag_value_exits_2(model_dir, flag, value) -> None:
     r = subprocess.run([sys.executable, "-m", "kdtree_engine.cli", "generate", "--model", str(model_dir),
-                        "--prompt-ids", "1", "--dtype", "float8"], capture_output=True, text=True)
-    assert r.returncode == 2 and "--dtype" in r.stderr
+                        "--prompt-ids", "1", flag, value], capture_output=True, text=True)
+    assert r.returncode == 2 and flag in r.stderr
