@@ -98,6 +98,8 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--compare", action=argparse.BooleanOptionalAction, default=None,
                    help="also run plain decoding and report the speedup (default: on for the embedded demo)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    from .show_tree import add_show_tree_argument
+    add_show_tree_argument(p)
     p.set_defaults(func=cmd_generate)
 
 
@@ -167,6 +169,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write("\n")
         print(format_stats(res.finish_reason, stats), file=sys.stderr)
+    if args.show_tree:
+        from .show_tree import render_last_round
+        print(render_last_round(res, llm.decode), file=sys.stderr if args.json else sys.stdout)
     return 0
 
 
