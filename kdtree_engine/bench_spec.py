@@ -182,8 +182,8 @@ def environment(device: Any, dtype: Any) -> dict[str, Any]:
 
 # ---- the benchmark ---------------------------------------------------------------------------
 
-def settings_for(methods: Sequence[str], budgets: Sequence[int]) -> list[tuple[str, int | None]]:
-    out: list[tuple[str, int | None]] = [("none", None)]  # always: the reference
+def settings_for(methods: Sequence[str], budgets: Sequence[int | str]) -> list[tuple[str, int | str | None]]:
+    out: list[tuple[str, int | str | None]] = [("none", None)]  # always: the reference
     if "dflash" in methods:
         out.append(("dflash", None))
     if "ddtree" in methods:
@@ -191,7 +191,7 @@ def settings_for(methods: Sequence[str], budgets: Sequence[int]) -> list[tuple[s
     return out
 
 
-def setting_name(method: str, budget: int | None) -> str:
+def setting_name(method: str, budget: int | str | None) -> str:
     return method if budget is None else f"{method}-{budget}"
 
 
@@ -255,6 +255,7 @@ def run_bench(target: Any, drafter: Any, prompts: Sequence[Prompt], settings: Se
                 "accepted_tokens": s["accepted_tokens"], "accepted_per_depth": s["accepted_per_depth"],
                 "draft_s": s["draft_s"], "tree_s": s["tree_s"], "verify_s": s["verify_s"], "commit_s": s["commit_s"],
                 "token_ids": res.token_ids, "same_as_plain": res.token_ids == plain[i],
+                "budget_chosen": s.get("budget_chosen"),
             })
         out.append(summarize(method, budget, runs, greedy))
     base = out[0]
@@ -371,7 +372,8 @@ def plot(report: dict[str, Any], path: str | Path) -> None:
     except ImportError:
         raise RuntimeError("--plot needs matplotlib (pip install matplotlib)") from None
     recs = report["results"]
-    trees = [r for r in recs if r["method"] == "ddtree"]
+    trees = [r for r in recs if r["method"] == "ddtree" and r["budget"] != "auto"]
+    auto = next((r for r in recs if r["method"] == "ddtree" and r["budget"] == "auto"), None)
     dfl = next((r for r in recs if r["method"] == "dflash"), None)
     best = best_ddtree(recs)
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
@@ -383,6 +385,8 @@ def plot(report: dict[str, Any], path: str | Path) -> None:
             ax.set_xticks([r["budget"] for r in trees], [str(r["budget"]) for r in trees])
         if dfl is not None:
             ax.axhline(dfl[key], color="C1", linestyle="--", label=f"DFlash ({dfl[key]:.2f})")
+        if auto is not None:
+            ax.axhline(auto[key], color="C2", linestyle="-.", label=f"DDTree auto ({auto[key]:.2f})")
         if key == "speedup":
             ax.axhline(1.0, color="gray", linestyle=":", label="plain")
         ax.set_xlabel("tree budget (draft nodes)")
@@ -406,6 +410,13 @@ def plot(report: dict[str, Any], path: str | Path) -> None:
 
 
 # ---- command line ----------------------------------------------------------------------------
+
+def _budget_list(text: str) -> list[int | str]:
+    """Comma-separated positive budgets; ``auto`` allowed among them."""
+    parts = [x for x in text.replace(" ", "").split(",") if x]
+    ints = _int_list(",".join(x for x in parts if x != "auto")) if any(x != "auto" for x in parts) else []
+    return ints + (["auto"] if "auto" in parts else [])
+
 
 def _int_list(text: str) -> list[int]:
     try:
@@ -435,7 +446,8 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help=f"prompts to run (default {DEFAULT_NUM_PROMPTS}; all of a --prompts file)")
     p.add_argument("--prompt-tokens", type=int, default=64, help="length of the default prompts")
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--budgets", type=_int_list, default=list(DEFAULT_BUDGETS), help="DDTree budgets, e.g. 4,8,16")
+    p.add_argument("--budgets", type=_budget_list, default=list(DEFAULT_BUDGETS),
+                   help="DDTree budgets, e.g. 4,8,16,auto ('auto': chosen per round from the measured cost)")
     p.add_argument("--methods", type=_methods, default=list(DEFAULT_METHODS),
                    help="none,dflash,ddtree (plain decoding always runs: it is the reference)")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
