@@ -104,7 +104,7 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
 
 
 DEMO_DIR = Path(__file__).parent / "assets" / "demo"
-DEMO_BUDGET = 32  # the budget `kdtree bench spec` measured best for the demo on the CPU
+DEMO_BUDGET = 8  # best tokens/s for the demo in `kdtree bench spec` on the CPU (bench/results/spec-cpu.md)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
