@@ -129,3 +129,11 @@ def test_unknown_flag_value_exits_2(model_dir, flag, value) -> None:
     r = subprocess.run([sys.executable, "-m", "kdtree_engine.cli", "generate", "--model", str(model_dir),
                         "--prompt-ids", "1", flag, value], capture_output=True, text=True)
     assert r.returncode == 2 and flag in r.stderr
+
+
+def test_embedded_demo_is_the_default(capsys) -> None:
+    obj = run_json(capsys, ["generate", "def quicksort(items):", "--max-tokens", "12", "--ignore-eos", "--json"])
+    s = obj["stats"]
+    assert s["spec"] == "ddtree" and s["generated_tokens"] == 12
+    assert s["same_tokens_as_plain"] is True and s["speedup"] > 0 and s["tau"] >= 1.0
+    assert isinstance(obj["text"], str) and obj["text"]
