@@ -142,6 +142,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     printed = [""]
 
     def on_tokens(toks: list[int]) -> None:
+        if not streamed and isinstance(prompt, str):
+            sys.stdout.write(prompt)  # after the first forward, so its one-time logs come first
         streamed.extend(toks)
         if llm.tokenizer is None:
             sys.stdout.write("".join(f"{t} " for t in toks))
@@ -152,8 +154,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 printed[0] = text
         sys.stdout.flush()
 
-    if not args.json and isinstance(prompt, str):
-        sys.stdout.write(prompt)
     res = llm.generate(prompt, params, on_tokens=None if args.json else on_tokens)[0]
     stats = dict(res.stats)
     if compare and spec != "none":

@@ -127,6 +127,8 @@ class LLM:
         self.drafter = None if draft is None else load_drafter(draft, self.target)
         self.spec = resolve_spec(spec, self.drafter, budget)
         self.tokenizer = load_tokenizer(model)
+        from .kernels.dispatch import log_choices
+        log_choices(self.device)
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):

@@ -86,3 +86,11 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, sta
         return triton_mla(q_lat, q_pe, kv, start, tree_mask, scale, kv_lora_rank)
     from ..model.mla import mla_attention_reference
     return mla_attention_reference(q_lat, q_pe, kv, start, tree_mask, scale, kv_lora_rank)
+
+
+def log_choices(device: torch.device) -> None:
+    """Log, once, the kernel each concern will use on ``device`` (before the first forward)."""
+    int4_backend(device)
+    _backend("MLA attention", _ATTN_FORCED, device, cuda_default="torch")
+    if device.type == "cuda":
+        set_batch_invariant(_BATCH_INVARIANT)
