@@ -85,3 +85,22 @@ def child_main(cases: dict, run_one, argv: list[str]) -> None:
             rec = {"error": traceback.format_exc()[-3000:]}
         rec["name"] = name
         print("CASE " + json.dumps(rec), flush=True)
+
+
+def results_fixture(script: Path, names: list[str]):
+    """Registers the module's cases and returns a module-scoped fixture holding their results."""
+    import pytest
+
+    register(script, names)
+
+    @pytest.fixture(scope="module")
+    def interp_results() -> dict:
+        return run_cases(script, names)
+
+    return interp_results
+
+
+def check_ran(rec: dict) -> None:
+    """The case ran in the child and wrote every output element (NaN/-77777-poisoned buffers)."""
+    assert "error" not in rec, rec["error"]
+    assert rec.get("nonfinite", 0) == 0, "unwritten (NaN-poisoned) or non-finite outputs"
