@@ -43,16 +43,21 @@ CONTEXTS = [4096, 32768, 131072]
 TREE_NODES = [1, 16, 64]
 HEADS = [64, 8]
 
-SWEEP = [
-    MLAConfig(CHUNK=512, BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=2),
+SWEEP = [  # CHUNK is the split size (fixed, part of the reduction order); more, smaller chunks fill the GPU
+    MLAConfig(CHUNK=512, BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=2),   # the default
     MLAConfig(CHUNK=512, BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=3),
     MLAConfig(CHUNK=256, BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=2),
     MLAConfig(CHUNK=256, BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=3),
-    MLAConfig(CHUNK=512, BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2),
-    MLAConfig(CHUNK=512, BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=1),
+    MLAConfig(CHUNK=256, BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=4),
+    MLAConfig(CHUNK=256, BLOCK_M=16, BLOCK_N=32, num_warps=8, num_stages=3),
+    MLAConfig(CHUNK=256, BLOCK_M=16, BLOCK_N=64, V_SPLIT=2, num_warps=4, num_stages=3),
+    MLAConfig(CHUNK=128, BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=3),
+    MLAConfig(CHUNK=128, BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=2),
+    MLAConfig(CHUNK=128, BLOCK_M=16, BLOCK_N=16, num_warps=2, num_stages=4),
+    MLAConfig(CHUNK=256, BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=3),
     MLAConfig(CHUNK=256, BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2),
-    MLAConfig(CHUNK=512, BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=2),
 ]
+SWEEP_SHAPES = [(8, 32768, 1), (8, 131072, 1), (8, 32768, 16), (8, 131072, 16), (8, 32768, 64), (64, 32768, 1)]
 
 
 def random_tree_mask(T: int, seed: int) -> torch.Tensor:
@@ -160,18 +165,17 @@ def main(argv=None) -> dict:
     sweep = []
     if args.sweep:
         for cfg in SWEEP:
-            for N in HEADS:
-                for S, T in ((32768, 1), (131072, 1), (32768, 16), (32768, 64)):
-                    if clock() > args.budget_s:
-                        sweep.append({"N": N, "S": S, "T": T, "config": cfg.as_dict(), "skipped": "time budget"})
-                        continue
-                    try:
-                        rec = bench_case(N, S, T, bw, mm, cfg=cfg, peers=False, reps=10)
-                    except Exception as exc:  # noqa: BLE001 - a failing variant is reported
-                        rec = {"N": N, "S": S, "T": T, "config": cfg.as_dict(), "error": str(exc)[:200]}
-                    sweep.append(rec)
-                    print("sweep", cfg.as_dict(), N, S, T, f"{rec.get('us', float('nan')):.1f} us",
-                          f"x roof {rec.get('x_roof', float('nan')):.2f} err {rec.get('rel_err')}", flush=True)
+            for N, S, T in SWEEP_SHAPES:
+                if clock() > args.budget_s:
+                    sweep.append({"N": N, "S": S, "T": T, "config": cfg.as_dict(), "skipped": "time budget"})
+                    continue
+                try:
+                    rec = bench_case(N, S, T, bw, mm, cfg=cfg, peers=False, reps=10)
+                except Exception as exc:  # noqa: BLE001 - a failing variant is reported
+                    rec = {"N": N, "S": S, "T": T, "config": cfg.as_dict(), "error": str(exc)[:200]}
+                sweep.append(rec)
+                print("sweep", cfg.as_dict(), N, S, T, f"{rec.get('us', float('nan')):.1f} us",
+                      f"x roof {rec.get('x_roof', float('nan')):.2f} err {rec.get('rel_err')}", flush=True)
 
     info = device_info()
     gpu = "h200" if "H200" in info["gpu"] else info["gpu"].split()[-1].lower()
