@@ -43,21 +43,18 @@ CONTEXTS = [4096, 32768, 131072]
 TREE_NODES = [1, 16, 64]
 HEADS = [64, 8]
 
-SWEEP = [  # CHUNK is the split size (fixed, part of the reduction order); more, smaller chunks fill the GPU
+SWEEP = [  # CHUNK is the split size (fixed, part of the reduction order); V_SPLIT cuts the 512 output
+    # columns over programs (each recomputes the scores) to shrink the fp32 accumulator per program.
+    # Earlier sweep (CHUNK 128/256, BLOCK_N 16/32, 8 warps): bench/results/mla_attention-sweep-h200.md.
     MLAConfig(CHUNK=512, BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=2),   # the default
-    MLAConfig(CHUNK=512, BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=3),
-    MLAConfig(CHUNK=256, BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=2),
-    MLAConfig(CHUNK=256, BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=3),
-    MLAConfig(CHUNK=256, BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=4),
-    MLAConfig(CHUNK=256, BLOCK_M=16, BLOCK_N=32, num_warps=8, num_stages=3),
-    MLAConfig(CHUNK=256, BLOCK_M=16, BLOCK_N=64, V_SPLIT=2, num_warps=4, num_stages=3),
-    MLAConfig(CHUNK=128, BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=3),
-    MLAConfig(CHUNK=128, BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=2),
-    MLAConfig(CHUNK=128, BLOCK_M=16, BLOCK_N=16, num_warps=2, num_stages=4),
-    MLAConfig(CHUNK=256, BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=3),
-    MLAConfig(CHUNK=256, BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2),
+    MLAConfig(CHUNK=512, BLOCK_M=32, BLOCK_N=64, V_SPLIT=2, num_warps=4, num_stages=2),
+    MLAConfig(CHUNK=512, BLOCK_M=16, BLOCK_N=64, V_SPLIT=2, num_warps=4, num_stages=2),
+    MLAConfig(CHUNK=512, BLOCK_M=32, BLOCK_N=32, V_SPLIT=2, num_warps=4, num_stages=3),
+    MLAConfig(CHUNK=512, BLOCK_M=32, BLOCK_N=32, V_SPLIT=4, num_warps=4, num_stages=3),
+    MLAConfig(CHUNK=512, BLOCK_M=64, BLOCK_N=32, V_SPLIT=4, num_warps=8, num_stages=2),
+    MLAConfig(CHUNK=512, BLOCK_M=64, BLOCK_N=64, V_SPLIT=2, num_warps=8, num_stages=2),
 ]
-SWEEP_SHAPES = [(8, 32768, 1), (8, 131072, 1), (8, 32768, 16), (8, 131072, 16), (8, 32768, 64), (64, 32768, 1)]
+SWEEP_SHAPES = [(8, 32768, 1), (8, 131072, 1), (8, 32768, 16), (8, 32768, 64)]
 
 
 def random_tree_mask(T: int, seed: int) -> torch.Tensor:
