@@ -203,14 +203,18 @@ def _bi_gemm_kernel(x_ptr, w_ptr, out_ptr,
         if INTERP_SUM:
             # interpreter only: a k-ordered sum per element (numpy's matmul picks its summation order
             # from the tile shape, which would make the interpreted kernel depend on BLOCK_M); 16 k at
-            # a time to stay under the interpreter's tensor size limit
+            # a time to stay under the interpreter's tensor size limit; slices wholly past the end are
+            # skipped (they add exact zeros; the skip depends on K only)
             for s in tl.static_range(0, BLOCK_K, 16):
-                kk = k0 + s + tl.arange(0, 16)
-                k_mask = kk < k_end
-                w = tl.load(w_rows + kk[None, :] * stride_wk, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-                x = tl.load(x_rows + kk[None, :] * stride_xk, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-                prod = w.to(tl.float32)[:, :, None] * tl.trans(x.to(tl.float32))[None, :, :]  # [BN, 16, BM]
-                acc += tl.sum(prod, axis=1)
+                if k0 + s < k_end:
+                    kk = k0 + s + tl.arange(0, 16)
+                    k_mask = kk < k_end
+                    w = tl.load(w_rows + kk[None, :] * stride_wk, mask=n_mask[:, None] & k_mask[None, :],
+                                other=0.0)
+                    x = tl.load(x_rows + kk[None, :] * stride_xk, mask=m_mask[:, None] & k_mask[None, :],
+                                other=0.0)
+                    prod = w.to(tl.float32)[:, :, None] * tl.trans(x.to(tl.float32))[None, :, :]  # [BN, 16, BM]
+                    acc += tl.sum(prod, axis=1)
         else:
             kk = k0 + offs_k
             k_mask = kk < k_end
@@ -269,11 +273,11 @@ def bi_linear(x: torch.Tensor, w: torch.Tensor, *, tile: Tile | None = None,
         return out
     if K == 0:
         return out.zero_()
+    interp = interpreting()
     t = tile or tile_for(M, x.dtype, N, K)
     red = reduction or reduction_for(N, K, x.dtype)
     kps = red.k_per_split(K)
     split = red.n_splits(K)
-    interp = interpreting()
     prec = "ieee" if (x.dtype == torch.float32 or interp) else "tf32"  # (tf32 is ignored for 16-bit)
     target = out if split == 1 else torch.empty((split, M, N), device=x.device, dtype=torch.float32)
     grid = (triton.cdiv(M, t.BLOCK_M), triton.cdiv(N, t.BLOCK_N), split)
@@ -321,13 +325,13 @@ def bi_head_linear(x: torch.Tensor, w: torch.Tensor, *, tile: Tile | None = None
         return out
     if K == 0:
         return out.zero_()
+    interp = interpreting()
     t = tile or tile_for(M, x.dtype)
     red = reduction or head_reduction_for(N, K, x.dtype)
     kps = red.k_per_split(K)
     split = red.n_splits(K)
     if B * split > 65535:
         raise ValueError(f"bi_head_linear: {B} heads x {split} splits exceed the grid's third dimension")
-    interp = interpreting()
     prec = "ieee" if (x.dtype == torch.float32 or interp) else "tf32"
     target = out if split == 1 else torch.empty((split, M, B, N), device=x.device, dtype=torch.float32)
     grid = (triton.cdiv(M, t.BLOCK_M), triton.cdiv(N, t.BLOCK_N), B * split)
