@@ -22,9 +22,11 @@ set by :func:`set_batch_invariant` (the CLI's ``--batch-invariant on|off``, ``LL
 it is on unless turned off.
 
 Everything else in the target forward is per row already: the embedding is a gather, rope and the
-activations are elementwise, the router's top-k is per row, the dense-expert MoE path adds a token's
-experts in ascending expert order, the fused INT4 MoE sums a token's top-k in slot order, cos/sin
-come from a table built once in float64 on the CPU.
+activations are elementwise, the router scores go through dense_matmul (float32) and its top-k and
+weight normalization (a sum over top_k <= 8 values in one row) are per row, the dense-expert MoE path
+adds a token's experts in ascending expert order, the fused INT4 MoE sums a token's top-k in slot
+order, cos/sin come from a table built once in float64 on the CPU. The naive MLA form (torch einsums)
+runs only for the prompt (empty cache, causal), the same forward in speculative and plain decoding.
 """
 
 from __future__ import annotations
