@@ -54,6 +54,7 @@ def run_child(seed: int, quant: str) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("quant", ["dense", "w4a16"])
 def test_target_rows_bitwise_invariant_interpreted(quant: str) -> None:
     seed = int(torch.randint(0, 1 << 30, ()).item())
