@@ -101,9 +101,25 @@ def dense_backend(device: torch.device) -> str:
     return _invariant_backend("dense (GEMM, per-head GEMM, RMSNorm)", _DENSE_FORCED, device)
 
 
+def _training(*tensors: torch.Tensor) -> bool:
+    """Autograd or autocast is active for these operands (drafter training): the Triton kernels have no
+    backward and want equal dtypes, so torch runs them (logged once)."""
+    dev = tensors[0].device
+    busy = torch.is_autocast_enabled(dev.type) or (
+        torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+    if busy:
+        log_once(f"dense:training:{dev.type}", f"dense kernels on {dev.type}: torch where autograd or autocast "
+                 "is active (training; the batch-invariant Triton kernels have no backward)")
+    return busy
+
+
+def _use_triton(*tensors: torch.Tensor) -> bool:
+    return dense_backend(tensors[0].device) == "triton" and not _training(*tensors)
+
+
 def dense_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ w [N, K].T -> [M, N] for dense weights (same dtype)."""
-    if dense_backend(x.device) == "triton":
+    if _use_triton(x, w):
         from .gemm import bi_linear
         return bi_linear(x, w)
     return F.linear(x, w)
@@ -111,7 +127,7 @@ def dense_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def head_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """Per-head product x [T, B, K], w [B, N, K] (any strides) -> [T, B, N]: out[t, b] = x[t, b] @ w[b].T."""
-    if dense_backend(x.device) == "triton":
+    if _use_triton(x, w):
         from .gemm import bi_head_linear
         return bi_head_linear(x, w)
     return torch.einsum("tbk,bnk->tbn", x, w)
@@ -119,7 +135,7 @@ def head_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim, HF convention (layers.rms_norm_torch)."""
-    if dense_backend(x.device) == "triton":
+    if _use_triton(x, weight):
         from .rmsnorm import bi_rmsnorm
         return bi_rmsnorm(x, weight, eps)
     from ..model.layers import rms_norm_torch

@@ -63,3 +63,18 @@ def test_cpu_paths_equal_torch_formulas() -> None:
     h = torch.randn(4, 33, generator=g)
     nw = torch.rand(33, generator=g) + 0.5
     assert torch.equal(dispatch.rms_norm(h, nw, 1e-6), rms_norm_torch(h, nw, 1e-6))
+
+
+def test_training_keeps_torch(restore_invariance, monkeypatch) -> None:
+    """Autograd or autocast active (drafter training): torch runs the op even where Triton would."""
+    monkeypatch.setattr(dispatch, "_DENSE_FORCED", "triton")  # Triton chosen on the CPU too
+    x = torch.randn(3, 8)
+    w = torch.randn(5, 8, requires_grad=True)
+    y = dispatch.dense_matmul(x, w)  # would fail in the Triton kernel without TRITON_INTERPRET
+    y.sum().backward()
+    assert w.grad is not None and w.grad.shape == (5, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert dispatch.dense_matmul(x, w.detach()).dtype == torch.bfloat16
+    assert dispatch._use_triton(x, w.detach())
+    with torch.no_grad():
+        assert dispatch._use_triton(x, w)
