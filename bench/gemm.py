@@ -1,5 +1,6 @@
 """Benchmark: batch-invariant dense GEMM (kernels/gemm.py) against cuBLAS (torch F.linear) on the K2
-dense shapes, bf16, at M = 1, 4, 16, 64, 129, 256; plus RMSNorm (kernels/rmsnorm.py) against torch.
+dense shapes, bf16, at M = 1, 4, 16, 64, 129, 256; plus RMSNorm (kernels/rmsnorm.py) against torch, and the
+per-head GEMM of the MLA absorption (bi_head_linear) against torch einsum.
 
     python bench/gemm.py --out bench/results            # writes gemm-<gpu>.json and .md
     python bench/gemm.py --sweep                        # also times candidate tiles / reductions
@@ -175,6 +176,54 @@ def bench_rmsnorm(ms, rep_ms: float) -> list[dict]:
     return out
 
 
+HEAD_SHAPES = [  # name, heads, N (out), K (in), weight passed as a transposed view (as W_UK)
+    ("q_nope x W_UK", 64, 512, 128, True),
+    ("o_lat x W_UV", 64, 128, 512, False),
+    ("q_nope x W_UK", 8, 512, 128, True),
+    ("o_lat x W_UV", 8, 128, 512, False),
+]
+
+
+def bench_heads(ms, rep_ms: float) -> list[dict]:
+    """The MLA absorption products (per-head GEMM, kernels/gemm.py bi_head_linear) against torch einsum
+    (cuBLAS batched GEMM), operands laid out as the model passes them."""
+    from kdtree_engine.kernels.gemm import bi_head_linear
+
+    out = []
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for name, B, N, K, transposed in HEAD_SHAPES:
+        if transposed:
+            w = (torch.randn(B, K, N, device="cuda", generator=g) * K ** -0.5).to(torch.bfloat16).transpose(1, 2)
+        else:
+            w = (torch.randn(B, N, K, device="cuda", generator=g) * K ** -0.5).to(torch.bfloat16)
+        n_copies = min(16, max(1, -(-(256 << 20) // (B * N * K * 2))))
+        ws = [w] + [w.clone() for _ in range(n_copies - 1)]
+        xs = torch.randn(max(ms), B, K + (64 if transposed else 0), device="cuda", generator=g).to(torch.bfloat16)
+        for M in ms:
+            x = xs[:M, :, :K]
+            ref = torch.einsum("tbk,bnk->tbn", x.float(), w.float())
+            y_t = torch.einsum("tbk,bnk->tbn", x, w)
+            y_b = bi_head_linear(x, w)
+            rows = sorted({0, M // 2, M - 1})
+            t_inv, _ = _rows_alone_equal(lambda a: torch.einsum("tbk,bnk->tbn", a, w), x, y_t, rows)
+            b_inv, _ = _rows_alone_equal(lambda a: bi_head_linear(a, w), x, y_b, rows)
+            t_t = _graph_us([lambda c=c: torch.einsum("tbk,bnk->tbn", x, c) for c in ws])
+            t_b = _graph_us([lambda c=c: bi_head_linear(x, c) for c in ws])
+            rec = {"shape": name, "heads": B, "N": N, "K": K, "M": M, "torch_us": t_t, "bi_us": t_b,
+                   "torch_eager_us": _bench(lambda: torch.einsum("tbk,bnk->tbn", x, w), rep_ms) * 1e3,
+                   "bi_eager_us": _bench(lambda: bi_head_linear(x, w), rep_ms) * 1e3,
+                   "speed_vs_torch": t_t / t_b, "bi_TBps": B * N * K * 2 / (t_b * 1e-6) / 1e12,
+                   "torch_rel_err": float((y_t.float() - ref).norm() / ref.norm()),
+                   "bi_rel_err": float((y_b.float() - ref).norm() / ref.norm()),
+                   "torch_invariant": t_inv, "bi_invariant": b_inv}
+            out.append(rec)
+            print(f"{name} x{B:2d} M={M:4d}  torch {t_t:7.1f} us  bi {t_b:7.1f} us  ratio {rec['speed_vs_torch']:.3f}  "
+                  f"inv torch={t_inv} bi={b_inv}", flush=True)
+        del w, ws, xs
+        torch.cuda.empty_cache()
+    return out
+
+
 def sweep(shapes, ms) -> list[dict]:
     """Graph-times candidate reductions (BLOCK_K, split) x tiles; prints the best per (shape, M)."""
     from kdtree_engine.kernels.gemm import Reduction, Tile, bi_linear
@@ -249,6 +298,15 @@ def write_md(path: Path, res: dict) -> None:
             lines.append(f"| {r['H']} | {r['M']} | {r['torch_us']:.1f} | {r['bi_us']:.1f} | "
                          f"{'yes' if r['torch_invariant'] else 'NO'} | {'yes' if r['bi_invariant'] else 'NO'} | "
                          f"{r['max_abs_diff_vs_torch']:.3g} |")
+    if res.get("heads"):
+        lines += ["", "## Per-head GEMM: MLA absorption (bf16), bi_head_linear vs torch einsum (cuBLAS batched)", "",
+                  "| product | heads | N x K | M | torch us | bi us | ratio | eager torch / bi us | torch inv | bi inv |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in res["heads"]:
+            lines.append(f"| {r['shape']} | {r['heads']} | {r['N']}x{r['K']} | {r['M']} | {r['torch_us']:.1f} | "
+                         f"{r['bi_us']:.1f} | {r['speed_vs_torch']:.3f} | {r['torch_eager_us']:.1f} / "
+                         f"{r['bi_eager_us']:.1f} | {'yes' if r['torch_invariant'] else 'NO'} | "
+                         f"{'yes' if r['bi_invariant'] else 'NO'} |")
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -261,6 +319,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--sweep", action="store_true", help="also time candidate tiles / reductions")
     ap.add_argument("--sweep-ms", default="1,16,64,129,256", help="M values of the sweep")
     ap.add_argument("--no-rmsnorm", action="store_true")
+    ap.add_argument("--no-heads", action="store_true", help="skip the per-head (MLA absorption) GEMM")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench/gemm.py needs a CUDA device")
@@ -277,6 +336,8 @@ def main(argv: list[str] | None = None) -> dict:
     res["gemm"] = bench_gemm(shapes, ms, args.rep_ms)
     if not args.no_rmsnorm:
         res["rmsnorm"] = bench_rmsnorm(ms, args.rep_ms)
+    if not args.no_heads:
+        res["heads"] = bench_heads(ms, args.rep_ms)
     if args.sweep:
         res["sweep"] = sweep(shapes, [int(m) for m in args.sweep_ms.split(",") if m])
     res["wall_s"] = time.time() - t0

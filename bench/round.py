@@ -121,9 +121,8 @@ def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
     dev = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, dev)
     cuda = dev.type == "cuda"
-    if args.batch_invariant:
-        from kdtree_engine.kernels.dispatch import set_batch_invariant
-        set_batch_invariant(True)
+    from kdtree_engine.kernels.dispatch import set_batch_invariant
+    set_batch_invariant(bool(args.batch_invariant))  # the engine's default is on; these benches measure off unless asked
     model = Path(args.model)
     draft = Path(args.draft) if args.draft else (model / "draft" if (model / "draft").is_dir() else None)
     target = load_target(model, device=dev, dtype=dtype, progress=False)

@@ -114,7 +114,7 @@ class LLM:
 
     def __init__(self, model: str | Path, *, draft: str | Path | None = None, spec: str = "none",
                  budget: int | str | None = None, device: str | None = None, dtype: str | torch.dtype | None = None,
-                 quantize: str | None = None, batch_invariant: bool = False, progress: bool = True) -> None:
+                 quantize: str | None = None, batch_invariant: bool = True, progress: bool = True) -> None:
         from .kernels.dispatch import set_batch_invariant
         from .spec.decode import resolve_spec
 

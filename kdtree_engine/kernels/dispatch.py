@@ -1,16 +1,32 @@
 """Kernel choice: one place, chosen by the weight's format and the device, each choice logged once.
 
-  dense linear   CPU: torch ``F.linear``. CUDA: cuBLAS, or with batch invariance on the Triton GEMM
-                 whose per-row reduction order does not depend on the number of rows (kernels/gemm.py).
-  W4A16 linear   CPU: dequantize + float32 matmul. CUDA: Triton (kernels/w4a16.py).
-  MLA attention  the torch reference (model/mla.py) by default on every device; the Triton kernel
-                 (kernels/mla_attention.py, split-KV flash decoding, batch-invariant) with
-                 ``KDTREE_ATTN_BACKEND=triton``. It passes its own GPU tests; it becomes the CUDA default
-                 once the end-to-end GPU suite has run with it.
+  dense linear   CPU: torch ``F.linear``. CUDA: with batch invariance on (the default), the Triton GEMM
+                 whose per-row reduction order does not depend on the number of rows (kernels/gemm.py),
+                 else cuBLAS.
+  head matmul    the MLA absorption products (q_nope x W_UK, o_lat x W_UV; one small GEMM per head).
+                 CPU: torch einsum. CUDA: batch-invariant ``bi_head_linear`` (the same GEMM, one head per
+                 grid slice) with batch invariance on, else torch einsum (cuBLAS batched GEMM).
+  RMSNorm        CPU: torch. CUDA: the one-program-per-row Triton kernel (kernels/rmsnorm.py) with batch
+                 invariance on (torch's reduction launch shape may depend on the row count), else torch.
+  W4A16 linear   CPU: dequantize + float32 matmul. CUDA: Triton (kernels/w4a16.py; M-independent
+                 reduction order).
+  MLA attention  CUDA with batch invariance on: the Triton kernel (kernels/mla_attention.py, split-KV
+                 flash decoding with split sizes fixed by position). Otherwise the torch reference
+                 (model/mla.py), which is not batch-invariant on CUDA (cuBLAS batched GEMMs).
 
-``KDTREE_INT4_BACKEND`` / ``KDTREE_ATTN_BACKEND`` = ``torch`` | ``triton`` force one backend (tests run the
-Triton code on the CPU with ``TRITON_INTERPRET=1``). Batch invariance is set by
-:func:`set_batch_invariant` (the CLI's ``--batch-invariant``).
+``KDTREE_INT4_BACKEND`` / ``KDTREE_ATTN_BACKEND`` / ``KDTREE_DENSE_BACKEND`` (dense and per-head matmuls,
+RMSNorm) = ``torch`` | ``triton`` force one backend (tests run the Triton code on the CPU with
+``TRITON_INTERPRET=1``); forcing a torch path on CUDA with batch invariance on is obeyed and logged as a
+warning (bitwise equality of speculative and plain decoding then no longer holds). Batch invariance is
+set by :func:`set_batch_invariant` (the CLI's ``--batch-invariant on|off``, ``LLM(batch_invariant=...)``);
+it is on unless turned off.
+
+Everything else in the target forward is per row already: the embedding is a gather, rope and the
+activations are elementwise, the router scores go through dense_matmul (float32) and its top-k and
+weight normalization (a sum over top_k <= 8 values in one row) are per row, the dense-expert MoE path
+adds a token's experts in ascending expert order, the fused INT4 MoE sums a token's top-k in slot
+order, cos/sin come from a table built once in float64 on the CPU. The naive MLA form (torch einsums)
+runs only for the prompt (empty cache, causal), the same forward in speculative and plain decoding.
 """
 
 from __future__ import annotations
@@ -20,7 +36,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from ..model.layers import log_once
+from ..model.layers import log, log_once
 from ..quant import dequantize
 
 BACKENDS = ("torch", "triton")
@@ -33,17 +49,29 @@ def _forced(var: str) -> str | None:
     return value
 
 
+_WARNED: set[str] = set()
 _INT4_FORCED = _forced("KDTREE_INT4_BACKEND")
 _ATTN_FORCED = _forced("KDTREE_ATTN_BACKEND")
-_BATCH_INVARIANT = False
+_DENSE_FORCED = _forced("KDTREE_DENSE_BACKEND")
+_BATCH_INVARIANT = True
 
 
 def set_batch_invariant(on: bool) -> None:
-    """Dense CUDA matmuls through the batch-invariant Triton GEMM (True) or cuBLAS (False)."""
+    """CUDA kernels whose per-row result does not depend on the rows sharing the launch (True, the
+    default) or the fastest ones (False: cuBLAS matmuls, torch norm and attention)."""
     global _BATCH_INVARIANT
     _BATCH_INVARIANT = bool(on)
-    log_once(f"batch-invariant:{_BATCH_INVARIANT}",
-             f"dense linears on cuda: {'batch-invariant Triton GEMM' if _BATCH_INVARIANT else 'cuBLAS'}")
+    if _BATCH_INVARIANT:
+        msg = ("batch invariance on: dense and per-head matmuls through the batch-invariant Triton GEMM, "
+               "RMSNorm and MLA attention through their Triton kernels on cuda")
+    else:
+        msg = ("batch invariance off: cuBLAS matmuls, torch RMSNorm and attention on cuda (speculative "
+               "output equals plain decoding up to floating point only)")
+    log_once(f"batch-invariant:{_BATCH_INVARIANT}", msg)
+
+
+def batch_invariant() -> bool:
+    return _BATCH_INVARIANT
 
 
 def _backend(kind: str, forced: str | None, device: torch.device, cuda_default: str = "triton") -> str:
@@ -56,19 +84,70 @@ def int4_backend(device: torch.device) -> str:
     return _backend("W4A16", _INT4_FORCED, device)
 
 
+def _invariant_backend(kind: str, forced: str | None, device: torch.device) -> str:
+    """Triton on CUDA when batch invariance is on, torch otherwise; a forced torch backend on CUDA with
+    batch invariance on is obeyed, with a warning (the torch path is not batch-invariant there)."""
+    backend = _backend(kind, forced, device, cuda_default="triton" if _BATCH_INVARIANT else "torch")
+    if device.type == "cuda" and _BATCH_INVARIANT and backend == "torch" and kind not in _WARNED:
+        _WARNED.add(kind)
+        log.warning(f"{kind}: the torch path is forced on cuda with batch invariance on; it is not batch-"
+                    "invariant there, so speculative output may differ from plain decoding in the last bits "
+                    "(near-ties can flip tokens)")
+    return backend
+
+
+def dense_backend(device: torch.device) -> str:
+    """Dense and per-head matmuls and RMSNorm: the batch-invariant Triton kernels or torch."""
+    return _invariant_backend("dense (GEMM, per-head GEMM, RMSNorm)", _DENSE_FORCED, device)
+
+
+def _training(*tensors: torch.Tensor) -> bool:
+    """Autograd or autocast is active for these operands (drafter training): the Triton kernels have no
+    backward and want equal dtypes, so torch runs them (logged once)."""
+    dev = tensors[0].device
+    busy = torch.is_autocast_enabled(dev.type) or (
+        torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+    if busy:
+        log_once(f"dense:training:{dev.type}", f"dense kernels on {dev.type}: torch where autograd or autocast "
+                 "is active (training; the batch-invariant Triton kernels have no backward)")
+    return busy
+
+
+def _use_triton(*tensors: torch.Tensor) -> bool:
+    return dense_backend(tensors[0].device) == "triton" and not _training(*tensors)
+
+
 def dense_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ w [N, K].T -> [M, N] for dense weights (same dtype)."""
-    if _BATCH_INVARIANT and x.is_cuda:
+    if _use_triton(x, w):
         from .gemm import bi_linear
         return bi_linear(x, w)
     return F.linear(x, w)
 
 
+def head_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Per-head product x [T, B, K], w [B, N, K] (any strides) -> [T, B, N]: out[t, b] = x[t, b] @ w[b].T."""
+    if _use_triton(x, w):
+        from .gemm import bi_head_linear
+        return bi_head_linear(x, w)
+    return torch.einsum("tbk,bnk->tbn", x, w)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim, HF convention (layers.rms_norm_torch)."""
+    if _use_triton(x, weight):
+        from .rmsnorm import bi_rmsnorm
+        return bi_rmsnorm(x, weight, eps)
+    from ..model.layers import rms_norm_torch
+    return rms_norm_torch(x, weight, eps)
+
+
 def w4a16_matmul_reference(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                            group_size: int) -> torch.Tensor:
-    """x [M, K] @ dequant(packed [N, K/8], scale [N, K/g]).T -> [M, N], float32 accumulate."""
+    """x [M, K] @ dequant(packed [N, K/8], scale [N, K/g]).T -> [M, N], float32 accumulate (through
+    dense_matmul, so batch-invariant on CUDA when that is on)."""
     w = dequantize(packed, scale, group_size, torch.float32)  # [N, K]
-    return (x.float() @ w.t()).to(x.dtype)
+    return dense_matmul(x.float(), w).to(x.dtype)
 
 
 def w4a16_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -81,16 +160,22 @@ def w4a16_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, gro
 def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, start: int,
                   tree_mask: torch.Tensor | None, scale: float, kv_lora_rank: int) -> torch.Tensor:
     """Absorbed MLA attention over the latent cache + the new block; see mla_attention_reference."""
-    if _backend("MLA attention", _ATTN_FORCED, kv.device, cuda_default="torch") == "triton":
+    if attn_backend(kv.device) == "triton":
         from .mla_attention import mla_attention as triton_mla
         return triton_mla(q_lat, q_pe, kv, start, tree_mask, scale, kv_lora_rank)
     from ..model.mla import mla_attention_reference
     return mla_attention_reference(q_lat, q_pe, kv, start, tree_mask, scale, kv_lora_rank)
 
 
+def attn_backend(device: torch.device) -> str:
+    """Triton on CUDA when batch invariance is on (the torch reference is not invariant), else torch."""
+    return _invariant_backend("MLA attention", _ATTN_FORCED, device)
+
+
 def log_choices(device: torch.device) -> None:
     """Log, once, the kernel each concern will use on ``device`` (before the first forward)."""
     int4_backend(device)
-    _backend("MLA attention", _ATTN_FORCED, device, cuda_default="torch")
+    dense_backend(device)
+    attn_backend(device)
     if device.type == "cuda":
         set_batch_invariant(_BATCH_INVARIANT)

@@ -1,4 +1,6 @@
-"""Batch-invariant dense GEMM: y = x @ W.T for a dense weight W [N, K] (bf16 / fp16 / fp32).
+"""Batch-invariant dense GEMM: y = x @ W.T for a dense weight W [N, K] (bf16 / fp16 / fp32), and the
+per-head form y[:, b] = x[:, b] @ W[b].T (``bi_head_linear``: the MLA absorption products) on the same
+kernel with the head as a grid dimension.
 
 Why: cuBLAS picks its kernel, tile and split-K from M, so the same token's logits differ by a few ulps
 between a 1-token decode step and a 129-token tree verify, and greedy text drifts. Here every output
@@ -170,15 +172,21 @@ def tile_for(M: int, dtype: torch.dtype, N: int | None = None, K: int | None = N
 
 @triton.jit
 def _bi_gemm_kernel(x_ptr, w_ptr, out_ptr,
-                    M, N, K, k_per_split,
-                    stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_os,
+                    M, N, K, k_per_split, n_split,
+                    stride_xb, stride_xm, stride_xk, stride_wb, stride_wn, stride_wk,
+                    stride_ob, stride_om, stride_on, stride_os,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     UPCAST: tl.constexpr, INTERP_SUM: tl.constexpr, PREC: tl.constexpr,
                     OUT_F32: tl.constexpr):
-    # grid: (m tiles [fastest, so programs sharing a weight tile run together], n tiles, splits)
+    # grid: (m tiles [fastest, so programs sharing a weight tile run together], n tiles,
+    #        batches x splits [split fastest]); the batch (head) only moves the three base pointers
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    pid_k = tl.program_id(2)
+    pid_b = tl.program_id(2) // n_split
+    pid_k = tl.program_id(2) % n_split
+    x_ptr += pid_b.to(tl.int64) * stride_xb
+    w_ptr += pid_b.to(tl.int64) * stride_wb
+    out_ptr += pid_b.to(tl.int64) * stride_ob
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -195,14 +203,18 @@ def _bi_gemm_kernel(x_ptr, w_ptr, out_ptr,
         if INTERP_SUM:
             # interpreter only: a k-ordered sum per element (numpy's matmul picks its summation order
             # from the tile shape, which would make the interpreted kernel depend on BLOCK_M); 16 k at
-            # a time to stay under the interpreter's tensor size limit
+            # a time to stay under the interpreter's tensor size limit; slices wholly past the end are
+            # skipped (they add exact zeros; the skip depends on K only)
             for s in tl.static_range(0, BLOCK_K, 16):
-                kk = k0 + s + tl.arange(0, 16)
-                k_mask = kk < k_end
-                w = tl.load(w_rows + kk[None, :] * stride_wk, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-                x = tl.load(x_rows + kk[None, :] * stride_xk, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-                prod = w.to(tl.float32)[:, :, None] * tl.trans(x.to(tl.float32))[None, :, :]  # [BN, 16, BM]
-                acc += tl.sum(prod, axis=1)
+                if k0 + s < k_end:
+                    kk = k0 + s + tl.arange(0, 16)
+                    k_mask = kk < k_end
+                    w = tl.load(w_rows + kk[None, :] * stride_wk, mask=n_mask[:, None] & k_mask[None, :],
+                                other=0.0)
+                    x = tl.load(x_rows + kk[None, :] * stride_xk, mask=m_mask[:, None] & k_mask[None, :],
+                                other=0.0)
+                    prod = w.to(tl.float32)[:, :, None] * tl.trans(x.to(tl.float32))[None, :, :]  # [BN, 16, BM]
+                    acc += tl.sum(prod, axis=1)
         else:
             kk = k0 + offs_k
             k_mask = kk < k_end
@@ -215,7 +227,8 @@ def _bi_gemm_kernel(x_ptr, w_ptr, out_ptr,
             acc = tl.dot(w, tl.trans(x), acc, input_precision=PREC)  # [BN, BM]
 
     acc = tl.trans(acc)                                             # [BM, BN]
-    o_ptrs = out_ptr + pid_k * stride_os + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    o_ptrs = (out_ptr + pid_k.to(tl.int64) * stride_os + offs_m[:, None].to(tl.int64) * stride_om
+              + offs_n[None, :].to(tl.int64) * stride_on)
     o_mask = m_mask[:, None] & n_mask[None, :]
     if OUT_F32:
         tl.store(o_ptrs, acc, mask=o_mask)
@@ -260,17 +273,72 @@ def bi_linear(x: torch.Tensor, w: torch.Tensor, *, tile: Tile | None = None,
         return out
     if K == 0:
         return out.zero_()
+    interp = interpreting()
     t = tile or tile_for(M, x.dtype, N, K)
     red = reduction or reduction_for(N, K, x.dtype)
     kps = red.k_per_split(K)
     split = red.n_splits(K)
-    interp = interpreting()
     prec = "ieee" if (x.dtype == torch.float32 or interp) else "tf32"  # (tf32 is ignored for 16-bit)
     target = out if split == 1 else torch.empty((split, M, N), device=x.device, dtype=torch.float32)
     grid = (triton.cdiv(M, t.BLOCK_M), triton.cdiv(N, t.BLOCK_N), split)
     _bi_gemm_kernel[grid](
-        x, w, target, M, N, K, kps,
-        x.stride(0), x.stride(1), w.stride(0), w.stride(1), N, M * N,
+        x, w, target, M, N, K, kps, split,
+        0, x.stride(0), x.stride(1), 0, w.stride(0), w.stride(1), 0, N, 1, M * N,
+        BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N, BLOCK_K=red.BLOCK_K,
+        UPCAST=interp, INTERP_SUM=interp and _interp_mode() == "sum", PREC=prec, OUT_F32=split > 1,
+        num_warps=t.num_warps, num_stages=t.num_stages)
+    if split > 1:
+        split_sum(target, out, split)
+    return out
+
+
+def head_reduction_for(N: int, K: int, dtype: torch.dtype) -> Reduction:
+    """The fixed reduction of a per-head GEMM ([B, N, K] weights): one split (the heads already give
+    the GPU B times the programs, and K is small: 128 / 512 at K2 shapes)."""
+    return Reduction(BLOCK_K=_BLOCK_K[dtype], split_k=1)
+
+
+def bi_head_linear_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [M, B, K], w [B, N, K] -> [M, B, N] with fp32 math, result in x.dtype (test oracle)."""
+    return torch.einsum("mbk,bnk->mbn", x.float(), w.float()).to(x.dtype)
+
+
+def bi_head_linear(x: torch.Tensor, w: torch.Tensor, *, tile: Tile | None = None,
+                   reduction: Reduction | None = None) -> torch.Tensor:
+    """Batch-invariant per-head product: out[m, b] = x[m, b] @ w[b].T, x [M, B, K], w [B, N, K] -> [M, B, N].
+
+    The MLA absorption (q_nope x W_UK, o_lat x W_UV) in one launch: the GEMM kernel above with the head
+    as a grid dimension. Head b of the result is bit-identical to ``bi_linear(x[:, b], w[b],
+    reduction=head_reduction_for(N, K, dtype))``, so row m does not depend on M either. Any strides (a
+    transposed view of the weight is fine); output contiguous in x.dtype."""
+    if x.dim() != 3 or w.dim() != 3:
+        raise ValueError(f"bi_head_linear wants x [M, B, K] and w [B, N, K], got {tuple(x.shape)} and "
+                         f"{tuple(w.shape)}")
+    if x.shape[1] != w.shape[0]:
+        raise ValueError(f"bi_head_linear: x has B={x.shape[1]} heads but w has {w.shape[0]}")
+    if x.shape[1]:
+        _check(x[:, 0], w[0])  # dtype, K and device rules of bi_linear, per head
+    M, B, K = x.shape
+    N = w.shape[1]
+    out = torch.empty((M, B, N), device=x.device, dtype=x.dtype)
+    if M == 0 or N == 0 or B == 0:
+        return out
+    if K == 0:
+        return out.zero_()
+    interp = interpreting()
+    t = tile or tile_for(M, x.dtype)
+    red = reduction or head_reduction_for(N, K, x.dtype)
+    kps = red.k_per_split(K)
+    split = red.n_splits(K)
+    if B * split > 65535:
+        raise ValueError(f"bi_head_linear: {B} heads x {split} splits exceed the grid's third dimension")
+    prec = "ieee" if (x.dtype == torch.float32 or interp) else "tf32"
+    target = out if split == 1 else torch.empty((split, M, B, N), device=x.device, dtype=torch.float32)
+    grid = (triton.cdiv(M, t.BLOCK_M), triton.cdiv(N, t.BLOCK_N), B * split)
+    _bi_gemm_kernel[grid](
+        x, w, target, M, N, K, kps, split,
+        x.stride(1), x.stride(0), x.stride(2), w.stride(0), w.stride(1), w.stride(2),
+        N, B * N, 1, M * B * N,
         BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N, BLOCK_K=red.BLOCK_K,
         UPCAST=interp, INTERP_SUM=interp and _interp_mode() == "sum", PREC=prec, OUT_F32=split > 1,
         num_warps=t.num_warps, num_stages=t.num_stages)
@@ -280,4 +348,5 @@ def bi_linear(x: torch.Tensor, w: torch.Tensor, *, tile: Tile | None = None,
 
 
 __all__ = ["Reduction", "Tile", "K2_CONFIGS", "TILES_16BIT", "TILES_FP32", "reduction_for", "tile_for",
-           "bi_linear", "bi_linear_reference", "interpreting"]
+           "head_reduction_for", "bi_linear", "bi_linear_reference", "bi_head_linear", "bi_head_linear_reference",
+           "interpreting"]

@@ -42,9 +42,15 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        from ..kernels.dispatch import rms_norm
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm in torch (HF convention: normalize in float32, round to x.dtype, times the weight)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
 
 
 class Linear(nn.Module):
@@ -116,10 +122,10 @@ class MLP(nn.Module):
 # ---- rope ------------------------------------------------------------------------------------
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies [R/2] (float64) for the rope dims, with YaRN when configured."""
+    """Inverse frequencies [R/2] (float64, on the CPU) for the rope dims, with YaRN when configured."""
     dim = cfg.qk_rope_head_dim
     base = cfg.rope_theta
-    inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))  # [R/2]
+    inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64, device="cpu") / dim))  # [R/2]
     y = cfg.rope_scaling
     if y is None:
         return inv
@@ -131,7 +137,7 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     hi = min(math.ceil(corr(y.beta_slow)), dim - 1)
     if lo == hi:
         hi += 0.001
-    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - lo) / (hi - lo)).clamp(0, 1)  # [R/2]
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64, device="cpu") - lo) / (hi - lo)).clamp(0, 1)  # [R/2]
     # ramp 0 -> keep the original frequency (extrapolation), 1 -> divide by factor (interpolation)
     return inv * (1 - ramp) + (inv / y.factor) * ramp
 
@@ -144,7 +150,11 @@ def rope_multiplier(cfg: ModelConfig) -> float:
 
 
 class Rope(nn.Module):
-    """cos/sin tables [P, R/2] (float32) for positions 0..P-1; grown on demand."""
+    """cos/sin tables [P, R/2] (float32) for positions 0..P-1; grown on demand.
+
+    Always computed in float64 on the CPU, then moved: a position's cos/sin are the same bits whether
+    the table was built at load or regrown later (a verify step may reach a position first), and on
+    every device."""
 
     def __init__(self, cfg: ModelConfig, max_positions: int = 4096) -> None:
         super().__init__()
@@ -156,7 +166,7 @@ class Rope(nn.Module):
         self._build(min(max_positions, self.limit))
 
     def _build(self, n: int) -> None:
-        t = torch.arange(n, dtype=torch.float64)
+        t = torch.arange(n, dtype=torch.float64, device="cpu")
         freqs = torch.outer(t, self.inv_freq)  # [P, R/2]
         dev = self.cos.device
         self.cos = (freqs.cos() * self.mult).float().to(dev)

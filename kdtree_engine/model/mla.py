@@ -89,11 +89,11 @@ class MLA(nn.Module):
 
     def _absorbed_attn(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, start: int,
                        tree_mask: torch.Tensor | None) -> torch.Tensor:
-        from ..kernels.dispatch import mla_attention
+        from ..kernels.dispatch import head_matmul, mla_attention
         w_uk, w_uv = self.absorbed_weights()
-        q_lat = torch.einsum("tnp,npc->tnc", q_nope, w_uk)  # [T, N, C]
+        q_lat = head_matmul(q_nope, w_uk.transpose(1, 2))  # [T, N, P] x [N, C, P] -> [T, N, C]
         o_lat = mla_attention(q_lat, q_pe, kv, start, tree_mask, self.scale, self.cfg.kv_lora_rank)  # [T, N, C]
-        return torch.einsum("tnc,nvc->tnv", o_lat, w_uv)  # [T, N, V]
+        return head_matmul(o_lat, w_uv)  # [T, N, C] x [N, V, C] -> [T, N, V]
 
 
 def mla_attention_reference(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, start: int,

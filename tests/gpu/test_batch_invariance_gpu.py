@@ -139,3 +139,30 @@ def test_torch_rmsnorm_invariance_report(H):
     diff_rows = [i for i in range(129) if not torch.equal(rmsnorm_reference(x[i:i + 1], w, 1e-6)[0], full[i])]
     print(f"\ntorch RMSNorm H={H} torch {torch.__version__}: {len(diff_rows)}/129 rows differ between M=1 "
           f"and M=129 ({'NOT ' if diff_rows else ''}batch-invariant)")
+
+
+@pytest.mark.parametrize("heads", [64, 8])
+@pytest.mark.parametrize("which", ["q_nope x W_UK", "o_lat x W_UV"])
+def test_bi_head_linear_bf16_batch_invariant_k2(poisoned_empty, heads, which):
+    """The MLA absorption products at K2 shapes (P = V = 128, C = 512; 64 heads, 8 per rank under TP8),
+    with the operands as the model passes them: q_nope a slice of q, W_UK a transposed view."""
+    from kdtree_engine.kernels.gemm import bi_head_linear
+
+    if which == "q_nope x W_UK":
+        x = _rand(256, heads, 192, dtype=torch.bfloat16)[..., :128]                          # [T, N, P]
+        w = _rand(heads, 128, 512, dtype=torch.bfloat16, scale=128 ** -0.5).transpose(1, 2)  # [N, C, P]
+    else:
+        x = _rand(256, heads, 512, dtype=torch.bfloat16)                                     # [T, N, C]
+        w = _rand(heads, 128, 512, dtype=torch.bfloat16, scale=512 ** -0.5)                  # [N, V, C]
+    full = bi_head_linear(x, w)
+    assert torch.isfinite(full).all(), "unwritten (NaN-poisoned) outputs"
+    ref = torch.einsum("tbk,bnk->tbn", x.double(), w.double())
+    assert float((full.double() - ref).norm() / ref.norm()) < 1e-2
+    alone = {i: bi_head_linear(x[i:i + 1], w)[0] for i in (0, 1, 15, 16, 63, 64, 128)}
+    bad = []
+    for m in [1, 2, 3, 15, 16, 17, 33, 64, 65, 100, 128, 129, 192]:
+        y = bi_head_linear(x[:m], w)
+        if not torch.equal(y, full[:m]):
+            bad.append(f"M={m} differs from M=256")
+        bad += [f"M={m}: row {i} differs from M=1" for i, a in alone.items() if i < m and not torch.equal(y[i], a)]
+    assert not bad, "\n".join(bad[:20])

@@ -99,6 +99,17 @@ CASES.update({
     "inv_bf16_split2": (129, 33, 200, "bf16", {"invariance": True, "reduction": (32, 2)}),
 })
 
+# per-head GEMM (bi_head_linear, the MLA absorption): name: (M, N, K, dtype, options with "heads")
+CASES.update({
+    "head_acc_fp32_m5_b3_n33_k17": (5, 33, 17, "fp32", {"heads": 3}),
+    "head_acc_fp32_m17_b2_n7_k130_wt": (17, 7, 130, "fp32", {"heads": 2, "w_transposed": True}),
+    "head_acc_bf16_m3_b3_n20_k48_xslice": (3, 20, 48, "bf16", {"heads": 3, "x_slice": True, "w_transposed": True}),
+    "head_acc_fp32_split3": (6, 9, 100, "fp32", {"heads": 2, "reduction": (16, 3)}),
+    "head_inv_fp32": (129, 19, 33, "fp32", {"heads": 3, "invariance": True, "w_transposed": True,
+                                            "x_slice": True}),
+    "head_inv_bf16_split2": (129, 12, 40, "bf16", {"heads": 2, "invariance": True, "reduction": (16, 2)}),
+})
+
 _INV_M = (2, 3, 17, 33, 64, 65, 129)
 _INV_ROWS = (0, 1, 16, 31, 64, 128)
 
@@ -112,6 +123,44 @@ def _inputs(M, N, K, dt, gen, noncontig=False):
     return x, w
 
 
+def _head_inputs(M, B, N, K, dt, gen, x_slice, w_transposed):
+    """x [M, B, K] (optionally the first K of a wider last dim, as q_nope is of q), w [B, N, K]
+    (optionally a transposed view of a [B, K, N] tensor, as W_UK is stored)."""
+    x = torch.randn(M, B, K + 5 if x_slice else K, generator=gen).to(DT[dt])[..., :K]
+    w = torch.randn(B, K, N, generator=gen).to(DT[dt]).transpose(1, 2) if w_transposed else \
+        torch.randn(B, N, K, generator=gen).to(DT[dt])
+    return x, w
+
+
+def _run_head(M, N, K, dt, opt, gen, red):
+    from kdtree_engine.kernels.gemm import bi_head_linear, head_reduction_for
+
+    B = opt["heads"]
+    x, w = _head_inputs(M, B, N, K, dt, gen, opt.get("x_slice", False), opt.get("w_transposed", False))
+    y = bi_head_linear(x, w, reduction=red)
+    ref = torch.einsum("mbk,bnk->mbn", x.double(), w.double())
+    rec = {"ok_meta": y.dtype == x.dtype and tuple(y.shape) == (M, B, N) and y.is_contiguous(),
+           "nonfinite": int((~torch.isfinite(y)).sum()),
+           "rel": float((y.double() - ref).norm() / ref.norm())}
+    bad = []
+    # each head equals the plain GEMM of that head with the same reduction, bit for bit
+    red_b = red or head_reduction_for(N, K, x.dtype)
+    for b in range(B):
+        if not torch.equal(y[:, b], bi_linear(x[:, b], w[b], reduction=red_b)):
+            bad.append(f"head {b} differs from bi_linear of that head")
+    if opt.get("invariance"):
+        alone = {i: bi_head_linear(x[i:i + 1], w, reduction=red)[0] for i in _INV_ROWS}
+        for j, m in enumerate(_INV_M):
+            tile = Tile(16, 16, 2, 2) if j % 2 else None
+            ym = bi_head_linear(x[:m], w, reduction=red, tile=tile)
+            if not torch.equal(ym, y[:m]):
+                bad.append(f"M={m} differs from M={M} on shared rows")
+            for i in _INV_ROWS:
+                if i < m and not torch.equal(ym[i], alone[i]):
+                    bad.append(f"row {i}: M={m} != M=1")
+    return rec | {"bad": bad[:10]}
+
+
 def _run_one(name, spec):
     M, N, K, dt, opt = spec
     seed = int.from_bytes(os.urandom(4), "little")  # fresh inputs each run; reported on failure
@@ -120,6 +169,8 @@ def _run_one(name, spec):
     if "interp" in opt:
         os.environ["KDTREE_GEMM_INTERP"] = opt["interp"]
     try:
+        if "heads" in opt:
+            return _run_head(M, N, K, dt, opt, gen, red) | {"seed": seed}
         x, w = _inputs(M, N, K, dt, gen, opt.get("noncontig", False))
         if not opt.get("invariance"):
             y = bi_linear(x, w, reduction=red)
@@ -177,6 +228,31 @@ def test_kernel_batch_invariant_interpreted(interp_results, name):
     assert rec["nonfinite"] == 0
     assert rec["rel"] < TOL[CASES[name][3]], f"seed {rec['seed']}"
     assert not rec["bad"], f"{rec['bad']} (seed {rec['seed']})"
+
+
+@pytest.mark.parametrize("name", [n for n in CASES if n.startswith("head_")])
+def test_head_kernel_interpreted(interp_results, name):
+    """Per-head GEMM: accuracy, each head equal to bi_linear of that head, and (inv cases) rows alone
+    equal to the same rows inside launches of M = 2..129, bit for bit."""
+    rec = interp_results[name]
+    _interp.check_ran(rec)
+    assert rec["ok_meta"]
+    tol = TOL[CASES[name][3]]
+    assert rec["rel"] < tol, f"relative error {rec['rel']:.3g} >= {tol} (seed {rec['seed']})"
+    assert not rec["bad"], f"{rec['bad']} (seed {rec['seed']})"
+
+
+def test_head_rejects_bad_inputs():
+    from kdtree_engine.kernels.gemm import bi_head_linear
+
+    with pytest.raises(ValueError):
+        bi_head_linear(torch.randn(2, 3, 16), torch.randn(2, 4, 16))       # head counts differ
+    with pytest.raises(ValueError):
+        bi_head_linear(torch.randn(2, 3, 16), torch.randn(3, 4, 17))       # K differs
+    with pytest.raises(TypeError):
+        bi_head_linear(torch.randn(2, 3, 16), torch.randn(3, 4, 16).double())
+    with pytest.raises(ValueError):
+        bi_head_linear(torch.randn(2, 16), torch.randn(3, 4, 16))
 
 
 if __name__ == "__main__" and "--interp-cases" in sys.argv:
