@@ -8,6 +8,13 @@
                  ``KDTREE_ATTN_BACKEND=triton``. It passes its own GPU tests; it becomes the CUDA default
                  once the end-to-end GPU suite has run with it.
 
+  static step     (a round captured in a CUDA graph, or run eagerly with device-side bookkeeping):
+                 MLA attention is the torch reference over the whole cache buffer with a device-side
+                 visibility mask (:func:`mla_attention_static`); a MoE that would take the torch
+                 per-expert loop (which reads the hit experts on the host) runs every expert with a
+                 zero weight for tokens not routed to it (model/moe.py). :func:`static_shapes` marks
+                 such a step.
+
 ``KDTREE_INT4_BACKEND`` / ``KDTREE_ATTN_BACKEND`` = ``torch`` | ``triton`` force one backend (tests run the
 Triton code on the CPU with ``TRITON_INTERPRET=1``). Batch invariance is set by
 :func:`set_batch_invariant` (the CLI's ``--batch-invariant``).
@@ -16,6 +23,8 @@ Triton code on the CPU with ``TRITON_INTERPRET=1``). Batch invariance is set by
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -86,6 +95,36 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, sta
         return triton_mla(q_lat, q_pe, kv, start, tree_mask, scale, kv_lora_rank)
     from ..model.mla import mla_attention_reference
     return mla_attention_reference(q_lat, q_pe, kv, start, tree_mask, scale, kv_lora_rank)
+
+
+_STATIC = False
+
+
+@contextmanager
+def static_shapes() -> Iterator[None]:
+    """Inside: every kernel choice must be free of host reads and data-dependent shapes."""
+    global _STATIC
+    prev, _STATIC = _STATIC, True
+    try:
+        yield
+    finally:
+        _STATIC = prev
+
+
+def static_active() -> bool:
+    return _STATIC
+
+
+def mla_attention_static(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, visible: torch.Tensor,
+                         scale: float, kv_lora_rank: int) -> torch.Tensor:
+    """Absorbed MLA attention over the whole cache buffer kv [S_cap, C+R] with visible [T, S_cap]."""
+    if _ATTN_FORCED == "triton":
+        raise ValueError("KDTREE_ATTN_BACKEND=triton: the Triton MLA kernel takes a host-side cache length and "
+                         "cannot run in a device-resident round; unset it or decode with --eager")
+    log_once(f"MLA attention static:{kv.device.type}",
+             f"MLA attention in device-resident rounds on {kv.device.type}: torch, whole cache buffer + mask")
+    from ..model.mla import mla_attention_masked
+    return mla_attention_masked(q_lat, q_pe, kv, visible, scale, kv_lora_rank)
 
 
 def log_choices(device: torch.device) -> None:
