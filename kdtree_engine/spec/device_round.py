@@ -42,11 +42,17 @@ def tree_nodes(method: str, block_size: int, budget: int | None, vocab: int) -> 
     return tree_size(b, block_size - 1, min(b, vocab)) + 1
 
 
-def accepted_order(on_path: torch.Tensor, m: int) -> torch.Tensor:
-    """The first ``m`` node indices with the on-path nodes first, ascending (root first: parents
-    precede children, so ascending = path order). on_path [N1] bool -> [m] long. No host read."""
-    order = torch.sort((~on_path).to(torch.uint8), stable=True).indices  # [N1]
-    return order[:m]
+def accepted_order(on_path: torch.Tensor, depths: torch.Tensor, m: int) -> torch.Tensor:
+    """[m] long: entry d < A = the accepted node at depth d (root first: the path order, which is
+    also ascending node order); entries past A are 0 (the root). on_path [N1] bool, depths [N1].
+
+    The accepted nodes have the distinct depths 0..A-1 (A <= m), so one scatter places them; the
+    other nodes go to distinct slots past m (unique indices: deterministic). No host read."""
+    n1 = on_path.shape[0]
+    nodes = torch.arange(n1, device=on_path.device)
+    dst = torch.where(on_path, depths, m + nodes)  # [N1]
+    out = torch.zeros(m + n1, dtype=torch.long, device=on_path.device)
+    return out.scatter_(0, dst, nodes)[:m]
 
 
 def emitted_tokens(tree_tokens: torch.Tensor, acc: torch.Tensor, count: torch.Tensor,
@@ -79,7 +85,8 @@ class DeviceRound:
         self.aux_layers = tuple(self.drafter.target_layer_ids) if self.drafter is not None else ()
         self.cache = target.new_cache(capacity)
         self.dcache = self.drafter.new_cache(capacity) if self.drafter is not None else None
-        target.rope.ensure(capacity + self.n1)
+        # rope tables sized once for good: a captured graph reads them in place
+        target.rope.ensure(max(capacity + self.n1, target.cfg.max_position_embeddings + self.B))
         feat = len(self.aux_layers) * target.cfg.hidden_size
         # ---- state (updated in place by step) ----
         self.start = torch.zeros((), dtype=torch.long, device=dev)  # committed length = bonus position
@@ -146,7 +153,7 @@ class DeviceRound:
             picks = greedy(vout.logits)  # [N1]
             on_path, bonus = accept_path_mask(tree, picks)
             count = on_path.sum()  # [] = A
-            acc = accepted_order(on_path, self.m)  # [M]
+            acc = accepted_order(on_path, tree.depths, self.m)  # [M]
             self.cache.compact_static(self.start, acc)
             if self.drafter is not None:
                 self.ctx[: self.m].copy_(vout.aux.index_select(0, acc))

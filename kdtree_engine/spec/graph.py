@@ -46,6 +46,7 @@ class GraphRunner:
         self.rnd = rnd
         self.graph: torch.cuda.CUDAGraph | None = None
         self.pool = None
+        self._inputs: tuple = ()
 
     def capture(self) -> None:
         rnd = self.rnd
@@ -64,9 +65,23 @@ class GraphRunner:
         with torch.cuda.graph(graph, pool=self.pool):
             rnd.step()
         self.graph = graph
+        self._inputs = self._watched()
         log.debug("captured a %s round (budget %s, capacity %d)", rnd.method, rnd.budget, rnd.capacity)
 
+    def _watched(self) -> tuple:
+        """Addresses of tensors the graph reads that live outside the round and may be replaced
+        (rope tables grown by an eager step, absorbed attention weights rebuilt after a reload)."""
+        t = self.rnd.target
+        ptrs = [t.rope.cos.data_ptr(), t.rope.sin.data_ptr()]
+        for layer in t.layers:
+            a = layer.self_attn._absorbed
+            ptrs.append(None if a is None else a[0].data_ptr())
+        return tuple(ptrs)
+
     def step(self) -> None:
+        if self.graph is not None and self._watched() != self._inputs:
+            log.info("decoding round graph: a tensor it reads was replaced; capturing again")
+            self.graph = None
         if self.graph is None:
             self.capture()
         self.graph.replay()

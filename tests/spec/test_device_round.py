@@ -56,7 +56,7 @@ def test_vectorized_accept_equals_reference_walk(depth, vocab, budget):
         n1 = tree.num_nodes
         m = min(depth + 1, n1)
         count = on_path.sum()
-        acc = accepted_order(on_path, m)
+        acc = accepted_order(on_path, tree.depths, m)
         assert int(count) == len(want_acc)
         assert acc[: len(want_acc)].tolist() == want_acc
         assert int(bonus) == want_bonus
