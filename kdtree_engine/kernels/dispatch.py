@@ -9,8 +9,9 @@
                  once the end-to-end GPU suite has run with it.
 
   static step     (a round captured in a CUDA graph, or run eagerly with device-side bookkeeping):
-                 MLA attention is the torch reference over the whole cache buffer with a device-side
-                 visibility mask (:func:`mla_attention_static`); a MoE that would take the torch
+                 MLA attention over the whole cache buffer with the length on the device
+                 (:func:`mla_attention_static`: the Triton kernel's device-length launch, or the torch
+                 reference with a visibility mask, by the same backend choice); a MoE that would take the torch
                  per-expert loop (which reads the hit experts on the host) runs every expert with a
                  zero weight for tokens not routed to it (model/moe.py). :func:`static_shapes` marks
                  such a step.
@@ -115,14 +116,15 @@ def static_active() -> bool:
     return _STATIC
 
 
-def mla_attention_static(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, visible: torch.Tensor,
-                         scale: float, kv_lora_rank: int) -> torch.Tensor:
-    """Absorbed MLA attention over the whole cache buffer kv [S_cap, C+R] with visible [T, S_cap]."""
-    if _ATTN_FORCED == "triton":
-        raise ValueError("KDTREE_ATTN_BACKEND=triton: the Triton MLA kernel takes a host-side cache length and "
-                         "cannot run in a device-resident round; unset it or decode with --eager")
-    log_once(f"MLA attention static:{kv.device.type}",
-             f"MLA attention in device-resident rounds on {kv.device.type}: torch, whole cache buffer + mask")
+def mla_attention_static(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, start: torch.Tensor,
+                         tree_mask: torch.Tensor, visible: torch.Tensor, scale: float,
+                         kv_lora_rank: int) -> torch.Tensor:
+    """Absorbed MLA attention over the whole cache buffer kv [S_cap, C+R] with the committed length
+    ``start`` on the device: the Triton kernel's device-length launch (same reduction as the host-length
+    one), or the torch reference with the visibility mask ``visible`` [T, S_cap]."""
+    if _backend("MLA attention", _ATTN_FORCED, kv.device, cuda_default="torch") == "triton":
+        from .mla_attention import mla_attention_device
+        return mla_attention_device(q_lat, q_pe, kv, start, tree_mask, scale, kv_lora_rank)
     from ..model.mla import mla_attention_masked
     return mla_attention_masked(q_lat, q_pe, kv, visible, scale, kv_lora_rank)
 

@@ -84,11 +84,13 @@ class MLA(nn.Module):
         return q_nope, q_pe, c_kv, k_pe
 
     def forward_static(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
-                       slots: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+                       slots: torch.Tensor, start: torch.Tensor, tree_mask: torch.Tensor,
+                       visible: torch.Tensor) -> torch.Tensor:
         """The same step with device-side bookkeeping (no host read, shapes fixed by T and the capacity).
 
-        x [T, H]; kv_cache [S_cap, C+R]; slots [T] long: where the new latents go; visible [T, S_cap]
-        bool: which cache slots each query attends to (its committed prefix and its tree ancestors).
+        x [T, H]; kv_cache [S_cap, C+R]; slots [T] long = start + arange(T): where the new latents go;
+        start [] long: committed length; tree_mask [T, T]; visible [T, S_cap] bool: which cache slots
+        each query attends to (its committed prefix and its tree ancestors), from the same two.
         Always the absorbed form. Returns [T, H].
         """
         from ..kernels.dispatch import mla_attention_static
@@ -97,7 +99,8 @@ class MLA(nn.Module):
         kv_cache.index_copy_(0, slots, torch.cat([c_kv, k_pe], dim=-1).to(kv_cache.dtype))
         w_uk, w_uv = self.absorbed_weights()
         q_lat = torch.einsum("tnp,npc->tnc", q_nope, w_uk)  # [T, N, C]
-        o_lat = mla_attention_static(q_lat, q_pe, kv_cache, visible, self.scale, self.cfg.kv_lora_rank)
+        o_lat = mla_attention_static(q_lat, q_pe, kv_cache, start, tree_mask, visible, self.scale,
+                                     self.cfg.kv_lora_rank)
         o = torch.einsum("tnc,nvc->tnv", o_lat, w_uv)  # [T, N, V]
         return self.o_proj(o.reshape(T, -1))
 

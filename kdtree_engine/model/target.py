@@ -73,8 +73,10 @@ class DecoderLayer(nn.Module):
 
 
     def forward_static(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor,
-                       slots: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-        h = h + self.self_attn.forward_static(self.input_layernorm(h), cos, sin, kv, slots, visible)
+                       slots: torch.Tensor, start: torch.Tensor, tree_mask: torch.Tensor,
+                       visible: torch.Tensor) -> torch.Tensor:
+        h = h + self.self_attn.forward_static(self.input_layernorm(h), cos, sin, kv, slots, start, tree_mask,
+                                              visible)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -274,7 +276,7 @@ class Target(nn.Module):
         wanted = set(aux_layers)
         saved: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
-            h = layer.forward_static(h, cos, sin, cache.layer(i), slots, visible)
+            h = layer.forward_static(h, cos, sin, cache.layer(i), slots, start, tree_mask, visible)
             if i in wanted:
                 saved[i] = h
         aux_out = torch.cat([saved[l] for l in aux_layers], dim=-1) if aux_layers else None
