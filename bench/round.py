@@ -14,7 +14,7 @@ decode time; tau = tokens per round; ms per round and the engine's stage times p
 verify, commit; the stage timers synchronise the device at each boundary, as they always do); lossless =
 greedy tokens equal to plain decoding's.
 
-Modes (``--modes``, default all): ``eager`` = generate(eager=True), the host-driven loop; ``device`` =
+Modes (``--modes``, default eager,graph): ``eager`` = generate(eager=True), the host-driven loop; ``device`` =
 the device-resident round (the kernels a graph replays) launched eagerly; ``graph`` = generate(eager=False),
 each round one CUDA-graph replay and one host read (CUDA only; "n/a" elsewhere). graph/eager = eager ms
 per round / graph ms per round: the host and launch overhead a graph removes.
@@ -336,8 +336,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: bfloat16 on CUDA, float32 on CPU)")
     ap.add_argument("--batch-invariant", action="store_true",
                     help="dense CUDA matmuls through the batch-invariant Triton GEMM (as kdtree --batch-invariant on)")
-    ap.add_argument("--modes", type=lambda t: [x for x in t.split(",") if x], default=list(MODES),
-                    help="comma separated among eager, device, graph (eager always runs; graph only on CUDA)")
+    ap.add_argument("--modes", type=lambda t: [x for x in t.split(",") if x], default=["eager", "graph"],
+                    help="comma separated among eager, device, graph (default eager,graph; eager always runs, "
+                         "graph only on CUDA; device = the graph's kernels launched one by one, slow on CUDA)")
     ap.add_argument("--tiny", action="store_true", help="one short prompt, a few tokens (smoke test)")
     a = ap.parse_args(argv)
     a.max_tokens = a.max_tokens or (6 if a.tiny else 128)

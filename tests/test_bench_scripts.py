@@ -85,7 +85,8 @@ def test_k2_step_random_tree():
 @pytest.fixture(scope="module")
 def round_report(tmp_path_factory):
     out = tmp_path_factory.mktemp("round")
-    rep = round_bench.main(["--tiny", "--device", "cpu", "--out", str(out), "--budgets", "4,8"])
+    rep = round_bench.main(["--tiny", "--device", "cpu", "--out", str(out), "--budgets", "4,8", "--modes",
+                            "eager,device,graph"])
     return out, rep
 
 
