@@ -171,3 +171,37 @@ def test_tree_nodes():
     assert tree_nodes("dflash", 6, None, 100) == 6
     assert tree_nodes("ddtree", 6, 4, 100) == 5
     assert tree_nodes("ddtree", 3, 64, 3) == 1 + 3 + 9  # only 12 prefixes of depth <= 2 over 3 tokens
+
+
+def test_warmup_rounds_then_restore_change_nothing():
+    """What graph capture does before capturing (two rounds run, the state restored) leaves the
+    following rounds exactly as without it: warm-up writes land past the committed length only."""
+    from kdtree_engine.spec.device_round import DeviceRound
+
+    if (DEMO / "config.json").exists():  # a trained drafter: rounds accept drafts (compaction, context rows)
+        from kdtree_engine.engine import load_drafter, load_target
+        target = load_target(DEMO, device=torch.device("cpu"), dtype=torch.float32, progress=False)
+        drafter = load_drafter(DEMO / "draft", target)
+        from kdtree_engine.engine import load_tokenizer
+        prompt = load_tokenizer(DEMO).encode("def add(a, b):\n    return").ids
+    else:
+        target, drafter = _tiny_pair()
+        prompt = [3, 200, 17, 99, 41]
+    outs = []
+    for warm in (False, True):
+        rnd = DeviceRound(target, drafter, "ddtree", 8, 256)
+        rnd.prefill(prompt)
+        toks = []
+        for r in range(12):
+            if warm and r in (0, 5):
+                saved = rnd.snapshot()
+                rnd.step()
+                rnd.step()
+                rnd.restore(saved)
+            rnd.step()
+            vals = rnd.result.tolist()
+            toks += vals[: vals[-1]]
+        outs.append(toks)
+    assert outs[0] == outs[1]
+    ref = generate(target, prompt, SamplingParams(max_tokens=len(outs[0]) + 1, ignore_eos=True)).token_ids
+    assert outs[0] == ref[1:]
