@@ -16,7 +16,6 @@ rounded up to a power of two (at least :data:`MIN_CAPACITY`) so requests of simi
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import torch
@@ -88,14 +87,14 @@ class GraphRunner:
 
 
 class _Registry:
-    """DeviceRounds (and their graphs) per target, kept while the target lives."""
+    """DeviceRounds (and their graphs) per target, stored on the target itself so that they go with
+    it (a weak-keyed table would be kept alive by the rounds' own reference to the target)."""
 
-    def __init__(self) -> None:
-        self._by_target: "weakref.WeakKeyDictionary[Target, dict]" = weakref.WeakKeyDictionary()
+    ATTR = "_device_rounds"
 
     def get(self, target: Target, drafter: Any, method: str, budget: int | None, tokens: int,
             graph: bool) -> tuple[DeviceRound, GraphRunner | None]:
-        rounds = self._by_target.setdefault(target, {})
+        rounds = target.__dict__.setdefault(self.ATTR, {})
         n1 = _width(target, drafter, method, budget)
         B = drafter.block_size if (drafter is not None and method != "none") else 1
         cap = capacity_bucket(tokens + max(n1, B))
@@ -107,8 +106,9 @@ class _Registry:
             rounds[key] = entry
         return entry
 
-    def clear(self) -> None:
-        self._by_target = weakref.WeakKeyDictionary()
+    def clear(self, target: Target) -> None:
+        """Free a target's round buffers and graphs."""
+        target.__dict__.pop(self.ATTR, None)
 
 
 def _width(target: Target, drafter: Any, method: str, budget: int | None) -> int:
