@@ -13,8 +13,6 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
-import torch
-
 from ..model.target import Target
 from ..sampling import SamplingParams
 from .graph import ROUNDS
