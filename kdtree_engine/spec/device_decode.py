@@ -11,16 +11,19 @@ synchronization) and ``rounds_mode`` says "graph" or "device-eager". ``last_tree
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from ..model.target import Target
 from ..sampling import SamplingParams
 from .graph import ROUNDS
 
+if TYPE_CHECKING:
+    from .decode import GenerationResult
+
 
 def generate_device(target: Target, prompt_ids: list[int], params: SamplingParams, *, method: str,
                     drafter: Any = None, budget: int | None = None, graph: bool,
-                    on_tokens: Callable[[list[int]], None] | None = None):
+                    on_tokens: Callable[[list[int]], None] | None = None) -> "GenerationResult":
     from .decode import Emitter, GenerationResult, _finish_stats, _sync, _Timer, check_prompt
 
     if not params.greedy:
