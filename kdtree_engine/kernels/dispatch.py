@@ -16,8 +16,11 @@
                  zero weight for tokens not routed to it (model/moe.py). :func:`static_shapes` marks
                  such a step.
 
-``KDTREE_INT4_BACKEND`` / ``KDTREE_ATTN_BACKEND`` = ``torch`` | ``triton`` force one backend (tests run the
-Triton code on the CPU with ``TRITON_INTERPRET=1``). Batch invariance is set by
+  DDTree builder  (device-resident rounds) CUDA: one Triton program (kernels/tree_ops.py); CPU: the
+                 vectorized torch builder (spec/tree.py); the same tree.
+
+``KDTREE_INT4_BACKEND`` / ``KDTREE_ATTN_BACKEND`` / ``KDTREE_TREE_BACKEND`` = ``torch`` | ``triton`` force one
+backend (tests run the Triton code on the CPU with ``TRITON_INTERPRET=1``). Batch invariance is set by
 :func:`set_batch_invariant` (the CLI's ``--batch-invariant``).
 """
 
@@ -44,6 +47,7 @@ def _forced(var: str) -> str | None:
 
 
 _INT4_FORCED = _forced("KDTREE_INT4_BACKEND")
+_TREE_FORCED = _forced("KDTREE_TREE_BACKEND")
 _ATTN_FORCED = _forced("KDTREE_ATTN_BACKEND")
 _BATCH_INVARIANT = False
 
@@ -127,6 +131,17 @@ def mla_attention_static(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tens
         return mla_attention_device(q_lat, q_pe, kv, start, tree_mask, scale, kv_lora_rank)
     from ..model.mla import mla_attention_masked
     return mla_attention_masked(q_lat, q_pe, kv, visible, scale, kv_lora_rank)
+
+
+def build_draft_tree(lp: torch.Tensor, ids: torch.Tensor, budget: int, root_token: torch.Tensor,
+                     start: torch.Tensor):
+    """The DDTree of a device-resident round (no host read): CUDA: one Triton program
+    (kernels/tree_ops.py); CPU: the vectorized torch builder (spec/tree.py). Identical trees."""
+    if _backend("DDTree builder (device rounds)", _TREE_FORCED, lp.device) == "triton":
+        from .tree_ops import build_tree_triton
+        return build_tree_triton(lp, ids, budget, root_token, start)
+    from ..spec.tree import build_tree
+    return build_tree(lp, ids, budget, root_token, start)
 
 
 def log_choices(device: torch.device) -> None:

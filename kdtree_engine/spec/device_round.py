@@ -1,7 +1,8 @@
 """One decoding round with every piece of bookkeeping on the device (greedy).
 
     draft (drafter over the cached context + the block [bonus, MASK x (B-1)])
-      -> tree (dflash: argmax chain; ddtree: the vectorized best-first builder; none: the root alone)
+      -> tree (dflash: argmax chain; ddtree: the best-first builder in one launch (kernels/tree_ops.py)
+         on CUDA, the vectorized torch builder on the CPU; none: the root alone)
       -> verify (one target step over the tree, whole-cache attention with a device-side mask)
       -> accept (vectorized walk: on-path mask, bonus) -> commit (KV compaction by device indices,
          the drafter's context rows gathered by device indices) -> emitted tokens + count
@@ -27,7 +28,7 @@ import torch
 from ..model.target import Target
 from ..sampling import greedy
 from .accept import accept_path_mask
-from .tree import DraftTree, build_tree, chain_tree, topk_logprobs, tree_size
+from .tree import DraftTree, chain_tree, topk_logprobs, tree_size
 
 DEVICE_ROUND_METHODS = ("none", "dflash", "ddtree")
 
@@ -139,8 +140,9 @@ class DeviceRound:
         draft_logits = self.target.lm_head(h[1:])  # [B-1, V]
         if self.method == "dflash":
             return chain_tree(self.bonus, greedy(draft_logits), self.start)
+        from ..kernels.dispatch import build_draft_tree
         lp, ids = topk_logprobs(draft_logits, self.budget)  # [B-1, K]
-        return build_tree(lp, ids, self.budget, self.bonus, self.start)
+        return build_draft_tree(lp, ids, self.budget, self.bonus, self.start)
 
     @torch.no_grad()
     def step(self) -> None:

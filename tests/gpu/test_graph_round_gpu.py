@@ -161,3 +161,23 @@ def test_device_length_attention_bitwise_gpu():
         host = mla_attention(q_lat, q_pe, buf[: S + T], S, mask, 0.07, C)
         dev = mla_attention_device(q_lat, q_pe, buf, torch.tensor(S, device="cuda"), mask, 0.07, C)
         assert torch.equal(host, dev), (S, T)
+
+
+def test_triton_tree_builder_equals_heap_gpu():
+    """The one-program DDTree builder (compiled) returns the heap's tree, ties and -inf included."""
+    from kdtree_engine.kernels.tree_ops import build_tree_triton
+    from kdtree_engine.spec.tree import build_tree_heap, topk_logprobs
+
+    g = torch.Generator().manual_seed(0)
+    for L, V, budget, kind in ((15, 1000, 16, ""), (15, 1000, 64, ""), (7, 3, 200, ""), (15, 32000, 256, ""),
+                               (5, 20, 40, "ties"), (6, 30, 24, "neginf"), (15, 163840, 64, "")):
+        logits = torch.randn(L, V, generator=g) * 3
+        if kind == "ties":
+            logits = (logits * 2).round() / 2
+        if kind == "neginf":
+            logits[:, V // 2:] = float("-inf")
+        lp, ids = topk_logprobs(logits.cuda(), budget)
+        ref = build_tree_heap(lp.cpu(), ids.cpu(), budget, 5, 100)
+        got = build_tree_triton(lp, ids, budget, torch.tensor(5, device="cuda"), torch.tensor(100, device="cuda"))
+        for name in ("tokens", "parents", "depths", "positions", "mask"):
+            assert torch.equal(getattr(ref, name), getattr(got, name).cpu()), (L, V, budget, kind, name)

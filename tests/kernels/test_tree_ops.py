@@ -29,11 +29,36 @@ CASES = {
     "L4_V10_b1": (4, 10, 1, "rand"),
     "L4_V10_b0": (4, 10, 0, "rand"),
     "L15_V40_b150_torchmask": (15, 40, 150, "rand"),  # > 128 nodes: mask from spec.tree.ancestor_mask
+    "round_demo_ddtree16": (0, 0, 16, "round"),  # device-resident rounds with this builder == plain decoding
 }
+DEMO = HERE.parents[2] / "kdtree_engine" / "assets" / "demo"
+
+
+def _run_round(budget):
+    from kdtree_engine.engine import load_drafter, load_target, load_tokenizer
+    from kdtree_engine.kernels import dispatch
+    from kdtree_engine.sampling import SamplingParams
+    from kdtree_engine.spec.decode import generate
+    from kdtree_engine.spec.device_decode import generate_device
+
+    if not (DEMO / "config.json").exists():
+        return {"bad": [], "skipped": "no demo"}
+    dispatch._TREE_FORCED = "triton"
+    target = load_target(DEMO, device=torch.device("cpu"), dtype=torch.float32, progress=False)
+    drafter = load_drafter(DEMO / "draft", target)
+    prompt = load_tokenizer(DEMO).encode("def add(a, b):\n    return").ids
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    plain = generate(target, prompt, params, eager=True)
+    got = generate_device(target, prompt, params, method="ddtree", drafter=drafter, budget=budget, graph=False)
+    return {"bad": [] if got.token_ids == plain.token_ids else ["tokens"], "tau": got.stats["tau"]}
 
 
 def _run_one(name, spec):
     L, V, budget, kind = spec
+    if kind == "round":
+        rec = _run_round(budget)
+        rec["seed"] = 0
+        return rec
     seed = int.from_bytes(os.urandom(4), "little")
     gen = torch.Generator().manual_seed(seed)
     logits = torch.randn(L, V, generator=gen) * 3
