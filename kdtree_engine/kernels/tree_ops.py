@@ -111,6 +111,6 @@ def build_tree_triton(lp: torch.Tensor, ids: torch.Tensor, budget: int, root_tok
     mask8 = torch.empty((n1, n1) if in_kernel else (1,), dtype=torch.int8, device=dev)
     _ddtree_kernel[(1,)](lpf, idf, root, tok, par, dep, mask8, L, K, n,
                          PB=max(triton.next_power_of_2(2 * n + 1), 2), NB=nb, MASK=in_kernel, MAXD=L,
-                         num_warps=4)
+                         num_warps=8 if nb >= 64 else 4)
     mask = mask8.view(torch.bool) if in_kernel else ancestor_mask(par, max_depth=L)
     return DraftTree(tokens=tok, parents=par, depths=dep, positions=dep + start, mask=mask)
