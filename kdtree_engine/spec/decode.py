@@ -22,6 +22,11 @@ Stage timers (``draft_s``, ``tree_s``, ``verify_s``, ``commit_s``) synchronize t
 each stage. ``tau`` = mean accepted length per round, bonus included (1.0 for "none");
 ``accepted_per_depth[d]`` = rounds whose draft at depth d+1 was accepted.
 
+Two round engines, one contract: this module's loop (``eager=True``: host-side bookkeeping, stage
+timers, any sampling rule, ``budget="auto"``) and device-resident rounds (:mod:`.device_round`, replayed
+from CUDA graphs by :mod:`.graph`, looped by :mod:`.device_decode`: greedy, fixed budget, the host reads
+only the emitted tokens). :func:`pick_round_mode` chooses (graphs by default on CUDA) and logs it once.
+
 ``budget="auto"`` (ddtree): each round's budget is chosen by :mod:`.budget` from the measured
 verify cost curve and the drafter's calibrated acceptance; stats then carry ``budget: "auto"``,
 ``budget_chosen`` ({budget: rounds}) and ``budget_auto`` (the chooser's final state and curve).
