@@ -205,3 +205,18 @@ def test_warmup_rounds_then_restore_change_nothing():
     assert outs[0] == outs[1]
     ref = generate(target, prompt, SamplingParams(max_tokens=len(outs[0]) + 1, ignore_eos=True)).token_ids
     assert outs[0] == ref[1:]
+
+
+def test_graph_runner_needs_cuda_and_capacity_buckets():
+    from kdtree_engine.spec.device_round import DeviceRound
+    from kdtree_engine.spec.graph import ROUNDS, GraphRunner, capacity_bucket
+
+    assert [capacity_bucket(n) for n in (1, 512, 513, 3000)] == [512, 512, 1024, 4096]
+    target, drafter = _tiny_pair()
+    with pytest.raises(ValueError, match="CUDA"):
+        GraphRunner(DeviceRound(target, drafter, "dflash", None, 64))
+    a, _ = ROUNDS.get(target, drafter, "ddtree", 4, 40, graph=False)
+    b, _ = ROUNDS.get(target, drafter, "ddtree", 4, 300, graph=False)
+    assert a is b and a.capacity == 512  # one buffer (and graph) for requests of similar length
+    ROUNDS.clear(target)
+    assert ROUNDS.get(target, drafter, "ddtree", 4, 40, graph=False)[0] is not a
