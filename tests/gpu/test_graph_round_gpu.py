@@ -181,3 +181,24 @@ def test_triton_tree_builder_equals_heap_gpu():
         got = build_tree_triton(lp, ids, budget, torch.tensor(5, device="cuda"), torch.tensor(100, device="cuda"))
         for name in ("tokens", "parents", "depths", "positions", "mask"):
             assert torch.equal(getattr(ref, name), getattr(got, name).cpu()), (L, V, budget, kind, name)
+
+
+@pytest.mark.skipif(not (DEMO / "config.json").exists(), reason="embedded demo missing")
+def test_round_bench_tiny_has_graph_columns(tmp_path):
+    """bench/round.py --tiny on the GPU: the graph mode runs and reports rates and a kernel profile."""
+    import math
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    from bench import round as round_bench
+
+    rep = round_bench.main(["--tiny", "--out", str(tmp_path), "--budgets", "4", "--max-tokens", "24"])
+    assert (tmp_path / "round-h200.json").exists() or list(tmp_path.glob("round-*.json"))
+    for r in rep["results"]:
+        g = r["graph"]
+        assert isinstance(g, dict), r["setting"]
+        assert math.isfinite(g["rounds_per_s"]) and g["rounds_per_s"] > 0
+        assert g["rounds"] == r["eager"]["rounds"] or r["setting"] != "none"
+        assert "kernels" in g
