@@ -14,10 +14,12 @@ decode time; tau = tokens per round; ms per round and the engine's stage times p
 verify, commit; the stage timers synchronise the device at each boundary, as they always do); lossless =
 greedy tokens equal to plain decoding's.
 
-Modes: ``eager`` is what the engine runs today. ``graph`` (a whole round replayed from a CUDA graph)
-is reported as "n/a: no graph path" because the engine has none yet.
+Modes (``--modes``, default eager,graph): ``eager`` = generate(eager=True), the host-driven loop; ``device`` =
+the device-resident round (the kernels a graph replays) launched eagerly; ``graph`` = generate(eager=False),
+each round one CUDA-graph replay and one host read (CUDA only; "n/a" elsewhere). graph/eager = eager ms
+per round / graph ms per round: the host and launch overhead a graph removes.
 
-Outside kernels (CUDA only, else n/a): prompt 0 is generated twice more under torch.profiler, once with
+Outside kernels (CUDA only, else n/a; per mode): prompt 0 is generated twice more under torch.profiler, once with
 max_tokens = 1 (prefill only) and once in full; the kernel time of the rounds = union of the device
 intervals of kernels (and memcpy/memset) of the full run minus that of the prefill-only run. Fraction
 outside kernels = 1 - that / the decode wall time of the same prompt without the profiler (same tokens,
@@ -51,7 +53,7 @@ from kdtree_engine.sampling import SamplingParams  # noqa: E402
 from kdtree_engine.spec.decode import generate  # noqa: E402
 
 DEMO = ROOT / "kdtree_engine" / "assets" / "demo"
-GRAPH_NA = "n/a: no graph path"
+GRAPH_NA = "n/a: CUDA graphs need a CUDA device"
 FALLBACK_TEXT = (
     "def merge_sorted(a, b):\n    \"\"\"Merge two sorted lists into one sorted list.\"\"\"\n    out = []\n"
     "    i = j = 0\n    while i < len(a) and j < len(b):\n        if a[i] <= b[j]:\n            out.append(a[i])\n"
@@ -116,6 +118,50 @@ def profile_generate(fn: Callable[[], Any]) -> tuple[Any, dict]:
 
 # ---- the benchmark ---------------------------------------------------------------------------
 
+MODES = ("eager", "device", "graph")
+MODE_TEXT = {
+    "eager": "generate(eager=True): the host-driven loop (heap tree builder, host accept, stage timers)",
+    "device": "device-resident rounds run eagerly (the kernels a graph replays, launched one by one)",
+    "graph": "generate(eager=False): each round one CUDA-graph replay, one host read per round",
+}
+
+
+def _generator(mode: str, target: Any, method: str, drafter: Any, budget: int | None) -> Callable:
+    if mode == "device":
+        from kdtree_engine.spec.device_decode import generate_device
+
+        def gen_device(p: Prompt, sp: SamplingParams):
+            return generate_device(target, p.ids, sp, method=method, drafter=drafter, budget=budget, graph=False)
+        return gen_device
+
+    def gen(p: Prompt, sp: SamplingParams):
+        return generate(target, p.ids, sp, spec=method, drafter=drafter, budget=budget, eager=mode == "eager")
+    return gen
+
+
+def _kernel_profile(cuda: bool, gen: Callable, prompt: Prompt, params: SamplingParams, r0: dict,
+                    plain0: list[int]) -> dict:
+    """Time outside kernels (CUDA): profiled prefill-only and full runs of prompt 0."""
+    if not cuda:
+        return {"outside_kernels_frac": None, "note": "n/a: no CUDA device"}
+    try:
+        _, pre = profile_generate(lambda: gen(prompt, dataclasses.replace(params, max_tokens=1)))
+        res, full = profile_generate(lambda: gen(prompt, params))
+        busy_us = full["busy_us"] - pre["busy_us"]
+        n_rounds = res.stats["rounds"]
+        return {
+            "prompt": 0, "rounds": n_rounds, "same_tokens": res.token_ids == plain0,
+            "busy_method": full["method"],
+            "device_busy_ms_per_round": busy_us / 1e3 / n_rounds if n_rounds else None,
+            "wall_ms_per_round": 1e3 * r0["decode_s"] / r0["rounds"] if r0["rounds"] else None,
+            "launches_per_round": (full["events"] - pre["events"]) / n_rounds if n_rounds else None,
+            "outside_kernels_frac": 1 - busy_us / 1e6 / r0["decode_s"] if r0["decode_s"] > 0 else None,
+            "profiled_wall_s": res.stats["decode_s"],
+        }
+    except Exception as exc:  # noqa: BLE001 - the profile is reported missing, the rates stand
+        return {"error": f"{type(exc).__name__}: {exc}"[:300], "outside_kernels_frac": None}
+
+
 def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
     clock = common.Clock()
     dev = resolve_device(args.device)
@@ -137,73 +183,65 @@ def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     warm = dataclasses.replace(params, max_tokens=min(args.max_tokens, args.warmup_tokens))
 
+    modes = [m for m in args.modes if m != "graph" or cuda]
     results = []
     plain: list[list[int]] | None = None
     for method, budget in settings:
         name = setting_name(method, budget)
         d = drafter if method != "none" else None
-
-        def gen(p: Prompt, sp: SamplingParams = params):
-            return generate(target, p.ids, sp, spec=method, drafter=d, budget=budget)
-
-        gen(prompts[0], warm)
-        runs = []
-        for i, p in enumerate(prompts):
-            res = gen(p)
-            s = res.stats
-            runs.append({"prompt": i, "tokens": s["generated_tokens"], "rounds": s["rounds"],
-                         "decode_s": s["decode_s"], "prefill_s": s["prefill_s"], "tau": s["tau"],
-                         **{k: s[k] for k in ("draft_s", "tree_s", "verify_s", "commit_s")},
-                         "token_ids": res.token_ids})
-        if plain is None:
-            plain = [r["token_ids"] for r in runs]
-        decode = sum(r["decode_s"] for r in runs)
-        rounds = sum(r["rounds"] for r in runs)
-        steps = sum(max(r["tokens"] - 1, 0) for r in runs)
-        rec: dict[str, Any] = {
-            "setting": name, "method": method, "budget": budget, "prompts": len(runs),
-            "tokens": sum(r["tokens"] for r in runs), "rounds": rounds, "decode_s": decode,
-            "eager": {
+        rec: dict[str, Any] = {"setting": name, "method": method, "budget": budget}
+        for mode in MODES:
+            if mode not in modes:
+                rec[mode] = GRAPH_NA if mode == "graph" and not cuda else "n/a: not run (--modes)"
+                continue
+            gen = _generator(mode, target, method, d, budget)
+            gen(prompts[0], warm)
+            runs = []
+            for i, p in enumerate(prompts):
+                res = gen(p, params)
+                s = res.stats
+                runs.append({"prompt": i, "tokens": s["generated_tokens"], "rounds": s["rounds"],
+                             "decode_s": s["decode_s"], "prefill_s": s["prefill_s"], "tau": s["tau"],
+                             **{k: s[k] for k in ("draft_s", "tree_s", "verify_s", "commit_s")},
+                             "token_ids": res.token_ids})
+            if plain is None:
+                plain = [r["token_ids"] for r in runs]
+            decode = sum(r["decode_s"] for r in runs)
+            rounds = sum(r["rounds"] for r in runs)
+            steps = sum(max(r["tokens"] - 1, 0) for r in runs)
+            m: dict[str, Any] = {
                 "rounds_per_s": rounds / decode if decode > 0 else None,
                 "tokens_per_s": steps / decode if decode > 0 else None,
                 "ms_per_round": 1e3 * decode / rounds if rounds else None,
-            },
-            "graph": GRAPH_NA,
-            "tau": steps / rounds if rounds else None,
-            "stage_ms_per_round": {k[:-2]: 1e3 * sum(r[k] for r in runs) / rounds if rounds else None
-                                   for k in ("draft_s", "tree_s", "verify_s", "commit_s")},
-            "lossless": all(r["token_ids"] == ref for r, ref in zip(runs, plain)),
-            "runs": [{k: v for k, v in r.items() if k != "token_ids"} for r in runs],
-        }
-        # ---- time outside kernels (CUDA): profiled prefill-only and full runs of prompt 0 ----
-        if cuda:
-            try:
-                _, pre = profile_generate(lambda: gen(prompts[0], dataclasses.replace(params, max_tokens=1)))
-                res, full = profile_generate(lambda: gen(prompts[0]))
-                r0 = runs[0]
-                busy_us = full["busy_us"] - pre["busy_us"]
-                n_rounds = res.stats["rounds"]
-                rec["kernels"] = {
-                    "prompt": 0, "rounds": n_rounds, "same_tokens": res.token_ids == plain[0],
-                    "busy_method": full["method"],
-                    "device_busy_ms_per_round": busy_us / 1e3 / n_rounds if n_rounds else None,
-                    "wall_ms_per_round": 1e3 * r0["decode_s"] / r0["rounds"] if r0["rounds"] else None,
-                    "launches_per_round": (full["events"] - pre["events"]) / n_rounds if n_rounds else None,
-                    "outside_kernels_frac": 1 - busy_us / 1e6 / r0["decode_s"] if r0["decode_s"] > 0 else None,
-                    "profiled_wall_s": res.stats["decode_s"],
-                }
-            except Exception as exc:  # noqa: BLE001 - the profile is reported missing, the rates stand
-                rec["kernels"] = {"error": f"{type(exc).__name__}: {exc}"[:300], "outside_kernels_frac": None}
-        else:
-            rec["kernels"] = {"outside_kernels_frac": None, "note": "n/a: no CUDA device"}
+                "rounds": rounds, "decode_s": decode,
+                "lossless": all(r["token_ids"] == ref for r, ref in zip(runs, plain)),
+            }
+            if mode == "eager":
+                rec.update({
+                    "prompts": len(runs), "tokens": sum(r["tokens"] for r in runs), "rounds": rounds,
+                    "decode_s": decode, "tau": steps / rounds if rounds else None,
+                    "stage_ms_per_round": {k[:-2]: 1e3 * sum(r[k] for r in runs) / rounds if rounds else None
+                                           for k in ("draft_s", "tree_s", "verify_s", "commit_s")},
+                    "runs": [{k: v for k, v in r.items() if k != "token_ids"} for r in runs],
+                })
+            m["kernels"] = _kernel_profile(cuda, gen, prompts[0], params, runs[0], plain[0])
+            rec[mode] = m
+        rec["lossless"] = all(rec[mo]["lossless"] for mo in modes)
+        rec["kernels"] = rec["eager"]["kernels"]
+        ge, gg = rec["eager"], rec.get("graph")
+        if isinstance(gg, dict) and ge["ms_per_round"] and gg["ms_per_round"]:
+            rec["graph_vs_eager"] = {"speedup": ge["ms_per_round"] / gg["ms_per_round"],
+                                     "ms_saved_per_round": ge["ms_per_round"] - gg["ms_per_round"]}
         results.append(rec)
-        e = rec["eager"]
-        log(f"{name:>10}: {e['rounds_per_s']:.1f} rounds/s, {e['tokens_per_s']:.1f} tok/s, tau {rec['tau']:.2f}, "
-            f"outside kernels {_pct(rec['kernels'].get('outside_kernels_frac'))} ({clock():.0f} s)")
-    base = results[0]["eager"]["tokens_per_s"]
-    for rec in results:
-        t = rec["eager"]["tokens_per_s"]
-        rec["eager"]["speedup"] = t / base if base and t else None
+        log(f"{name:>10}: " + "; ".join(
+            f"{mo} {rec[mo]['rounds_per_s']:.1f} rounds/s {rec[mo]['tokens_per_s']:.1f} tok/s "
+            f"outside kernels {_pct(rec[mo]['kernels'].get('outside_kernels_frac'))}" for mo in modes)
+            + f", tau {rec['tau']:.2f} ({clock():.0f} s)")
+    for mode in modes:
+        base = results[0][mode]["tokens_per_s"]
+        for rec in results:
+            t = rec[mode]["tokens_per_s"]
+            rec[mode]["speedup"] = t / base if base and t else None
     env = environment(dev, dtype)
     if cuda:
         env["gpu"] = common.device_info()
@@ -211,13 +249,19 @@ def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
         "command": args.command, "env": env, "model": str(model), "draft": str(draft) if draft else None,
         "block_size": getattr(drafter, "block_size", None), "prompt_source": source,
         "prompt_tokens": [len(p.ids) for p in prompts], "max_tokens": args.max_tokens,
-        "budgets": list(args.budgets), "batch_invariant": bool(args.batch_invariant), "modes": {"eager": "the engine's generate()", "graph": GRAPH_NA},
+        "budgets": list(args.budgets), "batch_invariant": bool(args.batch_invariant),
+        "modes": {"eager": MODE_TEXT["eager"], "device": MODE_TEXT["device"],
+                  "graph": MODE_TEXT["graph"] if cuda else GRAPH_NA},
         "results": results, "elapsed_s": clock(),
     }
 
 
 def _pct(x: float | None) -> str:
     return "n/a" if x is None else f"{100 * x:.0f}%"
+
+
+def _rate(m: Any, key: str) -> Any:
+    return m.get(key) if isinstance(m, dict) else "n/a"
 
 
 def markdown(rep: dict, tag: str) -> list[str]:
@@ -227,36 +271,51 @@ def markdown(rep: dict, tag: str) -> list[str]:
              f"torch {env['torch']}, device {env['device']} ({env['device_name']}), dtype {env['dtype']}. "
              f"Model `{rep['model']}`, drafter `{rep['draft']}` (block {rep['block_size']}); "
              f"{len(rep['prompt_tokens'])} prompts of {rep['prompt_tokens']} tokens ({rep['prompt_source']}), "
-             f"{rep['max_tokens']} tokens each, greedy, EOS ignored, one warm-up per setting; batch-invariant "
-             f"matmuls {'on' if rep['batch_invariant'] else 'off'}.", "",
-             "Decode only (prefill excluded). eager: the engine's generate(); graph: a round replayed from a CUDA "
-             f"graph ({GRAPH_NA} in this engine yet). Outside kernels: 1 - device-busy time (union of kernel / memcpy "
-             "intervals, torch.profiler, prefill subtracted) / decode wall time of the same prompt unprofiled. "
-             "Stage ms: the engine's stage timers (they synchronise at each stage boundary).", ""]
+             f"{rep['max_tokens']} tokens each, greedy, EOS ignored, one warm-up per setting and mode; "
+             f"batch-invariant matmuls {'on' if rep['batch_invariant'] else 'off'}.", "",
+             "Decode only (prefill excluded). Modes: " + "; ".join(f"**{k}**: {v}" for k, v in rep["modes"].items())
+             + ". Outside kernels: 1 - device-busy time (union of kernel / memcpy intervals, torch.profiler, "
+             "prefill subtracted) / decode wall time of the same prompt unprofiled. Stage ms: the eager loop's "
+             "stage timers (they synchronise at each stage boundary). graph/eager: eager ms per round / graph ms "
+             "per round.", ""]
     rows = []
     for r in rep["results"]:
-        e, k, st = r["eager"], r["kernels"], r["stage_ms_per_round"]
-        rows.append([r["setting"], e["rounds_per_s"], e["tokens_per_s"], e.get("speedup"), r["tau"], e["ms_per_round"],
-                     r["graph"], r["graph"], k.get("device_busy_ms_per_round"), k.get("launches_per_round"),
-                     _pct(k.get("outside_kernels_frac")), st["draft"], st["tree"], st["verify"], st["commit"],
+        e, g, dv, st = r["eager"], r["graph"], r["device"], r["stage_ms_per_round"]
+        ek, gk = e["kernels"], g.get("kernels", {}) if isinstance(g, dict) else {}
+        rows.append([r["setting"], r["tau"],
+                     e["rounds_per_s"], _rate(dv, "rounds_per_s"), _rate(g, "rounds_per_s"),
+                     e["ms_per_round"], _rate(dv, "ms_per_round"), _rate(g, "ms_per_round"),
+                     e["tokens_per_s"], _rate(g, "tokens_per_s"),
+                     r.get("graph_vs_eager", {}).get("speedup", "n/a"),
+                     ek.get("device_busy_ms_per_round"), ek.get("launches_per_round"),
+                     _pct(ek.get("outside_kernels_frac")), _pct(gk.get("outside_kernels_frac")),
+                     st["draft"], st["tree"], st["verify"], st["commit"],
                      "yes" if r["lossless"] else "NO"])
-    lines += common.md_table(["setting", "eager rounds/s", "eager tok/s", "speedup", "tau", "ms/round",
-                              "graph rounds/s", "graph tok/s", "kernel ms/round", "launches/round", "outside kernels",
-                              "draft ms", "tree ms", "verify ms", "commit ms", "lossless"], rows)
+    lines += common.md_table(["setting", "tau", "eager rounds/s", "device rounds/s", "graph rounds/s",
+                              "eager ms/round", "device ms/round", "graph ms/round", "eager tok/s", "graph tok/s",
+                              "graph/eager", "kernel ms/round", "launches/round", "outside kernels eager",
+                              "outside kernels graph", "draft ms", "tree ms", "verify ms", "commit ms",
+                              "lossless"], rows)
     lines += ["", f"Elapsed {rep['elapsed_s']:.0f} s."]
     return lines
 
 
 def short_table(rep: dict) -> str:
-    out = [f"{'setting':>10} {'rounds/s':>9} {'tok/s':>8} {'tau':>5} {'ms/round':>9} {'kern ms':>8} "
-           f"{'outside':>8} {'graph':>6} lossless"]
+    def f(x: Any, fmt: str) -> str:
+        return fmt % x if isinstance(x, (int, float)) else "n/a"
+
+    out = [f"{'setting':>10} {'tau':>5} {'eager r/s':>10} {'device r/s':>10} {'graph r/s':>10} "
+           f"{'eager ms':>9} {'graph ms':>9} {'out eager':>9} {'out graph':>9} lossless"]
     for r in rep["results"]:
-        e, k = r["eager"], r["kernels"]
-        kms = k.get("device_busy_ms_per_round")
-        out.append(f"{r['setting']:>10} {e['rounds_per_s']:>9.1f} {e['tokens_per_s']:>8.1f} {r['tau']:>5.2f} "
-                   f"{e['ms_per_round']:>9.2f} {('%.2f' % kms) if kms is not None else 'n/a':>8} "
-                   f"{_pct(k.get('outside_kernels_frac')):>8} {'n/a':>6} {'yes' if r['lossless'] else 'NO'}")
-    out.append(f"(graph: {GRAPH_NA})")
+        e, g, dv = r["eager"], r["graph"], r["device"]
+        gk = g.get("kernels", {}) if isinstance(g, dict) else {}
+        out.append(f"{r['setting']:>10} {r['tau']:>5.2f} {e['rounds_per_s']:>10.1f} "
+                   f"{f(_rate(dv, 'rounds_per_s'), '%.1f'):>10} {f(_rate(g, 'rounds_per_s'), '%.1f'):>10} "
+                   f"{e['ms_per_round']:>9.2f} {f(_rate(g, 'ms_per_round'), '%.2f'):>9} "
+                   f"{_pct(e['kernels'].get('outside_kernels_frac')):>9} {_pct(gk.get('outside_kernels_frac')):>9} "
+                   f"{'yes' if r['lossless'] else 'NO'}")
+    if not isinstance(rep["results"][0]["graph"], dict):
+        out.append(f"(graph: {rep['results'][0]['graph']})")
     return "\n".join(out)
 
 
@@ -276,12 +335,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: bfloat16 on CUDA, float32 on CPU)")
     ap.add_argument("--batch-invariant", action="store_true",
                     help="dense CUDA matmuls through the batch-invariant Triton GEMM (as kdtree --batch-invariant on)")
+    ap.add_argument("--modes", type=lambda t: [x for x in t.split(",") if x], default=["eager", "graph"],
+                    help="comma separated among eager, device, graph (default eager,graph; eager always runs, "
+                         "graph only on CUDA; device = the graph's kernels launched one by one, slow on CUDA)")
     ap.add_argument("--tiny", action="store_true", help="one short prompt, a few tokens (smoke test)")
     a = ap.parse_args(argv)
     a.max_tokens = a.max_tokens or (6 if a.tiny else 128)
     a.prompts = a.prompts or (1 if a.tiny else 4)
     a.prompt_tokens = a.prompt_tokens or (16 if a.tiny else 64)
     a.warmup_tokens = a.warmup_tokens or (3 if a.tiny else 32)
+    if any(m not in MODES for m in a.modes):
+        ap.error(f"--modes must be among {', '.join(MODES)}")
+    if "eager" not in a.modes:
+        a.modes = ["eager"] + a.modes  # the reference column
     if min(a.max_tokens, a.prompts, a.prompt_tokens, a.warmup_tokens) < 1 or any(b < 1 for b in a.budgets):
         ap.error("counts and budgets must be positive")
     return a

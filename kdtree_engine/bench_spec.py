@@ -210,7 +210,7 @@ def accept_hist(rounds: int, per_depth: Sequence[int]) -> list[int]:
 
 def run_bench(target: Any, drafter: Any, prompts: Sequence[Prompt], settings: Sequence[tuple[str, int | None]],
               params: Any, *, warmup: bool = True, repeats: int = 1,
-              progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+              progress: Callable[[str], None] | None = None, eager: bool | None = None) -> list[dict[str, Any]]:
     """Generate every prompt under every setting; per-setting records (see the module docstring).
 
     With ``repeats`` > 1 the whole sweep (every setting, every prompt) runs that many times, one pass
@@ -226,14 +226,14 @@ def run_bench(target: Any, drafter: Any, prompts: Sequence[Prompt], settings: Se
         wp = dataclasses.replace(params, max_tokens=min(params.max_tokens, WARMUP_TOKENS))
         for method, budget in settings:
             generate(target, prompts[0].ids, wp, spec=method, drafter=drafter if method != "none" else None,
-                     budget=budget)
+                     budget=budget, eager=eager)
     best: list[list[Any]] = [[None] * len(prompts) for _ in settings]
     for rep in range(max(repeats, 1)):
         for k, (method, budget) in enumerate(settings):
             name = setting_name(method, budget)
             d = drafter if method != "none" else None
             for i, p in enumerate(prompts):
-                res = generate(target, p.ids, params, spec=method, drafter=d, budget=budget)
+                res = generate(target, p.ids, params, spec=method, drafter=d, budget=budget, eager=eager)
                 s = res.stats
                 say(f"{name:>10} prompt {i}" + (f" pass {rep + 1}" if repeats > 1 else "")
                     + f": {s['generated_tokens']} tokens, {s['tokens_per_s']:.1f} tok/s, tau {s['tau']:.2f}")
@@ -458,6 +458,9 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--stop-at-eos", action="store_true", help="stop at EOS (default: ignore it)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up generation of each setting")
+    p.add_argument("--eager", action="store_true",
+                   help="host-driven rounds with stage timers (default on CUDA: greedy rounds with a fixed budget "
+                        "replay a CUDA graph, and their stage times read 0 with the whole round under verify)")
     p.add_argument("--repeats", type=int, default=1,
                    help="generate each prompt this many times per setting and keep the fastest run")
     p.add_argument("--out", default="bench/results", help="directory for spec-<device>.json and .md")
@@ -546,7 +549,8 @@ def cmd_bench_spec(args: argparse.Namespace) -> int:
              env["dtype"], env["threads"])
     t0 = time.perf_counter()
     records = run_bench(target, drafter, prompts, settings, params, warmup=not args.no_warmup,
-                        repeats=args.repeats, progress=lambda s: log.info("%s", s))
+                        repeats=args.repeats, progress=lambda s: log.info("%s", s),
+                        eager=True if args.eager else None)
     if "loadavg_start" in env:
         env["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     tag = device_tag(device)
@@ -557,6 +561,7 @@ def cmd_bench_spec(args: argparse.Namespace) -> int:
         "config": {"model": _shown(model), "draft": _shown(draft) if needs_draft else None,
                    "block_size": getattr(drafter, "block_size", None), "max_tokens": args.max_tokens,
                    "temperature": args.temperature, "seed": args.seed, "stop_at_eos": args.stop_at_eos,
+                   "eager": bool(args.eager),
                    "prompt_source": source, "warmup": not args.no_warmup, "repeats": args.repeats},
         "prompts": [{"source": p.source, "ids": p.ids, "text": p.text} for p in prompts],
         "results": records,

@@ -57,3 +57,15 @@ class LatentCache:
             raise ValueError(f"crop({n}) outside [0, {self.length}]")
         self.length = n
         self.pending = 0
+
+    def compact_static(self, start: torch.Tensor, keep: torch.Tensor) -> None:
+        """Device-side commit of a tree step written at slots start.. (``start`` a [] long tensor):
+        slot start + j gets the entry of slot start + keep[j], for every j < len(keep).
+
+        No host read and fixed shapes: ``keep`` [M] lists the accepted nodes first (ascending); the
+        entries after the accepted ones land past the new length, where the next step overwrites them.
+        The host-side ``length`` is not changed (the caller keeps the length on the device).
+        """
+        M = keep.shape[0]
+        src = self.kv.index_select(1, start + keep)  # [layers, M, 576]
+        self.kv.index_copy_(1, start + torch.arange(M, device=self.kv.device), src)

@@ -96,6 +96,9 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
                    help="on (default): CUDA kernels whose per-row result does not depend on how many rows share "
                         "the launch, so greedy speculative output equals plain decoding bit for bit in bfloat16; "
                         "off: the fastest kernels (cuBLAS), equal up to floating point only")
+    p.add_argument("--eager", action="store_true",
+                   help="run each decoding round from the host (stage timers, --show-tree, sampling) instead of "
+                        "replaying it from a CUDA graph (the default on CUDA for greedy decoding with a fixed budget)")
     p.add_argument("--compare", action=argparse.BooleanOptionalAction, default=None,
                    help="also run plain decoding and report the speedup (default: on for the embedded demo)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
@@ -135,7 +138,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if budget is not None and spec != "ddtree":
         raise BadInput(f"--budget applies to --spec ddtree only (spec is {spec})")
     llm = LLM(model, draft=draft, spec=spec, budget=budget, device=args.device, dtype=args.dtype,
-              quantize=args.quantize, batch_invariant=args.batch_invariant == "on", progress=True)
+              quantize=args.quantize, batch_invariant=args.batch_invariant == "on", progress=True,
+              eager=True if (args.eager or args.show_tree) else None)
+    if args.show_tree and not args.eager:
+        log.info("--show-tree: rounds run eagerly (a replayed round records no tree)")
     prompt = args.prompt if args.prompt_ids is None else args.prompt_ids
     if isinstance(prompt, str) and llm.tokenizer is None:
         raise BadInput(f"{model} has no tokenizer.json; pass the prompt as --prompt-ids")
@@ -159,7 +165,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     stats = dict(res.stats)
     if compare and spec != "none":
         # Plain decoding of the same request, in the same process, for the speedup figure.
-        base = generate(llm.target, llm.encode(prompt), params)
+        base = generate(llm.target, llm.encode(prompt), params, eager=llm.eager)
         stats["baseline_tokens_per_s"] = base.stats["tokens_per_s"]
         stats["speedup"] = (stats["tokens_per_s"] / base.stats["tokens_per_s"]
                             if base.stats["tokens_per_s"] > 0 else 0.0)
@@ -182,9 +188,12 @@ def format_stats(finish_reason: str, s: dict) -> str:
     if s.get("spec", "none") != "none":
         chosen = (f" (chosen per round, mean {s['budget_auto']['mean']:.1f})" if "budget_auto" in s else "")
         line += (f", spec {s['spec']}" + (f" budget {s['budget']}{chosen}" if "budget" in s else "")
-                 + f", rounds {s['rounds']}, tau {s['tau']:.2f}, accepted per depth {s['accepted_per_depth']}"
-                 + f", draft {s['draft_s']:.3f}s tree {s['tree_s']:.3f}s verify {s['verify_s']:.3f}s"
-                 + f" commit {s['commit_s']:.3f}s")
+                 + f", rounds {s['rounds']}, tau {s['tau']:.2f}, accepted per depth {s['accepted_per_depth']}")
+        if "rounds_mode" in s:  # device-resident rounds: no stage boundaries to time
+            line += f", {s['rounds_mode']} rounds"
+        else:
+            line += (f", draft {s['draft_s']:.3f}s tree {s['tree_s']:.3f}s verify {s['verify_s']:.3f}s"
+                     f" commit {s['commit_s']:.3f}s")
     if "speedup" in s:
         line += (f", plain decoding {s['baseline_tokens_per_s']:.1f} tok/s, speedup {s['speedup']:.2f}x"
                  f", same tokens as plain: {'yes' if s['same_tokens_as_plain'] else 'NO'}")

@@ -114,11 +114,15 @@ class LLM:
 
     def __init__(self, model: str | Path, *, draft: str | Path | None = None, spec: str = "none",
                  budget: int | str | None = None, device: str | None = None, dtype: str | torch.dtype | None = None,
-                 quantize: str | None = None, batch_invariant: bool = True, progress: bool = True) -> None:
+                 quantize: str | None = None, batch_invariant: bool = True, progress: bool = True,
+                 eager: bool | None = None) -> None:
+        """``eager``: True = rounds driven from the host; False = each round replayed from a CUDA graph
+        (greedy, CUDA); None = graphs where they apply (see ``spec.decode.pick_round_mode``)."""
         from .kernels.dispatch import set_batch_invariant
         from .spec.decode import resolve_spec
 
         set_batch_invariant(batch_invariant)
+        self.eager = eager
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         if spec != "none" and draft is None:
@@ -150,7 +154,7 @@ class LLM:
         results = []
         for p in batch:
             res = generate(self.target, self.encode(p), params, spec=self.spec, drafter=self.drafter,
-                           on_tokens=on_tokens)
+                           on_tokens=on_tokens, eager=self.eager)
             res.text = self.decode(res.token_ids)
             results.append(res)
         return results

@@ -85,7 +85,8 @@ def test_k2_step_random_tree():
 @pytest.fixture(scope="module")
 def round_report(tmp_path_factory):
     out = tmp_path_factory.mktemp("round")
-    rep = round_bench.main(["--tiny", "--device", "cpu", "--out", str(out), "--budgets", "4,8"])
+    rep = round_bench.main(["--tiny", "--device", "cpu", "--out", str(out), "--budgets", "4,8", "--modes",
+                            "eager,device,graph"])
     return out, rep
 
 
@@ -105,6 +106,10 @@ def test_round_fields_finite(round_report):
             assert finite(e[k]) and e[k] > 0, (r["setting"], k)
         assert finite(r["tau"]) and r["tau"] >= 1.0
         assert r["graph"].startswith("n/a")
+        dv = r["device"]  # device-resident rounds, run eagerly
+        for k in ("rounds_per_s", "tokens_per_s", "ms_per_round"):
+            assert finite(dv[k]) and dv[k] > 0, (r["setting"], k)
+        assert dv["lossless"] is True and dv["rounds"] == r["eager"]["rounds"]
         assert r["kernels"]["outside_kernels_frac"] is None  # CPU: no kernel profile
         assert r["lossless"] is True
         assert all(finite(v) for v in r["stage_ms_per_round"].values())

@@ -68,7 +68,8 @@ def test_spec_flags_give_the_same_tokens(capsys, model_dir, draft_dir) -> None:
     plain = run_json(capsys, base)
     for extra in (["--draft", str(draft_dir), "--spec", "dflash"],
                   ["--draft", str(draft_dir), "--spec", "ddtree", "--budget", "6"],
-                  ["--draft", str(draft_dir), "--spec", "ddtree", "--budget", "auto"]):
+                  ["--draft", str(draft_dir), "--spec", "ddtree", "--budget", "auto"],
+                  ["--draft", str(draft_dir), "--spec", "ddtree", "--budget", "6", "--eager"]):
         obj = run_json(capsys, base + extra)
         assert obj["token_ids"] == plain["token_ids"]
         assert obj["stats"]["rounds"] >= 1 and obj["stats"]["tau"] >= 1.0

@@ -1,5 +1,6 @@
 """The model's CUDA dispatch (Triton W4A16 linear, fused MoE, MLA attention) run through the Triton
-interpreter on the CPU, against the torch paths: the wiring, shapes and strides of the real kernels."""
+interpreter on the CPU, against the torch paths: the wiring, shapes and strides of the real kernels;
+the device-resident tree step (whole cache buffer, device-side length) included."""
 
 from __future__ import annotations
 
@@ -36,7 +37,13 @@ CHILD = textwrap.dedent('''
     tree = torch.randint(0, cfg.vocab_size, (T,), generator=g)
     depth = mask.sum(1) - 1
     out = model(tree, cache, positions=5 + depth, tree_mask=mask).logits
-    print(json.dumps({"first": first.tolist(), "tree": out.tolist()}))
+    from kdtree_engine.kernels.dispatch import static_shapes
+    cache2 = model.new_cache(40)  # the device-resident step: whole buffer, length on the device
+    model(ids[:5], cache2)
+    model.rope.ensure(64)
+    with static_shapes():
+        st = model.forward_static(tree, cache2, torch.tensor(5), 5 + depth, mask).logits
+    print(json.dumps({"first": first.tolist(), "tree": out.tolist(), "static": st.tolist()}))
 ''')
 
 
@@ -57,7 +64,7 @@ def test_triton_dispatch_matches_torch_paths() -> None:
 
     seed = int(torch.randint(0, 1 << 30, ()).item())
     a, b = run(seed, triton=False), run(seed, triton=True)
-    for key in ("first", "tree"):
-        x, y = torch.tensor(a[key]), torch.tensor(b[key])
+    for key, ref in (("first", "first"), ("tree", "tree"), ("static", "tree")):
+        x, y = torch.tensor(a[ref]), torch.tensor(b[key])
         assert torch.isfinite(y).all()
         assert float((x - y).norm() / x.norm()) < 1e-4, (key, seed)

@@ -14,8 +14,19 @@
                  flash decoding with split sizes fixed by position). Otherwise the torch reference
                  (model/mla.py), which is not batch-invariant on CUDA (cuBLAS batched GEMMs).
 
-``KDTREE_INT4_BACKEND`` / ``KDTREE_ATTN_BACKEND`` / ``KDTREE_DENSE_BACKEND`` (dense and per-head matmuls,
-RMSNorm) = ``torch`` | ``triton`` force one backend (tests run the Triton code on the CPU with
+  static step     (a round captured in a CUDA graph, or run eagerly with device-side bookkeeping):
+                 MLA attention over the whole cache buffer with the length on the device
+                 (:func:`mla_attention_static`: the Triton kernel's device-length launch, or the torch
+                 reference with a visibility mask, by the same backend choice); a MoE that would take the torch
+                 per-expert loop (which reads the hit experts on the host) runs every expert with a
+                 zero weight for tokens not routed to it (model/moe.py). :func:`static_shapes` marks
+                 such a step.
+
+  DDTree builder  (device-resident rounds) CUDA: one Triton program (kernels/tree_ops.py); CPU: the
+                 vectorized torch builder (spec/tree.py); the same tree.
+
+``KDTREE_INT4_BACKEND`` / ``KDTREE_ATTN_BACKEND`` / ``KDTREE_TREE_BACKEND`` / ``KDTREE_DENSE_BACKEND`` (dense and
+per-head matmuls, RMSNorm) = ``torch`` | ``triton`` force one backend (tests run the Triton code on the CPU with
 ``TRITON_INTERPRET=1``); forcing a torch path on CUDA with batch invariance on is obeyed and logged as a
 warning (bitwise equality of speculative and plain decoding then no longer holds). Batch invariance is
 set by :func:`set_batch_invariant` (the CLI's ``--batch-invariant on|off``, ``LLM(batch_invariant=...)``);
@@ -32,6 +43,8 @@ runs only for the prompt (empty cache, causal), the same forward in speculative 
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +64,7 @@ def _forced(var: str) -> str | None:
 
 _WARNED: set[str] = set()
 _INT4_FORCED = _forced("KDTREE_INT4_BACKEND")
+_TREE_FORCED = _forced("KDTREE_TREE_BACKEND")
 _ATTN_FORCED = _forced("KDTREE_ATTN_BACKEND")
 _DENSE_FORCED = _forced("KDTREE_DENSE_BACKEND")
 _BATCH_INVARIANT = True
@@ -170,6 +184,48 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, sta
 def attn_backend(device: torch.device) -> str:
     """Triton on CUDA when batch invariance is on (the torch reference is not invariant), else torch."""
     return _invariant_backend("MLA attention", _ATTN_FORCED, device)
+
+
+_STATIC = False
+
+
+@contextmanager
+def static_shapes() -> Iterator[None]:
+    """Inside: every kernel choice must be free of host reads and data-dependent shapes."""
+    global _STATIC
+    prev, _STATIC = _STATIC, True
+    try:
+        yield
+    finally:
+        _STATIC = prev
+
+
+def static_active() -> bool:
+    return _STATIC
+
+
+def mla_attention_static(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, start: torch.Tensor,
+                         tree_mask: torch.Tensor, visible: torch.Tensor, scale: float,
+                         kv_lora_rank: int) -> torch.Tensor:
+    """Absorbed MLA attention over the whole cache buffer kv [S_cap, C+R] with the committed length
+    ``start`` on the device: the Triton kernel's device-length launch (same reduction as the host-length
+    one), or the torch reference with the visibility mask ``visible`` [T, S_cap]."""
+    if attn_backend(kv.device) == "triton":
+        from .mla_attention import mla_attention_device
+        return mla_attention_device(q_lat, q_pe, kv, start, tree_mask, scale, kv_lora_rank)
+    from ..model.mla import mla_attention_masked
+    return mla_attention_masked(q_lat, q_pe, kv, visible, scale, kv_lora_rank)
+
+
+def build_draft_tree(lp: torch.Tensor, ids: torch.Tensor, budget: int, root_token: torch.Tensor,
+                     start: torch.Tensor):
+    """The DDTree of a device-resident round (no host read): CUDA: one Triton program
+    (kernels/tree_ops.py); CPU: the vectorized torch builder (spec/tree.py). Identical trees."""
+    if _backend("DDTree builder (device rounds)", _TREE_FORCED, lp.device) == "triton":
+        from .tree_ops import build_tree_triton
+        return build_tree_triton(lp, ids, budget, root_token, start)
+    from ..spec.tree import build_tree
+    return build_tree(lp, ids, budget, root_token, start)
 
 
 def log_choices(device: torch.device) -> None:

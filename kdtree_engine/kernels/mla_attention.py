@@ -123,7 +123,7 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 @triton.jit
 def _mla_chunk_kernel(
-    ql_ptr, qp_ptr, kv_ptr, idx_ptr, nvis_ptr, po_ptr, pl_ptr, out_ptr,
+    ql_ptr, qp_ptr, kv_ptr, idx_ptr, nvis_ptr, po_ptr, pl_ptr, out_ptr, s_ptr,
     T, S, N, c_first,
     stride_qlt, stride_qln, stride_qpt, stride_qpn, stride_kv, stride_idx,
     stride_pom, stride_poc, stride_plm, stride_ot, stride_on,
@@ -131,12 +131,23 @@ def _mla_chunk_kernel(
     C: tl.constexpr, R: tl.constexpr, CP: tl.constexpr, RP: tl.constexpr, DV: tl.constexpr,
     CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     GATHER: tl.constexpr, CAUSAL: tl.constexpr, DIRECT: tl.constexpr,
-    UPCAST: tl.constexpr, PREC: tl.constexpr,
+    UPCAST: tl.constexpr, PREC: tl.constexpr, S_DEV: tl.constexpr = False,
 ):
     # grid: (row tiles [packed] or T * head tiles [gather], chunks, V_SPLIT)
     pid_r = tl.program_id(0)
     c = c_first + tl.program_id(1)
     pid_v = tl.program_id(2)
+    if S_DEV:
+        # committed length from the device; the grid covers every chunk of the buffer and each kind of
+        # program keeps to the chunks the host split would give it (packed: whole prefix chunks;
+        # gather: from S // CHUNK on), so the reduction structure is the host-length launch's
+        S = tl.load(s_ptr).to(tl.int32)
+        if GATHER:
+            if c < S // CHUNK:
+                return
+        elif not CAUSAL:
+            if (c + 1) * CHUNK > S:
+                return
     DT: tl.constexpr = kv_ptr.dtype.element_ty
     offs_i = tl.arange(0, BLOCK_M)
     if GATHER:
@@ -233,16 +244,18 @@ def _mla_chunk_kernel(
 
 
 @triton.jit
-def _mla_merge_kernel(po_ptr, pl_ptr, nvis_ptr, out_ptr, S, N, NC,
+def _mla_merge_kernel(po_ptr, pl_ptr, nvis_ptr, out_ptr, s_ptr, S, N, NC,
                       stride_pom, stride_poc, stride_plm, stride_ot, stride_on,
                       C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, CHUNK: tl.constexpr,
-                      CAUSAL: tl.constexpr):
+                      CAUSAL: tl.constexpr, S_DEV: tl.constexpr = False):
     """grid (rows, C / BLOCK_D): merge a row's chunks, BLOCK_C chunks per step, in chunk order.
 
     The summation order depends on (n_chunks, BLOCK_C, BLOCK_D) only. Chunks past the row's count
     weigh exactly 0, so one chunk merges to its own value bit for bit (as the direct write)."""
     r = tl.program_id(0)
     d0 = tl.program_id(1) * BLOCK_D
+    if S_DEV:
+        S = tl.load(s_ptr).to(tl.int32)
     t = r // N
     h = r % N
     if CAUSAL:
@@ -372,23 +385,87 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, sta
     n_tiles = triton.cdiv(T * N, cfg.BLOCK_M)
     if causal:
         grid = (n_tiles, n_ch, cfg.V_SPLIT)
-        _mla_chunk_kernel[grid](q_lat, q_pe, kv, idx, nvis, po, pl, out, T, S, N, 0, *args_tail,
+        _mla_chunk_kernel[grid](q_lat, q_pe, kv, idx, nvis, po, pl, out, nvis, T, S, N, 0, *args_tail,
                                 GATHER=False, **common)
     else:
         c_split = S // cfg.CHUNK  # chunks [0, c_split) lie wholly in the committed prefix
         if c_split > 0:
             grid = (n_tiles, c_split, cfg.V_SPLIT)
-            _mla_chunk_kernel[grid](q_lat, q_pe, kv, idx, nvis, po, pl, out, T, S, N, 0, *args_tail,
+            _mla_chunk_kernel[grid](q_lat, q_pe, kv, idx, nvis, po, pl, out, nvis, T, S, N, 0, *args_tail,
                                     GATHER=False, **common)
         n_tail = n_ch - c_split
         grid = (T * triton.cdiv(N, cfg.BLOCK_M), n_tail, cfg.V_SPLIT)
-        _mla_chunk_kernel[grid](q_lat, q_pe, kv, idx, nvis, po, pl, out, T, S, N, c_split, *args_tail,
+        _mla_chunk_kernel[grid](q_lat, q_pe, kv, idx, nvis, po, pl, out, nvis, T, S, N, c_split, *args_tail,
                                 GATHER=True, **common)
     if not direct:
         block_d = min(CP, MERGE_BLOCK_D)
         _mla_merge_kernel[(T * N, triton.cdiv(C, block_d))](
-            po, pl, nvis, out, S, N, n_ch, spom, spoc, splm, out.stride(0), out.stride(1),
+            po, pl, nvis, out, nvis, S, N, n_ch, spom, spoc, splm, out.stride(0), out.stride(1),
             C=C, BLOCK_D=block_d, BLOCK_C=MERGE_BLOCK_C, CHUNK=cfg.CHUNK, CAUSAL=causal, num_warps=4)
+    return out
+
+
+def mla_attention_device(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, start: torch.Tensor,
+                         tree_mask: torch.Tensor, scale: float, kv_lora_rank: int | None = None,
+                         config: MLAConfig | None = None) -> torch.Tensor:
+    """:func:`mla_attention` with the committed length on the device (no host read; fixed grid).
+
+    kv [S_cap, C+R] is the whole cache buffer, the T new entries at slots start..start+T-1 (start
+    [] or [1] integer tensor, start + T <= S_cap); tree_mask [T, T] bool (tril for a causal block).
+    The grid covers all cdiv(S_cap, CHUNK) chunks; programs outside the host split's chunks exit at
+    once, so every row is reduced exactly as :func:`mla_attention` reduces it for the same start
+    (bit for bit: same chunks, same blocks, same merge order).
+    """
+    if kv_lora_rank is None:
+        kv_lora_rank = q_lat.shape[-1]
+    T, N, C = q_lat.shape
+    if tree_mask is None or tree_mask.dtype != torch.bool or tuple(tree_mask.shape) != (T, T):
+        raise ValueError(f"tree_mask must be bool [T, T] = [{T}, {T}]")
+    cap = kv.shape[0]
+    if cap < T:
+        raise ValueError(f"kv holds {cap} slots, fewer than the {T} new entries")
+    _check(q_lat, q_pe, kv[:T] if cap >= T else kv, 0, tree_mask, kv_lora_rank)
+    R = q_pe.shape[2]
+    out = torch.empty((T, N, C), device=q_lat.device, dtype=q_lat.dtype)
+    if T == 0 or N == 0:
+        return out
+    cfg = config or default_config(N)
+    if cfg.CHUNK % cfg.BLOCK_N:
+        raise ValueError(f"CHUNK {cfg.CHUNK} must be a multiple of BLOCK_N {cfg.BLOCK_N}")
+    CP = triton.next_power_of_2(C)
+    RP = max(16, triton.next_power_of_2(R))
+    if CP % cfg.V_SPLIT:
+        raise ValueError(f"V_SPLIT {cfg.V_SPLIT} must divide {CP}")
+    DV = CP // cfg.V_SPLIT
+    upcast = interpreting()
+    prec = "ieee" if (q_lat.dtype == torch.float32 or upcast) else "tf32"
+    dev = kv.device
+    s_dev = start.reshape(1).to(device=dev, dtype=torch.int32)
+    idx, nvis = tree_gather_index(tree_mask.to(dev))
+    n_ch = triton.cdiv(cap, cfg.CHUNK)
+    direct = n_ch == 1
+    if direct:
+        po, pl = out, out
+        spom = spoc = splm = 0
+    else:
+        po = torch.empty((T * N, n_ch, C), device=dev, dtype=torch.float32)
+        pl = torch.empty((T * N, n_ch), device=dev, dtype=torch.float32)
+        spom, spoc, splm = po.stride(0), po.stride(1), pl.stride(0)
+    common = dict(C=C, R=R, CP=CP, RP=RP, DV=DV, CHUNK=cfg.CHUNK, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
+                  CAUSAL=False, DIRECT=direct, UPCAST=upcast, PREC=prec, S_DEV=True,
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    args_tail = (q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), kv.stride(0), idx.stride(0),
+                 spom, spoc, splm, out.stride(0), out.stride(1), float(scale) * LOG2E)
+    n_tiles = triton.cdiv(T * N, cfg.BLOCK_M)
+    _mla_chunk_kernel[(n_tiles, n_ch, cfg.V_SPLIT)](q_lat, q_pe, kv, idx, nvis, po, pl, out, s_dev, T, 0, N, 0,
+                                                    *args_tail, GATHER=False, **common)
+    _mla_chunk_kernel[(T * triton.cdiv(N, cfg.BLOCK_M), n_ch, cfg.V_SPLIT)](
+        q_lat, q_pe, kv, idx, nvis, po, pl, out, s_dev, T, 0, N, 0, *args_tail, GATHER=True, **common)
+    if not direct:
+        block_d = min(CP, MERGE_BLOCK_D)
+        _mla_merge_kernel[(T * N, triton.cdiv(C, block_d))](
+            po, pl, nvis, out, s_dev, 0, N, n_ch, spom, spoc, splm, out.stride(0), out.stride(1),
+            C=C, BLOCK_D=block_d, BLOCK_C=MERGE_BLOCK_C, CHUNK=cfg.CHUNK, CAUSAL=False, S_DEV=True, num_warps=4)
     return out
 
 
@@ -399,5 +476,6 @@ def mla_attention_reference(q_lat, q_pe, kv, start, tree_mask, scale, kv_lora_ra
                else q_lat.shape[-1])
 
 
-__all__ = ["MLAConfig", "DEFAULT_CONFIGS", "default_config", "mla_attention", "mla_attention_reference",
+__all__ = ["MLAConfig", "DEFAULT_CONFIGS", "default_config", "mla_attention", "mla_attention_device",
+           "mla_attention_reference",
            "tree_gather_index", "interpreting", "LOG2E"]

@@ -114,8 +114,12 @@ class DraftAttention(nn.Module):
         return k.transpose(0, 1), v.transpose(0, 1)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_ctx: torch.Tensor,
-                v_ctx: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
-        """x [B, D] (normed block stream); k_ctx/v_ctx [Hkv, S, d] (cached context) -> [B, D]."""
+                v_ctx: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
+                visible: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, D] (normed block stream); k_ctx/v_ctx [Hkv, S, d] (cached context) -> [B, D].
+
+        visible [B, S+B] bool, optional: keys a query may see at all (device-resident rounds pass the
+        whole cache buffer and hide the slots past the committed length)."""
         B = x.shape[0]
         q = apply_rope_half(self.q_norm(self.q_proj(x).view(B, self.heads, self.head_dim)), cos, sin)
         kb = apply_rope_half(self.k_norm(self.k_proj(x).view(B, self.kv_heads, self.head_dim)), cos, sin)
@@ -130,6 +134,8 @@ class DraftAttention(nn.Module):
         if self.window is not None:
             # sliding layers: a query at p sees keys at positions > p - window (block keys included)
             mask = k_pos.unsqueeze(0) > (q_pos.unsqueeze(1) - self.window)  # [B, S+B]
+        if visible is not None:
+            mask = visible if mask is None else mask & visible
         o = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask,
                                            scale=1.0 / math.sqrt(self.head_dim))  # [H, B, d]
         return self.o_proj(o.transpose(0, 1).reshape(B, self.heads * self.head_dim))
@@ -219,6 +225,59 @@ class DFlashDrafter(nn.Module):
             h = h + attn(x, cos_b, sin_b, cache.k[i, :, :start], cache.v[i, :, :start], q_pos, k_pos)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         cache.length = start
+        return self.norm(h)
+
+    @torch.no_grad()
+    def append_context(self, ctx_features: torch.Tensor, cache: DraftCache) -> None:
+        """Project and cache the features [C, K*D] of the tokens at positions cache.length .. +C-1."""
+        C = ctx_features.shape[0]
+        L0 = cache.length
+        if L0 + C > cache.capacity:
+            raise ValueError(f"draft cache holds {cache.capacity} tokens; {L0 + C} needed")
+        if C == 0:
+            return
+        dev, dt, cfg = self.device, self.dtype, self.cfg
+        ctx = self.hidden_norm(self.fc(ctx_features.to(device=dev, dtype=dt)))  # [C, D]
+        cos_c, sin_c = rope_tables(torch.arange(L0, L0 + C, device=dev), cfg.head_dim, cfg.rope_theta, dt)
+        for i, layer in enumerate(self.layers):
+            k_c, v_c = layer.self_attn.context_kv(ctx, cos_c, sin_c)  # [Hkv, C, d]
+            cache.k[i, :, L0:L0 + C] = k_c
+            cache.v[i, :, L0:L0 + C] = v_c
+        cache.length = L0 + C
+
+    @torch.no_grad()
+    def forward_static(self, ctx_rows: torch.Tensor, n_ctx: torch.Tensor, block_embeds: torch.Tensor,
+                       cache: DraftCache, start: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` with device-side bookkeeping (no host read; shapes fixed by the block size
+        and the cache capacity): capturable in a CUDA graph.
+
+        ctx_rows [R, K*D]: the first ``n_ctx`` ([] long) rows are the features of the tokens at
+        positions start - n_ctx .. start - 1 (committed since the last call); rows past n_ctx are
+        ignored (they are written past the committed length, where no query looks and the next call
+        overwrites them). start [] long: the bonus position. The cache's host-side length is not used.
+        Needs capacity >= start + R. Returns the final-normed hidden states [B, D].
+        """
+        R = ctx_rows.shape[0]
+        B = block_embeds.shape[0]
+        dev, dt, cfg = self.device, self.dtype, self.cfg
+        q_pos = start + torch.arange(B, device=dev)  # [B]
+        c_pos = start - n_ctx + torch.arange(R, device=dev)  # [R] cache slots = positions
+        slot_pos = torch.arange(cache.capacity, device=dev)  # [S_cap]
+        k_pos = torch.cat([slot_pos, q_pos])  # [S_cap + B]
+        visible = torch.cat([slot_pos < start, torch.ones(B, dtype=torch.bool, device=dev)])  # [S_cap + B]
+        visible = visible.unsqueeze(0).expand(B, -1)  # [B, S_cap + B]
+        cos_b, sin_b = rope_tables(q_pos, cfg.head_dim, cfg.rope_theta, dt)
+        cos_c, sin_c = rope_tables(c_pos, cfg.head_dim, cfg.rope_theta, dt)
+        ctx = self.hidden_norm(self.fc(ctx_rows.to(dtype=dt)))  # [R, D]
+        h = block_embeds.to(device=dev, dtype=dt)  # [B, D]
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            k_c, v_c = attn.context_kv(ctx, cos_c, sin_c)  # [Hkv, R, d]
+            cache.k[i].index_copy_(1, c_pos, k_c)
+            cache.v[i].index_copy_(1, c_pos, v_c)
+            x = layer.input_layernorm(h)
+            h = h + attn(x, cos_b, sin_b, cache.k[i], cache.v[i], q_pos, k_pos, visible)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.norm(h)
 
     @torch.no_grad()

@@ -179,6 +179,15 @@ class Rope(nn.Module):
             self._build(max(need, 2 * self.cos.shape[0]))
         return self.cos[positions], self.sin[positions]  # [T, R/2] each
 
+    def ensure(self, n: int) -> None:
+        """Grow the tables to cover positions 0..n-1 now (before a step that must not read the host)."""
+        if n > self.cos.shape[0]:
+            self._build(max(n, 2 * self.cos.shape[0]))
+
+    def gather(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [T, R/2] at device positions, no host read: the caller has called :meth:`ensure`."""
+        return self.cos.index_select(0, positions), self.sin.index_select(0, positions)
+
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate interleaved pairs (x0,x1),(x2,x3),... of the last dim.

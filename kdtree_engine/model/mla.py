@@ -55,6 +55,20 @@ class MLA(nn.Module):
         Writes the T new latents to slots start..start+T-1. tree_mask [T, T] bool (ancestor-or-self)
         or None for causal. Returns [T, H].
         """
+        T = x.shape[0]
+        C = self.cfg.kv_lora_rank
+        q_nope, q_pe, c_kv, k_pe = self._project(x, cos, sin)
+        kv_cache[start:start + T, :C] = c_kv
+        kv_cache[start:start + T, C:] = k_pe
+        if start == 0 and tree_mask is None:
+            o = self._naive(q_nope, q_pe, c_kv, k_pe)
+        else:
+            o = self._absorbed_attn(q_nope, q_pe, kv_cache[: start + T], start, tree_mask)
+        return self.o_proj(o.reshape(T, -1))
+
+    def _project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, H] -> q_nope [T, N, P], q_pe [T, N, R] (rotated), c_kv [T, C] (normed), k_pe [T, R]."""
         cfg = self.cfg
         T = x.shape[0]
         N, P, R, C = self.n_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
@@ -67,12 +81,27 @@ class MLA(nn.Module):
         kva = self.kv_a_proj_with_mqa(x)  # [T, C+R]
         c_kv = self.kv_a_layernorm(kva[:, :C])  # [T, C]
         k_pe = apply_rope(kva[:, C:], cos, sin)  # [T, R]
-        kv_cache[start:start + T, :C] = c_kv
-        kv_cache[start:start + T, C:] = k_pe
-        if start == 0 and tree_mask is None:
-            o = self._naive(q_nope, q_pe, c_kv, k_pe)
-        else:
-            o = self._absorbed_attn(q_nope, q_pe, kv_cache[: start + T], start, tree_mask)
+        return q_nope, q_pe, c_kv, k_pe
+
+    def forward_static(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
+                       slots: torch.Tensor, start: torch.Tensor, tree_mask: torch.Tensor,
+                       visible: torch.Tensor) -> torch.Tensor:
+        """The same step with device-side bookkeeping (no host read, shapes fixed by T and the capacity).
+
+        x [T, H]; kv_cache [S_cap, C+R]; slots [T] long = start + arange(T): where the new latents go;
+        start [] long: committed length; tree_mask [T, T]; visible [T, S_cap] bool: which cache slots
+        each query attends to (its committed prefix and its tree ancestors), from the same two.
+        Always the absorbed form. Returns [T, H].
+        """
+        from ..kernels.dispatch import mla_attention_static
+        T = x.shape[0]
+        q_nope, q_pe, c_kv, k_pe = self._project(x, cos, sin)
+        kv_cache.index_copy_(0, slots, torch.cat([c_kv, k_pe], dim=-1).to(kv_cache.dtype))
+        w_uk, w_uv = self.absorbed_weights()
+        q_lat = torch.einsum("tnp,npc->tnc", q_nope, w_uk)  # [T, N, C]
+        o_lat = mla_attention_static(q_lat, q_pe, kv_cache, start, tree_mask, visible, self.scale,
+                                     self.cfg.kv_lora_rank)
+        o = torch.einsum("tnc,nvc->tnv", o_lat, w_uv)  # [T, N, V]
         return self.o_proj(o.reshape(T, -1))
 
     def _naive(self, q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
@@ -112,5 +141,22 @@ def mla_attention_reference(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.T
         tree_mask = torch.ones(T, T, dtype=torch.bool, device=kv.device).tril()
     visible = torch.cat([torch.ones(T, start, dtype=torch.bool, device=kv.device), tree_mask.to(kv.device)], dim=1)
     scores = scores.masked_fill(~visible, float("-inf"))
+    p = scores.softmax(-1)
+    return torch.einsum("nts,sc->tnc", p, c_kv).to(q_lat.dtype)
+
+
+def mla_attention_masked(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, visible: torch.Tensor,
+                         scale: float, kv_lora_rank: int) -> torch.Tensor:
+    """Absorbed attention over a whole cache buffer with a device-side visibility mask.
+
+    q_lat [T, N, C], q_pe [T, N, R], kv [S_cap, C+R], visible [T, S_cap] bool (every row has at least
+    one visible slot) -> [T, N, C]. The same math as :func:`mla_attention_reference`; slots that are not
+    visible get probability exactly 0.
+    """
+    C = kv_lora_rank
+    c_kv, k_pe = kv[:, :C].float(), kv[:, C:].float()  # [S, C], [S, R]
+    scores = (torch.einsum("tnc,sc->nts", q_lat.float(), c_kv)
+              + torch.einsum("tnr,sr->nts", q_pe.float(), k_pe)) * scale  # [N, T, S]
+    scores = scores.masked_fill(~visible.unsqueeze(0), float("-inf"))
     p = scores.softmax(-1)
     return torch.einsum("nts,sc->tnc", p, c_kv).to(q_lat.dtype)

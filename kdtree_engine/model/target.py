@@ -72,6 +72,14 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+    def forward_static(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor,
+                       slots: torch.Tensor, start: torch.Tensor, tree_mask: torch.Tensor,
+                       visible: torch.Tensor) -> torch.Tensor:
+        h = h + self.self_attn.forward_static(self.input_layernorm(h), cos, sin, kv, slots, start, tree_mask,
+                                              visible)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
 class Target(nn.Module):
     def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                  quant: QuantPolicy | None = None, quantize_on_load: bool = False) -> None:
@@ -246,3 +254,40 @@ class Target(nn.Module):
         if tree_mask is None:
             cache.commit_all()
         return TargetOutput(logits=logits, aux=aux_out)
+
+    @torch.no_grad()
+    def forward_static(self, ids: torch.Tensor, cache: LatentCache, start: torch.Tensor, positions: torch.Tensor,
+                       tree_mask: torch.Tensor, aux_layers: tuple[int, ...] = ()) -> TargetOutput:
+        """A tree (or causal) step whose bookkeeping stays on the device: no host read, shapes fixed by
+        T and the cache capacity (capturable in a CUDA graph).
+
+        ids [T]; start [] long = committed length (the new entries go to slots start..start+T-1);
+        positions [T] long; tree_mask [T, T] bool (ancestor-or-self; tril for a causal block). The
+        cache's host-side length is not used or changed: the caller keeps the length on the device and
+        compacts with :meth:`LatentCache.compact_static`. The rope tables must cover the positions
+        (``self.rope.ensure``).
+        """
+        T = ids.shape[0]
+        dev = self.device
+        cos, sin = self.rope.gather(positions)
+        slots = start + torch.arange(T, device=dev)  # [T]
+        visible = static_visibility(start, tree_mask, cache.capacity)  # [T, S_cap]
+        h = self.embed(ids)
+        wanted = set(aux_layers)
+        saved: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            h = layer.forward_static(h, cos, sin, cache.layer(i), slots, start, tree_mask, visible)
+            if i in wanted:
+                saved[i] = h
+        aux_out = torch.cat([saved[l] for l in aux_layers], dim=-1) if aux_layers else None
+        return TargetOutput(logits=self.lm_head(self.norm(h)), aux=aux_out)
+
+
+def static_visibility(start: torch.Tensor, tree_mask: torch.Tensor, capacity: int) -> torch.Tensor:
+    """visible [T, S_cap]: slot s is seen by query i when s < start (committed) or s = start + j with
+    tree_mask[i, j] (its own block entries). Built on the device from the device-side ``start``."""
+    T = tree_mask.shape[0]
+    rel = torch.arange(capacity, device=tree_mask.device) - start  # [S_cap]
+    in_block = (rel >= 0) & (rel < T)
+    cols = tree_mask.index_select(1, rel.clamp(0, T - 1))  # [T, S_cap]
+    return (rel < 0).unsqueeze(0) | (in_block.unsqueeze(0) & cols)

@@ -22,6 +22,11 @@ Stage timers (``draft_s``, ``tree_s``, ``verify_s``, ``commit_s``) synchronize t
 each stage. ``tau`` = mean accepted length per round, bonus included (1.0 for "none");
 ``accepted_per_depth[d]`` = rounds whose draft at depth d+1 was accepted.
 
+Two round engines, one contract: this module's loop (``eager=True``: host-side bookkeeping, stage
+timers, any sampling rule, ``budget="auto"``) and device-resident rounds (:mod:`.device_round`, replayed
+from CUDA graphs by :mod:`.graph`, looped by :mod:`.device_decode`: greedy, fixed budget, the host reads
+only the emitted tokens). :func:`pick_round_mode` chooses (graphs by default on CUDA) and logs it once.
+
 ``budget="auto"`` (ddtree): each round's budget is chosen by :mod:`.budget` from the measured
 verify cost curve and the drafter's calibrated acceptance; stats then carry ``budget: "auto"``,
 ``budget_chosen`` ({budget: rounds}) and ``budget_auto`` (the chooser's final state and curve).
@@ -171,9 +176,14 @@ def resolve_spec(spec: str | SpecConfig, drafter: Any, budget: int | str | None)
 
 def generate(target: Target, prompt_ids: list[int], params: SamplingParams, *,
              spec: str | SpecConfig = "none", drafter: Any = None, budget: int | str | None = None,
-             on_tokens: Callable[[list[int]], None] | None = None, tree_impl: str = "auto") -> GenerationResult:
+             on_tokens: Callable[[list[int]], None] | None = None, tree_impl: str = "auto",
+             eager: bool | None = None) -> GenerationResult:
     """Decode one request with plain decoding, DFlash (chain) or DDTree (tree of ``budget`` nodes,
     or ``budget="auto"``: chosen per round).
+
+    ``eager``: True runs this module's round loop (host-side bookkeeping, stage timers, any sampling
+    rule; the debugging path); False replays each round from a CUDA graph (:mod:`.graph`, greedy, a
+    fixed budget); None picks graphs where they apply (see :func:`pick_round_mode`, logged once).
 
     ``drafter`` is a :class:`kdtree_engine.model.dflash.DFlashDrafter` (or anything with its
     ``propose`` / ``new_cache`` / ``target_layer_ids`` / ``block_size``); it is checked against the
@@ -181,6 +191,12 @@ def generate(target: Target, prompt_ids: list[int], params: SamplingParams, *,
     """
     sc = resolve_spec(spec, drafter, budget)
     check_prompt(target, prompt_ids)
+    if pick_round_mode(sc, params, drafter, target, eager, tree_impl) == "graph":
+        from .device_decode import generate_device
+        return generate_device(target, prompt_ids, params, method=sc.method,
+                               drafter=drafter if sc.method != "none" else None,
+                               budget=sc.budget if sc.method == "ddtree" else None, graph=True,
+                               on_tokens=on_tokens)
     impl = pick_tree_impl(tree_impl, target.device) if sc.method == "ddtree" else "vectorized"
     if drafter is not None and sc.method != "none" and hasattr(drafter, "check_target"):
         drafter.check_target(target.cfg)
@@ -292,6 +308,41 @@ def _set_last_round(result: GenerationResult, tree: DraftTree, res: Any, draft_l
     lp = torch.log_softmax(draft_logits.float(), dim=-1)  # [depth, V]
     depths, tokens = tree.depths.tolist(), tree.tokens.tolist()
     result.last_draft_logprobs = [None if d == 0 else float(lp[d - 1, t]) for d, t in zip(depths, tokens)]
+
+
+def pick_round_mode(sc: SpecConfig, params: SamplingParams, drafter: Any, target: Any, eager: bool | None,
+                    tree_impl: str = "auto") -> str:
+    """"graph" (each round replayed from a CUDA graph) or "eager" (the host-driven loop).
+
+    Graphs need a CUDA target with ``forward_static``, greedy decoding, a fixed budget, a drafter with
+    ``forward_static`` (dflash / ddtree) and the builder left to the round (tree_impl auto / graph /
+    vectorized). ``eager=False`` when one of these fails raises SpecError; ``eager=None`` takes graphs
+    when all hold, else the eager loop, and logs the choice once.
+    """
+    if eager is True:
+        return "eager"
+    dev = getattr(target, "device", torch.device("cpu"))
+    why = None
+    if dev.type != "cuda":
+        why = f"the target is on {dev.type}"
+    elif not hasattr(target, "forward_static"):
+        why = "the target has no device-resident step"
+    elif not params.greedy:
+        why = "sampling (temperature > 0) runs eagerly; graphs are greedy only"
+    elif sc.budget == AUTO:
+        why = "budget auto times each stage on the host"
+    elif sc.method != "none" and not hasattr(drafter, "forward_static"):
+        why = "the drafter has no device-resident pass"
+    elif tree_impl == "heap":
+        why = "tree builder 'heap' runs on the host"
+    if why is not None:
+        if eager is False:
+            raise SpecError(f"CUDA-graph rounds (eager=False) are not possible here: {why}")
+        log_once(f"rounds:eager:{why}", f"decoding rounds: eager ({why})")
+        return "eager"
+    log_once(f"rounds:graph:{dev.type}", f"decoding rounds on {dev.type}: one CUDA graph per round "
+             "(greedy; --eager for the host-driven loop)")
+    return "graph"
 
 
 TREE_IMPLS = ("auto", "graph", "vectorized", "heap")

@@ -15,7 +15,8 @@ import torch
 HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parent))
 
-from kdtree_engine.kernels.mla_attention import MLAConfig, mla_attention, tree_gather_index  # noqa: E402
+from kdtree_engine.kernels.mla_attention import (MLAConfig, mla_attention, mla_attention_device,  # noqa: E402
+                                                 tree_gather_index)
 from kdtree_engine.model.mla import mla_attention_reference  # noqa: E402
 
 C, R = 32, 16
@@ -108,7 +109,25 @@ CASES["inv_N3_S45_T11_tree"] = ("inv", 3, 45, 11, "tree", "c32", "")
 CASES["inv_N4_S61_T7_causal"] = ("inv", 4, 61, 7, "causal", "c32", "")
 CASES["inv_N20_S50_T6_tree_vsplit"] = ("inv", 20, 50, 6, "tree", "vsplit", "")
 
+# device-side length: the whole buffer (junk past S + T) and start as a tensor == the host-length launch
+CASES["dev_N3_S37_T5_tree_c32"] = ("dev", 3, 37, 5, "tree", "c32", "")
+CASES["dev_N4_S64_T9_tree_c32"] = ("dev", 4, 64, 9, "tree", "c32", "")
+CASES["dev_N3_S0_T5_tree_c32"] = ("dev", 3, 0, 5, "tree", "c32", "")
+CASES["dev_N3_S20_T1_causal_c32"] = ("dev", 3, 20, 1, "causal", "c32", "")
+CASES["dev_N4_S100_T9_tree_vsplit"] = ("dev", 4, 100, 9, "tree", "vsplit", "")
+
 TOL = {"fp32": 2e-5, "bf16": 2e-2}
+
+
+def _run_dev(N, S, T, mask_kind, cfg_name, variant, gen):
+    cfg = CONFIGS[cfg_name]
+    q_lat, q_pe, kv = make_inputs(T, N, S, gen)
+    mask = torch.ones(T, T, dtype=torch.bool).tril() if mask_kind == "causal" else random_tree_mask(T, gen)
+    buf = torch.cat([kv, 1e3 * torch.randn(45, C + R, generator=gen)])  # junk past S + T must not matter
+    host = mla_attention(q_lat, q_pe, kv, S, mask, 0.3, C, config=cfg)
+    dev = mla_attention_device(q_lat, q_pe, buf, torch.tensor(S), mask, 0.3, C, config=cfg)
+    return {"equal": bool(torch.equal(host, dev)), "maxdiff": float((host - dev).abs().max()),
+            "nonfinite": int((~torch.isfinite(dev)).sum())}
 
 
 def _run_ref(N, S, T, mask_kind, cfg_name, variant, gen):
@@ -154,7 +173,7 @@ def _run_one(name, spec):
     seed = int.from_bytes(os.urandom(4), "little")  # fresh inputs every run; reported on failure
     gen = torch.Generator().manual_seed(seed)
     t0 = time.perf_counter()
-    rec = (_run_ref if kind == "ref" else _run_inv)(N, S, T, mask_kind, cfg_name, variant, gen)
+    rec = {"ref": _run_ref, "inv": _run_inv, "dev": _run_dev}[kind](N, S, T, mask_kind, cfg_name, variant, gen)
     rec["seed"] = seed
     rec["secs"] = round(time.perf_counter() - t0, 2)
     return rec
@@ -181,6 +200,14 @@ def test_batch_invariant_interpreted(interp_results, name):
     assert rec["nonfinite"] == 0
     assert not rec["bad"], f"queries {rec['bad']} differ alone vs batched (max {rec['worst']:.3g}, seed {rec['seed']})"
     assert rec["sub_equal"], f"a sub-batch differs from the full launch (seed {rec['seed']})"
+
+
+@pytest.mark.parametrize("name", [n for n in CASES if CASES[n][0] == "dev"])
+def test_device_length_equals_host_length_interpreted(interp_results, name):
+    rec = interp_results[name]
+    _interp.check_ran(rec)
+    assert rec["nonfinite"] == 0
+    assert rec["equal"], f"device-length launch differs (max {rec['maxdiff']:.3g}, seed {rec['seed']})"
 
 
 if __name__ == "__main__" and "--interp-cases" in sys.argv:

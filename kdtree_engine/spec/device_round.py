@@ -1,0 +1,166 @@
+"""One decoding round with every piece of bookkeeping on the device (greedy).
+
+    draft (drafter over the cached context + the block [bonus, MASK x (B-1)])
+      -> tree (dflash: argmax chain; ddtree: the best-first builder in one launch (kernels/tree_ops.py)
+         on CUDA, the vectorized torch builder on the CPU; none: the root alone)
+      -> verify (one target step over the tree, whole-cache attention with a device-side mask)
+      -> accept (vectorized walk: on-path mask, bonus) -> commit (KV compaction by device indices,
+         the drafter's context rows gathered by device indices) -> emitted tokens + count
+
+The round reads and writes only tensors it owns (``start``, ``bonus``, ``ctx``, ``n_ctx``, the two
+caches, ``result``); nothing is read back to the host and every shape is fixed by (method, budget,
+block size, capacity). So :meth:`DeviceRound.step` can be captured once in a CUDA graph and replayed
+(:mod:`.graph`), or run as is (eager, the same kernels). The host reads ``result`` once per round:
+``result[:A]`` are the emitted tokens (accepted drafts then the bonus), ``result[-1]`` = A.
+
+Fixed shapes: the tree always has the full depth B - 1 (drafts past the request's end are verified and
+then cut by the host's stop rule, which never changes the tokens before the cut); ``M = min(B, N1)``
+rows are compacted and gathered every round, the ones past A land past the new committed length where
+no query looks and the next round overwrites them. Capacity must hold start + max(N1, B) slots.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..model.target import Target
+from ..sampling import greedy
+from .accept import accept_path_mask
+from .tree import DraftTree, chain_tree, topk_logprobs, tree_size
+
+DEVICE_ROUND_METHODS = ("none", "dflash", "ddtree")
+
+
+def tree_nodes(method: str, block_size: int, budget: int | None, vocab: int) -> int:
+    """N1 = verify width of a round (root included) for a full-depth tree."""
+    if method == "none":
+        return 1
+    if method == "dflash":
+        return block_size
+    b = budget or block_size - 1
+    return tree_size(b, block_size - 1, min(b, vocab)) + 1
+
+
+def accepted_order(on_path: torch.Tensor, depths: torch.Tensor, m: int) -> torch.Tensor:
+    """[m] long: entry d < A = the accepted node at depth d (root first: the path order, which is
+    also ascending node order); entries past A are 0 (the root). on_path [N1] bool, depths [N1].
+
+    The accepted nodes have the distinct depths 0..A-1 (A <= m), so one scatter places them; the
+    other nodes go to distinct slots past m (unique indices: deterministic). No host read."""
+    n1 = on_path.shape[0]
+    nodes = torch.arange(n1, device=on_path.device)
+    dst = torch.where(on_path, depths, m + nodes)  # [N1]
+    out = torch.zeros(m + n1, dtype=torch.long, device=on_path.device)
+    return out.scatter_(0, dst, nodes)[:m]
+
+
+def emitted_tokens(tree_tokens: torch.Tensor, acc: torch.Tensor, count: torch.Tensor,
+                   bonus: torch.Tensor) -> torch.Tensor:
+    """[M] long: entry j < A-1 = token of accepted node j+1, entry A-1 = bonus (count = A); the
+    rest is unspecified. acc [M] from :func:`accepted_order`."""
+    m = acc.shape[0]
+    j = torch.arange(m, device=acc.device)
+    path = tree_tokens.index_select(0, acc)  # [M] root first
+    nxt = path.index_select(0, (j + 1).clamp(max=m - 1))
+    return torch.where(j == count - 1, bonus, nxt)
+
+
+class DeviceRound:
+    """State and step of device-resident rounds for one (target, drafter, method, budget, capacity)."""
+
+    def __init__(self, target: Target, drafter: Any, method: str, budget: int | None, capacity: int) -> None:
+        if method not in DEVICE_ROUND_METHODS:
+            raise ValueError(f"method must be one of {DEVICE_ROUND_METHODS}, got {method!r}")
+        if method != "none" and drafter is None:
+            raise ValueError(f"method {method!r} needs a drafter")
+        self.target, self.method = target, method
+        self.drafter = drafter if method != "none" else None
+        dev = target.device
+        self.B = self.drafter.block_size if self.drafter is not None else 1
+        self.budget = (budget or self.B - 1) if method == "ddtree" else None
+        self.n1 = tree_nodes(method, self.B, self.budget, target.cfg.vocab_size)
+        self.m = min(self.B, self.n1)
+        self.capacity = capacity
+        self.aux_layers = tuple(self.drafter.target_layer_ids) if self.drafter is not None else ()
+        self.cache = target.new_cache(capacity)
+        self.dcache = self.drafter.new_cache(capacity) if self.drafter is not None else None
+        # rope tables sized once for good: a captured graph reads them in place
+        target.rope.ensure(max(capacity + self.n1, target.cfg.max_position_embeddings + self.B))
+        feat = len(self.aux_layers) * target.cfg.hidden_size
+        # ---- state (updated in place by step) ----
+        self.start = torch.zeros((), dtype=torch.long, device=dev)  # committed length = bonus position
+        self.bonus = torch.zeros((), dtype=torch.long, device=dev)  # newest token, not yet in the cache
+        self.ctx = torch.zeros((self.B, max(feat, 1)), dtype=target.dtype, device=dev)  # drafter context rows
+        self.n_ctx = torch.zeros((), dtype=torch.long, device=dev)  # valid rows of ctx
+        self.result = torch.zeros((self.m + 1,), dtype=torch.long, device=dev)  # emitted [M] + count
+
+    # ---- host side, between requests ----------------------------------------------------------
+    def max_length(self) -> int:
+        """Largest committed length at which a round still fits the capacity."""
+        return self.capacity - max(self.n1, self.B)
+
+    @torch.no_grad()
+    def prefill(self, prompt_ids: list[int]) -> torch.Tensor:
+        """Eager prompt forward into this round's caches; sets the state. Returns the first token []."""
+        S = len(prompt_ids)
+        if S > self.max_length():
+            raise ValueError(f"prompt of {S} tokens does not fit a round buffer of capacity {self.capacity}")
+        target = self.target
+        self.cache.crop(0)
+        ids = torch.tensor(prompt_ids, dtype=torch.long, device=target.device)
+        out = target(ids, self.cache, aux_layers=self.aux_layers)
+        first = greedy(out.logits[-1])
+        self.start.fill_(S)
+        self.bonus.copy_(first)
+        if self.drafter is not None:
+            self.dcache.crop(0)
+            self.drafter.append_context(out.aux[: S - 1], self.dcache)  # positions 0 .. S-2
+            self.ctx[:1].copy_(out.aux[S - 1:S])  # position S-1, fed by the first round
+            self.n_ctx.fill_(1)
+        return first
+
+    def snapshot(self) -> tuple[torch.Tensor, ...]:
+        return tuple(t.clone() for t in (self.start, self.bonus, self.ctx, self.n_ctx))
+
+    def restore(self, saved: tuple[torch.Tensor, ...]) -> None:
+        for t, s in zip((self.start, self.bonus, self.ctx, self.n_ctx), saved):
+            t.copy_(s)
+
+    # ---- the round (device only) ----------------------------------------------------------------
+    def make_tree(self) -> DraftTree:
+        dev = self.target.device
+        if self.drafter is None:
+            return chain_tree(self.bonus, torch.empty(0, dtype=torch.long, device=dev), self.start)
+        B = self.B
+        block = torch.where(torch.arange(B, device=dev) == 0, self.bonus,
+                            torch.full((B,), self.drafter.cfg.mask_token_id, dtype=torch.long, device=dev))
+        h = self.drafter.forward_static(self.ctx, self.n_ctx, self.target.embed(block), self.dcache, self.start)
+        draft_logits = self.target.lm_head(h[1:])  # [B-1, V]
+        if self.method == "dflash":
+            return chain_tree(self.bonus, greedy(draft_logits), self.start)
+        from ..kernels.dispatch import build_draft_tree
+        lp, ids = topk_logprobs(draft_logits, self.budget)  # [B-1, K]
+        return build_draft_tree(lp, ids, self.budget, self.bonus, self.start)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """One round, in place. Host-read free; capturable."""
+        from ..kernels.dispatch import static_shapes
+        with static_shapes():
+            tree = self.make_tree()
+            vout = self.target.forward_static(tree.tokens, self.cache, self.start, tree.positions, tree.mask,
+                                              self.aux_layers)
+            picks = greedy(vout.logits)  # [N1]
+            on_path, bonus = accept_path_mask(tree, picks)
+            count = on_path.sum()  # [] = A
+            acc = accepted_order(on_path, tree.depths, self.m)  # [M]
+            self.cache.compact_static(self.start, acc)
+            if self.drafter is not None:
+                self.ctx[: self.m].copy_(vout.aux.index_select(0, acc))
+                self.n_ctx.copy_(count)
+            self.result[: self.m].copy_(emitted_tokens(tree.tokens, acc, count, bonus))
+            self.result[self.m:].copy_(count.reshape(1))
+            self.start.add_(count)
+            self.bonus.copy_(bonus)

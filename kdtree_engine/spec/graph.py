@@ -1,0 +1,120 @@
+"""A whole decoding round replayed from a CUDA graph.
+
+:class:`GraphRunner` captures :meth:`DeviceRound.step` once (draft -> tree -> verify -> accept ->
+commit, all on the device, static buffers owned by the round) and replays it each round; the host
+then reads the round's ``result`` (emitted tokens + count), the one synchronization of a round.
+
+Capture: two warm-up rounds on a side stream (lazy initialisation, Triton compilation, allocator),
+the round's state restored, then one capture into a private memory pool. Warm-up rounds write only
+past the committed length of the caches (and re-write the drafter's pending context rows with the
+same values), so restoring (start, bonus, context rows, count) undoes them.
+
+Rounds are cached per (target, drafter, method, budget, capacity): a later request with the same
+settings reuses the captured graph (its prompt is prefilled into the same buffers). Capacities are
+rounded up to a power of two (at least :data:`MIN_CAPACITY`) so requests of similar length share one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..model.layers import log
+from ..model.target import Target
+from .device_round import DeviceRound
+
+MIN_CAPACITY = 512
+WARMUP_ROUNDS = 2
+
+
+def capacity_bucket(tokens: int) -> int:
+    """Power of two >= tokens (and >= MIN_CAPACITY)."""
+    cap = MIN_CAPACITY
+    while cap < tokens:
+        cap *= 2
+    return cap
+
+
+class GraphRunner:
+    """Replays one captured round of a :class:`DeviceRound` (CUDA only)."""
+
+    def __init__(self, rnd: DeviceRound) -> None:
+        if rnd.target.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device; the target is on {rnd.target.device}")
+        self.rnd = rnd
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.pool = None
+        self._inputs: tuple = ()
+
+    def capture(self) -> None:
+        rnd = self.rnd
+        dev = rnd.target.device
+        saved = rnd.snapshot()
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            for _ in range(WARMUP_ROUNDS):
+                rnd.step()
+        torch.cuda.current_stream(dev).wait_stream(side)
+        rnd.restore(saved)
+        torch.cuda.synchronize(dev)
+        self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            rnd.step()
+        self.graph = graph
+        self._inputs = self._watched()
+        log.debug("captured a %s round (budget %s, capacity %d)", rnd.method, rnd.budget, rnd.capacity)
+
+    def _watched(self) -> tuple:
+        """Addresses of tensors the graph reads that live outside the round and may be replaced
+        (rope tables grown by an eager step, absorbed attention weights rebuilt after a reload)."""
+        t = self.rnd.target
+        ptrs = [t.rope.cos.data_ptr(), t.rope.sin.data_ptr()]
+        for layer in t.layers:
+            a = layer.self_attn._absorbed
+            ptrs.append(None if a is None else a[0].data_ptr())
+        return tuple(ptrs)
+
+    def step(self) -> None:
+        if self.graph is not None and self._watched() != self._inputs:
+            log.info("decoding round graph: a tensor it reads was replaced; capturing again")
+            self.graph = None
+        if self.graph is None:
+            self.capture()
+        self.graph.replay()
+
+
+class _Registry:
+    """DeviceRounds (and their graphs) per target, stored on the target itself so that they go with
+    it (a weak-keyed table would be kept alive by the rounds' own reference to the target)."""
+
+    ATTR = "_device_rounds"
+
+    def get(self, target: Target, drafter: Any, method: str, budget: int | None, tokens: int,
+            graph: bool) -> tuple[DeviceRound, GraphRunner | None]:
+        rounds = target.__dict__.setdefault(self.ATTR, {})
+        n1 = _width(target, drafter, method, budget)
+        B = drafter.block_size if (drafter is not None and method != "none") else 1
+        cap = capacity_bucket(tokens + max(n1, B))
+        key = (id(drafter) if method != "none" else None, method, budget, cap, graph)
+        entry = rounds.get(key)
+        if entry is None or (entry[0].drafter is not None and entry[0].drafter is not drafter):
+            rnd = DeviceRound(target, drafter, method, budget, cap)
+            entry = (rnd, GraphRunner(rnd) if graph else None)
+            rounds[key] = entry
+        return entry
+
+    def clear(self, target: Target) -> None:
+        """Free a target's round buffers and graphs."""
+        target.__dict__.pop(self.ATTR, None)
+
+
+def _width(target: Target, drafter: Any, method: str, budget: int | None) -> int:
+    from .device_round import tree_nodes
+    B = drafter.block_size if (drafter is not None and method != "none") else 1
+    return tree_nodes(method, B, budget if method == "ddtree" else None, target.cfg.vocab_size)
+
+
+ROUNDS = _Registry()

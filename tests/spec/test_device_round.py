@@ -1,0 +1,222 @@
+"""Device-resident rounds on the CPU: the pieces against their host-side references (accept walk,
+KV compaction, visibility mask, masked attention, the drafter's static pass), and whole requests
+against plain decoding (the independent oracle), stop rules included."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kdtree_engine.cache import LatentCache
+from kdtree_engine.config import preset
+from kdtree_engine.draft_config import DraftConfig
+from kdtree_engine.model.dflash import DFlashDrafter
+from kdtree_engine.model.mla import mla_attention_masked, mla_attention_reference
+from kdtree_engine.model.target import Target, static_visibility
+from kdtree_engine.sampling import SamplingParams
+from kdtree_engine.spec.accept import accept_path_mask, accept_reference
+from kdtree_engine.spec.decode import SpecConfig, SpecError, generate, pick_round_mode
+from kdtree_engine.spec.device_decode import generate_device
+from kdtree_engine.spec.device_round import accepted_order, emitted_tokens, tree_nodes
+from kdtree_engine.spec.tree import build_tree, topk_logprobs
+
+DEMO = Path(__file__).resolve().parents[2] / "kdtree_engine" / "assets" / "demo"
+
+
+def _random_tree(g: torch.Generator, depth: int, vocab: int, budget: int):
+    logits = torch.randn(depth, vocab, generator=g) * 3
+    lp, ids = topk_logprobs(logits, budget)
+    return build_tree(lp, ids, budget, torch.tensor(7), torch.tensor(30))
+
+
+def _picks_following(tree, g: torch.Generator, vocab: int, follow: float) -> torch.Tensor:
+    """Per node: with probability ``follow`` the token of one of its children, else a random token."""
+    toks, pars = tree.tokens.tolist(), tree.parents.tolist()
+    kids: dict[int, list[int]] = {}
+    for i in range(1, len(toks)):
+        kids.setdefault(pars[i], []).append(toks[i])
+    out = []
+    for i in range(len(toks)):
+        c = kids.get(i, [])
+        if c and float(torch.rand((), generator=g)) < follow:
+            out.append(c[int(torch.randint(0, len(c), (), generator=g))])
+        else:
+            out.append(int(torch.randint(0, vocab, (), generator=g)))
+    return torch.tensor(out)
+
+
+@pytest.mark.parametrize("depth,vocab,budget", [(5, 6, 12), (7, 3, 40), (4, 50, 4), (15, 20, 64), (1, 5, 1)])
+def test_vectorized_accept_equals_reference_walk(depth, vocab, budget):
+    g = torch.Generator().manual_seed(depth * 100 + budget)
+    for trial in range(30):
+        tree = _random_tree(g, depth, vocab, budget)
+        picks = _picks_following(tree, g, vocab, follow=0.8 if trial % 3 else 0.3)
+        want_acc, want_bonus = accept_reference(tree, picks)
+        on_path, bonus = accept_path_mask(tree, picks)
+        n1 = tree.num_nodes
+        m = min(depth + 1, n1)
+        count = on_path.sum()
+        acc = accepted_order(on_path, tree.depths, m)
+        assert int(count) == len(want_acc)
+        assert acc[: len(want_acc)].tolist() == want_acc
+        assert int(bonus) == want_bonus
+        em = emitted_tokens(tree.tokens, acc, count, bonus)
+        want_emit = [int(tree.tokens[i]) for i in want_acc[1:]] + [want_bonus]
+        assert em[: len(want_acc)].tolist() == want_emit
+
+
+def test_compact_static_equals_commit():
+    cfg = preset("k2-tiny")
+    g = torch.Generator().manual_seed(0)
+    a = LatentCache(cfg, 40, dtype=torch.float32, device="cpu")
+    a.kv.copy_(torch.randn(a.kv.shape, generator=g))
+    b = LatentCache(cfg, 40, dtype=torch.float32, device="cpu")
+    b.kv.copy_(a.kv)
+    a.length = 11
+    a.reserve(9)
+    keep = torch.tensor([0, 2, 5, 8])
+    a.commit(keep)
+    acc = torch.tensor([0, 2, 5, 8, 1, 3])  # accepted first, then any other nodes (fixed M = 6)
+    b.compact_static(torch.tensor(11), acc)
+    assert torch.equal(a.kv[:, :15], b.kv[:, :15])  # committed slots identical; slots past 15 are scratch
+
+
+def test_static_visibility_and_masked_attention():
+    g = torch.Generator().manual_seed(1)
+    T, S, cap, C, R, N = 5, 9, 20, 8, 4, 3
+    tree = _random_tree(g, 3, 4, T - 1)
+    mask = tree.mask
+    vis = static_visibility(torch.tensor(S), mask, cap)
+    assert vis.shape == (T, cap)
+    assert vis[:, :S].all() and not vis[:, S + T:].any()
+    assert torch.equal(vis[:, S:S + T], mask)
+    q_lat, q_pe = torch.randn(T, N, C, generator=g), torch.randn(T, N, R, generator=g)
+    kv = torch.randn(cap, C + R, generator=g)
+    got = mla_attention_masked(q_lat, q_pe, kv, vis, 0.3, C)
+    want = mla_attention_reference(q_lat, q_pe, kv[: S + T], S, mask, 0.3, C)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def _tiny_pair(block: int = 6):
+    cfg = preset("k2-tiny")
+    target = Target.random(cfg, seed=0)
+    dcfg = DraftConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, block_size=block, mask_token_id=255,
+                       target_layer_ids=(0, 3), num_target_layers=4, vocab_size=256, sliding_windows=(3, None))
+    return target, DFlashDrafter.random(dcfg, seed=0)
+
+
+def test_drafter_static_pass_equals_eager():
+    target, drafter = _tiny_pair()
+    g = torch.Generator().manual_seed(2)
+    S, F = 9, 2 * 64
+    ctx = torch.randn(S, F, generator=g)
+    block = target.embed(torch.tensor([5] + [255] * 5))
+    c1 = drafter.new_cache(32)
+    want = drafter(ctx, block, c1, S)
+    c2 = drafter.new_cache(32)
+    drafter.append_context(ctx[: S - 3], c2)  # the rest comes through the static pass: 3 rows + junk
+    rows = torch.cat([ctx[S - 3:], torch.randn(3, F, generator=g)])
+    got = drafter.forward_static(rows, torch.tensor(3), block, c2, torch.tensor(S))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(c2.k[:, :, :S], c1.k[:, :, :S], rtol=1e-6, atol=1e-6)
+
+
+def test_device_rounds_equal_plain_decoding_tiny():
+    target, drafter = _tiny_pair()
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    for prompt in ([5, 6, 7, 8], [3, 200, 17, 99, 41, 2, 250]):
+        ref = generate(target, prompt, params)
+        for method, budget in (("none", None), ("dflash", None), ("ddtree", 3), ("ddtree", 16)):
+            r = generate_device(target, prompt, params, method=method, drafter=None if method == "none" else drafter,
+                                budget=budget, graph=False)
+            assert r.token_ids == ref.token_ids, (prompt, method, budget)
+            assert r.finish_reason == ref.finish_reason
+            assert r.stats["rounds_mode"] == "device-eager"
+
+
+@pytest.mark.skipif(not (DEMO / "config.json").exists(), reason="embedded demo missing")
+def test_device_rounds_equal_plain_decoding_demo_with_stops():
+    from kdtree_engine.engine import load_drafter, load_target
+    target = load_target(DEMO, device=torch.device("cpu"), dtype=torch.float32, progress=False)
+    drafter = load_drafter(DEMO / "draft", target)
+    prompt = [int(t) for t in torch.randint(5, 4000, (12,), generator=torch.Generator().manual_seed(3))]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    ref = generate(target, prompt, params)
+    stop = ref.token_ids[9]  # a stop token mid-way (cuts a round in the middle)
+    pstop = SamplingParams(max_tokens=24, ignore_eos=True, stop_token_ids=(stop,))
+    ref_stop = generate(target, prompt, pstop)
+    assert ref_stop.finish_reason == "stop"
+    for method, budget in (("dflash", None), ("ddtree", 8)):
+        for p, want in ((params, ref), (pstop, ref_stop)):
+            r = generate_device(target, prompt, p, method=method, drafter=drafter, budget=budget, graph=False)
+            assert r.token_ids == want.token_ids and r.finish_reason == want.finish_reason, (method, budget)
+            eager = generate(target, prompt, p, spec=method, drafter=drafter, budget=budget)
+            assert r.stats["rounds"] == eager.stats["rounds"]
+
+
+def test_round_mode_choice():
+    target, drafter = _tiny_pair()
+    greedy = SamplingParams(max_tokens=4)
+    assert pick_round_mode(SpecConfig("ddtree", 4), greedy, drafter, target, None) == "eager"  # CPU
+    assert pick_round_mode(SpecConfig("ddtree", 4), greedy, drafter, target, True) == "eager"
+    with pytest.raises(SpecError, match="eager=False"):
+        pick_round_mode(SpecConfig("ddtree", 4), greedy, drafter, target, False)
+    with pytest.raises(SpecError, match="eager=False"):
+        generate(target, [5, 6], greedy, spec="dflash", drafter=drafter, eager=False)
+
+
+def test_tree_nodes():
+    assert tree_nodes("none", 1, None, 100) == 1
+    assert tree_nodes("dflash", 6, None, 100) == 6
+    assert tree_nodes("ddtree", 6, 4, 100) == 5
+    assert tree_nodes("ddtree", 3, 64, 3) == 1 + 3 + 9  # only 12 prefixes of depth <= 2 over 3 tokens
+
+
+def test_warmup_rounds_then_restore_change_nothing():
+    """What graph capture does before capturing (two rounds run, the state restored) leaves the
+    following rounds exactly as without it: warm-up writes land past the committed length only."""
+    from kdtree_engine.spec.device_round import DeviceRound
+
+    if (DEMO / "config.json").exists():  # a trained drafter: rounds accept drafts (compaction, context rows)
+        from kdtree_engine.engine import load_drafter, load_target
+        target = load_target(DEMO, device=torch.device("cpu"), dtype=torch.float32, progress=False)
+        drafter = load_drafter(DEMO / "draft", target)
+        from kdtree_engine.engine import load_tokenizer
+        prompt = load_tokenizer(DEMO).encode("def add(a, b):\n    return").ids
+    else:
+        target, drafter = _tiny_pair()
+        prompt = [3, 200, 17, 99, 41]
+    outs = []
+    for warm in (False, True):
+        rnd = DeviceRound(target, drafter, "ddtree", 8, 256)
+        rnd.prefill(prompt)
+        toks = []
+        for r in range(12):
+            if warm and r in (0, 5):
+                saved = rnd.snapshot()
+                rnd.step()
+                rnd.step()
+                rnd.restore(saved)
+            rnd.step()
+            vals = rnd.result.tolist()
+            toks += vals[: vals[-1]]
+        outs.append(toks)
+    assert outs[0] == outs[1]
+    ref = generate(target, prompt, SamplingParams(max_tokens=len(outs[0]) + 1, ignore_eos=True)).token_ids
+    assert outs[0] == ref[1:]
+
+
+def test_graph_runner_needs_cuda_and_capacity_buckets():
+    from kdtree_engine.spec.device_round import DeviceRound
+    from kdtree_engine.spec.graph import ROUNDS, GraphRunner, capacity_bucket
+
+    assert [capacity_bucket(n) for n in (1, 512, 513, 3000)] == [512, 512, 1024, 4096]
+    target, drafter = _tiny_pair()
+    with pytest.raises(ValueError, match="CUDA"):
+        GraphRunner(DeviceRound(target, drafter, "dflash", None, 64))
+    a, _ = ROUNDS.get(target, drafter, "ddtree", 4, 40, graph=False)
+    b, _ = ROUNDS.get(target, drafter, "ddtree", 4, 300, graph=False)
+    assert a is b and a.capacity == 512  # one buffer (and graph) for requests of similar length
+    ROUNDS.clear(target)
+    assert ROUNDS.get(target, drafter, "ddtree", 4, 40, graph=False)[0] is not a
