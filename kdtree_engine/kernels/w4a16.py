@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from .split_sum import split_sum
+from .w4a16_fma import FMA_BLOCK_M, _w4a16_fma_kernel, _x_planes_kernel
 
 from kdtree_engine.quant import dequantize
 
@@ -45,31 +46,65 @@ from kdtree_engine.quant import dequantize
 # configuration
 
 
+KERNELS = ("dot", "fma")
+
+
 @dataclass(frozen=True)
 class W4Config:
-    BLOCK_M: int = 16   # tokens per program (>= 16: tl.dot minimum)
+    BLOCK_M: int = 16   # tokens per program (dot: >= 16, tl.dot minimum; fma: 1, 2 or 4)
     BLOCK_N: int = 64   # weight rows per program
     BLOCK_K: int = 256  # k per step (multiple of the group size and of 8)
     SWAP_AB: bool = True
     num_warps: int = 4
     num_stages: int = 4
     split_k: int | None = None  # None: chosen from (N, K) by _split_k
+    KERNEL: str = "dot"  # "dot": tensor cores (this file); "fma": CUDA-core small-M path (w4a16_fma.py)
+
+    def __post_init__(self) -> None:
+        if self.KERNEL not in KERNELS:
+            raise ValueError(f"W4Config.KERNEL must be one of {KERNELS}, got {self.KERNEL!r}")
+        if self.KERNEL == "fma" and self.BLOCK_M not in FMA_BLOCK_M:
+            raise ValueError(f"W4Config.BLOCK_M must be one of {FMA_BLOCK_M} for KERNEL='fma', got {self.BLOCK_M}")
+        if self.KERNEL == "dot" and self.BLOCK_M < 16:
+            raise ValueError(f"W4Config.BLOCK_M must be >= 16 for KERNEL='dot', got {self.BLOCK_M}")
+
+    def reduction_key(self) -> tuple:
+        """The fields that fix how one output element is summed (must be equal across M buckets)."""
+        if self.KERNEL == "fma":
+            return (self.KERNEL, self.BLOCK_N, self.BLOCK_K, self.num_warps, self.split_k)
+        return (self.KERNEL, self.BLOCK_K, self.SWAP_AB, self.split_k)
 
     def as_dict(self) -> dict:
-        return dict(BLOCK_M=self.BLOCK_M, BLOCK_N=self.BLOCK_N, BLOCK_K=self.BLOCK_K, SWAP_AB=self.SWAP_AB,
-                    num_warps=self.num_warps, num_stages=self.num_stages, split_k=self.split_k)
+        return dict(KERNEL=self.KERNEL, BLOCK_M=self.BLOCK_M, BLOCK_N=self.BLOCK_N, BLOCK_K=self.BLOCK_K,
+                    SWAP_AB=self.SWAP_AB, num_warps=self.num_warps, num_stages=self.num_stages,
+                    split_k=self.split_k)
 
 
 # All buckets share BLOCK_K and SWAP_AB (batch invariance, see module docstring).
 REDUCTION_BLOCK_K = 256
 
-# (max M, config): the first bucket with M <= max M is used. Edit here to change the defaults.
+
+def check_table(table: list[tuple[int, W4Config]] | list, what: str) -> None:
+    """Every bucket of an M-bucket table must sum an output element the same way (batch invariance):
+    one kernel family and equal `reduction_key()`; buckets sorted by max M."""
+    keys = {cfg.reduction_key() for _, cfg in table}
+    if len(keys) != 1:
+        raise ValueError(f"{what}: all M buckets must share the reduction fields (batch invariance), "
+                         f"got {sorted(map(str, keys))}")
+    bounds = [m for m, _ in table]
+    if bounds != sorted(bounds):
+        raise ValueError(f"{what}: buckets must be sorted by max M, got {bounds}")
+
+
+# (max M, config): the first bucket with M <= max M is used. Edit here to change the defaults; the
+# bench's sweep (bench/kernels.py) prints candidates by name, see bench/w4_candidates.py.
 DENSE_CONFIGS: list[tuple[int, W4Config]] = [
     (16, W4Config(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=4)),
     (32, W4Config(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=4)),
     (64, W4Config(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)),
     (1 << 62, W4Config(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2)),
 ]
+check_table(DENSE_CONFIGS, "DENSE_CONFIGS")
 # Shared memory per pipeline stage ~ BLOCK_N*BLOCK_K/2 (int4) + BLOCK_M*BLOCK_K*2 (x) bytes, plus one
 # dequantized [BLOCK_N, BLOCK_K] tile when the MMA reads it from shared memory: keep the total under
 # ~200 KB (Hopper: 227 KB per block).
@@ -230,6 +265,37 @@ def check_w4(packed: torch.Tensor, scale: torch.Tensor, group_size: int, K: int,
         raise ValueError(f"{what}: packed and scale must be contiguous along K")
 
 
+def x_planes(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] -> fp32 [M, 8, K/8] in nibble-plane order, xp[m, j, c] = x[m, 8c + j] * 16^-(j % 4)."""
+    M, K = x.shape
+    k8 = K // 8
+    xp = torch.empty((M, 8, k8), device=x.device, dtype=torch.float32)
+    block_c = min(256, triton.next_power_of_2(k8))
+    _x_planes_kernel[(M, triton.cdiv(k8, block_c))](x, xp, k8, x.stride(0), xp.stride(0),
+                                                    BLOCK_C=block_c, num_warps=4)
+    return xp
+
+
+def _fma_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, group_size: int,
+                cfg: W4Config, block_k: int, k_per_split: int, split: int, out: torch.Tensor) -> torch.Tensor:
+    """The CUDA-core small-M family (w4a16_fma.py); same split-K and fixed-order sum as the dot path."""
+    M, K = x.shape
+    N = packed.shape[0]
+    xp = x_planes(x)
+    block_c = block_k // 8
+    even = N % cfg.BLOCK_N == 0 and (K // 8) % block_c == 0
+    target = out if split == 1 else torch.empty((split, M, N), device=x.device, dtype=torch.float32)
+    grid = (triton.cdiv(M, cfg.BLOCK_M), triton.cdiv(N, cfg.BLOCK_N), split)
+    _w4a16_fma_kernel[grid](
+        xp, packed, scale, target, M, N, K // 8, k_per_split // 8,
+        xp.stride(0), packed.stride(0), scale.stride(0), N, M * N,
+        G8_LOG=(group_size // 8).bit_length() - 1, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_C=block_c, EVEN=even,
+        OUT_F32=split > 1, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if split > 1:
+        split_sum(target, out, split)
+    return out
+
+
 def w4a16_linear_reference(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                            group_size: int) -> torch.Tensor:
     """Dequantize then x @ W.T with fp32 accumulation; [M, K] -> [M, N] in x.dtype."""
@@ -259,6 +325,8 @@ def w4a16_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, gro
     out = torch.empty((M, N), device=x.device, dtype=x.dtype)
     if M == 0:
         return out
+    if cfg.KERNEL == "fma":
+        return _fma_linear(x, packed, scale, group_size, cfg, block_k, k_per_split, split, out)
     interp = interpreting()
     upcast = interp
     prec = "ieee" if (x.dtype == torch.float32 or upcast) else "tf32"
@@ -275,5 +343,5 @@ def w4a16_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, gro
     return out
 
 
-__all__ = ["W4Config", "DENSE_CONFIGS", "REDUCTION_BLOCK_K", "dense_config", "w4a16_linear",
+__all__ = ["W4Config", "KERNELS", "check_table", "x_planes", "DENSE_CONFIGS", "REDUCTION_BLOCK_K", "dense_config", "w4a16_linear",
            "w4a16_linear_reference", "check_w4", "interpreting", "fp32_stages"]
