@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from .split_sum import split_sum
+from .w4_dequant import DEQ_BF16X2, DEQ_BF16X2_EMU, DEQ_FLOAT, DEQUANTS, _load_dequant, _unpack8, pair_order  # noqa: F401
 from .w4a16_fma import FMA_BLOCK_M, _w4a16_fma_kernel, _x_planes_kernel
 
 from kdtree_engine.quant import dequantize
@@ -59,6 +60,7 @@ class W4Config:
     num_stages: int = 4
     split_k: int | None = None  # None: chosen from (N, K) by _split_k
     KERNEL: str = "dot"  # "dot": tensor cores (this file); "fma": CUDA-core small-M path (w4a16_fma.py)
+    DEQUANT: str = "float"  # dot only: "float" or "bf16x2" (PTX, bf16 x only; same tile bits), w4_dequant.py
 
     def __post_init__(self) -> None:
         if self.KERNEL not in KERNELS:
@@ -67,15 +69,17 @@ class W4Config:
             raise ValueError(f"W4Config.BLOCK_M must be one of {FMA_BLOCK_M} for KERNEL='fma', got {self.BLOCK_M}")
         if self.KERNEL == "dot" and self.BLOCK_M < 16:
             raise ValueError(f"W4Config.BLOCK_M must be >= 16 for KERNEL='dot', got {self.BLOCK_M}")
+        if self.DEQUANT not in DEQUANTS:
+            raise ValueError(f"W4Config.DEQUANT must be one of {tuple(DEQUANTS)}, got {self.DEQUANT!r}")
 
     def reduction_key(self) -> tuple:
         """The fields that fix how one output element is summed (must be equal across M buckets)."""
         if self.KERNEL == "fma":
             return (self.KERNEL, self.BLOCK_N, self.BLOCK_K, self.num_warps, self.split_k)
-        return (self.KERNEL, self.BLOCK_K, self.SWAP_AB, self.split_k)
+        return (self.KERNEL, self.DEQUANT, self.BLOCK_K, self.SWAP_AB, self.split_k)
 
     def as_dict(self) -> dict:
-        return dict(KERNEL=self.KERNEL, BLOCK_M=self.BLOCK_M, BLOCK_N=self.BLOCK_N, BLOCK_K=self.BLOCK_K,
+        return dict(KERNEL=self.KERNEL, DEQUANT=self.DEQUANT, BLOCK_M=self.BLOCK_M, BLOCK_N=self.BLOCK_N, BLOCK_K=self.BLOCK_K,
                     SWAP_AB=self.SWAP_AB, num_warps=self.num_warps, num_stages=self.num_stages,
                     split_k=self.split_k)
 
@@ -149,45 +153,6 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @triton.jit
-def _unpack8(w, ROWS: tl.constexpr, COLS8: tl.constexpr):
-    """int32 [ROWS, COLS8] packed nibbles -> int32 [ROWS, COLS8*8] values u in [0, 15], k order."""
-    n0 = w & 0xF
-    n1 = (w >> 4) & 0xF
-    n2 = (w >> 8) & 0xF
-    n3 = (w >> 12) & 0xF
-    n4 = (w >> 16) & 0xF
-    n5 = (w >> 20) & 0xF
-    n6 = (w >> 24) & 0xF
-    n7 = (w >> 28) & 0xF
-    # the first join pairs (j, j+4), the second (j, j+2), the last (j, j+1): flat index = j
-    q = tl.join(tl.join(tl.join(n0, n4), tl.join(n2, n6)), tl.join(tl.join(n1, n5), tl.join(n3, n7)))
-    return tl.reshape(q, (ROWS, COLS8 * 8))
-
-
-@triton.jit
-def _load_dequant(w_ptr, s_ptr, offs_n, n_mask, stride_wn, stride_sn, k0, k_end,
-                  G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr):
-    """Dequantized weight tile [BLOCK_N, BLOCK_K] (DTYPE) for rows offs_n, k in [k0, k0+BLOCK_K).
-
-    w_ptr / s_ptr point at row 0 of this matrix (expert offset already applied). Out-of-range k or n
-    give 0 (scale 0)."""
-    BK8: tl.constexpr = BLOCK_K // 8
-    NG: tl.constexpr = BLOCK_K // G
-    offs_k8 = k0 // 8 + tl.arange(0, BK8)
-    w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k8[None, :],
-                mask=n_mask[:, None] & (offs_k8[None, :] * 8 < k_end), other=0,
-                eviction_policy="evict_first")
-    offs_g = k0 // G + tl.arange(0, NG)
-    s = tl.load(s_ptr + offs_n[:, None].to(tl.int64) * stride_sn + offs_g[None, :],
-                mask=n_mask[:, None] & (offs_g[None, :] * G < k_end), other=0.0).to(tl.float32)
-    s = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, NG, G)), (BLOCK_N, BLOCK_K))
-    q = _unpack8(w, BLOCK_N, BK8)
-    # 0x4B000000 | u is the float 2^23 + u; subtracting 2^23 + 8 leaves u - 8 exactly
-    f = (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
-    return (f * s).to(DTYPE)
-
-
-@triton.jit
 def _mma(acc, w, x, SWAP_AB: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
     """acc += w @ x.T ([BN, BM], SWAP_AB) or x @ w.T ([BM, BN])."""
     if UPCAST:
@@ -210,7 +175,7 @@ def _w4a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr,
                   stride_xm, stride_wn, stride_sn, stride_om, stride_os,
                   G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   SWAP_AB: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
-                  OUT_F32: tl.constexpr):
+                  OUT_F32: tl.constexpr, DEQ: tl.constexpr = 0, EVEN: tl.constexpr = False):
     # grid: (m tiles [fastest, so tiles sharing a weight tile run together], n tiles, splits)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -232,9 +197,12 @@ def _w4a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr,
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
     for k0 in range(k_start, k_end, BLOCK_K):
         wt = _load_dequant(w_ptr, s_ptr, offs_n, n_mask, stride_wn, stride_sn, k0, k_end,
-                           G, BLOCK_N, BLOCK_K, DTYPE)
+                           G, BLOCK_N, BLOCK_K, DTYPE, DEQ, EVEN)
         kk = k0 + offs_k
-        xt = tl.load(x_rows + kk[None, :], mask=m_mask[:, None] & (kk[None, :] < k_end), other=0.0)
+        if EVEN:
+            xt = tl.load(x_rows + kk[None, :], mask=m_mask[:, None], other=0.0)
+        else:
+            xt = tl.load(x_rows + kk[None, :], mask=m_mask[:, None] & (kk[None, :] < k_end), other=0.0)
         acc = _mma(acc, wt, xt, SWAP_AB, UPCAST, PREC)
 
     if SWAP_AB:
@@ -263,6 +231,15 @@ def check_w4(packed: torch.Tensor, scale: torch.Tensor, group_size: int, K: int,
                          f"{tuple(packed.shape)} with group {group_size}")
     if packed.stride(-1) != 1 or scale.stride(-1) != 1:
         raise ValueError(f"{what}: packed and scale must be contiguous along K")
+
+
+def deq_code(dequant: str, dtype: torch.dtype) -> int:
+    """The kernels' DEQ constexpr for a config's DEQUANT and the activation dtype. "bf16x2" is defined
+    for bf16 activations (the tile is bf16); fp16 / fp32 activations always dequantize in fp32, as the
+    field's documentation says. Under the interpreter the PTX is replaced by its plain-Triton twin."""
+    if dequant == "bf16x2" and dtype == torch.bfloat16:
+        return DEQ_BF16X2_EMU if interpreting() else DEQ_BF16X2
+    return DEQ_FLOAT
 
 
 def x_planes(x: torch.Tensor) -> torch.Tensor:
@@ -332,16 +309,21 @@ def w4a16_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, gro
     prec = "ieee" if (x.dtype == torch.float32 or upcast) else "tf32"
     target = out if split == 1 else torch.empty((split, M, N), device=x.device, dtype=torch.float32)
     grid = (triton.cdiv(M, cfg.BLOCK_M), triton.cdiv(N, cfg.BLOCK_N), split)
+    even = N % cfg.BLOCK_N == 0 and K % block_k == 0
+    deq = deq_code(cfg.DEQUANT, x.dtype)
+    if deq != DEQ_FLOAT:
+        x = pair_order(x)   # the bf16x2 tiles' column order (w4_dequant.py)
     _w4a16_kernel[grid](
         x, packed, scale, target, M, N, K, k_per_split,
         x.stride(0), packed.stride(0), scale.stride(0), N, M * N,
         G=group_size, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=block_k,
         SWAP_AB=cfg.SWAP_AB, UPCAST=upcast, PREC=prec, OUT_F32=split > 1,
+        DEQ=deq, EVEN=even,
         num_warps=cfg.num_warps, num_stages=fp32_stages(cfg.num_stages, x.dtype))
     if split > 1:
         split_sum(target, out, split)
     return out
 
 
-__all__ = ["W4Config", "KERNELS", "check_table", "x_planes", "DENSE_CONFIGS", "REDUCTION_BLOCK_K", "dense_config", "w4a16_linear",
+__all__ = ["W4Config", "KERNELS", "check_table", "deq_code", "x_planes", "DENSE_CONFIGS", "REDUCTION_BLOCK_K", "dense_config", "w4a16_linear",
            "w4a16_linear_reference", "check_w4", "interpreting", "fp32_stages"]
