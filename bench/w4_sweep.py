@@ -1,0 +1,257 @@
+"""W4A16 candidate sweep: dense [36864 x 7168] at M = 1, 4, 16 and the K2 MoE layer at T = 1, 4, 16.
+
+Each candidate is one config family (what a batch-invariant table can use for every M: see
+kdtree_engine/kernels/w4a16.py `check_table`). The sweep prints, per shape, a compact table
+(candidate -> us, TB/s, x copy, x bf16) and at the end the best candidate per shape, the best candidate
+over all three sizes (sum of times), and the table line to paste into DENSE_CONFIGS / MOE_CONFIGS.
+Candidates run in list order and stop at the time budget (the rest are reported as skipped), so the
+most informative ones come first.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, replace
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from kdtree_engine.kernels.moe_w4a16 import MoEConfig, fused_moe_reference, fused_moe_w4a16
+from kdtree_engine.kernels.w4a16 import W4Config, w4a16_linear, w4a16_linear_reference
+from kdtree_engine.quant import dequantize
+
+SIZES = (1, 4, 16)
+DENSE_NK = (36864, 7168)
+
+
+def _d(**kw) -> W4Config:
+    return W4Config(**{"BLOCK_M": 16, **kw})
+
+
+X2 = dict(DEQUANT="bf16x2")
+# name -> the family's config at M = 16 (fma: BLOCK_M follows M, see fma_block_m)
+DENSE_CANDIDATES: list[tuple[str, W4Config]] = [
+    # (bench/w4_aot.py: none of these spills registers on sm_90; instructions per weight element in the
+    # K loop: dot_float ~7.3, dot_x2 ~3.8-4.1, fma ~5.0 at BLOCK_M=1)
+    ("dot_float_base", _d()),                                                  # the current default
+    ("dot_x2_n64_k256_w4_s4", _d(**X2)),
+    ("dot_x2_n128_k256_w8_s3", _d(**X2, BLOCK_N=128, num_warps=8, num_stages=3)),
+    ("fma_n64_k256_w4", W4Config(KERNEL="fma", BLOCK_M=1, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=1)),
+    ("dot_x2_n128_k128_w4_s6", _d(**X2, BLOCK_N=128, BLOCK_K=128, num_stages=6)),
+    ("dot_x2_n64_k512_w8_s3", _d(**X2, BLOCK_K=512, num_warps=8, num_stages=3)),
+    ("dot_x2_n256_k128_w8_s4", _d(**X2, BLOCK_N=256, BLOCK_K=128, num_warps=8, num_stages=4)),
+    ("dot_x2_n64_k256_w4_s2", _d(**X2, num_stages=2)),
+    ("dot_x2_n64_k256_w4_s6", _d(**X2, num_stages=6)),
+    ("dot_x2_n32_k256_w4_s4", _d(**X2, BLOCK_N=32)),
+    ("dot_x2_n128_k128_w4_s4_split2", _d(**X2, BLOCK_N=128, BLOCK_K=128, num_stages=4, split_k=2)),
+    ("dot_x2_n64_k256_w4_s4_split2", _d(**X2, split_k=2)),
+    ("dot_x2_n128_k256_w8_s5", _d(**X2, BLOCK_N=128, num_warps=8, num_stages=5)),
+    ("dot_float_n128_k256_w8_s3", _d(BLOCK_N=128, num_warps=8, num_stages=3)),
+    ("fma_n32_k256_w4", W4Config(KERNEL="fma", BLOCK_M=1, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=1)),
+    ("fma_n128_k256_w8", W4Config(KERNEL="fma", BLOCK_M=1, BLOCK_N=128, BLOCK_K=256, num_warps=8, num_stages=1)),
+    ("fma_n32_k256_w2", W4Config(KERNEL="fma", BLOCK_M=1, BLOCK_N=32, BLOCK_K=256, num_warps=2, num_stages=1)),
+]
+
+
+def _m(**kw) -> MoEConfig:
+    return MoEConfig(**{"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 4, **kw})
+
+
+MOE_CANDIDATES: list[tuple[str, MoEConfig]] = [
+    # w13 streams gate and up tiles together (twice the registers of w2 per step): the w4 / BLOCK_N 64 /
+    # BLOCK_K 256 shape spills on sm_90 (bench/w4_aot.py), so most candidates use BLOCK_N 32 or BLOCK_K 128
+    ("dot_float_base", _m()),                                                  # the current default
+    ("dot_x2_n32_k256_w4_s4", _m(**X2, BLOCK_N=32)),
+    ("dot_x2_n64_k128_w4_s6", _m(**X2, BLOCK_K=128, num_stages=6)),
+    ("dot_x2_n32_n2_64_k256_w4_s4", _m(**X2, BLOCK_N=32, BLOCK_N2=64)),
+    ("dot_x2_n64_k128_w4_s4", _m(**X2, BLOCK_K=128)),
+    ("dot_x2_n32_k256_w4_s3", _m(**X2, BLOCK_N=32, num_stages=3)),
+    ("dot_x2_n32_k256_w4_s6", _m(**X2, BLOCK_N=32, num_stages=6)),
+    ("dot_x2_n64_n2_128_k128_w4_s6", _m(**X2, BLOCK_K=128, num_stages=6, BLOCK_N2=128)),
+    ("dot_x2_n128_k128_w8_s4", _m(**X2, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=4)),
+    ("dot_x2_n32_k128_w4_s8", _m(**X2, BLOCK_N=32, BLOCK_K=128, num_stages=8)),
+    ("dot_x2_n64_k256_w4_s4", _m(**X2)),   # spills in w13 (reference point)
+    ("dot_float_n32_n2_64_w4_s4", _m(BLOCK_N=32, BLOCK_N2=64)),
+]
+
+
+def fma_block_m(M: int) -> int:
+    """Tokens per program of the fma family at M rows (4 spills registers on sm_90: bench/w4_aot.py)."""
+    return 1 if M <= 1 else 2
+
+
+def dense_at(cfg: W4Config, M: int) -> W4Config:
+    """The family's config for M rows (what its M-bucket table would hold)."""
+    return replace(cfg, BLOCK_M=fma_block_m(M)) if cfg.KERNEL == "fma" else cfg
+
+
+def w4_bytes(n: int, k: int, g: int) -> int:
+    return n * k // 2 + n * (k // g) * 2
+
+
+@dataclass
+class Ctx:
+    copy_bw: float          # B/s (read + write, as bench/common.copy_bandwidth)
+    reps: int
+    deadline: float         # time.time() past which candidates are skipped
+    time_calls: Callable
+    log: Callable
+    group: int = 32
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm())
+
+
+def _err(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:160]
+
+
+def sweep_dense(ctx: Ctx, l2: int) -> list[dict]:
+    N, K = DENSE_NK
+    G = ctx.group
+    nbytes = w4_bytes(N, K, G)
+    ws = []
+    for _ in range(max(1, math.ceil(3 * l2 / nbytes))):
+        p = torch.randint(-2**31, 2**31 - 1, (N, K // 8), dtype=torch.int32, device="cuda")
+        s = (torch.rand((N, K // G), device="cuda") * 0.09 + 0.01).to(torch.bfloat16)
+        ws.append((p, s))
+    wb = dequantize(*ws[0], G, torch.bfloat16)
+    rows = []
+    for M in SIZES:
+        x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
+        ref = w4a16_linear_reference(x, *ws[0], G)
+        bf16_us = ctx.time_calls([lambda: F.linear(x, wb)], reps=ctx.reps)["us"]
+        for name, fam in DENSE_CANDIDATES:
+            cfg = dense_at(fam, M)
+            row = {"kernel": "dense", "shape": f"dense {N}x{K}", "size": M, "candidate": name,
+                   "config": cfg.as_dict(), "bf16_us": bf16_us}
+            if time.time() > ctx.deadline:
+                row["skipped"] = "time budget"
+                rows.append(row)
+                continue
+            try:
+                row["rel_err"] = _rel(w4a16_linear(x, *ws[0], G, config=cfg), ref)
+                us = ctx.time_calls([lambda p=p, s=s: w4a16_linear(x, p, s, G, config=cfg) for p, s in ws],
+                                    reps=ctx.reps)["us"]
+                row.update(us=us, TBps=nbytes / (us * 1e-6) / 1e12)
+                row["frac_copy"] = row["TBps"] * 1e12 / ctx.copy_bw
+                row["x_bf16"] = bf16_us / us
+            except Exception as exc:  # noqa: BLE001 - a candidate that fails is reported, not fatal
+                row["error"] = _err(exc)
+            rows.append(row)
+            ctx.log(f"sweep dense M={M} {name}: {row.get('us', row.get('error'))}")
+    del ws, wb
+    torch.cuda.empty_cache()
+    return rows
+
+
+def sweep_moe(ctx: Ctx, layer, route) -> list[dict]:
+    w13p, w13s, w2p, w2s = layer
+    E, two_i, h8 = w13p.shape
+    H, I = h8 * 8, two_i // 2
+    G = ctx.group
+    expert_bytes = w4_bytes(2 * I, H, G) + w4_bytes(H, I, G)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    rows = []
+    for T in SIZES:
+        x = torch.randn(T, H, device="cuda").to(torch.bfloat16)
+        sets = route(T, 4, gen)
+        touched = sum(int(torch.unique(ids).numel()) for ids, _ in sets) / len(sets)
+        ref = fused_moe_reference(x, w13p, w13s, w2p, w2s, *sets[0], G)
+        for name, cfg in MOE_CANDIDATES:
+            row = {"kernel": "moe", "shape": f"moe E={E} top{sets[0][0].shape[1]}", "size": T, "candidate": name,
+                   "config": cfg.as_dict(), "touched_experts": touched}
+            if time.time() > ctx.deadline:
+                row["skipped"] = "time budget"
+                rows.append(row)
+                continue
+            try:
+                row["rel_err"] = _rel(fused_moe_w4a16(x, w13p, w13s, w2p, w2s, *sets[0], G, config=cfg), ref)
+                us = ctx.time_calls([lambda ids=ids, tw=tw: fused_moe_w4a16(x, w13p, w13s, w2p, w2s, ids, tw, G,
+                                                                           config=cfg) for ids, tw in sets],
+                                    reps=ctx.reps)["us"]
+                row.update(us=us, TBps=touched * expert_bytes / (us * 1e-6) / 1e12)
+                row["frac_copy"] = row["TBps"] * 1e12 / ctx.copy_bw
+            except Exception as exc:  # noqa: BLE001
+                row["error"] = _err(exc)
+            rows.append(row)
+            ctx.log(f"sweep moe T={T} {name}: {row.get('us', row.get('error'))}")
+    return rows
+
+
+# ---------------------------------------------------------------------------------------- report
+
+
+def _f(v, nd=3) -> str:
+    return "n/a" if v is None else (f"{v:.{nd}g}" if abs(v) < 100 else f"{v:.0f}")
+
+
+def report(rows: list[dict]) -> list[str]:
+    """Compact tables per shape + best per shape + best over all sizes + the table line to paste."""
+    out: list[str] = []
+    for kernel in ("dense", "moe"):
+        rs = [r for r in rows if r["kernel"] == kernel]
+        if not rs:
+            continue
+        names = list(dict.fromkeys(r["candidate"] for r in rs))
+        by = {(r["candidate"], r["size"]): r for r in rs}
+        label = "M" if kernel == "dense" else "T"
+        head = f"{kernel} {rs[0]['shape']}: us / TB/s / x copy" + (" / x bf16" if kernel == "dense" else "")
+        out += ["", head, f"{'candidate':34s}" + "".join(f" | {label}={s:<28d}" for s in SIZES) + " | err"]
+        for n in names:
+            cells, errs = [], []
+            for s in SIZES:
+                r = by.get((n, s))
+                if r is None or "us" not in r:
+                    cells.append(f" | {(r or {}).get('skipped') or (r or {}).get('error', 'n/a')[:30]:30s}")
+                    continue
+                c = f"{_f(r['us'])} / {_f(r['TBps'])} / {_f(r['frac_copy'], 2)}"
+                if kernel == "dense":
+                    c += f" / {_f(r['x_bf16'], 2)}"
+                cells.append(f" | {c:30s}")
+                errs.append(r.get("rel_err", 0.0))
+            out.append(f"{n:34s}" + "".join(cells) + f" | {max(errs) if errs else float('nan'):.2g}")
+        if kernel == "dense":
+            bf = {s: by[(names[0], s)]["bf16_us"] for s in SIZES if (names[0], s) in by}
+            out.append("bf16 F.linear us: " + ", ".join(f"M={s}: {_f(v)}" for s, v in bf.items()))
+    out.append("")
+    best_lines = []
+    for kernel in ("dense", "moe"):
+        rs = [r for r in rows if r["kernel"] == kernel and "us" in r and r.get("rel_err", 1.0) < 2e-2]
+        label = "M" if kernel == "dense" else "T"
+        for s in SIZES:
+            cand = [r for r in rs if r["size"] == s]
+            if cand:
+                b = min(cand, key=lambda r: r["us"])
+                best_lines.append(f"{kernel} {label}={s}: {b['candidate']} {_f(b['us'])} us "
+                                  f"({_f(b['frac_copy'], 2)} x copy)")
+        totals: dict[str, float] = {}
+        for n in dict.fromkeys(r["candidate"] for r in rs):
+            ts = [r["us"] for r in rs if r["candidate"] == n]
+            if len(ts) == len(SIZES):
+                totals[n] = sum(ts)
+        if totals:
+            n = min(totals, key=totals.get)
+            cfgs = DENSE_CANDIDATES if kernel == "dense" else MOE_CANDIDATES
+            out.append(f"best {kernel} over {label}={','.join(map(str, SIZES))} (sum {_f(totals[n])} us): {n}")
+            out.append(f"  apply: {apply_line(kernel, dict(cfgs)[n])}")
+    out.append("best per shape: " + "; ".join(best_lines))
+    return out
+
+
+def apply_line(kernel: str, cfg) -> str:
+    if kernel == "moe":
+        return (f"MOE_CONFIGS (moe_w4a16.py): first bucket = {cfg!r}; the other buckets take its DEQUANT, "
+                f"BLOCK_K and SWAP_AB")
+    if cfg.KERNEL == "fma":
+        return (f"DENSE_CONFIGS (w4a16.py) = [(1, {replace(cfg, BLOCK_M=1)!r}), "
+                f"(1 << 62, {replace(cfg, BLOCK_M=2)!r})]")
+    return (f"DENSE_CONFIGS (w4a16.py): (16, {cfg!r}); the larger buckets take its DEQUANT, BLOCK_K, "
+            f"SWAP_AB, split_k")
+
+
+__all__ = ["DENSE_CANDIDATES", "MOE_CANDIDATES", "SIZES", "Ctx", "sweep_dense", "sweep_moe", "report", "dense_at"]
