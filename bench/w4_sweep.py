@@ -99,6 +99,8 @@ class Ctx:
     time_calls: Callable
     log: Callable
     group: int = 32
+    device: str = "cuda"
+    dense_nk: tuple[int, int] = DENSE_NK   # smaller in the CPU smoke run
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -111,18 +113,18 @@ def _err(exc: BaseException) -> str:
 
 
 def sweep_dense(ctx: Ctx, l2: int) -> list[dict]:
-    N, K = DENSE_NK
+    N, K = ctx.dense_nk
     G = ctx.group
     nbytes = w4_bytes(N, K, G)
     ws = []
     for _ in range(max(1, math.ceil(3 * l2 / nbytes))):
-        p = torch.randint(-2**31, 2**31 - 1, (N, K // 8), dtype=torch.int32, device="cuda")
-        s = (torch.rand((N, K // G), device="cuda") * 0.09 + 0.01).to(torch.bfloat16)
+        p = torch.randint(-2**31, 2**31 - 1, (N, K // 8), dtype=torch.int32, device=ctx.device)
+        s = (torch.rand((N, K // G), device=ctx.device) * 0.09 + 0.01).to(torch.bfloat16)
         ws.append((p, s))
     wb = dequantize(*ws[0], G, torch.bfloat16)
     rows = []
     for M in SIZES:
-        x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
+        x = torch.randn(M, K, device=ctx.device).to(torch.bfloat16)
         ref = w4a16_linear_reference(x, *ws[0], G)
         bf16_us = ctx.time_calls([lambda: F.linear(x, wb)], reps=ctx.reps)["us"]
         for name, fam in DENSE_CANDIDATES:
@@ -145,7 +147,8 @@ def sweep_dense(ctx: Ctx, l2: int) -> list[dict]:
             rows.append(row)
             ctx.log(f"sweep dense M={M} {name}: {row.get('us', row.get('error'))}")
     del ws, wb
-    torch.cuda.empty_cache()
+    if ctx.device == "cuda":
+        torch.cuda.empty_cache()
     return rows
 
 
@@ -155,10 +158,10 @@ def sweep_moe(ctx: Ctx, layer, route) -> list[dict]:
     H, I = h8 * 8, two_i // 2
     G = ctx.group
     expert_bytes = w4_bytes(2 * I, H, G) + w4_bytes(H, I, G)
-    gen = torch.Generator(device="cuda").manual_seed(1)
+    gen = torch.Generator(device=ctx.device).manual_seed(1)
     rows = []
     for T in SIZES:
-        x = torch.randn(T, H, device="cuda").to(torch.bfloat16)
+        x = torch.randn(T, H, device=ctx.device).to(torch.bfloat16)
         sets = route(T, 4, gen)
         touched = sum(int(torch.unique(ids).numel()) for ids, _ in sets) / len(sets)
         ref = fused_moe_reference(x, w13p, w13s, w2p, w2s, *sets[0], G)
