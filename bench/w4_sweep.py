@@ -95,8 +95,7 @@ def w4_bytes(n: int, k: int, g: int) -> int:
 class Ctx:
     copy_bw: float          # B/s (read + write, as bench/common.copy_bandwidth)
     reps: int
-    deadline: float         # time.time() past which candidates are skipped
-    time_calls: Callable
+    time_calls: Callable    # bench/common.time_calls
     log: Callable
     group: int = 32
     device: str = "cuda"
@@ -112,7 +111,23 @@ def _err(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:160]
 
 
-def sweep_dense(ctx: Ctx, l2: int) -> list[dict]:
+def _measure(ctx: Ctx, row: dict, deadline: float, run_one: Callable, calls: list, ref: torch.Tensor,
+             nbytes: float) -> dict:
+    if time.time() > deadline:
+        row["skipped"] = "time budget"
+        return row
+    try:
+        row["rel_err"] = _rel(run_one(), ref)
+        us = ctx.time_calls(calls, reps=ctx.reps)["us"]
+        row.update(us=us, TBps=nbytes / (us * 1e-6) / 1e12)
+        row["frac_copy"] = row["TBps"] * 1e12 / ctx.copy_bw
+    except Exception as exc:  # noqa: BLE001 - a candidate that fails is reported, not fatal
+        row["error"] = _err(exc)
+    return row
+
+
+def sweep_dense(ctx: Ctx, l2: int, deadline: float) -> list[dict]:
+    """Candidates in list order, each at every M (so a candidate's row is complete or skipped)."""
     N, K = ctx.dense_nk
     G = ctx.group
     nbytes = w4_bytes(N, K, G)
@@ -122,67 +137,51 @@ def sweep_dense(ctx: Ctx, l2: int) -> list[dict]:
         s = (torch.rand((N, K // G), device=ctx.device) * 0.09 + 0.01).to(torch.bfloat16)
         ws.append((p, s))
     wb = dequantize(*ws[0], G, torch.bfloat16)
+    xs = {M: torch.randn(M, K, device=ctx.device).to(torch.bfloat16) for M in SIZES}
+    refs = {M: w4a16_linear_reference(xs[M], *ws[0], G) for M in SIZES}
+    bf16_us = {M: ctx.time_calls([lambda x=xs[M]: F.linear(x, wb)], reps=ctx.reps)["us"] for M in SIZES}
     rows = []
-    for M in SIZES:
-        x = torch.randn(M, K, device=ctx.device).to(torch.bfloat16)
-        ref = w4a16_linear_reference(x, *ws[0], G)
-        bf16_us = ctx.time_calls([lambda: F.linear(x, wb)], reps=ctx.reps)["us"]
-        for name, fam in DENSE_CANDIDATES:
-            cfg = dense_at(fam, M)
+    for name, fam in DENSE_CANDIDATES:
+        for M in SIZES:
+            cfg, x = dense_at(fam, M), xs[M]
             row = {"kernel": "dense", "shape": f"dense {N}x{K}", "size": M, "candidate": name,
-                   "config": cfg.as_dict(), "bf16_us": bf16_us}
-            if time.time() > ctx.deadline:
-                row["skipped"] = "time budget"
-                rows.append(row)
-                continue
-            try:
-                row["rel_err"] = _rel(w4a16_linear(x, *ws[0], G, config=cfg), ref)
-                us = ctx.time_calls([lambda p=p, s=s: w4a16_linear(x, p, s, G, config=cfg) for p, s in ws],
-                                    reps=ctx.reps)["us"]
-                row.update(us=us, TBps=nbytes / (us * 1e-6) / 1e12)
-                row["frac_copy"] = row["TBps"] * 1e12 / ctx.copy_bw
-                row["x_bf16"] = bf16_us / us
-            except Exception as exc:  # noqa: BLE001 - a candidate that fails is reported, not fatal
-                row["error"] = _err(exc)
+                   "config": cfg.as_dict(), "bf16_us": bf16_us[M]}
+            _measure(ctx, row, deadline, lambda: w4a16_linear(x, *ws[0], G, config=cfg),
+                     [lambda p=p, s=s: w4a16_linear(x, p, s, G, config=cfg) for p, s in ws], refs[M], nbytes)
+            if "us" in row:
+                row["x_bf16"] = bf16_us[M] / row["us"]
             rows.append(row)
-            ctx.log(f"sweep dense M={M} {name}: {row.get('us', row.get('error'))}")
+            ctx.log(f"sweep dense M={M} {name}: {row.get('us', row.get('error', row.get('skipped')))}")
     del ws, wb
     if ctx.device == "cuda":
         torch.cuda.empty_cache()
     return rows
 
 
-def sweep_moe(ctx: Ctx, layer, route) -> list[dict]:
+def sweep_moe(ctx: Ctx, layer, route: Callable, deadline: float) -> list[dict]:
+    """route(T, n_sets, generator) -> [(topk_ids [T, k], topk_weights [T, k])] * n_sets."""
     w13p, w13s, w2p, w2s = layer
     E, two_i, h8 = w13p.shape
     H, I = h8 * 8, two_i // 2
     G = ctx.group
     expert_bytes = w4_bytes(2 * I, H, G) + w4_bytes(H, I, G)
     gen = torch.Generator(device=ctx.device).manual_seed(1)
+    xs = {T: torch.randn(T, H, device=ctx.device).to(torch.bfloat16) for T in SIZES}
+    sets = {T: route(T, 4, gen) for T in SIZES}
+    touched = {T: sum(int(torch.unique(ids).numel()) for ids, _ in sets[T]) / len(sets[T]) for T in SIZES}
+    refs = {T: fused_moe_reference(xs[T], w13p, w13s, w2p, w2s, *sets[T][0], G) for T in SIZES}
+    topk = sets[SIZES[0]][0][0].shape[1]
     rows = []
-    for T in SIZES:
-        x = torch.randn(T, H, device=ctx.device).to(torch.bfloat16)
-        sets = route(T, 4, gen)
-        touched = sum(int(torch.unique(ids).numel()) for ids, _ in sets) / len(sets)
-        ref = fused_moe_reference(x, w13p, w13s, w2p, w2s, *sets[0], G)
-        for name, cfg in MOE_CANDIDATES:
-            row = {"kernel": "moe", "shape": f"moe E={E} top{sets[0][0].shape[1]}", "size": T, "candidate": name,
-                   "config": cfg.as_dict(), "touched_experts": touched}
-            if time.time() > ctx.deadline:
-                row["skipped"] = "time budget"
-                rows.append(row)
-                continue
-            try:
-                row["rel_err"] = _rel(fused_moe_w4a16(x, w13p, w13s, w2p, w2s, *sets[0], G, config=cfg), ref)
-                us = ctx.time_calls([lambda ids=ids, tw=tw: fused_moe_w4a16(x, w13p, w13s, w2p, w2s, ids, tw, G,
-                                                                           config=cfg) for ids, tw in sets],
-                                    reps=ctx.reps)["us"]
-                row.update(us=us, TBps=touched * expert_bytes / (us * 1e-6) / 1e12)
-                row["frac_copy"] = row["TBps"] * 1e12 / ctx.copy_bw
-            except Exception as exc:  # noqa: BLE001
-                row["error"] = _err(exc)
+    for name, cfg in MOE_CANDIDATES:
+        for T in SIZES:
+            x, st = xs[T], sets[T]
+            row = {"kernel": "moe", "shape": f"moe E={E} top{topk}", "size": T, "candidate": name,
+                   "config": cfg.as_dict(), "touched_experts": touched[T]}
+            _measure(ctx, row, deadline, lambda: fused_moe_w4a16(x, w13p, w13s, w2p, w2s, *st[0], G, config=cfg),
+                     [lambda ids=ids, tw=tw: fused_moe_w4a16(x, w13p, w13s, w2p, w2s, ids, tw, G, config=cfg)
+                      for ids, tw in st], refs[T], touched[T] * expert_bytes)
             rows.append(row)
-            ctx.log(f"sweep moe T={T} {name}: {row.get('us', row.get('error'))}")
+            ctx.log(f"sweep moe T={T} {name}: {row.get('us', row.get('error', row.get('skipped')))}")
     return rows
 
 
@@ -204,6 +203,9 @@ def report(rows: list[dict]) -> list[str]:
         by = {(r["candidate"], r["size"]): r for r in rs}
         label = "M" if kernel == "dense" else "T"
         head = f"{kernel} {rs[0]['shape']}: us / TB/s / x copy" + (" / x bf16" if kernel == "dense" else "")
+        if kernel == "moe":
+            tt = {r["size"]: r["touched_experts"] for r in rs}
+            head += " (experts touched: " + ", ".join(f"T={t}: {v:.1f}" for t, v in tt.items()) + ")"
         out += ["", head, f"{'candidate':34s}" + "".join(f" | {label}={s:<28d}" for s in SIZES) + " | err"]
         for n in names:
             cells, errs = [], []
