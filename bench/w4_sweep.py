@@ -34,7 +34,9 @@ X2 = dict(DEQUANT="bf16x2")
 # name -> the family's config at M = 16 (fma: BLOCK_M follows M, see fma_block_m)
 DENSE_CANDIDATES: list[tuple[str, W4Config]] = [
     # (bench/w4_aot.py: none of these spills registers on sm_90; instructions per weight element in the
-    # K loop: dot_float ~7.3, dot_x2 ~3.8-4.1, fma ~5.0 at BLOCK_M=1)
+    # K loop: dot_float ~7.3, dot_x2 ~3.8-4.1, fma ~5.0 at BLOCK_M=1). N=36864 gives 576 programs at
+    # BLOCK_N 64, ~2.2 waves of 2 programs per SM: split-K and BLOCK_N 32 trade the last wave's idle
+    # SMs against a partial-sum pass.
     ("dot_float_base", _d()),                                                  # the current default
     ("dot_x2_n64_k256_w4_s4", _d(**X2)),
     ("dot_x2_n128_k256_w8_s3", _d(**X2, BLOCK_N=128, num_warps=8, num_stages=3)),
@@ -47,6 +49,8 @@ DENSE_CANDIDATES: list[tuple[str, W4Config]] = [
     ("dot_x2_n32_k256_w4_s4", _d(**X2, BLOCK_N=32)),
     ("dot_x2_n128_k128_w4_s4_split2", _d(**X2, BLOCK_N=128, BLOCK_K=128, num_stages=4, split_k=2)),
     ("dot_x2_n64_k256_w4_s4_split2", _d(**X2, split_k=2)),
+    ("dot_x2_n32_k256_w4_s4_split2", _d(**X2, BLOCK_N=32, split_k=2)),
+    ("dot_x2_n64_k256_w4_s4_split4", _d(**X2, split_k=4)),
     ("dot_x2_n128_k256_w8_s5", _d(**X2, BLOCK_N=128, num_warps=8, num_stages=5)),
     ("dot_float_n128_k256_w8_s3", _d(BLOCK_N=128, num_warps=8, num_stages=3)),
     ("fma_n32_k256_w4", W4Config(KERNEL="fma", BLOCK_M=1, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=1)),

@@ -19,6 +19,9 @@ The routed pair (t, j) keeps its own row in inter / y, so the result of a token 
 which other tokens share its expert block (batch invariance; see w4a16.py for the reduction rules).
 Pairs whose expert id is outside [0, E) (e.g. -1 for experts owned by another rank) contribute 0.
 
+MoEConfig.DEQUANT = "bf16x2" dequantizes two nibbles per instruction in inline PTX (w4_dequant.py): x is
+permuted once per call into the tiles' column order and the gate/up epilogue writes inter in that order.
+
 Decode (T = 1..16): a token touches 8 experts; grid = touched blocks x N tiles (w13: 2I/BLOCK_N per
 expert, w2: H/BLOCK_N), i.e. 512 / 896 programs at T = 1 on K2 shapes, each streaming whole weight rows
 with 16-byte loads; no split-K is needed at these sizes.

@@ -158,5 +158,5 @@ def _load_dequant(w_ptr, s_ptr, offs_n, n_mask, stride_wn, stride_sn, k0, k_end,
                           _plane_bf16(w, sf, 6), _plane_bf16(w, sf, 7), BLOCK_N, BK8)
 
 
-__all__ = ["DEQ_FLOAT", "DEQ_BF16X2", "DEQ_BF16X2_EMU", "DEQUANTS", "_join8", "_pair8", "_pair_pos", "pair_order", "_unpack8",
-           "_load_dequant"]
+__all__ = ["DEQ_FLOAT", "DEQ_BF16X2", "DEQ_BF16X2_EMU", "DEQUANTS", "_join8", "_pair8", "_pair_pos", "pair_order",
+           "_unpack8", "_load_dequant"]

@@ -16,12 +16,19 @@ Kernel design (memory-bound at small M, so everything is about streaming the pac
 - split-K for small N (one expert's w2, etc.) writes fp32 partials and a second small kernel sums them
   in a fixed order (no atomics).
 
+Kernel families and dequantization (selected per config, so bench/w4_sweep.py can compare them):
+- W4Config.KERNEL = "dot" (this file, tensor cores) or "fma" (w4a16_fma.py: CUDA cores, 1-4 tokens per
+  program, ~5 instructions per weight element instead of ~7 here with DEQUANT="float");
+- W4Config.DEQUANT = "float" (below) or "bf16x2" (w4_dequant.py: inline PTX, two elements per
+  instruction, ~4 instructions per weight element; bf16 activations, permuted once per call).
+Instruction counts are from sm_90 builds (bench/w4_aot.py); which is fastest is measured by the sweep.
+
 Batch invariance: a row's result does not depend on M. The reduction order of an output element is
 fixed by BLOCK_K and SPLIT_K only, both chosen from (N, K) alone (see `_split_k`, `REDUCTION_BLOCK_K`);
 M selects only BLOCK_M / BLOCK_N / warps / stages, which change how the output is tiled, not how one
-element is summed. Partials of a split are summed in split order. The M-bucket configs below must keep
-BLOCK_K == REDUCTION_BLOCK_K and the same SWAP_AB for this to hold (checked on the GPU by
-tests/gpu/test_kernels_gpu.py::test_dense_batch_invariant).
+element is summed. Partials of a split are summed in split order. The M-bucket configs below must share
+`W4Config.reduction_key()` (family, DEQUANT, BLOCK_K, SWAP_AB, split_k; for "fma" also BLOCK_N and
+num_warps): `check_table` enforces it at import; tests/gpu/test_kernels_gpu.py checks the bits.
 
 CPU: `w4a16_linear_reference` (dequantize, fp32 matmul) is the CPU path and the test oracle. Under
 TRITON_INTERPRET=1 the Triton kernel runs on CPU tensors; the interpreter of triton 3.9 computes bf16
@@ -38,7 +45,8 @@ import triton
 import triton.language as tl
 
 from .split_sum import split_sum
-from .w4_dequant import DEQ_BF16X2, DEQ_BF16X2_EMU, DEQ_FLOAT, DEQUANTS, _load_dequant, _unpack8, pair_order  # noqa: F401
+from .w4_dequant import (DEQ_BF16X2, DEQ_BF16X2_EMU, DEQ_FLOAT, DEQUANTS, _load_dequant,  # noqa: F401
+                         _unpack8, pair_order)
 from .w4a16_fma import FMA_BLOCK_M, _w4a16_fma_kernel, _x_planes_kernel
 
 from kdtree_engine.quant import dequantize
@@ -79,9 +87,9 @@ class W4Config:
         return (self.KERNEL, self.DEQUANT, self.BLOCK_K, self.SWAP_AB, self.split_k)
 
     def as_dict(self) -> dict:
-        return dict(KERNEL=self.KERNEL, DEQUANT=self.DEQUANT, BLOCK_M=self.BLOCK_M, BLOCK_N=self.BLOCK_N, BLOCK_K=self.BLOCK_K,
-                    SWAP_AB=self.SWAP_AB, num_warps=self.num_warps, num_stages=self.num_stages,
-                    split_k=self.split_k)
+        return dict(KERNEL=self.KERNEL, DEQUANT=self.DEQUANT, BLOCK_M=self.BLOCK_M, BLOCK_N=self.BLOCK_N,
+                    BLOCK_K=self.BLOCK_K, SWAP_AB=self.SWAP_AB, num_warps=self.num_warps,
+                    num_stages=self.num_stages, split_k=self.split_k)
 
 
 # All buckets share BLOCK_K and SWAP_AB (batch invariance, see module docstring).
@@ -325,5 +333,5 @@ def w4a16_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, gro
     return out
 
 
-__all__ = ["W4Config", "KERNELS", "check_table", "deq_code", "x_planes", "DENSE_CONFIGS", "REDUCTION_BLOCK_K", "dense_config", "w4a16_linear",
-           "w4a16_linear_reference", "check_w4", "interpreting", "fp32_stages"]
+__all__ = ["W4Config", "KERNELS", "check_table", "deq_code", "x_planes", "DENSE_CONFIGS", "REDUCTION_BLOCK_K",
+           "dense_config", "w4a16_linear", "w4a16_linear_reference", "check_w4", "interpreting", "fp32_stages"]

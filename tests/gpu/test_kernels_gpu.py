@@ -86,7 +86,8 @@ def test_dense_k2(dense_weights, poisoned, name, M):
 
 @pytest.mark.parametrize("over", [dict(SWAP_AB=False), dict(BLOCK_N=128, num_warps=8),
                                   dict(BLOCK_K=128), dict(split_k=1), dict(split_k=4, num_stages=2),
-                                  dict(DEQUANT="bf16x2"), dict(DEQUANT="bf16x2", BLOCK_N=128, num_warps=8, num_stages=3),
+                                  dict(DEQUANT="bf16x2"),
+                                  dict(DEQUANT="bf16x2", BLOCK_N=128, num_warps=8, num_stages=3),
                                   dict(DEQUANT="bf16x2", BLOCK_N=32), dict(KERNEL="fma", BLOCK_M=1),
                                   dict(KERNEL="fma", BLOCK_M=2, BLOCK_N=32), dict(KERNEL="fma", BLOCK_M=4, BLOCK_N=32)])
 @pytest.mark.parametrize("M", [1, 16, 100])
