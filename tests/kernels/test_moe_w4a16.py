@@ -80,6 +80,8 @@ CASES = {
                                                                      "BLOCK_N2": 64}),
     "t4_bf16_x2_even": (4, 256, 64, 5, 2, 32, "bf16", "distinct", {"DEQUANT": "bf16x2", "BLOCK_K": 64,
                                                                    "BLOCK_N": 32}),
+    "t9_bf16_x2_noswap": (9, 96, 96, 6, 2, 32, "bf16", "distinct", {"DEQUANT": "bf16x2", "SWAP_AB": False,
+                                                                    "BLOCK_N": 32}),
 }
 
 
