@@ -46,7 +46,6 @@ DENSE_CANDIDATES: list[tuple[str, W4Config]] = [
     ("dot_x2_noswap_n128_k128_w4_s6", _d(**X2, SWAP_AB=False, BLOCK_N=128, BLOCK_K=128, num_stages=6)),
     ("dot_x2_noswap_n64_k256_w4_s4_split2", _d(**X2, SWAP_AB=False, split_k=2)),
     ("dot_x2_n128_k128_w4_s6", _d(**X2, BLOCK_N=128, BLOCK_K=128, num_stages=6)),
-    ("dot_x2_n64_k512_w8_s3", _d(**X2, BLOCK_K=512, num_warps=8, num_stages=3)),
     ("dot_x2_n256_k128_w8_s4", _d(**X2, BLOCK_N=256, BLOCK_K=128, num_warps=8, num_stages=4)),
     ("dot_x2_n64_k256_w4_s2", _d(**X2, num_stages=2)),
     ("dot_x2_n32_k256_w4_s4", _d(**X2, BLOCK_N=32)),
