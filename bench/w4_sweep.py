@@ -211,7 +211,7 @@ def report(rows: list[dict]) -> list[str]:
         label = "M" if kernel == "dense" else "T"
         head = f"{kernel} {rs[0]['shape']}: us / TB/s / x copy" + (" / x bf16" if kernel == "dense" else "")
         if kernel == "moe":
-            tt = {r["size"]: r["touched_experts"] for r in rs}
+            tt = {r["size"]: r.get("touched_experts", float("nan")) for r in rs}
             head += " (experts touched: " + ", ".join(f"T={t}: {v:.1f}" for t, v in tt.items()) + ")"
         out += ["", head, f"{'candidate':34s}" + "".join(f" | {label}={s:<28d}" for s in SIZES) + " | err"]
         for n in names:
@@ -257,13 +257,20 @@ def report(rows: list[dict]) -> list[str]:
 
 def apply_line(kernel: str, cfg) -> str:
     if kernel == "moe":
-        return (f"MOE_CONFIGS (moe_w4a16.py): first bucket = {cfg!r}; the other buckets take its DEQUANT, "
+        line = (f"MOE_CONFIGS (moe_w4a16.py): first bucket = {cfg!r}; the other buckets take its DEQUANT, "
                 f"BLOCK_K and SWAP_AB")
+        if not cfg.SWAP_AB:
+            line += " (SWAP_AB=False: keep BLOCK_M=16 in every bucket unless test_moe_batch_invariant passes)"
+        return line
     if cfg.KERNEL == "fma":
         return (f"DENSE_CONFIGS (w4a16.py) = [(1, {replace(cfg, BLOCK_M=1)!r}), "
                 f"(1 << 62, {replace(cfg, BLOCK_M=2)!r})]")
-    return (f"DENSE_CONFIGS (w4a16.py): (16, {cfg!r}); the larger buckets take its DEQUANT, BLOCK_K, "
+    line = (f"DENSE_CONFIGS (w4a16.py): (16, {cfg!r}); the larger buckets take its DEQUANT, BLOCK_K, "
             f"SWAP_AB, split_k")
+    if not cfg.SWAP_AB:
+        line += (" (SWAP_AB=False: BLOCK_M 16 runs mma.sync, 64 wgmma; if tests/gpu "
+                 "test_dense_family_batch_invariant[dot_bf16x2_noswap] fails, use BLOCK_M=16 in every bucket)")
+    return line
 
 
 __all__ = ["DENSE_CANDIDATES", "MOE_CANDIDATES", "SIZES", "Ctx", "sweep_dense", "sweep_moe", "report", "dense_at"]

@@ -113,6 +113,11 @@ def test_dense_dtypes_odd_shapes(poisoned, dtype, tol, shape):
 FAMILY_TABLES = {
     "dot_bf16x2": [(16, dict(DEQUANT="bf16x2")), (64, dict(DEQUANT="bf16x2", BLOCK_M=64, num_stages=3)),
                    (1 << 62, dict(DEQUANT="bf16x2", BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2))],
+    # BLOCK_M 16 runs mma.sync, 64 wgmma: this checks that the two sum a row's k16 products alike
+    "dot_bf16x2_noswap": [(16, dict(DEQUANT="bf16x2", SWAP_AB=False)),
+                          (64, dict(DEQUANT="bf16x2", SWAP_AB=False, BLOCK_M=64, num_stages=3)),
+                          (1 << 62, dict(DEQUANT="bf16x2", SWAP_AB=False, BLOCK_M=64, BLOCK_N=128, num_warps=8,
+                                         num_stages=2))],
     "fma": [(1, dict(KERNEL="fma", BLOCK_M=1)), (2, dict(KERNEL="fma", BLOCK_M=2)),
             (1 << 62, dict(KERNEL="fma", BLOCK_M=4))],
 }
@@ -204,7 +209,7 @@ def test_moe_config_variants(k2_experts, poisoned, over):
     _check(out, fused_moe_reference(x, *k2_experts, ids, tw, G), BF16_TOL, f"MoE {over}")
 
 
-@pytest.mark.parametrize("over", [dict(), dict(DEQUANT="bf16x2", BLOCK_N=32)])
+@pytest.mark.parametrize("over", [dict(), dict(DEQUANT="bf16x2", BLOCK_N=32), dict(DEQUANT="bf16x2", SWAP_AB=False)])
 def test_moe_batch_invariant(k2_experts, over):
     T = 64
     x = torch.randn(T, H, device=DEV).to(torch.bfloat16)
