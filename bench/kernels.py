@@ -1,14 +1,16 @@
 """W4A16 kernel benchmark at Kimi K2 shapes on one GPU.
 
-    python bench/kernels.py [--out DIR] [--no-sweep] [--reps N]
+    python bench/kernels.py [--out DIR] [--no-sweep | --sweep-only] [--sweep-budget S] [--reps N]
 
 Measures, in one run: device-to-device copy bandwidth and bf16 matmul rate (the rooflines); then for
 one expert's w13 [4096 x 7168] and w2 [7168 x 2048] and the dense w13 [36864 x 7168] at M = 1, 4,
 16, 64, 256: our Triton W4A16 kernel, torch bf16 F.linear on the dequantized weight, and torch's
 tinygemm `_weight_int4pack_mm` (nibble-swapped repack); then a whole MoE layer (384 experts, top-8,
-random routing) through fused_moe_w4a16 plus the shared expert as bf16 matmuls; then a small sweep of
-kernel configs at M = 1 and 16. Effective TB/s counts the INT4 + scale bytes that must be read (for the
-MoE: of the experts actually touched) over the time. Writes <out>/kernels-<gpu>.json and .md.
+random routing) through fused_moe_w4a16 plus the shared expert as bf16 matmuls; then the candidate
+sweep of bench/w4_sweep.py (dense 36864 x 7168 at M = 1, 4, 16 and the MoE layer at T = 1, 4, 16; a
+compact table per shape and the best candidate per shape). --sweep-only measures the rooflines and
+runs only the sweep. Effective TB/s counts the INT4 + scale bytes that must be read (for the MoE: of
+the experts actually touched) over the time. Writes <out>/kernels-<gpu>.json and .md.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import time
 import traceback
 from dataclasses import replace
 from pathlib import Path
@@ -33,12 +36,13 @@ from kdtree_engine.kernels.moe_w4a16 import (MOE_CONFIGS, MoEConfig, fused_moe_r
 from kdtree_engine.kernels.w4a16 import (DENSE_CONFIGS, W4Config, dense_config, w4a16_linear,  # noqa: E402
                                          w4a16_linear_reference)
 from kdtree_engine.quant import dequantize  # noqa: E402
+from bench import w4_sweep  # noqa: E402
 
 G = 32
 H, I, E, TOPK = 7168, 2048, 384, 8
 MS = [1, 4, 16, 64, 256]
 DENSE = {"expert_w13": (4096, 7168), "expert_w2": (7168, 2048), "dense_w13": (36864, 7168)}
-SWEEP_BUDGET_S = 120.0   # the sweep stops (rest reported as skipped) past this many seconds of bench
+SWEEP_BUDGET_S = 200.0   # default: the sweep stops (rest reported as skipped) after this many seconds
 
 
 def w4_bytes(n: int, k: int, g: int = G) -> int:
@@ -175,86 +179,6 @@ def bench_moe(layer, copy_bw, reps, log):
     return rows
 
 
-DENSE_BASE = W4Config(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, SWAP_AB=True, num_warps=4, num_stages=4)
-DENSE_VARIANTS = [
-    ("base", {}), ("noswap", dict(SWAP_AB=False)), ("bn32", dict(BLOCK_N=32)), ("bn128", dict(BLOCK_N=128)),
-    ("bn128_w8", dict(BLOCK_N=128, num_warps=8)), ("bk128", dict(BLOCK_K=128)), ("bk512", dict(BLOCK_K=512)),
-    ("bk512_w8", dict(BLOCK_K=512, num_warps=8)), ("st2", dict(num_stages=2)), ("st3", dict(num_stages=3)),
-    ("st5", dict(num_stages=5)), ("w8", dict(num_warps=8)), ("split1", dict(split_k=1)),
-    ("split2", dict(split_k=2)), ("split4", dict(split_k=4)), ("split8", dict(split_k=8)),
-    ("noswap_bn128_w8", dict(SWAP_AB=False, BLOCK_N=128, num_warps=8)),
-]
-MOE_BASE = MoEConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, SWAP_AB=True, num_warps=4, num_stages=4)
-MOE_VARIANTS = [
-    ("base", {}), ("noswap", dict(SWAP_AB=False)), ("bn32", dict(BLOCK_N=32)), ("bn128", dict(BLOCK_N=128)),
-    ("bn128_w8", dict(BLOCK_N=128, num_warps=8)), ("bk128", dict(BLOCK_K=128)), ("bk512", dict(BLOCK_K=512)),
-    ("st2", dict(num_stages=2)), ("st3", dict(num_stages=3)), ("st5", dict(num_stages=5)),
-    ("w8", dict(num_warps=8)), ("bn2_128", dict(BLOCK_N2=128)), ("bn32_bn2_64", dict(BLOCK_N=32, BLOCK_N2=64)),
-]
-
-
-def sweep(layer, copy_bw, reps, clock, budget, log):
-    rows = []
-    l2 = l2_bytes()
-    for name in ("dense_w13", "expert_w13"):
-        N, K = DENSE[name]
-        nbytes = w4_bytes(N, K)
-        ws = [rand_w4(N, K) for _ in range(max(1, math.ceil(3 * l2 / nbytes)))]
-        for M in (1, 16):
-            x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
-            ref = w4a16_linear_reference(x, *ws[0], G)
-            for vname, over in DENSE_VARIANTS:
-                cfg = replace(DENSE_BASE, **over)
-                row = {"kernel": "dense", "matrix": name, "M": M, "variant": vname, "config": cfg.as_dict()}
-                if clock() > budget:
-                    row["skipped"] = "time budget"
-                    rows.append(row)
-                    continue
-                try:
-                    row["rel_err"] = rel(w4a16_linear(x, *ws[0], G, config=cfg), ref)
-                    us = time_calls([lambda p=p, s=s: w4a16_linear(x, p, s, G, config=cfg) for p, s in ws],
-                                    reps=reps)["us"]
-                    row["us"] = us
-                    row["TBps"] = nbytes / (us * 1e-6) / 1e12
-                    row["frac_copy"] = row["TBps"] * 1e12 / copy_bw
-                except Exception as exc:  # noqa: BLE001
-                    row["error"] = _err(exc)
-                rows.append(row)
-                log(f"sweep dense {name} M={M} {vname}: {row.get('us')} {row.get('error', '')}")
-        del ws
-    w13p, w13s, w2p, w2s = layer
-    expert_bytes = w4_bytes(2 * I, H) + w4_bytes(H, I)
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    for T in (1, 16):
-        x = torch.randn(T, H, device="cuda").to(torch.bfloat16)
-        sets = route(T, 4, gen)
-        touched = sum(int(torch.unique(ids).numel()) for ids, _ in sets) / len(sets)
-        base_out = None
-        for vname, over in MOE_VARIANTS:
-            cfg = replace(MOE_BASE, **over)
-            row = {"kernel": "moe", "T": T, "variant": vname, "config": cfg.as_dict()}
-            if clock() > budget:
-                row["skipped"] = "time budget"
-                rows.append(row)
-                continue
-            try:
-                out = fused_moe_w4a16(x, w13p, w13s, w2p, w2s, *sets[0], G, config=cfg)
-                if base_out is None:
-                    base_out = fused_moe_reference(x, w13p, w13s, w2p, w2s, *sets[0], G)
-                row["rel_err"] = rel(out, base_out)
-                us = time_calls([lambda ids=ids, tw=tw: fused_moe_w4a16(x, w13p, w13s, w2p, w2s, ids, tw, G,
-                                                                       config=cfg) for ids, tw in sets],
-                                reps=reps)["us"]
-                row["us"] = us
-                row["TBps"] = touched * expert_bytes / (us * 1e-6) / 1e12
-                row["frac_copy"] = row["TBps"] * 1e12 / copy_bw
-            except Exception as exc:  # noqa: BLE001
-                row["error"] = _err(exc)
-            rows.append(row)
-            log(f"sweep moe T={T} {vname}: {row.get('us')} {row.get('error', '')}")
-    return rows
-
-
 def gpu_stem(name: str) -> str:
     n = name.lower()
     for key in ("h200", "h100", "b200", "a100", "l40s", "l4"):
@@ -271,8 +195,18 @@ def markdown(payload) -> list[str]:
              f"Measured rooflines: D2D copy {payload['copy_TBps']:.2f} TB/s (read + write), "
              f"bf16 matmul {payload['bf16_TFLOPs']:.0f} TFLOP/s.",
              f"Effective TB/s = INT4 + bf16 scale bytes (group {G}) / time; the MoE counts only the experts "
-             "touched. Times: median of CUDA-graph replays over rotating weight copies (> L2).", "",
-             "## Dense W4A16", ""]
+             "touched. Times: median of CUDA-graph replays over rotating weight copies (> L2).", ""]
+    if payload["dense"]:
+        lines += _default_tables(payload)
+    if payload.get("sweep"):
+        lines += ["", "## Candidate sweep (bench/w4_sweep.py)", "", "```"]
+        lines += w4_sweep.report(payload["sweep"])
+        lines += ["```"]
+    return lines
+
+
+def _default_tables(payload) -> list[str]:
+    lines = ["## Dense W4A16 (default configs)", ""]
     lines += md_table(
         ["matrix", "M", "ours us", "ours TB/s", "x copy", "bf16 us", "ours vs bf16", "tinygemm us",
          "tinygemm TB/s", "ours err"],
@@ -286,14 +220,6 @@ def markdown(payload) -> list[str]:
         [[r["T"], r["touched_experts"], r.get("routed_us"), r.get("routed_TBps"), r.get("routed_frac_copy"),
           r["ideal_routed_us_at_copy_bw"], r.get("align_us"), r["shared_bf16_us"], r.get("layer_us"),
           r.get("rel_err", r.get("error"))] for r in payload["moe"]])
-    if payload.get("sweep"):
-        lines += ["", "## Config sweep", "",
-                  f"dense base {DENSE_BASE.as_dict()}; MoE base {MOE_BASE.as_dict()}", ""]
-        lines += md_table(
-            ["kernel", "shape", "M/T", "variant", "us", "TB/s", "x copy", "err"],
-            [[r["kernel"], r.get("matrix", "layer"), r.get("M", r.get("T")), r["variant"], r.get("us"),
-              r.get("TBps"), r.get("frac_copy"), r.get("rel_err", r.get("error", r.get("skipped")))]
-             for r in payload["sweep"]])
     return lines
 
 
@@ -301,7 +227,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kdtree bench kernels", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"),
                     help="output folder (default bench/results)")
-    ap.add_argument("--no-sweep", action="store_true", help="skip the config sweep")
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--no-sweep", action="store_true", help="skip the candidate sweep (defaults only)")
+    mode.add_argument("--sweep-only", action="store_true",
+                      help="rooflines + candidate sweep only (skip the default-config benchmark)")
+    ap.add_argument("--sweep-budget", type=float, default=SWEEP_BUDGET_S,
+                    help=f"seconds after which remaining sweep candidates are skipped (default {SWEEP_BUDGET_S:.0f})")
     ap.add_argument("--reps", type=int, default=15, help="timed graph replays per measurement")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -320,16 +251,22 @@ def main(argv: list[str] | None = None) -> int:
     payload = {"command": command_line(), "device": info, "copy_TBps": copy_bw / 1e12, "bf16_TFLOPs": mm / 1e12,
                "group_size": G, "dense_configs": {str(m): c.as_dict() for m, c in DENSE_CONFIGS},
                "moe_configs": {str(m): c.as_dict() for m, c in MOE_CONFIGS}}
-    payload["dense"] = bench_dense(copy_bw, args.reps, log)
+    payload["dense"] = [] if args.sweep_only else bench_dense(copy_bw, args.reps, log)
     layer = (*rand_w4(E, 2 * I, H), *rand_w4(E, H, I))
-    payload["moe"] = bench_moe(layer, copy_bw, args.reps, log)
-    payload["sweep"] = [] if args.no_sweep else sweep(layer, copy_bw, max(5, args.reps // 2), clock,
-                                                      SWEEP_BUDGET_S + clock(), log)
+    payload["moe"] = [] if args.sweep_only else bench_moe(layer, copy_bw, args.reps, log)
+    payload["sweep"] = []
+    if not args.no_sweep:
+        # dense gets 40% of the budget, the MoE the rest (it compiles two kernels per candidate)
+        ctx = w4_sweep.Ctx(copy_bw=copy_bw, reps=max(5, args.reps // 2), time_calls=time_calls, log=log, group=G)
+        t0 = time.time()
+        payload["sweep"] = w4_sweep.sweep_dense(ctx, l2_bytes(), t0 + 0.4 * args.sweep_budget)
+        payload["sweep"] += w4_sweep.sweep_moe(ctx, layer, route, t0 + args.sweep_budget)
     payload["elapsed_s"] = clock()
-    stem = f"kernels-{gpu_stem(info['gpu'])}"
+    stem = f"kernels-{gpu_stem(info['gpu']) + ('-sweep' if args.sweep_only else '')}"
     md = markdown(payload)
     jp, mp = write_results(args.out, stem, payload, md)
-    print("\n".join(md[md.index("## Dense W4A16"):]))
+    start = next(i for i, line in enumerate(md) if line.startswith("Effective TB/s"))
+    print("\n".join(md[start + 1:]))
     print(f"\nwrote {jp} and {mp} in {clock():.0f} s")
     return 0
 

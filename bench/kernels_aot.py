@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 import triton
 from triton.compiler import ASTSource
 from triton.backends.compiler import GPUTarget
@@ -35,9 +36,11 @@ def dense(dtype, cfg, split):
            "M": "i32", "N": "i32", "K": "i32", "k_per_split": "i32",
            "stride_xm": "i32", "stride_wn": "i32", "stride_sn": "i32", "stride_om": "i32", "stride_os": "i32",
            "G": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
-           "SWAP_AB": "constexpr", "UPCAST": "constexpr", "PREC": "constexpr", "OUT_F32": "constexpr"}
+           "SWAP_AB": "constexpr", "UPCAST": "constexpr", "PREC": "constexpr", "OUT_F32": "constexpr",
+           "DEQ": "constexpr", "EVEN": "constexpr"}
     consts = dict(G=32, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, SWAP_AB=cfg.SWAP_AB,
-                  UPCAST=False, PREC="ieee" if dtype=="fp32" else "tf32", OUT_F32=split)
+                  UPCAST=False, PREC="ieee" if dtype=="fp32" else "tf32", OUT_F32=split,
+                  DEQ=d.deq_code(cfg.DEQUANT, {"bf16": torch.bfloat16}.get(dtype, torch.float32)), EVEN=False)
     return comp(d._w4a16_kernel, sig, consts, cfg.num_warps, cfg.num_stages, f"dense {dtype} {cfg.as_dict()} split={split}")
 
 def moe(dtype, cfg):
@@ -45,15 +48,16 @@ def moe(dtype, cfg):
              "blk_expert_ptr": "*i32", "blk_rows_ptr": "*i32", "H": "i32", "I": "i32", "TOPK": "i32",
              "stride_xt": "i32", "stride_we": "i32", "stride_wn": "i32", "stride_se": "i32", "stride_sn": "i32", "stride_it": "i32",
              "G": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
-             "SWAP_AB": "constexpr", "UPCAST": "constexpr", "PREC": "constexpr"}
+             "SWAP_AB": "constexpr", "UPCAST": "constexpr", "PREC": "constexpr", "DEQ": "constexpr", "EVEN": "constexpr"}
     consts = dict(G=32, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, SWAP_AB=cfg.SWAP_AB,
-                  UPCAST=False, PREC="ieee" if dtype=="fp32" else "tf32")
+                  UPCAST=False, PREC="ieee" if dtype=="fp32" else "tf32",
+                  DEQ=d.deq_code(cfg.DEQUANT, {"bf16": torch.bfloat16}.get(dtype, torch.float32)), EVEN=False)
     comp(m._moe_w13_kernel, sig13, consts, cfg.num_warps, cfg.num_stages, f"moe_w13 {dtype} {cfg.as_dict()}")
     sig2 = {"a_ptr": f"*{dtype}", "w_ptr": "*i32", "s_ptr": "*bf16", "y_ptr": "*fp32", "tw_ptr": "*fp32", "sorted_ptr": "*i32",
             "blk_expert_ptr": "*i32", "blk_rows_ptr": "*i32", "H": "i32", "I": "i32",
             "stride_at": "i32", "stride_we": "i32", "stride_wn": "i32", "stride_se": "i32", "stride_sn": "i32", "stride_yt": "i32",
             "G": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
-            "SWAP_AB": "constexpr", "UPCAST": "constexpr", "PREC": "constexpr"}
+            "SWAP_AB": "constexpr", "UPCAST": "constexpr", "PREC": "constexpr", "DEQ": "constexpr", "EVEN": "constexpr"}
     consts["BLOCK_N"] = cfg.BLOCK_N2 or cfg.BLOCK_N
     comp(m._moe_w2_kernel, sig2, consts, cfg.num_warps, cfg.num_stages, f"moe_w2 {dtype} {cfg.as_dict()}")
 
@@ -73,7 +77,8 @@ if which == "defaults":
          dict(BM=16, E_P2=512, CH=32, BCH=16), 8, 1, "align")
     comp(m._moe_topk_sum_kernel, {"y_ptr": "*fp32", "ids_ptr": "*i64", "out_ptr": "*bf16", "H": "i32", "E": "i32",
          "stride_yt": "i32", "stride_ot": "i32", "TOPK": "constexpr", "BLOCK_H": "constexpr"}, dict(TOPK=8, BLOCK_H=1024), 4, 1, "topk_sum")
-    comp(d._split_sum_kernel, {"part_ptr": "*fp32", "out_ptr": "*bf16", "MN": "i32", "SPLIT": "constexpr", "BLOCK": "constexpr"},
+    from kdtree_engine.kernels.split_sum import _split_sum_kernel
+    comp(_split_sum_kernel, {"part_ptr": "*fp32", "out_ptr": "*bf16", "MN": "i32", "SPLIT": "constexpr", "BLOCK": "constexpr"},
          dict(SPLIT=4, BLOCK=1024), 4, 1, "split_sum")
 if which == "ptx":
     k = dense("bf16", d.DENSE_CONFIGS[0][1], False)

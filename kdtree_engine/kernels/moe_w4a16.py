@@ -19,6 +19,9 @@ The routed pair (t, j) keeps its own row in inter / y, so the result of a token 
 which other tokens share its expert block (batch invariance; see w4a16.py for the reduction rules).
 Pairs whose expert id is outside [0, E) (e.g. -1 for experts owned by another rank) contribute 0.
 
+MoEConfig.DEQUANT = "bf16x2" dequantizes two nibbles per instruction in inline PTX (w4_dequant.py): x is
+permuted once per call into the tiles' column order and the gate/up epilogue writes inter in that order.
+
 Decode (T = 1..16): a token touches 8 experts; grid = touched blocks x N tiles (w13: 2I/BLOCK_N per
 expert, w2: H/BLOCK_N), i.e. 512 / 896 programs at T = 1 on K2 shapes, each streaming whole weight rows
 with 16-byte loads; no split-K is needed at these sizes.
@@ -33,7 +36,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kdtree_engine.kernels.w4a16 import _load_dequant, _mma, check_w4, fp32_stages, interpreting
+from kdtree_engine.kernels.w4_dequant import DEQ_FLOAT, DEQUANTS, _pair_pos, pair_order
+from kdtree_engine.kernels.w4a16 import _load_dequant, _mma, check_w4, deq_code, fp32_stages, interpreting
 from kdtree_engine.quant import dequantize
 
 # ----------------------------------------------------------------------------------------------
@@ -49,10 +53,22 @@ class MoEConfig:
     num_warps: int = 4
     num_stages: int = 4
     BLOCK_N2: int | None = None  # down GEMM BLOCK_N (default: BLOCK_N)
+    DEQUANT: str = "float"  # "float" or "bf16x2" (PTX, bf16 activations only), see w4_dequant.py
+
+    def __post_init__(self) -> None:
+        if self.DEQUANT not in DEQUANTS:
+            raise ValueError(f"MoEConfig.DEQUANT must be one of {tuple(DEQUANTS)}, got {self.DEQUANT!r}")
+        if self.BLOCK_M < 16:
+            raise ValueError(f"MoEConfig.BLOCK_M must be >= 16 (tl.dot minimum), got {self.BLOCK_M}")
+
+    def reduction_key(self) -> tuple:
+        """The fields that fix how one output element is summed (must be equal across T buckets)."""
+        return (self.DEQUANT, self.BLOCK_K, self.SWAP_AB)
 
     def as_dict(self) -> dict:
-        return dict(BLOCK_M=self.BLOCK_M, BLOCK_N=self.BLOCK_N, BLOCK_K=self.BLOCK_K, SWAP_AB=self.SWAP_AB,
-                    num_warps=self.num_warps, num_stages=self.num_stages, BLOCK_N2=self.BLOCK_N2)
+        return dict(DEQUANT=self.DEQUANT, BLOCK_M=self.BLOCK_M, BLOCK_N=self.BLOCK_N, BLOCK_K=self.BLOCK_K,
+                    SWAP_AB=self.SWAP_AB, num_warps=self.num_warps, num_stages=self.num_stages,
+                    BLOCK_N2=self.BLOCK_N2)
 
 
 # (max T * top_k, config); first match wins. BLOCK_K and SWAP_AB are shared (batch invariance).
@@ -61,6 +77,8 @@ MOE_CONFIGS: list[tuple[int, MoEConfig]] = [
     (1024, MoEConfig(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=3)),
     (1 << 62, MoEConfig(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)),
 ]
+if len({cfg.reduction_key() for _, cfg in MOE_CONFIGS}) != 1:
+    raise ValueError("MOE_CONFIGS: all buckets must share DEQUANT, BLOCK_K and SWAP_AB (batch invariance)")
 
 
 def moe_config(num_pairs: int) -> MoEConfig:
@@ -121,7 +139,8 @@ def _moe_w13_kernel(x_ptr, w_ptr, s_ptr, inter_ptr, sorted_ptr, blk_expert_ptr, 
                     H, I, TOPK,
                     stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_it,
                     G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    SWAP_AB: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
+                    SWAP_AB: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+                    DEQ: tl.constexpr = 0, EVEN: tl.constexpr = False):
     pid_b = tl.program_id(0)   # expert block (fastest: blocks of one expert share its weights in L2)
     pid_n = tl.program_id(1)
     rows = tl.load(blk_rows_ptr + pid_b)
@@ -151,18 +170,22 @@ def _moe_w13_kernel(x_ptr, w_ptr, s_ptr, inter_ptr, sorted_ptr, blk_expert_ptr, 
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         kk = k0 + offs_k
-        xt = tl.load(x_rows + kk[None, :], mask=r_mask[:, None] & (kk[None, :] < H), other=0.0)
+        if EVEN:
+            xt = tl.load(x_rows + kk[None, :], mask=r_mask[:, None], other=0.0)
+        else:
+            xt = tl.load(x_rows + kk[None, :], mask=r_mask[:, None] & (kk[None, :] < H), other=0.0)
         wg = _load_dequant(wg_ptr, sg_ptr, offs_n, n_mask, stride_wn, stride_sn, k0, H,
-                           G, BLOCK_N, BLOCK_K, DTYPE)
+                           G, BLOCK_N, BLOCK_K, DTYPE, DEQ, EVEN)
         wu = _load_dequant(wu_ptr, su_ptr, offs_n, n_mask, stride_wn, stride_sn, k0, H,
-                           G, BLOCK_N, BLOCK_K, DTYPE)
+                           G, BLOCK_N, BLOCK_K, DTYPE, DEQ, EVEN)
         acc_g = _mma(acc_g, wg, xt, SWAP_AB, UPCAST, PREC)
         acc_u = _mma(acc_u, wu, xt, SWAP_AB, UPCAST, PREC)
     if SWAP_AB:
         acc_g = tl.trans(acc_g)
         acc_u = tl.trans(acc_u)
     h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u        # silu(gate) * up, fp32   [BLOCK_M, BLOCK_N]
-    o_ptrs = inter_ptr + pair[:, None].to(tl.int64) * stride_it + offs_n[None, :]
+    # inter is the down GEMM's activation: its columns in that GEMM's tile order (w4_dequant.py)
+    o_ptrs = inter_ptr + pair[:, None].to(tl.int64) * stride_it + _pair_pos(offs_n, DEQ)[None, :]
     tl.store(o_ptrs, h.to(inter_ptr.dtype.element_ty), mask=r_mask[:, None] & n_mask[None, :])
 
 
@@ -171,7 +194,8 @@ def _moe_w2_kernel(a_ptr, w_ptr, s_ptr, y_ptr, tw_ptr, sorted_ptr, blk_expert_pt
                    H, I,
                    stride_at, stride_we, stride_wn, stride_se, stride_sn, stride_yt,
                    G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   SWAP_AB: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
+                   SWAP_AB: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+                   DEQ: tl.constexpr = 0, EVEN: tl.constexpr = False):
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
     rows = tl.load(blk_rows_ptr + pid_b)
@@ -196,9 +220,12 @@ def _moe_w2_kernel(a_ptr, w_ptr, s_ptr, y_ptr, tw_ptr, sorted_ptr, blk_expert_pt
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
         kk = k0 + offs_k
-        at = tl.load(a_rows + kk[None, :], mask=r_mask[:, None] & (kk[None, :] < I), other=0.0)
+        if EVEN:
+            at = tl.load(a_rows + kk[None, :], mask=r_mask[:, None], other=0.0)
+        else:
+            at = tl.load(a_rows + kk[None, :], mask=r_mask[:, None] & (kk[None, :] < I), other=0.0)
         wt = _load_dequant(we_ptr, se_ptr, offs_n, n_mask, stride_wn, stride_sn, k0, I,
-                           G, BLOCK_N, BLOCK_K, DTYPE)
+                           G, BLOCK_N, BLOCK_K, DTYPE, DEQ, EVEN)
         acc = _mma(acc, wt, at, SWAP_AB, UPCAST, PREC)
     if SWAP_AB:
         acc = tl.trans(acc)
@@ -287,6 +314,9 @@ def fused_moe_w4a16(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.
     tw = topk_weights.reshape(-1).contiguous()
 
     stages = fp32_stages(cfg.num_stages, x.dtype)
+    deq = deq_code(cfg.DEQUANT, x.dtype)
+    if deq != DEQ_FLOAT:
+        x = pair_order(x)   # the bf16x2 tiles' column order (w4_dequant.py)
     sorted_pairs, blk_expert, blk_rows = moe_align(ids, E, cfg.BLOCK_M)
     max_blocks = blk_rows.numel()
     inter = torch.empty((P, I), device=x.device, dtype=x.dtype)
@@ -297,13 +327,15 @@ def fused_moe_w4a16(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.
         x.stride(0), w13_packed.stride(0), w13_packed.stride(1), w13_scale.stride(0), w13_scale.stride(1),
         inter.stride(0),
         G=group_size, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=block_k, SWAP_AB=cfg.SWAP_AB,
-        UPCAST=upcast, PREC=prec, num_warps=cfg.num_warps, num_stages=stages)
+        UPCAST=upcast, PREC=prec, DEQ=deq, EVEN=H % block_k == 0 and I % cfg.BLOCK_N == 0,
+        num_warps=cfg.num_warps, num_stages=stages)
     _moe_w2_kernel[(max_blocks, triton.cdiv(H, bn2))](
         inter, w2_packed, w2_scale, y, tw, sorted_pairs, blk_expert, blk_rows, H, I,
         inter.stride(0), w2_packed.stride(0), w2_packed.stride(1), w2_scale.stride(0), w2_scale.stride(1),
         y.stride(0),
         G=group_size, BLOCK_M=cfg.BLOCK_M, BLOCK_N=bn2, BLOCK_K=block_k, SWAP_AB=cfg.SWAP_AB,
-        UPCAST=upcast, PREC=prec, num_warps=cfg.num_warps, num_stages=stages)
+        UPCAST=upcast, PREC=prec, DEQ=deq, EVEN=I % block_k == 0 and H % bn2 == 0,
+        num_warps=cfg.num_warps, num_stages=stages)
     BLOCK_H = 1024
     _moe_topk_sum_kernel[(T, triton.cdiv(H, BLOCK_H))](
         y, ids, out, H, E, y.stride(0), out.stride(0), TOPK=topk, BLOCK_H=BLOCK_H, num_warps=4)

@@ -16,12 +16,19 @@ Kernel design (memory-bound at small M, so everything is about streaming the pac
 - split-K for small N (one expert's w2, etc.) writes fp32 partials and a second small kernel sums them
   in a fixed order (no atomics).
 
+Kernel families and dequantization (selected per config, so bench/w4_sweep.py can compare them):
+- W4Config.KERNEL = "dot" (this file, tensor cores) or "fma" (w4a16_fma.py: CUDA cores, 1-4 tokens per
+  program, ~5 instructions per weight element instead of ~7 here with DEQUANT="float");
+- W4Config.DEQUANT = "float" (below) or "bf16x2" (w4_dequant.py: inline PTX, two elements per
+  instruction, ~4 instructions per weight element; bf16 activations, permuted once per call).
+Instruction counts are from sm_90 builds (bench/w4_aot.py); which is fastest is measured by the sweep.
+
 Batch invariance: a row's result does not depend on M. The reduction order of an output element is
 fixed by BLOCK_K and SPLIT_K only, both chosen from (N, K) alone (see `_split_k`, `REDUCTION_BLOCK_K`);
 M selects only BLOCK_M / BLOCK_N / warps / stages, which change how the output is tiled, not how one
-element is summed. Partials of a split are summed in split order. The M-bucket configs below must keep
-BLOCK_K == REDUCTION_BLOCK_K and the same SWAP_AB for this to hold (checked on the GPU by
-tests/gpu/test_kernels_gpu.py::test_dense_batch_invariant).
+element is summed. Partials of a split are summed in split order. The M-bucket configs below must share
+`W4Config.reduction_key()` (family, DEQUANT, BLOCK_K, SWAP_AB, split_k; for "fma" also BLOCK_N and
+num_warps): `check_table` enforces it at import; tests/gpu/test_kernels_gpu.py checks the bits.
 
 CPU: `w4a16_linear_reference` (dequantize, fp32 matmul) is the CPU path and the test oracle. Under
 TRITON_INTERPRET=1 the Triton kernel runs on CPU tensors; the interpreter of triton 3.9 computes bf16
@@ -38,6 +45,9 @@ import triton
 import triton.language as tl
 
 from .split_sum import split_sum
+from .w4_dequant import (DEQ_BF16X2, DEQ_BF16X2_EMU, DEQ_FLOAT, DEQUANTS, _load_dequant,  # noqa: F401
+                         _unpack8, pair_order)
+from .w4a16_fma import FMA_BLOCK_M, _w4a16_fma_kernel, _x_planes_kernel
 
 from kdtree_engine.quant import dequantize
 
@@ -45,31 +55,68 @@ from kdtree_engine.quant import dequantize
 # configuration
 
 
+KERNELS = ("dot", "fma")
+
+
 @dataclass(frozen=True)
 class W4Config:
-    BLOCK_M: int = 16   # tokens per program (>= 16: tl.dot minimum)
+    BLOCK_M: int = 16   # tokens per program (dot: >= 16, tl.dot minimum; fma: 1, 2 or 4)
     BLOCK_N: int = 64   # weight rows per program
     BLOCK_K: int = 256  # k per step (multiple of the group size and of 8)
     SWAP_AB: bool = True
     num_warps: int = 4
     num_stages: int = 4
     split_k: int | None = None  # None: chosen from (N, K) by _split_k
+    KERNEL: str = "dot"  # "dot": tensor cores (this file); "fma": CUDA-core small-M path (w4a16_fma.py)
+    DEQUANT: str = "float"  # dot only: "float" or "bf16x2" (PTX, bf16 x only; same tile bits), w4_dequant.py
+
+    def __post_init__(self) -> None:
+        if self.KERNEL not in KERNELS:
+            raise ValueError(f"W4Config.KERNEL must be one of {KERNELS}, got {self.KERNEL!r}")
+        if self.KERNEL == "fma" and self.BLOCK_M not in FMA_BLOCK_M:
+            raise ValueError(f"W4Config.BLOCK_M must be one of {FMA_BLOCK_M} for KERNEL='fma', got {self.BLOCK_M}")
+        if self.KERNEL == "dot" and self.BLOCK_M < 16:
+            raise ValueError(f"W4Config.BLOCK_M must be >= 16 for KERNEL='dot', got {self.BLOCK_M}")
+        if self.DEQUANT not in DEQUANTS:
+            raise ValueError(f"W4Config.DEQUANT must be one of {tuple(DEQUANTS)}, got {self.DEQUANT!r}")
+
+    def reduction_key(self) -> tuple:
+        """The fields that fix how one output element is summed (must be equal across M buckets)."""
+        if self.KERNEL == "fma":
+            return (self.KERNEL, self.BLOCK_N, self.BLOCK_K, self.num_warps, self.split_k)
+        return (self.KERNEL, self.DEQUANT, self.BLOCK_K, self.SWAP_AB, self.split_k)
 
     def as_dict(self) -> dict:
-        return dict(BLOCK_M=self.BLOCK_M, BLOCK_N=self.BLOCK_N, BLOCK_K=self.BLOCK_K, SWAP_AB=self.SWAP_AB,
-                    num_warps=self.num_warps, num_stages=self.num_stages, split_k=self.split_k)
+        return dict(KERNEL=self.KERNEL, DEQUANT=self.DEQUANT, BLOCK_M=self.BLOCK_M, BLOCK_N=self.BLOCK_N,
+                    BLOCK_K=self.BLOCK_K, SWAP_AB=self.SWAP_AB, num_warps=self.num_warps,
+                    num_stages=self.num_stages, split_k=self.split_k)
 
 
 # All buckets share BLOCK_K and SWAP_AB (batch invariance, see module docstring).
 REDUCTION_BLOCK_K = 256
 
-# (max M, config): the first bucket with M <= max M is used. Edit here to change the defaults.
+
+def check_table(table: list[tuple[int, W4Config]] | list, what: str) -> None:
+    """Every bucket of an M-bucket table must sum an output element the same way (batch invariance):
+    one kernel family and equal `reduction_key()`; buckets sorted by max M."""
+    keys = {cfg.reduction_key() for _, cfg in table}
+    if len(keys) != 1:
+        raise ValueError(f"{what}: all M buckets must share the reduction fields (batch invariance), "
+                         f"got {sorted(map(str, keys))}")
+    bounds = [m for m, _ in table]
+    if bounds != sorted(bounds):
+        raise ValueError(f"{what}: buckets must be sorted by max M, got {bounds}")
+
+
+# (max M, config): the first bucket with M <= max M is used. Edit here to change the defaults; the
+# bench's sweep (bench/kernels.py) prints candidates by name, see bench/w4_candidates.py.
 DENSE_CONFIGS: list[tuple[int, W4Config]] = [
     (16, W4Config(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=4)),
     (32, W4Config(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=4)),
     (64, W4Config(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)),
     (1 << 62, W4Config(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2)),
 ]
+check_table(DENSE_CONFIGS, "DENSE_CONFIGS")
 # Shared memory per pipeline stage ~ BLOCK_N*BLOCK_K/2 (int4) + BLOCK_M*BLOCK_K*2 (x) bytes, plus one
 # dequantized [BLOCK_N, BLOCK_K] tile when the MMA reads it from shared memory: keep the total under
 # ~200 KB (Hopper: 227 KB per block).
@@ -114,45 +161,6 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @triton.jit
-def _unpack8(w, ROWS: tl.constexpr, COLS8: tl.constexpr):
-    """int32 [ROWS, COLS8] packed nibbles -> int32 [ROWS, COLS8*8] values u in [0, 15], k order."""
-    n0 = w & 0xF
-    n1 = (w >> 4) & 0xF
-    n2 = (w >> 8) & 0xF
-    n3 = (w >> 12) & 0xF
-    n4 = (w >> 16) & 0xF
-    n5 = (w >> 20) & 0xF
-    n6 = (w >> 24) & 0xF
-    n7 = (w >> 28) & 0xF
-    # the first join pairs (j, j+4), the second (j, j+2), the last (j, j+1): flat index = j
-    q = tl.join(tl.join(tl.join(n0, n4), tl.join(n2, n6)), tl.join(tl.join(n1, n5), tl.join(n3, n7)))
-    return tl.reshape(q, (ROWS, COLS8 * 8))
-
-
-@triton.jit
-def _load_dequant(w_ptr, s_ptr, offs_n, n_mask, stride_wn, stride_sn, k0, k_end,
-                  G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr):
-    """Dequantized weight tile [BLOCK_N, BLOCK_K] (DTYPE) for rows offs_n, k in [k0, k0+BLOCK_K).
-
-    w_ptr / s_ptr point at row 0 of this matrix (expert offset already applied). Out-of-range k or n
-    give 0 (scale 0)."""
-    BK8: tl.constexpr = BLOCK_K // 8
-    NG: tl.constexpr = BLOCK_K // G
-    offs_k8 = k0 // 8 + tl.arange(0, BK8)
-    w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k8[None, :],
-                mask=n_mask[:, None] & (offs_k8[None, :] * 8 < k_end), other=0,
-                eviction_policy="evict_first")
-    offs_g = k0 // G + tl.arange(0, NG)
-    s = tl.load(s_ptr + offs_n[:, None].to(tl.int64) * stride_sn + offs_g[None, :],
-                mask=n_mask[:, None] & (offs_g[None, :] * G < k_end), other=0.0).to(tl.float32)
-    s = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, NG, G)), (BLOCK_N, BLOCK_K))
-    q = _unpack8(w, BLOCK_N, BK8)
-    # 0x4B000000 | u is the float 2^23 + u; subtracting 2^23 + 8 leaves u - 8 exactly
-    f = (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
-    return (f * s).to(DTYPE)
-
-
-@triton.jit
 def _mma(acc, w, x, SWAP_AB: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
     """acc += w @ x.T ([BN, BM], SWAP_AB) or x @ w.T ([BM, BN])."""
     if UPCAST:
@@ -175,7 +183,7 @@ def _w4a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr,
                   stride_xm, stride_wn, stride_sn, stride_om, stride_os,
                   G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   SWAP_AB: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
-                  OUT_F32: tl.constexpr):
+                  OUT_F32: tl.constexpr, DEQ: tl.constexpr = 0, EVEN: tl.constexpr = False):
     # grid: (m tiles [fastest, so tiles sharing a weight tile run together], n tiles, splits)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -197,9 +205,12 @@ def _w4a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr,
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
     for k0 in range(k_start, k_end, BLOCK_K):
         wt = _load_dequant(w_ptr, s_ptr, offs_n, n_mask, stride_wn, stride_sn, k0, k_end,
-                           G, BLOCK_N, BLOCK_K, DTYPE)
+                           G, BLOCK_N, BLOCK_K, DTYPE, DEQ, EVEN)
         kk = k0 + offs_k
-        xt = tl.load(x_rows + kk[None, :], mask=m_mask[:, None] & (kk[None, :] < k_end), other=0.0)
+        if EVEN:
+            xt = tl.load(x_rows + kk[None, :], mask=m_mask[:, None], other=0.0)
+        else:
+            xt = tl.load(x_rows + kk[None, :], mask=m_mask[:, None] & (kk[None, :] < k_end), other=0.0)
         acc = _mma(acc, wt, xt, SWAP_AB, UPCAST, PREC)
 
     if SWAP_AB:
@@ -228,6 +239,46 @@ def check_w4(packed: torch.Tensor, scale: torch.Tensor, group_size: int, K: int,
                          f"{tuple(packed.shape)} with group {group_size}")
     if packed.stride(-1) != 1 or scale.stride(-1) != 1:
         raise ValueError(f"{what}: packed and scale must be contiguous along K")
+
+
+def deq_code(dequant: str, dtype: torch.dtype) -> int:
+    """The kernels' DEQ constexpr for a config's DEQUANT and the activation dtype. "bf16x2" is defined
+    for bf16 activations (the tile is bf16); fp16 / fp32 activations always dequantize in fp32, as the
+    field's documentation says. Under the interpreter the PTX is replaced by its plain-Triton twin."""
+    if dequant == "bf16x2" and dtype == torch.bfloat16:
+        return DEQ_BF16X2_EMU if interpreting() else DEQ_BF16X2
+    return DEQ_FLOAT
+
+
+def x_planes(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] -> fp32 [M, 8, K/8] in nibble-plane order, xp[m, j, c] = x[m, 8c + j] * 16^-(j % 4)."""
+    M, K = x.shape
+    k8 = K // 8
+    xp = torch.empty((M, 8, k8), device=x.device, dtype=torch.float32)
+    block_c = min(256, triton.next_power_of_2(k8))
+    _x_planes_kernel[(M, triton.cdiv(k8, block_c))](x, xp, k8, x.stride(0), xp.stride(0),
+                                                    BLOCK_C=block_c, num_warps=4)
+    return xp
+
+
+def _fma_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, group_size: int,
+                cfg: W4Config, block_k: int, k_per_split: int, split: int, out: torch.Tensor) -> torch.Tensor:
+    """The CUDA-core small-M family (w4a16_fma.py); same split-K and fixed-order sum as the dot path."""
+    M, K = x.shape
+    N = packed.shape[0]
+    xp = x_planes(x)
+    block_c = block_k // 8
+    even = N % cfg.BLOCK_N == 0 and (K // 8) % block_c == 0
+    target = out if split == 1 else torch.empty((split, M, N), device=x.device, dtype=torch.float32)
+    grid = (triton.cdiv(M, cfg.BLOCK_M), triton.cdiv(N, cfg.BLOCK_N), split)
+    _w4a16_fma_kernel[grid](
+        xp, packed, scale, target, M, N, K // 8, k_per_split // 8,
+        xp.stride(0), packed.stride(0), scale.stride(0), N, M * N,
+        G8_LOG=(group_size // 8).bit_length() - 1, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_C=block_c, EVEN=even,
+        OUT_F32=split > 1, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if split > 1:
+        split_sum(target, out, split)
+    return out
 
 
 def w4a16_linear_reference(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
@@ -259,21 +310,28 @@ def w4a16_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, gro
     out = torch.empty((M, N), device=x.device, dtype=x.dtype)
     if M == 0:
         return out
+    if cfg.KERNEL == "fma":
+        return _fma_linear(x, packed, scale, group_size, cfg, block_k, k_per_split, split, out)
     interp = interpreting()
     upcast = interp
     prec = "ieee" if (x.dtype == torch.float32 or upcast) else "tf32"
     target = out if split == 1 else torch.empty((split, M, N), device=x.device, dtype=torch.float32)
     grid = (triton.cdiv(M, cfg.BLOCK_M), triton.cdiv(N, cfg.BLOCK_N), split)
+    even = N % cfg.BLOCK_N == 0 and K % block_k == 0
+    deq = deq_code(cfg.DEQUANT, x.dtype)
+    if deq != DEQ_FLOAT:
+        x = pair_order(x)   # the bf16x2 tiles' column order (w4_dequant.py)
     _w4a16_kernel[grid](
         x, packed, scale, target, M, N, K, k_per_split,
         x.stride(0), packed.stride(0), scale.stride(0), N, M * N,
         G=group_size, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=block_k,
         SWAP_AB=cfg.SWAP_AB, UPCAST=upcast, PREC=prec, OUT_F32=split > 1,
+        DEQ=deq, EVEN=even,
         num_warps=cfg.num_warps, num_stages=fp32_stages(cfg.num_stages, x.dtype))
     if split > 1:
         split_sum(target, out, split)
     return out
 
 
-__all__ = ["W4Config", "DENSE_CONFIGS", "REDUCTION_BLOCK_K", "dense_config", "w4a16_linear",
-           "w4a16_linear_reference", "check_w4", "interpreting", "fp32_stages"]
+__all__ = ["W4Config", "KERNELS", "check_table", "deq_code", "x_planes", "DENSE_CONFIGS", "REDUCTION_BLOCK_K",
+           "dense_config", "w4a16_linear", "w4a16_linear_reference", "check_w4", "interpreting", "fp32_stages"]

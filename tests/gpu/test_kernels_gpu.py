@@ -85,7 +85,11 @@ def test_dense_k2(dense_weights, poisoned, name, M):
 
 
 @pytest.mark.parametrize("over", [dict(SWAP_AB=False), dict(BLOCK_N=128, num_warps=8),
-                                  dict(BLOCK_K=128), dict(split_k=1), dict(split_k=4, num_stages=2)])
+                                  dict(BLOCK_K=128), dict(split_k=1), dict(split_k=4, num_stages=2),
+                                  dict(DEQUANT="bf16x2"),
+                                  dict(DEQUANT="bf16x2", BLOCK_N=128, num_warps=8, num_stages=3),
+                                  dict(DEQUANT="bf16x2", BLOCK_N=32), dict(KERNEL="fma", BLOCK_M=1),
+                                  dict(KERNEL="fma", BLOCK_M=2, BLOCK_N=32), dict(KERNEL="fma", BLOCK_M=4, BLOCK_N=32)])
 @pytest.mark.parametrize("M", [1, 16, 100])
 def test_dense_config_variants(dense_weights, poisoned, over, M):
     packed, scale = dense_weights["expert_w13"]
@@ -103,6 +107,53 @@ def test_dense_dtypes_odd_shapes(poisoned, dtype, tol, shape):
     x = torch.randn(M, K, device=DEV).to(dtype)
     out = w4a16_linear(x, packed, scale, g)
     _check(out, w4a16_linear_reference(x, packed, scale, g), tol, f"{dtype} {shape}")
+
+
+# candidate tables (bench/w4_sweep.py) with the buckets their family allows: (max M, overrides)
+FAMILY_TABLES = {
+    "dot_bf16x2": [(16, dict(DEQUANT="bf16x2")), (64, dict(DEQUANT="bf16x2", BLOCK_M=64, num_stages=3)),
+                   (1 << 62, dict(DEQUANT="bf16x2", BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2))],
+    # BLOCK_M 16 runs mma.sync, 64 wgmma: this checks that the two sum a row's k16 products alike
+    "dot_bf16x2_noswap": [(16, dict(DEQUANT="bf16x2", SWAP_AB=False)),
+                          (64, dict(DEQUANT="bf16x2", SWAP_AB=False, BLOCK_M=64, num_stages=3)),
+                          (1 << 62, dict(DEQUANT="bf16x2", SWAP_AB=False, BLOCK_M=64, BLOCK_N=128, num_warps=8,
+                                         num_stages=2))],
+    "fma": [(1, dict(KERNEL="fma", BLOCK_M=1)), (2, dict(KERNEL="fma", BLOCK_M=2)),
+            (1 << 62, dict(KERNEL="fma", BLOCK_M=4))],
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILY_TABLES))
+@pytest.mark.parametrize("name", ["expert_w13", "expert_w2"])
+def test_dense_family_batch_invariant(dense_weights, family, name):
+    """Each family's table keeps a row's bits independent of M, across its buckets."""
+    from kdtree_engine.kernels.w4a16 import check_table
+    table = [(m, replace(W4Config(), **o)) for m, o in FAMILY_TABLES[family]]
+    check_table(table, family)
+
+    def cfg(M):
+        return next(c for m, c in table if M <= m)
+
+    packed, scale = dense_weights[name]
+    x = torch.randn(100, DENSE_SHAPES[name][1], device=DEV).to(torch.bfloat16)
+    full = w4a16_linear(x, packed, scale, G, config=cfg(100))
+    _check(full, w4a16_linear_reference(x, packed, scale, G), BF16_TOL, f"{family} {name}")
+    bad = []
+    for m in (1, 2, 3, 4, 16, 17, 64):
+        part = w4a16_linear(x[:m], packed, scale, G, config=cfg(m))
+        if not torch.equal(part, full[:m]):
+            bad.append((m, int((part != full[:m]).sum())))
+    assert not bad, f"{family} {name}: rows differ from the M=100 launch (M, #elements): {bad}"
+
+
+def test_dense_bf16x2_tiles_match_float(dense_weights):
+    """The PTX dequant gives the same tile values as the fp32 one; only the k order inside the dot
+    differs (pair order), so the two results agree to fp32-accumulation and bf16-output rounding."""
+    packed, scale = dense_weights["expert_w2"]
+    x = torch.randn(16, 2048, device=DEV).to(torch.bfloat16)
+    a = w4a16_linear(x, packed, scale, G, config=replace(dense_config(16), DEQUANT="bf16x2"))
+    b = w4a16_linear(x, packed, scale, G, config=dense_config(16))
+    assert rel(a, b) < 5e-3
 
 
 @pytest.mark.parametrize("name", list(DENSE_SHAPES))
@@ -146,7 +197,9 @@ def test_moe_k2_layer(k2_experts, poisoned, T):
 
 
 @pytest.mark.parametrize("over", [dict(SWAP_AB=False), dict(BLOCK_M=32), dict(BLOCK_N=128, num_warps=8),
-                                  dict(BLOCK_K=128, num_stages=2), dict(BLOCK_N2=128)])
+                                  dict(BLOCK_K=128, num_stages=2), dict(BLOCK_N2=128), dict(DEQUANT="bf16x2"),
+                                  dict(DEQUANT="bf16x2", BLOCK_N=32, BLOCK_N2=64),
+                                  dict(DEQUANT="bf16x2", BLOCK_K=128, num_stages=6)])
 def test_moe_config_variants(k2_experts, poisoned, over):
     T = 16
     x = torch.randn(T, H, device=DEV).to(torch.bfloat16)
@@ -156,14 +209,19 @@ def test_moe_config_variants(k2_experts, poisoned, over):
     _check(out, fused_moe_reference(x, *k2_experts, ids, tw, G), BF16_TOL, f"MoE {over}")
 
 
-def test_moe_batch_invariant(k2_experts):
+@pytest.mark.parametrize("over", [dict(), dict(DEQUANT="bf16x2", BLOCK_N=32), dict(DEQUANT="bf16x2", SWAP_AB=False)])
+def test_moe_batch_invariant(k2_experts, over):
     T = 64
     x = torch.randn(T, H, device=DEV).to(torch.bfloat16)
     ids, tw = route(T)
-    full = fused_moe_w4a16(x, *k2_experts, ids, tw, G)
+
+    def cfg(t):
+        return replace(moe_config(t * TOPK), **over) if over else None
+
+    full = fused_moe_w4a16(x, *k2_experts, ids, tw, G, config=cfg(T))
     bad = []
     for m in (1, 2, 5, 16):
-        part = fused_moe_w4a16(x[:m], *k2_experts, ids[:m], tw[:m], G)
+        part = fused_moe_w4a16(x[:m], *k2_experts, ids[:m], tw[:m], G, config=cfg(m))
         if not torch.equal(part, full[:m]):
             bad.append((m, int((part != full[:m]).sum())))
     assert not bad, f"MoE rows differ from the T=64 launch (T, #elements): {bad}"

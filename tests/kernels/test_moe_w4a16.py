@@ -75,6 +75,13 @@ CASES = {
     "t17_fp32_noswap_bm32": (17, 160, 64, 8, 3, 32, "fp32", "distinct", {"SWAP_AB": False, "BLOCK_M": 32}),
     "t40_fp32_e3_multiblock": (40, 96, 64, 3, 2, 32, "fp32", "distinct", {}),
     "t9_bf16_bn32_bn2_64": (9, 96, 96, 6, 2, 32, "bf16", "distinct", {"BLOCK_N": 32, "BLOCK_N2": 64}),
+    # bf16x2 dequant (plain-Triton twin under the interpreter): masked, and EVEN tiles in both GEMMs
+    "t5_bf16_x2_mixed_bn32": (5, 96, 64, 6, 3, 32, "bf16", "mixed", {"DEQUANT": "bf16x2", "BLOCK_N": 32,
+                                                                     "BLOCK_N2": 64}),
+    "t4_bf16_x2_even": (4, 256, 64, 5, 2, 32, "bf16", "distinct", {"DEQUANT": "bf16x2", "BLOCK_K": 64,
+                                                                   "BLOCK_N": 32}),
+    "t9_bf16_x2_noswap": (9, 96, 96, 6, 2, 32, "bf16", "distinct", {"DEQUANT": "bf16x2", "SWAP_AB": False,
+                                                                    "BLOCK_N": 32}),
 }
 
 

@@ -1,0 +1,276 @@
+"""W4A16 candidate sweep: dense [36864 x 7168] at M = 1, 4, 16 and the K2 MoE layer at T = 1, 4, 16.
+
+Each candidate is one config family (what a batch-invariant table can use for every M: see
+kdtree_engine/kernels/w4a16.py `check_table`). The sweep prints, per shape, a compact table
+(candidate -> us, TB/s, x copy, x bf16) and at the end the best candidate per shape, the best candidate
+over all three sizes (sum of times), and the table line to paste into DENSE_CONFIGS / MOE_CONFIGS.
+Candidates run in list order and stop at the time budget (the rest are reported as skipped), so the
+most informative ones come first.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, replace
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from kdtree_engine.kernels.moe_w4a16 import MoEConfig, fused_moe_reference, fused_moe_w4a16
+from kdtree_engine.kernels.w4a16 import W4Config, w4a16_linear, w4a16_linear_reference
+from kdtree_engine.quant import dequantize
+
+SIZES = (1, 4, 16)
+DENSE_NK = (36864, 7168)
+
+
+def _d(**kw) -> W4Config:
+    return W4Config(**{"BLOCK_M": 16, **kw})
+
+
+X2 = dict(DEQUANT="bf16x2")
+# name -> the family's config at M = 16 (fma: BLOCK_M follows M, see fma_block_m)
+DENSE_CANDIDATES: list[tuple[str, W4Config]] = [
+    # (bench/w4_aot.py: none of these spills registers on sm_90; instructions per weight element in the
+    # K loop: dot_float ~7.3, dot_x2 ~3.8-4.1 (noswap, mma.sync from shared memory: ~3.3), fma ~5.0). N=36864 gives 576 programs at
+    # BLOCK_N 64, ~2.2 waves of 2 programs per SM: split-K and BLOCK_N 32 trade the last wave's idle
+    # SMs against a partial-sum pass.
+    ("dot_float_base", _d()),                                                  # the current default
+    ("dot_x2_noswap_n64_k256_w4_s4", _d(**X2, SWAP_AB=False)),
+    ("dot_x2_noswap_n128_k256_w8_s3", _d(**X2, SWAP_AB=False, BLOCK_N=128, num_warps=8, num_stages=3)),
+    ("dot_x2_n64_k256_w4_s4", _d(**X2)),
+    ("dot_x2_n128_k256_w8_s3", _d(**X2, BLOCK_N=128, num_warps=8, num_stages=3)),
+    ("fma_n64_k256_w4", W4Config(KERNEL="fma", BLOCK_M=1, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=1)),
+    ("dot_x2_noswap_n128_k128_w4_s6", _d(**X2, SWAP_AB=False, BLOCK_N=128, BLOCK_K=128, num_stages=6)),
+    ("dot_x2_noswap_n64_k256_w4_s4_split2", _d(**X2, SWAP_AB=False, split_k=2)),
+    ("dot_x2_n128_k128_w4_s6", _d(**X2, BLOCK_N=128, BLOCK_K=128, num_stages=6)),
+    ("dot_x2_n256_k128_w8_s4", _d(**X2, BLOCK_N=256, BLOCK_K=128, num_warps=8, num_stages=4)),
+    ("dot_x2_n64_k256_w4_s2", _d(**X2, num_stages=2)),
+    ("dot_x2_n32_k256_w4_s4", _d(**X2, BLOCK_N=32)),
+    ("dot_x2_n128_k128_w4_s4_split2", _d(**X2, BLOCK_N=128, BLOCK_K=128, num_stages=4, split_k=2)),
+    ("dot_x2_n64_k256_w4_s4_split2", _d(**X2, split_k=2)),
+    ("dot_x2_n32_k256_w4_s4_split2", _d(**X2, BLOCK_N=32, split_k=2)),
+    ("dot_x2_n64_k256_w4_s4_split4", _d(**X2, split_k=4)),
+    ("fma_n32_k256_w4", W4Config(KERNEL="fma", BLOCK_M=1, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=1)),
+    ("fma_n128_k256_w8", W4Config(KERNEL="fma", BLOCK_M=1, BLOCK_N=128, BLOCK_K=256, num_warps=8, num_stages=1)),
+]
+
+
+def _m(**kw) -> MoEConfig:
+    return MoEConfig(**{"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 4, **kw})
+
+
+MOE_CANDIDATES: list[tuple[str, MoEConfig]] = [
+    # w13 streams gate and up tiles together (twice the registers of w2 per step): the w4 / BLOCK_N 64 /
+    # BLOCK_K 256 shape spills on sm_90 (bench/w4_aot.py), so the SWAP_AB candidates use BLOCK_N 32 or
+    # BLOCK_K 128; the noswap ones (mma.sync, ~2.8-3.4 instructions per element) do not spill
+    ("dot_float_base", _m()),                                                  # the current default
+    ("dot_x2_noswap_n64_k128_w4_s6", _m(**X2, SWAP_AB=False, BLOCK_K=128, num_stages=6)),
+    ("dot_x2_noswap_n32_k256_w4_s4", _m(**X2, SWAP_AB=False, BLOCK_N=32)),
+    ("dot_x2_noswap_n64_k256_w4_s4", _m(**X2, SWAP_AB=False)),
+    ("dot_x2_noswap_n128_k256_w8_s3", _m(**X2, SWAP_AB=False, BLOCK_N=128, num_warps=8, num_stages=3)),
+    ("dot_x2_n32_k256_w4_s4", _m(**X2, BLOCK_N=32)),
+    ("dot_x2_n64_k128_w4_s6", _m(**X2, BLOCK_K=128, num_stages=6)),
+    ("dot_x2_n32_n2_64_k256_w4_s4", _m(**X2, BLOCK_N=32, BLOCK_N2=64)),
+    ("dot_x2_noswap_n32_n2_64_k128_w4_s6", _m(**X2, SWAP_AB=False, BLOCK_N=32, BLOCK_N2=64, BLOCK_K=128,
+                                               num_stages=6)),
+    ("dot_x2_n64_k128_w4_s4", _m(**X2, BLOCK_K=128)),
+    ("dot_x2_n32_k256_w4_s3", _m(**X2, BLOCK_N=32, num_stages=3)),
+    ("dot_x2_n64_n2_128_k128_w4_s6", _m(**X2, BLOCK_K=128, num_stages=6, BLOCK_N2=128)),
+    ("dot_x2_n128_k128_w8_s4", _m(**X2, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=4)),
+    ("dot_x2_n32_k128_w4_s8", _m(**X2, BLOCK_N=32, BLOCK_K=128, num_stages=8)),
+]
+
+
+def fma_block_m(M: int) -> int:
+    """Tokens per program of the fma family at M rows (4 spills registers on sm_90: bench/w4_aot.py)."""
+    return 1 if M <= 1 else 2
+
+
+def dense_at(cfg: W4Config, M: int) -> W4Config:
+    """The family's config for M rows (what its M-bucket table would hold)."""
+    return replace(cfg, BLOCK_M=fma_block_m(M)) if cfg.KERNEL == "fma" else cfg
+
+
+def w4_bytes(n: int, k: int, g: int) -> int:
+    return n * k // 2 + n * (k // g) * 2
+
+
+@dataclass
+class Ctx:
+    copy_bw: float          # B/s (read + write, as bench/common.copy_bandwidth)
+    reps: int
+    time_calls: Callable    # bench/common.time_calls
+    log: Callable
+    group: int = 32
+    device: str = "cuda"
+    dense_nk: tuple[int, int] = DENSE_NK   # smaller in the CPU smoke run
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm())
+
+
+def _err(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:160]
+
+
+def _measure(ctx: Ctx, row: dict, deadline: float, run_one: Callable, calls: list, ref: torch.Tensor,
+             nbytes: float) -> dict:
+    if time.time() > deadline:
+        row["skipped"] = "time budget"
+        return row
+    try:
+        row["rel_err"] = _rel(run_one(), ref)
+        us = ctx.time_calls(calls, reps=ctx.reps)["us"]
+        row.update(us=us, TBps=nbytes / (us * 1e-6) / 1e12)
+        row["frac_copy"] = row["TBps"] * 1e12 / ctx.copy_bw
+    except Exception as exc:  # noqa: BLE001 - a candidate that fails is reported, not fatal
+        row["error"] = _err(exc)
+    return row
+
+
+def sweep_dense(ctx: Ctx, l2: int, deadline: float) -> list[dict]:
+    """Candidates in list order, each at every M (so a candidate's row is complete or skipped)."""
+    N, K = ctx.dense_nk
+    G = ctx.group
+    nbytes = w4_bytes(N, K, G)
+    ws = []
+    for _ in range(max(1, math.ceil(3 * l2 / nbytes))):
+        p = torch.randint(-2**31, 2**31 - 1, (N, K // 8), dtype=torch.int32, device=ctx.device)
+        s = (torch.rand((N, K // G), device=ctx.device) * 0.09 + 0.01).to(torch.bfloat16)
+        ws.append((p, s))
+    wb = dequantize(*ws[0], G, torch.bfloat16)
+    xs = {M: torch.randn(M, K, device=ctx.device).to(torch.bfloat16) for M in SIZES}
+    refs = {M: w4a16_linear_reference(xs[M], *ws[0], G) for M in SIZES}
+    bf16_us = {M: ctx.time_calls([lambda x=xs[M]: F.linear(x, wb)], reps=ctx.reps)["us"] for M in SIZES}
+    rows = []
+    for name, fam in DENSE_CANDIDATES:
+        for M in SIZES:
+            cfg, x = dense_at(fam, M), xs[M]
+            row = {"kernel": "dense", "shape": f"dense {N}x{K}", "size": M, "candidate": name,
+                   "config": cfg.as_dict(), "bf16_us": bf16_us[M]}
+            _measure(ctx, row, deadline, lambda: w4a16_linear(x, *ws[0], G, config=cfg),
+                     [lambda p=p, s=s: w4a16_linear(x, p, s, G, config=cfg) for p, s in ws], refs[M], nbytes)
+            if "us" in row:
+                row["x_bf16"] = bf16_us[M] / row["us"]
+            rows.append(row)
+            ctx.log(f"sweep dense M={M} {name}: {row.get('us', row.get('error', row.get('skipped')))}")
+    del ws, wb
+    if ctx.device == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def sweep_moe(ctx: Ctx, layer, route: Callable, deadline: float) -> list[dict]:
+    """route(T, n_sets, generator) -> [(topk_ids [T, k], topk_weights [T, k])] * n_sets."""
+    w13p, w13s, w2p, w2s = layer
+    E, two_i, h8 = w13p.shape
+    H, I = h8 * 8, two_i // 2
+    G = ctx.group
+    expert_bytes = w4_bytes(2 * I, H, G) + w4_bytes(H, I, G)
+    gen = torch.Generator(device=ctx.device).manual_seed(1)
+    xs = {T: torch.randn(T, H, device=ctx.device).to(torch.bfloat16) for T in SIZES}
+    sets = {T: route(T, 4, gen) for T in SIZES}
+    touched = {T: sum(int(torch.unique(ids).numel()) for ids, _ in sets[T]) / len(sets[T]) for T in SIZES}
+    refs = {T: fused_moe_reference(xs[T], w13p, w13s, w2p, w2s, *sets[T][0], G) for T in SIZES}
+    topk = sets[SIZES[0]][0][0].shape[1]
+    rows = []
+    for name, cfg in MOE_CANDIDATES:
+        for T in SIZES:
+            x, st = xs[T], sets[T]
+            row = {"kernel": "moe", "shape": f"moe E={E} top{topk}", "size": T, "candidate": name,
+                   "config": cfg.as_dict(), "touched_experts": touched[T]}
+            _measure(ctx, row, deadline, lambda: fused_moe_w4a16(x, w13p, w13s, w2p, w2s, *st[0], G, config=cfg),
+                     [lambda ids=ids, tw=tw: fused_moe_w4a16(x, w13p, w13s, w2p, w2s, ids, tw, G, config=cfg)
+                      for ids, tw in st], refs[T], touched[T] * expert_bytes)
+            rows.append(row)
+            ctx.log(f"sweep moe T={T} {name}: {row.get('us', row.get('error', row.get('skipped')))}")
+    return rows
+
+
+# ---------------------------------------------------------------------------------------- report
+
+
+def _f(v, nd=3) -> str:
+    return "n/a" if v is None else (f"{v:.{nd}g}" if abs(v) < 100 else f"{v:.0f}")
+
+
+def report(rows: list[dict]) -> list[str]:
+    """Compact tables per shape + best per shape + best over all sizes + the table line to paste."""
+    out: list[str] = []
+    for kernel in ("dense", "moe"):
+        rs = [r for r in rows if r["kernel"] == kernel]
+        if not rs:
+            continue
+        names = list(dict.fromkeys(r["candidate"] for r in rs))
+        by = {(r["candidate"], r["size"]): r for r in rs}
+        label = "M" if kernel == "dense" else "T"
+        head = f"{kernel} {rs[0]['shape']}: us / TB/s / x copy" + (" / x bf16" if kernel == "dense" else "")
+        if kernel == "moe":
+            tt = {r["size"]: r.get("touched_experts", float("nan")) for r in rs}
+            head += " (experts touched: " + ", ".join(f"T={t}: {v:.1f}" for t, v in tt.items()) + ")"
+        out += ["", head, f"{'candidate':34s}" + "".join(f" | {label}={s:<28d}" for s in SIZES) + " | err"]
+        for n in names:
+            cells, errs = [], []
+            for s in SIZES:
+                r = by.get((n, s))
+                if r is None or "us" not in r:
+                    cells.append(f" | {(r or {}).get('skipped') or (r or {}).get('error', 'n/a')[:30]:30s}")
+                    continue
+                c = f"{_f(r['us'])} / {_f(r['TBps'])} / {_f(r['frac_copy'], 2)}"
+                if kernel == "dense":
+                    c += f" / {_f(r['x_bf16'], 2)}"
+                cells.append(f" | {c:30s}")
+                errs.append(r.get("rel_err", 0.0))
+            out.append(f"{n:34s}" + "".join(cells) + f" | {max(errs) if errs else float('nan'):.2g}")
+        if kernel == "dense":
+            bf = {s: by[(names[0], s)]["bf16_us"] for s in SIZES if (names[0], s) in by}
+            out.append("bf16 F.linear us: " + ", ".join(f"M={s}: {_f(v)}" for s, v in bf.items()))
+    out.append("")
+    best_lines = []
+    for kernel in ("dense", "moe"):
+        rs = [r for r in rows if r["kernel"] == kernel and "us" in r and r.get("rel_err", 1.0) < 2e-2]
+        label = "M" if kernel == "dense" else "T"
+        for s in SIZES:
+            cand = [r for r in rs if r["size"] == s]
+            if cand:
+                b = min(cand, key=lambda r: r["us"])
+                best_lines.append(f"{kernel} {label}={s}: {b['candidate']} {_f(b['us'])} us "
+                                  f"({_f(b['frac_copy'], 2)} x copy)")
+        totals: dict[str, float] = {}
+        for n in dict.fromkeys(r["candidate"] for r in rs):
+            ts = [r["us"] for r in rs if r["candidate"] == n]
+            if len(ts) == len(SIZES):
+                totals[n] = sum(ts)
+        if totals:
+            n = min(totals, key=totals.get)
+            cfgs = DENSE_CANDIDATES if kernel == "dense" else MOE_CANDIDATES
+            out.append(f"best {kernel} over {label}={','.join(map(str, SIZES))} (sum {_f(totals[n])} us): {n}")
+            out.append(f"  apply: {apply_line(kernel, dict(cfgs)[n])}")
+    out.append("best per shape: " + "; ".join(best_lines))
+    return out
+
+
+def apply_line(kernel: str, cfg) -> str:
+    if kernel == "moe":
+        line = (f"MOE_CONFIGS (moe_w4a16.py): first bucket = {cfg!r}; the other buckets take its DEQUANT, "
+                f"BLOCK_K and SWAP_AB")
+        if not cfg.SWAP_AB:
+            line += " (SWAP_AB=False: keep BLOCK_M=16 in every bucket unless test_moe_batch_invariant passes)"
+        return line
+    if cfg.KERNEL == "fma":
+        return (f"DENSE_CONFIGS (w4a16.py) = [(1, {replace(cfg, BLOCK_M=1)!r}), "
+                f"(1 << 62, {replace(cfg, BLOCK_M=2)!r})]")
+    line = (f"DENSE_CONFIGS (w4a16.py): (16, {cfg!r}); the larger buckets take its DEQUANT, BLOCK_K, "
+            f"SWAP_AB, split_k")
+    if not cfg.SWAP_AB:
+        line += (" (SWAP_AB=False: BLOCK_M 16 runs mma.sync, 64 wgmma; if tests/gpu "
+                 "test_dense_family_batch_invariant[dot_bf16x2_noswap] fails, use BLOCK_M=16 in every bucket)")
+    return line
+
+
+__all__ = ["DENSE_CANDIDATES", "MOE_CANDIDATES", "SIZES", "Ctx", "sweep_dense", "sweep_moe", "report", "dense_at"]
