@@ -1,26 +1,43 @@
 #!/usr/bin/env bash
-# One device call: the GPU tests and the benchmarks, logs and results packed under $OUT.
-#   bash scripts/gpu_suite.sh            (on the GPU machine, from the repository root)
+# The GPU tests and benchmarks, logs and results packed under $OUT; one device call runs one part.
+#   bash scripts/gpu_suite.sh [all|tune|check|bench]     (on the GPU machine, from the repository root)
+#   tune   the W4A16 config sweep, the bitwise and CUDA-graph GPU tests, the demo's spec benchmark
+#   check  the remaining GPU tests (kernels, batch invariance, target, attention), kernel and round benches
+#   bench  the benchmarks with long runs (K2 step, attention, GEMM)
 # Each step has its own time cap so one slow step cannot take the rest with it; the results tarball
-# is rebuilt after every step.
+# is rebuilt after every step (only a few files come back from the machine).
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 OUT=${OUT:-out/gpu}
 RES=$OUT/results
+PART=${1:-all}
 mkdir -p "$RES"
 pack() { tar -C "$RES" -cf "$OUT/results.tar" . ; }
 step() {  # step NAME SECONDS COMMAND...
   local name=$1 secs=$2; shift 2
   echo "== $name (cap ${secs}s): $*"
-  timeout "$secs" "$@" > "$RES/$name.log" 2>&1; echo "rc=$?" >> "$RES/$name.log"
+  local t0=$SECONDS
+  timeout "$secs" "$@" > "$RES/$name.log" 2>&1; echo "rc=$? in $((SECONDS - t0))s" >> "$RES/$name.log"
   tail -4 "$RES/$name.log"; pack
 }
+PYT="python3 -m pytest -m gpu -p no:cacheprovider -v -rf --durations=10"
 nvidia-smi > "$RES/nvidia-smi.txt" 2>&1
-step pytest_gpu 300 python3 -m pytest -m gpu tests -q -p no:cacheprovider
-step bench_kernels 150 python3 bench/kernels.py --no-sweep --out "$RES"
-step bench_mla 80 python3 bench/mla_attention.py --out "$RES"
-step bench_gemm 90 python3 bench/gemm.py --out "$RES"
-step bench_k2_step 240 python3 bench/k2_step.py --out "$RES"
-step bench_round 180 python3 bench/round.py --out "$RES"
-step bench_spec 240 python3 -m kdtree_engine.bench_spec --device cuda --out "$RES"
+if [[ $PART == tune || $PART == all ]]; then
+  step bench_kernels_sweep 175 python3 bench/kernels.py --sweep-only --sweep-budget 150 --out "$RES"
+  step pytest_bitwise 185 $PYT tests/gpu/test_bitwise_gpu.py
+  step pytest_graph 90 $PYT tests/gpu/test_graph_round_gpu.py tests/spec/test_spec_gpu.py
+  step bench_spec 110 python3 -m kdtree_engine.bench_spec --device cuda --num-prompts 8 --max-tokens 128 \
+    --out "$RES" --plot "$RES/spec-h200.png"
+fi
+if [[ $PART == check || $PART == all ]]; then
+  step pytest_kernels 200 $PYT tests/gpu/test_kernels_gpu.py tests/gpu/test_batch_invariance_gpu.py \
+    tests/gpu/test_target_gpu.py tests/gpu/test_mla_attention_gpu.py
+  step bench_kernels 60 python3 bench/kernels.py --no-sweep --out "$RES"
+  step bench_round 45 python3 bench/round.py --out "$RES"
+fi
+if [[ $PART == bench || $PART == all ]]; then
+  step bench_k2_step 200 python3 bench/k2_step.py --out "$RES"
+  step bench_mla 80 python3 bench/mla_attention.py --out "$RES"
+  step bench_gemm 90 python3 bench/gemm.py --out "$RES"
+fi
 ls -la "$RES"
