@@ -4,6 +4,8 @@
 #   tune   the W4A16 config sweep, the bitwise and CUDA-graph GPU tests, the demo's spec benchmark
 #   check  the remaining GPU tests (kernels, batch invariance, target, attention), kernel and round benches
 #   bench  the benchmarks with long runs (K2 step, attention, GEMM)
+#   finish the GPU tests that need the most compile time (demo pair bitwise, graph rounds, target, kernels
+#          at K2 shapes) and the round benchmark
 # Each step has its own time cap so one slow step cannot take the rest with it; the results tarball
 # is rebuilt after every step (only a few files come back from the machine).
 set -u
@@ -39,5 +41,12 @@ if [[ $PART == bench || $PART == all ]]; then
   step bench_k2_step 200 python3 bench/k2_step.py --out "$RES"
   step bench_mla 80 python3 bench/mla_attention.py --out "$RES"
   step bench_gemm 90 python3 bench/gemm.py --out "$RES"
+fi
+if [[ $PART == finish ]]; then
+  step pytest_bitwise_demo 170 $PYT tests/gpu/test_bitwise_gpu.py -k demo
+  step pytest_graph 150 $PYT tests/gpu/test_graph_round_gpu.py tests/spec/test_spec_gpu.py
+  step pytest_target 60 $PYT tests/gpu/test_target_gpu.py
+  step pytest_kernels 110 $PYT tests/gpu/test_kernels_gpu.py -k "k2 or batch_invariant or odd_shapes or graph or unowned"
+  step bench_round 45 python3 bench/round.py --out "$RES"
 fi
 ls -la "$RES"
