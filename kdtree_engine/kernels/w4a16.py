@@ -84,6 +84,10 @@ class W4Config:
         """The fields that fix how one output element is summed (must be equal across M buckets)."""
         if self.KERNEL == "fma":
             return (self.KERNEL, self.BLOCK_N, self.BLOCK_K, self.num_warps, self.split_k)
+        if not self.SWAP_AB:
+            # tokens are the MMA's M side: BLOCK_M 16 compiles to mma.sync, 64 to wgmma, and on the H200
+            # the two sum a row's products differently (tests/gpu/test_kernels_gpu.py, measured)
+            return (self.KERNEL, self.DEQUANT, self.BLOCK_K, self.SWAP_AB, self.split_k, self.BLOCK_M)
         return (self.KERNEL, self.DEQUANT, self.BLOCK_K, self.SWAP_AB, self.split_k)
 
     def as_dict(self) -> dict:

@@ -84,6 +84,10 @@ def test_config_validation_and_tables():
     check_table([(1, fma), (1 << 62, W4Config(KERNEL="fma", BLOCK_M=4))], "fma tokens per program")
     with pytest.raises(ValueError):                # num_warps sets the fma family's final sum
         check_table([(1, fma), (1 << 62, W4Config(KERNEL="fma", BLOCK_M=4, num_warps=8))], "fma warps")
+    noswap = W4Config(SWAP_AB=False)
+    check_table([(16, noswap), (1 << 62, W4Config(SWAP_AB=False, BLOCK_N=128, num_warps=8))], "noswap")
+    with pytest.raises(ValueError):                # tokens on the MMA's M side: mma.sync vs wgmma
+        check_table([(16, noswap), (1 << 62, W4Config(SWAP_AB=False, BLOCK_M=64))], "noswap tile rows")
 
 
 def test_pair_order():
