@@ -273,17 +273,27 @@ def bi_linear(x: torch.Tensor, w: torch.Tensor, *, tile: Tile | None = None,
         return out
     if K == 0:
         return out.zero_()
-    interp = interpreting()
     t = tile or tile_for(M, x.dtype, N, K)
     red = reduction or reduction_for(N, K, x.dtype)
+    return _launch(x, w, out, M, N, K, 1, (0, x.stride(0), x.stride(1)), (0, w.stride(0), w.stride(1)),
+                   (0, N, 1), t, red)
+
+
+def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, M: int, N: int, K: int, heads: int,
+            x_strides: tuple[int, int, int], w_strides: tuple[int, int, int], out_strides: tuple[int, int, int],
+            t: Tile, red: Reduction) -> torch.Tensor:
+    """One launch of _bi_gemm_kernel over (M tiles, N tiles, heads x splits); strides are (head, row, k)
+    for x, (head, n, k) for w and (head, row, n) for out; splits summed in order by split_sum."""
+    interp = interpreting()
     kps = red.k_per_split(K)
     split = red.n_splits(K)
+    if heads * split > 65535:
+        raise ValueError(f"{heads} heads x {split} splits exceed the grid's third dimension")
     prec = "ieee" if (x.dtype == torch.float32 or interp) else "tf32"  # (tf32 is ignored for 16-bit)
-    target = out if split == 1 else torch.empty((split, M, N), device=x.device, dtype=torch.float32)
-    grid = (triton.cdiv(M, t.BLOCK_M), triton.cdiv(N, t.BLOCK_N), split)
+    target = out if split == 1 else torch.empty((split,) + tuple(out.shape), device=x.device, dtype=torch.float32)
+    grid = (triton.cdiv(M, t.BLOCK_M), triton.cdiv(N, t.BLOCK_N), heads * split)
     _bi_gemm_kernel[grid](
-        x, w, target, M, N, K, kps, split,
-        0, x.stride(0), x.stride(1), 0, w.stride(0), w.stride(1), 0, N, 1, M * N,
+        x, w, target, M, N, K, kps, split, *x_strides, *w_strides, *out_strides, out.numel(),
         BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N, BLOCK_K=red.BLOCK_K,
         UPCAST=interp, INTERP_SUM=interp and _interp_mode() == "sum", PREC=prec, OUT_F32=split > 1,
         num_warps=t.num_warps, num_stages=t.num_stages)
@@ -325,26 +335,10 @@ def bi_head_linear(x: torch.Tensor, w: torch.Tensor, *, tile: Tile | None = None
         return out
     if K == 0:
         return out.zero_()
-    interp = interpreting()
     t = tile or tile_for(M, x.dtype)
     red = reduction or head_reduction_for(N, K, x.dtype)
-    kps = red.k_per_split(K)
-    split = red.n_splits(K)
-    if B * split > 65535:
-        raise ValueError(f"bi_head_linear: {B} heads x {split} splits exceed the grid's third dimension")
-    prec = "ieee" if (x.dtype == torch.float32 or interp) else "tf32"
-    target = out if split == 1 else torch.empty((split, M, B, N), device=x.device, dtype=torch.float32)
-    grid = (triton.cdiv(M, t.BLOCK_M), triton.cdiv(N, t.BLOCK_N), B * split)
-    _bi_gemm_kernel[grid](
-        x, w, target, M, N, K, kps, split,
-        x.stride(1), x.stride(0), x.stride(2), w.stride(0), w.stride(1), w.stride(2),
-        N, B * N, 1, M * B * N,
-        BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N, BLOCK_K=red.BLOCK_K,
-        UPCAST=interp, INTERP_SUM=interp and _interp_mode() == "sum", PREC=prec, OUT_F32=split > 1,
-        num_warps=t.num_warps, num_stages=t.num_stages)
-    if split > 1:
-        split_sum(target, out, split)
-    return out
+    return _launch(x, w, out, M, N, K, B, (x.stride(1), x.stride(0), x.stride(2)),
+                   (w.stride(0), w.stride(1), w.stride(2)), (N, B * N, 1), t, red)
 
 
 __all__ = ["Reduction", "Tile", "K2_CONFIGS", "TILES_16BIT", "TILES_FP32", "reduction_for", "tile_for",

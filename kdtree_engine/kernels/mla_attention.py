@@ -332,6 +332,32 @@ def tree_gather_index(tree_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return idx.contiguous(), nvis.contiguous()
 
 
+def _plan(C: int, R: int, N: int, dtype: torch.dtype, config: MLAConfig | None
+          ) -> tuple[MLAConfig, int, int, int, bool, str]:
+    """Launch constants shared by both launches: (config, CP, RP, DV, upcast, input precision)."""
+    cfg = config or default_config(N)
+    if cfg.CHUNK % cfg.BLOCK_N:
+        raise ValueError(f"CHUNK {cfg.CHUNK} must be a multiple of BLOCK_N {cfg.BLOCK_N}")
+    CP = triton.next_power_of_2(C)
+    RP = max(16, triton.next_power_of_2(R))
+    if CP % cfg.V_SPLIT:
+        raise ValueError(f"V_SPLIT {cfg.V_SPLIT} must divide {CP}")
+    upcast = interpreting()  # fp32 operands and row-exact dots under the interpreter
+    prec = "ieee" if (dtype == torch.float32 or upcast) else "tf32"
+    return cfg, CP, RP, CP // cfg.V_SPLIT, upcast, prec
+
+
+def _partials(out: torch.Tensor, n_ch: int) -> tuple[torch.Tensor, torch.Tensor, int, int, int]:
+    """Per-chunk fp32 partial outputs [T*N, n_ch, C] and log-sum-exps [T*N, n_ch] with their strides
+    (out itself, unused, when one chunk covers everything)."""
+    T, N, C = out.shape
+    if n_ch == 1:
+        return out, out, 0, 0, 0
+    po = torch.empty((T * N, n_ch, C), device=out.device, dtype=torch.float32)
+    pl = torch.empty((T * N, n_ch), device=out.device, dtype=torch.float32)
+    return po, pl, po.stride(0), po.stride(1), pl.stride(0)
+
+
 def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, start: int,
                   tree_mask: torch.Tensor | None, scale: float, kv_lora_rank: int | None = None,
                   config: MLAConfig | None = None) -> torch.Tensor:
@@ -346,17 +372,7 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, sta
     out = torch.empty((T, N, C), device=q_lat.device, dtype=q_lat.dtype)
     if T == 0 or N == 0:
         return out
-    cfg = config or default_config(N)
-    if cfg.CHUNK % cfg.BLOCK_N:
-        raise ValueError(f"CHUNK {cfg.CHUNK} must be a multiple of BLOCK_N {cfg.BLOCK_N}")
-    CP = triton.next_power_of_2(C)
-    RP = max(16, triton.next_power_of_2(R))
-    if CP % cfg.V_SPLIT:
-        raise ValueError(f"V_SPLIT {cfg.V_SPLIT} must divide {CP}")
-    DV = CP // cfg.V_SPLIT
-    interp = interpreting()
-    upcast = interp  # fp32 operands and row-exact dots under the interpreter
-    prec = "ieee" if (q_lat.dtype == torch.float32 or upcast) else "tf32"
+    cfg, CP, RP, DV, upcast, prec = _plan(C, R, N, q_lat.dtype, config)
     qk_scale = float(scale) * LOG2E
     causal = tree_mask is None
     dev = kv.device
@@ -369,13 +385,7 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, sta
 
     n_ch = triton.cdiv(S + T, cfg.CHUNK)
     direct = n_ch == 1
-    if direct:
-        po, pl = out, out  # unused
-        spom = spoc = splm = 0
-    else:
-        po = torch.empty((T * N, n_ch, C), device=dev, dtype=torch.float32)
-        pl = torch.empty((T * N, n_ch), device=dev, dtype=torch.float32)
-        spom, spoc, splm = po.stride(0), po.stride(1), pl.stride(0)
+    po, pl, spom, spoc, splm = _partials(out, n_ch)
 
     common = dict(C=C, R=R, CP=CP, RP=RP, DV=DV, CHUNK=cfg.CHUNK, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
                   CAUSAL=causal, DIRECT=direct, UPCAST=upcast, PREC=prec,
@@ -429,28 +439,13 @@ def mla_attention_device(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tens
     out = torch.empty((T, N, C), device=q_lat.device, dtype=q_lat.dtype)
     if T == 0 or N == 0:
         return out
-    cfg = config or default_config(N)
-    if cfg.CHUNK % cfg.BLOCK_N:
-        raise ValueError(f"CHUNK {cfg.CHUNK} must be a multiple of BLOCK_N {cfg.BLOCK_N}")
-    CP = triton.next_power_of_2(C)
-    RP = max(16, triton.next_power_of_2(R))
-    if CP % cfg.V_SPLIT:
-        raise ValueError(f"V_SPLIT {cfg.V_SPLIT} must divide {CP}")
-    DV = CP // cfg.V_SPLIT
-    upcast = interpreting()
-    prec = "ieee" if (q_lat.dtype == torch.float32 or upcast) else "tf32"
+    cfg, CP, RP, DV, upcast, prec = _plan(C, R, N, q_lat.dtype, config)
     dev = kv.device
     s_dev = start.reshape(1).to(device=dev, dtype=torch.int32)
     idx, nvis = tree_gather_index(tree_mask.to(dev))
     n_ch = triton.cdiv(cap, cfg.CHUNK)
     direct = n_ch == 1
-    if direct:
-        po, pl = out, out
-        spom = spoc = splm = 0
-    else:
-        po = torch.empty((T * N, n_ch, C), device=dev, dtype=torch.float32)
-        pl = torch.empty((T * N, n_ch), device=dev, dtype=torch.float32)
-        spom, spoc, splm = po.stride(0), po.stride(1), pl.stride(0)
+    po, pl, spom, spoc, splm = _partials(out, n_ch)
     common = dict(C=C, R=R, CP=CP, RP=RP, DV=DV, CHUNK=cfg.CHUNK, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
                   CAUSAL=False, DIRECT=direct, UPCAST=upcast, PREC=prec, S_DEV=True,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
