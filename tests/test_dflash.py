@@ -13,12 +13,7 @@ from kdtree_engine.model.dflash import (DFlashDrafter, DraftLoadError, DraftMism
                                         save_drafter)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def _cfg(**kw):

@@ -44,12 +44,11 @@ import triton
 import triton.language as tl
 
 from .split_sum import split_sum
+from .common import DTYPES, interpreting
 
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_DTYPES = DTYPES
 
 
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def _interp_mode() -> str:

@@ -60,12 +60,13 @@ row's position in the tile (numpy's matmul does depend on it; an MMA does not).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+
+from .common import DTYPES, bucket, interpreting
 
 LOG2E = 1.4426950408889634
 
@@ -105,17 +106,12 @@ MERGE_BLOCK_C = 16
 
 
 def default_config(n_heads: int) -> MLAConfig:
-    for max_n, cfg in DEFAULT_CONFIGS:
-        if n_heads <= max_n:
-            return cfg
-    return DEFAULT_CONFIGS[-1][1]
+    return bucket(DEFAULT_CONFIGS, n_heads)
 
 
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_DTYPES = DTYPES
 
 # ----------------------------------------------------------------------------------------------
 # kernels

@@ -36,8 +36,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kdtree_engine.kernels.common import bucket, interpreting
 from kdtree_engine.kernels.w4_dequant import DEQ_FLOAT, DEQUANTS, _pair_pos, pair_order
-from kdtree_engine.kernels.w4a16 import _load_dequant, _mma, check_w4, deq_code, fp32_stages, interpreting
+from kdtree_engine.kernels.w4a16 import _load_dequant, _mma, check_w4, deq_code, fp32_stages
 from kdtree_engine.quant import dequantize
 
 # ----------------------------------------------------------------------------------------------
@@ -82,10 +83,7 @@ if len({cfg.reduction_key() for _, cfg in MOE_CONFIGS}) != 1:
 
 
 def moe_config(num_pairs: int) -> MoEConfig:
-    for max_p, cfg in MOE_CONFIGS:
-        if num_pairs <= max_p:
-            return cfg
-    return MOE_CONFIGS[-1][1]
+    return bucket(MOE_CONFIGS, num_pairs)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -26,7 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+from .common import DTYPES
+
+_DTYPES = DTYPES
 _MAX_H = 65536
 
 

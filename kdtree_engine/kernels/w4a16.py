@@ -37,7 +37,6 @@ tl.dot wrongly, so there (and only there) the dot operands are upcast to fp32.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +44,7 @@ import triton
 import triton.language as tl
 
 from .split_sum import split_sum
+from .common import DTYPES, bucket, interpreting
 from .w4_dequant import (DEQ_BF16X2, DEQ_BF16X2_EMU, DEQ_FLOAT, DEQUANTS, _load_dequant,  # noqa: F401
                          _unpack8, pair_order)
 from .w4a16_fma import FMA_BLOCK_M, _w4a16_fma_kernel, _x_planes_kernel
@@ -132,10 +132,7 @@ _SPLIT_REF_BLOCK_N = 64
 
 
 def dense_config(M: int) -> W4Config:
-    for max_m, cfg in DENSE_CONFIGS:
-        if M <= max_m:
-            return cfg
-    return DENSE_CONFIGS[-1][1]
+    return bucket(DENSE_CONFIGS, M)
 
 
 def _split_k(N: int, K: int, block_k: int) -> int:
@@ -154,11 +151,9 @@ def fp32_stages(num_stages: int, dtype: torch.dtype) -> int:
     return min(num_stages, 2) if dtype == torch.float32 else num_stages
 
 
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_DTYPES = DTYPES
 
 # ----------------------------------------------------------------------------------------------
 # Triton building blocks (shared with moe_w4a16.py)

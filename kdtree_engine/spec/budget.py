@@ -25,7 +25,6 @@ is identical to plain decoding for every budget (and sampling stays lossless).
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import logging
 import math
@@ -39,7 +38,7 @@ import numpy as np
 import torch
 
 from ..model.layers import log_once
-from .tree import LP_FLOOR, tree_size
+from .tree import clamped_logprobs, heap_order, tree_size
 
 log = logging.getLogger("kdtree_engine")
 
@@ -78,25 +77,8 @@ def heap_probabilities(logprobs_topk: torch.Tensor) -> Iterator[float]:
     Same float32 scores and tie-break as :func:`~kdtree_engine.spec.tree.build_tree_heap`, so the
     first b values belong to exactly the nodes of the budget-b tree.
     """
-    lpl = logprobs_topk.detach().float().clamp_min(LP_FLOOR).cpu().numpy()
-    L, K = lpl.shape if lpl.ndim == 2 else (0, 0)
-    if L == 0 or K == 0:
-        return
-    s0 = np.float32(0.0) + lpl[0, 0]
-    # (key, push order, parent score, depth, rank, score)
-    heap: list[tuple[float, int, np.float32, int, int, np.float32]] = [(-float(s0), 0, np.float32(0.0), 1, 0, s0)]
-    counter = 1
-    while heap:
-        _, _, ps, d, r, s = heapq.heappop(heap)
-        yield math.exp(float(s))
-        if r + 1 < K:
-            s2 = ps + lpl[d - 1, r + 1]
-            heapq.heappush(heap, (-float(s2), counter, ps, d, r + 1, s2))
-            counter += 1
-        if d < L:
-            s3 = s + lpl[d, 0]
-            heapq.heappush(heap, (-float(s3), counter, s, d + 1, 0, s3))
-            counter += 1
+    for _, _, _, score in heap_order(clamped_logprobs(logprobs_topk)):
+        yield math.exp(float(score))
 
 
 def expected_accepted_by_budget(logprobs_topk: torch.Tensor, max_budget: int) -> torch.Tensor:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -68,6 +69,38 @@ def tree_size(budget: int, depth: int, k: int) -> int:
     return total
 
 
+def heap_order(lpl: np.ndarray) -> Iterator[tuple[int, int, int, np.float32]]:
+    """The best-first heap's nodes in pop order, lazily: (parent index, depth, rank, score).
+
+    lpl [L, K] float32 log-probs (clamped); node i (1-based, the root is 0) is the i-th pop. The order
+    does not depend on the budget: the budget-b tree is the first b pops."""
+    L, K = lpl.shape if lpl.ndim == 2 else (0, 0)
+    if L == 0 or K == 0:
+        return
+    scores = [np.float32(0.0)]  # numpy float32 scalars: the same float32 additions as the vectorized builder
+    s = scores[0] + lpl[0, 0]
+    heap: list[tuple[float, int, int, int, int, np.float32]] = [(-float(s), 0, 0, 1, 0, s)]
+    counter = 1  # (key, push order, parent, depth, rank, score)
+    while heap:
+        _, _, par, d, r, s = heapq.heappop(heap)
+        idx = len(scores)
+        scores.append(s)
+        yield par, d, r, s
+        if r + 1 < K:
+            s2 = scores[par] + lpl[d - 1, r + 1]
+            heapq.heappush(heap, (-float(s2), counter, par, d, r + 1, s2))
+            counter += 1
+        if d < L:
+            s3 = s + lpl[d, 0]
+            heapq.heappush(heap, (-float(s3), counter, idx, d + 1, 0, s3))
+            counter += 1
+
+
+def clamped_logprobs(lp: torch.Tensor) -> np.ndarray:
+    """Draft log-probs as the heap reads them: float32, clamped to LP_FLOOR, on the host."""
+    return lp.detach().float().clamp_min(LP_FLOOR).cpu().numpy()
+
+
 def build_tree_heap(lp: torch.Tensor, ids: torch.Tensor, budget: int, root_token: int | torch.Tensor,
                     start: int | torch.Tensor) -> DraftTree:
     """Reference builder: a Python heap on the host (also the fast path on the CPU).
@@ -78,33 +111,15 @@ def build_tree_heap(lp: torch.Tensor, ids: torch.Tensor, budget: int, root_token
     if budget < 0:
         raise ValueError(f"budget must be >= 0, got {budget}")
     device = ids.device
-    # numpy float32 scalars: the same float32 additions as the vectorized builder
-    lpl = lp.detach().float().clamp_min(LP_FLOOR).cpu().numpy()
     idl = ids.detach().cpu().tolist()
-    L, K = lpl.shape
     tokens, parents, depths = [int(root_token)], [-1], [0]
-    scores = [np.float32(0.0)]
-    heap: list[tuple[float, int, int, int, int, np.float32]] = []
-    counter = 0
-    if L > 0 and K > 0 and budget > 0:
-        s = scores[0] + lpl[0, 0]
-        heap.append((-float(s), counter, 0, 1, 0, s))  # (key, push order, parent, depth, rank, score)
-        counter += 1
-    while heap and len(tokens) - 1 < budget:
-        _, _, par, d, r, s = heapq.heappop(heap)
-        idx = len(tokens)
-        tokens.append(int(idl[d - 1][r]))
-        parents.append(par)
-        depths.append(d)
-        scores.append(s)
-        if r + 1 < K:
-            s2 = scores[par] + lpl[d - 1, r + 1]
-            heapq.heappush(heap, (-float(s2), counter, par, d, r + 1, s2))
-            counter += 1
-        if d < L:
-            s3 = s + lpl[d, 0]
-            heapq.heappush(heap, (-float(s3), counter, idx, d + 1, 0, s3))
-            counter += 1
+    if budget > 0:
+        for par, d, r, _ in heap_order(clamped_logprobs(lp)):
+            tokens.append(int(idl[d - 1][r]))
+            parents.append(par)
+            depths.append(d)
+            if len(tokens) - 1 >= budget:
+                break
     n1 = len(tokens)
     mask = np.zeros((n1, n1), dtype=bool)  # row i = row of its parent + itself
     for i in range(n1):

@@ -16,9 +16,10 @@ bias += u * sign(mean_load - load), load = tokens routed to each expert in that 
 
 from __future__ import annotations
 
+
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable
 
 import torch
@@ -35,21 +36,18 @@ def demo_model_config(vocab_size: int, *, tiny: bool = False) -> ModelConfig:
     """The demo target: K2 layout (MLA + YaRN, 1 dense layer, 8 routed experts top-2, 1 shared)."""
     yarn = YarnConfig(factor=8.0, original_max_position_embeddings=512, beta_fast=32.0, beta_slow=1.0,
                       mscale=1.0, mscale_all_dim=1.0)
-    if tiny:
-        return ModelConfig(
-            vocab_size=vocab_size, hidden_size=64, num_hidden_layers=3, num_attention_heads=2,
-            intermediate_size=128, moe_intermediate_size=32, n_shared_experts=1, n_routed_experts=8,
-            routed_scaling_factor=2.827, kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=16,
-            v_head_dim=32, qk_nope_head_dim=16, n_group=1, topk_group=1, num_experts_per_tok=2,
-            first_k_dense_replace=1, norm_topk_prob=True, max_position_embeddings=4096, rms_norm_eps=1e-6,
-            rope_theta=10000.0, rope_scaling=yarn, bos_token_id=0, eos_token_ids=(0,))
-    return ModelConfig(
+    full = ModelConfig(
         vocab_size=vocab_size, hidden_size=256, num_hidden_layers=6, num_attention_heads=4,
         intermediate_size=512, moe_intermediate_size=192, n_shared_experts=1, n_routed_experts=8,
         routed_scaling_factor=2.827, kv_lora_rank=64, q_lora_rank=128, qk_rope_head_dim=32,
         v_head_dim=64, qk_nope_head_dim=32, n_group=1, topk_group=1, num_experts_per_tok=2,
         first_k_dense_replace=1, norm_topk_prob=True, max_position_embeddings=4096, rms_norm_eps=1e-6,
         rope_theta=10000.0, rope_scaling=yarn, bos_token_id=0, eos_token_ids=(0,))
+    if not tiny:
+        return full
+    return replace(full, hidden_size=64, num_hidden_layers=3, num_attention_heads=2, intermediate_size=128,
+                   moe_intermediate_size=32, kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=16,
+                   v_head_dim=32, qk_nope_head_dim=16)
 
 
 # ---- modules ------------------------------------------------------------------------------------

@@ -104,3 +104,17 @@ def check_ran(rec: dict) -> None:
     """The case ran in the child and wrote every output element (NaN/-77777-poisoned buffers)."""
     assert "error" not in rec, rec["error"]
     assert rec.get("nonfinite", 0) == 0, "unwritten (NaN-poisoned) or non-finite outputs"
+
+
+def output_record(y, ref, meta_ok: bool) -> dict:
+    """What an accuracy case reports: metadata check, non-finite count, relative error vs the oracle."""
+    yd, rd = y.double(), ref.double()
+    return {"ok_meta": bool(meta_ok), "nonfinite": int((~yd.isfinite()).sum()),
+            "rel": float((yd - rd).norm() / rd.norm())}
+
+
+def assert_close(rec: dict, tol: float) -> None:
+    """The case ran, its output has the right dtype/shape and is within tol of the oracle."""
+    check_ran(rec)
+    assert rec["ok_meta"]
+    assert rec["rel"] < tol, f"relative error {rec['rel']:.3g} >= {tol} (seed {rec['seed']})"

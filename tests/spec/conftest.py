@@ -1,11 +1,7 @@
 import pytest
-import torch
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny models: thread start-up costs more than the work; also keeps timings stable on busy hosts.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(single_thread):
+    """Every test here runs its tiny models on one torch thread (tests/conftest.py)."""
     yield
-    torch.set_num_threads(n)
