@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig, YarnConfig
+from ..model import layers
 from ..model.layers import rope_inv_freq, rope_multiplier
 
 
@@ -52,13 +53,9 @@ def demo_model_config(vocab_size: int, *, tiny: bool = False) -> ModelConfig:
 
 # ---- modules ------------------------------------------------------------------------------------
 
-class RMSNorm(nn.Module):
-    """Float32 normalization; the output stays float32 (the next matmul autocasts)."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+class RMSNorm(layers.RMSNorm):
+    """The engine's norm (same parameters and state-dict names) computed in float32 for training; the
+    output stays float32 (the next matmul autocasts)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
