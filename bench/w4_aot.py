@@ -2,7 +2,7 @@
 ptxas, and report what the SASS says: registers, stack (spills), shared memory, and instructions per
 weight element in the K loop (the cost that bounds these kernels at small M).
 
-    python bench/w4_aot.py            # all candidates, K2 shapes, bf16 activations
+    python bench/w4_aot.py [NAME ...]  # all candidates (or those whose name contains NAME), bf16 activations
 
 A candidate that fails here would fail in the GPU sweep too; shared memory over 227 KB fails at launch.
 """
@@ -66,8 +66,10 @@ def compile_report(fn, sig: dict, consts: dict, num_warps: int, num_stages: int,
     hist = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in body)
     per_thread = elems_per_iter / (num_warps * 32)
     top = " ".join(f"{op}:{n}" for op, n in hist.most_common(6))
+    mem = " ".join(f"{op}:{hist[op]}" for op in ("LDG", "LDGSTS", "UTMALDG", "LDS", "LDSM", "STS", "HGMMA", "HMMA",
+                                                   "WARPGROUP", "BAR", "SYNCS") if hist[op])
     return (f"regs {regs} stack {stack} smem {k.metadata.shared // 1024} KB | loop {len(body)} instr = "
-            f"{len(body) / per_thread:.2f}/element | {top}")
+            f"{len(body) / per_thread:.2f}/element | {top} | {mem}")
 
 
 def _dense(cfg) -> str:
@@ -118,9 +120,13 @@ def _moe(cfg) -> tuple[str, str]:
     return r13, r2
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    """argv: optional substrings; only candidates whose name contains one of them are compiled."""
+    pick = list(sys.argv[1:] if argv is None else argv)
     bad = 0
     for name, fam in DENSE_CANDIDATES:
+        if pick and not any(p in name for p in pick):
+            continue
         for M in ((1, 4) if fam.KERNEL == "fma" else (16,)):
             cfg = dense_at(fam, M)
             try:
@@ -129,6 +135,8 @@ def main() -> int:
                 bad += 1
                 print(f"dense {name}: FAIL {type(exc).__name__}: {str(exc)[:300]}", flush=True)
     for name, cfg in MOE_CANDIDATES:
+        if pick and not any(p in name for p in pick):
+            continue
         try:
             r13, r2 = _moe(cfg)
             print(f"moe {name}: w13 {r13}\n    {' ' * len(name)}  w2  {r2}", flush=True)

@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from kdtree_engine.kernels.common import bucket, interpreting
-from kdtree_engine.kernels.w4_dequant import DEQ_FLOAT, DEQUANTS, _pair_pos, pair_order
+from kdtree_engine.kernels.w4_dequant import DEQ_BF16X2, DEQ_BF16X2_EMU, DEQUANTS, _group_mma, _pair_pos, pair_order
 from kdtree_engine.kernels.w4a16 import _load_dequant, _mma, check_w4, deq_code, fp32_stages
 from kdtree_engine.quant import dequantize
 
@@ -167,17 +167,23 @@ def _moe_w13_kernel(x_ptr, w_ptr, s_ptr, inter_ptr, sorted_ptr, blk_expert_ptr, 
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
-        kk = k0 + offs_k
-        if EVEN:
-            xt = tl.load(x_rows + kk[None, :], mask=r_mask[:, None], other=0.0)
+        if DEQ == 3:
+            acc_g = _group_mma(acc_g, wg_ptr, sg_ptr, x_rows, r_mask, offs_n, n_mask, stride_wn, stride_sn, k0, H,
+                               G, BLOCK_N, BLOCK_K, SWAP_AB, UPCAST, PREC, EVEN)
+            acc_u = _group_mma(acc_u, wu_ptr, su_ptr, x_rows, r_mask, offs_n, n_mask, stride_wn, stride_sn, k0, H,
+                               G, BLOCK_N, BLOCK_K, SWAP_AB, UPCAST, PREC, EVEN)
         else:
-            xt = tl.load(x_rows + kk[None, :], mask=r_mask[:, None] & (kk[None, :] < H), other=0.0)
-        wg = _load_dequant(wg_ptr, sg_ptr, offs_n, n_mask, stride_wn, stride_sn, k0, H,
-                           G, BLOCK_N, BLOCK_K, DTYPE, DEQ, EVEN)
-        wu = _load_dequant(wu_ptr, su_ptr, offs_n, n_mask, stride_wn, stride_sn, k0, H,
-                           G, BLOCK_N, BLOCK_K, DTYPE, DEQ, EVEN)
-        acc_g = _mma(acc_g, wg, xt, SWAP_AB, UPCAST, PREC)
-        acc_u = _mma(acc_u, wu, xt, SWAP_AB, UPCAST, PREC)
+            kk = k0 + offs_k
+            if EVEN:
+                xt = tl.load(x_rows + kk[None, :], mask=r_mask[:, None], other=0.0)
+            else:
+                xt = tl.load(x_rows + kk[None, :], mask=r_mask[:, None] & (kk[None, :] < H), other=0.0)
+            wg = _load_dequant(wg_ptr, sg_ptr, offs_n, n_mask, stride_wn, stride_sn, k0, H,
+                               G, BLOCK_N, BLOCK_K, DTYPE, DEQ, EVEN)
+            wu = _load_dequant(wu_ptr, su_ptr, offs_n, n_mask, stride_wn, stride_sn, k0, H,
+                               G, BLOCK_N, BLOCK_K, DTYPE, DEQ, EVEN)
+            acc_g = _mma(acc_g, wg, xt, SWAP_AB, UPCAST, PREC)
+            acc_u = _mma(acc_u, wu, xt, SWAP_AB, UPCAST, PREC)
     if SWAP_AB:
         acc_g = tl.trans(acc_g)
         acc_u = tl.trans(acc_u)
@@ -217,14 +223,18 @@ def _moe_w2_kernel(a_ptr, w_ptr, s_ptr, y_ptr, tw_ptr, sorted_ptr, blk_expert_pt
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
-        kk = k0 + offs_k
-        if EVEN:
-            at = tl.load(a_rows + kk[None, :], mask=r_mask[:, None], other=0.0)
+        if DEQ == 3:
+            acc = _group_mma(acc, we_ptr, se_ptr, a_rows, r_mask, offs_n, n_mask, stride_wn, stride_sn, k0, I,
+                             G, BLOCK_N, BLOCK_K, SWAP_AB, UPCAST, PREC, EVEN)
         else:
-            at = tl.load(a_rows + kk[None, :], mask=r_mask[:, None] & (kk[None, :] < I), other=0.0)
-        wt = _load_dequant(we_ptr, se_ptr, offs_n, n_mask, stride_wn, stride_sn, k0, I,
-                           G, BLOCK_N, BLOCK_K, DTYPE, DEQ, EVEN)
-        acc = _mma(acc, wt, at, SWAP_AB, UPCAST, PREC)
+            kk = k0 + offs_k
+            if EVEN:
+                at = tl.load(a_rows + kk[None, :], mask=r_mask[:, None], other=0.0)
+            else:
+                at = tl.load(a_rows + kk[None, :], mask=r_mask[:, None] & (kk[None, :] < I), other=0.0)
+            wt = _load_dequant(we_ptr, se_ptr, offs_n, n_mask, stride_wn, stride_sn, k0, I,
+                               G, BLOCK_N, BLOCK_K, DTYPE, DEQ, EVEN)
+            acc = _mma(acc, wt, at, SWAP_AB, UPCAST, PREC)
     if SWAP_AB:
         acc = tl.trans(acc)
     tw = tl.load(tw_ptr + pair, mask=r_mask, other=0.0).to(tl.float32)
@@ -313,7 +323,7 @@ def fused_moe_w4a16(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.
 
     stages = fp32_stages(cfg.num_stages, x.dtype)
     deq = deq_code(cfg.DEQUANT, x.dtype)
-    if deq != DEQ_FLOAT:
+    if deq in (DEQ_BF16X2, DEQ_BF16X2_EMU):
         x = pair_order(x)   # the bf16x2 tiles' column order (w4_dequant.py)
     sorted_pairs, blk_expert, blk_rows = moe_align(ids, E, cfg.BLOCK_M)
     max_blocks = blk_rows.numel()

@@ -45,8 +45,8 @@ import triton.language as tl
 
 from .split_sum import split_sum
 from .common import DTYPES, bucket, interpreting
-from .w4_dequant import (DEQ_BF16X2, DEQ_BF16X2_EMU, DEQ_FLOAT, DEQUANTS, _load_dequant,  # noqa: F401
-                         _unpack8, pair_order)
+from .w4_dequant import (DEQ_BF16X2, DEQ_BF16X2_EMU, DEQ_FLOAT, DEQ_GROUP, DEQUANTS,  # noqa: F401
+                         _group_mma, _load_dequant, _unpack8, pair_order)
 from .w4a16_fma import FMA_BLOCK_M, _w4a16_fma_kernel, _x_planes_kernel
 
 from kdtree_engine.quant import dequantize
@@ -68,7 +68,8 @@ class W4Config:
     num_stages: int = 4
     split_k: int | None = None  # None: chosen from (N, K) by _split_k
     KERNEL: str = "dot"  # "dot": tensor cores (this file); "fma": CUDA-core small-M path (w4a16_fma.py)
-    DEQUANT: str = "float"  # dot only: "float" or "bf16x2" (PTX, bf16 x only; same tile bits), w4_dequant.py
+    DEQUANT: str = "float"  # dot only: "float", "bf16x2" (PTX, bf16 x only; same tile bits) or "group" (scale
+    #                         after the MMA, bf16/fp16 x; fp32 x dequantizes as "float"), w4_dequant.py
 
     def __post_init__(self) -> None:
         if self.KERNEL not in KERNELS:
@@ -203,14 +204,18 @@ def _w4a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr,
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
     for k0 in range(k_start, k_end, BLOCK_K):
-        wt = _load_dequant(w_ptr, s_ptr, offs_n, n_mask, stride_wn, stride_sn, k0, k_end,
-                           G, BLOCK_N, BLOCK_K, DTYPE, DEQ, EVEN)
-        kk = k0 + offs_k
-        if EVEN:
-            xt = tl.load(x_rows + kk[None, :], mask=m_mask[:, None], other=0.0)
+        if DEQ == 3:
+            acc = _group_mma(acc, w_ptr, s_ptr, x_rows, m_mask, offs_n, n_mask, stride_wn, stride_sn, k0, k_end,
+                             G, BLOCK_N, BLOCK_K, SWAP_AB, UPCAST, PREC, EVEN)
         else:
-            xt = tl.load(x_rows + kk[None, :], mask=m_mask[:, None] & (kk[None, :] < k_end), other=0.0)
-        acc = _mma(acc, wt, xt, SWAP_AB, UPCAST, PREC)
+            wt = _load_dequant(w_ptr, s_ptr, offs_n, n_mask, stride_wn, stride_sn, k0, k_end,
+                               G, BLOCK_N, BLOCK_K, DTYPE, DEQ, EVEN)
+            kk = k0 + offs_k
+            if EVEN:
+                xt = tl.load(x_rows + kk[None, :], mask=m_mask[:, None], other=0.0)
+            else:
+                xt = tl.load(x_rows + kk[None, :], mask=m_mask[:, None] & (kk[None, :] < k_end), other=0.0)
+            acc = _mma(acc, wt, xt, SWAP_AB, UPCAST, PREC)
 
     if SWAP_AB:
         acc = tl.trans(acc)
@@ -246,6 +251,8 @@ def deq_code(dequant: str, dtype: torch.dtype) -> int:
     field's documentation says. Under the interpreter the PTX is replaced by its plain-Triton twin."""
     if dequant == "bf16x2" and dtype == torch.bfloat16:
         return DEQ_BF16X2_EMU if interpreting() else DEQ_BF16X2
+    if dequant == "group" and dtype in (torch.bfloat16, torch.float16):
+        return DEQ_GROUP
     return DEQ_FLOAT
 
 
@@ -318,7 +325,7 @@ def w4a16_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, gro
     grid = (triton.cdiv(M, cfg.BLOCK_M), triton.cdiv(N, cfg.BLOCK_N), split)
     even = N % cfg.BLOCK_N == 0 and K % block_k == 0
     deq = deq_code(cfg.DEQUANT, x.dtype)
-    if deq != DEQ_FLOAT:
+    if deq in (DEQ_BF16X2, DEQ_BF16X2_EMU):
         x = pair_order(x)   # the bf16x2 tiles' column order (w4_dequant.py)
     _w4a16_kernel[grid](
         x, packed, scale, target, M, N, K, k_per_split,
