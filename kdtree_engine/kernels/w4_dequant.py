@@ -138,26 +138,23 @@ def _load_dequant(w_ptr, s_ptr, offs_n, n_mask, stride_wn, stride_sn, k0, k_end,
         w = tl.load(w_ptrs, eviction_policy="evict_first")
     else:
         w = tl.load(w_ptrs, mask=wmask, other=0, eviction_policy="evict_first")
+    # the group scales of the tile, [BN, BK/G], contiguous per row (an asynchronous copy like the weights)
+    NG: tl.constexpr = BLOCK_K // G
+    offs_g = tl.max_contiguous(tl.multiple_of(k0 // G + tl.arange(0, NG), NG), NG)
+    s_ptrs = s_ptr + offs_n[:, None].to(tl.int64) * stride_sn + offs_g[None, :]
+    if EVEN:
+        sg = tl.load(s_ptrs)
+    else:
+        sg = tl.load(s_ptrs, mask=n_mask[:, None] & (offs_g[None, :] * G < k_end), other=0.0)
     if DEQ == 0:
-        NG: tl.constexpr = BLOCK_K // G
-        offs_g = tl.max_contiguous(tl.multiple_of(k0 // G + tl.arange(0, NG), NG), NG)
-        s_ptrs = s_ptr + offs_n[:, None].to(tl.int64) * stride_sn + offs_g[None, :]
-        if EVEN:
-            s = tl.load(s_ptrs).to(tl.float32)
-        else:
-            s = tl.load(s_ptrs, mask=n_mask[:, None] & (offs_g[None, :] * G < k_end), other=0.0).to(tl.float32)
-        s = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, NG, G)), (BLOCK_N, BLOCK_K))
+        s = tl.reshape(tl.broadcast_to(sg.to(tl.float32)[:, :, None], (BLOCK_N, NG, G)), (BLOCK_N, BLOCK_K))
         q = _unpack8(w, BLOCK_N, BK8)
         # 0x4B000000 | u is the float 2^23 + u; subtracting 2^23 + 8 leaves u - 8 exactly
         f = (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
         return (f * s).to(DTYPE)
     else:
-        # one scale per packed word (its group), loaded in the words' layout: no broadcast shuffles
-        s_ptrs = s_ptr + offs_n[:, None].to(tl.int64) * stride_sn + (offs_k8 // (G // 8))[None, :]
-        if EVEN:
-            s = tl.load(s_ptrs)
-        else:
-            s = tl.load(s_ptrs, mask=wmask, other=0.0)
+        # one scale per packed word (its group): the group scales broadcast in registers
+        s = tl.reshape(tl.broadcast_to(sg[:, :, None], (BLOCK_N, NG, G // 8)), (BLOCK_N, BK8))
         if DEQ == 1:
             p0, p1, p2, p3, p4, p5, p6, p7 = tl.inline_asm_elementwise(
                 _BF16X2_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [w, s.to(tl.int16, bitcast=True)],
