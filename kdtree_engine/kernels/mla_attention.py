@@ -28,6 +28,16 @@ normalised output o_c and its log2-sum-exp. A second kernel merges a row's chunk
 summing MERGE_BLOCK_C chunks per step, steps in chunk order (a fixed order for a given chunk count).
 A row with one chunk is written directly (bit-identical to merging one chunk: w = 1, the rest 0).
 
+Grid: ((row tiles) * V_SPLIT, chunks) with the V_SPLIT slices of one (tile, chunk) adjacent, so that
+they run together and the repeated key reads hit L2. Decode-shaped launches (T = 1, N = 8: 8 valid
+rows) are latency-bound with few programs; three knobs address that:
+  KEYS_ON_M  keys on the MMA's M side (s^T = K q^T [BN, BM], o^T = V^T P^T [DV, BM]): a 64-key block
+             fills a wgmma M tile, and q is a shared-memory operand instead of a register operand that
+             every warp of a 16-row mma.sync tile holds whole (16 x 576 bf16 each: the spill source).
+  Q_IN_LOOP  re-read q (L1/L2 hits) at every key step instead of holding it live across the loop.
+  V_SPLIT    more programs per (tile, chunk), each recomputing the scores for its column slice; it only
+             re-tiles, so it may follow T (MLAConfig.V_SPLIT_BY_T).
+
 Two kinds of program, the same kernel code (only the address of a key differs):
   packed  rows t-major over all T*N rows; keys at their slots. Used for every chunk of the causal
           case (per-row length mask p < L_t; a row with no key in the chunk is not stored) and for
@@ -44,8 +54,10 @@ Batch invariance (a row's result does not depend on T or on which rows share its
   * chunk boundaries are fixed virtual positions (CHUNK is per config, independent of T/S);
   * within a chunk, BLOCK_N blocks start at the chunk start; blocks past a row's length are exact
     no-ops for that row (p = 0, alpha = 1, acc + 0);
-  * BLOCK_M / BLOCK_N / warps / stages / input precision come from the config, chosen from
-    (N, dtype) only, never from T; rows of an MMA tile are independent;
+  * BLOCK_M / BLOCK_N / warps / stages / KEYS_ON_M / Q_IN_LOOP / input precision come from the config,
+    chosen from (N, dtype) only, never from T; rows (columns under KEYS_ON_M) of an MMA tile are
+    independent; V_SPLIT (the only field that may follow T) recomputes the same scores with the same
+    tiles and reduces each output column with the same P @ V steps;
   * the merge runs in chunk order with the same formula for any number of rows.
 Checked bit for bit by tests/kernels/test_mla_attention.py (interpreter, fp32) and
 tests/gpu/test_mla_attention_gpu.py (H200, bf16).
