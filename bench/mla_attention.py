@@ -3,6 +3,12 @@ same math and the torch reference, against rooflines measured in the same run.
 
     python bench/mla_attention.py --out bench/results          # ~1-2 min on an H200
     python bench/mla_attention.py --sweep                      # also time alternative kernel configs
+    python bench/mla_attention.py --sweep-only --no-peers --budget-s 110   # only the sweep (~2 min),
+                                                       # written to mla_attention-sweep-<gpu>.*
+
+The sweep first compiles every (candidate, launch kind) in a pool of processes (Triton's on-disk cache
+is shared), so that the timing loop itself compiles nothing; candidates that fail to compile (e.g. out
+of shared memory) are reported as such. At the end it prints the best candidate per shape.
 
 Cases: context S = 4K / 32K / 128K x new tokens T = 1 (decode, causal) / 16 / 64 (random tree,
 ancestor-or-self mask) x heads N = 64 (one GPU) and N = 8 (per rank under TP8); C = 512, R = 64, bf16.
@@ -43,18 +49,64 @@ CONTEXTS = [4096, 32768, 131072]
 TREE_NODES = [1, 16, 64]
 HEADS = [64, 8]
 
-SWEEP = [  # CHUNK is the split size (fixed, part of the reduction order); V_SPLIT cuts the 512 output
-    # columns over programs (each recomputes the scores) to shrink the fp32 accumulator per program.
-    # Earlier sweep (CHUNK 128/256, BLOCK_N 16/32, 8 warps): bench/results/mla_attention-sweep-h200.md.
-    MLAConfig(CHUNK=512, BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=2),   # the default
-    MLAConfig(CHUNK=512, BLOCK_M=32, BLOCK_N=64, V_SPLIT=2, num_warps=4, num_stages=2),
-    MLAConfig(CHUNK=512, BLOCK_M=16, BLOCK_N=64, V_SPLIT=2, num_warps=4, num_stages=2),
-    MLAConfig(CHUNK=512, BLOCK_M=32, BLOCK_N=32, V_SPLIT=2, num_warps=4, num_stages=3),
-    MLAConfig(CHUNK=512, BLOCK_M=32, BLOCK_N=32, V_SPLIT=4, num_warps=4, num_stages=3),
-    MLAConfig(CHUNK=512, BLOCK_M=64, BLOCK_N=32, V_SPLIT=4, num_warps=8, num_stages=2),
-    MLAConfig(CHUNK=512, BLOCK_M=64, BLOCK_N=64, V_SPLIT=2, num_warps=8, num_stages=2),
+def _c(**kw) -> MLAConfig:
+    return MLAConfig(**{"CHUNK": 512, "num_warps": 8, **kw})
+
+
+# Candidates, most informative first (the sweep stops at its time budget). Register use on sm_90 from
+# compiling without a GPU (triton 3.9, ptxas): the current default (BM=32, 4 warps) spills ~550 B per
+# thread (q in registers, replicated over the warps of a 16-row mma.sync tile: 16 x 576 bf16 each);
+# the 8-warp / Q_IN_LOOP / KEYS_ON_M variants below compile to 128..250 registers with no spill.
+# CHUNK / BLOCK_M / BLOCK_N / warps / stages / KEYS_ON_M / Q_IN_LOOP set a row's arithmetic: a winner
+# is fixed per N (heads per rank); V_SPLIT only re-tiles and may go into V_SPLIT_BY_T per T bucket.
+SWEEP: list[MLAConfig] = [
+    MLAConfig(CHUNK=512, BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=2),     # the current default
+    MLAConfig(CHUNK=512, BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=3),     # best T=1 before
+    # N <= 16: 16-row tiles
+    _c(BLOCK_M=16, BLOCK_N=32, num_stages=3, KEYS_ON_M=True),                    # wgmma, 161 regs
+    _c(BLOCK_M=16, BLOCK_N=32, num_stages=3, KEYS_ON_M=True, V_SPLIT=2),         # 128 regs
+    _c(BLOCK_M=16, BLOCK_N=32, num_stages=3, KEYS_ON_M=True, V_SPLIT=4),
+    _c(BLOCK_M=16, BLOCK_N=32, num_stages=4, KEYS_ON_M=True),
+    _c(BLOCK_M=16, BLOCK_N=64, num_stages=2, Q_IN_LOOP=True),                    # mma.sync, 142 regs
+    _c(BLOCK_M=16, BLOCK_N=64, num_stages=2, Q_IN_LOOP=True, V_SPLIT=2),
+    _c(BLOCK_M=16, BLOCK_N=32, num_stages=3, Q_IN_LOOP=True),                    # 176 regs
+    _c(CHUNK=256, BLOCK_M=16, BLOCK_N=32, num_stages=3, KEYS_ON_M=True),         # 2x the programs
+    _c(CHUNK=256, BLOCK_M=16, BLOCK_N=64, num_stages=2, Q_IN_LOOP=True),
+    _c(BLOCK_M=16, BLOCK_N=32, num_stages=3, num_warps=4, KEYS_ON_M=True),       # 250 regs
+    # N = 64: wider tiles
+    _c(BLOCK_M=32, BLOCK_N=64, num_stages=2, Q_IN_LOOP=True),                    # mma.sync, 245 regs
+    _c(BLOCK_M=32, BLOCK_N=32, num_stages=3, KEYS_ON_M=True),                    # wgmma, 252 regs
+    _c(BLOCK_M=64, BLOCK_N=32, num_stages=2, KEYS_ON_M=True, V_SPLIT=2),         # wgmma n=64
 ]
-SWEEP_SHAPES = [(8, 32768, 1), (8, 131072, 1), (8, 32768, 16), (8, 32768, 64)]
+SWEEP_SHAPES = [(8, 32768, 1), (8, 131072, 1), (8, 32768, 16), (8, 131072, 16), (8, 32768, 64),
+                (8, 131072, 64), (64, 32768, 1), (64, 131072, 1), (64, 32768, 16), (64, 131072, 16),
+                (64, 32768, 64), (64, 131072, 64)]
+
+
+def _precompile_job(job: tuple[dict, int, int]) -> str | None:
+    """In a pool worker: one launch of a candidate at (N, T) and S = 32K (the same integer
+    specialisations as 128K), so the kernel lands in Triton's on-disk cache. The error, if any."""
+    cfg_d, N, T = job
+    try:
+        cfg = MLAConfig(**cfg_d)
+        q_lat, q_pe, kvs, mask = make_case(N, 32768, T, 1)
+        mla_attention(q_lat, q_pe, kvs[0], 32768, mask, SCALE, C, config=cfg)
+        torch.cuda.synchronize()
+        return None
+    except Exception as exc:  # noqa: BLE001 - reported per candidate
+        return f"{type(exc).__name__}: {exc}"[:200]
+
+
+def precompile(cfgs: list[MLAConfig], shapes: list[tuple[int, int, int]], workers: int) -> dict:
+    """Compile every (config, N, T kind) in parallel processes; {(config, N, T == 1): error or None}."""
+    import concurrent.futures as cf
+    import multiprocessing as mp
+
+    keys = sorted({(N, T == 1) for N, _, T in shapes})
+    jobs = [(cfg.as_dict(), N, 1 if decode else 16) for cfg in cfgs for N, decode in keys]
+    with cf.ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn")) as ex:
+        errs = list(ex.map(_precompile_job, jobs))
+    return {(MLAConfig(**j[0]), j[1], j[2] == 1): e for j, e in zip(jobs, errs)}
 
 
 def random_tree_mask(T: int, seed: int) -> torch.Tensor:
@@ -140,6 +192,8 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--sweep", action="store_true", help="also time the configs in SWEEP")
+    ap.add_argument("--sweep-only", action="store_true", help="time only the configs in SWEEP")
+    ap.add_argument("--workers", type=int, default=0, help="compile processes for the sweep (0: CPUs)")
     ap.add_argument("--no-peers", action="store_true", help="skip sdpa and the torch reference")
     ap.add_argument("--budget-s", type=float, default=100.0, help="stop the sweep after this many seconds")
     args = ap.parse_args(argv)
@@ -151,7 +205,7 @@ def main(argv=None) -> dict:
     mm = bf16_matmul_rate()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {mm / 1e12:.0f} TFLOP/s", flush=True)
     rows = []
-    for N in HEADS:
+    for N in ([] if args.sweep_only else HEADS):
         for S in CONTEXTS:
             for T in TREE_NODES:
                 rec = bench_case(N, S, T, bw, mm, peers=not args.no_peers)
@@ -160,19 +214,31 @@ def main(argv=None) -> dict:
                       f"x roof {rec['x_roof']:.2f}  sdpa {rec.get('sdpa_us')}  ref {rec.get('ref_us')}  "
                       f"err {rec['rel_err']:.2g}  [{clock():.0f}s]", flush=True)
     sweep = []
-    if args.sweep:
-        for cfg in SWEEP:
-            for N, S, T in SWEEP_SHAPES:
+    if args.sweep or args.sweep_only:
+        import os
+
+        workers = args.workers or min(16, os.cpu_count() or 1)
+        compile_err = precompile(SWEEP, SWEEP_SHAPES, workers)
+        print(f"compiled {len(compile_err)} (config, N, T kind) in {clock():.0f}s; "
+              f"{sum(e is not None for e in compile_err.values())} failed", flush=True)
+        for N, S, T in SWEEP_SHAPES:  # shape-major: a budget cut leaves whole shapes compared
+            for cfg in SWEEP:
+                base = {"N": N, "S": S, "T": T, "config": cfg.as_dict()}
+                err = compile_err.get((cfg, N, T == 1))
+                if err is not None:
+                    sweep.append({**base, "error": err})
+                    continue
                 if clock() > args.budget_s:
-                    sweep.append({"N": N, "S": S, "T": T, "config": cfg.as_dict(), "skipped": "time budget"})
+                    sweep.append({**base, "skipped": "time budget"})
                     continue
                 try:
                     rec = bench_case(N, S, T, bw, mm, cfg=cfg, peers=False, reps=10)
                 except Exception as exc:  # noqa: BLE001 - a failing variant is reported
-                    rec = {"N": N, "S": S, "T": T, "config": cfg.as_dict(), "error": str(exc)[:200]}
+                    rec = {**base, "error": str(exc)[:200]}
                 sweep.append(rec)
                 print("sweep", cfg.as_dict(), N, S, T, f"{rec.get('us', float('nan')):.1f} us",
-                      f"x roof {rec.get('x_roof', float('nan')):.2f} err {rec.get('rel_err')}", flush=True)
+                      f"x copy {rec.get('x_copy', float('nan')):.3f} x roof {rec.get('x_roof', float('nan')):.3f}"
+                      f" err {rec.get('rel_err')}", flush=True)
 
     info = device_info()
     gpu = "h200" if "H200" in info["gpu"] else info["gpu"].split()[-1].lower()
@@ -187,20 +253,45 @@ def main(argv=None) -> dict:
           f"torch {info['torch']}, triton {info['triton']}. C=512, R=64; T=1 causal decode, T>1 random tree.",
           "x copy = (KV + q + out bytes / copy bandwidth) / time; x roof = max(that, FLOPs / matmul rate) / time.",
           "sdpa: torch scaled_dot_product_attention on q=[q_lat|q_pe] vs K=kv, V=c_kv with a bool mask.", ""]
-    md += md_table(headers, table)
+    if rows:
+        md += md_table(headers, table)
     errs = {f"{r['N']}/{r['S']}/{r['T']}": r.get("sdpa_error") for r in rows if r.get("sdpa_error")}
     if errs:
         md += ["", "sdpa errors: " + "; ".join(f"{k}: {v}" for k, v in list(errs.items())[:3])]
     if sweep:
         md += ["", "## Config sweep", ""]
-        md += md_table(["config", "N", "S", "T", "us", "x roof", "err"],
-                       [[" ".join(f"{k}={v}" for k, v in s["config"].items()), s["N"], s["S"], s["T"],
-                         s.get("us"), s.get("x_roof"), s.get("rel_err", s.get("error", s.get("skipped")))]
+        md += md_table(["config", "N", "S", "T", "us", "x copy", "x roof", "err"],
+                       [[_cfg_str(s["config"]), s["N"], s["S"], s["T"], s.get("us"), s.get("x_copy"),
+                         s.get("x_roof"), s.get("rel_err", s.get("error", s.get("skipped")))]
                         for s in sweep])
-    jp, mp = write_results(args.out, f"mla_attention-{gpu}", payload, md)
+        md += ["", "## Best candidate per shape", ""] + best_per_shape(sweep)
+    stem = f"mla_attention-sweep-{gpu}" if args.sweep_only else f"mla_attention-{gpu}"
+    jp, mp = write_results(args.out, stem, payload, md)
     print(f"wrote {jp} and {mp} in {clock():.0f}s")
-    print("\n".join(md_table(headers, table)))
+    if rows:
+        print("\n".join(md_table(headers, table)))
+    if sweep:
+        print("\n".join(best_per_shape(sweep)))
     return payload
+
+
+def _cfg_str(d: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in d.items())
+
+
+def best_per_shape(sweep: list[dict]) -> list[str]:
+    """Per swept shape: the fastest candidate, its time, x copy / x roof, and the default's time."""
+    out = []
+    shapes = sorted({(s["N"], s["S"], s["T"]) for s in sweep}, key=lambda k: (-k[0], k[2], k[1]))
+    base = SWEEP[0].as_dict()
+    for N, S, T in shapes:
+        done = [s for s in sweep if (s["N"], s["S"], s["T"]) == (N, S, T) and "us" in s]
+        if not done:
+            continue
+        b = min(done, key=lambda s: s["us"])
+        d = next((s["us"] for s in done if s["config"] == base), None)
+        out.append([N, S, T, b["us"], b["x_copy"], b["x_roof"], d, _cfg_str(b["config"])])
+    return md_table(["N", "S", "T", "best us", "x copy", "x roof", "default us", "config"], out)
 
 
 if __name__ == "__main__":

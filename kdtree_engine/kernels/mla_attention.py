@@ -28,6 +28,16 @@ normalised output o_c and its log2-sum-exp. A second kernel merges a row's chunk
 summing MERGE_BLOCK_C chunks per step, steps in chunk order (a fixed order for a given chunk count).
 A row with one chunk is written directly (bit-identical to merging one chunk: w = 1, the rest 0).
 
+Grid: ((row tiles) * V_SPLIT, chunks) with the V_SPLIT slices of one (tile, chunk) adjacent, so that
+they run together and the repeated key reads hit L2. Decode-shaped launches (T = 1, N = 8: 8 valid
+rows) are latency-bound with few programs; three knobs address that:
+  KEYS_ON_M  keys on the MMA's M side (s^T = K q^T [BN, BM], o^T = V^T P^T [DV, BM]): a 64-key block
+             fills a wgmma M tile, and q is a shared-memory operand instead of a register operand that
+             every warp of a 16-row mma.sync tile holds whole (16 x 576 bf16 each: the spill source).
+  Q_IN_LOOP  re-read q (L1/L2 hits) at every key step instead of holding it live across the loop.
+  V_SPLIT    more programs per (tile, chunk), each recomputing the scores for its column slice; it only
+             re-tiles, so it may follow T (MLAConfig.V_SPLIT_BY_T).
+
 Two kinds of program, the same kernel code (only the address of a key differs):
   packed  rows t-major over all T*N rows; keys at their slots. Used for every chunk of the causal
           case (per-row length mask p < L_t; a row with no key in the chunk is not stored) and for
@@ -44,8 +54,10 @@ Batch invariance (a row's result does not depend on T or on which rows share its
   * chunk boundaries are fixed virtual positions (CHUNK is per config, independent of T/S);
   * within a chunk, BLOCK_N blocks start at the chunk start; blocks past a row's length are exact
     no-ops for that row (p = 0, alpha = 1, acc + 0);
-  * BLOCK_M / BLOCK_N / warps / stages / input precision come from the config, chosen from
-    (N, dtype) only, never from T; rows of an MMA tile are independent;
+  * BLOCK_M / BLOCK_N / warps / stages / KEYS_ON_M / Q_IN_LOOP / input precision come from the config,
+    chosen from (N, dtype) only, never from T; rows (columns under KEYS_ON_M) of an MMA tile are
+    independent; V_SPLIT (the only field that may follow T) recomputes the same scores with the same
+    tiles and reduces each output column with the same P @ V steps;
   * the merge runs in chunk order with the same formula for any number of rows.
 Checked bit for bit by tests/kernels/test_mla_attention.py (interpreter, fp32) and
 tests/gpu/test_mla_attention_gpu.py (H200, bf16).
@@ -73,30 +85,70 @@ LOG2E = 1.4426950408889634
 
 @dataclass(frozen=True)
 class MLAConfig:
+    """Launch config of the chunk kernel.
+
+    Fields that set a row's arithmetic (batch invariance: fixed per heads-per-rank N, never chosen from
+    T): CHUNK (split points), BLOCK_N (online-softmax step), BLOCK_M / num_warps (the MMA instruction
+    kind: 16-row tiles compile to mma.sync, 64-row tiles to wgmma, and they round differently),
+    KEYS_ON_M (which operand sits on the MMA's M side), num_stages, Q_IN_LOOP (kept fixed too: they
+    change the compiled schedule, not the math, but nothing is gained by varying them).
+
+    Fields that only re-tile the work: V_SPLIT cuts the 512 output columns over V_SPLIT programs, each
+    recomputing the same scores (same tiles, same instructions) and reducing its own columns with the
+    same P @ V steps. It MAY follow T: V_SPLIT_BY_T = ((max T, V_SPLIT), ...) (first entry with
+    T <= max T; V_SPLIT beyond the last), e.g. more programs for decode (T = 1), where a launch is too
+    small to fill the GPU. tests/gpu/test_mla_attention_gpu.py checks a row bit for bit across the
+    T buckets and the host/device-length launches.
+    """
+
     CHUNK: int = 512     # keys per split (reduction structure: part of batch invariance)
     BLOCK_M: int = 16    # (query, head) rows per program
     BLOCK_N: int = 32    # keys per inner step (divides CHUNK)
     V_SPLIT: int = 1     # output-column slices per row tile (each recomputes the scores)
     num_warps: int = 4
     num_stages: int = 2
+    # keys on the MMA's M side (scores^T = K @ q^T, out^T = V^T @ P^T): a 64-key block fills a wgmma
+    # M tile and q is an operand in shared memory instead of registers replicated over the warps
+    KEYS_ON_M: bool = False
+    Q_IN_LOOP: bool = False  # re-read q (L1/L2 hits) every key step instead of holding it in registers
+    V_SPLIT_BY_T: tuple[tuple[int, int], ...] = ()  # (max T, V_SPLIT) buckets; re-tiling only (above)
+
+    def v_split(self, T: int) -> int:
+        """Output-column slices for a launch of T queries."""
+        for max_t, vs in self.V_SPLIT_BY_T:
+            if T <= max_t:
+                return vs
+        return self.V_SPLIT
 
     def as_dict(self) -> dict:
-        return dict(CHUNK=self.CHUNK, BLOCK_M=self.BLOCK_M, BLOCK_N=self.BLOCK_N, V_SPLIT=self.V_SPLIT,
-                    num_warps=self.num_warps, num_stages=self.num_stages)
+        d = dict(CHUNK=self.CHUNK, BLOCK_M=self.BLOCK_M, BLOCK_N=self.BLOCK_N, V_SPLIT=self.V_SPLIT,
+                 num_warps=self.num_warps, num_stages=self.num_stages)
+        if self.KEYS_ON_M:
+            d["KEYS_ON_M"] = True
+        if self.Q_IN_LOOP:
+            d["Q_IN_LOOP"] = True
+        if self.V_SPLIT_BY_T:
+            d["V_SPLIT_BY_T"] = self.V_SPLIT_BY_T
+        return d
 
 
-# Default config per heads-per-rank N (first entry with N <= max N). Every field is fixed per N, never
-# chosen from T, so rows are batch-invariant across T. Chosen from the sweep of bench/mla_attention.py
-# on an H200 (torch 2.11, triton 3.6), median us, S=32K (128K) / T:
+# Default config per heads-per-rank N (first entry with N <= max N). Fields that set a row's arithmetic
+# are fixed per N, never chosen from T, so rows are batch-invariant across T (V_SPLIT_BY_T only
+# re-tiles). Chosen from the sweep of bench/mla_attention.py on an H200 (torch 2.11, triton 3.6),
+# median us, S=32K (128K) / T:
 #   config (CHUNK, BM, BN, warps, stages)  N=8 T=1       T=16   T=64  | N=64 T=1     T=16   T=64
 #   512, 32, 64, 4, 2                     56 (90)       92     257   |  57 (147)    425    1522
 #   512, 16, 64, 4, 3                     33 (83)      123     383   |   -           647    2411
 #   512, 16, 32, 4, 2                     45 (76)      116     367   |  65 (174)    602    2194
 #   512, 64, 32, 8, 2                     68 (155)      98     291   |  70 (159)    530    1895
 # Tree verify (T = 16..64) is the engine's common step, so BM=32/BN=64 for every N; for plain decoding at
-# N <= 16, (512, 16, 64, 4, 3) is faster at T = 1.
+# N <= 16, (512, 16, 64, 4, 3) is faster at T = 1. One line per N bucket, every field spelled out, so a
+# sweep winner (bench/mla_attention.py --sweep prints it in this form) is a one-line edit.
 DEFAULT_CONFIGS: list[tuple[int, MLAConfig]] = [
-    (1 << 30, MLAConfig(CHUNK=512, BLOCK_M=32, BLOCK_N=64, V_SPLIT=1, num_warps=4, num_stages=2)),
+    (16, MLAConfig(CHUNK=512, BLOCK_M=32, BLOCK_N=64, V_SPLIT=1, num_warps=4, num_stages=2, KEYS_ON_M=False,
+                   Q_IN_LOOP=False, V_SPLIT_BY_T=())),  # N <= 16 (TP8: 8 heads per rank)
+    (1 << 30, MLAConfig(CHUNK=512, BLOCK_M=32, BLOCK_N=64, V_SPLIT=1, num_warps=4, num_stages=2,
+                        KEYS_ON_M=False, Q_IN_LOOP=False, V_SPLIT_BY_T=())),
 ]
 
 
@@ -128,11 +180,14 @@ def _mla_chunk_kernel(
     CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     GATHER: tl.constexpr, CAUSAL: tl.constexpr, DIRECT: tl.constexpr,
     UPCAST: tl.constexpr, PREC: tl.constexpr, S_DEV: tl.constexpr = False,
+    KEYS_ON_M: tl.constexpr = False, Q_IN_LOOP: tl.constexpr = False,
 ):
-    # grid: (row tiles [packed] or T * head tiles [gather], chunks, V_SPLIT)
-    pid_r = tl.program_id(0)
+    # grid: ((row tiles [packed] or T * head tiles [gather]) * V_SPLIT, chunks); the V_SPLIT programs of
+    # one (tile, chunk) are adjacent so that they run together and their repeated key reads hit L2
+    VS: tl.constexpr = CP // DV
+    pid_r = tl.program_id(0) // VS
+    pid_v = tl.program_id(0) % VS
     c = c_first + tl.program_id(1)
-    pid_v = tl.program_id(2)
     if S_DEV:
         # committed length from the device; the grid covers every chunk of the buffer and each kind of
         # program keeps to the chunks the host split would give it (packed: whole prefix chunks;
@@ -174,10 +229,12 @@ def _mla_chunk_kernel(
     offs_r = tl.arange(0, RP)
     t64 = t.to(tl.int64)
     h64 = h.to(tl.int64)
-    q_lat = tl.load(ql_ptr + t64[:, None] * stride_qlt + h64[:, None] * stride_qln + offs_c[None, :],
-                    mask=row_ok[:, None] & (offs_c[None, :] < C), other=0.0)
-    q_pe = tl.load(qp_ptr + t64[:, None] * stride_qpt + h64[:, None] * stride_qpn + offs_r[None, :],
-                   mask=row_ok[:, None] & (offs_r[None, :] < R), other=0.0)
+    ql_ptrs = ql_ptr + t64[:, None] * stride_qlt + h64[:, None] * stride_qln + offs_c[None, :]
+    qp_ptrs = qp_ptr + t64[:, None] * stride_qpt + h64[:, None] * stride_qpn + offs_r[None, :]
+    ql_mask = row_ok[:, None] & (offs_c[None, :] < C)
+    qp_mask = row_ok[:, None] & (offs_r[None, :] < R)
+    q_lat = tl.load(ql_ptrs, mask=ql_mask, other=0.0)
+    q_pe = tl.load(qp_ptrs, mask=qp_mask, other=0.0)
     if UPCAST:
         q_lat = q_lat.to(tl.float32)
         q_pe = q_pe.to(tl.float32)
@@ -185,7 +242,10 @@ def _mla_chunk_kernel(
 
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_M, DV), dtype=tl.float32)
+    if KEYS_ON_M:
+        acc = tl.zeros((DV, BLOCK_M), dtype=tl.float32)  # transposed: [DV, BM]
+    else:
+        acc = tl.zeros((BLOCK_M, DV), dtype=tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
     for start in range(p0, p_end, BLOCK_N):
         p = start + offs_n  # virtual positions [BN]
@@ -202,29 +262,56 @@ def _mla_chunk_kernel(
             v = k_lat
         else:
             v = tl.load(krow + offs_v[None, :], mask=k_ok[:, None] & (offs_v[None, :] < C), other=0.0)
+        if Q_IN_LOOP:  # re-read q (L1/L2) each step rather than keeping it live in registers
+            q_lat = tl.load(ql_ptrs, mask=ql_mask, other=0.0)
+            q_pe = tl.load(qp_ptrs, mask=qp_mask, other=0.0)
+            if UPCAST:
+                q_lat = q_lat.to(tl.float32)
+                q_pe = q_pe.to(tl.float32)
         if UPCAST:
             k_lat = k_lat.to(tl.float32)
             k_pe = k_pe.to(tl.float32)
             v = v.to(tl.float32)
         # (no nested @jit helper: the interpreter re-patches builtins on every call of one)
-        if UPCAST:  # interpreter: row-exact broadcast products (see module docstring)
-            s = (tl.sum(q_lat[:, :, None] * tl.trans(k_lat)[None, :, :], 1)
-                 + tl.sum(q_pe[:, :, None] * tl.trans(k_pe)[None, :, :], 1))
+        if KEYS_ON_M:
+            # keys on the MMA's M side, (query, head) rows on its N side: s_t [BN, BM], acc [DV, BM]
+            if UPCAST:  # interpreter: row-exact broadcast products (see module docstring)
+                s_t = (tl.sum(k_lat[:, :, None] * tl.trans(q_lat)[None, :, :], 1)
+                       + tl.sum(k_pe[:, :, None] * tl.trans(q_pe)[None, :, :], 1))
+            else:
+                s_t = tl.dot(k_lat, tl.trans(q_lat), input_precision=PREC)
+                s_t = tl.dot(k_pe, tl.trans(q_pe), s_t, input_precision=PREC)
+            s_t = s_t * qk_scale
+            s_t = tl.where(p[:, None] < L_row[None, :], s_t, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s_t, 0))
+            alpha = tl.exp2(m_i - m_new)
+            pr_t = tl.exp2(s_t - m_new[None, :])
+            l_i = l_i * alpha + tl.sum(pr_t, 0)
+            if UPCAST:
+                acc = acc * alpha[None, :] + tl.sum(tl.trans(v)[:, :, None] * pr_t[None, :, :], 1)
+            else:
+                acc = tl.dot(tl.trans(v), pr_t.to(DT), acc * alpha[None, :], input_precision=PREC)
         else:
-            s = tl.dot(q_lat, tl.trans(k_lat), input_precision=PREC)
-            s = tl.dot(q_pe, tl.trans(k_pe), s, input_precision=PREC)
-        s = s * qk_scale
-        s = tl.where(p[None, :] < L_row[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        pr = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(pr, 1)
-        if UPCAST:
-            acc = acc * alpha[:, None] + tl.sum(pr[:, :, None] * v[None, :, :], 1)
-        else:
-            acc = tl.dot(pr.to(DT), v, acc * alpha[:, None], input_precision=PREC)
+            if UPCAST:  # interpreter: row-exact broadcast products (see module docstring)
+                s = (tl.sum(q_lat[:, :, None] * tl.trans(k_lat)[None, :, :], 1)
+                     + tl.sum(q_pe[:, :, None] * tl.trans(k_pe)[None, :, :], 1))
+            else:
+                s = tl.dot(q_lat, tl.trans(k_lat), input_precision=PREC)
+                s = tl.dot(q_pe, tl.trans(k_pe), s, input_precision=PREC)
+            s = s * qk_scale
+            s = tl.where(p[None, :] < L_row[:, None], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            pr = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(pr, 1)
+            if UPCAST:
+                acc = acc * alpha[:, None] + tl.sum(pr[:, :, None] * v[None, :, :], 1)
+            else:
+                acc = tl.dot(pr.to(DT), v, acc * alpha[:, None], input_precision=PREC)
         m_i = m_new
 
+    if KEYS_ON_M:
+        acc = tl.trans(acc)
     o = acc / l_i[:, None]
     store_row = row_ok & (p0 < L_row)
     v_ok = offs_v < C
@@ -328,19 +415,23 @@ def tree_gather_index(tree_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return idx.contiguous(), nvis.contiguous()
 
 
-def _plan(C: int, R: int, N: int, dtype: torch.dtype, config: MLAConfig | None
-          ) -> tuple[MLAConfig, int, int, int, bool, str]:
-    """Launch constants shared by both launches: (config, CP, RP, DV, upcast, input precision)."""
+def _plan(C: int, R: int, N: int, T: int, dtype: torch.dtype, config: MLAConfig | None
+          ) -> tuple[MLAConfig, int, int, int, int, bool, str]:
+    """Launch constants shared by both launches: (config, CP, RP, V_SPLIT, DV, upcast, input precision)."""
     cfg = config or default_config(N)
     if cfg.CHUNK % cfg.BLOCK_N:
         raise ValueError(f"CHUNK {cfg.CHUNK} must be a multiple of BLOCK_N {cfg.BLOCK_N}")
     CP = triton.next_power_of_2(C)
     RP = max(16, triton.next_power_of_2(R))
-    if CP % cfg.V_SPLIT:
-        raise ValueError(f"V_SPLIT {cfg.V_SPLIT} must divide {CP}")
+    for vs in {cfg.V_SPLIT, *(v for _, v in cfg.V_SPLIT_BY_T)}:
+        if vs < 1 or CP % vs or CP // vs < 16:
+            raise ValueError(f"V_SPLIT {vs} must divide {CP} into slices of >= 16 columns")
+    if cfg.BLOCK_M < 16 or cfg.BLOCK_N < 16:
+        raise ValueError(f"BLOCK_M {cfg.BLOCK_M} and BLOCK_N {cfg.BLOCK_N} must be >= 16 (tl.dot)")
+    v_split = cfg.v_split(T)
     upcast = interpreting()  # fp32 operands and row-exact dots under the interpreter
     prec = "ieee" if (dtype == torch.float32 or upcast) else "tf32"
-    return cfg, CP, RP, CP // cfg.V_SPLIT, upcast, prec
+    return cfg, CP, RP, v_split, CP // v_split, upcast, prec
 
 
 def _partials(out: torch.Tensor, n_ch: int) -> tuple[torch.Tensor, torch.Tensor, int, int, int]:
@@ -368,7 +459,7 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, sta
     out = torch.empty((T, N, C), device=q_lat.device, dtype=q_lat.dtype)
     if T == 0 or N == 0:
         return out
-    cfg, CP, RP, DV, upcast, prec = _plan(C, R, N, q_lat.dtype, config)
+    cfg, CP, RP, VS, DV, upcast, prec = _plan(C, R, N, T, q_lat.dtype, config)
     qk_scale = float(scale) * LOG2E
     causal = tree_mask is None
     dev = kv.device
@@ -385,22 +476,23 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, sta
 
     common = dict(C=C, R=R, CP=CP, RP=RP, DV=DV, CHUNK=cfg.CHUNK, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
                   CAUSAL=causal, DIRECT=direct, UPCAST=upcast, PREC=prec,
+                  KEYS_ON_M=cfg.KEYS_ON_M, Q_IN_LOOP=cfg.Q_IN_LOOP,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     args_tail = (q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), kv.stride(0), stride_idx,
                  spom, spoc, splm, out.stride(0), out.stride(1), qk_scale)
     n_tiles = triton.cdiv(T * N, cfg.BLOCK_M)
     if causal:
-        grid = (n_tiles, n_ch, cfg.V_SPLIT)
+        grid = (n_tiles * VS, n_ch)
         _mla_chunk_kernel[grid](q_lat, q_pe, kv, idx, nvis, po, pl, out, nvis, T, S, N, 0, *args_tail,
                                 GATHER=False, **common)
     else:
         c_split = S // cfg.CHUNK  # chunks [0, c_split) lie wholly in the committed prefix
         if c_split > 0:
-            grid = (n_tiles, c_split, cfg.V_SPLIT)
+            grid = (n_tiles * VS, c_split)
             _mla_chunk_kernel[grid](q_lat, q_pe, kv, idx, nvis, po, pl, out, nvis, T, S, N, 0, *args_tail,
                                     GATHER=False, **common)
         n_tail = n_ch - c_split
-        grid = (T * triton.cdiv(N, cfg.BLOCK_M), n_tail, cfg.V_SPLIT)
+        grid = (T * triton.cdiv(N, cfg.BLOCK_M) * VS, n_tail)
         _mla_chunk_kernel[grid](q_lat, q_pe, kv, idx, nvis, po, pl, out, nvis, T, S, N, c_split, *args_tail,
                                 GATHER=True, **common)
     if not direct:
@@ -435,7 +527,7 @@ def mla_attention_device(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tens
     out = torch.empty((T, N, C), device=q_lat.device, dtype=q_lat.dtype)
     if T == 0 or N == 0:
         return out
-    cfg, CP, RP, DV, upcast, prec = _plan(C, R, N, q_lat.dtype, config)
+    cfg, CP, RP, VS, DV, upcast, prec = _plan(C, R, N, T, q_lat.dtype, config)
     dev = kv.device
     s_dev = start.reshape(1).to(device=dev, dtype=torch.int32)
     idx, nvis = tree_gather_index(tree_mask.to(dev))
@@ -444,13 +536,14 @@ def mla_attention_device(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tens
     po, pl, spom, spoc, splm = _partials(out, n_ch)
     common = dict(C=C, R=R, CP=CP, RP=RP, DV=DV, CHUNK=cfg.CHUNK, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
                   CAUSAL=False, DIRECT=direct, UPCAST=upcast, PREC=prec, S_DEV=True,
+                  KEYS_ON_M=cfg.KEYS_ON_M, Q_IN_LOOP=cfg.Q_IN_LOOP,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     args_tail = (q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), kv.stride(0), idx.stride(0),
                  spom, spoc, splm, out.stride(0), out.stride(1), float(scale) * LOG2E)
     n_tiles = triton.cdiv(T * N, cfg.BLOCK_M)
-    _mla_chunk_kernel[(n_tiles, n_ch, cfg.V_SPLIT)](q_lat, q_pe, kv, idx, nvis, po, pl, out, s_dev, T, 0, N, 0,
+    _mla_chunk_kernel[(n_tiles * VS, n_ch)](q_lat, q_pe, kv, idx, nvis, po, pl, out, s_dev, T, 0, N, 0,
                                                     *args_tail, GATHER=False, **common)
-    _mla_chunk_kernel[(T * triton.cdiv(N, cfg.BLOCK_M), n_ch, cfg.V_SPLIT)](
+    _mla_chunk_kernel[(T * triton.cdiv(N, cfg.BLOCK_M) * VS, n_ch)](
         q_lat, q_pe, kv, idx, nvis, po, pl, out, s_dev, T, 0, N, 0, *args_tail, GATHER=True, **common)
     if not direct:
         block_d = min(CP, MERGE_BLOCK_D)

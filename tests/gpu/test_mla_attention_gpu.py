@@ -4,10 +4,12 @@ T = 1 over the prefix + its compacted path, equals its rows inside the tree laun
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
-from kdtree_engine.kernels.mla_attention import default_config, mla_attention
+from kdtree_engine.kernels.mla_attention import MLAConfig, default_config, mla_attention, mla_attention_device
 from kdtree_engine.model.mla import mla_attention_reference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -115,3 +117,90 @@ def test_causal_batch_invariant_bf16(N):
     for i in (0, 7, 15, 39):
         one = mla_attention(q_lat[i:i + 1], q_pe[i:i + 1], kv[: S + i + 1], S + i, None, SCALE, C)
         assert torch.equal(one[0], full[i]), f"row {i} (seed {seed})"
+
+
+# Candidate families of bench/mla_attention.py's sweep (any may become a default for some N).
+CANDIDATES = {
+    "default": None,
+    "kom16": MLAConfig(CHUNK=512, BLOCK_M=16, BLOCK_N=32, num_warps=8, num_stages=3, KEYS_ON_M=True),
+    "qil16": MLAConfig(CHUNK=512, BLOCK_M=16, BLOCK_N=64, num_warps=8, num_stages=2, Q_IN_LOOP=True),
+    "kom16_c256": MLAConfig(CHUNK=256, BLOCK_M=16, BLOCK_N=32, num_warps=8, num_stages=3, KEYS_ON_M=True),
+    "qil32": MLAConfig(CHUNK=512, BLOCK_M=32, BLOCK_N=64, num_warps=8, num_stages=2, Q_IN_LOOP=True),
+    "kom64": MLAConfig(CHUNK=512, BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2, KEYS_ON_M=True),
+}
+
+
+def _cfg(name: str, N: int) -> MLAConfig:
+    return CANDIDATES[name] or default_config(N)
+
+
+@pytest.mark.parametrize("name", list(CANDIDATES))
+@pytest.mark.parametrize("N,S,T", [(8, 32768 + 5, 1), (8, 4096 - 3, 16), (64, 32768 + 5, 1), (64, 4096 - 3, 16)])
+def test_bf16_candidates_vs_reference(name, N, S, T):
+    seed = int(torch.randint(1 << 30, (1,)))
+    q_lat, q_pe, kv = inputs(T, N, S, seed)
+    mask = None if T == 1 else random_tree_mask(T, torch.Generator().manual_seed(seed)).cuda()
+    poison_allocator()
+    out = mla_attention(q_lat, q_pe, kv, S, mask, SCALE, C, config=_cfg(name, N))
+    ref = mla_attention_reference(q_lat.float(), q_pe.float(), kv.float(), S, mask, SCALE, C)
+    assert torch.isfinite(out).all(), "unwritten (NaN-poisoned) or non-finite outputs"
+    assert rel(out, ref) < 1e-2, f"seed {seed}"
+
+
+@pytest.mark.parametrize("name", list(CANDIDATES))
+@pytest.mark.parametrize("N", [8, 64])
+def test_v_split_by_t_bit_equal_bf16(name, N):
+    """V_SPLIT per T bucket only re-tiles: with V_SPLIT_BY_T = ((1, 4), (16, 2)) (V_SPLIT 1 beyond) a row
+    is the same bits in a decode launch (4 slices), a 16-row block (2), a 40-row block and a 64-node
+    tree (1), through the host-length and the device-length launch, and equal to the config without
+    buckets."""
+    S, T = 5000, 40
+    seed = int(torch.randint(1 << 30, (1,)))
+    base = replace(_cfg(name, N), V_SPLIT=1, V_SPLIT_BY_T=())
+    cfg = replace(base, V_SPLIT_BY_T=((1, 4), (16, 2)))
+    q_lat, q_pe, kv = inputs(T, N, S, seed)
+    full = mla_attention(q_lat, q_pe, kv, S, None, SCALE, C, config=cfg)  # 1 slice
+    assert torch.equal(full, mla_attention(q_lat, q_pe, kv, S, None, SCALE, C, config=base))
+    part = mla_attention(q_lat[:16], q_pe[:16], kv[: S + 16], S, None, SCALE, C, config=cfg)  # 2 slices
+    assert torch.equal(part, full[:16]), f"T=16 block (seed {seed})"
+    cap = torch.cat([kv, torch.randn(300, C + R, device="cuda").bfloat16()])
+    tril = torch.ones(16, 16, dtype=torch.bool, device="cuda").tril()
+    dev16 = mla_attention_device(q_lat[:16], q_pe[:16], cap, torch.tensor(S), tril, SCALE, C, config=cfg)
+    assert torch.equal(dev16, full[:16]), f"device-length T=16 (seed {seed})"
+    for i in (0, 7, 15, 39):  # 4 slices
+        one = mla_attention(q_lat[i:i + 1], q_pe[i:i + 1], kv[: S + i + 1], S + i, None, SCALE, C, config=cfg)
+        assert torch.equal(one[0], full[i]), f"decode row {i} (seed {seed})"
+        buf = torch.cat([kv[: S + i], kv[S + i:S + i + 1], cap[S + T:]])  # slot S + i at its place, junk after
+        one_dev = mla_attention_device(q_lat[i:i + 1], q_pe[i:i + 1], buf, torch.tensor(S + i),
+                                       torch.ones(1, 1, dtype=torch.bool, device="cuda"), SCALE, C, config=cfg)
+        assert torch.equal(one_dev[0], full[i]), f"device-length decode row {i} (seed {seed})"
+    # a 64-node tree (1 slice) vs each node alone (4 slices)
+    Tt = 64
+    q_lat, q_pe, kv = inputs(Tt, N, S, seed + 1)
+    mask = random_tree_mask(Tt, torch.Generator().manual_seed(seed))
+    tree = mla_attention(q_lat, q_pe, kv, S, mask.cuda(), SCALE, C, config=cfg)
+    for i in (0, 5, 31, 63):
+        path = torch.nonzero(mask[i]).flatten().cuda()
+        kv_i = torch.cat([kv[:S], kv[S + path]])
+        one = mla_attention(q_lat[i:i + 1], q_pe[i:i + 1], kv_i, S + len(path) - 1, None, SCALE, C, config=cfg)
+        assert torch.equal(one[0], tree[i]), f"tree node {i} alone vs in the tree (seed {seed})"
+
+
+@pytest.mark.parametrize("name", [n for n in CANDIDATES if n != "default"])
+@pytest.mark.parametrize("N", [8, 64])
+def test_candidate_tree_batch_invariant_bf16(name, N):
+    """The candidates' own batch invariance: each tree node alone == its rows in the tree launch."""
+    S, T = 4096 + 100, 64
+    seed = int(torch.randint(1 << 30, (1,)))
+    cfg = _cfg(name, N)
+    q_lat, q_pe, kv = inputs(T, N, S, seed)
+    mask = random_tree_mask(T, torch.Generator().manual_seed(seed))
+    full = mla_attention(q_lat, q_pe, kv, S, mask.cuda(), SCALE, C, config=cfg)
+    bad = []
+    for i in range(0, T, 3):
+        path = torch.nonzero(mask[i]).flatten().cuda()
+        kv_i = torch.cat([kv[:S], kv[S + path]])
+        one = mla_attention(q_lat[i:i + 1], q_pe[i:i + 1], kv_i, S + len(path) - 1, None, SCALE, C, config=cfg)
+        if not torch.equal(one[0], full[i]):
+            bad.append(i)
+    assert not bad, f"nodes {bad[:8]} differ alone vs in the tree (seed {seed}, {cfg})"

@@ -86,6 +86,12 @@ CONFIGS = {
     "c128": MLAConfig(CHUNK=128, BLOCK_M=16, BLOCK_N=64, num_stages=1),
     "vsplit": MLAConfig(CHUNK=64, BLOCK_M=16, BLOCK_N=32, V_SPLIT=2, num_stages=1),
     "default": None,
+    # keys on the MMA's M side, q re-read per key step, V_SPLIT per T bucket (T <= 4: 2 slices)
+    "kom": MLAConfig(CHUNK=32, BLOCK_M=16, BLOCK_N=16, KEYS_ON_M=True, num_stages=1),
+    "komvs": MLAConfig(CHUNK=64, BLOCK_M=16, BLOCK_N=32, V_SPLIT=2, KEYS_ON_M=True, Q_IN_LOOP=True, num_stages=1),
+    "qil": MLAConfig(CHUNK=32, BLOCK_M=16, BLOCK_N=16, Q_IN_LOOP=True, num_stages=1),
+    "vsbyt": MLAConfig(CHUNK=32, BLOCK_M=16, BLOCK_N=16, V_SPLIT_BY_T=((4, 2),), num_stages=1),
+    "kombyt": MLAConfig(CHUNK=32, BLOCK_M=16, BLOCK_N=16, KEYS_ON_M=True, V_SPLIT_BY_T=((4, 2),), num_stages=1),
 }
 
 # name: (kind, N, S, T, mask, config, variant)
@@ -102,12 +108,23 @@ for _T, _mask, _cfg in ((1, "causal", "c128"), (5, "tree", "c128"), (17, "causal
 CASES["N4_S37_T5_tree_c64"] = ("ref", 4, 37, 5, "tree", "c64", "")
 CASES["N4_S100_T9_tree_vsplit"] = ("ref", 4, 100, 9, "tree", "vsplit", "")
 CASES["N3_S100_T9_causal_vsplit"] = ("ref", 3, 100, 9, "causal", "vsplit", "")
+for _name, _spec in (("N3_S37_T5_tree_kom", (3, 37, 5, "tree", "kom", "")),
+                     ("N3_S37_T1_causal_kom", (3, 37, 1, "causal", "kom", "")),
+                     ("N5_S70_T9_causal_komvs", (5, 70, 9, "causal", "komvs", "")),
+                     ("N4_S70_T7_tree_komvs", (4, 70, 7, "tree", "komvs", "")),
+                     ("N3_S37_T5_tree_qil", (3, 37, 5, "tree", "qil", "")),
+                     ("N3_S45_T3_tree_vsbyt", (3, 45, 3, "tree", "vsbyt", "")),
+                     ("N3_S37_T5_tree_kom_bf16", (3, 37, 5, "tree", "kom", "bf16"))):
+    CASES[_name] = ("ref", *_spec)
 CASES["N3_S37_T5_tree_noncontig"] = ("ref", 3, 37, 5, "tree", "c32", "noncontig")
 CASES["N3_S37_T5_tree_bf16"] = ("ref", 3, 37, 5, "tree", "c32", "bf16")
 CASES["inv_N4_S70_T13_tree"] = ("inv", 4, 70, 13, "tree", "c32", "")
 CASES["inv_N3_S45_T11_tree"] = ("inv", 3, 45, 11, "tree", "c32", "")
 CASES["inv_N4_S61_T7_causal"] = ("inv", 4, 61, 7, "causal", "c32", "")
 CASES["inv_N20_S50_T6_tree_vsplit"] = ("inv", 20, 50, 6, "tree", "vsplit", "")
+CASES["inv_N4_S70_T9_tree_kom"] = ("inv", 4, 70, 9, "tree", "kom", "")
+CASES["inv_N3_S45_T5_tree_vsbyt"] = ("inv", 3, 45, 5, "tree", "vsbyt", "")  # alone: 2 slices, batched: 1
+CASES["inv_N3_S61_T5_causal_kombyt"] = ("inv", 3, 61, 5, "causal", "kombyt", "")
 
 # device-side length: the whole buffer (junk past S + T) and start as a tensor == the host-length launch
 CASES["dev_N3_S37_T5_tree_c32"] = ("dev", 3, 37, 5, "tree", "c32", "")
@@ -115,6 +132,8 @@ CASES["dev_N4_S64_T9_tree_c32"] = ("dev", 4, 64, 9, "tree", "c32", "")
 CASES["dev_N3_S0_T5_tree_c32"] = ("dev", 3, 0, 5, "tree", "c32", "")
 CASES["dev_N3_S20_T1_causal_c32"] = ("dev", 3, 20, 1, "causal", "c32", "")
 CASES["dev_N4_S100_T9_tree_vsplit"] = ("dev", 4, 100, 9, "tree", "vsplit", "")
+CASES["dev_N3_S64_T5_tree_kom"] = ("dev", 3, 64, 5, "tree", "kom", "")
+CASES["dev_N3_S20_T3_tree_kombyt"] = ("dev", 3, 20, 3, "tree", "kombyt", "")
 
 TOL = {"fp32": 2e-5, "bf16": 2e-2}
 
