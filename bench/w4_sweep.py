@@ -35,20 +35,20 @@ GR = dict(DEQUANT="group")
 # name -> the family's config at M = 16 (fma: BLOCK_M follows M, see fma_block_m)
 DENSE_CANDIDATES: list[tuple[str, W4Config]] = [
     # The K loop's three tiles (packed weights, scales, activations) are all asynchronous copies since
-    # the scale tile got its alignment hints (before, a synchronous 2-byte load stalled every K step).
-    # bench/w4_aot.py: instructions per weight element in the K loop: dot_float ~7.3, dot_group ~7.5-9.5
-    # (fewer per element, but a per-group epilogue), fma ~5.0. N=36864 gives 576 programs at BLOCK_N 64.
+    # the scale tile got its alignment hints (before, a synchronous 2-byte load stalled every K step; for
+    # bf16x2 a per-word gather). bench/w4_aot.py: instructions per weight element in the K loop:
+    # dot_float ~7.4, dot_x2 ~4.0, dot_group ~7.5-9.5 (a per-group epilogue and synchronous per-group
+    # loads). N=36864 gives 576 programs at BLOCK_N 64.
     ("dot_float_base", _d()),                                                  # the current default
-    ("dot_float_n128_k256_w8_s3", _d(BLOCK_N=128, num_warps=8, num_stages=3)),
-    ("dot_float_n32_k256_w4_s4", _d(BLOCK_N=32)),
-    ("dot_float_n64_k256_w4_s6", _d(num_stages=6)),
     ("dot_float_n64_k256_w4_s4_split2", _d(split_k=2)),
-    ("dot_float_n64_k128_w4_s8", _d(BLOCK_K=128, num_stages=8)),
-    ("dot_float_n128_k128_w8_s6", _d(BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=6)),
-    ("dot_float_noswap_n64_k256_w4_s4", _d(SWAP_AB=False)),
-    ("dot_group_n128_k256_w8_s3", _d(**GR, BLOCK_N=128, num_warps=8, num_stages=3)),
-    ("fma_n64_k256_w4", W4Config(KERNEL="fma", BLOCK_M=1, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=1)),
     ("dot_x2_n64_k256_w4_s4", _d(**X2)),
+    ("dot_x2_n64_k256_w4_s4_split2", _d(**X2, split_k=2)),
+    ("dot_x2_n64_k256_w4_s3_split2", _d(**X2, num_stages=3, split_k=2)),
+    ("dot_x2_n128_k256_w8_s3", _d(**X2, BLOCK_N=128, num_warps=8, num_stages=3)),
+    ("dot_x2_n64_k128_w4_s8", _d(**X2, BLOCK_K=128, num_stages=8)),
+    ("dot_x2_n64_k128_w4_s6_split2", _d(**X2, BLOCK_K=128, num_stages=6, split_k=2)),
+    ("dot_x2_n128_k128_w8_s6_split2", _d(**X2, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=6, split_k=2)),
+    ("dot_group_n128_k256_w8_s3", _d(**GR, BLOCK_N=128, num_warps=8, num_stages=3)),
 ]
 
 
@@ -58,15 +58,14 @@ def _m(**kw) -> MoEConfig:
 
 MOE_CANDIDATES: list[tuple[str, MoEConfig]] = [
     ("dot_float_base", _m()),                                                  # the current default
-    ("dot_float_n32_k256_w4_s4", _m(BLOCK_N=32)),
-    ("dot_float_n32_n2_64_k256_w4_s4", _m(BLOCK_N=32, BLOCK_N2=64)),
-    ("dot_float_n64_k128_w4_s6", _m(BLOCK_K=128, num_stages=6)),
-    ("dot_float_n32_k128_w4_s8", _m(BLOCK_N=32, BLOCK_K=128, num_stages=8)),
-    ("dot_float_n128_k128_w8_s4", _m(BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=4)),
     ("dot_float_n64_k256_w4_s3", _m(num_stages=3)),
-    ("dot_float_noswap_n64_k256_w4_s4", _m(SWAP_AB=False)),
-    ("dot_group_n64_k128_w4_s8", _m(**GR, BLOCK_K=128, num_stages=8)),
+    ("dot_x2_n64_k256_w4_s4", _m(**X2)),
+    ("dot_x2_n64_k256_w4_s3", _m(**X2, num_stages=3)),
     ("dot_x2_n64_k128_w4_s6", _m(**X2, BLOCK_K=128, num_stages=6)),
+    ("dot_x2_n64_k128_w4_s4", _m(**X2, BLOCK_K=128)),
+    ("dot_x2_n128_k128_w8_s4", _m(**X2, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=4)),
+    ("dot_x2_n64_n2_128_k128_w4_s6", _m(**X2, BLOCK_K=128, num_stages=6, BLOCK_N2=128)),
+    ("dot_group_n64_k128_w4_s8", _m(**GR, BLOCK_K=128, num_stages=8)),
 ]
 
 

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The GPU tests and benchmarks, logs and results packed under $OUT; one device call runs one part.
-#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4]   (on the GPU machine, from the repository root)
+#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep]   (on the GPU machine, from the repository root)
 #   tune   the W4A16 config sweep, the bitwise and CUDA-graph GPU tests, the demo's spec benchmark
 #   check  the remaining GPU tests (kernels, batch invariance, target, attention), kernel and round benches
 #   bench  the benchmarks with long runs (K2 step, attention, GEMM)
 #   finish the GPU tests that need the most compile time (demo pair bitwise, graph rounds, target, kernels
 #          at K2 shapes) and the round benchmark
 #   w4     the W4A16 candidate sweep, the kernel GPU tests and the default-config kernel benchmark
+#   sweep  the W4A16 and MLA attention candidate sweeps and the attention GPU tests
 # Each step has its own time cap so one slow step cannot take the rest with it; the results tarball
 # is rebuilt after every step (only a few files come back from the machine).
 set -u
@@ -47,6 +48,11 @@ if [[ $PART == w4 ]]; then
   step bench_kernels_sweep 230 python3 bench/kernels.py --sweep-only --sweep-budget 200 --out "$RES"
   step pytest_kernels 130 $PYT tests/gpu/test_kernels_gpu.py
   step bench_kernels 80 python3 bench/kernels.py --no-sweep --out "$RES"
+fi
+if [[ $PART == sweep ]]; then
+  step bench_kernels_sweep 200 python3 bench/kernels.py --sweep-only --sweep-budget 150 --out "$RES"
+  step bench_mla_sweep 170 python3 bench/mla_attention.py --sweep-only --no-peers --budget-s 110 --out "$RES"
+  step pytest_mla 150 $PYT tests/gpu/test_mla_attention_gpu.py
 fi
 if [[ $PART == finish ]]; then
   step pytest_bitwise_demo 170 $PYT tests/gpu/test_bitwise_gpu.py -k demo
