@@ -31,14 +31,13 @@ def _d(**kw) -> W4Config:
 
 
 X2 = dict(DEQUANT="bf16x2")
-GR = dict(DEQUANT="group")
 # name -> the family's config at M = 16 (fma: BLOCK_M follows M, see fma_block_m)
 DENSE_CANDIDATES: list[tuple[str, W4Config]] = [
     # The K loop's three tiles (packed weights, scales, activations) are all asynchronous copies since
     # the scale tile got its alignment hints (before, a synchronous 2-byte load stalled every K step; for
     # bf16x2 a per-word gather). bench/w4_aot.py: instructions per weight element in the K loop:
-    # dot_float ~7.4, dot_x2 ~4.0, dot_group ~7.5-9.5 (a per-group epilogue and synchronous per-group
-    # loads). N=36864 gives 576 programs at BLOCK_N 64.
+    # dot_float ~7.4, dot_x2 ~4.0. N=36864 gives 576 programs at BLOCK_N 64. A "group" dequant (raw
+    # codes into the MMA, scale applied per group of 32 after it) measured 3-4x slower and was dropped.
     ("dot_float_base", _d()),                                                  # the current default
     ("dot_float_n64_k256_w4_s4_split2", _d(split_k=2)),
     ("dot_x2_n64_k256_w4_s4", _d(**X2)),
@@ -48,7 +47,6 @@ DENSE_CANDIDATES: list[tuple[str, W4Config]] = [
     ("dot_x2_n64_k128_w4_s8", _d(**X2, BLOCK_K=128, num_stages=8)),
     ("dot_x2_n64_k128_w4_s6_split2", _d(**X2, BLOCK_K=128, num_stages=6, split_k=2)),
     ("dot_x2_n128_k128_w8_s6_split2", _d(**X2, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=6, split_k=2)),
-    ("dot_group_n128_k256_w8_s3", _d(**GR, BLOCK_N=128, num_warps=8, num_stages=3)),
 ]
 
 
@@ -65,7 +63,6 @@ MOE_CANDIDATES: list[tuple[str, MoEConfig]] = [
     ("dot_x2_n64_k128_w4_s4", _m(**X2, BLOCK_K=128)),
     ("dot_x2_n128_k128_w8_s4", _m(**X2, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=4)),
     ("dot_x2_n64_n2_128_k128_w4_s6", _m(**X2, BLOCK_K=128, num_stages=6, BLOCK_N2=128)),
-    ("dot_group_n64_k128_w4_s8", _m(**GR, BLOCK_K=128, num_stages=8)),
 ]
 
 

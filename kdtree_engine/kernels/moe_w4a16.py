@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from kdtree_engine.kernels.common import bucket, interpreting
-from kdtree_engine.kernels.w4_dequant import DEQ_BF16X2, DEQ_BF16X2_EMU, DEQUANTS, _group_mma, _pair_pos, pair_order
+from kdtree_engine.kernels.w4_dequant import DEQ_BF16X2, DEQ_BF16X2_EMU, DEQUANTS, _pair_pos, pair_order
 from kdtree_engine.kernels.w4a16 import _load_dequant, _mma, check_w4, deq_code, fp32_stages
 from kdtree_engine.quant import dequantize
 
@@ -74,9 +74,12 @@ class MoEConfig:
 
 # (max T * top_k, config); first match wins. BLOCK_K and SWAP_AB are shared (batch invariance).
 MOE_CONFIGS: list[tuple[int, MoEConfig]] = [
-    (256, MoEConfig(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=4)),
-    (1024, MoEConfig(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=3)),
-    (1 << 62, MoEConfig(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)),
+    # bench/results/kernels-h200-sweep.md (K2 layer, 384 experts top-8): bf16x2 with pipelined scales,
+    # T = 1 / 4 / 16: 145 / 468 / 1463 us against 162 / 582 / 1936 us for "float"
+    (8, MoEConfig(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=4, DEQUANT="bf16x2")),
+    (256, MoEConfig(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=3, DEQUANT="bf16x2")),
+    (1024, MoEConfig(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=3, DEQUANT="bf16x2")),
+    (1 << 62, MoEConfig(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2, DEQUANT="bf16x2")),
 ]
 if len({cfg.reduction_key() for _, cfg in MOE_CONFIGS}) != 1:
     raise ValueError("MOE_CONFIGS: all buckets must share DEQUANT, BLOCK_K and SWAP_AB (batch invariance)")
@@ -167,23 +170,17 @@ def _moe_w13_kernel(x_ptr, w_ptr, s_ptr, inter_ptr, sorted_ptr, blk_expert_ptr, 
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
-        if DEQ == 3:
-            acc_g = _group_mma(acc_g, wg_ptr, sg_ptr, x_rows, r_mask, offs_n, n_mask, stride_wn, stride_sn, k0, H,
-                               G, BLOCK_N, BLOCK_K, SWAP_AB, UPCAST, PREC, EVEN)
-            acc_u = _group_mma(acc_u, wu_ptr, su_ptr, x_rows, r_mask, offs_n, n_mask, stride_wn, stride_sn, k0, H,
-                               G, BLOCK_N, BLOCK_K, SWAP_AB, UPCAST, PREC, EVEN)
+        kk = k0 + offs_k
+        if EVEN:
+            xt = tl.load(x_rows + kk[None, :], mask=r_mask[:, None], other=0.0)
         else:
-            kk = k0 + offs_k
-            if EVEN:
-                xt = tl.load(x_rows + kk[None, :], mask=r_mask[:, None], other=0.0)
-            else:
-                xt = tl.load(x_rows + kk[None, :], mask=r_mask[:, None] & (kk[None, :] < H), other=0.0)
-            wg = _load_dequant(wg_ptr, sg_ptr, offs_n, n_mask, stride_wn, stride_sn, k0, H,
-                               G, BLOCK_N, BLOCK_K, DTYPE, DEQ, EVEN)
-            wu = _load_dequant(wu_ptr, su_ptr, offs_n, n_mask, stride_wn, stride_sn, k0, H,
-                               G, BLOCK_N, BLOCK_K, DTYPE, DEQ, EVEN)
-            acc_g = _mma(acc_g, wg, xt, SWAP_AB, UPCAST, PREC)
-            acc_u = _mma(acc_u, wu, xt, SWAP_AB, UPCAST, PREC)
+            xt = tl.load(x_rows + kk[None, :], mask=r_mask[:, None] & (kk[None, :] < H), other=0.0)
+        wg = _load_dequant(wg_ptr, sg_ptr, offs_n, n_mask, stride_wn, stride_sn, k0, H,
+                           G, BLOCK_N, BLOCK_K, DTYPE, DEQ, EVEN)
+        wu = _load_dequant(wu_ptr, su_ptr, offs_n, n_mask, stride_wn, stride_sn, k0, H,
+                           G, BLOCK_N, BLOCK_K, DTYPE, DEQ, EVEN)
+        acc_g = _mma(acc_g, wg, xt, SWAP_AB, UPCAST, PREC)
+        acc_u = _mma(acc_u, wu, xt, SWAP_AB, UPCAST, PREC)
     if SWAP_AB:
         acc_g = tl.trans(acc_g)
         acc_u = tl.trans(acc_u)
@@ -223,18 +220,14 @@ def _moe_w2_kernel(a_ptr, w_ptr, s_ptr, y_ptr, tw_ptr, sorted_ptr, blk_expert_pt
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
-        if DEQ == 3:
-            acc = _group_mma(acc, we_ptr, se_ptr, a_rows, r_mask, offs_n, n_mask, stride_wn, stride_sn, k0, I,
-                             G, BLOCK_N, BLOCK_K, SWAP_AB, UPCAST, PREC, EVEN)
+        kk = k0 + offs_k
+        if EVEN:
+            at = tl.load(a_rows + kk[None, :], mask=r_mask[:, None], other=0.0)
         else:
-            kk = k0 + offs_k
-            if EVEN:
-                at = tl.load(a_rows + kk[None, :], mask=r_mask[:, None], other=0.0)
-            else:
-                at = tl.load(a_rows + kk[None, :], mask=r_mask[:, None] & (kk[None, :] < I), other=0.0)
-            wt = _load_dequant(we_ptr, se_ptr, offs_n, n_mask, stride_wn, stride_sn, k0, I,
-                               G, BLOCK_N, BLOCK_K, DTYPE, DEQ, EVEN)
-            acc = _mma(acc, wt, at, SWAP_AB, UPCAST, PREC)
+            at = tl.load(a_rows + kk[None, :], mask=r_mask[:, None] & (kk[None, :] < I), other=0.0)
+        wt = _load_dequant(we_ptr, se_ptr, offs_n, n_mask, stride_wn, stride_sn, k0, I,
+                           G, BLOCK_N, BLOCK_K, DTYPE, DEQ, EVEN)
+        acc = _mma(acc, wt, at, SWAP_AB, UPCAST, PREC)
     if SWAP_AB:
         acc = tl.trans(acc)
     tw = tl.load(tw_ptr + pair, mask=r_mask, other=0.0).to(tl.float32)

@@ -13,16 +13,6 @@ nibbles become numbers is the constexpr DEQ (W4Config.DEQUANT / MoEConfig.DEQUAN
              element against ~8 for DEQ_FLOAT (SASS of sm_90 builds, bench/kernels_aot.py).
   DEQ_BF16X2_EMU the same numbers and plane order as DEQ_BF16X2 in plain Triton: what TRITON_INTERPRET
              runs in place of the PTX (the interpreter cannot run inline assembly).
-  DEQ_GROUP  (bf16 / fp16 activations) no per-element arithmetic beyond the nibble extraction: the MMA
-             multiplies the raw codes and the group scale is applied to the MMA's result, one group of
-             32 k at a time (`_group_mma`). Per packed word and pair p, (w >> 4p) & 0x000F000F | MAGIC
-             holds two 16-bit floats 128 + u (bf16, MAGIC 0x4300) or 1024 + u (fp16, 0x6400), exact,
-             so with d = sum_k (BIAS0 + u_k) x_k over the group and xs = sum_k x_k,
-                 sum_k (u_k - 8) * s * x_k = s * (d - (BIAS0 + 8) * xs)
-             (fp32; the MMA's products are exact). About 1 instruction per element for the codes plus
-             2 per output element and group, against ~7 per element for DEQ_FLOAT. Within a group the
-             tile's columns are in the order the 16-bit pairs fall out (`_group_cols`); the matching x
-             columns are loaded in that order, so no permute touches either operand.
 
 Tile column order. DEQ_FLOAT re-interleaves the 8 nibble planes of a packed column into k order with
 three levels of tl.join (register-only). The bf16x2 variants keep the PTX's register pairs (plane p,
@@ -42,8 +32,7 @@ import triton.language as tl
 DEQ_FLOAT = 0
 DEQ_BF16X2 = 1
 DEQ_BF16X2_EMU = 2
-DEQ_GROUP = 3
-DEQUANTS = {"float": DEQ_FLOAT, "bf16x2": DEQ_BF16X2, "group": DEQ_GROUP}
+DEQUANTS = {"float": DEQ_FLOAT, "bf16x2": DEQ_BF16X2}
 
 # one packed word + its group scale (bf16 bits) -> the 8 dequantized bf16 values (bits), planes 0..7
 _BF16X2_ASM = tl.constexpr("""
@@ -90,8 +79,8 @@ def pair_order(x: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _pair_pos(k, DEQ: tl.constexpr):
-    """Where column k lands in `pair_order` (identity for DEQ_FLOAT and DEQ_GROUP)."""
-    if DEQ == 0 or DEQ == 3:
+    """Where column k lands in `pair_order` (identity for DEQ_FLOAT)."""
+    if DEQ == 0:
         return k
     return (k & ~7) | ((k & 3) << 1) | ((k >> 2) & 1)
 
@@ -169,76 +158,5 @@ def _load_dequant(w_ptr, s_ptr, offs_n, n_mask, stride_wn, stride_sn, k0, k_end,
                           _plane_bf16(w, sf, 6), _plane_bf16(w, sf, 7), BLOCK_N, BK8)
 
 
-@triton.jit
-def _group_cols():
-    """k offset (0..31, within a group of 4 packed words) of each column of `_group_codes`' tile.
-
-    Column = c*8 + e*4 + b*2 + a holds nibble 2a + b + 4e of word c, i.e. k = 8c + 2a + b + 4e."""
-    col = tl.arange(0, 32)
-    return (col // 8) * 8 + (col % 2) * 2 + ((col // 2) % 2) + ((col // 4) % 2) * 4
-
-
-@triton.jit
-def _group_codes(w, DTYPE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """int32 [BN, 4] packed words (one group of 32 k) -> [BN, 32] DTYPE holding BIAS0 + u exactly."""
-    if DTYPE == tl.float16:
-        MAGIC: tl.constexpr = 0x64006400
-    else:
-        MAGIC: tl.constexpr = 0x43004300
-    v0 = (w & 0x000F000F) | MAGIC
-    v1 = ((w >> 4) & 0x000F000F) | MAGIC
-    v2 = ((w >> 8) & 0x000F000F) | MAGIC
-    v3 = ((w >> 12) & 0x000F000F) | MAGIC
-    # each t_p: [BN, 4, 2] = (nibble p, nibble p + 4) of every word
-    t0 = tl.join(v0.to(tl.int16), (v0 >> 16).to(tl.int16))
-    t1 = tl.join(v1.to(tl.int16), (v1 >> 16).to(tl.int16))
-    t2 = tl.join(v2.to(tl.int16), (v2 >> 16).to(tl.int16))
-    t3 = tl.join(v3.to(tl.int16), (v3 >> 16).to(tl.int16))
-    q = tl.join(tl.join(t0, t1), tl.join(t2, t3))   # [BN, 4, 2(e), 2(b), 2(a)], p = 2a + b
-    return tl.reshape(q, (BLOCK_N, 32)).to(DTYPE, bitcast=True)
-
-
-@triton.jit
-def _group_mma(acc, w_ptr, s_ptr, x_rows, x_ok, offs_n, n_mask, stride_wn, stride_sn, k0, k_end,
-               G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr,
-               UPCAST: tl.constexpr, PREC: tl.constexpr, EVEN: tl.constexpr):
-    """acc ([BN, BM] SWAP_AB, else [BM, BN], fp32) += this K step's products, one group of 32 at a time
-    (DEQ_GROUP, see the module docstring). x_rows: [BM, 1] row pointers of the activations, x_ok [BM]."""
-    DTYPE: tl.constexpr = x_rows.dtype.element_ty
-    if DTYPE == tl.float16:
-        BIAS: tl.constexpr = 1032.0
-    else:
-        BIAS: tl.constexpr = 136.0
-    cols = _group_cols()
-    offs_w = tl.arange(0, 4)
-    row_w = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
-    row_s = s_ptr + offs_n.to(tl.int64) * stride_sn
-    for j in tl.static_range(BLOCK_K // 32):
-        kg = k0 + 32 * j
-        kw = kg // 8 + offs_w
-        kx = kg + cols
-        if EVEN:
-            w = tl.load(row_w + kw[None, :], eviction_policy="evict_first")
-            s = tl.load(row_s + kg // G).to(tl.float32)
-            xg = tl.load(x_rows + kx[None, :], mask=x_ok[:, None], other=0.0)
-        else:
-            w = tl.load(row_w + kw[None, :], mask=n_mask[:, None] & (kw[None, :] * 8 < k_end), other=0,
-                        eviction_policy="evict_first")
-            s = tl.load(row_s + kg // G, mask=n_mask & (offs_n * 0 + kg < k_end), other=0.0).to(tl.float32)
-            xg = tl.load(x_rows + kx[None, :], mask=x_ok[:, None] & (kx[None, :] < k_end), other=0.0)
-        codes = _group_codes(w, DTYPE, BLOCK_N)
-        xs = tl.sum(xg.to(tl.float32), 1)
-        if UPCAST:
-            codes = codes.to(tl.float32)
-            xg = xg.to(tl.float32)
-        if SWAP_AB:
-            d = tl.dot(codes, tl.trans(xg), input_precision=PREC)          # [BN, BM]
-            acc += s[:, None] * (d - BIAS * xs[None, :])
-        else:
-            d = tl.dot(xg, tl.trans(codes), input_precision=PREC)          # [BM, BN]
-            acc += s[None, :] * (d - BIAS * xs[:, None])
-    return acc
-
-
-__all__ = ["DEQ_FLOAT", "DEQ_BF16X2", "DEQ_BF16X2_EMU", "DEQ_GROUP", "DEQUANTS", "_group_mma", "_join8", "_pair8", "_pair_pos", "pair_order",
+__all__ = ["DEQ_FLOAT", "DEQ_BF16X2", "DEQ_BF16X2_EMU", "DEQUANTS", "_join8", "_pair8", "_pair_pos", "pair_order",
            "_unpack8", "_load_dequant"]

@@ -45,8 +45,8 @@ import triton.language as tl
 
 from .split_sum import split_sum
 from .common import DTYPES, bucket, interpreting
-from .w4_dequant import (DEQ_BF16X2, DEQ_BF16X2_EMU, DEQ_FLOAT, DEQ_GROUP, DEQUANTS,  # noqa: F401
-                         _group_mma, _load_dequant, _unpack8, pair_order)
+from .w4_dequant import (DEQ_BF16X2, DEQ_BF16X2_EMU, DEQ_FLOAT, DEQUANTS, _load_dequant,  # noqa: F401
+                         _unpack8, pair_order)
 from .w4a16_fma import FMA_BLOCK_M, _w4a16_fma_kernel, _x_planes_kernel
 
 from kdtree_engine.quant import dequantize
@@ -68,8 +68,7 @@ class W4Config:
     num_stages: int = 4
     split_k: int | None = None  # None: chosen from (N, K) by _split_k
     KERNEL: str = "dot"  # "dot": tensor cores (this file); "fma": CUDA-core small-M path (w4a16_fma.py)
-    DEQUANT: str = "float"  # dot only: "float", "bf16x2" (PTX, bf16 x only; same tile bits) or "group" (scale
-    #                         after the MMA, bf16/fp16 x; fp32 x dequantizes as "float"), w4_dequant.py
+    DEQUANT: str = "float"  # dot only: "float" or "bf16x2" (PTX, bf16 x only; same tile bits), w4_dequant.py
 
     def __post_init__(self) -> None:
         if self.KERNEL not in KERNELS:
@@ -116,19 +115,23 @@ def check_table(table: list[tuple[int, W4Config]] | list, what: str) -> None:
 # (max M, config): the first bucket with M <= max M is used. Edit here to change the defaults; the
 # bench's sweep (bench/kernels.py) prints candidates by name, see bench/w4_candidates.py.
 DENSE_CONFIGS: list[tuple[int, W4Config]] = [
-    (16, W4Config(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=4)),
-    (32, W4Config(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=4)),
-    (64, W4Config(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)),
-    (1 << 62, W4Config(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2)),
+    # bench/results/kernels-h200-sweep.md: bf16x2 with pipelined scales and split-K 2 (the split comes
+    # from _split_k) is the fastest at M = 1..16 on the dense 36864 x 7168 matrix (87 us against 122 us
+    # for "float"); fp16 / fp32 activations dequantize as "float" with the same tiles
+    (16, W4Config(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=3, DEQUANT="bf16x2")),
+    (32, W4Config(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=3, DEQUANT="bf16x2")),
+    (64, W4Config(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, DEQUANT="bf16x2")),
+    (1 << 62, W4Config(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2, DEQUANT="bf16x2")),
 ]
 check_table(DENSE_CONFIGS, "DENSE_CONFIGS")
 # Shared memory per pipeline stage ~ BLOCK_N*BLOCK_K/2 (int4) + BLOCK_M*BLOCK_K*2 (x) bytes, plus one
 # dequantized [BLOCK_N, BLOCK_K] tile when the MMA reads it from shared memory: keep the total under
 # ~200 KB (Hopper: 227 KB per block).
 
-# Programs we want in flight before splitting K; the H200 has 132 SMs. A constant (not the device's
-# SM count) so that the reduction order is the same on every device.
-_TARGET_PROGRAMS = 264
+# Programs we want in flight before splitting K (the H200 has 132 SMs; 8 per SM measured best, see
+# DENSE_CONFIGS). A constant (not the device's SM count) so that the reduction order is the same on
+# every device.
+_TARGET_PROGRAMS = 1056
 _SPLIT_REF_BLOCK_N = 64
 
 
@@ -204,18 +207,14 @@ def _w4a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr,
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
     for k0 in range(k_start, k_end, BLOCK_K):
-        if DEQ == 3:
-            acc = _group_mma(acc, w_ptr, s_ptr, x_rows, m_mask, offs_n, n_mask, stride_wn, stride_sn, k0, k_end,
-                             G, BLOCK_N, BLOCK_K, SWAP_AB, UPCAST, PREC, EVEN)
+        wt = _load_dequant(w_ptr, s_ptr, offs_n, n_mask, stride_wn, stride_sn, k0, k_end,
+                           G, BLOCK_N, BLOCK_K, DTYPE, DEQ, EVEN)
+        kk = k0 + offs_k
+        if EVEN:
+            xt = tl.load(x_rows + kk[None, :], mask=m_mask[:, None], other=0.0)
         else:
-            wt = _load_dequant(w_ptr, s_ptr, offs_n, n_mask, stride_wn, stride_sn, k0, k_end,
-                               G, BLOCK_N, BLOCK_K, DTYPE, DEQ, EVEN)
-            kk = k0 + offs_k
-            if EVEN:
-                xt = tl.load(x_rows + kk[None, :], mask=m_mask[:, None], other=0.0)
-            else:
-                xt = tl.load(x_rows + kk[None, :], mask=m_mask[:, None] & (kk[None, :] < k_end), other=0.0)
-            acc = _mma(acc, wt, xt, SWAP_AB, UPCAST, PREC)
+            xt = tl.load(x_rows + kk[None, :], mask=m_mask[:, None] & (kk[None, :] < k_end), other=0.0)
+        acc = _mma(acc, wt, xt, SWAP_AB, UPCAST, PREC)
 
     if SWAP_AB:
         acc = tl.trans(acc)
@@ -251,8 +250,6 @@ def deq_code(dequant: str, dtype: torch.dtype) -> int:
     field's documentation says. Under the interpreter the PTX is replaced by its plain-Triton twin."""
     if dequant == "bf16x2" and dtype == torch.bfloat16:
         return DEQ_BF16X2_EMU if interpreting() else DEQ_BF16X2
-    if dequant == "group" and dtype in (torch.bfloat16, torch.float16):
-        return DEQ_GROUP
     return DEQ_FLOAT
 
 

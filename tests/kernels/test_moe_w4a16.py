@@ -82,10 +82,6 @@ CASES = {
                                                                    "BLOCK_N": 32}),
     "t9_bf16_x2_noswap": (9, 96, 96, 6, 2, 32, "bf16", "distinct", {"DEQUANT": "bf16x2", "SWAP_AB": False,
                                                                     "BLOCK_N": 32}),
-    # group dequant: masked (mixed routing) and EVEN tiles, fp16
-    "t5_bf16_group_mixed_bn32": (5, 96, 64, 6, 3, 32, "bf16", "mixed", {"DEQUANT": "group", "BLOCK_N": 32,
-                                                                        "BLOCK_N2": 64}),
-    "t4_fp16_group_even": (4, 256, 64, 5, 2, 32, "fp16", "distinct", {"DEQUANT": "group", "BLOCK_N": 32}),
 }
 
 

@@ -59,7 +59,8 @@ def test_reference_matches_independent_unpack():
 
 
 def test_split_k_depends_on_shape_only():
-    assert _split_k(36864, 7168, 256) == 1
+    assert _split_k(36864, 7168, 256) == 2     # 576 tiles of 64 rows: two K halves fill 8 programs per SM
+    assert _split_k(73728, 7168, 256) == 1
     assert _split_k(4096, 7168, 256) > 1
     for n, k in [(4096, 7168), (7168, 2048), (64, 2048), (128, 96)]:
         s = _split_k(n, k, 256)
@@ -125,12 +126,6 @@ CASES = {
     "m17_bf16_x2_even_g64_splitk": (17, 64, 2048, 64, "bf16", {"DEQUANT": "bf16x2"}),
     "m2_fp32_x2_is_float": (2, 40, 256, 32, "fp32", {"DEQUANT": "bf16x2"}),
     "m4_bf16_x2_noswap_bn32": (4, 100, 320, 32, "bf16", {"DEQUANT": "bf16x2", "SWAP_AB": False, "BLOCK_N": 32}),
-    # group dequant (scale after the MMA, one group of 32 at a time): masked / EVEN, fp16, g64/g128, split-K
-    "m3_bf16_group_uneven": (3, 96, 320, 32, "bf16", {"DEQUANT": "group"}),
-    "m17_fp16_group_g64_splitk": (17, 64, 2048, 64, "fp16", {"DEQUANT": "group"}),
-    "m5_bf16_group_g128_noswap_bn32": (5, 100, 384, 128, "bf16", {"DEQUANT": "group", "SWAP_AB": False,
-                                                                   "BLOCK_N": 32}),
-    "m2_fp32_group_is_float": (2, 40, 256, 32, "fp32", {"DEQUANT": "group"}),
     # the CUDA-core family: tokens per program 1/2/4, masked and EVEN tiles, split-K, clamped token rows
     "m1_bf16_fma_bn32": (1, 96, 256, 32, "bf16", {"KERNEL": "fma", "BLOCK_M": 1, "BLOCK_N": 32}),
     "m3_fp32_fma_bm4_uneven": (3, 80, 320, 32, "fp32", {"KERNEL": "fma", "BLOCK_M": 4, "BLOCK_N": 32,
