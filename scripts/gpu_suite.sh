@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU tests and benchmarks, logs and results packed under $OUT; one device call runs one part.
-#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep]   (on the GPU machine, from the repository root)
+#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck]   (on the GPU machine, from the repository root)
 #   tune   the W4A16 config sweep, the bitwise and CUDA-graph GPU tests, the demo's spec benchmark
 #   check  the remaining GPU tests (kernels, batch invariance, target, attention), kernel and round benches
 #   bench  the benchmarks with long runs (K2 step, attention, GEMM)
@@ -8,6 +8,7 @@
 #          at K2 shapes) and the round benchmark
 #   w4     the W4A16 candidate sweep, the kernel GPU tests and the default-config kernel benchmark
 #   sweep  the W4A16 and MLA attention candidate sweeps and the attention GPU tests
+#   kcheck the kernel and batch-invariance GPU tests, the kernel and K2-step benchmarks
 # Each step has its own time cap so one slow step cannot take the rest with it; the results tarball
 # is rebuilt after every step (only a few files come back from the machine).
 set -u
@@ -53,6 +54,11 @@ if [[ $PART == sweep ]]; then
   step bench_kernels_sweep 200 python3 bench/kernels.py --sweep-only --sweep-budget 150 --out "$RES"
   step bench_mla_sweep 170 python3 bench/mla_attention.py --sweep-only --no-peers --budget-s 110 --out "$RES"
   step pytest_mla 150 $PYT tests/gpu/test_mla_attention_gpu.py
+fi
+if [[ $PART == kcheck ]]; then
+  step pytest_kernels 150 $PYT tests/gpu/test_kernels_gpu.py tests/gpu/test_batch_invariance_gpu.py
+  step bench_kernels 60 python3 bench/kernels.py --no-sweep --out "$RES"
+  step bench_k2_step 200 python3 bench/k2_step.py --out "$RES"
 fi
 if [[ $PART == finish ]]; then
   step pytest_bitwise_demo 170 $PYT tests/gpu/test_bitwise_gpu.py -k demo
