@@ -25,7 +25,7 @@ from ..model.target import Target
 from .device_round import DeviceRound
 
 MIN_CAPACITY = 512
-STACKED_KEYS = ("_down", "_gate_up")  # layers.stacked_linear results kept on modules (mla.py, layers.py)
+STACKED_KEYS = ("_down", "_gate_up", "_kv_stack")  # layers.stacked_linear results (mla.py, layers.py, dflash.py)
 WARMUP_ROUNDS = 2
 
 
