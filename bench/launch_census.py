@@ -19,11 +19,12 @@ mla, rope, norm, router, experts, shared expert, dense mlp, layer (residual adds
 accept, commit, round (the rest of the round's bookkeeping). Target layers are counted per layer type.
 
 How this differs from the CUDA launch count: one aten op is usually one kernel, but some are several on
-CUDA (sort, topk, nonzero, index_copy with a deterministic path) and some CPU-only paths have no CUDA twin
+CUDA (sort, topk, nonzero, index_copy with a deterministic path), and some CPU-only paths have no CUDA twin
 (without ``--triton``: dense and INT4 matmuls are ``F.linear`` / dequantize + matmul, MLA attention is the
 masked torch reference, the MoE runs every expert; on CUDA they are the batch-invariant Triton GEMM (+ a
 split-K sum), the W4A16 kernels, the MLA chunk + merge kernels and the fused MoE). ``--triton`` mirrors
-CUDA closely; the tree builder is still the torch one (its CUDA twin is one Triton program).
+CUDA closely (the DDTree builder too: one Triton program); it runs every kernel in the interpreter, which
+takes minutes.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from typing import Any
 
 if "--triton" in sys.argv:  # must be set before triton and the dispatch module are imported
     os.environ.update(TRITON_INTERPRET="1", KDTREE_DENSE_BACKEND="triton", KDTREE_ATTN_BACKEND="triton",
-                      KDTREE_INT4_BACKEND="triton")
+                      KDTREE_INT4_BACKEND="triton", KDTREE_TREE_BACKEND="triton")
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -127,8 +128,8 @@ class Census(TorchDispatchMode):
         return out
 
 
-FREE = {"empty", "empty_strided", "empty_like", "detach", "lift_fresh", "alias", "_reshape_alias",
-        "set_", "resize_", "_local_scalar_dense_free"}
+FREE = {"empty", "empty_strided", "empty_like", "detach", "lift_fresh", "alias", "_reshape_alias", "_unsafe_view",
+        "set_", "resize_", "promote_types", "result_type"}  # no kernel on CUDA
 
 
 def _in_moe(frame: Any) -> bool:
