@@ -22,11 +22,16 @@
                  zero weight for tokens not routed to it (model/moe.py). :func:`static_shapes` marks
                  such a step.
 
+  MLA tails      rope of the query heads, and the new latent cache rows (RMSNorm of c_kv | rope of k_pe,
+                 written at their slots). CUDA: one Triton launch each (kernels/rope.py; no FMA, the same
+                 bits as torch's separate products and sums; the norm one row per program). CPU: torch
+                 (model/layers.py apply_rope, the RMSNorm dispatch, index_copy_).
+
   DDTree builder  (device-resident rounds) CUDA: one Triton program (kernels/tree_ops.py); CPU: the
                  vectorized torch builder (spec/tree.py); the same tree.
 
 ``KDTREE_INT4_BACKEND`` / ``KDTREE_ATTN_BACKEND`` / ``KDTREE_TREE_BACKEND`` / ``KDTREE_DENSE_BACKEND`` (dense and
-per-head matmuls, RMSNorm) = ``torch`` | ``triton`` force one backend (tests run the Triton code on the CPU with
+per-head matmuls, RMSNorm, MLA tails) = ``torch`` | ``triton`` force one backend (tests run the Triton code on the CPU with
 ``TRITON_INTERPRET=1``); forcing a torch path on CUDA with batch invariance on is obeyed and logged as a
 warning (bitwise equality of speculative and plain decoding then no longer holds). Batch invariance is
 set by :func:`set_batch_invariant` (the CLI's ``--batch-invariant on|off``, ``LLM(batch_invariant=...)``);
@@ -156,6 +161,34 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return rms_norm_torch(x, weight, eps)
 
 
+def mla_tail_backend(device: torch.device) -> str:
+    """Rope of the query heads and the latent cache write: Triton on CUDA (batch invariance on or off:
+    the kernels are per row), torch on the CPU."""
+    return _backend("MLA tails (query rope, latent cache write)", _DENSE_FORCED, device)
+
+
+def rope_heads(q: torch.Tensor, nope: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """q [T, N, nope + R] -> rope(q[..., nope:]) [T, N, R] (model/layers.py apply_rope)."""
+    if mla_tail_backend(q.device) == "triton" and not _training(q):
+        from .rope import rope_heads as triton_rope_heads
+        return triton_rope_heads(q, nope, cos, sin)
+    from ..model.layers import apply_rope
+    return apply_rope(q[..., nope:], cos, sin)
+
+
+def latent_write(kva: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                 kv: torch.Tensor, slots: torch.Tensor) -> None:
+    """kv[slots[t]] = [rmsnorm(kva[t, :C]) | rope(kva[t, C:])]: the T new latent cache rows of a layer."""
+    if mla_tail_backend(kv.device) == "triton" and not _training(kva):
+        from .rope import latent_write as triton_latent_write
+        triton_latent_write(kva, norm_weight, eps, cos, sin, kv, slots)
+        return
+    from ..model.layers import apply_rope
+    C = norm_weight.shape[0]
+    row = torch.cat([rms_norm(kva[:, :C], norm_weight, eps), apply_rope(kva[:, C:], cos, sin)], dim=-1)
+    kv.index_copy_(0, slots, row.to(kv.dtype))
+
+
 def w4a16_matmul_reference(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                            group_size: int) -> torch.Tensor:
     """x [M, K] @ dequant(packed [N, K/8], scale [N, K/g]).T -> [M, N], float32 accumulate (through
@@ -205,16 +238,31 @@ def static_active() -> bool:
 
 
 def mla_attention_static(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, start: torch.Tensor,
-                         tree_mask: torch.Tensor, visible: torch.Tensor, scale: float,
-                         kv_lora_rank: int) -> torch.Tensor:
+                         tree_mask: torch.Tensor, visible: torch.Tensor | None, scale: float,
+                         kv_lora_rank: int, gather_index: tuple[torch.Tensor, torch.Tensor] | None = None
+                         ) -> torch.Tensor:
     """Absorbed MLA attention over the whole cache buffer kv [S_cap, C+R] with the committed length
     ``start`` on the device: the Triton kernel's device-length launch (same reduction as the host-length
-    one), or the torch reference with the visibility mask ``visible`` [T, S_cap]."""
+    one), or the torch reference with the visibility mask ``visible`` [T, S_cap] (None: the Triton path). ``gather_index``: the
+    Triton kernel's :func:`attention_gather_index` of ``tree_mask``, computed once for all layers (else
+    per call)."""
     if attn_backend(kv.device) == "triton":
         from .mla_attention import mla_attention_device
-        return mla_attention_device(q_lat, q_pe, kv, start, tree_mask, scale, kv_lora_rank)
+        return mla_attention_device(q_lat, q_pe, kv, start, tree_mask, scale, kv_lora_rank,
+                                    gather_index=gather_index)
+    if visible is None:
+        raise ValueError("the torch MLA attention of a static step needs the visibility mask")
     from ..model.mla import mla_attention_masked
     return mla_attention_masked(q_lat, q_pe, kv, visible, scale, kv_lora_rank)
+
+
+def attention_gather_index(tree_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """What every layer's static attention derives from the step's tree mask (the Triton kernel's per-query
+    visible-slot index), built once per forward; None for the torch path (it uses the visibility mask)."""
+    if attn_backend(tree_mask.device) == "triton":
+        from .mla_attention import tree_gather_index
+        return tree_gather_index(tree_mask)
+    return None
 
 
 def build_draft_tree(lp: torch.Tensor, ids: torch.Tensor, budget: int, root_token: torch.Tensor,

@@ -505,14 +505,16 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, sta
 
 def mla_attention_device(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, start: torch.Tensor,
                          tree_mask: torch.Tensor, scale: float, kv_lora_rank: int | None = None,
-                         config: MLAConfig | None = None) -> torch.Tensor:
+                         config: MLAConfig | None = None,
+                         gather_index: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """:func:`mla_attention` with the committed length on the device (no host read; fixed grid).
 
     kv [S_cap, C+R] is the whole cache buffer, the T new entries at slots start..start+T-1 (start
     [] or [1] integer tensor, start + T <= S_cap); tree_mask [T, T] bool (tril for a causal block).
     The grid covers all cdiv(S_cap, CHUNK) chunks; programs outside the host split's chunks exit at
     once, so every row is reduced exactly as :func:`mla_attention` reduces it for the same start
-    (bit for bit: same chunks, same blocks, same merge order).
+    (bit for bit: same chunks, same blocks, same merge order). ``gather_index``: tree_gather_index(tree_mask)
+    when the caller already has it (one per step for all layers).
     """
     if kv_lora_rank is None:
         kv_lora_rank = q_lat.shape[-1]
@@ -530,7 +532,7 @@ def mla_attention_device(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tens
     cfg, CP, RP, VS, DV, upcast, prec = _plan(C, R, N, T, q_lat.dtype, config)
     dev = kv.device
     s_dev = start.reshape(1).to(device=dev, dtype=torch.int32)
-    idx, nvis = tree_gather_index(tree_mask.to(dev))
+    idx, nvis = gather_index if gather_index is not None else tree_gather_index(tree_mask.to(dev))
     n_ch = triton.cdiv(cap, cfg.CHUNK)
     direct = n_ch == 1
     po, pl, spom, spoc, splm = _partials(out, n_ch)

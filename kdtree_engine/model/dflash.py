@@ -31,7 +31,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..draft_config import DraftConfig
-from .layers import MLP, Linear, RMSNorm
+from .layers import MLP, Linear, RMSNorm, stacked_linear
 
 
 class DraftMismatchError(ValueError):
@@ -105,12 +105,17 @@ class DraftAttention(nn.Module):
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
 
+    def _kv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, D] -> k, v [T, Hkv, d] before norm and rope (one GEMM when k_proj and v_proj are dense)."""
+        T = x.shape[0]
+        kv = stacked_linear(self, "_kv_stack", (self.k_proj, self.v_proj))
+        k, v = (self.k_proj(x), self.v_proj(x)) if kv is None else kv(x).chunk(2, dim=-1)
+        return k.view(T, self.kv_heads, self.head_dim), v.view(T, self.kv_heads, self.head_dim)
+
     def context_kv(self, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Projected context features [C, D] -> k, v [Hkv, C, d] (k normed and rotated)."""
-        C = ctx.shape[0]
-        k = self.k_norm(self.k_proj(ctx).view(C, self.kv_heads, self.head_dim))
-        k = apply_rope_half(k, cos, sin)
-        v = self.v_proj(ctx).view(C, self.kv_heads, self.head_dim)
+        k, v = self._kv(ctx)
+        k = apply_rope_half(self.k_norm(k), cos, sin)
         return k.transpose(0, 1), v.transpose(0, 1)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_ctx: torch.Tensor,
@@ -122,8 +127,8 @@ class DraftAttention(nn.Module):
         whole cache buffer and hide the slots past the committed length)."""
         B = x.shape[0]
         q = apply_rope_half(self.q_norm(self.q_proj(x).view(B, self.heads, self.head_dim)), cos, sin)
-        kb = apply_rope_half(self.k_norm(self.k_proj(x).view(B, self.kv_heads, self.head_dim)), cos, sin)
-        vb = self.v_proj(x).view(B, self.kv_heads, self.head_dim)
+        kb, vb = self._kv(x)
+        kb = apply_rope_half(self.k_norm(kb), cos, sin)
         k = torch.cat([k_ctx, kb.transpose(0, 1)], dim=1)  # [Hkv, S+B, d]
         v = torch.cat([v_ctx, vb.transpose(0, 1)], dim=1)  # [Hkv, S+B, d]
         rep = self.heads // self.kv_heads
@@ -266,8 +271,9 @@ class DFlashDrafter(nn.Module):
         k_pos = torch.cat([slot_pos, q_pos])  # [S_cap + B]
         visible = torch.cat([slot_pos < start, torch.ones(B, dtype=torch.bool, device=dev)])  # [S_cap + B]
         visible = visible.unsqueeze(0).expand(B, -1)  # [B, S_cap + B]
-        cos_b, sin_b = rope_tables(q_pos, cfg.head_dim, cfg.rope_theta, dt)
-        cos_c, sin_c = rope_tables(c_pos, cfg.head_dim, cfg.rope_theta, dt)
+        cos_t, sin_t = self._rope_table(cache, cache.capacity + B)
+        cos_b, sin_b = cos_t.index_select(0, q_pos), sin_t.index_select(0, q_pos)
+        cos_c, sin_c = cos_t.index_select(0, c_pos), sin_t.index_select(0, c_pos)
         ctx = self.hidden_norm(self.fc(ctx_rows.to(dtype=dt)))  # [R, D]
         h = block_embeds.to(device=dev, dtype=dt)  # [B, D]
         for i, layer in enumerate(self.layers):
@@ -279,6 +285,17 @@ class DFlashDrafter(nn.Module):
             h = h + attn(x, cos_b, sin_b, cache.k[i], cache.v[i], q_pos, k_pos, visible)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.norm(h)
+
+    def _rope_table(self, cache: DraftCache, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """rope_tables of positions 0..n-1, built once per cache (a captured round reads it in place); a
+        row is the same bits as rope_tables of that position alone (elementwise in the position)."""
+        key = (n, self.dtype, self.cfg.head_dim, self.cfg.rope_theta)
+        held = cache.__dict__.get("_rope_table")
+        if held is None or held[0] != key:
+            cfg = self.cfg
+            held = (key, rope_tables(torch.arange(n, device=self.device), cfg.head_dim, cfg.rope_theta, self.dtype))
+            cache.__dict__["_rope_table"] = held
+        return held[1]
 
     @torch.no_grad()
     def propose(self, target: TargetLike, ctx_features: torch.Tensor | None, bonus: torch.Tensor,

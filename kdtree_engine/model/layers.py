@@ -106,8 +106,52 @@ def linear(x: torch.Tensor, layer: Linear) -> torch.Tensor:
     return out.reshape(*shape[:-1], layer.out_features)
 
 
+def stacked_linear(owner: nn.Module, key: str, parts: tuple[Linear, ...]) -> Linear | None:
+    """Dense linears over the same input as one Linear (one GEMM): its weight is the parts' weights
+    stacked by rows, and the parts' own weights become views of its row blocks (no second copy; a load
+    into a part lands in the stack). Built on first use and kept on ``owner`` under ``key``; rebuilt when
+    a part's weight no longer aliases it (moved or replaced). None when a part is INT4 or the parts
+    differ in dtype, device or input width, or when autograd wants the parts' own weights (training):
+    the caller then runs them one by one."""
+    if any(p.quantized for p in parts):
+        return None
+    if torch.is_grad_enabled() and any(p.weight.requires_grad for p in parts):
+        return None
+    w0 = parts[0].weight
+    if any(p.weight.dtype != w0.dtype or p.weight.device != w0.device or p.in_features != parts[0].in_features
+           for p in parts):
+        return None
+    lin = owner.__dict__.get(key)
+    if lin is None or not _aliases(lin, parts):
+        with torch.no_grad():
+            w = torch.cat([p.weight for p in parts])  # [sum out, in]
+            with torch.device("meta"):
+                lin = Linear(parts[0].in_features, w.shape[0], parallel=parts[0].parallel, dtype=w.dtype)
+            lin.weight = nn.Parameter(w, requires_grad=False)
+            row = 0
+            for p in parts:
+                p.weight.data = w[row:row + p.out_features]
+                row += p.out_features
+        owner.__dict__[key] = lin
+        log_once(f"stacked:{key}", f"dense linears stacked into one GEMM ({key}: "
+                 f"{' + '.join(str(p.out_features) for p in parts)} rows)")
+    return lin
+
+
+def _aliases(lin: Linear, parts: tuple[Linear, ...]) -> bool:
+    w = lin.weight
+    row = 0
+    for p in parts:
+        pw = p.weight
+        if pw.device != w.device or pw.data_ptr() != w[row:row + p.out_features].data_ptr() or pw.stride() != w.stride():
+            return False
+        row += p.out_features
+    return row == w.shape[0]
+
+
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)). Used by dense layers and the shared expert."""
+    """SwiGLU: down(silu(gate(x)) * up(x)). Used by dense layers and the shared expert; dense gate and up
+    run as one GEMM (:func:`stacked_linear`)."""
 
     def __init__(self, hidden: int, inter: int, *, dtype: torch.dtype, group_of: GroupOf = dense_only) -> None:
         super().__init__()
@@ -116,7 +160,12 @@ class MLP(nn.Module):
         self.down_proj = Linear(inter, hidden, parallel="row", group_size=group_of("down_proj"), dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate_up = stacked_linear(self, "_gate_up", (self.gate_proj, self.up_proj))
+        if gate_up is None:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        else:
+            gate, up = gate_up(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 # ---- rope ------------------------------------------------------------------------------------

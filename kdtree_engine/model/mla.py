@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from .layers import GroupOf, Linear, RMSNorm, apply_rope, dense_only
+from .layers import GroupOf, Linear, RMSNorm, dense_only, stacked_linear
 
 
 class MLA(nn.Module):
@@ -47,6 +47,7 @@ class MLA(nn.Module):
 
     def reset_absorbed(self) -> None:
         self._absorbed = None
+        self.__dict__.pop("_down", None)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
                 start: int, tree_mask: torch.Tensor | None) -> torch.Tensor:
@@ -57,51 +58,55 @@ class MLA(nn.Module):
         """
         T = x.shape[0]
         C = self.cfg.kv_lora_rank
-        q_nope, q_pe, c_kv, k_pe = self._project(x, cos, sin)
-        kv_cache[start:start + T, :C] = c_kv
-        kv_cache[start:start + T, C:] = k_pe
+        q_nope, q_pe = self._project(x, cos, sin, kv_cache, torch.arange(start, start + T, device=x.device))
         if start == 0 and tree_mask is None:
-            o = self._naive(q_nope, q_pe, c_kv, k_pe)
+            new = kv_cache[start:start + T]
+            o = self._naive(q_nope, q_pe, new[:, :C], new[:, C:])
         else:
             o = self._absorbed_attn(q_nope, q_pe, kv_cache[: start + T], start, tree_mask)
         return self.o_proj(o.reshape(T, -1))
 
-    def _project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [T, H] -> q_nope [T, N, P], q_pe [T, N, R] (rotated), c_kv [T, C] (normed), k_pe [T, R]."""
+    def _project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
+                 slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> q_nope [T, N, P] (a view), q_pe [T, N, R] (rotated); writes the T new latents
+        (normed c_kv | rotated k_pe) to kv_cache[slots]. The two down-projections of x (q_a or q, and
+        kv_a) run as one GEMM when both are dense."""
+        from ..kernels.dispatch import latent_write, rope_heads
         cfg = self.cfg
         T = x.shape[0]
         N, P, R, C = self.n_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
-        if cfg.q_lora_rank is None:
-            q = self.q_proj(x)
+        first = self.q_proj if cfg.q_lora_rank is None else self.q_a_proj
+        down = stacked_linear(self, "_down", (first, self.kv_a_proj_with_mqa))
+        if down is None:
+            qa, kva = first(x), self.kv_a_proj_with_mqa(x)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            qa, kva = down(x).split([first.out_features, C + R], dim=-1)
+        q = qa if cfg.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(qa))
         q = q.view(T, N, P + R)
-        q_nope, q_pe = q[..., :P], apply_rope(q[..., P:], cos, sin)  # [T, N, P], [T, N, R]
-        kva = self.kv_a_proj_with_mqa(x)  # [T, C+R]
-        c_kv = self.kv_a_layernorm(kva[:, :C])  # [T, C]
-        k_pe = apply_rope(kva[:, C:], cos, sin)  # [T, R]
-        return q_nope, q_pe, c_kv, k_pe
+        norm = self.kv_a_layernorm
+        latent_write(kva, norm.weight, norm.eps, cos, sin, kv_cache, slots)
+        return q[..., :P], rope_heads(q, P, cos, sin)
 
     def forward_static(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
                        slots: torch.Tensor, start: torch.Tensor, tree_mask: torch.Tensor,
-                       visible: torch.Tensor) -> torch.Tensor:
+                       visible: torch.Tensor | None,
+                       gather_index: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """The same step with device-side bookkeeping (no host read, shapes fixed by T and the capacity).
 
         x [T, H]; kv_cache [S_cap, C+R]; slots [T] long = start + arange(T): where the new latents go;
         start [] long: committed length; tree_mask [T, T]; visible [T, S_cap] bool: which cache slots
-        each query attends to (its committed prefix and its tree ancestors), from the same two.
-        Always the absorbed form. Returns [T, H].
+        each query attends to (its committed prefix and its tree ancestors), from the same two, for the
+        torch attention; gather_index: the Triton attention's per-query index of the same (see
+        dispatch.attention_gather_index; None: built here). Always the absorbed form. Returns [T, H].
         """
-        from ..kernels.dispatch import mla_attention_static
+        from ..kernels.dispatch import head_matmul, mla_attention_static
         T = x.shape[0]
-        q_nope, q_pe, c_kv, k_pe = self._project(x, cos, sin)
-        kv_cache.index_copy_(0, slots, torch.cat([c_kv, k_pe], dim=-1).to(kv_cache.dtype))
+        q_nope, q_pe = self._project(x, cos, sin, kv_cache, slots)
         w_uk, w_uv = self.absorbed_weights()
-        q_lat = torch.einsum("tnp,npc->tnc", q_nope, w_uk)  # [T, N, C]
+        q_lat = head_matmul(q_nope, w_uk.transpose(1, 2))  # [T, N, C]
         o_lat = mla_attention_static(q_lat, q_pe, kv_cache, start, tree_mask, visible, self.scale,
-                                     self.cfg.kv_lora_rank)
-        o = torch.einsum("tnc,nvc->tnv", o_lat, w_uv)  # [T, N, V]
+                                     self.cfg.kv_lora_rank, gather_index)
+        o = head_matmul(o_lat, w_uv)  # [T, N, V]
         return self.o_proj(o.reshape(T, -1))
 
     def _naive(self, q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:

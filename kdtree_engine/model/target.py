@@ -74,9 +74,10 @@ class DecoderLayer(nn.Module):
 
     def forward_static(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor,
                        slots: torch.Tensor, start: torch.Tensor, tree_mask: torch.Tensor,
-                       visible: torch.Tensor) -> torch.Tensor:
+                       visible: torch.Tensor | None,
+                       gather_index: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         h = h + self.self_attn.forward_static(self.input_layernorm(h), cos, sin, kv, slots, start, tree_mask,
-                                              visible)
+                                              visible, gather_index)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -271,12 +272,15 @@ class Target(nn.Module):
         dev = self.device
         cos, sin = self.rope.gather(positions)
         slots = start + torch.arange(T, device=dev)  # [T]
-        visible = static_visibility(start, tree_mask, cache.capacity)  # [T, S_cap]
+        # what attention derives from (start, tree_mask) is the same in every layer: built once here
+        from ..kernels.dispatch import attention_gather_index
+        gather_index = attention_gather_index(tree_mask)
+        visible = static_visibility(start, tree_mask, cache.capacity) if gather_index is None else None
         h = self.embed(ids)
         wanted = set(aux_layers)
         saved: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
-            h = layer.forward_static(h, cos, sin, cache.layer(i), slots, start, tree_mask, visible)
+            h = layer.forward_static(h, cos, sin, cache.layer(i), slots, start, tree_mask, visible, gather_index)
             if i in wanted:
                 saved[i] = h
         aux_out = torch.cat([saved[l] for l in aux_layers], dim=-1) if aux_layers else None

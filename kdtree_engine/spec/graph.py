@@ -25,6 +25,7 @@ from ..model.target import Target
 from .device_round import DeviceRound
 
 MIN_CAPACITY = 512
+STACKED_KEYS = ("_down", "_gate_up", "_kv_stack")  # layers.stacked_linear results (mla.py, layers.py, dflash.py)
 WARMUP_ROUNDS = 2
 
 
@@ -69,12 +70,19 @@ class GraphRunner:
 
     def _watched(self) -> tuple:
         """Addresses of tensors the graph reads that live outside the round and may be replaced
-        (rope tables grown by an eager step, absorbed attention weights rebuilt after a reload)."""
+        (rope tables grown by an eager step, absorbed attention weights and stacked linears rebuilt after a
+        reload)."""
         t = self.rnd.target
         ptrs = [t.rope.cos.data_ptr(), t.rope.sin.data_ptr()]
         for layer in t.layers:
             a = layer.self_attn._absorbed
             ptrs.append(None if a is None else a[0].data_ptr())
+        models = [t] if self.rnd.drafter is None else [t, self.rnd.drafter]
+        for m in (m for model in models for m in model.modules()):
+            for key in STACKED_KEYS:
+                lin = m.__dict__.get(key)
+                if lin is not None:
+                    ptrs.append(lin.weight.data_ptr())
         return tuple(ptrs)
 
     def step(self) -> None:
