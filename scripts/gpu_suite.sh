@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU tests and benchmarks, logs and results packed under $OUT; one device call runs one part.
-#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck]   (on the GPU machine, from the repository root)
+#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final]   (on the GPU machine, from the repository root)
 #   tune   the W4A16 config sweep, the bitwise and CUDA-graph GPU tests, the demo's spec benchmark
 #   check  the remaining GPU tests (kernels, batch invariance, target, attention), kernel and round benches
 #   bench  the benchmarks with long runs (K2 step, attention, GEMM)
@@ -9,6 +9,7 @@
 #   w4     the W4A16 candidate sweep, the kernel GPU tests and the default-config kernel benchmark
 #   sweep  the W4A16 and MLA attention candidate sweeps and the attention GPU tests
 #   kcheck the kernel and batch-invariance GPU tests, the kernel and K2-step benchmarks
+#   final  the bitwise, graph-round and target GPU tests, the round and demo spec benchmarks
 # Each step has its own time cap so one slow step cannot take the rest with it; the results tarball
 # is rebuilt after every step (only a few files come back from the machine).
 set -u
@@ -59,6 +60,14 @@ if [[ $PART == kcheck ]]; then
   step pytest_kernels 150 $PYT tests/gpu/test_kernels_gpu.py tests/gpu/test_batch_invariance_gpu.py
   step bench_kernels 60 python3 bench/kernels.py --no-sweep --out "$RES"
   step bench_k2_step 200 python3 bench/k2_step.py --out "$RES"
+fi
+if [[ $PART == final ]]; then
+  step pytest_bitwise 200 $PYT tests/gpu/test_bitwise_gpu.py
+  step pytest_graph 150 $PYT tests/gpu/test_graph_round_gpu.py tests/spec/test_spec_gpu.py
+  step pytest_target 60 $PYT tests/gpu/test_target_gpu.py
+  step bench_round 50 python3 bench/round.py --out "$RES"
+  step bench_spec 110 python3 -m kdtree_engine.bench_spec --device cuda --num-prompts 8 --max-tokens 128 \
+    --out "$RES" --plot "$RES/spec-h200.png"
 fi
 if [[ $PART == finish ]]; then
   step pytest_bitwise_demo 170 $PYT tests/gpu/test_bitwise_gpu.py -k demo
