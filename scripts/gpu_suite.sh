@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU tests and benchmarks, logs and results packed under $OUT; one device call runs one part.
-#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final]   (on the GPU machine, from the repository root)
+#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|last]   (on the GPU machine, from the repository root)
 #   tune   the W4A16 config sweep, the bitwise and CUDA-graph GPU tests, the demo's spec benchmark
 #   check  the remaining GPU tests (kernels, batch invariance, target, attention), kernel and round benches
 #   bench  the benchmarks with long runs (K2 step, attention, GEMM)
@@ -10,6 +10,7 @@
 #   sweep  the W4A16 and MLA attention candidate sweeps and the attention GPU tests
 #   kcheck the kernel and batch-invariance GPU tests, the kernel and K2-step benchmarks
 #   final  the bitwise, graph-round and target GPU tests, the round and demo spec benchmarks
+#   last   the round benchmark and the longest-compiling GPU tests (device-length attention, demo bitwise)
 # Each step has its own time cap so one slow step cannot take the rest with it; the results tarball
 # is rebuilt after every step (only a few files come back from the machine).
 set -u
@@ -68,6 +69,15 @@ if [[ $PART == final ]]; then
   step bench_round 50 python3 bench/round.py --out "$RES"
   step bench_spec 110 python3 -m kdtree_engine.bench_spec --device cuda --num-prompts 8 --max-tokens 128 \
     --out "$RES" --plot "$RES/spec-h200.png"
+fi
+if [[ $PART == last ]]; then
+  step bench_round 110 python3 bench/round.py --out "$RES"
+  step pytest_graph_rest 170 $PYT tests/gpu/test_graph_round_gpu.py tests/spec/test_spec_gpu.py \
+    --deselect tests/gpu/test_graph_round_gpu.py::test_device_round_has_no_host_sync \
+    --deselect tests/gpu/test_graph_round_gpu.py::test_graph_rounds_equal_plain_tiny_fp32 \
+    --deselect tests/gpu/test_graph_round_gpu.py::test_graph_rounds_equal_plain_demo_fp32 \
+    --deselect tests/gpu/test_graph_round_gpu.py::test_graph_replay_equals_device_eager_demo_bf16
+  step pytest_bitwise_demo 170 $PYT tests/gpu/test_bitwise_gpu.py -k demo
 fi
 if [[ $PART == finish ]]; then
   step pytest_bitwise_demo 170 $PYT tests/gpu/test_bitwise_gpu.py -k demo
