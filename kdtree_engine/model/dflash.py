@@ -408,6 +408,6 @@ def save_drafter(path: str | Path, drafter: DFlashDrafter) -> Path:
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(drafter.cfg.to_dict(), indent=2))
-    sd = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
-    save_file(sd, str(path / "model.safetensors"), metadata={"format": "pt"})
+    from ..weights import _storable   # k/v may be views of one stacked weight (layers.stacked_linear)
+    save_file(_storable(drafter.state_dict()), str(path / "model.safetensors"), metadata={"format": "pt"})
     return path
