@@ -128,11 +128,13 @@ def test_device_rounds_equal_plain_decoding_tiny():
     for prompt in ([5, 6, 7, 8], [3, 200, 17, 99, 41, 2, 250]):
         ref = generate(target, prompt, params)
         for method, budget in (("none", None), ("dflash", None), ("ddtree", 3), ("ddtree", 16)):
-            r = generate_device(target, prompt, params, method=method, drafter=None if method == "none" else drafter,
-                                budget=budget, graph=False)
-            assert r.token_ids == ref.token_ids, (prompt, method, budget)
-            assert r.finish_reason == ref.finish_reason
-            assert r.stats["rounds_mode"] == "device-eager"
+            for ahead in (False, True):   # True: the next round queued before the last is read (CUDA's loop)
+                r = generate_device(target, prompt, params, method=method,
+                                    drafter=None if method == "none" else drafter, budget=budget, graph=False,
+                                    ahead=ahead)
+                assert r.token_ids == ref.token_ids, (prompt, method, budget, ahead)
+                assert r.finish_reason == ref.finish_reason
+                assert r.stats["rounds_mode"] == "device-eager"
 
 
 @pytest.mark.skipif(not (DEMO / "config.json").exists(), reason="embedded demo missing")
@@ -149,10 +151,12 @@ def test_device_rounds_equal_plain_decoding_demo_with_stops():
     assert ref_stop.finish_reason == "stop"
     for method, budget in (("dflash", None), ("ddtree", 8)):
         for p, want in ((params, ref), (pstop, ref_stop)):
-            r = generate_device(target, prompt, p, method=method, drafter=drafter, budget=budget, graph=False)
-            assert r.token_ids == want.token_ids and r.finish_reason == want.finish_reason, (method, budget)
             eager = generate(target, prompt, p, spec=method, drafter=drafter, budget=budget)
-            assert r.stats["rounds"] == eager.stats["rounds"]
+            for ahead in (False, True):
+                r = generate_device(target, prompt, p, method=method, drafter=drafter, budget=budget, graph=False,
+                                    ahead=ahead)
+                assert r.token_ids == want.token_ids and r.finish_reason == want.finish_reason, (method, budget)
+                assert r.stats["rounds"] == eager.stats["rounds"]   # the round queued past the end is not counted
 
 
 def test_round_mode_choice():
@@ -220,3 +224,23 @@ def test_graph_runner_needs_cuda_and_capacity_buckets():
     assert a is b and a.capacity == 512  # one buffer (and graph) for requests of similar length
     ROUNDS.clear(target)
     assert ROUNDS.get(target, drafter, "ddtree", 4, 40, graph=False)[0] is not a
+
+
+def test_rounds_ahead_up_to_the_position_limit():
+    """The round queued past the end still fits when the request runs to the model's last position, and
+    the next request on the same round buffer is unaffected by it."""
+    target, drafter = _tiny_pair()
+    max_pos = target.cfg.max_position_embeddings
+    prompt = [int(t) for t in torch.randint(3, 250, (max_pos - 9,), generator=torch.Generator().manual_seed(5))]
+    params = SamplingParams(max_tokens=50, ignore_eos=True)
+    ref = generate(target, prompt, params)
+    assert ref.finish_reason == "length" and len(ref.token_ids) == 9
+    for method, budget in (("dflash", None), ("ddtree", 4)):
+        for _ in range(2):
+            r = generate_device(target, prompt, params, method=method, drafter=drafter, budget=budget, graph=False,
+                                ahead=True)
+            assert r.token_ids == ref.token_ids, (method, budget)
+        short = generate(target, prompt[:5], SamplingParams(max_tokens=12, ignore_eos=True))
+        r = generate_device(target, prompt[:5], SamplingParams(max_tokens=12, ignore_eos=True), method=method,
+                            drafter=drafter, budget=budget, graph=False, ahead=True)
+        assert r.token_ids == short.token_ids
