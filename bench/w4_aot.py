@@ -106,11 +106,13 @@ def _moe(cfg) -> tuple[str, str]:
             "EVEN": "constexpr"}
     sig13 = {"x_ptr": "*bf16", **common, "inter_ptr": "*bf16", "sorted_ptr": "*i32", "blk_expert_ptr": "*i32",
              "blk_rows_ptr": "*i32", "H": "i32", "I": "i32", "TOPK": "i32", "stride_xt": "i32", "stride_we": "i32",
-             "stride_wn": "i32", "stride_se": "i32", "stride_sn": "i32", "stride_it": "i32", **tail}
+             "stride_wn": "i32", "stride_se": "i32", "stride_sn": "i32", "stride_it": "i32", **tail,
+             "part_ptr": "*fp32", "stride_ps": "i32", "stride_pp": "i32", "k_per_split": "i32", "SPLIT": "constexpr"}
     div = ("x_ptr", "w_ptr", "s_ptr", "inter_ptr", "a_ptr", "y_ptr", "H", "I", "stride_xt", "stride_we", "stride_wn",
            "stride_se", "stride_sn", "stride_it", "stride_at", "stride_yt")
-    r13 = compile_report(moe._moe_w13_kernel, sig13, consts, cfg.num_warps, cfg.num_stages,
-                         tuple(d for d in div if d in sig13), 2 * cfg.BLOCK_N * cfg.BLOCK_K)
+    r13 = compile_report(moe._moe_w13_kernel, sig13, {**consts, "SPLIT": cfg.SPLIT_K}, cfg.num_warps,
+                         cfg.num_stages, tuple(d for d in div if d in sig13) + ("stride_ps", "stride_pp", "k_per_split"),
+                         2 * cfg.BLOCK_N * cfg.BLOCK_K)
     sig2 = {"a_ptr": "*bf16", **common, "y_ptr": "*fp32", "tw_ptr": "*fp32", "sorted_ptr": "*i32",
             "blk_expert_ptr": "*i32", "blk_rows_ptr": "*i32", "H": "i32", "I": "i32", "stride_at": "i32",
             "stride_we": "i32", "stride_wn": "i32", "stride_se": "i32", "stride_sn": "i32", "stride_yt": "i32", **tail}

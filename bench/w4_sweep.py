@@ -59,6 +59,11 @@ MOE_CANDIDATES: list[tuple[str, MoEConfig]] = [
     ("dot_float_n64_k256_w4_s3", _m(num_stages=3)),
     ("dot_x2_n64_k256_w4_s4", _m(**X2)),
     ("dot_x2_n64_k256_w4_s3", _m(**X2, num_stages=3)),
+    # gate/up split over H (fp32 partials + a SwiGLU pass): twice the programs at small T
+    ("dot_x2_n64_k256_w4_s4_split2", _m(**X2, SPLIT_K=2)),
+    ("dot_x2_n64_k256_w4_s3_split2", _m(**X2, num_stages=3, SPLIT_K=2)),
+    ("dot_x2_n64_k128_w4_s4_split2", _m(**X2, BLOCK_K=128, SPLIT_K=2)),
+    ("dot_x2_n64_k256_w4_s4_split4", _m(**X2, SPLIT_K=4)),
     ("dot_x2_n64_k128_w4_s6", _m(**X2, BLOCK_K=128, num_stages=6)),
     ("dot_x2_n64_k128_w4_s4", _m(**X2, BLOCK_K=128)),
     ("dot_x2_n128_k128_w8_s4", _m(**X2, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=4)),

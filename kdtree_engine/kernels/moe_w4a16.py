@@ -24,7 +24,9 @@ permuted once per call into the tiles' column order and the gate/up epilogue wri
 
 Decode (T = 1..16): a token touches 8 experts; grid = touched blocks x N tiles (w13: 2I/BLOCK_N per
 expert, w2: H/BLOCK_N), i.e. 512 / 896 programs at T = 1 on K2 shapes, each streaming whole weight rows
-with 16-byte loads; no split-K is needed at these sizes.
+with 16-byte loads. MoEConfig.SPLIT_K > 1 splits the gate/up GEMM over H (more programs in flight, the
+way split-K 2 helped the dense GEMM): fp32 partials, then a fifth launch sums them in split order and
+applies SwiGLU (`_moe_swiglu_kernel`); the split is part of the reduction key, never chosen from T.
 """
 
 from __future__ import annotations
@@ -55,21 +57,24 @@ class MoEConfig:
     num_stages: int = 4
     BLOCK_N2: int | None = None  # down GEMM BLOCK_N (default: BLOCK_N)
     DEQUANT: str = "float"  # "float" or "bf16x2" (PTX, bf16 activations only), see w4_dequant.py
+    SPLIT_K: int = 1     # gate/up GEMM split over H: fp32 partials, then a SwiGLU pass sums them in order
 
     def __post_init__(self) -> None:
         if self.DEQUANT not in DEQUANTS:
             raise ValueError(f"MoEConfig.DEQUANT must be one of {tuple(DEQUANTS)}, got {self.DEQUANT!r}")
         if self.BLOCK_M < 16:
             raise ValueError(f"MoEConfig.BLOCK_M must be >= 16 (tl.dot minimum), got {self.BLOCK_M}")
+        if self.SPLIT_K < 1:
+            raise ValueError(f"MoEConfig.SPLIT_K must be >= 1, got {self.SPLIT_K}")
 
     def reduction_key(self) -> tuple:
         """The fields that fix how one output element is summed (must be equal across T buckets)."""
-        return (self.DEQUANT, self.BLOCK_K, self.SWAP_AB)
+        return (self.DEQUANT, self.BLOCK_K, self.SWAP_AB, self.SPLIT_K)
 
     def as_dict(self) -> dict:
         return dict(DEQUANT=self.DEQUANT, BLOCK_M=self.BLOCK_M, BLOCK_N=self.BLOCK_N, BLOCK_K=self.BLOCK_K,
                     SWAP_AB=self.SWAP_AB, num_warps=self.num_warps, num_stages=self.num_stages,
-                    BLOCK_N2=self.BLOCK_N2)
+                    BLOCK_N2=self.BLOCK_N2, SPLIT_K=self.SPLIT_K)
 
 
 # (max T * top_k, config); first match wins. BLOCK_K and SWAP_AB are shared (batch invariance).
@@ -82,7 +87,7 @@ MOE_CONFIGS: list[tuple[int, MoEConfig]] = [
     (1 << 62, MoEConfig(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2, DEQUANT="bf16x2")),
 ]
 if len({cfg.reduction_key() for _, cfg in MOE_CONFIGS}) != 1:
-    raise ValueError("MOE_CONFIGS: all buckets must share DEQUANT, BLOCK_K and SWAP_AB (batch invariance)")
+    raise ValueError("MOE_CONFIGS: all buckets must share DEQUANT, BLOCK_K, SWAP_AB and SPLIT_K (batch invariance)")
 
 
 def moe_config(num_pairs: int) -> MoEConfig:
@@ -141,9 +146,13 @@ def _moe_w13_kernel(x_ptr, w_ptr, s_ptr, inter_ptr, sorted_ptr, blk_expert_ptr, 
                     stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_it,
                     G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     SWAP_AB: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
-                    DEQ: tl.constexpr = 0, EVEN: tl.constexpr = False):
+                    DEQ: tl.constexpr = 0, EVEN: tl.constexpr = False,
+                    part_ptr=None, stride_ps=0, stride_pp=0, k_per_split=0, SPLIT: tl.constexpr = 1):
+    """SPLIT == 1: silu(gate) * up into inter. SPLIT > 1: split pid_k writes its fp32 gate / up partial
+    sums to part[pid_k, pair, 0:I] / part[pid_k, pair, I:2I] (the SwiGLU pass adds them in split order)."""
     pid_b = tl.program_id(0)   # expert block (fastest: blocks of one expert share its weights in L2)
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     rows = tl.load(blk_rows_ptr + pid_b)
     if rows == 0:
         return
@@ -169,25 +178,63 @@ def _moe_w13_kernel(x_ptr, w_ptr, s_ptr, inter_ptr, sorted_ptr, blk_expert_ptr, 
     else:
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
+    if SPLIT == 1:
+        k_lo = 0
+        k_hi = H
+    else:
+        k_lo = pid_k * k_per_split
+        k_hi = tl.minimum(H, k_lo + k_per_split)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         kk = k0 + offs_k
         if EVEN:
             xt = tl.load(x_rows + kk[None, :], mask=r_mask[:, None], other=0.0)
         else:
-            xt = tl.load(x_rows + kk[None, :], mask=r_mask[:, None] & (kk[None, :] < H), other=0.0)
-        wg = _load_dequant(wg_ptr, sg_ptr, offs_n, n_mask, stride_wn, stride_sn, k0, H,
+            xt = tl.load(x_rows + kk[None, :], mask=r_mask[:, None] & (kk[None, :] < k_hi), other=0.0)
+        wg = _load_dequant(wg_ptr, sg_ptr, offs_n, n_mask, stride_wn, stride_sn, k0, k_hi,
                            G, BLOCK_N, BLOCK_K, DTYPE, DEQ, EVEN)
-        wu = _load_dequant(wu_ptr, su_ptr, offs_n, n_mask, stride_wn, stride_sn, k0, H,
+        wu = _load_dequant(wu_ptr, su_ptr, offs_n, n_mask, stride_wn, stride_sn, k0, k_hi,
                            G, BLOCK_N, BLOCK_K, DTYPE, DEQ, EVEN)
         acc_g = _mma(acc_g, wg, xt, SWAP_AB, UPCAST, PREC)
         acc_u = _mma(acc_u, wu, xt, SWAP_AB, UPCAST, PREC)
     if SWAP_AB:
         acc_g = tl.trans(acc_g)
         acc_u = tl.trans(acc_u)
-    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u        # silu(gate) * up, fp32   [BLOCK_M, BLOCK_N]
-    # inter is the down GEMM's activation: its columns in that GEMM's tile order (w4_dequant.py)
-    o_ptrs = inter_ptr + pair[:, None].to(tl.int64) * stride_it + _pair_pos(offs_n, DEQ)[None, :]
-    tl.store(o_ptrs, h.to(inter_ptr.dtype.element_ty), mask=r_mask[:, None] & n_mask[None, :])
+    if SPLIT == 1:
+        h = _swiglu(acc_g, acc_u)
+        # inter is the down GEMM's activation: its columns in that GEMM's tile order (w4_dequant.py)
+        o_ptrs = inter_ptr + pair[:, None].to(tl.int64) * stride_it + _pair_pos(offs_n, DEQ)[None, :]
+        tl.store(o_ptrs, h.to(inter_ptr.dtype.element_ty), mask=r_mask[:, None] & n_mask[None, :])
+    else:
+        p_ptrs = part_ptr + pid_k * stride_ps + pair[:, None].to(tl.int64) * stride_pp + offs_n[None, :]
+        o_mask = r_mask[:, None] & n_mask[None, :]
+        tl.store(p_ptrs, acc_g, mask=o_mask)
+        tl.store(p_ptrs + I, acc_u, mask=o_mask)
+
+
+@triton.jit
+def _swiglu(g, u):
+    """silu(gate) * up in fp32 (one definition for the fused epilogue and the split-K pass)."""
+    return g / (1.0 + tl.exp(-g)) * u
+
+
+@triton.jit
+def _moe_swiglu_kernel(part_ptr, inter_ptr, ids_ptr, I, E, stride_ps, stride_pp, stride_it,
+                       SPLIT: tl.constexpr, BLOCK: tl.constexpr, DEQ: tl.constexpr):
+    """grid (pairs, I / BLOCK): sum a pair's gate / up partials in split order, SwiGLU, write inter.
+    Pairs routed outside [0, E) have no partials (no block computed them) and are skipped."""
+    p = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    eid = tl.load(ids_ptr + p + tl.zeros_like(offs))
+    mask = (offs < I) & (eid >= 0) & (eid < E)
+    row = part_ptr + p.to(tl.int64) * stride_pp + offs
+    g = tl.zeros((BLOCK,), dtype=tl.float32)
+    u = tl.zeros((BLOCK,), dtype=tl.float32)
+    for sp in tl.static_range(SPLIT):
+        g += tl.load(row + sp * stride_ps, mask=mask, other=0.0)
+        u += tl.load(row + sp * stride_ps + I, mask=mask, other=0.0)
+    h = _swiglu(g, u)
+    tl.store(inter_ptr + p.to(tl.int64) * stride_it + _pair_pos(offs, DEQ), h.to(inter_ptr.dtype.element_ty),
+             mask=mask)
 
 
 @triton.jit
@@ -323,13 +370,24 @@ def fused_moe_w4a16(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.
     inter = torch.empty((P, I), device=x.device, dtype=x.dtype)
     y = torch.empty((P, H), device=x.device, dtype=torch.float32)
 
-    _moe_w13_kernel[(max_blocks, triton.cdiv(I, cfg.BLOCK_N))](
+    split = min(cfg.SPLIT_K, triton.cdiv(H, block_k))
+    k_per_split = triton.cdiv(triton.cdiv(H, block_k), split) * block_k
+    split = triton.cdiv(H, k_per_split)  # drop empty splits
+    part = torch.empty((split, P, 2 * I), device=x.device, dtype=torch.float32) if split > 1 else None
+    _moe_w13_kernel[(max_blocks, triton.cdiv(I, cfg.BLOCK_N), split)](
         x, w13_packed, w13_scale, inter, sorted_pairs, blk_expert, blk_rows, H, I, topk,
         x.stride(0), w13_packed.stride(0), w13_packed.stride(1), w13_scale.stride(0), w13_scale.stride(1),
         inter.stride(0),
         G=group_size, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=block_k, SWAP_AB=cfg.SWAP_AB,
         UPCAST=upcast, PREC=prec, DEQ=deq, EVEN=H % block_k == 0 and I % cfg.BLOCK_N == 0,
+        part_ptr=part, stride_ps=0 if part is None else part.stride(0),
+        stride_pp=0 if part is None else part.stride(1), k_per_split=k_per_split, SPLIT=split,
         num_warps=cfg.num_warps, num_stages=stages)
+    if part is not None:
+        block = min(1024, triton.next_power_of_2(I))
+        _moe_swiglu_kernel[(P, triton.cdiv(I, block))](
+            part, inter, ids, I, E, part.stride(0), part.stride(1), inter.stride(0),
+            SPLIT=split, BLOCK=block, DEQ=deq, num_warps=4)
     _moe_w2_kernel[(max_blocks, triton.cdiv(H, bn2))](
         inter, w2_packed, w2_scale, y, tw, sorted_pairs, blk_expert, blk_rows, H, I,
         inter.stride(0), w2_packed.stride(0), w2_packed.stride(1), w2_scale.stride(0), w2_scale.stride(1),

@@ -82,6 +82,10 @@ CASES = {
                                                                    "BLOCK_N": 32}),
     "t9_bf16_x2_noswap": (9, 96, 96, 6, 2, 32, "bf16", "distinct", {"DEQUANT": "bf16x2", "SWAP_AB": False,
                                                                     "BLOCK_N": 32}),
+    # gate/up split over H: fp32 partials + the SwiGLU pass (uneven last split, masked tiles, bf16x2 order)
+    "t5_fp32_split2_mixed": (5, 160, 64, 6, 3, 32, "fp32", "mixed", {"SPLIT_K": 2, "BLOCK_K": 64}),
+    "t3_bf16_x2_split3": (3, 320, 96, 5, 2, 32, "bf16", "distinct", {"SPLIT_K": 3, "BLOCK_K": 64,
+                                                                     "DEQUANT": "bf16x2", "BLOCK_N": 32}),
 }
 
 
