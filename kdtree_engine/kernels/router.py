@@ -37,7 +37,7 @@ def _router_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, stride_l, G, EG, scale,
     gi = tl.arange(0, BLOCK_G)  # [BG]
     ji = tl.arange(0, BLOCK_EG)  # [BEG]
     valid = (gi[:, None] < G) & (ji[None, :] < EG)  # [BG, BEG]
-    e = gi[:, None] * EG + ji[None, :]  # expert index
+    e = gi[:, None] * EG + ji[None, :]  # expert index (padding lanes alias real ones: mask with valid)
     big = BLOCK_G * BLOCK_EG  # larger than every expert index
     logit = tl.load(logits_ptr + row * stride_l + e, mask=valid, other=0.0)
     score = tl.div_rn(1.0, 1.0 + tl.exp(-logit))  # sigmoid, IEEE division
@@ -66,7 +66,7 @@ def _router_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, stride_l, G, EG, scale,
         cand = valid & ~taken
         m = tl.max(tl.max(tl.where(cand, choice, float("-inf")), axis=1), axis=0)
         pick = tl.min(tl.min(tl.where(cand & (choice == m), e, big), axis=1), axis=0)
-        hit = e == pick
+        hit = valid & (e == pick)
         taken = taken | hit
         ws = tl.sum(tl.sum(tl.where(hit, score, 0.0), axis=1), axis=0)  # exactly score[pick]
         ids = tl.where(ko == s, pick.to(tl.int64), ids)
