@@ -1,6 +1,6 @@
 """The one-launch tails on CUDA (bit for bit where the arithmetic is the same): residual add + RMSNorm
 equals torch's add followed by bi_rmsnorm; the router tail picks torch's experts (stable-sort ties) with
-weights within a few ulps; SwiGLU is within one ulp of torch's silu * up; all three give a row the same
+weights within a few ulps; SwiGLU is within two ulps of torch's silu * up; all three give a row the same
 bits alone and inside a block.
 
     pytest -m gpu tests/gpu/test_fused_tails_gpu.py -v
@@ -55,5 +55,5 @@ def test_silu_mul_close_to_torch() -> None:
     gate, up = (torch.randn(33, 2 * 2048, generator=g, device=DEV) * 3).bfloat16().chunk(2, dim=-1)
     y, ref = silu_mul(gate, up), F.silu(gate) * up
     ulp = torch.finfo(torch.bfloat16).eps * ref.double().abs().clamp_min(1e-30)
-    assert float(((y.double() - ref.double()).abs() / ulp).max()) <= 1
+    assert float(((y.double() - ref.double()).abs() / ulp).max()) <= 2  # rounded silu may be 1 ulp off
     assert torch.equal(silu_mul(gate[5:6], up[5:6])[0], y[5])
