@@ -1,4 +1,5 @@
-"""The model's CUDA dispatch (Triton W4A16 linear, fused MoE, MLA attention) run through the Triton
+"""The model's CUDA dispatch (Triton W4A16 linear, fused MoE, MLA attention, and with the dense backend
+forced too: GEMMs, RMSNorm and residual + norm, router tail (grouped), SwiGLU) run through the Triton
 interpreter on the CPU, against the torch paths: the wiring, shapes and strides of the real kernels;
 the device-resident tree step (whole cache buffer, device-side length) included."""
 
@@ -47,23 +48,26 @@ CHILD = textwrap.dedent('''
 ''')
 
 
-def run(seed: int, triton: bool) -> dict:
+def run(seed: int, triton: bool | str) -> dict:
     env = dict(os.environ)
-    for k in ("TRITON_INTERPRET", "KDTREE_INT4_BACKEND", "KDTREE_ATTN_BACKEND"):
+    for k in ("TRITON_INTERPRET", "KDTREE_INT4_BACKEND", "KDTREE_ATTN_BACKEND", "KDTREE_DENSE_BACKEND"):
         env.pop(k, None)
     if triton:
         env.update(TRITON_INTERPRET="1", KDTREE_INT4_BACKEND="triton", KDTREE_ATTN_BACKEND="triton")
+    if triton == "all":
+        env.update(KDTREE_DENSE_BACKEND="triton")
     r = subprocess.run([sys.executable, "-c", CHILD, str(seed)], env=env, capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def test_triton_dispatch_matches_torch_paths() -> None:
+@pytest.mark.parametrize("which", [True, "all"])
+def test_triton_dispatch_matches_torch_paths(which: bool | str) -> None:
     import torch
 
     seed = int(torch.randint(0, 1 << 30, ()).item())
-    a, b = run(seed, triton=False), run(seed, triton=True)
+    a, b = run(seed, triton=False), run(seed, triton=which)
     for key, ref in (("first", "first"), ("tree", "tree"), ("static", "tree")):
         x, y = torch.tensor(a[ref]), torch.tensor(b[key])
         assert torch.isfinite(y).all()

@@ -27,19 +27,31 @@
                  bits as torch's separate products and sums; the norm one row per program). CPU: torch
                  (model/layers.py apply_rope, the RMSNorm dispatch, index_copy_).
 
+  residual+norm  ``h + d`` followed by RMSNorm (decoder layers of target and drafter): where the RMSNorm is
+                 the Triton kernel, one Triton launch writing both (kernels/rmsnorm.py bi_add_rmsnorm; the
+                 same bits as the add and the RMSNorm kernel apart); elsewhere torch's add + the RMSNorm
+                 dispatch.
+
+  router tail    sigmoid, correction bias, group-limited top-k (ties: lower index first), weights.
+                 CUDA: one Triton program per token (kernels/router.py); CPU: torch with stable sorts
+                 (model/moe.py route_torch). The router GEMM is a dense matmul (above).
+
+  SwiGLU         silu(gate) * up of the dense MLP and the shared expert. CUDA: one elementwise Triton
+                 launch (kernels/swiglu.py); CPU: torch.
+
   DDTree builder  (device-resident rounds) CUDA: one Triton program (kernels/tree_ops.py); CPU: the
                  vectorized torch builder (spec/tree.py); the same tree.
 
 ``KDTREE_INT4_BACKEND`` / ``KDTREE_ATTN_BACKEND`` / ``KDTREE_TREE_BACKEND`` / ``KDTREE_DENSE_BACKEND`` (dense and
-per-head matmuls, RMSNorm, MLA tails) = ``torch`` | ``triton`` force one backend (tests run the Triton code on the CPU with
+per-head matmuls, RMSNorm and residual+norm, MLA tails, router tail, SwiGLU) = ``torch`` | ``triton`` force one backend (tests run the Triton code on the CPU with
 ``TRITON_INTERPRET=1``); forcing a torch path on CUDA with batch invariance on is obeyed and logged as a
 warning (bitwise equality of speculative and plain decoding then no longer holds). Batch invariance is
 set by :func:`set_batch_invariant` (the CLI's ``--batch-invariant on|off``, ``LLM(batch_invariant=...)``);
 it is on unless turned off.
 
 Everything else in the target forward is per row already: the embedding is a gather, rope and the
-activations are elementwise, the router scores go through dense_matmul (float32) and its top-k and
-weight normalization (a sum over top_k <= 8 values in one row) are per row, the dense-expert MoE path
+activations are elementwise, the router logits go through dense_matmul (float32) and the router tail
+(selection and a sum over top_k <= 8 values in one row) is per row, the dense-expert MoE path
 adds a token's experts in ascending expert order, the fused INT4 MoE sums a token's top-k in slot
 order, cos/sin come from a table built once in float64 on the CPU. The naive MLA form (torch einsums)
 runs only for the prompt (empty cache, causal), the same forward in speculative and plain decoding.
@@ -49,13 +61,16 @@ from __future__ import annotations
 
 import os
 from contextlib import contextmanager
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 import torch.nn.functional as F
 
 from ..model.layers import log, log_once
 from ..quant import dequantize
+
+if TYPE_CHECKING:
+    from ..config import ModelConfig
 
 BACKENDS = ("torch", "triton")
 
@@ -159,6 +174,40 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return bi_rmsnorm(x, weight, eps)
     from ..model.layers import rms_norm_torch
     return rms_norm_torch(x, weight, eps)
+
+
+def add_rms_norm(h: torch.Tensor, d: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s, RMSNorm(s)) with s = h + d (the residual stream and the next sublayer's input)."""
+    if _use_triton(h, d, weight):
+        from .rmsnorm import bi_add_rmsnorm
+        return bi_add_rmsnorm(h, d, weight, eps)
+    s = h + d
+    return s, rms_norm(s, weight, eps)
+
+
+def _elementwise_backend(kind: str, device: torch.device, *tensors: torch.Tensor) -> bool:
+    """Per-row Triton kernels that replace several torch launches (router tail, SwiGLU): Triton on CUDA
+    whether batch invariance is on or off (they are per row either way), torch on the CPU and in training."""
+    return _backend(kind, _DENSE_FORCED, device) == "triton" and not _training(*tensors)
+
+
+def route(logits: torch.Tensor, bias: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router tail: logits [T, E] float32 -> (expert ids int64 [T, k], weights float32 [T, k])."""
+    if _elementwise_backend("router tail (sigmoid, group top-k, weights)", logits.device, logits):
+        from .router import route_triton
+        return route_triton(logits, bias, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group,
+                            cfg.norm_topk_prob, cfg.routed_scaling_factor)
+    from ..model.moe import route_torch
+    return route_torch(logits, bias, cfg)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up, elementwise (SwiGLU)."""
+    if _elementwise_backend("SwiGLU (silu(gate) * up)", gate.device, gate, up):
+        from .swiglu import silu_mul as triton_silu_mul
+        return triton_silu_mul(gate, up)
+    return F.silu(gate) * up
 
 
 def mla_tail_backend(device: torch.device) -> str:

@@ -16,6 +16,11 @@ row count may be split across blocks), so this kernel is optional: the model may
 tests/gpu/test_batch_invariance_gpu.py::test_torch_rmsnorm_invariance_report prints the answer for the
 machine at hand, and bench/gemm.py records it. The kernel itself does not depend on that answer.
 
+Residual add + RMSNorm (``bi_add_rmsnorm``): s = h + d rounded to the activation dtype (torch's
+promotion of the two, computed in fp32 as torch's elementwise add does), written out, then the same
+normalization of s as above, in one program per row. On CUDA the pair (s, norm(s)) is bit-identical to
+a torch add followed by ``bi_rmsnorm``.
+
 CPU: ``rmsnorm_reference`` is layers.RMSNorm's arithmetic (the oracle). Under TRITON_INTERPRET=1 the
 kernel runs on CPU tensors (tests/kernels/test_rmsnorm.py).
 """
@@ -42,6 +47,26 @@ def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, H, stride_xm, stride_om, eps,
     ms = tl.sum(x * x, axis=0) / H
     r = tl.div_rn(1.0, tl.sqrt_rn(ms + eps))  # correctly rounded (IEEE) sqrt and division
     y = (x * r).to(x_ptr.dtype.element_ty)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+    o = w.to(tl.float32) * y.to(tl.float32)
+    tl.store(out_ptr + row * stride_om + offs, o.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _add_rmsnorm_kernel(h_ptr, d_ptr, w_ptr, sum_ptr, out_ptr, H, stride_hm, stride_dm, stride_sm, stride_om, eps,
+                        BLOCK_H: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_H)
+    mask = offs < H
+    a = tl.load(h_ptr + row * stride_hm + offs, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(d_ptr + row * stride_dm + offs, mask=mask, other=0.0).to(tl.float32)
+    s = (a + b).to(sum_ptr.dtype.element_ty)  # the residual stream, as torch's h + d
+    tl.store(sum_ptr + row * stride_sm + offs, s, mask=mask)
+    # from here on _rmsnorm_kernel with x = s
+    x = s.to(tl.float32)
+    ms = tl.sum(x * x, axis=0) / H
+    r = tl.div_rn(1.0, tl.sqrt_rn(ms + eps))
+    y = (x * r).to(sum_ptr.dtype.element_ty)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0)
     o = w.to(tl.float32) * y.to(tl.float32)
     tl.store(out_ptr + row * stride_om + offs, o.to(out_ptr.dtype.element_ty), mask=mask)
@@ -85,4 +110,40 @@ def bi_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tenso
     return out.reshape(*lead, H)
 
 
-__all__ = ["bi_rmsnorm", "rmsnorm_reference"]
+def _rows(x: torch.Tensor, H: int) -> torch.Tensor:
+    x2 = x.reshape(-1, H)
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def bi_add_rmsnorm(h: torch.Tensor, d: torch.Tensor, weight: torch.Tensor,
+                   eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s, bi_rmsnorm(s)) with s = h + d, in one launch. h, d [..., H] (same shape), weight [H].
+
+    s has dtype promote_types(h, d); the normed output promote_types(weight, s), as the separate ops."""
+    for t in (h, d, weight):
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"bi_add_rmsnorm: dtype {t.dtype} not supported (bf16, fp16, fp32)")
+    if h.shape != d.shape:
+        raise ValueError(f"bi_add_rmsnorm: h {tuple(h.shape)} and d {tuple(d.shape)} differ in shape")
+    H = h.shape[-1]
+    if weight.shape != (H,):
+        raise ValueError(f"bi_add_rmsnorm: weight shape {tuple(weight.shape)} does not match H={H}")
+    if H > _MAX_H:
+        raise ValueError(f"bi_add_rmsnorm: H={H} > {_MAX_H} (one row per program)")
+    if not h.device == d.device == weight.device:
+        raise ValueError(f"bi_add_rmsnorm: h on {h.device}, d on {d.device}, weight on {weight.device}")
+    lead = h.shape[:-1]
+    h2, d2 = _rows(h, H), _rows(d, H)
+    weight = weight.contiguous()
+    M = h2.shape[0]
+    sdt = torch.promote_types(h.dtype, d.dtype)
+    s = torch.empty((M, H), device=h.device, dtype=sdt)
+    out = torch.empty((M, H), device=h.device, dtype=torch.promote_types(weight.dtype, sdt))
+    if M and H:
+        BLOCK_H = triton.next_power_of_2(H)
+        _add_rmsnorm_kernel[(M,)](h2, d2, weight, s, out, H, h2.stride(0), d2.stride(0), s.stride(0), out.stride(0),
+                                  float(eps), BLOCK_H=BLOCK_H, num_warps=_warps(BLOCK_H))
+    return s.reshape(*lead, H), out.reshape(*lead, H)
+
+
+__all__ = ["bi_add_rmsnorm", "bi_rmsnorm", "rmsnorm_reference"]

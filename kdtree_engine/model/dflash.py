@@ -220,17 +220,19 @@ class DFlashDrafter(nn.Module):
             ctx = self.hidden_norm(self.fc(ctx_features.to(device=dev, dtype=dt)))  # [C, D]
             cos_c, sin_c = rope_tables(torch.arange(L0, start, device=dev), cfg.head_dim, cfg.rope_theta, dt)
         h = block_embeds.to(device=dev, dtype=dt)  # [B, D]
+        pending: torch.Tensor | None = None  # a layer's MLP output, added by the next norm (one dispatch)
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             if C:
                 k_c, v_c = attn.context_kv(ctx, cos_c, sin_c)  # [Hkv, C, d]
                 cache.k[i, :, L0:start] = k_c
                 cache.v[i, :, L0:start] = v_c
-            x = layer.input_layernorm(h)
-            h = h + attn(x, cos_b, sin_b, cache.k[i, :, :start], cache.v[i, :, :start], q_pos, k_pos)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            h, x = layer.input_layernorm.residual(h, pending)
+            a = attn(x, cos_b, sin_b, cache.k[i, :, :start], cache.v[i, :, :start], q_pos, k_pos)
+            h, x = layer.post_attention_layernorm.residual(h, a)
+            pending = layer.mlp(x)
         cache.length = start
-        return self.norm(h)
+        return self.norm.residual(h, pending)[1]
 
     @torch.no_grad()
     def append_context(self, ctx_features: torch.Tensor, cache: DraftCache) -> None:
@@ -276,15 +278,17 @@ class DFlashDrafter(nn.Module):
         cos_c, sin_c = cos_t.index_select(0, c_pos), sin_t.index_select(0, c_pos)
         ctx = self.hidden_norm(self.fc(ctx_rows.to(dtype=dt)))  # [R, D]
         h = block_embeds.to(device=dev, dtype=dt)  # [B, D]
+        pending: torch.Tensor | None = None  # as in forward
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             k_c, v_c = attn.context_kv(ctx, cos_c, sin_c)  # [Hkv, R, d]
             cache.k[i].index_copy_(1, c_pos, k_c)
             cache.v[i].index_copy_(1, c_pos, v_c)
-            x = layer.input_layernorm(h)
-            h = h + attn(x, cos_b, sin_b, cache.k[i], cache.v[i], q_pos, k_pos, visible)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return self.norm(h)
+            h, x = layer.input_layernorm.residual(h, pending)
+            h, x = layer.post_attention_layernorm.residual(h, attn(x, cos_b, sin_b, cache.k[i], cache.v[i], q_pos,
+                                                                   k_pos, visible))
+            pending = layer.mlp(x)
+        return self.norm.residual(h, pending)[1]
 
     def _rope_table(self, cache: DraftCache, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """rope_tables of positions 0..n-1, built once per cache (a captured round reads it in place); a

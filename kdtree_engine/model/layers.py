@@ -11,7 +11,6 @@ import math
 from typing import Callable, Literal
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig, yarn_mscale
@@ -44,6 +43,14 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from ..kernels.dispatch import rms_norm
         return rms_norm(x, self.weight, self.eps)
+
+    def residual(self, h: torch.Tensor, d: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(s, norm(s)) with s = h + d, the residual add and this norm in one dispatch (one launch on
+        CUDA); d None: (h, norm(h))."""
+        if d is None:
+            return h, self(h)
+        from ..kernels.dispatch import add_rms_norm
+        return add_rms_norm(h, d, self.weight, self.eps)
 
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -165,7 +172,8 @@ class MLP(nn.Module):
             gate, up = self.gate_proj(x), self.up_proj(x)
         else:
             gate, up = gate_up(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        from ..kernels.dispatch import silu_mul
+        return self.down_proj(silu_mul(gate, up))
 
 
 # ---- rope ------------------------------------------------------------------------------------

@@ -28,22 +28,35 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (topk_ids int64 [T, k], topk_weights float32 [T, k])."""
-        cfg = self.cfg
-        from ..kernels.dispatch import dense_matmul
-        scores = dense_matmul(x.float(), self.weight).sigmoid()  # [T, E], float32 router
-        choice = scores + self.e_score_correction_bias  # bias only chooses experts
-        if cfg.n_group > 1:
-            T = x.shape[0]
-            grouped = choice.view(T, cfg.n_group, -1)  # [T, G, E/G]
-            group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # [T, G]
-            keep = group_scores.topk(cfg.topk_group, dim=-1).indices  # [T, topk_group]
-            mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
-            choice = grouped.masked_fill(~mask.unsqueeze(-1), float("-inf")).view(T, -1)
-        ids = choice.topk(cfg.num_experts_per_tok, dim=-1).indices  # [T, k]
-        w = scores.gather(1, ids)
-        if cfg.norm_topk_prob:
-            w = w / (w.sum(-1, keepdim=True) + 1e-20)
-        return ids, w * cfg.routed_scaling_factor
+        from ..kernels.dispatch import dense_matmul, route
+        logits = dense_matmul(x.float(), self.weight)  # [T, E], float32 router
+        return route(logits, self.e_score_correction_bias, self.cfg)
+
+
+def route_torch(logits: torch.Tensor, bias: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router tail in torch (the CPU path and the oracle of kernels/router.py): logits [T, E] float32 ->
+    (ids int64 [T, k], weights float32 [T, k]). Stable descending sorts, so among equal scores the lower
+    index wins (groups and experts), as in the numpy reference; torch.topk does not promise an order
+    among ties."""
+    scores = logits.sigmoid()  # [T, E]
+    choice = scores + bias  # bias only chooses experts
+    if cfg.n_group > 1:
+        T = logits.shape[0]
+        grouped = choice.view(T, cfg.n_group, -1)  # [T, G, E/G]
+        group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # [T, G]; values only: ties do not matter
+        keep = _stable_top(group_scores, cfg.topk_group)  # [T, topk_group]
+        mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+        choice = grouped.masked_fill(~mask.unsqueeze(-1), float("-inf")).view(T, -1)
+    ids = _stable_top(choice, cfg.num_experts_per_tok)  # [T, k]
+    w = scores.gather(1, ids)
+    if cfg.norm_topk_prob:
+        w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    return ids, w * cfg.routed_scaling_factor
+
+
+def _stable_top(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest entries per row, best first, lower index first among equals."""
+    return torch.sort(x, dim=-1, descending=True, stable=True).indices[:, :k]
 
 
 class Experts(nn.Module):

@@ -66,19 +66,26 @@ class DecoderLayer(nn.Module):
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype,
                            group_of=group_of(quant, f"layers.{idx}.mlp"))
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor, start: int,
-                tree_mask: torch.Tensor | None) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv, start, tree_mask)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    # The residual stream is carried as (h, pending): the MLP output of a layer is added by the next
+    # layer's input norm (or the final norm), so every "add then norm" is one dispatch (one launch on CUDA).
+    def forward(self, h: torch.Tensor, pending: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                kv: torch.Tensor, start: int, tree_mask: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """h [T, H] + pending [T, H] (None: nothing pending) -> (h_in, h, mlp_out): h_in = h + pending is the
+        stream entering this layer (the previous layer's output), h = h_in + attention, mlp_out pending."""
+        h_in, x = self.input_layernorm.residual(h, pending)
+        h, x = self.post_attention_layernorm.residual(h_in, self.self_attn(x, cos, sin, kv, start, tree_mask))
+        return h_in, h, self.mlp(x)
 
-
-    def forward_static(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor,
-                       slots: torch.Tensor, start: torch.Tensor, tree_mask: torch.Tensor,
-                       visible: torch.Tensor | None,
-                       gather_index: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        h = h + self.self_attn.forward_static(self.input_layernorm(h), cos, sin, kv, slots, start, tree_mask,
-                                              visible, gather_index)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward_static(self, h: torch.Tensor, pending: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                       kv: torch.Tensor, slots: torch.Tensor, start: torch.Tensor, tree_mask: torch.Tensor,
+                       visible: torch.Tensor | None, gather_index: tuple[torch.Tensor, torch.Tensor] | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`forward` of a device-resident step (see Target.forward_static)."""
+        h_in, x = self.input_layernorm.residual(h, pending)
+        a = self.self_attn.forward_static(x, cos, sin, kv, slots, start, tree_mask, visible, gather_index)
+        h, x = self.post_attention_layernorm.residual(h_in, a)
+        return h_in, h, self.mlp(x)
 
 
 class Target(nn.Module):
@@ -246,12 +253,16 @@ class Target(nn.Module):
         if len(wanted) != len(aux_layers) or any(not 0 <= l < len(self.layers) for l in wanted):
             raise ValueError(f"aux_layers {aux_layers} must be distinct layer ids < {len(self.layers)}")
         saved: dict[int, torch.Tensor] = {}
+        pending: torch.Tensor | None = None
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, cache.layer(i), start, tree_mask)
-            if i in wanted:
-                saved[i] = h
+            h_in, h, pending = layer(h, pending, cos, sin, cache.layer(i), start, tree_mask)
+            if i - 1 in wanted:
+                saved[i - 1] = h_in  # layer i-1's output
+        h, x = self.norm.residual(h, pending)
+        if len(self.layers) - 1 in wanted:
+            saved[len(self.layers) - 1] = h
         aux_out = torch.cat([saved[l] for l in aux_layers], dim=-1) if aux_layers else None
-        logits = self.lm_head(self.norm(h))
+        logits = self.lm_head(x)
         if tree_mask is None:
             cache.commit_all()
         return TargetOutput(logits=logits, aux=aux_out)
@@ -279,12 +290,17 @@ class Target(nn.Module):
         h = self.embed(ids)
         wanted = set(aux_layers)
         saved: dict[int, torch.Tensor] = {}
+        pending: torch.Tensor | None = None
         for i, layer in enumerate(self.layers):
-            h = layer.forward_static(h, cos, sin, cache.layer(i), slots, start, tree_mask, visible, gather_index)
-            if i in wanted:
-                saved[i] = h
+            h_in, h, pending = layer.forward_static(h, pending, cos, sin, cache.layer(i), slots, start, tree_mask,
+                                                    visible, gather_index)
+            if i - 1 in wanted:
+                saved[i - 1] = h_in  # layer i-1's output
+        h, x = self.norm.residual(h, pending)
+        if len(self.layers) - 1 in wanted:
+            saved[len(self.layers) - 1] = h
         aux_out = torch.cat([saved[l] for l in aux_layers], dim=-1) if aux_layers else None
-        return TargetOutput(logits=self.lm_head(self.norm(h)), aux=aux_out)
+        return TargetOutput(logits=self.lm_head(x), aux=aux_out)
 
 
 def static_visibility(start: torch.Tensor, tree_mask: torch.Tensor, capacity: int) -> torch.Tensor:

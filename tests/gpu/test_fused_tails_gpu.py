@@ -1,0 +1,59 @@
+"""The one-launch tails on CUDA (bit for bit where the arithmetic is the same): residual add + RMSNorm
+equals torch's add followed by bi_rmsnorm; the router tail picks torch's experts (stable-sort ties) with
+weights within a few ulps; SwiGLU is within two ulps of torch's silu * up; all three give a row the same
+bits alone and inside a block.
+
+    pytest -m gpu tests/gpu/test_fused_tails_gpu.py -v
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kdtree_engine.config import preset
+from kdtree_engine.kernels.rmsnorm import bi_add_rmsnorm, bi_rmsnorm
+from kdtree_engine.kernels.router import route_triton
+from kdtree_engine.kernels.swiglu import silu_mul
+from kdtree_engine.model.moe import route_torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+DEV = torch.device("cuda")
+
+
+@pytest.mark.parametrize("H", [256, 7168, 1000])
+@pytest.mark.parametrize("M", [1, 7, 129])
+def test_add_rmsnorm_is_add_then_norm(M: int, H: int) -> None:
+    g = torch.Generator(device=DEV).manual_seed(M * H)
+    h, d = (torch.randn(M, H, generator=g, device=DEV).bfloat16() for _ in range(2))
+    w = (torch.rand(H, generator=g, device=DEV) + 0.5).bfloat16()
+    s, y = bi_add_rmsnorm(h, d, w, 1e-6)
+    assert torch.equal(s, h + d)
+    assert torch.equal(y, bi_rmsnorm(h + d, w, 1e-6))
+    for i in (0, M - 1):
+        a = bi_add_rmsnorm(h[i:i + 1], d[i:i + 1], w, 1e-6)
+        assert torch.equal(a[0][0], s[i]) and torch.equal(a[1][0], y[i])
+
+
+@pytest.mark.parametrize("E,k,G,tg", [(8, 2, 1, 1), (384, 8, 1, 1), (256, 8, 8, 4)])
+def test_router_matches_torch_path(E: int, k: int, G: int, tg: int) -> None:
+    cfg = preset("k2-tiny").replace(n_routed_experts=E, num_experts_per_tok=k, n_group=G, topk_group=tg)
+    g = torch.Generator(device=DEV).manual_seed(E)
+    logits = torch.randn(65, E, generator=g, device=DEV) * 2
+    bias = torch.randn(E, generator=g, device=DEV) * 0.1
+    ids, w = route_triton(logits, bias, k, G, tg, cfg.norm_topk_prob, cfg.routed_scaling_factor)
+    rids, rw = route_torch(logits, bias, cfg)
+    assert torch.equal(ids, rids)
+    torch.testing.assert_close(w, rw, rtol=8 * torch.finfo(torch.float32).eps, atol=0)
+    one = route_triton(logits[3:4], bias, k, G, tg, cfg.norm_topk_prob, cfg.routed_scaling_factor)
+    assert torch.equal(one[0][0], ids[3]) and torch.equal(one[1][0], w[3])
+
+
+def test_silu_mul_close_to_torch() -> None:
+    g = torch.Generator(device=DEV).manual_seed(0)
+    gate, up = (torch.randn(33, 2 * 2048, generator=g, device=DEV) * 3).bfloat16().chunk(2, dim=-1)
+    y, ref = silu_mul(gate, up), F.silu(gate) * up
+    ulp = torch.finfo(torch.bfloat16).eps * ref.double().abs().clamp_min(1e-30)
+    assert float(((y.double() - ref.double()).abs() / ulp).max()) <= 2  # rounded silu may be 1 ulp off
+    assert torch.equal(silu_mul(gate[5:6], up[5:6])[0], y[5])
