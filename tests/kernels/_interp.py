@@ -106,6 +106,16 @@ def check_ran(rec: dict) -> None:
     assert rec.get("nonfinite", 0) == 0, "unwritten (NaN-poisoned) or non-finite outputs"
 
 
+def assert_ulps(rec: dict, what: str, limits: dict[str, float]) -> None:
+    """The case ran, its outputs have the torch path's dtype and shape (rec["meta"]), each rec[key] of
+    `limits` (ulps from the oracle) is within its limit, and no row-invariance check failed (rec["bad"])."""
+    check_ran(rec)
+    assert rec["meta"], f"dtype or shape differs from {what}"
+    for key, lim in limits.items():
+        assert rec[key] <= lim, f"{key} {rec[key]:.3g} > {lim} (seed {rec['seed']})"
+    assert not rec.get("bad"), f"{rec['bad']} (seed {rec['seed']})"
+
+
 def output_record(y, ref, meta_ok: bool) -> dict:
     """What an accuracy case reports: metadata check, non-finite count, relative error vs the oracle."""
     yd, rd = y.double(), ref.double()

@@ -123,13 +123,9 @@ interp_results = _interp.results_fixture(HERE, list(CASES))
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_kernel_interpreted(interp_results, name):
-    rec = interp_results[name]
-    _interp.check_ran(rec)
-    assert rec["meta"], "dtype or shape differs from the torch path"
     dts = CASES[name][5]
-    assert rec["ulps_rope"] <= ULPS_ROPE[dts], f"rope {rec['ulps_rope']:.3g} ulps (seed {rec['seed']})"
-    assert rec["ulps_norm"] <= ULPS_NORM[dts], f"norm {rec['ulps_norm']:.3g} ulps (seed {rec['seed']})"
-    assert not rec["bad"], f"{rec['bad']} (seed {rec['seed']})"
+    _interp.assert_ulps(interp_results[name], "the torch path",
+                        {"ulps_rope": ULPS_ROPE[dts], "ulps_norm": ULPS_NORM[dts]})
 
 
 if __name__ == "__main__" and "--interp-cases" in sys.argv:

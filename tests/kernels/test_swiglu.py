@@ -85,12 +85,7 @@ interp_results = _interp.results_fixture(HERE, list(CASES))
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_kernel_interpreted(interp_results, name):
-    rec = interp_results[name]
-    _interp.check_ran(rec)
-    assert rec["meta"], "dtype or shape differs from torch"
-    lim = ULPS[CASES[name][2]]
-    assert rec["ulps"] <= lim, f"{rec['ulps']:.3g} ulps > {lim} (seed {rec['seed']})"
-    assert not rec["bad"], f"{rec['bad']} (seed {rec['seed']})"
+    _interp.assert_ulps(interp_results[name], "torch", {"ulps": ULPS[CASES[name][2]]})
 
 
 if __name__ == "__main__" and "--interp-cases" in sys.argv:
