@@ -83,23 +83,33 @@ def _warps(block_h: int) -> int:
     return max(1, min(16, block_h // 512))
 
 
+def _check(fn: str, rows: dict[str, torch.Tensor], weight: torch.Tensor) -> int:
+    """dtypes, weight [H], H within one program, one device; returns H."""
+    for name, t in {**rows, "weight": weight}.items():
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"{fn}: {name} dtype {t.dtype} not supported (bf16, fp16, fp32)")
+        if t.device != weight.device:
+            raise ValueError(f"{fn}: {name} on {t.device}, weight on {weight.device}")
+    H = next(iter(rows.values())).shape[-1]
+    if weight.shape != (H,):
+        raise ValueError(f"{fn}: weight shape {tuple(weight.shape)} does not match H={H}")
+    if H > _MAX_H:
+        raise ValueError(f"{fn}: H={H} > {_MAX_H} (one row per program)")
+    return H
+
+
+def _rows(x: torch.Tensor, H: int) -> torch.Tensor:
+    x2 = x.reshape(-1, H)
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
 def bi_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Batch-invariant RMSNorm over the last dim. x [..., H], weight [H] -> [..., H] (Triton).
 
     Output dtype = torch.promote_types(weight.dtype, x.dtype), as `weight * x_normed.to(x.dtype)`."""
-    if x.dtype not in _DTYPES or weight.dtype not in _DTYPES:
-        raise TypeError(f"bi_rmsnorm: dtypes {x.dtype}, {weight.dtype} not supported (bf16, fp16, fp32)")
-    H = x.shape[-1]
-    if weight.shape != (H,):
-        raise ValueError(f"bi_rmsnorm: weight shape {tuple(weight.shape)} does not match H={H}")
-    if H > _MAX_H:
-        raise ValueError(f"bi_rmsnorm: H={H} > {_MAX_H} (one row per program)")
-    if x.device != weight.device:
-        raise ValueError(f"bi_rmsnorm: x on {x.device}, weight on {weight.device}")
+    H = _check("bi_rmsnorm", {"x": x}, weight)
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, H)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2 = _rows(x, H)
     weight = weight.contiguous()
     M = x2.shape[0]
     out = torch.empty((M, H), device=x.device, dtype=torch.promote_types(weight.dtype, x.dtype))
@@ -110,28 +120,14 @@ def bi_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tenso
     return out.reshape(*lead, H)
 
 
-def _rows(x: torch.Tensor, H: int) -> torch.Tensor:
-    x2 = x.reshape(-1, H)
-    return x2 if x2.stride(-1) == 1 else x2.contiguous()
-
-
 def bi_add_rmsnorm(h: torch.Tensor, d: torch.Tensor, weight: torch.Tensor,
                    eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(s, bi_rmsnorm(s)) with s = h + d, in one launch. h, d [..., H] (same shape), weight [H].
 
     s has dtype promote_types(h, d); the normed output promote_types(weight, s), as the separate ops."""
-    for t in (h, d, weight):
-        if t.dtype not in _DTYPES:
-            raise TypeError(f"bi_add_rmsnorm: dtype {t.dtype} not supported (bf16, fp16, fp32)")
     if h.shape != d.shape:
         raise ValueError(f"bi_add_rmsnorm: h {tuple(h.shape)} and d {tuple(d.shape)} differ in shape")
-    H = h.shape[-1]
-    if weight.shape != (H,):
-        raise ValueError(f"bi_add_rmsnorm: weight shape {tuple(weight.shape)} does not match H={H}")
-    if H > _MAX_H:
-        raise ValueError(f"bi_add_rmsnorm: H={H} > {_MAX_H} (one row per program)")
-    if not h.device == d.device == weight.device:
-        raise ValueError(f"bi_add_rmsnorm: h on {h.device}, d on {d.device}, weight on {weight.device}")
+    H = _check("bi_add_rmsnorm", {"h": h, "d": d}, weight)
     lead = h.shape[:-1]
     h2, d2 = _rows(h, H), _rows(d, H)
     weight = weight.contiguous()
