@@ -65,8 +65,8 @@ fi
 if [[ $PART == final ]]; then
   step pytest_bitwise 200 $PYT tests/gpu/test_bitwise_gpu.py
   step pytest_graph 150 $PYT tests/gpu/test_graph_round_gpu.py tests/spec/test_spec_gpu.py
-  step pytest_target 60 $PYT tests/gpu/test_target_gpu.py
-  step bench_round 50 python3 bench/round.py --out "$RES"
+  step pytest_target 90 $PYT tests/gpu/test_target_gpu.py tests/gpu/test_fused_tails_gpu.py
+  step bench_round 110 python3 bench/round.py --prompts 2 --max-tokens 64 --budgets 32 --warmup-tokens 16 --out "$RES"
   step bench_spec 110 python3 -m kdtree_engine.bench_spec --device cuda --num-prompts 8 --max-tokens 128 \
     --out "$RES" --plot "$RES/spec-h200.png"
 fi
