@@ -1,5 +1,5 @@
-"""CPU smoke tests of bench/k2_step.py and bench/round.py at tiny sizes: they run, write their JSON and
-Markdown, and the numbers are finite. No timing is asserted."""
+"""CPU smoke tests of bench/k2_step.py and bench/round.py at tiny sizes (they run, write their JSON and
+Markdown, and the numbers are finite) and of bench/launch_census.py on the demo. No timing is asserted."""
 
 from __future__ import annotations
 
@@ -124,3 +124,24 @@ def test_device_busy_union():
                                            ev("DeviceType.CPU", 0, 100), ev("DeviceType.CUDA", 20, 25)])
     got = round_bench.device_busy(prof)
     assert got["busy_us"] == 17 and got["events"] == 3
+
+
+DEMO = ROOT / "kdtree_engine" / "assets" / "demo"
+
+
+@pytest.mark.skipif(not (DEMO / "config.json").exists(), reason="embedded demo missing")
+def test_launch_census_counts_every_part(tmp_path):
+    """The census of one round (torch paths): every op lands in a part, the layer types are the demo's,
+    and a DDTree round adds the drafter and the tree builder to what a plain round runs."""
+    from bench import launch_census
+
+    out = tmp_path / "census.json"
+    rep = launch_census.main(["--methods", "none,ddtree", "--budget", "8", "--top", "3", "--json", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(rep))
+    plain, tree = rep["methods"]["none"], rep["methods"]["ddtree-8"]
+    for s in (plain, tree):
+        assert s["total"] > 0 and sum(s["parts"].values()) == s["total"]
+        assert set(s["per_layer_type"]) == {"dense layer", "moe layer"}
+        assert sum(n for _, n in s["top_ops"]) == s["total"]
+    assert "drafter" not in plain["parts"] and plain["parts"].get("tree", 0) < tree["parts"]["tree"]
+    assert tree["parts"]["drafter"] > 0
