@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Iterable, Protocol
+from typing import Callable, Iterable, Protocol
 
 import torch
 from torch import nn
@@ -252,20 +252,11 @@ class Target(nn.Module):
         wanted = set(aux_layers)
         if len(wanted) != len(aux_layers) or any(not 0 <= l < len(self.layers) for l in wanted):
             raise ValueError(f"aux_layers {aux_layers} must be distinct layer ids < {len(self.layers)}")
-        saved: dict[int, torch.Tensor] = {}
-        pending: torch.Tensor | None = None
-        for i, layer in enumerate(self.layers):
-            h_in, h, pending = layer(h, pending, cos, sin, cache.layer(i), start, tree_mask)
-            if i - 1 in wanted:
-                saved[i - 1] = h_in  # layer i-1's output
-        h, x = self.norm.residual(h, pending)
-        if len(self.layers) - 1 in wanted:
-            saved[len(self.layers) - 1] = h
-        aux_out = torch.cat([saved[l] for l in aux_layers], dim=-1) if aux_layers else None
-        logits = self.lm_head(x)
+        out = self._layers_and_head(h, aux_layers, lambda i, layer, h, pending: layer(
+            h, pending, cos, sin, cache.layer(i), start, tree_mask))
         if tree_mask is None:
             cache.commit_all()
-        return TargetOutput(logits=logits, aux=aux_out)
+        return out
 
     @torch.no_grad()
     def forward_static(self, ids: torch.Tensor, cache: LatentCache, start: torch.Tensor, positions: torch.Tensor,
@@ -287,13 +278,19 @@ class Target(nn.Module):
         from ..kernels.dispatch import attention_gather_index
         gather_index = attention_gather_index(tree_mask)
         visible = static_visibility(start, tree_mask, cache.capacity) if gather_index is None else None
-        h = self.embed(ids)
+        return self._layers_and_head(self.embed(ids), aux_layers, lambda i, layer, h, pending: layer.forward_static(
+            h, pending, cos, sin, cache.layer(i), slots, start, tree_mask, visible, gather_index))
+
+    def _layers_and_head(self, h: torch.Tensor, aux_layers: tuple[int, ...],
+                         step: Callable[[int, "DecoderLayer", torch.Tensor, torch.Tensor | None],
+                                        tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> TargetOutput:
+        """The decoder layers (``step(i, layer, h, pending)`` runs one), the final norm (which adds the
+        last MLP output) and lm_head; aux = the requested layers' outputs, concatenated."""
         wanted = set(aux_layers)
         saved: dict[int, torch.Tensor] = {}
         pending: torch.Tensor | None = None
         for i, layer in enumerate(self.layers):
-            h_in, h, pending = layer.forward_static(h, pending, cos, sin, cache.layer(i), slots, start, tree_mask,
-                                                    visible, gather_index)
+            h_in, h, pending = step(i, layer, h, pending)
             if i - 1 in wanted:
                 saved[i - 1] = h_in  # layer i-1's output
         h, x = self.norm.residual(h, pending)

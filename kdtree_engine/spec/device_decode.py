@@ -109,12 +109,8 @@ def generate_device(target: Target, prompt_ids: list[int], params: SamplingParam
         step()
         reader.queue(0)
     while not done:
-        if ahead:
-            step()               # round k+1, queued behind round k and the copy of its tokens
-            reader.queue(k + 1)
-        else:
-            step()
-            reader.queue(k)
+        step()                   # ahead: round k+1, queued behind round k and the copy of its tokens
+        reader.queue(k + 1 if ahead else k)
         vals = reader.read(k)    # the one host read of a round
         a = vals[m]
         rounds += 1
