@@ -63,11 +63,11 @@ if [[ $PART == kcheck ]]; then
   step bench_k2_step 200 python3 bench/k2_step.py --out "$RES"
 fi
 if [[ $PART == final ]]; then
-  step pytest_bitwise 200 $PYT tests/gpu/test_bitwise_gpu.py
-  step pytest_graph 150 $PYT tests/gpu/test_graph_round_gpu.py tests/spec/test_spec_gpu.py
-  step pytest_target 90 $PYT tests/gpu/test_target_gpu.py tests/gpu/test_fused_tails_gpu.py
-  step bench_round 110 python3 bench/round.py --prompts 2 --max-tokens 64 --budgets 32 --warmup-tokens 16 --out "$RES"
-  step bench_spec 110 python3 -m kdtree_engine.bench_spec --device cuda --num-prompts 8 --max-tokens 128 \
+  step pytest_target 100 $PYT tests/gpu/test_fused_tails_gpu.py tests/gpu/test_target_gpu.py
+  step pytest_bitwise 170 $PYT tests/gpu/test_bitwise_gpu.py
+  step bench_round 100 python3 bench/round.py --prompts 2 --max-tokens 64 --budgets 32 --warmup-tokens 16 --out "$RES"
+  step pytest_graph 120 $PYT tests/gpu/test_graph_round_gpu.py tests/spec/test_spec_gpu.py
+  step bench_spec 95 python3 -m kdtree_engine.bench_spec --device cuda --num-prompts 8 --max-tokens 128 \
     --out "$RES" --plot "$RES/spec-h200.png"
 fi
 if [[ $PART == last ]]; then
