@@ -87,6 +87,34 @@ def time_calls(calls: Sequence[Callable[[], object]], reps: int = 20, warmup: in
     return {"us": t / len(calls), "graph": False}
 
 
+def kernel_profile(fn: Callable[[], object], reps: int = 5, top: int = 20) -> list[dict]:
+    """Device time per kernel name for one call of fn (eager launches under torch.profiler, averaged over
+    reps): [{"name", "calls", "us"}] sorted by time, the first `top` (the rest summed as one row)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    acc: dict[str, list[float]] = {}
+    for e in prof.events():
+        dt = getattr(e, "device_type", None)
+        if dt is None or "CUDA" not in str(dt):
+            continue
+        slot = acc.setdefault(e.name, [0, 0.0])
+        slot[0] += 1
+        slot[1] += e.time_range.end - e.time_range.start
+    rows = sorted(({"name": k, "calls": v[0] / reps, "us": v[1] / reps} for k, v in acc.items()),
+                  key=lambda r: -r["us"])
+    if len(rows) > top:
+        rest = rows[top:]
+        rows = rows[:top] + [{"name": f"({len(rest)} other kernels)", "calls": sum(r["calls"] for r in rest),
+                              "us": sum(r["us"] for r in rest)}]
+    return rows
+
+
 def copy_bandwidth(nbytes: int = 2 * 2**30, reps: int = 20) -> float:
     """Device-to-device copy, bytes read + written per second (B/s)."""
     a = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda")

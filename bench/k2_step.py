@@ -375,7 +375,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
             continue
         try:
             row.update(bench_step(T, S, cfg, layers, kv, rope, rank_attn, shared_r, dense_r, head_r, final_norm,
-                                  dev, dtype, gen, reps, args.seed, E_r, W, log))
+                                  dev, dtype, gen, reps, args.seed, E_r, W, log, args.profile and cuda))
         except Exception as exc:  # noqa: BLE001 - one failing size is reported, the rest still run
             traceback.print_exc()
             row["error"] = f"{type(exc).__name__}: {exc}"[:300]
@@ -461,7 +461,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
 
 
 def bench_step(T, S, cfg, layers, kv, rope, rank_attn, shared_r, dense_r, head_r, final_norm, dev, dtype, gen,
-               reps, seed, E_r, W, log) -> dict:
+               reps, seed, E_r, W, log, profile: bool = False) -> dict:
     H = cfg.hidden_size
     L = len(layers)
     if T == 1:
@@ -512,6 +512,10 @@ def bench_step(T, S, cfg, layers, kv, rope, rank_attn, shared_r, dense_r, head_r
         for tt in (t_moe, t_layer):
             if "graph_error" in tt:
                 out.setdefault("graph_error", tt["graph_error"])
+
+        if profile:  # where a layer's time goes: device time per kernel (eager launches, no graph)
+            out["profile"] = common.kernel_profile(lambda: layer_call(0), reps=5)
+            out["profile_total_us"] = sum(r["us"] for r in out["profile"])
 
         # ---- one rank of W: the EP rank with the most touched experts in each layer ----
         bases, busiest, pairs = [], [], []
@@ -615,8 +619,15 @@ def markdown(rep: dict, gpu_label: str) -> list[str]:
              p["tokens_per_s"], p["speedup_vs_plain"], p["breakeven_tau"]] for p in rep["projection"]]
     lines += common.md_table(["T", "compute ms", "comm ms", "step ms", "floor ms (copy bw)", "round ms",
                               f"tok/s (T=1 plain; else tau={A['tau']:g})", "vs plain", "break-even tau"], rows)
-    lines += ["", "floor = every rank's bytes at copy bandwidth + the same communication.",
-              f"Elapsed {rep['elapsed_s']:.0f} s."]
+    lines += ["", "floor = every rank's bytes at copy bandwidth + the same communication."]
+    for r in rep["steps"]:
+        if r.get("profile"):
+            lines += ["", f"## Kernels of one layer at T = {r['T']} (torch.profiler, eager launches: "
+                      f"{r['profile_total_us']:.0f} us of device time against {r['layer_us']:.0f} us per graph replay)", ""]
+            lines += common.md_table(["kernel", "calls", "us", "share"],
+                                     [[k["name"][:90], k["calls"], k["us"], f"{k['us'] / r['profile_total_us']:.0%}"]
+                                      for k in r["profile"]])
+    lines += ["", f"Elapsed {rep['elapsed_s']:.0f} s."]
     return lines
 
 
@@ -658,6 +669,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--ar-busbw-GBps", type=float, default=350.0, help="all-reduce bus bandwidth (GB/s)")
     ap.add_argument("--gather-latency-us", type=float, default=15.0, help="argmax all-gather latency (us)")
     ap.add_argument("--batch-invariant", action="store_true", help="dense CUDA matmuls through the Triton GEMM")
+    ap.add_argument("--profile", action="store_true",
+                    help="also list the device time per kernel of one layer at each T (torch.profiler, CUDA)")
     ap.add_argument("--time-budget", type=float, default=TIME_BUDGET_S,
                     help="seconds after which the remaining node counts are skipped")
     a = ap.parse_args(argv)

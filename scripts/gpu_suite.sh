@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU tests and benchmarks, logs and results packed under $OUT; one device call runs one part.
-#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|last]   (on the GPU machine, from the repository root)
+#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|last]   (on the GPU machine, from the repository root)
 #   tune   the W4A16 config sweep, the bitwise and CUDA-graph GPU tests, the demo's spec benchmark
 #   check  the remaining GPU tests (kernels, batch invariance, target, attention), kernel and round benches
 #   bench  the benchmarks with long runs (K2 step, attention, GEMM)
@@ -10,6 +10,7 @@
 #   sweep  the W4A16 and MLA attention candidate sweeps and the attention GPU tests
 #   kcheck the kernel and batch-invariance GPU tests, the kernel and K2-step benchmarks
 #   final  the bitwise, graph-round and target GPU tests, the round and demo spec benchmarks
+#   probe  the W4A16 candidate sweep, a per-kernel profile of one K2 layer, the demo spec bench on 32 prompts
 #   last   the round benchmark and the longest-compiling GPU tests (device-length attention, demo bitwise)
 # Each step has its own time cap so one slow step cannot take the rest with it; the results tarball
 # is rebuilt after every step (only a few files come back from the machine).
@@ -69,6 +70,12 @@ if [[ $PART == final ]]; then
   step pytest_graph 120 $PYT tests/gpu/test_graph_round_gpu.py tests/spec/test_spec_gpu.py
   step bench_spec 95 python3 -m kdtree_engine.bench_spec --device cuda --num-prompts 8 --max-tokens 128 \
     --out "$RES" --plot "$RES/spec-h200.png"
+fi
+if [[ $PART == probe ]]; then
+  step bench_kernels_sweep 240 python3 bench/kernels.py --sweep-only --sweep-budget 200 --out "$RES"
+  step bench_k2_profile 100 python3 bench/k2_step.py --nodes 1,16 --profile --out "$RES/profile"
+  step bench_spec32 120 python3 -m kdtree_engine.bench_spec --device cuda --num-prompts 32 --max-tokens 128 \
+    --out "$RES/spec32" --plot "$RES/spec32/spec-h200.png"
 fi
 if [[ $PART == last ]]; then
   step bench_round 110 python3 bench/round.py --out "$RES"
