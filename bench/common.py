@@ -87,14 +87,16 @@ def time_calls(calls: Sequence[Callable[[], object]], reps: int = 20, warmup: in
     return {"us": t / len(calls), "graph": False}
 
 
-def kernel_profile(fn: Callable[[], object], reps: int = 5, top: int = 20) -> list[dict]:
-    """Device time per kernel name for one call of fn (eager launches under torch.profiler, averaged over
-    reps): [{"name", "calls", "us"}] sorted by time, the first `top` (the rest summed as one row)."""
+def kernel_profile(fn: Callable[[], object], reps: int = 5, top: int = 20) -> dict:
+    """Device time of one call of fn (eager launches under torch.profiler, averaged over reps).
+    kernels: [{"name", "calls", "us"}] per kernel name; ops: the same per torch op and input shapes (self
+    device time: which op launched a copy or an elementwise kernel). Sorted by time, the first `top` (the
+    rest summed as one row)."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
         for _ in range(reps):
             fn()
         torch.cuda.synchronize()
@@ -106,13 +108,22 @@ def kernel_profile(fn: Callable[[], object], reps: int = 5, top: int = 20) -> li
         slot = acc.setdefault(e.name, [0, 0.0])
         slot[0] += 1
         slot[1] += e.time_range.end - e.time_range.start
-    rows = sorted(({"name": k, "calls": v[0] / reps, "us": v[1] / reps} for k, v in acc.items()),
-                  key=lambda r: -r["us"])
-    if len(rows) > top:
-        rest = rows[top:]
-        rows = rows[:top] + [{"name": f"({len(rest)} other kernels)", "calls": sum(r["calls"] for r in rest),
-                              "us": sum(r["us"] for r in rest)}]
-    return rows
+    ops: dict[str, list[float]] = {}
+    for k in prof.key_averages(group_by_input_shape=True):
+        us = float(getattr(k, "self_device_time_total", getattr(k, "self_cuda_time_total", 0.0)) or 0.0)
+        if us > 0:
+            ops[f"{k.key} {k.input_shapes}"] = [k.count, us]
+
+    def table(d: dict[str, list[float]]) -> list[dict]:
+        rows = sorted(({"name": k, "calls": v[0] / reps, "us": v[1] / reps} for k, v in d.items()),
+                      key=lambda r: -r["us"])
+        if len(rows) > top:
+            rest = rows[top:]
+            rows = rows[:top] + [{"name": f"({len(rest)} others)", "calls": sum(r["calls"] for r in rest),
+                                  "us": sum(r["us"] for r in rest)}]
+        return rows
+
+    return {"kernels": table(acc), "ops": table(ops)}
 
 
 def copy_bandwidth(nbytes: int = 2 * 2**30, reps: int = 20) -> float:

@@ -258,7 +258,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
     A = Assumptions(world=args.world, ar_latency_us=args.ar_latency_us, ar_busbw_GBps=args.ar_busbw_GBps,
                     gather_latency_us=args.gather_latency_us, draft_ms=args.draft_ms, tau=args.tau)
     from kdtree_engine.kernels.dispatch import set_batch_invariant
-    set_batch_invariant(bool(args.batch_invariant))  # the engine's default is on; these benches measure off unless asked
+    set_batch_invariant(args.batch_invariant == "on")  # on: the engine's default (Triton attention, GEMM, norms)
 
     cfg = tiny_config(args.layers) if args.tiny else k2_config(args.layers)
     H, N, E, K = cfg.hidden_size, cfg.num_attention_heads, cfg.n_routed_experts, cfg.num_experts_per_tok
@@ -449,6 +449,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
             proj_rows.append({"T": r["T"], **r["projection"]})
     return {
         "command": args.command, "device": env, "dtype": str(dtype).replace("torch.", ""),
+        "batch_invariant": args.batch_invariant,
         "tiny": bool(args.tiny), "copy_Bps": copy_bw, "matmul_flops": mm_rate,
         "config": {k: getattr(cfg, k) for k in ("hidden_size", "num_attention_heads", "n_routed_experts",
                                                  "num_experts_per_tok", "moe_intermediate_size", "intermediate_size",
@@ -515,7 +516,7 @@ def bench_step(T, S, cfg, layers, kv, rope, rank_attn, shared_r, dense_r, head_r
 
         if profile:  # where a layer's time goes: device time per kernel (eager launches, no graph)
             out["profile"] = common.kernel_profile(lambda: layer_call(0), reps=5)
-            out["profile_total_us"] = sum(r["us"] for r in out["profile"])
+            out["profile_total_us"] = sum(r["us"] for r in out["profile"]["kernels"])
 
         # ---- one rank of W: the EP rank with the most touched experts in each layer ----
         bases, busiest, pairs = [], [], []
@@ -582,7 +583,9 @@ def markdown(rep: dict, gpu_label: str) -> list[str]:
              f"({gpu_label})", "",
              f"Command: `{rep['command']}`", "",
              f"Device: {', '.join(f'{k} {v}' for k, v in rep['device'].items() if v is not None)}; "
-             f"dtype {rep['dtype']}.",
+             f"dtype {rep['dtype']}; batch invariance {rep.get('batch_invariant', 'off')} (on: dense matmuls, "
+             "RMSNorm and MLA attention through the batch-invariant Triton kernels, as the engine runs by default; "
+             "off: cuBLAS and the torch attention).",
              f"Measured rooflines: copy {rep['copy_Bps'] / 1e12:.3g} TB/s (read + write), matmul "
              f"{rep['matmul_flops'] / 1e12:.3g} TFLOP/s. {rep['layers_timed']} MoE layers built "
              f"(hidden {cfgd['hidden_size']}, {cfgd['num_attention_heads']} heads, {cfgd['n_routed_experts']} experts "
@@ -624,9 +627,11 @@ def markdown(rep: dict, gpu_label: str) -> list[str]:
         if r.get("profile"):
             lines += ["", f"## Kernels of one layer at T = {r['T']} (torch.profiler, eager launches: "
                       f"{r['profile_total_us']:.0f} us of device time against {r['layer_us']:.0f} us per graph replay)", ""]
-            lines += common.md_table(["kernel", "calls", "us", "share"],
-                                     [[k["name"][:90], k["calls"], k["us"], f"{k['us'] / r['profile_total_us']:.0%}"]
-                                      for k in r["profile"]])
+            for what in ("kernels", "ops"):
+                lines += common.md_table([what[:-1], "calls", "us", "share"],
+                                         [[k["name"][:110].replace("|", "/"), k["calls"], k["us"],
+                                           f"{k['us'] / r['profile_total_us']:.0%}"] for k in r["profile"][what]])
+                lines.append("")
     lines += ["", f"Elapsed {rep['elapsed_s']:.0f} s."]
     return lines
 
@@ -668,7 +673,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--ar-latency-us", type=float, default=15.0, help="all-reduce latency (us)")
     ap.add_argument("--ar-busbw-GBps", type=float, default=350.0, help="all-reduce bus bandwidth (GB/s)")
     ap.add_argument("--gather-latency-us", type=float, default=15.0, help="argmax all-gather latency (us)")
-    ap.add_argument("--batch-invariant", action="store_true", help="dense CUDA matmuls through the Triton GEMM")
+    ap.add_argument("--batch-invariant", choices=("on", "off"), default="on",
+                    help="on (the engine's default): dense matmuls, RMSNorm and MLA attention through the batch-"
+                         "invariant Triton kernels; off: cuBLAS and the torch attention")
     ap.add_argument("--profile", action="store_true",
                     help="also list the device time per kernel of one layer at each T (torch.profiler, CUDA)")
     ap.add_argument("--time-budget", type=float, default=TIME_BUDGET_S,

@@ -79,12 +79,13 @@ class MoEConfig:
 
 # (max T * top_k, config); first match wins. BLOCK_K and SWAP_AB are shared (batch invariance).
 MOE_CONFIGS: list[tuple[int, MoEConfig]] = [
-    # bench/results/kernels-h200-sweep.md (K2 layer, 384 experts top-8): bf16x2 with pipelined scales,
-    # T = 1 / 4 / 16: 145 / 468 / 1463 us against 162 / 582 / 1936 us for "float"
-    (8, MoEConfig(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=4, DEQUANT="bf16x2")),
-    (256, MoEConfig(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=3, DEQUANT="bf16x2")),
-    (1024, MoEConfig(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=3, DEQUANT="bf16x2")),
-    (1 << 62, MoEConfig(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2, DEQUANT="bf16x2")),
+    # bench/results/kernels-h200-sweep.md (K2 layer, 384 experts top-8): bf16x2 with pipelined scales and
+    # the gate/up GEMM split in two over H, T = 1 / 4 / 16: 136 / 443 / 1463 us (147 / 468 / 1568 unsplit,
+    # 162 / 582 / 1936 for the "float" dequant)
+    (8, MoEConfig(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=3, DEQUANT="bf16x2", SPLIT_K=2)),
+    (256, MoEConfig(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=3, DEQUANT="bf16x2", SPLIT_K=2)),
+    (1024, MoEConfig(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=3, DEQUANT="bf16x2", SPLIT_K=2)),
+    (1 << 62, MoEConfig(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2, DEQUANT="bf16x2", SPLIT_K=2)),
 ]
 if len({cfg.reduction_key() for _, cfg in MOE_CONFIGS}) != 1:
     raise ValueError("MOE_CONFIGS: all buckets must share DEQUANT, BLOCK_K, SWAP_AB and SPLIT_K (batch invariance)")
