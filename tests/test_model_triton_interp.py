@@ -1,7 +1,8 @@
 """The model's CUDA dispatch (Triton W4A16 linear, fused MoE, MLA attention, and with the dense backend
-forced too: GEMMs, RMSNorm and residual + norm, router tail (grouped), SwiGLU) run through the Triton
-interpreter on the CPU, against the torch paths: the wiring, shapes and strides of the real kernels;
-the device-resident tree step (whole cache buffer, device-side length) included."""
+forced too: GEMMs, RMSNorm and residual + norm, router tail (grouped), SwiGLU, the drafter's head norm +
+rope) run through the Triton interpreter on the CPU, against the torch paths: the wiring, shapes and
+strides of the real kernels; the device-resident tree step (whole cache buffer, device-side length) and
+the drafter's eager and static passes included."""
 
 from __future__ import annotations
 
@@ -48,7 +49,29 @@ CHILD = textwrap.dedent('''
 ''')
 
 
-def run(seed: int, triton: bool | str) -> dict:
+DRAFT_CHILD = textwrap.dedent('''
+    import json, sys, torch
+    from kdtree_engine.draft_config import DraftConfig
+    from kdtree_engine.model.dflash import DFlashDrafter
+    seed = int(sys.argv[1])
+    dcfg = DraftConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, block_size=6, mask_token_id=255,
+                       target_layer_ids=(0, 3), num_target_layers=4, vocab_size=256, sliding_windows=(3, None))
+    drafter = DFlashDrafter.random(dcfg, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    S, F = 9, 2 * 64
+    ctx = torch.randn(S, F, generator=g)
+    block = torch.randn(6, 64, generator=g)
+    eager = drafter(ctx, block, drafter.new_cache(32), S)
+    c2 = drafter.new_cache(32)
+    drafter.append_context(ctx[: S - 3], c2)
+    rows = torch.cat([ctx[S - 3:], torch.randn(3, F, generator=g)])
+    st = drafter.forward_static(rows, torch.tensor(3), block, c2, torch.tensor(S))
+    print(json.dumps({"first": eager.tolist(), "tree": eager.tolist(), "static": st.tolist()}))
+''')
+
+
+def run(seed: int, triton: bool | str, child: str = CHILD) -> dict:
     env = dict(os.environ)
     for k in ("TRITON_INTERPRET", "KDTREE_INT4_BACKEND", "KDTREE_ATTN_BACKEND", "KDTREE_DENSE_BACKEND"):
         env.pop(k, None)
@@ -56,18 +79,20 @@ def run(seed: int, triton: bool | str) -> dict:
         env.update(TRITON_INTERPRET="1", KDTREE_INT4_BACKEND="triton", KDTREE_ATTN_BACKEND="triton")
     if triton == "all":
         env.update(KDTREE_DENSE_BACKEND="triton")
-    r = subprocess.run([sys.executable, "-c", CHILD, str(seed)], env=env, capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-c", child, str(seed)], env=env, capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("which", [True, "all"])
+@pytest.mark.parametrize("which", [True, "all", "drafter"])
 def test_triton_dispatch_matches_torch_paths(which: bool | str) -> None:
     import torch
 
     seed = int(torch.randint(0, 1 << 30, ()).item())
-    a, b = run(seed, triton=False), run(seed, triton=which)
+    child = DRAFT_CHILD if which == "drafter" else CHILD
+    which = "all" if which == "drafter" else which
+    a, b = run(seed, triton=False, child=child), run(seed, triton=which, child=child)
     for key, ref in (("first", "first"), ("tree", "tree"), ("static", "tree")):
         x, y = torch.tensor(a[ref]), torch.tensor(b[key])
         assert torch.isfinite(y).all()

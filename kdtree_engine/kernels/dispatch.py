@@ -210,6 +210,16 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def head_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
+                   sin: torch.Tensor) -> torch.Tensor:
+    """Per-head RMSNorm then rotate-half rope (the drafter's q / k): x [T, H, d], cos / sin [T, d]."""
+    if _elementwise_backend("drafter head norm + rope", x.device, x, weight):
+        from .head_norm_rope import head_norm_rope as triton_head_norm_rope
+        return triton_head_norm_rope(x, weight, eps, cos, sin)
+    from ..model.dflash import apply_rope_half
+    return apply_rope_half(rms_norm(x, weight, eps), cos, sin)
+
+
 def mla_tail_backend(device: torch.device) -> str:
     """Rope of the query heads and the latent cache write: Triton on CUDA (batch invariance on or off:
     the kernels are per row), torch on the CPU."""

@@ -313,7 +313,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     P = ids.numel()
     max_blocks = triton.cdiv(P, block_m) + min(num_experts, P)
     dev = ids.device
-    sorted_pairs = torch.zeros(max_blocks * block_m, device=dev, dtype=torch.int32)
+    sorted_pairs = torch.empty(max_blocks * block_m, device=dev, dtype=torch.int32)  # past a block's rows: unread
     blk_expert = torch.empty(max_blocks, device=dev, dtype=torch.int32)
     blk_rows = torch.empty(max_blocks, device=dev, dtype=torch.int32)
     e_p2 = triton.next_power_of_2(max(num_experts, 2))

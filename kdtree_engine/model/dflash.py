@@ -115,8 +115,14 @@ class DraftAttention(nn.Module):
     def context_kv(self, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Projected context features [C, D] -> k, v [Hkv, C, d] (k normed and rotated)."""
         k, v = self._kv(ctx)
-        k = apply_rope_half(self.k_norm(k), cos, sin)
+        k = self._norm_rope(self.k_norm, k, cos, sin)
         return k.transpose(0, 1), v.transpose(0, 1)
+
+    @staticmethod
+    def _norm_rope(norm: RMSNorm, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """rope(norm(x)) per head: x [T, heads, d] -> [T, heads, d] (one launch on CUDA)."""
+        from ..kernels.dispatch import head_norm_rope
+        return head_norm_rope(x, norm.weight, norm.eps, cos, sin)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_ctx: torch.Tensor,
                 v_ctx: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
@@ -126,9 +132,9 @@ class DraftAttention(nn.Module):
         visible [B, S+B] bool, optional: keys a query may see at all (device-resident rounds pass the
         whole cache buffer and hide the slots past the committed length)."""
         B = x.shape[0]
-        q = apply_rope_half(self.q_norm(self.q_proj(x).view(B, self.heads, self.head_dim)), cos, sin)
+        q = self._norm_rope(self.q_norm, self.q_proj(x).view(B, self.heads, self.head_dim), cos, sin)
         kb, vb = self._kv(x)
-        kb = apply_rope_half(self.k_norm(kb), cos, sin)
+        kb = self._norm_rope(self.k_norm, kb, cos, sin)
         k = torch.cat([k_ctx, kb.transpose(0, 1)], dim=1)  # [Hkv, S+B, d]
         v = torch.cat([v_ctx, vb.transpose(0, 1)], dim=1)  # [Hkv, S+B, d]
         rep = self.heads // self.kv_heads
