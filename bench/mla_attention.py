@@ -5,6 +5,8 @@ same math and the torch reference, against rooflines measured in the same run.
     python bench/mla_attention.py --sweep                      # also time alternative kernel configs
     python bench/mla_attention.py --sweep-only --no-peers --budget-s 110   # only the sweep (~2 min),
                                                        # written to mla_attention-sweep-<gpu>.*
+    python bench/mla_attention.py --sweep-only --sweep-decode --no-peers   # V_SPLIT for decode launches,
+                                                       # written to mla_attention-decode-sweep-<gpu>.*
 
 The sweep first compiles every (candidate, launch kind) in a pool of processes (Triton's on-disk cache
 is shared), so that the timing loop itself compiles nothing; candidates that fail to compile (e.g. out
@@ -78,6 +80,15 @@ SWEEP: list[MLAConfig] = [
     _c(BLOCK_M=32, BLOCK_N=32, num_stages=3, KEYS_ON_M=True),                    # wgmma, 252 regs
     _c(BLOCK_M=64, BLOCK_N=32, num_stages=2, KEYS_ON_M=True, V_SPLIT=2),         # wgmma n=64
 ]
+# Decode (T = 1) re-tilings of the default: V_SPLIT_BY_T cuts the 512 output columns over more programs
+# in decode launches only (the one field that may follow T: it re-tiles, the arithmetic of a row stays).
+# At N = 8 and 4K-32K the default has 8-64 programs for 132 SMs. `--sweep-decode` times these.
+DECODE_SWEEP: list[MLAConfig] = [
+    MLAConfig(CHUNK=512, BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=2),
+    *(MLAConfig(CHUNK=512, BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=2, V_SPLIT_BY_T=((1, vs),))
+      for vs in (2, 4, 8)),
+]
+DECODE_SHAPES = [(8, 4096, 1), (8, 32768, 1), (8, 131072, 1), (64, 4096, 1), (64, 32768, 1), (64, 131072, 1)]
 SWEEP_SHAPES = [(8, 32768, 1), (8, 131072, 1), (8, 32768, 16), (8, 131072, 16), (8, 32768, 64),
                 (8, 131072, 64), (64, 32768, 1), (64, 131072, 1), (64, 32768, 16), (64, 131072, 16),
                 (64, 32768, 64), (64, 131072, 64)]
@@ -193,6 +204,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--sweep", action="store_true", help="also time the configs in SWEEP")
     ap.add_argument("--sweep-only", action="store_true", help="time only the configs in SWEEP")
+    ap.add_argument("--sweep-decode", action="store_true",
+                    help="with --sweep-only: time DECODE_SWEEP (V_SPLIT for T = 1) at DECODE_SHAPES instead")
     ap.add_argument("--workers", type=int, default=0, help="compile processes for the sweep (0: CPUs)")
     ap.add_argument("--no-peers", action="store_true", help="skip sdpa and the torch reference")
     ap.add_argument("--budget-s", type=float, default=100.0, help="stop the sweep after this many seconds")
@@ -218,11 +231,12 @@ def main(argv=None) -> dict:
         import os
 
         workers = args.workers or min(16, os.cpu_count() or 1)
-        compile_err = precompile(SWEEP, SWEEP_SHAPES, workers)
+        cands, shapes = (DECODE_SWEEP, DECODE_SHAPES) if args.sweep_decode else (SWEEP, SWEEP_SHAPES)
+        compile_err = precompile(cands, shapes, workers)
         print(f"compiled {len(compile_err)} (config, N, T kind) in {clock():.0f}s; "
               f"{sum(e is not None for e in compile_err.values())} failed", flush=True)
-        for N, S, T in SWEEP_SHAPES:  # shape-major: a budget cut leaves whole shapes compared
-            for cfg in SWEEP:
+        for N, S, T in shapes:  # shape-major: a budget cut leaves whole shapes compared
+            for cfg in cands:
                 base = {"N": N, "S": S, "T": T, "config": cfg.as_dict()}
                 err = compile_err.get((cfg, N, T == 1))
                 if err is not None:
@@ -265,7 +279,8 @@ def main(argv=None) -> dict:
                          s.get("x_roof"), s.get("rel_err", s.get("error", s.get("skipped")))]
                         for s in sweep])
         md += ["", "## Best candidate per shape", ""] + best_per_shape(sweep)
-    stem = f"mla_attention-sweep-{gpu}" if args.sweep_only else f"mla_attention-{gpu}"
+    stem = (f"mla_attention-{'decode-' if args.sweep_decode else ''}sweep-{gpu}" if args.sweep_only
+            else f"mla_attention-{gpu}")
     jp, mp = write_results(args.out, stem, payload, md)
     print(f"wrote {jp} and {mp} in {clock():.0f}s")
     if rows:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU tests and benchmarks, logs and results packed under $OUT; one device call runs one part.
-#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|last]   (on the GPU machine, from the repository root)
+#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|last]   (on the GPU machine, from the repository root)
 #   tune   the W4A16 config sweep, the bitwise and CUDA-graph GPU tests, the demo's spec benchmark
 #   check  the remaining GPU tests (kernels, batch invariance, target, attention), kernel and round benches
 #   bench  the benchmarks with long runs (K2 step, attention, GEMM)
@@ -12,6 +12,8 @@
 #   final  the bitwise, graph-round and target GPU tests, the round and demo spec benchmarks
 #   probe  the W4A16 candidate sweep, a per-kernel profile of one K2 layer, the demo spec bench on 32 prompts
 #   adopt  the kernel and batch-invariance GPU tests, the kernel, K2-step (with its profile) and demo spec benches
+#   drafter the decode V_SPLIT attention sweep and its invariance test, the fused-tail tests (drafter head
+#          norm + rope), the round and demo spec benches
 #   last   the round benchmark and the longest-compiling GPU tests (device-length attention, demo bitwise)
 # Each step has its own time cap so one slow step cannot take the rest with it; the results tarball
 # is rebuilt after every step (only a few files come back from the machine).
@@ -82,6 +84,15 @@ if [[ $PART == adopt ]]; then
   step pytest_kernels 170 $PYT tests/gpu/test_kernels_gpu.py tests/gpu/test_batch_invariance_gpu.py
   step bench_kernels 80 python3 bench/kernels.py --no-sweep --out "$RES"
   step bench_k2_step 200 python3 bench/k2_step.py --profile --out "$RES"
+  step bench_spec 95 python3 -m kdtree_engine.bench_spec --device cuda --num-prompts 8 --max-tokens 128 \
+    --out "$RES" --plot "$RES/spec-h200.png"
+fi
+if [[ $PART == drafter ]]; then
+  step bench_mla_decode 100 python3 bench/mla_attention.py --sweep-only --sweep-decode --no-peers --budget-s 80 \
+    --out "$RES"
+  step pytest_tails 80 $PYT tests/gpu/test_fused_tails_gpu.py
+  step pytest_mla_vsplit 130 $PYT tests/gpu/test_mla_attention_gpu.py -k "v_split_by_t and default"
+  step bench_round 100 python3 bench/round.py --prompts 2 --max-tokens 64 --budgets 32 --warmup-tokens 16 --out "$RES"
   step bench_spec 95 python3 -m kdtree_engine.bench_spec --device cuda --num-prompts 8 --max-tokens 128 \
     --out "$RES" --plot "$RES/spec-h200.png"
 fi

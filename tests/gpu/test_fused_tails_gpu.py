@@ -1,7 +1,8 @@
 """The one-launch tails on CUDA (bit for bit where the arithmetic is the same): residual add + RMSNorm
 equals torch's add followed by bi_rmsnorm; the router tail picks torch's experts (stable-sort ties) with
-weights within a few ulps; SwiGLU is within two ulps of torch's silu * up; all three give a row the same
-bits alone and inside a block.
+weights within a few ulps; SwiGLU is within two ulps of torch's silu * up; the drafter's head norm +
+rope is within two ulps (of the row's largest value) of torch's norm then rotate-half rope; all give a
+row the same bits alone and inside a block.
 
     pytest -m gpu tests/gpu/test_fused_tails_gpu.py -v
 """
@@ -13,9 +14,11 @@ import torch
 import torch.nn.functional as F
 
 from kdtree_engine.config import preset
+from kdtree_engine.kernels.head_norm_rope import head_norm_rope, head_norm_rope_torch
 from kdtree_engine.kernels.rmsnorm import bi_add_rmsnorm, bi_rmsnorm
 from kdtree_engine.kernels.router import route_triton
 from kdtree_engine.kernels.swiglu import silu_mul
+from kdtree_engine.model.dflash import rope_tables
 from kdtree_engine.model.moe import route_torch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -57,3 +60,15 @@ def test_silu_mul_close_to_torch() -> None:
     ulp = torch.finfo(torch.bfloat16).eps * ref.double().abs().clamp_min(1e-30)
     assert float(((y.double() - ref.double()).abs() / ulp).max()) <= 2  # rounded silu may be 1 ulp off
     assert torch.equal(silu_mul(gate[5:6], up[5:6])[0], y[5])
+
+
+@pytest.mark.parametrize("T,H,d", [(16, 4, 64), (33, 2, 128), (1, 32, 128)])
+def test_head_norm_rope_close_to_torch(T: int, H: int, d: int) -> None:
+    g = torch.Generator(device=DEV).manual_seed(T * H * d)
+    x = (torch.randn(T, 2 * H * d, generator=g, device=DEV) * 3).bfloat16()[:, : H * d].view(T, H, d)  # k of k|v
+    w = (torch.rand(d, generator=g, device=DEV) + 0.5).bfloat16()
+    cos, sin = rope_tables(torch.randint(0, 32768, (T,), generator=g, device=DEV), d, 1e6, torch.bfloat16)
+    y, ref = head_norm_rope(x, w, 1e-6, cos, sin), head_norm_rope_torch(x, w, 1e-6, cos, sin)
+    ulp = torch.finfo(torch.bfloat16).eps * ref.double().abs().amax(dim=-1, keepdim=True)
+    assert float(((y.double() - ref.double()).abs() / ulp).max()) <= 2
+    assert torch.equal(head_norm_rope(x[T - 1:], w, 1e-6, cos[T - 1:], sin[T - 1:])[0], y[T - 1])
