@@ -56,8 +56,9 @@ Batch invariance (a row's result does not depend on T or on which rows share its
     no-ops for that row (p = 0, alpha = 1, acc + 0);
   * BLOCK_M / BLOCK_N / warps / stages / KEYS_ON_M / Q_IN_LOOP / input precision come from the config,
     chosen from (N, dtype) only, never from T; rows (columns under KEYS_ON_M) of an MMA tile are
-    independent; V_SPLIT (the only field that may follow T) recomputes the same scores with the same
-    tiles and reduces each output column with the same P @ V steps;
+    independent; V_SPLIT (the only field that may follow the launch: T, and for decode launches the
+    program count, DECODE_MIN_PROGRAMS) recomputes the same scores with the same tiles and reduces each
+    output column with the same P @ V steps;
   * the merge runs in chunk order with the same formula for any number of rows.
 Checked bit for bit by tests/kernels/test_mla_attention.py (interpreter, fp32) and
 tests/gpu/test_mla_attention_gpu.py (H200, bf16).
@@ -112,13 +113,22 @@ class MLAConfig:
     KEYS_ON_M: bool = False
     Q_IN_LOOP: bool = False  # re-read q (L1/L2 hits) every key step instead of holding it in registers
     V_SPLIT_BY_T: tuple[tuple[int, int], ...] = ()  # (max T, V_SPLIT) buckets; re-tiling only (above)
+    # decode launches (T = 1): V_SPLIT doubles (up to 8) until row tiles x chunks x V_SPLIT reaches this
+    # many programs (0: off). Re-tiling only, like V_SPLIT_BY_T: at short context a decode launch has
+    # 8-64 programs for 132 SMs (bench/results/mla_attention-decode-sweep-h200.md)
+    DECODE_MIN_PROGRAMS: int = 0
 
-    def v_split(self, T: int) -> int:
-        """Output-column slices for a launch of T queries."""
-        for max_t, vs in self.V_SPLIT_BY_T:
+    def v_split(self, T: int, programs: int = 0) -> int:
+        """Output-column slices for a launch of T queries with `programs` programs per slice."""
+        vs = self.V_SPLIT
+        for max_t, v in self.V_SPLIT_BY_T:
             if T <= max_t:
-                return vs
-        return self.V_SPLIT
+                vs = v
+                break
+        if T == 1 and self.DECODE_MIN_PROGRAMS:
+            while vs < 8 and programs * vs < self.DECODE_MIN_PROGRAMS:
+                vs *= 2
+        return vs
 
     def as_dict(self) -> dict:
         d = dict(CHUNK=self.CHUNK, BLOCK_M=self.BLOCK_M, BLOCK_N=self.BLOCK_N, V_SPLIT=self.V_SPLIT,
@@ -129,6 +139,8 @@ class MLAConfig:
             d["Q_IN_LOOP"] = True
         if self.V_SPLIT_BY_T:
             d["V_SPLIT_BY_T"] = self.V_SPLIT_BY_T
+        if self.DECODE_MIN_PROGRAMS:
+            d["DECODE_MIN_PROGRAMS"] = self.DECODE_MIN_PROGRAMS
         return d
 
 
@@ -144,11 +156,14 @@ class MLAConfig:
 # Tree verify (T = 16..64) is the engine's common step, so BM=32/BN=64 for every N; for plain decoding at
 # N <= 16, (512, 16, 64, 4, 3) is faster at T = 1. One line per N bucket, every field spelled out, so a
 # sweep winner (bench/mla_attention.py --sweep prints it in this form) is a one-line edit.
+# DECODE_MIN_PROGRAMS=128 (python3 bench/mla_attention.py --sweep-only --sweep-decode): T = 1 at 4K
+# context 47 -> 30 us (N = 8) and 44 -> 32 us (N = 64), at 32K N = 8 57 -> 48 us; launches that already
+# have >= 128 programs (N = 64 from 32K, N = 8 from 128K: more slices there cost 1.3-8x) keep V_SPLIT 1.
 DEFAULT_CONFIGS: list[tuple[int, MLAConfig]] = [
     (16, MLAConfig(CHUNK=512, BLOCK_M=32, BLOCK_N=64, V_SPLIT=1, num_warps=4, num_stages=2, KEYS_ON_M=False,
-                   Q_IN_LOOP=False, V_SPLIT_BY_T=())),  # N <= 16 (TP8: 8 heads per rank)
+                   Q_IN_LOOP=False, V_SPLIT_BY_T=(), DECODE_MIN_PROGRAMS=128)),  # N <= 16 (TP8: 8 heads/rank)
     (1 << 30, MLAConfig(CHUNK=512, BLOCK_M=32, BLOCK_N=64, V_SPLIT=1, num_warps=4, num_stages=2,
-                        KEYS_ON_M=False, Q_IN_LOOP=False, V_SPLIT_BY_T=())),
+                        KEYS_ON_M=False, Q_IN_LOOP=False, V_SPLIT_BY_T=(), DECODE_MIN_PROGRAMS=128)),
 ]
 
 
@@ -415,9 +430,10 @@ def tree_gather_index(tree_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return idx.contiguous(), nvis.contiguous()
 
 
-def _plan(C: int, R: int, N: int, T: int, dtype: torch.dtype, config: MLAConfig | None
+def _plan(C: int, R: int, N: int, T: int, dtype: torch.dtype, config: MLAConfig | None, n_chunks: int
           ) -> tuple[MLAConfig, int, int, int, int, bool, str]:
-    """Launch constants shared by both launches: (config, CP, RP, V_SPLIT, DV, upcast, input precision)."""
+    """Launch constants shared by both launches: (config, CP, RP, V_SPLIT, DV, upcast, input precision).
+    n_chunks: the launch's key chunks (with the row tiles, what a decode launch's V_SPLIT is sized by)."""
     cfg = config or default_config(N)
     if cfg.CHUNK % cfg.BLOCK_N:
         raise ValueError(f"CHUNK {cfg.CHUNK} must be a multiple of BLOCK_N {cfg.BLOCK_N}")
@@ -428,7 +444,10 @@ def _plan(C: int, R: int, N: int, T: int, dtype: torch.dtype, config: MLAConfig 
             raise ValueError(f"V_SPLIT {vs} must divide {CP} into slices of >= 16 columns")
     if cfg.BLOCK_M < 16 or cfg.BLOCK_N < 16:
         raise ValueError(f"BLOCK_M {cfg.BLOCK_M} and BLOCK_N {cfg.BLOCK_N} must be >= 16 (tl.dot)")
-    v_split = cfg.v_split(T)
+    v_split = cfg.v_split(T, triton.cdiv(T * N, cfg.BLOCK_M) * n_chunks)
+    if cfg.DECODE_MIN_PROGRAMS:
+        while CP // v_split < 16:  # the decode rule never cuts slices below the MMA minimum
+            v_split //= 2
     upcast = interpreting()  # fp32 operands and row-exact dots under the interpreter
     prec = "ieee" if (dtype == torch.float32 or upcast) else "tf32"
     return cfg, CP, RP, v_split, CP // v_split, upcast, prec
@@ -459,7 +478,8 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, sta
     out = torch.empty((T, N, C), device=q_lat.device, dtype=q_lat.dtype)
     if T == 0 or N == 0:
         return out
-    cfg, CP, RP, VS, DV, upcast, prec = _plan(C, R, N, T, q_lat.dtype, config)
+    cfg0 = config or default_config(N)
+    cfg, CP, RP, VS, DV, upcast, prec = _plan(C, R, N, T, q_lat.dtype, config, triton.cdiv(S + T, cfg0.CHUNK))
     qk_scale = float(scale) * LOG2E
     causal = tree_mask is None
     dev = kv.device
@@ -529,7 +549,8 @@ def mla_attention_device(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tens
     out = torch.empty((T, N, C), device=q_lat.device, dtype=q_lat.dtype)
     if T == 0 or N == 0:
         return out
-    cfg, CP, RP, VS, DV, upcast, prec = _plan(C, R, N, T, q_lat.dtype, config)
+    cfg0 = config or default_config(N)
+    cfg, CP, RP, VS, DV, upcast, prec = _plan(C, R, N, T, q_lat.dtype, config, triton.cdiv(cap, cfg0.CHUNK))
     dev = kv.device
     s_dev = start.reshape(1).to(device=dev, dtype=torch.int32)
     idx, nvis = gather_index if gather_index is not None else tree_gather_index(tree_mask.to(dev))

@@ -151,13 +151,14 @@ def test_bf16_candidates_vs_reference(name, N, S, T):
 @pytest.mark.parametrize("N", [8, 64])
 def test_v_split_by_t_bit_equal_bf16(name, N):
     """V_SPLIT per T bucket only re-tiles: with V_SPLIT_BY_T = ((1, 4), (16, 2)) (V_SPLIT 1 beyond) a row
-    is the same bits in a decode launch (4 slices), a 16-row block (2), a 40-row block and a 64-node
-    tree (1), through the host-length and the device-length launch, and equal to the config without
-    buckets."""
+    is the same bits in a decode launch (4 slices; 8 under DECODE_MIN_PROGRAMS), a 16-row block (2), a
+    40-row block and a 64-node tree (1), through the host-length and the device-length launch, and equal
+    to the config without buckets."""
     S, T = 5000, 40
     seed = int(torch.randint(1 << 30, (1,)))
-    base = replace(_cfg(name, N), V_SPLIT=1, V_SPLIT_BY_T=())
+    base = replace(_cfg(name, N), V_SPLIT=1, V_SPLIT_BY_T=(), DECODE_MIN_PROGRAMS=0)
     cfg = replace(base, V_SPLIT_BY_T=((1, 4), (16, 2)))
+    auto = replace(base, DECODE_MIN_PROGRAMS=128)  # decode launches here: 10 chunks x 1-2 tiles -> 8 slices
     q_lat, q_pe, kv = inputs(T, N, S, seed)
     full = mla_attention(q_lat, q_pe, kv, S, None, SCALE, C, config=cfg)  # 1 slice
     assert torch.equal(full, mla_attention(q_lat, q_pe, kv, S, None, SCALE, C, config=base))
@@ -170,6 +171,8 @@ def test_v_split_by_t_bit_equal_bf16(name, N):
     for i in (0, 7, 15, 39):  # 4 slices
         one = mla_attention(q_lat[i:i + 1], q_pe[i:i + 1], kv[: S + i + 1], S + i, None, SCALE, C, config=cfg)
         assert torch.equal(one[0], full[i]), f"decode row {i} (seed {seed})"
+        one8 = mla_attention(q_lat[i:i + 1], q_pe[i:i + 1], kv[: S + i + 1], S + i, None, SCALE, C, config=auto)
+        assert torch.equal(one8[0], full[i]), f"decode row {i}, 8 slices (seed {seed})"
         buf = torch.cat([kv[: S + i], kv[S + i:S + i + 1], cap[S + T:]])  # slot S + i at its place, junk after
         one_dev = mla_attention_device(q_lat[i:i + 1], q_pe[i:i + 1], buf, torch.tensor(S + i),
                                        torch.ones(1, 1, dtype=torch.bool, device="cuda"), SCALE, C, config=cfg)

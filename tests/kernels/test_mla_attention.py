@@ -233,3 +233,13 @@ if __name__ == "__main__" and "--interp-cases" in sys.argv:
     from _interp import child_main
 
     child_main(CASES, _run_one, sys.argv[sys.argv.index("--interp-cases") + 1:])
+
+
+def test_decode_min_programs_sizes_v_split():
+    """DECODE_MIN_PROGRAMS doubles V_SPLIT (to 8 at most) for T = 1 launches with too few programs, on top
+    of V_SPLIT_BY_T; launches of several queries keep their bucket's V_SPLIT."""
+    cfg = MLAConfig(DECODE_MIN_PROGRAMS=128)
+    assert [cfg.v_split(1, p) for p in (8, 16, 33, 64, 100, 128, 4096)] == [8, 8, 4, 2, 2, 1, 1]
+    assert cfg.v_split(16, 8) == 1 and cfg.v_split(2, 8) == 1
+    assert MLAConfig(DECODE_MIN_PROGRAMS=128, V_SPLIT_BY_T=((1, 4),)).v_split(1, 64) == 4
+    assert MLAConfig().v_split(1, 8) == 1
