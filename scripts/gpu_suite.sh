@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU tests and benchmarks, logs and results packed under $OUT; one device call runs one part.
-#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|last]   (on the GPU machine, from the repository root)
+#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|last]   (on the GPU machine, from the repository root)
 #   tune   the W4A16 config sweep, the bitwise and CUDA-graph GPU tests, the demo's spec benchmark
 #   check  the remaining GPU tests (kernels, batch invariance, target, attention), kernel and round benches
 #   bench  the benchmarks with long runs (K2 step, attention, GEMM)
@@ -15,6 +15,7 @@
 #   drafter the decode V_SPLIT attention sweep and its invariance test, the fused-tail tests (drafter head
 #          norm + rope), the round and demo spec benches
 #   vsplit the bitwise GPU tests, the attention invariance tests, the attention and K2-step benches
+#   close  the demo spec bench and the demo's greedy spec == plain GPU test
 #   last   the round benchmark and the longest-compiling GPU tests (device-length attention, demo bitwise)
 # Each step has its own time cap so one slow step cannot take the rest with it; the results tarball
 # is rebuilt after every step (only a few files come back from the machine).
@@ -103,6 +104,11 @@ if [[ $PART == vsplit ]]; then
     -k "(v_split_by_t and default) or tree_batch_invariant_bf16 or causal_batch_invariant or bf16_vs_reference"
   step bench_mla 100 python3 bench/mla_attention.py --out "$RES"
   step bench_k2_step 90 python3 bench/k2_step.py --profile --out "$RES"
+fi
+if [[ $PART == close ]]; then
+  step bench_spec 60 python3 -m kdtree_engine.bench_spec --device cuda --num-prompts 8 --max-tokens 128 \
+    --out "$RES" --plot "$RES/spec-h200.png"
+  step pytest_bitwise_demo 150 $PYT tests/gpu/test_bitwise_gpu.py -k "greedy_spec_equals_plain_demo"
 fi
 if [[ $PART == last ]]; then
   step bench_round 110 python3 bench/round.py --out "$RES"
