@@ -15,7 +15,7 @@
 #   drafter the decode V_SPLIT attention sweep and its invariance test, the fused-tail tests (drafter head
 #          norm + rope), the round and demo spec benches
 #   vsplit the bitwise GPU tests, the attention invariance tests, the attention and K2-step benches
-#   close  the demo spec bench and the demo's greedy spec == plain GPU test
+#   close  the demo's greedy spec == plain GPU test
 #   last   the round benchmark and the longest-compiling GPU tests (device-length attention, demo bitwise)
 # Each step has its own time cap so one slow step cannot take the rest with it; the results tarball
 # is rebuilt after every step (only a few files come back from the machine).
@@ -106,8 +106,6 @@ if [[ $PART == vsplit ]]; then
   step bench_k2_step 90 python3 bench/k2_step.py --profile --out "$RES"
 fi
 if [[ $PART == close ]]; then
-  step bench_spec 60 python3 -m kdtree_engine.bench_spec --device cuda --num-prompts 8 --max-tokens 128 \
-    --out "$RES" --plot "$RES/spec-h200.png"
   step pytest_bitwise_demo 150 $PYT tests/gpu/test_bitwise_gpu.py -k "greedy_spec_equals_plain_demo"
 fi
 if [[ $PART == last ]]; then

@@ -113,19 +113,21 @@ class MLAConfig:
     KEYS_ON_M: bool = False
     Q_IN_LOOP: bool = False  # re-read q (L1/L2 hits) every key step instead of holding it in registers
     V_SPLIT_BY_T: tuple[tuple[int, int], ...] = ()  # (max T, V_SPLIT) buckets; re-tiling only (above)
-    # decode launches (T = 1): V_SPLIT doubles (up to 8) until row tiles x chunks x V_SPLIT reaches this
-    # many programs (0: off). Re-tiling only, like V_SPLIT_BY_T: at short context a decode launch has
-    # 8-64 programs for 132 SMs (bench/results/mla_attention-decode-sweep-h200.md)
+    # decode launches (T = 1): V_SPLIT doubles (up to 8, slices of >= DECODE_MIN_SLICE columns) until
+    # row tiles x chunks x V_SPLIT reaches this many programs (0: off). Re-tiling only, like
+    # V_SPLIT_BY_T: at short context a decode launch has 8-64 programs for 132 SMs
+    # (bench/results/mla_attention-decode-sweep-h200.md)
     DECODE_MIN_PROGRAMS: int = 0
 
-    def v_split(self, T: int, programs: int = 0) -> int:
-        """Output-column slices for a launch of T queries with `programs` programs per slice."""
+    def v_split(self, T: int, programs: int | None = None) -> int:
+        """Output-column slices for a launch of T queries with `programs` programs per slice (None: the
+        config's own V_SPLIT / V_SPLIT_BY_T, without the decode rule)."""
         vs = self.V_SPLIT
         for max_t, v in self.V_SPLIT_BY_T:
             if T <= max_t:
                 vs = v
                 break
-        if T == 1 and self.DECODE_MIN_PROGRAMS:
+        if T == 1 and self.DECODE_MIN_PROGRAMS and programs is not None:
             while vs < 8 and programs * vs < self.DECODE_MIN_PROGRAMS:
                 vs *= 2
         return vs
@@ -166,6 +168,10 @@ DEFAULT_CONFIGS: list[tuple[int, MLAConfig]] = [
                         KEYS_ON_M=False, Q_IN_LOOP=False, V_SPLIT_BY_T=(), DECODE_MIN_PROGRAMS=128)),
 ]
 
+
+# Narrowest output-column slice DECODE_MIN_PROGRAMS may cut (bit equality with one slice is checked at
+# 64 columns, C = 512 in 8, by tests/gpu/test_mla_attention_gpu.py).
+DECODE_MIN_SLICE = 64
 
 # Merge kernel tiles (fixed: they set the summation order of the merge).
 MERGE_BLOCK_D = 128
@@ -446,7 +452,11 @@ def _plan(C: int, R: int, N: int, T: int, dtype: torch.dtype, config: MLAConfig 
         raise ValueError(f"BLOCK_M {cfg.BLOCK_M} and BLOCK_N {cfg.BLOCK_N} must be >= 16 (tl.dot)")
     v_split = cfg.v_split(T, triton.cdiv(T * N, cfg.BLOCK_M) * n_chunks)
     if cfg.DECODE_MIN_PROGRAMS:
-        while CP // v_split < 16:  # the decode rule never cuts slices below the MMA minimum
+        # the decode rule keeps slices of >= 64 columns (and never adds slices to a config's own V_SPLIT
+        # below that): narrower P @ V tiles compile to another MMA shape whose rounding differs (seen on
+        # the demo model, C = 64 cut into 16-column slices: plain decoding left the verify's bits)
+        base = cfg.v_split(T)
+        while v_split > base and CP // v_split < DECODE_MIN_SLICE:
             v_split //= 2
     upcast = interpreting()  # fp32 operands and row-exact dots under the interpreter
     prec = "ieee" if (dtype == torch.float32 or upcast) else "tf32"

@@ -243,3 +243,17 @@ def test_decode_min_programs_sizes_v_split():
     assert cfg.v_split(16, 8) == 1 and cfg.v_split(2, 8) == 1
     assert MLAConfig(DECODE_MIN_PROGRAMS=128, V_SPLIT_BY_T=((1, 4),)).v_split(1, 64) == 4
     assert MLAConfig().v_split(1, 8) == 1
+
+
+def test_decode_rule_keeps_slices_of_64_columns():
+    """The decode rule never cuts the output columns below 64 per slice (C = 64, the demo's latent: one
+    slice; C = 512: up to 8), and leaves a config's own V_SPLIT as it is."""
+    import torch
+    from kdtree_engine.kernels.mla_attention import _plan
+
+    cfg = MLAConfig(DECODE_MIN_PROGRAMS=128)
+    assert _plan(64, 32, 4, 1, torch.float32, cfg, 2)[3] == 1
+    assert _plan(256, 64, 8, 1, torch.float32, cfg, 2)[3] == 4
+    assert _plan(512, 64, 8, 1, torch.float32, cfg, 8)[3] == 8
+    assert _plan(512, 64, 8, 16, torch.float32, cfg, 8)[3] == 1
+    assert _plan(64, 32, 4, 1, torch.float32, MLAConfig(DECODE_MIN_PROGRAMS=128, V_SPLIT_BY_T=((1, 2),)), 2)[3] == 2
