@@ -39,11 +39,16 @@
   SwiGLU         silu(gate) * up of the dense MLP and the shared expert. CUDA: one elementwise Triton
                  launch (kernels/swiglu.py); CPU: torch.
 
+  drafter q / k  per-head RMSNorm then rotate-half rope (the DFlash drafter's q, block k and context k).
+                 CUDA: one Triton program per head row (kernels/head_norm_rope.py); CPU: torch (the
+                 RMSNorm dispatch, model/dflash.py apply_rope_half). The drafter only proposes, so this
+                 is about launches, not bits.
+
   DDTree builder  (device-resident rounds) CUDA: one Triton program (kernels/tree_ops.py); CPU: the
                  vectorized torch builder (spec/tree.py); the same tree.
 
 ``KDTREE_INT4_BACKEND`` / ``KDTREE_ATTN_BACKEND`` / ``KDTREE_TREE_BACKEND`` / ``KDTREE_DENSE_BACKEND`` (dense and
-per-head matmuls, RMSNorm and residual+norm, MLA tails, router tail, SwiGLU) = ``torch`` | ``triton`` force one backend (tests run the Triton code on the CPU with
+per-head matmuls, RMSNorm and residual+norm, MLA tails, router tail, SwiGLU, drafter q / k) = ``torch`` | ``triton`` force one backend (tests run the Triton code on the CPU with
 ``TRITON_INTERPRET=1``); forcing a torch path on CUDA with batch invariance on is obeyed and logged as a
 warning (bitwise equality of speculative and plain decoding then no longer holds). Batch invariance is
 set by :func:`set_batch_invariant` (the CLI's ``--batch-invariant on|off``, ``LLM(batch_invariant=...)``);
