@@ -168,7 +168,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
     dtype = resolve_dtype(args.dtype, dev)
     cuda = dev.type == "cuda"
     from kdtree_engine.kernels.dispatch import set_batch_invariant
-    set_batch_invariant(bool(args.batch_invariant))  # the engine's default is on; these benches measure off unless asked
+    set_batch_invariant(args.batch_invariant == "on")  # on: the engine's default
     model = Path(args.model)
     draft = Path(args.draft) if args.draft else (model / "draft" if (model / "draft").is_dir() else None)
     target = load_target(model, device=dev, dtype=dtype, progress=False)
@@ -249,7 +249,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
         "command": args.command, "env": env, "model": str(model), "draft": str(draft) if draft else None,
         "block_size": getattr(drafter, "block_size", None), "prompt_source": source,
         "prompt_tokens": [len(p.ids) for p in prompts], "max_tokens": args.max_tokens,
-        "budgets": list(args.budgets), "batch_invariant": bool(args.batch_invariant),
+        "budgets": list(args.budgets), "batch_invariant": args.batch_invariant == "on",
         "modes": {"eager": MODE_TEXT["eager"], "device": MODE_TEXT["device"],
                   "graph": MODE_TEXT["graph"] if cuda else GRAPH_NA},
         "results": results, "elapsed_s": clock(),
@@ -333,8 +333,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--warmup-tokens", type=int, default=None, help="tokens of the warm-up run (default 32; --tiny 3)")
     ap.add_argument("--device", default=None, help="cuda | cpu (default: cuda when available)")
     ap.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: bfloat16 on CUDA, float32 on CPU)")
-    ap.add_argument("--batch-invariant", action="store_true",
-                    help="dense CUDA matmuls through the batch-invariant Triton GEMM (as kdtree --batch-invariant on)")
+    ap.add_argument("--batch-invariant", choices=("on", "off"), default="on",
+                    help="on (the engine's default, as kdtree --batch-invariant on): dense matmuls, RMSNorm and "
+                         "MLA attention through the batch-invariant Triton kernels; off: cuBLAS and torch")
     ap.add_argument("--modes", type=lambda t: [x for x in t.split(",") if x], default=["eager", "graph"],
                     help="comma separated among eager, device, graph (default eager,graph; eager always runs, "
                          "graph only on CUDA; device = the graph's kernels launched one by one, slow on CUDA)")

@@ -71,7 +71,7 @@ fi
 if [[ $PART == final ]]; then
   step pytest_target 100 $PYT tests/gpu/test_fused_tails_gpu.py tests/gpu/test_target_gpu.py
   step pytest_bitwise 170 $PYT tests/gpu/test_bitwise_gpu.py
-  step bench_round 100 python3 bench/round.py --prompts 2 --max-tokens 64 --budgets 32 --warmup-tokens 16 --out "$RES"
+  step bench_round 100 python3 bench/round.py --prompts 2 --max-tokens 64 --budgets 32 --warmup-tokens 16 --batch-invariant off --out "$RES"
   step pytest_graph 120 $PYT tests/gpu/test_graph_round_gpu.py tests/spec/test_spec_gpu.py
   step bench_spec 95 python3 -m kdtree_engine.bench_spec --device cuda --num-prompts 8 --max-tokens 128 \
     --out "$RES" --plot "$RES/spec-h200.png"
@@ -94,7 +94,7 @@ if [[ $PART == drafter ]]; then
     --out "$RES"
   step pytest_tails 80 $PYT tests/gpu/test_fused_tails_gpu.py
   step pytest_mla_vsplit 130 $PYT tests/gpu/test_mla_attention_gpu.py -k "v_split_by_t and default"
-  step bench_round 100 python3 bench/round.py --prompts 2 --max-tokens 64 --budgets 32 --warmup-tokens 16 --out "$RES"
+  step bench_round 100 python3 bench/round.py --prompts 2 --max-tokens 64 --budgets 32 --warmup-tokens 16 --batch-invariant off --out "$RES"
   step bench_spec 95 python3 -m kdtree_engine.bench_spec --device cuda --num-prompts 8 --max-tokens 128 \
     --out "$RES" --plot "$RES/spec-h200.png"
 fi
