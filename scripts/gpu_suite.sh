@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU tests and benchmarks, logs and results packed under $OUT; one device call runs one part.
-#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|last]   (on the GPU machine, from the repository root)
+#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|next|last]   (on the GPU machine, from the repository root)
 #   tune   the W4A16 config sweep, the bitwise and CUDA-graph GPU tests, the demo's spec benchmark
 #   check  the remaining GPU tests (kernels, batch invariance, target, attention), kernel and round benches
 #   bench  the benchmarks with long runs (K2 step, attention, GEMM)
@@ -16,6 +16,8 @@
 #          norm + rope), the round and demo spec benches
 #   vsplit the bitwise GPU tests, the attention invariance tests, the attention and K2-step benches
 #   close  the demo's greedy spec == plain GPU test
+#   next   the round bench with the engine's defaults (batch invariance on) and the two GPU tests whose
+#          compile time outran their step caps (graph rounds with Triton attention, demo logits alone)
 #   last   the round benchmark and the longest-compiling GPU tests (device-length attention, demo bitwise)
 # Each step has its own time cap so one slow step cannot take the rest with it; the results tarball
 # is rebuilt after every step (only a few files come back from the machine).
@@ -107,6 +109,11 @@ if [[ $PART == vsplit ]]; then
 fi
 if [[ $PART == close ]]; then
   step pytest_bitwise_demo 150 $PYT tests/gpu/test_bitwise_gpu.py -k "greedy_spec_equals_plain_demo"
+fi
+if [[ $PART == next ]]; then
+  step bench_round 110 python3 bench/round.py --prompts 2 --max-tokens 64 --budgets 32 --warmup-tokens 16 --out "$RES"
+  step pytest_graph_triton_attn 230 $PYT tests/gpu/test_graph_round_gpu.py -k triton_attention
+  step pytest_bitwise_demo_logits 230 $PYT tests/gpu/test_bitwise_gpu.py -k demo_logits_alone
 fi
 if [[ $PART == last ]]; then
   step bench_round 110 python3 bench/round.py --out "$RES"
