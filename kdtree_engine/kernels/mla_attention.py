@@ -84,6 +84,13 @@ from .common import DTYPES, bucket, interpreting
 LOG2E = 1.4426950408889634
 
 
+# Narrowest output-column slice the decode rule (MLAConfig.DECODE_MIN_PROGRAMS) may cut: bit equality
+# with one slice is checked at 64 columns (C = 512 in 8) by tests/gpu/test_mla_attention_gpu.py;
+# narrower P @ V tiles compile to another MMA shape whose rounding differs (seen on the demo model,
+# C = 64 cut into 16-column slices: plain decoding left the verify's bits).
+DECODE_MIN_SLICE = 64
+
+
 @dataclass(frozen=True)
 class MLAConfig:
     """Launch config of the chunk kernel.
@@ -119,16 +126,17 @@ class MLAConfig:
     # (bench/results/mla_attention-decode-sweep-h200.md)
     DECODE_MIN_PROGRAMS: int = 0
 
-    def v_split(self, T: int, programs: int | None = None) -> int:
-        """Output-column slices for a launch of T queries with `programs` programs per slice (None: the
-        config's own V_SPLIT / V_SPLIT_BY_T, without the decode rule)."""
+    def v_split(self, T: int, programs: int | None = None, columns: int = 0) -> int:
+        """Output-column slices for a launch of T queries with `programs` programs per slice over
+        `columns` output columns (programs None: the config's own V_SPLIT / V_SPLIT_BY_T, no decode rule)."""
         vs = self.V_SPLIT
         for max_t, v in self.V_SPLIT_BY_T:
             if T <= max_t:
                 vs = v
                 break
         if T == 1 and self.DECODE_MIN_PROGRAMS and programs is not None:
-            while vs < 8 and programs * vs < self.DECODE_MIN_PROGRAMS:
+            while (vs < 8 and programs * vs < self.DECODE_MIN_PROGRAMS
+                   and columns // (2 * vs) >= DECODE_MIN_SLICE):
                 vs *= 2
         return vs
 
@@ -168,10 +176,6 @@ DEFAULT_CONFIGS: list[tuple[int, MLAConfig]] = [
                         KEYS_ON_M=False, Q_IN_LOOP=False, V_SPLIT_BY_T=(), DECODE_MIN_PROGRAMS=128)),
 ]
 
-
-# Narrowest output-column slice DECODE_MIN_PROGRAMS may cut (bit equality with one slice is checked at
-# 64 columns, C = 512 in 8, by tests/gpu/test_mla_attention_gpu.py).
-DECODE_MIN_SLICE = 64
 
 # Merge kernel tiles (fixed: they set the summation order of the merge).
 MERGE_BLOCK_D = 128
@@ -436,10 +440,10 @@ def tree_gather_index(tree_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return idx.contiguous(), nvis.contiguous()
 
 
-def _plan(C: int, R: int, N: int, T: int, dtype: torch.dtype, config: MLAConfig | None, n_chunks: int
+def _plan(C: int, R: int, N: int, T: int, dtype: torch.dtype, config: MLAConfig | None, n_keys: int
           ) -> tuple[MLAConfig, int, int, int, int, bool, str]:
     """Launch constants shared by both launches: (config, CP, RP, V_SPLIT, DV, upcast, input precision).
-    n_chunks: the launch's key chunks (with the row tiles, what a decode launch's V_SPLIT is sized by)."""
+    n_keys: the keys the launch's grid covers (its chunks and row tiles size a decode launch's V_SPLIT)."""
     cfg = config or default_config(N)
     if cfg.CHUNK % cfg.BLOCK_N:
         raise ValueError(f"CHUNK {cfg.CHUNK} must be a multiple of BLOCK_N {cfg.BLOCK_N}")
@@ -450,14 +454,7 @@ def _plan(C: int, R: int, N: int, T: int, dtype: torch.dtype, config: MLAConfig 
             raise ValueError(f"V_SPLIT {vs} must divide {CP} into slices of >= 16 columns")
     if cfg.BLOCK_M < 16 or cfg.BLOCK_N < 16:
         raise ValueError(f"BLOCK_M {cfg.BLOCK_M} and BLOCK_N {cfg.BLOCK_N} must be >= 16 (tl.dot)")
-    v_split = cfg.v_split(T, triton.cdiv(T * N, cfg.BLOCK_M) * n_chunks)
-    if cfg.DECODE_MIN_PROGRAMS:
-        # the decode rule keeps slices of >= 64 columns (and never adds slices to a config's own V_SPLIT
-        # below that): narrower P @ V tiles compile to another MMA shape whose rounding differs (seen on
-        # the demo model, C = 64 cut into 16-column slices: plain decoding left the verify's bits)
-        base = cfg.v_split(T)
-        while v_split > base and CP // v_split < DECODE_MIN_SLICE:
-            v_split //= 2
+    v_split = cfg.v_split(T, triton.cdiv(T * N, cfg.BLOCK_M) * triton.cdiv(n_keys, cfg.CHUNK), CP)
     upcast = interpreting()  # fp32 operands and row-exact dots under the interpreter
     prec = "ieee" if (dtype == torch.float32 or upcast) else "tf32"
     return cfg, CP, RP, v_split, CP // v_split, upcast, prec
@@ -488,8 +485,7 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, sta
     out = torch.empty((T, N, C), device=q_lat.device, dtype=q_lat.dtype)
     if T == 0 or N == 0:
         return out
-    cfg0 = config or default_config(N)
-    cfg, CP, RP, VS, DV, upcast, prec = _plan(C, R, N, T, q_lat.dtype, config, triton.cdiv(S + T, cfg0.CHUNK))
+    cfg, CP, RP, VS, DV, upcast, prec = _plan(C, R, N, T, q_lat.dtype, config, S + T)
     qk_scale = float(scale) * LOG2E
     causal = tree_mask is None
     dev = kv.device
@@ -559,8 +555,7 @@ def mla_attention_device(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tens
     out = torch.empty((T, N, C), device=q_lat.device, dtype=q_lat.dtype)
     if T == 0 or N == 0:
         return out
-    cfg0 = config or default_config(N)
-    cfg, CP, RP, VS, DV, upcast, prec = _plan(C, R, N, T, q_lat.dtype, config, triton.cdiv(cap, cfg0.CHUNK))
+    cfg, CP, RP, VS, DV, upcast, prec = _plan(C, R, N, T, q_lat.dtype, config, cap)
     dev = kv.device
     s_dev = start.reshape(1).to(device=dev, dtype=torch.int32)
     idx, nvis = gather_index if gather_index is not None else tree_gather_index(tree_mask.to(dev))

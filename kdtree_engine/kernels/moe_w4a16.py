@@ -79,9 +79,9 @@ class MoEConfig:
 
 # (max T * top_k, config); first match wins. BLOCK_K and SWAP_AB are shared (batch invariance).
 MOE_CONFIGS: list[tuple[int, MoEConfig]] = [
-    # bench/results/kernels-h200-sweep.md (K2 layer, 384 experts top-8): bf16x2 with pipelined scales and
-    # the gate/up GEMM split in two over H, T = 1 / 4 / 16: 136 / 443 / 1463 us (147 / 468 / 1568 unsplit,
-    # 162 / 582 / 1936 for the "float" dequant)
+    # bench/results/kernels-h200-sweep-splitk.md (K2 layer, 384 experts top-8): bf16x2 with pipelined
+    # scales and the gate/up GEMM split in two over H, T = 1 / 4 / 16: 136 / 443 / 1463 us (147 / 468 /
+    # 1568 unsplit; 162 / 582 / 1936 for the "float" dequant, bench/results/kernels-h200-sweep.md)
     (8, MoEConfig(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=3, DEQUANT="bf16x2", SPLIT_K=2)),
     (256, MoEConfig(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=3, DEQUANT="bf16x2", SPLIT_K=2)),
     (1024, MoEConfig(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=3, DEQUANT="bf16x2", SPLIT_K=2)),

@@ -239,9 +239,9 @@ def test_decode_min_programs_sizes_v_split():
     """DECODE_MIN_PROGRAMS doubles V_SPLIT (to 8 at most) for T = 1 launches with too few programs, on top
     of V_SPLIT_BY_T; launches of several queries keep their bucket's V_SPLIT."""
     cfg = MLAConfig(DECODE_MIN_PROGRAMS=128)
-    assert [cfg.v_split(1, p) for p in (8, 16, 33, 64, 100, 128, 4096)] == [8, 8, 4, 2, 2, 1, 1]
-    assert cfg.v_split(16, 8) == 1 and cfg.v_split(2, 8) == 1
-    assert MLAConfig(DECODE_MIN_PROGRAMS=128, V_SPLIT_BY_T=((1, 4),)).v_split(1, 64) == 4
+    assert [cfg.v_split(1, p, 512) for p in (8, 16, 33, 64, 100, 128, 4096)] == [8, 8, 4, 2, 2, 1, 1]
+    assert cfg.v_split(16, 8, 512) == 1 and cfg.v_split(2, 8, 512) == 1
+    assert MLAConfig(DECODE_MIN_PROGRAMS=128, V_SPLIT_BY_T=((1, 4),)).v_split(1, 64, 512) == 4
     assert MLAConfig().v_split(1, 8) == 1
 
 
@@ -252,8 +252,9 @@ def test_decode_rule_keeps_slices_of_64_columns():
     from kdtree_engine.kernels.mla_attention import _plan
 
     cfg = MLAConfig(DECODE_MIN_PROGRAMS=128)
-    assert _plan(64, 32, 4, 1, torch.float32, cfg, 2)[3] == 1
-    assert _plan(256, 64, 8, 1, torch.float32, cfg, 2)[3] == 4
-    assert _plan(512, 64, 8, 1, torch.float32, cfg, 8)[3] == 8
-    assert _plan(512, 64, 8, 16, torch.float32, cfg, 8)[3] == 1
-    assert _plan(64, 32, 4, 1, torch.float32, MLAConfig(DECODE_MIN_PROGRAMS=128, V_SPLIT_BY_T=((1, 2),)), 2)[3] == 2
+    assert _plan(64, 32, 4, 1, torch.float32, cfg, 2 * 512)[3] == 1
+    assert _plan(256, 64, 8, 1, torch.float32, cfg, 2 * 512)[3] == 4
+    assert _plan(512, 64, 8, 1, torch.float32, cfg, 8 * 512)[3] == 8
+    assert _plan(512, 64, 8, 16, torch.float32, cfg, 8 * 512)[3] == 1
+    assert _plan(64, 32, 4, 1, torch.float32, MLAConfig(DECODE_MIN_PROGRAMS=128, V_SPLIT_BY_T=((1, 2),)),
+                 2 * 512)[3] == 2
