@@ -16,6 +16,10 @@ the report gives:
   sampled tokens are only equal in distribution);
 * ``accept_len_hist``: rounds per accepted length, index i = length i + 1.
 
+``dflash`` is the drafter's whole argmax chain (block size - 1 drafts) and, for every budget below
+that, the chain cut to the budget (``dflash-8``: 8 drafts, the verify width of ``ddtree-8``): the
+report sets each DDTree budget beside the chain of the same width and beside the whole chain.
+
 Plain decoding is always run (it is the reference for speedup and losslessness). Generation ignores
 EOS by default so that every prompt produces ``--max-tokens`` tokens (``--stop-at-eos`` to stop).
 
@@ -182,10 +186,15 @@ def environment(device: Any, dtype: Any) -> dict[str, Any]:
 
 # ---- the benchmark ---------------------------------------------------------------------------
 
-def settings_for(methods: Sequence[str], budgets: Sequence[int | str]) -> list[tuple[str, int | str | None]]:
+def settings_for(methods: Sequence[str], budgets: Sequence[int | str],
+                 block_size: int | None = None) -> list[tuple[str, int | str | None]]:
+    """(method, budget) per setting; with ``block_size``, dflash also runs cut to every budget below
+    its whole chain (block_size - 1 drafts)."""
     out: list[tuple[str, int | str | None]] = [("none", None)]  # always: the reference
     if "dflash" in methods:
         out.append(("dflash", None))
+        if block_size is not None:
+            out.extend(("dflash", b) for b in budgets if isinstance(b, int) and b < block_size - 1)
     if "ddtree" in methods:
         out.extend(("ddtree", b) for b in budgets)
     return out
@@ -304,6 +313,27 @@ def best_ddtree(records: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
     return max(trees, key=lambda r: r["tokens_per_s"]) if trees else None
 
 
+def whole_chain(records: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    """The dflash record with the drafter's whole chain."""
+    return next((r for r in records if r["method"] == "dflash" and r["budget"] is None), None)
+
+
+def tree_vs_chain(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per DDTree budget: its tau beside the chain of the same width (``dflash-b``, or the whole chain
+    when b reaches it) and beside the whole chain."""
+    whole = whole_chain(records)
+    cut = {r["budget"]: r for r in records if r["method"] == "dflash" and r["budget"] is not None}
+    rows = []
+    for r in records:
+        if r["method"] != "ddtree" or not isinstance(r["budget"], int) or whole is None:
+            continue
+        same = cut.get(r["budget"], whole if r["budget"] not in cut else None)
+        rows.append({"budget": r["budget"], "tau": r["tau"], "chain_setting": same["setting"],
+                     "chain_tau": same["tau"], "ahead_of_same_width": r["tau"] > same["tau"],
+                     "whole_chain_tau": whole["tau"], "ahead_of_whole_chain": r["tau"] > whole["tau"]})
+    return rows
+
+
 def _f(x: Any, nd: int = 2) -> str:
     if x is None:
         return "-"
@@ -353,9 +383,18 @@ def markdown(report: dict[str, Any]) -> str:
     if best is not None:
         L += ["", f"Accepted length per round, best DDTree budget ({best['setting']}, rounds per length 1, 2, ...): "
               f"{best['accept_len_hist']}"]
-        dfl = next((r for r in recs if r["method"] == "dflash"), None)
+        dfl = whole_chain(recs)
         if dfl is not None:
             L.append(f"DFlash: {dfl['accept_len_hist']}")
+    vs = tree_vs_chain(recs)
+    if vs:
+        L += ["", "DDTree against the DFlash chain (tau): the chain of the same width (the budget's first argmax "
+              "drafts) and the whole chain.", "",
+              "| budget | DDTree tau | chain, same width | chain tau | DDTree ahead | whole chain tau | DDTree ahead |",
+              "|---:|---:|---|---:|---|---:|---|"]
+        for v in vs:
+            L.append(f"| {v['budget']} | {_f(v['tau'])} | {v['chain_setting']} | {_f(v['chain_tau'])} | "
+                     f"{_f(v['ahead_of_same_width'])} | {_f(v['whole_chain_tau'])} | {_f(v['ahead_of_whole_chain'])} |")
     L += ["", "Prompts:", ""]
     for i, p in enumerate(report["prompts"]):
         first = (p["text"] or "").strip().splitlines()[0][:70] if p.get("text") else f"{len(p['ids'])} ids"
@@ -373,8 +412,9 @@ def plot(report: dict[str, Any], path: str | Path) -> None:
         raise RuntimeError("--plot needs matplotlib (pip install matplotlib)") from None
     recs = report["results"]
     trees = [r for r in recs if r["method"] == "ddtree" and r["budget"] != "auto"]
+    chains = [r for r in recs if r["method"] == "dflash" and r["budget"] is not None]
     auto = next((r for r in recs if r["method"] == "ddtree" and r["budget"] == "auto"), None)
-    dfl = next((r for r in recs if r["method"] == "dflash"), None)
+    dfl = whole_chain(recs)
     best = best_ddtree(recs)
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     for ax, key, label in ((axes[0], "tau", "tau (mean accepted length per round)"),
@@ -383,8 +423,11 @@ def plot(report: dict[str, Any], path: str | Path) -> None:
             ax.plot([r["budget"] for r in trees], [r[key] for r in trees], "o-", label="DDTree")
             ax.set_xscale("log", base=2)
             ax.set_xticks([r["budget"] for r in trees], [str(r["budget"]) for r in trees])
+        if chains:
+            ax.plot([r["budget"] for r in chains], [r[key] for r in chains], "s:", color="C1",
+                    label="DFlash chain cut to the budget")
         if dfl is not None:
-            ax.axhline(dfl[key], color="C1", linestyle="--", label=f"DFlash ({dfl[key]:.2f})")
+            ax.axhline(dfl[key], color="C1", linestyle="--", label=f"DFlash whole chain ({dfl[key]:.2f})")
         if auto is not None:
             ax.axhline(auto[key], color="C2", linestyle="-.", label=f"DDTree auto ({auto[key]:.2f})")
         if key == "speedup":
@@ -544,7 +587,7 @@ def cmd_bench_spec(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
                             ignore_eos=not args.stop_at_eos)
     env = environment(device, dtype)
-    settings = settings_for(args.methods, args.budgets)
+    settings = settings_for(args.methods, args.budgets, getattr(drafter, "block_size", None))
     log.info("bench spec: %d prompts x %d settings on %s (%s, %d threads)", len(prompts), len(settings), device,
              env["dtype"], env["threads"])
     t0 = time.perf_counter()
@@ -565,6 +608,7 @@ def cmd_bench_spec(args: argparse.Namespace) -> int:
                    "prompt_source": source, "warmup": not args.no_warmup, "repeats": args.repeats},
         "prompts": [{"source": p.source, "ids": p.ids, "text": p.text} for p in prompts],
         "results": records,
+        "tree_vs_chain": tree_vs_chain(records),
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -91,7 +91,8 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
                    help="decoding strategy (default: ddtree with --draft, else none)")
     p.add_argument("--budget", type=_budget, default=None,
                    help="ddtree: non-root tree nodes, or 'auto': chosen each round from the measured verify cost "
-                        "and the drafter's running acceptance (default block size - 1)")
+                        "and the drafter's running acceptance (default block size - 1); dflash: the chain's "
+                        "length (default block size - 1)")
     p.add_argument("--batch-invariant", choices=["on", "off"], default="on",
                    help="on (default): CUDA kernels whose per-row result does not depend on how many rows share "
                         "the launch, so greedy speculative output equals plain decoding bit for bit in bfloat16; "
@@ -135,8 +136,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     spec = args.spec or ("ddtree" if draft else "none")
     if budget is None and demo and spec == "ddtree":
         budget = DEMO_BUDGET
-    if budget is not None and spec != "ddtree":
-        raise BadInput(f"--budget applies to --spec ddtree only (spec is {spec})")
+    if budget is not None and spec == "none":
+        raise BadInput("--budget applies to --spec ddtree / dflash only (spec is none)")
+    if budget == "auto" and spec != "ddtree":
+        raise BadInput(f"--budget auto applies to --spec ddtree only (spec is {spec})")
     llm = LLM(model, draft=draft, spec=spec, budget=budget, device=args.device, dtype=args.dtype,
               quantize=args.quantize, batch_invariant=args.batch_invariant == "on", progress=True,
               eager=True if (args.eager or args.show_tree) else None)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU tests and benchmarks, logs and results packed under $OUT; one device call runs one part.
-#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|next|last]   (on the GPU machine, from the repository root)
+#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|next|chain|last]   (on the GPU machine, from the repository root)
 #   tune   the W4A16 config sweep, the bitwise and CUDA-graph GPU tests, the demo's spec benchmark
 #   check  the remaining GPU tests (kernels, batch invariance, target, attention), kernel and round benches
 #   bench  the benchmarks with long runs (K2 step, attention, GEMM)
@@ -18,6 +18,8 @@
 #   close  the demo's greedy spec == plain GPU test
 #   next   the round bench with the engine's defaults (batch invariance on) and the two GPU tests whose
 #          compile time outran their step caps (graph rounds with Triton attention, demo logits alone)
+#   chain  the demo spec benches (8 and 32 prompts) with the DFlash chain cut to each budget, DDTree
+#          budget auto against fixed budgets (eager rounds), the graph-vs-plain spec GPU test
 #   last   the round benchmark and the longest-compiling GPU tests (device-length attention, demo bitwise)
 # Each step has its own time cap so one slow step cannot take the rest with it; the results tarball
 # is rebuilt after every step (only a few files come back from the machine).
@@ -114,6 +116,15 @@ if [[ $PART == next ]]; then
   step bench_round 110 python3 bench/round.py --prompts 2 --max-tokens 64 --budgets 32 --warmup-tokens 16 --out "$RES"
   step pytest_graph_triton_attn 230 $PYT tests/gpu/test_graph_round_gpu.py -k triton_attention
   step pytest_bitwise_demo_logits 230 $PYT tests/gpu/test_bitwise_gpu.py -k demo_logits_alone
+fi
+if [[ $PART == chain ]]; then
+  step pytest_spec 120 $PYT tests/spec/test_spec_gpu.py
+  step bench_spec 110 python3 -m kdtree_engine.bench_spec --device cuda --num-prompts 8 --max-tokens 128 \
+    --out "$RES" --plot "$RES/spec-h200.png"
+  step bench_spec32 130 python3 -m kdtree_engine.bench_spec --device cuda --num-prompts 32 --max-tokens 128 \
+    --out "$RES/spec32" --plot "$RES/spec32/spec-h200.png"
+  step bench_spec_auto 150 python3 -m kdtree_engine.bench_spec --device cuda --num-prompts 8 --max-tokens 128 \
+    --eager --methods none,ddtree --budgets 8,16,32,64,auto --out "$RES/auto" --plot "$RES/auto/spec-h200.png"
 fi
 if [[ $PART == last ]]; then
   step bench_round 110 python3 bench/round.py --out "$RES"

@@ -50,7 +50,11 @@ def test_bench_spec_tiny(dirs, tmp_path, capsys) -> None:
     report = json.loads((out / "spec-cpu.json").read_text())
     assert (out / "spec-cpu.md").read_text().startswith("# Speculative decoding benchmark (cpu)")
     names = [r["setting"] for r in report["results"]]
-    assert names == ["none", "dflash", "ddtree-2", "ddtree-4"]
+    assert names == ["none", "dflash", "dflash-2", "ddtree-2", "ddtree-4"]  # block 4: chain cut below 3 drafts
+    cut = report["results"][2]
+    assert cut["budget"] == 2 and len(cut["accept_len_hist"]) <= 3 and cut["draft_tokens"] <= 2 * cut["rounds"]
+    assert [(v["budget"], v["chain_setting"]) for v in report["tree_vs_chain"]] == [(2, "dflash-2"), (4, "dflash")]
+    assert "DDTree against the DFlash chain" in (out / "spec-cpu.md").read_text()
     assert len(report["prompts"]) == 2
     for rec in report["results"]:
         assert rec["lossless"] is True, rec["setting"]

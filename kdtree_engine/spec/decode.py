@@ -61,10 +61,12 @@ class SpecError(ValueError):
 
 @dataclass(frozen=True)
 class SpecConfig:
-    """How to decode: ``method`` none | dflash | ddtree; ``budget`` = non-root tree nodes (ddtree).
+    """How to decode: ``method`` none | dflash | ddtree; ``budget`` = non-root tree nodes.
 
-    For ddtree, ``budget`` None means block size - 1 (the chain's node count); ``"auto"`` picks
-    it per round (see :mod:`kdtree_engine.spec.budget`).
+    ddtree: ``budget`` None means block size - 1 (the chain's node count); ``"auto"`` picks it per
+    round (see :mod:`kdtree_engine.spec.budget`). dflash: ``budget`` is the chain's length (the first
+    ``budget`` argmax drafts, at most block size - 1; None: all of them), the chain at the same verify
+    width as a tree of that budget.
     """
 
     method: str = "none"
@@ -79,8 +81,11 @@ class SpecConfig:
                     raise SpecError(f"spec field 'budget' must be a positive integer or {AUTO!r}, got {self.budget!r}")
             elif not isinstance(self.budget, int) or isinstance(self.budget, bool) or self.budget < 1:
                 raise SpecError(f"spec field 'budget' must be a positive integer or {AUTO!r}, got {self.budget!r}")
-            if self.method != "ddtree":
-                raise SpecError(f"spec field 'budget' applies to --spec ddtree only (method is {self.method!r})")
+            if self.method == "none":
+                raise SpecError("spec field 'budget' applies to --spec ddtree / dflash only (method is 'none')")
+            if self.method == "dflash" and self.budget == AUTO:
+                raise SpecError(f"spec field 'budget' {AUTO!r} applies to --spec ddtree only; "
+                                "--spec dflash takes a chain length")
 
 
 @dataclass
@@ -191,11 +196,14 @@ def generate(target: Target, prompt_ids: list[int], params: SamplingParams, *,
     """
     sc = resolve_spec(spec, drafter, budget)
     check_prompt(target, prompt_ids)
+    if sc.method == "dflash" and sc.budget is not None and sc.budget > drafter.block_size - 1:
+        raise SpecError(f"--budget {sc.budget} for --spec dflash is longer than the drafter's chain "
+                        f"(block size {drafter.block_size}: at most {drafter.block_size - 1} drafts)")
     if pick_round_mode(sc, params, drafter, target, eager, tree_impl) == "graph":
         from .device_decode import generate_device
         return generate_device(target, prompt_ids, params, method=sc.method,
                                drafter=drafter if sc.method != "none" else None,
-                               budget=sc.budget if sc.method == "ddtree" else None, graph=True,
+                               budget=sc.budget, graph=True,
                                on_tokens=on_tokens)
     impl = pick_tree_impl(tree_impl, target.device) if sc.method == "ddtree" else "vectorized"
     if drafter is not None and sc.method != "none" and hasattr(drafter, "check_target"):
@@ -210,8 +218,11 @@ def generate(target: Target, prompt_ids: list[int], params: SamplingParams, *,
     B = drafter.block_size if use_draft else 1
     auto = sc.method == "ddtree" and sc.budget == AUTO
     max_budget = auto_max_budget(B, cfg.vocab_size) if auto else (sc.budget or B - 1)
-    tree_nodes = 1 if not use_draft else (B if sc.method == "dflash" else 1 + max_budget)
+    chain = (sc.budget or B - 1) if sc.method == "dflash" else B - 1  # drafts used per round
+    tree_nodes = 1 if not use_draft else (1 + chain if sc.method == "dflash" else 1 + max_budget)
     stats: dict[str, Any] = {"prompt_tokens": S, "spec": sc.method}
+    if sc.method == "dflash" and sc.budget is not None:
+        stats["budget"] = chain
     if sc.method == "ddtree":
         stats["budget"] = AUTO if auto else max_budget
     if auto:
@@ -258,7 +269,7 @@ def generate(target: Target, prompt_ids: list[int], params: SamplingParams, *,
             before = dict(timer.totals) if chooser is not None else None
             timer.start()
             # drafts past the request's end or the context limit are never used
-            depth = min(B - 1, emit.remaining - 1, cfg.max_position_embeddings - 1 - start)
+            depth = min(chain, emit.remaining - 1, cfg.max_position_embeddings - 1 - start)
             if depth > 0:
                 draft_logits = drafter.propose(target, ctx, bonus, dcache, start)[:depth]  # [depth, V]
             timer.lap("draft_s")

@@ -82,7 +82,7 @@ def generate_device(target: Target, prompt_ids: list[int], params: SamplingParam
     limit = min(params.max_tokens, cfg.max_position_embeddings - S)
     emit = Emitter(target, params, limit, on_tokens)
     stats: dict[str, Any] = {"prompt_tokens": S, "spec": method, "rounds_mode": "graph" if graph else "device-eager"}
-    if method == "ddtree":
+    if method == "ddtree" or (method == "dflash" and budget is not None):
         stats["budget"] = budget or drafter.block_size - 1
     timer = _Timer(dev)
     B = drafter.block_size if method != "none" else 1

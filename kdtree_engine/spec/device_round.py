@@ -37,8 +37,8 @@ def tree_nodes(method: str, block_size: int, budget: int | None, vocab: int) -> 
     """N1 = verify width of a round (root included) for a full-depth tree."""
     if method == "none":
         return 1
-    if method == "dflash":
-        return block_size
+    if method == "dflash":  # the argmax chain, ``budget`` drafts long (None: all B - 1)
+        return 1 + min(budget or block_size - 1, block_size - 1)
     b = budget or block_size - 1
     return tree_size(b, block_size - 1, min(b, vocab)) + 1
 
@@ -79,7 +79,9 @@ class DeviceRound:
         self.drafter = drafter if method != "none" else None
         dev = target.device
         self.B = self.drafter.block_size if self.drafter is not None else 1
-        self.budget = (budget or self.B - 1) if method == "ddtree" else None
+        self.budget = (budget or self.B - 1) if method != "none" else None  # dflash: the chain's length
+        if method == "dflash" and self.budget > self.B - 1:
+            raise ValueError(f"dflash chain of {self.budget} drafts is longer than block size {self.B} allows")
         self.n1 = tree_nodes(method, self.B, self.budget, target.cfg.vocab_size)
         self.m = min(self.B, self.n1)
         self.capacity = capacity
@@ -139,7 +141,7 @@ class DeviceRound:
         h = self.drafter.forward_static(self.ctx, self.n_ctx, self.target.embed(block), self.dcache, self.start)
         draft_logits = self.target.lm_head(h[1:])  # [B-1, V]
         if self.method == "dflash":
-            return chain_tree(self.bonus, greedy(draft_logits), self.start)
+            return chain_tree(self.bonus, greedy(draft_logits[: self.budget]), self.start)
         from ..kernels.dispatch import build_draft_tree
         lp, ids = topk_logprobs(draft_logits, self.budget)  # [B-1, K]
         return build_draft_tree(lp, ids, self.budget, self.bonus, self.start)

@@ -124,7 +124,7 @@ class _Registry:
 def _width(target: Target, drafter: Any, method: str, budget: int | None) -> int:
     from .device_round import tree_nodes
     B = drafter.block_size if (drafter is not None and method != "none") else 1
-    return tree_nodes(method, B, budget if method == "ddtree" else None, target.cfg.vocab_size)
+    return tree_nodes(method, B, budget if method != "none" else None, target.cfg.vocab_size)
 
 
 ROUNDS = _Registry()

@@ -127,7 +127,7 @@ def test_device_rounds_equal_plain_decoding_tiny():
     params = SamplingParams(max_tokens=20, ignore_eos=True)
     for prompt in ([5, 6, 7, 8], [3, 200, 17, 99, 41, 2, 250]):
         ref = generate(target, prompt, params)
-        for method, budget in (("none", None), ("dflash", None), ("ddtree", 3), ("ddtree", 16)):
+        for method, budget in (("none", None), ("dflash", None), ("dflash", 2), ("ddtree", 3), ("ddtree", 16)):
             for ahead in (False, True):   # True: the next round queued before the last is read (CUDA's loop)
                 r = generate_device(target, prompt, params, method=method,
                                     drafter=None if method == "none" else drafter, budget=budget, graph=False,

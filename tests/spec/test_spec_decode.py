@@ -87,6 +87,25 @@ def test_oracle_reaches_block_size():
         assert r.stats["accepted_per_depth"] == [3] * (B - 1)
 
 
+def test_dflash_chain_budget_truncates_the_chain():
+    """--spec dflash --budget L verifies the first L argmax drafts: a perfect drafter then gives
+    tau = L + 1 per round, output equal to plain decoding; longer chains than the block are refused."""
+    cfg = preset("k2-tiny")
+    target = Target.random(cfg, seed=3)
+    prompt, B = [5, 9, 13, 2], 5
+    params = SamplingParams(max_tokens=1 + 3 * 3, ignore_eos=True)  # prefill token + 3 rounds of 3 tokens
+    ref = generate(target, prompt, params)
+    oracle = _oracle(target, prompt, ref.token_ids, block=B, miss=0.0)
+    r = generate(target, prompt, params, spec="dflash", drafter=oracle, budget=2)
+    assert r.token_ids == ref.token_ids
+    assert r.stats["rounds"] == 3 and r.stats["tau"] == 3 and r.stats["budget"] == 2, r.stats
+    assert r.stats["draft_tokens"] == 6 and r.stats["accepted_per_depth"][:3] == [3, 3, 0]
+    with pytest.raises(SpecError, match="longer than the drafter's chain"):
+        generate(target, prompt, params, spec="dflash", drafter=oracle, budget=B)
+    with pytest.raises(SpecError, match="ddtree only"):
+        generate(target, prompt, params, spec="dflash", drafter=oracle, budget="auto")
+
+
 def _cut_setup():
     cfg = preset("k2-tiny")
     target = Target.random(cfg, seed=5)
