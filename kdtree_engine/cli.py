@@ -99,7 +99,7 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
                         "off: the fastest kernels (cuBLAS), equal up to floating point only")
     p.add_argument("--eager", action="store_true",
                    help="run each decoding round from the host (stage timers, --show-tree, sampling) instead of "
-                        "replaying it from a CUDA graph (the default on CUDA for greedy decoding with a fixed budget)")
+                        "replaying it from a CUDA graph (the default on CUDA with a fixed budget)")
     p.add_argument("--compare", action=argparse.BooleanOptionalAction, default=None,
                    help="also run plain decoding and report the speedup (default: on for the embedded demo)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")

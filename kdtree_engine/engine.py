@@ -117,7 +117,7 @@ class LLM:
                  quantize: str | None = None, batch_invariant: bool = True, progress: bool = True,
                  eager: bool | None = None) -> None:
         """``eager``: True = rounds driven from the host; False = each round replayed from a CUDA graph
-        (greedy, CUDA); None = graphs where they apply (see ``spec.decode.pick_round_mode``)."""
+        (CUDA, a fixed budget); None = graphs where they apply (see ``spec.decode.pick_round_mode``)."""
         from .kernels.dispatch import set_batch_invariant
         from .spec.decode import resolve_spec
 

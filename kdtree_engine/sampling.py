@@ -107,3 +107,16 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     flat = probs.reshape(-1, probs.shape[-1])  # [R, V]
     tok = torch.multinomial(flat, 1, generator=generator).squeeze(-1)  # [R]
     return tok.reshape(probs.shape[:-1])
+
+
+def sample_with_noise(logits: torch.Tensor, params: SamplingParams, noise: torch.Tensor) -> torch.Tensor:
+    """One token per row by the exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) i.i.d.
+
+    logits [..., V], noise [..., V] float32 (the caller draws it: ``noise.exponential_(generator=g)``)
+    -> LongTensor [...]. The winner is distributed as p (p_i = 0 never wins), and no random number is
+    drawn here, so a CUDA graph can replay it with fresh noise written into the same buffer each time.
+    """
+    if params.greedy:
+        return greedy(logits)
+    probs = probs_from_logits(logits, params)
+    return torch.argmax(probs / noise.clamp_min(1e-30), dim=-1)  # E = 0 (u = 0) must not give 0 / 0

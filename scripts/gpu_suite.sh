@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU tests and benchmarks, logs and results packed under $OUT; one device call runs one part.
-#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|next|chain|last]   (on the GPU machine, from the repository root)
+#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|next|chain|sample|last]   (on the GPU machine, from the repository root)
 #   tune   the W4A16 config sweep, the bitwise and CUDA-graph GPU tests, the demo's spec benchmark
 #   check  the remaining GPU tests (kernels, batch invariance, target, attention), kernel and round benches
 #   bench  the benchmarks with long runs (K2 step, attention, GEMM)
@@ -20,6 +20,8 @@
 #          compile time outran their step caps (graph rounds with Triton attention, demo logits alone)
 #   chain  the demo spec benches (8 and 32 prompts) with the DFlash chain cut to each budget, DDTree
 #          budget auto against fixed budgets (eager rounds), the graph-vs-plain spec GPU test
+#   sample sampled rounds in CUDA graphs: their GPU test, the demo spec bench at temperature 0.7 replayed
+#          and eager
 #   last   the round benchmark and the longest-compiling GPU tests (device-length attention, demo bitwise)
 # Each step has its own time cap so one slow step cannot take the rest with it; the results tarball
 # is rebuilt after every step (only a few files come back from the machine).
@@ -125,6 +127,13 @@ if [[ $PART == chain ]]; then
     --out "$RES/spec32" --plot "$RES/spec32/spec-h200.png"
   step bench_spec_auto 150 python3 -m kdtree_engine.bench_spec --device cuda --num-prompts 8 --max-tokens 128 \
     --eager --methods none,ddtree --budgets 8,16,32,64,auto --out "$RES/auto" --plot "$RES/auto/spec-h200.png"
+fi
+if [[ $PART == sample ]]; then
+  step pytest_sampled 200 $PYT tests/gpu/test_graph_round_gpu.py -k "sampled or default_mode" tests/spec/test_spec_gpu.py
+  step bench_spec_sample 120 python3 -m kdtree_engine.bench_spec --device cuda --num-prompts 8 --max-tokens 128 \
+    --temperature 0.7 --budgets 8,16,32 --out "$RES/sample" --plot "$RES/sample/spec-h200.png"
+  step bench_spec_sample_eager 150 python3 -m kdtree_engine.bench_spec --device cuda --num-prompts 4 --max-tokens 128 \
+    --temperature 0.7 --methods none,ddtree --budgets 16 --eager --out "$RES/sample-eager"
 fi
 if [[ $PART == last ]]; then
   step bench_round 110 python3 bench/round.py --out "$RES"

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from kdtree_engine.sampling import (SamplingError, SamplingParams, greedy, make_generator,
-                                    probs_from_logits, sample)
+                                    probs_from_logits, sample, sample_with_noise)
 
 
 def test_params_validation_names_field():
@@ -48,3 +48,26 @@ def test_sample_seeded_and_distribution():
     assert (freq - torch.tensor([0.1, 0.4, 0.2, 0.3])).abs().max() < 0.02
     one = sample(logits[0], params, make_generator(1))
     assert one.shape == () and one.dtype == torch.long
+
+
+def test_sample_with_noise_has_the_rule_distribution():
+    """The exponential race over drawn noise samples each row from probs_from_logits (chi-square per
+    row against the exact probabilities; filtered tokens never win, zero noise included)."""
+    from spec.spec_toys import chi_square_pvalue
+
+    g = torch.Generator().manual_seed(3)
+    rows, V, n = 3, 7, 20000
+    logits = torch.randn(rows, V, generator=g) * 1.5
+    params = SamplingParams(temperature=0.8, top_k=5, top_p=0.9)
+    probs = probs_from_logits(logits, params)  # [rows, V], zeros outside top-k / top-p
+    noise = torch.empty(n, rows, V).exponential_(generator=make_generator(11))
+    toks = sample_with_noise(logits.expand(n, rows, V), params, noise)  # [n, rows]
+    for r in range(rows):
+        counts = {(int(k),): int(c) for k, c in enumerate(torch.bincount(toks[:, r], minlength=V)) if c}
+        exact = {(k,): float(probs[r, k]) for k in range(V) if probs[r, k] > 0}
+        stat, pval = chi_square_pvalue(counts, exact, n)
+        assert pval > 1e-4, (r, stat, pval)
+    zero = torch.zeros(rows, V)  # u = 0 draws: no 0 / 0, the winner stays in the support
+    pick = sample_with_noise(logits, params, zero)
+    assert bool((probs.gather(1, pick[:, None]) > 0).all())
+    assert torch.equal(sample_with_noise(logits, SamplingParams(), noise[0]), greedy(logits))

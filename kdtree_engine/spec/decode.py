@@ -24,8 +24,8 @@ each stage. ``tau`` = mean accepted length per round, bonus included (1.0 for "n
 
 Two round engines, one contract: this module's loop (``eager=True``: host-side bookkeeping, stage
 timers, any sampling rule, ``budget="auto"``) and device-resident rounds (:mod:`.device_round`, replayed
-from CUDA graphs by :mod:`.graph`, looped by :mod:`.device_decode`: greedy, fixed budget, the host reads
-only the emitted tokens). :func:`pick_round_mode` chooses (graphs by default on CUDA) and logs it once.
+from CUDA graphs by :mod:`.graph`, looped by :mod:`.device_decode`: greedy or sampled, fixed budget, the
+host reads only the emitted tokens). :func:`pick_round_mode` chooses (graphs by default on CUDA) and logs it once.
 
 ``budget="auto"`` (ddtree): each round's budget is chosen by :mod:`.budget` from the measured
 verify cost curve and the drafter's calibrated acceptance; stats then carry ``budget: "auto"``,
@@ -187,8 +187,8 @@ def generate(target: Target, prompt_ids: list[int], params: SamplingParams, *,
     or ``budget="auto"``: chosen per round).
 
     ``eager``: True runs this module's round loop (host-side bookkeeping, stage timers, any sampling
-    rule; the debugging path); False replays each round from a CUDA graph (:mod:`.graph`, greedy, a
-    fixed budget); None picks graphs where they apply (see :func:`pick_round_mode`, logged once).
+    rule; the debugging path); False replays each round from a CUDA graph (:mod:`.graph`, a fixed
+    budget); None picks graphs where they apply (see :func:`pick_round_mode`, logged once).
 
     ``drafter`` is a :class:`kdtree_engine.model.dflash.DFlashDrafter` (or anything with its
     ``propose`` / ``new_cache`` / ``target_layer_ids`` / ``block_size``); it is checked against the
@@ -325,7 +325,7 @@ def pick_round_mode(sc: SpecConfig, params: SamplingParams, drafter: Any, target
                     tree_impl: str = "auto") -> str:
     """"graph" (each round replayed from a CUDA graph) or "eager" (the host-driven loop).
 
-    Graphs need a CUDA target with ``forward_static``, greedy decoding, a fixed budget, a drafter with
+    Graphs need a CUDA target with ``forward_static``, a fixed budget, a drafter with
     ``forward_static`` (dflash / ddtree) and the builder left to the round (tree_impl auto / graph /
     vectorized). ``eager=False`` when one of these fails raises SpecError; ``eager=None`` takes graphs
     when all hold, else the eager loop, and logs the choice once.
@@ -338,8 +338,6 @@ def pick_round_mode(sc: SpecConfig, params: SamplingParams, drafter: Any, target
         why = f"the target is on {dev.type}"
     elif not hasattr(target, "forward_static"):
         why = "the target has no device-resident step"
-    elif not params.greedy:
-        why = "sampling (temperature > 0) runs eagerly; graphs are greedy only"
     elif sc.budget == AUTO:
         why = "budget auto times each stage on the host"
     elif sc.method != "none" and not hasattr(drafter, "forward_static"):
@@ -352,7 +350,7 @@ def pick_round_mode(sc: SpecConfig, params: SamplingParams, drafter: Any, target
         log_once(f"rounds:eager:{why}", f"decoding rounds: eager ({why})")
         return "eager"
     log_once(f"rounds:graph:{dev.type}", f"decoding rounds on {dev.type}: one CUDA graph per round "
-             "(greedy; --eager for the host-driven loop)")
+             "(--eager for the host-driven loop)")
     return "graph"
 
 

@@ -1,4 +1,4 @@
-"""The generation loop over device-resident rounds (greedy): each round is one replay of a captured
+"""The generation loop over device-resident rounds (greedy or sampled): each round is one replay of a captured
 CUDA graph (``graph=True``) or the same round run eagerly (``graph=False``, any device), and the host
 reads only the round's emitted tokens and their count.
 
@@ -26,7 +26,7 @@ import torch
 
 from ..model.layers import log_once
 from ..model.target import Target
-from ..sampling import SamplingParams
+from ..sampling import SamplingParams, make_generator
 from .graph import ROUNDS
 
 # rounds of block size B of capacity kept free past the request for the round queued past its end
@@ -72,8 +72,6 @@ def generate_device(target: Target, prompt_ids: list[int], params: SamplingParam
     """``ahead``: None = :func:`rounds_ahead` of the target's device (tests set it to check both loops)."""
     from .decode import Emitter, GenerationResult, _finish_stats, _sync, _Timer, check_prompt
 
-    if not params.greedy:
-        raise ValueError("device-resident rounds are greedy only (temperature 0)")
     check_prompt(target, prompt_ids)
     if drafter is not None and method != "none" and hasattr(drafter, "check_target"):
         drafter.check_target(target.cfg)
@@ -93,15 +91,21 @@ def generate_device(target: Target, prompt_ids: list[int], params: SamplingParam
         return GenerationResult([], "length", _finish_stats(stats, emit, 0.0, 0.0, 0, [], per_depth, 0, timer))
     if ahead is None:
         ahead = rounds_ahead(dev)
-    rnd, runner = ROUNDS.get(target, drafter, method, budget, S + limit + (AHEAD_SLACK * B if ahead else 0), graph)
+    rnd, runner = ROUNDS.get(target, drafter, method, budget, S + limit + (AHEAD_SLACK * B if ahead else 0), graph,
+                             params)
+    gen = make_generator(params.seed, dev) if not params.greedy else None
     stats["round_capacity"] = rnd.capacity
     _sync(dev)
     t0 = time.perf_counter()
-    first = rnd.prefill(prompt_ids)
+    first = rnd.prefill(prompt_ids, gen)
     tok = int(first)
     t1 = time.perf_counter()
     done = emit.push([tok])
-    step = runner.step if runner is not None else rnd.step
+    run = runner.step if runner is not None else rnd.step
+
+    def step() -> None:
+        rnd.draw(gen)  # sampling: the round's noise, drawn outside the graph (no-op when greedy)
+        run()
     m = rnd.m
     reader = _Reader(rnd.result, pinned=ahead and dev.type == "cuda")
     k = 0

@@ -1,4 +1,4 @@
-"""One decoding round with every piece of bookkeeping on the device (greedy).
+"""One decoding round with every piece of bookkeeping on the device (greedy or sampled).
 
     draft (drafter over the cached context + the block [bonus, MASK x (B-1)])
       -> tree (dflash: argmax chain; ddtree: the best-first builder in one launch (kernels/tree_ops.py)
@@ -17,6 +17,11 @@ Fixed shapes: the tree always has the full depth B - 1 (drafts past the request'
 then cut by the host's stop rule, which never changes the tokens before the cut); ``M = min(B, N1)``
 rows are compacted and gathered every round, the ones past A land past the new committed length where
 no query looks and the next round overwrites them. Capacity must hold start + max(N1, B) slots.
+
+Sampling (temperature > 0): the target's pick at every node is the exponential race
+argmax_i p_i / E_i (:func:`kdtree_engine.sampling.sample_with_noise`) over a noise buffer [N1, V] that
+:meth:`DeviceRound.draw` refills from the request's generator before each round, outside any graph;
+the accept walk is the same as for greedy picks, so the output has the target's distribution.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from typing import Any
 import torch
 
 from ..model.target import Target
-from ..sampling import greedy
+from ..sampling import SamplingParams, greedy, sample, sample_with_noise
 from .accept import accept_path_mask
 from .tree import DraftTree, chain_tree, topk_logprobs, tree_size
 
@@ -70,7 +75,8 @@ def emitted_tokens(tree_tokens: torch.Tensor, acc: torch.Tensor, count: torch.Te
 class DeviceRound:
     """State and step of device-resident rounds for one (target, drafter, method, budget, capacity)."""
 
-    def __init__(self, target: Target, drafter: Any, method: str, budget: int | None, capacity: int) -> None:
+    def __init__(self, target: Target, drafter: Any, method: str, budget: int | None, capacity: int,
+                 sampling: SamplingParams | None = None) -> None:
         if method not in DEVICE_ROUND_METHODS:
             raise ValueError(f"method must be one of {DEVICE_ROUND_METHODS}, got {method!r}")
         if method != "none" and drafter is None:
@@ -97,6 +103,15 @@ class DeviceRound:
         self.ctx = torch.zeros((self.B, max(feat, 1)), dtype=target.dtype, device=dev)  # drafter context rows
         self.n_ctx = torch.zeros((), dtype=torch.long, device=dev)  # valid rows of ctx
         self.result = torch.zeros((self.m + 1,), dtype=torch.long, device=dev)  # emitted [M] + count
+        # sampling: the rule (temperature, top-k, top-p) is part of the round; its noise [N1, V] is not
+        self.sampling = sampling if sampling is not None and not sampling.greedy else None
+        self.noise = (torch.ones((self.n1, target.cfg.vocab_size), dtype=torch.float32, device=dev)
+                      if self.sampling is not None else None)
+
+    def draw(self, generator: torch.Generator | None) -> None:
+        """Fresh Exp(1) noise for the next round's picks (sampling only; outside the captured step)."""
+        if self.noise is not None:
+            self.noise.exponential_(generator=generator)
 
     # ---- host side, between requests ----------------------------------------------------------
     def max_length(self) -> int:
@@ -104,8 +119,9 @@ class DeviceRound:
         return self.capacity - max(self.n1, self.B)
 
     @torch.no_grad()
-    def prefill(self, prompt_ids: list[int]) -> torch.Tensor:
-        """Eager prompt forward into this round's caches; sets the state. Returns the first token []."""
+    def prefill(self, prompt_ids: list[int], generator: torch.Generator | None = None) -> torch.Tensor:
+        """Eager prompt forward into this round's caches; sets the state. Returns the first token []
+        (sampled with ``generator`` when the round samples)."""
         S = len(prompt_ids)
         if S > self.max_length():
             raise ValueError(f"prompt of {S} tokens does not fit a round buffer of capacity {self.capacity}")
@@ -113,7 +129,7 @@ class DeviceRound:
         self.cache.crop(0)
         ids = torch.tensor(prompt_ids, dtype=torch.long, device=target.device)
         out = target(ids, self.cache, aux_layers=self.aux_layers)
-        first = greedy(out.logits[-1])
+        first = greedy(out.logits[-1]) if self.sampling is None else sample(out.logits[-1], self.sampling, generator)
         self.start.fill_(S)
         self.bonus.copy_(first)
         if self.drafter is not None:
@@ -154,7 +170,8 @@ class DeviceRound:
             tree = self.make_tree()
             vout = self.target.forward_static(tree.tokens, self.cache, self.start, tree.positions, tree.mask,
                                               self.aux_layers)
-            picks = greedy(vout.logits)  # [N1]
+            picks = (greedy(vout.logits) if self.sampling is None
+                     else sample_with_noise(vout.logits, self.sampling, self.noise))  # [N1]
             on_path, bonus = accept_path_mask(tree, picks)
             count = on_path.sum()  # [] = A
             acc = accepted_order(on_path, tree.depths, self.m)  # [M]

@@ -9,7 +9,7 @@ the round's state restored, then one capture into a private memory pool. Warm-up
 past the committed length of the caches (and re-write the drafter's pending context rows with the
 same values), so restoring (start, bonus, context rows, count) undoes them.
 
-Rounds are cached per (target, drafter, method, budget, capacity): a later request with the same
+Rounds are cached per (target, drafter, method, budget, capacity, sampling rule): a later request with the same
 settings reuses the captured graph (its prompt is prefilled into the same buffers). Capacities are
 rounded up to a power of two (at least :data:`MIN_CAPACITY`) so requests of similar length share one.
 """
@@ -22,6 +22,7 @@ import torch
 
 from ..model.layers import log
 from ..model.target import Target
+from ..sampling import SamplingParams
 from .device_round import DeviceRound
 
 MIN_CAPACITY = 512
@@ -103,15 +104,16 @@ class _Registry:
     ATTR = "_device_rounds"
 
     def get(self, target: Target, drafter: Any, method: str, budget: int | None, tokens: int,
-            graph: bool) -> tuple[DeviceRound, GraphRunner | None]:
+            graph: bool, sampling: SamplingParams | None = None) -> tuple[DeviceRound, GraphRunner | None]:
         rounds = target.__dict__.setdefault(self.ATTR, {})
         n1 = _width(target, drafter, method, budget)
         B = drafter.block_size if (drafter is not None and method != "none") else 1
         cap = capacity_bucket(tokens + max(n1, B))
-        key = (id(drafter) if method != "none" else None, method, budget, cap, graph)
+        rule = None if sampling is None or sampling.greedy else (sampling.temperature, sampling.top_k, sampling.top_p)
+        key = (id(drafter) if method != "none" else None, method, budget, cap, graph, rule)
         entry = rounds.get(key)
         if entry is None or (entry[0].drafter is not None and entry[0].drafter is not drafter):
-            rnd = DeviceRound(target, drafter, method, budget, cap)
+            rnd = DeviceRound(target, drafter, method, budget, cap, sampling)
             entry = (rnd, GraphRunner(rnd) if graph else None)
             rounds[key] = entry
         return entry

@@ -5,7 +5,8 @@
   * greedy graph rounds give exactly the tokens of the eager loop and of plain decoding
     (none / dflash / ddtree 4, 16, 64) on a random K2-tiny pair (float32) and on the embedded demo
     pair (float32), a few prompts x 64 tokens, graphs reused across prompts;
-  * graph replay equals the same round run eagerly bit for bit (demo, bfloat16: same kernels).
+  * graph replay equals the same round run eagerly bit for bit (demo, bfloat16: same kernels);
+  * sampled rounds: graph == device-eager for one seed, and the target's sequence distribution.
 """
 
 from pathlib import Path
@@ -202,3 +203,46 @@ def test_round_bench_tiny_has_graph_columns(tmp_path):
         assert math.isfinite(g["rounds_per_s"]) and g["rounds_per_s"] > 0
         assert g["rounds"] == r["eager"]["rounds"] or r["setting"] != "none"
         assert "kernels" in g
+
+
+def test_sampled_graph_rounds_equal_device_eager_and_follow_the_target():
+    """Sampled rounds (temperature > 0): a graph replay equals the same round run eagerly for the same seed
+    (same noise, same kernels); the default on CUDA is the graph; and the first tokens have the target's
+    distribution (chi-square against the joint enumerated from plain forwards)."""
+    from kdtree_engine.sampling import SamplingParams, probs_from_logits
+    from kdtree_engine.spec.decode import generate
+    from kdtree_engine.spec.device_decode import generate_device
+    from spec.spec_toys import chi_square_pvalue
+
+    target, drafter = _tiny_pair()
+    prompt = [9, 8, 7, 6]
+    params = SamplingParams(max_tokens=40, temperature=0.8, top_p=0.95, ignore_eos=True, seed=3)
+    for method, budget in (("none", None), ("dflash", None), ("ddtree", 16)):
+        d = None if method == "none" else drafter
+        a = generate_device(target, prompt, params, method=method, drafter=d, budget=budget, graph=False)
+        b = generate_device(target, prompt, params, method=method, drafter=d, budget=budget, graph=True)
+        c = generate(target, prompt, params, spec=method, drafter=d, budget=budget)
+        assert c.stats["rounds_mode"] == "graph"
+        assert a.token_ids == b.token_ids == c.token_ids and len(c.token_ids) == 40, (method, budget)
+    with torch.no_grad():  # flatter logits (target and drafter share the head): many outcomes, drafts accepted
+        target.lm_head_proj.weight.mul_(0.03)
+    p3 = SamplingParams(max_tokens=3, temperature=0.3, top_k=3, ignore_eos=True)
+    exact: dict[tuple, float] = {(): 1.0}
+    for _ in range(3):
+        nxt = {}
+        for seq, pr in exact.items():
+            ids = prompt + list(seq)
+            probs = probs_from_logits(target(torch.tensor(ids, device="cuda"), target.new_cache(len(ids) + 1)).logits[-1], p3)
+            for tok in torch.nonzero(probs).flatten().tolist():
+                nxt[seq + (tok,)] = pr * float(probs[tok])
+        exact = nxt
+    n, counts, accepted = 1500, {}, 0
+    for i in range(n):
+        r = generate(target, prompt, SamplingParams(max_tokens=3, temperature=0.3, top_k=3, ignore_eos=True, seed=i),
+                     spec="ddtree", drafter=drafter, budget=64)
+        assert r.stats["rounds_mode"] == "graph"
+        counts[tuple(r.token_ids)] = counts.get(tuple(r.token_ids), 0) + 1
+        accepted += r.stats["accepted_tokens"]
+    assert accepted >= 10
+    stat, pval = chi_square_pvalue(counts, exact, n)
+    assert pval > 1e-4, (stat, pval)
