@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU tests and benchmarks, logs and results packed under $OUT; one device call runs one part.
-#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|next|chain|sample|last]   (on the GPU machine, from the repository root)
+#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|next|chain|sample|rounds|last]   (on the GPU machine, from the repository root)
 #   tune   the W4A16 config sweep, the bitwise and CUDA-graph GPU tests, the demo's spec benchmark
 #   check  the remaining GPU tests (kernels, batch invariance, target, attention), kernel and round benches
 #   bench  the benchmarks with long runs (K2 step, attention, GEMM)
@@ -22,6 +22,7 @@
 #          budget auto against fixed budgets (eager rounds), the graph-vs-plain spec GPU test
 #   sample sampled rounds in CUDA graphs: their GPU test, the demo spec bench at temperature 0.7 replayed
 #          and eager
+#   rounds every graph-round and spec GPU test, then the demo's greedy spec == plain bitwise test
 #   last   the round benchmark and the longest-compiling GPU tests (device-length attention, demo bitwise)
 # Each step has its own time cap so one slow step cannot take the rest with it; the results tarball
 # is rebuilt after every step (only a few files come back from the machine).
@@ -134,6 +135,10 @@ if [[ $PART == sample ]]; then
     --temperature 0.7 --budgets 8,16,32 --out "$RES/sample" --plot "$RES/sample/spec-h200.png"
   step bench_spec_sample_eager 150 python3 -m kdtree_engine.bench_spec --device cuda --num-prompts 4 --max-tokens 128 \
     --temperature 0.7 --methods none,ddtree --budgets 16 --eager --out "$RES/sample-eager"
+fi
+if [[ $PART == rounds ]]; then
+  step pytest_graph_all 330 $PYT tests/gpu/test_graph_round_gpu.py tests/spec/test_spec_gpu.py
+  step pytest_bitwise_demo 230 $PYT tests/gpu/test_bitwise_gpu.py -k "greedy_spec_equals_plain_demo"
 fi
 if [[ $PART == last ]]; then
   step bench_round 110 python3 bench/round.py --out "$RES"
