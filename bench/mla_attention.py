@@ -80,13 +80,17 @@ SWEEP: list[MLAConfig] = [
     _c(BLOCK_M=32, BLOCK_N=32, num_stages=3, KEYS_ON_M=True),                    # wgmma, 252 regs
     _c(BLOCK_M=64, BLOCK_N=32, num_stages=2, KEYS_ON_M=True, V_SPLIT=2),         # wgmma n=64
 ]
-# Decode (T = 1) re-tilings of the default: V_SPLIT_BY_T cuts the 512 output columns over more programs
-# in decode launches only (the one field that may follow T: it re-tiles, the arithmetic of a row stays).
-# At N = 8 and 4K-32K the default has 8-64 programs for 132 SMs. `--sweep-decode` times these.
+# Decode (T = 1) re-tilings: the fields that may follow T (they leave a row's arithmetic as it is):
+# V_SPLIT (by T, or sized by DECODE_MIN_PROGRAMS), and with L_BY_DOT (row sums by the MMA) the decode
+# launch's BLOCK_M / num_stages. The first two rows: the previous default, and the cost of L_BY_DOT alone.
+# `--sweep-decode` times these.
+_DEC = dict(CHUNK=512, BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=2, DECODE_MIN_PROGRAMS=128)
 DECODE_SWEEP: list[MLAConfig] = [
-    MLAConfig(CHUNK=512, BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=2),
-    *(MLAConfig(CHUNK=512, BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=2, V_SPLIT_BY_T=((1, vs),))
-      for vs in (2, 4, 8)),
+    MLAConfig(**_DEC),
+    MLAConfig(**_DEC, L_BY_DOT=True),
+    MLAConfig(**_DEC, L_BY_DOT=True, DECODE_BLOCK_M=16, DECODE_STAGES=3),
+    MLAConfig(**_DEC, L_BY_DOT=True, DECODE_BLOCK_M=16, DECODE_STAGES=2),
+    MLAConfig(**{**_DEC, "DECODE_MIN_PROGRAMS": 0}, L_BY_DOT=True, DECODE_BLOCK_M=16, DECODE_STAGES=3),
 ]
 DECODE_SHAPES = [(8, 4096, 1), (8, 32768, 1), (8, 131072, 1), (64, 4096, 1), (64, 32768, 1), (64, 131072, 1)]
 SWEEP_SHAPES = [(8, 32768, 1), (8, 131072, 1), (8, 32768, 16), (8, 131072, 16), (8, 32768, 64),

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU tests and benchmarks, logs and results packed under $OUT; one device call runs one part.
-#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|next|chain|sample|rounds|last]   (on the GPU machine, from the repository root)
+#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|next|chain|sample|rounds|decode|last]   (on the GPU machine, from the repository root)
 #   tune   the W4A16 config sweep, the bitwise and CUDA-graph GPU tests, the demo's spec benchmark
 #   check  the remaining GPU tests (kernels, batch invariance, target, attention), kernel and round benches
 #   bench  the benchmarks with long runs (K2 step, attention, GEMM)
@@ -23,6 +23,8 @@
 #   sample sampled rounds in CUDA graphs: their GPU test, the demo spec bench at temperature 0.7 replayed
 #          and eager
 #   rounds every graph-round and spec GPU test, then the demo's greedy spec == plain bitwise test
+#   decode the decode re-tiling (16-row tiles for T = 1, row sums by the MMA): its attention sweep and
+#          bit-equality GPU tests, the demo's bitwise spec == plain, the attention bench
 #   last   the round benchmark and the longest-compiling GPU tests (device-length attention, demo bitwise)
 # Each step has its own time cap so one slow step cannot take the rest with it; the results tarball
 # is rebuilt after every step (only a few files come back from the machine).
@@ -139,6 +141,14 @@ fi
 if [[ $PART == rounds ]]; then
   step pytest_graph_all 330 $PYT tests/gpu/test_graph_round_gpu.py tests/spec/test_spec_gpu.py
   step pytest_bitwise_demo 230 $PYT tests/gpu/test_bitwise_gpu.py -k "greedy_spec_equals_plain_demo"
+fi
+if [[ $PART == decode ]]; then
+  step bench_mla_decode 110 python3 bench/mla_attention.py --sweep-only --sweep-decode --no-peers --budget-s 90 \
+    --out "$RES/decode"
+  step pytest_mla_default 200 $PYT tests/gpu/test_mla_attention_gpu.py \
+    -k "default or causal_batch_invariant or (tree_batch_invariant_bf16 and not candidate) or bf16_vs_reference"
+  step pytest_bitwise_demo 110 $PYT tests/gpu/test_bitwise_gpu.py -k "greedy_spec_equals_plain_demo"
+  step bench_mla 90 python3 bench/mla_attention.py --out "$RES"
 fi
 if [[ $PART == last ]]; then
   step bench_round 110 python3 bench/round.py --out "$RES"

@@ -73,7 +73,7 @@ row's position in the tile (numpy's matmul does depend on it; an MMA does not).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -125,6 +125,27 @@ class MLAConfig:
     # V_SPLIT_BY_T: at short context a decode launch has 8-64 programs for 132 SMs
     # (bench/results/mla_attention-decode-sweep-h200.md)
     DECODE_MIN_PROGRAMS: int = 0
+    # the softmax row sum of a key block as an MMA (P @ ones, the P @ V operand in the P @ V order) instead
+    # of a tl.sum across the tile's warps: a row's arithmetic then no longer depends on how the warps
+    # split the tile (BLOCK_M), which makes DECODE_BLOCK_M a re-tiling (mma.sync tiles, BLOCK_M < 64)
+    L_BY_DOT: bool = False
+    # decode launches (T = 1): this BLOCK_M and num_stages instead (0: the config's); needs L_BY_DOT,
+    # KEYS_ON_M off and both BLOCK_Ms under 64 (mma.sync: per element the same k-steps for any row count)
+    DECODE_BLOCK_M: int = 0
+    DECODE_STAGES: int = 0
+
+    def __post_init__(self) -> None:
+        if self.DECODE_BLOCK_M and not (self.L_BY_DOT and not self.KEYS_ON_M and self.BLOCK_M < 64
+                                        and 16 <= self.DECODE_BLOCK_M < 64):
+            raise ValueError("MLAConfig.DECODE_BLOCK_M needs L_BY_DOT, KEYS_ON_M off and BLOCK_M and "
+                             f"DECODE_BLOCK_M in [16, 64); got {self}")
+
+    def for_launch(self, T: int) -> "MLAConfig":
+        """The config a launch of T queries runs: decode launches take DECODE_BLOCK_M / DECODE_STAGES."""
+        if T != 1 or not (self.DECODE_BLOCK_M or self.DECODE_STAGES):
+            return self
+        return replace(self, BLOCK_M=self.DECODE_BLOCK_M or self.BLOCK_M,
+                       num_stages=self.DECODE_STAGES or self.num_stages)
 
     def v_split(self, T: int, programs: int | None = None, columns: int = 0) -> int:
         """Output-column slices for a launch of T queries with `programs` programs per slice over
@@ -151,6 +172,9 @@ class MLAConfig:
             d["V_SPLIT_BY_T"] = self.V_SPLIT_BY_T
         if self.DECODE_MIN_PROGRAMS:
             d["DECODE_MIN_PROGRAMS"] = self.DECODE_MIN_PROGRAMS
+        for k in ("L_BY_DOT", "DECODE_BLOCK_M", "DECODE_STAGES"):
+            if getattr(self, k):
+                d[k] = getattr(self, k)
         return d
 
 
@@ -169,11 +193,16 @@ class MLAConfig:
 # DECODE_MIN_PROGRAMS=128 (python3 bench/mla_attention.py --sweep-only --sweep-decode): T = 1 at 4K
 # context 47 -> 30 us (N = 8) and 44 -> 32 us (N = 64), at 32K N = 8 57 -> 48 us; launches that already
 # have >= 128 programs (N = 64 from 32K, N = 8 from 128K: more slices there cost 1.3-8x) keep V_SPLIT 1.
+# L_BY_DOT with DECODE_BLOCK_M=16 / DECODE_STAGES=3: decode launches run the 16-row, 3-stage tiling
+# (the sweep's fastest at T = 1: 33 us at 32K, 83 us at 128K, N = 8) while tree verify keeps 32-row tiles;
+# the row sums by the MMA make the two tilings the same arithmetic (checked bit for bit on the H200).
 DEFAULT_CONFIGS: list[tuple[int, MLAConfig]] = [
     (16, MLAConfig(CHUNK=512, BLOCK_M=32, BLOCK_N=64, V_SPLIT=1, num_warps=4, num_stages=2, KEYS_ON_M=False,
-                   Q_IN_LOOP=False, V_SPLIT_BY_T=(), DECODE_MIN_PROGRAMS=128)),  # N <= 16 (TP8: 8 heads/rank)
+                   Q_IN_LOOP=False, V_SPLIT_BY_T=(), DECODE_MIN_PROGRAMS=128, L_BY_DOT=True,
+                   DECODE_BLOCK_M=16, DECODE_STAGES=3)),  # N <= 16 (TP8: 8 heads/rank)
     (1 << 30, MLAConfig(CHUNK=512, BLOCK_M=32, BLOCK_N=64, V_SPLIT=1, num_warps=4, num_stages=2,
-                        KEYS_ON_M=False, Q_IN_LOOP=False, V_SPLIT_BY_T=(), DECODE_MIN_PROGRAMS=128)),
+                        KEYS_ON_M=False, Q_IN_LOOP=False, V_SPLIT_BY_T=(), DECODE_MIN_PROGRAMS=128, L_BY_DOT=True,
+                        DECODE_BLOCK_M=16, DECODE_STAGES=3)),
 ]
 
 
@@ -205,7 +234,7 @@ def _mla_chunk_kernel(
     CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     GATHER: tl.constexpr, CAUSAL: tl.constexpr, DIRECT: tl.constexpr,
     UPCAST: tl.constexpr, PREC: tl.constexpr, S_DEV: tl.constexpr = False,
-    KEYS_ON_M: tl.constexpr = False, Q_IN_LOOP: tl.constexpr = False,
+    KEYS_ON_M: tl.constexpr = False, Q_IN_LOOP: tl.constexpr = False, L_BY_DOT: tl.constexpr = False,
 ):
     # grid: ((row tiles [packed] or T * head tiles [gather]) * V_SPLIT, chunks); the V_SPLIT programs of
     # one (tile, chunk) are adjacent so that they run together and their repeated key reads hit L2
@@ -328,11 +357,17 @@ def _mla_chunk_kernel(
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp2(m_i - m_new)
             pr = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(pr, 1)
             if UPCAST:
+                l_i = l_i * alpha + tl.sum(pr, 1)
                 acc = acc * alpha[:, None] + tl.sum(pr[:, :, None] * v[None, :, :], 1)
             else:
-                acc = tl.dot(pr.to(DT), v, acc * alpha[:, None], input_precision=PREC)
+                p_op = pr.to(DT)
+                if L_BY_DOT:  # row sums of the P @ V operand by the MMA (16 equal columns; max picks one)
+                    ones = tl.full((BLOCK_N, 16), 1.0, DT)
+                    l_i = l_i * alpha + tl.max(tl.dot(p_op, ones, input_precision=PREC), 1)
+                else:
+                    l_i = l_i * alpha + tl.sum(pr, 1)
+                acc = tl.dot(p_op, v, acc * alpha[:, None], input_precision=PREC)
         m_i = m_new
 
     if KEYS_ON_M:
@@ -444,7 +479,7 @@ def _plan(C: int, R: int, N: int, T: int, dtype: torch.dtype, config: MLAConfig 
           ) -> tuple[MLAConfig, int, int, int, int, bool, str]:
     """Launch constants shared by both launches: (config, CP, RP, V_SPLIT, DV, upcast, input precision).
     n_keys: the keys the launch's grid covers (its chunks and row tiles size a decode launch's V_SPLIT)."""
-    cfg = config or default_config(N)
+    cfg = (config or default_config(N)).for_launch(T)
     if cfg.CHUNK % cfg.BLOCK_N:
         raise ValueError(f"CHUNK {cfg.CHUNK} must be a multiple of BLOCK_N {cfg.BLOCK_N}")
     CP = triton.next_power_of_2(C)
@@ -502,7 +537,7 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, sta
 
     common = dict(C=C, R=R, CP=CP, RP=RP, DV=DV, CHUNK=cfg.CHUNK, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
                   CAUSAL=causal, DIRECT=direct, UPCAST=upcast, PREC=prec,
-                  KEYS_ON_M=cfg.KEYS_ON_M, Q_IN_LOOP=cfg.Q_IN_LOOP,
+                  KEYS_ON_M=cfg.KEYS_ON_M, Q_IN_LOOP=cfg.Q_IN_LOOP, L_BY_DOT=cfg.L_BY_DOT,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     args_tail = (q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), kv.stride(0), stride_idx,
                  spom, spoc, splm, out.stride(0), out.stride(1), qk_scale)
@@ -564,7 +599,7 @@ def mla_attention_device(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tens
     po, pl, spom, spoc, splm = _partials(out, n_ch)
     common = dict(C=C, R=R, CP=CP, RP=RP, DV=DV, CHUNK=cfg.CHUNK, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
                   CAUSAL=False, DIRECT=direct, UPCAST=upcast, PREC=prec, S_DEV=True,
-                  KEYS_ON_M=cfg.KEYS_ON_M, Q_IN_LOOP=cfg.Q_IN_LOOP,
+                  KEYS_ON_M=cfg.KEYS_ON_M, Q_IN_LOOP=cfg.Q_IN_LOOP, L_BY_DOT=cfg.L_BY_DOT,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     args_tail = (q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), kv.stride(0), idx.stride(0),
                  spom, spoc, splm, out.stride(0), out.stride(1), float(scale) * LOG2E)

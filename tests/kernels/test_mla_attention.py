@@ -92,6 +92,8 @@ CONFIGS = {
     "qil": MLAConfig(CHUNK=32, BLOCK_M=16, BLOCK_N=16, Q_IN_LOOP=True, num_stages=1),
     "vsbyt": MLAConfig(CHUNK=32, BLOCK_M=16, BLOCK_N=16, V_SPLIT_BY_T=((4, 2),), num_stages=1),
     "kombyt": MLAConfig(CHUNK=32, BLOCK_M=16, BLOCK_N=16, KEYS_ON_M=True, V_SPLIT_BY_T=((4, 2),), num_stages=1),
+    # decode launches re-tiled: 16-row tiles for T = 1, 32-row tiles otherwise (row sums by the MMA)
+    "decbm": MLAConfig(CHUNK=32, BLOCK_M=32, BLOCK_N=16, L_BY_DOT=True, DECODE_BLOCK_M=16, num_stages=1),
 }
 
 # name: (kind, N, S, T, mask, config, variant)
@@ -125,6 +127,7 @@ CASES["inv_N20_S50_T6_tree_vsplit"] = ("inv", 20, 50, 6, "tree", "vsplit", "")
 CASES["inv_N4_S70_T9_tree_kom"] = ("inv", 4, 70, 9, "tree", "kom", "")
 CASES["inv_N3_S45_T5_tree_vsbyt"] = ("inv", 3, 45, 5, "tree", "vsbyt", "")  # alone: 2 slices, batched: 1
 CASES["inv_N3_S61_T5_causal_kombyt"] = ("inv", 3, 61, 5, "causal", "kombyt", "")
+CASES["inv_N20_S45_T5_tree_decbm"] = ("inv", 20, 45, 5, "tree", "decbm", "")  # alone: 16-row tiles
 
 # device-side length: the whole buffer (junk past S + T) and start as a tensor == the host-length launch
 CASES["dev_N3_S37_T5_tree_c32"] = ("dev", 3, 37, 5, "tree", "c32", "")
@@ -243,6 +246,24 @@ def test_decode_min_programs_sizes_v_split():
     assert cfg.v_split(16, 8, 512) == 1 and cfg.v_split(2, 8, 512) == 1
     assert MLAConfig(DECODE_MIN_PROGRAMS=128, V_SPLIT_BY_T=((1, 4),)).v_split(1, 64, 512) == 4
     assert MLAConfig().v_split(1, 8) == 1
+
+
+def test_decode_block_m_is_a_decode_retiling():
+    """DECODE_BLOCK_M / DECODE_STAGES apply to T = 1 launches only, and only with the row sums by the
+    MMA (L_BY_DOT) on mma.sync tiles; anything else is refused with the field named."""
+    import torch
+    from kdtree_engine.kernels.mla_attention import _plan
+
+    cfg = MLAConfig(BLOCK_M=32, L_BY_DOT=True, DECODE_BLOCK_M=16, DECODE_STAGES=3, DECODE_MIN_PROGRAMS=128)
+    one, many = cfg.for_launch(1), cfg.for_launch(16)
+    assert (one.BLOCK_M, one.num_stages) == (16, 3) and many is cfg
+    assert _plan(512, 64, 8, 1, torch.float32, cfg, 8 * 512)[0].BLOCK_M == 16
+    assert _plan(512, 64, 8, 2, torch.float32, cfg, 8 * 512)[0].BLOCK_M == 32
+    # the decode rule counts the re-tiled launch's programs: N = 64 -> 4 row tiles x 2 chunks x 8 slices
+    assert _plan(512, 64, 64, 1, torch.float32, cfg, 2 * 512)[3] == 8
+    for bad in (dict(L_BY_DOT=False), dict(KEYS_ON_M=True), dict(BLOCK_M=64), dict(DECODE_BLOCK_M=64)):
+        with pytest.raises(ValueError, match="DECODE_BLOCK_M"):
+            MLAConfig(**{**dict(BLOCK_M=32, L_BY_DOT=True, DECODE_BLOCK_M=16), **bad})
 
 
 def test_decode_rule_keeps_slices_of_64_columns():
