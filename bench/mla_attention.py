@@ -88,7 +88,6 @@ _DEC = dict(CHUNK=512, BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=2, DECODE
 DECODE_SWEEP: list[MLAConfig] = [
     MLAConfig(**_DEC),
     MLAConfig(**_DEC, L_BY_DOT=True),
-    MLAConfig(**_DEC, L_BY_DOT=True, DECODE_BLOCK_M=16, DECODE_STAGES=3),
     MLAConfig(**_DEC, L_BY_DOT=True, DECODE_BLOCK_M=16, DECODE_STAGES=2),
     MLAConfig(**{**_DEC, "DECODE_MIN_PROGRAMS": 0}, L_BY_DOT=True, DECODE_BLOCK_M=16, DECODE_STAGES=3),
 ]

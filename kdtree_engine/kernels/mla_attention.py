@@ -193,16 +193,20 @@ class MLAConfig:
 # DECODE_MIN_PROGRAMS=128 (python3 bench/mla_attention.py --sweep-only --sweep-decode): T = 1 at 4K
 # context 47 -> 30 us (N = 8) and 44 -> 32 us (N = 64), at 32K N = 8 57 -> 48 us; launches that already
 # have >= 128 programs (N = 64 from 32K, N = 8 from 128K: more slices there cost 1.3-8x) keep V_SPLIT 1.
-# L_BY_DOT with DECODE_BLOCK_M=16 / DECODE_STAGES=3: decode launches run the 16-row, 3-stage tiling
-# (the sweep's fastest at T = 1: 33 us at 32K, 83 us at 128K, N = 8) while tree verify keeps 32-row tiles;
-# the row sums by the MMA make the two tilings the same arithmetic (checked bit for bit on the H200).
+# Row sums by the MMA (L_BY_DOT) in both buckets. N <= 16: decode launches run 16-row, 3-stage tiles with
+# one column slice (DECODE_MIN_PROGRAMS off), verify keeps 32-row, 2-stage tiles; the row sums by the MMA
+# make the two tilings the same arithmetic (bit for bit on the H200: tests/gpu/test_mla_attention_gpu.py).
+# python3 bench/mla_attention.py --sweep-only --sweep-decode, N = 8, T = 1, 4K / 32K / 128K context:
+# 29.3 / 45.8 / 92.8 us before -> 26.3 / 32.7 / 84.4 us. With column slices (V_SPLIT > 1) a 3-stage
+# 16-row tile runs out of shared memory (233 KB), and 2 stages with slices gave 25.8 / 39.9 / 78.8 us.
+# N = 64: 16-row decode tiles are slower from 128K (181-215 vs 153 us), so only L_BY_DOT (60 -> 51 us
+# at 32K, 153 -> 144 us at 128K) and the decode V_SPLIT rule.
 DEFAULT_CONFIGS: list[tuple[int, MLAConfig]] = [
     (16, MLAConfig(CHUNK=512, BLOCK_M=32, BLOCK_N=64, V_SPLIT=1, num_warps=4, num_stages=2, KEYS_ON_M=False,
-                   Q_IN_LOOP=False, V_SPLIT_BY_T=(), DECODE_MIN_PROGRAMS=128, L_BY_DOT=True,
+                   Q_IN_LOOP=False, V_SPLIT_BY_T=(), DECODE_MIN_PROGRAMS=0, L_BY_DOT=True,
                    DECODE_BLOCK_M=16, DECODE_STAGES=3)),  # N <= 16 (TP8: 8 heads/rank)
     (1 << 30, MLAConfig(CHUNK=512, BLOCK_M=32, BLOCK_N=64, V_SPLIT=1, num_warps=4, num_stages=2,
-                        KEYS_ON_M=False, Q_IN_LOOP=False, V_SPLIT_BY_T=(), DECODE_MIN_PROGRAMS=128, L_BY_DOT=True,
-                        DECODE_BLOCK_M=16, DECODE_STAGES=3)),
+                        KEYS_ON_M=False, Q_IN_LOOP=False, V_SPLIT_BY_T=(), DECODE_MIN_PROGRAMS=128, L_BY_DOT=True)),
 ]
 
 
