@@ -59,6 +59,10 @@ Batch invariance (a row's result does not depend on T or on which rows share its
     independent; V_SPLIT (the only field that may follow the launch: T, and for decode launches the
     program count, DECODE_MIN_PROGRAMS) recomputes the same scores with the same tiles and reduces each
     output column with the same P @ V steps;
+  * with L_BY_DOT the row sum of a key block is an MMA (P @ ones) rather than a sum across the warps
+    that split the tile, so on mma.sync tiles (BLOCK_M < 64: per element the same k16 steps for any
+    row count) the row count is a re-tiling too: decode launches may take DECODE_BLOCK_M /
+    DECODE_STAGES (MLAConfig.for_launch);
   * the merge runs in chunk order with the same formula for any number of rows.
 Checked bit for bit by tests/kernels/test_mla_attention.py (interpreter, fp32) and
 tests/gpu/test_mla_attention_gpu.py (H200, bf16).
