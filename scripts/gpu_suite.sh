@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU tests and benchmarks, logs and results packed under $OUT; one device call runs one part.
-#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|next|chain|sample|rounds|decode|step|last]   (on the GPU machine, from the repository root)
+#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|next|chain|sample|rounds|decode|step|verify|last]   (on the GPU machine, from the repository root)
 #   tune   the W4A16 config sweep, the bitwise and CUDA-graph GPU tests, the demo's spec benchmark
 #   check  the remaining GPU tests (kernels, batch invariance, target, attention), kernel and round benches
 #   bench  the benchmarks with long runs (K2 step, attention, GEMM)
@@ -26,6 +26,7 @@
 #   decode the decode re-tiling (16-row tiles for T = 1, row sums by the MMA): its attention sweep and
 #          bit-equality GPU tests, the demo's bitwise spec == plain, the attention bench
 #   step   the K2 layer step (with its profile) and the round benchmark on the current defaults
+#   verify the bitwise, batch-invariance and target GPU tests on the current defaults
 #   last   the round benchmark and the longest-compiling GPU tests (device-length attention, demo bitwise)
 # Each step has its own time cap so one slow step cannot take the rest with it; the results tarball
 # is rebuilt after every step (only a few files come back from the machine).
@@ -155,6 +156,11 @@ if [[ $PART == step ]]; then
   step bench_k2_step 230 python3 bench/k2_step.py --profile --out "$RES"
   step bench_round 120 python3 bench/round.py --prompts 2 --max-tokens 64 --budgets 32 --warmup-tokens 16 \
     --batch-invariant off --out "$RES"
+fi
+if [[ $PART == verify ]]; then
+  step pytest_bitwise 230 $PYT tests/gpu/test_bitwise_gpu.py
+  step pytest_invariance 150 $PYT tests/gpu/test_batch_invariance_gpu.py tests/gpu/test_fused_tails_gpu.py
+  step pytest_target 90 $PYT tests/gpu/test_target_gpu.py
 fi
 if [[ $PART == last ]]; then
   step bench_round 110 python3 bench/round.py --out "$RES"
