@@ -67,6 +67,7 @@ def test_spec_flags_give_the_same_tokens(capsys, model_dir, draft_dir) -> None:
             "--ignore-eos", "--json"]
     plain = run_json(capsys, base)
     for extra in (["--draft", str(draft_dir), "--spec", "dflash"],
+                  ["--draft", str(draft_dir), "--spec", "dflash", "--budget", "2"],
                   ["--draft", str(draft_dir), "--spec", "ddtree", "--budget", "6"],
                   ["--draft", str(draft_dir), "--spec", "ddtree", "--budget", "auto"],
                   ["--draft", str(draft_dir), "--spec", "ddtree", "--budget", "6", "--eager"]):
@@ -92,10 +93,13 @@ def test_streaming_prints_tokens_and_stats(capsys, model_dir) -> None:
     (["hello"], "tokenizer"),
     (["--prompt-ids", "1", "--spec", "ddtree"], "--draft"),
     (["--prompt-ids", "1", "--budget", "4"], "--budget"),
+    (["--prompt-ids", "1", "--spec", "dflash", "--budget", "auto", "--draft", "DRAFT"], "--budget auto"),
+    (["--prompt-ids", "1", "--spec", "dflash", "--budget", "9", "--draft", "DRAFT"], "--budget 9"),
 ])
-def test_bad_input_exits_2_naming_it(capsys, model_dir, argv, needle) -> None:
+def test_bad_input_exits_2_naming_it(capsys, model_dir, draft_dir, argv, needle) -> None:
     if "--model" not in argv:
         argv = ["--model", str(model_dir)] + argv
+    argv = [str(draft_dir) if a == "DRAFT" else a for a in argv]
     assert main(["generate"] + argv) == 2
     assert needle in capsys.readouterr().err
 
