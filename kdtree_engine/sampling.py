@@ -79,20 +79,28 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
     Greedy gives a one-hot at the argmax. Otherwise softmax(logits / temperature) restricted to the
     top-k tokens and then to the smallest top-p nucleus (the top token is always kept), renormalized.
     """
-    x = logits.float()
     if params.greedy:
-        out = torch.zeros_like(x)
-        return out.scatter_(-1, greedy(x).unsqueeze(-1), 1.0)
-    x = x / float(params.temperature)
+        out = torch.zeros_like(logits, dtype=torch.float32)
+        return out.scatter_(-1, greedy(logits).unsqueeze(-1), 1.0)
+    return rule_probs(logits, float(params.temperature), params.top_k,
+                      float(params.top_p) if params.top_p < 1.0 else None)
+
+
+def rule_probs(logits: torch.Tensor, temperature: float | torch.Tensor, top_k: int,
+               top_p: float | torch.Tensor | None) -> torch.Tensor:
+    """The sampling rule's float32 probabilities [..., V] (see :func:`probs_from_logits`); ``top_p`` None:
+    no nucleus. ``temperature`` and ``top_p`` may be 0-d tensors, so that a CUDA graph reads the values
+    they hold at each replay (``top_k`` sets shapes: it stays a Python int)."""
+    x = logits.float() / temperature
     V = x.shape[-1]
-    if 0 < params.top_k < V:
-        kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]  # [..., 1]
+    if 0 < top_k < V:
+        kth = torch.topk(x, top_k, dim=-1).values[..., -1:]  # [..., 1]
         x = x.masked_fill(x < kth, float("-inf"))
     probs = torch.softmax(x, dim=-1)
-    if params.top_p < 1.0:
+    if top_p is not None:
         sp, idx = torch.sort(probs, dim=-1, descending=True, stable=True)
         before = torch.cumsum(sp, dim=-1) - sp  # mass strictly before each sorted entry
-        drop_sorted = before >= params.top_p  # the first entry has before == 0 and is always kept
+        drop_sorted = before >= top_p  # the first entry has before == 0 and is always kept
         drop = torch.zeros_like(drop_sorted).scatter_(-1, idx, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
         probs = probs / probs.sum(dim=-1, keepdim=True)
@@ -109,14 +117,12 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     return tok.reshape(probs.shape[:-1])
 
 
-def sample_with_noise(logits: torch.Tensor, params: SamplingParams, noise: torch.Tensor) -> torch.Tensor:
+def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """One token per row by the exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) i.i.d.
 
-    logits [..., V], noise [..., V] float32 (the caller draws it: ``noise.exponential_(generator=g)``)
-    -> LongTensor [...]. The winner is distributed as p (p_i = 0 never wins), and no random number is
-    drawn here, so a CUDA graph can replay it with fresh noise written into the same buffer each time.
+    probs [..., V] (the rule's probabilities), noise [..., V] float32 (the caller draws it:
+    ``noise.exponential_(generator=g)``) -> LongTensor [...]. The winner is distributed as p (p_i = 0
+    never wins), and no random number is drawn here, so a CUDA graph can replay it with fresh noise
+    written into the same buffer each time.
     """
-    if params.greedy:
-        return greedy(logits)
-    probs = probs_from_logits(logits, params)
     return torch.argmax(probs / noise.clamp_min(1e-30), dim=-1)  # E = 0 (u = 0) must not give 0 / 0

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from kdtree_engine.sampling import (SamplingError, SamplingParams, greedy, make_generator,
-                                    probs_from_logits, sample, sample_with_noise)
+                                    probs_from_logits, race, rule_probs, sample)
 
 
 def test_params_validation_names_field():
@@ -50,9 +50,10 @@ def test_sample_seeded_and_distribution():
     assert one.shape == () and one.dtype == torch.long
 
 
-def test_sample_with_noise_has_the_rule_distribution():
-    """The exponential race over drawn noise samples each row from probs_from_logits (chi-square per
-    row against the exact probabilities; filtered tokens never win, zero noise included)."""
+def test_race_has_the_rule_distribution():
+    """The exponential race over drawn noise samples each row from the rule's probabilities (chi-square
+    per row against probs_from_logits; filtered tokens never win, zero noise included), and the rule
+    with tensor temperature / top-p (what a CUDA graph reads) gives the same probabilities."""
     from spec.spec_toys import chi_square_pvalue
 
     g = torch.Generator().manual_seed(3)
@@ -60,14 +61,16 @@ def test_sample_with_noise_has_the_rule_distribution():
     logits = torch.randn(rows, V, generator=g) * 1.5
     params = SamplingParams(temperature=0.8, top_k=5, top_p=0.9)
     probs = probs_from_logits(logits, params)  # [rows, V], zeros outside top-k / top-p
+    as_tensors = rule_probs(logits, torch.tensor(0.8), 5, torch.tensor(0.9))
+    torch.testing.assert_close(as_tensors, probs, rtol=1e-6, atol=1e-7)
+    assert torch.equal(as_tensors > 0, probs > 0)
     noise = torch.empty(n, rows, V).exponential_(generator=make_generator(11))
-    toks = sample_with_noise(logits.expand(n, rows, V), params, noise)  # [n, rows]
+    toks = race(probs.expand(n, rows, V), noise)  # [n, rows]
     for r in range(rows):
         counts = {(int(k),): int(c) for k, c in enumerate(torch.bincount(toks[:, r], minlength=V)) if c}
         exact = {(k,): float(probs[r, k]) for k in range(V) if probs[r, k] > 0}
         stat, pval = chi_square_pvalue(counts, exact, n)
         assert pval > 1e-4, (r, stat, pval)
     zero = torch.zeros(rows, V)  # u = 0 draws: no 0 / 0, the winner stays in the support
-    pick = sample_with_noise(logits, params, zero)
+    pick = race(probs, zero)
     assert bool((probs.gather(1, pick[:, None]) > 0).all())
-    assert torch.equal(sample_with_noise(logits, SamplingParams(), noise[0]), greedy(logits))

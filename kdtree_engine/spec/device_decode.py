@@ -97,7 +97,7 @@ def generate_device(target: Target, prompt_ids: list[int], params: SamplingParam
     stats["round_capacity"] = rnd.capacity
     _sync(dev)
     t0 = time.perf_counter()
-    first = rnd.prefill(prompt_ids, gen)
+    first = rnd.prefill(prompt_ids, params, gen)
     tok = int(first)
     t1 = time.perf_counter()
     done = emit.push([tok])

@@ -19,9 +19,11 @@ rows are compacted and gathered every round, the ones past A land past the new c
 no query looks and the next round overwrites them. Capacity must hold start + max(N1, B) slots.
 
 Sampling (temperature > 0): the target's pick at every node is the exponential race
-argmax_i p_i / E_i (:func:`kdtree_engine.sampling.sample_with_noise`) over a noise buffer [N1, V] that
+argmax_i p_i / E_i (:func:`kdtree_engine.sampling.race`) over a noise buffer [N1, V] that
 :meth:`DeviceRound.draw` refills from the request's generator before each round, outside any graph;
-the accept walk is the same as for greedy picks, so the output has the target's distribution.
+the accept walk is the same as for greedy picks, so the output has the target's distribution. The
+rule's temperature and top-p are device scalars set per request (a round serves any of their values);
+top-k and whether a nucleus is cut at all set shapes and are part of the round.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from typing import Any
 import torch
 
 from ..model.target import Target
-from ..sampling import SamplingParams, greedy, sample, sample_with_noise
+from ..sampling import SamplingParams, greedy, race, rule_probs, sample
 from .accept import accept_path_mask
 from .tree import DraftTree, chain_tree, topk_logprobs, tree_size
 
@@ -103,10 +105,15 @@ class DeviceRound:
         self.ctx = torch.zeros((self.B, max(feat, 1)), dtype=target.dtype, device=dev)  # drafter context rows
         self.n_ctx = torch.zeros((), dtype=torch.long, device=dev)  # valid rows of ctx
         self.result = torch.zeros((self.m + 1,), dtype=torch.long, device=dev)  # emitted [M] + count
-        # sampling: the rule (temperature, top-k, top-p) is part of the round; its noise [N1, V] is not
-        self.sampling = sampling if sampling is not None and not sampling.greedy else None
+        # sampling: top-k and nucleus on/off are part of the round; temperature / top-p values and the
+        # noise [N1, V] are device buffers refilled per request / per round
+        self.sampling = sampling is not None and not sampling.greedy
+        self.top_k = sampling.top_k if self.sampling else 0
+        self.temperature = torch.ones((), dtype=torch.float32, device=dev)
+        self.top_p = (torch.ones((), dtype=torch.float32, device=dev)
+                      if self.sampling and sampling.top_p < 1.0 else None)
         self.noise = (torch.ones((self.n1, target.cfg.vocab_size), dtype=torch.float32, device=dev)
-                      if self.sampling is not None else None)
+                      if self.sampling else None)
 
     def draw(self, generator: torch.Generator | None) -> None:
         """Fresh Exp(1) noise for the next round's picks (sampling only; outside the captured step)."""
@@ -119,9 +126,11 @@ class DeviceRound:
         return self.capacity - max(self.n1, self.B)
 
     @torch.no_grad()
-    def prefill(self, prompt_ids: list[int], generator: torch.Generator | None = None) -> torch.Tensor:
-        """Eager prompt forward into this round's caches; sets the state. Returns the first token []
-        (sampled with ``generator`` when the round samples)."""
+    def prefill(self, prompt_ids: list[int], params: SamplingParams | None = None,
+                generator: torch.Generator | None = None) -> torch.Tensor:
+        """Eager prompt forward into this round's caches; sets the state (and, when the round samples,
+        the rule's temperature / top-p from ``params``). Returns the first token [] (sampled with
+        ``generator`` when the round samples)."""
         S = len(prompt_ids)
         if S > self.max_length():
             raise ValueError(f"prompt of {S} tokens does not fit a round buffer of capacity {self.capacity}")
@@ -129,7 +138,16 @@ class DeviceRound:
         self.cache.crop(0)
         ids = torch.tensor(prompt_ids, dtype=torch.long, device=target.device)
         out = target(ids, self.cache, aux_layers=self.aux_layers)
-        first = greedy(out.logits[-1]) if self.sampling is None else sample(out.logits[-1], self.sampling, generator)
+        if self.sampling:
+            if params is None or params.greedy or params.top_k != self.top_k or (params.top_p < 1.0) != (self.top_p is not None):
+                raise ValueError(f"this round samples with top_k={self.top_k}, nucleus {self.top_p is not None}; "
+                                 f"got {params}")
+            self.temperature.fill_(float(params.temperature))
+            if self.top_p is not None:
+                self.top_p.fill_(float(params.top_p))
+            first = sample(out.logits[-1], params, generator)
+        else:
+            first = greedy(out.logits[-1])
         self.start.fill_(S)
         self.bonus.copy_(first)
         if self.drafter is not None:
@@ -170,8 +188,8 @@ class DeviceRound:
             tree = self.make_tree()
             vout = self.target.forward_static(tree.tokens, self.cache, self.start, tree.positions, tree.mask,
                                               self.aux_layers)
-            picks = (greedy(vout.logits) if self.sampling is None
-                     else sample_with_noise(vout.logits, self.sampling, self.noise))  # [N1]
+            picks = (race(rule_probs(vout.logits, self.temperature, self.top_k, self.top_p), self.noise)
+                     if self.sampling else greedy(vout.logits))  # [N1]
             on_path, bonus = accept_path_mask(tree, picks)
             count = on_path.sum()  # [] = A
             acc = accepted_order(on_path, tree.depths, self.m)  # [M]

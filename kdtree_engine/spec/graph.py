@@ -9,9 +9,10 @@ the round's state restored, then one capture into a private memory pool. Warm-up
 past the committed length of the caches (and re-write the drafter's pending context rows with the
 same values), so restoring (start, bonus, context rows, count) undoes them.
 
-Rounds are cached per (target, drafter, method, budget, capacity, sampling rule): a later request with the same
-settings reuses the captured graph (its prompt is prefilled into the same buffers). Capacities are
-rounded up to a power of two (at least :data:`MIN_CAPACITY`) so requests of similar length share one.
+Rounds are cached per (target, drafter, method, budget, capacity, shape of the sampling rule: top-k and
+nucleus on/off): a later request with the same settings reuses the captured graph (its prompt is
+prefilled into the same buffers; temperature and top-p are set per request). Capacities are rounded up
+to a power of two (at least :data:`MIN_CAPACITY`) so requests of similar length share one.
 """
 
 from __future__ import annotations
@@ -109,7 +110,8 @@ class _Registry:
         n1 = _width(target, drafter, method, budget)
         B = drafter.block_size if (drafter is not None and method != "none") else 1
         cap = capacity_bucket(tokens + max(n1, B))
-        rule = None if sampling is None or sampling.greedy else (sampling.temperature, sampling.top_k, sampling.top_p)
+        # the shape of the sampling rule (top-k, nucleus on/off); temperature / top-p values are round inputs
+        rule = None if sampling is None or sampling.greedy else (sampling.top_k, sampling.top_p < 1.0)
         key = (id(drafter) if method != "none" else None, method, budget, cap, graph, rule)
         entry = rounds.get(key)
         if entry is None or (entry[0].drafter is not None and entry[0].drafter is not drafter):

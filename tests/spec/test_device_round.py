@@ -290,3 +290,22 @@ def test_device_rounds_sampled_distribution_equals_target():
     a = generate_device(target, prompt, p, method="ddtree", drafter=drafter, budget=8, graph=False)
     b = generate_device(target, prompt, p, method="ddtree", drafter=drafter, budget=8, graph=False)
     assert a.token_ids == b.token_ids and len(a.token_ids) == 12
+
+
+def test_sampled_rounds_share_a_round_across_temperatures():
+    """Temperature and top-p are per-request values of one round (no new round, no new graph, per value);
+    top-k and nucleus on/off select the round."""
+    from kdtree_engine.spec.graph import ROUNDS
+
+    target, drafter = _tiny_pair(block=4)
+    prompt = [5, 6, 7, 8]
+    ROUNDS.clear(target)
+    outs = []
+    for temp, top_p in ((0.7, 0.9), (1.3, 0.5), (0.7, 0.9)):
+        p = SamplingParams(max_tokens=10, temperature=temp, top_p=top_p, ignore_eos=True, seed=4)
+        outs.append(generate_device(target, prompt, p, method="ddtree", drafter=drafter, budget=8, graph=False).token_ids)
+    assert len(target.__dict__[ROUNDS.ATTR]) == 1
+    assert outs[0] == outs[2]  # the round's scalars were set back for the third request
+    generate_device(target, prompt, SamplingParams(max_tokens=4, temperature=0.7, top_k=5, ignore_eos=True, seed=4),
+                    method="ddtree", drafter=drafter, budget=8, graph=False)
+    assert len(target.__dict__[ROUNDS.ATTR]) == 2
