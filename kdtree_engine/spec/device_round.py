@@ -134,14 +134,15 @@ class DeviceRound:
         S = len(prompt_ids)
         if S > self.max_length():
             raise ValueError(f"prompt of {S} tokens does not fit a round buffer of capacity {self.capacity}")
+        if self.sampling and (params is None or params.greedy or params.top_k != self.top_k
+                              or (params.top_p < 1.0) != (self.top_p is not None)):
+            raise ValueError(f"this round samples with top_k={self.top_k}, nucleus {self.top_p is not None}; "
+                             f"got {params}")
         target = self.target
         self.cache.crop(0)
         ids = torch.tensor(prompt_ids, dtype=torch.long, device=target.device)
         out = target(ids, self.cache, aux_layers=self.aux_layers)
         if self.sampling:
-            if params is None or params.greedy or params.top_k != self.top_k or (params.top_p < 1.0) != (self.top_p is not None):
-                raise ValueError(f"this round samples with top_k={self.top_k}, nucleus {self.top_p is not None}; "
-                                 f"got {params}")
             self.temperature.fill_(float(params.temperature))
             if self.top_p is not None:
                 self.top_p.fill_(float(params.top_p))
