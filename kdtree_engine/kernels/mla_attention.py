@@ -101,9 +101,12 @@ class MLAConfig:
 
     Fields that set a row's arithmetic (batch invariance: fixed per heads-per-rank N, never chosen from
     T): CHUNK (split points), BLOCK_N (online-softmax step), BLOCK_M / num_warps (the MMA instruction
-    kind: 16-row tiles compile to mma.sync, 64-row tiles to wgmma, and they round differently),
+    kind: 16-row tiles compile to mma.sync, 64-row tiles to wgmma, and they round differently; and
+    without L_BY_DOT the warps' split of a tile sets the order of the softmax row sums), L_BY_DOT,
     KEYS_ON_M (which operand sits on the MMA's M side), num_stages, Q_IN_LOOP (kept fixed too: they
     change the compiled schedule, not the math, but nothing is gained by varying them).
+    Exception: with L_BY_DOT, decode launches (T = 1) may run DECODE_BLOCK_M / DECODE_STAGES
+    (mma.sync tiles of another row count: the same arithmetic per row, see :meth:`for_launch`).
 
     Fields that only re-tile the work: V_SPLIT cuts the 512 output columns over V_SPLIT programs, each
     recomputing the same scores (same tiles, same instructions) and reducing its own columns with the
