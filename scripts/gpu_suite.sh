@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU tests and benchmarks, logs and results packed under $OUT; one device call runs one part.
-#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|next|chain|sample|rounds|decode|step|verify|last]   (on the GPU machine, from the repository root)
+#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|next|chain|sample|rounds|decode|step|verify|resume|last]   (on the GPU machine, from the repository root)
 #   tune   the W4A16 config sweep, the bitwise and CUDA-graph GPU tests, the demo's spec benchmark
 #   check  the remaining GPU tests (kernels, batch invariance, target, attention), kernel and round benches
 #   bench  the benchmarks with long runs (K2 step, attention, GEMM)
@@ -27,6 +27,8 @@
 #          bit-equality GPU tests, the demo's bitwise spec == plain, the attention bench
 #   step   the K2 layer step (with its profile) and the round benchmark on the current defaults
 #   verify the bitwise, batch-invariance and target GPU tests on the current defaults
+#   resume sampled graph rounds with per-request temperature / top-p (their GPU tests and bench), then the
+#          demo's logits-alone bitwise test with a cap long enough for its compiles
 #   last   the round benchmark and the longest-compiling GPU tests (device-length attention, demo bitwise)
 # Each step has its own time cap so one slow step cannot take the rest with it; the results tarball
 # is rebuilt after every step (only a few files come back from the machine).
@@ -161,6 +163,12 @@ if [[ $PART == verify ]]; then
   step pytest_bitwise 230 $PYT tests/gpu/test_bitwise_gpu.py
   step pytest_invariance 150 $PYT tests/gpu/test_batch_invariance_gpu.py tests/gpu/test_fused_tails_gpu.py
   step pytest_target 90 $PYT tests/gpu/test_target_gpu.py
+fi
+if [[ $PART == resume ]]; then
+  step pytest_sampled 200 $PYT tests/gpu/test_graph_round_gpu.py -k "sampled or default_mode"
+  step bench_spec_sample 120 python3 -m kdtree_engine.bench_spec --device cuda --num-prompts 8 --max-tokens 128 \
+    --temperature 0.7 --budgets 8,16,32 --out "$RES/sample" --plot "$RES/sample/spec-h200.png"
+  step pytest_bitwise_demo_logits 260 $PYT tests/gpu/test_bitwise_gpu.py -k demo_logits_alone
 fi
 if [[ $PART == last ]]; then
   step bench_round 110 python3 bench/round.py --out "$RES"
