@@ -142,3 +142,14 @@ def test_embedded_demo_is_the_default(capsys) -> None:
     assert s["spec"] == "ddtree" and s["generated_tokens"] == 12
     assert s["same_tokens_as_plain"] is True and s["speedup"] > 0 and s["tau"] >= 1.0
     assert isinstance(obj["text"], str) and obj["text"]
+
+
+def test_sampled_compare_reports_no_token_comparison(capsys) -> None:
+    """Sampled text equals plain decoding's in distribution only: --compare gives the speedup, not a
+    token comparison (null in JSON, 'n/a' in the stats line)."""
+    argv = ["generate", "def quicksort(items):", "--max-tokens", "8", "--ignore-eos", "--temperature", "0.7",
+            "--seed", "3"]
+    obj = run_json(capsys, argv + ["--json"])
+    assert obj["stats"]["same_tokens_as_plain"] is None and obj["stats"]["speedup"] > 0
+    assert main(argv) == 0
+    assert "same tokens as plain: n/a" in capsys.readouterr().err
