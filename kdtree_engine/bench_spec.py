@@ -327,7 +327,7 @@ def tree_vs_chain(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     for r in records:
         if r["method"] != "ddtree" or not isinstance(r["budget"], int) or whole is None:
             continue
-        same = cut.get(r["budget"], whole if r["budget"] not in cut else None)
+        same = cut.get(r["budget"], whole)
         rows.append({"budget": r["budget"], "tau": r["tau"], "chain_setting": same["setting"],
                      "chain_tau": same["tau"], "ahead_of_same_width": r["tau"] > same["tau"],
                      "whole_chain_tau": whole["tau"], "ahead_of_whole_chain": r["tau"] > whole["tau"]})

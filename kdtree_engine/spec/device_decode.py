@@ -103,9 +103,11 @@ def generate_device(target: Target, prompt_ids: list[int], params: SamplingParam
     done = emit.push([tok])
     run = runner.step if runner is not None else rnd.step
 
-    def step() -> None:
-        rnd.draw(gen)  # sampling: the round's noise, drawn outside the graph (no-op when greedy)
+    def sampled_step() -> None:
+        rnd.draw(gen)  # the round's noise, drawn outside the graph
         run()
+
+    step = run if params.greedy else sampled_step
     m = rnd.m
     reader = _Reader(rnd.result, pinned=ahead and dev.type == "cuda")
     k = 0

@@ -45,7 +45,7 @@ def tree_nodes(method: str, block_size: int, budget: int | None, vocab: int) -> 
     if method == "none":
         return 1
     if method == "dflash":  # the argmax chain, ``budget`` drafts long (None: all B - 1)
-        return 1 + min(budget or block_size - 1, block_size - 1)
+        return 1 + (budget or block_size - 1)
     b = budget or block_size - 1
     return tree_size(b, block_size - 1, min(b, vocab)) + 1
 
@@ -109,7 +109,7 @@ class DeviceRound:
         # noise [N1, V] are device buffers refilled per request / per round
         self.sampling = sampling is not None and not sampling.greedy
         self.top_k = sampling.top_k if self.sampling else 0
-        self.temperature = torch.ones((), dtype=torch.float32, device=dev)
+        self.temperature = torch.ones((), dtype=torch.float32, device=dev) if self.sampling else None
         self.top_p = (torch.ones((), dtype=torch.float32, device=dev)
                       if self.sampling and sampling.top_p < 1.0 else None)
         self.noise = (torch.ones((self.n1, target.cfg.vocab_size), dtype=torch.float32, device=dev)

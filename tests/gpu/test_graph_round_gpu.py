@@ -209,10 +209,10 @@ def test_sampled_graph_rounds_equal_device_eager_and_follow_the_target():
     """Sampled rounds (temperature > 0): a graph replay equals the same round run eagerly for the same seed
     (same noise, same kernels); the default on CUDA is the graph; and the first tokens have the target's
     distribution (chi-square against the joint enumerated from plain forwards)."""
-    from kdtree_engine.sampling import SamplingParams, probs_from_logits
+    from kdtree_engine.sampling import SamplingParams
     from kdtree_engine.spec.decode import generate
     from kdtree_engine.spec.device_decode import generate_device
-    from spec.spec_toys import chi_square_pvalue
+    from spec.spec_toys import chi_square_pvalue, first_tokens_distribution
 
     target, drafter = _tiny_pair()
     prompt = [9, 8, 7, 6]
@@ -227,15 +227,7 @@ def test_sampled_graph_rounds_equal_device_eager_and_follow_the_target():
     with torch.no_grad():  # flatter logits (target and drafter share the head): many outcomes, drafts accepted
         target.lm_head_proj.weight.mul_(0.03)
     p3 = SamplingParams(max_tokens=3, temperature=0.3, top_k=3, ignore_eos=True)
-    exact: dict[tuple, float] = {(): 1.0}
-    for _ in range(3):
-        nxt = {}
-        for seq, pr in exact.items():
-            ids = prompt + list(seq)
-            probs = probs_from_logits(target(torch.tensor(ids, device="cuda"), target.new_cache(len(ids) + 1)).logits[-1], p3)
-            for tok in torch.nonzero(probs).flatten().tolist():
-                nxt[seq + (tok,)] = pr * float(probs[tok])
-        exact = nxt
+    exact = first_tokens_distribution(target, prompt, p3, 3)
     n, counts, accepted = 1500, {}, 0
     for i in range(n):
         r = generate(target, prompt, SamplingParams(max_tokens=3, temperature=0.3, top_k=3, ignore_eos=True, seed=i),

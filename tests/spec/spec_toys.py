@@ -197,6 +197,22 @@ def target_chain_proposals(target: "PrefixTarget", temperature: float = 1.0):
     return fn
 
 
+def first_tokens_distribution(target, prompt: list[int], params: SamplingParams, n: int) -> dict[tuple, float]:
+    """Exact distribution of the first n sampled tokens of a real target, enumerated with plain forwards
+    (the oracle for sampled speculative output; the rule must keep few tokens per step, e.g. top_k)."""
+    out: dict[tuple, float] = {(): 1.0}
+    for _ in range(n):
+        nxt: dict[tuple, float] = {}
+        for seq, pr in out.items():
+            ids = prompt + list(seq)
+            logits = target(torch.tensor(ids, device=target.device), target.new_cache(len(ids) + 1)).logits[-1]
+            probs = probs_from_logits(logits, params)
+            for tok in torch.nonzero(probs).flatten().tolist():
+                nxt[seq + (tok,)] = pr * float(probs[tok])
+        out = nxt
+    return out
+
+
 def chi_square_pvalue(counts: dict, probs: dict[tuple, float], n: int) -> tuple[float, float]:
     """Pearson chi-square of observed counts against exact probabilities; bins with expected < 5
     are pooled. Returns (statistic, p-value)."""

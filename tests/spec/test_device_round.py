@@ -246,34 +246,17 @@ def test_rounds_ahead_up_to_the_position_limit():
         assert r.token_ids == short.token_ids
 
 
-def _exact_first_tokens(target, prompt: list[int], params: SamplingParams, n: int) -> dict[tuple, float]:
-    """Exact distribution of the first n sampled tokens, enumerated with plain forwards (the oracle)."""
-    from kdtree_engine.sampling import probs_from_logits
-
-    out: dict[tuple, float] = {(): 1.0}
-    for _ in range(n):
-        nxt: dict[tuple, float] = {}
-        for seq, pr in out.items():
-            ids = prompt + list(seq)
-            logits = target(torch.tensor(ids), target.new_cache(len(ids) + 1)).logits[-1]
-            probs = probs_from_logits(logits, params)
-            for tok in torch.nonzero(probs).flatten().tolist():
-                nxt[seq + (tok,)] = pr * float(probs[tok])
-        out = nxt
-    return out
-
-
 def test_device_rounds_sampled_distribution_equals_target():
     """Sampled device rounds (the exponential race over drawn noise, the vectorized accept walk) emit
     the target's sequence distribution: first 3 tokens against the enumerated exact joint."""
-    from spec_toys import chi_square_pvalue
+    from spec_toys import chi_square_pvalue, first_tokens_distribution
 
     target, drafter = _tiny_pair(block=4)
     with torch.no_grad():  # flatter logits (target and drafter share the head): many outcomes, drafts accepted
         target.lm_head_proj.weight.mul_(0.03)
     prompt = [5, 6, 7, 8]
     params = SamplingParams(max_tokens=3, temperature=0.3, top_k=3, ignore_eos=True)
-    exact = _exact_first_tokens(target, prompt, params, 3)
+    exact = first_tokens_distribution(target, prompt, params, 3)
     n, counts, accepted = 400, {}, 0
     for i in range(n):
         r = generate_device(target, prompt, SamplingParams(max_tokens=3, temperature=0.3, top_k=3, ignore_eos=True,
