@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU tests and benchmarks, logs and results packed under $OUT; one device call runs one part.
-#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|next|chain|sample|rounds|decode|step|verify|resume|last]   (on the GPU machine, from the repository root)
+#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|next|chain|sample|rounds|decode|step|verify|resume|ncu|plane|last]   (on the GPU machine, from the repository root)
 #   tune   the W4A16 config sweep, the bitwise and CUDA-graph GPU tests, the demo's spec benchmark
 #   check  the remaining GPU tests (kernels, batch invariance, target, attention), kernel and round benches
 #   bench  the benchmarks with long runs (K2 step, attention, GEMM)
@@ -29,6 +29,9 @@
 #   verify the bitwise, batch-invariance and target GPU tests on the current defaults
 #   resume sampled graph rounds with per-request temperature / top-p (their GPU tests and bench), then the
 #          demo's logits-alone bitwise test with a cap long enough for its compiles
+#   ncu    Nsight Compute sections (stall reasons, occupancy, memory) of one launch of each kernel case
+#          (bench/ncu_probe.py), then the sampled graph-round GPU tests
+#   plane  the nibble-plane W4A16 kernel against the default dense kernel at K2 shapes
 #   last   the round benchmark and the longest-compiling GPU tests (device-length attention, demo bitwise)
 # Each step has its own time cap so one slow step cannot take the rest with it; the results tarball
 # is rebuilt after every step (only a few files come back from the machine).
@@ -169,6 +172,20 @@ if [[ $PART == resume ]]; then
   step bench_spec_sample 120 python3 -m kdtree_engine.bench_spec --device cuda --num-prompts 8 --max-tokens 128 \
     --temperature 0.7 --budgets 8,16,32 --out "$RES/sample" --plot "$RES/sample/spec-h200.png"
   step pytest_bitwise_demo_logits 260 $PYT tests/gpu/test_bitwise_gpu.py -k demo_logits_alone
+fi
+if [[ $PART == ncu ]]; then
+  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  SECTIONS="--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+    --section SchedulerStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
+    --section InstructionStats --section SourceCounters"
+  for case in mla_decode_32k mla_decode_128k mla_verify16_32k moe_t1 moe_t16 dense_m1; do
+    step "ncu_$case" 75 "$NCU" --clock-control none --profile-from-start off $SECTIONS \
+      python3 bench/ncu_probe.py "$case"
+  done
+  step pytest_sampled 200 $PYT tests/gpu/test_graph_round_gpu.py -k "sampled or default_mode"
+fi
+if [[ $PART == plane ]]; then
+  step bench_plane 400 python3 bench/w4_plane_probe.py --out "$RES"
 fi
 if [[ $PART == last ]]; then
   step bench_round 110 python3 bench/round.py --out "$RES"

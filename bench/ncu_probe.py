@@ -1,0 +1,93 @@
+"""One kernel case at K2 shapes, launched once inside a profiler range: the target of Nsight Compute.
+
+    ncu --clock-control none --profile-from-start off --section WarpStateStats ... \
+        python3 bench/ncu_probe.py mla_decode_32k
+
+The case is run once before the range (compiles, warms the caches of the allocator), then once inside
+cudaProfilerStart/Stop, so `--profile-from-start off` profiles exactly the launches of one call. After
+the range it prints each Triton kernel's registers, spills and shared memory per compiled variant.
+Cases: mla_decode_{4k,32k,128k} (N=8, T=1), mla_verify16_32k (N=8, T=16, random tree), moe_t{1,16}
+(384 experts top-8), dense_m1 (36864 x 7168 W4A16, M=1).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench.kernels import E, G, H, I, TOPK, rand_w4, route  # noqa: E402
+from bench.mla_attention import C, R, SCALE, make_case  # noqa: E402
+from kdtree_engine.kernels import mla_attention as mla_mod  # noqa: E402
+from kdtree_engine.kernels import moe_w4a16, w4a16  # noqa: E402
+
+
+def _mla(S: int, T: int):
+    q_lat, q_pe, kvs, mask = make_case(8, S, T, 1)
+    return lambda: mla_mod.mla_attention(q_lat, q_pe, kvs[0], S, mask, SCALE, C)
+
+
+def _moe(T: int):
+    w13p, w13s = rand_w4(E, 2 * I, H, g=G)
+    w2p, w2s = rand_w4(E, H, I, g=G)
+    x = torch.randn(T, H, device="cuda").to(torch.bfloat16)
+    ids, tw = route(T, 1, torch.Generator(device="cuda").manual_seed(0))[0]
+    return lambda: moe_w4a16.fused_moe_w4a16(x, w13p, w13s, w2p, w2s, ids, tw, G)
+
+
+def _dense(M: int):
+    p, s = rand_w4(36864, 7168, g=G)
+    x = torch.randn(M, 7168, device="cuda").to(torch.bfloat16)
+    return lambda: w4a16.w4a16_linear(x, p, s, G)
+
+
+CASES = {
+    "mla_decode_4k": lambda: _mla(4096, 1),
+    "mla_decode_32k": lambda: _mla(32768, 1),
+    "mla_decode_128k": lambda: _mla(131072, 1),
+    "mla_verify16_32k": lambda: _mla(32768, 16),
+    "moe_t1": lambda: _moe(1),
+    "moe_t16": lambda: _moe(16),
+    "dense_m1": lambda: _dense(1),
+}
+
+
+def kernel_report() -> list[str]:
+    lines = []
+    for mod in (mla_mod, moe_w4a16, w4a16):
+        for name in dir(mod):
+            fn = getattr(mod, name)
+            cache = getattr(fn, "device_caches", None) or getattr(fn, "cache", None)
+            if not name.endswith("_kernel") or cache is None:
+                continue
+            for dev_cache in (cache.values() if isinstance(cache, dict) else []):
+                kernels = dev_cache[0] if isinstance(dev_cache, tuple) else dev_cache
+                for k in getattr(kernels, "values", lambda: [])():
+                    lines.append(f"{name}: regs {getattr(k, 'n_regs', '?')} spills {getattr(k, 'n_spills', '?')} "
+                                 f"smem {k.metadata.shared} warps {k.metadata.num_warps} "
+                                 f"stages {k.metadata.num_stages}")
+    return lines
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1 or argv[0] not in CASES:
+        print(f"usage: ncu_probe.py CASE; CASE one of {', '.join(CASES)}", file=sys.stderr)
+        return 2
+    fn = CASES[argv[0]]()
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+    print("\n".join(kernel_report()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
