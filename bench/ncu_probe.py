@@ -7,7 +7,7 @@ The case is run once before the range (compiles, warms the caches of the allocat
 cudaProfilerStart/Stop, so `--profile-from-start off` profiles exactly the launches of one call. After
 the range it prints each Triton kernel's registers, spills and shared memory per compiled variant.
 Cases: mla_decode_{4k,32k,128k} (N=8, T=1), mla_verify16_32k (N=8, T=16, random tree), moe_t{1,16}
-(384 experts top-8), dense_m1 (36864 x 7168 W4A16, M=1).
+(384 experts top-8), dense_m1 (36864 x 7168 W4A16, M=1), plane_m1 (the same by the nibble-plane kernel).
 """
 
 from __future__ import annotations
@@ -46,6 +46,13 @@ def _dense(M: int):
     return lambda: w4a16.w4a16_linear(x, p, s, G)
 
 
+def _plane(M: int):
+    from bench.w4_plane_probe import run_plane
+    p, s = rand_w4(36864, 7168, g=G)
+    x = torch.randn(M, 7168, device="cuda").to(torch.bfloat16)
+    return lambda: run_plane(x, p, s, (64, 64, 4, 3), 1, 7168 // 8)
+
+
 CASES = {
     "mla_decode_4k": lambda: _mla(4096, 1),
     "mla_decode_32k": lambda: _mla(32768, 1),
@@ -54,6 +61,7 @@ CASES = {
     "moe_t1": lambda: _moe(1),
     "moe_t16": lambda: _moe(16),
     "dense_m1": lambda: _dense(1),
+    "plane_m1": lambda: _plane(1),
 }
 
 

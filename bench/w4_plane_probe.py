@@ -32,7 +32,7 @@ from kdtree_engine.quant import dequantize  # noqa: E402
 
 MS = [1, 4, 16]
 # (BLOCK_N, BLOCK_C, num_warps, num_stages)
-CANDIDATES = [(128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2), (256, 64, 8, 2)]
+CANDIDATES = [(64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 2), (64, 256, 4, 2), (128, 128, 8, 2), (64, 64, 2, 3), (64, 128, 2, 2)]
 TARGET_PROGRAMS = 1056
 
 
@@ -41,7 +41,7 @@ def split_for(N: int, K8: int, block_n: int, block_c: int) -> tuple[int, int]:
     tiles = math.ceil(N / block_n)
     split = 1
     for s in range(1, iters + 1):
-        if iters % s == 0 and tiles * s <= TARGET_PROGRAMS:
+        if iters % s == 0 and tiles * s <= TARGET_PROGRAMS and iters // s >= 2:
             split = s
     return split, iters // split * block_c
 

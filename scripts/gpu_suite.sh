@@ -185,7 +185,14 @@ if [[ $PART == ncu ]]; then
   step pytest_sampled 200 $PYT tests/gpu/test_graph_round_gpu.py -k "sampled or default_mode"
 fi
 if [[ $PART == plane ]]; then
-  step bench_plane 400 python3 bench/w4_plane_probe.py --out "$RES"
+  step bench_plane 300 python3 bench/w4_plane_probe.py --out "$RES"
+  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  SECS="--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+    --section SchedulerStats --section MemoryWorkloadAnalysis --section InstructionStats --section SourceCounters"
+  step ncu_plane_m1 90 "$NCU" --clock-control none --profile-from-start off $SECS --print-details all \
+    python3 bench/ncu_probe.py plane_m1
+  step ncu_plane_m1_plain 90 "$NCU" --clock-control none --profile-from-start off $SECS \
+    python3 bench/ncu_probe.py plane_m1
 fi
 if [[ $PART == last ]]; then
   step bench_round 110 python3 bench/round.py --out "$RES"
