@@ -50,7 +50,7 @@ def _plane(M: int):
     from bench.w4_plane_probe import run_plane
     p, s = rand_w4(36864, 7168, g=G)
     x = torch.randn(M, 7168, device="cuda").to(torch.bfloat16)
-    return lambda: run_plane(x, p, s, (64, 64, 4, 3), 1, 7168 // 8)
+    return lambda: run_plane(x, p, s, (64, 64, 4, 2), 1, 7168 // 8)
 
 
 CASES = {

@@ -32,7 +32,7 @@ from kdtree_engine.quant import dequantize  # noqa: E402
 
 MS = [1, 4, 16]
 # (BLOCK_N, BLOCK_C, num_warps, num_stages)
-CANDIDATES = [(64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 2), (64, 256, 4, 2), (128, 128, 8, 2), (64, 64, 2, 3), (64, 128, 2, 2)]
+CANDIDATES = [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (64, 128, 4, 2), (128, 128, 8, 2)]
 TARGET_PROGRAMS = 1056
 
 

@@ -25,7 +25,9 @@ c = 8i + r, odd c = 8i + 4 + r, r < 4), so an operand's scale is the low (even) 
 one word, again elementwise: 2 x 8 plane GEMMs per iteration, BLOCK_C / 2 columns each.
 
 Activations are permuted once per call (`plane_order`) so that the [BLOCK_M, BLOCK_C / 2] operand of
-each (iteration, plane, parity) is a contiguous slice.
+each (iteration, plane, parity) is a contiguous slice, loaded by TMA (a tensor descriptor): pipelined
+into shared memory with the weights, rows past M zero-filled. Loading them with pointers instead put 16
+register -> shared-memory copies per iteration in the loop (LG and MIO throttle, Nsight Compute).
 
 Reduction order per output element: iteration by iteration over K (BLOCK_C packed columns each), within
 an iteration plane 0 even, plane 0 odd, plane 1 even, ..., then split-K partials in split order. It
@@ -38,6 +40,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .common import interpreting
 
@@ -105,12 +108,25 @@ def _rne_bf16(f):
 
 
 @triton.jit
-def _plane_accumulate(acc, we, wo, s32, x_rows, x_base, offs_h, HC: tl.constexpr, EMU: tl.constexpr):
+def _x_operand(xq, row0, col, offs_m, offs_h, M, stride_xm, X_DESC: tl.constexpr):
+    """Activations [BLOCK_M, HC] at plane-ordered column `col` (TMA through the descriptor on the GPU:
+    pipelined into shared memory, rows past M zero-filled; plain loads under the interpreter)."""
+    if X_DESC:
+        x = xq.load([row0, col])
+    else:
+        rows = tl.minimum(offs_m, M - 1).to(tl.int64)   # rows past M read row M-1, never stored
+        x = tl.load(xq + rows[:, None] * stride_xm + col + offs_h[None, :])
+    return x
+
+
+@triton.jit
+def _plane_accumulate(acc, we, wo, s32, xq, row0, x_base, offs_m, offs_h, M, stride_xm,
+                      HC: tl.constexpr, EMU: tl.constexpr, X_DESC: tl.constexpr):
     """acc [BN, BM] += the 16 plane GEMMs of one iteration (plane-major, even before odd)."""
     se, so = _scales(s32, EMU)
     for j in tl.static_range(8):
-        xe = tl.load(x_rows + x_base + (2 * j) * HC + offs_h[None, :])
-        xo = tl.load(x_rows + x_base + (2 * j + 1) * HC + offs_h[None, :])
+        xe = _x_operand(xq, row0, x_base + (2 * j) * HC, offs_m, offs_h, M, stride_xm, X_DESC)
+        xo = _x_operand(xq, row0, x_base + (2 * j + 1) * HC, offs_m, offs_h, M, stride_xm, X_DESC)
         if EMU:  # interpreter: fp32 operands, products of bf16 values (exact) summed in fp32
             ae = _rne_bf16(_plane(we, j, EMU).to(tl.float32) * se.to(tl.float32))
             ao = _rne_bf16(_plane(wo, j, EMU).to(tl.float32) * so.to(tl.float32))
@@ -123,10 +139,10 @@ def _plane_accumulate(acc, we, wo, s32, x_rows, x_base, offs_h, HC: tl.constexpr
 
 
 @triton.jit
-def _w4a16_plane_kernel(xq_ptr, w_ptr, s_ptr, out_ptr, M, N, K8, c_per_split,
+def _w4a16_plane_kernel(xq, w_ptr, s_ptr, out_ptr, M, N, K8, c_per_split,
                         stride_xm, stride_wn, stride_sn, stride_om, stride_os,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
-                        EMU: tl.constexpr, OUT_F32: tl.constexpr):
+                        EMU: tl.constexpr, X_DESC: tl.constexpr, OUT_F32: tl.constexpr):
     # grid: (m tiles [fastest: tiles sharing a weight tile run together], n tiles, splits)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -142,14 +158,14 @@ def _w4a16_plane_kernel(xq_ptr, w_ptr, s_ptr, out_ptr, M, N, K8, c_per_split,
     c_end = tl.minimum(K8, c_start + c_per_split)
     w_rows = w_ptr + rows_n[:, None] * stride_wn
     s_rows = s_ptr + rows_n[:, None] * stride_sn
-    x_rows = xq_ptr + tl.minimum(offs_m, M - 1)[:, None].to(tl.int64) * stride_xm
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for c0 in range(c_start, c_end, BLOCK_C):
         ce = c0 + rel_e
         we = tl.load(w_rows + ce[None, :])
         wo = tl.load(w_rows + (ce + 4)[None, :])
         s32 = tl.load(s_rows + (c0 // 8 + offs_h // 4)[None, :])
-        acc = _plane_accumulate(acc, we, wo, s32, x_rows, (c0 // BLOCK_C) * 16 * HC, offs_h, HC, EMU)
+        acc = _plane_accumulate(acc, we, wo, s32, xq, pid_m * BLOCK_M, (c0 // BLOCK_C) * 16 * HC, offs_m, offs_h,
+                                M, stride_xm, HC, EMU, X_DESC)
     acc = tl.trans(acc)
     o_ptrs = out_ptr + pid_k * stride_os + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
     o_mask = (offs_m[:, None] < M) & n_ok[None, :]
@@ -187,11 +203,13 @@ def plane_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, blo
     N = packed.shape[0]
     xq = plane_order(x, block_c)
     s32 = scale.view(torch.int32)
+    emu = interpreting()
+    x_arg = xq if emu else TensorDescriptor.from_tensor(xq, [block_m, block_c // 2])
     grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n), split)
     _w4a16_plane_kernel[grid](
-        xq, packed, s32, target, M, N, K // 8, c_per_split,
+        x_arg, packed, s32, target, M, N, K // 8, c_per_split,
         xq.stride(0), packed.stride(0), s32.stride(0), N, M * N,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_C=block_c, EMU=interpreting(), OUT_F32=split > 1,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_C=block_c, EMU=emu, X_DESC=not emu, OUT_F32=split > 1,
         num_warps=num_warps, num_stages=num_stages)
     return target
 
