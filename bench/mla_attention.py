@@ -7,6 +7,8 @@ same math and the torch reference, against rooflines measured in the same run.
                                                        # written to mla_attention-sweep-<gpu>.*
     python bench/mla_attention.py --sweep-only --sweep-decode --no-peers   # V_SPLIT for decode launches,
                                                        # written to mla_attention-decode-sweep-<gpu>.*
+    python bench/mla_attention.py --sweep-only --sweep-chunk --no-peers    # chunk lengths (N = 8),
+                                                       # written to mla_attention-chunk-sweep-<gpu>.*
 
 The sweep first compiles every (candidate, launch kind) in a pool of processes (Triton's on-disk cache
 is shared), so that the timing loop itself compiles nothing; candidates that fail to compile (e.g. out
@@ -92,6 +94,14 @@ DECODE_SWEEP: list[MLAConfig] = [
     MLAConfig(**{**_DEC, "DECODE_MIN_PROGRAMS": 0}, L_BY_DOT=True, DECODE_BLOCK_M=16, DECODE_STAGES=3),
 ]
 DECODE_SHAPES = [(8, 4096, 1), (8, 32768, 1), (8, 131072, 1), (64, 4096, 1), (64, 32768, 1), (64, 131072, 1)]
+# Chunk length (a reduction field: decode and verify share it). With the merge at 128 programs per decode
+# launch, shorter chunks give a decode launch more programs (65 at 32K with CHUNK 512, for 132 SMs).
+# `--sweep-chunk` times the N <= 16 default beside its CHUNK = 256 / 1024 twins.
+_N8 = dict(BLOCK_M=32, BLOCK_N=64, V_SPLIT=1, num_warps=4, num_stages=2, L_BY_DOT=True, DECODE_BLOCK_M=16,
+           DECODE_STAGES=3)
+CHUNK_SWEEP: list[MLAConfig] = [MLAConfig(CHUNK=512, **_N8), MLAConfig(CHUNK=256, **_N8), MLAConfig(CHUNK=1024, **_N8)]
+CHUNK_SHAPES = [(8, 4096, 1), (8, 32768, 1), (8, 131072, 1), (8, 32768, 16), (8, 131072, 16), (8, 32768, 64),
+                (8, 131072, 64)]
 SWEEP_SHAPES = [(8, 32768, 1), (8, 131072, 1), (8, 32768, 16), (8, 131072, 16), (8, 32768, 64),
                 (8, 131072, 64), (64, 32768, 1), (64, 131072, 1), (64, 32768, 16), (64, 131072, 16),
                 (64, 32768, 64), (64, 131072, 64)]
@@ -209,6 +219,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--sweep-only", action="store_true", help="time only the configs in SWEEP")
     ap.add_argument("--sweep-decode", action="store_true",
                     help="with --sweep-only: time DECODE_SWEEP (V_SPLIT for T = 1) at DECODE_SHAPES instead")
+    ap.add_argument("--sweep-chunk", action="store_true",
+                    help="with --sweep-only: time CHUNK_SWEEP (chunk lengths, N = 8) at CHUNK_SHAPES instead")
     ap.add_argument("--workers", type=int, default=0, help="compile processes for the sweep (0: CPUs)")
     ap.add_argument("--no-peers", action="store_true", help="skip sdpa and the torch reference")
     ap.add_argument("--budget-s", type=float, default=100.0, help="stop the sweep after this many seconds")
@@ -234,7 +246,8 @@ def main(argv=None) -> dict:
         import os
 
         workers = args.workers or min(16, os.cpu_count() or 1)
-        cands, shapes = (DECODE_SWEEP, DECODE_SHAPES) if args.sweep_decode else (SWEEP, SWEEP_SHAPES)
+        cands, shapes = ((DECODE_SWEEP, DECODE_SHAPES) if args.sweep_decode else
+                         (CHUNK_SWEEP, CHUNK_SHAPES) if args.sweep_chunk else (SWEEP, SWEEP_SHAPES))
         compile_err = precompile(cands, shapes, workers)
         print(f"compiled {len(compile_err)} (config, N, T kind) in {clock():.0f}s; "
               f"{sum(e is not None for e in compile_err.values())} failed", flush=True)
@@ -282,7 +295,8 @@ def main(argv=None) -> dict:
                          s.get("x_roof"), s.get("rel_err", s.get("error", s.get("skipped")))]
                         for s in sweep])
         md += ["", "## Best candidate per shape", ""] + best_per_shape(sweep)
-    stem = (f"mla_attention-{'decode-' if args.sweep_decode else ''}sweep-{gpu}" if args.sweep_only
+    kind = "decode-" if args.sweep_decode else "chunk-" if args.sweep_chunk else ""
+    stem = (f"mla_attention-{kind}sweep-{gpu}" if args.sweep_only
             else f"mla_attention-{gpu}")
     jp, mp = write_results(args.out, stem, payload, md)
     print(f"wrote {jp} and {mp} in {clock():.0f}s")

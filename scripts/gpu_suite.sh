@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU tests and benchmarks, logs and results packed under $OUT; one device call runs one part.
-#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|next|chain|sample|rounds|decode|step|verify|resume|ncu|plane|last]   (on the GPU machine, from the repository root)
+#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|next|chain|sample|rounds|decode|step|verify|resume|ncu|plane|merge|last]   (on the GPU machine, from the repository root)
 #   tune   the W4A16 config sweep, the bitwise and CUDA-graph GPU tests, the demo's spec benchmark
 #   check  the remaining GPU tests (kernels, batch invariance, target, attention), kernel and round benches
 #   bench  the benchmarks with long runs (K2 step, attention, GEMM)
@@ -32,6 +32,8 @@
 #   ncu    Nsight Compute sections (stall reasons, occupancy, memory) of one launch of each kernel case
 #          (bench/ncu_probe.py), then the sampled graph-round GPU tests
 #   plane  the nibble-plane W4A16 kernel against the default dense kernel at K2 shapes
+#   merge  the attention merge by pairwise trees: attention GPU tests, attention bench, chunk-length sweep,
+#          Nsight Compute of the 128K decode
 #   last   the round benchmark and the longest-compiling GPU tests (device-length attention, demo bitwise)
 # Each step has its own time cap so one slow step cannot take the rest with it; the results tarball
 # is rebuilt after every step (only a few files come back from the machine).
@@ -193,6 +195,15 @@ if [[ $PART == plane ]]; then
     python3 bench/ncu_probe.py plane_m1
   step ncu_plane_m1_plain 90 "$NCU" --clock-control none --profile-from-start off $SECS \
     python3 bench/ncu_probe.py plane_m1
+fi
+if [[ $PART == merge ]]; then
+  step pytest_mla 240 $PYT tests/gpu/test_mla_attention_gpu.py
+  step bench_mla 150 python3 bench/mla_attention.py --out "$RES"
+  step bench_mla_chunk 120 python3 bench/mla_attention.py --sweep-only --sweep-chunk --no-peers --budget-s 100 \
+    --out "$RES"
+  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  step ncu_mla_decode_128k 60 "$NCU" --clock-control none --profile-from-start off --section SpeedOfLight \
+    --section LaunchStats python3 bench/ncu_probe.py mla_decode_128k
 fi
 if [[ $PART == last ]]; then
   step bench_round 110 python3 bench/round.py --out "$RES"

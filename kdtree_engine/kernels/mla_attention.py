@@ -25,7 +25,8 @@ launch). One program computes one chunk for one tile of rows (and one slice of t
 columns, V_SPLIT slices): online softmax in fp32 over BLOCK_N-key blocks, then writes the chunk's
 normalised output o_c and its log2-sum-exp. A second kernel merges a row's chunks:
     m = max_c lse_c;  w_c = 2^(lse_c - m);  o = (sum_c w_c o_c) / (sum_c w_c)
-summing MERGE_BLOCK_C chunks per step, steps in chunk order (a fixed order for a given chunk count).
+summing MERGE_BLOCK_C chunks per step by a fixed pairwise tree, steps in chunk order (a fixed order for a
+given chunk count, whatever the column tiling).
 A row with one chunk is written directly (bit-identical to merging one chunk: w = 1, the rest 0).
 
 Grid: ((row tiles) * V_SPLIT, chunks) with the V_SPLIT slices of one (tile, chunk) adjacent, so that
@@ -217,9 +218,12 @@ DEFAULT_CONFIGS: list[tuple[int, MLAConfig]] = [
 ]
 
 
-# Merge kernel tiles (fixed: they set the summation order of the merge).
-MERGE_BLOCK_D = 128
-MERGE_BLOCK_C = 16
+# Merge kernel tiles. MERGE_BLOCK_C sets the summation order (pairwise trees of that many chunks);
+# MERGE_BLOCK_D only tiles the columns (32: a decode launch of 8 rows merges in 128 programs, where
+# [16-chunk x 128-column] tiles in 32 programs took 37 us of an 88 us decode at 128K: Nsight Compute,
+# bench/ncu_probe.py mla_decode_128k).
+MERGE_BLOCK_D = 32
+MERGE_BLOCK_C = 64   # a power of 2, at most 64 (_pair_tree)
 
 
 def default_config(n_heads: int) -> MLAConfig:
@@ -398,14 +402,44 @@ def _mla_chunk_kernel(
 
 
 @triton.jit
+def _halve(x, H: tl.constexpr, D: tl.constexpr):
+    """[2H, D] -> [H, D]: row i is x[2i] + x[2i+1]."""
+    a, b = tl.split(tl.permute(tl.reshape(x, (H, 2, D)), (0, 2, 1)))
+    return a + b
+
+
+@triton.jit
+def _pair_tree(x, B: tl.constexpr, D: tl.constexpr):
+    """Sum over axis 0 of x [B, D] (B a power of 2, at most 64) by a fixed pairwise tree:
+    ((x0 + x1) + (x2 + x3)) + ... Elementwise adds only, so every element's order is the same for any
+    D, layout or num_warps."""
+    if B >= 64:
+        x = _halve(x, 32, D)
+    if B >= 32:
+        x = _halve(x, 16, D)
+    if B >= 16:
+        x = _halve(x, 8, D)
+    if B >= 8:
+        x = _halve(x, 4, D)
+    if B >= 4:
+        x = _halve(x, 2, D)
+    if B >= 2:
+        x = _halve(x, 1, D)
+    return tl.reshape(x, (D,))
+
+
+@triton.jit
 def _mla_merge_kernel(po_ptr, pl_ptr, nvis_ptr, out_ptr, s_ptr, S, N, NC,
                       stride_pom, stride_poc, stride_plm, stride_ot, stride_on,
                       C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, CHUNK: tl.constexpr,
                       CAUSAL: tl.constexpr, S_DEV: tl.constexpr = False):
-    """grid (rows, C / BLOCK_D): merge a row's chunks, BLOCK_C chunks per step, in chunk order.
+    """grid (rows, C / BLOCK_D): merge a row's chunks.
 
-    The summation order depends on (n_chunks, BLOCK_C, BLOCK_D) only. Chunks past the row's count
-    weigh exactly 0, so one chunk merges to its own value bit for bit (as the direct write)."""
+    Summation order (per output element, the same for any BLOCK_D, layout or warps): chunks in blocks of
+    BLOCK_C, each block summed by a fixed pairwise tree, the block sums added in chunk order; the
+    weights' sum likewise. It depends on the chunk count only. Chunks past the row's count weigh exactly
+    0, so one chunk merges to its own value bit for bit (as the direct write). BLOCK_C chunks per step
+    are loaded at once, so a long context keeps many loads in flight (the partials are in L2)."""
     r = tl.program_id(0)
     d0 = tl.program_id(1) * BLOCK_D
     if S_DEV:
@@ -427,16 +461,16 @@ def _mla_merge_kernel(po_ptr, pl_ptr, nvis_ptr, out_ptr, s_ptr, S, N, NC,
     offs_d = d0 + tl.arange(0, BLOCK_D)
     d_ok = offs_d < C
     acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
-    den = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    den = tl.zeros((1,), dtype=tl.float32)
     for c0 in range(0, n_ch, BLOCK_C):
         cc = c0 + offs_c
         c_ok = cc < n_ch
         w = tl.exp2(tl.load(pl_ptr + r64 * stride_plm + cc, mask=c_ok, other=float("-inf")) - m_all)
         o = tl.load(po_ptr + r64 * stride_pom + cc[:, None].to(tl.int64) * stride_poc + offs_d[None, :],
                     mask=c_ok[:, None] & d_ok[None, :], other=0.0)
-        acc += tl.sum(w[:, None] * o, 0)
-        den += w
-    o = acc / tl.sum(den, 0)
+        acc += _pair_tree(w[:, None] * o, BLOCK_C, BLOCK_D)
+        den += _pair_tree(w[:, None], BLOCK_C, 1)
+    o = acc / den
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + h.to(tl.int64) * stride_on + offs_d,
              o.to(out_ptr.dtype.element_ty), mask=d_ok)
 
@@ -571,7 +605,7 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, sta
         block_d = min(CP, MERGE_BLOCK_D)
         _mla_merge_kernel[(T * N, triton.cdiv(C, block_d))](
             po, pl, nvis, out, nvis, S, N, n_ch, spom, spoc, splm, out.stride(0), out.stride(1),
-            C=C, BLOCK_D=block_d, BLOCK_C=MERGE_BLOCK_C, CHUNK=cfg.CHUNK, CAUSAL=causal, num_warps=4)
+            C=C, BLOCK_D=block_d, BLOCK_C=MERGE_BLOCK_C, CHUNK=cfg.CHUNK, CAUSAL=causal, num_warps=2)
     return out
 
 
@@ -623,7 +657,7 @@ def mla_attention_device(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tens
         block_d = min(CP, MERGE_BLOCK_D)
         _mla_merge_kernel[(T * N, triton.cdiv(C, block_d))](
             po, pl, nvis, out, s_dev, 0, N, n_ch, spom, spoc, splm, out.stride(0), out.stride(1),
-            C=C, BLOCK_D=block_d, BLOCK_C=MERGE_BLOCK_C, CHUNK=cfg.CHUNK, CAUSAL=False, S_DEV=True, num_warps=4)
+            C=C, BLOCK_D=block_d, BLOCK_C=MERGE_BLOCK_C, CHUNK=cfg.CHUNK, CAUSAL=False, S_DEV=True, num_warps=2)
     return out
 
 
