@@ -221,9 +221,10 @@ DEFAULT_CONFIGS: list[tuple[int, MLAConfig]] = [
 # Merge kernel tiles. MERGE_BLOCK_C sets the summation order (pairwise trees of that many chunks);
 # MERGE_BLOCK_D only tiles the columns (32: a decode launch of 8 rows merges in 128 programs, where
 # [16-chunk x 128-column] tiles in 32 programs took 37 us of an 88 us decode at 128K: Nsight Compute,
-# bench/ncu_probe.py mla_decode_128k).
+# bench/ncu_probe.py mla_decode_128k; 64-chunk trees in 128 programs: 7.7 us). The merge is
+# latency-bound (the partials sit in L2): few, wide steps.
 MERGE_BLOCK_D = 32
-MERGE_BLOCK_C = 64   # a power of 2, at most 64 (_pair_tree)
+MERGE_BLOCK_C = 128   # a power of 2, at most 128 (_pair_tree)
 
 
 def default_config(n_heads: int) -> MLAConfig:
@@ -410,9 +411,11 @@ def _halve(x, H: tl.constexpr, D: tl.constexpr):
 
 @triton.jit
 def _pair_tree(x, B: tl.constexpr, D: tl.constexpr):
-    """Sum over axis 0 of x [B, D] (B a power of 2, at most 64) by a fixed pairwise tree:
+    """Sum over axis 0 of x [B, D] (B a power of 2, at most 128) by a fixed pairwise tree:
     ((x0 + x1) + (x2 + x3)) + ... Elementwise adds only, so every element's order is the same for any
     D, layout or num_warps."""
+    if B >= 128:
+        x = _halve(x, 64, D)
     if B >= 64:
         x = _halve(x, 32, D)
     if B >= 32:
@@ -432,7 +435,7 @@ def _pair_tree(x, B: tl.constexpr, D: tl.constexpr):
 def _mla_merge_kernel(po_ptr, pl_ptr, nvis_ptr, out_ptr, s_ptr, S, N, NC,
                       stride_pom, stride_poc, stride_plm, stride_ot, stride_on,
                       C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, CHUNK: tl.constexpr,
-                      CAUSAL: tl.constexpr, S_DEV: tl.constexpr = False):
+                      CAUSAL: tl.constexpr, S_DEV: tl.constexpr = False, LSE_BLOCK: tl.constexpr = 1024):
     """grid (rows, C / BLOCK_D): merge a row's chunks.
 
     Summation order (per output element, the same for any BLOCK_D, layout or warps): chunks in blocks of
@@ -452,12 +455,13 @@ def _mla_merge_kernel(po_ptr, pl_ptr, nvis_ptr, out_ptr, s_ptr, S, N, NC,
         L = S + tl.load(nvis_ptr + t)
     n_ch = tl.minimum(tl.cdiv(L, CHUNK), NC)
     r64 = r.to(tl.int64)
-    offs_c = tl.arange(0, BLOCK_C)
-    m = tl.full((BLOCK_C,), float("-inf"), dtype=tl.float32)
-    for c0 in range(0, n_ch, BLOCK_C):
-        cc = c0 + offs_c
+    offs_l = tl.arange(0, LSE_BLOCK)   # the max is exact in any order: one load up to LSE_BLOCK chunks
+    m = tl.full((LSE_BLOCK,), float("-inf"), dtype=tl.float32)
+    for c0 in range(0, n_ch, LSE_BLOCK):
+        cc = c0 + offs_l
         m = tl.maximum(m, tl.load(pl_ptr + r64 * stride_plm + cc, mask=cc < n_ch, other=float("-inf")))
     m_all = tl.max(m, 0)
+    offs_c = tl.arange(0, BLOCK_C)
     offs_d = d0 + tl.arange(0, BLOCK_D)
     d_ok = offs_d < C
     acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
@@ -605,7 +609,7 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, sta
         block_d = min(CP, MERGE_BLOCK_D)
         _mla_merge_kernel[(T * N, triton.cdiv(C, block_d))](
             po, pl, nvis, out, nvis, S, N, n_ch, spom, spoc, splm, out.stride(0), out.stride(1),
-            C=C, BLOCK_D=block_d, BLOCK_C=MERGE_BLOCK_C, CHUNK=cfg.CHUNK, CAUSAL=causal, num_warps=2)
+            C=C, BLOCK_D=block_d, BLOCK_C=MERGE_BLOCK_C, CHUNK=cfg.CHUNK, CAUSAL=causal, num_warps=4)
     return out
 
 
@@ -657,7 +661,7 @@ def mla_attention_device(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tens
         block_d = min(CP, MERGE_BLOCK_D)
         _mla_merge_kernel[(T * N, triton.cdiv(C, block_d))](
             po, pl, nvis, out, s_dev, 0, N, n_ch, spom, spoc, splm, out.stride(0), out.stride(1),
-            C=C, BLOCK_D=block_d, BLOCK_C=MERGE_BLOCK_C, CHUNK=cfg.CHUNK, CAUSAL=False, S_DEV=True, num_warps=2)
+            C=C, BLOCK_D=block_d, BLOCK_C=MERGE_BLOCK_C, CHUNK=cfg.CHUNK, CAUSAL=False, S_DEV=True, num_warps=4)
     return out
 
 
