@@ -218,13 +218,24 @@ DEFAULT_CONFIGS: list[tuple[int, MLAConfig]] = [
 ]
 
 
-# Merge kernel tiles. MERGE_BLOCK_C sets the summation order (pairwise trees of that many chunks);
-# MERGE_BLOCK_D only tiles the columns (32: a decode launch of 8 rows merges in 128 programs, where
-# [16-chunk x 128-column] tiles in 32 programs took 37 us of an 88 us decode at 128K: Nsight Compute,
-# bench/ncu_probe.py mla_decode_128k; 64-chunk trees in 128 programs: 7.7 us). The merge is
-# latency-bound (the partials sit in L2): few, wide steps.
-MERGE_BLOCK_D = 32
-MERGE_BLOCK_C = 128   # a power of 2, at most 128 (_pair_tree)
+# Merge summation order: pairwise trees of MERGE_BLOCK_C chunks, added in chunk order. A decode merge
+# is latency-bound (the partials sit in L2): [16-chunk x 128-column] tiles in 32 programs took 37 us of
+# an 88 us decode at 128K (Nsight Compute, bench/ncu_probe.py mla_decode_128k), 64-chunk trees over
+# 32 columns in 128 programs 7.7 us; 128-chunk trees were no faster there and slowed the verify merges.
+MERGE_BLOCK_C = 64   # a power of 2, at most 128 (_pair_tree)
+
+
+def merge_tiles(rows: int, n_ch: int, C: int) -> tuple[int, int, int]:
+    """(BLOCK_C, BLOCK_D, LSE_BLOCK) of a merge launch over `rows` rows and n_ch chunks (the grid's).
+
+    Bit-neutral: a row's chunks past its own count weigh exactly 0, so a pairwise tree over any power of
+    2 >= n_ch gives the same sum as the canonical MERGE_BLOCK_C tree (the padded pairs add exact zeros);
+    a launch whose chunks fit in fewer takes a smaller tree (a 4K-context verify: 9 chunks, 16). The
+    column tile and the max's block do not touch the order: 32 columns when few rows (a decode launch
+    merges in 16 programs per row), 128 otherwise."""
+    block_c = min(MERGE_BLOCK_C, max(2, triton.next_power_of_2(n_ch)))
+    block_d = min(triton.next_power_of_2(C), 32 if rows <= 64 else 128)
+    return block_c, block_d, min(256, max(16, triton.next_power_of_2(n_ch)))
 
 
 def default_config(n_heads: int) -> MLAConfig:
@@ -435,7 +446,7 @@ def _pair_tree(x, B: tl.constexpr, D: tl.constexpr):
 def _mla_merge_kernel(po_ptr, pl_ptr, nvis_ptr, out_ptr, s_ptr, S, N, NC,
                       stride_pom, stride_poc, stride_plm, stride_ot, stride_on,
                       C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, CHUNK: tl.constexpr,
-                      CAUSAL: tl.constexpr, S_DEV: tl.constexpr = False, LSE_BLOCK: tl.constexpr = 1024):
+                      CAUSAL: tl.constexpr, S_DEV: tl.constexpr = False, LSE_BLOCK: tl.constexpr = 256):
     """grid (rows, C / BLOCK_D): merge a row's chunks.
 
     Summation order (per output element, the same for any BLOCK_D, layout or warps): chunks in blocks of
@@ -455,7 +466,7 @@ def _mla_merge_kernel(po_ptr, pl_ptr, nvis_ptr, out_ptr, s_ptr, S, N, NC,
         L = S + tl.load(nvis_ptr + t)
     n_ch = tl.minimum(tl.cdiv(L, CHUNK), NC)
     r64 = r.to(tl.int64)
-    offs_l = tl.arange(0, LSE_BLOCK)   # the max is exact in any order: one load up to LSE_BLOCK chunks
+    offs_l = tl.arange(0, LSE_BLOCK)   # the max is exact in any order
     m = tl.full((LSE_BLOCK,), float("-inf"), dtype=tl.float32)
     for c0 in range(0, n_ch, LSE_BLOCK):
         cc = c0 + offs_l
@@ -606,10 +617,10 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, sta
         _mla_chunk_kernel[grid](q_lat, q_pe, kv, idx, nvis, po, pl, out, nvis, T, S, N, c_split, *args_tail,
                                 GATHER=True, **common)
     if not direct:
-        block_d = min(CP, MERGE_BLOCK_D)
+        block_c, block_d, lse_block = merge_tiles(T * N, n_ch, C)
         _mla_merge_kernel[(T * N, triton.cdiv(C, block_d))](
             po, pl, nvis, out, nvis, S, N, n_ch, spom, spoc, splm, out.stride(0), out.stride(1),
-            C=C, BLOCK_D=block_d, BLOCK_C=MERGE_BLOCK_C, CHUNK=cfg.CHUNK, CAUSAL=causal, num_warps=4)
+            C=C, BLOCK_D=block_d, BLOCK_C=block_c, CHUNK=cfg.CHUNK, CAUSAL=causal, LSE_BLOCK=lse_block, num_warps=2)
     return out
 
 
@@ -658,10 +669,11 @@ def mla_attention_device(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tens
     _mla_chunk_kernel[(T * triton.cdiv(N, cfg.BLOCK_M) * VS, n_ch)](
         q_lat, q_pe, kv, idx, nvis, po, pl, out, s_dev, T, 0, N, 0, *args_tail, GATHER=True, **common)
     if not direct:
-        block_d = min(CP, MERGE_BLOCK_D)
+        block_c, block_d, lse_block = merge_tiles(T * N, n_ch, C)
         _mla_merge_kernel[(T * N, triton.cdiv(C, block_d))](
             po, pl, nvis, out, s_dev, 0, N, n_ch, spom, spoc, splm, out.stride(0), out.stride(1),
-            C=C, BLOCK_D=block_d, BLOCK_C=MERGE_BLOCK_C, CHUNK=cfg.CHUNK, CAUSAL=False, S_DEV=True, num_warps=4)
+            C=C, BLOCK_D=block_d, BLOCK_C=block_c, CHUNK=cfg.CHUNK, CAUSAL=False, S_DEV=True, LSE_BLOCK=lse_block,
+            num_warps=2)
     return out
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import triton
 
 HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parent))
@@ -138,7 +139,41 @@ CASES["dev_N4_S100_T9_tree_vsplit"] = ("dev", 4, 100, 9, "tree", "vsplit", "")
 CASES["dev_N3_S64_T5_tree_kom"] = ("dev", 3, 64, 5, "tree", "kom", "")
 CASES["dev_N3_S20_T3_tree_kombyt"] = ("dev", 3, 20, 3, "tree", "kombyt", "")
 
+# merge tiles are bit-neutral (merge_tiles): per row, random chunk partials; trees of 8..64 chunks and
+# 8..32 columns give the same bits for rows whose chunks fit the smaller tree, and the column tile never
+# matters; also checked against the float64 merge formula
+CASES["merge_tiles"] = ("merge", 0, 0, 0, "", "", "")
+
 TOL = {"fp32": 2e-5, "bf16": 2e-2}
+
+
+def _run_merge(N, S, T, mask_kind, cfg_name, variant, gen):
+    from kdtree_engine.kernels.mla_attention import _mla_merge_kernel
+    rows, n_ch, chunk, CC = 6, 40, 4, 24
+    po = torch.randn(rows, n_ch, CC, generator=gen)
+    pl = 3 * torch.randn(rows, n_ch, generator=gen)
+    nvis = torch.zeros(1, dtype=torch.int32)
+    # causal rows t = 0..5 with S = 3 and CHUNK 4: L = 4..9 keys -> 1..3 chunks (small); a second launch
+    # with S = 100: L = 101..106 -> 26..27 chunks (only the 32- and 64-chunk trees cover them)
+    outs = {}
+    for S_, blocks in ((3, (4, 8, 16, 32, 64)), (100, (32, 64))):
+        for bc in blocks:
+            for bd in (8, 16, 32):
+                out = torch.empty(rows, 1, CC)
+                _mla_merge_kernel[(rows, triton.cdiv(CC, bd))](
+                    po, pl, nvis, out, nvis, S_, 1, n_ch, po.stride(0), po.stride(1), pl.stride(0),
+                    out.stride(0), out.stride(1), C=CC, BLOCK_D=bd, BLOCK_C=bc, CHUNK=chunk, CAUSAL=True,
+                    LSE_BLOCK=16, num_warps=1)
+                outs[(S_, bc, bd)] = out[:, 0]
+    equal = all(torch.equal(v, outs[(k[0], 64, 32)]) for k, v in outs.items())
+    worst = 0.0
+    for S_ in (3, 100):
+        for r in range(rows):
+            k = -(-(S_ + r + 1) // chunk)
+            w = torch.exp2(pl[r, :k].double() - pl[r, :k].double().max())
+            ref = (w[:, None] * po[r, :k].double()).sum(0) / w.sum()
+            worst = max(worst, float((outs[(S_, 64, 32)][r].double() - ref).abs().max()))
+    return {"equal": equal, "worst": worst, "nonfinite": sum(int((~torch.isfinite(v)).sum()) for v in outs.values())}
 
 
 def _run_dev(N, S, T, mask_kind, cfg_name, variant, gen):
@@ -195,7 +230,8 @@ def _run_one(name, spec):
     seed = int.from_bytes(os.urandom(4), "little")  # fresh inputs every run; reported on failure
     gen = torch.Generator().manual_seed(seed)
     t0 = time.perf_counter()
-    rec = {"ref": _run_ref, "inv": _run_inv, "dev": _run_dev}[kind](N, S, T, mask_kind, cfg_name, variant, gen)
+    rec = {"ref": _run_ref, "inv": _run_inv, "dev": _run_dev, "merge": _run_merge}[kind](
+        N, S, T, mask_kind, cfg_name, variant, gen)
     rec["seed"] = seed
     rec["secs"] = round(time.perf_counter() - t0, 2)
     return rec
@@ -230,6 +266,14 @@ def test_device_length_equals_host_length_interpreted(interp_results, name):
     _interp.check_ran(rec)
     assert rec["nonfinite"] == 0
     assert rec["equal"], f"device-length launch differs (max {rec['maxdiff']:.3g}, seed {rec['seed']})"
+
+
+def test_merge_tiles_are_bit_neutral_interpreted(interp_results):
+    rec = interp_results["merge_tiles"]
+    _interp.check_ran(rec)
+    assert rec["nonfinite"] == 0
+    assert rec["equal"], f"merge tiles changed a row's bits (seed {rec['seed']})"
+    assert rec["worst"] < 1e-5, f"merge differs from the float64 formula by {rec['worst']:.3g} (seed {rec['seed']})"
 
 
 if __name__ == "__main__" and "--interp-cases" in sys.argv:
