@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU tests and benchmarks, logs and results packed under $OUT; one device call runs one part.
-#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|next|chain|sample|rounds|decode|step|verify|resume|ncu|plane|merge|merge2|last]   (on the GPU machine, from the repository root)
+#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|next|chain|sample|rounds|decode|step|verify|resume|ncu|plane|merge|merge2|merge3|last]   (on the GPU machine, from the repository root)
 #   tune   the W4A16 config sweep, the bitwise and CUDA-graph GPU tests, the demo's spec benchmark
 #   check  the remaining GPU tests (kernels, batch invariance, target, attention), kernel and round benches
 #   bench  the benchmarks with long runs (K2 step, attention, GEMM)
@@ -36,6 +36,7 @@
 #          Nsight Compute of the 128K decode
 #   merge2 the attention bit-equality GPU tests (default configs), the attention bench, the demo's greedy
 #          spec == plain and the device-length / Triton-attention graph-round tests
+#   merge3 merge2 on the final merge tiles, then the K2 layer step with its profile
 #   last   the round benchmark and the longest-compiling GPU tests (device-length attention, demo bitwise)
 # Each step has its own time cap so one slow step cannot take the rest with it; the results tarball
 # is rebuilt after every step (only a few files come back from the machine).
@@ -207,12 +208,15 @@ if [[ $PART == merge ]]; then
   step ncu_mla_decode_128k 60 "$NCU" --clock-control none --profile-from-start off --section SpeedOfLight \
     --section LaunchStats python3 bench/ncu_probe.py mla_decode_128k
 fi
-if [[ $PART == merge2 ]]; then
+if [[ $PART == merge2 || $PART == merge3 ]]; then
   step pytest_mla 300 $PYT tests/gpu/test_mla_attention_gpu.py -k "not candidate and not kom and not qil"
   step bench_mla 120 python3 bench/mla_attention.py --out "$RES"
   step pytest_spec_bitwise 240 $PYT tests/gpu/test_bitwise_gpu.py::test_greedy_spec_equals_plain_demo \
     tests/gpu/test_graph_round_gpu.py::test_device_length_attention_bitwise_gpu \
     tests/gpu/test_graph_round_gpu.py::test_graph_rounds_with_triton_attention
+fi
+if [[ $PART == merge3 ]]; then
+  step bench_k2_step 230 python3 bench/k2_step.py --profile --out "$RES"
 fi
 if [[ $PART == last ]]; then
   step bench_round 110 python3 bench/round.py --out "$RES"
