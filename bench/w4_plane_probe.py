@@ -1,4 +1,4 @@
-"""The nibble-plane W4A16 kernel (kernels/w4a16_plane.py) against the default dense kernel, at K2 shapes.
+"""The nibble-plane W4A16 kernel (bench/w4_plane.py, an experiment) against the default dense kernel, at K2 shapes.
 
     python3 bench/w4_plane_probe.py --out bench/results      # ~2 min on an H200
 
@@ -27,7 +27,7 @@ from bench.common import command_line, copy_bandwidth, device_info, l2_bytes, md
 from bench.kernels import DENSE, G, rand_w4, w4_bytes  # noqa: E402
 from kdtree_engine.kernels.split_sum import split_sum  # noqa: E402
 from kdtree_engine.kernels.w4a16 import w4a16_linear  # noqa: E402
-from kdtree_engine.kernels.w4a16_plane import plane_linear  # noqa: E402
+from bench.w4_plane import plane_linear  # noqa: E402
 from kdtree_engine.quant import dequantize  # noqa: E402
 
 MS = [1, 4, 16]

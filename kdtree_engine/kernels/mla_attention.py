@@ -425,20 +425,9 @@ def _pair_tree(x, B: tl.constexpr, D: tl.constexpr):
     """Sum over axis 0 of x [B, D] (B a power of 2, at most 128) by a fixed pairwise tree:
     ((x0 + x1) + (x2 + x3)) + ... Elementwise adds only, so every element's order is the same for any
     D, layout or num_warps."""
-    if B >= 128:
-        x = _halve(x, 64, D)
-    if B >= 64:
-        x = _halve(x, 32, D)
-    if B >= 32:
-        x = _halve(x, 16, D)
-    if B >= 16:
-        x = _halve(x, 8, D)
-    if B >= 8:
-        x = _halve(x, 4, D)
-    if B >= 4:
-        x = _halve(x, 2, D)
-    if B >= 2:
-        x = _halve(x, 1, D)
+    for i in tl.static_range(7):   # halves of 64, 32, ..., 1 rows, those at most B / 2
+        if B >= (128 >> i):
+            x = _halve(x, 64 >> i, D)
     return tl.reshape(x, (D,))
 
 

@@ -1,6 +1,14 @@
-"""W4A16 GEMM by nibble planes ("plane" kernel family): the dequantized weight tile never touches shared memory.
+"""W4A16 GEMM by nibble planes, an experiment: the dequantized weight tile never touches shared memory.
 
-Same weights and result as w4a16.py (packed int32 [N, K/8], element j of each 8 consecutive k in bits
+Measured on the H200 (bench/results/w4-plane-probe-h200.md, `python3 bench/w4_plane_probe.py`): correct,
+but about 1.9x slower than the default "dot" kernel (dense 36864 x 7168, M = 1: 157-163 us against 87),
+so the engine does not use it. What it showed: Triton does build a wgmma register operand straight from
+packed words in shared memory when the dequantization is elementwise (below), and the loop then issues
+fewer instructions per weight; but a register-operand wgmma is waited for before the next one
+(warp_group_dot_wait 0 after each of the 16 plane GEMMs of an iteration), and with 2-3 blocks per SM
+the kernel stalls on that chain, on shared-memory loads (MIO throttle) and barriers (Nsight Compute).
+
+Same weights and result as kdtree_engine/kernels/w4a16.py (packed int32 [N, K/8], element j of each 8 consecutive k in bits
 [4j, 4j+3], u = q + 8; scale bf16 [N, K/32]); bf16 activations, group size 32.
 
 Why. The "dot" family dequantizes a [BLOCK_N, BLOCK_K] tile in registers, stores it to shared memory
@@ -42,7 +50,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .common import interpreting
+from kdtree_engine.kernels.common import interpreting
 
 
 def _plane_ptx(j: int) -> str:
