@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU tests and benchmarks, logs and results packed under $OUT; one device call runs one part.
-#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|next|chain|sample|rounds|decode|step|verify|resume|ncu|plane|merge|merge2|merge3|last]   (on the GPU machine, from the repository root)
+#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|next|chain|sample|rounds|decode|step|verify|resume|ncu|plane|merge|merge2|merge3|sample2|last]   (on the GPU machine, from the repository root)
 #   tune   the W4A16 config sweep, the bitwise and CUDA-graph GPU tests, the demo's spec benchmark
 #   check  the remaining GPU tests (kernels, batch invariance, target, attention), kernel and round benches
 #   bench  the benchmarks with long runs (K2 step, attention, GEMM)
@@ -37,6 +37,7 @@
 #   merge2 the attention bit-equality GPU tests (default configs), the attention bench, the demo's greedy
 #          spec == plain and the device-length / Triton-attention graph-round tests
 #   merge3 merge2 on the final merge tiles, then the K2 layer step with its profile
+#   sample2 the demo spec bench at temperature 0.7 (CUDA-graph rounds, per-request temperature / top-p)
 #   last   the round benchmark and the longest-compiling GPU tests (device-length attention, demo bitwise)
 # Each step has its own time cap so one slow step cannot take the rest with it; the results tarball
 # is rebuilt after every step (only a few files come back from the machine).
@@ -217,6 +218,10 @@ if [[ $PART == merge2 || $PART == merge3 ]]; then
 fi
 if [[ $PART == merge3 ]]; then
   step bench_k2_step 230 python3 bench/k2_step.py --profile --out "$RES"
+fi
+if [[ $PART == sample2 ]]; then
+  step bench_spec_sample 150 python3 -m kdtree_engine.bench_spec --device cuda --num-prompts 8 --max-tokens 128 \
+    --temperature 0.7 --budgets 8,16,32 --out "$RES/sample" --plot "$RES/sample/spec-h200.png"
 fi
 if [[ $PART == last ]]; then
   step bench_round 110 python3 bench/round.py --out "$RES"
