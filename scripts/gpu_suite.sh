@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU tests and benchmarks, logs and results packed under $OUT; one device call runs one part.
-#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|next|chain|sample|rounds|decode|step|verify|resume|ncu|plane|merge|merge2|merge3|sample2|last]   (on the GPU machine, from the repository root)
+#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|next|chain|sample|rounds|decode|step|verify|resume|ncu|plane|merge|merge2|merge3|sample2|fork|last]   (on the GPU machine, from the repository root)
 #   tune   the W4A16 config sweep, the bitwise and CUDA-graph GPU tests, the demo's spec benchmark
 #   check  the remaining GPU tests (kernels, batch invariance, target, attention), kernel and round benches
 #   bench  the benchmarks with long runs (K2 step, attention, GEMM)
@@ -38,6 +38,8 @@
 #          spec == plain and the device-length / Triton-attention graph-round tests
 #   merge3 merge2 on the final merge tiles, then the K2 layer step with its profile
 #   sample2 the demo spec bench at temperature 0.7 (CUDA-graph rounds, per-request temperature / top-p)
+#   fork   prefix and tree-tail attention launches side by side: attention bench, graph-round bitwise
+#          tests, attention bit-equality tests
 #   last   the round benchmark and the longest-compiling GPU tests (device-length attention, demo bitwise)
 # Each step has its own time cap so one slow step cannot take the rest with it; the results tarball
 # is rebuilt after every step (only a few files come back from the machine).
@@ -222,6 +224,13 @@ fi
 if [[ $PART == sample2 ]]; then
   step bench_spec_sample 150 python3 -m kdtree_engine.bench_spec --device cuda --num-prompts 8 --max-tokens 128 \
     --temperature 0.7 --budgets 8,16,32 --out "$RES/sample" --plot "$RES/sample/spec-h200.png"
+fi
+if [[ $PART == fork ]]; then
+  step bench_mla 40 python3 bench/mla_attention.py --no-peers --out "$RES"
+  step pytest_spec_bitwise 110 $PYT tests/gpu/test_bitwise_gpu.py::test_greedy_spec_equals_plain_demo \
+    tests/gpu/test_graph_round_gpu.py::test_device_length_attention_bitwise_gpu \
+    tests/gpu/test_graph_round_gpu.py::test_graph_rounds_with_triton_attention
+  step pytest_mla 120 $PYT tests/gpu/test_mla_attention_gpu.py -k "(batch_invariant or bit_equal) and not kom and not qil and not candidate"
 fi
 if [[ $PART == last ]]; then
   step bench_round 110 python3 bench/round.py --out "$RES"
