@@ -58,6 +58,15 @@ step() {  # step NAME SECONDS COMMAND...
   tail -4 "$RES/$name.log"; pack
 }
 PYT="python3 -m pytest -m gpu -p no:cacheprovider -v -rf --durations=10"
+NCU_SECTIONS="--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats
+  --section SchedulerStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis
+  --section InstructionStats --section SourceCounters"
+ncu_probe() {  # ncu_probe NAME SECONDS CASE [NCU OPTIONS...]: Nsight Compute on one bench/ncu_probe.py case
+  local name=$1 secs=$2 case=$3; shift 3
+  local ncu; ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  step "$name" "$secs" "$ncu" --clock-control none --profile-from-start off $NCU_SECTIONS "$@" \
+    python3 bench/ncu_probe.py "$case"
+}
 nvidia-smi > "$RES/nvidia-smi.txt" 2>&1
 if [[ $PART == tune || $PART == all ]]; then
   step bench_kernels_sweep 175 python3 bench/kernels.py --sweep-only --sweep-budget 150 --out "$RES"
@@ -182,34 +191,22 @@ if [[ $PART == resume ]]; then
   step pytest_bitwise_demo_logits 260 $PYT tests/gpu/test_bitwise_gpu.py -k demo_logits_alone
 fi
 if [[ $PART == ncu ]]; then
-  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-  SECTIONS="--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-    --section SchedulerStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
-    --section InstructionStats --section SourceCounters"
   for case in mla_decode_32k mla_decode_128k mla_verify16_32k moe_t1 moe_t16 dense_m1; do
-    step "ncu_$case" 75 "$NCU" --clock-control none --profile-from-start off $SECTIONS \
-      python3 bench/ncu_probe.py "$case"
+    ncu_probe "ncu_$case" 75 "$case"
   done
   step pytest_sampled 200 $PYT tests/gpu/test_graph_round_gpu.py -k "sampled or default_mode"
 fi
 if [[ $PART == plane ]]; then
   step bench_plane 300 python3 bench/w4_plane_probe.py --out "$RES"
-  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-  SECS="--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-    --section SchedulerStats --section MemoryWorkloadAnalysis --section InstructionStats --section SourceCounters"
-  step ncu_plane_m1 90 "$NCU" --clock-control none --profile-from-start off $SECS --print-details all \
-    python3 bench/ncu_probe.py plane_m1
-  step ncu_plane_m1_plain 90 "$NCU" --clock-control none --profile-from-start off $SECS \
-    python3 bench/ncu_probe.py plane_m1
+  ncu_probe ncu_plane_m1 90 plane_m1 --print-details all
+  ncu_probe ncu_plane_m1_plain 90 plane_m1
 fi
 if [[ $PART == merge ]]; then
   step pytest_mla 240 $PYT tests/gpu/test_mla_attention_gpu.py
   step bench_mla 150 python3 bench/mla_attention.py --out "$RES"
   step bench_mla_chunk 120 python3 bench/mla_attention.py --sweep-only --sweep-chunk --no-peers --budget-s 100 \
     --out "$RES"
-  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-  step ncu_mla_decode_128k 60 "$NCU" --clock-control none --profile-from-start off --section SpeedOfLight \
-    --section LaunchStats python3 bench/ncu_probe.py mla_decode_128k
+  ncu_probe ncu_mla_decode_128k 60 mla_decode_128k
 fi
 if [[ $PART == merge2 || $PART == merge3 ]]; then
   step pytest_mla 300 $PYT tests/gpu/test_mla_attention_gpu.py -k "not candidate and not kom and not qil"

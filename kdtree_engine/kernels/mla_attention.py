@@ -78,7 +78,7 @@ row's position in the tile (numpy's matmul does depend on it; an MMA does not).
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -548,27 +548,37 @@ def _plan(C: int, R: int, N: int, T: int, dtype: torch.dtype, config: MLAConfig 
 _SIDE_STREAMS: dict[torch.device, "torch.cuda.Stream"] = {}
 
 
-def _fork(dev: torch.device) -> "torch.cuda.Stream | None":
-    """A side stream that has waited for the current one (CUDA; None elsewhere). The packed (prefix) and
+def _side_by_side(dev: torch.device, on_side: Callable[[], None] | None, here: Callable[[], None]) -> None:
+    """Run `on_side` on a side stream forked from the current one and `here` on the current one, then
+    join (CUDA; elsewhere, or with nothing for the side, one after the other). The packed (prefix) and
     gather (tree tail) launches write disjoint chunks, so they run side by side: the gather launch is a
     few programs, one chunk each, that would otherwise start only when the prefix launch has drained
     (Nsight Compute, 32K / 16 nodes: 50 us + 15 us back to back). Captured into CUDA graphs as a fork."""
-    if dev.type != "cuda":
-        return None
+    if on_side is None or dev.type != "cuda":
+        if on_side is not None:
+            on_side()
+        here()
+        return
     side = _SIDE_STREAMS.get(dev)
     if side is None:
         side = _SIDE_STREAMS[dev] = torch.cuda.Stream(device=dev)
-    side.wait_stream(torch.cuda.current_stream(dev))
-    return side
+    current = torch.cuda.current_stream(dev)
+    side.wait_stream(current)
+    with torch.cuda.stream(side):
+        on_side()
+    here()
+    current.wait_stream(side)
 
 
-def _join(dev: torch.device, side: "torch.cuda.Stream | None") -> None:
-    if side is not None:
-        torch.cuda.current_stream(dev).wait_stream(side)
-
-
-def _on(side: "torch.cuda.Stream | None"):
-    return torch.cuda.stream(side) if side is not None else nullcontext()
+def _merge(po, pl, nvis, out, s_ptr, S: int, N: int, n_ch: int, strides: tuple[int, int, int], C: int,
+           chunk: int, causal: bool, s_dev: bool) -> None:
+    """The merge launch of a row's chunk partials into `out` (tiles from merge_tiles)."""
+    T = out.shape[0]
+    block_c, block_d, lse_block = merge_tiles(T * N, n_ch, C)
+    _mla_merge_kernel[(T * N, triton.cdiv(C, block_d))](
+        po, pl, nvis, out, s_ptr, S, N, n_ch, *strides, out.stride(0), out.stride(1),
+        C=C, BLOCK_D=block_d, BLOCK_C=block_c, CHUNK=chunk, CAUSAL=causal, S_DEV=s_dev, LSE_BLOCK=lse_block,
+        num_warps=2)
 
 
 def _partials(out: torch.Tensor, n_ch: int) -> tuple[torch.Tensor, torch.Tensor, int, int, int]:
@@ -624,22 +634,18 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, sta
                                 GATHER=False, **common)
     else:
         c_split = S // cfg.CHUNK  # chunks [0, c_split) lie wholly in the committed prefix
-        side = _fork(dev) if c_split > 0 else None
-        if c_split > 0:
-            grid = (n_tiles * VS, c_split)
-            with _on(side):
-                _mla_chunk_kernel[grid](q_lat, q_pe, kv, idx, nvis, po, pl, out, nvis, T, S, N, 0, *args_tail,
-                                        GATHER=False, **common)
-        n_tail = n_ch - c_split
-        grid = (T * triton.cdiv(N, cfg.BLOCK_M) * VS, n_tail)
-        _mla_chunk_kernel[grid](q_lat, q_pe, kv, idx, nvis, po, pl, out, nvis, T, S, N, c_split, *args_tail,
-                                GATHER=True, **common)
-        _join(dev, side)
+
+        def prefix() -> None:
+            _mla_chunk_kernel[(n_tiles * VS, c_split)](q_lat, q_pe, kv, idx, nvis, po, pl, out, nvis, T, S, N, 0,
+                                                       *args_tail, GATHER=False, **common)
+
+        def tail() -> None:
+            _mla_chunk_kernel[(T * triton.cdiv(N, cfg.BLOCK_M) * VS, n_ch - c_split)](
+                q_lat, q_pe, kv, idx, nvis, po, pl, out, nvis, T, S, N, c_split, *args_tail, GATHER=True, **common)
+
+        _side_by_side(dev, prefix if c_split > 0 else None, tail)
     if not direct:
-        block_c, block_d, lse_block = merge_tiles(T * N, n_ch, C)
-        _mla_merge_kernel[(T * N, triton.cdiv(C, block_d))](
-            po, pl, nvis, out, nvis, S, N, n_ch, spom, spoc, splm, out.stride(0), out.stride(1),
-            C=C, BLOCK_D=block_d, BLOCK_C=block_c, CHUNK=cfg.CHUNK, CAUSAL=causal, LSE_BLOCK=lse_block, num_warps=2)
+        _merge(po, pl, nvis, out, nvis, S, N, n_ch, (spom, spoc, splm), C, cfg.CHUNK, causal, False)
     return out
 
 
@@ -683,19 +689,18 @@ def mla_attention_device(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tens
     args_tail = (q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), kv.stride(0), idx.stride(0),
                  spom, spoc, splm, out.stride(0), out.stride(1), float(scale) * LOG2E)
     n_tiles = triton.cdiv(T * N, cfg.BLOCK_M)
-    side = _fork(dev)   # the two launches keep to disjoint chunks (S_DEV): side by side
-    with _on(side):
+
+    def prefix() -> None:   # the two launches keep to disjoint chunks (S_DEV): side by side
         _mla_chunk_kernel[(n_tiles * VS, n_ch)](q_lat, q_pe, kv, idx, nvis, po, pl, out, s_dev, T, 0, N, 0,
                                                 *args_tail, GATHER=False, **common)
-    _mla_chunk_kernel[(T * triton.cdiv(N, cfg.BLOCK_M) * VS, n_ch)](
-        q_lat, q_pe, kv, idx, nvis, po, pl, out, s_dev, T, 0, N, 0, *args_tail, GATHER=True, **common)
-    _join(dev, side)
+
+    def tail() -> None:
+        _mla_chunk_kernel[(T * triton.cdiv(N, cfg.BLOCK_M) * VS, n_ch)](
+            q_lat, q_pe, kv, idx, nvis, po, pl, out, s_dev, T, 0, N, 0, *args_tail, GATHER=True, **common)
+
+    _side_by_side(dev, prefix, tail)
     if not direct:
-        block_c, block_d, lse_block = merge_tiles(T * N, n_ch, C)
-        _mla_merge_kernel[(T * N, triton.cdiv(C, block_d))](
-            po, pl, nvis, out, s_dev, 0, N, n_ch, spom, spoc, splm, out.stride(0), out.stride(1),
-            C=C, BLOCK_D=block_d, BLOCK_C=block_c, CHUNK=cfg.CHUNK, CAUSAL=False, S_DEV=True, LSE_BLOCK=lse_block,
-            num_warps=2)
+        _merge(po, pl, nvis, out, s_dev, 0, N, n_ch, (spom, spoc, splm), C, cfg.CHUNK, False, True)
     return out
 
 
