@@ -129,8 +129,8 @@ def _x_operand(xq, row0, col, offs_m, offs_h, M, stride_xm, X_DESC: tl.constexpr
 
 @triton.jit
 def _plane_accumulate(acc, we, wo, s32, xq, row0, x_base, offs_m, offs_h, M, stride_xm,
-                      HC: tl.constexpr, EMU: tl.constexpr, X_DESC: tl.constexpr):
-    """acc [BN, BM] += the 16 plane GEMMs of one iteration (plane-major, even before odd)."""
+                      HC: tl.constexpr, EMU: tl.constexpr, X_DESC: tl.constexpr, W_AS_B: tl.constexpr):
+    """acc [BN, BM] (W_AS_B: [BM, BN]) += the 16 plane GEMMs of one iteration (plane-major, even before odd)."""
     se, so = _scales(s32, EMU)
     for j in tl.static_range(8):
         xe = _x_operand(xq, row0, x_base + (2 * j) * HC, offs_m, offs_h, M, stride_xm, X_DESC)
@@ -138,8 +138,15 @@ def _plane_accumulate(acc, we, wo, s32, xq, row0, x_base, offs_m, offs_h, M, str
         if EMU:  # interpreter: fp32 operands, products of bf16 values (exact) summed in fp32
             ae = _rne_bf16(_plane(we, j, EMU).to(tl.float32) * se.to(tl.float32))
             ao = _rne_bf16(_plane(wo, j, EMU).to(tl.float32) * so.to(tl.float32))
-            acc = tl.dot(ae, tl.trans(xe.to(tl.float32)), acc, input_precision="ieee")
-            acc = tl.dot(ao, tl.trans(xo.to(tl.float32)), acc, input_precision="ieee")
+            if W_AS_B:
+                acc = tl.dot(xe.to(tl.float32), tl.trans(ae), acc, input_precision="ieee")
+                acc = tl.dot(xo.to(tl.float32), tl.trans(ao), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(ae, tl.trans(xe.to(tl.float32)), acc, input_precision="ieee")
+                acc = tl.dot(ao, tl.trans(xo.to(tl.float32)), acc, input_precision="ieee")
+        elif W_AS_B:
+            acc = tl.dot(xe, tl.trans(_plane(we, j, EMU) * se), acc)
+            acc = tl.dot(xo, tl.trans(_plane(wo, j, EMU) * so), acc)
         else:
             acc = tl.dot(_plane(we, j, EMU) * se, tl.trans(xe), acc)
             acc = tl.dot(_plane(wo, j, EMU) * so, tl.trans(xo), acc)
@@ -150,7 +157,8 @@ def _plane_accumulate(acc, we, wo, s32, xq, row0, x_base, offs_m, offs_h, M, str
 def _w4a16_plane_kernel(xq, w_ptr, s_ptr, out_ptr, M, N, K8, c_per_split,
                         stride_xm, stride_wn, stride_sn, stride_om, stride_os,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
-                        EMU: tl.constexpr, X_DESC: tl.constexpr, OUT_F32: tl.constexpr):
+                        EMU: tl.constexpr, X_DESC: tl.constexpr, OUT_F32: tl.constexpr,
+                        W_AS_B: tl.constexpr = False):
     # grid: (m tiles [fastest: tiles sharing a weight tile run together], n tiles, splits)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -166,15 +174,19 @@ def _w4a16_plane_kernel(xq, w_ptr, s_ptr, out_ptr, M, N, K8, c_per_split,
     c_end = tl.minimum(K8, c_start + c_per_split)
     w_rows = w_ptr + rows_n[:, None] * stride_wn
     s_rows = s_ptr + rows_n[:, None] * stride_sn
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    if W_AS_B:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for c0 in range(c_start, c_end, BLOCK_C):
         ce = c0 + rel_e
         we = tl.load(w_rows + ce[None, :])
         wo = tl.load(w_rows + (ce + 4)[None, :])
         s32 = tl.load(s_rows + (c0 // 8 + offs_h // 4)[None, :])
         acc = _plane_accumulate(acc, we, wo, s32, xq, pid_m * BLOCK_M, (c0 // BLOCK_C) * 16 * HC, offs_m, offs_h,
-                                M, stride_xm, HC, EMU, X_DESC)
-    acc = tl.trans(acc)
+                                M, stride_xm, HC, EMU, X_DESC, W_AS_B)
+    if not W_AS_B:
+        acc = tl.trans(acc)
     o_ptrs = out_ptr + pid_k * stride_os + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
     o_mask = (offs_m[:, None] < M) & n_ok[None, :]
     if OUT_F32:
@@ -204,21 +216,24 @@ def plane_supported(K: int, group_size: int, dtype: torch.dtype, block_c: int) -
 
 def plane_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, block_m: int, block_n: int,
                  block_c: int, c_per_split: int, split: int, target: torch.Tensor,
-                 num_warps: int, num_stages: int) -> torch.Tensor:
+                 num_warps: int, num_stages: int, w_as_b: bool = False, x_desc: bool = True) -> torch.Tensor:
     """Launch the plane kernel: x bf16 [M, K], packed [N, K/8], scale bf16 [N, K/32] -> target
-    ([M, N] x.dtype when split == 1, else fp32 partials [split, M, N])."""
+    ([M, N] x.dtype when split == 1, else fp32 partials [split, M, N]). w_as_b: the weights are the MMA's
+    B operand (tokens on M: 16-row mma.sync tiles, warps split over N) instead of A (wgmma at BLOCK_N 64);
+    x_desc: activations by TMA descriptor (else pointer loads)."""
     M, K = x.shape
     N = packed.shape[0]
     xq = plane_order(x, block_c)
     s32 = scale.view(torch.int32)
     emu = interpreting()
-    x_arg = xq if emu else TensorDescriptor.from_tensor(xq, [block_m, block_c // 2])
+    use_desc = x_desc and not emu
+    x_arg = TensorDescriptor.from_tensor(xq, [block_m, block_c // 2]) if use_desc else xq
     grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n), split)
     _w4a16_plane_kernel[grid](
         x_arg, packed, s32, target, M, N, K // 8, c_per_split,
         xq.stride(0), packed.stride(0), s32.stride(0), N, M * N,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_C=block_c, EMU=emu, X_DESC=not emu, OUT_F32=split > 1,
-        num_warps=num_warps, num_stages=num_stages)
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_C=block_c, EMU=emu, X_DESC=use_desc, OUT_F32=split > 1,
+        W_AS_B=w_as_b, num_warps=num_warps, num_stages=num_stages)
     return target
 
 
