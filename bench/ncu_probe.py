@@ -46,7 +46,7 @@ def _dense(M: int):
     return lambda: w4a16.w4a16_linear(x, p, s, G)
 
 
-def _plane(M: int, cand=(64, 64, 4, 2, False, True)):
+def _plane(M: int, cand=(64, 64, 4, 2, False, True, 1)):
     from bench.w4_plane_probe import run_plane
     p, s = rand_w4(36864, 7168, g=G)
     x = torch.randn(M, 7168, device="cuda").to(torch.bfloat16)
@@ -62,7 +62,7 @@ CASES = {
     "moe_t16": lambda: _moe(16),
     "dense_m1": lambda: _dense(1),
     "plane_m1": lambda: _plane(1),
-    "plane_wb_m1": lambda: _plane(1, (64, 64, 4, 3, True, True)),
+    "plane_wb_m1": lambda: _plane(1, (64, 64, 4, 2, True, True, 8)),
 }
 
 

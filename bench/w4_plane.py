@@ -128,28 +128,26 @@ def _x_operand(xq, row0, col, offs_m, offs_h, M, stride_xm, X_DESC: tl.constexpr
 
 
 @triton.jit
-def _plane_accumulate(acc, we, wo, s32, xq, row0, x_base, offs_m, offs_h, M, stride_xm,
-                      HC: tl.constexpr, EMU: tl.constexpr, X_DESC: tl.constexpr, W_AS_B: tl.constexpr):
-    """acc [BN, BM] (W_AS_B: [BM, BN]) += the 16 plane GEMMs of one iteration (plane-major, even before odd)."""
-    se, so = _scales(s32, EMU)
-    for j in tl.static_range(8):
-        xe = _x_operand(xq, row0, x_base + (2 * j) * HC, offs_m, offs_h, M, stride_xm, X_DESC)
-        xo = _x_operand(xq, row0, x_base + (2 * j + 1) * HC, offs_m, offs_h, M, stride_xm, X_DESC)
-        if EMU:  # interpreter: fp32 operands, products of bf16 values (exact) summed in fp32
-            ae = _rne_bf16(_plane(we, j, EMU).to(tl.float32) * se.to(tl.float32))
-            ao = _rne_bf16(_plane(wo, j, EMU).to(tl.float32) * so.to(tl.float32))
-            if W_AS_B:
-                acc = tl.dot(xe.to(tl.float32), tl.trans(ae), acc, input_precision="ieee")
-                acc = tl.dot(xo.to(tl.float32), tl.trans(ao), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(ae, tl.trans(xe.to(tl.float32)), acc, input_precision="ieee")
-                acc = tl.dot(ao, tl.trans(xo.to(tl.float32)), acc, input_precision="ieee")
-        elif W_AS_B:
-            acc = tl.dot(xe, tl.trans(_plane(we, j, EMU) * se), acc)
-            acc = tl.dot(xo, tl.trans(_plane(wo, j, EMU) * so), acc)
+def _plane_pair(acc, we, wo, se, so, xq, row0, x_base, offs_m, offs_h, M, stride_xm, J: tl.constexpr,
+                HC: tl.constexpr, EMU: tl.constexpr, X_DESC: tl.constexpr, W_AS_B: tl.constexpr):
+    """acc [BN, BM] (W_AS_B: [BM, BN]) += plane J's two GEMMs of one iteration (even group columns first)."""
+    xe = _x_operand(xq, row0, x_base + (2 * J) * HC, offs_m, offs_h, M, stride_xm, X_DESC)
+    xo = _x_operand(xq, row0, x_base + (2 * J + 1) * HC, offs_m, offs_h, M, stride_xm, X_DESC)
+    if EMU:  # interpreter: fp32 operands, products of bf16 values (exact) summed in fp32
+        ae = _rne_bf16(_plane(we, J, EMU).to(tl.float32) * se.to(tl.float32))
+        ao = _rne_bf16(_plane(wo, J, EMU).to(tl.float32) * so.to(tl.float32))
+        if W_AS_B:
+            acc = tl.dot(xe.to(tl.float32), tl.trans(ae), acc, input_precision="ieee")
+            acc = tl.dot(xo.to(tl.float32), tl.trans(ao), acc, input_precision="ieee")
         else:
-            acc = tl.dot(_plane(we, j, EMU) * se, tl.trans(xe), acc)
-            acc = tl.dot(_plane(wo, j, EMU) * so, tl.trans(xo), acc)
+            acc = tl.dot(ae, tl.trans(xe.to(tl.float32)), acc, input_precision="ieee")
+            acc = tl.dot(ao, tl.trans(xo.to(tl.float32)), acc, input_precision="ieee")
+    elif W_AS_B:
+        acc = tl.dot(xe, tl.trans(_plane(we, J, EMU) * se), acc)
+        acc = tl.dot(xo, tl.trans(_plane(wo, J, EMU) * so), acc)
+    else:
+        acc = tl.dot(_plane(we, J, EMU) * se, tl.trans(xe), acc)
+        acc = tl.dot(_plane(wo, J, EMU) * so, tl.trans(xo), acc)
     return acc
 
 
@@ -158,7 +156,7 @@ def _w4a16_plane_kernel(xq, w_ptr, s_ptr, out_ptr, M, N, K8, c_per_split,
                         stride_xm, stride_wn, stride_sn, stride_om, stride_os,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
                         EMU: tl.constexpr, X_DESC: tl.constexpr, OUT_F32: tl.constexpr,
-                        W_AS_B: tl.constexpr = False):
+                        W_AS_B: tl.constexpr = False, N_ACC: tl.constexpr = 1):
     # grid: (m tiles [fastest: tiles sharing a weight tile run together], n tiles, splits)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -178,13 +176,46 @@ def _w4a16_plane_kernel(xq, w_ptr, s_ptr, out_ptr, M, N, K8, c_per_split,
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    # N_ACC (1, 2, 4, 8) accumulators, plane j into j % N_ACC, so consecutive MMAs do not wait on each
+    # other (an mma.sync chain on one accumulator is latency-bound); summed by a fixed tree after the K loop
+    a1 = acc
+    a2 = acc
+    a3 = acc
+    a4 = acc
+    a5 = acc
+    a6 = acc
+    a7 = acc
+    row0 = pid_m * BLOCK_M
     for c0 in range(c_start, c_end, BLOCK_C):
         ce = c0 + rel_e
         we = tl.load(w_rows + ce[None, :])
         wo = tl.load(w_rows + (ce + 4)[None, :])
         s32 = tl.load(s_rows + (c0 // 8 + offs_h // 4)[None, :])
-        acc = _plane_accumulate(acc, we, wo, s32, xq, pid_m * BLOCK_M, (c0 // BLOCK_C) * 16 * HC, offs_m, offs_h,
-                                M, stride_xm, HC, EMU, X_DESC, W_AS_B)
+        se, so = _scales(s32, EMU)
+        xb = (c0 // BLOCK_C) * 16 * HC
+        for j in tl.static_range(8):
+            if j % N_ACC == 0:
+                acc = _plane_pair(acc, we, wo, se, so, xq, row0, xb, offs_m, offs_h, M, stride_xm, j, HC, EMU, X_DESC, W_AS_B)
+            elif j % N_ACC == 1:
+                a1 = _plane_pair(a1, we, wo, se, so, xq, row0, xb, offs_m, offs_h, M, stride_xm, j, HC, EMU, X_DESC, W_AS_B)
+            elif j % N_ACC == 2:
+                a2 = _plane_pair(a2, we, wo, se, so, xq, row0, xb, offs_m, offs_h, M, stride_xm, j, HC, EMU, X_DESC, W_AS_B)
+            elif j % N_ACC == 3:
+                a3 = _plane_pair(a3, we, wo, se, so, xq, row0, xb, offs_m, offs_h, M, stride_xm, j, HC, EMU, X_DESC, W_AS_B)
+            elif j % N_ACC == 4:
+                a4 = _plane_pair(a4, we, wo, se, so, xq, row0, xb, offs_m, offs_h, M, stride_xm, j, HC, EMU, X_DESC, W_AS_B)
+            elif j % N_ACC == 5:
+                a5 = _plane_pair(a5, we, wo, se, so, xq, row0, xb, offs_m, offs_h, M, stride_xm, j, HC, EMU, X_DESC, W_AS_B)
+            elif j % N_ACC == 6:
+                a6 = _plane_pair(a6, we, wo, se, so, xq, row0, xb, offs_m, offs_h, M, stride_xm, j, HC, EMU, X_DESC, W_AS_B)
+            else:
+                a7 = _plane_pair(a7, we, wo, se, so, xq, row0, xb, offs_m, offs_h, M, stride_xm, j, HC, EMU, X_DESC, W_AS_B)
+    if N_ACC == 8:
+        acc = ((acc + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7))
+    elif N_ACC == 4:
+        acc = (acc + a1) + (a2 + a3)
+    elif N_ACC == 2:
+        acc = acc + a1
     if not W_AS_B:
         acc = tl.trans(acc)
     o_ptrs = out_ptr + pid_k * stride_os + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
@@ -216,11 +247,12 @@ def plane_supported(K: int, group_size: int, dtype: torch.dtype, block_c: int) -
 
 def plane_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, block_m: int, block_n: int,
                  block_c: int, c_per_split: int, split: int, target: torch.Tensor,
-                 num_warps: int, num_stages: int, w_as_b: bool = False, x_desc: bool = True) -> torch.Tensor:
+                 num_warps: int, num_stages: int, w_as_b: bool = False, x_desc: bool = True,
+                 n_acc: int = 1) -> torch.Tensor:
     """Launch the plane kernel: x bf16 [M, K], packed [N, K/8], scale bf16 [N, K/32] -> target
     ([M, N] x.dtype when split == 1, else fp32 partials [split, M, N]). w_as_b: the weights are the MMA's
     B operand (tokens on M: 16-row mma.sync tiles, warps split over N) instead of A (wgmma at BLOCK_N 64);
-    x_desc: activations by TMA descriptor (else pointer loads)."""
+    x_desc: activations by TMA descriptor (else pointer loads); n_acc: accumulators (1, 2, 4, 8), plane j into j % n_acc."""
     M, K = x.shape
     N = packed.shape[0]
     xq = plane_order(x, block_c)
@@ -233,7 +265,7 @@ def plane_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, blo
         x_arg, packed, s32, target, M, N, K // 8, c_per_split,
         xq.stride(0), packed.stride(0), s32.stride(0), N, M * N,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_C=block_c, EMU=emu, X_DESC=use_desc, OUT_F32=split > 1,
-        W_AS_B=w_as_b, num_warps=num_warps, num_stages=num_stages)
+        W_AS_B=w_as_b, N_ACC=n_acc, num_warps=num_warps, num_stages=num_stages)
     return target
 
 

@@ -31,15 +31,16 @@ from bench.w4_plane import plane_linear  # noqa: E402
 from kdtree_engine.quant import dequantize  # noqa: E402
 
 MS = [1, 4, 16]
-# (BLOCK_N, BLOCK_C, num_warps, num_stages, weights as the B operand, activations by TMA descriptor).
-# Weights as A (BLOCK_N 64, 4 warps) is a wgmma with a register operand, waited for after each plane GEMM
-# (measured 1.9x slower than the default); as B the tokens are the 16 rows of an mma.sync tile and the
-# warps split the weight rows: no wait chain, no duplicated dequantization (bench/w4_aot.py-style SASS:
-# ~2.8-2.9 instructions per weight element against ~4.0 for the default).
-CANDIDATES = [(64, 64, 4, 2, False, True),
-              (64, 64, 4, 2, True, True), (64, 64, 4, 3, True, True), (64, 64, 4, 3, True, False),
-              (128, 64, 8, 2, True, True), (64, 128, 4, 2, True, True), (128, 64, 4, 2, True, True),
-              (32, 64, 2, 3, True, True), (64, 64, 2, 3, True, True)]
+# (BLOCK_N, BLOCK_C, num_warps, num_stages, weights as the B operand, activations by TMA descriptor,
+# accumulators). Weights as A (BLOCK_N 64, 4 warps) is a wgmma with a register operand, waited for after
+# each plane GEMM (measured 1.9x slower than the default); as B the tokens are the 16 rows of an
+# mma.sync tile and the warps split the weight rows (no wait chain, no duplicated dequantization,
+# ~2.9 SASS instructions per weight element against ~4.0 for the default), but with one accumulator
+# the 32 MMAs of an iteration form one dependent chain: 2, 4 or 8 accumulators break it.
+CANDIDATES = [(64, 64, 4, 2, False, True, 1), (64, 64, 4, 2, True, True, 1),
+              (64, 64, 4, 2, True, True, 2), (64, 64, 4, 2, True, True, 4), (64, 64, 4, 2, True, True, 8),
+              (64, 64, 4, 3, True, True, 8), (64, 64, 4, 2, True, False, 8), (64, 128, 4, 2, True, True, 4),
+              (32, 64, 2, 2, True, True, 8), (128, 64, 8, 2, True, True, 8), (64, 64, 8, 2, True, True, 4)]
 TARGET_PROGRAMS = 1056
 
 
@@ -54,13 +55,13 @@ def split_for(N: int, K8: int, block_n: int, block_c: int) -> tuple[int, int]:
 
 
 def run_plane(x, p, s, cand, split, cps):
-    block_n, block_c, warps, stages, w_as_b, x_desc = cand
+    block_n, block_c, warps, stages, w_as_b, x_desc, n_acc = cand
     M, N = x.shape[0], p.shape[0]
     out = torch.empty((M, N), device=x.device, dtype=x.dtype)
     if split == 1:
-        return plane_linear(x, p, s, 16, block_n, block_c, cps, 1, out, warps, stages, w_as_b, x_desc)
+        return plane_linear(x, p, s, 16, block_n, block_c, cps, 1, out, warps, stages, w_as_b, x_desc, n_acc)
     part = torch.empty((split, M, N), device=x.device, dtype=torch.float32)
-    plane_linear(x, p, s, 16, block_n, block_c, cps, split, part, warps, stages, w_as_b, x_desc)
+    plane_linear(x, p, s, 16, block_n, block_c, cps, split, part, warps, stages, w_as_b, x_desc, n_acc)
     split_sum(part, out, split)
     return out
 
@@ -87,7 +88,7 @@ def main(argv=None) -> int:
             for cand in CANDIDATES:
                 split, cps = split_for(N, K // 8, cand[0], cand[1])
                 label = (f"plane n{cand[0]} c{cand[1]} w{cand[2]} s{cand[3]} split{split}"
-                         f"{' wB' if cand[4] else ''}{'' if cand[5] else ' xptr'}")
+                         f"{' wB' if cand[4] else ''}{'' if cand[5] else ' xptr'} acc{cand[6]}")
                 try:
                     out = run_plane(x, *ws[0], cand, split, cps)
                     err = float((out.double() - ref).norm() / ref.norm())
