@@ -9,6 +9,8 @@ same math and the torch reference, against rooflines measured in the same run.
                                                        # written to mla_attention-decode-sweep-<gpu>.*
     python bench/mla_attention.py --sweep-only --sweep-chunk --no-peers    # chunk lengths (N = 8),
                                                        # written to mla_attention-chunk-sweep-<gpu>.*
+    python bench/mla_attention.py --sweep-only --sweep-rows --no-peers     # decode rows per program (N = 8),
+                                                       # written to mla_attention-rows-sweep-<gpu>.*
 
 The sweep first compiles every (candidate, launch kind) in a pool of processes (Triton's on-disk cache
 is shared), so that the timing loop itself compiles nothing; candidates that fail to compile (e.g. out
@@ -102,6 +104,12 @@ _N8 = dict(BLOCK_M=32, BLOCK_N=64, V_SPLIT=1, num_warps=4, num_stages=2, L_BY_DO
 CHUNK_SWEEP: list[MLAConfig] = [MLAConfig(CHUNK=512, **_N8), MLAConfig(CHUNK=256, **_N8), MLAConfig(CHUNK=1024, **_N8)]
 CHUNK_SHAPES = [(8, 4096, 1), (8, 32768, 1), (8, 131072, 1), (8, 32768, 16), (8, 131072, 16), (8, 32768, 64),
                 (8, 131072, 64)]
+# Rows per program of a decode launch (DECODE_ROWS, a re-tiling: the rest of the 16-row tile masked): at
+# N = 8 a 16-row tile holds all 8 heads, so a 32K decode is 65 programs for 132 SMs; 4 / 2 / 1 rows per
+# program give 2 / 4 / 8 programs per chunk, their repeated key reads hitting L2.
+# `--sweep-rows` times the N <= 16 default with each.
+ROWS_SWEEP: list[MLAConfig] = [MLAConfig(CHUNK=512, **_N8, DECODE_ROWS=r) for r in (0, 4, 2, 1)]
+ROWS_SHAPES = [(8, 4096, 1), (8, 16384, 1), (8, 32768, 1), (8, 65536, 1), (8, 131072, 1)]
 SWEEP_SHAPES = [(8, 32768, 1), (8, 131072, 1), (8, 32768, 16), (8, 131072, 16), (8, 32768, 64),
                 (8, 131072, 64), (64, 32768, 1), (64, 131072, 1), (64, 32768, 16), (64, 131072, 16),
                 (64, 32768, 64), (64, 131072, 64)]
@@ -221,6 +229,8 @@ def main(argv=None) -> dict:
                     help="with --sweep-only: time DECODE_SWEEP (V_SPLIT for T = 1) at DECODE_SHAPES instead")
     ap.add_argument("--sweep-chunk", action="store_true",
                     help="with --sweep-only: time CHUNK_SWEEP (chunk lengths, N = 8) at CHUNK_SHAPES instead")
+    ap.add_argument("--sweep-rows", action="store_true",
+                    help="with --sweep-only: time ROWS_SWEEP (decode rows per program, N = 8) at ROWS_SHAPES instead")
     ap.add_argument("--workers", type=int, default=0, help="compile processes for the sweep (0: CPUs)")
     ap.add_argument("--no-peers", action="store_true", help="skip sdpa and the torch reference")
     ap.add_argument("--budget-s", type=float, default=100.0, help="stop the sweep after this many seconds")
@@ -247,7 +257,8 @@ def main(argv=None) -> dict:
 
         workers = args.workers or min(16, os.cpu_count() or 1)
         cands, shapes = ((DECODE_SWEEP, DECODE_SHAPES) if args.sweep_decode else
-                         (CHUNK_SWEEP, CHUNK_SHAPES) if args.sweep_chunk else (SWEEP, SWEEP_SHAPES))
+                         (CHUNK_SWEEP, CHUNK_SHAPES) if args.sweep_chunk else
+                         (ROWS_SWEEP, ROWS_SHAPES) if args.sweep_rows else (SWEEP, SWEEP_SHAPES))
         compile_err = precompile(cands, shapes, workers)
         print(f"compiled {len(compile_err)} (config, N, T kind) in {clock():.0f}s; "
               f"{sum(e is not None for e in compile_err.values())} failed", flush=True)
@@ -295,7 +306,8 @@ def main(argv=None) -> dict:
                          s.get("x_roof"), s.get("rel_err", s.get("error", s.get("skipped")))]
                         for s in sweep])
         md += ["", "## Best candidate per shape", ""] + best_per_shape(sweep)
-    kind = "decode-" if args.sweep_decode else "chunk-" if args.sweep_chunk else ""
+    kind = ("decode-" if args.sweep_decode else "chunk-" if args.sweep_chunk else
+            "rows-" if args.sweep_rows else "")
     stem = (f"mla_attention-{kind}sweep-{gpu}" if args.sweep_only
             else f"mla_attention-{gpu}")
     jp, mp = write_results(args.out, stem, payload, md)

@@ -142,12 +142,26 @@ class MLAConfig:
     # KEYS_ON_M off and both BLOCK_Ms under 64 (mma.sync: per element the same k-steps for any row count)
     DECODE_BLOCK_M: int = 0
     DECODE_STAGES: int = 0
+    # decode launches (T = 1): (query, head) rows per program, the rest of the tile masked (0: the whole
+    # tile). A row's arithmetic does not depend on the other rows of its tile (row-wise MMA outputs and
+    # softmax), so this only re-tiles: more programs on the same chunks, whose repeated key reads hit
+    # L2, for a decode launch that leaves SMs idle (N = 8 heads at 32K: 65 programs of 16-row tiles)
+    DECODE_ROWS: int = 0
 
     def __post_init__(self) -> None:
         if self.DECODE_BLOCK_M and not (self.L_BY_DOT and not self.KEYS_ON_M and self.BLOCK_M < 64
                                         and 16 <= self.DECODE_BLOCK_M < 64):
             raise ValueError("MLAConfig.DECODE_BLOCK_M needs L_BY_DOT, KEYS_ON_M off and BLOCK_M and "
                              f"DECODE_BLOCK_M in [16, 64); got {self}")
+        tile = self.DECODE_BLOCK_M or self.BLOCK_M
+        if self.DECODE_ROWS and (self.DECODE_ROWS & (self.DECODE_ROWS - 1) or self.DECODE_ROWS > tile):
+            raise ValueError(f"MLAConfig.DECODE_ROWS must be a power of 2 <= the decode tile's {tile} rows; "
+                             f"got {self.DECODE_ROWS}")
+
+    def rows(self, T: int) -> int:
+        """(query, head) rows per program of a launch of T queries (of the for_launch(T) config)."""
+        tile = self.for_launch(T).BLOCK_M
+        return self.DECODE_ROWS if T == 1 and self.DECODE_ROWS else tile
 
     def for_launch(self, T: int) -> "MLAConfig":
         """The config a launch of T queries runs: decode launches take DECODE_BLOCK_M / DECODE_STAGES."""
@@ -181,7 +195,7 @@ class MLAConfig:
             d["V_SPLIT_BY_T"] = self.V_SPLIT_BY_T
         if self.DECODE_MIN_PROGRAMS:
             d["DECODE_MIN_PROGRAMS"] = self.DECODE_MIN_PROGRAMS
-        for k in ("L_BY_DOT", "DECODE_BLOCK_M", "DECODE_STAGES"):
+        for k in ("L_BY_DOT", "DECODE_BLOCK_M", "DECODE_STAGES", "DECODE_ROWS"):
             if getattr(self, k):
                 d[k] = getattr(self, k)
         return d
@@ -263,6 +277,7 @@ def _mla_chunk_kernel(
     GATHER: tl.constexpr, CAUSAL: tl.constexpr, DIRECT: tl.constexpr,
     UPCAST: tl.constexpr, PREC: tl.constexpr, S_DEV: tl.constexpr = False,
     KEYS_ON_M: tl.constexpr = False, Q_IN_LOOP: tl.constexpr = False, L_BY_DOT: tl.constexpr = False,
+    ROWS: tl.constexpr = 0,
 ):
     # grid: ((row tiles [packed] or T * head tiles [gather]) * V_SPLIT, chunks); the V_SPLIT programs of
     # one (tile, chunk) are adjacent so that they run together and their repeated key reads hit L2
@@ -282,23 +297,25 @@ def _mla_chunk_kernel(
             if (c + 1) * CHUNK > S:
                 return
     DT: tl.constexpr = kv_ptr.dtype.element_ty
+    # ROWS (rows per program, <= BLOCK_M; 0: BLOCK_M): the tile's rows past it are masked (re-tiling only)
+    RW: tl.constexpr = ROWS if ROWS > 0 else BLOCK_M
     offs_i = tl.arange(0, BLOCK_M)
     if GATHER:
-        n_ht = tl.cdiv(N, BLOCK_M)
+        n_ht = tl.cdiv(N, RW)
         t_q = pid_r // n_ht
-        h = (pid_r % n_ht) * BLOCK_M + offs_i
-        row_ok = h < N
+        h = (pid_r % n_ht) * RW + offs_i
+        row_ok = (h < N) & (offs_i < RW)
         t = tl.zeros((BLOCK_M,), dtype=tl.int32) + t_q
         L_row = S + tl.load(nvis_ptr + t)  # [BM]
         L_max = S + tl.load(nvis_ptr + t_q)
     else:
-        rows = pid_r * BLOCK_M + offs_i
-        row_ok = rows < T * N
+        rows = pid_r * RW + offs_i
+        row_ok = (rows < T * N) & (offs_i < RW)
         t = rows // N
         h = rows % N
         if CAUSAL:
             L_row = S + t + 1
-            L_max = S + tl.minimum(T * N - 1, pid_r * BLOCK_M + BLOCK_M - 1) // N + 1
+            L_max = S + tl.minimum(T * N - 1, pid_r * RW + RW - 1) // N + 1
         else:  # tree case: packed programs cover only whole chunks of [0, S)
             L_row = tl.zeros((BLOCK_M,), dtype=tl.int32) + S
             L_max = S
@@ -526,10 +543,12 @@ def tree_gather_index(tree_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 
 def _plan(C: int, R: int, N: int, T: int, dtype: torch.dtype, config: MLAConfig | None, n_keys: int
-          ) -> tuple[MLAConfig, int, int, int, int, bool, str]:
-    """Launch constants shared by both launches: (config, CP, RP, V_SPLIT, DV, upcast, input precision).
+          ) -> tuple[MLAConfig, int, int, int, int, int, bool, str]:
+    """Launch constants shared by both launches: (config, rows per program, CP, RP, V_SPLIT, DV, upcast,
+    input precision).
     n_keys: the keys the launch's grid covers (its chunks and row tiles size a decode launch's V_SPLIT)."""
-    cfg = (config or default_config(N)).for_launch(T)
+    base = config or default_config(N)
+    cfg, rows = base.for_launch(T), base.rows(T)
     if cfg.CHUNK % cfg.BLOCK_N:
         raise ValueError(f"CHUNK {cfg.CHUNK} must be a multiple of BLOCK_N {cfg.BLOCK_N}")
     CP = triton.next_power_of_2(C)
@@ -539,10 +558,10 @@ def _plan(C: int, R: int, N: int, T: int, dtype: torch.dtype, config: MLAConfig 
             raise ValueError(f"V_SPLIT {vs} must divide {CP} into slices of >= 16 columns")
     if cfg.BLOCK_M < 16 or cfg.BLOCK_N < 16:
         raise ValueError(f"BLOCK_M {cfg.BLOCK_M} and BLOCK_N {cfg.BLOCK_N} must be >= 16 (tl.dot)")
-    v_split = cfg.v_split(T, triton.cdiv(T * N, cfg.BLOCK_M) * triton.cdiv(n_keys, cfg.CHUNK), CP)
+    v_split = cfg.v_split(T, triton.cdiv(T * N, rows) * triton.cdiv(n_keys, cfg.CHUNK), CP)
     upcast = interpreting()  # fp32 operands and row-exact dots under the interpreter
     prec = "ieee" if (dtype == torch.float32 or upcast) else "tf32"
-    return cfg, CP, RP, v_split, CP // v_split, upcast, prec
+    return cfg, rows, CP, RP, v_split, CP // v_split, upcast, prec
 
 
 _SIDE_STREAMS: dict[torch.device, "torch.cuda.Stream"] = {}
@@ -606,7 +625,7 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, sta
     out = torch.empty((T, N, C), device=q_lat.device, dtype=q_lat.dtype)
     if T == 0 or N == 0:
         return out
-    cfg, CP, RP, VS, DV, upcast, prec = _plan(C, R, N, T, q_lat.dtype, config, S + T)
+    cfg, rows, CP, RP, VS, DV, upcast, prec = _plan(C, R, N, T, q_lat.dtype, config, S + T)
     qk_scale = float(scale) * LOG2E
     causal = tree_mask is None
     dev = kv.device
@@ -623,11 +642,11 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, sta
 
     common = dict(C=C, R=R, CP=CP, RP=RP, DV=DV, CHUNK=cfg.CHUNK, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
                   CAUSAL=causal, DIRECT=direct, UPCAST=upcast, PREC=prec,
-                  KEYS_ON_M=cfg.KEYS_ON_M, Q_IN_LOOP=cfg.Q_IN_LOOP, L_BY_DOT=cfg.L_BY_DOT,
+                  KEYS_ON_M=cfg.KEYS_ON_M, Q_IN_LOOP=cfg.Q_IN_LOOP, L_BY_DOT=cfg.L_BY_DOT, ROWS=rows,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     args_tail = (q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), kv.stride(0), stride_idx,
                  spom, spoc, splm, out.stride(0), out.stride(1), qk_scale)
-    n_tiles = triton.cdiv(T * N, cfg.BLOCK_M)
+    n_tiles = triton.cdiv(T * N, rows)
     if causal:
         grid = (n_tiles * VS, n_ch)
         _mla_chunk_kernel[grid](q_lat, q_pe, kv, idx, nvis, po, pl, out, nvis, T, S, N, 0, *args_tail,
@@ -640,7 +659,7 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, sta
                                                        *args_tail, GATHER=False, **common)
 
         def tail() -> None:
-            _mla_chunk_kernel[(T * triton.cdiv(N, cfg.BLOCK_M) * VS, n_ch - c_split)](
+            _mla_chunk_kernel[(T * triton.cdiv(N, rows) * VS, n_ch - c_split)](
                 q_lat, q_pe, kv, idx, nvis, po, pl, out, nvis, T, S, N, c_split, *args_tail, GATHER=True, **common)
 
         _side_by_side(dev, prefix if c_split > 0 else None, tail)
@@ -675,7 +694,7 @@ def mla_attention_device(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tens
     out = torch.empty((T, N, C), device=q_lat.device, dtype=q_lat.dtype)
     if T == 0 or N == 0:
         return out
-    cfg, CP, RP, VS, DV, upcast, prec = _plan(C, R, N, T, q_lat.dtype, config, cap)
+    cfg, rows, CP, RP, VS, DV, upcast, prec = _plan(C, R, N, T, q_lat.dtype, config, cap)
     dev = kv.device
     s_dev = start.reshape(1).to(device=dev, dtype=torch.int32)
     idx, nvis = gather_index if gather_index is not None else tree_gather_index(tree_mask.to(dev))
@@ -684,18 +703,18 @@ def mla_attention_device(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tens
     po, pl, spom, spoc, splm = _partials(out, n_ch)
     common = dict(C=C, R=R, CP=CP, RP=RP, DV=DV, CHUNK=cfg.CHUNK, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
                   CAUSAL=False, DIRECT=direct, UPCAST=upcast, PREC=prec, S_DEV=True,
-                  KEYS_ON_M=cfg.KEYS_ON_M, Q_IN_LOOP=cfg.Q_IN_LOOP, L_BY_DOT=cfg.L_BY_DOT,
+                  KEYS_ON_M=cfg.KEYS_ON_M, Q_IN_LOOP=cfg.Q_IN_LOOP, L_BY_DOT=cfg.L_BY_DOT, ROWS=rows,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     args_tail = (q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), kv.stride(0), idx.stride(0),
                  spom, spoc, splm, out.stride(0), out.stride(1), float(scale) * LOG2E)
-    n_tiles = triton.cdiv(T * N, cfg.BLOCK_M)
+    n_tiles = triton.cdiv(T * N, rows)
 
     def prefix() -> None:   # the two launches keep to disjoint chunks (S_DEV): side by side
         _mla_chunk_kernel[(n_tiles * VS, n_ch)](q_lat, q_pe, kv, idx, nvis, po, pl, out, s_dev, T, 0, N, 0,
                                                 *args_tail, GATHER=False, **common)
 
     def tail() -> None:
-        _mla_chunk_kernel[(T * triton.cdiv(N, cfg.BLOCK_M) * VS, n_ch)](
+        _mla_chunk_kernel[(T * triton.cdiv(N, rows) * VS, n_ch)](
             q_lat, q_pe, kv, idx, nvis, po, pl, out, s_dev, T, 0, N, 0, *args_tail, GATHER=True, **common)
 
     _side_by_side(dev, prefix, tail)

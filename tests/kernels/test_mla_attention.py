@@ -95,6 +95,10 @@ CONFIGS = {
     "kombyt": MLAConfig(CHUNK=32, BLOCK_M=16, BLOCK_N=16, KEYS_ON_M=True, V_SPLIT_BY_T=((4, 2),), num_stages=1),
     # decode launches re-tiled: 16-row tiles for T = 1, 32-row tiles otherwise (row sums by the MMA)
     "decbm": MLAConfig(CHUNK=32, BLOCK_M=32, BLOCK_N=16, L_BY_DOT=True, DECODE_BLOCK_M=16, num_stages=1),
+    # ... and split over programs of 4 / 1 rows (the rest of the tile masked)
+    "decrows": MLAConfig(CHUNK=32, BLOCK_M=32, BLOCK_N=16, L_BY_DOT=True, DECODE_BLOCK_M=16, DECODE_ROWS=4,
+                         num_stages=1),
+    "rows1": MLAConfig(CHUNK=32, BLOCK_M=16, BLOCK_N=16, DECODE_ROWS=1, num_stages=1),
 }
 
 # name: (kind, N, S, T, mask, config, variant)
@@ -129,6 +133,9 @@ CASES["inv_N4_S70_T9_tree_kom"] = ("inv", 4, 70, 9, "tree", "kom", "")
 CASES["inv_N3_S45_T5_tree_vsbyt"] = ("inv", 3, 45, 5, "tree", "vsbyt", "")  # alone: 2 slices, batched: 1
 CASES["inv_N3_S61_T5_causal_kombyt"] = ("inv", 3, 61, 5, "causal", "kombyt", "")
 CASES["inv_N20_S45_T5_tree_decbm"] = ("inv", 20, 45, 5, "tree", "decbm", "")  # alone: 16-row tiles
+CASES["inv_N6_S45_T5_tree_decrows"] = ("inv", 6, 45, 5, "tree", "decrows", "")  # alone: 4 rows a program
+CASES["inv_N3_S40_T4_causal_rows1"] = ("inv", 3, 40, 4, "causal", "rows1", "")  # alone: 1 row a program
+CASES["N6_S45_T1_causal_decrows"] = ("ref", 6, 45, 1, "causal", "decrows", "")
 
 # device-side length: the whole buffer (junk past S + T) and start as a tensor == the host-length launch
 CASES["dev_N3_S37_T5_tree_c32"] = ("dev", 3, 37, 5, "tree", "c32", "")
@@ -138,6 +145,7 @@ CASES["dev_N3_S20_T1_causal_c32"] = ("dev", 3, 20, 1, "causal", "c32", "")
 CASES["dev_N4_S100_T9_tree_vsplit"] = ("dev", 4, 100, 9, "tree", "vsplit", "")
 CASES["dev_N3_S64_T5_tree_kom"] = ("dev", 3, 64, 5, "tree", "kom", "")
 CASES["dev_N3_S20_T3_tree_kombyt"] = ("dev", 3, 20, 3, "tree", "kombyt", "")
+CASES["dev_N6_S50_T1_causal_decrows"] = ("dev", 6, 50, 1, "causal", "decrows", "")
 
 # merge tiles are bit-neutral (merge_tiles): per row, random chunk partials; trees of 8..64 chunks and
 # 8..32 columns give the same bits for rows whose chunks fit the smaller tree, and the column tile never
@@ -304,7 +312,7 @@ def test_decode_block_m_is_a_decode_retiling():
     assert _plan(512, 64, 8, 1, torch.float32, cfg, 8 * 512)[0].BLOCK_M == 16
     assert _plan(512, 64, 8, 2, torch.float32, cfg, 8 * 512)[0].BLOCK_M == 32
     # the decode rule counts the re-tiled launch's programs: N = 64 -> 4 row tiles x 2 chunks x 8 slices
-    assert _plan(512, 64, 64, 1, torch.float32, cfg, 2 * 512)[3] == 8
+    assert _plan(512, 64, 64, 1, torch.float32, cfg, 2 * 512)[4] == 8
     for bad in (dict(L_BY_DOT=False), dict(KEYS_ON_M=True), dict(BLOCK_M=64), dict(DECODE_BLOCK_M=64)):
         with pytest.raises(ValueError, match="DECODE_BLOCK_M"):
             MLAConfig(**{**dict(BLOCK_M=32, L_BY_DOT=True, DECODE_BLOCK_M=16), **bad})
@@ -317,9 +325,29 @@ def test_decode_rule_keeps_slices_of_64_columns():
     from kdtree_engine.kernels.mla_attention import _plan
 
     cfg = MLAConfig(DECODE_MIN_PROGRAMS=128)
-    assert _plan(64, 32, 4, 1, torch.float32, cfg, 2 * 512)[3] == 1
-    assert _plan(256, 64, 8, 1, torch.float32, cfg, 2 * 512)[3] == 4
-    assert _plan(512, 64, 8, 1, torch.float32, cfg, 8 * 512)[3] == 8
-    assert _plan(512, 64, 8, 16, torch.float32, cfg, 8 * 512)[3] == 1
+    assert _plan(64, 32, 4, 1, torch.float32, cfg, 2 * 512)[4] == 1
+    assert _plan(256, 64, 8, 1, torch.float32, cfg, 2 * 512)[4] == 4
+    assert _plan(512, 64, 8, 1, torch.float32, cfg, 8 * 512)[4] == 8
+    assert _plan(512, 64, 8, 16, torch.float32, cfg, 8 * 512)[4] == 1
     assert _plan(64, 32, 4, 1, torch.float32, MLAConfig(DECODE_MIN_PROGRAMS=128, V_SPLIT_BY_T=((1, 2),)),
-                 2 * 512)[3] == 2
+                 2 * 512)[4] == 2
+
+
+def test_decode_rows_is_a_decode_retiling():
+    """DECODE_ROWS sets the rows per program of T = 1 launches only (a power of 2 within the decode tile),
+    and the decode V_SPLIT rule counts the programs it makes; anything else is refused, field named."""
+    import torch
+    from kdtree_engine.kernels.mla_attention import _plan
+
+    cfg = MLAConfig(BLOCK_M=32, L_BY_DOT=True, DECODE_BLOCK_M=16, DECODE_ROWS=4)
+    assert (cfg.rows(1), cfg.rows(2), cfg.rows(64)) == (4, 32, 32)
+    assert MLAConfig(BLOCK_M=16).rows(1) == 16
+    assert _plan(512, 64, 8, 1, torch.float32, cfg, 8 * 512)[:2] == (cfg.for_launch(1), 4)
+    # 8 heads in 4-row programs: 2 x 8 chunks = 16 programs -> V_SPLIT 8 to reach 128
+    assert _plan(512, 64, 8, 1, torch.float32, MLAConfig(DECODE_ROWS=4, DECODE_MIN_PROGRAMS=128),
+                 8 * 512)[4] == 8
+    assert _plan(512, 64, 8, 1, torch.float32, MLAConfig(DECODE_ROWS=1, DECODE_MIN_PROGRAMS=128),
+                 16 * 512)[4] == 1
+    for bad in (3, 32, -2):
+        with pytest.raises(ValueError, match="DECODE_ROWS"):
+            MLAConfig(BLOCK_M=32, L_BY_DOT=True, DECODE_BLOCK_M=16, DECODE_ROWS=bad)
