@@ -1,8 +1,11 @@
 """W4A16 GEMM by nibble planes, an experiment: the dequantized weight tile never touches shared memory.
 
 Measured on the H200 (bench/results/w4-plane-probe-h200.md, `python3 bench/w4_plane_probe.py`): correct,
-but about 1.9x slower than the default "dot" kernel (dense 36864 x 7168, M = 1: 157-163 us against 87),
-so the engine does not use it. What it showed: Triton does build a wgmma register operand straight from
+but about 1.7-1.9x slower than the default "dot" kernel (dense 36864 x 7168, M = 1: 146-157 us against 88),
+so the engine does not use it. With the weights as the MMA's B operand (W_AS_B: tokens on the 16 rows of
+an mma.sync tile, no wgmma wait) and 1-8 accumulators (N_ACC, against the MMA dependency chain) it is
+147-151 us: the loop issues ~2.9 SASS instructions per weight (triton 3.9; ~4.4 measured on triton 3.6
+by Nsight Compute, as many as the default) at 1.2 instructions per cycle, 2.5 warps per scheduler. What it showed: Triton does build a wgmma register operand straight from
 packed words in shared memory when the dequantization is elementwise (below), and the loop then issues
 fewer instructions per weight; but a register-operand wgmma is waited for before the next one
 (warp_group_dot_wait 0 after each of the 16 plane GEMMs of an iteration), and with 2-3 blocks per SM

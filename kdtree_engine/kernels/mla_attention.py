@@ -145,7 +145,10 @@ class MLAConfig:
     # decode launches (T = 1): (query, head) rows per program, the rest of the tile masked (0: the whole
     # tile). A row's arithmetic does not depend on the other rows of its tile (row-wise MMA outputs and
     # softmax), so this only re-tiles: more programs on the same chunks, whose repeated key reads hit
-    # L2, for a decode launch that leaves SMs idle (N = 8 heads at 32K: 65 programs of 16-row tiles)
+    # L2 (N = 8 heads at 32K: 65 programs of 16-row tiles for 132 SMs). Measured slower, so off in the
+    # defaults: 4 rows 33.2 us against 28.9 at 32K, 113 against 61 at 128K; only 4K with 1 row a
+    # program gains (25.0 against 26.0 us) (bench/results/mla_attention-rows-sweep-h200.md). A decode
+    # program is bound by its own instruction stream, not by the SMs it leaves idle.
     DECODE_ROWS: int = 0
 
     def __post_init__(self) -> None:
