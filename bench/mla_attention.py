@@ -36,6 +36,7 @@ import argparse
 import math
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -104,12 +105,18 @@ _N8 = dict(BLOCK_M=32, BLOCK_N=64, V_SPLIT=1, num_warps=4, num_stages=2, L_BY_DO
 CHUNK_SWEEP: list[MLAConfig] = [MLAConfig(CHUNK=512, **_N8), MLAConfig(CHUNK=256, **_N8), MLAConfig(CHUNK=1024, **_N8)]
 CHUNK_SHAPES = [(8, 4096, 1), (8, 32768, 1), (8, 131072, 1), (8, 32768, 16), (8, 131072, 16), (8, 32768, 64),
                 (8, 131072, 64)]
-# Rows per program of a decode launch (DECODE_ROWS, a re-tiling: the rest of the 16-row tile masked): at
-# N = 8 a 16-row tile holds all 8 heads, so a 32K decode is 65 programs for 132 SMs; 4 / 2 / 1 rows per
-# program give 2 / 4 / 8 programs per chunk, their repeated key reads hitting L2.
-# `--sweep-rows` times the N <= 16 default with each.
-ROWS_SWEEP: list[MLAConfig] = [MLAConfig(CHUNK=512, **_N8, DECODE_ROWS=r) for r in (0, 4, 2, 1)]
-ROWS_SHAPES = [(8, 4096, 1), (8, 16384, 1), (8, 32768, 1), (8, 65536, 1), (8, 131072, 1)]
+# Re-tilings of the defaults (they leave a row's arithmetic as it is): decode rows per program
+# (DECODE_ROWS: the rest of the 16-row tile masked; at N = 8 a 32K decode is 65 programs for 132 SMs),
+# decode warps (DECODE_WARPS: 2 warps per scheduler instead of 1), and the packed launches' key tiles by
+# TMA (K_DESC). `--sweep-rows` times them at N = 8 (and the warps at N = 64).
+_D8, _D64 = default_config(8), default_config(64)
+ROWS_FOR_N: dict[int, list[MLAConfig]] = {
+    8: [_D8, replace(_D8, DECODE_WARPS=8), replace(_D8, DECODE_WARPS=2), replace(_D8, K_DESC=True),
+        replace(_D8, DECODE_ROWS=1)],
+    64: [_D64, replace(_D64, DECODE_WARPS=8)]}
+ROWS_SWEEP: list[MLAConfig] = [c for cs in ROWS_FOR_N.values() for c in cs]
+ROWS_SHAPES = [(8, 4096, 1), (8, 32768, 1), (8, 131072, 1), (8, 32768, 16), (8, 131072, 16), (64, 32768, 1),
+               (64, 131072, 1)]
 SWEEP_SHAPES = [(8, 32768, 1), (8, 131072, 1), (8, 32768, 16), (8, 131072, 16), (8, 32768, 64),
                 (8, 131072, 64), (64, 32768, 1), (64, 131072, 1), (64, 32768, 16), (64, 131072, 16),
                 (64, 32768, 64), (64, 131072, 64)]
@@ -263,7 +270,7 @@ def main(argv=None) -> dict:
         print(f"compiled {len(compile_err)} (config, N, T kind) in {clock():.0f}s; "
               f"{sum(e is not None for e in compile_err.values())} failed", flush=True)
         for N, S, T in shapes:  # shape-major: a budget cut leaves whole shapes compared
-            for cfg in cands:
+            for cfg in (ROWS_FOR_N[N] if args.sweep_rows else cands):
                 base = {"N": N, "S": S, "T": T, "config": cfg.as_dict()}
                 err = compile_err.get((cfg, N, T == 1))
                 if err is not None:

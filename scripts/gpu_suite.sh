@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU tests and benchmarks, logs and results packed under $OUT; one device call runs one part.
-#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|next|chain|sample|rounds|decode|step|verify|resume|ncu|plane|merge|merge2|merge3|sample2|fork|last|plane2|rows]   (on the GPU machine, from the repository root)
+#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|next|chain|sample|rounds|decode|step|verify|resume|ncu|plane|merge|merge2|merge3|sample2|fork|last|plane2|rows|kload]   (on the GPU machine, from the repository root)
 #   tune   the W4A16 config sweep, the bitwise and CUDA-graph GPU tests, the demo's spec benchmark
 #   check  the remaining GPU tests (kernels, batch invariance, target, attention), kernel and round benches
 #   bench  the benchmarks with long runs (K2 step, attention, GEMM)
@@ -33,6 +33,8 @@
 #          (bench/ncu_probe.py), then the sampled graph-round GPU tests
 #   plane  the nibble-plane W4A16 kernel against the default dense kernel at K2 shapes
 #   rows   decode rows per program (MLAConfig.DECODE_ROWS): sweep, bit-equality tests, the demo's spec == plain
+#   kload  the attention's key loads without masks, 32-bit offsets: bench, re-tiling sweep (decode warps,
+#          TMA key tiles, rows per program), bit-equality tests, the demo's spec == plain
 #   plane2 the same with the weights as the MMA's B operand (mma.sync, tokens on M), and its Nsight Compute
 #   merge  the attention merge by pairwise trees: attention GPU tests, attention bench, chunk-length sweep,
 #          Nsight Compute of the 128K decode
@@ -203,6 +205,14 @@ if [[ $PART == rows ]]; then
   step pytest_mla_rows 240 $PYT tests/gpu/test_mla_attention_gpu.py \
     -k "decode_rows or ((batch_invariant or bit_equal) and not kom and not qil and not candidate)"
   step pytest_spec_bitwise 150 $PYT tests/gpu/test_bitwise_gpu.py::test_greedy_spec_equals_plain_demo \
+    tests/gpu/test_graph_round_gpu.py::test_device_length_attention_bitwise_gpu
+fi
+if [[ $PART == kload ]]; then
+  step bench_mla 60 python3 bench/mla_attention.py --no-peers --out "$RES"
+  step bench_mla_rows 160 python3 bench/mla_attention.py --sweep-only --sweep-rows --no-peers --budget-s 120 --out "$RES"
+  step pytest_mla_kload 230 $PYT tests/gpu/test_mla_attention_gpu.py \
+    -k "decode_rows or ((batch_invariant or bit_equal) and not kom and not qil and not candidate)"
+  step pytest_spec_bitwise 120 $PYT tests/gpu/test_bitwise_gpu.py::test_greedy_spec_equals_plain_demo \
     tests/gpu/test_graph_round_gpu.py::test_device_length_attention_bitwise_gpu
 fi
 if [[ $PART == plane2 ]]; then

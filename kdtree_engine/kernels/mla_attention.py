@@ -78,6 +78,7 @@ row's position in the tile (numpy's matmul does depend on it; an MMA does not).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -86,6 +87,9 @@ import triton
 import triton.language as tl
 
 from .common import DTYPES, bucket, interpreting
+
+log = logging.getLogger(__name__)
+_LOGGED: set[str] = set()
 
 LOG2E = 1.4426950408889634
 
@@ -142,6 +146,10 @@ class MLAConfig:
     # KEYS_ON_M off and both BLOCK_Ms under 64 (mma.sync: per element the same k-steps for any row count)
     DECODE_BLOCK_M: int = 0
     DECODE_STAGES: int = 0
+    # decode launches (T = 1): this num_warps instead (0: the config's). With L_BY_DOT on mma.sync tiles a
+    # row's arithmetic does not depend on the warps' split (each score's 576-long and each output's key
+    # reduction stays inside one warp's MMA chain; the row sums are an MMA), so this only re-tiles
+    DECODE_WARPS: int = 0
     # decode launches (T = 1): (query, head) rows per program, the rest of the tile masked (0: the whole
     # tile). A row's arithmetic does not depend on the other rows of its tile (row-wise MMA outputs and
     # softmax), so this only re-tiles: more programs on the same chunks, whose repeated key reads hit
@@ -150,12 +158,23 @@ class MLAConfig:
     # program gains (25.0 against 26.0 us) (bench/results/mla_attention-rows-sweep-h200.md). A decode
     # program is bound by its own instruction stream, not by the SMs it leaves idle.
     DECODE_ROWS: int = 0
+    # key tiles of packed launches (decode, causal blocks, a tree's whole prefix chunks) copied by TMA
+    # through two tensor descriptors (latent [rows, C], rope [rows, R]) instead of a pointer per 16 bytes:
+    # the copy issues no per-element address or predicate arithmetic (about half of the K loop's
+    # instructions on sm_90). Same values into the same MMAs, so a load method, not arithmetic: the
+    # gather (tree tail) launch keeps pointers and its rows stay bit-equal. Rows past the tensor read as
+    # zeros; keys past a block's end are real keys of the launch, weighted exactly 0.
+    K_DESC: bool = False
 
     def __post_init__(self) -> None:
         if self.DECODE_BLOCK_M and not (self.L_BY_DOT and not self.KEYS_ON_M and self.BLOCK_M < 64
                                         and 16 <= self.DECODE_BLOCK_M < 64):
             raise ValueError("MLAConfig.DECODE_BLOCK_M needs L_BY_DOT, KEYS_ON_M off and BLOCK_M and "
                              f"DECODE_BLOCK_M in [16, 64); got {self}")
+        if self.DECODE_WARPS and not (self.L_BY_DOT and not self.KEYS_ON_M and self.BLOCK_M < 64
+                                      and (self.DECODE_BLOCK_M or self.BLOCK_M) < 64 and self.DECODE_WARPS in (2, 4, 8)):
+            raise ValueError("MLAConfig.DECODE_WARPS needs L_BY_DOT, KEYS_ON_M off, tiles under 64 rows and 2, 4 "
+                             f"or 8 warps; got {self}")
         tile = self.DECODE_BLOCK_M or self.BLOCK_M
         if self.DECODE_ROWS and (self.DECODE_ROWS & (self.DECODE_ROWS - 1) or self.DECODE_ROWS > tile):
             raise ValueError(f"MLAConfig.DECODE_ROWS must be a power of 2 <= the decode tile's {tile} rows; "
@@ -167,11 +186,13 @@ class MLAConfig:
         return self.DECODE_ROWS if T == 1 and self.DECODE_ROWS else tile
 
     def for_launch(self, T: int) -> "MLAConfig":
-        """The config a launch of T queries runs: decode launches take DECODE_BLOCK_M / DECODE_STAGES."""
-        if T != 1 or not (self.DECODE_BLOCK_M or self.DECODE_STAGES):
+        """The config a launch of T queries runs: decode launches take DECODE_BLOCK_M / DECODE_STAGES /
+        DECODE_WARPS."""
+        if T != 1 or not (self.DECODE_BLOCK_M or self.DECODE_STAGES or self.DECODE_WARPS):
             return self
         return replace(self, BLOCK_M=self.DECODE_BLOCK_M or self.BLOCK_M,
-                       num_stages=self.DECODE_STAGES or self.num_stages)
+                       num_stages=self.DECODE_STAGES or self.num_stages,
+                       num_warps=self.DECODE_WARPS or self.num_warps)
 
     def v_split(self, T: int, programs: int | None = None, columns: int = 0) -> int:
         """Output-column slices for a launch of T queries with `programs` programs per slice over
@@ -198,7 +219,7 @@ class MLAConfig:
             d["V_SPLIT_BY_T"] = self.V_SPLIT_BY_T
         if self.DECODE_MIN_PROGRAMS:
             d["DECODE_MIN_PROGRAMS"] = self.DECODE_MIN_PROGRAMS
-        for k in ("L_BY_DOT", "DECODE_BLOCK_M", "DECODE_STAGES", "DECODE_ROWS"):
+        for k in ("L_BY_DOT", "DECODE_BLOCK_M", "DECODE_STAGES", "DECODE_WARPS", "DECODE_ROWS", "K_DESC"):
             if getattr(self, k):
                 d[k] = getattr(self, k)
         return d
@@ -280,7 +301,7 @@ def _mla_chunk_kernel(
     GATHER: tl.constexpr, CAUSAL: tl.constexpr, DIRECT: tl.constexpr,
     UPCAST: tl.constexpr, PREC: tl.constexpr, S_DEV: tl.constexpr = False,
     KEYS_ON_M: tl.constexpr = False, Q_IN_LOOP: tl.constexpr = False, L_BY_DOT: tl.constexpr = False,
-    ROWS: tl.constexpr = 0,
+    ROWS: tl.constexpr = 0, klat_desc=None, kpe_desc=None, K_DESC: tl.constexpr = False,
 ):
     # grid: ((row tiles [packed] or T * head tiles [gather]) * V_SPLIT, chunks); the V_SPLIT programs of
     # one (tile, chunk) are adjacent so that they run together and their repeated key reads hit L2
@@ -352,18 +373,34 @@ def _mla_chunk_kernel(
     for start in range(p0, p_end, BLOCK_N):
         p = start + offs_n  # virtual positions [BN]
         k_ok = p < p_end
-        if GATHER:
-            j = tl.load(idx_ptr + t_q.to(tl.int64) * stride_idx + (p - S), mask=k_ok & (p >= S), other=0)
-            slot = tl.where(p < S, p, S + j)
-        else:
-            slot = p
-        krow = kv_ptr + slot.to(tl.int64)[:, None] * stride_kv
-        k_lat = tl.load(krow + offs_c[None, :], mask=k_ok[:, None] & (offs_c[None, :] < C), other=0.0)
-        k_pe = tl.load(krow + C + offs_r[None, :], mask=k_ok[:, None] & (offs_r[None, :] < R), other=0.0)
-        if DV == CP:
+        # keys past p_end read a valid slot instead of a masked load (no per-element predicates in the
+        # copy): the packed path its chunk's last key, the gather path slot S (j = 0); their scores are
+        # -inf below (p >= p_end >= L_row), so they weigh exactly 0 and the arithmetic is unchanged.
+        # Row offsets in 32 bits (_check_offsets): with the clamp, about 30% fewer instructions in the
+        # K loop on sm_90 than 64-bit offsets under masks (988 -> 695 per 64-key step, decode tile)
+        if K_DESC and not GATHER:  # TMA (DV == CP): rows past the tensor and columns past C / R are zeros
+            k_lat = klat_desc.load([start, 0])
+            k_pe = kpe_desc.load([start, 0])
             v = k_lat
         else:
-            v = tl.load(krow + offs_v[None, :], mask=k_ok[:, None] & (offs_v[None, :] < C), other=0.0)
+            if GATHER:
+                j = tl.load(idx_ptr + t_q.to(tl.int64) * stride_idx + (p - S), mask=k_ok & (p >= S), other=0)
+                slot = tl.where(p < S, p, S + j)
+            else:
+                slot = tl.minimum(p, p_end - 1)
+            krow = kv_ptr + (slot * stride_kv)[:, None]
+            if CP == C:
+                k_lat = tl.load(krow + offs_c[None, :])
+            else:
+                k_lat = tl.load(krow + offs_c[None, :], mask=offs_c[None, :] < C, other=0.0)
+            if RP == R:
+                k_pe = tl.load(krow + C + offs_r[None, :])
+            else:
+                k_pe = tl.load(krow + C + offs_r[None, :], mask=offs_r[None, :] < R, other=0.0)
+            if DV == CP:
+                v = k_lat
+            else:
+                v = tl.load(krow + offs_v[None, :], mask=offs_v[None, :] < C, other=0.0)
         if Q_IN_LOOP:  # re-read q (L1/L2) each step rather than keeping it live in registers
             q_lat = tl.load(ql_ptrs, mask=ql_mask, other=0.0)
             q_pe = tl.load(qp_ptrs, mask=qp_mask, other=0.0)
@@ -504,6 +541,13 @@ def _mla_merge_kernel(po_ptr, pl_ptr, nvis_ptr, out_ptr, s_ptr, S, N, NC,
 # Python entry point
 
 
+def _check_offsets(kv: torch.Tensor) -> None:
+    """The kernel addresses key rows with 32-bit element offsets (slot * row stride)."""
+    if kv.shape[0] * kv.stride(0) >= 2 ** 31:
+        raise ValueError(f"kv of {kv.shape[0]} rows x stride {kv.stride(0)} exceeds the 2^31 elements the "
+                         "attention kernel addresses (32-bit key offsets)")
+
+
 def _check(q_lat, q_pe, kv, start, tree_mask, kv_lora_rank):
     if q_lat.dim() != 3 or q_pe.dim() != 3 or kv.dim() != 2:
         raise ValueError(f"expected q_lat [T, N, C], q_pe [T, N, R], kv [S+T, C+R]; got "
@@ -520,6 +564,7 @@ def _check(q_lat, q_pe, kv, start, tree_mask, kv_lora_rank):
         raise ValueError(f"start must be a non-negative int, got {start!r}")
     if kv.shape[0] != start + T:
         raise ValueError(f"kv has {kv.shape[0]} rows, expected start + T = {start} + {T}")
+    _check_offsets(kv)
     for name, x in (("q_lat", q_lat), ("q_pe", q_pe), ("kv", kv)):
         if x.dtype not in _DTYPES:
             raise TypeError(f"{name} dtype {x.dtype} not supported (bf16, fp16, fp32)")
@@ -603,6 +648,35 @@ def _merge(po, pl, nvis, out, s_ptr, S: int, N: int, n_ch: int, strides: tuple[i
         num_warps=2)
 
 
+def _kv_descs(kv: torch.Tensor, rows: int, C: int, R: int, CP: int, RP: int, cfg: MLAConfig, VS: int
+              ) -> dict:
+    """Kernel arguments of the packed launch's key copies: TMA descriptors of the latent [rows, C] and
+    rope [rows, R] parts of kv (K_DESC), or none (pointer loads) when the config does not ask for them or
+    the cache cannot be described (logged once)."""
+    if not cfg.K_DESC:
+        return {}
+    item = kv.element_size()
+    why = None
+    if VS != 1:
+        why = f"V_SPLIT {VS} (the descriptor path reads whole rows)"
+    elif kv.device.type != "cuda" and not interpreting():
+        why = f"kv on {kv.device.type}"
+    elif kv.data_ptr() % 16 or (kv.stride(0) * item) % 16 or (C * item) % 16:
+        why = f"kv not 16-byte aligned (stride {kv.stride(0)}, C = {C})"
+    if why is not None:
+        key = f"kdesc:{why}"
+        if key not in _LOGGED:
+            _LOGGED.add(key)
+            log.info("MLA attention: key tiles by pointer loads, not TMA: %s", why)
+        return {}
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    bn = cfg.BLOCK_N
+    lat = TensorDescriptor(kv, [rows, C], [kv.stride(0), 1], [bn, CP])
+    pe = TensorDescriptor(kv[:, C:], [rows, R], [kv.stride(0), 1], [bn, RP])
+    return dict(klat_desc=lat, kpe_desc=pe, K_DESC=True)
+
+
 def _partials(out: torch.Tensor, n_ch: int) -> tuple[torch.Tensor, torch.Tensor, int, int, int]:
     """Per-chunk fp32 partial outputs [T*N, n_ch, C] and log-sum-exps [T*N, n_ch] with their strides
     (out itself, unused, when one chunk covers everything)."""
@@ -650,16 +724,17 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, sta
     args_tail = (q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), kv.stride(0), stride_idx,
                  spom, spoc, splm, out.stride(0), out.stride(1), qk_scale)
     n_tiles = triton.cdiv(T * N, rows)
+    descs = _kv_descs(kv, S + T, C, R, CP, RP, cfg, VS)
     if causal:
         grid = (n_tiles * VS, n_ch)
         _mla_chunk_kernel[grid](q_lat, q_pe, kv, idx, nvis, po, pl, out, nvis, T, S, N, 0, *args_tail,
-                                GATHER=False, **common)
+                                GATHER=False, **common, **descs)
     else:
         c_split = S // cfg.CHUNK  # chunks [0, c_split) lie wholly in the committed prefix
 
         def prefix() -> None:
             _mla_chunk_kernel[(n_tiles * VS, c_split)](q_lat, q_pe, kv, idx, nvis, po, pl, out, nvis, T, S, N, 0,
-                                                       *args_tail, GATHER=False, **common)
+                                                       *args_tail, GATHER=False, **common, **descs)
 
         def tail() -> None:
             _mla_chunk_kernel[(T * triton.cdiv(N, rows) * VS, n_ch - c_split)](
@@ -693,6 +768,7 @@ def mla_attention_device(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tens
     if cap < T:
         raise ValueError(f"kv holds {cap} slots, fewer than the {T} new entries")
     _check(q_lat, q_pe, kv[:T] if cap >= T else kv, 0, tree_mask, kv_lora_rank)
+    _check_offsets(kv)
     R = q_pe.shape[2]
     out = torch.empty((T, N, C), device=q_lat.device, dtype=q_lat.dtype)
     if T == 0 or N == 0:
@@ -711,10 +787,11 @@ def mla_attention_device(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tens
     args_tail = (q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), kv.stride(0), idx.stride(0),
                  spom, spoc, splm, out.stride(0), out.stride(1), float(scale) * LOG2E)
     n_tiles = triton.cdiv(T * N, rows)
+    descs = _kv_descs(kv, cap, C, R, CP, RP, cfg, VS)
 
     def prefix() -> None:   # the two launches keep to disjoint chunks (S_DEV): side by side
         _mla_chunk_kernel[(n_tiles * VS, n_ch)](q_lat, q_pe, kv, idx, nvis, po, pl, out, s_dev, T, 0, N, 0,
-                                                *args_tail, GATHER=False, **common)
+                                                *args_tail, GATHER=False, **common, **descs)
 
     def tail() -> None:
         _mla_chunk_kernel[(T * triton.cdiv(N, rows) * VS, n_ch)](

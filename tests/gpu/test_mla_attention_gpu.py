@@ -189,22 +189,25 @@ def test_v_split_by_t_bit_equal_bf16(name, N):
         assert torch.equal(one[0], tree[i]), f"tree node {i} alone vs in the tree (seed {seed})"
 
 
-@pytest.mark.parametrize("rows", [8, 4, 2, 1])
+@pytest.mark.parametrize("retile", ["rows8", "rows4", "rows2", "rows1", "warps8", "warps2", "kdesc"])
 @pytest.mark.parametrize("N", [8, 64])
-def test_decode_rows_bit_equal_bf16(N, rows):
-    """DECODE_ROWS only re-tiles decode launches: a decode row split over programs of `rows` rows is the
-    same bits as the default config's decode and as its row in a causal block, host- and device-length."""
+def test_decode_rows_bit_equal_bf16(N, retile):
+    """DECODE_ROWS / DECODE_WARPS / K_DESC only re-tile (or re-load): a decode row split over programs of
+    fewer rows, run by another warp count, or with its key tiles copied by TMA is the same bits as the
+    default config's decode and as its row in a causal block, host- and device-length."""
     S, T = 32768 + 5, 40
     seed = int(torch.randint(1 << 30, (1,)))
     base = default_config(N)
-    cfg = replace(base, DECODE_ROWS=rows)
+    kind, n = retile.rstrip("0123456789"), int("".join(ch for ch in retile if ch.isdigit()) or 0)
+    cfg = replace(base, **{"rows": dict(DECODE_ROWS=n), "warps": dict(DECODE_WARPS=n),
+                           "kdesc": dict(K_DESC=True)}[kind])
     q_lat, q_pe, kv = inputs(T, N, S, seed)
     full = mla_attention(q_lat, q_pe, kv, S, None, SCALE, C, config=base)
     cap = torch.cat([kv, torch.randn(300, C + R, device="cuda").bfloat16()])
     for i in (0, 17, 39):
         poison_allocator()
         one = mla_attention(q_lat[i:i + 1], q_pe[i:i + 1], kv[: S + i + 1], S + i, None, SCALE, C, config=cfg)
-        assert torch.equal(one[0], full[i]), f"decode row {i}, {rows} rows a program (seed {seed})"
+        assert torch.equal(one[0], full[i]), f"decode row {i}, {retile} (seed {seed})"
         buf = torch.cat([kv[: S + i + 1], cap[S + T:]])
         one_dev = mla_attention_device(q_lat[i:i + 1], q_pe[i:i + 1], buf, torch.tensor(S + i),
                                        torch.ones(1, 1, dtype=torch.bool, device="cuda"), SCALE, C, config=cfg)

@@ -99,6 +99,12 @@ CONFIGS = {
     "decrows": MLAConfig(CHUNK=32, BLOCK_M=32, BLOCK_N=16, L_BY_DOT=True, DECODE_BLOCK_M=16, DECODE_ROWS=4,
                          num_stages=1),
     "rows1": MLAConfig(CHUNK=32, BLOCK_M=16, BLOCK_N=16, DECODE_ROWS=1, num_stages=1),
+    # key tiles of packed launches by tensor descriptors (the gather launch keeps pointers)
+    "desc": MLAConfig(CHUNK=32, BLOCK_M=16, BLOCK_N=16, K_DESC=True, num_stages=1),
+    "decw": MLAConfig(CHUNK=32, BLOCK_M=32, BLOCK_N=16, L_BY_DOT=True, DECODE_BLOCK_M=16, DECODE_WARPS=2,
+                      num_stages=1),
+    "descbm": MLAConfig(CHUNK=64, BLOCK_M=32, BLOCK_N=32, L_BY_DOT=True, DECODE_BLOCK_M=16, K_DESC=True,
+                        num_stages=1),
 }
 
 # name: (kind, N, S, T, mask, config, variant)
@@ -136,6 +142,13 @@ CASES["inv_N20_S45_T5_tree_decbm"] = ("inv", 20, 45, 5, "tree", "decbm", "")  # 
 CASES["inv_N6_S45_T5_tree_decrows"] = ("inv", 6, 45, 5, "tree", "decrows", "")  # alone: 4 rows a program
 CASES["inv_N3_S40_T4_causal_rows1"] = ("inv", 3, 40, 4, "causal", "rows1", "")  # alone: 1 row a program
 CASES["N6_S45_T1_causal_decrows"] = ("ref", 6, 45, 1, "causal", "decrows", "")
+CASES["N3_S37_T1_causal_desc"] = ("ref", 3, 37, 1, "causal", "desc", "")
+CASES["N3_S45_T9_causal_desc"] = ("ref", 3, 45, 9, "causal", "desc", "")
+CASES["N3_S70_T5_tree_desc_bf16"] = ("ref", 3, 70, 5, "tree", "desc", "bf16")
+CASES["N4_S37_T5_tree_desc_noncontig"] = ("ref", 4, 37, 5, "tree", "desc", "noncontig")
+CASES["inv_N4_S70_T9_tree_desc"] = ("inv", 4, 70, 9, "tree", "desc", "")
+CASES["inv_N5_S61_T7_causal_descbm"] = ("inv", 5, 61, 7, "causal", "descbm", "")
+CASES["inv_N6_S45_T5_tree_decw"] = ("inv", 6, 45, 5, "tree", "decw", "")
 
 # device-side length: the whole buffer (junk past S + T) and start as a tensor == the host-length launch
 CASES["dev_N3_S37_T5_tree_c32"] = ("dev", 3, 37, 5, "tree", "c32", "")
@@ -146,6 +159,8 @@ CASES["dev_N4_S100_T9_tree_vsplit"] = ("dev", 4, 100, 9, "tree", "vsplit", "")
 CASES["dev_N3_S64_T5_tree_kom"] = ("dev", 3, 64, 5, "tree", "kom", "")
 CASES["dev_N3_S20_T3_tree_kombyt"] = ("dev", 3, 20, 3, "tree", "kombyt", "")
 CASES["dev_N6_S50_T1_causal_decrows"] = ("dev", 6, 50, 1, "causal", "decrows", "")
+CASES["dev_N3_S64_T5_tree_desc"] = ("dev", 3, 64, 5, "tree", "desc", "")
+CASES["dev_N4_S90_T1_causal_descbm"] = ("dev", 4, 90, 1, "causal", "descbm", "")
 
 # merge tiles are bit-neutral (merge_tiles): per row, random chunk partials; trees of 8..64 chunks and
 # 8..32 columns give the same bits for rows whose chunks fit the smaller tree, and the column tile never
@@ -351,3 +366,13 @@ def test_decode_rows_is_a_decode_retiling():
     for bad in (3, 32, -2):
         with pytest.raises(ValueError, match="DECODE_ROWS"):
             MLAConfig(BLOCK_M=32, L_BY_DOT=True, DECODE_BLOCK_M=16, DECODE_ROWS=bad)
+
+
+def test_decode_warps_is_a_decode_retiling():
+    """DECODE_WARPS sets num_warps of T = 1 launches only, and only where the warps' split cannot touch a
+    row's arithmetic (row sums by the MMA, mma.sync tiles); anything else is refused, field named."""
+    cfg = MLAConfig(BLOCK_M=32, L_BY_DOT=True, DECODE_BLOCK_M=16, DECODE_STAGES=3, DECODE_WARPS=8)
+    assert (cfg.for_launch(1).num_warps, cfg.for_launch(1).BLOCK_M, cfg.for_launch(5).num_warps) == (8, 16, 4)
+    for bad in (dict(L_BY_DOT=False), dict(KEYS_ON_M=True), dict(BLOCK_M=64, DECODE_BLOCK_M=0), dict(DECODE_WARPS=3)):
+        with pytest.raises(ValueError, match="DECODE_WARPS"):
+            MLAConfig(**{**dict(BLOCK_M=32, L_BY_DOT=True, DECODE_WARPS=8), **bad})
