@@ -148,22 +148,26 @@ class MLAConfig:
     DECODE_STAGES: int = 0
     # decode launches (T = 1): this num_warps instead (0: the config's). With L_BY_DOT on mma.sync tiles a
     # row's arithmetic does not depend on the warps' split (each score's 576-long and each output's key
-    # reduction stays inside one warp's MMA chain; the row sums are an MMA), so this only re-tiles
+    # reduction stays inside one warp's MMA chain; the row sums are an MMA), so this only re-tiles.
+    # Measured at N = 8: 8 warps 26.8 us against 24.2 at 32K, 2 warps 34.5; off in the defaults
     DECODE_WARPS: int = 0
     # decode launches (T = 1): (query, head) rows per program, the rest of the tile masked (0: the whole
     # tile). A row's arithmetic does not depend on the other rows of its tile (row-wise MMA outputs and
     # softmax), so this only re-tiles: more programs on the same chunks, whose repeated key reads hit
     # L2 (N = 8 heads at 32K: 65 programs of 16-row tiles for 132 SMs). Measured slower, so off in the
-    # defaults: 4 rows 33.2 us against 28.9 at 32K, 113 against 61 at 128K; only 4K with 1 row a
-    # program gains (25.0 against 26.0 us) (bench/results/mla_attention-rows-sweep-h200.md). A decode
-    # program is bound by its own instruction stream, not by the SMs it leaves idle.
+    # defaults: 4 rows 33.2 us against 28.9 at 32K, 113 against 61 at 128K (before the unmasked key
+    # loads); 1 row 69 against 24 us at 32K, 20.1 against 21.5 at 4K (after;
+    # bench/results/mla_attention-rows-sweep-h200.md). A decode program is bound by its own
+    # instruction stream, not by the SMs it leaves idle.
     DECODE_ROWS: int = 0
     # key tiles of packed launches (decode, causal blocks, a tree's whole prefix chunks) copied by TMA
     # through two tensor descriptors (latent [rows, C], rope [rows, R]) instead of a pointer per 16 bytes:
     # the copy issues no per-element address or predicate arithmetic (about half of the K loop's
     # instructions on sm_90). Same values into the same MMAs, so a load method, not arithmetic: the
     # gather (tree tail) launch keeps pointers and its rows stay bit-equal. Rows past the tensor read as
-    # zeros; keys past a block's end are real keys of the launch, weighted exactly 0.
+    # zeros; keys past a block's end are real keys of the launch, weighted exactly 0. Measured 2x slower
+    # on triton 3.6 (43.7 against 24.2 us, N = 8 decode at 32K): the transposed key operand of q K^T is
+    # read from the TMA tile's shared layout into registers and spills (784 B a thread); off
     K_DESC: bool = False
 
     def __post_init__(self) -> None:
