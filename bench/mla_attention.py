@@ -107,16 +107,19 @@ CHUNK_SHAPES = [(8, 4096, 1), (8, 32768, 1), (8, 131072, 1), (8, 32768, 16), (8,
                 (8, 131072, 64)]
 # Re-tilings of the defaults (they leave a row's arithmetic as it is): decode rows per program
 # (DECODE_ROWS: the rest of the 16-row tile masked; at N = 8 a 32K decode is 65 programs for 132 SMs),
-# decode warps (DECODE_WARPS: 2 warps per scheduler instead of 1), and the packed launches' key tiles by
-# TMA (K_DESC). `--sweep-rows` times them at N = 8 (and the warps at N = 64).
+# decode warps (DECODE_WARPS: 2 warps per scheduler instead of 1), the packed launches' key tiles by
+# TMA (K_DESC), the rescale skipped where no row's max moved (LAZY_RESCALE). `--sweep-rows` times the
+# ones not measured yet.
 _D8, _D64 = default_config(8), default_config(64)
 ROWS_FOR_N: dict[int, list[MLAConfig]] = {
-    8: [_D8, replace(_D8, DECODE_WARPS=8), replace(_D8, DECODE_WARPS=2), replace(_D8, K_DESC=True),
-        replace(_D8, DECODE_ROWS=1)],
-    64: [_D64, replace(_D64, DECODE_WARPS=8)]}
+    8: [_D8, replace(_D8, LAZY_RESCALE="decode"), replace(_D8, LAZY_RESCALE="all")],
+    64: [_D64, replace(_D64, LAZY_RESCALE="all")]}
+# measured before (bench/results/mla_attention-rows-sweep-h200.md, part kload): replace(_D8, DECODE_WARPS=8),
+# replace(_D8, DECODE_WARPS=2), replace(_D8, K_DESC=True), replace(_D8, DECODE_ROWS=1),
+# replace(_D64, DECODE_WARPS=8): all slower than the default
 ROWS_SWEEP: list[MLAConfig] = [c for cs in ROWS_FOR_N.values() for c in cs]
-ROWS_SHAPES = [(8, 4096, 1), (8, 32768, 1), (8, 131072, 1), (8, 32768, 16), (8, 131072, 16), (64, 32768, 1),
-               (64, 131072, 1)]
+ROWS_SHAPES = [(8, 4096, 1), (8, 32768, 1), (8, 131072, 1), (8, 32768, 16), (8, 131072, 16), (8, 32768, 64),
+               (64, 32768, 1), (64, 131072, 1), (64, 32768, 16)]
 SWEEP_SHAPES = [(8, 32768, 1), (8, 131072, 1), (8, 32768, 16), (8, 131072, 16), (8, 32768, 64),
                 (8, 131072, 64), (64, 32768, 1), (64, 131072, 1), (64, 32768, 16), (64, 131072, 16),
                 (64, 32768, 64), (64, 131072, 64)]

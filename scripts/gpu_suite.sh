@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU tests and benchmarks, logs and results packed under $OUT; one device call runs one part.
-#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|next|chain|sample|rounds|decode|step|verify|resume|ncu|plane|merge|merge2|merge3|sample2|fork|last|plane2|rows|kload]   (on the GPU machine, from the repository root)
+#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|next|chain|sample|rounds|decode|step|verify|resume|ncu|plane|merge|merge2|merge3|sample2|fork|last|plane2|rows|kload|lazy]   (on the GPU machine, from the repository root)
 #   tune   the W4A16 config sweep, the bitwise and CUDA-graph GPU tests, the demo's spec benchmark
 #   check  the remaining GPU tests (kernels, batch invariance, target, attention), kernel and round benches
 #   bench  the benchmarks with long runs (K2 step, attention, GEMM)
@@ -35,6 +35,7 @@
 #   rows   decode rows per program (MLAConfig.DECODE_ROWS): sweep, bit-equality tests, the demo's spec == plain
 #   kload  the attention's key loads without masks, 32-bit offsets: bench, re-tiling sweep (decode warps,
 #          TMA key tiles, rows per program), bit-equality tests, the demo's spec == plain
+#   lazy   the rescale skipped where no row's max moved: sweep, bit-equality tests; the K2 layer step
 #   plane2 the same with the weights as the MMA's B operand (mma.sync, tokens on M), and its Nsight Compute
 #   merge  the attention merge by pairwise trees: attention GPU tests, attention bench, chunk-length sweep,
 #          Nsight Compute of the 128K decode
@@ -214,6 +215,11 @@ if [[ $PART == kload ]]; then
     -k "decode_rows or ((batch_invariant or bit_equal) and not kom and not qil and not candidate)"
   step pytest_spec_bitwise 120 $PYT tests/gpu/test_bitwise_gpu.py::test_greedy_spec_equals_plain_demo \
     tests/gpu/test_graph_round_gpu.py::test_device_length_attention_bitwise_gpu
+fi
+if [[ $PART == lazy ]]; then
+  step bench_mla_rows 170 python3 bench/mla_attention.py --sweep-only --sweep-rows --no-peers --budget-s 130 --out "$RES"
+  step pytest_mla_lazy 150 $PYT tests/gpu/test_mla_attention_gpu.py -k "decode_rows and (lazy or rows1 or kdesc)"
+  step bench_k2_step 230 python3 bench/k2_step.py --profile --out "$RES"
 fi
 if [[ $PART == plane2 ]]; then
   step bench_plane 300 python3 bench/w4_plane_probe.py --out "$RES"

@@ -169,6 +169,10 @@ class MLAConfig:
     # on triton 3.6 (43.7 against 24.2 us, N = 8 decode at 32K): the transposed key operand of q K^T is
     # read from the TMA tile's shared layout into registers and spills (784 B a thread); off
     K_DESC: bool = False
+    # skip the accumulator's online-softmax rescale (BLOCK_M x DV multiplies a key block) when no row's
+    # max moved in that block: alpha is then exactly 1 for every row and acc * 1 == acc, so no bit
+    # changes, only the instructions ("off", "decode": T = 1 launches, "all")
+    LAZY_RESCALE: str = "off"
 
     def __post_init__(self) -> None:
         if self.DECODE_BLOCK_M and not (self.L_BY_DOT and not self.KEYS_ON_M and self.BLOCK_M < 64
@@ -179,10 +183,16 @@ class MLAConfig:
                                       and (self.DECODE_BLOCK_M or self.BLOCK_M) < 64 and self.DECODE_WARPS in (2, 4, 8)):
             raise ValueError("MLAConfig.DECODE_WARPS needs L_BY_DOT, KEYS_ON_M off, tiles under 64 rows and 2, 4 "
                              f"or 8 warps; got {self}")
+        if self.LAZY_RESCALE not in ("off", "decode", "all"):
+            raise ValueError(f"MLAConfig.LAZY_RESCALE must be 'off', 'decode' or 'all'; got {self.LAZY_RESCALE!r}")
         tile = self.DECODE_BLOCK_M or self.BLOCK_M
         if self.DECODE_ROWS and (self.DECODE_ROWS & (self.DECODE_ROWS - 1) or self.DECODE_ROWS > tile):
             raise ValueError(f"MLAConfig.DECODE_ROWS must be a power of 2 <= the decode tile's {tile} rows; "
                              f"got {self.DECODE_ROWS}")
+
+    def lazy(self, T: int) -> bool:
+        """Whether a launch of T queries skips the rescale of blocks where no row's max moved."""
+        return self.LAZY_RESCALE == "all" or (self.LAZY_RESCALE == "decode" and T == 1)
 
     def rows(self, T: int) -> int:
         """(query, head) rows per program of a launch of T queries (of the for_launch(T) config)."""
@@ -226,6 +236,8 @@ class MLAConfig:
         for k in ("L_BY_DOT", "DECODE_BLOCK_M", "DECODE_STAGES", "DECODE_WARPS", "DECODE_ROWS", "K_DESC"):
             if getattr(self, k):
                 d[k] = getattr(self, k)
+        if self.LAZY_RESCALE != "off":
+            d["LAZY_RESCALE"] = self.LAZY_RESCALE
         return d
 
 
@@ -306,6 +318,7 @@ def _mla_chunk_kernel(
     UPCAST: tl.constexpr, PREC: tl.constexpr, S_DEV: tl.constexpr = False,
     KEYS_ON_M: tl.constexpr = False, Q_IN_LOOP: tl.constexpr = False, L_BY_DOT: tl.constexpr = False,
     ROWS: tl.constexpr = 0, klat_desc=None, kpe_desc=None, K_DESC: tl.constexpr = False,
+    LAZY: tl.constexpr = False,
 ):
     # grid: ((row tiles [packed] or T * head tiles [gather]) * V_SPLIT, chunks); the V_SPLIT programs of
     # one (tile, chunk) are adjacent so that they run together and their repeated key reads hit L2
@@ -456,7 +469,12 @@ def _mla_chunk_kernel(
                     l_i = l_i * alpha + tl.max(tl.dot(p_op, ones, input_precision=PREC), 1)
                 else:
                     l_i = l_i * alpha + tl.sum(pr, 1)
-                acc = tl.dot(p_op, v, acc * alpha[:, None], input_precision=PREC)
+                if LAZY:  # rescale only when some row's max moved (alpha == 1 exactly otherwise: same bits)
+                    if tl.min(alpha, 0) < 1.0:
+                        acc = acc * alpha[:, None]
+                    acc = tl.dot(p_op, v, acc, input_precision=PREC)
+                else:
+                    acc = tl.dot(p_op, v, acc * alpha[:, None], input_precision=PREC)
         m_i = m_new
 
     if KEYS_ON_M:
@@ -595,12 +613,12 @@ def tree_gather_index(tree_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 
 def _plan(C: int, R: int, N: int, T: int, dtype: torch.dtype, config: MLAConfig | None, n_keys: int
-          ) -> tuple[MLAConfig, int, int, int, int, int, bool, str]:
-    """Launch constants shared by both launches: (config, rows per program, CP, RP, V_SPLIT, DV, upcast,
-    input precision).
+          ) -> tuple[MLAConfig, int, bool, int, int, int, int, bool, str]:
+    """Launch constants shared by both launches: (config, rows per program, lazy rescale, CP, RP,
+    V_SPLIT, DV, upcast, input precision).
     n_keys: the keys the launch's grid covers (its chunks and row tiles size a decode launch's V_SPLIT)."""
     base = config or default_config(N)
-    cfg, rows = base.for_launch(T), base.rows(T)
+    cfg, rows, lazy = base.for_launch(T), base.rows(T), base.lazy(T)
     if cfg.CHUNK % cfg.BLOCK_N:
         raise ValueError(f"CHUNK {cfg.CHUNK} must be a multiple of BLOCK_N {cfg.BLOCK_N}")
     CP = triton.next_power_of_2(C)
@@ -613,7 +631,7 @@ def _plan(C: int, R: int, N: int, T: int, dtype: torch.dtype, config: MLAConfig 
     v_split = cfg.v_split(T, triton.cdiv(T * N, rows) * triton.cdiv(n_keys, cfg.CHUNK), CP)
     upcast = interpreting()  # fp32 operands and row-exact dots under the interpreter
     prec = "ieee" if (dtype == torch.float32 or upcast) else "tf32"
-    return cfg, rows, CP, RP, v_split, CP // v_split, upcast, prec
+    return cfg, rows, lazy, CP, RP, v_split, CP // v_split, upcast, prec
 
 
 _SIDE_STREAMS: dict[torch.device, "torch.cuda.Stream"] = {}
@@ -706,7 +724,7 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, sta
     out = torch.empty((T, N, C), device=q_lat.device, dtype=q_lat.dtype)
     if T == 0 or N == 0:
         return out
-    cfg, rows, CP, RP, VS, DV, upcast, prec = _plan(C, R, N, T, q_lat.dtype, config, S + T)
+    cfg, rows, lazy, CP, RP, VS, DV, upcast, prec = _plan(C, R, N, T, q_lat.dtype, config, S + T)
     qk_scale = float(scale) * LOG2E
     causal = tree_mask is None
     dev = kv.device
@@ -723,7 +741,7 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, sta
 
     common = dict(C=C, R=R, CP=CP, RP=RP, DV=DV, CHUNK=cfg.CHUNK, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
                   CAUSAL=causal, DIRECT=direct, UPCAST=upcast, PREC=prec,
-                  KEYS_ON_M=cfg.KEYS_ON_M, Q_IN_LOOP=cfg.Q_IN_LOOP, L_BY_DOT=cfg.L_BY_DOT, ROWS=rows,
+                  KEYS_ON_M=cfg.KEYS_ON_M, Q_IN_LOOP=cfg.Q_IN_LOOP, L_BY_DOT=cfg.L_BY_DOT, ROWS=rows, LAZY=lazy,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     args_tail = (q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), kv.stride(0), stride_idx,
                  spom, spoc, splm, out.stride(0), out.stride(1), qk_scale)
@@ -777,7 +795,7 @@ def mla_attention_device(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tens
     out = torch.empty((T, N, C), device=q_lat.device, dtype=q_lat.dtype)
     if T == 0 or N == 0:
         return out
-    cfg, rows, CP, RP, VS, DV, upcast, prec = _plan(C, R, N, T, q_lat.dtype, config, cap)
+    cfg, rows, lazy, CP, RP, VS, DV, upcast, prec = _plan(C, R, N, T, q_lat.dtype, config, cap)
     dev = kv.device
     s_dev = start.reshape(1).to(device=dev, dtype=torch.int32)
     idx, nvis = gather_index if gather_index is not None else tree_gather_index(tree_mask.to(dev))
@@ -786,7 +804,7 @@ def mla_attention_device(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tens
     po, pl, spom, spoc, splm = _partials(out, n_ch)
     common = dict(C=C, R=R, CP=CP, RP=RP, DV=DV, CHUNK=cfg.CHUNK, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
                   CAUSAL=False, DIRECT=direct, UPCAST=upcast, PREC=prec, S_DEV=True,
-                  KEYS_ON_M=cfg.KEYS_ON_M, Q_IN_LOOP=cfg.Q_IN_LOOP, L_BY_DOT=cfg.L_BY_DOT, ROWS=rows,
+                  KEYS_ON_M=cfg.KEYS_ON_M, Q_IN_LOOP=cfg.Q_IN_LOOP, L_BY_DOT=cfg.L_BY_DOT, ROWS=rows, LAZY=lazy,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     args_tail = (q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), kv.stride(0), idx.stride(0),
                  spom, spoc, splm, out.stride(0), out.stride(1), float(scale) * LOG2E)

@@ -189,20 +189,22 @@ def test_v_split_by_t_bit_equal_bf16(name, N):
         assert torch.equal(one[0], tree[i]), f"tree node {i} alone vs in the tree (seed {seed})"
 
 
-@pytest.mark.parametrize("retile", ["rows8", "rows4", "rows2", "rows1", "warps8", "warps2", "kdesc"])
+@pytest.mark.parametrize("retile", ["rows8", "rows4", "rows2", "rows1", "warps8", "warps2", "kdesc", "lazy"])
 @pytest.mark.parametrize("N", [8, 64])
 def test_decode_rows_bit_equal_bf16(N, retile):
-    """DECODE_ROWS / DECODE_WARPS / K_DESC only re-tile (or re-load): a decode row split over programs of
-    fewer rows, run by another warp count, or with its key tiles copied by TMA is the same bits as the
-    default config's decode and as its row in a causal block, host- and device-length."""
+    """DECODE_ROWS / DECODE_WARPS / K_DESC / LAZY_RESCALE leave a row's bits: a decode row split over
+    programs of fewer rows, run by another warp count, with its key tiles copied by TMA or with the
+    rescales of unmoved maxima skipped is the same bits as the default config's decode and as its row in
+    a causal block (default config), host- and device-length."""
     S, T = 32768 + 5, 40
     seed = int(torch.randint(1 << 30, (1,)))
     base = default_config(N)
     kind, n = retile.rstrip("0123456789"), int("".join(ch for ch in retile if ch.isdigit()) or 0)
     cfg = replace(base, **{"rows": dict(DECODE_ROWS=n), "warps": dict(DECODE_WARPS=n),
-                           "kdesc": dict(K_DESC=True)}[kind])
+                           "kdesc": dict(K_DESC=True), "lazy": dict(LAZY_RESCALE="all")}[kind])
     q_lat, q_pe, kv = inputs(T, N, S, seed)
     full = mla_attention(q_lat, q_pe, kv, S, None, SCALE, C, config=base)
+    assert torch.equal(mla_attention(q_lat, q_pe, kv, S, None, SCALE, C, config=cfg), full), f"block (seed {seed})"
     cap = torch.cat([kv, torch.randn(300, C + R, device="cuda").bfloat16()])
     for i in (0, 17, 39):
         poison_allocator()

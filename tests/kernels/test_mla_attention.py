@@ -327,7 +327,7 @@ def test_decode_block_m_is_a_decode_retiling():
     assert _plan(512, 64, 8, 1, torch.float32, cfg, 8 * 512)[0].BLOCK_M == 16
     assert _plan(512, 64, 8, 2, torch.float32, cfg, 8 * 512)[0].BLOCK_M == 32
     # the decode rule counts the re-tiled launch's programs: N = 64 -> 4 row tiles x 2 chunks x 8 slices
-    assert _plan(512, 64, 64, 1, torch.float32, cfg, 2 * 512)[4] == 8
+    assert _plan(512, 64, 64, 1, torch.float32, cfg, 2 * 512)[5] == 8
     for bad in (dict(L_BY_DOT=False), dict(KEYS_ON_M=True), dict(BLOCK_M=64), dict(DECODE_BLOCK_M=64)):
         with pytest.raises(ValueError, match="DECODE_BLOCK_M"):
             MLAConfig(**{**dict(BLOCK_M=32, L_BY_DOT=True, DECODE_BLOCK_M=16), **bad})
@@ -340,12 +340,12 @@ def test_decode_rule_keeps_slices_of_64_columns():
     from kdtree_engine.kernels.mla_attention import _plan
 
     cfg = MLAConfig(DECODE_MIN_PROGRAMS=128)
-    assert _plan(64, 32, 4, 1, torch.float32, cfg, 2 * 512)[4] == 1
-    assert _plan(256, 64, 8, 1, torch.float32, cfg, 2 * 512)[4] == 4
-    assert _plan(512, 64, 8, 1, torch.float32, cfg, 8 * 512)[4] == 8
-    assert _plan(512, 64, 8, 16, torch.float32, cfg, 8 * 512)[4] == 1
+    assert _plan(64, 32, 4, 1, torch.float32, cfg, 2 * 512)[5] == 1
+    assert _plan(256, 64, 8, 1, torch.float32, cfg, 2 * 512)[5] == 4
+    assert _plan(512, 64, 8, 1, torch.float32, cfg, 8 * 512)[5] == 8
+    assert _plan(512, 64, 8, 16, torch.float32, cfg, 8 * 512)[5] == 1
     assert _plan(64, 32, 4, 1, torch.float32, MLAConfig(DECODE_MIN_PROGRAMS=128, V_SPLIT_BY_T=((1, 2),)),
-                 2 * 512)[4] == 2
+                 2 * 512)[5] == 2
 
 
 def test_decode_rows_is_a_decode_retiling():
@@ -358,11 +358,15 @@ def test_decode_rows_is_a_decode_retiling():
     assert (cfg.rows(1), cfg.rows(2), cfg.rows(64)) == (4, 32, 32)
     assert MLAConfig(BLOCK_M=16).rows(1) == 16
     assert _plan(512, 64, 8, 1, torch.float32, cfg, 8 * 512)[:2] == (cfg.for_launch(1), 4)
+    assert [MLAConfig(LAZY_RESCALE=m).lazy(t) for m in ('off', 'decode', 'all') for t in (1, 9)] == [
+        False, False, True, False, True, True]
+    with pytest.raises(ValueError, match='LAZY_RESCALE'):
+        MLAConfig(LAZY_RESCALE='yes')
     # 8 heads in 4-row programs: 2 x 8 chunks = 16 programs -> V_SPLIT 8 to reach 128
     assert _plan(512, 64, 8, 1, torch.float32, MLAConfig(DECODE_ROWS=4, DECODE_MIN_PROGRAMS=128),
-                 8 * 512)[4] == 8
+                 8 * 512)[5] == 8
     assert _plan(512, 64, 8, 1, torch.float32, MLAConfig(DECODE_ROWS=1, DECODE_MIN_PROGRAMS=128),
-                 16 * 512)[4] == 1
+                 16 * 512)[5] == 1
     for bad in (3, 32, -2):
         with pytest.raises(ValueError, match="DECODE_ROWS"):
             MLAConfig(BLOCK_M=32, L_BY_DOT=True, DECODE_BLOCK_M=16, DECODE_ROWS=bad)
