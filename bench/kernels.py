@@ -234,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sweep-budget", type=float, default=SWEEP_BUDGET_S,
                     help=f"seconds after which remaining sweep candidates are skipped (default {SWEEP_BUDGET_S:.0f})")
     ap.add_argument("--reps", type=int, default=15, help="timed graph replays per measurement")
+    ap.add_argument("--sweep-moe-only", action="store_true", help="sweep the MoE candidates only (no dense)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench kernels needs a CUDA GPU", file=sys.stderr)
@@ -259,7 +260,8 @@ def main(argv: list[str] | None = None) -> int:
         # dense gets 40% of the budget, the MoE the rest (it compiles two kernels per candidate)
         ctx = w4_sweep.Ctx(copy_bw=copy_bw, reps=max(5, args.reps // 2), time_calls=time_calls, log=log, group=G)
         t0 = time.time()
-        payload["sweep"] = w4_sweep.sweep_dense(ctx, l2_bytes(), t0 + 0.4 * args.sweep_budget)
+        payload["sweep"] = ([] if args.sweep_moe_only else
+                            w4_sweep.sweep_dense(ctx, l2_bytes(), t0 + 0.4 * args.sweep_budget))
         payload["sweep"] += w4_sweep.sweep_moe(ctx, layer, route, t0 + args.sweep_budget)
     payload["elapsed_s"] = clock()
     stem = f"kernels-{gpu_stem(info['gpu']) + ('-sweep' if args.sweep_only else '')}"

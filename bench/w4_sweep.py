@@ -55,17 +55,16 @@ def _m(**kw) -> MoEConfig:
 
 
 MOE_CANDIDATES: list[tuple[str, MoEConfig]] = [
-    ("dot_x2_n64_k256_w4_s4", _m(**X2)),                                     # the current default
-    # gate/up split over H (fp32 partials + a SwiGLU pass): twice the programs at small T
-    ("dot_x2_n64_k256_w4_s4_split2", _m(**X2, SPLIT_K=2)),
+    # the current default (gate/up split in two over H, 3 stages): 198 / 158 registers on sm_90 (triton
+    # 3.6, bench/w4_aot.py), so 2 / 3 programs of 4 warps per SM; capped registers give 3 / 4
     ("dot_x2_n64_k256_w4_s3_split2", _m(**X2, num_stages=3, SPLIT_K=2)),
-    ("dot_x2_n64_k256_w4_s4_split4", _m(**X2, SPLIT_K=4)),
-    ("dot_x2_n64_k256_w8_s4_split2", _m(**X2, num_warps=8, SPLIT_K=2)),
-    ("dot_x2_n32_k256_w4_s4_split2", _m(**X2, BLOCK_N=32, SPLIT_K=2)),
-    ("dot_x2_n32_k256_w4_s4", _m(**X2, BLOCK_N=32)),
-    ("dot_x2_n64_k128_w4_s4_split2", _m(**X2, BLOCK_K=128, SPLIT_K=2)),
-    ("dot_x2_n64_n2_32_k256_w4_s4_split2", _m(**X2, BLOCK_N2=32, SPLIT_K=2)),
+    ("dot_x2_n64_k256_w4_s3_split2_r168", _m(**X2, num_stages=3, SPLIT_K=2, MAXNREG13=168)),
+    ("dot_x2_n64_k256_w4_s3_split2_r168_128", _m(**X2, num_stages=3, SPLIT_K=2, MAXNREG13=168, MAXNREG2=128)),
+    ("dot_x2_n64_k256_w4_s3_split2_r128_128", _m(**X2, num_stages=3, SPLIT_K=2, MAXNREG13=128, MAXNREG2=128)),
+    ("dot_x2_n64_k256_w4_s2_split2_r128_128", _m(**X2, num_stages=2, SPLIT_K=2, MAXNREG13=128, MAXNREG2=128)),
 ]
+# measured in bench/results/kernels-h200-sweep-splitk.md: split 4, 8 warps, 32-row tiles, BLOCK_K 128,
+# BLOCK_N 32, BLOCK_N2 32 (all slower than the default)
 
 
 def fma_block_m(M: int) -> int:

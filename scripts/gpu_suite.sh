@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU tests and benchmarks, logs and results packed under $OUT; one device call runs one part.
-#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|next|chain|sample|rounds|decode|step|verify|resume|ncu|plane|merge|merge2|merge3|sample2|fork|last|plane2|rows|kload|lazy|rounds2]   (on the GPU machine, from the repository root)
+#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|next|chain|sample|rounds|decode|step|verify|resume|ncu|plane|merge|merge2|merge3|sample2|fork|last|plane2|rows|kload|lazy|rounds2|maxnreg]   (on the GPU machine, from the repository root)
 #   tune   the W4A16 config sweep, the bitwise and CUDA-graph GPU tests, the demo's spec benchmark
 #   check  the remaining GPU tests (kernels, batch invariance, target, attention), kernel and round benches
 #   bench  the benchmarks with long runs (K2 step, attention, GEMM)
@@ -37,6 +37,7 @@
 #          TMA key tiles, rows per program), bit-equality tests, the demo's spec == plain
 #   lazy   the rescale skipped where no row's max moved: sweep, bit-equality tests; the K2 layer step
 #   rounds2 the round benchmark (eager vs graph, defaults) and the demo's logits-alone bitwise test (long compile)
+#   maxnreg MoE register caps (MoEConfig.MAXNREG13 / MAXNREG2): sweep and same-bits GPU tests
 #   plane2 the same with the weights as the MMA's B operand (mma.sync, tokens on M), and its Nsight Compute
 #   merge  the attention merge by pairwise trees: attention GPU tests, attention bench, chunk-length sweep,
 #          Nsight Compute of the 128K decode
@@ -225,6 +226,10 @@ fi
 if [[ $PART == rounds2 ]]; then
   step bench_round 150 python3 bench/round.py --out "$RES"
   step pytest_demo_logits 380 $PYT tests/gpu/test_bitwise_gpu.py::test_demo_logits_alone_equal_rows_in_verify_blocks
+fi
+if [[ $PART == maxnreg ]]; then
+  step bench_kernels_sweep 200 python3 bench/kernels.py --sweep-only --sweep-moe-only --sweep-budget 170 --out "$RES"
+  step pytest_moe_caps 150 $PYT tests/gpu/test_kernels_gpu.py -k "register_caps or moe_batch_invariant"
 fi
 if [[ $PART == plane2 ]]; then
   step bench_plane 300 python3 bench/w4_plane_probe.py --out "$RES"

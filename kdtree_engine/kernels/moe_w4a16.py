@@ -58,6 +58,10 @@ class MoEConfig:
     BLOCK_N2: int | None = None  # down GEMM BLOCK_N (default: BLOCK_N)
     DEQUANT: str = "float"  # "float" or "bf16x2" (PTX, bf16 activations only), see w4_dequant.py
     SPLIT_K: int = 1     # gate/up GEMM split over H: fp32 partials, then a SwiGLU pass sums them in order
+    # register caps of the gate/up and down kernels (0: the compiler's choice): fewer registers, more
+    # programs per SM; the code and its arithmetic are the same (not part of the reduction key)
+    MAXNREG13: int = 0
+    MAXNREG2: int = 0
 
     def __post_init__(self) -> None:
         if self.DEQUANT not in DEQUANTS:
@@ -66,6 +70,10 @@ class MoEConfig:
             raise ValueError(f"MoEConfig.BLOCK_M must be >= 16 (tl.dot minimum), got {self.BLOCK_M}")
         if self.SPLIT_K < 1:
             raise ValueError(f"MoEConfig.SPLIT_K must be >= 1, got {self.SPLIT_K}")
+        for name in ("MAXNREG13", "MAXNREG2"):
+            v = getattr(self, name)
+            if v and not (24 <= v <= 255 and v % 8 == 0):
+                raise ValueError(f"MoEConfig.{name} must be 0 or a multiple of 8 in [24, 255], got {v}")
 
     def reduction_key(self) -> tuple:
         """The fields that fix how one output element is summed (must be equal across T buckets)."""
@@ -74,7 +82,8 @@ class MoEConfig:
     def as_dict(self) -> dict:
         return dict(DEQUANT=self.DEQUANT, BLOCK_M=self.BLOCK_M, BLOCK_N=self.BLOCK_N, BLOCK_K=self.BLOCK_K,
                     SWAP_AB=self.SWAP_AB, num_warps=self.num_warps, num_stages=self.num_stages,
-                    BLOCK_N2=self.BLOCK_N2, SPLIT_K=self.SPLIT_K)
+                    BLOCK_N2=self.BLOCK_N2, SPLIT_K=self.SPLIT_K, MAXNREG13=self.MAXNREG13,
+                    MAXNREG2=self.MAXNREG2)
 
 
 # (max T * top_k, config); first match wins. BLOCK_K and SWAP_AB are shared (batch invariance).
@@ -383,7 +392,7 @@ def fused_moe_w4a16(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.
         UPCAST=upcast, PREC=prec, DEQ=deq, EVEN=H % block_k == 0 and I % cfg.BLOCK_N == 0,
         part_ptr=part, stride_ps=0 if part is None else part.stride(0),
         stride_pp=0 if part is None else part.stride(1), k_per_split=k_per_split, SPLIT=split,
-        num_warps=cfg.num_warps, num_stages=stages)
+        num_warps=cfg.num_warps, num_stages=stages, maxnreg=cfg.MAXNREG13 or None)
     if part is not None:
         block = min(1024, triton.next_power_of_2(I))
         _moe_swiglu_kernel[(P, triton.cdiv(I, block))](
@@ -395,7 +404,7 @@ def fused_moe_w4a16(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.
         y.stride(0),
         G=group_size, BLOCK_M=cfg.BLOCK_M, BLOCK_N=bn2, BLOCK_K=block_k, SWAP_AB=cfg.SWAP_AB,
         UPCAST=upcast, PREC=prec, DEQ=deq, EVEN=I % block_k == 0 and H % bn2 == 0,
-        num_warps=cfg.num_warps, num_stages=stages)
+        num_warps=cfg.num_warps, num_stages=stages, maxnreg=cfg.MAXNREG2 or None)
     BLOCK_H = 1024
     _moe_topk_sum_kernel[(T, triton.cdiv(H, BLOCK_H))](
         y, ids, out, H, E, y.stride(0), out.stride(0), TOPK=topk, BLOCK_H=BLOCK_H, num_warps=4)

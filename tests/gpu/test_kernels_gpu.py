@@ -228,6 +228,18 @@ def test_moe_batch_invariant(k2_experts, over):
     assert not bad, f"MoE rows differ from the T=64 launch (T, #elements): {bad}"
 
 
+@pytest.mark.parametrize("caps", [dict(MAXNREG13=168), dict(MAXNREG13=168, MAXNREG2=128),
+                                  dict(MAXNREG13=128, MAXNREG2=128)])
+def test_moe_register_caps_same_bits(k2_experts, poisoned, caps):
+    """A register cap only changes the allocation: the same bits as the uncapped default, T = 1 / 16."""
+    for T in (1, 16):
+        x = torch.randn(T, H, device=DEV).to(torch.bfloat16)
+        ids, tw = route(T)
+        base = fused_moe_w4a16(x, *k2_experts, ids, tw, G, config=moe_config(T * TOPK))
+        capped = fused_moe_w4a16(x, *k2_experts, ids, tw, G, config=replace(moe_config(T * TOPK), **caps))
+        assert torch.equal(capped, base), f"T={T} {caps}"
+
+
 def test_moe_unowned_experts_contribute_nothing(k2_experts, poisoned):
     T = 8
     x = torch.randn(T, H, device=DEV).to(torch.bfloat16)
