@@ -59,7 +59,8 @@ class MoEConfig:
     DEQUANT: str = "float"  # "float" or "bf16x2" (PTX, bf16 activations only), see w4_dequant.py
     SPLIT_K: int = 1     # gate/up GEMM split over H: fp32 partials, then a SwiGLU pass sums them in order
     # register caps of the gate/up and down kernels (0: the compiler's choice): fewer registers, more
-    # programs per SM; the code and its arithmetic are the same (not part of the reduction key)
+    # programs per SM; the code and its arithmetic are the same (not part of the reduction key). Measured
+    # slower on the H200 (168 on gate/up: 152 against 133 us at T = 1; bench/results/kernels-h200-sweep-maxnreg.md)
     MAXNREG13: int = 0
     MAXNREG2: int = 0
 
