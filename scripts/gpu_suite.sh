@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU tests and benchmarks, logs and results packed under $OUT; one device call runs one part.
-#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|next|chain|sample|rounds|decode|step|verify|resume|ncu|plane|merge|merge2|merge3|sample2|fork|last|plane2|rows|kload|lazy|rounds2|maxnreg]   (on the GPU machine, from the repository root)
+#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|next|chain|sample|rounds|decode|step|verify|resume|ncu|plane|merge|merge2|merge3|sample2|fork|last|plane2|rows|kload|lazy|rounds2|maxnreg|qsplit]   (on the GPU machine, from the repository root)
 #   tune   the W4A16 config sweep, the bitwise and CUDA-graph GPU tests, the demo's spec benchmark
 #   check  the remaining GPU tests (kernels, batch invariance, target, attention), kernel and round benches
 #   bench  the benchmarks with long runs (K2 step, attention, GEMM)
@@ -38,6 +38,8 @@
 #   lazy   the rescale skipped where no row's max moved: sweep, bit-equality tests; the K2 layer step
 #   rounds2 the round benchmark (eager vs graph, defaults) and the demo's logits-alone bitwise test (long compile)
 #   maxnreg MoE register caps (MoEConfig.MAXNREG13 / MAXNREG2): sweep and same-bits GPU tests
+#   qsplit the latent scores in two MMA chains (MLAConfig.QK_SPLIT 2, the default): bench, sweep against
+#          one chain, attention bit-equality / reference tests, the demo's spec == plain, target tests
 #   plane2 the same with the weights as the MMA's B operand (mma.sync, tokens on M), and its Nsight Compute
 #   merge  the attention merge by pairwise trees: attention GPU tests, attention bench, chunk-length sweep,
 #          Nsight Compute of the 128K decode
@@ -230,6 +232,15 @@ fi
 if [[ $PART == maxnreg ]]; then
   step bench_kernels_sweep 200 python3 bench/kernels.py --sweep-only --sweep-moe-only --sweep-budget 170 --out "$RES"
   step pytest_moe_caps 150 $PYT tests/gpu/test_kernels_gpu.py -k "register_caps or moe_batch_invariant"
+fi
+if [[ $PART == qsplit ]]; then
+  step bench_mla 50 python3 bench/mla_attention.py --no-peers --out "$RES"
+  step bench_mla_rows 80 python3 bench/mla_attention.py --sweep-only --sweep-rows --no-peers --budget-s 50 --out "$RES"
+  step pytest_mla_qs 130 $PYT tests/gpu/test_mla_attention_gpu.py \
+    -k "(decode_rows and (rows1 or warps8)) or ((batch_invariant or bit_equal or vs_reference) and not kom and not qil and not candidate)"
+  step pytest_spec_bitwise 100 $PYT tests/gpu/test_bitwise_gpu.py::test_greedy_spec_equals_plain_demo \
+    tests/gpu/test_graph_round_gpu.py::test_device_length_attention_bitwise_gpu
+  step pytest_target 60 $PYT tests/gpu/test_target_gpu.py
 fi
 if [[ $PART == plane2 ]]; then
   step bench_plane 300 python3 bench/w4_plane_probe.py --out "$RES"

@@ -174,6 +174,11 @@ class MLAConfig:
     # changes, only the instructions ("off", "decode": T = 1 launches, "all"). Measured slower (N = 8
     # decode 27.9 against 24.1 us at 32K; verify 2x: the branch breaks the MMA pipeline); off
     LAZY_RESCALE: str = "off"
+    # the latent part of q K^T as QK_SPLIT (1 or 2) independent MMA chains over column halves, summed
+    # after (s = (lo + rope) + hi): a 512-long chain is 32 dependent MMAs, latency-bound at one warp per
+    # scheduler (the decode tile). Sets a row's arithmetic (fixed per N, like CHUNK); with 2 the P @ V
+    # runs in two column halves too (V_SPLIT 1), each output column reduced as before
+    QK_SPLIT: int = 1
 
     def __post_init__(self) -> None:
         if self.DECODE_BLOCK_M and not (self.L_BY_DOT and not self.KEYS_ON_M and self.BLOCK_M < 64
@@ -184,6 +189,8 @@ class MLAConfig:
                                       and (self.DECODE_BLOCK_M or self.BLOCK_M) < 64 and self.DECODE_WARPS in (2, 4, 8)):
             raise ValueError("MLAConfig.DECODE_WARPS needs L_BY_DOT, KEYS_ON_M off, tiles under 64 rows and 2, 4 "
                              f"or 8 warps; got {self}")
+        if self.QK_SPLIT not in (1, 2) or (self.QK_SPLIT == 2 and (self.KEYS_ON_M or self.K_DESC)):
+            raise ValueError(f"MLAConfig.QK_SPLIT must be 1 or 2 (2 without KEYS_ON_M or K_DESC); got {self}")
         if self.LAZY_RESCALE not in ("off", "decode", "all"):
             raise ValueError(f"MLAConfig.LAZY_RESCALE must be 'off', 'decode' or 'all'; got {self.LAZY_RESCALE!r}")
         tile = self.DECODE_BLOCK_M or self.BLOCK_M
@@ -239,6 +246,8 @@ class MLAConfig:
                 d[k] = getattr(self, k)
         if self.LAZY_RESCALE != "off":
             d["LAZY_RESCALE"] = self.LAZY_RESCALE
+        if self.QK_SPLIT != 1:
+            d["QK_SPLIT"] = self.QK_SPLIT
         return d
 
 
@@ -265,12 +274,14 @@ class MLAConfig:
 # 16-row tile runs out of shared memory (233 KB), and 2 stages with slices gave 25.8 / 39.9 / 78.8 us.
 # N = 64: 16-row decode tiles are slower from 128K (181-215 vs 153 us), so only L_BY_DOT (60 -> 51 us
 # at 32K, 153 -> 144 us at 128K) and the decode V_SPLIT rule.
+# QK_SPLIT 2 in both (the latent scores in two MMA chains): see MLAConfig.QK_SPLIT.
 DEFAULT_CONFIGS: list[tuple[int, MLAConfig]] = [
     (16, MLAConfig(CHUNK=512, BLOCK_M=32, BLOCK_N=64, V_SPLIT=1, num_warps=4, num_stages=2, KEYS_ON_M=False,
                    Q_IN_LOOP=False, V_SPLIT_BY_T=(), DECODE_MIN_PROGRAMS=0, L_BY_DOT=True,
-                   DECODE_BLOCK_M=16, DECODE_STAGES=3)),  # N <= 16 (TP8: 8 heads/rank)
+                   DECODE_BLOCK_M=16, DECODE_STAGES=3, QK_SPLIT=2)),  # N <= 16 (TP8: 8 heads/rank)
     (1 << 30, MLAConfig(CHUNK=512, BLOCK_M=32, BLOCK_N=64, V_SPLIT=1, num_warps=4, num_stages=2,
-                        KEYS_ON_M=False, Q_IN_LOOP=False, V_SPLIT_BY_T=(), DECODE_MIN_PROGRAMS=128, L_BY_DOT=True)),
+                        KEYS_ON_M=False, Q_IN_LOOP=False, V_SPLIT_BY_T=(), DECODE_MIN_PROGRAMS=128, L_BY_DOT=True,
+                        QK_SPLIT=2)),
 ]
 
 
@@ -319,7 +330,7 @@ def _mla_chunk_kernel(
     UPCAST: tl.constexpr, PREC: tl.constexpr, S_DEV: tl.constexpr = False,
     KEYS_ON_M: tl.constexpr = False, Q_IN_LOOP: tl.constexpr = False, L_BY_DOT: tl.constexpr = False,
     ROWS: tl.constexpr = 0, klat_desc=None, kpe_desc=None, K_DESC: tl.constexpr = False,
-    LAZY: tl.constexpr = False,
+    LAZY: tl.constexpr = False, QS: tl.constexpr = 1,
 ):
     # grid: ((row tiles [packed] or T * head tiles [gather]) * V_SPLIT, chunks); the V_SPLIT programs of
     # one (tile, chunk) are adjacent so that they run together and their repeated key reads hit L2
@@ -380,13 +391,29 @@ def _mla_chunk_kernel(
         q_lat = q_lat.to(tl.float32)
         q_pe = q_pe.to(tl.float32)
     offs_v = pid_v * DV + tl.arange(0, DV)
+    # QS == 2: the latent columns as two halves [0, HC) and [HC, CP), each its own MMA chain
+    HC: tl.constexpr = CP // QS
+    offs_h = tl.arange(0, HC)
+    q_hi = q_lat  # QS == 2: reloaded as halves below
+    if QS == 2:
+        q_row = ql_ptr + t64 * stride_qlt + h64 * stride_qln
+        q_lat = tl.load(q_row[:, None] + offs_h[None, :], mask=row_ok[:, None] & (offs_h[None, :] < C), other=0.0)
+        q_hi = tl.load(q_row[:, None] + HC + offs_h[None, :], mask=row_ok[:, None] & (HC + offs_h[None, :] < C),
+                       other=0.0)
+        if UPCAST:
+            q_lat = q_lat.to(tl.float32)
+            q_hi = q_hi.to(tl.float32)
 
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    HALVES: tl.constexpr = QS == 2 and DV == CP   # P @ V in the two halves too
     if KEYS_ON_M:
         acc = tl.zeros((DV, BLOCK_M), dtype=tl.float32)  # transposed: [DV, BM]
+    elif HALVES:
+        acc = tl.zeros((BLOCK_M, HC), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, DV), dtype=tl.float32)
+    acc_hi = tl.zeros((BLOCK_M, HC), dtype=tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
     for start in range(p0, p_end, BLOCK_N):
         p = start + offs_n  # virtual positions [BN]
@@ -396,6 +423,7 @@ def _mla_chunk_kernel(
         # -inf below (p >= p_end >= L_row), so they weigh exactly 0 and the arithmetic is unchanged.
         # Row offsets in 32 bits (_check_offsets): with the clamp, about 30% fewer instructions in the
         # K loop on sm_90 than 64-bit offsets under masks (988 -> 695 per 64-key step, decode tile)
+        k_hi = q_hi  # QS == 2: the upper latent half of the keys (set below)
         if K_DESC and not GATHER:  # TMA (DV == CP): rows past the tensor and columns past C / R are zeros
             k_lat = klat_desc.load([start, 0])
             k_pe = kpe_desc.load([start, 0])
@@ -407,7 +435,14 @@ def _mla_chunk_kernel(
             else:
                 slot = tl.minimum(p, p_end - 1)
             krow = kv_ptr + (slot * stride_kv)[:, None]
-            if CP == C:
+            if QS == 2:
+                if CP == C:
+                    k_lat = tl.load(krow + offs_h[None, :])
+                    k_hi = tl.load(krow + HC + offs_h[None, :])
+                else:
+                    k_lat = tl.load(krow + offs_h[None, :], mask=offs_h[None, :] < C, other=0.0)
+                    k_hi = tl.load(krow + HC + offs_h[None, :], mask=HC + offs_h[None, :] < C, other=0.0)
+            elif CP == C:
                 k_lat = tl.load(krow + offs_c[None, :])
             else:
                 k_lat = tl.load(krow + offs_c[None, :], mask=offs_c[None, :] < C, other=0.0)
@@ -419,7 +454,7 @@ def _mla_chunk_kernel(
                 v = k_lat
             else:
                 v = tl.load(krow + offs_v[None, :], mask=offs_v[None, :] < C, other=0.0)
-        if Q_IN_LOOP:  # re-read q (L1/L2) each step rather than keeping it live in registers
+        if Q_IN_LOOP and QS == 1:  # re-read q (L1/L2) each step rather than keeping it live in registers
             q_lat = tl.load(ql_ptrs, mask=ql_mask, other=0.0)
             q_pe = tl.load(qp_ptrs, mask=qp_mask, other=0.0)
             if UPCAST:
@@ -429,6 +464,8 @@ def _mla_chunk_kernel(
             k_lat = k_lat.to(tl.float32)
             k_pe = k_pe.to(tl.float32)
             v = v.to(tl.float32)
+            if QS == 2:
+                k_hi = k_hi.to(tl.float32)
         # (no nested @jit helper: the interpreter re-patches builtins on every call of one)
         if KEYS_ON_M:
             # keys on the MMA's M side, (query, head) rows on its N side: s_t [BN, BM], acc [DV, BM]
@@ -452,10 +489,17 @@ def _mla_chunk_kernel(
             if UPCAST:  # interpreter: row-exact broadcast products (see module docstring)
                 s = (tl.sum(q_lat[:, :, None] * tl.trans(k_lat)[None, :, :], 1)
                      + tl.sum(q_pe[:, :, None] * tl.trans(k_pe)[None, :, :], 1))
+                if QS == 2:
+                    s = s + tl.sum(q_hi[:, :, None] * tl.trans(k_hi)[None, :, :], 1)
             else:
                 s = tl.dot(q_lat, tl.trans(k_lat), input_precision=PREC)
                 s = tl.dot(q_pe, tl.trans(k_pe), s, input_precision=PREC)
-            s = s * qk_scale
+            if QS == 2 and not UPCAST:
+                # the upper half as its own chain, scaled before the add (an add of a zero-accumulator
+                # dot would be folded back into one chain by the compiler)
+                s = s * qk_scale + tl.dot(q_hi, tl.trans(k_hi), input_precision=PREC) * qk_scale
+            else:
+                s = s * qk_scale
             s = tl.where(p[None, :] < L_row[:, None], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp2(m_i - m_new)
@@ -463,6 +507,8 @@ def _mla_chunk_kernel(
             if UPCAST:
                 l_i = l_i * alpha + tl.sum(pr, 1)
                 acc = acc * alpha[:, None] + tl.sum(pr[:, :, None] * v[None, :, :], 1)
+                if HALVES:
+                    acc_hi = acc_hi * alpha[:, None] + tl.sum(pr[:, :, None] * k_hi[None, :, :], 1)
             else:
                 p_op = pr.to(DT)
                 if L_BY_DOT:  # row sums of the P @ V operand by the MMA (16 equal columns; max picks one)
@@ -476,20 +522,29 @@ def _mla_chunk_kernel(
                     acc = tl.dot(p_op, v, acc, input_precision=PREC)
                 else:
                     acc = tl.dot(p_op, v, acc * alpha[:, None], input_precision=PREC)
+                if HALVES:
+                    acc_hi = tl.dot(p_op, k_hi, acc_hi * alpha[:, None], input_precision=PREC)
         m_i = m_new
 
     if KEYS_ON_M:
         acc = tl.trans(acc)
     o = acc / l_i[:, None]
     store_row = row_ok & (p0 < L_row)
+    if HALVES:
+        offs_v = offs_h
     v_ok = offs_v < C
     if DIRECT:
         o_ptrs = out_ptr + t64[:, None] * stride_ot + h64[:, None] * stride_on + offs_v[None, :]
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=store_row[:, None] & v_ok[None, :])
+        if HALVES:
+            tl.store(o_ptrs + HC, (acc_hi / l_i[:, None]).to(out_ptr.dtype.element_ty),
+                     mask=store_row[:, None] & (HC + offs_v[None, :] < C))
     else:
         r64 = t64 * N + h64
         po = po_ptr + r64[:, None] * stride_pom + c * stride_poc + offs_v[None, :]
         tl.store(po, o, mask=store_row[:, None] & v_ok[None, :])
+        if HALVES:
+            tl.store(po + HC, acc_hi / l_i[:, None], mask=store_row[:, None] & (HC + offs_v[None, :] < C))
         if pid_v == 0:
             tl.store(pl_ptr + r64 * stride_plm + c, m_i + tl.log2(l_i), mask=store_row)
 
@@ -743,6 +798,7 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, sta
     common = dict(C=C, R=R, CP=CP, RP=RP, DV=DV, CHUNK=cfg.CHUNK, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
                   CAUSAL=causal, DIRECT=direct, UPCAST=upcast, PREC=prec,
                   KEYS_ON_M=cfg.KEYS_ON_M, Q_IN_LOOP=cfg.Q_IN_LOOP, L_BY_DOT=cfg.L_BY_DOT, ROWS=rows, LAZY=lazy,
+                  QS=cfg.QK_SPLIT,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     args_tail = (q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), kv.stride(0), stride_idx,
                  spom, spoc, splm, out.stride(0), out.stride(1), qk_scale)
@@ -806,6 +862,7 @@ def mla_attention_device(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tens
     common = dict(C=C, R=R, CP=CP, RP=RP, DV=DV, CHUNK=cfg.CHUNK, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
                   CAUSAL=False, DIRECT=direct, UPCAST=upcast, PREC=prec, S_DEV=True,
                   KEYS_ON_M=cfg.KEYS_ON_M, Q_IN_LOOP=cfg.Q_IN_LOOP, L_BY_DOT=cfg.L_BY_DOT, ROWS=rows, LAZY=lazy,
+                  QS=cfg.QK_SPLIT,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     args_tail = (q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), kv.stride(0), idx.stride(0),
                  spom, spoc, splm, out.stride(0), out.stride(1), float(scale) * LOG2E)

@@ -101,6 +101,10 @@ CONFIGS = {
     "rows1": MLAConfig(CHUNK=32, BLOCK_M=16, BLOCK_N=16, DECODE_ROWS=1, num_stages=1),
     # key tiles of packed launches by tensor descriptors (the gather launch keeps pointers)
     "desc": MLAConfig(CHUNK=32, BLOCK_M=16, BLOCK_N=16, K_DESC=True, num_stages=1),
+    # the latent part of q K^T in two MMA chains (and P @ V in two column halves; V_SPLIT 2: one slice each)
+    "qs2": MLAConfig(CHUNK=32, BLOCK_M=16, BLOCK_N=16, QK_SPLIT=2, num_stages=1),
+    "qs2bm": MLAConfig(CHUNK=64, BLOCK_M=32, BLOCK_N=32, L_BY_DOT=True, DECODE_BLOCK_M=16, QK_SPLIT=2,
+                       V_SPLIT_BY_T=((1, 2),), num_stages=1),
     "decw": MLAConfig(CHUNK=32, BLOCK_M=32, BLOCK_N=16, L_BY_DOT=True, DECODE_BLOCK_M=16, DECODE_WARPS=2,
                       num_stages=1),
     "descbm": MLAConfig(CHUNK=64, BLOCK_M=32, BLOCK_N=32, L_BY_DOT=True, DECODE_BLOCK_M=16, K_DESC=True,
@@ -149,6 +153,11 @@ CASES["N4_S37_T5_tree_desc_noncontig"] = ("ref", 4, 37, 5, "tree", "desc", "nonc
 CASES["inv_N4_S70_T9_tree_desc"] = ("inv", 4, 70, 9, "tree", "desc", "")
 CASES["inv_N5_S61_T7_causal_descbm"] = ("inv", 5, 61, 7, "causal", "descbm", "")
 CASES["inv_N6_S45_T5_tree_decw"] = ("inv", 6, 45, 5, "tree", "decw", "")
+CASES["N3_S37_T5_tree_qs2"] = ("ref", 3, 37, 5, "tree", "qs2", "")
+CASES["N3_S45_T1_causal_qs2_bf16"] = ("ref", 3, 45, 1, "causal", "qs2", "bf16")
+CASES["N4_S70_T9_causal_qs2bm"] = ("ref", 4, 70, 9, "causal", "qs2bm", "")
+CASES["inv_N4_S70_T9_tree_qs2"] = ("inv", 4, 70, 9, "tree", "qs2", "")
+CASES["inv_N5_S61_T7_causal_qs2bm"] = ("inv", 5, 61, 7, "causal", "qs2bm", "")  # alone: V_SPLIT 2
 
 # device-side length: the whole buffer (junk past S + T) and start as a tensor == the host-length launch
 CASES["dev_N3_S37_T5_tree_c32"] = ("dev", 3, 37, 5, "tree", "c32", "")
@@ -161,6 +170,7 @@ CASES["dev_N3_S20_T3_tree_kombyt"] = ("dev", 3, 20, 3, "tree", "kombyt", "")
 CASES["dev_N6_S50_T1_causal_decrows"] = ("dev", 6, 50, 1, "causal", "decrows", "")
 CASES["dev_N3_S64_T5_tree_desc"] = ("dev", 3, 64, 5, "tree", "desc", "")
 CASES["dev_N4_S90_T1_causal_descbm"] = ("dev", 4, 90, 1, "causal", "descbm", "")
+CASES["dev_N3_S64_T5_tree_qs2"] = ("dev", 3, 64, 5, "tree", "qs2", "")
 
 # merge tiles are bit-neutral (merge_tiles): per row, random chunk partials; trees of 8..64 chunks and
 # 8..32 columns give the same bits for rows whose chunks fit the smaller tree, and the column tile never
