@@ -38,7 +38,7 @@
 #   lazy   the rescale skipped where no row's max moved: sweep, bit-equality tests; the K2 layer step
 #   rounds2 the round benchmark (eager vs graph, defaults) and the demo's logits-alone bitwise test (long compile)
 #   maxnreg MoE register caps (MoEConfig.MAXNREG13 / MAXNREG2): sweep and same-bits GPU tests
-#   qsplit the latent scores in two MMA chains (MLAConfig.QK_SPLIT 2, the default): bench, sweep against
+#   qsplit the latent scores in two MMA chains (MLAConfig.QK_SPLIT 2, the default when it ran): bench, sweep against
 #          one chain, attention bit-equality / reference tests, the demo's spec == plain, target tests
 #   plane2 the same with the weights as the MMA's B operand (mma.sync, tokens on M), and its Nsight Compute
 #   merge  the attention merge by pairwise trees: attention GPU tests, attention bench, chunk-length sweep,

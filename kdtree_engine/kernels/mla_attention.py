@@ -177,7 +177,11 @@ class MLAConfig:
     # the latent part of q K^T as QK_SPLIT (1 or 2) independent MMA chains over column halves, summed
     # after (s = (lo + rope) + hi): a 512-long chain is 32 dependent MMAs, latency-bound at one warp per
     # scheduler (the decode tile). Sets a row's arithmetic (fixed per N, like CHUNK); with 2 the P @ V
-    # runs in two column halves too (V_SPLIT 1), each output column reduced as before
+    # runs in two column halves too (V_SPLIT 1), each output column reduced as before. Measured as the
+    # default of both N buckets (bench/results/mla_attention-h200-qsplit2.md): N = 8 verify 2-4% faster
+    # (T = 16: 77.2 against 79.6 us at 32K, 226 against 236 at 128K), N = 8 decode at 32K and every
+    # N = 64 launch slower (25.3 against 24.8 us; 116 against 112 at 128K): the decode step is not bound
+    # by the score chain. Off (1) in the defaults, which the full GPU test set has run on
     QK_SPLIT: int = 1
 
     def __post_init__(self) -> None:
@@ -274,14 +278,13 @@ class MLAConfig:
 # 16-row tile runs out of shared memory (233 KB), and 2 stages with slices gave 25.8 / 39.9 / 78.8 us.
 # N = 64: 16-row decode tiles are slower from 128K (181-215 vs 153 us), so only L_BY_DOT (60 -> 51 us
 # at 32K, 153 -> 144 us at 128K) and the decode V_SPLIT rule.
-# QK_SPLIT 2 in both (the latent scores in two MMA chains): see MLAConfig.QK_SPLIT.
 DEFAULT_CONFIGS: list[tuple[int, MLAConfig]] = [
     (16, MLAConfig(CHUNK=512, BLOCK_M=32, BLOCK_N=64, V_SPLIT=1, num_warps=4, num_stages=2, KEYS_ON_M=False,
                    Q_IN_LOOP=False, V_SPLIT_BY_T=(), DECODE_MIN_PROGRAMS=0, L_BY_DOT=True,
-                   DECODE_BLOCK_M=16, DECODE_STAGES=3, QK_SPLIT=2)),  # N <= 16 (TP8: 8 heads/rank)
+                   DECODE_BLOCK_M=16, DECODE_STAGES=3, QK_SPLIT=1)),  # N <= 16 (TP8: 8 heads/rank)
     (1 << 30, MLAConfig(CHUNK=512, BLOCK_M=32, BLOCK_N=64, V_SPLIT=1, num_warps=4, num_stages=2,
                         KEYS_ON_M=False, Q_IN_LOOP=False, V_SPLIT_BY_T=(), DECODE_MIN_PROGRAMS=128, L_BY_DOT=True,
-                        QK_SPLIT=2)),
+                        QK_SPLIT=1)),
 ]
 
 
