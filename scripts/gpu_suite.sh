@@ -67,6 +67,10 @@ step() {  # step NAME SECONDS COMMAND...
   tail -4 "$RES/$name.log"; pack
 }
 PYT="python3 -m pytest -m gpu -p no:cacheprovider -v -rf --durations=10"
+# the demo's greedy spec == plain and the device-length attention bitwise test (word-split on purpose)
+SPEC_BITWISE="tests/gpu/test_bitwise_gpu.py::test_greedy_spec_equals_plain_demo tests/gpu/test_graph_round_gpu.py::test_device_length_attention_bitwise_gpu"
+# the attention bit-equality / batch-invariance tests of the default configs
+MLA_BITEQ="(batch_invariant or bit_equal) and not kom and not qil and not candidate"
 NCU_SECTIONS="--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats
   --section SchedulerStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis
   --section InstructionStats --section SourceCounters"
@@ -207,18 +211,14 @@ if [[ $PART == ncu ]]; then
 fi
 if [[ $PART == rows ]]; then
   step bench_mla_rows 150 python3 bench/mla_attention.py --sweep-only --sweep-rows --no-peers --budget-s 110 --out "$RES"
-  step pytest_mla_rows 240 $PYT tests/gpu/test_mla_attention_gpu.py \
-    -k "decode_rows or ((batch_invariant or bit_equal) and not kom and not qil and not candidate)"
-  step pytest_spec_bitwise 150 $PYT tests/gpu/test_bitwise_gpu.py::test_greedy_spec_equals_plain_demo \
-    tests/gpu/test_graph_round_gpu.py::test_device_length_attention_bitwise_gpu
+  step pytest_mla_rows 240 $PYT tests/gpu/test_mla_attention_gpu.py -k "decode_rows or ($MLA_BITEQ)"
+  step pytest_spec_bitwise 150 $PYT $SPEC_BITWISE
 fi
 if [[ $PART == kload ]]; then
   step bench_mla 60 python3 bench/mla_attention.py --no-peers --out "$RES"
   step bench_mla_rows 160 python3 bench/mla_attention.py --sweep-only --sweep-rows --no-peers --budget-s 120 --out "$RES"
-  step pytest_mla_kload 230 $PYT tests/gpu/test_mla_attention_gpu.py \
-    -k "decode_rows or ((batch_invariant or bit_equal) and not kom and not qil and not candidate)"
-  step pytest_spec_bitwise 120 $PYT tests/gpu/test_bitwise_gpu.py::test_greedy_spec_equals_plain_demo \
-    tests/gpu/test_graph_round_gpu.py::test_device_length_attention_bitwise_gpu
+  step pytest_mla_kload 230 $PYT tests/gpu/test_mla_attention_gpu.py -k "decode_rows or ($MLA_BITEQ)"
+  step pytest_spec_bitwise 120 $PYT $SPEC_BITWISE
 fi
 if [[ $PART == lazy ]]; then
   step bench_mla_rows 170 python3 bench/mla_attention.py --sweep-only --sweep-rows --no-peers --budget-s 130 --out "$RES"
@@ -238,8 +238,7 @@ if [[ $PART == qsplit ]]; then
   step bench_mla_rows 80 python3 bench/mla_attention.py --sweep-only --sweep-rows --no-peers --budget-s 50 --out "$RES"
   step pytest_mla_qs 130 $PYT tests/gpu/test_mla_attention_gpu.py \
     -k "(decode_rows and (rows1 or warps8)) or ((batch_invariant or bit_equal or vs_reference) and not kom and not qil and not candidate)"
-  step pytest_spec_bitwise 100 $PYT tests/gpu/test_bitwise_gpu.py::test_greedy_spec_equals_plain_demo \
-    tests/gpu/test_graph_round_gpu.py::test_device_length_attention_bitwise_gpu
+  step pytest_spec_bitwise 100 $PYT $SPEC_BITWISE
   step pytest_target 60 $PYT tests/gpu/test_target_gpu.py
 fi
 if [[ $PART == plane2 ]]; then
@@ -261,9 +260,7 @@ fi
 if [[ $PART == merge2 || $PART == merge3 ]]; then
   step pytest_mla 300 $PYT tests/gpu/test_mla_attention_gpu.py -k "not candidate and not kom and not qil"
   step bench_mla 120 python3 bench/mla_attention.py --out "$RES"
-  step pytest_spec_bitwise 240 $PYT tests/gpu/test_bitwise_gpu.py::test_greedy_spec_equals_plain_demo \
-    tests/gpu/test_graph_round_gpu.py::test_device_length_attention_bitwise_gpu \
-    tests/gpu/test_graph_round_gpu.py::test_graph_rounds_with_triton_attention
+  step pytest_spec_bitwise 240 $PYT $SPEC_BITWISE tests/gpu/test_graph_round_gpu.py::test_graph_rounds_with_triton_attention
 fi
 if [[ $PART == merge3 ]]; then
   step bench_k2_step 230 python3 bench/k2_step.py --profile --out "$RES"
@@ -274,10 +271,8 @@ if [[ $PART == sample2 ]]; then
 fi
 if [[ $PART == fork ]]; then
   step bench_mla 40 python3 bench/mla_attention.py --no-peers --out "$RES"
-  step pytest_spec_bitwise 110 $PYT tests/gpu/test_bitwise_gpu.py::test_greedy_spec_equals_plain_demo \
-    tests/gpu/test_graph_round_gpu.py::test_device_length_attention_bitwise_gpu \
-    tests/gpu/test_graph_round_gpu.py::test_graph_rounds_with_triton_attention
-  step pytest_mla 120 $PYT tests/gpu/test_mla_attention_gpu.py -k "(batch_invariant or bit_equal) and not kom and not qil and not candidate"
+  step pytest_spec_bitwise 110 $PYT $SPEC_BITWISE tests/gpu/test_graph_round_gpu.py::test_graph_rounds_with_triton_attention
+  step pytest_mla 120 $PYT tests/gpu/test_mla_attention_gpu.py -k "$MLA_BITEQ"
 fi
 if [[ $PART == last ]]; then
   step bench_round 110 python3 bench/round.py --out "$RES"

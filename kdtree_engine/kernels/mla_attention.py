@@ -208,8 +208,9 @@ class MLAConfig:
 
     def rows(self, T: int) -> int:
         """(query, head) rows per program of a launch of T queries (of the for_launch(T) config)."""
-        tile = self.for_launch(T).BLOCK_M
-        return self.DECODE_ROWS if T == 1 and self.DECODE_ROWS else tile
+        if T != 1:
+            return self.BLOCK_M
+        return self.DECODE_ROWS or self.DECODE_BLOCK_M or self.BLOCK_M
 
     def for_launch(self, T: int) -> "MLAConfig":
         """The config a launch of T queries runs: decode launches take DECODE_BLOCK_M / DECODE_STAGES /
@@ -397,7 +398,6 @@ def _mla_chunk_kernel(
     # QS == 2: the latent columns as two halves [0, HC) and [HC, CP), each its own MMA chain
     HC: tl.constexpr = CP // QS
     offs_h = tl.arange(0, HC)
-    q_hi = q_lat  # QS == 2: reloaded as halves below
     if QS == 2:
         q_row = ql_ptr + t64 * stride_qlt + h64 * stride_qln
         q_lat = tl.load(q_row[:, None] + offs_h[None, :], mask=row_ok[:, None] & (offs_h[None, :] < C), other=0.0)
@@ -426,7 +426,6 @@ def _mla_chunk_kernel(
         # -inf below (p >= p_end >= L_row), so they weigh exactly 0 and the arithmetic is unchanged.
         # Row offsets in 32 bits (_check_offsets): with the clamp, about 30% fewer instructions in the
         # K loop on sm_90 than 64-bit offsets under masks (988 -> 695 per 64-key step, decode tile)
-        k_hi = q_hi  # QS == 2: the upper latent half of the keys (set below)
         if K_DESC and not GATHER:  # TMA (DV == CP): rows past the tensor and columns past C / R are zeros
             k_lat = klat_desc.load([start, 0])
             k_pe = kpe_desc.load([start, 0])

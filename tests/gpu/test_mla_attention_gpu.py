@@ -189,7 +189,12 @@ def test_v_split_by_t_bit_equal_bf16(name, N):
         assert torch.equal(one[0], tree[i]), f"tree node {i} alone vs in the tree (seed {seed})"
 
 
-@pytest.mark.parametrize("retile", ["rows8", "rows4", "rows2", "rows1", "warps8", "warps2", "kdesc", "lazy"])
+RETILES = {"rows8": dict(DECODE_ROWS=8), "rows4": dict(DECODE_ROWS=4), "rows2": dict(DECODE_ROWS=2),
+           "rows1": dict(DECODE_ROWS=1), "warps8": dict(DECODE_WARPS=8), "warps2": dict(DECODE_WARPS=2),
+           "kdesc": dict(K_DESC=True), "lazy": dict(LAZY_RESCALE="all")}
+
+
+@pytest.mark.parametrize("retile", list(RETILES))
 @pytest.mark.parametrize("N", [8, 64])
 def test_decode_rows_bit_equal_bf16(N, retile):
     """DECODE_ROWS / DECODE_WARPS / K_DESC / LAZY_RESCALE leave a row's bits: a decode row split over
@@ -199,9 +204,7 @@ def test_decode_rows_bit_equal_bf16(N, retile):
     S, T = 32768 + 5, 40
     seed = int(torch.randint(1 << 30, (1,)))
     base = default_config(N)
-    kind, n = retile.rstrip("0123456789"), int("".join(ch for ch in retile if ch.isdigit()) or 0)
-    cfg = replace(base, **{"rows": dict(DECODE_ROWS=n), "warps": dict(DECODE_WARPS=n),
-                           "kdesc": dict(K_DESC=True), "lazy": dict(LAZY_RESCALE="all")}[kind])
+    cfg = replace(base, **RETILES[retile])
     q_lat, q_pe, kv = inputs(T, N, S, seed)
     full = mla_attention(q_lat, q_pe, kv, S, None, SCALE, C, config=base)
     assert torch.equal(mla_attention(q_lat, q_pe, kv, S, None, SCALE, C, config=cfg), full), f"block (seed {seed})"
