@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU tests and benchmarks, logs and results packed under $OUT; one device call runs one part.
-#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|next|chain|sample|rounds|decode|step|verify|resume|ncu|plane|merge|merge2|merge3|sample2|fork|last|plane2|rows|kload|lazy|rounds2|maxnreg|qsplit]   (on the GPU machine, from the repository root)
+#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|next|chain|sample|rounds|decode|step|verify|resume|ncu|plane|merge|merge2|merge3|sample2|fork|last|plane2|rows|kload|lazy|rounds2|maxnreg|qsplit|stages]   (on the GPU machine, from the repository root)
 #   tune   the W4A16 config sweep, the bitwise and CUDA-graph GPU tests, the demo's spec benchmark
 #   check  the remaining GPU tests (kernels, batch invariance, target, attention), kernel and round benches
 #   bench  the benchmarks with long runs (K2 step, attention, GEMM)
@@ -40,6 +40,8 @@
 #   maxnreg MoE register caps (MoEConfig.MAXNREG13 / MAXNREG2): sweep and same-bits GPU tests
 #   qsplit the latent scores in two MMA chains (MLAConfig.QK_SPLIT 2, the default when it ran): bench, sweep against
 #          one chain, attention bit-equality / reference tests, the demo's spec == plain, target tests
+#   stages decode pipeline depth (MLAConfig.DECODE_STAGES 2, DECODE_WIDE_STAGES): sweep, bit-equality tests of
+#          every decode re-tiling and the default configs, the demo's spec == plain, target tests
 #   plane2 the same with the weights as the MMA's B operand (mma.sync, tokens on M), and its Nsight Compute
 #   merge  the attention merge by pairwise trees: attention GPU tests, attention bench, chunk-length sweep,
 #          Nsight Compute of the 128K decode
@@ -239,6 +241,12 @@ if [[ $PART == qsplit ]]; then
   step pytest_mla_qs 130 $PYT tests/gpu/test_mla_attention_gpu.py \
     -k "(decode_rows and (rows1 or warps8)) or ((batch_invariant or bit_equal or vs_reference) and not kom and not qil and not candidate)"
   step pytest_spec_bitwise 100 $PYT $SPEC_BITWISE
+  step pytest_target 60 $PYT tests/gpu/test_target_gpu.py
+fi
+if [[ $PART == stages ]]; then
+  step bench_mla_rows 150 python3 bench/mla_attention.py --sweep-only --sweep-rows --no-peers --budget-s 110 --out "$RES"
+  step pytest_mla_stages 230 $PYT tests/gpu/test_mla_attention_gpu.py -k "decode_rows or ($MLA_BITEQ)"
+  step pytest_spec_bitwise 110 $PYT $SPEC_BITWISE
   step pytest_target 60 $PYT tests/gpu/test_target_gpu.py
 fi
 if [[ $PART == plane2 ]]; then

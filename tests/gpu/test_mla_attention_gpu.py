@@ -191,15 +191,16 @@ def test_v_split_by_t_bit_equal_bf16(name, N):
 
 RETILES = {"rows8": dict(DECODE_ROWS=8), "rows4": dict(DECODE_ROWS=4), "rows2": dict(DECODE_ROWS=2),
            "rows1": dict(DECODE_ROWS=1), "warps8": dict(DECODE_WARPS=8), "warps2": dict(DECODE_WARPS=2),
-           "kdesc": dict(K_DESC=True), "lazy": dict(LAZY_RESCALE="all")}
+           "kdesc": dict(K_DESC=True), "lazy": dict(LAZY_RESCALE="all"), "stages2": dict(DECODE_STAGES=2),
+           "stages3": dict(DECODE_STAGES=3)}
 
 
 @pytest.mark.parametrize("retile", list(RETILES))
 @pytest.mark.parametrize("N", [8, 64])
 def test_decode_rows_bit_equal_bf16(N, retile):
-    """DECODE_ROWS / DECODE_WARPS / K_DESC / LAZY_RESCALE leave a row's bits: a decode row split over
-    programs of fewer rows, run by another warp count, with its key tiles copied by TMA or with the
-    rescales of unmoved maxima skipped is the same bits as the default config's decode and as its row in
+    """DECODE_ROWS / DECODE_WARPS / K_DESC / LAZY_RESCALE / DECODE_STAGES leave a row's bits: a decode row
+    split over programs of fewer rows, run by another warp count or pipeline depth, with its key tiles
+    copied by TMA or with the rescales of unmoved maxima skipped is the same bits as the default config's decode and as its row in
     a causal block (default config), host- and device-length."""
     S, T = 32768 + 5, 40
     seed = int(torch.randint(1 << 30, (1,)))
