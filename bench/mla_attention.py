@@ -112,14 +112,15 @@ CHUNK_SHAPES = [(8, 4096, 1), (8, 32768, 1), (8, 131072, 1), (8, 32768, 16), (8,
 # ones not measured yet.
 _D8, _D64 = default_config(8), default_config(64)
 ROWS_FOR_N: dict[int, list[MLAConfig]] = {
-    8: [_D8, replace(_D8, DECODE_STAGES=2), replace(_D8, DECODE_WIDE_STAGES=2)],
+    8: [_D8, replace(_D8, DECODE_STAGES=2)],
     64: [_D64, replace(_D64, DECODE_STAGES=3)]}
 # measured before (bench/results/mla_attention-rows-sweep-h200.md, part kload): replace(_D8, DECODE_WARPS=8),
 # replace(_D8, DECODE_WARPS=2), replace(_D8, K_DESC=True), replace(_D8, DECODE_ROWS=1),
 # replace(_D64, DECODE_WARPS=8): all slower than the default; LAZY_RESCALE "decode" / "all"
 # (bench/results/mla_attention-lazy-sweep-h200.md): slower. then QK_SPLIT 2 against one chain
 # (bench/results/mla_attention-qsplit-sweep-h200.md, with 2 as the default then). Now: decode stages (2: two
-# programs per SM; DECODE_WIDE_STAGES 2: only past one wave of programs)
+# programs per SM; measured slower at 4K-256K, also with 2 stages only past one wave of programs:
+# bench/results/mla_attention-stages-sweep-h200.md)
 ROWS_SWEEP: list[MLAConfig] = [c for cs in ROWS_FOR_N.values() for c in cs]
 ROWS_SHAPES = [(8, 4096, 1), (8, 32768, 1), (8, 65536, 1), (8, 131072, 1), (8, 262144, 1), (64, 131072, 1)]
 SWEEP_SHAPES = [(8, 32768, 1), (8, 131072, 1), (8, 32768, 16), (8, 131072, 16), (8, 32768, 64),

@@ -40,7 +40,7 @@
 #   maxnreg MoE register caps (MoEConfig.MAXNREG13 / MAXNREG2): sweep and same-bits GPU tests
 #   qsplit the latent scores in two MMA chains (MLAConfig.QK_SPLIT 2, the default when it ran): bench, sweep against
 #          one chain, attention bit-equality / reference tests, the demo's spec == plain, target tests
-#   stages decode pipeline depth (MLAConfig.DECODE_STAGES 2, DECODE_WIDE_STAGES): sweep, bit-equality tests of
+#   stages decode pipeline depth (MLAConfig.DECODE_STAGES 2; 2 past one wave of programs, removed since): sweep, bit-equality tests of
 #          every decode re-tiling and the default configs, the demo's spec == plain, target tests
 #   plane2 the same with the weights as the MMA's B operand (mma.sync, tokens on M), and its Nsight Compute
 #   merge  the attention merge by pairwise trees: attention GPU tests, attention bench, chunk-length sweep,

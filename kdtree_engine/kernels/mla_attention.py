@@ -63,7 +63,7 @@ Batch invariance (a row's result does not depend on T or on which rows share its
   * with L_BY_DOT the row sum of a key block is an MMA (P @ ones) rather than a sum across the warps
     that split the tile, so on mma.sync tiles (BLOCK_M < 64: per element the same k16 steps for any
     row count) the row count is a re-tiling too: decode launches may take DECODE_BLOCK_M /
-    DECODE_STAGES (MLAConfig.for_launch), and past one wave of programs DECODE_WIDE_STAGES (_plan);
+    DECODE_STAGES (MLAConfig.for_launch);
   * the merge runs in chunk order with the same formula for any number of rows.
 Checked bit for bit by tests/kernels/test_mla_attention.py (interpreter, fp32) and
 tests/gpu/test_mla_attention_gpu.py (H200, bf16).
@@ -144,14 +144,12 @@ class MLAConfig:
     L_BY_DOT: bool = False
     # decode launches (T = 1): this BLOCK_M and num_stages instead (0: the config's); needs L_BY_DOT,
     # KEYS_ON_M off and both BLOCK_Ms under 64 (mma.sync: per element the same k-steps for any row count)
+    # DECODE_STAGES 2 (92 KB of shared memory, two programs per SM) against 3 (164 KB, one): slower at
+    # 4K-64K (38.7 against 32.0 us at 64K), even past one wave of programs (58.5 against 56.9 us at 128K,
+    # 105 against 104 at 256K; bench/results/mla_attention-stages-sweep-h200.md): a second program per
+    # SM does not speed up a decode step; the third stage's prefetch does
     DECODE_BLOCK_M: int = 0
     DECODE_STAGES: int = 0
-    # decode launches (T = 1) of more programs than the device has SMs: this num_stages instead (0: off).
-    # Stages only pipeline the same copies, so this re-tiles. The N <= 16 decode tile takes 164 KB of
-    # shared memory at 3 stages (one program per SM) and 92 KB at 2 (two per SM, 255 registers x 128
-    # threads each): past one wave of programs (N = 8 from 128K context) two programs per SM hide each
-    # other's latency, below it the third stage's prefetch is the only cover.
-    DECODE_WIDE_STAGES: int = 0
     # decode launches (T = 1): this num_warps instead (0: the config's). With L_BY_DOT on mma.sync tiles a
     # row's arithmetic does not depend on the warps' split (each score's 576-long and each output's key
     # reduction stays inside one warp's MMA chain; the row sums are an MMA), so this only re-tiles.
@@ -203,8 +201,6 @@ class MLAConfig:
             raise ValueError(f"MLAConfig.QK_SPLIT must be 1 or 2 (2 without KEYS_ON_M or K_DESC); got {self}")
         if self.LAZY_RESCALE not in ("off", "decode", "all"):
             raise ValueError(f"MLAConfig.LAZY_RESCALE must be 'off', 'decode' or 'all'; got {self.LAZY_RESCALE!r}")
-        if self.DECODE_WIDE_STAGES < 0:
-            raise ValueError(f"MLAConfig.DECODE_WIDE_STAGES must be >= 0 (0: off); got {self.DECODE_WIDE_STAGES}")
         tile = self.DECODE_BLOCK_M or self.BLOCK_M
         if self.DECODE_ROWS and (self.DECODE_ROWS & (self.DECODE_ROWS - 1) or self.DECODE_ROWS > tile):
             raise ValueError(f"MLAConfig.DECODE_ROWS must be a power of 2 <= the decode tile's {tile} rows; "
@@ -254,8 +250,7 @@ class MLAConfig:
             d["V_SPLIT_BY_T"] = self.V_SPLIT_BY_T
         if self.DECODE_MIN_PROGRAMS:
             d["DECODE_MIN_PROGRAMS"] = self.DECODE_MIN_PROGRAMS
-        for k in ("L_BY_DOT", "DECODE_BLOCK_M", "DECODE_STAGES", "DECODE_WIDE_STAGES", "DECODE_WARPS", "DECODE_ROWS",
-                  "K_DESC"):
+        for k in ("L_BY_DOT", "DECODE_BLOCK_M", "DECODE_STAGES", "DECODE_WARPS", "DECODE_ROWS", "K_DESC"):
             if getattr(self, k):
                 d[k] = getattr(self, k)
         if self.LAZY_RESCALE != "off":
@@ -679,25 +674,11 @@ def tree_gather_index(tree_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return idx.contiguous(), nvis.contiguous()
 
 
-def sm_count(dev: torch.device) -> int | None:
-    """Streaming multiprocessors of a CUDA device (None elsewhere: no rule sized by them applies)."""
-    if dev.type != "cuda":
-        return None
-    n = _SMS.get(dev)
-    if n is None:
-        n = _SMS[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
-    return n
-
-
-_SMS: dict[torch.device, int] = {}
-
-
-def _plan(C: int, R: int, N: int, T: int, dtype: torch.dtype, config: MLAConfig | None, n_keys: int,
-          sms: int | None = None) -> tuple[MLAConfig, int, bool, int, int, int, int, bool, str]:
+def _plan(C: int, R: int, N: int, T: int, dtype: torch.dtype, config: MLAConfig | None, n_keys: int
+          ) -> tuple[MLAConfig, int, bool, int, int, int, int, bool, str]:
     """Launch constants shared by both launches: (config, rows per program, lazy rescale, CP, RP,
     V_SPLIT, DV, upcast, input precision).
-    n_keys: the keys the launch's grid covers (its chunks and row tiles size a decode launch's V_SPLIT);
-    sms: the device's SM count (sizes DECODE_WIDE_STAGES; None: that rule is off)."""
+    n_keys: the keys the launch's grid covers (its chunks and row tiles size a decode launch's V_SPLIT)."""
     base = config or default_config(N)
     cfg, rows, lazy = base.for_launch(T), base.rows(T), base.lazy(T)
     if cfg.CHUNK % cfg.BLOCK_N:
@@ -709,15 +690,7 @@ def _plan(C: int, R: int, N: int, T: int, dtype: torch.dtype, config: MLAConfig 
             raise ValueError(f"V_SPLIT {vs} must divide {CP} into slices of >= 16 columns")
     if cfg.BLOCK_M < 16 or cfg.BLOCK_N < 16:
         raise ValueError(f"BLOCK_M {cfg.BLOCK_M} and BLOCK_N {cfg.BLOCK_N} must be >= 16 (tl.dot)")
-    programs = triton.cdiv(T * N, rows) * triton.cdiv(n_keys, cfg.CHUNK)
-    v_split = cfg.v_split(T, programs, CP)
-    if T == 1 and base.DECODE_WIDE_STAGES and sms and programs * v_split > sms:
-        cfg = replace(cfg, num_stages=base.DECODE_WIDE_STAGES)
-        key = f"wide:{N}:{base.DECODE_WIDE_STAGES}:{sms}"
-        if key not in _LOGGED:
-            _LOGGED.add(key)
-            log.info("MLA attention: decode launches of more than %d programs (N = %d) run %d stages",
-                     sms, N, base.DECODE_WIDE_STAGES)
+    v_split = cfg.v_split(T, triton.cdiv(T * N, rows) * triton.cdiv(n_keys, cfg.CHUNK), CP)
     upcast = interpreting()  # fp32 operands and row-exact dots under the interpreter
     prec = "ieee" if (dtype == torch.float32 or upcast) else "tf32"
     return cfg, rows, lazy, CP, RP, v_split, CP // v_split, upcast, prec
@@ -813,8 +786,7 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, sta
     out = torch.empty((T, N, C), device=q_lat.device, dtype=q_lat.dtype)
     if T == 0 or N == 0:
         return out
-    cfg, rows, lazy, CP, RP, VS, DV, upcast, prec = _plan(C, R, N, T, q_lat.dtype, config, S + T,
-                                                          sm_count(kv.device))
+    cfg, rows, lazy, CP, RP, VS, DV, upcast, prec = _plan(C, R, N, T, q_lat.dtype, config, S + T)
     qk_scale = float(scale) * LOG2E
     causal = tree_mask is None
     dev = kv.device
@@ -886,8 +858,7 @@ def mla_attention_device(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tens
     out = torch.empty((T, N, C), device=q_lat.device, dtype=q_lat.dtype)
     if T == 0 or N == 0:
         return out
-    cfg, rows, lazy, CP, RP, VS, DV, upcast, prec = _plan(C, R, N, T, q_lat.dtype, config, cap,
-                                                          sm_count(kv.device))
+    cfg, rows, lazy, CP, RP, VS, DV, upcast, prec = _plan(C, R, N, T, q_lat.dtype, config, cap)
     dev = kv.device
     s_dev = start.reshape(1).to(device=dev, dtype=torch.int32)
     idx, nvis = gather_index if gather_index is not None else tree_gather_index(tree_mask.to(dev))

@@ -343,26 +343,6 @@ def test_decode_block_m_is_a_decode_retiling():
             MLAConfig(**{**dict(BLOCK_M=32, L_BY_DOT=True, DECODE_BLOCK_M=16), **bad})
 
 
-def test_decode_wide_stages_follow_the_program_count():
-    """DECODE_WIDE_STAGES replaces a decode launch's stages only when its programs (row tiles x chunks x
-    slices) outnumber the SMs, never for T > 1 or without an SM count (CPU); a negative value is refused."""
-    import torch
-    from kdtree_engine.kernels.mla_attention import _plan
-
-    cfg = MLAConfig(BLOCK_M=32, L_BY_DOT=True, DECODE_BLOCK_M=16, DECODE_STAGES=3, DECODE_WIDE_STAGES=2)
-    stages = lambda T, n_keys, sms: _plan(512, 64, 8, T, torch.float32, cfg, n_keys, sms)[0].num_stages  # noqa: E731
-    assert stages(1, 256 * 512, 132) == 2          # 256 chunk programs on 132 SMs
-    assert stages(1, 132 * 512, 132) == 3          # one full wave: not more programs than SMs
-    assert stages(1, 133 * 512, 132) == 2
-    assert stages(1, 256 * 512, None) == 3         # no device SM count
-    assert stages(16, 256 * 512, 132) == cfg.num_stages
-    # N = 64: 4 decode row tiles per chunk count towards the programs
-    assert _plan(512, 64, 64, 1, torch.float32, cfg, 40 * 512, 132)[0].num_stages == 2
-    assert _plan(512, 64, 64, 1, torch.float32, cfg, 33 * 512, 132)[0].num_stages == 3
-    with pytest.raises(ValueError, match="DECODE_WIDE_STAGES"):
-        MLAConfig(DECODE_WIDE_STAGES=-1)
-
-
 def test_decode_rule_keeps_slices_of_64_columns():
     """The decode rule never cuts the output columns below 64 per slice (C = 64, the demo's latent: one
     slice; C = 512: up to 8), and leaves a config's own V_SPLIT as it is."""
