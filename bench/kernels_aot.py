@@ -56,6 +56,7 @@ def moe(dtype, cfg):
     sig2 = {"a_ptr": f"*{dtype}", "w_ptr": "*i32", "s_ptr": "*bf16", "y_ptr": "*fp32", "tw_ptr": "*fp32", "sorted_ptr": "*i32",
             "blk_expert_ptr": "*i32", "blk_rows_ptr": "*i32", "H": "i32", "I": "i32",
             "stride_at": "i32", "stride_we": "i32", "stride_wn": "i32", "stride_se": "i32", "stride_sn": "i32", "stride_yt": "i32",
+            "stride_ys": "i32", "k_per_split": "i32",
             "G": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
             "SWAP_AB": "constexpr", "UPCAST": "constexpr", "PREC": "constexpr", "DEQ": "constexpr", "EVEN": "constexpr"}
     consts["BLOCK_N"] = cfg.BLOCK_N2 or cfg.BLOCK_N
@@ -76,7 +77,8 @@ if which == "defaults":
          "blk_rows_ptr": "*i32", "max_blocks": "i32", "BM": "constexpr", "E_P2": "constexpr", "CH": "constexpr", "BCH": "constexpr"},
          dict(BM=16, E_P2=512, CH=32, BCH=16), 8, 1, "align")
     comp(m._moe_topk_sum_kernel, {"y_ptr": "*fp32", "ids_ptr": "*i64", "out_ptr": "*bf16", "H": "i32", "E": "i32",
-         "stride_yt": "i32", "stride_ot": "i32", "TOPK": "constexpr", "BLOCK_H": "constexpr"}, dict(TOPK=8, BLOCK_H=1024), 4, 1, "topk_sum")
+         "stride_yt": "i32", "stride_ys": "i32", "stride_ot": "i32", "TOPK": "constexpr", "BLOCK_H": "constexpr",
+         "SPLIT": "constexpr"}, dict(TOPK=8, BLOCK_H=1024, SPLIT=1), 4, 1, "topk_sum")
     from kdtree_engine.kernels.split_sum import _split_sum_kernel
     comp(_split_sum_kernel, {"part_ptr": "*fp32", "out_ptr": "*bf16", "MN": "i32", "SPLIT": "constexpr", "BLOCK": "constexpr"},
          dict(SPLIT=4, BLOCK=1024), 4, 1, "split_sum")

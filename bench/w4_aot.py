@@ -115,10 +115,11 @@ def _moe(cfg) -> tuple[str, str]:
                          2 * cfg.BLOCK_N * cfg.BLOCK_K)
     sig2 = {"a_ptr": "*bf16", **common, "y_ptr": "*fp32", "tw_ptr": "*fp32", "sorted_ptr": "*i32",
             "blk_expert_ptr": "*i32", "blk_rows_ptr": "*i32", "H": "i32", "I": "i32", "stride_at": "i32",
-            "stride_we": "i32", "stride_wn": "i32", "stride_se": "i32", "stride_sn": "i32", "stride_yt": "i32", **tail}
+            "stride_we": "i32", "stride_wn": "i32", "stride_se": "i32", "stride_sn": "i32", "stride_yt": "i32",
+            "stride_ys": "i32", "k_per_split": "i32", **tail}
     bn2 = cfg.BLOCK_N2 or cfg.BLOCK_N
     r2 = compile_report(moe._moe_w2_kernel, sig2, {**consts, "BLOCK_N": bn2}, cfg.num_warps, cfg.num_stages,
-                        tuple(d for d in div if d in sig2), bn2 * cfg.BLOCK_K)
+                        tuple(d for d in div if d in sig2) + ("stride_ys", "k_per_split"), bn2 * cfg.BLOCK_K)
     return r13, r2
 
 

@@ -58,6 +58,10 @@ class MoEConfig:
     BLOCK_N2: int | None = None  # down GEMM BLOCK_N (default: BLOCK_N)
     DEQUANT: str = "float"  # "float" or "bf16x2" (PTX, bf16 activations only), see w4_dequant.py
     SPLIT_K: int = 1     # gate/up GEMM split over H: fp32 partials, then a SwiGLU pass sums them in order
+    # down GEMM split over I: each split writes its router-weighted fp32 partial, the top-k sum adds them
+    # (per pair in split order). At T = 1 the K2 down GEMM is 8 x 112 programs for 3 per SM on 132 SMs:
+    # 2.26 waves, the last a quarter full; splits make the waves finer
+    SPLIT_K2: int = 1
     # register caps of the gate/up and down kernels (0: the compiler's choice): fewer registers, more
     # programs per SM; the code and its arithmetic are the same (not part of the reduction key). Measured
     # slower on the H200 (168 on gate/up: 152 against 133 us at T = 1; bench/results/kernels-h200-sweep-maxnreg.md)
@@ -69,8 +73,8 @@ class MoEConfig:
             raise ValueError(f"MoEConfig.DEQUANT must be one of {tuple(DEQUANTS)}, got {self.DEQUANT!r}")
         if self.BLOCK_M < 16:
             raise ValueError(f"MoEConfig.BLOCK_M must be >= 16 (tl.dot minimum), got {self.BLOCK_M}")
-        if self.SPLIT_K < 1:
-            raise ValueError(f"MoEConfig.SPLIT_K must be >= 1, got {self.SPLIT_K}")
+        if self.SPLIT_K < 1 or self.SPLIT_K2 < 1:
+            raise ValueError(f"MoEConfig.SPLIT_K and SPLIT_K2 must be >= 1, got {self.SPLIT_K} / {self.SPLIT_K2}")
         for name in ("MAXNREG13", "MAXNREG2"):
             v = getattr(self, name)
             if v and not (24 <= v <= 255 and v % 8 == 0):
@@ -78,13 +82,13 @@ class MoEConfig:
 
     def reduction_key(self) -> tuple:
         """The fields that fix how one output element is summed (must be equal across T buckets)."""
-        return (self.DEQUANT, self.BLOCK_K, self.SWAP_AB, self.SPLIT_K)
+        return (self.DEQUANT, self.BLOCK_K, self.SWAP_AB, self.SPLIT_K, self.SPLIT_K2)
 
     def as_dict(self) -> dict:
         return dict(DEQUANT=self.DEQUANT, BLOCK_M=self.BLOCK_M, BLOCK_N=self.BLOCK_N, BLOCK_K=self.BLOCK_K,
                     SWAP_AB=self.SWAP_AB, num_warps=self.num_warps, num_stages=self.num_stages,
-                    BLOCK_N2=self.BLOCK_N2, SPLIT_K=self.SPLIT_K, MAXNREG13=self.MAXNREG13,
-                    MAXNREG2=self.MAXNREG2)
+                    BLOCK_N2=self.BLOCK_N2, SPLIT_K=self.SPLIT_K, SPLIT_K2=self.SPLIT_K2,
+                    MAXNREG13=self.MAXNREG13, MAXNREG2=self.MAXNREG2)
 
 
 # (max T * top_k, config); first match wins. BLOCK_K and SWAP_AB are shared (batch invariance).
@@ -98,7 +102,8 @@ MOE_CONFIGS: list[tuple[int, MoEConfig]] = [
     (1 << 62, MoEConfig(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2, DEQUANT="bf16x2", SPLIT_K=2)),
 ]
 if len({cfg.reduction_key() for _, cfg in MOE_CONFIGS}) != 1:
-    raise ValueError("MOE_CONFIGS: all buckets must share DEQUANT, BLOCK_K, SWAP_AB and SPLIT_K (batch invariance)")
+    raise ValueError("MOE_CONFIGS: all buckets must share DEQUANT, BLOCK_K, SWAP_AB, SPLIT_K and SPLIT_K2 "
+                     "(batch invariance)")
 
 
 def moe_config(num_pairs: int) -> MoEConfig:
@@ -251,7 +256,7 @@ def _moe_swiglu_kernel(part_ptr, inter_ptr, ids_ptr, I, E, stride_ps, stride_pp,
 @triton.jit
 def _moe_w2_kernel(a_ptr, w_ptr, s_ptr, y_ptr, tw_ptr, sorted_ptr, blk_expert_ptr, blk_rows_ptr,
                    H, I,
-                   stride_at, stride_we, stride_wn, stride_se, stride_sn, stride_yt,
+                   stride_at, stride_we, stride_wn, stride_se, stride_sn, stride_yt, stride_ys, k_per_split,
                    G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    SWAP_AB: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
                    DEQ: tl.constexpr = 0, EVEN: tl.constexpr = False):
@@ -277,7 +282,8 @@ def _moe_w2_kernel(a_ptr, w_ptr, s_ptr, y_ptr, tw_ptr, sorted_ptr, blk_expert_pt
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, I, BLOCK_K):
+    k_lo = tl.program_id(2) * k_per_split   # this split's K range (whole BLOCK_K tiles)
+    for k0 in range(k_lo, tl.minimum(k_lo + k_per_split, I), BLOCK_K):
         kk = k0 + offs_k
         if EVEN:
             at = tl.load(a_rows + kk[None, :], mask=r_mask[:, None], other=0.0)
@@ -290,13 +296,14 @@ def _moe_w2_kernel(a_ptr, w_ptr, s_ptr, y_ptr, tw_ptr, sorted_ptr, blk_expert_pt
         acc = tl.trans(acc)
     tw = tl.load(tw_ptr + pair, mask=r_mask, other=0.0).to(tl.float32)
     acc = acc * tw[:, None]
-    o_ptrs = y_ptr + pair[:, None].to(tl.int64) * stride_yt + offs_n[None, :]
+    o_ptrs = y_ptr + tl.program_id(2) * stride_ys + pair[:, None].to(tl.int64) * stride_yt + offs_n[None, :]
     tl.store(o_ptrs, acc, mask=r_mask[:, None] & n_mask[None, :])
 
 
 @triton.jit
-def _moe_topk_sum_kernel(y_ptr, ids_ptr, out_ptr, H, E, stride_yt, stride_ot,
-                         TOPK: tl.constexpr, BLOCK_H: tl.constexpr):
+def _moe_topk_sum_kernel(y_ptr, ids_ptr, out_ptr, H, E, stride_yt, stride_ys, stride_ot,
+                         TOPK: tl.constexpr, BLOCK_H: tl.constexpr, SPLIT: tl.constexpr = 1):
+    """out[t] = sum over j (then over the down GEMM's splits s, in order) of y[s, t * TOPK + j]."""
     t = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = offs < H
@@ -305,7 +312,8 @@ def _moe_topk_sum_kernel(y_ptr, ids_ptr, out_ptr, H, E, stride_yt, stride_ot,
         p = t * TOPK + j
         eid = tl.load(ids_ptr + p + tl.zeros_like(offs))     # broadcast: a vector mask below
         ok = mask & (eid >= 0) & (eid < E)
-        acc += tl.load(y_ptr + p.to(tl.int64) * stride_yt + offs, mask=ok, other=0.0)
+        for sp in tl.static_range(SPLIT):
+            acc += tl.load(y_ptr + sp * stride_ys + p.to(tl.int64) * stride_yt + offs, mask=ok, other=0.0)
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -379,7 +387,10 @@ def fused_moe_w4a16(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.
     sorted_pairs, blk_expert, blk_rows = moe_align(ids, E, cfg.BLOCK_M)
     max_blocks = blk_rows.numel()
     inter = torch.empty((P, I), device=x.device, dtype=x.dtype)
-    y = torch.empty((P, H), device=x.device, dtype=torch.float32)
+    split2 = min(cfg.SPLIT_K2, triton.cdiv(I, block_k))
+    k_per_split2 = triton.cdiv(triton.cdiv(I, block_k), split2) * block_k
+    split2 = triton.cdiv(I, k_per_split2)  # drop empty splits
+    y = torch.empty((split2, P, H), device=x.device, dtype=torch.float32)
 
     split = min(cfg.SPLIT_K, triton.cdiv(H, block_k))
     k_per_split = triton.cdiv(triton.cdiv(H, block_k), split) * block_k
@@ -399,16 +410,17 @@ def fused_moe_w4a16(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.
         _moe_swiglu_kernel[(P, triton.cdiv(I, block))](
             part, inter, ids, I, E, part.stride(0), part.stride(1), inter.stride(0),
             SPLIT=split, BLOCK=block, DEQ=deq, num_warps=4)
-    _moe_w2_kernel[(max_blocks, triton.cdiv(H, bn2))](
+    _moe_w2_kernel[(max_blocks, triton.cdiv(H, bn2), split2)](
         inter, w2_packed, w2_scale, y, tw, sorted_pairs, blk_expert, blk_rows, H, I,
         inter.stride(0), w2_packed.stride(0), w2_packed.stride(1), w2_scale.stride(0), w2_scale.stride(1),
-        y.stride(0),
+        y.stride(1), y.stride(0), k_per_split2,
         G=group_size, BLOCK_M=cfg.BLOCK_M, BLOCK_N=bn2, BLOCK_K=block_k, SWAP_AB=cfg.SWAP_AB,
         UPCAST=upcast, PREC=prec, DEQ=deq, EVEN=I % block_k == 0 and H % bn2 == 0,
         num_warps=cfg.num_warps, num_stages=stages, maxnreg=cfg.MAXNREG2 or None)
     BLOCK_H = 1024
     _moe_topk_sum_kernel[(T, triton.cdiv(H, BLOCK_H))](
-        y, ids, out, H, E, y.stride(0), out.stride(0), TOPK=topk, BLOCK_H=BLOCK_H, num_warps=4)
+        y, ids, out, H, E, y.stride(1), y.stride(0), out.stride(0), TOPK=topk, BLOCK_H=BLOCK_H, SPLIT=split2,
+        num_warps=4)
     return out
 
 

@@ -200,7 +200,8 @@ def test_moe_k2_layer(k2_experts, poisoned, T):
 @pytest.mark.parametrize("over", [dict(SWAP_AB=False), dict(BLOCK_M=32), dict(BLOCK_N=128, num_warps=8),
                                   dict(BLOCK_K=128, num_stages=2), dict(BLOCK_N2=128), dict(DEQUANT="bf16x2"),
                                   dict(DEQUANT="bf16x2", BLOCK_N=32, BLOCK_N2=64),
-                                  dict(DEQUANT="bf16x2", BLOCK_K=128, num_stages=6)])
+                                  dict(DEQUANT="bf16x2", BLOCK_K=128, num_stages=6), dict(SPLIT_K2=2),
+                                  dict(SPLIT_K2=4)])
 def test_moe_config_variants(k2_experts, poisoned, over):
     T = 16
     x = torch.randn(T, H, device=DEV).to(torch.bfloat16)
@@ -210,7 +211,8 @@ def test_moe_config_variants(k2_experts, poisoned, over):
     _check(out, fused_moe_reference(x, *k2_experts, ids, tw, G), BF16_TOL, f"MoE {over}")
 
 
-@pytest.mark.parametrize("over", [dict(), dict(DEQUANT="bf16x2", BLOCK_N=32), dict(DEQUANT="bf16x2", SWAP_AB=False)])
+@pytest.mark.parametrize("over", [dict(), dict(DEQUANT="bf16x2", BLOCK_N=32), dict(DEQUANT="bf16x2", SWAP_AB=False),
+                                  dict(SPLIT_K2=2)])
 def test_moe_batch_invariant(k2_experts, over):
     T = 64
     x = torch.randn(T, H, device=DEV).to(torch.bfloat16)

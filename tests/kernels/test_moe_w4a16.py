@@ -86,6 +86,12 @@ CASES = {
     "t5_fp32_split2_mixed": (5, 160, 64, 6, 3, 32, "fp32", "mixed", {"SPLIT_K": 2, "BLOCK_K": 64}),
     "t3_bf16_x2_split3": (3, 320, 96, 5, 2, 32, "bf16", "distinct", {"SPLIT_K": 3, "BLOCK_K": 64,
                                                                      "DEQUANT": "bf16x2", "BLOCK_N": 32}),
+    # down GEMM split over I: per-split router-weighted partials summed by the top-k pass (uneven last
+    # split with masked tiles; EVEN splits with the bf16x2 order, together with the gate/up split)
+    "t5_fp32_down_split2_mixed": (5, 96, 96, 6, 3, 32, "fp32", "mixed", {"SPLIT_K2": 2, "BLOCK_K": 64}),
+    "t3_bf16_x2_down_split3": (3, 128, 192, 5, 2, 32, "bf16", "distinct", {"SPLIT_K2": 3, "SPLIT_K": 2,
+                                                                          "BLOCK_K": 64, "DEQUANT": "bf16x2",
+                                                                          "BLOCK_N": 32}),
 }
 
 
@@ -128,3 +134,12 @@ def test_register_caps_are_checked():
     for name, bad in (("MAXNREG13", 100), ("MAXNREG2", 16), ("MAXNREG2", 256)):
         with pytest.raises(ValueError, match=name):
             MoEConfig(**{name: bad})
+
+
+def test_down_split_is_checked_and_part_of_the_reduction_key():
+    """SPLIT_K2 >= 1 (named when refused) and, as it changes how an output is summed, in the reduction key."""
+    from kdtree_engine.kernels.moe_w4a16 import MoEConfig
+
+    assert MoEConfig(SPLIT_K2=2).reduction_key() != MoEConfig().reduction_key()
+    with pytest.raises(ValueError, match="SPLIT_K2"):
+        MoEConfig(SPLIT_K2=0)
