@@ -58,12 +58,10 @@ MOE_CANDIDATES: list[tuple[str, MoEConfig]] = [
     # the current default (gate/up split in two over H, 3 stages): 198 / 158 registers on sm_90 (triton
     # 3.6, bench/w4_aot.py), so 2 / 3 programs of 4 warps per SM; capped registers give 3 / 4
     ("dot_x2_n64_k256_w4_s3_split2", _m(**X2, num_stages=3, SPLIT_K=2)),
-    # the down GEMM split over I as well (SPLIT_K2): at T = 1 its 896 programs are 2.26 waves of 3 per SM
-    ("dot_x2_n64_k256_w4_s3_split2_down2", _m(**X2, num_stages=3, SPLIT_K=2, SPLIT_K2=2)),
-    ("dot_x2_n64_k256_w4_s3_split2_down4", _m(**X2, num_stages=3, SPLIT_K=2, SPLIT_K2=4)),
 ]
 # register caps (MAXNREG13 / MAXNREG2 168 / 128 / 128 + 128 at 2-3 stages) measured slower:
-# bench/results/kernels-h200-sweep-maxnreg.md
+# bench/results/kernels-h200-sweep-maxnreg.md; the down GEMM split over I (SPLIT_K2 2 / 4) too:
+# bench/results/kernels-h200-sweep-down.md
 # measured in bench/results/kernels-h200-sweep-splitk.md: split 4, 8 warps, 32-row tiles, BLOCK_K 128,
 # BLOCK_N 32, BLOCK_N2 32 (all slower than the default)
 

@@ -60,7 +60,9 @@ class MoEConfig:
     SPLIT_K: int = 1     # gate/up GEMM split over H: fp32 partials, then a SwiGLU pass sums them in order
     # down GEMM split over I: each split writes its router-weighted fp32 partial, the top-k sum adds them
     # (per pair in split order). At T = 1 the K2 down GEMM is 8 x 112 programs for 3 per SM on 132 SMs:
-    # 2.26 waves, the last a quarter full; splits make the waves finer
+    # 2.26 waves, the last a quarter full; splits make the waves finer. Measured slower on the H200
+    # (2 / 4 splits: 135 / 143 against 132 us at T = 1, 1494 / 1607 against 1454 at T = 16;
+    # bench/results/kernels-h200-sweep-down.md): off (1) in the defaults
     SPLIT_K2: int = 1
     # register caps of the gate/up and down kernels (0: the compiler's choice): fewer registers, more
     # programs per SM; the code and its arithmetic are the same (not part of the reduction key). Measured
