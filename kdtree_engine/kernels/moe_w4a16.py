@@ -49,7 +49,9 @@ from kdtree_engine.quant import dequantize
 
 @dataclass(frozen=True)
 class MoEConfig:
-    BLOCK_M: int = 16    # token rows per expert block (>= 16: tl.dot minimum)
+    # token rows per expert block (a power of 2 >= 8). With SWAP_AB the tokens are the MMA's N side: on
+    # sm_90 8 rows compile to mma.sync (128 registers on gate/up, no wgmma waits), 16 and more to wgmma
+    BLOCK_M: int = 16
     BLOCK_N: int = 64    # weight rows per program (w13: gate rows; up rows come with them)
     BLOCK_K: int = 256
     SWAP_AB: bool = True
@@ -73,8 +75,8 @@ class MoEConfig:
     def __post_init__(self) -> None:
         if self.DEQUANT not in DEQUANTS:
             raise ValueError(f"MoEConfig.DEQUANT must be one of {tuple(DEQUANTS)}, got {self.DEQUANT!r}")
-        if self.BLOCK_M < 16:
-            raise ValueError(f"MoEConfig.BLOCK_M must be >= 16 (tl.dot minimum), got {self.BLOCK_M}")
+        if self.BLOCK_M < 8 or self.BLOCK_M & (self.BLOCK_M - 1):
+            raise ValueError(f"MoEConfig.BLOCK_M must be a power of 2 >= 8, got {self.BLOCK_M}")
         if self.SPLIT_K < 1 or self.SPLIT_K2 < 1:
             raise ValueError(f"MoEConfig.SPLIT_K and SPLIT_K2 must be >= 1, got {self.SPLIT_K} / {self.SPLIT_K2}")
         for name in ("MAXNREG13", "MAXNREG2"):

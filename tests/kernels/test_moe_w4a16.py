@@ -86,6 +86,10 @@ CASES = {
     "t5_fp32_split2_mixed": (5, 160, 64, 6, 3, 32, "fp32", "mixed", {"SPLIT_K": 2, "BLOCK_K": 64}),
     "t3_bf16_x2_split3": (3, 320, 96, 5, 2, 32, "bf16", "distinct", {"SPLIT_K": 3, "BLOCK_K": 64,
                                                                      "DEQUANT": "bf16x2", "BLOCK_N": 32}),
+    # 8-row expert blocks (an expert with more pairs takes several blocks)
+    "t11_bf16_x2_bm8_multiblock": (11, 96, 64, 3, 3, 32, "bf16", "distinct", {"BLOCK_M": 8, "DEQUANT": "bf16x2",
+                                                                           "BLOCK_N": 32}),
+    "t5_fp32_bm8_mixed": (5, 96, 64, 6, 3, 32, "fp32", "mixed", {"BLOCK_M": 8}),
     # down GEMM split over I: per-split router-weighted partials summed by the top-k pass (uneven last
     # split with masked tiles; EVEN splits with the bf16x2 order, together with the gate/up split)
     "t5_fp32_down_split2_mixed": (5, 96, 96, 6, 3, 32, "fp32", "mixed", {"SPLIT_K2": 2, "BLOCK_K": 64}),
