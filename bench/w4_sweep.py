@@ -58,15 +58,11 @@ MOE_CANDIDATES: list[tuple[str, MoEConfig]] = [
     # the current default (gate/up split in two over H, 3 stages): 198 / 158 registers on sm_90 (triton
     # 3.6, bench/w4_aot.py), so 2 / 3 programs of 4 warps per SM; capped registers give 3 / 4
     ("dot_x2_n64_k256_w4_s3_split2", _m(**X2, num_stages=3, SPLIT_K=2)),
-    # 8-token expert blocks: mma.sync on sm_90 (triton 3.6: 128 / 127 registers, 3.41 / 3.68 instructions
-    # per weight in the gate/up / down K loops against 3.75 / 4.15, no wgmma waits; bench/w4_aot.py)
-    ("dot_x2_bm8_n64_k256_w4_s3_split2", _m(**X2, BLOCK_M=8, num_stages=3, SPLIT_K=2)),
-    ("dot_x2_bm8_n64_k256_w4_s4_split2", _m(**X2, BLOCK_M=8, num_stages=4, SPLIT_K=2)),
-    ("dot_x2_bm8_n64_k256_w4_s2_split2", _m(**X2, BLOCK_M=8, num_stages=2, SPLIT_K=2)),
 ]
 # register caps (MAXNREG13 / MAXNREG2 168 / 128 / 128 + 128 at 2-3 stages) measured slower:
 # bench/results/kernels-h200-sweep-maxnreg.md; the down GEMM split over I (SPLIT_K2 2 / 4) too:
-# bench/results/kernels-h200-sweep-down.md
+# bench/results/kernels-h200-sweep-down.md; 8-token expert blocks (mma.sync on sm_90) at 2 / 3 / 4 stages
+# too: bench/results/kernels-h200-sweep-bm8.md
 # measured in bench/results/kernels-h200-sweep-splitk.md: split 4, 8 warps, 32-row tiles, BLOCK_K 128,
 # BLOCK_N 32, BLOCK_N2 32 (all slower than the default)
 

@@ -50,7 +50,10 @@ from kdtree_engine.quant import dequantize
 @dataclass(frozen=True)
 class MoEConfig:
     # token rows per expert block (a power of 2 >= 8). With SWAP_AB the tokens are the MMA's N side: on
-    # sm_90 8 rows compile to mma.sync (128 registers on gate/up, no wgmma waits), 16 and more to wgmma
+    # sm_90 8 rows compile to mma.sync (128 registers on gate/up, no wgmma waits), 16 and more to wgmma,
+    # which round differently (60 of 7168 outputs differ at T = 1), so 8 is part of the reduction key.
+    # Measured slower: 190 / 661 / 2221 against 132 / 439 / 1454 us at T = 1 / 4 / 16 (the operand reads
+    # become scalar shared loads; bench/results/kernels-h200-sweep-bm8.md)
     BLOCK_M: int = 16
     BLOCK_N: int = 64    # weight rows per program (w13: gate rows; up rows come with them)
     BLOCK_K: int = 256
@@ -86,7 +89,7 @@ class MoEConfig:
 
     def reduction_key(self) -> tuple:
         """The fields that fix how one output element is summed (must be equal across T buckets)."""
-        return (self.DEQUANT, self.BLOCK_K, self.SWAP_AB, self.SPLIT_K, self.SPLIT_K2)
+        return (self.DEQUANT, self.BLOCK_K, self.SWAP_AB, self.SPLIT_K, self.SPLIT_K2, self.BLOCK_M < 16)
 
     def as_dict(self) -> dict:
         return dict(DEQUANT=self.DEQUANT, BLOCK_M=self.BLOCK_M, BLOCK_N=self.BLOCK_N, BLOCK_K=self.BLOCK_K,
@@ -106,8 +109,8 @@ MOE_CONFIGS: list[tuple[int, MoEConfig]] = [
     (1 << 62, MoEConfig(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2, DEQUANT="bf16x2", SPLIT_K=2)),
 ]
 if len({cfg.reduction_key() for _, cfg in MOE_CONFIGS}) != 1:
-    raise ValueError("MOE_CONFIGS: all buckets must share DEQUANT, BLOCK_K, SWAP_AB, SPLIT_K and SPLIT_K2 "
-                     "(batch invariance)")
+    raise ValueError("MOE_CONFIGS: all buckets must share DEQUANT, BLOCK_K, SWAP_AB, SPLIT_K, SPLIT_K2 and "
+                     "the MMA kind (BLOCK_M 8 or >= 16; batch invariance)")
 
 
 def moe_config(num_pairs: int) -> MoEConfig:

@@ -288,14 +288,3 @@ def test_moe_dtypes_odd_shapes(poisoned, dtype, tol, shape):
 def test_moe_config_type():
     assert isinstance(moe_config(8), MoEConfig) and isinstance(dense_config(1), W4Config)
 
-
-@pytest.mark.parametrize("T", [1, 16])
-def test_moe_block_m8_bits_vs_16(k2_experts, T):
-    """Whether 8-token expert blocks (mma.sync on sm_90) give the bits of 16-token blocks (wgmma): the
-    condition for mixing the two in one bucket table (batch invariance)."""
-    x = torch.randn(T, H, device=DEV).to(torch.bfloat16)
-    ids, tw = route(T)
-    base = moe_config(T * TOPK)
-    a = fused_moe_w4a16(x, *k2_experts, ids, tw, G, config=replace(base, BLOCK_M=16))
-    b = fused_moe_w4a16(x, *k2_experts, ids, tw, G, config=replace(base, BLOCK_M=8))
-    assert torch.equal(a, b), f"{int((a != b).sum())} of {a.numel()} elements differ"

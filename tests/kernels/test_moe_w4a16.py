@@ -145,5 +145,8 @@ def test_down_split_is_checked_and_part_of_the_reduction_key():
     from kdtree_engine.kernels.moe_w4a16 import MoEConfig
 
     assert MoEConfig(SPLIT_K2=2).reduction_key() != MoEConfig().reduction_key()
+    # 8-token blocks compile to another MMA kind on sm_90 (other bits): never mixed with 16+ in a table
+    assert MoEConfig(BLOCK_M=8).reduction_key() != MoEConfig(BLOCK_M=16).reduction_key()
+    assert MoEConfig(BLOCK_M=32).reduction_key() == MoEConfig(BLOCK_M=16).reduction_key()
     with pytest.raises(ValueError, match="SPLIT_K2"):
         MoEConfig(SPLIT_K2=0)
