@@ -41,6 +41,17 @@ DENSE_CANDIDATES: list[tuple[str, W4Config]] = [
     # Families measured in bench/results/kernels-h200-sweep.md are left out (float dequant, split 1, k128
     # without split): the list holds the default and the variants not yet measured.
     ("dot_x2_n64_k256_w4_s4_split2", _d(**X2, split_k=2)),                   # the current default
+    # tokens on the MMA's M side in 64-row wgmma tiles (rows past M masked): the dequantized tile is the
+    # B operand, stored once to shared memory and read there by the asynchronous wgmma (no LDSM reload,
+    # one wgmma wait per K step; sm_90 SASS, triton 3.6: 2.99-3.91 instructions per weight, no spills)
+    ("dot_x2_noswap_m64_n128_k128_w8_s4_split2", _d(**X2, SWAP_AB=False, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128,
+                                                    num_warps=8, num_stages=4, split_k=2)),
+    ("dot_x2_noswap_m64_n256_k128_w8_s3_split2", _d(**X2, SWAP_AB=False, BLOCK_M=64, BLOCK_N=256, BLOCK_K=128,
+                                                    num_warps=8, num_stages=3, split_k=2)),
+    ("dot_x2_noswap_m64_n128_k256_w8_s3_split2", _d(**X2, SWAP_AB=False, BLOCK_M=64, BLOCK_N=128, BLOCK_K=256,
+                                                    num_warps=8, num_stages=3, split_k=2)),
+    ("dot_x2_noswap_m64_n64_k128_w4_s4_split2", _d(**X2, SWAP_AB=False, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128,
+                                                   num_warps=4, num_stages=4, split_k=2)),
     ("dot_x2_n64_k256_w4_s5_split2", _d(**X2, num_stages=5, split_k=2)),
     ("dot_x2_n64_k256_w4_s3_split4", _d(**X2, num_stages=3, split_k=4)),
     ("dot_x2_n64_k256_w8_s4_split2", _d(**X2, num_warps=8, split_k=2)),
@@ -58,6 +69,14 @@ MOE_CANDIDATES: list[tuple[str, MoEConfig]] = [
     # the current default (gate/up split in two over H, 3 stages): 198 / 158 registers on sm_90 (triton
     # 3.6, bench/w4_aot.py), so 2 / 3 programs of 4 warps per SM; capped registers give 3 / 4
     ("dot_x2_n64_k256_w4_s3_split2", _m(**X2, num_stages=3, SPLIT_K=2)),
+    # 64-row wgmma tiles with the tokens on M (see DENSE_CANDIDATES): an expert block's rows past its
+    # tokens are masked MMA rows
+    ("dot_x2_noswap_m64_n128_k128_w8_s3_split2", _m(**X2, SWAP_AB=False, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128,
+                                                    num_warps=8, num_stages=3, SPLIT_K=2)),
+    ("dot_x2_noswap_m64_n128_k128_w8_s4_split2", _m(**X2, SWAP_AB=False, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128,
+                                                    num_warps=8, num_stages=4, SPLIT_K=2)),
+    ("dot_x2_noswap_m64_n64_k128_w4_s4_split2", _m(**X2, SWAP_AB=False, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128,
+                                                   num_warps=4, num_stages=4, SPLIT_K=2)),
 ]
 # register caps (MAXNREG13 / MAXNREG2 168 / 128 / 128 + 128 at 2-3 stages) measured slower:
 # bench/results/kernels-h200-sweep-maxnreg.md; the down GEMM split over I (SPLIT_K2 2 / 4) too:

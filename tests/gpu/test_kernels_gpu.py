@@ -89,7 +89,9 @@ def test_dense_k2(dense_weights, poisoned, name, M):
                                   dict(DEQUANT="bf16x2"),
                                   dict(DEQUANT="bf16x2", BLOCK_N=128, num_warps=8, num_stages=3),
                                   dict(DEQUANT="bf16x2", BLOCK_N=32), dict(KERNEL="fma", BLOCK_M=1),
-                                  dict(KERNEL="fma", BLOCK_M=2, BLOCK_N=32), dict(KERNEL="fma", BLOCK_M=4, BLOCK_N=32)])
+                                  dict(KERNEL="fma", BLOCK_M=2, BLOCK_N=32), dict(KERNEL="fma", BLOCK_M=4, BLOCK_N=32),
+                                  dict(DEQUANT="bf16x2", SWAP_AB=False, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128,
+                                       num_warps=8, num_stages=4)])
 @pytest.mark.parametrize("M", [1, 16, 100])
 def test_dense_config_variants(dense_weights, poisoned, over, M):
     packed, scale = dense_weights["expert_w13"]
@@ -119,6 +121,11 @@ FAMILY_TABLES = {
                           (64, dict(DEQUANT="bf16x2", SWAP_AB=False, num_stages=3)),
                           (1 << 62, dict(DEQUANT="bf16x2", SWAP_AB=False, BLOCK_N=128, num_warps=8,
                                          num_stages=2))],
+    # 64-row wgmma tiles for every bucket (tokens on M)
+    "dot_bf16x2_noswap_m64": [(16, dict(DEQUANT="bf16x2", SWAP_AB=False, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128,
+                                        num_warps=8, num_stages=4)),
+                              (1 << 62, dict(DEQUANT="bf16x2", SWAP_AB=False, BLOCK_M=64, BLOCK_N=128,
+                                             BLOCK_K=128, num_warps=8, num_stages=3))],
     "fma": [(1, dict(KERNEL="fma", BLOCK_M=1)), (2, dict(KERNEL="fma", BLOCK_M=2)),
             (1 << 62, dict(KERNEL="fma", BLOCK_M=4))],
 }
@@ -201,7 +208,9 @@ def test_moe_k2_layer(k2_experts, poisoned, T):
                                   dict(BLOCK_K=128, num_stages=2), dict(BLOCK_N2=128), dict(DEQUANT="bf16x2"),
                                   dict(DEQUANT="bf16x2", BLOCK_N=32, BLOCK_N2=64),
                                   dict(DEQUANT="bf16x2", BLOCK_K=128, num_stages=6), dict(SPLIT_K2=2),
-                                  dict(SPLIT_K2=4), dict(BLOCK_M=8)])
+                                  dict(SPLIT_K2=4), dict(BLOCK_M=8),
+                                  dict(SWAP_AB=False, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=8,
+                                       num_stages=3)])
 def test_moe_config_variants(k2_experts, poisoned, over):
     T = 16
     x = torch.randn(T, H, device=DEV).to(torch.bfloat16)
@@ -212,7 +221,9 @@ def test_moe_config_variants(k2_experts, poisoned, over):
 
 
 @pytest.mark.parametrize("over", [dict(), dict(DEQUANT="bf16x2", BLOCK_N=32), dict(DEQUANT="bf16x2", SWAP_AB=False),
-                                  dict(SPLIT_K2=2), dict(BLOCK_M=8)])
+                                  dict(SPLIT_K2=2), dict(BLOCK_M=8),
+                                  dict(SWAP_AB=False, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=8,
+                                       num_stages=3)])
 def test_moe_batch_invariant(k2_experts, over):
     T = 64
     x = torch.randn(T, H, device=DEV).to(torch.bfloat16)
