@@ -38,27 +38,12 @@ DENSE_CANDIDATES: list[tuple[str, W4Config]] = [
     # bf16x2 a per-word gather). bench/w4_aot.py: instructions per weight element in the K loop:
     # dot_float ~7.4, dot_x2 ~4.0. N=36864 gives 576 programs at BLOCK_N 64. A "group" dequant (raw
     # codes into the MMA, scale applied per group of 32 after it) measured 3-4x slower and was dropped.
-    # Families measured in bench/results/kernels-h200-sweep.md are left out (float dequant, split 1, k128
-    # without split): the list holds the default and the variants not yet measured.
     ("dot_x2_n64_k256_w4_s4_split2", _d(**X2, split_k=2)),                   # the current default
-    # tokens on the MMA's M side in 64-row wgmma tiles (rows past M masked): the dequantized tile is the
-    # B operand, stored once to shared memory and read there by the asynchronous wgmma (no LDSM reload,
-    # one wgmma wait per K step; sm_90 SASS, triton 3.6: 2.99-3.91 instructions per weight, no spills)
-    ("dot_x2_noswap_m64_n128_k128_w8_s4_split2", _d(**X2, SWAP_AB=False, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128,
-                                                    num_warps=8, num_stages=4, split_k=2)),
-    ("dot_x2_noswap_m64_n256_k128_w8_s3_split2", _d(**X2, SWAP_AB=False, BLOCK_M=64, BLOCK_N=256, BLOCK_K=128,
-                                                    num_warps=8, num_stages=3, split_k=2)),
-    ("dot_x2_noswap_m64_n128_k256_w8_s3_split2", _d(**X2, SWAP_AB=False, BLOCK_M=64, BLOCK_N=128, BLOCK_K=256,
-                                                    num_warps=8, num_stages=3, split_k=2)),
-    ("dot_x2_noswap_m64_n64_k128_w4_s4_split2", _d(**X2, SWAP_AB=False, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128,
-                                                   num_warps=4, num_stages=4, split_k=2)),
-    ("dot_x2_n64_k256_w4_s5_split2", _d(**X2, num_stages=5, split_k=2)),
-    ("dot_x2_n64_k256_w4_s3_split4", _d(**X2, num_stages=3, split_k=4)),
-    ("dot_x2_n64_k256_w8_s4_split2", _d(**X2, num_warps=8, split_k=2)),
-    ("dot_x2_n128_k256_w8_s4_split2", _d(**X2, BLOCK_N=128, num_warps=8, num_stages=4, split_k=2)),
-    ("dot_x2_n32_k256_w4_s4_split2", _d(**X2, BLOCK_N=32, split_k=2)),
-    ("dot_x2_n64_k128_w4_s6_split2", _d(**X2, BLOCK_K=128, num_stages=6, split_k=2)),
 ]
+# measured slower than the default (bench/results/kernels-h200-sweep-m64.md): 5 stages, split 4, 8 warps,
+# BLOCK_N 128 / 32, BLOCK_K 128 with 6 stages (90.8-175 against 89 us at M = 1), and the tokens on the
+# MMA's M side in 64-row wgmma tiles (the dequantized tile as the shared-memory B operand: no LDSM reload,
+# one wgmma wait per K step; 155-198 us); earlier sweeps: float dequant, split 1, k128 without split
 
 
 def _m(**kw) -> MoEConfig:
@@ -69,19 +54,12 @@ MOE_CANDIDATES: list[tuple[str, MoEConfig]] = [
     # the current default (gate/up split in two over H, 3 stages): 198 / 158 registers on sm_90 (triton
     # 3.6, bench/w4_aot.py), so 2 / 3 programs of 4 warps per SM; capped registers give 3 / 4
     ("dot_x2_n64_k256_w4_s3_split2", _m(**X2, num_stages=3, SPLIT_K=2)),
-    # 64-row wgmma tiles with the tokens on M (see DENSE_CANDIDATES): an expert block's rows past its
-    # tokens are masked MMA rows
-    ("dot_x2_noswap_m64_n128_k128_w8_s3_split2", _m(**X2, SWAP_AB=False, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128,
-                                                    num_warps=8, num_stages=3, SPLIT_K=2)),
-    ("dot_x2_noswap_m64_n128_k128_w8_s4_split2", _m(**X2, SWAP_AB=False, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128,
-                                                    num_warps=8, num_stages=4, SPLIT_K=2)),
-    ("dot_x2_noswap_m64_n64_k128_w4_s4_split2", _m(**X2, SWAP_AB=False, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128,
-                                                   num_warps=4, num_stages=4, SPLIT_K=2)),
 ]
 # register caps (MAXNREG13 / MAXNREG2 168 / 128 / 128 + 128 at 2-3 stages) measured slower:
 # bench/results/kernels-h200-sweep-maxnreg.md; the down GEMM split over I (SPLIT_K2 2 / 4) too:
 # bench/results/kernels-h200-sweep-down.md; 8-token expert blocks (mma.sync on sm_90) at 2 / 3 / 4 stages
-# too: bench/results/kernels-h200-sweep-bm8.md
+# too: bench/results/kernels-h200-sweep-bm8.md; the tokens on the MMA's M side in 64-row wgmma tiles
+# (BLOCK_N 64 / 128, 3 / 4 stages) 215-234 against 134 us at T = 1: bench/results/kernels-h200-sweep-m64.md
 # measured in bench/results/kernels-h200-sweep-splitk.md: split 4, 8 warps, 32-row tiles, BLOCK_K 128,
 # BLOCK_N 32, BLOCK_N2 32 (all slower than the default)
 
