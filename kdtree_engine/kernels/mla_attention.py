@@ -577,14 +577,16 @@ def _pair_tree(x, B: tl.constexpr, D: tl.constexpr):
 def _mla_merge_kernel(po_ptr, pl_ptr, nvis_ptr, out_ptr, s_ptr, S, N, NC,
                       stride_pom, stride_poc, stride_plm, stride_ot, stride_on,
                       C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, CHUNK: tl.constexpr,
-                      CAUSAL: tl.constexpr, S_DEV: tl.constexpr = False, LSE_BLOCK: tl.constexpr = 256):
+                      CAUSAL: tl.constexpr, S_DEV: tl.constexpr = False, LSE_BLOCK: tl.constexpr = 256,
+                      PREFETCH: tl.constexpr = False):
     """grid (rows, C / BLOCK_D): merge a row's chunks.
 
     Summation order (per output element, the same for any BLOCK_D, layout or warps): chunks in blocks of
     BLOCK_C, each block summed by a fixed pairwise tree, the block sums added in chunk order; the
     weights' sum likewise. It depends on the chunk count only. Chunks past the row's count weigh exactly
     0, so one chunk merges to its own value bit for bit (as the direct write). BLOCK_C chunks per step
-    are loaded at once, so a long context keeps many loads in flight (the partials are in L2)."""
+    are loaded at once, so a long context keeps many loads in flight (the partials are in L2). PREFETCH
+    issues the next block's loads before the current block's sums (a load method: same bits)."""
     r = tl.program_id(0)
     d0 = tl.program_id(1) * BLOCK_D
     if S_DEV:
@@ -608,14 +610,33 @@ def _mla_merge_kernel(po_ptr, pl_ptr, nvis_ptr, out_ptr, s_ptr, S, N, NC,
     d_ok = offs_d < C
     acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
     den = tl.zeros((1,), dtype=tl.float32)
-    for c0 in range(0, n_ch, BLOCK_C):
-        cc = c0 + offs_c
-        c_ok = cc < n_ch
-        w = tl.exp2(tl.load(pl_ptr + r64 * stride_plm + cc, mask=c_ok, other=float("-inf")) - m_all)
-        o = tl.load(po_ptr + r64 * stride_pom + cc[:, None].to(tl.int64) * stride_poc + offs_d[None, :],
-                    mask=c_ok[:, None] & d_ok[None, :], other=0.0)
-        acc += _pair_tree(w[:, None] * o, BLOCK_C, BLOCK_D)
-        den += _pair_tree(w[:, None], BLOCK_C, 1)
+    pl_row = pl_ptr + r64 * stride_plm
+    po_row = po_ptr + r64 * stride_pom + offs_d[None, :]
+    if PREFETCH:
+        c_ok = offs_c < n_ch
+        lse_n = tl.load(pl_row + offs_c, mask=c_ok, other=float("-inf"))
+        o_n = tl.load(po_row + offs_c[:, None].to(tl.int64) * stride_poc, mask=c_ok[:, None] & d_ok[None, :],
+                      other=0.0)
+        for c0 in range(0, n_ch, BLOCK_C):
+            lse = lse_n
+            o = o_n
+            cc = c0 + BLOCK_C + offs_c
+            c_ok = cc < n_ch
+            lse_n = tl.load(pl_row + cc, mask=c_ok, other=float("-inf"))
+            o_n = tl.load(po_row + cc[:, None].to(tl.int64) * stride_poc, mask=c_ok[:, None] & d_ok[None, :],
+                          other=0.0)
+            w = tl.exp2(lse - m_all)
+            acc += _pair_tree(w[:, None] * o, BLOCK_C, BLOCK_D)
+            den += _pair_tree(w[:, None], BLOCK_C, 1)
+    else:
+        for c0 in range(0, n_ch, BLOCK_C):
+            cc = c0 + offs_c
+            c_ok = cc < n_ch
+            w = tl.exp2(tl.load(pl_row + cc, mask=c_ok, other=float("-inf")) - m_all)
+            o = tl.load(po_row + cc[:, None].to(tl.int64) * stride_poc, mask=c_ok[:, None] & d_ok[None, :],
+                        other=0.0)
+            acc += _pair_tree(w[:, None] * o, BLOCK_C, BLOCK_D)
+            den += _pair_tree(w[:, None], BLOCK_C, 1)
     o = acc / den
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + h.to(tl.int64) * stride_on + offs_d,
              o.to(out_ptr.dtype.element_ty), mask=d_ok)
