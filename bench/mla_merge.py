@@ -33,9 +33,9 @@ PER_GRAPH = 20   # launches per CUDA graph (one launch alone would time the repl
 SHAPES = [("decode N=8 32K", 1, 8, 32768), ("decode N=8 128K", 1, 8, 131072), ("decode N=8 256K", 1, 8, 262144),
           ("decode N=64 128K", 1, 64, 131072), ("verify N=8 T=16 32K", 16, 8, 32768),
           ("verify N=8 T=16 128K", 16, 8, 131072)]
-# (BLOCK_D or 0 for the engine's, num_warps, PREFETCH); the first is the engine's launch
-VARIANTS = [(0, 2, False), (0, 2, True), (16, 2, False), (16, 2, True), (16, 1, True), (8, 1, True),
-            (32, 4, True), (64, 4, True)]
+# (BLOCK_D, num_warps, PREFETCH); None: the engine's launch (merge_tiles), timed first
+VARIANTS = [None, (32, 2, False), (32, 2, True), (128, 2, False), (16, 2, False), (16, 2, True), (16, 1, True),
+            (8, 1, True), (32, 4, True), (64, 4, True)]
 
 
 def run_shape(T: int, N: int, S: int, reps: int) -> list[dict]:
@@ -45,10 +45,11 @@ def run_shape(T: int, N: int, S: int, reps: int) -> list[dict]:
     po = torch.randn(rows, n_ch, C, device="cuda", generator=gen)
     pl = 4 * torch.randn(rows, n_ch, device="cuda", generator=gen)
     nvis = torch.zeros(1, dtype=torch.int32, device="cuda")
-    block_c, block_d0, lse_block = merge_tiles(rows, n_ch, C)
+    mt = merge_tiles(rows, n_ch, C)
+    block_c, lse_block = mt.block_c, mt.lse_block
     recs, ref = [], None
-    for bd, warps, pre in VARIANTS:
-        bd = bd or block_d0
+    for variant in VARIANTS:
+        bd, warps, pre = variant or (mt.block_d, mt.warps, mt.prefetch)
         out = torch.empty(T, N, C, device="cuda", dtype=torch.bfloat16)
 
         def launch(out=out, bd=bd, warps=warps, pre=pre) -> None:
@@ -62,7 +63,7 @@ def run_shape(T: int, N: int, S: int, reps: int) -> list[dict]:
         if ref is None:
             ref = out.clone()
         t = time_calls([launch] * PER_GRAPH, reps=reps, warmup=2)
-        recs.append({"BLOCK_D": bd, "num_warps": warps, "PREFETCH": pre, "programs": rows * triton.cdiv(C, bd),
+        recs.append({"engine": variant is None, "BLOCK_D": bd, "num_warps": warps, "PREFETCH": pre, "programs": rows * triton.cdiv(C, bd),
                      "us": t["us"], "graph": t["graph"], "same_bits": bool(torch.equal(out, ref))})
     return recs
 
@@ -80,14 +81,14 @@ def main(argv: list[str] | None = None) -> int:
         for rec in run_shape(T, N, S, args.reps):
             rec = {"shape": label, "T": T, "N": N, "S": S, **rec}
             cases.append(rec)
-            table.append([label, rec["BLOCK_D"], rec["num_warps"], rec["PREFETCH"], rec["programs"], rec["us"],
+            table.append([label, "engine" if rec["engine"] else "", rec["BLOCK_D"], rec["num_warps"], rec["PREFETCH"], rec["programs"], rec["us"],
                           rec["same_bits"]])
             print(label, rec, flush=True)
     info = device_info()
     gpu = "h200" if "H200" in info["gpu"] else info["gpu"].split()[-1].lower()
     md = [f"# MLA attention chunk merge on {info['gpu']}", "", f"Command: `{command_line()}`", "",
           "The first row of each shape is the engine's launch; same bits = equal to it.", ""]
-    md += md_table(["shape", "BLOCK_D", "warps", "PREFETCH", "programs", "us", "same bits"], table)
+    md += md_table(["shape", "launch", "BLOCK_D", "warps", "PREFETCH", "programs", "us", "same bits"], table)
     write_results(args.out, f"mla_merge-{gpu}", {"command": command_line(), "device": info, "cases": cases}, md)
     return 0 if all(r["same_bits"] for r in cases) else 1
 

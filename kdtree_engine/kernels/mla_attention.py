@@ -81,6 +81,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 import triton
@@ -300,17 +301,32 @@ DEFAULT_CONFIGS: list[tuple[int, MLAConfig]] = [
 MERGE_BLOCK_C = 64   # a power of 2, at most 128 (_pair_tree)
 
 
-def merge_tiles(rows: int, n_ch: int, C: int) -> tuple[int, int, int]:
-    """(BLOCK_C, BLOCK_D, LSE_BLOCK) of a merge launch over `rows` rows and n_ch chunks (the grid's).
+class MergeTiles(NamedTuple):
+    block_c: int     # chunks per pairwise tree
+    block_d: int     # output columns per program
+    lse_block: int   # chunks per step of the max pass
+    warps: int
+    prefetch: bool   # the next block's loads issued before the current block's sums
+
+
+def merge_tiles(rows: int, n_ch: int, C: int) -> MergeTiles:
+    """The launch of a merge over `rows` rows and n_ch chunks (the grid's).
 
     Bit-neutral: a row's chunks past its own count weigh exactly 0, so a pairwise tree over any power of
     2 >= n_ch gives the same sum as the canonical MERGE_BLOCK_C tree (the padded pairs add exact zeros);
     a launch whose chunks fit in fewer takes a smaller tree (a 4K-context verify: 9 chunks, 16). The
-    column tile and the max's block do not touch the order: 32 columns when few rows (a decode launch
-    merges in 16 programs per row), 128 otherwise."""
+    column tile, warps, prefetch and the max's block do not touch the order. From bench/mla_merge.py on
+    the H200 (bench/results/mla_merge-h200.md, us per merge back to back): up to 16 rows (a decode at
+    N <= 16) 16 columns in one warp with prefetch (N = 8 at 32K / 128K / 256K: 2.82 / 4.09 / 5.87
+    against 3.00 / 4.74 / 6.97 for 32 columns in two warps); up to 64 rows 32 columns in two warps (N = 64
+    decode at 128K: 11.1, 10.4 for 64 columns in four warps with prefetch); more rows 128 columns in two
+    warps (a 16-node verify at N = 8: 7.7 / 22.2 us at 32K / 128K, every other variant slower)."""
     block_c = min(MERGE_BLOCK_C, max(2, triton.next_power_of_2(n_ch)))
-    block_d = min(triton.next_power_of_2(C), 32 if rows <= 64 else 128)
-    return block_c, block_d, min(256, max(16, triton.next_power_of_2(n_ch)))
+    lse_block = min(256, max(16, triton.next_power_of_2(n_ch)))
+    cp = triton.next_power_of_2(C)
+    if rows <= 16:
+        return MergeTiles(block_c, min(cp, 16), lse_block, 1, True)
+    return MergeTiles(block_c, min(cp, 32 if rows <= 64 else 128), lse_block, 2, False)
 
 
 def default_config(n_heads: int) -> MLAConfig:
@@ -746,11 +762,11 @@ def _merge(po, pl, nvis, out, s_ptr, S: int, N: int, n_ch: int, strides: tuple[i
            chunk: int, causal: bool, s_dev: bool) -> None:
     """The merge launch of a row's chunk partials into `out` (tiles from merge_tiles)."""
     T = out.shape[0]
-    block_c, block_d, lse_block = merge_tiles(T * N, n_ch, C)
-    _mla_merge_kernel[(T * N, triton.cdiv(C, block_d))](
+    mt = merge_tiles(T * N, n_ch, C)
+    _mla_merge_kernel[(T * N, triton.cdiv(C, mt.block_d))](
         po, pl, nvis, out, s_ptr, S, N, n_ch, *strides, out.stride(0), out.stride(1),
-        C=C, BLOCK_D=block_d, BLOCK_C=block_c, CHUNK=chunk, CAUSAL=causal, S_DEV=s_dev, LSE_BLOCK=lse_block,
-        num_warps=2)
+        C=C, BLOCK_D=mt.block_d, BLOCK_C=mt.block_c, CHUNK=chunk, CAUSAL=causal, S_DEV=s_dev,
+        LSE_BLOCK=mt.lse_block, PREFETCH=mt.prefetch, num_warps=mt.warps)
 
 
 def _kv_descs(kv: torch.Tensor, rows: int, C: int, R: int, CP: int, RP: int, cfg: MLAConfig, VS: int
