@@ -48,11 +48,13 @@ def moe(dtype, cfg):
              "blk_expert_ptr": "*i32", "blk_rows_ptr": "*i32", "H": "i32", "I": "i32", "TOPK": "i32",
              "stride_xt": "i32", "stride_we": "i32", "stride_wn": "i32", "stride_se": "i32", "stride_sn": "i32", "stride_it": "i32",
              "G": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
-             "SWAP_AB": "constexpr", "UPCAST": "constexpr", "PREC": "constexpr", "DEQ": "constexpr", "EVEN": "constexpr"}
+             "SWAP_AB": "constexpr", "UPCAST": "constexpr", "PREC": "constexpr", "DEQ": "constexpr", "EVEN": "constexpr",
+             "part_ptr": "*fp32", "stride_ps": "i32", "stride_pp": "i32", "k_per_split": "i32", "SPLIT": "constexpr"}
     consts = dict(G=32, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, SWAP_AB=cfg.SWAP_AB,
                   UPCAST=False, PREC="ieee" if dtype=="fp32" else "tf32",
                   DEQ=d.deq_code(cfg.DEQUANT, {"bf16": torch.bfloat16}.get(dtype, torch.float32)), EVEN=False)
-    comp(m._moe_w13_kernel, sig13, consts, cfg.num_warps, cfg.num_stages, f"moe_w13 {dtype} {cfg.as_dict()}")
+    comp(m._moe_w13_kernel, sig13, {**consts, "SPLIT": cfg.SPLIT_K}, cfg.num_warps, cfg.num_stages,
+         f"moe_w13 {dtype} {cfg.as_dict()}")
     sig2 = {"a_ptr": f"*{dtype}", "w_ptr": "*i32", "s_ptr": "*bf16", "y_ptr": "*fp32", "tw_ptr": "*fp32", "sorted_ptr": "*i32",
             "blk_expert_ptr": "*i32", "blk_rows_ptr": "*i32", "H": "i32", "I": "i32",
             "stride_at": "i32", "stride_we": "i32", "stride_wn": "i32", "stride_se": "i32", "stride_sn": "i32", "stride_yt": "i32",
