@@ -145,12 +145,12 @@ class MLAConfig:
     L_BY_DOT: bool = False
     # decode launches (T = 1): this BLOCK_M and num_stages instead (0: the config's); needs L_BY_DOT,
     # KEYS_ON_M off and both BLOCK_Ms under 64 (mma.sync: per element the same k-steps for any row count)
+    DECODE_BLOCK_M: int = 0
+    DECODE_STAGES: int = 0
     # DECODE_STAGES 2 (92 KB of shared memory, two programs per SM) against 3 (164 KB, one): slower at
     # 4K-64K (38.7 against 32.0 us at 64K), even past one wave of programs (58.5 against 56.9 us at 128K,
     # 105 against 104 at 256K; bench/results/mla_attention-stages-sweep-h200.md): a second program per
     # SM does not speed up a decode step; the third stage's prefetch does
-    DECODE_BLOCK_M: int = 0
-    DECODE_STAGES: int = 0
     # decode launches (T = 1): this num_warps instead (0: the config's). With L_BY_DOT on mma.sync tiles a
     # row's arithmetic does not depend on the warps' split (each score's 576-long and each output's key
     # reduction stays inside one warp's MMA chain; the row sums are an MMA), so this only re-tiles.
@@ -590,6 +590,15 @@ def _pair_tree(x, B: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
+def _merge_block(pl_row, po_row, cc, n_ch, d_ok, stride_poc):
+    """Chunks cc of a row: log-sum-exps [BLOCK_C] (-inf past n_ch) and partials [BLOCK_C, BLOCK_D] (0 there)."""
+    c_ok = cc < n_ch
+    lse = tl.load(pl_row + cc, mask=c_ok, other=float("-inf"))
+    o = tl.load(po_row + cc[:, None].to(tl.int64) * stride_poc, mask=c_ok[:, None] & d_ok[None, :], other=0.0)
+    return lse, o
+
+
+@triton.jit
 def _mla_merge_kernel(po_ptr, pl_ptr, nvis_ptr, out_ptr, s_ptr, S, N, NC,
                       stride_pom, stride_poc, stride_plm, stride_ot, stride_on,
                       C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, CHUNK: tl.constexpr,
@@ -629,30 +638,16 @@ def _mla_merge_kernel(po_ptr, pl_ptr, nvis_ptr, out_ptr, s_ptr, S, N, NC,
     pl_row = pl_ptr + r64 * stride_plm
     po_row = po_ptr + r64 * stride_pom + offs_d[None, :]
     if PREFETCH:
-        c_ok = offs_c < n_ch
-        lse_n = tl.load(pl_row + offs_c, mask=c_ok, other=float("-inf"))
-        o_n = tl.load(po_row + offs_c[:, None].to(tl.int64) * stride_poc, mask=c_ok[:, None] & d_ok[None, :],
-                      other=0.0)
-        for c0 in range(0, n_ch, BLOCK_C):
-            lse = lse_n
-            o = o_n
-            cc = c0 + BLOCK_C + offs_c
-            c_ok = cc < n_ch
-            lse_n = tl.load(pl_row + cc, mask=c_ok, other=float("-inf"))
-            o_n = tl.load(po_row + cc[:, None].to(tl.int64) * stride_poc, mask=c_ok[:, None] & d_ok[None, :],
-                          other=0.0)
-            w = tl.exp2(lse - m_all)
-            acc += _pair_tree(w[:, None] * o, BLOCK_C, BLOCK_D)
-            den += _pair_tree(w[:, None], BLOCK_C, 1)
-    else:
-        for c0 in range(0, n_ch, BLOCK_C):
-            cc = c0 + offs_c
-            c_ok = cc < n_ch
-            w = tl.exp2(tl.load(pl_row + cc, mask=c_ok, other=float("-inf")) - m_all)
-            o = tl.load(po_row + cc[:, None].to(tl.int64) * stride_poc, mask=c_ok[:, None] & d_ok[None, :],
-                        other=0.0)
-            acc += _pair_tree(w[:, None] * o, BLOCK_C, BLOCK_D)
-            den += _pair_tree(w[:, None], BLOCK_C, 1)
+        lse_n, o_n = _merge_block(pl_row, po_row, offs_c, n_ch, d_ok, stride_poc)
+    for c0 in range(0, n_ch, BLOCK_C):
+        if PREFETCH:   # this block's loads were issued a step ahead; issue the next block's
+            lse, o = lse_n, o_n
+            lse_n, o_n = _merge_block(pl_row, po_row, c0 + BLOCK_C + offs_c, n_ch, d_ok, stride_poc)
+        else:
+            lse, o = _merge_block(pl_row, po_row, c0 + offs_c, n_ch, d_ok, stride_poc)
+        w = tl.exp2(lse - m_all)
+        acc += _pair_tree(w[:, None] * o, BLOCK_C, BLOCK_D)
+        den += _pair_tree(w[:, None], BLOCK_C, 1)
     o = acc / den
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + h.to(tl.int64) * stride_on + offs_d,
              o.to(out_ptr.dtype.element_ty), mask=d_ok)

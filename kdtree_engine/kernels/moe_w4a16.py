@@ -40,7 +40,7 @@ import triton.language as tl
 
 from kdtree_engine.kernels.common import bucket, interpreting
 from kdtree_engine.kernels.w4_dequant import DEQ_BF16X2, DEQ_BF16X2_EMU, DEQUANTS, _pair_pos, pair_order
-from kdtree_engine.kernels.w4a16 import _load_dequant, _mma, check_w4, deq_code, fp32_stages
+from kdtree_engine.kernels.w4a16 import _load_dequant, _mma, check_w4, deq_code, fp32_stages, k_splits
 from kdtree_engine.quant import dequantize
 
 # ----------------------------------------------------------------------------------------------
@@ -394,14 +394,10 @@ def fused_moe_w4a16(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.
     sorted_pairs, blk_expert, blk_rows = moe_align(ids, E, cfg.BLOCK_M)
     max_blocks = blk_rows.numel()
     inter = torch.empty((P, I), device=x.device, dtype=x.dtype)
-    split2 = min(cfg.SPLIT_K2, triton.cdiv(I, block_k))
-    k_per_split2 = triton.cdiv(triton.cdiv(I, block_k), split2) * block_k
-    split2 = triton.cdiv(I, k_per_split2)  # drop empty splits
+    split2, k_per_split2 = k_splits(I, block_k, cfg.SPLIT_K2)
     y = torch.empty((split2, P, H), device=x.device, dtype=torch.float32)
 
-    split = min(cfg.SPLIT_K, triton.cdiv(H, block_k))
-    k_per_split = triton.cdiv(triton.cdiv(H, block_k), split) * block_k
-    split = triton.cdiv(H, k_per_split)  # drop empty splits
+    split, k_per_split = k_splits(H, block_k, cfg.SPLIT_K)
     part = torch.empty((split, P, 2 * I), device=x.device, dtype=torch.float32) if split > 1 else None
     _moe_w13_kernel[(max_blocks, triton.cdiv(I, cfg.BLOCK_N), split)](
         x, w13_packed, w13_scale, inter, sorted_pairs, blk_expert, blk_rows, H, I, topk,

@@ -149,6 +149,13 @@ def _split_k(N: int, K: int, block_k: int) -> int:
     return split
 
 
+def k_splits(K: int, block_k: int, want: int) -> tuple[int, int]:
+    """(splits, K per split) of a K loop of block_k tiles cut into at most `want` splits of whole tiles;
+    splits that would be empty are dropped."""
+    k_per_split = triton.cdiv(triton.cdiv(K, block_k), want) * block_k
+    return triton.cdiv(K, k_per_split), k_per_split
+
+
 def fp32_stages(num_stages: int, dtype: torch.dtype) -> int:
     """fp32 tiles are twice the bytes (and the fp32 dot reads both operands from shared memory):
     two stages keep the shared memory of the default configs under Hopper's 227 KB."""
@@ -307,9 +314,7 @@ def w4a16_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, gro
         x = x.contiguous()
     cfg = config or dense_config(M)
     block_k = max(cfg.BLOCK_K, group_size)
-    split = cfg.split_k if cfg.split_k is not None else _split_k(N, K, block_k)
-    k_per_split = triton.cdiv(triton.cdiv(K, block_k), split) * block_k
-    split = triton.cdiv(K, k_per_split)  # drop empty splits
+    split, k_per_split = k_splits(K, block_k, cfg.split_k if cfg.split_k is not None else _split_k(N, K, block_k))
     out = torch.empty((M, N), device=x.device, dtype=x.dtype)
     if M == 0:
         return out
