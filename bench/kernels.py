@@ -8,7 +8,8 @@ one expert's w13 [4096 x 7168] and w2 [7168 x 2048] and the dense w13 [36864 x 7
 tinygemm `_weight_int4pack_mm` (nibble-swapped repack); then a whole MoE layer (384 experts, top-8,
 random routing) through fused_moe_w4a16 plus the shared expert as bf16 matmuls; then the candidate
 sweep of bench/w4_sweep.py (dense 36864 x 7168 at M = 1, 4, 16 and the MoE layer at T = 1, 4, 16; a
-compact table per shape and the best candidate per shape). --sweep-only measures the rooflines and
+compact table per shape and the best candidate per shape; --sweep-moe-rows: the MoE expert block rows
+at T = 32 .. 512 instead). --sweep-only measures the rooflines and
 runs only the sweep. Effective TB/s counts the INT4 + scale bytes that must be read (for the MoE: of
 the experts actually touched) over the time. Writes <out>/kernels-<gpu>.json and .md.
 """
@@ -235,6 +236,9 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"seconds after which remaining sweep candidates are skipped (default {SWEEP_BUDGET_S:.0f})")
     ap.add_argument("--reps", type=int, default=15, help="timed graph replays per measurement")
     ap.add_argument("--sweep-moe-only", action="store_true", help="sweep the MoE candidates only (no dense)")
+    ap.add_argument("--sweep-moe-rows", action="store_true",
+                    help="sweep the MoE expert block rows (BLOCK_M 16 / 32 / 64) at T = "
+                         f"{', '.join(map(str, w4_sweep.MOE_ROWS_SIZES))} instead (no dense)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench kernels needs a CUDA GPU", file=sys.stderr)
@@ -260,9 +264,14 @@ def main(argv: list[str] | None = None) -> int:
         # dense gets 40% of the budget, the MoE the rest (it compiles two kernels per candidate)
         ctx = w4_sweep.Ctx(copy_bw=copy_bw, reps=max(5, args.reps // 2), time_calls=time_calls, log=log, group=G)
         t0 = time.time()
-        payload["sweep"] = ([] if args.sweep_moe_only else
-                            w4_sweep.sweep_dense(ctx, l2_bytes(), t0 + 0.4 * args.sweep_budget))
-        payload["sweep"] += w4_sweep.sweep_moe(ctx, layer, route, t0 + args.sweep_budget)
+        if args.sweep_moe_rows:
+            ctx.sizes = w4_sweep.MOE_ROWS_SIZES
+            payload["sweep"] = w4_sweep.sweep_moe(ctx, layer, route, t0 + args.sweep_budget,
+                                                  w4_sweep.MOE_ROWS_CANDIDATES)
+        else:
+            payload["sweep"] = ([] if args.sweep_moe_only else
+                                w4_sweep.sweep_dense(ctx, l2_bytes(), t0 + 0.4 * args.sweep_budget))
+            payload["sweep"] += w4_sweep.sweep_moe(ctx, layer, route, t0 + args.sweep_budget)
     payload["elapsed_s"] = clock()
     stem = f"kernels-{gpu_stem(info['gpu']) + ('-sweep' if args.sweep_only else '')}"
     md = markdown(payload)

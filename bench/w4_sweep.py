@@ -55,6 +55,13 @@ MOE_CANDIDATES: list[tuple[str, MoEConfig]] = [
     # 3.6, bench/w4_aot.py), so 2 / 3 programs of 4 warps per SM; capped registers give 3 / 4
     ("dot_x2_n64_k256_w4_s3_split2", _m(**X2, num_stages=3, SPLIT_K=2)),
 ]
+# expert block rows at larger T (bench/kernels.py --sweep-only --sweep-moe-rows): the same kernels with
+# 16 / 32 / 64 token rows per expert block (BLOCK_M is not in the reduction key: same bits)
+MOE_ROWS_SIZES = (32, 64, 128, 256, 512)
+MOE_ROWS_CANDIDATES: list[tuple[str, MoEConfig]] = [
+    (f"dot_x2_n64_k256_w4_s{st}_split2_bm{bm}", _m(**X2, num_stages=st, SPLIT_K=2, BLOCK_M=bm))
+    for bm, st in ((16, 3), (32, 3), (64, 2))
+]
 # register caps (MAXNREG13 / MAXNREG2 168 / 128 / 128 + 128 at 2-3 stages) measured slower:
 # bench/results/kernels-h200-sweep-maxnreg.md; the down GEMM split over I (SPLIT_K2 2 / 4) too:
 # bench/results/kernels-h200-sweep-down.md; 8-token expert blocks (mma.sync on sm_90) at 2 / 3 / 4 stages
@@ -87,6 +94,7 @@ class Ctx:
     group: int = 32
     device: str = "cuda"
     dense_nk: tuple[int, int] = DENSE_NK   # smaller in the CPU smoke run
+    sizes: tuple[int, ...] = SIZES         # M (dense) / T (MoE) of every candidate
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -124,12 +132,12 @@ def sweep_dense(ctx: Ctx, l2: int, deadline: float) -> list[dict]:
         s = (torch.rand((N, K // G), device=ctx.device) * 0.09 + 0.01).to(torch.bfloat16)
         ws.append((p, s))
     wb = dequantize(*ws[0], G, torch.bfloat16)
-    xs = {M: torch.randn(M, K, device=ctx.device).to(torch.bfloat16) for M in SIZES}
-    refs = {M: w4a16_linear_reference(xs[M], *ws[0], G) for M in SIZES}
-    bf16_us = {M: ctx.time_calls([lambda x=xs[M]: F.linear(x, wb)], reps=ctx.reps)["us"] for M in SIZES}
+    xs = {M: torch.randn(M, K, device=ctx.device).to(torch.bfloat16) for M in ctx.sizes}
+    refs = {M: w4a16_linear_reference(xs[M], *ws[0], G) for M in ctx.sizes}
+    bf16_us = {M: ctx.time_calls([lambda x=xs[M]: F.linear(x, wb)], reps=ctx.reps)["us"] for M in ctx.sizes}
     rows = []
     for name, fam in DENSE_CANDIDATES:
-        for M in SIZES:
+        for M in ctx.sizes:
             cfg, x = dense_at(fam, M), xs[M]
             row = {"kernel": "dense", "shape": f"dense {N}x{K}", "size": M, "candidate": name,
                    "config": cfg.as_dict(), "bf16_us": bf16_us[M]}
@@ -145,7 +153,8 @@ def sweep_dense(ctx: Ctx, l2: int, deadline: float) -> list[dict]:
     return rows
 
 
-def sweep_moe(ctx: Ctx, layer, route: Callable, deadline: float) -> list[dict]:
+def sweep_moe(ctx: Ctx, layer, route: Callable, deadline: float,
+              candidates: list[tuple[str, MoEConfig]] = MOE_CANDIDATES) -> list[dict]:
     """route(T, n_sets, generator) -> [(topk_ids [T, k], topk_weights [T, k])] * n_sets."""
     w13p, w13s, w2p, w2s = layer
     E, two_i, h8 = w13p.shape
@@ -153,14 +162,14 @@ def sweep_moe(ctx: Ctx, layer, route: Callable, deadline: float) -> list[dict]:
     G = ctx.group
     expert_bytes = w4_bytes(2 * I, H, G) + w4_bytes(H, I, G)
     gen = torch.Generator(device=ctx.device).manual_seed(1)
-    xs = {T: torch.randn(T, H, device=ctx.device).to(torch.bfloat16) for T in SIZES}
-    sets = {T: route(T, 4, gen) for T in SIZES}
-    touched = {T: sum(int(torch.unique(ids).numel()) for ids, _ in sets[T]) / len(sets[T]) for T in SIZES}
-    refs = {T: fused_moe_reference(xs[T], w13p, w13s, w2p, w2s, *sets[T][0], G) for T in SIZES}
-    topk = sets[SIZES[0]][0][0].shape[1]
+    xs = {T: torch.randn(T, H, device=ctx.device).to(torch.bfloat16) for T in ctx.sizes}
+    sets = {T: route(T, 4, gen) for T in ctx.sizes}
+    touched = {T: sum(int(torch.unique(ids).numel()) for ids, _ in sets[T]) / len(sets[T]) for T in ctx.sizes}
+    refs = {T: fused_moe_reference(xs[T], w13p, w13s, w2p, w2s, *sets[T][0], G) for T in ctx.sizes}
+    topk = sets[ctx.sizes[0]][0][0].shape[1]
     rows = []
-    for name, cfg in MOE_CANDIDATES:
-        for T in SIZES:
+    for name, cfg in candidates:
+        for T in ctx.sizes:
             x, st = xs[T], sets[T]
             row = {"kernel": "moe", "shape": f"moe E={E} top{topk}", "size": T, "candidate": name,
                    "config": cfg.as_dict(), "touched_experts": touched[T]}
@@ -187,16 +196,17 @@ def report(rows: list[dict]) -> list[str]:
         if not rs:
             continue
         names = list(dict.fromkeys(r["candidate"] for r in rs))
+        sizes = sorted({r["size"] for r in rs})
         by = {(r["candidate"], r["size"]): r for r in rs}
         label = "M" if kernel == "dense" else "T"
         head = f"{kernel} {rs[0]['shape']}: us / TB/s / x copy" + (" / x bf16" if kernel == "dense" else "")
         if kernel == "moe":
             tt = {r["size"]: r.get("touched_experts", float("nan")) for r in rs}
             head += " (experts touched: " + ", ".join(f"T={t}: {v:.1f}" for t, v in tt.items()) + ")"
-        out += ["", head, f"{'candidate':34s}" + "".join(f" | {label}={s:<28d}" for s in SIZES) + " | err"]
+        out += ["", head, f"{'candidate':34s}" + "".join(f" | {label}={s:<28d}" for s in sizes) + " | err"]
         for n in names:
             cells, errs = [], []
-            for s in SIZES:
+            for s in sizes:
                 r = by.get((n, s))
                 if r is None or "us" not in r:
                     cells.append(f" | {(r or {}).get('skipped') or (r or {}).get('error', 'n/a')[:30]:30s}")
@@ -208,14 +218,15 @@ def report(rows: list[dict]) -> list[str]:
                 errs.append(r.get("rel_err", 0.0))
             out.append(f"{n:34s}" + "".join(cells) + f" | {max(errs) if errs else float('nan'):.2g}")
         if kernel == "dense":
-            bf = {s: by[(names[0], s)]["bf16_us"] for s in SIZES if (names[0], s) in by}
+            bf = {s: by[(names[0], s)]["bf16_us"] for s in sizes if (names[0], s) in by}
             out.append("bf16 F.linear us: " + ", ".join(f"M={s}: {_f(v)}" for s, v in bf.items()))
     out.append("")
     best_lines = []
     for kernel in ("dense", "moe"):
         rs = [r for r in rows if r["kernel"] == kernel and "us" in r and r.get("rel_err", 1.0) < 2e-2]
         label = "M" if kernel == "dense" else "T"
-        for s in SIZES:
+        sizes = sorted({r["size"] for r in rs})
+        for s in sizes:
             cand = [r for r in rs if r["size"] == s]
             if cand:
                 b = min(cand, key=lambda r: r["us"])
@@ -224,12 +235,12 @@ def report(rows: list[dict]) -> list[str]:
         totals: dict[str, float] = {}
         for n in dict.fromkeys(r["candidate"] for r in rs):
             ts = [r["us"] for r in rs if r["candidate"] == n]
-            if len(ts) == len(SIZES):
+            if len(ts) == len(sizes):
                 totals[n] = sum(ts)
         if totals:
             n = min(totals, key=totals.get)
-            cfgs = DENSE_CANDIDATES if kernel == "dense" else MOE_CANDIDATES
-            out.append(f"best {kernel} over {label}={','.join(map(str, SIZES))} (sum {_f(totals[n])} us): {n}")
+            cfgs = DENSE_CANDIDATES if kernel == "dense" else MOE_CANDIDATES + MOE_ROWS_CANDIDATES
+            out.append(f"best {kernel} over {label}={','.join(map(str, sizes))} (sum {_f(totals[n])} us): {n}")
             out.append(f"  apply: {apply_line(kernel, dict(cfgs)[n])}")
     out.append("best per shape: " + "; ".join(best_lines))
     return out
@@ -253,4 +264,5 @@ def apply_line(kernel: str, cfg) -> str:
     return line
 
 
-__all__ = ["DENSE_CANDIDATES", "MOE_CANDIDATES", "SIZES", "Ctx", "sweep_dense", "sweep_moe", "report", "dense_at"]
+__all__ = ["DENSE_CANDIDATES", "MOE_CANDIDATES", "MOE_ROWS_CANDIDATES", "MOE_ROWS_SIZES", "SIZES", "Ctx",
+           "sweep_dense", "sweep_moe", "report", "dense_at"]

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU tests and benchmarks, logs and results packed under $OUT; one device call runs one part.
-#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|next|chain|sample|rounds|decode|step|verify|resume|ncu|plane|merge|merge2|merge3|sample2|fork|last|plane2|rows|kload|lazy|rounds2|maxnreg|qsplit|stages|down|bm8|m64|merge4|merge5|final2]   (on the GPU machine, from the repository root)
+#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|next|chain|sample|rounds|decode|step|verify|resume|ncu|plane|merge|merge2|merge3|sample2|fork|last|plane2|rows|kload|lazy|rounds2|maxnreg|qsplit|stages|down|bm8|m64|merge4|merge5|final2|moerows]   (on the GPU machine, from the repository root)
 #   tune   the W4A16 config sweep, the bitwise and CUDA-graph GPU tests, the demo's spec benchmark
 #   check  the remaining GPU tests (kernels, batch invariance, target, attention), kernel and round benches
 #   bench  the benchmarks with long runs (K2 step, attention, GEMM)
@@ -49,6 +49,8 @@
 #   merge4 the attention's chunk merge alone: bit-neutral launch variants (column tile, warps, PREFETCH)
 #   merge5 the decode merge launch from that sweep (16 columns, one warp, prefetch): merge and attention benches,
 #          attention bit-equality tests, the demo's spec == plain and the graph rounds with Triton attention
+#   moerows the MoE align kernel (one program per expert) and the shared expert beside the routed ones: the
+#          expert block rows sweep at T = 32..512, the MoE GPU tests, the K2 layer step with its profile
 #   final2 the kernel, batch-invariance and bitwise GPU tests (all but the demo's logits-alone test) on the final code
 #   plane2 the same with the weights as the MMA's B operand (mma.sync, tokens on M), and its Nsight Compute
 #   merge  the attention merge by pairwise trees: attention GPU tests, attention bench, chunk-length sweep,
@@ -273,6 +275,11 @@ if [[ $PART == merge5 ]]; then
   step bench_mla 70 python3 bench/mla_attention.py --no-peers --out "$RES"
   step pytest_mla 230 $PYT tests/gpu/test_mla_attention_gpu.py -k "decode_rows or ($MLA_BITEQ)"
   step pytest_spec_bitwise 130 $PYT $SPEC_BITWISE tests/gpu/test_graph_round_gpu.py::test_graph_rounds_with_triton_attention
+fi
+if [[ $PART == moerows ]]; then
+  step bench_kernels_sweep 220 python3 bench/kernels.py --sweep-only --sweep-moe-rows --sweep-budget 180 --out "$RES"
+  step pytest_moe 130 $PYT tests/gpu/test_kernels_gpu.py -k "moe"
+  step bench_k2_step 200 python3 bench/k2_step.py --profile --out "$RES"
 fi
 if [[ $PART == final2 ]]; then
   step pytest_kernels 160 $PYT tests/gpu/test_kernels_gpu.py tests/gpu/test_batch_invariance_gpu.py

@@ -79,7 +79,6 @@ row's position in the tile (numpy's matmul does depend on it; an MMA does not).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
@@ -88,6 +87,7 @@ import triton
 import triton.language as tl
 
 from .common import DTYPES, bucket, interpreting
+from .streams import side_by_side
 
 log = logging.getLogger(__name__)
 _LOGGED: set[str] = set()
@@ -728,31 +728,6 @@ def _plan(C: int, R: int, N: int, T: int, dtype: torch.dtype, config: MLAConfig 
     return cfg, rows, lazy, CP, RP, v_split, CP // v_split, upcast, prec
 
 
-_SIDE_STREAMS: dict[torch.device, "torch.cuda.Stream"] = {}
-
-
-def _side_by_side(dev: torch.device, on_side: Callable[[], None] | None, here: Callable[[], None]) -> None:
-    """Run `on_side` on a side stream forked from the current one and `here` on the current one, then
-    join (CUDA; elsewhere, or with nothing for the side, one after the other). The packed (prefix) and
-    gather (tree tail) launches write disjoint chunks, so they run side by side: the gather launch is a
-    few programs, one chunk each, that would otherwise start only when the prefix launch has drained
-    (Nsight Compute, 32K / 16 nodes: 50 us + 15 us back to back). Captured into CUDA graphs as a fork."""
-    if on_side is None or dev.type != "cuda":
-        if on_side is not None:
-            on_side()
-        here()
-        return
-    side = _SIDE_STREAMS.get(dev)
-    if side is None:
-        side = _SIDE_STREAMS[dev] = torch.cuda.Stream(device=dev)
-    current = torch.cuda.current_stream(dev)
-    side.wait_stream(current)
-    with torch.cuda.stream(side):
-        on_side()
-    here()
-    current.wait_stream(side)
-
-
 def _merge(po, pl, nvis, out, s_ptr, S: int, N: int, n_ch: int, strides: tuple[int, int, int], C: int,
            chunk: int, causal: bool, s_dev: bool) -> None:
     """The merge launch of a row's chunk partials into `out` (tiles from merge_tiles)."""
@@ -857,7 +832,10 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, sta
             _mla_chunk_kernel[(T * triton.cdiv(N, rows) * VS, n_ch - c_split)](
                 q_lat, q_pe, kv, idx, nvis, po, pl, out, nvis, T, S, N, c_split, *args_tail, GATHER=True, **common)
 
-        _side_by_side(dev, prefix if c_split > 0 else None, tail)
+        # the packed (prefix) and gather (tree tail) launches write disjoint chunks: side by side, the
+        # gather launch (a few programs, one chunk each) need not wait for the prefix launch to drain
+        # (Nsight Compute, 32K / 16 nodes: 50 us + 15 us back to back)
+        side_by_side(dev, prefix if c_split > 0 else None, tail)
     if not direct:
         _merge(po, pl, nvis, out, nvis, S, N, n_ch, (spom, spoc, splm), C, cfg.CHUNK, causal, False)
     return out
@@ -915,7 +893,7 @@ def mla_attention_device(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tens
         _mla_chunk_kernel[(T * triton.cdiv(N, rows) * VS, n_ch)](
             q_lat, q_pe, kv, idx, nvis, po, pl, out, s_dev, T, 0, N, 0, *args_tail, GATHER=True, **common)
 
-    _side_by_side(dev, prefix, tail)
+    side_by_side(dev, prefix, tail)   # disjoint chunks, as above
     if not direct:
         _merge(po, pl, nvis, out, s_dev, 0, N, n_ch, (spom, spoc, splm), C, cfg.CHUNK, False, True)
     return out

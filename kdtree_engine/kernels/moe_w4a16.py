@@ -7,8 +7,8 @@ Stacked expert tensors (checkpoint layout, no repack):
   w2_packed  int32 [E, H, I/8],  w2_scale  [E, H, I/g]
 
 Four launches, no host synchronisation (CUDA-graph capturable):
-  1. align (one program): counts per expert, pairs (t, j) sorted by expert into blocks of BLOCK_M rows;
-     per block: expert id and number of valid rows. Blocks are only emitted for experts that are
+  1. align (one program per expert, each counting all pairs): pairs (t, j) sorted by expert into blocks
+     of BLOCK_M rows; per block: expert id and number of valid rows. Blocks are only emitted for experts that are
      touched, so the GEMM grids below cover exactly the (expert, N-tile) pairs in use (plus a few
      empty programs that exit at once: the grid is a host-side upper bound, cdiv(P, BM) + min(E, P)).
   2. gate/up GEMM with the SwiGLU epilogue: each program streams BLOCK_N gate rows and the matching
@@ -124,43 +124,41 @@ def moe_config(num_pairs: int) -> MoEConfig:
 @triton.jit
 def _moe_align_kernel(ids_ptr, P, E, sorted_ptr, blk_expert_ptr, blk_rows_ptr, max_blocks,
                       BM: tl.constexpr, E_P2: tl.constexpr, CH: tl.constexpr, BCH: tl.constexpr):
-    """One program. ids [P] (flattened topk_ids) -> sorted_ptr [max_blocks*BM] pair ids grouped by
-    expert in BM-row blocks; blk_expert / blk_rows [max_blocks] (rows = 0 for unused blocks)."""
+    """Program e (one per expert). ids [P] (flattened topk_ids) -> sorted_ptr [max_blocks*BM]: the
+    pairs of expert e, ascending, from row blk_start[e] * BM on; blk_expert / blk_rows [max_blocks] for
+    e's blocks (program 0 also marks the unused blocks past the last one: rows = 0)."""
+    e = tl.program_id(0)
     offs_e = tl.arange(0, E_P2)
     counts = tl.zeros([E_P2], dtype=tl.int32)
-    for c0 in range(0, P, CH):
+    for c0 in range(0, P, CH):                           # counts of every expert (for e's first block)
         offs = c0 + tl.arange(0, CH)
         ids = tl.load(ids_ptr + offs, mask=offs < P, other=-1).to(tl.int32)
-        ids = tl.where((ids >= 0) & (ids < E), ids, -1)
-        counts += tl.sum((ids[:, None] == offs_e[None, :]).to(tl.int32), axis=0)
+        counts += tl.histogram(ids, E_P2, mask=(offs < P) & (ids >= 0) & (ids < E))
     nblk = (counts + BM - 1) // BM                       # [E_P2]
-    blk_end = tl.cumsum(nblk, axis=0)                    # inclusive
-    blk_start = blk_end - nblk
-    total = tl.sum(nblk, axis=0)
+    start = tl.sum(tl.where(offs_e < e, nblk, 0), axis=0)
+    own = tl.sum(tl.where(offs_e == e, counts, 0), axis=0)
 
-    # position of each pair: its expert's first row + its rank among that expert's pairs (stable)
-    running = blk_start * BM
-    for c0 in range(0, P, CH):
-        offs = c0 + tl.arange(0, CH)
-        ids = tl.load(ids_ptr + offs, mask=offs < P, other=-1).to(tl.int32)
-        ids = tl.where((ids >= 0) & (ids < E), ids, -1)
-        oh = (ids[:, None] == offs_e[None, :]).to(tl.int32)       # [CH, E_P2]
-        excl = tl.cumsum(oh, axis=0) - oh
-        pos = tl.sum(oh * (excl + running[None, :]), axis=1)      # [CH]
-        tl.store(sorted_ptr + pos, offs, mask=(offs < P) & (ids >= 0))
-        running += tl.sum(oh, axis=0)
-
-    # per block: expert = number of experts whose blocks end at or before it
-    for b0 in range(0, max_blocks, BCH):
-        b = b0 + tl.arange(0, BCH)
-        e_of_b = tl.sum((blk_end[None, :] <= b[:, None]).to(tl.int32), axis=1)   # [BCH]
-        sel = (offs_e[None, :] == e_of_b[:, None]).to(tl.int32)
-        start_b = tl.sum(sel * blk_start[None, :], axis=1)
-        cnt_b = tl.sum(sel * counts[None, :], axis=1)
-        valid = b < total
-        rows = tl.where(valid, tl.minimum(cnt_b - (b - start_b) * BM, BM), 0)
-        tl.store(blk_expert_ptr + b, tl.where(valid, e_of_b, 0), mask=b < max_blocks)
-        tl.store(blk_rows_ptr + b, rows, mask=b < max_blocks)
+    # e's pairs in pair order: rank = number of e's pairs before it
+    running = start * BM
+    if own > 0:
+        for c0 in range(0, P, CH):
+            offs = c0 + tl.arange(0, CH)
+            ids = tl.load(ids_ptr + offs, mask=offs < P, other=-1).to(tl.int32)
+            hit = ((ids == e) & (offs < P)).to(tl.int32)
+            pos = running + tl.cumsum(hit, axis=0) - hit
+            tl.store(sorted_ptr + pos, offs, mask=hit != 0)
+            running += tl.sum(hit, axis=0)
+    for b0 in range(0, (own + BM - 1) // BM, BCH):        # e's blocks
+        j = b0 + tl.arange(0, BCH)
+        ok = j * BM < own
+        tl.store(blk_expert_ptr + start + j, tl.zeros_like(j) + e, mask=ok)
+        tl.store(blk_rows_ptr + start + j, tl.minimum(own - j * BM, BM), mask=ok)
+    if e == 0:                                           # the unused blocks
+        total = tl.sum(nblk, axis=0)
+        for b0 in range(total, max_blocks, BCH):
+            b = b0 + tl.arange(0, BCH)
+            tl.store(blk_expert_ptr + b, tl.zeros_like(b), mask=b < max_blocks)
+            tl.store(blk_rows_ptr + b, tl.zeros_like(b), mask=b < max_blocks)
 
 
 @triton.jit
@@ -342,10 +340,9 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     blk_expert = torch.empty(max_blocks, device=dev, dtype=torch.int32)
     blk_rows = torch.empty(max_blocks, device=dev, dtype=torch.int32)
     e_p2 = triton.next_power_of_2(max(num_experts, 2))
-    ch = max(2, min(triton.next_power_of_2(P), 16384 // e_p2, 64))
-    bch = max(2, min(triton.next_power_of_2(max_blocks), 8192 // e_p2, 64))
-    _moe_align_kernel[(1,)](ids, P, num_experts, sorted_pairs, blk_expert, blk_rows, max_blocks,
-                            BM=block_m, E_P2=e_p2, CH=ch, BCH=bch, num_warps=8 if e_p2 >= 256 else 4)
+    ch = max(16, min(triton.next_power_of_2(P), 1024))
+    _moe_align_kernel[(num_experts,)](ids, P, num_experts, sorted_pairs, blk_expert, blk_rows, max_blocks,
+                                      BM=block_m, E_P2=e_p2, CH=ch, BCH=64, num_warps=4)
     return sorted_pairs, blk_expert, blk_rows
 
 

@@ -296,6 +296,26 @@ def test_moe_dtypes_odd_shapes(poisoned, dtype, tol, shape):
     _check(out, fused_moe_reference(x, w13p, w13s, w2p, w2s, ids, tw, g), tol, f"{dtype} {shape}")
 
 
+@pytest.mark.parametrize("T,bm", [(1, 16), (16, 16), (64, 16), (64, 32), (256, 16), (256, 64), (4096, 64)])
+def test_moe_align_k2(poisoned, T, bm):
+    """The align kernel (one program per expert) at K2 routing sizes against the stable-grouping oracle."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
+    from test_moe_align import align_oracle
+
+    from kdtree_engine.kernels.moe_w4a16 import moe_align
+    ids, _ = route(T)
+    ids[0, ::3] = -1                                   # unowned pairs are skipped
+    sorted_pairs, blk_expert, blk_rows = moe_align(ids, E, bm)
+    blocks, experts, rows = align_oracle(ids.reshape(-1).cpu(), E, bm)
+    n = len(blocks)
+    sp, be, br = sorted_pairs.cpu(), blk_expert.cpu(), blk_rows.cpu()
+    assert br[:n].tolist() == rows and be[:n].tolist() == experts
+    assert [sp[b * bm:b * bm + rows[b]].tolist() for b in range(n)] == blocks
+    assert bool((br[n:] == 0).all()) and bool((be[n:] == 0).all())
+
+
 def test_moe_config_type():
     assert isinstance(moe_config(8), MoEConfig) and isinstance(dense_config(1), W4Config)
 
