@@ -149,7 +149,7 @@ def bench_moe(layer, copy_bw, reps, log):
         sets = route(T, 4, gen)
         touched = sum(int(torch.unique(ids).numel()) for ids, _ in sets) / len(sets)
         nbytes = touched * expert_bytes
-        cfg = moe_config(T * TOPK)
+        cfg = moe_config(T * TOPK, E)
         row = {"T": T, "touched_experts": touched, "touched_bytes": nbytes, "config": cfg.as_dict()}
         try:
             if T <= 64:

@@ -98,14 +98,17 @@ class MoEConfig:
                     MAXNREG13=self.MAXNREG13, MAXNREG2=self.MAXNREG2)
 
 
-# (max T * top_k, config); first match wins. BLOCK_K and SWAP_AB are shared (batch invariance).
+# (max pairs per expert = cdiv(T * top_k, E), config); first match wins. BLOCK_K and SWAP_AB are shared
+# (batch invariance); BLOCK_M only re-tiles (tests/gpu: test_moe_block_rows_same_bits).
 MOE_CONFIGS: list[tuple[int, MoEConfig]] = [
     # bench/results/kernels-h200-sweep-splitk.md (K2 layer, 384 experts top-8): bf16x2 with pipelined
     # scales and the gate/up GEMM split in two over H, T = 1 / 4 / 16: 136 / 443 / 1463 us (147 / 468 /
-    # 1568 unsplit; 162 / 582 / 1936 for the "float" dequant, bench/results/kernels-h200-sweep.md)
-    (8, MoEConfig(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=3, DEQUANT="bf16x2", SPLIT_K=2)),
-    (256, MoEConfig(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=3, DEQUANT="bf16x2", SPLIT_K=2)),
-    (1024, MoEConfig(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=3, DEQUANT="bf16x2", SPLIT_K=2)),
+    # 1568 unsplit; 162 / 582 / 1936 for the "float" dequant, bench/results/kernels-h200-sweep.md).
+    # 16-row expert blocks are also the fastest at T = 32 .. 512 (up to 10.7 pairs per expert): 32-row
+    # blocks 1.26-1.33x and 64-row blocks 1.66-1.81x slower (bench/results/kernels-h200-sweep-moerows.md)
+    (12, MoEConfig(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=3, DEQUANT="bf16x2", SPLIT_K=2)),
+    # longer expert lists (prefill): larger blocks read an expert's weights fewer times; not measured
+    (48, MoEConfig(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=3, DEQUANT="bf16x2", SPLIT_K=2)),
     (1 << 62, MoEConfig(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2, DEQUANT="bf16x2", SPLIT_K=2)),
 ]
 if len({cfg.reduction_key() for _, cfg in MOE_CONFIGS}) != 1:
@@ -113,8 +116,9 @@ if len({cfg.reduction_key() for _, cfg in MOE_CONFIGS}) != 1:
                      "the MMA kind (BLOCK_M 8 or >= 16; batch invariance)")
 
 
-def moe_config(num_pairs: int) -> MoEConfig:
-    return bucket(MOE_CONFIGS, num_pairs)
+def moe_config(num_pairs: int, num_experts: int) -> MoEConfig:
+    """The config for T * top_k routed pairs over num_experts experts (by pairs per expert)."""
+    return bucket(MOE_CONFIGS, -(-num_pairs // max(num_experts, 1)))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -376,7 +380,7 @@ def fused_moe_w4a16(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.
         return out
     x = x.contiguous()
     P = T * topk
-    cfg = config or moe_config(P)
+    cfg = config or moe_config(P, E)
     block_k = max(cfg.BLOCK_K, group_size)
     bn2 = cfg.BLOCK_N2 or cfg.BLOCK_N
     upcast = interpreting()

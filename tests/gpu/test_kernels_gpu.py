@@ -21,7 +21,7 @@ pytestmark = [
 from dataclasses import replace  # noqa: E402
 
 from kdtree_engine.kernels.moe_w4a16 import (  # noqa: E402
-    MoEConfig, fused_moe_reference, fused_moe_w4a16, moe_config)
+    MOE_CONFIGS, MoEConfig, fused_moe_reference, fused_moe_w4a16, moe_config)
 from kdtree_engine.kernels.w4a16 import (  # noqa: E402
     W4Config, dense_config, w4a16_linear, w4a16_linear_reference)
 
@@ -215,7 +215,7 @@ def test_moe_config_variants(k2_experts, poisoned, over):
     T = 16
     x = torch.randn(T, H, device=DEV).to(torch.bfloat16)
     ids, tw = route(T)
-    cfg = replace(moe_config(T * TOPK), **over)
+    cfg = replace(moe_config(T * TOPK, E), **over)
     out = fused_moe_w4a16(x, *k2_experts, ids, tw, G, config=cfg)
     _check(out, fused_moe_reference(x, *k2_experts, ids, tw, G), BF16_TOL, f"MoE {over}")
 
@@ -230,7 +230,7 @@ def test_moe_batch_invariant(k2_experts, over):
     ids, tw = route(T)
 
     def cfg(t):
-        return replace(moe_config(t * TOPK), **over) if over else None
+        return replace(moe_config(t * TOPK, E), **over) if over else None
 
     full = fused_moe_w4a16(x, *k2_experts, ids, tw, G, config=cfg(T))
     bad = []
@@ -241,6 +241,18 @@ def test_moe_batch_invariant(k2_experts, over):
     assert not bad, f"MoE rows differ from the T=64 launch (T, #elements): {bad}"
 
 
+def test_moe_block_rows_same_bits(k2_experts):
+    """Expert blocks of 16 / 32 / 64 token rows (the MOE_CONFIGS buckets) only re-tile: the same bits."""
+    T = 64
+    x = torch.randn(T, H, device=DEV).to(torch.bfloat16)
+    ids, tw = route(T)
+    outs = {bm: fused_moe_w4a16(x, *k2_experts, ids, tw, G, config=cfg)
+            for bm, cfg in ((c.BLOCK_M, c) for _, c in MOE_CONFIGS)}
+    assert sorted(outs) == [16, 32, 64]
+    bad = {bm: int((o != outs[16]).sum()) for bm, o in outs.items() if not torch.equal(o, outs[16])}
+    assert not bad, f"elements differing from 16-row blocks: {bad}"
+
+
 @pytest.mark.parametrize("caps", [dict(MAXNREG13=168), dict(MAXNREG13=168, MAXNREG2=128),
                                   dict(MAXNREG13=128, MAXNREG2=128)])
 def test_moe_register_caps_same_bits(k2_experts, poisoned, caps):
@@ -248,8 +260,8 @@ def test_moe_register_caps_same_bits(k2_experts, poisoned, caps):
     for T in (1, 16):
         x = torch.randn(T, H, device=DEV).to(torch.bfloat16)
         ids, tw = route(T)
-        base = fused_moe_w4a16(x, *k2_experts, ids, tw, G, config=moe_config(T * TOPK))
-        capped = fused_moe_w4a16(x, *k2_experts, ids, tw, G, config=replace(moe_config(T * TOPK), **caps))
+        base = fused_moe_w4a16(x, *k2_experts, ids, tw, G, config=moe_config(T * TOPK, E))
+        capped = fused_moe_w4a16(x, *k2_experts, ids, tw, G, config=replace(moe_config(T * TOPK, E), **caps))
         assert torch.equal(capped, base), f"T={T} {caps}"
 
 
@@ -317,5 +329,5 @@ def test_moe_align_k2(poisoned, T, bm):
 
 
 def test_moe_config_type():
-    assert isinstance(moe_config(8), MoEConfig) and isinstance(dense_config(1), W4Config)
+    assert isinstance(moe_config(8, E), MoEConfig) and isinstance(dense_config(1), W4Config)
 

@@ -108,7 +108,7 @@ def _run_one(name, spec):
     seed = int.from_bytes(os.urandom(4), "little")
     gen = torch.Generator().manual_seed(seed)
     x, w13p, w13s, w2p, w2s, ids, tw = make_moe(T, H, I, E, k, G, DT[dt], gen, ids_mode)
-    cfg = replace(moe_config(T * k), **over) if over else None
+    cfg = replace(moe_config(T * k, E), **over) if over else None
     y = fused_moe_w4a16(x, w13p, w13s, w2p, w2s, ids, tw, G, config=cfg)
     ref = fused_moe_reference(x, w13p, w13s, w2p, w2s, ids, tw, G)
     return _interp.output_record(y, ref, y.dtype == x.dtype and tuple(y.shape) == (T, H)) | {"seed": seed}
