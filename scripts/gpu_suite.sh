@@ -53,7 +53,7 @@
 #          expert block rows sweep at T = 32..512, the MoE GPU tests, the K2 layer step with its profile
 #   moe16  16-row expert blocks up to 12 pairs per expert: their same-bits and MoE tests, the kernel and K2
 #          layer benches, the bitwise tests
-#   moe16b the round benchmark and the graph-round / spec GPU tests (the shared expert forked in captured rounds)
+#   moe16b the demo's greedy spec == plain, the round benchmark and the graph-round / spec GPU tests (the shared expert forked in captured rounds)
 #   final2 the kernel, batch-invariance and bitwise GPU tests (all but the demo's logits-alone test) on the final code
 #   plane2 the same with the weights as the MMA's B operand (mma.sync, tokens on M), and its Nsight Compute
 #   merge  the attention merge by pairwise trees: attention GPU tests, attention bench, chunk-length sweep,
@@ -291,6 +291,7 @@ if [[ $PART == moe16 ]]; then
   step pytest_bitwise 160 $PYT tests/gpu/test_bitwise_gpu.py -k "not demo_logits"
 fi
 if [[ $PART == moe16b ]]; then
+  step pytest_bitwise_demo 200 $PYT tests/gpu/test_bitwise_gpu.py -k "spec_equals_plain_demo"
   step bench_round 140 python3 bench/round.py --out "$RES"
   step pytest_graph 200 $PYT tests/gpu/test_graph_round_gpu.py tests/spec/test_spec_gpu.py
 fi
