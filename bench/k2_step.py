@@ -558,6 +558,8 @@ def bench_step(T, S, cfg, layers, kv, rope, rank_attn, shared_r, dense_r, head_r
 
         n_moe = max(L, len(shared_r))
         rank["moe_us"] = time_us([lambda i=i: rank_moe_call(i) for i in range(n_moe)], reps)["us"]
+        if profile:  # the rank's MoE sublayer (router, routed experts, shared expert slice) per kernel
+            rank["moe_profile"] = common.kernel_profile(lambda: rank_moe_call(0), reps=5)
 
         def dense_call(i):
             h = xs[i % L]
@@ -632,6 +634,14 @@ def markdown(rep: dict, gpu_label: str) -> list[str]:
                                          [[k["name"][:110].replace("|", "/"), k["calls"], k["us"],
                                            f"{k['us'] / r['profile_total_us']:.0%}"] for k in r["profile"][what]])
                 lines.append("")
+        rk = r.get("rank") or {}
+        if rk.get("moe_profile"):
+            total = sum(k["us"] for k in rk["moe_profile"]["kernels"])
+            lines += ["", f"## Kernels of one rank's MoE sublayer at T = {r['T']} (torch.profiler, eager launches: "
+                      f"{total:.0f} us of device time against {rk['moe_us']:.0f} us per graph replay)", ""]
+            lines += common.md_table(["kernel", "calls", "us", "share"],
+                                     [[k["name"][:110].replace("|", "/"), k["calls"], k["us"], f"{k['us'] / total:.0%}"]
+                                      for k in rk["moe_profile"]["kernels"]])
     lines += ["", f"Elapsed {rep['elapsed_s']:.0f} s."]
     return lines
 
