@@ -122,6 +122,14 @@ K2_CONFIGS: dict[tuple[int, int], tuple[Reduction, list[tuple[int, Tile]] | None
                                         (1 << 62, Tile(256, 128, 8, 3))]),
 }
 
+# Per-shape M-bucket tiles of float32 weights (the FMA dot: a tile never changes the bits): the K2 router
+# [384 x 7168], 96 programs of 16 x 64 at 2 stages ran 34 us at M = 1..16 (0.32 TB/s; cuBLAS 8-24 us);
+# these tiles 24 / 27 / 59 / 141 us at M = 1-4 / 16 / 64 / 129 (bench/results/router-h200.md).
+FP32_TILES: dict[tuple[int, int], list[tuple[int, Tile]]] = {
+    (384, 7168): [(4, Tile(16, 16, 1, 8)), (16, Tile(16, 32, 2, 6)), (64, Tile(32, 32, 4, 4)),
+                  (1 << 62, Tile(16, 64, 4, 4))],
+}
+
 # M buckets: (max M, tile). The first bucket with M <= max M is used.
 TILES_16BIT: list[tuple[int, Tile]] = [
     (16, Tile(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=6)),
@@ -159,6 +167,8 @@ def tile_for(M: int, dtype: torch.dtype, N: int | None = None, K: int | None = N
     table = TILES_FP32 if dtype == torch.float32 else TILES_16BIT
     if dtype != torch.float32 and (N, K) in K2_CONFIGS and K2_CONFIGS[(N, K)][1]:
         table = K2_CONFIGS[(N, K)][1]
+    if dtype == torch.float32 and (N, K) in FP32_TILES:
+        table = FP32_TILES[(N, K)]
     for max_m, t in table:
         if M <= max_m:
             return t

@@ -16,7 +16,7 @@ HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parent))
 
 from kdtree_engine.kernels.gemm import (  # noqa: E402
-    K2_CONFIGS, TILES_16BIT, TILES_FP32, Reduction, Tile, bi_linear, bi_linear_reference, reduction_for,
+    FP32_TILES, K2_CONFIGS, TILES_16BIT, TILES_FP32, Reduction, Tile, bi_linear, bi_linear_reference, reduction_for,
     tile_for)
 
 DT = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -44,7 +44,7 @@ def test_reduction_depends_on_shape_only(dtype):
 
 
 def test_tiles_are_valid_for_every_m():
-    for table in (TILES_16BIT, TILES_FP32):
+    for table in (TILES_16BIT, TILES_FP32, *FP32_TILES.values()):
         assert table[-1][0] >= 1 << 40
         for _, t in table:
             assert t.BLOCK_M >= 16 and t.BLOCK_N >= 16 and t.num_warps in (1, 2, 4, 8, 16)
