@@ -124,7 +124,7 @@ K2_CONFIGS: dict[tuple[int, int], tuple[Reduction, list[tuple[int, Tile]] | None
 
 # Per-shape M-bucket tiles of float32 weights (the FMA dot: a tile never changes the bits): the K2 router
 # [384 x 7168], 96 programs of 16 x 64 at 2 stages ran 34 us at M = 1..16 (0.32 TB/s; cuBLAS 8-24 us);
-# these tiles 24 / 27 / 59 / 141 us at M = 1-4 / 16 / 64 / 129 (bench/results/router-h200.md).
+# these tiles 24 / 27 / 59 / 141 us at M = 1-4 / 16 / 64 / 129 (bench/results/router-h200-tiles.md).
 FP32_TILES: dict[tuple[int, int], list[tuple[int, Tile]]] = {
     (384, 7168): [(4, Tile(16, 16, 1, 8)), (16, Tile(16, 32, 2, 6)), (64, Tile(32, 32, 4, 4)),
                   (1 << 62, Tile(16, 64, 4, 4))],
