@@ -20,7 +20,8 @@ import torch.nn.functional as F
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import command_line, copy_bandwidth, device_info, md_table, time_calls, write_results  # noqa: E402
+from bench.common import (command_line, copy_bandwidth, device_info, kernel_profile, md_table,  # noqa: E402
+                          time_calls, write_results)
 from kdtree_engine.kernels.gemm import Tile, bi_linear, reduction_for, tile_for  # noqa: E402
 
 N, K = 384, 7168
@@ -45,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--profile", action="store_true", help="also list the kernels of one default call per M")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench router needs a CUDA GPU", file=sys.stderr)
@@ -73,6 +75,9 @@ def main(argv: list[str] | None = None) -> int:
                                               reps=args.reps)["us"], "same_bits": bool(torch.equal(y, base))}
             except Exception as exc:  # noqa: BLE001 - a candidate that fails is reported, not fatal
                 row[name] = {"error": f"{type(exc).__name__}: {exc}"[:160]}
+        if args.profile:
+            row["profile"] = kernel_profile(lambda: bi_linear(x, w))["kernels"]
+            print("  " + "; ".join(f"{k['name'][:40]} x{k['calls']:g} {k['us']:.1f} us" for k in row["profile"]))
         rows.append(row)
         print(f"M={M}: cuBLAS {row['cublas_us']:.1f} us, default {row['default_us']:.1f} us; "
               + ", ".join(f"{n} {_cell(row[n])}" for n in CANDIDATES), flush=True)
