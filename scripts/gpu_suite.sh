@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU tests and benchmarks, logs and results packed under $OUT; one device call runs one part.
-#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|next|chain|sample|rounds|decode|step|verify|resume|ncu|plane|merge|merge2|merge3|sample2|fork|last|plane2|rows|kload|lazy|rounds2|maxnreg|qsplit|stages|down|bm8|m64|merge4|merge5|final2|moerows|moe16|moe16b|router|router2|router3]   (on the GPU machine, from the repository root)
+#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|next|chain|sample|rounds|decode|step|verify|resume|ncu|plane|merge|merge2|merge3|sample2|fork|last|plane2|rows|kload|lazy|rounds2|maxnreg|qsplit|stages|down|bm8|m64|merge4|merge5|final2|moerows|moe16|moe16b|router|router2|router3|final3]   (on the GPU machine, from the repository root)
 #   tune   the W4A16 config sweep, the bitwise and CUDA-graph GPU tests, the demo's spec benchmark
 #   check  the remaining GPU tests (kernels, batch invariance, target, attention), kernel and round benches
 #   bench  the benchmarks with long runs (K2 step, attention, GEMM)
@@ -57,6 +57,7 @@
 #   router the router's fp32 GEMM tiles (bench/router.py), the K2 step at T = 1 / 16 with the rank MoE's profile
 #   router2 the router's fp32 tiles adopted: router bench, fp32 batch-invariance and fp32 graph-round tests, K2 step
 #   router3 the router bench with the kernels of one call per M (where its time goes)
+#   final3 final2 on this round's final code (align kernel, expert block rows, forked shared expert, router tiles)
 #   final2 the kernel, batch-invariance and bitwise GPU tests (all but the demo's logits-alone test) on the final code
 #   plane2 the same with the weights as the MMA's B operand (mma.sync, tokens on M), and its Nsight Compute
 #   merge  the attention merge by pairwise trees: attention GPU tests, attention bench, chunk-length sweep,
@@ -310,6 +311,10 @@ if [[ $PART == router2 ]]; then
 fi
 if [[ $PART == router3 ]]; then
   step bench_router 60 python3 bench/router.py --profile --out "$RES"
+fi
+if [[ $PART == final3 ]]; then
+  step pytest_kernels 220 $PYT tests/gpu/test_kernels_gpu.py tests/gpu/test_batch_invariance_gpu.py
+  step pytest_bitwise 200 $PYT tests/gpu/test_bitwise_gpu.py -k "not demo_logits"
 fi
 if [[ $PART == final2 ]]; then
   step pytest_kernels 160 $PYT tests/gpu/test_kernels_gpu.py tests/gpu/test_batch_invariance_gpu.py
