@@ -34,6 +34,15 @@ def device_info() -> dict:
     }
 
 
+def gpu_stem(name: str) -> str:
+    """Short device tag for result file names: "h200" for an NVIDIA H200, else the name made file-safe."""
+    n = name.lower()
+    for key in ("h200", "h100", "b200", "a100", "l40s", "l4"):
+        if key in n:
+            return key
+    return "".join(c if c.isalnum() else "-" for c in n).strip("-") or "gpu"
+
+
 def l2_bytes() -> int:
     return int(getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 0) or 50 * 2**20)
 

@@ -27,6 +27,8 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.common import gpu_stem  # noqa: E402
+
 SHAPES = [  # name, N (out), K (in)
     ("q_a+kv_a", 2112, 7168),
     ("q_b", 12288, 1536),
@@ -71,14 +73,6 @@ def _copies(N: int, K: int, w: torch.Tensor) -> list[torch.Tensor]:
     """Enough weight copies to exceed the L2 several times (>= 256 MB in all, at most 8)."""
     n = min(8, max(1, -(-(256 << 20) // (N * K * 2))))
     return [w] + [w.clone() for _ in range(n - 1)]
-
-
-def _gpu_tag() -> str:
-    name = torch.cuda.get_device_name().lower()
-    for tag in ("h200", "h100", "a100", "b200", "l40s"):
-        if tag in name:
-            return tag
-    return "".join(c if c.isalnum() else "-" for c in name).strip("-")
 
 
 def ceilings() -> dict:
@@ -343,7 +337,7 @@ def main(argv: list[str] | None = None) -> dict:
     res["wall_s"] = time.time() - t0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    tag = _gpu_tag()
+    tag = gpu_stem(torch.cuda.get_device_name())
     (out / f"gemm-{tag}.json").write_text(json.dumps(res, indent=1))
     write_md(out / f"gemm-{tag}.md", res)
     print(f"\n(CUDA-graph times) {'shape':11s} {'M':>4s} {'cuBLAS us':>9s} {'bi us':>8s} {'ratio':>6s} {'TB/s':>5s} inv(cb,bi)")

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import (Clock, bf16_matmul_rate, command_line, copy_bandwidth, device_info,  # noqa: E402
+from bench.common import (Clock, bf16_matmul_rate, command_line, copy_bandwidth, device_info, gpu_stem,  # noqa: E402
                           l2_bytes, md_table, time_calls, write_results)
 from kdtree_engine.kernels.moe_w4a16 import (MOE_CONFIGS, MoEConfig, fused_moe_reference, fused_moe_w4a16,  # noqa: E402
                                              moe_align, moe_config)
@@ -178,14 +178,6 @@ def bench_moe(layer, copy_bw, reps, log):
         rows.append(row)
         log(f"moe T={T}: routed {row.get('routed_us')} us ({touched:.0f} experts), shared {row['shared_bf16_us']:.1f} us")
     return rows
-
-
-def gpu_stem(name: str) -> str:
-    n = name.lower()
-    for key in ("h200", "h100", "b200", "a100", "l40s", "l4"):
-        if key in n:
-            return key
-    return "".join(c if c.isalnum() else "-" for c in n).strip("-") or "gpu"
 
 
 def markdown(payload) -> list[str]:

@@ -45,8 +45,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.common import (Clock, bf16_matmul_rate, command_line, copy_bandwidth, device_info, l2_bytes,  # noqa: E402
-                          md_table, time_calls, write_results)
+from bench.common import (Clock, bf16_matmul_rate, command_line, copy_bandwidth, device_info,  # noqa: E402
+                          gpu_stem, l2_bytes, md_table, time_calls, write_results)
 from kdtree_engine.kernels.mla_attention import MLAConfig, default_config, mla_attention  # noqa: E402
 from kdtree_engine.model.mla import mla_attention_reference  # noqa: E402
 
@@ -295,7 +295,7 @@ def main(argv=None) -> dict:
                       f" err {rec.get('rel_err')}", flush=True)
 
     info = device_info()
-    gpu = "h200" if "H200" in info["gpu"] else info["gpu"].split()[-1].lower()
+    gpu = gpu_stem(info["gpu"])
     payload = {"command": command_line(), "device": info, "copy_Bps": bw, "bf16_flops": mm,
                "cases": rows, "sweep": sweep, "seconds": clock()}
     headers = ["N", "S", "T", "us", "TB/s", "x copy", "TFLOP/s", "x roof", "sdpa us", "ref us", "err"]

@@ -24,7 +24,7 @@ if __package__ in (None, ""):
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from bench.common import command_line, device_info, md_table, time_calls, write_results  # noqa: E402
+from bench.common import command_line, device_info, gpu_stem, md_table, time_calls, write_results  # noqa: E402
 from kdtree_engine.kernels.mla_attention import _mla_merge_kernel, merge_tiles  # noqa: E402
 
 C, CHUNK = 512, 512
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
                           rec["same_bits"]])
             print(label, rec, flush=True)
     info = device_info()
-    gpu = "h200" if "H200" in info["gpu"] else info["gpu"].split()[-1].lower()
+    gpu = gpu_stem(info["gpu"])
     md = [f"# MLA attention chunk merge on {info['gpu']}", "", f"Command: `{command_line()}`", "",
           "The first row of each shape is the engine's launch; same bits = equal to it.", ""]
     md += md_table(["shape", "launch", "BLOCK_D", "warps", "PREFETCH", "programs", "us", "same bits"], table)

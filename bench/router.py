@@ -20,7 +20,7 @@ import torch.nn.functional as F
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import (command_line, copy_bandwidth, device_info, kernel_profile, md_table,  # noqa: E402
+from bench.common import (command_line, copy_bandwidth, device_info, gpu_stem, kernel_profile, md_table,  # noqa: E402
                           time_calls, write_results)
 from kdtree_engine.kernels.gemm import Tile, bi_linear, reduction_for, tile_for  # noqa: E402
 
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
                    [[r["M"], r["cublas_us"], r["default_us"], gb / (r["default_us"] * 1e-6) / 1e12, r["default_tile"],
                      *[_cell(r[n]) for n in CANDIDATES], r["rel_err"]]
                     for r in rows])
-    jp, mp = write_results(args.out, f"router-{'h200' if 'H200' in info['gpu'] else 'gpu'}", payload, md)
+    jp, mp = write_results(args.out, f"router-{gpu_stem(info['gpu'])}", payload, md)
     print(f"wrote {jp} and {mp}")
     return 0
 

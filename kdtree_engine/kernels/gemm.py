@@ -164,11 +164,10 @@ def reduction_for(N: int, K: int, dtype: torch.dtype) -> Reduction:
 
 def tile_for(M: int, dtype: torch.dtype, N: int | None = None, K: int | None = None) -> Tile:
     """Output tiling for M rows (speed only: any tile gives the same bits)."""
-    table = TILES_FP32 if dtype == torch.float32 else TILES_16BIT
-    if dtype != torch.float32 and (N, K) in K2_CONFIGS and K2_CONFIGS[(N, K)][1]:
-        table = K2_CONFIGS[(N, K)][1]
-    if dtype == torch.float32 and (N, K) in FP32_TILES:
-        table = FP32_TILES[(N, K)]
+    if dtype == torch.float32:
+        table = FP32_TILES.get((N, K), TILES_FP32)
+    else:
+        table = K2_CONFIGS.get((N, K), (None, None))[1] or TILES_16BIT
     for max_m, t in table:
         if M <= max_m:
             return t

@@ -8,9 +8,10 @@ Stacked expert tensors (checkpoint layout, no repack):
 
 Four launches, no host synchronisation (CUDA-graph capturable):
   1. align (one program per expert, each counting all pairs): pairs (t, j) sorted by expert into blocks
-     of BLOCK_M rows; per block: expert id and number of valid rows. Blocks are only emitted for experts that are
-     touched, so the GEMM grids below cover exactly the (expert, N-tile) pairs in use (plus a few
-     empty programs that exit at once: the grid is a host-side upper bound, cdiv(P, BM) + min(E, P)).
+     of BLOCK_M rows; per block: expert id and number of valid rows. Blocks are only emitted for
+     experts that are touched, so the GEMM grids below cover exactly the (expert, N-tile) pairs in use
+     (plus a few empty programs that exit at once: the grid is a host-side upper bound,
+     cdiv(P, BM) + min(E, P)).
   2. gate/up GEMM with the SwiGLU epilogue: each program streams BLOCK_N gate rows and the matching
      BLOCK_N up rows of its expert over all of H; writes silu(g) * u in x.dtype to inter[P, I].
   3. down GEMM: inter rows of the block @ w2[e].T, times the router weight, fp32 to y[P, H].

@@ -161,20 +161,21 @@ class MoE(nn.Module):
         """Router + routed experts and the shared expert are independent until their sum: on CUDA the
         shared expert runs on a side stream beside them (its GEMMs fill the SMs the routed kernels'
         last waves leave idle; the same kernels and sum, so the same bits)."""
-        if self.shared_experts is None:
-            ids, w = self.gate(x)
-            return self.experts(x, ids, w)
-        from ..kernels.streams import side_by_side
-        if x.device.type == "cuda":
-            log_once("moe-side", "MoE on cuda: the shared expert on a side stream beside the routed experts")
         part: dict[str, torch.Tensor] = {}
-
-        def shared() -> None:
-            part["shared"] = self.shared_experts(x)
 
         def routed() -> None:
             ids, w = self.gate(x)
             part["routed"] = self.experts(x, ids, w)
+
+        if self.shared_experts is None:
+            routed()
+            return part["routed"]
+        from ..kernels.streams import side_by_side
+        if x.device.type == "cuda":
+            log_once("moe-side", "MoE on cuda: the shared expert on a side stream beside the routed experts")
+
+        def shared() -> None:
+            part["shared"] = self.shared_experts(x)
 
         side_by_side(x.device, shared, routed)
         return part["routed"] + part["shared"]
