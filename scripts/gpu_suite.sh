@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU tests and benchmarks, logs and results packed under $OUT; one device call runs one part.
-#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|next|chain|sample|rounds|decode|step|verify|resume|ncu|plane|merge|merge2|merge3|sample2|fork|last|plane2|rows|kload|lazy|rounds2|maxnreg|qsplit|stages|down|bm8|m64|merge4|merge5|final2|moerows|moe16|moe16b|router|router2|router3|final3]   (on the GPU machine, from the repository root)
+#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|next|chain|sample|rounds|decode|step|verify|resume|ncu|plane|merge|merge2|merge3|sample2|fork|last|plane2|rows|kload|lazy|rounds2|maxnreg|qsplit|stages|down|bm8|m64|merge4|merge5|final2|moerows|moe16|moe16b|router|router2|router3|final3|frag]   (on the GPU machine, from the repository root)
 #   tune   the W4A16 config sweep, the bitwise and CUDA-graph GPU tests, the demo's spec benchmark
 #   check  the remaining GPU tests (kernels, batch invariance, target, attention), kernel and round benches
 #   bench  the benchmarks with long runs (K2 step, attention, GEMM)
@@ -57,6 +57,8 @@
 #   router the router's fp32 GEMM tiles (bench/router.py), the K2 step at T = 1 / 16 with the rank MoE's profile
 #   router2 the router's fp32 tiles adopted: router bench, fp32 batch-invariance and fp32 graph-round tests, K2 step
 #   router3 the router bench with the kernels of one call per M (where its time goes)
+#   frag   the fragment-ordered W4A16 kernels (Gluon, weights straight into mma.sync registers): their GPU
+#          tests and bench/w4_frag.py (dense and K2 MoE against the defaults)
 #   final3 final2 on this round's final code (align kernel, expert block rows, forked shared expert, router tiles)
 #   final2 the kernel, batch-invariance and bitwise GPU tests (all but the demo's logits-alone test) on the final code
 #   plane2 the same with the weights as the MMA's B operand (mma.sync, tokens on M), and its Nsight Compute
@@ -372,5 +374,9 @@ if [[ $PART == finish ]]; then
   step pytest_target 60 $PYT tests/gpu/test_target_gpu.py
   step pytest_kernels 110 $PYT tests/gpu/test_kernels_gpu.py -k "k2 or batch_invariant or odd_shapes or graph or unowned"
   step bench_round 45 python3 bench/round.py --out "$RES"
+fi
+if [[ $PART == frag ]]; then
+  step pytest_frag 200 $PYT tests/gpu/test_w4_frag_gpu.py
+  step bench_w4_frag 350 python3 bench/w4_frag.py --out "$RES"
 fi
 ls -la "$RES"

@@ -1,0 +1,156 @@
+"""Fragment-ordered W4A16 kernels (kdtree_engine/kernels/w4_frag.py, moe_frag.py) against the defaults.
+
+    python3 bench/w4_frag.py --out bench/results      # ~3 min on an H200
+
+Dense: one expert's w13 4096 x 7168 and w2 7168 x 2048, the dense layer's w13 36864 x 7168 at
+M = 1 / 4 / 8 / 16: the default `w4a16_linear`, torch bf16 matmul on the dequantized weights and each
+fragment candidate (GPB groups per K block, MT MMA tiles per warp, warps, K splits), median us over
+CUDA-graph replays of rotating weight copies (> L2), effective TB/s (int4 + scale bytes / time), the ratio
+to the copy bandwidth measured in the same run, and the error against x @ W^T in float64 (W the
+bf16-rounded dequantized weights).
+MoE: the K2 routed experts (384 x [w13 4096 x 7168, w2 7168 x 2048], top-8, random routing) at
+T = 1 / 4 / 16 / 64: the default `fused_moe_w4a16` and each `FragMoEConfig` candidate, against the bytes of
+the experts touched over the copy bandwidth, and the error against `fused_moe_reference`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench.common import command_line, copy_bandwidth, device_info, gpu_stem, l2_bytes, md_table, time_calls, write_results  # noqa: E402
+from bench.kernels import DENSE, E, G, H, I, TOPK, rand_w4, rel, route, w4_bytes  # noqa: E402
+from kdtree_engine.kernels.moe_frag import FragMoEConfig, fused_moe_frag  # noqa: E402
+from kdtree_engine.kernels.moe_w4a16 import fused_moe_reference, fused_moe_w4a16  # noqa: E402
+from kdtree_engine.kernels.w4_frag import frag_linear, frag_repack, split_for  # noqa: E402
+from kdtree_engine.kernels.w4a16 import w4a16_linear  # noqa: E402
+from kdtree_engine.quant import dequantize  # noqa: E402
+
+DENSE_CANDIDATES = [  # (gpb, mt, num_warps, target programs for the K split)
+    (8, 2, 4, 1200), (8, 2, 4, 2400), (4, 2, 4, 1200), (8, 4, 4, 1200), (4, 4, 4, 2400), (8, 2, 8, 1200),
+    (8, 1, 4, 2400), (16, 1, 4, 1200),
+]
+MOE_CANDIDATES = [
+    FragMoEConfig(BLOCK_M=16, GPB=8, MT=1, SPLIT13=2, SPLIT2=1),
+    FragMoEConfig(BLOCK_M=8, GPB=8, MT=1, SPLIT13=2, SPLIT2=1),
+    FragMoEConfig(BLOCK_M=16, GPB=4, MT=1, SPLIT13=2, SPLIT2=1),
+    FragMoEConfig(BLOCK_M=16, GPB=8, MT=1, SPLIT13=1, SPLIT2=1),
+    FragMoEConfig(BLOCK_M=16, GPB=8, MT=1, SPLIT13=4, SPLIT2=2),
+    FragMoEConfig(BLOCK_M=16, GPB=8, MT=2, SPLIT13=2, SPLIT2=1),
+    FragMoEConfig(BLOCK_M=8, GPB=8, MT=1, SPLIT13=4, SPLIT2=2),
+    FragMoEConfig(BLOCK_M=16, GPB=4, MT=2, SPLIT13=2, SPLIT2=2),
+]
+MOE_TS = [1, 4, 16, 64]
+
+
+def _row(rows, base, fn, ref, timed, nbytes, bw, reps):
+    try:
+        out = fn()
+        err = rel(out, ref) if ref is not None else None
+        t = time_calls(timed, reps=reps)["us"]
+        rows.append({**base, "us": t, "TBps": nbytes / t / 1e6 if nbytes else None,
+                     "x_copy": nbytes / t / 1e6 / (bw / 1e12) if nbytes else None, "err": err})
+    except Exception as exc:  # noqa: BLE001 - a candidate that fails is reported, not fatal
+        rows.append({**base, "us": None, "error": f"{type(exc).__name__}: {str(exc)[:160]}"})
+    r = rows[-1]
+    print(f"{base}: {r.get('us')} us, err {r.get('err', r.get('error'))}", flush=True)
+
+
+def bench_dense(ms, bw, reps) -> list[dict]:
+    rows: list[dict] = []
+    l2 = l2_bytes()
+    for name, (N, K) in DENSE.items():
+        nbytes = w4_bytes(N, K)
+        ws = [rand_w4(N, K) for _ in range(max(1, math.ceil(3 * l2 / nbytes)))]
+        wd = dequantize(*ws[0], G, torch.bfloat16)
+        reps_by_gpb = {g: [(frag_repack(p, g), s) for p, s in ws] for g in sorted({c[0] for c in DENSE_CANDIDATES})}
+        for M in ms:
+            x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
+            ref = x.double() @ wd.double().T
+            base = {"matrix": name, "M": M}
+            _row(rows, {**base, "kernel": "default"}, lambda: w4a16_linear(x, *ws[0], G), ref,
+                 [lambda p=p, s=s: w4a16_linear(x, p, s, G) for p, s in ws], nbytes, bw, reps)
+            _row(rows, {**base, "kernel": "torch bf16 (dequantized)"}, lambda: x @ wd.T, ref,
+                 [lambda: x @ wd.T], None, bw, reps)
+            for gpb, mt, nw, target in DENSE_CANDIDATES:
+                split = split_for(N, K, 16 * nw * mt, 32 * gpb, target)
+                kw = dict(gpb=gpb, mt=mt, num_warps=nw, split=split)
+                wr = reps_by_gpb[gpb]
+                _row(rows, {**base, "kernel": f"frag gpb{gpb} mt{mt} w{nw} split{split}"},
+                     lambda: frag_linear(x, *wr[0], **kw), ref,
+                     [lambda p=p, s=s: frag_linear(x, p, s, **kw) for p, s in wr], nbytes, bw, reps)
+        del ws, reps_by_gpb, wd
+        torch.cuda.empty_cache()
+    return rows
+
+
+def bench_moe(ts, bw, reps) -> list[dict]:
+    rows: list[dict] = []
+    w13p, w13s = rand_w4(E, 2 * I, H)
+    w2p, w2s = rand_w4(E, H, I)
+    frag = {g: (frag_repack(w13p, g), frag_repack(w2p, g)) for g in sorted({c.GPB for c in MOE_CANDIDATES})}
+    expert_bytes = w4_bytes(2 * I, H) + w4_bytes(H, I)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for T in ts:
+        x = torch.randn(T, H, device="cuda").to(torch.bfloat16)
+        sets = route(T, 4, gen)
+        touched = sum(int(torch.unique(ids).numel()) for ids, _ in sets) / len(sets)
+        nbytes = touched * expert_bytes
+        ids0, tw0 = sets[0]
+        ref = fused_moe_reference(x, w13p, w13s, w2p, w2s, ids0, tw0, G)
+        base = {"matrix": f"K2 MoE ({touched:.0f} experts)", "M": T}
+        _row(rows, {**base, "kernel": "default"}, lambda: fused_moe_w4a16(x, w13p, w13s, w2p, w2s, ids0, tw0, G),
+             ref, [lambda i=i, w=w: fused_moe_w4a16(x, w13p, w13s, w2p, w2s, i, w, G) for i, w in sets],
+             nbytes, bw, reps)
+        for cfg in MOE_CANDIDATES:
+            q13, q2 = frag[cfg.GPB]
+            label = (f"frag bm{cfg.BLOCK_M} gpb{cfg.GPB} mt{cfg.MT} w{cfg.num_warps} "
+                     f"split13 {cfg.SPLIT13} split2 {cfg.SPLIT2}")
+            _row(rows, {**base, "kernel": label},
+                 lambda: fused_moe_frag(x, q13, w13s, q2, w2s, ids0, tw0, G, cfg), ref,
+                 [lambda i=i, w=w: fused_moe_frag(x, q13, w13s, q2, w2s, i, w, G, cfg) for i, w in sets],
+                 nbytes, bw, reps)
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--ms", default="1,4,8,16", help="dense M values")
+    ap.add_argument("--ts", default=",".join(map(str, MOE_TS)), help="MoE token counts")
+    ap.add_argument("--no-dense", action="store_true")
+    ap.add_argument("--no-moe", action="store_true")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench/w4_frag.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    torch.manual_seed(0)
+    bw = copy_bandwidth()
+    info = device_info()
+    rows = [] if args.no_dense else bench_dense([int(v) for v in args.ms.split(",")], bw, args.reps)
+    rows += [] if args.no_moe else bench_moe([int(v) for v in args.ts.split(",")], bw, args.reps)
+    md = [f"# Fragment-ordered W4A16 (Gluon, mma.sync A operand from registers) on {info.get('gpu', 'GPU')}", "",
+          f"Command: `{command_line()}`", "",
+          f"torch {info.get('torch')}, triton {info.get('triton')}. Copy bandwidth {bw / 1e12:.2f} TB/s (read + write). "
+          "us: median over CUDA-graph replays (dense: rotating weight copies > L2; MoE: 4 routings). "
+          "TB/s: int4 + scale bytes of the matrix (MoE: of the experts touched) / time. err: relative, against "
+          "x @ W^T in float64 (dense; W the bf16-rounded dequantized weights) or `fused_moe_reference` (MoE).", ""]
+    md += md_table(["matrix", "M / T", "kernel", "us", "TB/s", "x copy", "err"],
+                   [[r["matrix"], r["M"], r["kernel"], r.get("us"), r.get("TBps"), r.get("x_copy"),
+                     r.get("err", r.get("error"))] for r in rows])
+    write_results(args.out, f"w4-frag-{gpu_stem(info['gpu'])}", {"device": info, "copy_bw": bw, "rows": rows}, md)
+    print("\n".join(md[-len(rows) - 2:]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

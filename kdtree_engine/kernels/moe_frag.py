@@ -1,0 +1,205 @@
+"""Fused MoE over fragment-ordered INT4 experts (GPU only, Gluon): the routed-expert GEMMs of
+`moe_w4a16.fused_moe_w4a16` with the weights loaded straight into mma.sync registers (w4_frag.py).
+
+Stacked expert tensors, repacked once at load by `frag_repack` (same shapes and bytes per row):
+  w13 int32 [E, 2I, H/8], scale [E, 2I, H/g]   rows 0..I-1 gate_proj, I..2I-1 up_proj
+  w2  int32 [E, H, I/8],  scale [E, H, I/g]
+
+Launches (no host synchronisation; CUDA-graph capturable), the align, SwiGLU and top-k sum kernels
+shared with moe_w4a16.py:
+  1. align: pairs (t, j) grouped by expert into blocks of BLOCK_M rows (the MMA's token columns);
+  2. gate/up: grid (blocks, I / BN, splits over H): fp32 gate and up partials per pair;
+  3. SwiGLU: the partials summed in split order, silu(g) * u -> inter [P, I] (bf16);
+  4. down: grid (blocks, H / BN, splits over I): router weight x partial -> y [split, P, H] fp32;
+  5. top-k sum: out[t] = sum over j, then splits, of y (fixed order, no atomics).
+A pair's column of an mma.sync tile is summed over the same k tiles in the same order whatever the other
+columns hold, and the splits are fixed per matrix shape (never chosen from T), so a token's output does
+not depend on the batch (batch invariance).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from kdtree_engine.kernels.moe_w4a16 import _moe_swiglu_kernel, _moe_topk_sum_kernel, moe_align
+from kdtree_engine.kernels.w4_dequant import DEQ_FLOAT
+from kdtree_engine.kernels.w4_frag import HAVE_GLUON, word_layout
+
+if HAVE_GLUON:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+
+    from kdtree_engine.kernels.w4_frag import _frag_loop, _word_ptrs
+
+
+@dataclass(frozen=True)
+class FragMoEConfig:
+    BLOCK_M: int = 16      # token rows per expert block = the MMA's token columns (8 or 16)
+    GPB: int = 8           # quantization groups per K block (BLOCK_K = 32 * GPB); fixes the repack
+    MT: int = 1            # 16-row MMA tiles per warp
+    num_warps: int = 4
+    SPLIT13: int = 2       # gate/up splits over H (part of the reduction)
+    SPLIT2: int = 1        # down splits over I (part of the reduction)
+
+    def reduction_key(self) -> tuple:
+        return (self.GPB, self.SPLIT13, self.SPLIT2)
+
+
+if HAVE_GLUON:
+    @gluon.jit
+    def _block_pairs(sorted_ptr, pid_b, rows, TOK: gl.constexpr, layout: gl.constexpr):
+        r = gl.arange(0, TOK, layout=layout)
+        ok = r < rows
+        return gl.load(sorted_ptr + pid_b * TOK + r, mask=ok, other=0), ok
+
+    @gluon.jit
+    def _moe_frag_w13_kernel(x_ptr, w_ptr, s_ptr, part_ptr, sorted_ptr, blk_expert_ptr, blk_rows_ptr,
+                             I, TOPK, stride_xt, stride_we, stride_wn, stride_se, stride_sn,
+                             stride_ps, stride_pp, kb_per_split,
+                             TOK: gl.constexpr, MT: gl.constexpr, GPB: gl.constexpr, WL: gl.constexpr,
+                             num_warps: gl.constexpr):
+        """grid (blocks, I / BN, splits): part[split, pair, n] / part[split, pair, I + n] = the gate / up
+        partial sums of the block's pairs over the split's K blocks."""
+        BN: gl.constexpr = 16 * num_warps * MT
+        BK: gl.constexpr = 32 * GPB
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps, 1],
+                                                      instr_shape=[16, 8])
+        AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+        BL: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+        pid_b = gl.program_id(0)
+        rows = gl.load(blk_rows_ptr + pid_b)
+        if rows == 0:
+            return
+        e = gl.load(blk_expert_ptr + pid_b).to(gl.int64)
+        n0 = gl.program_id(1) * BN
+        pid_s = gl.program_id(2)
+        kb0 = pid_s * kb_per_split
+        we = w_ptr + e * stride_we
+        se = s_ptr + e * stride_se
+        wg, sg = _word_ptrs(we, se, n0, stride_wn, stride_sn, kb0, WL, BN, GPB)
+        wu, su = _word_ptrs(we, se, I + n0, stride_wn, stride_sn, kb0, WL, BN, GPB)
+
+        pair, ok = _block_pairs(sorted_ptr, pid_b, rows, TOK, gl.SliceLayout(0, BL))
+        rk = gl.arange(0, BK, layout=gl.SliceLayout(1, BL))
+        tok = (pair // TOPK).to(gl.int64)
+        x_ptrs = x_ptr + gl.expand_dims(tok, 0) * stride_xt + gl.expand_dims(rk, 1) + kb0 * BK
+        acc_g = gl.zeros([BN, TOK], gl.float32, layout=MMA)
+        acc_u = gl.zeros([BN, TOK], gl.float32, layout=MMA)
+        acc_g, acc_u = _frag_loop(acc_g, acc_u, wg, sg, wu, su, x_ptrs, gl.expand_dims(ok, 0), kb_per_split,
+                                  True, AL, BN, GPB)
+
+        pair_o, ok_o = _block_pairs(sorted_ptr, pid_b, rows, TOK, gl.SliceLayout(0, MMA))
+        on = gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
+        p_ptrs = (part_ptr + pid_s * stride_ps + gl.expand_dims(pair_o.to(gl.int64), 0) * stride_pp
+                  + n0 + gl.expand_dims(on, 1))
+        o_mask = gl.expand_dims(ok_o, 0)
+        gl.store(p_ptrs, acc_g, mask=o_mask)
+        gl.store(p_ptrs + I, acc_u, mask=o_mask)
+
+    @gluon.jit
+    def _moe_frag_w2_kernel(a_ptr, w_ptr, s_ptr, y_ptr, tw_ptr, sorted_ptr, blk_expert_ptr, blk_rows_ptr,
+                            stride_at, stride_we, stride_wn, stride_se, stride_sn, stride_ys, stride_yt,
+                            kb_per_split,
+                            TOK: gl.constexpr, MT: gl.constexpr, GPB: gl.constexpr, WL: gl.constexpr,
+                            num_warps: gl.constexpr):
+        """grid (blocks, H / BN, splits): y[split, pair, n] = router weight x the split's partial down sum."""
+        BN: gl.constexpr = 16 * num_warps * MT
+        BK: gl.constexpr = 32 * GPB
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps, 1],
+                                                      instr_shape=[16, 8])
+        AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+        BL: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+        pid_b = gl.program_id(0)
+        rows = gl.load(blk_rows_ptr + pid_b)
+        if rows == 0:
+            return
+        e = gl.load(blk_expert_ptr + pid_b).to(gl.int64)
+        n0 = gl.program_id(1) * BN
+        pid_s = gl.program_id(2)
+        kb0 = pid_s * kb_per_split
+        w, s = _word_ptrs(w_ptr + e * stride_we, s_ptr + e * stride_se, n0, stride_wn, stride_sn, kb0,
+                          WL, BN, GPB)
+
+        pair, ok = _block_pairs(sorted_ptr, pid_b, rows, TOK, gl.SliceLayout(0, BL))
+        rk = gl.arange(0, BK, layout=gl.SliceLayout(1, BL))
+        a_ptrs = a_ptr + gl.expand_dims(pair.to(gl.int64), 0) * stride_at + gl.expand_dims(rk, 1) + kb0 * BK
+        acc = gl.zeros([BN, TOK], gl.float32, layout=MMA)
+        acc, unused = _frag_loop(acc, acc, w, s, w, s, a_ptrs, gl.expand_dims(ok, 0), kb_per_split,
+                                 False, AL, BN, GPB)
+
+        pair_o, ok_o = _block_pairs(sorted_ptr, pid_b, rows, TOK, gl.SliceLayout(0, MMA))
+        tw = gl.load(tw_ptr + pair_o, mask=ok_o, other=0.0).to(gl.float32)
+        acc = acc * gl.expand_dims(tw, 0)
+        on = gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
+        y_ptrs = (y_ptr + pid_s * stride_ys + gl.expand_dims(pair_o.to(gl.int64), 0) * stride_yt
+                  + n0 + gl.expand_dims(on, 1))
+        gl.store(y_ptrs, acc, mask=gl.expand_dims(ok_o, 0))
+
+
+def _check(name: str, q: torch.Tensor, s: torch.Tensor, k: int, group_size: int, cfg: FragMoEConfig) -> None:
+    if q.dtype != torch.int32 or s.dtype != torch.bfloat16 or not (q.is_contiguous() and s.is_contiguous()):
+        raise ValueError(f"{name}: contiguous int32 words and bf16 scales required, got {q.dtype} / {s.dtype}")
+    if group_size != 32 or k % (32 * cfg.GPB) or q.shape[-1] * 8 != k or s.shape[-1] * 32 != k:
+        raise ValueError(f"{name}: group size 32 and K={k} a multiple of {32 * cfg.GPB} required "
+                         f"(words {tuple(q.shape)}, scales {tuple(s.shape)}, group {group_size})")
+
+
+def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor, w2_q: torch.Tensor,
+                   w2_scale: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                   group_size: int, config: FragMoEConfig | None = None) -> torch.Tensor:
+    """x [T, H] bf16 -> [T, H] bf16: routed experts only, weights in fragment order (frag_repack, GPB)."""
+    if not HAVE_GLUON:
+        raise RuntimeError("fused_moe_frag needs triton.experimental.gluon (triton >= 3.5)")
+    cfg = config or FragMoEConfig()
+    if x.dtype != torch.bfloat16 or x.dim() != 2:
+        raise ValueError(f"fused_moe_frag: x must be [T, H] bfloat16, got {tuple(x.shape)} {x.dtype}")
+    T, H = x.shape
+    E, two_i, _ = w13_q.shape
+    I = two_i // 2
+    _check("w13", w13_q, w13_scale, H, group_size, cfg)
+    _check("w2", w2_q, w2_scale, I, group_size, cfg)
+    bn = 16 * cfg.num_warps * cfg.MT
+    bk = 32 * cfg.GPB
+    if I % bn or H % bn or (H // bk) % cfg.SPLIT13 or (I // bk) % cfg.SPLIT2:
+        raise ValueError(f"fused_moe_frag: H={H} and I={I} must be multiples of {bn}; H / {bk} of SPLIT13="
+                         f"{cfg.SPLIT13}, I / {bk} of SPLIT2={cfg.SPLIT2}")
+    topk = topk_ids.shape[1]
+    out = torch.empty_like(x)
+    if T == 0:
+        return out
+    x = x.contiguous()
+    P = T * topk
+    ids = topk_ids.reshape(-1).contiguous()
+    tw = topk_weights.reshape(-1).contiguous()
+    sorted_pairs, blk_expert, blk_rows = moe_align(ids, E, cfg.BLOCK_M)
+    blocks = blk_rows.numel()
+    wl = word_layout(cfg.num_warps, cfg.MT, cfg.GPB)
+
+    part = torch.empty((cfg.SPLIT13, P, 2 * I), device=x.device, dtype=torch.float32)
+    _moe_frag_w13_kernel[(blocks, I // bn, cfg.SPLIT13)](
+        x, w13_q, w13_scale, part, sorted_pairs, blk_expert, blk_rows, I, topk,
+        x.stride(0), w13_q.stride(0), w13_q.stride(1), w13_scale.stride(0), w13_scale.stride(1),
+        part.stride(0), part.stride(1), H // bk // cfg.SPLIT13,
+        TOK=cfg.BLOCK_M, MT=cfg.MT, GPB=cfg.GPB, WL=wl, num_warps=cfg.num_warps)
+    inter = torch.empty((P, I), device=x.device, dtype=x.dtype)
+    block = min(1024, triton.next_power_of_2(I))
+    _moe_swiglu_kernel[(P, triton.cdiv(I, block))](
+        part, inter, ids, I, E, part.stride(0), part.stride(1), inter.stride(0),
+        SPLIT=cfg.SPLIT13, BLOCK=block, DEQ=DEQ_FLOAT, num_warps=4)
+    y = torch.empty((cfg.SPLIT2, P, H), device=x.device, dtype=torch.float32)
+    _moe_frag_w2_kernel[(blocks, H // bn, cfg.SPLIT2)](
+        inter, w2_q, w2_scale, y, tw, sorted_pairs, blk_expert, blk_rows,
+        inter.stride(0), w2_q.stride(0), w2_q.stride(1), w2_scale.stride(0), w2_scale.stride(1),
+        y.stride(0), y.stride(1), I // bk // cfg.SPLIT2,
+        TOK=cfg.BLOCK_M, MT=cfg.MT, GPB=cfg.GPB, WL=wl, num_warps=cfg.num_warps)
+    BLOCK_H = 1024
+    _moe_topk_sum_kernel[(T, triton.cdiv(H, BLOCK_H))](
+        y, ids, out, H, E, y.stride(1), y.stride(0), out.stride(0), TOPK=topk, BLOCK_H=BLOCK_H,
+        SPLIT=cfg.SPLIT2, num_warps=4)
+    return out
+
+
+__all__ = ["FragMoEConfig", "fused_moe_frag"]

@@ -1,0 +1,257 @@
+"""Fragment-ordered W4A16 GEMM (GPU only): the packed weights are loaded straight into the
+registers of an mma.sync A operand, dequantized there, and never pass through shared memory.
+
+The default kernel (`kdtree_engine/kernels/w4a16.py`) dequantizes a tile in registers, stores it to shared
+memory and reloads it in the MMA's operand layout: ~5 bytes of shared-memory traffic per weight, the limit
+Nsight Compute shows (L1/shared pipe 81% busy, DRAM 39%). Here the weights are the MMA's A operand
+(y^T = W x^T: 16 weight rows per m16n8k16 tile, the tokens are the 8 or 16 columns) and a one-off repack
+(`frag_repack`) orders each row's nibbles so that one 32-bit word holds exactly the 8 codes that one
+thread's A fragments need for one quantization group:
+
+    repacked word t*GPB + g of a block of GPB groups (32*GPB k), thread lane = 4*r + t:
+      nibble j   (j = 0..3) <- k = 32*g + 16*(j >> 1) + 8*(j & 1) + 2*t
+      nibble j+4            <- that k + 1
+
+so that `(w >> 4j) & 0x000F000F` is the bf16x2 pair (k, k+1) of one A register. A thread's GPB words of a
+block are contiguous (one 16-byte load for GPB = 4). Dequantization is 2 instructions per weight pair
+(lop3 into bf16 128 + code, sub 136, mul by the group scale: the same bf16 rounding as q * s).
+
+Written in Gluon (triton.experimental.gluon), whose explicit layouts let the dequantized tensor be
+relabelled into the MMA operand layout without data movement (checked at compile time:
+`convert_layout(..., assert_trivial=True)`). Gluon kernels do not run in the CPU interpreter; the repack
+is tested on the CPU (tests/kernels/test_w4_frag_repack.py), the kernels on the GPU
+(tests/gpu/test_w4_frag_gpu.py) against the torch reference; `python3 bench/w4_frag.py` times them.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from kdtree_engine.quant import pack_int4, unpack_int4
+
+LANES_T = 4          # threads of one MMA row group that share a row (lane % 4)
+
+
+def frag_perm(gpb: int) -> torch.Tensor:
+    """[32*gpb] int64: position p of a repacked block holds logical k = perm[p] of the same block."""
+    perm = torch.empty(32 * gpb, dtype=torch.int64)
+    for t in range(LANES_T):
+        for g in range(gpb):
+            base = (t * gpb + g) * 8
+            for j in range(4):
+                k = 32 * g + 16 * (j >> 1) + 8 * (j & 1) + 2 * t
+                perm[base + j] = k
+                perm[base + j + 4] = k + 1
+    return perm
+
+
+def _permute_codes(packed: torch.Tensor, gpb: int, perm: torch.Tensor, what: str) -> torch.Tensor:
+    K = packed.shape[-1] * 8
+    bk = 32 * gpb
+    if packed.dtype != torch.int32:
+        raise TypeError(f"{what}: int32 packed words required, got {packed.dtype}")
+    if K % bk:
+        raise ValueError(f"{what}: K={K} is not a multiple of the block {bk} (32 x gpb={gpb})")
+    if packed.dim() > 2:   # one matrix at a time: the unpacked codes take 32x the words' memory
+        return torch.stack([_permute_codes(p, gpb, perm, what) for p in packed.unbind(0)])
+    q = unpack_int4(packed)                                              # [N, K] int8
+    perm = perm.to(q.device)
+    return pack_int4(q.reshape(q.shape[0], K // bk, bk)[..., perm].reshape(q.shape[0], K))
+
+
+def frag_repack(packed: torch.Tensor, gpb: int) -> torch.Tensor:
+    """int32 [.., N, K/8] compressed-tensors words -> the same codes in fragment order (K % (32*gpb) == 0)."""
+    return _permute_codes(packed, gpb, frag_perm(gpb), "frag_repack")
+
+
+def frag_unrepack(packed: torch.Tensor, gpb: int) -> torch.Tensor:
+    """Inverse of frag_repack."""
+    return _permute_codes(packed, gpb, torch.argsort(frag_perm(gpb)), "frag_unrepack")
+
+
+# ---------------------------------------------------------------------------------------------- kernel
+try:  # Gluon exists in triton >= 3.5; the probe needs it, the repack above does not
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+    HAVE_GLUON = True
+    DEQ_ASM = None  # set below, a constexpr for the kernels
+except ImportError:  # pragma: no cover - depends on the installed triton
+    HAVE_GLUON = False
+
+DEQ_ASM_TEXT = """{
+.reg .b32 q0, q1, q2, q3, sh, ss, k136;
+mov.b32 ss, {$9, $9};
+mov.b32 k136, 0x43084308;
+lop3.b32 q0, $8, 0x000F000F, 0x43004300, 0xea;
+shr.u32 sh, $8, 4;
+lop3.b32 q1, sh, 0x000F000F, 0x43004300, 0xea;
+shr.u32 sh, $8, 8;
+lop3.b32 q2, sh, 0x000F000F, 0x43004300, 0xea;
+shr.u32 sh, $8, 12;
+lop3.b32 q3, sh, 0x000F000F, 0x43004300, 0xea;
+sub.bf16x2 q0, q0, k136;
+sub.bf16x2 q1, q1, k136;
+sub.bf16x2 q2, q2, k136;
+sub.bf16x2 q3, q3, k136;
+mul.rn.bf16x2 q0, q0, ss;
+mul.rn.bf16x2 q1, q1, ss;
+mul.rn.bf16x2 q2, q2, ss;
+mul.rn.bf16x2 q3, q3, ss;
+mov.b32 {$0, $1}, q0;
+mov.b32 {$2, $3}, q1;
+mov.b32 {$4, $5}, q2;
+mov.b32 {$6, $7}, q3;
+}"""
+
+
+if HAVE_GLUON:
+    DEQ_ASM = gl.constexpr(DEQ_ASM_TEXT)
+
+
+def _log2(v: int) -> int:
+    assert v > 0 and v & (v - 1) == 0, v
+    return v.bit_length() - 1
+
+
+def word_layout(num_warps: int, mt: int, gpb: int):
+    """Linear layout of the [BN, 4, GPB] word tensor: the rows and lanes of the mma.sync A operand."""
+    bn = 16 * num_warps * mt
+    regs = [[0, 0, 1 << i] for i in range(_log2(gpb))] + [[8, 0, 0]]
+    regs += [[16 * num_warps << i, 0, 0] for i in range(_log2(mt))]
+    lanes = [[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]]
+    warps = [[16 << i, 0, 0] for i in range(_log2(num_warps))]
+    return gl.DistributedLinearLayout(regs, lanes, warps, [], [bn, LANES_T, gpb])
+
+
+if HAVE_GLUON:
+    @gluon.jit
+    def _dequant_frag(w, s, AL: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr):
+        """words [BN, 4, GPB] int32 + their group scales (bf16, same layout) -> A operand [BN, BK] bf16."""
+        o0, o1, o2, o3, o4, o5, o6, o7 = gl.inline_asm_elementwise(
+            DEQ_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [w, s],
+            dtype=(gl.bfloat16,) * 8, is_pure=True, pack=1)
+        p0 = gl.join(o0, o1)                       # [BN, 4, GPB, 2(b)]     pair j = 0: tile 0, low 8 k
+        p1 = gl.join(o2, o3)                       # j = 1: tile 0, k + 8
+        p2 = gl.join(o4, o5)                       # j = 2: tile 1
+        p3 = gl.join(o6, o7)                       # j = 3: tile 1, k + 8
+        h0 = gl.join(p0, p1)                       # [BN, 4, GPB, 2(b), 2(hi)]
+        h1 = gl.join(p2, p3)
+        a = gl.join(h0, h1)                        # [BN, 4, GPB, 2(b), 2(hi), 2(tile)]
+        a = gl.permute(a, (0, 2, 5, 4, 1, 3))      # [BN, GPB, tile, hi, t, b]: k = 32g + 16tile + 8hi + 2t + b
+        a = gl.reshape(a, [BN, BK])
+        return gl.convert_layout(a, AL, assert_trivial=True)   # a relabelling: no data moves
+
+    @gluon.jit
+    def _word_ptrs(w_ptr, s_ptr, row0, stride_wn, stride_sn, kb0,
+                   WL: gl.constexpr, BN: gl.constexpr, GPB: gl.constexpr):
+        """Pointers of block kb0 of rows row0 .. row0+BN: words [BN, 4, GPB], scales (same for the 4 t)."""
+        rn = gl.arange(0, BN, layout=gl.SliceLayout(1, gl.SliceLayout(2, WL)))
+        rt = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, WL)))
+        rg = gl.arange(0, GPB, layout=gl.SliceLayout(0, gl.SliceLayout(1, WL)))
+        n3 = gl.expand_dims(gl.expand_dims(rn, 1), 2) + row0
+        t3 = gl.expand_dims(gl.expand_dims(rt, 0), 2)
+        g3 = gl.expand_dims(gl.expand_dims(rg, 0), 1)
+        w_ptrs = w_ptr + n3 * stride_wn + t3 * GPB + g3 + kb0 * (4 * GPB)
+        s_ptrs = s_ptr + n3 * stride_sn + g3 + t3 * 0 + kb0 * GPB
+        return w_ptrs, s_ptrs
+
+    @gluon.jit
+    def _frag_loop(acc0, acc1, w0, s0, w1, s1, x_ptrs, x_mask, nblk,
+                   TWO: gl.constexpr, AL: gl.constexpr, BN: gl.constexpr, GPB: gl.constexpr):
+        """acc0 (+ acc1 with TWO) += A0 (A1) @ x over nblk blocks of 32*GPB k, in k order. One block of
+        words and scales is in flight ahead of the one being dequantized."""
+        BK: gl.constexpr = 32 * GPB
+        a0 = gl.load(w0)
+        c0 = gl.load(s0)
+        if TWO:
+            a1 = gl.load(w1)
+            c1 = gl.load(s1)
+        for _ in range(nblk - 1):
+            w0 += 4 * GPB
+            s0 += GPB
+            n_a0 = gl.load(w0)
+            n_c0 = gl.load(s0)
+            if TWO:
+                w1 += 4 * GPB
+                s1 += GPB
+                n_a1 = gl.load(w1)
+                n_c1 = gl.load(s1)
+            xb = gl.load(x_ptrs, mask=x_mask, other=0.0)
+            acc0 = mma_v2(_dequant_frag(a0, c0, AL, BN, BK), xb, acc0)
+            if TWO:
+                acc1 = mma_v2(_dequant_frag(a1, c1, AL, BN, BK), xb, acc1)
+                a1 = n_a1
+                c1 = n_c1
+            x_ptrs += BK
+            a0 = n_a0
+            c0 = n_c0
+        xb = gl.load(x_ptrs, mask=x_mask, other=0.0)
+        acc0 = mma_v2(_dequant_frag(a0, c0, AL, BN, BK), xb, acc0)
+        if TWO:
+            acc1 = mma_v2(_dequant_frag(a1, c1, AL, BN, BK), xb, acc1)
+        return acc0, acc1
+
+    @gluon.jit
+    def _w4_frag_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, stride_xm, stride_wn, stride_sn,
+                        stride_om, stride_os, kb_per_split,
+                        TOK: gl.constexpr, MT: gl.constexpr, GPB: gl.constexpr, WL: gl.constexpr,
+                        num_warps: gl.constexpr):
+        """grid (N / BN, splits, cdiv(M, TOK)): out[split, m, n] = sum over the split's k of x[m, k] W[n, k]."""
+        BN: gl.constexpr = 16 * num_warps * MT
+        BK: gl.constexpr = 32 * GPB
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps, 1],
+                                                      instr_shape=[16, 8])
+        AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+        BL: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+        n0 = gl.program_id(0) * BN
+        pid_s = gl.program_id(1)
+        m0 = gl.program_id(2) * TOK
+        kb0 = pid_s * kb_per_split
+        w_ptrs, s_ptrs = _word_ptrs(w_ptr, s_ptr, n0, stride_wn, stride_sn, kb0, WL, BN, GPB)
+
+        # activations as the B operand [BK, TOK] (x^T), tokens >= M read as 0
+        rk = gl.arange(0, BK, layout=gl.SliceLayout(1, BL))
+        rm = m0 + gl.arange(0, TOK, layout=gl.SliceLayout(0, BL))
+        x_ptrs = x_ptr + gl.expand_dims(rm, 0) * stride_xm + gl.expand_dims(rk, 1) + kb0 * BK
+        x_mask = gl.expand_dims(rm, 0) < M
+
+        acc = gl.zeros([BN, TOK], gl.float32, layout=MMA)
+        acc, unused = _frag_loop(acc, acc, w_ptrs, s_ptrs, w_ptrs, s_ptrs, x_ptrs, x_mask, kb_per_split,
+                                 False, AL, BN, GPB)
+
+        # y[m, n] = acc[n, m]
+        on = gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
+        om = m0 + gl.arange(0, TOK, layout=gl.SliceLayout(0, MMA))
+        o_ptrs = out_ptr + pid_s * stride_os + gl.expand_dims(om, 0) * stride_om + n0 + gl.expand_dims(on, 1)
+        gl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=gl.expand_dims(om, 0) < M)
+
+
+def split_for(N: int, K: int, bn: int, bk: int, target: int) -> int:
+    """The most K splits (a divisor of the K blocks, >= 2 blocks each) with N/bn * splits <= target programs."""
+    iters, tiles = K // bk, N // bn
+    return max([s for s in range(1, iters + 1) if iters % s == 0 and iters // s >= 2 and tiles * s <= target] or [1])
+
+
+def frag_linear(x: torch.Tensor, wq: torch.Tensor, s: torch.Tensor, *, gpb: int = 4, mt: int = 1,
+                num_warps: int = 4, split: int = 1) -> torch.Tensor:
+    """y [M, N] = x [M, K] @ W^T, W the fragment-repacked int4 words wq [N, K/8] and bf16 scales s [N, K/32]."""
+    if not HAVE_GLUON:
+        raise RuntimeError("the fragment-ordered W4A16 kernels need triton.experimental.gluon (triton >= 3.5)")
+    from kdtree_engine.kernels.split_sum import split_sum
+
+    M, K = x.shape
+    N = wq.shape[0]
+    bn, bk = 16 * num_warps * mt, 32 * gpb
+    if N % bn or K % (bk * split):
+        raise ValueError(f"frag_linear: N={N} must be a multiple of {bn} and K={K} of {bk * split}")
+    y = torch.empty((M, N), device=x.device, dtype=x.dtype)
+    part = y if split == 1 else torch.empty((split, M, N), device=x.device, dtype=torch.float32)
+    tok = 8 if M <= 8 else 16
+    _w4_frag_kernel[(N // bn, split, triton.cdiv(M, tok))](
+        x, wq, s, part, M, N, x.stride(0), wq.stride(0), s.stride(0), N, M * N, K // bk // split,
+        TOK=tok, MT=mt, GPB=gpb, WL=word_layout(num_warps, mt, gpb), num_warps=num_warps)
+    if split > 1:
+        split_sum(part, y, split)
+    return y

@@ -1,0 +1,109 @@
+"""Fragment-ordered W4A16 kernels (Gluon; kernels/w4_frag.py, kernels/moe_frag.py) on CUDA.
+
+Inputs are fresh random words (all 16 nibble values) and scales in [0.01, 0.1], repacked with
+frag_repack; every buffer the wrappers allocate is poisoned (NaN / -77777). Oracles: x @ W^T in fp32 with
+W dequantized from the original (not repacked) words, and fused_moe_reference."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"),
+                       reason="Gluon kernels do not run in the interpreter"),
+]
+
+from kdtree_engine.kernels.moe_frag import FragMoEConfig, fused_moe_frag  # noqa: E402
+from kdtree_engine.kernels.moe_w4a16 import fused_moe_reference  # noqa: E402
+from kdtree_engine.kernels.w4_frag import HAVE_GLUON, frag_linear, frag_repack  # noqa: E402
+from kdtree_engine.quant import dequantize  # noqa: E402
+
+from tests.gpu.test_kernels_gpu import _check, poisoned, rand_w4, rel  # noqa: E402,F401
+
+if not HAVE_GLUON:
+    pytestmark.append(pytest.mark.skip(reason="triton without gluon"))
+
+G = 32
+TOL = 1e-2
+
+
+@pytest.mark.parametrize("N,K,gpb,mt,warps,split", [
+    (192, 512, 4, 1, 4, 1), (256, 768, 8, 2, 4, 3), (4096, 7168, 8, 2, 4, 4), (7168, 2048, 8, 1, 4, 2),
+    (512, 1024, 4, 2, 8, 2), (128, 512, 16, 1, 2, 1),
+])
+@pytest.mark.parametrize("M", [1, 3, 8, 13, 16, 37])
+def test_frag_linear_matches_reference(poisoned, N, K, gpb, mt, warps, split, M):
+    p, s = rand_w4(N, K)
+    x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
+    ref = (x.float() @ dequantize(p, s, G, torch.bfloat16).float().T).to(torch.bfloat16)
+    out = frag_linear(x, frag_repack(p, gpb), s, gpb=gpb, mt=mt, num_warps=warps, split=split)
+    _check(out, ref, TOL, f"frag N={N} K={K} M={M}")
+
+
+def test_frag_linear_detects_unrepacked_words():
+    """The kernel reads the fragment order: the original words give a wrong result (the repack matters)."""
+    p, s = rand_w4(256, 1024)
+    x = torch.randn(4, 1024, device="cuda").to(torch.bfloat16)
+    ref = x.float() @ dequantize(p, s, G, torch.bfloat16).float().T
+    assert rel(frag_linear(x, p, s, gpb=8), ref) > 0.5
+
+
+@pytest.mark.parametrize("split", [1, 4])
+def test_frag_linear_batch_invariant(split):
+    p, s = rand_w4(4096, 7168)
+    q = frag_repack(p, 8)
+    x = torch.randn(100, 7168, device="cuda").to(torch.bfloat16)
+    full = frag_linear(x, q, s, gpb=8, mt=2, split=split)
+    bad = [(m, int((frag_linear(x[:m], q, s, gpb=8, mt=2, split=split) != full[:m]).sum()))
+           for m in (1, 2, 5, 8, 9, 16, 17, 64)]
+    bad = [b for b in bad if b[1]]
+    assert not bad, f"rows differ from the M=100 launch (M, #elements): {bad}"
+
+
+def _moe_case(E, H, I, T, topk, gpb, seed=0, unowned=False):
+    torch.manual_seed(seed)
+    w13p, w13s = rand_w4(E, 2 * I, H)
+    w2p, w2s = rand_w4(E, H, I)
+    x = torch.randn(T, H, device="cuda").to(torch.bfloat16)
+    ids = torch.rand(T, E, device="cuda").topk(topk, dim=1).indices
+    if unowned:   # pairs routed to experts of another rank
+        ids[::2, 3] = -1
+    tw = torch.rand(T, topk, device="cuda")
+    tw = tw / tw.sum(1, keepdim=True)
+    ref = fused_moe_reference(x, w13p, w13s, w2p, w2s, ids, tw, G)
+    return x, (frag_repack(w13p, gpb), w13s, frag_repack(w2p, gpb), w2s), ids, tw, ref
+
+
+@pytest.mark.parametrize("cfg", [FragMoEConfig(), FragMoEConfig(BLOCK_M=8, SPLIT13=4, SPLIT2=2),
+                                 FragMoEConfig(GPB=4, MT=2, SPLIT13=2, SPLIT2=2)])
+@pytest.mark.parametrize("T", [1, 5, 33])
+def test_moe_frag_matches_reference_small(poisoned, cfg, T):
+    x, w, ids, tw, ref = _moe_case(E=12, H=1024, I=512, T=T, topk=3, gpb=cfg.GPB, seed=T)
+    _check(fused_moe_frag(x, *w, ids, tw, G, cfg), ref, TOL, f"moe frag T={T} {cfg}")
+
+
+def test_moe_frag_k2_and_unowned_experts(poisoned):
+    """K2 shapes (a slice of 48 experts), with some pairs routed to experts of another rank (-1)."""
+    x, w, ids, tw, ref = _moe_case(E=48, H=7168, I=2048, T=9, topk=8, gpb=8, unowned=True)
+    _check(fused_moe_frag(x, *w, ids, tw, G), ref, TOL, "moe frag K2 slice")
+
+
+@pytest.mark.parametrize("cfg", [FragMoEConfig(), FragMoEConfig(BLOCK_M=8)])
+def test_moe_frag_batch_invariant(cfg):
+    """A token's output is the same, bit for bit, alone and in batches of 4 / 64 (block rows 8 and 16
+    only re-tile: each pair is its own MMA column)."""
+    x, w, ids, tw, _ = _moe_case(E=64, H=2048, I=1024, T=64, topk=8, gpb=cfg.GPB)
+    full = fused_moe_frag(x, *w, ids, tw, G, cfg)
+    other = fused_moe_frag(x, *w, ids, tw, G, FragMoEConfig(BLOCK_M=16 if cfg.BLOCK_M == 8 else 8))
+    assert torch.equal(full, other), "block rows 8 and 16 give different bits"
+    bad = []
+    for m in (1, 4, 17):
+        part = fused_moe_frag(x[:m], *w, ids[:m], tw[:m], G, cfg)
+        if not torch.equal(part, full[:m]):
+            bad.append((m, int((part != full[:m]).sum())))
+    assert not bad, f"tokens differ from the T=64 launch (T, #elements): {bad}"

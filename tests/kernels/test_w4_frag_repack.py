@@ -1,0 +1,38 @@
+"""The fragment-order repack of kdtree_engine/kernels/w4_frag.py (GPU-only Gluon kernels) checked on the CPU."""
+
+import pytest
+import torch
+
+from kdtree_engine.kernels.w4_frag import frag_perm, frag_repack, frag_unrepack
+from kdtree_engine.quant import pack_int4, unpack_int4
+
+
+@pytest.mark.parametrize("gpb", [1, 2, 4, 8])
+def test_perm_is_a_permutation_of_each_block(gpb):
+    perm = frag_perm(gpb)
+    assert sorted(perm.tolist()) == list(range(32 * gpb))
+
+
+@pytest.mark.parametrize("gpb", [2, 4])
+def test_word_holds_one_threads_fragments(gpb):
+    """Word t*gpb + g, pair j: the two k of A register j of lane t (k = 16*tile + 8*hi + 2t, +1) in group g."""
+    g = torch.Generator().manual_seed(7)
+    N, K = 5, 64 * gpb
+    q = torch.randint(-8, 8, (N, K), generator=g, dtype=torch.int8)
+    rep = unpack_int4(frag_repack(pack_int4(q), gpb)).reshape(N, K // (32 * gpb), 4, gpb, 8)
+    for blk in range(K // (32 * gpb)):
+        for t in range(4):
+            for grp in range(gpb):
+                for j in range(4):
+                    k = blk * 32 * gpb + 32 * grp + 16 * (j >> 1) + 8 * (j & 1) + 2 * t
+                    assert torch.equal(rep[:, blk, t, grp, j], q[:, k])          # low half of pair j
+                    assert torch.equal(rep[:, blk, t, grp, j + 4], q[:, k + 1])  # high half
+
+
+def test_repack_round_trip_and_bad_k():
+    g = torch.Generator().manual_seed(3)
+    p = torch.randint(-2**31, 2**31 - 1, (3, 7, 512 // 8), generator=g, dtype=torch.int32)
+    assert torch.equal(frag_unrepack(frag_repack(p, 4), 4), p)
+    assert not torch.equal(frag_repack(p, 4), p)
+    with pytest.raises(ValueError, match="K=96"):
+        frag_repack(p[..., :12], 4)
