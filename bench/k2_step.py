@@ -537,11 +537,15 @@ def bench_step(T, S, cfg, layers, kv, rope, rank_attn, shared_r, dense_r, head_r
 
         rank["attn_us"] = time_us([lambda i=i: rank_attn_call(i) for i in range(len(rank_attn))], reps)["us"]
 
-        from kdtree_engine.kernels.dispatch import int4_backend
-        if int4_backend(dev) == "triton":
+        # the kernel family the engine's MoE takes for these experts (their words are in its order)
+        kind = layers[0].mlp.experts.int4_prepare(hs[0].dtype)
+        if kind == "frag":
+            from kdtree_engine.kernels.moe_frag import fused_moe_frag as fused
+        elif kind == "triton":
             from kdtree_engine.kernels.moe_w4a16 import fused_moe_w4a16 as fused
         else:
             from kdtree_engine.kernels.moe_w4a16 import fused_moe_reference as fused
+        rank["moe_kernels"] = kind
 
         def rank_moe_call(i):
             l = i % L

@@ -17,6 +17,7 @@ the experts actually touched) over the time. Writes <out>/kernels-<gpu>.json and
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
 import time
@@ -32,6 +33,8 @@ if __package__ in (None, ""):
 
 from bench.common import (Clock, bf16_matmul_rate, command_line, copy_bandwidth, device_info, gpu_stem,  # noqa: E402
                           l2_bytes, md_table, time_calls, write_results)
+from kdtree_engine.kernels.moe_frag import frag_moe_config, fused_moe_frag  # noqa: E402
+from kdtree_engine.kernels.w4_frag import HAVE_GLUON, dense_plan, frag_gpb, frag_linear, frag_repack  # noqa: E402
 from kdtree_engine.kernels.moe_w4a16 import (MOE_CONFIGS, MoEConfig, fused_moe_reference, fused_moe_w4a16,  # noqa: E402
                                              moe_align, moe_config)
 from kdtree_engine.kernels.w4a16 import (DENSE_CONFIGS, W4Config, dense_config, w4a16_linear,  # noqa: E402
@@ -85,6 +88,7 @@ def bench_dense(copy_bw, reps, log):
         r16 = max(1, math.ceil(3 * l2 / (N * K * 2)))
         ws = [rand_w4(N, K) for _ in range(r4)]
         wb = [dequantize(p, s, G, torch.bfloat16) for p, s in ws[:r16]]
+        wf = [(frag_repack(p, frag_gpb(K)), s) for p, s in ws] if HAVE_GLUON else None
         tg, tg_err = None, None
         try:
             tg = [tinygemm_pack(p, s) for p, s in ws]
@@ -102,6 +106,13 @@ def bench_dense(copy_bw, reps, log):
             except Exception as exc:  # noqa: BLE001
                 row["ours_us"] = None
                 row["ours_error"] = _err(exc)
+            if wf is not None:
+                try:
+                    row["frag_rel_err"] = rel(frag_linear(x, *wf[0]), ref)
+                    row["frag_us"] = time_calls([lambda p=p, s=s: frag_linear(x, p, s) for p, s in wf], reps=reps)["us"]
+                    row["frag_plan"] = dict(zip(("gpb", "mt", "split"), dense_plan(N, K)))
+                except Exception as exc:  # noqa: BLE001
+                    row["frag_us"], row["frag_error"] = None, _err(exc)
             row["bf16_us"] = time_calls([lambda w=w: F.linear(x, w) for w in wb], reps=reps)["us"]
             if tg is not None:
                 try:
@@ -113,17 +124,19 @@ def bench_dense(copy_bw, reps, log):
                     row["tinygemm_us"], row["tinygemm_na"] = None, _err(exc)
             else:
                 row["tinygemm_us"], row["tinygemm_na"] = None, tg_err
-            for k in ("ours", "tinygemm"):
+            for k in ("ours", "frag", "tinygemm"):
                 if row.get(f"{k}_us"):
                     row[f"{k}_TBps"] = nbytes / (row[f"{k}_us"] * 1e-6) / 1e12
                     row[f"{k}_frac_copy"] = row[f"{k}_TBps"] * 1e12 / copy_bw
             row["bf16_TBps_own_bytes"] = N * K * 2 / (row["bf16_us"] * 1e-6) / 1e12
             if row.get("ours_us"):
                 row["speedup_vs_bf16"] = row["bf16_us"] / row["ours_us"]
+            if row.get("frag_us"):
+                row["frag_speedup_vs_bf16"] = row["bf16_us"] / row["frag_us"]
             rows.append(row)
             log(f"dense {name} M={M}: ours {row.get('ours_us')} us, bf16 {row['bf16_us']:.1f} us, "
                 f"tinygemm {row.get('tinygemm_us')}")
-        del ws, wb, tg
+        del ws, wb, tg, wf
         torch.cuda.empty_cache()
     return rows
 
@@ -139,6 +152,7 @@ def route(T, sets, gen):
 
 def bench_moe(layer, copy_bw, reps, log):
     w13p, w13s, w2p, w2s = layer
+    frag = (frag_repack(w13p, frag_gpb(H)), w13s, frag_repack(w2p, frag_gpb(I)), w2s) if HAVE_GLUON else None
     expert_bytes = w4_bytes(2 * I, H) + w4_bytes(H, I)
     sh13 = torch.randn(2 * I, H, device="cuda").to(torch.bfloat16) * 0.02
     sh2 = torch.randn(H, I, device="cuda").to(torch.bfloat16) * 0.02
@@ -166,6 +180,20 @@ def bench_moe(layer, copy_bw, reps, log):
         except Exception as exc:  # noqa: BLE001
             row["routed_us"], row["error"] = None, _err(exc)
             traceback.print_exc()
+        if frag is not None:
+            try:
+                if T <= 64:
+                    ids, tw = sets[0]
+                    row["frag_rel_err"] = rel(fused_moe_frag(x, *frag, ids, tw, G),
+                                              fused_moe_reference(x, w13p, w13s, w2p, w2s, ids, tw, G))
+                row["frag_us"] = time_calls([lambda ids=ids, tw=tw: fused_moe_frag(x, *frag, ids, tw, G)
+                                             for ids, tw in sets], reps=reps)["us"]
+                row["frag_TBps"] = nbytes / (row["frag_us"] * 1e-6) / 1e12
+                row["frag_frac_copy"] = row["frag_TBps"] * 1e12 / copy_bw
+                row["frag_config"] = dataclasses.asdict(frag_moe_config(T * TOPK, E))
+            except Exception as exc:  # noqa: BLE001
+                row["frag_us"], row["frag_error"] = None, _err(exc)
+                traceback.print_exc()
 
         def shared():
             gu = F.linear(x, sh13)
@@ -175,8 +203,11 @@ def bench_moe(layer, copy_bw, reps, log):
         row["ideal_routed_us_at_copy_bw"] = nbytes / copy_bw * 1e6
         if row.get("routed_us"):
             row["layer_us"] = row["routed_us"] + row["shared_bf16_us"]
+        if row.get("frag_us"):
+            row["frag_layer_us"] = row["frag_us"] + row["shared_bf16_us"]
         rows.append(row)
-        log(f"moe T={T}: routed {row.get('routed_us')} us ({touched:.0f} experts), shared {row['shared_bf16_us']:.1f} us")
+        log(f"moe T={T}: routed {row.get('routed_us')} us, frag {row.get('frag_us')} us ({touched:.0f} experts), "
+            f"shared {row['shared_bf16_us']:.1f} us")
     return rows
 
 
@@ -199,19 +230,26 @@ def markdown(payload) -> list[str]:
 
 
 def _default_tables(payload) -> list[str]:
-    lines = ["## Dense W4A16 (default configs)", ""]
+    lines = ["## Dense W4A16", "",
+             "frag: the engine's CUDA path for bfloat16 (fragment-ordered Gluon kernel, kernels/w4_frag.py, "
+             "plan fixed per shape); Triton: kernels/w4a16.py (the CUDA path for other dtypes); bf16: torch "
+             "matmul on the dequantized weights; tinygemm: torch `_weight_int4pack_mm`.", ""]
     lines += md_table(
-        ["matrix", "M", "ours us", "ours TB/s", "x copy", "bf16 us", "ours vs bf16", "tinygemm us",
-         "tinygemm TB/s", "ours err"],
-        [[r["matrix"], r["M"], r.get("ours_us"), r.get("ours_TBps"), r.get("ours_frac_copy"), r["bf16_us"],
-          r.get("speedup_vs_bf16"), r.get("tinygemm_us") if r.get("tinygemm_us") else f"n/a ({r.get('tinygemm_na')})",
-          r.get("tinygemm_TBps"), r.get("ours_rel_err")] for r in payload["dense"]])
-    lines += ["", "## MoE layer (384 experts, top-8, random routing; shared expert bf16)", ""]
+        ["matrix", "M", "frag us", "frag TB/s", "x copy", "frag vs bf16", "Triton us", "Triton x copy",
+         "Triton vs bf16", "bf16 us", "tinygemm us", "tinygemm TB/s", "frag err", "Triton err"],
+        [[r["matrix"], r["M"], r.get("frag_us"), r.get("frag_TBps"), r.get("frag_frac_copy"),
+          r.get("frag_speedup_vs_bf16"), r.get("ours_us"), r.get("ours_frac_copy"), r.get("speedup_vs_bf16"),
+          r["bf16_us"], r.get("tinygemm_us") if r.get("tinygemm_us") else f"n/a ({r.get('tinygemm_na')})",
+          r.get("tinygemm_TBps"), r.get("frag_rel_err", r.get("frag_error")), r.get("ours_rel_err")]
+         for r in payload["dense"]])
+    lines += ["", "## MoE layer (384 experts, top-8, random routing; shared expert bf16)", "",
+              "frag: the engine's CUDA path for bfloat16 (kernels/moe_frag.py); Triton: kernels/moe_w4a16.py.", ""]
     lines += md_table(
-        ["T", "experts touched", "routed us", "routed TB/s", "x copy", "ideal us", "align us", "shared us",
-         "layer us", "err"],
-        [[r["T"], r["touched_experts"], r.get("routed_us"), r.get("routed_TBps"), r.get("routed_frac_copy"),
-          r["ideal_routed_us_at_copy_bw"], r.get("align_us"), r["shared_bf16_us"], r.get("layer_us"),
+        ["T", "experts touched", "frag us", "frag TB/s", "x copy", "Triton us", "Triton x copy", "ideal us",
+         "align us", "shared us", "frag layer us", "frag err", "Triton err"],
+        [[r["T"], r["touched_experts"], r.get("frag_us"), r.get("frag_TBps"), r.get("frag_frac_copy"),
+          r.get("routed_us"), r.get("routed_frac_copy"), r["ideal_routed_us_at_copy_bw"], r.get("align_us"),
+          r["shared_bf16_us"], r.get("frag_layer_us"), r.get("frag_rel_err", r.get("frag_error")),
           r.get("rel_err", r.get("error"))] for r in payload["moe"]])
     return lines
 

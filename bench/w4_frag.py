@@ -9,7 +9,7 @@ CUDA-graph replays of rotating weight copies (> L2), effective TB/s (int4 + scal
 to the copy bandwidth measured in the same run, and the error against x @ W^T in float64 (W the
 bf16-rounded dequantized weights).
 MoE: the K2 routed experts (384 x [w13 4096 x 7168, w2 7168 x 2048], top-8, random routing) at
-T = 1 / 4 / 16 / 64: the default `fused_moe_w4a16` and each `FragMoEConfig` candidate, against the bytes of
+T = 1 / 4 / 16 / 64 / 256 / 1024: the default `fused_moe_w4a16` and each `FragMoEConfig` candidate, against the bytes of
 the experts touched over the copy bandwidth, and the error against `fused_moe_reference`.
 """
 
@@ -28,27 +28,25 @@ if str(ROOT) not in sys.path:
 
 from bench.common import command_line, copy_bandwidth, device_info, gpu_stem, l2_bytes, md_table, time_calls, write_results  # noqa: E402
 from bench.kernels import DENSE, E, G, H, I, TOPK, rand_w4, rel, route, w4_bytes  # noqa: E402
-from kdtree_engine.kernels.moe_frag import FragMoEConfig, fused_moe_frag  # noqa: E402
+from kdtree_engine.kernels.moe_frag import FragMoEConfig, frag_moe_config, fused_moe_frag  # noqa: E402
 from kdtree_engine.kernels.moe_w4a16 import fused_moe_reference, fused_moe_w4a16  # noqa: E402
-from kdtree_engine.kernels.w4_frag import frag_linear, frag_repack, split_for  # noqa: E402
+from kdtree_engine.kernels.w4_frag import dense_plan, frag_gpb, frag_linear, frag_repack, split_for  # noqa: E402
 from kdtree_engine.kernels.w4a16 import w4a16_linear  # noqa: E402
 from kdtree_engine.quant import dequantize  # noqa: E402
 
-DENSE_CANDIDATES = [  # (gpb, mt, num_warps, target programs for the K split)
-    (8, 2, 4, 1200), (8, 2, 4, 2400), (4, 2, 4, 1200), (8, 4, 4, 1200), (4, 4, 4, 2400), (8, 2, 8, 1200),
-    (8, 1, 4, 2400), (16, 1, 4, 1200),
+DENSE_CANDIDATES = [  # (gpb, mt, num_warps, target programs for the K split); the engine's plan first
+    None, (8, 2, 4, 2400), (8, 2, 8, 1200), (8, 4, 4, 1200), (8, 1, 4, 1200),
 ]
-MOE_CANDIDATES = [
-    FragMoEConfig(BLOCK_M=16, GPB=8, MT=1, SPLIT13=2, SPLIT2=1),
-    FragMoEConfig(BLOCK_M=8, GPB=8, MT=1, SPLIT13=2, SPLIT2=1),
-    FragMoEConfig(BLOCK_M=16, GPB=4, MT=1, SPLIT13=2, SPLIT2=1),
-    FragMoEConfig(BLOCK_M=16, GPB=8, MT=1, SPLIT13=1, SPLIT2=1),
-    FragMoEConfig(BLOCK_M=16, GPB=8, MT=1, SPLIT13=4, SPLIT2=2),
-    FragMoEConfig(BLOCK_M=16, GPB=8, MT=2, SPLIT13=2, SPLIT2=1),
-    FragMoEConfig(BLOCK_M=8, GPB=8, MT=1, SPLIT13=4, SPLIT2=2),
-    FragMoEConfig(BLOCK_M=16, GPB=4, MT=2, SPLIT13=2, SPLIT2=2),
+MOE_CANDIDATES = [  # the engine's table first (None), then fixed block rows / tiles / splits
+    None,
+    FragMoEConfig(BLOCK_M=8, MT=2),
+    FragMoEConfig(BLOCK_M=8, SPLIT13=4),
+    FragMoEConfig(BLOCK_M=8, SPLIT13=1),
+    FragMoEConfig(BLOCK_M=8, SPLIT13=4, SPLIT2=2),
+    FragMoEConfig(BLOCK_M=16),
+    FragMoEConfig(BLOCK_M=16, MT=2),
 ]
-MOE_TS = [1, 4, 16, 64]
+MOE_TS = [1, 4, 16, 64, 256, 1024]
 
 
 def _row(rows, base, fn, ref, timed, nbytes, bw, reps):
@@ -71,7 +69,9 @@ def bench_dense(ms, bw, reps) -> list[dict]:
         nbytes = w4_bytes(N, K)
         ws = [rand_w4(N, K) for _ in range(max(1, math.ceil(3 * l2 / nbytes)))]
         wd = dequantize(*ws[0], G, torch.bfloat16)
-        reps_by_gpb = {g: [(frag_repack(p, g), s) for p, s in ws] for g in sorted({c[0] for c in DENSE_CANDIDATES})}
+        plan = dense_plan(N, K)
+        reps_by_gpb = {g: [(frag_repack(p, g), s) for p, s in ws]
+                       for g in sorted({(c or plan)[0] for c in DENSE_CANDIDATES})}
         for M in ms:
             x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
             ref = x.double() @ wd.double().T
@@ -80,11 +80,15 @@ def bench_dense(ms, bw, reps) -> list[dict]:
                  [lambda p=p, s=s: w4a16_linear(x, p, s, G) for p, s in ws], nbytes, bw, reps)
             _row(rows, {**base, "kernel": "torch bf16 (dequantized)"}, lambda: x @ wd.T, ref,
                  [lambda: x @ wd.T], None, bw, reps)
-            for gpb, mt, nw, target in DENSE_CANDIDATES:
-                split = split_for(N, K, 16 * nw * mt, 32 * gpb, target)
+            for cand in DENSE_CANDIDATES:
+                if cand is None:
+                    (gpb, mt, split), nw, tag = plan, 4, "frag (engine plan) "
+                else:
+                    gpb, mt, nw, target = cand
+                    split, tag = split_for(N, K, 16 * nw * mt, 32 * gpb, target), "frag "
                 kw = dict(gpb=gpb, mt=mt, num_warps=nw, split=split)
                 wr = reps_by_gpb[gpb]
-                _row(rows, {**base, "kernel": f"frag gpb{gpb} mt{mt} w{nw} split{split}"},
+                _row(rows, {**base, "kernel": f"{tag}gpb{gpb} mt{mt} w{nw} split{split}"},
                      lambda: frag_linear(x, *wr[0], **kw), ref,
                      [lambda p=p, s=s: frag_linear(x, p, s, **kw) for p, s in wr], nbytes, bw, reps)
         del ws, reps_by_gpb, wd
@@ -96,7 +100,7 @@ def bench_moe(ts, bw, reps) -> list[dict]:
     rows: list[dict] = []
     w13p, w13s = rand_w4(E, 2 * I, H)
     w2p, w2s = rand_w4(E, H, I)
-    frag = {g: (frag_repack(w13p, g), frag_repack(w2p, g)) for g in sorted({c.GPB for c in MOE_CANDIDATES})}
+    frag = (frag_repack(w13p, frag_gpb(H)), frag_repack(w2p, frag_gpb(I)))
     expert_bytes = w4_bytes(2 * I, H) + w4_bytes(H, I)
     gen = torch.Generator(device="cuda").manual_seed(0)
     for T in ts:
@@ -110,10 +114,11 @@ def bench_moe(ts, bw, reps) -> list[dict]:
         _row(rows, {**base, "kernel": "default"}, lambda: fused_moe_w4a16(x, w13p, w13s, w2p, w2s, ids0, tw0, G),
              ref, [lambda i=i, w=w: fused_moe_w4a16(x, w13p, w13s, w2p, w2s, i, w, G) for i, w in sets],
              nbytes, bw, reps)
-        for cfg in MOE_CANDIDATES:
-            q13, q2 = frag[cfg.GPB]
-            label = (f"frag bm{cfg.BLOCK_M} gpb{cfg.GPB} mt{cfg.MT} w{cfg.num_warps} "
-                     f"split13 {cfg.SPLIT13} split2 {cfg.SPLIT2}")
+        q13, q2 = frag
+        for cand in MOE_CANDIDATES:
+            cfg = cand or frag_moe_config(T * TOPK, E)
+            label = (f"frag{' (engine table)' if cand is None else ''} bm{cfg.BLOCK_M} mt{cfg.MT} w{cfg.num_warps} "
+                     f"split13 {cfg.SPLIT13 or 'auto'} split2 {cfg.SPLIT2}")
             _row(rows, {**base, "kernel": label},
                  lambda: fused_moe_frag(x, q13, w13s, q2, w2s, ids0, tw0, G, cfg), ref,
                  [lambda i=i, w=w: fused_moe_frag(x, q13, w13s, q2, w2s, i, w, G, cfg) for i, w in sets],

@@ -71,6 +71,8 @@ def load_target(path: str | Path, *, device: torch.device, dtype: torch.dtype,
     for name, tensor in iter_checkpoint(path, cfg, progress=progress):
         target.load_tensor(name, tensor)
     target.finish_loading()
+    from .kernels.dispatch import prepare_int4
+    prepare_int4(target, dtype)   # INT4 words in the order of their kernels, before any capture
     return target
 
 

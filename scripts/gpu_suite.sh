@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU tests and benchmarks, logs and results packed under $OUT; one device call runs one part.
-#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|next|chain|sample|rounds|decode|step|verify|resume|ncu|plane|merge|merge2|merge3|sample2|fork|last|plane2|rows|kload|lazy|rounds2|maxnreg|qsplit|stages|down|bm8|m64|merge4|merge5|final2|moerows|moe16|moe16b|router|router2|router3|final3|frag]   (on the GPU machine, from the repository root)
+#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|next|chain|sample|rounds|decode|step|verify|resume|ncu|plane|merge|merge2|merge3|sample2|fork|last|plane2|rows|kload|lazy|rounds2|maxnreg|qsplit|stages|down|bm8|m64|merge4|merge5|final2|moerows|moe16|moe16b|router|router2|router3|final3|frag|frag2|frag3]   (on the GPU machine, from the repository root)
 #   tune   the W4A16 config sweep, the bitwise and CUDA-graph GPU tests, the demo's spec benchmark
 #   check  the remaining GPU tests (kernels, batch invariance, target, attention), kernel and round benches
 #   bench  the benchmarks with long runs (K2 step, attention, GEMM)
@@ -59,6 +59,9 @@
 #   router3 the router bench with the kernels of one call per M (where its time goes)
 #   frag   the fragment-ordered W4A16 kernels (Gluon, weights straight into mma.sync registers): their GPU
 #          tests and bench/w4_frag.py (dense and K2 MoE against the defaults)
+#   frag2  the engine on the fragment kernels: their GPU tests, the demo's greedy spec == plain and the
+#          device-length attention bitwise tests, the target tests, the round benchmark
+#   frag3  the W4A16 kernel bench (frag and Triton), the MoE block sweep to T = 1024, the K2 layer step
 #   final3 final2 on this round's final code (align kernel, expert block rows, forked shared expert, router tiles)
 #   final2 the kernel, batch-invariance and bitwise GPU tests (all but the demo's logits-alone test) on the final code
 #   plane2 the same with the weights as the MMA's B operand (mma.sync, tokens on M), and its Nsight Compute
@@ -378,5 +381,16 @@ fi
 if [[ $PART == frag ]]; then
   step pytest_frag 200 $PYT tests/gpu/test_w4_frag_gpu.py
   step bench_w4_frag 350 python3 bench/w4_frag.py --out "$RES"
+fi
+if [[ $PART == frag2 ]]; then
+  step pytest_frag 200 $PYT tests/gpu/test_w4_frag_gpu.py
+  step pytest_spec_bitwise 200 $PYT $SPEC_BITWISE
+  step pytest_target 100 $PYT tests/gpu/test_target_gpu.py
+  step bench_round 110 python3 bench/round.py --out "$RES"
+fi
+if [[ $PART == frag3 ]]; then
+  step bench_kernels 200 python3 bench/kernels.py --no-sweep --out "$RES"
+  step bench_w4_frag 150 python3 bench/w4_frag.py --no-dense --out "$RES"
+  step bench_k2_step 230 python3 bench/k2_step.py --profile --out "$RES"
 fi
 ls -la "$RES"

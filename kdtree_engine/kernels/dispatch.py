@@ -8,8 +8,12 @@
                  grid slice) with batch invariance on, else torch einsum (cuBLAS batched GEMM).
   RMSNorm        CPU: torch. CUDA: the one-program-per-row Triton kernel (kernels/rmsnorm.py) with batch
                  invariance on (torch's reduction launch shape may depend on the row count), else torch.
-  W4A16 linear   CPU: dequantize + float32 matmul. CUDA: Triton (kernels/w4a16.py; M-independent
-                 reduction order).
+  W4A16 linear   CPU: dequantize + float32 matmul. CUDA, bfloat16 activations, group 32, rows a multiple of
+  and MoE        64: the fragment-ordered Gluon kernels (kernels/w4_frag.py, kernels/moe_frag.py: the words
+                 loaded straight into mma.sync registers; the module's words are reordered in place once,
+                 model/int4_order.py); other CUDA cases: Triton (kernels/w4a16.py, moe_w4a16.py). Both keep a
+                 row's reduction order independent of the number of rows. Each choice is logged once per
+                 shape with its reason.
   MLA attention  CUDA with batch invariance on: the Triton kernel (kernels/mla_attention.py, split-KV
                  flash decoding with split sizes fixed by position). Otherwise the torch reference
                  (model/mla.py), which is not batch-invariant on CUDA (cuBLAS batched GEMMs).
@@ -47,7 +51,8 @@
   DDTree builder  (device-resident rounds) CUDA: one Triton program (kernels/tree_ops.py); CPU: the
                  vectorized torch builder (spec/tree.py); the same tree.
 
-``KDTREE_INT4_BACKEND`` / ``KDTREE_ATTN_BACKEND`` / ``KDTREE_TREE_BACKEND`` / ``KDTREE_DENSE_BACKEND`` (dense and
+``KDTREE_INT4_BACKEND`` (also ``frag``: the fragment kernels, an error where they do not apply) /
+``KDTREE_ATTN_BACKEND`` / ``KDTREE_TREE_BACKEND`` / ``KDTREE_DENSE_BACKEND`` (dense and
 per-head matmuls, RMSNorm and residual+norm, MLA tails, router tail, SwiGLU, drafter q / k) = ``torch`` | ``triton`` force one backend (tests run the Triton code on the CPU with
 ``TRITON_INTERPRET=1``); forcing a torch path on CUDA with batch invariance on is obeyed and logged as a
 warning (bitwise equality of speculative and plain decoding then no longer holds). Batch invariance is
@@ -80,15 +85,15 @@ if TYPE_CHECKING:
 BACKENDS = ("torch", "triton")
 
 
-def _forced(var: str) -> str | None:
+def _forced(var: str, allowed: tuple[str, ...] = BACKENDS) -> str | None:
     value = os.environ.get(var) or None
-    if value not in (None,) + BACKENDS:
-        raise ValueError(f"{var} must be one of {BACKENDS}, got {value!r}")
+    if value not in (None,) + allowed:
+        raise ValueError(f"{var} must be one of {allowed}, got {value!r}")
     return value
 
 
 _WARNED: set[str] = set()
-_INT4_FORCED = _forced("KDTREE_INT4_BACKEND")
+_INT4_FORCED = _forced("KDTREE_INT4_BACKEND", BACKENDS + ("frag",))
 _TREE_FORCED = _forced("KDTREE_TREE_BACKEND")
 _ATTN_FORCED = _forced("KDTREE_ATTN_BACKEND")
 _DENSE_FORCED = _forced("KDTREE_DENSE_BACKEND")
@@ -120,7 +125,38 @@ def _backend(kind: str, forced: str | None, device: torch.device, cuda_default: 
 
 
 def int4_backend(device: torch.device) -> str:
-    return _backend("W4A16", _INT4_FORCED, device)
+    """torch or the GPU kernels ("triton": Triton or, per weight, the Gluon fragment kernels; int4_kernel)."""
+    return _backend("W4A16", "triton" if _INT4_FORCED == "frag" else _INT4_FORCED, device)
+
+
+def int4_kernel(device: torch.device, dtype: torch.dtype, what: str, unsupported: str | None) -> str:
+    """The kernel family of one INT4 weight (or expert stack): "torch", "triton" or "frag".
+    ``unsupported``: why its shape cannot take the fragment kernels (None: it can)."""
+    if int4_backend(device) == "torch":
+        return "torch"
+    if _INT4_FORCED == "triton":
+        return "triton"
+    from .common import interpreting
+    from .w4_frag import HAVE_GLUON
+    why = ("not on cuda" if device.type != "cuda" else "the interpreter" if interpreting()
+           else "triton without gluon" if not HAVE_GLUON
+           else f"{dtype} activations (bfloat16 needed)" if dtype != torch.bfloat16 else unsupported)
+    if why:
+        if _INT4_FORCED == "frag":
+            raise ValueError(f"KDTREE_INT4_BACKEND=frag: the fragment kernels cannot run {what}: {why}")
+        log_once(f"int4-kernel:{what}:{why}", f"W4A16 {what}: Triton kernels (fragment kernels not used: {why})")
+        return "triton"
+    log_once(f"int4-kernel:{what}:frag", f"W4A16 {what}: fragment-ordered Gluon kernels")
+    return "frag"
+
+
+def prepare_int4(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Put every INT4 module's words in the order its kernel reads, before any forward (so the one-off
+    in-place reorder never lands inside a CUDA-graph capture)."""
+    from ..model.int4_order import int4_words
+    for m in model.modules():
+        if int4_words(m):
+            m.int4_prepare(dtype)
 
 
 def _invariant_backend(kind: str, forced: str | None, device: torch.device) -> str:
@@ -261,11 +297,17 @@ def w4a16_matmul_reference(x: torch.Tensor, packed: torch.Tensor, scale: torch.T
     return dense_matmul(x.float(), w).to(x.dtype)
 
 
-def w4a16_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, group_size: int) -> torch.Tensor:
-    if int4_backend(x.device) == "triton":
+def w4a16_matmul(x: torch.Tensor, layer) -> torch.Tensor:
+    """x [M, K] @ the INT4 weight of ``layer`` (model.layers.Linear) -> [M, N]."""
+    from ..model.int4_order import checkpoint_words
+    kind = layer.int4_prepare(x.dtype)
+    if kind == "frag":
+        from .w4_frag import frag_linear
+        return frag_linear(x.to(torch.bfloat16), layer.weight_packed, layer.weight_scale)
+    if kind == "triton":
         from .w4a16 import w4a16_linear
-        return w4a16_linear(x, packed, scale, group_size)
-    return w4a16_matmul_reference(x, packed, scale, group_size)
+        return w4a16_linear(x, layer.weight_packed, layer.weight_scale, layer.group_size)
+    return w4a16_matmul_reference(x, checkpoint_words(layer, "weight_packed"), layer.weight_scale, layer.group_size)
 
 
 def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, start: int,

@@ -26,7 +26,8 @@ import triton
 
 from kdtree_engine.kernels.moe_w4a16 import _moe_swiglu_kernel, _moe_topk_sum_kernel, moe_align
 from kdtree_engine.kernels.w4_dequant import DEQ_FLOAT
-from kdtree_engine.kernels.w4_frag import HAVE_GLUON, word_layout
+from kdtree_engine.kernels.common import bucket
+from kdtree_engine.kernels.w4_frag import HAVE_GLUON, frag_gpb, frag_unsupported, word_layout
 
 if HAVE_GLUON:
     from triton.experimental import gluon
@@ -37,15 +38,50 @@ if HAVE_GLUON:
 
 @dataclass(frozen=True)
 class FragMoEConfig:
-    BLOCK_M: int = 16      # token rows per expert block = the MMA's token columns (8 or 16)
-    GPB: int = 8           # quantization groups per K block (BLOCK_K = 32 * GPB); fixes the repack
-    MT: int = 1            # 16-row MMA tiles per warp
+    BLOCK_M: int = 8       # token rows per expert block = the MMA's token columns (8 or 16; re-tiles only).
+    #                        32 / 64 would hold a [256 x 32 / 64] activation operand per thread: spills
+    MT: int = 1            # 16-row MMA tiles per warp (re-tiles only)
     num_warps: int = 4
-    SPLIT13: int = 2       # gate/up splits over H (part of the reduction)
+    SPLIT13: int | None = None   # gate/up splits over H (part of the reduction; None: split13(H))
     SPLIT2: int = 1        # down splits over I (part of the reduction)
+    GPB: int | None = None       # groups per K block of both matrices (None: frag_gpb(K) of each)
 
-    def reduction_key(self) -> tuple:
-        return (self.GPB, self.SPLIT13, self.SPLIT2)
+    def __post_init__(self) -> None:
+        if self.BLOCK_M not in (8, 16):
+            raise ValueError(f"FragMoEConfig.BLOCK_M must be 8 or 16, got {self.BLOCK_M}")
+
+
+def split13(H: int, gpb: int) -> int:
+    """Gate/up splits over H: 2 when the K blocks split evenly into halves of >= 2 blocks (fixed by the
+    shape: it is part of the reduction). bench/results/w4-frag-h200.md: 2 at K2 shapes."""
+    blocks = H // (32 * gpb)
+    return 2 if blocks % 2 == 0 and blocks >= 4 else 1
+
+
+# (max pairs per expert = cdiv(T * top_k, E), config); first match wins; all share the reduction (splits,
+# GPB): only BLOCK_M differs. 8-row blocks measured fastest from T = 1 to 64 on the K2 layer (up to 1.8
+# pairs per expert, bench/results/w4-frag-h200.md); 16-row blocks read an expert's weights half as often
+# where experts hold many pairs (prefill).
+FRAG_MOE_CONFIGS: list[tuple[int, FragMoEConfig]] = [
+    (4, FragMoEConfig(BLOCK_M=8)),
+    (1 << 62, FragMoEConfig(BLOCK_M=16)),
+]
+
+
+def frag_moe_config(num_pairs: int, num_experts: int) -> FragMoEConfig:
+    return bucket(FRAG_MOE_CONFIGS, -(-num_pairs // max(num_experts, 1)))
+
+
+def frag_moe_unsupported(H: int, I: int, group_size: int, cfg: FragMoEConfig | None = None) -> str | None:
+    """Why experts with hidden H and intermediate I cannot take the fragment kernels (None: they can)."""
+    bn = 16 * (cfg.num_warps if cfg else 4)   # MT > 1 is dropped where it does not divide (mt_for)
+    return frag_unsupported(I, H, group_size, bn) or frag_unsupported(H, I, group_size, bn)
+
+
+def mt_for(cfg: FragMoEConfig, H: int, I: int) -> int:
+    """cfg.MT where 16 * warps * MT divides I and H, else 1 (MT only re-tiles rows: same bits)."""
+    bn = 16 * cfg.num_warps * cfg.MT
+    return cfg.MT if I % bn == 0 and H % bn == 0 else 1
 
 
 if HAVE_GLUON:
@@ -139,62 +175,62 @@ if HAVE_GLUON:
         gl.store(y_ptrs, acc, mask=gl.expand_dims(ok_o, 0))
 
 
-def _check(name: str, q: torch.Tensor, s: torch.Tensor, k: int, group_size: int, cfg: FragMoEConfig) -> None:
-    if q.dtype != torch.int32 or s.dtype != torch.bfloat16 or not (q.is_contiguous() and s.is_contiguous()):
-        raise ValueError(f"{name}: contiguous int32 words and bf16 scales required, got {q.dtype} / {s.dtype}")
-    if group_size != 32 or k % (32 * cfg.GPB) or q.shape[-1] * 8 != k or s.shape[-1] * 32 != k:
-        raise ValueError(f"{name}: group size 32 and K={k} a multiple of {32 * cfg.GPB} required "
-                         f"(words {tuple(q.shape)}, scales {tuple(s.shape)}, group {group_size})")
-
-
 def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor, w2_q: torch.Tensor,
                    w2_scale: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                    group_size: int, config: FragMoEConfig | None = None) -> torch.Tensor:
-    """x [T, H] bf16 -> [T, H] bf16: routed experts only, weights in fragment order (frag_repack, GPB)."""
+    """x [T, H] bf16 -> [T, H] bf16: routed experts only; w13_q / w2_q in fragment order (frag_repack with
+    frag_gpb of each matrix's input width, or config.GPB)."""
     if not HAVE_GLUON:
         raise RuntimeError("fused_moe_frag needs triton.experimental.gluon (triton >= 3.5)")
-    cfg = config or FragMoEConfig()
     if x.dtype != torch.bfloat16 or x.dim() != 2:
         raise ValueError(f"fused_moe_frag: x must be [T, H] bfloat16, got {tuple(x.shape)} {x.dtype}")
     T, H = x.shape
     E, two_i, _ = w13_q.shape
     I = two_i // 2
-    _check("w13", w13_q, w13_scale, H, group_size, cfg)
-    _check("w2", w2_q, w2_scale, I, group_size, cfg)
-    bn = 16 * cfg.num_warps * cfg.MT
-    bk = 32 * cfg.GPB
-    if I % bn or H % bn or (H // bk) % cfg.SPLIT13 or (I // bk) % cfg.SPLIT2:
-        raise ValueError(f"fused_moe_frag: H={H} and I={I} must be multiples of {bn}; H / {bk} of SPLIT13="
-                         f"{cfg.SPLIT13}, I / {bk} of SPLIT2={cfg.SPLIT2}")
     topk = topk_ids.shape[1]
+    P = T * topk
+    cfg = config or frag_moe_config(P, E)
+    why = frag_moe_unsupported(H, I, group_size, cfg)
+    if why:
+        raise ValueError(f"fused_moe_frag: {why}")
+    for name, q, sc, n, k in (("w13", w13_q, w13_scale, 2 * I, H), ("w2", w2_q, w2_scale, H, I)):
+        if (q.dtype != torch.int32 or sc.dtype != torch.bfloat16 or not (q.is_contiguous() and sc.is_contiguous())
+                or q.shape != (E, n, k // 8) or sc.shape != (E, n, k // group_size)):
+            raise ValueError(f"fused_moe_frag: {name} must be contiguous int32 [{E}, {n}, {k // 8}] words and bf16 "
+                             f"[{E}, {n}, {k // group_size}] scales, got {tuple(q.shape)} {q.dtype} / "
+                             f"{tuple(sc.shape)} {sc.dtype}")
+    g13, g2 = (cfg.GPB, cfg.GPB) if cfg.GPB else (frag_gpb(H), frag_gpb(I))
+    s13 = cfg.SPLIT13 or split13(H, g13)
+    mt = mt_for(cfg, H, I)
+    bn = 16 * cfg.num_warps * mt
+    if (H // (32 * g13)) % s13 or (I // (32 * g2)) % cfg.SPLIT2:
+        raise ValueError(f"fused_moe_frag: H={H} / I={I} blocks do not split in {s13} / {cfg.SPLIT2}")
     out = torch.empty_like(x)
     if T == 0:
         return out
     x = x.contiguous()
-    P = T * topk
     ids = topk_ids.reshape(-1).contiguous()
     tw = topk_weights.reshape(-1).contiguous()
     sorted_pairs, blk_expert, blk_rows = moe_align(ids, E, cfg.BLOCK_M)
     blocks = blk_rows.numel()
-    wl = word_layout(cfg.num_warps, cfg.MT, cfg.GPB)
 
-    part = torch.empty((cfg.SPLIT13, P, 2 * I), device=x.device, dtype=torch.float32)
-    _moe_frag_w13_kernel[(blocks, I // bn, cfg.SPLIT13)](
+    part = torch.empty((s13, P, 2 * I), device=x.device, dtype=torch.float32)
+    _moe_frag_w13_kernel[(blocks, I // bn, s13)](
         x, w13_q, w13_scale, part, sorted_pairs, blk_expert, blk_rows, I, topk,
         x.stride(0), w13_q.stride(0), w13_q.stride(1), w13_scale.stride(0), w13_scale.stride(1),
-        part.stride(0), part.stride(1), H // bk // cfg.SPLIT13,
-        TOK=cfg.BLOCK_M, MT=cfg.MT, GPB=cfg.GPB, WL=wl, num_warps=cfg.num_warps)
+        part.stride(0), part.stride(1), H // (32 * g13) // s13,
+        TOK=cfg.BLOCK_M, MT=mt, GPB=g13, WL=word_layout(cfg.num_warps, mt, g13), num_warps=cfg.num_warps)
     inter = torch.empty((P, I), device=x.device, dtype=x.dtype)
     block = min(1024, triton.next_power_of_2(I))
     _moe_swiglu_kernel[(P, triton.cdiv(I, block))](
         part, inter, ids, I, E, part.stride(0), part.stride(1), inter.stride(0),
-        SPLIT=cfg.SPLIT13, BLOCK=block, DEQ=DEQ_FLOAT, num_warps=4)
+        SPLIT=s13, BLOCK=block, DEQ=DEQ_FLOAT, num_warps=4)
     y = torch.empty((cfg.SPLIT2, P, H), device=x.device, dtype=torch.float32)
     _moe_frag_w2_kernel[(blocks, H // bn, cfg.SPLIT2)](
         inter, w2_q, w2_scale, y, tw, sorted_pairs, blk_expert, blk_rows,
         inter.stride(0), w2_q.stride(0), w2_q.stride(1), w2_scale.stride(0), w2_scale.stride(1),
-        y.stride(0), y.stride(1), I // bk // cfg.SPLIT2,
-        TOK=cfg.BLOCK_M, MT=cfg.MT, GPB=cfg.GPB, WL=wl, num_warps=cfg.num_warps)
+        y.stride(0), y.stride(1), I // (32 * g2) // cfg.SPLIT2,
+        TOK=cfg.BLOCK_M, MT=mt, GPB=g2, WL=word_layout(cfg.num_warps, mt, g2), num_warps=cfg.num_warps)
     BLOCK_H = 1024
     _moe_topk_sum_kernel[(T, triton.cdiv(H, BLOCK_H))](
         y, ids, out, H, E, y.stride(1), y.stride(0), out.stride(0), TOPK=topk, BLOCK_H=BLOCK_H,
@@ -202,4 +238,4 @@ def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor
     return out
 
 
-__all__ = ["FragMoEConfig", "fused_moe_frag"]
+__all__ = ["FragMoEConfig", "FRAG_MOE_CONFIGS", "frag_moe_config", "frag_moe_unsupported", "fused_moe_frag", "split13"]

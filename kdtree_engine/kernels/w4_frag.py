@@ -228,27 +228,80 @@ if HAVE_GLUON:
         gl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=gl.expand_dims(om, 0) < M)
 
 
+GROUP = 32           # the only group size of the fragment order (one word = one group of one lane)
+MAX_GPB = 8          # groups per K block: 8 (256 k) measured fastest at K2 shapes (bench/results/w4-frag-h200.md)
+DENSE_TARGET_PROGRAMS = 1200   # K splits of a dense matrix: the most with at most this many programs
+
+
+def frag_gpb(K: int) -> int:
+    """Groups per K block for input width K: the largest power of 2 <= MAX_GPB dividing K / 32. A function
+    of K alone, so the repack at load and every launch agree."""
+    if K % GROUP:
+        raise ValueError(f"fragment order needs K % {GROUP} == 0, got K={K}")
+    g = MAX_GPB
+    while (K // GROUP) % g:
+        g //= 2
+    return g
+
+
+def frag_unsupported(N: int, K: int, group_size: int, bn: int = 64) -> str | None:
+    """Why an [N, K] INT4 weight cannot take the fragment kernels (None: it can)."""
+    if group_size != GROUP:
+        return f"group size {group_size} (the fragment order needs {GROUP})"
+    if K % GROUP:
+        return f"input width {K} not a multiple of {GROUP}"
+    if N % bn:
+        return f"{N} output rows not a multiple of {bn}"
+    return None
+
+
 def split_for(N: int, K: int, bn: int, bk: int, target: int) -> int:
     """The most K splits (a divisor of the K blocks, >= 2 blocks each) with N/bn * splits <= target programs."""
     iters, tiles = K // bk, N // bn
     return max([s for s in range(1, iters + 1) if iters % s == 0 and iters // s >= 2 and tiles * s <= target] or [1])
 
 
-def frag_linear(x: torch.Tensor, wq: torch.Tensor, s: torch.Tensor, *, gpb: int = 4, mt: int = 1,
-                num_warps: int = 4, split: int = 1) -> torch.Tensor:
-    """y [M, N] = x [M, K] @ W^T, W the fragment-repacked int4 words wq [N, K/8] and bf16 scales s [N, K/32]."""
+def dense_plan(N: int, K: int) -> tuple[int, int, int]:
+    """(gpb, mt, split) of the dense kernel for an [N, K] weight: fixed by the shape, never by M (the split
+    is part of the reduction; MT only re-tiles rows)."""
+    gpb = frag_gpb(K)
+    mt = 2 if N % 128 == 0 else 1
+    return gpb, mt, split_for(N, K, 64 * mt, 32 * gpb, DENSE_TARGET_PROGRAMS)
+
+
+def token_tile(M: int) -> int:
+    """Token columns per program, 8 or 16 (each program holds its [32*GPB x tile] activation operand in
+    registers: 32 columns spill at GPB 8); more tokens take more programs, each reading the weights. A
+    column's sum does not depend on the tile (one MMA column per token)."""
+    return 8 if M <= 8 else 16
+
+
+def frag_linear(x: torch.Tensor, wq: torch.Tensor, s: torch.Tensor, *, gpb: int | None = None,
+                mt: int | None = None, num_warps: int = 4, split: int | None = None) -> torch.Tensor:
+    """y [M, N] = x [M, K] @ W^T, W the fragment-repacked int4 words wq [N, K/8] (frag_repack with
+    frag_gpb(K) unless gpb is given) and bf16 scales s [N, K/32]; x bfloat16. Unset knobs follow dense_plan."""
     if not HAVE_GLUON:
         raise RuntimeError("the fragment-ordered W4A16 kernels need triton.experimental.gluon (triton >= 3.5)")
     from kdtree_engine.kernels.split_sum import split_sum
 
     M, K = x.shape
     N = wq.shape[0]
+    plan = dense_plan(N, K)
+    gpb = plan[0] if gpb is None else gpb
+    mt = plan[1] if mt is None else mt
+    split = plan[2] if split is None else split
     bn, bk = 16 * num_warps * mt, 32 * gpb
-    if N % bn or K % (bk * split):
-        raise ValueError(f"frag_linear: N={N} must be a multiple of {bn} and K={K} of {bk * split}")
+    if x.dtype != torch.bfloat16:
+        raise TypeError(f"frag_linear: bfloat16 activations required, got {x.dtype}")
+    if N % bn or K % (bk * split) or wq.shape[1] * 8 != K or s.shape != (N, K // GROUP):
+        raise ValueError(f"frag_linear: N={N} must be a multiple of {bn}, K={K} of {bk * split}; words "
+                         f"{tuple(wq.shape)}, scales {tuple(s.shape)}")
     y = torch.empty((M, N), device=x.device, dtype=x.dtype)
+    if M == 0:
+        return y
+    x = x.contiguous()
     part = y if split == 1 else torch.empty((split, M, N), device=x.device, dtype=torch.float32)
-    tok = 8 if M <= 8 else 16
+    tok = token_tile(M)
     _w4_frag_kernel[(N // bn, split, triton.cdiv(M, tok))](
         x, wq, s, part, M, N, x.stride(0), wq.stride(0), s.stride(0), N, M * N, K // bk // split,
         TOK=tok, MT=mt, GPB=gpb, WL=word_layout(num_warps, mt, gpb), num_warps=num_warps)

@@ -91,7 +91,15 @@ class Linear(nn.Module):
         if self.group_size is None:
             return self.weight
         from ..quant import dequantize
-        return dequantize(self.weight_packed, self.weight_scale, self.group_size)
+        from .int4_order import checkpoint_words
+        return dequantize(checkpoint_words(self, "weight_packed"), self.weight_scale, self.group_size)
+
+    def int4_prepare(self, dtype: torch.dtype) -> str:
+        """The INT4 kernel family for activations of `dtype`, the words in its order (model/int4_order.py)."""
+        from ..kernels.w4_frag import frag_unsupported
+        from .int4_order import prepare
+        return prepare(self, dtype, f"linear [{self.out_features} x {self.in_features}]",
+                       frag_unsupported(self.out_features, self.in_features, self.group_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self)
@@ -109,7 +117,7 @@ def linear(x: torch.Tensor, layer: Linear) -> torch.Tensor:
     if layer.group_size is None:
         out = dense_matmul(x2, layer.weight)
     else:
-        out = w4a16_matmul(x2, layer.weight_packed, layer.weight_scale, layer.group_size)
+        out = w4a16_matmul(x2, layer)
     return out.reshape(*shape[:-1], layer.out_features)
 
 

@@ -78,12 +78,23 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         return moe(x, ids, weights, self)
 
+    def int4_prepare(self, dtype: torch.dtype) -> str:
+        """The INT4 kernel family for activations of `dtype`, the words in its order (model/int4_order.py)."""
+        from ..kernels.moe_frag import frag_moe_unsupported
+        from .int4_order import prepare
+        return prepare(self, dtype, f"MoE experts [{self.num_experts} x (H {self.hidden}, I {self.inter})]",
+                       frag_moe_unsupported(self.hidden, self.inter, self.group_size))
+
 
 def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Experts) -> torch.Tensor:
     """The single MoE entry: x [T, H], ids [T, k], weights [T, k] -> sum_k w * expert(x) [T, H]."""
     if experts.group_size is not None:
-        from ..kernels.dispatch import int4_backend
-        if int4_backend(x.device) == "triton":
+        kind = experts.int4_prepare(x.dtype)
+        if kind == "frag":
+            from ..kernels.moe_frag import fused_moe_frag
+            return fused_moe_frag(x, experts.w13_packed, experts.w13_scale, experts.w2_packed,
+                                  experts.w2_scale, ids, weights, experts.group_size)
+        if kind == "triton":
             from ..kernels.moe_w4a16 import fused_moe_w4a16
             return fused_moe_w4a16(x, experts.w13_packed, experts.w13_scale, experts.w2_packed,
                                    experts.w2_scale, ids, weights, experts.group_size)
@@ -99,21 +110,22 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Expe
 def _expert_weights(experts: Experts, e: int) -> tuple[torch.Tensor, torch.Tensor]:
     if experts.group_size is None:
         return experts.w13[e], experts.w2[e]
+    from .int4_order import checkpoint_words
     if experts.w13_packed.device.type == "cpu":
         # The CPU path multiplies dense weights: dequantize once (same values every call) and keep them.
         dense = experts.__dict__.get("_dense_cpu")
         if dense is None:
             from ..quant import dequantize
             g = experts.group_size
-            dense = (dequantize(experts.w13_packed, experts.w13_scale, g),
-                     dequantize(experts.w2_packed, experts.w2_scale, g))
+            dense = (dequantize(checkpoint_words(experts, "w13_packed"), experts.w13_scale, g),
+                     dequantize(checkpoint_words(experts, "w2_packed"), experts.w2_scale, g))
             experts.__dict__["_dense_cpu"] = dense
             log_once("moe:cpu-dequant", "MoE on cpu: INT4 experts dequantized once and kept for the torch path")
         return dense[0][e], dense[1][e]
     from ..quant import dequantize
     g = experts.group_size
-    return (dequantize(experts.w13_packed[e], experts.w13_scale[e], g),
-            dequantize(experts.w2_packed[e], experts.w2_scale[e], g))
+    return (dequantize(checkpoint_words(experts, "w13_packed")[e], experts.w13_scale[e], g),
+            dequantize(checkpoint_words(experts, "w2_packed")[e], experts.w2_scale[e], g))
 
 
 def moe_reference(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Experts) -> torch.Tensor:

@@ -16,6 +16,7 @@ from torch import nn
 
 from ..cache import LatentCache
 from ..config import ModelConfig
+from .int4_order import CHECKPOINT, set_order
 from .layers import MLP, GroupOf, Linear, RMSNorm, Rope
 from .mla import MLA
 from .moe import MoE
@@ -154,6 +155,8 @@ class Target(nn.Module):
             self._load_expert(name, int(m.group(1)), int(m.group(2)), m.group(3), m.group(4), tensor)
         else:
             dst = self._slot(name)
+            if name.endswith((".weight_packed", ".weight_scale")):   # words land in checkpoint order
+                set_order(self.get_submodule(name.rsplit(".", 1)[0]), CHECKPOINT)
             self._copy(name, dst, tensor)
         self._loaded.add(name)
 
@@ -163,6 +166,8 @@ class Target(nn.Module):
         ex = self.layers[layer].mlp.experts
         if e >= ex.num_experts:
             raise LoadError(f"tensor '{name}': expert {e} >= n_routed_experts {ex.num_experts}")
+        if ex.group_size is not None:
+            set_order(ex, CHECKPOINT)   # words land in checkpoint order
         I = ex.inter
         rows = slice(0, I) if proj == "gate" else slice(I, 2 * I) if proj == "up" else slice(None)
         base = "w2" if proj == "down" else "w13"

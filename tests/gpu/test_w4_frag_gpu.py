@@ -20,7 +20,7 @@ pytestmark = [
 
 from kdtree_engine.kernels.moe_frag import FragMoEConfig, fused_moe_frag  # noqa: E402
 from kdtree_engine.kernels.moe_w4a16 import fused_moe_reference  # noqa: E402
-from kdtree_engine.kernels.w4_frag import HAVE_GLUON, frag_linear, frag_repack  # noqa: E402
+from kdtree_engine.kernels.w4_frag import HAVE_GLUON, frag_gpb, frag_linear, frag_repack  # noqa: E402
 from kdtree_engine.quant import dequantize  # noqa: E402
 
 from tests.gpu.test_kernels_gpu import _check, poisoned, rand_w4, rel  # noqa: E402,F401
@@ -50,7 +50,7 @@ def test_frag_linear_detects_unrepacked_words():
     p, s = rand_w4(256, 1024)
     x = torch.randn(4, 1024, device="cuda").to(torch.bfloat16)
     ref = x.float() @ dequantize(p, s, G, torch.bfloat16).float().T
-    assert rel(frag_linear(x, p, s, gpb=8), ref) > 0.5
+    assert rel(frag_linear(x, p, s), ref) > 0.5
 
 
 @pytest.mark.parametrize("split", [1, 4])
@@ -65,7 +65,7 @@ def test_frag_linear_batch_invariant(split):
     assert not bad, f"rows differ from the M=100 launch (M, #elements): {bad}"
 
 
-def _moe_case(E, H, I, T, topk, gpb, seed=0, unowned=False):
+def _moe_case(E, H, I, T, topk, gpb=None, seed=0, unowned=False):
     torch.manual_seed(seed)
     w13p, w13s = rand_w4(E, 2 * I, H)
     w2p, w2s = rand_w4(E, H, I)
@@ -76,34 +76,57 @@ def _moe_case(E, H, I, T, topk, gpb, seed=0, unowned=False):
     tw = torch.rand(T, topk, device="cuda")
     tw = tw / tw.sum(1, keepdim=True)
     ref = fused_moe_reference(x, w13p, w13s, w2p, w2s, ids, tw, G)
-    return x, (frag_repack(w13p, gpb), w13s, frag_repack(w2p, gpb), w2s), ids, tw, ref
+    g13, g2 = (gpb, gpb) if gpb else (frag_gpb(H), frag_gpb(I))
+    return x, (frag_repack(w13p, g13), w13s, frag_repack(w2p, g2), w2s), ids, tw, ref
 
 
-@pytest.mark.parametrize("cfg", [FragMoEConfig(), FragMoEConfig(BLOCK_M=8, SPLIT13=4, SPLIT2=2),
-                                 FragMoEConfig(GPB=4, MT=2, SPLIT13=2, SPLIT2=2)])
+@pytest.mark.parametrize("cfg", [None, FragMoEConfig(BLOCK_M=16, SPLIT13=4, SPLIT2=2),
+                                 FragMoEConfig(GPB=4, MT=2, SPLIT13=2, SPLIT2=2), FragMoEConfig(BLOCK_M=8, MT=2)])
 @pytest.mark.parametrize("T", [1, 5, 33])
 def test_moe_frag_matches_reference_small(poisoned, cfg, T):
-    x, w, ids, tw, ref = _moe_case(E=12, H=1024, I=512, T=T, topk=3, gpb=cfg.GPB, seed=T)
+    x, w, ids, tw, ref = _moe_case(E=12, H=1024, I=512, T=T, topk=3, gpb=cfg and cfg.GPB, seed=T)
     _check(fused_moe_frag(x, *w, ids, tw, G, cfg), ref, TOL, f"moe frag T={T} {cfg}")
+
+
+@pytest.mark.parametrize("T", [1, 7, 40])
+def test_moe_frag_demo_shapes(poisoned, T):
+    """The demo's experts (H 256, I 192: 2 groups per block on w2, MT 2 dropped where 128 rows do not divide)."""
+    x, w, ids, tw, ref = _moe_case(E=8, H=256, I=192, T=T, topk=2, seed=T)
+    for cfg in (None, FragMoEConfig(BLOCK_M=16, MT=2)):
+        _check(fused_moe_frag(x, *w, ids, tw, G, cfg), ref, TOL, f"moe frag demo shapes T={T} {cfg}")
 
 
 def test_moe_frag_k2_and_unowned_experts(poisoned):
     """K2 shapes (a slice of 48 experts), with some pairs routed to experts of another rank (-1)."""
-    x, w, ids, tw, ref = _moe_case(E=48, H=7168, I=2048, T=9, topk=8, gpb=8, unowned=True)
+    x, w, ids, tw, ref = _moe_case(E=48, H=7168, I=2048, T=9, topk=8, unowned=True)
     _check(fused_moe_frag(x, *w, ids, tw, G), ref, TOL, "moe frag K2 slice")
 
 
-@pytest.mark.parametrize("cfg", [FragMoEConfig(), FragMoEConfig(BLOCK_M=8)])
+@pytest.mark.parametrize("cfg", [None, FragMoEConfig(BLOCK_M=16)])
 def test_moe_frag_batch_invariant(cfg):
-    """A token's output is the same, bit for bit, alone and in batches of 4 / 64 (block rows 8 and 16
-    only re-tile: each pair is its own MMA column)."""
-    x, w, ids, tw, _ = _moe_case(E=64, H=2048, I=1024, T=64, topk=8, gpb=cfg.GPB)
+    """A token's output is the same, bit for bit, alone and in batches of 4 / 17 / 64, and with every block
+    size of the table (each pair is its own MMA column)."""
+    x, w, ids, tw, _ = _moe_case(E=64, H=2048, I=1024, T=64, topk=8)
     full = fused_moe_frag(x, *w, ids, tw, G, cfg)
-    other = fused_moe_frag(x, *w, ids, tw, G, FragMoEConfig(BLOCK_M=16 if cfg.BLOCK_M == 8 else 8))
-    assert torch.equal(full, other), "block rows 8 and 16 give different bits"
+    for bm, mt in ((8, 1), (8, 2), (16, 1), (16, 2)):
+        other = fused_moe_frag(x, *w, ids, tw, G, FragMoEConfig(BLOCK_M=bm, MT=mt))
+        assert torch.equal(full, other), f"block rows {bm} / MT {mt} give other bits"
     bad = []
     for m in (1, 4, 17):
         part = fused_moe_frag(x[:m], *w, ids[:m], tw[:m], G, cfg)
         if not torch.equal(part, full[:m]):
             bad.append((m, int((part != full[:m]).sum())))
     assert not bad, f"tokens differ from the T=64 launch (T, #elements): {bad}"
+
+
+@pytest.mark.parametrize("M", [1, 9, 20, 33, 70, 130])
+def test_frag_linear_plan_token_tiles(poisoned, M):
+    """The engine's plan (dense_plan) with token tiles of 8 / 16 columns: right values, and the rows of
+    every M equal the M = 130 launch bit for bit."""
+    p, s = rand_w4(1024, 2048)
+    q = frag_repack(p, frag_gpb(2048))
+    x = torch.randn(130, 2048, device="cuda").to(torch.bfloat16)
+    full = frag_linear(x, q, s)
+    ref = (x.float() @ dequantize(p, s, G, torch.bfloat16).float().T).to(torch.bfloat16)
+    _check(full, ref, TOL, "frag plan M=130")
+    assert torch.equal(frag_linear(x[:M], q, s), full[:M])

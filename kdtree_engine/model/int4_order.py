@@ -1,0 +1,93 @@
+"""The storage order of a module's INT4 words: the checkpoint's (compressed-tensors, as loaded) or the
+fragment order of the Gluon kernels (kernels/w4_frag.py), converted in place, once.
+
+  module                 words (int32)                         input width K
+  layers.Linear          weight_packed [N, K/8]                in_features
+  moe.Experts            w13_packed [E, 2I, H/8], w2_packed [E, H, I/8]   H, I
+
+A module starts in checkpoint order. The kernel dispatch (kernels/dispatch.int4_kernel) asks for the
+order its kernel reads (`set_order`); anything that needs the checkpoint's bytes (the torch paths,
+dequantized views) reads them through `checkpoint_words`, and loading restores the checkpoint order
+first (the loader calls `set_order(module, CHECKPOINT)` before it writes). The conversion is a permutation of the nibbles inside each row
+(same shape, same bytes per row), so it needs no second copy of the weights: one matrix at a time.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .layers import log_once
+
+CHECKPOINT, FRAG = "checkpoint", "frag"
+_ATTR = "_int4_order"
+
+
+def int4_words(module: nn.Module) -> list[tuple[str, int]]:
+    """(buffer name, input width K) of the module's INT4 words; [] for dense modules."""
+    if getattr(module, "group_size", None) is None:
+        return []
+    if hasattr(module, "weight_packed"):
+        return [("weight_packed", module.in_features)]
+    if hasattr(module, "w13_packed"):
+        return [("w13_packed", module.hidden), ("w2_packed", module.inter)]
+    return []
+
+
+def order_of(module: nn.Module) -> str:
+    return module.__dict__.get(_ATTR, CHECKPOINT)
+
+
+@torch.no_grad()
+def set_order(module: nn.Module, order: str) -> None:
+    """Convert the module's INT4 words to `order` in place (no-op when already there)."""
+    from ..kernels.w4_frag import frag_gpb, frag_repack, frag_unrepack
+
+    if order not in (CHECKPOINT, FRAG):
+        raise ValueError(f"INT4 word order must be {CHECKPOINT!r} or {FRAG!r}, got {order!r}")
+    if order_of(module) == order:
+        return
+    words = int4_words(module)
+    if not words:
+        raise ValueError(f"{type(module).__name__} has no INT4 words to reorder")
+    for name, _ in words:
+        buf = getattr(module, name)
+        if buf.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"INT4 {name} would be reordered to {order} order inside a CUDA graph capture; "
+                               "run one eager forward (or kernels.dispatch.prepare_int4) before capturing")
+    convert = frag_repack if order == FRAG else frag_unrepack
+    for name, k in words:
+        buf = getattr(module, name)
+        gpb = frag_gpb(k)
+        mats = buf.unbind(0) if buf.dim() == 3 else (buf,)
+        for m in mats:                       # one matrix at a time: the codes take 32x the words' memory
+            m.copy_(convert(m, gpb))
+    module.__dict__[_ATTR] = order
+    log_once(f"int4-order:{order}:{buf.device.type}",
+             f"INT4 words reordered in place to {order} order on {buf.device.type} (once per module)")
+
+
+def checkpoint_words(module: nn.Module, name: str) -> torch.Tensor:
+    """The buffer `name` in checkpoint order: the buffer itself, or an unrepacked copy when the module
+    holds it in fragment order (for the torch paths and dequantized views)."""
+    buf = getattr(module, name)
+    if order_of(module) == CHECKPOINT:
+        return buf
+    from ..kernels.w4_frag import frag_gpb, frag_unrepack
+    k = dict(int4_words(module))[name]
+    return frag_unrepack(buf, frag_gpb(k))
+
+
+def prepare(module: nn.Module, dtype: torch.dtype, what: str, unsupported: str | None) -> str:
+    """The module's INT4 kernel family for activations of `dtype` (kernels.dispatch.int4_kernel), with its
+    words put in the order that family reads; remembered per (dtype, device, forced backend)."""
+    from ..kernels import dispatch
+    device = getattr(module, int4_words(module)[0][0]).device
+    key = (dtype, device, dispatch._INT4_FORCED)
+    cached = module.__dict__.get("_int4_kind")
+    if cached is not None and cached[0] == key and order_of(module) == (FRAG if cached[1] == "frag" else CHECKPOINT):
+        return cached[1]
+    kind = dispatch.int4_kernel(device, dtype, what, unsupported)
+    set_order(module, FRAG if kind == "frag" else CHECKPOINT)
+    module.__dict__["_int4_kind"] = (key, kind)
+    return kind

@@ -1,0 +1,94 @@
+"""INT4 word order of modules (model/int4_order.py) and the INT4 kernel choice (kernels/dispatch.int4_kernel)
+on the CPU: in-place reorder round trips, the torch paths read checkpoint order from a reordered module,
+loading restores checkpoint order, the choice names its reason."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kdtree_engine import reference
+from kdtree_engine.config import preset
+from kdtree_engine.engine import load_target
+from kdtree_engine.kernels import dispatch
+from kdtree_engine.model.int4_order import CHECKPOINT, FRAG, checkpoint_words, order_of, set_order
+from kdtree_engine.model.layers import Linear
+from kdtree_engine.model.moe import MoE
+from kdtree_engine.quant import k2_quantization_config
+from kdtree_engine.sampling import SamplingParams
+from kdtree_engine.spec.decode import generate
+from kdtree_engine.weights import save_checkpoint
+
+CFG = preset("k2-tiny")
+
+
+def _linear(n: int = 64, k: int = 96) -> Linear:
+    layer = Linear(k, n, group_size=32)
+    g = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 30)))
+    layer.weight_packed.copy_(torch.randint(-2**31, 2**31 - 1, (n, k // 8), generator=g, dtype=torch.int32))
+    layer.weight_scale.copy_(torch.rand(n, k // 32, generator=g) * 0.1 + 0.01)
+    return layer
+
+
+def test_linear_reorder_round_trip_and_checkpoint_view():
+    layer = _linear()
+    words = layer.weight_packed.clone()
+    dense = layer.dense_weight().clone()
+    set_order(layer, FRAG)
+    assert order_of(layer) == FRAG and not torch.equal(layer.weight_packed, words)
+    assert torch.equal(checkpoint_words(layer, "weight_packed"), words)
+    assert torch.equal(layer.dense_weight(), dense)
+    set_order(layer, CHECKPOINT)
+    assert torch.equal(layer.weight_packed, words)
+
+
+def test_torch_path_on_a_reordered_module_gives_the_same_output():
+    layer = _linear()
+    x = torch.randn(5, 96)
+    want = layer(x)
+    set_order(layer, FRAG)
+    assert torch.equal(layer(x), want)          # the CPU kernel choice ("torch") restores checkpoint order
+    assert order_of(layer) == CHECKPOINT
+
+
+def test_int4_kernel_reasons(monkeypatch):
+    cpu = torch.device("cpu")
+    assert dispatch.int4_kernel(cpu, torch.bfloat16, "linear [64 x 96]", None) == "torch"
+    monkeypatch.setattr(dispatch, "_INT4_FORCED", "triton")
+    assert dispatch.int4_kernel(cpu, torch.bfloat16, "linear [64 x 96]", None) == "triton"
+    monkeypatch.setattr(dispatch, "_INT4_FORCED", "frag")
+    with pytest.raises(ValueError, match="not on cuda"):
+        dispatch.int4_kernel(cpu, torch.bfloat16, "linear [64 x 96]", None)
+
+
+def test_frag_shape_reasons():
+    from kdtree_engine.kernels.moe_frag import frag_moe_unsupported
+    from kdtree_engine.kernels.w4_frag import frag_gpb, frag_unsupported
+    assert frag_unsupported(4096, 7168, 32) is None
+    assert "group size 64" in frag_unsupported(4096, 7168, 64)
+    assert "not a multiple of 64" in frag_unsupported(100, 7168, 32)
+    assert frag_moe_unsupported(7168, 2048, 32) is None and frag_moe_unsupported(256, 192, 32) is None
+    assert (frag_gpb(7168), frag_gpb(2048), frag_gpb(192), frag_gpb(32)) == (8, 8, 2, 1)
+
+
+def test_loading_restores_checkpoint_order_and_model_matches_reference(tmp_path):
+    """Experts reordered in place, then weights loaded again: the loader writes checkpoint order, and the
+    model decodes the reference's greedy tokens."""
+    seed = int(np.random.default_rng().integers(1 << 30))
+    qcfg = CFG.replace(quantization=k2_quantization_config(32))
+    wq = reference.random_weights(CFG, seed, quantize_experts_group=32)
+    tensors = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in wq.items()}
+    tensors = {k: (v.to(torch.bfloat16).float() if k.endswith("weight_scale") else v) for k, v in tensors.items()}
+    save_checkpoint(tmp_path / "q", qcfg, tensors)
+    model = load_target(tmp_path / "q", device=torch.device("cpu"), dtype=torch.float32, progress=False)
+    experts = [layer.mlp.experts for layer in model.layers if isinstance(layer.mlp, MoE)]
+    prompt = [5, 9, 2, 33]
+    want = generate(model, prompt, SamplingParams(max_tokens=12, ignore_eos=True)).token_ids
+    for ex in experts:
+        set_order(ex, FRAG)
+    model.load_weights(tensors.items())
+    assert all(order_of(ex) == CHECKPOINT for ex in experts)
+    for ex in experts:
+        set_order(ex, FRAG)                       # the CPU forward reads them back in checkpoint order
+    assert generate(model, prompt, SamplingParams(max_tokens=12, ignore_eos=True)).token_ids == want
