@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU tests and benchmarks, logs and results packed under $OUT; one device call runs one part.
-#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|next|chain|sample|rounds|decode|step|verify|resume|ncu|plane|merge|merge2|merge3|sample2|fork|last|plane2|rows|kload|lazy|rounds2|maxnreg|qsplit|stages|down|bm8|m64|merge4|merge5|final2|moerows|moe16|moe16b|router|router2|router3|final3|frag|frag2|frag3]   (on the GPU machine, from the repository root)
+#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|next|chain|sample|rounds|decode|step|verify|resume|ncu|plane|merge|merge2|merge3|sample2|fork|last|plane2|rows|kload|lazy|rounds2|maxnreg|qsplit|stages|down|bm8|m64|merge4|merge5|final2|moerows|moe16|moe16b|router|router2|router3|final3|frag|frag2|frag3|frag4]   (on the GPU machine, from the repository root)
 #   tune   the W4A16 config sweep, the bitwise and CUDA-graph GPU tests, the demo's spec benchmark
 #   check  the remaining GPU tests (kernels, batch invariance, target, attention), kernel and round benches
 #   bench  the benchmarks with long runs (K2 step, attention, GEMM)
@@ -62,6 +62,8 @@
 #   frag2  the engine on the fragment kernels: their GPU tests, the demo's greedy spec == plain and the
 #          device-length attention bitwise tests, the target tests, the round benchmark
 #   frag3  the W4A16 kernel bench (frag and Triton), the MoE block sweep to T = 1024, the K2 layer step
+#   frag4  the final code of the fragment round: fragment GPU tests (with the demo on them), the demo's
+#          greedy spec == plain, graph rounds, the MoE kernel GPU tests, the W4A16 kernel bench
 #   final3 final2 on this round's final code (align kernel, expert block rows, forked shared expert, router tiles)
 #   final2 the kernel, batch-invariance and bitwise GPU tests (all but the demo's logits-alone test) on the final code
 #   plane2 the same with the weights as the MMA's B operand (mma.sync, tokens on M), and its Nsight Compute
@@ -392,5 +394,13 @@ if [[ $PART == frag3 ]]; then
   step bench_kernels 200 python3 bench/kernels.py --no-sweep --out "$RES"
   step bench_w4_frag 150 python3 bench/w4_frag.py --no-dense --out "$RES"
   step bench_k2_step 230 python3 bench/k2_step.py --profile --out "$RES"
+fi
+if [[ $PART == frag4 ]]; then
+  step pytest_frag 120 $PYT tests/gpu/test_w4_frag_gpu.py
+  step pytest_spec_bitwise 150 $PYT $SPEC_BITWISE
+  step pytest_graph 170 $PYT tests/gpu/test_graph_round_gpu.py tests/spec/test_spec_gpu.py \
+    --deselect tests/gpu/test_graph_round_gpu.py::test_device_length_attention_bitwise_gpu
+  step bench_kernels 60 python3 bench/kernels.py --no-sweep --out "$RES"
+  step pytest_moe 90 $PYT tests/gpu/test_kernels_gpu.py -k "moe"
 fi
 ls -la "$RES"

@@ -8,12 +8,15 @@
                  grid slice) with batch invariance on, else torch einsum (cuBLAS batched GEMM).
   RMSNorm        CPU: torch. CUDA: the one-program-per-row Triton kernel (kernels/rmsnorm.py) with batch
                  invariance on (torch's reduction launch shape may depend on the row count), else torch.
-  W4A16 linear   CPU: dequantize + float32 matmul. CUDA, bfloat16 activations, group 32, rows a multiple of
-  and MoE        64: the fragment-ordered Gluon kernels (kernels/w4_frag.py, kernels/moe_frag.py: the words
-                 loaded straight into mma.sync registers; the module's words are reordered in place once,
-                 model/int4_order.py); other CUDA cases: Triton (kernels/w4a16.py, moe_w4a16.py). Both keep a
-                 row's reduction order independent of the number of rows. Each choice is logged once per
-                 shape with its reason.
+  W4A16 MoE      CPU: torch per-expert loop. CUDA, bfloat16 activations, group 32, H and I multiples of 64:
+                 the fragment-ordered Gluon kernels (kernels/moe_frag.py: the words loaded straight into
+                 mma.sync registers; the experts' words are reordered in place once, model/int4_order.py);
+                 other CUDA cases: Triton (kernels/moe_w4a16.py).
+  W4A16 linear   CPU: dequantize + float32 matmul. CUDA: Triton (kernels/w4a16.py); the fragment kernel
+                 (kernels/w4_frag.py) only with KDTREE_INT4_BACKEND=frag: it is faster up to 8 rows but reads
+                 the weights once per 16 rows, so verify widths of 16 and more run slower on it.
+                 Every kernel keeps a row's reduction order independent of the number of rows; each choice
+                 is logged once per shape with its reason.
   MLA attention  CUDA with batch invariance on: the Triton kernel (kernels/mla_attention.py, split-KV
                  flash decoding with split sizes fixed by position). Otherwise the torch reference
                  (model/mla.py), which is not batch-invariant on CUDA (cuBLAS batched GEMMs).
@@ -129,9 +132,11 @@ def int4_backend(device: torch.device) -> str:
     return _backend("W4A16", "triton" if _INT4_FORCED == "frag" else _INT4_FORCED, device)
 
 
-def int4_kernel(device: torch.device, dtype: torch.dtype, what: str, unsupported: str | None) -> str:
+def int4_kernel(device: torch.device, dtype: torch.dtype, what: str, unsupported: str | None,
+                not_by_default: str | None = None) -> str:
     """The kernel family of one INT4 weight (or expert stack): "torch", "triton" or "frag".
-    ``unsupported``: why its shape cannot take the fragment kernels (None: it can)."""
+    ``unsupported``: why its shape cannot take the fragment kernels (None: it can); ``not_by_default``: why
+    they are not the default for it (``KDTREE_INT4_BACKEND=frag`` still takes them)."""
     if int4_backend(device) == "torch":
         return "torch"
     if _INT4_FORCED == "triton":
@@ -141,6 +146,8 @@ def int4_kernel(device: torch.device, dtype: torch.dtype, what: str, unsupported
     why = ("not on cuda" if device.type != "cuda" else "the interpreter" if interpreting()
            else "triton without gluon" if not HAVE_GLUON
            else f"{dtype} activations (bfloat16 needed)" if dtype != torch.bfloat16 else unsupported)
+    if not why and _INT4_FORCED != "frag":
+        why = not_by_default
     if why:
         if _INT4_FORCED == "frag":
             raise ValueError(f"KDTREE_INT4_BACKEND=frag: the fragment kernels cannot run {what}: {why}")

@@ -59,12 +59,12 @@ def split13(H: int, gpb: int) -> int:
 
 
 # (max pairs per expert = cdiv(T * top_k, E), config); first match wins; all share the reduction (splits,
-# GPB): only BLOCK_M differs. 8-row blocks measured fastest from T = 1 to 64 on the K2 layer (up to 1.8
-# pairs per expert, bench/results/w4-frag-h200.md); 16-row blocks read an expert's weights half as often
-# where experts hold many pairs (prefill).
+# GPB): only BLOCK_M / MT differ. bench/results/w4-frag-h200.md, K2 layer: 8-row blocks are the fastest
+# from T = 1 to 256 (up to 5.3 pairs per expert; 3554 us at T = 256 against 5316 for 16-row blocks), 16-row
+# blocks with 2 MMA tiles per warp at T = 1024 (21 pairs per expert: 8580 us against 9604).
 FRAG_MOE_CONFIGS: list[tuple[int, FragMoEConfig]] = [
-    (4, FragMoEConfig(BLOCK_M=8)),
-    (1 << 62, FragMoEConfig(BLOCK_M=16)),
+    (8, FragMoEConfig(BLOCK_M=8)),
+    (1 << 62, FragMoEConfig(BLOCK_M=16, MT=2)),
 ]
 
 

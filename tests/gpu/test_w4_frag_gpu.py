@@ -130,3 +130,26 @@ def test_frag_linear_plan_token_tiles(poisoned, M):
     ref = (x.float() @ dequantize(p, s, G, torch.bfloat16).float().T).to(torch.bfloat16)
     _check(full, ref, TOL, "frag plan M=130")
     assert torch.equal(frag_linear(x[:M], q, s), full[:M])
+
+
+def test_demo_runs_on_fragment_kernels_close_to_triton(monkeypatch):
+    """The embedded demo on CUDA in bfloat16: its experts take the fragment kernels (words reordered at
+    load), and its logits agree with the Triton kernels' (checkpoint order) to bf16 rounding."""
+    import importlib
+    from pathlib import Path
+
+    from kdtree_engine.engine import load_target
+    from kdtree_engine.kernels import dispatch
+    from kdtree_engine.model.int4_order import CHECKPOINT, FRAG, order_of
+    from kdtree_engine.model.moe import MoE
+
+    demo = Path(importlib.import_module("kdtree_engine").__file__).parent / "assets" / "demo"
+    target = load_target(demo, device=torch.device("cuda"), dtype=torch.bfloat16, progress=False)
+    experts = [layer.mlp.experts for layer in target.layers if isinstance(layer.mlp, MoE)]
+    assert experts and all(order_of(ex) == FRAG for ex in experts)
+    ids = torch.randint(3, target.cfg.vocab_size, (40,), device="cuda")
+    frag = target(ids, target.new_cache(64)).logits
+    monkeypatch.setattr(dispatch, "_INT4_FORCED", "triton")
+    triton_logits = target(ids, target.new_cache(64)).logits
+    assert all(order_of(ex) == CHECKPOINT for ex in experts)
+    assert rel(frag, triton_logits) < 2e-2
