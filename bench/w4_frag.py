@@ -30,23 +30,23 @@ from bench.common import command_line, copy_bandwidth, device_info, gpu_stem, l2
 from bench.kernels import DENSE, E, G, H, I, TOPK, rand_w4, rel, route, w4_bytes  # noqa: E402
 from kdtree_engine.kernels.moe_frag import FragMoEConfig, frag_moe_config, fused_moe_frag  # noqa: E402
 from kdtree_engine.kernels.moe_w4a16 import fused_moe_reference, fused_moe_w4a16  # noqa: E402
-from kdtree_engine.kernels.w4_frag import DENSE_TARGET_PROGRAMS, dense_plan, frag_gpb, frag_linear, frag_repack, split_for  # noqa: E402
+from kdtree_engine.kernels.w4_frag import dense_plan, frag_gpb, frag_linear, frag_repack, split_for  # noqa: E402
 from kdtree_engine.kernels.w4a16 import w4a16_linear  # noqa: E402
 from kdtree_engine.quant import dequantize  # noqa: E402
 
-DENSE_CANDIDATES = [  # overrides of the engine's plan (dense_plan); {} is the plan itself
-    {}, dict(depth=2), dict(x_ahead=True), dict(mt=1), dict(mt=1, depth=2), dict(target=2400),
+DENSE_CANDIDATES = [  # (gpb, mt, num_warps, target programs for the K split); the engine's plan first
+    None, (8, 2, 4, 2400), (8, 2, 8, 1200), (8, 4, 4, 1200), (8, 1, 4, 1200),
 ]
-MOE_CANDIDATES = [  # the engine's table first (None), then block rows / tiles / splits / prefetch
+MOE_CANDIDATES = [  # the engine's table first (None), then fixed block rows / tiles / splits
     None,
-    FragMoEConfig(BLOCK_M=8, X_AHEAD=True),
-    FragMoEConfig(BLOCK_M=8, DEPTH=2),
-    FragMoEConfig(BLOCK_M=8, DEPTH=2, SPLIT13=4),
-    FragMoEConfig(BLOCK_M=8, MT=2, X_AHEAD=True),
-    FragMoEConfig(BLOCK_M=8, SPLIT13=1, DEPTH=2),
-    FragMoEConfig(BLOCK_M=16, MT=2, DEPTH=2),
+    FragMoEConfig(BLOCK_M=8, MT=2),
+    FragMoEConfig(BLOCK_M=8, SPLIT13=4),
+    FragMoEConfig(BLOCK_M=8, SPLIT13=1),
+    FragMoEConfig(BLOCK_M=8, SPLIT13=4, SPLIT2=2),
+    FragMoEConfig(BLOCK_M=16),
+    FragMoEConfig(BLOCK_M=16, MT=2),
 ]
-MOE_TS = [1, 4, 16, 64, 256]
+MOE_TS = [1, 4, 16, 64, 256, 1024]
 
 
 def _row(rows, base, fn, ref, timed, nbytes, bw, reps):
@@ -70,7 +70,8 @@ def bench_dense(ms, bw, reps) -> list[dict]:
         ws = [rand_w4(N, K) for _ in range(max(1, math.ceil(3 * l2 / nbytes)))]
         wd = dequantize(*ws[0], G, torch.bfloat16)
         plan = dense_plan(N, K)
-        wr = [(frag_repack(p, plan[0]), s) for p, s in ws]
+        reps_by_gpb = {g: [(frag_repack(p, g), s) for p, s in ws]
+                       for g in sorted({(c or plan)[0] for c in DENSE_CANDIDATES})}
         for M in ms:
             x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
             ref = x.double() @ wd.double().T
@@ -80,19 +81,17 @@ def bench_dense(ms, bw, reps) -> list[dict]:
             _row(rows, {**base, "kernel": "torch bf16 (dequantized)"}, lambda: x @ wd.T, ref,
                  [lambda: x @ wd.T], None, bw, reps)
             for cand in DENSE_CANDIDATES:
-                gpb, mt, split = plan
-                mt = cand.get("mt", mt)
-                if "target" in cand:
-                    split = split_for(N, K, 64 * mt, 32 * gpb, cand["target"])
-                elif "mt" in cand:
-                    split = split_for(N, K, 64 * mt, 32 * gpb, DENSE_TARGET_PROGRAMS)
-                kw = dict(gpb=gpb, mt=mt, split=split, depth=cand.get("depth", 1), x_ahead=cand.get("x_ahead", False))
-                tag = "frag (engine plan)" if not cand else "frag"
-                _row(rows, {**base, "kernel": f"{tag} gpb{gpb} mt{mt} split{split} depth{kw['depth']}"
-                                              f"{' x-ahead' if kw['x_ahead'] else ''}"},
+                if cand is None:
+                    (gpb, mt, split), nw, tag = plan, 4, "frag (engine plan) "
+                else:
+                    gpb, mt, nw, target = cand
+                    split, tag = split_for(N, K, 16 * nw * mt, 32 * gpb, target), "frag "
+                kw = dict(gpb=gpb, mt=mt, num_warps=nw, split=split)
+                wr = reps_by_gpb[gpb]
+                _row(rows, {**base, "kernel": f"{tag}gpb{gpb} mt{mt} w{nw} split{split}"},
                      lambda: frag_linear(x, *wr[0], **kw), ref,
                      [lambda p=p, s=s: frag_linear(x, p, s, **kw) for p, s in wr], nbytes, bw, reps)
-        del ws, wr, wd
+        del ws, reps_by_gpb, wd
         torch.cuda.empty_cache()
     return rows
 
@@ -119,8 +118,7 @@ def bench_moe(ts, bw, reps) -> list[dict]:
         for cand in MOE_CANDIDATES:
             cfg = cand or frag_moe_config(T * TOPK, E)
             label = (f"frag{' (engine table)' if cand is None else ''} bm{cfg.BLOCK_M} mt{cfg.MT} w{cfg.num_warps} "
-                     f"split13 {cfg.SPLIT13 or 'auto'} split2 {cfg.SPLIT2} depth{cfg.DEPTH}"
-                     f"{' x-ahead' if cfg.X_AHEAD else ''}")
+                     f"split13 {cfg.SPLIT13 or 'auto'} split2 {cfg.SPLIT2}")
             _row(rows, {**base, "kernel": label},
                  lambda: fused_moe_frag(x, q13, w13s, q2, w2s, ids0, tw0, G, cfg), ref,
                  [lambda i=i, w=w: fused_moe_frag(x, q13, w13s, q2, w2s, i, w, G, cfg) for i, w in sets],

@@ -45,15 +45,10 @@ class FragMoEConfig:
     SPLIT13: int | None = None   # gate/up splits over H (part of the reduction; None: split13(H))
     SPLIT2: int = 1        # down splits over I (part of the reduction)
     GPB: int | None = None       # groups per K block of both matrices (None: frag_gpb(K) of each)
-    DEPTH: int = 1         # blocks of words in flight ahead of the one dequantized (1 or 2; same bits)
-    X_AHEAD: bool = False  # next block's activations loaded before the current MMAs (DEPTH 1; same bits)
 
     def __post_init__(self) -> None:
         if self.BLOCK_M not in (8, 16):
             raise ValueError(f"FragMoEConfig.BLOCK_M must be 8 or 16, got {self.BLOCK_M}")
-        if self.DEPTH not in (1, 2) or (self.X_AHEAD and self.DEPTH != 1):
-            raise ValueError(f"FragMoEConfig: DEPTH must be 1 or 2 and X_AHEAD needs DEPTH 1, got "
-                             f"{self.DEPTH} / {self.X_AHEAD}")
 
 
 def split13(H: int, gpb: int) -> int:
@@ -101,7 +96,7 @@ if HAVE_GLUON:
                              I, TOPK, stride_xt, stride_we, stride_wn, stride_se, stride_sn,
                              stride_ps, stride_pp, kb_per_split,
                              TOK: gl.constexpr, MT: gl.constexpr, GPB: gl.constexpr, WL: gl.constexpr,
-                             num_warps: gl.constexpr, DEPTH: gl.constexpr = 1, X_AHEAD: gl.constexpr = False):
+                             num_warps: gl.constexpr):
         """grid (blocks, I / BN, splits): part[split, pair, n] / part[split, pair, I + n] = the gate / up
         partial sums of the block's pairs over the split's K blocks."""
         BN: gl.constexpr = 16 * num_warps * MT
@@ -130,7 +125,7 @@ if HAVE_GLUON:
         acc_g = gl.zeros([BN, TOK], gl.float32, layout=MMA)
         acc_u = gl.zeros([BN, TOK], gl.float32, layout=MMA)
         acc_g, acc_u = _frag_loop(acc_g, acc_u, wg, sg, wu, su, x_ptrs, gl.expand_dims(ok, 0), kb_per_split,
-                                  True, AL, BN, GPB, DEPTH, X_AHEAD)
+                                  True, AL, BN, GPB)
 
         pair_o, ok_o = _block_pairs(sorted_ptr, pid_b, rows, TOK, gl.SliceLayout(0, MMA))
         on = gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
@@ -145,7 +140,7 @@ if HAVE_GLUON:
                             stride_at, stride_we, stride_wn, stride_se, stride_sn, stride_ys, stride_yt,
                             kb_per_split,
                             TOK: gl.constexpr, MT: gl.constexpr, GPB: gl.constexpr, WL: gl.constexpr,
-                            num_warps: gl.constexpr, DEPTH: gl.constexpr = 1, X_AHEAD: gl.constexpr = False):
+                            num_warps: gl.constexpr):
         """grid (blocks, H / BN, splits): y[split, pair, n] = router weight x the split's partial down sum."""
         BN: gl.constexpr = 16 * num_warps * MT
         BK: gl.constexpr = 32 * GPB
@@ -169,7 +164,7 @@ if HAVE_GLUON:
         a_ptrs = a_ptr + gl.expand_dims(pair.to(gl.int64), 0) * stride_at + gl.expand_dims(rk, 1) + kb0 * BK
         acc = gl.zeros([BN, TOK], gl.float32, layout=MMA)
         acc, unused = _frag_loop(acc, acc, w, s, w, s, a_ptrs, gl.expand_dims(ok, 0), kb_per_split,
-                                 False, AL, BN, GPB, DEPTH, X_AHEAD)
+                                 False, AL, BN, GPB)
 
         pair_o, ok_o = _block_pairs(sorted_ptr, pid_b, rows, TOK, gl.SliceLayout(0, MMA))
         tw = gl.load(tw_ptr + pair_o, mask=ok_o, other=0.0).to(gl.float32)
@@ -224,8 +219,7 @@ def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor
         x, w13_q, w13_scale, part, sorted_pairs, blk_expert, blk_rows, I, topk,
         x.stride(0), w13_q.stride(0), w13_q.stride(1), w13_scale.stride(0), w13_scale.stride(1),
         part.stride(0), part.stride(1), H // (32 * g13) // s13,
-        TOK=cfg.BLOCK_M, MT=mt, GPB=g13, WL=word_layout(cfg.num_warps, mt, g13), num_warps=cfg.num_warps,
-        DEPTH=cfg.DEPTH, X_AHEAD=cfg.X_AHEAD)
+        TOK=cfg.BLOCK_M, MT=mt, GPB=g13, WL=word_layout(cfg.num_warps, mt, g13), num_warps=cfg.num_warps)
     inter = torch.empty((P, I), device=x.device, dtype=x.dtype)
     block = min(1024, triton.next_power_of_2(I))
     _moe_swiglu_kernel[(P, triton.cdiv(I, block))](
@@ -236,8 +230,7 @@ def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor
         inter, w2_q, w2_scale, y, tw, sorted_pairs, blk_expert, blk_rows,
         inter.stride(0), w2_q.stride(0), w2_q.stride(1), w2_scale.stride(0), w2_scale.stride(1),
         y.stride(0), y.stride(1), I // (32 * g2) // cfg.SPLIT2,
-        TOK=cfg.BLOCK_M, MT=mt, GPB=g2, WL=word_layout(cfg.num_warps, mt, g2), num_warps=cfg.num_warps,
-        DEPTH=cfg.DEPTH, X_AHEAD=cfg.X_AHEAD)
+        TOK=cfg.BLOCK_M, MT=mt, GPB=g2, WL=word_layout(cfg.num_warps, mt, g2), num_warps=cfg.num_warps)
     BLOCK_H = 1024
     _moe_topk_sum_kernel[(T, triton.cdiv(H, BLOCK_H))](
         y, ids, out, H, E, y.stride(1), y.stride(0), out.stride(0), TOPK=topk, BLOCK_H=BLOCK_H,

@@ -159,102 +159,45 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _frag_loop(acc0, acc1, w0, s0, w1, s1, x_ptrs, x_mask, nblk,
-                   TWO: gl.constexpr, AL: gl.constexpr, BN: gl.constexpr, GPB: gl.constexpr,
-                   DEPTH: gl.constexpr = 1, X_AHEAD: gl.constexpr = False):
-        """acc0 (+ acc1 with TWO) += A0 (A1) @ x over nblk blocks of 32*GPB k, in k order. DEPTH blocks of
-        words and scales are in flight ahead of the one being dequantized (1 or 2); X_AHEAD also loads the
-        next block's activations before the current block's MMAs (DEPTH 1). The arithmetic is the same for
-        every DEPTH / X_AHEAD."""
+                   TWO: gl.constexpr, AL: gl.constexpr, BN: gl.constexpr, GPB: gl.constexpr):
+        """acc0 (+ acc1 with TWO) += A0 (A1) @ x over nblk blocks of 32*GPB k, in k order. One block of
+        words and scales is in flight ahead of the one being dequantized."""
         BK: gl.constexpr = 32 * GPB
-        SW: gl.constexpr = 4 * GPB
         a0 = gl.load(w0)
         c0 = gl.load(s0)
         if TWO:
             a1 = gl.load(w1)
             c1 = gl.load(s1)
-        if DEPTH == 1:
-            if X_AHEAD:
-                xb = gl.load(x_ptrs, mask=x_mask, other=0.0)
-            for _ in range(nblk - 1):
-                w0 += SW
-                s0 += GPB
-                n_a0 = gl.load(w0)
-                n_c0 = gl.load(s0)
-                if TWO:
-                    w1 += SW
-                    s1 += GPB
-                    n_a1 = gl.load(w1)
-                    n_c1 = gl.load(s1)
-                if X_AHEAD:
-                    x_ptrs += BK
-                    n_xb = gl.load(x_ptrs, mask=x_mask, other=0.0)
-                else:
-                    xb = gl.load(x_ptrs, mask=x_mask, other=0.0)
-                    x_ptrs += BK
-                acc0 = mma_v2(_dequant_frag(a0, c0, AL, BN, BK), xb, acc0)
-                if TWO:
-                    acc1 = mma_v2(_dequant_frag(a1, c1, AL, BN, BK), xb, acc1)
-                    a1 = n_a1
-                    c1 = n_c1
-                if X_AHEAD:
-                    xb = n_xb
-                a0 = n_a0
-                c0 = n_c0
-            if not X_AHEAD:
-                xb = gl.load(x_ptrs, mask=x_mask, other=0.0)
-            acc0 = mma_v2(_dequant_frag(a0, c0, AL, BN, BK), xb, acc0)
-            if TWO:
-                acc1 = mma_v2(_dequant_frag(a1, c1, AL, BN, BK), xb, acc1)
-        else:
-            more = nblk > 1                      # block 1 exists (masked: never read past a row)
-            b0 = gl.load(w0 + SW, mask=more, other=0)
-            d0 = gl.load(s0 + GPB, mask=more, other=0.0)
-            w0 += SW
+        for _ in range(nblk - 1):
+            w0 += 4 * GPB
             s0 += GPB
+            n_a0 = gl.load(w0)
+            n_c0 = gl.load(s0)
             if TWO:
-                b1 = gl.load(w1 + SW, mask=more, other=0)
-                d1 = gl.load(s1 + GPB, mask=more, other=0.0)
-                w1 += SW
+                w1 += 4 * GPB
                 s1 += GPB
-            for _ in range(nblk - 2):
-                w0 += SW
-                s0 += GPB
-                n_a0 = gl.load(w0)
-                n_c0 = gl.load(s0)
-                if TWO:
-                    w1 += SW
-                    s1 += GPB
-                    n_a1 = gl.load(w1)
-                    n_c1 = gl.load(s1)
-                xb = gl.load(x_ptrs, mask=x_mask, other=0.0)
-                x_ptrs += BK
-                acc0 = mma_v2(_dequant_frag(a0, c0, AL, BN, BK), xb, acc0)
-                if TWO:
-                    acc1 = mma_v2(_dequant_frag(a1, c1, AL, BN, BK), xb, acc1)
-                    a1 = b1
-                    c1 = d1
-                    b1 = n_a1
-                    d1 = n_c1
-                a0 = b0
-                c0 = d0
-                b0 = n_a0
-                d0 = n_c0
+                n_a1 = gl.load(w1)
+                n_c1 = gl.load(s1)
             xb = gl.load(x_ptrs, mask=x_mask, other=0.0)
             acc0 = mma_v2(_dequant_frag(a0, c0, AL, BN, BK), xb, acc0)
             if TWO:
                 acc1 = mma_v2(_dequant_frag(a1, c1, AL, BN, BK), xb, acc1)
-            if more:
-                xb = gl.load(x_ptrs + BK, mask=x_mask, other=0.0)
-                acc0 = mma_v2(_dequant_frag(b0, d0, AL, BN, BK), xb, acc0)
-                if TWO:
-                    acc1 = mma_v2(_dequant_frag(b1, d1, AL, BN, BK), xb, acc1)
+                a1 = n_a1
+                c1 = n_c1
+            x_ptrs += BK
+            a0 = n_a0
+            c0 = n_c0
+        xb = gl.load(x_ptrs, mask=x_mask, other=0.0)
+        acc0 = mma_v2(_dequant_frag(a0, c0, AL, BN, BK), xb, acc0)
+        if TWO:
+            acc1 = mma_v2(_dequant_frag(a1, c1, AL, BN, BK), xb, acc1)
         return acc0, acc1
 
     @gluon.jit
     def _w4_frag_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, stride_xm, stride_wn, stride_sn,
                         stride_om, stride_os, kb_per_split,
                         TOK: gl.constexpr, MT: gl.constexpr, GPB: gl.constexpr, WL: gl.constexpr,
-                        num_warps: gl.constexpr, DEPTH: gl.constexpr = 1, X_AHEAD: gl.constexpr = False):
+                        num_warps: gl.constexpr):
         """grid (N / BN, splits, cdiv(M, TOK)): out[split, m, n] = sum over the split's k of x[m, k] W[n, k]."""
         BN: gl.constexpr = 16 * num_warps * MT
         BK: gl.constexpr = 32 * GPB
@@ -276,7 +219,7 @@ if HAVE_GLUON:
 
         acc = gl.zeros([BN, TOK], gl.float32, layout=MMA)
         acc, unused = _frag_loop(acc, acc, w_ptrs, s_ptrs, w_ptrs, s_ptrs, x_ptrs, x_mask, kb_per_split,
-                                 False, AL, BN, GPB, DEPTH, X_AHEAD)
+                                 False, AL, BN, GPB)
 
         # y[m, n] = acc[n, m]
         on = gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
@@ -334,8 +277,7 @@ def token_tile(M: int) -> int:
 
 
 def frag_linear(x: torch.Tensor, wq: torch.Tensor, s: torch.Tensor, *, gpb: int | None = None,
-                mt: int | None = None, num_warps: int = 4, split: int | None = None, depth: int = 1,
-                x_ahead: bool = False) -> torch.Tensor:
+                mt: int | None = None, num_warps: int = 4, split: int | None = None) -> torch.Tensor:
     """y [M, N] = x [M, K] @ W^T, W the fragment-repacked int4 words wq [N, K/8] (frag_repack with
     frag_gpb(K) unless gpb is given) and bf16 scales s [N, K/32]; x bfloat16. Unset knobs follow dense_plan."""
     if not HAVE_GLUON:
@@ -362,8 +304,7 @@ def frag_linear(x: torch.Tensor, wq: torch.Tensor, s: torch.Tensor, *, gpb: int 
     tok = token_tile(M)
     _w4_frag_kernel[(N // bn, split, triton.cdiv(M, tok))](
         x, wq, s, part, M, N, x.stride(0), wq.stride(0), s.stride(0), N, M * N, K // bk // split,
-        TOK=tok, MT=mt, GPB=gpb, WL=word_layout(num_warps, mt, gpb), num_warps=num_warps, DEPTH=depth,
-        X_AHEAD=x_ahead)
+        TOK=tok, MT=mt, GPB=gpb, WL=word_layout(num_warps, mt, gpb), num_warps=num_warps)
     if split > 1:
         split_sum(part, y, split)
     return y

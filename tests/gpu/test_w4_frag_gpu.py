@@ -153,23 +153,3 @@ def test_demo_runs_on_fragment_kernels_close_to_triton(monkeypatch):
     triton_logits = target(ids, target.new_cache(64)).logits
     assert all(order_of(ex) == CHECKPOINT for ex in experts)
     assert rel(frag, triton_logits) < 2e-2
-
-
-@pytest.mark.parametrize("N,K", [(256, 256), (128, 32), (4096, 7168), (7168, 2048), (320, 96)])
-def test_frag_prefetch_variants_same_bits(N, K):
-    """DEPTH 2 and X_AHEAD only move loads: the same bits as the default loop, also with one K block."""
-    p, s = rand_w4(N, K)
-    q = frag_repack(p, frag_gpb(K))
-    for M in (1, 16):
-        x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
-        base = frag_linear(x, q, s)
-        assert torch.equal(frag_linear(x, q, s, depth=2), base), f"depth 2 N={N} K={K} M={M}"
-        assert torch.equal(frag_linear(x, q, s, x_ahead=True), base), f"x-ahead N={N} K={K} M={M}"
-
-
-def test_moe_frag_prefetch_variants_same_bits():
-    x, w, ids, tw, ref = _moe_case(E=16, H=2048, I=1024, T=12, topk=4)
-    base = fused_moe_frag(x, *w, ids, tw, G, FragMoEConfig())
-    _check(base, ref, TOL, "moe frag default")
-    for cfg in (FragMoEConfig(DEPTH=2), FragMoEConfig(X_AHEAD=True), FragMoEConfig(BLOCK_M=16, MT=2, DEPTH=2)):
-        assert torch.equal(fused_moe_frag(x, *w, ids, tw, G, cfg), base), str(cfg)
