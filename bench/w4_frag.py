@@ -37,14 +37,14 @@ from kdtree_engine.quant import dequantize  # noqa: E402
 DENSE_CANDIDATES = [  # (gpb, mt, num_warps, target programs for the K split); the engine's plan first
     None, (8, 2, 4, 2400), (8, 2, 8, 1200), (8, 4, 4, 1200), (8, 1, 4, 1200),
 ]
-MOE_CANDIDATES = [  # the engine's table first (None), then fixed block rows / tiles / splits
+MOE_CANDIDATES = [  # the engine's table first (None), then block rows / tiles / splits
     None,
-    FragMoEConfig(BLOCK_M=8, MT=2),
+    FragMoEConfig(BLOCK_M=8, MT2=2),
+    FragMoEConfig(BLOCK_M=8, MT2=2, SPLIT2=2),
+    FragMoEConfig(BLOCK_M=8, SPLIT2=2),
+    FragMoEConfig(BLOCK_M=8, MT2=4),
+    FragMoEConfig(BLOCK_M=8, MT=2, MT2=1),
     FragMoEConfig(BLOCK_M=8, SPLIT13=4),
-    FragMoEConfig(BLOCK_M=8, SPLIT13=1),
-    FragMoEConfig(BLOCK_M=8, SPLIT13=4, SPLIT2=2),
-    FragMoEConfig(BLOCK_M=16),
-    FragMoEConfig(BLOCK_M=16, MT=2),
 ]
 MOE_TS = [1, 4, 16, 64, 256, 1024]
 
@@ -117,7 +117,7 @@ def bench_moe(ts, bw, reps) -> list[dict]:
         q13, q2 = frag
         for cand in MOE_CANDIDATES:
             cfg = cand or frag_moe_config(T * TOPK, E)
-            label = (f"frag{' (engine table)' if cand is None else ''} bm{cfg.BLOCK_M} mt{cfg.MT} w{cfg.num_warps} "
+            label = (f"frag{' (engine table)' if cand is None else ''} bm{cfg.BLOCK_M} mt{cfg.MT}/{cfg.MT2 or cfg.MT} w{cfg.num_warps} "
                      f"split13 {cfg.SPLIT13 or 'auto'} split2 {cfg.SPLIT2}")
             _row(rows, {**base, "kernel": label},
                  lambda: fused_moe_frag(x, q13, w13s, q2, w2s, ids0, tw0, G, cfg), ref,

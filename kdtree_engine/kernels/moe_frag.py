@@ -41,6 +41,7 @@ class FragMoEConfig:
     BLOCK_M: int = 8       # token rows per expert block = the MMA's token columns (8 or 16; re-tiles only).
     #                        32 / 64 would hold a [256 x 32 / 64] activation operand per thread: spills
     MT: int = 1            # 16-row MMA tiles per warp (re-tiles only)
+    MT2: int | None = None # the down GEMM's tiles per warp (None: MT; re-tiles only)
     num_warps: int = 4
     SPLIT13: int | None = None   # gate/up splits over H (part of the reduction; None: split13(H))
     SPLIT2: int = 1        # down splits over I (part of the reduction)
@@ -78,10 +79,11 @@ def frag_moe_unsupported(H: int, I: int, group_size: int, cfg: FragMoEConfig | N
     return frag_unsupported(I, H, group_size, bn) or frag_unsupported(H, I, group_size, bn)
 
 
-def mt_for(cfg: FragMoEConfig, H: int, I: int) -> int:
-    """cfg.MT where 16 * warps * MT divides I and H, else 1 (MT only re-tiles rows: same bits)."""
-    bn = 16 * cfg.num_warps * cfg.MT
-    return cfg.MT if I % bn == 0 and H % bn == 0 else 1
+def mt_for(cfg: FragMoEConfig, H: int, I: int, mt: int | None = None) -> int:
+    """mt (default cfg.MT) where 16 * warps * mt divides I and H, else 1 (it only re-tiles rows: same bits)."""
+    mt = mt or cfg.MT
+    bn = 16 * cfg.num_warps * mt
+    return mt if I % bn == 0 and H % bn == 0 else 1
 
 
 if HAVE_GLUON:
@@ -226,11 +228,12 @@ def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor
         part, inter, ids, I, E, part.stride(0), part.stride(1), inter.stride(0),
         SPLIT=s13, BLOCK=block, DEQ=DEQ_FLOAT, num_warps=4)
     y = torch.empty((cfg.SPLIT2, P, H), device=x.device, dtype=torch.float32)
-    _moe_frag_w2_kernel[(blocks, H // bn, cfg.SPLIT2)](
+    mt2 = mt_for(cfg, H, I, cfg.MT2)
+    _moe_frag_w2_kernel[(blocks, H // (16 * cfg.num_warps * mt2), cfg.SPLIT2)](
         inter, w2_q, w2_scale, y, tw, sorted_pairs, blk_expert, blk_rows,
         inter.stride(0), w2_q.stride(0), w2_q.stride(1), w2_scale.stride(0), w2_scale.stride(1),
         y.stride(0), y.stride(1), I // (32 * g2) // cfg.SPLIT2,
-        TOK=cfg.BLOCK_M, MT=mt, GPB=g2, WL=word_layout(cfg.num_warps, mt, g2), num_warps=cfg.num_warps)
+        TOK=cfg.BLOCK_M, MT=mt2, GPB=g2, WL=word_layout(cfg.num_warps, mt2, g2), num_warps=cfg.num_warps)
     BLOCK_H = 1024
     _moe_topk_sum_kernel[(T, triton.cdiv(H, BLOCK_H))](
         y, ids, out, H, E, y.stride(1), y.stride(0), out.stride(0), TOPK=topk, BLOCK_H=BLOCK_H,

@@ -108,9 +108,9 @@ def test_moe_frag_batch_invariant(cfg):
     size of the table (each pair is its own MMA column)."""
     x, w, ids, tw, _ = _moe_case(E=64, H=2048, I=1024, T=64, topk=8)
     full = fused_moe_frag(x, *w, ids, tw, G, cfg)
-    for bm, mt in ((8, 1), (8, 2), (16, 1), (16, 2)):
-        other = fused_moe_frag(x, *w, ids, tw, G, FragMoEConfig(BLOCK_M=bm, MT=mt))
-        assert torch.equal(full, other), f"block rows {bm} / MT {mt} give other bits"
+    for bm, mt, mt2 in ((8, 1, None), (8, 2, None), (16, 1, None), (16, 2, None), (8, 1, 2), (8, 1, 4), (8, 2, 1)):
+        other = fused_moe_frag(x, *w, ids, tw, G, FragMoEConfig(BLOCK_M=bm, MT=mt, MT2=mt2))
+        assert torch.equal(full, other), f"block rows {bm} / MT {mt} / MT2 {mt2} give other bits"
     bad = []
     for m in (1, 4, 17):
         part = fused_moe_frag(x[:m], *w, ids[:m], tw[:m], G, cfg)
