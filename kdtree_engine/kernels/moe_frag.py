@@ -41,7 +41,8 @@ class FragMoEConfig:
     BLOCK_M: int = 8       # token rows per expert block = the MMA's token columns (8 or 16; re-tiles only).
     #                        32 / 64 would hold a [256 x 32 / 64] activation operand per thread: spills
     MT: int = 1            # 16-row MMA tiles per warp (re-tiles only)
-    MT2: int | None = None # the down GEMM's tiles per warp (None: MT; re-tiles only)
+    MT2: int | None = None # the down GEMM's tiles per warp (None: MT; re-tiles only). 2 / 4 measured within
+    #                        the run-to-run spread at T = 1..64 (bench/results/w4-frag-h200-mt2.md)
     num_warps: int = 4
     SPLIT13: int | None = None   # gate/up splits over H (part of the reduction; None: split13(H))
     SPLIT2: int = 1        # down splits over I (part of the reduction)
