@@ -37,7 +37,7 @@ from kdtree_engine.quant import dequantize  # noqa: E402
 DENSE_CANDIDATES = [  # (gpb, mt, num_warps, target programs for the K split); the engine's plan first
     None, (8, 2, 4, 2400), (8, 2, 8, 1200), (8, 4, 4, 1200), (8, 1, 4, 1200),
 ]
-MOE_CANDIDATES = [  # the engine's table first (None), then block rows / tiles / splits
+MOE_CANDIDATES = [  # the engine's table first (None), then block rows / tiles / warps / splits
     None,
     FragMoEConfig(BLOCK_M=8, MT2=2),
     FragMoEConfig(BLOCK_M=8, MT2=2, SPLIT2=2),
@@ -45,6 +45,8 @@ MOE_CANDIDATES = [  # the engine's table first (None), then block rows / tiles /
     FragMoEConfig(BLOCK_M=8, MT2=4),
     FragMoEConfig(BLOCK_M=8, MT=2, MT2=1),
     FragMoEConfig(BLOCK_M=8, SPLIT13=4),
+    FragMoEConfig(BLOCK_M=8, num_warps=8),
+    FragMoEConfig(BLOCK_M=8, num_warps=2),
 ]
 MOE_TS = [1, 4, 16, 64, 256, 1024]
 

@@ -111,6 +111,8 @@ def test_moe_frag_batch_invariant(cfg):
     for bm, mt, mt2 in ((8, 1, None), (8, 2, None), (16, 1, None), (16, 2, None), (8, 1, 2), (8, 1, 4), (8, 2, 1)):
         other = fused_moe_frag(x, *w, ids, tw, G, FragMoEConfig(BLOCK_M=bm, MT=mt, MT2=mt2))
         assert torch.equal(full, other), f"block rows {bm} / MT {mt} / MT2 {mt2} give other bits"
+    for warps in (2, 8):
+        assert torch.equal(full, fused_moe_frag(x, *w, ids, tw, G, FragMoEConfig(num_warps=warps))), f"{warps} warps"
     bad = []
     for m in (1, 4, 17):
         part = fused_moe_frag(x[:m], *w, ids[:m], tw[:m], G, cfg)
