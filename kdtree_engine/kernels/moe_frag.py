@@ -43,7 +43,7 @@ class FragMoEConfig:
     MT: int = 1            # 16-row MMA tiles per warp (re-tiles only)
     MT2: int | None = None # the down GEMM's tiles per warp (None: MT; re-tiles only). 2 / 4 measured within
     #                        the run-to-run spread at T = 1..64 (bench/results/w4-frag-h200-mt2.md)
-    num_warps: int = 4
+    num_warps: int = 4     # 2 and 8 measured slower (bench/results/w4-frag-h200-warps.md); re-tiles only
     SPLIT13: int | None = None   # gate/up splits over H (part of the reduction; None: split13(H))
     SPLIT2: int = 1        # down splits over I (part of the reduction)
     GPB: int | None = None       # groups per K block of both matrices (None: frag_gpb(K) of each)
