@@ -71,15 +71,16 @@ def frag_unrepack(packed: torch.Tensor, gpb: int) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------- kernel
-try:  # Gluon exists in triton >= 3.5; the probe needs it, the repack above does not
+try:  # Gluon exists in triton >= 3.5; the kernels need it, the repack above does not
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
     HAVE_GLUON = True
-    DEQ_ASM = None  # set below, a constexpr for the kernels
 except ImportError:  # pragma: no cover - depends on the installed triton
     HAVE_GLUON = False
 
+# word w (8 codes) + group scale s -> 4 bf16x2 registers: pair j = nibbles (j, j + 4) = (k, k + 1) of one A
+# register; (0x4300 | code) is bf16 128 + code, minus 136 is q = code - 8 exactly, times s rounds once (RN)
 DEQ_ASM_TEXT = """{
 .reg .b32 q0, q1, q2, q3, sh, ss, k136;
 mov.b32 ss, {$9, $9};
