@@ -8,9 +8,9 @@ Stacked expert tensors, repacked once at load by `frag_repack` (same shapes and 
 Launches (no host synchronisation; CUDA-graph capturable), the align, SwiGLU and top-k sum kernels
 shared with moe_w4a16.py:
   1. align: pairs (t, j) grouped by expert into blocks of BLOCK_M rows (the MMA's token columns);
-  2. gate/up: grid (blocks, I / BN, splits over H): fp32 gate and up partials per pair;
+  2. gate/up (_moe_frag_kernel, GATE_UP): grid (blocks, I / BN, splits over H): fp32 gate and up partials;
   3. SwiGLU: the partials summed in split order, silu(g) * u -> inter [P, I] (bf16);
-  4. down: grid (blocks, H / BN, splits over I): router weight x partial -> y [split, P, H] fp32;
+  4. down (the same kernel): grid (blocks, H / BN, splits over I): router weight x partial -> y [split, P, H];
   5. top-k sum: out[t] = sum over j, then splits, of y (fixed order, no atomics).
 A pair's column of an mma.sync tile is summed over the same k tiles in the same order whatever the other
 columns hold, and the splits are fixed per matrix shape (never chosen from T), so a token's output does
@@ -33,7 +33,7 @@ if HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
 
-    from kdtree_engine.kernels.w4_frag import _frag_loop, _word_ptrs
+    from kdtree_engine.kernels.w4_frag import _frag_loop, _word_ptrs, mma_layout, operand_layout
 
 
 @dataclass(frozen=True)
@@ -95,19 +95,20 @@ if HAVE_GLUON:
         return gl.load(sorted_ptr + pid_b * TOK + r, mask=ok, other=0), ok
 
     @gluon.jit
-    def _moe_frag_w13_kernel(x_ptr, w_ptr, s_ptr, part_ptr, sorted_ptr, blk_expert_ptr, blk_rows_ptr,
-                             I, TOPK, stride_xt, stride_we, stride_wn, stride_se, stride_sn,
-                             stride_ps, stride_pp, kb_per_split,
-                             TOK: gl.constexpr, MT: gl.constexpr, GPB: gl.constexpr, WL: gl.constexpr,
-                             num_warps: gl.constexpr):
-        """grid (blocks, I / BN, splits): part[split, pair, n] / part[split, pair, I + n] = the gate / up
-        partial sums of the block's pairs over the split's K blocks."""
+    def _moe_frag_kernel(x_ptr, w_ptr, s_ptr, out_ptr, tw_ptr, sorted_ptr, blk_expert_ptr, blk_rows_ptr,
+                         UP_ROW, TOPK, stride_xt, stride_we, stride_wn, stride_se, stride_sn,
+                         stride_os, stride_ot, kb_per_split,
+                         GATE_UP: gl.constexpr, TOK: gl.constexpr, MT: gl.constexpr, GPB: gl.constexpr,
+                         WL: gl.constexpr, num_warps: gl.constexpr):
+        """grid (blocks, N / BN, splits), one expert block's pairs over the split's K blocks.
+        GATE_UP: x [T, H] rows pair // TOPK, weight rows n and UP_ROW + n -> out[split, pair, n] and
+        out[split, pair, UP_ROW + n] (fp32 gate / up partials). Else (down): x = inter [P, I] rows pair ->
+        out[split, pair, n] = router weight x the partial down sum."""
         BN: gl.constexpr = 16 * num_warps * MT
         BK: gl.constexpr = 32 * GPB
-        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps, 1],
-                                                      instr_shape=[16, 8])
-        AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-        BL: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+        MMA: gl.constexpr = mma_layout(num_warps)
+        AL: gl.constexpr = operand_layout(0, num_warps)
+        BL: gl.constexpr = operand_layout(1, num_warps)
         pid_b = gl.program_id(0)
         rows = gl.load(blk_rows_ptr + pid_b)
         if rows == 0:
@@ -118,64 +119,35 @@ if HAVE_GLUON:
         kb0 = pid_s * kb_per_split
         we = w_ptr + e * stride_we
         se = s_ptr + e * stride_se
-        wg, sg = _word_ptrs(we, se, n0, stride_wn, stride_sn, kb0, WL, BN, GPB)
-        wu, su = _word_ptrs(we, se, I + n0, stride_wn, stride_sn, kb0, WL, BN, GPB)
+        w0, s0 = _word_ptrs(we, se, n0, stride_wn, stride_sn, kb0, WL, BN, GPB)
+        if GATE_UP:
+            w1, s1 = _word_ptrs(we, se, UP_ROW + n0, stride_wn, stride_sn, kb0, WL, BN, GPB)
+        else:
+            w1, s1 = w0, s0
 
         pair, ok = _block_pairs(sorted_ptr, pid_b, rows, TOK, gl.SliceLayout(0, BL))
         rk = gl.arange(0, BK, layout=gl.SliceLayout(1, BL))
-        tok = (pair // TOPK).to(gl.int64)
-        x_ptrs = x_ptr + gl.expand_dims(tok, 0) * stride_xt + gl.expand_dims(rk, 1) + kb0 * BK
-        acc_g = gl.zeros([BN, TOK], gl.float32, layout=MMA)
-        acc_u = gl.zeros([BN, TOK], gl.float32, layout=MMA)
-        acc_g, acc_u = _frag_loop(acc_g, acc_u, wg, sg, wu, su, x_ptrs, gl.expand_dims(ok, 0), kb_per_split,
-                                  True, AL, BN, GPB)
+        if GATE_UP:
+            xr = (pair // TOPK).to(gl.int64)
+        else:
+            xr = pair.to(gl.int64)
+        x_ptrs = x_ptr + gl.expand_dims(xr, 0) * stride_xt + gl.expand_dims(rk, 1) + kb0 * BK
+        acc0 = gl.zeros([BN, TOK], gl.float32, layout=MMA)
+        acc1 = gl.zeros([BN, TOK], gl.float32, layout=MMA)
+        acc0, acc1 = _frag_loop(acc0, acc1, w0, s0, w1, s1, x_ptrs, gl.expand_dims(ok, 0), kb_per_split,
+                                GATE_UP, AL, BN, GPB)
 
         pair_o, ok_o = _block_pairs(sorted_ptr, pid_b, rows, TOK, gl.SliceLayout(0, MMA))
+        if not GATE_UP:
+            tw = gl.load(tw_ptr + pair_o, mask=ok_o, other=0.0).to(gl.float32)
+            acc0 = acc0 * gl.expand_dims(tw, 0)
         on = gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
-        p_ptrs = (part_ptr + pid_s * stride_ps + gl.expand_dims(pair_o.to(gl.int64), 0) * stride_pp
+        o_ptrs = (out_ptr + pid_s * stride_os + gl.expand_dims(pair_o.to(gl.int64), 0) * stride_ot
                   + n0 + gl.expand_dims(on, 1))
         o_mask = gl.expand_dims(ok_o, 0)
-        gl.store(p_ptrs, acc_g, mask=o_mask)
-        gl.store(p_ptrs + I, acc_u, mask=o_mask)
-
-    @gluon.jit
-    def _moe_frag_w2_kernel(a_ptr, w_ptr, s_ptr, y_ptr, tw_ptr, sorted_ptr, blk_expert_ptr, blk_rows_ptr,
-                            stride_at, stride_we, stride_wn, stride_se, stride_sn, stride_ys, stride_yt,
-                            kb_per_split,
-                            TOK: gl.constexpr, MT: gl.constexpr, GPB: gl.constexpr, WL: gl.constexpr,
-                            num_warps: gl.constexpr):
-        """grid (blocks, H / BN, splits): y[split, pair, n] = router weight x the split's partial down sum."""
-        BN: gl.constexpr = 16 * num_warps * MT
-        BK: gl.constexpr = 32 * GPB
-        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps, 1],
-                                                      instr_shape=[16, 8])
-        AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-        BL: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
-        pid_b = gl.program_id(0)
-        rows = gl.load(blk_rows_ptr + pid_b)
-        if rows == 0:
-            return
-        e = gl.load(blk_expert_ptr + pid_b).to(gl.int64)
-        n0 = gl.program_id(1) * BN
-        pid_s = gl.program_id(2)
-        kb0 = pid_s * kb_per_split
-        w, s = _word_ptrs(w_ptr + e * stride_we, s_ptr + e * stride_se, n0, stride_wn, stride_sn, kb0,
-                          WL, BN, GPB)
-
-        pair, ok = _block_pairs(sorted_ptr, pid_b, rows, TOK, gl.SliceLayout(0, BL))
-        rk = gl.arange(0, BK, layout=gl.SliceLayout(1, BL))
-        a_ptrs = a_ptr + gl.expand_dims(pair.to(gl.int64), 0) * stride_at + gl.expand_dims(rk, 1) + kb0 * BK
-        acc = gl.zeros([BN, TOK], gl.float32, layout=MMA)
-        acc, unused = _frag_loop(acc, acc, w, s, w, s, a_ptrs, gl.expand_dims(ok, 0), kb_per_split,
-                                 False, AL, BN, GPB)
-
-        pair_o, ok_o = _block_pairs(sorted_ptr, pid_b, rows, TOK, gl.SliceLayout(0, MMA))
-        tw = gl.load(tw_ptr + pair_o, mask=ok_o, other=0.0).to(gl.float32)
-        acc = acc * gl.expand_dims(tw, 0)
-        on = gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
-        y_ptrs = (y_ptr + pid_s * stride_ys + gl.expand_dims(pair_o.to(gl.int64), 0) * stride_yt
-                  + n0 + gl.expand_dims(on, 1))
-        gl.store(y_ptrs, acc, mask=gl.expand_dims(ok_o, 0))
+        gl.store(o_ptrs, acc0, mask=o_mask)
+        if GATE_UP:
+            gl.store(o_ptrs + UP_ROW, acc1, mask=o_mask)
 
 
 def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor, w2_q: torch.Tensor,
@@ -218,11 +190,12 @@ def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor
     blocks = blk_rows.numel()
 
     part = torch.empty((s13, P, 2 * I), device=x.device, dtype=torch.float32)
-    _moe_frag_w13_kernel[(blocks, I // bn, s13)](
-        x, w13_q, w13_scale, part, sorted_pairs, blk_expert, blk_rows, I, topk,
+    _moe_frag_kernel[(blocks, I // bn, s13)](
+        x, w13_q, w13_scale, part, tw, sorted_pairs, blk_expert, blk_rows, I, topk,
         x.stride(0), w13_q.stride(0), w13_q.stride(1), w13_scale.stride(0), w13_scale.stride(1),
         part.stride(0), part.stride(1), H // (32 * g13) // s13,
-        TOK=cfg.BLOCK_M, MT=mt, GPB=g13, WL=word_layout(cfg.num_warps, mt, g13), num_warps=cfg.num_warps)
+        GATE_UP=True, TOK=cfg.BLOCK_M, MT=mt, GPB=g13, WL=word_layout(cfg.num_warps, mt, g13),
+        num_warps=cfg.num_warps)
     inter = torch.empty((P, I), device=x.device, dtype=x.dtype)
     block = min(1024, triton.next_power_of_2(I))
     _moe_swiglu_kernel[(P, triton.cdiv(I, block))](
@@ -230,11 +203,12 @@ def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor
         SPLIT=s13, BLOCK=block, DEQ=DEQ_FLOAT, num_warps=4)
     y = torch.empty((cfg.SPLIT2, P, H), device=x.device, dtype=torch.float32)
     mt2 = mt_for(cfg, H, I, cfg.MT2)
-    _moe_frag_w2_kernel[(blocks, H // (16 * cfg.num_warps * mt2), cfg.SPLIT2)](
-        inter, w2_q, w2_scale, y, tw, sorted_pairs, blk_expert, blk_rows,
+    _moe_frag_kernel[(blocks, H // (16 * cfg.num_warps * mt2), cfg.SPLIT2)](
+        inter, w2_q, w2_scale, y, tw, sorted_pairs, blk_expert, blk_rows, 0, 1,
         inter.stride(0), w2_q.stride(0), w2_q.stride(1), w2_scale.stride(0), w2_scale.stride(1),
         y.stride(0), y.stride(1), I // (32 * g2) // cfg.SPLIT2,
-        TOK=cfg.BLOCK_M, MT=mt2, GPB=g2, WL=word_layout(cfg.num_warps, mt2, g2), num_warps=cfg.num_warps)
+        GATE_UP=False, TOK=cfg.BLOCK_M, MT=mt2, GPB=g2, WL=word_layout(cfg.num_warps, mt2, g2),
+        num_warps=cfg.num_warps)
     BLOCK_H = 1024
     _moe_topk_sum_kernel[(T, triton.cdiv(H, BLOCK_H))](
         y, ids, out, H, E, y.stride(1), y.stride(0), out.stride(0), TOPK=topk, BLOCK_H=BLOCK_H,

@@ -34,8 +34,10 @@ DEQ_BF16X2 = 1
 DEQ_BF16X2_EMU = 2
 DEQUANTS = {"float": DEQ_FLOAT, "bf16x2": DEQ_BF16X2}
 
-# one packed word + its group scale (bf16 bits) -> the 8 dequantized bf16 values (bits), planes 0..7
-_BF16X2_ASM = tl.constexpr("""
+# one packed word + its group scale (bf16 bits) -> the 8 dequantized bf16 values (bits), output j = nibble j:
+# (0x4300 | code) is bf16 128 + code, minus 136 is q = code - 8 exactly, times s rounds once (RN). Also the
+# dequant of the fragment-ordered kernels (w4_frag.py)
+BF16X2_PTX = """
 {
 .reg .b32 q0, q1, q2, q3, ss, bias;
 mov.b32 ss, {$9, $9};
@@ -60,7 +62,8 @@ mov.b32 {$1, $5}, q1;
 mov.b32 {$2, $6}, q2;
 mov.b32 {$3, $7}, q3;
 }
-""")
+"""
+_BF16X2_ASM = tl.constexpr(BF16X2_PTX)
 
 
 @triton.jit

@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from kdtree_engine.kernels.w4_dequant import BF16X2_PTX
 from kdtree_engine.quant import pack_int4, unpack_int4
 
 LANES_T = 4          # threads of one MMA row group that share a row (lane % 4)
@@ -75,40 +76,26 @@ try:  # Gluon exists in triton >= 3.5; the kernels need it, the repack above doe
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+    from triton.runtime.jit import constexpr_function
     HAVE_GLUON = True
 except ImportError:  # pragma: no cover - depends on the installed triton
     HAVE_GLUON = False
 
-# word w (8 codes) + group scale s -> 4 bf16x2 registers: pair j = nibbles (j, j + 4) = (k, k + 1) of one A
-# register; (0x4300 | code) is bf16 128 + code, minus 136 is q = code - 8 exactly, times s rounds once (RN)
-DEQ_ASM_TEXT = """{
-.reg .b32 q0, q1, q2, q3, sh, ss, k136;
-mov.b32 ss, {$9, $9};
-mov.b32 k136, 0x43084308;
-lop3.b32 q0, $8, 0x000F000F, 0x43004300, 0xea;
-shr.u32 sh, $8, 4;
-lop3.b32 q1, sh, 0x000F000F, 0x43004300, 0xea;
-shr.u32 sh, $8, 8;
-lop3.b32 q2, sh, 0x000F000F, 0x43004300, 0xea;
-shr.u32 sh, $8, 12;
-lop3.b32 q3, sh, 0x000F000F, 0x43004300, 0xea;
-sub.bf16x2 q0, q0, k136;
-sub.bf16x2 q1, q1, k136;
-sub.bf16x2 q2, q2, k136;
-sub.bf16x2 q3, q3, k136;
-mul.rn.bf16x2 q0, q0, ss;
-mul.rn.bf16x2 q1, q1, ss;
-mul.rn.bf16x2 q2, q2, ss;
-mul.rn.bf16x2 q3, q3, ss;
-mov.b32 {$0, $1}, q0;
-mov.b32 {$2, $3}, q1;
-mov.b32 {$4, $5}, q2;
-mov.b32 {$6, $7}, q3;
-}"""
+
 
 
 if HAVE_GLUON:
-    DEQ_ASM = gl.constexpr(DEQ_ASM_TEXT)
+    DEQ_ASM = gl.constexpr(BF16X2_PTX)   # output j = nibble j (w4_dequant.py)
+
+    @constexpr_function
+    def mma_layout(num_warps):
+        """The mma.sync accumulator layout: warps stacked over 16-row weight tiles."""
+        return gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, 8])
+
+    @constexpr_function
+    def operand_layout(index, num_warps):
+        """Register layout of mma.sync operand `index` (0: weights A, 1: activations B)."""
+        return gl.DotOperandLayout(operand_index=index, parent=mma_layout(num_warps), k_width=2)
 
 
 def _log2(v: int) -> int:
@@ -133,10 +120,10 @@ if HAVE_GLUON:
         o0, o1, o2, o3, o4, o5, o6, o7 = gl.inline_asm_elementwise(
             DEQ_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [w, s],
             dtype=(gl.bfloat16,) * 8, is_pure=True, pack=1)
-        p0 = gl.join(o0, o1)                       # [BN, 4, GPB, 2(b)]     pair j = 0: tile 0, low 8 k
-        p1 = gl.join(o2, o3)                       # j = 1: tile 0, k + 8
-        p2 = gl.join(o4, o5)                       # j = 2: tile 1
-        p3 = gl.join(o6, o7)                       # j = 3: tile 1, k + 8
+        p0 = gl.join(o0, o4)                       # [BN, 4, GPB, 2(b)]     pair j = 0: tile 0, low 8 k
+        p1 = gl.join(o1, o5)                       # j = 1: tile 0, k + 8
+        p2 = gl.join(o2, o6)                       # j = 2: tile 1
+        p3 = gl.join(o3, o7)                       # j = 3: tile 1, k + 8
         h0 = gl.join(p0, p1)                       # [BN, 4, GPB, 2(b), 2(hi)]
         h1 = gl.join(p2, p3)
         a = gl.join(h0, h1)                        # [BN, 4, GPB, 2(b), 2(hi), 2(tile)]
@@ -202,10 +189,9 @@ if HAVE_GLUON:
         """grid (N / BN, splits, cdiv(M, TOK)): out[split, m, n] = sum over the split's k of x[m, k] W[n, k]."""
         BN: gl.constexpr = 16 * num_warps * MT
         BK: gl.constexpr = 32 * GPB
-        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps, 1],
-                                                      instr_shape=[16, 8])
-        AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-        BL: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+        MMA: gl.constexpr = mma_layout(num_warps)
+        AL: gl.constexpr = operand_layout(0, num_warps)
+        BL: gl.constexpr = operand_layout(1, num_warps)
         n0 = gl.program_id(0) * BN
         pid_s = gl.program_id(1)
         m0 = gl.program_id(2) * TOK
