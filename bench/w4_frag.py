@@ -4,7 +4,8 @@
 
 Dense: one expert's w13 4096 x 7168 and w2 7168 x 2048, the dense layer's w13 36864 x 7168 at
 M = 1 / 4 / 8 / 16: the default `w4a16_linear`, torch bf16 matmul on the dequantized weights and each
-fragment candidate (GPB groups per K block, MT MMA tiles per warp, warps, K splits), median us over
+fragment candidate (the engine's plan, then MT MMA tiles per warp, K splits, token tile, activation
+prefetch), median us over
 CUDA-graph replays of rotating weight copies (> L2), effective TB/s (int4 + scale bytes / time), the ratio
 to the copy bandwidth measured in the same run, and the error against x @ W^T in float64 (W the
 bf16-rounded dequantized weights).
@@ -30,23 +31,23 @@ from bench.common import command_line, copy_bandwidth, device_info, gpu_stem, l2
 from bench.kernels import DENSE, E, G, H, I, TOPK, rand_w4, rel, route, w4_bytes  # noqa: E402
 from kdtree_engine.kernels.moe_frag import FragMoEConfig, frag_moe_config, fused_moe_frag  # noqa: E402
 from kdtree_engine.kernels.moe_w4a16 import fused_moe_reference, fused_moe_w4a16  # noqa: E402
-from kdtree_engine.kernels.w4_frag import dense_plan, frag_gpb, frag_linear, frag_repack, split_for  # noqa: E402
+from kdtree_engine.kernels.w4_frag import dense_plan, frag_gpb, frag_linear, frag_repack, token_tile  # noqa: E402
 from kdtree_engine.kernels.w4a16 import w4a16_linear  # noqa: E402
 from kdtree_engine.quant import dequantize  # noqa: E402
 
-DENSE_CANDIDATES = [  # (gpb, mt, num_warps, target programs for the K split); the engine's plan first
-    None, (8, 2, 4, 2400), (8, 2, 8, 1200), (8, 4, 4, 1200), (8, 1, 4, 1200),
+DENSE_CANDIDATES = [  # the engine's plan first (None), then overrides of it (the plan's split unless given)
+    None, dict(x_ahead=False), dict(tok=8), dict(tok=16, mt=1), dict(tok=16, mt=1, x_ahead=False),
+    dict(split=2), dict(split=1), dict(mt=1, split=2),
 ]
-MOE_CANDIDATES = [  # the engine's table first (None), then block rows / tiles / warps / splits
+MOE_CANDIDATES = [  # the engine's table first (None), then block rows / tiles / splits / activation prefetch
     None,
+    FragMoEConfig(BLOCK_M=8, X_AHEAD=False),
     FragMoEConfig(BLOCK_M=8, MT2=2),
-    FragMoEConfig(BLOCK_M=8, MT2=2, SPLIT2=2),
     FragMoEConfig(BLOCK_M=8, SPLIT2=2),
-    FragMoEConfig(BLOCK_M=8, MT2=4),
-    FragMoEConfig(BLOCK_M=8, MT=2, MT2=1),
-    FragMoEConfig(BLOCK_M=8, SPLIT13=4),
-    FragMoEConfig(BLOCK_M=8, num_warps=8),
-    FragMoEConfig(BLOCK_M=8, num_warps=2),
+    FragMoEConfig(BLOCK_M=8, SPLIT13=1),
+    FragMoEConfig(BLOCK_M=16),
+    FragMoEConfig(BLOCK_M=16, X_AHEAD=False),
+    FragMoEConfig(BLOCK_M=16, MT=2, X_AHEAD=False),
 ]
 MOE_TS = [1, 4, 16, 64, 256, 1024]
 
@@ -72,8 +73,7 @@ def bench_dense(ms, bw, reps) -> list[dict]:
         ws = [rand_w4(N, K) for _ in range(max(1, math.ceil(3 * l2 / nbytes)))]
         wd = dequantize(*ws[0], G, torch.bfloat16)
         plan = dense_plan(N, K)
-        reps_by_gpb = {g: [(frag_repack(p, g), s) for p, s in ws]
-                       for g in sorted({(c or plan)[0] for c in DENSE_CANDIDATES})}
+        reps_by_gpb = {plan[0]: [(frag_repack(p, plan[0]), s) for p, s in ws]}
         for M in ms:
             x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
             ref = x.double() @ wd.double().T
@@ -83,14 +83,14 @@ def bench_dense(ms, bw, reps) -> list[dict]:
             _row(rows, {**base, "kernel": "torch bf16 (dequantized)"}, lambda: x @ wd.T, ref,
                  [lambda: x @ wd.T], None, bw, reps)
             for cand in DENSE_CANDIDATES:
-                if cand is None:
-                    (gpb, mt, split), nw, tag = plan, 4, "frag (engine plan) "
-                else:
-                    gpb, mt, nw, target = cand
-                    split, tag = split_for(N, K, 16 * nw * mt, 32 * gpb, target), "frag "
-                kw = dict(gpb=gpb, mt=mt, num_warps=nw, split=split)
+                gpb, mt, split = plan
+                kw = dict(gpb=gpb, mt=mt, num_warps=4, split=split, x_ahead=True, tok=token_tile(M))
+                kw.update(cand or {})
+                tag = "frag (engine plan)" if cand is None else "frag"
                 wr = reps_by_gpb[gpb]
-                _row(rows, {**base, "kernel": f"{tag}gpb{gpb} mt{mt} w{nw} split{split}"},
+                label = (f"{tag} gpb{kw['gpb']} mt{kw['mt']} w{kw['num_warps']} split{kw['split']} tok{kw['tok']}"
+                         f"{'' if kw['x_ahead'] else ' x-at-use'}")
+                _row(rows, {**base, "kernel": label},
                      lambda: frag_linear(x, *wr[0], **kw), ref,
                      [lambda p=p, s=s: frag_linear(x, p, s, **kw) for p, s in wr], nbytes, bw, reps)
         del ws, reps_by_gpb, wd
@@ -120,7 +120,7 @@ def bench_moe(ts, bw, reps) -> list[dict]:
         for cand in MOE_CANDIDATES:
             cfg = cand or frag_moe_config(T * TOPK, E)
             label = (f"frag{' (engine table)' if cand is None else ''} bm{cfg.BLOCK_M} mt{cfg.MT}/{cfg.MT2 or cfg.MT} w{cfg.num_warps} "
-                     f"split13 {cfg.SPLIT13 or 'auto'} split2 {cfg.SPLIT2}")
+                     f"split13 {cfg.SPLIT13 or 'auto'} split2 {cfg.SPLIT2}{'' if cfg.X_AHEAD else ' x-at-use'}")
             _row(rows, {**base, "kernel": label},
                  lambda: fused_moe_frag(x, q13, w13s, q2, w2s, ids0, tw0, G, cfg), ref,
                  [lambda i=i, w=w: fused_moe_frag(x, q13, w13s, q2, w2s, i, w, G, cfg) for i, w in sets],

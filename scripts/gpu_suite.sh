@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU tests and benchmarks, logs and results packed under $OUT; one device call runs one part.
-#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|next|chain|sample|rounds|decode|step|verify|resume|ncu|plane|merge|merge2|merge3|sample2|fork|last|plane2|rows|kload|lazy|rounds2|maxnreg|qsplit|stages|down|bm8|m64|merge4|merge5|final2|moerows|moe16|moe16b|router|router2|router3|final3|frag|frag2|frag3|frag4|frag5|frag7|frag8]   (on the GPU machine, from the repository root)
+#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|next|chain|sample|rounds|decode|step|verify|resume|ncu|plane|merge|merge2|merge3|sample2|fork|last|plane2|rows|kload|lazy|rounds2|maxnreg|qsplit|stages|down|bm8|m64|merge4|merge5|final2|moerows|moe16|moe16b|router|router2|router3|final3|frag|frag2|frag3|frag4|frag5|frag7|frag8|xsm]   (on the GPU machine, from the repository root)
 #   tune   the W4A16 config sweep, the bitwise and CUDA-graph GPU tests, the demo's spec benchmark
 #   check  the remaining GPU tests (kernels, batch invariance, target, attention), kernel and round benches
 #   bench  the benchmarks with long runs (K2 step, attention, GEMM)
@@ -67,6 +67,8 @@
 #   frag5  the GPU tests frag4's caps cut (sampled graph rounds, spec), the demo spec bench on the fragment MoE
 #   frag7  the down GEMM's own tiles per warp (FragMoEConfig.MT2): fragment GPU tests, MoE candidates
 #   frag8  the fragment GPU tests and the demo's greedy spec == plain after the kernel tidy-up
+#   xsm    fragment kernels with the activations loaded 16 bytes per thread and relabelled through shared
+#          memory: dense and MoE candidates
 #   final3 final2 on this round's final code (align kernel, expert block rows, forked shared expert, router tiles)
 #   final2 the kernel, batch-invariance and bitwise GPU tests (all but the demo's logits-alone test) on the final code
 #   plane2 the same with the weights as the MMA's B operand (mma.sync, tokens on M), and its Nsight Compute
@@ -419,5 +421,8 @@ fi
 if [[ $PART == frag8 ]]; then
   step pytest_frag 120 $PYT tests/gpu/test_w4_frag_gpu.py
   step pytest_spec_bitwise 120 $PYT tests/gpu/test_bitwise_gpu.py::test_greedy_spec_equals_plain_demo
+fi
+if [[ $PART == xsm ]]; then
+  step bench_w4_frag 520 python3 bench/w4_frag.py --out "$RES"
 fi
 ls -la "$RES"

@@ -33,7 +33,7 @@ if HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
 
-    from kdtree_engine.kernels.w4_frag import _frag_loop, _word_ptrs, mma_layout, operand_layout
+    from kdtree_engine.kernels.w4_frag import _frag_loop, _word_ptrs, mma_layout, operand_layout, x_layout
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,7 @@ class FragMoEConfig:
     SPLIT13: int | None = None   # gate/up splits over H (part of the reduction; None: split13(H))
     SPLIT2: int = 1        # down splits over I (part of the reduction)
     GPB: int | None = None       # groups per K block of both matrices (None: frag_gpb(K) of each)
+    X_AHEAD: bool = True   # activation block loaded one block ahead, like the weights (re-tiles only)
 
     def __post_init__(self) -> None:
         if self.BLOCK_M not in (8, 16):
@@ -99,7 +100,7 @@ if HAVE_GLUON:
                          UP_ROW, TOPK, stride_xt, stride_we, stride_wn, stride_se, stride_sn,
                          stride_os, stride_ot, kb_per_split,
                          GATE_UP: gl.constexpr, TOK: gl.constexpr, MT: gl.constexpr, GPB: gl.constexpr,
-                         WL: gl.constexpr, num_warps: gl.constexpr):
+                         WL: gl.constexpr, X_AHEAD: gl.constexpr, num_warps: gl.constexpr):
         """grid (blocks, N / BN, splits), one expert block's pairs over the split's K blocks.
         GATE_UP: x [T, H] rows pair // TOPK, weight rows n and UP_ROW + n -> out[split, pair, n] and
         out[split, pair, UP_ROW + n] (fp32 gate / up partials). Else (down): x = inter [P, I] rows pair ->
@@ -109,6 +110,7 @@ if HAVE_GLUON:
         MMA: gl.constexpr = mma_layout(num_warps)
         AL: gl.constexpr = operand_layout(0, num_warps)
         BL: gl.constexpr = operand_layout(1, num_warps)
+        XL: gl.constexpr = x_layout(BK, TOK, num_warps)
         pid_b = gl.program_id(0)
         rows = gl.load(blk_rows_ptr + pid_b)
         if rows == 0:
@@ -125,8 +127,8 @@ if HAVE_GLUON:
         else:
             w1, s1 = w0, s0
 
-        pair, ok = _block_pairs(sorted_ptr, pid_b, rows, TOK, gl.SliceLayout(0, BL))
-        rk = gl.arange(0, BK, layout=gl.SliceLayout(1, BL))
+        pair, ok = _block_pairs(sorted_ptr, pid_b, rows, TOK, gl.SliceLayout(0, XL))
+        rk = gl.arange(0, BK, layout=gl.SliceLayout(1, XL))
         if GATE_UP:
             xr = (pair // TOPK).to(gl.int64)
         else:
@@ -135,7 +137,7 @@ if HAVE_GLUON:
         acc0 = gl.zeros([BN, TOK], gl.float32, layout=MMA)
         acc1 = gl.zeros([BN, TOK], gl.float32, layout=MMA)
         acc0, acc1 = _frag_loop(acc0, acc1, w0, s0, w1, s1, x_ptrs, gl.expand_dims(ok, 0), kb_per_split,
-                                GATE_UP, AL, BN, GPB)
+                                GATE_UP, X_AHEAD, AL, BL, BN, GPB)
 
         pair_o, ok_o = _block_pairs(sorted_ptr, pid_b, rows, TOK, gl.SliceLayout(0, MMA))
         if not GATE_UP:
@@ -195,7 +197,7 @@ def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor
         x.stride(0), w13_q.stride(0), w13_q.stride(1), w13_scale.stride(0), w13_scale.stride(1),
         part.stride(0), part.stride(1), H // (32 * g13) // s13,
         GATE_UP=True, TOK=cfg.BLOCK_M, MT=mt, GPB=g13, WL=word_layout(cfg.num_warps, mt, g13),
-        num_warps=cfg.num_warps)
+        X_AHEAD=cfg.X_AHEAD, num_warps=cfg.num_warps)
     inter = torch.empty((P, I), device=x.device, dtype=x.dtype)
     block = min(1024, triton.next_power_of_2(I))
     _moe_swiglu_kernel[(P, triton.cdiv(I, block))](
@@ -208,7 +210,7 @@ def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor
         inter.stride(0), w2_q.stride(0), w2_q.stride(1), w2_scale.stride(0), w2_scale.stride(1),
         y.stride(0), y.stride(1), I // (32 * g2) // cfg.SPLIT2,
         GATE_UP=False, TOK=cfg.BLOCK_M, MT=mt2, GPB=g2, WL=word_layout(cfg.num_warps, mt2, g2),
-        num_warps=cfg.num_warps)
+        X_AHEAD=cfg.X_AHEAD, num_warps=cfg.num_warps)
     BLOCK_H = 1024
     _moe_topk_sum_kernel[(T, triton.cdiv(H, BLOCK_H))](
         y, ids, out, H, E, y.stride(1), y.stride(0), out.stride(0), TOPK=topk, BLOCK_H=BLOCK_H,

@@ -97,6 +97,16 @@ if HAVE_GLUON:
         """Register layout of mma.sync operand `index` (0: weights A, 1: activations B)."""
         return gl.DotOperandLayout(operand_index=index, parent=mma_layout(num_warps), k_width=2)
 
+    @constexpr_function
+    def x_layout(bk, tok, num_warps):
+        """Load layout of an activation block [BK, TOK]: 8 consecutive k (16 bytes) per thread, a warp's
+        lanes along k first. Loaded so, then relabelled into the B operand through shared memory (one
+        16-byte load per 8 values; read in the B layout directly, every warp would issue one 4-byte load per
+        pair of values: ~5x the load instructions of the weights)."""
+        lanes_k = max(1, min(32, bk // 8))
+        return gl.BlockedLayout(size_per_thread=[8, 1], threads_per_warp=[lanes_k, 32 // lanes_k],
+                                warps_per_cta=[1, num_warps], order=[0, 1])
+
 
 def _log2(v: int) -> int:
     assert v > 0 and v & (v - 1) == 0, v
@@ -147,18 +157,22 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _frag_loop(acc0, acc1, w0, s0, w1, s1, x_ptrs, x_mask, nblk,
-                   TWO: gl.constexpr, AL: gl.constexpr, BN: gl.constexpr, GPB: gl.constexpr):
+                   TWO: gl.constexpr, X_AHEAD: gl.constexpr, AL: gl.constexpr, BL: gl.constexpr,
+                   BN: gl.constexpr, GPB: gl.constexpr):
         """acc0 (+ acc1 with TWO) += A0 (A1) @ x over nblk blocks of 32*GPB k, in k order. One block of
-        words and scales is in flight ahead of the one being dequantized."""
+        words and scales (and with X_AHEAD of activations, x_ptrs / x_mask in x_layout) is in flight ahead
+        of the one in use."""
         BK: gl.constexpr = 32 * GPB
         a0 = gl.load(w0)
         c0 = gl.load(s0)
         if TWO:
             a1 = gl.load(w1)
             c1 = gl.load(s1)
+        xr = gl.load(x_ptrs, mask=x_mask, other=0.0)
         for _ in range(nblk - 1):
             w0 += 4 * GPB
             s0 += GPB
+            x_ptrs += BK
             n_a0 = gl.load(w0)
             n_c0 = gl.load(s0)
             if TWO:
@@ -166,16 +180,21 @@ if HAVE_GLUON:
                 s1 += GPB
                 n_a1 = gl.load(w1)
                 n_c1 = gl.load(s1)
-            xb = gl.load(x_ptrs, mask=x_mask, other=0.0)
+            if X_AHEAD:
+                n_xr = gl.load(x_ptrs, mask=x_mask, other=0.0)
+                xb = gl.convert_layout(xr, BL)
+                xr = n_xr
+            else:
+                xb = gl.convert_layout(xr, BL)
+                xr = gl.load(x_ptrs, mask=x_mask, other=0.0)
             acc0 = mma_v2(_dequant_frag(a0, c0, AL, BN, BK), xb, acc0)
             if TWO:
                 acc1 = mma_v2(_dequant_frag(a1, c1, AL, BN, BK), xb, acc1)
                 a1 = n_a1
                 c1 = n_c1
-            x_ptrs += BK
             a0 = n_a0
             c0 = n_c0
-        xb = gl.load(x_ptrs, mask=x_mask, other=0.0)
+        xb = gl.convert_layout(xr, BL)
         acc0 = mma_v2(_dequant_frag(a0, c0, AL, BN, BK), xb, acc0)
         if TWO:
             acc1 = mma_v2(_dequant_frag(a1, c1, AL, BN, BK), xb, acc1)
@@ -185,28 +204,31 @@ if HAVE_GLUON:
     def _w4_frag_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, stride_xm, stride_wn, stride_sn,
                         stride_om, stride_os, kb_per_split,
                         TOK: gl.constexpr, MT: gl.constexpr, GPB: gl.constexpr, WL: gl.constexpr,
-                        num_warps: gl.constexpr):
-        """grid (N / BN, splits, cdiv(M, TOK)): out[split, m, n] = sum over the split's k of x[m, k] W[n, k]."""
+                        X_AHEAD: gl.constexpr, num_warps: gl.constexpr):
+        """grid (cdiv(M, TOK), N / BN, splits): out[split, m, n] = sum over the split's k of x[m, k] W[n, k].
+        The token tiles of one weight tile are adjacent program ids: they run together and the weights are
+        read from DRAM about once."""
         BN: gl.constexpr = 16 * num_warps * MT
         BK: gl.constexpr = 32 * GPB
         MMA: gl.constexpr = mma_layout(num_warps)
         AL: gl.constexpr = operand_layout(0, num_warps)
         BL: gl.constexpr = operand_layout(1, num_warps)
-        n0 = gl.program_id(0) * BN
-        pid_s = gl.program_id(1)
-        m0 = gl.program_id(2) * TOK
+        XL: gl.constexpr = x_layout(BK, TOK, num_warps)
+        m0 = gl.program_id(0) * TOK
+        n0 = gl.program_id(1) * BN
+        pid_s = gl.program_id(2)
         kb0 = pid_s * kb_per_split
         w_ptrs, s_ptrs = _word_ptrs(w_ptr, s_ptr, n0, stride_wn, stride_sn, kb0, WL, BN, GPB)
 
         # activations as the B operand [BK, TOK] (x^T), tokens >= M read as 0
-        rk = gl.arange(0, BK, layout=gl.SliceLayout(1, BL))
-        rm = m0 + gl.arange(0, TOK, layout=gl.SliceLayout(0, BL))
+        rk = gl.arange(0, BK, layout=gl.SliceLayout(1, XL))
+        rm = m0 + gl.arange(0, TOK, layout=gl.SliceLayout(0, XL))
         x_ptrs = x_ptr + gl.expand_dims(rm, 0) * stride_xm + gl.expand_dims(rk, 1) + kb0 * BK
         x_mask = gl.expand_dims(rm, 0) < M
 
         acc = gl.zeros([BN, TOK], gl.float32, layout=MMA)
         acc, unused = _frag_loop(acc, acc, w_ptrs, s_ptrs, w_ptrs, s_ptrs, x_ptrs, x_mask, kb_per_split,
-                                 False, AL, BN, GPB)
+                                 False, X_AHEAD, AL, BL, BN, GPB)
 
         # y[m, n] = acc[n, m]
         on = gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
@@ -264,7 +286,8 @@ def token_tile(M: int) -> int:
 
 
 def frag_linear(x: torch.Tensor, wq: torch.Tensor, s: torch.Tensor, *, gpb: int | None = None,
-                mt: int | None = None, num_warps: int = 4, split: int | None = None) -> torch.Tensor:
+                mt: int | None = None, num_warps: int = 4, split: int | None = None,
+                x_ahead: bool = True, tok: int | None = None) -> torch.Tensor:
     """y [M, N] = x [M, K] @ W^T, W the fragment-repacked int4 words wq [N, K/8] (frag_repack with
     frag_gpb(K) unless gpb is given) and bf16 scales s [N, K/32]; x bfloat16. Unset knobs follow dense_plan."""
     if not HAVE_GLUON:
@@ -288,10 +311,10 @@ def frag_linear(x: torch.Tensor, wq: torch.Tensor, s: torch.Tensor, *, gpb: int 
         return y
     x = x.contiguous()
     part = y if split == 1 else torch.empty((split, M, N), device=x.device, dtype=torch.float32)
-    tok = token_tile(M)
-    _w4_frag_kernel[(N // bn, split, triton.cdiv(M, tok))](
+    tok = token_tile(M) if tok is None else tok
+    _w4_frag_kernel[(triton.cdiv(M, tok), N // bn, split)](
         x, wq, s, part, M, N, x.stride(0), wq.stride(0), s.stride(0), N, M * N, K // bk // split,
-        TOK=tok, MT=mt, GPB=gpb, WL=word_layout(num_warps, mt, gpb), num_warps=num_warps)
+        TOK=tok, MT=mt, GPB=gpb, WL=word_layout(num_warps, mt, gpb), X_AHEAD=x_ahead, num_warps=num_warps)
     if split > 1:
         split_sum(part, y, split)
     return y
