@@ -7,7 +7,7 @@ The case is run once before the range (compiles, warms the caches of the allocat
 cudaProfilerStart/Stop, so `--profile-from-start off` profiles exactly the launches of one call. After
 the range it prints each Triton kernel's registers, spills and shared memory per compiled variant.
 Cases: mla_decode_{4k,32k,128k} (N=8, T=1), mla_verify16_32k (N=8, T=16, random tree), moe_t{1,16}
-(384 experts top-8), dense_m1 (36864 x 7168 W4A16, M=1), plane_m1 (the same by the nibble-plane kernel).
+(384 experts top-8; moe_frag_t{1,16}: the fragment kernels), dense_m1 (36864 x 7168 W4A16, M=1), plane_m1 (the same by the nibble-plane kernel).
 """
 
 from __future__ import annotations
@@ -40,6 +40,17 @@ def _moe(T: int):
     return lambda: moe_w4a16.fused_moe_w4a16(x, w13p, w13s, w2p, w2s, ids, tw, G)
 
 
+def _moe_frag(T: int, cfg=None):
+    from kdtree_engine.kernels.moe_frag import fused_moe_frag
+    from kdtree_engine.kernels.w4_frag import frag_gpb, frag_repack
+    w13p, w13s = rand_w4(E, 2 * I, H, g=G)
+    w2p, w2s = rand_w4(E, H, I, g=G)
+    w13p, w2p = frag_repack(w13p, frag_gpb(H)), frag_repack(w2p, frag_gpb(I))
+    x = torch.randn(T, H, device="cuda").to(torch.bfloat16)
+    ids, tw = route(T, 1, torch.Generator(device="cuda").manual_seed(0))[0]
+    return lambda: fused_moe_frag(x, w13p, w13s, w2p, w2s, ids, tw, G, cfg)
+
+
 def _dense(M: int):
     p, s = rand_w4(36864, 7168, g=G)
     x = torch.randn(M, 7168, device="cuda").to(torch.bfloat16)
@@ -60,6 +71,8 @@ CASES = {
     "mla_verify16_32k": lambda: _mla(32768, 16),
     "moe_t1": lambda: _moe(1),
     "moe_t16": lambda: _moe(16),
+    "moe_frag_t1": lambda: _moe_frag(1),
+    "moe_frag_t16": lambda: _moe_frag(16),
     "dense_m1": lambda: _dense(1),
     "plane_m1": lambda: _plane(1),
     "plane_wb_m1": lambda: _plane(1, (64, 64, 4, 2, True, True, 8)),

@@ -31,23 +31,24 @@ from bench.common import command_line, copy_bandwidth, device_info, gpu_stem, l2
 from bench.kernels import DENSE, E, G, H, I, TOPK, rand_w4, rel, route, w4_bytes  # noqa: E402
 from kdtree_engine.kernels.moe_frag import FragMoEConfig, frag_moe_config, fused_moe_frag  # noqa: E402
 from kdtree_engine.kernels.moe_w4a16 import fused_moe_reference, fused_moe_w4a16  # noqa: E402
-from kdtree_engine.kernels.w4_frag import dense_plan, frag_gpb, frag_linear, frag_repack, token_tile  # noqa: E402
+from kdtree_engine.kernels.w4_frag import dense_plan, frag_gpb, frag_linear, frag_repack, token_mt, token_tile  # noqa: E402
 from kdtree_engine.kernels.w4a16 import w4a16_linear  # noqa: E402
 from kdtree_engine.quant import dequantize  # noqa: E402
 
 DENSE_CANDIDATES = [  # the engine's plan first (None), then overrides of it (the plan's split unless given)
-    None, dict(x_ahead=False), dict(tok=8), dict(tok=16, mt=1), dict(tok=16, mt=1, x_ahead=False),
-    dict(split=2), dict(split=1), dict(mt=1, split=2),
+    None, dict(xload="operand"), dict(xload="smem"), dict(tok=8, mt=2), dict(tok=16, mt=2),
+    dict(mt=1, split=2), dict(mt=1, split=1),
 ]
-MOE_CANDIDATES = [  # the engine's table first (None), then block rows / tiles / splits / activation prefetch
+MOE_CANDIDATES = [  # the engine's table first (None), then block rows / tiles / splits / activation loads
     None,
-    FragMoEConfig(BLOCK_M=8, X_AHEAD=False),
+    FragMoEConfig(BLOCK_M=8, XLOAD="operand"),
+    FragMoEConfig(BLOCK_M=8, XLOAD="operand", XLOAD2="smem-ahead"),
+    FragMoEConfig(BLOCK_M=8, XLOAD="operand", XLOAD2="smem"),
+    FragMoEConfig(BLOCK_M=8),
+    FragMoEConfig(BLOCK_M=8, XLOAD="smem"),
     FragMoEConfig(BLOCK_M=8, MT2=2),
-    FragMoEConfig(BLOCK_M=8, SPLIT2=2),
-    FragMoEConfig(BLOCK_M=8, SPLIT13=1),
     FragMoEConfig(BLOCK_M=16),
-    FragMoEConfig(BLOCK_M=16, X_AHEAD=False),
-    FragMoEConfig(BLOCK_M=16, MT=2, X_AHEAD=False),
+    FragMoEConfig(BLOCK_M=16, XLOAD="smem"),
 ]
 MOE_TS = [1, 4, 16, 64, 256, 1024]
 
@@ -84,12 +85,13 @@ def bench_dense(ms, bw, reps) -> list[dict]:
                  [lambda: x @ wd.T], None, bw, reps)
             for cand in DENSE_CANDIDATES:
                 gpb, mt, split = plan
-                kw = dict(gpb=gpb, mt=mt, num_warps=4, split=split, x_ahead=True, tok=token_tile(M))
+                kw = dict(gpb=gpb, mt=token_mt(mt, token_tile(M)), num_warps=4, split=split, xload="smem-ahead",
+                          tok=token_tile(M))
                 kw.update(cand or {})
                 tag = "frag (engine plan)" if cand is None else "frag"
                 wr = reps_by_gpb[gpb]
                 label = (f"{tag} gpb{kw['gpb']} mt{kw['mt']} w{kw['num_warps']} split{kw['split']} tok{kw['tok']}"
-                         f"{'' if kw['x_ahead'] else ' x-at-use'}")
+                         f" x {kw['xload']}")
                 _row(rows, {**base, "kernel": label},
                      lambda: frag_linear(x, *wr[0], **kw), ref,
                      [lambda p=p, s=s: frag_linear(x, p, s, **kw) for p, s in wr], nbytes, bw, reps)
@@ -120,7 +122,7 @@ def bench_moe(ts, bw, reps) -> list[dict]:
         for cand in MOE_CANDIDATES:
             cfg = cand or frag_moe_config(T * TOPK, E)
             label = (f"frag{' (engine table)' if cand is None else ''} bm{cfg.BLOCK_M} mt{cfg.MT}/{cfg.MT2 or cfg.MT} w{cfg.num_warps} "
-                     f"split13 {cfg.SPLIT13 or 'auto'} split2 {cfg.SPLIT2}{'' if cfg.X_AHEAD else ' x-at-use'}")
+                     f"split13 {cfg.SPLIT13 or 'auto'} split2 {cfg.SPLIT2} x {cfg.XLOAD}/{cfg.XLOAD2 or cfg.XLOAD}")
             _row(rows, {**base, "kernel": label},
                  lambda: fused_moe_frag(x, q13, w13s, q2, w2s, ids0, tw0, G, cfg), ref,
                  [lambda i=i, w=w: fused_moe_frag(x, q13, w13s, q2, w2s, i, w, G, cfg) for i, w in sets],

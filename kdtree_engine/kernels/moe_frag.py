@@ -27,7 +27,7 @@ import triton
 from kdtree_engine.kernels.moe_w4a16 import _moe_swiglu_kernel, _moe_topk_sum_kernel, moe_align
 from kdtree_engine.kernels.w4_dequant import DEQ_FLOAT
 from kdtree_engine.kernels.common import bucket
-from kdtree_engine.kernels.w4_frag import HAVE_GLUON, frag_gpb, frag_unsupported, word_layout
+from kdtree_engine.kernels.w4_frag import HAVE_GLUON, X_LOADS, frag_gpb, frag_unsupported, word_layout
 
 if HAVE_GLUON:
     from triton.experimental import gluon
@@ -47,11 +47,17 @@ class FragMoEConfig:
     SPLIT13: int | None = None   # gate/up splits over H (part of the reduction; None: split13(H))
     SPLIT2: int = 1        # down splits over I (part of the reduction)
     GPB: int | None = None       # groups per K block of both matrices (None: frag_gpb(K) of each)
-    X_AHEAD: bool = True   # activation block loaded one block ahead, like the weights (re-tiles only)
+    XLOAD: str = "smem-ahead"    # how the gate/up GEMM loads activations (X_LOADS; the same bits)
+    XLOAD2: str | None = None    # the down GEMM's (None: XLOAD)
 
     def __post_init__(self) -> None:
         if self.BLOCK_M not in (8, 16):
             raise ValueError(f"FragMoEConfig.BLOCK_M must be 8 or 16, got {self.BLOCK_M}")
+        for name in ("XLOAD", "XLOAD2"):
+            v = getattr(self, name)
+            if v not in X_LOADS and not (name == "XLOAD2" and v is None):
+                raise ValueError(f"FragMoEConfig.{name} must be one of {sorted(X_LOADS)}, got {v!r}")
+
 
 
 def split13(H: int, gpb: int) -> int:
@@ -62,16 +68,24 @@ def split13(H: int, gpb: int) -> int:
 
 
 # (max pairs per expert = cdiv(T * top_k, E), config); first match wins; all share the reduction (splits,
-# GPB): only BLOCK_M / MT differ. bench/results/w4-frag-h200.md, K2 layer: 8-row blocks are the fastest
-# from T = 1 to 256 (up to 5.3 pairs per expert; 3554 us at T = 256 against 5316 for 16-row blocks), 16-row
-# blocks with 2 MMA tiles per warp at T = 1024 (21 pairs per expert: 8580 us against 9604).
+# GPB): only BLOCK_M / MT / the activation loads differ. bench/results/w4-frag-h200-xsmem.md, K2 layer:
+# 8-row blocks from T = 4 to 256 (up to 5.3 pairs per expert; 2936 us at T = 256 against 3683 for 16-row
+# blocks), 16-row blocks with 1 MMA tile per warp at T = 1024 (21 pairs per expert: 6923 us against 8017;
+# 2 tiles per warp spill).
 FRAG_MOE_CONFIGS: list[tuple[int, FragMoEConfig]] = [
     (8, FragMoEConfig(BLOCK_M=8)),
-    (1 << 62, FragMoEConfig(BLOCK_M=16, MT=2)),
+    (1 << 62, FragMoEConfig(BLOCK_M=16)),
 ]
+# Launches of at most this many pairs (T = 1 at top-8) load the activations in the MMA operand layout, at
+# use: the relabel through shared memory costs the gate/up kernel 35 registers (163 against 128: 3 programs
+# per SM instead of 4), which a one-wave launch feels (81 against 76 us at T = 1; it gains from T = 4 on).
+FEW_PAIRS = 8
+FEW_PAIRS_CONFIG = FragMoEConfig(BLOCK_M=8, XLOAD="operand")
 
 
 def frag_moe_config(num_pairs: int, num_experts: int) -> FragMoEConfig:
+    if num_pairs <= FEW_PAIRS:
+        return FEW_PAIRS_CONFIG
     return bucket(FRAG_MOE_CONFIGS, -(-num_pairs // max(num_experts, 1)))
 
 
@@ -100,7 +114,8 @@ if HAVE_GLUON:
                          UP_ROW, TOPK, stride_xt, stride_we, stride_wn, stride_se, stride_sn,
                          stride_os, stride_ot, kb_per_split,
                          GATE_UP: gl.constexpr, TOK: gl.constexpr, MT: gl.constexpr, GPB: gl.constexpr,
-                         WL: gl.constexpr, X_AHEAD: gl.constexpr, num_warps: gl.constexpr):
+                         WL: gl.constexpr, X_SMEM: gl.constexpr, X_AHEAD: gl.constexpr,
+                         num_warps: gl.constexpr):
         """grid (blocks, N / BN, splits), one expert block's pairs over the split's K blocks.
         GATE_UP: x [T, H] rows pair // TOPK, weight rows n and UP_ROW + n -> out[split, pair, n] and
         out[split, pair, UP_ROW + n] (fp32 gate / up partials). Else (down): x = inter [P, I] rows pair ->
@@ -110,7 +125,7 @@ if HAVE_GLUON:
         MMA: gl.constexpr = mma_layout(num_warps)
         AL: gl.constexpr = operand_layout(0, num_warps)
         BL: gl.constexpr = operand_layout(1, num_warps)
-        XL: gl.constexpr = x_layout(BK, TOK, num_warps)
+        XL: gl.constexpr = x_layout(BK, TOK, num_warps) if X_SMEM else BL
         pid_b = gl.program_id(0)
         rows = gl.load(blk_rows_ptr + pid_b)
         if rows == 0:
@@ -197,7 +212,7 @@ def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor
         x.stride(0), w13_q.stride(0), w13_q.stride(1), w13_scale.stride(0), w13_scale.stride(1),
         part.stride(0), part.stride(1), H // (32 * g13) // s13,
         GATE_UP=True, TOK=cfg.BLOCK_M, MT=mt, GPB=g13, WL=word_layout(cfg.num_warps, mt, g13),
-        X_AHEAD=cfg.X_AHEAD, num_warps=cfg.num_warps)
+        X_SMEM=X_LOADS[cfg.XLOAD][0], X_AHEAD=X_LOADS[cfg.XLOAD][1], num_warps=cfg.num_warps)
     inter = torch.empty((P, I), device=x.device, dtype=x.dtype)
     block = min(1024, triton.next_power_of_2(I))
     _moe_swiglu_kernel[(P, triton.cdiv(I, block))](
@@ -205,12 +220,13 @@ def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor
         SPLIT=s13, BLOCK=block, DEQ=DEQ_FLOAT, num_warps=4)
     y = torch.empty((cfg.SPLIT2, P, H), device=x.device, dtype=torch.float32)
     mt2 = mt_for(cfg, H, I, cfg.MT2)
+    xload2 = cfg.XLOAD2 or cfg.XLOAD
     _moe_frag_kernel[(blocks, H // (16 * cfg.num_warps * mt2), cfg.SPLIT2)](
         inter, w2_q, w2_scale, y, tw, sorted_pairs, blk_expert, blk_rows, 0, 1,
         inter.stride(0), w2_q.stride(0), w2_q.stride(1), w2_scale.stride(0), w2_scale.stride(1),
         y.stride(0), y.stride(1), I // (32 * g2) // cfg.SPLIT2,
         GATE_UP=False, TOK=cfg.BLOCK_M, MT=mt2, GPB=g2, WL=word_layout(cfg.num_warps, mt2, g2),
-        X_AHEAD=cfg.X_AHEAD, num_warps=cfg.num_warps)
+        X_SMEM=X_LOADS[xload2][0], X_AHEAD=X_LOADS[xload2][1], num_warps=cfg.num_warps)
     BLOCK_H = 1024
     _moe_topk_sum_kernel[(T, triton.cdiv(H, BLOCK_H))](
         y, ids, out, H, E, y.stride(1), y.stride(0), out.stride(0), TOPK=topk, BLOCK_H=BLOCK_H,

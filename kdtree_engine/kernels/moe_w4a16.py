@@ -167,6 +167,31 @@ def _moe_align_kernel(ids_ptr, P, E, sorted_ptr, blk_expert_ptr, blk_rows_ptr, m
 
 
 @triton.jit
+def _moe_align_one_kernel(ids_ptr, P, E, sorted_ptr, blk_expert_ptr, blk_rows_ptr, max_blocks,
+                          BM: tl.constexpr, PP: tl.constexpr, MBP: tl.constexpr):
+    """One program, P <= PP pairs: the same outputs as _moe_align_kernel in one launch of one program.
+    Pair i of expert e: rank r_i = e's pairs before it, c_i = e's pairs; expert e's blocks start at
+    start_i = sum of cdiv(c_j, BM) over the first pair j of each expert below e."""
+    i = tl.arange(0, PP)
+    ids = tl.load(ids_ptr + i, mask=i < P, other=-1).to(tl.int32)
+    ok = (i < P) & (ids >= 0) & (ids < E)
+    ids = tl.where(ok, ids, -1)
+    same = (ids[:, None] == ids[None, :]) & ok[:, None] & ok[None, :]          # [PP(i), PP(j)]
+    cnt = tl.sum(same.to(tl.int32), axis=1)                                        # c_i
+    rank = tl.sum((same & (i[None, :] < i[:, None])).to(tl.int32), axis=1)         # r_i
+    first = ok & (rank == 0)
+    nb = tl.where(first, (cnt + BM - 1) // BM, 0)                                  # blocks, on first pairs
+    below = (ids[None, :] < ids[:, None]) & first[None, :]                         # j's expert below i's
+    start = tl.sum(tl.where(below, nb[None, :], 0), axis=1)                        # [PP] start block of i
+    tl.store(sorted_ptr + start * BM + rank, i, mask=ok)
+    b = tl.arange(0, MBP)
+    hit = first[None, :] & (start[None, :] <= b[:, None]) & (b[:, None] < start[None, :] + nb[None, :])
+    rows = tl.minimum(cnt[None, :] - (b[:, None] - start[None, :]) * BM, BM)
+    tl.store(blk_expert_ptr + b, tl.sum(tl.where(hit, ids[None, :], 0), axis=1), mask=b < max_blocks)
+    tl.store(blk_rows_ptr + b, tl.sum(tl.where(hit, rows, 0), axis=1), mask=b < max_blocks)
+
+
+@triton.jit
 def _moe_w13_kernel(x_ptr, w_ptr, s_ptr, inter_ptr, sorted_ptr, blk_expert_ptr, blk_rows_ptr,
                     H, I, TOPK,
                     stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_it,
@@ -331,6 +356,11 @@ def _moe_topk_sum_kernel(y_ptr, ids_ptr, out_ptr, H, E, stride_yt, stride_ys, st
 # Python entry points
 
 
+# Up to this many pairs the align is one program (_moe_align_one_kernel: [P x P] and [blocks x P] masks)
+# instead of one per expert (384 programs at K2, 3.6 us at T = 1: bench/results/k2_step-h200.md).
+ALIGN_ONE_PROGRAM = 64
+
+
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     """Group (token, slot) pairs by expert. Returns (sorted_pairs [max_blocks*BM] int32,
     blk_expert [max_blocks] int32, blk_rows [max_blocks] int32); rows = 0 marks an unused block and
@@ -344,6 +374,11 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     sorted_pairs = torch.empty(max_blocks * block_m, device=dev, dtype=torch.int32)  # past a block's rows: unread
     blk_expert = torch.empty(max_blocks, device=dev, dtype=torch.int32)
     blk_rows = torch.empty(max_blocks, device=dev, dtype=torch.int32)
+    if P <= ALIGN_ONE_PROGRAM:
+        _moe_align_one_kernel[(1,)](ids, P, num_experts, sorted_pairs, blk_expert, blk_rows, max_blocks,
+                                    BM=block_m, PP=max(16, triton.next_power_of_2(P)),
+                                    MBP=max(16, triton.next_power_of_2(max_blocks)), num_warps=4)
+        return sorted_pairs, blk_expert, blk_rows
     e_p2 = triton.next_power_of_2(max(num_experts, 2))
     ch = max(16, min(triton.next_power_of_2(P), 1024))
     _moe_align_kernel[(num_experts,)](ids, P, num_experts, sorted_pairs, blk_expert, blk_rows, max_blocks,

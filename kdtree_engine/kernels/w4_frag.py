@@ -33,6 +33,12 @@ from kdtree_engine.quant import pack_int4, unpack_int4
 
 LANES_T = 4          # threads of one MMA row group that share a row (lane % 4)
 
+# activation loads of _frag_loop -> (X_SMEM, X_AHEAD); the same values reach the same MMAs (the same bits):
+#   operand     in the MMA operand layout, at use (4-byte loads; every warp loads the whole block)
+#   smem        16 bytes per thread (x_layout), relabelled into the operand through shared memory, at use
+#   smem-ahead  the same, one block ahead like the weights
+X_LOADS = {"operand": (False, False), "smem": (True, False), "smem-ahead": (True, True)}
+
 
 def frag_perm(gpb: int) -> torch.Tensor:
     """[32*gpb] int64: position p of a repacked block holds logical k = perm[p] of the same block."""
@@ -160,19 +166,20 @@ if HAVE_GLUON:
                    TWO: gl.constexpr, X_AHEAD: gl.constexpr, AL: gl.constexpr, BL: gl.constexpr,
                    BN: gl.constexpr, GPB: gl.constexpr):
         """acc0 (+ acc1 with TWO) += A0 (A1) @ x over nblk blocks of 32*GPB k, in k order. One block of
-        words and scales (and with X_AHEAD of activations, x_ptrs / x_mask in x_layout) is in flight ahead
-        of the one in use."""
+        words and scales is in flight ahead of the one in use; with X_AHEAD one block of activations too
+        (its load issued after the current block's relabel into BL), else they are loaded at use. x_ptrs /
+        x_mask: in x_layout (relabelled through shared memory) or in BL (the relabel is a no-op)."""
         BK: gl.constexpr = 32 * GPB
         a0 = gl.load(w0)
         c0 = gl.load(s0)
         if TWO:
             a1 = gl.load(w1)
             c1 = gl.load(s1)
-        xr = gl.load(x_ptrs, mask=x_mask, other=0.0)
+        if X_AHEAD:
+            xr = gl.load(x_ptrs, mask=x_mask, other=0.0)
         for _ in range(nblk - 1):
             w0 += 4 * GPB
             s0 += GPB
-            x_ptrs += BK
             n_a0 = gl.load(w0)
             n_c0 = gl.load(s0)
             if TWO:
@@ -181,12 +188,12 @@ if HAVE_GLUON:
                 n_a1 = gl.load(w1)
                 n_c1 = gl.load(s1)
             if X_AHEAD:
-                n_xr = gl.load(x_ptrs, mask=x_mask, other=0.0)
                 xb = gl.convert_layout(xr, BL)
-                xr = n_xr
-            else:
-                xb = gl.convert_layout(xr, BL)
+                x_ptrs += BK
                 xr = gl.load(x_ptrs, mask=x_mask, other=0.0)
+            else:
+                xb = gl.convert_layout(gl.load(x_ptrs, mask=x_mask, other=0.0), BL)
+                x_ptrs += BK
             acc0 = mma_v2(_dequant_frag(a0, c0, AL, BN, BK), xb, acc0)
             if TWO:
                 acc1 = mma_v2(_dequant_frag(a1, c1, AL, BN, BK), xb, acc1)
@@ -194,7 +201,10 @@ if HAVE_GLUON:
                 c1 = n_c1
             a0 = n_a0
             c0 = n_c0
-        xb = gl.convert_layout(xr, BL)
+        if X_AHEAD:
+            xb = gl.convert_layout(xr, BL)
+        else:
+            xb = gl.convert_layout(gl.load(x_ptrs, mask=x_mask, other=0.0), BL)
         acc0 = mma_v2(_dequant_frag(a0, c0, AL, BN, BK), xb, acc0)
         if TWO:
             acc1 = mma_v2(_dequant_frag(a1, c1, AL, BN, BK), xb, acc1)
@@ -204,7 +214,7 @@ if HAVE_GLUON:
     def _w4_frag_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, stride_xm, stride_wn, stride_sn,
                         stride_om, stride_os, kb_per_split,
                         TOK: gl.constexpr, MT: gl.constexpr, GPB: gl.constexpr, WL: gl.constexpr,
-                        X_AHEAD: gl.constexpr, num_warps: gl.constexpr):
+                        X_SMEM: gl.constexpr, X_AHEAD: gl.constexpr, num_warps: gl.constexpr):
         """grid (cdiv(M, TOK), N / BN, splits): out[split, m, n] = sum over the split's k of x[m, k] W[n, k].
         The token tiles of one weight tile are adjacent program ids: they run together and the weights are
         read from DRAM about once."""
@@ -213,7 +223,7 @@ if HAVE_GLUON:
         MMA: gl.constexpr = mma_layout(num_warps)
         AL: gl.constexpr = operand_layout(0, num_warps)
         BL: gl.constexpr = operand_layout(1, num_warps)
-        XL: gl.constexpr = x_layout(BK, TOK, num_warps)
+        XL: gl.constexpr = x_layout(BK, TOK, num_warps) if X_SMEM else BL
         m0 = gl.program_id(0) * TOK
         n0 = gl.program_id(1) * BN
         pid_s = gl.program_id(2)
@@ -272,7 +282,7 @@ def split_for(N: int, K: int, bn: int, bk: int, target: int) -> int:
 
 def dense_plan(N: int, K: int) -> tuple[int, int, int]:
     """(gpb, mt, split) of the dense kernel for an [N, K] weight: fixed by the shape, never by M (the split
-    is part of the reduction; MT only re-tiles rows)."""
+    is part of the reduction). mt is for 8-token tiles; 16-token tiles take 1 (token_mt). MT only re-tiles."""
     gpb = frag_gpb(K)
     mt = 2 if N % 128 == 0 else 1
     return gpb, mt, split_for(N, K, 64 * mt, 32 * gpb, DENSE_TARGET_PROGRAMS)
@@ -285,11 +295,18 @@ def token_tile(M: int) -> int:
     return 8 if M <= 8 else 16
 
 
+def token_mt(plan_mt: int, tok: int) -> int:
+    """MMA tiles per warp for a token tile: 16-token tiles with 2 tiles per warp spill (255 registers; 108
+    against 64 us with 1 tile at M = 16, bench/results/w4-frag-h200-xsmem.md)."""
+    return plan_mt if tok == 8 else 1
+
+
 def frag_linear(x: torch.Tensor, wq: torch.Tensor, s: torch.Tensor, *, gpb: int | None = None,
                 mt: int | None = None, num_warps: int = 4, split: int | None = None,
-                x_ahead: bool = True, tok: int | None = None) -> torch.Tensor:
+                tok: int | None = None, xload: str = "smem-ahead") -> torch.Tensor:
     """y [M, N] = x [M, K] @ W^T, W the fragment-repacked int4 words wq [N, K/8] (frag_repack with
-    frag_gpb(K) unless gpb is given) and bf16 scales s [N, K/32]; x bfloat16. Unset knobs follow dense_plan."""
+    frag_gpb(K) unless gpb is given) and bf16 scales s [N, K/32]; x bfloat16. Unset knobs follow dense_plan,
+    token_tile and token_mt; xload: how activations are loaded (X_LOADS)."""
     if not HAVE_GLUON:
         raise RuntimeError("the fragment-ordered W4A16 kernels need triton.experimental.gluon (triton >= 3.5)")
     from kdtree_engine.kernels.split_sum import split_sum
@@ -297,12 +314,15 @@ def frag_linear(x: torch.Tensor, wq: torch.Tensor, s: torch.Tensor, *, gpb: int 
     M, K = x.shape
     N = wq.shape[0]
     plan = dense_plan(N, K)
+    tok = token_tile(M) if tok is None else tok
     gpb = plan[0] if gpb is None else gpb
-    mt = plan[1] if mt is None else mt
+    mt = token_mt(plan[1], tok) if mt is None else mt
     split = plan[2] if split is None else split
     bn, bk = 16 * num_warps * mt, 32 * gpb
     if x.dtype != torch.bfloat16:
         raise TypeError(f"frag_linear: bfloat16 activations required, got {x.dtype}")
+    if xload not in X_LOADS:
+        raise ValueError(f"frag_linear: xload must be one of {sorted(X_LOADS)}, got {xload!r}")
     if N % bn or K % (bk * split) or wq.shape[1] * 8 != K or s.shape != (N, K // GROUP):
         raise ValueError(f"frag_linear: N={N} must be a multiple of {bn}, K={K} of {bk * split}; words "
                          f"{tuple(wq.shape)}, scales {tuple(s.shape)}")
@@ -311,10 +331,10 @@ def frag_linear(x: torch.Tensor, wq: torch.Tensor, s: torch.Tensor, *, gpb: int 
         return y
     x = x.contiguous()
     part = y if split == 1 else torch.empty((split, M, N), device=x.device, dtype=torch.float32)
-    tok = token_tile(M) if tok is None else tok
     _w4_frag_kernel[(triton.cdiv(M, tok), N // bn, split)](
         x, wq, s, part, M, N, x.stride(0), wq.stride(0), s.stride(0), N, M * N, K // bk // split,
-        TOK=tok, MT=mt, GPB=gpb, WL=word_layout(num_warps, mt, gpb), X_AHEAD=x_ahead, num_warps=num_warps)
+        TOK=tok, MT=mt, GPB=gpb, WL=word_layout(num_warps, mt, gpb), X_SMEM=X_LOADS[xload][0],
+        X_AHEAD=X_LOADS[xload][1], num_warps=num_warps)
     if split > 1:
         split_sum(part, y, split)
     return y

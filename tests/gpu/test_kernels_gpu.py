@@ -308,9 +308,10 @@ def test_moe_dtypes_odd_shapes(poisoned, dtype, tol, shape):
     _check(out, fused_moe_reference(x, w13p, w13s, w2p, w2s, ids, tw, g), tol, f"{dtype} {shape}")
 
 
-@pytest.mark.parametrize("T,bm", [(1, 16), (16, 16), (64, 16), (64, 32), (256, 16), (256, 64), (4096, 64)])
+@pytest.mark.parametrize("T,bm", [(1, 8), (1, 16), (8, 8), (16, 16), (64, 16), (64, 32), (256, 16), (256, 64), (4096, 64)])
 def test_moe_align_k2(poisoned, T, bm):
-    """The align kernel (one program per expert) at K2 routing sizes against the stable-grouping oracle."""
+    """The align kernels (one program up to 64 pairs, else one per expert) at K2 routing sizes against the
+    stable-grouping oracle."""
     import sys
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))

@@ -65,6 +65,19 @@ def test_frag_linear_batch_invariant(split):
     assert not bad, f"rows differ from the M=100 launch (M, #elements): {bad}"
 
 
+def test_frag_linear_activation_loads_same_bits():
+    """Activation loads through shared memory or in the operand layout, ahead or at use, 8- or 16-token
+    tiles, 1 or 2 MMA tiles per warp: the same values into the same MMAs, the same bits."""
+    p, s = rand_w4(2048, 7168)
+    q = frag_repack(p, 8)
+    x = torch.randn(21, 7168, device="cuda").to(torch.bfloat16)
+    full = frag_linear(x, q, s, gpb=8, split=4)
+    for xl, tok, mt in (("operand", 16, 1), ("operand", 8, 2), ("smem", 8, 1), ("smem-ahead", 16, 1),
+                        ("smem-ahead", 8, 2)):
+        other = frag_linear(x, q, s, gpb=8, split=4, mt=mt, tok=tok, xload=xl)
+        assert torch.equal(full, other), f"xload {xl} / tok {tok} / mt {mt} give other bits"
+
+
 def _moe_case(E, H, I, T, topk, gpb=None, seed=0, unowned=False):
     torch.manual_seed(seed)
     w13p, w13s = rand_w4(E, 2 * I, H)
@@ -104,8 +117,9 @@ def test_moe_frag_k2_and_unowned_experts(poisoned):
 
 @pytest.mark.parametrize("cfg", [None, FragMoEConfig(BLOCK_M=16)])
 def test_moe_frag_batch_invariant(cfg):
-    """A token's output is the same, bit for bit, alone and in batches of 4 / 17 / 64, and with every block
-    size of the table (each pair is its own MMA column)."""
+    """A token's output is the same, bit for bit, alone and in batches of 4 / 17 / 64 (T = 1 takes the
+    few-pairs config), with every block size of the table (each pair is its own MMA column) and every way
+    of loading the activations."""
     x, w, ids, tw, _ = _moe_case(E=64, H=2048, I=1024, T=64, topk=8)
     full = fused_moe_frag(x, *w, ids, tw, G, cfg)
     for bm, mt, mt2 in ((8, 1, None), (8, 2, None), (16, 1, None), (16, 2, None), (8, 1, 2), (8, 1, 4), (8, 2, 1)):
@@ -113,6 +127,9 @@ def test_moe_frag_batch_invariant(cfg):
         assert torch.equal(full, other), f"block rows {bm} / MT {mt} / MT2 {mt2} give other bits"
     for warps in (2, 8):
         assert torch.equal(full, fused_moe_frag(x, *w, ids, tw, G, FragMoEConfig(num_warps=warps))), f"{warps} warps"
+    for xl, xl2 in (("operand", None), ("smem", None), ("operand", "smem-ahead"), ("smem-ahead", "operand")):
+        other = fused_moe_frag(x, *w, ids, tw, G, FragMoEConfig(XLOAD=xl, XLOAD2=xl2))
+        assert torch.equal(full, other), f"XLOAD {xl} / XLOAD2 {xl2} give other bits"
     bad = []
     for m in (1, 4, 17):
         part = fused_moe_frag(x[:m], *w, ids[:m], tw[:m], G, cfg)

@@ -19,7 +19,11 @@ import _interp  # noqa: E402
 
 CASES = {
     # name: (pairs P, experts E, BLOCK_M, ids mode)
+    # up to ALIGN_ONE_PROGRAM (64) pairs: the one-program kernel; more: one program per expert
     "p1_e5_bm16": (1, 5, 16, "valid"),
+    "p8_e384_bm8": (8, 384, 8, "valid"),
+    "p64_e4_bm8_unowned": (64, 4, 8, "unowned"),
+    "p50_e3_bm16_skewed": (50, 3, 16, "skewed"),
     "p24_e384_bm16": (24, 384, 16, "valid"),
     "p40_e3_bm8_multiblock": (40, 3, 8, "valid"),
     "p77_e9_bm16_unowned": (77, 9, 16, "unowned"),
