@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU tests and benchmarks, logs and results packed under $OUT; one device call runs one part.
-#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|next|chain|sample|rounds|decode|step|verify|resume|ncu|plane|merge|merge2|merge3|sample2|fork|last|plane2|rows|kload|lazy|rounds2|maxnreg|qsplit|stages|down|bm8|m64|merge4|merge5|final2|moerows|moe16|moe16b|router|router2|router3|final3|frag|frag2|frag3|frag4|frag5|frag7|frag8|xsm|xsm2]   (on the GPU machine, from the repository root)
+#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|next|chain|sample|rounds|decode|step|verify|resume|ncu|plane|merge|merge2|merge3|sample2|fork|last|plane2|rows|kload|lazy|rounds2|maxnreg|qsplit|stages|down|bm8|m64|merge4|merge5|final2|moerows|moe16|moe16b|router|router2|router3|final3|frag|frag2|frag3|frag4|frag5|frag7|frag8|xsm|xsm2|xsm3]   (on the GPU machine, from the repository root)
 #   tune   the W4A16 config sweep, the bitwise and CUDA-graph GPU tests, the demo's spec benchmark
 #   check  the remaining GPU tests (kernels, batch invariance, target, attention), kernel and round benches
 #   bench  the benchmarks with long runs (K2 step, attention, GEMM)
@@ -71,6 +71,7 @@
 #          memory: dense and MoE candidates
 #   xsm2   the same with per-GEMM activation loads and a one-program align: fragment and align GPU tests,
 #          candidates, the kernel bench, Nsight Compute on the T = 1 fragment MoE
+#   xsm3   SwiGLU in the down GEMM's loads: fragment GPU tests, MoE candidates, the kernel and K2-step benches
 #   final3 final2 on this round's final code (align kernel, expert block rows, forked shared expert, router tiles)
 #   final2 the kernel, batch-invariance and bitwise GPU tests (all but the demo's logits-alone test) on the final code
 #   plane2 the same with the weights as the MMA's B operand (mma.sync, tokens on M), and its Nsight Compute
@@ -433,5 +434,11 @@ if [[ $PART == xsm2 ]]; then
   step bench_w4_frag 120 python3 bench/w4_frag.py --out "$RES"
   step bench_kernels 120 python3 bench/kernels.py --no-sweep --out "$RES"
   ncu_probe ncu_moe_frag_t1 60 moe_frag_t1
+fi
+if [[ $PART == xsm3 ]]; then
+  step pytest_frag 150 $PYT tests/gpu/test_w4_frag_gpu.py
+  step bench_w4_frag 150 python3 bench/w4_frag.py --no-dense --out "$RES"
+  step bench_kernels 120 python3 bench/kernels.py --no-sweep --out "$RES"
+  step bench_k2_step 150 python3 bench/k2_step.py --profile --out "$RES"
 fi
 ls -la "$RES"

@@ -162,13 +162,30 @@ if HAVE_GLUON:
         return w_ptrs, s_ptrs
 
     @gluon.jit
-    def _frag_loop(acc0, acc1, w0, s0, w1, s1, x_ptrs, x_mask, nblk,
-                   TWO: gl.constexpr, X_AHEAD: gl.constexpr, AL: gl.constexpr, BL: gl.constexpr,
-                   BN: gl.constexpr, GPB: gl.constexpr):
+    def _x_load(x_ptrs, x_mask, stride_xs, up_off, XSPLIT: gl.constexpr):
+        """One activation block. XSPLIT = 0: bf16 x. XSPLIT = s > 0: x = silu(g) * u rounded to bf16, g and u
+        the sums in split order of s fp32 gate / up partials (split stride stride_xs, up at + up_off):
+        the arithmetic of moe_w4a16._moe_swiglu_kernel, so the same bits as its output."""
+        if XSPLIT == 0:
+            x = gl.load(x_ptrs, mask=x_mask, other=0.0)
+        else:
+            g = 0.0 + gl.load(x_ptrs, mask=x_mask, other=0.0)          # 0 + first split, as that kernel sums
+            u = 0.0 + gl.load(x_ptrs + up_off, mask=x_mask, other=0.0)
+            for sp in gl.static_range(1, XSPLIT):
+                g += gl.load(x_ptrs + sp * stride_xs, mask=x_mask, other=0.0)
+                u += gl.load(x_ptrs + sp * stride_xs + up_off, mask=x_mask, other=0.0)
+            x = (g / (1.0 + gl.exp(-g)) * u).to(gl.bfloat16)
+        return x
+
+    @gluon.jit
+    def _frag_loop(acc0, acc1, w0, s0, w1, s1, x_ptrs, x_mask, nblk, stride_xs, up_off,
+                   TWO: gl.constexpr, X_AHEAD: gl.constexpr, XSPLIT: gl.constexpr, AL: gl.constexpr,
+                   BL: gl.constexpr, BN: gl.constexpr, GPB: gl.constexpr):
         """acc0 (+ acc1 with TWO) += A0 (A1) @ x over nblk blocks of 32*GPB k, in k order. One block of
         words and scales is in flight ahead of the one in use; with X_AHEAD one block of activations too
         (its load issued after the current block's relabel into BL), else they are loaded at use. x_ptrs /
-        x_mask: in x_layout (relabelled through shared memory) or in BL (the relabel is a no-op)."""
+        x_mask: in x_layout (relabelled through shared memory) or in BL (the relabel is a no-op); XSPLIT,
+        stride_xs, up_off: _x_load."""
         BK: gl.constexpr = 32 * GPB
         a0 = gl.load(w0)
         c0 = gl.load(s0)
@@ -176,7 +193,7 @@ if HAVE_GLUON:
             a1 = gl.load(w1)
             c1 = gl.load(s1)
         if X_AHEAD:
-            xr = gl.load(x_ptrs, mask=x_mask, other=0.0)
+            xr = _x_load(x_ptrs, x_mask, stride_xs, up_off, XSPLIT)
         for _ in range(nblk - 1):
             w0 += 4 * GPB
             s0 += GPB
@@ -190,9 +207,9 @@ if HAVE_GLUON:
             if X_AHEAD:
                 xb = gl.convert_layout(xr, BL)
                 x_ptrs += BK
-                xr = gl.load(x_ptrs, mask=x_mask, other=0.0)
+                xr = _x_load(x_ptrs, x_mask, stride_xs, up_off, XSPLIT)
             else:
-                xb = gl.convert_layout(gl.load(x_ptrs, mask=x_mask, other=0.0), BL)
+                xb = gl.convert_layout(_x_load(x_ptrs, x_mask, stride_xs, up_off, XSPLIT), BL)
                 x_ptrs += BK
             acc0 = mma_v2(_dequant_frag(a0, c0, AL, BN, BK), xb, acc0)
             if TWO:
@@ -204,7 +221,7 @@ if HAVE_GLUON:
         if X_AHEAD:
             xb = gl.convert_layout(xr, BL)
         else:
-            xb = gl.convert_layout(gl.load(x_ptrs, mask=x_mask, other=0.0), BL)
+            xb = gl.convert_layout(_x_load(x_ptrs, x_mask, stride_xs, up_off, XSPLIT), BL)
         acc0 = mma_v2(_dequant_frag(a0, c0, AL, BN, BK), xb, acc0)
         if TWO:
             acc1 = mma_v2(_dequant_frag(a1, c1, AL, BN, BK), xb, acc1)
@@ -237,8 +254,8 @@ if HAVE_GLUON:
         x_mask = gl.expand_dims(rm, 0) < M
 
         acc = gl.zeros([BN, TOK], gl.float32, layout=MMA)
-        acc, unused = _frag_loop(acc, acc, w_ptrs, s_ptrs, w_ptrs, s_ptrs, x_ptrs, x_mask, kb_per_split,
-                                 False, X_AHEAD, AL, BL, BN, GPB)
+        acc, unused = _frag_loop(acc, acc, w_ptrs, s_ptrs, w_ptrs, s_ptrs, x_ptrs, x_mask, kb_per_split, 0, 0,
+                                 False, X_AHEAD, 0, AL, BL, BN, GPB)
 
         # y[m, n] = acc[n, m]
         on = gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
