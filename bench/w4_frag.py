@@ -39,17 +39,16 @@ DENSE_CANDIDATES = [  # the engine's plan first (None), then overrides of it (th
     None, dict(xload="operand"), dict(xload="smem"), dict(tok=8, mt=2), dict(tok=16, mt=2),
     dict(mt=1, split=2), dict(mt=1, split=1),
 ]
-MOE_CANDIDATES = [  # the engine's table first (None), then block rows / tiles / splits / activation loads
+MOE_CANDIDATES = [  # the engine's table first (None), then block rows / tiles / activation loads
     None,
     FragMoEConfig(BLOCK_M=8, XLOAD="operand"),
     FragMoEConfig(BLOCK_M=8, XLOAD="operand", XLOAD2="smem-ahead"),
-    FragMoEConfig(BLOCK_M=8, XLOAD="operand", XLOAD2="smem-ahead", SUM_BLOCK=256),
-    FragMoEConfig(BLOCK_M=8, XLOAD="operand", XLOAD2="smem-ahead", SWIGLU2=True),
-    FragMoEConfig(BLOCK_M=8, XLOAD="operand", XLOAD2="smem", SWIGLU2=True),
-    FragMoEConfig(BLOCK_M=8, XLOAD="operand", XLOAD2="smem", SWIGLU2=True, SUM_BLOCK=256),
+    FragMoEConfig(BLOCK_M=8, XLOAD="operand", XLOAD2="smem"),
     FragMoEConfig(BLOCK_M=8),
-    FragMoEConfig(BLOCK_M=8, SWIGLU2=True),
+    FragMoEConfig(BLOCK_M=8, XLOAD="smem"),
+    FragMoEConfig(BLOCK_M=8, MT2=2),
     FragMoEConfig(BLOCK_M=16),
+    FragMoEConfig(BLOCK_M=16, XLOAD="smem"),
 ]
 MOE_TS = [1, 4, 16, 64, 256, 1024]
 
@@ -123,8 +122,7 @@ def bench_moe(ts, bw, reps) -> list[dict]:
         for cand in MOE_CANDIDATES:
             cfg = cand or frag_moe_config(T * TOPK, E)
             label = (f"frag{' (engine table)' if cand is None else ''} bm{cfg.BLOCK_M} mt{cfg.MT}/{cfg.MT2 or cfg.MT} w{cfg.num_warps} "
-                     f"split13 {cfg.SPLIT13 or 'auto'} split2 {cfg.SPLIT2} x {cfg.XLOAD}/{cfg.XLOAD2 or cfg.XLOAD}"
-                     f"{' swiglu-in-down' if cfg.SWIGLU2 else ''}{f' sum{cfg.SUM_BLOCK}' if cfg.SUM_BLOCK != 1024 else ''}")
+                     f"split13 {cfg.SPLIT13 or 'auto'} split2 {cfg.SPLIT2} x {cfg.XLOAD}/{cfg.XLOAD2 or cfg.XLOAD}")
             _row(rows, {**base, "kernel": label},
                  lambda: fused_moe_frag(x, q13, w13s, q2, w2s, ids0, tw0, G, cfg), ref,
                  [lambda i=i, w=w: fused_moe_frag(x, q13, w13s, q2, w2s, i, w, G, cfg) for i, w in sets],

@@ -9,8 +9,7 @@ Launches (no host synchronisation; CUDA-graph capturable), the align, SwiGLU and
 shared with moe_w4a16.py:
   1. align: pairs (t, j) grouped by expert into blocks of BLOCK_M rows (the MMA's token columns);
   2. gate/up (_moe_frag_kernel, GATE_UP): grid (blocks, I / BN, splits over H): fp32 gate and up partials;
-  3. SwiGLU: the partials summed in split order, silu(g) * u -> inter [P, I] (bf16); with SWIGLU2 the same
-     arithmetic in the down GEMM's activation loads instead (no launch);
+  3. SwiGLU: the partials summed in split order, silu(g) * u -> inter [P, I] (bf16);
   4. down (the same kernel): grid (blocks, H / BN, splits over I): router weight x partial -> y [split, P, H];
   5. top-k sum: out[t] = sum over j, then splits, of y (fixed order, no atomics).
 A pair's column of an mma.sync tile is summed over the same k tiles in the same order whatever the other
@@ -50,9 +49,6 @@ class FragMoEConfig:
     GPB: int | None = None       # groups per K block of both matrices (None: frag_gpb(K) of each)
     XLOAD: str = "smem-ahead"    # how the gate/up GEMM loads activations (X_LOADS; the same bits)
     XLOAD2: str | None = None    # the down GEMM's (None: XLOAD)
-    SWIGLU2: bool = False  # SwiGLU in the down GEMM's activation loads (from the fp32 gate/up partials) instead
-    #                        of its own launch; every down program of a block recomputes it (the same bits)
-    SUM_BLOCK: int = 1024  # hidden columns per program of the top-k sum (re-tiles only)
 
     def __post_init__(self) -> None:
         if self.BLOCK_M not in (8, 16):
@@ -73,17 +69,20 @@ def split13(H: int, gpb: int) -> int:
 
 # (max pairs per expert = cdiv(T * top_k, E), config); first match wins; all share the reduction (splits,
 # GPB): only BLOCK_M / MT / the activation loads differ. bench/results/w4-frag-h200-xsmem.md, K2 layer:
-# 8-row blocks from T = 4 to 256 (up to 5.3 pairs per expert; 2936 us at T = 256 against 3683 for 16-row
-# blocks), 16-row blocks with 1 MMA tile per warp at T = 1024 (21 pairs per expert: 6923 us against 8017;
-# 2 tiles per warp spill).
+# 8-row blocks from T = 4 to 256 (up to 5.3 pairs per expert; 3138 us at T = 256 against 3740 for 16-row
+# blocks), 16-row blocks with 1 MMA tile per warp at T = 1024 (21 pairs per expert: 7212 us against 8174;
+# 2 tiles per warp spill once the activations pass through shared memory).
 FRAG_MOE_CONFIGS: list[tuple[int, FragMoEConfig]] = [
     (8, FragMoEConfig(BLOCK_M=8)),
     (1 << 62, FragMoEConfig(BLOCK_M=16)),
 ]
 # Launches of at most this many pairs (T = 1 at top-8): the gate/up GEMM loads the activations in the MMA
 # operand layout, at use: the relabel through shared memory costs it 35 registers (163 against 128: 3
-# programs per SM instead of 4), which a one-wave launch feels; the down GEMM gains from it (T = 1: 72.2 us
-# against 75.4 with operand loads in both, 79.8 with smem in both; bench/results/w4-frag-h200-xsmem.md).
+# programs per SM instead of 4), which a one-wave launch feels; the down GEMM gains from it. T = 1: 71.8 us
+# against 74.7 with operand loads in both, 83.1 with smem-ahead in both. Measured and dropped there: SwiGLU
+# applied in the down GEMM's activation loads instead of its own launch (every down program recomputing its
+# block's SwiGLU from the fp32 partials), 85.4 against 71.6 us at T = 1 and slower at every T
+# (bench/results/w4-frag-h200-swiglu-down.md).
 FEW_PAIRS = 8
 FEW_PAIRS_CONFIG = FragMoEConfig(BLOCK_M=8, XLOAD="operand", XLOAD2="smem-ahead")
 
@@ -117,15 +116,14 @@ if HAVE_GLUON:
     @gluon.jit
     def _moe_frag_kernel(x_ptr, w_ptr, s_ptr, out_ptr, tw_ptr, sorted_ptr, blk_expert_ptr, blk_rows_ptr,
                          UP_ROW, TOPK, stride_xt, stride_we, stride_wn, stride_se, stride_sn,
-                         stride_os, stride_ot, kb_per_split, stride_xs,
+                         stride_os, stride_ot, kb_per_split,
                          GATE_UP: gl.constexpr, TOK: gl.constexpr, MT: gl.constexpr, GPB: gl.constexpr,
-                         WL: gl.constexpr, X_SMEM: gl.constexpr, X_AHEAD: gl.constexpr, XSPLIT: gl.constexpr,
+                         WL: gl.constexpr, X_SMEM: gl.constexpr, X_AHEAD: gl.constexpr,
                          num_warps: gl.constexpr):
         """grid (blocks, N / BN, splits), one expert block's pairs over the split's K blocks.
         GATE_UP: x [T, H] rows pair // TOPK, weight rows n and UP_ROW + n -> out[split, pair, n] and
         out[split, pair, UP_ROW + n] (fp32 gate / up partials). Else (down): x = inter [P, I] rows pair ->
-        out[split, pair, n] = router weight x the partial down sum; with XSPLIT > 0 x is the gate/up partials
-        [XSPLIT, P, 2I] (split stride stride_xs, up at + UP_ROW) and SwiGLU is applied as they load."""
+        out[split, pair, n] = router weight x the partial down sum."""
         BN: gl.constexpr = 16 * num_warps * MT
         BK: gl.constexpr = 32 * GPB
         MMA: gl.constexpr = mma_layout(num_warps)
@@ -158,7 +156,7 @@ if HAVE_GLUON:
         acc0 = gl.zeros([BN, TOK], gl.float32, layout=MMA)
         acc1 = gl.zeros([BN, TOK], gl.float32, layout=MMA)
         acc0, acc1 = _frag_loop(acc0, acc1, w0, s0, w1, s1, x_ptrs, gl.expand_dims(ok, 0), kb_per_split,
-                                stride_xs, UP_ROW, GATE_UP, X_AHEAD, XSPLIT, AL, BL, BN, GPB)
+                                GATE_UP, X_AHEAD, AL, BL, BN, GPB)
 
         pair_o, ok_o = _block_pairs(sorted_ptr, pid_b, rows, TOK, gl.SliceLayout(0, MMA))
         if not GATE_UP:
@@ -216,29 +214,24 @@ def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor
     _moe_frag_kernel[(blocks, I // bn, s13)](
         x, w13_q, w13_scale, part, tw, sorted_pairs, blk_expert, blk_rows, I, topk,
         x.stride(0), w13_q.stride(0), w13_q.stride(1), w13_scale.stride(0), w13_scale.stride(1),
-        part.stride(0), part.stride(1), H // (32 * g13) // s13, 0,
+        part.stride(0), part.stride(1), H // (32 * g13) // s13,
         GATE_UP=True, TOK=cfg.BLOCK_M, MT=mt, GPB=g13, WL=word_layout(cfg.num_warps, mt, g13),
-        X_SMEM=X_LOADS[cfg.XLOAD][0], X_AHEAD=X_LOADS[cfg.XLOAD][1], XSPLIT=0,
-        num_warps=cfg.num_warps)
-    if cfg.SWIGLU2:
-        inter, up_row, xsplit = part, I, s13
-    else:
-        inter, up_row, xsplit = torch.empty((P, I), device=x.device, dtype=x.dtype), 0, 0
-        block = min(1024, triton.next_power_of_2(I))
-        _moe_swiglu_kernel[(P, triton.cdiv(I, block))](
-            part, inter, ids, I, E, part.stride(0), part.stride(1), inter.stride(0),
-            SPLIT=s13, BLOCK=block, DEQ=DEQ_FLOAT, num_warps=4)
+        X_SMEM=X_LOADS[cfg.XLOAD][0], X_AHEAD=X_LOADS[cfg.XLOAD][1], num_warps=cfg.num_warps)
+    inter = torch.empty((P, I), device=x.device, dtype=x.dtype)
+    block = min(1024, triton.next_power_of_2(I))
+    _moe_swiglu_kernel[(P, triton.cdiv(I, block))](
+        part, inter, ids, I, E, part.stride(0), part.stride(1), inter.stride(0),
+        SPLIT=s13, BLOCK=block, DEQ=DEQ_FLOAT, num_warps=4)
     y = torch.empty((cfg.SPLIT2, P, H), device=x.device, dtype=torch.float32)
     mt2 = mt_for(cfg, H, I, cfg.MT2)
     xload2 = cfg.XLOAD2 or cfg.XLOAD
     _moe_frag_kernel[(blocks, H // (16 * cfg.num_warps * mt2), cfg.SPLIT2)](
-        inter, w2_q, w2_scale, y, tw, sorted_pairs, blk_expert, blk_rows, up_row, 1,
-        inter.stride(-2), w2_q.stride(0), w2_q.stride(1), w2_scale.stride(0), w2_scale.stride(1),
-        y.stride(0), y.stride(1), I // (32 * g2) // cfg.SPLIT2, inter.stride(0) if xsplit else 0,
+        inter, w2_q, w2_scale, y, tw, sorted_pairs, blk_expert, blk_rows, 0, 1,
+        inter.stride(0), w2_q.stride(0), w2_q.stride(1), w2_scale.stride(0), w2_scale.stride(1),
+        y.stride(0), y.stride(1), I // (32 * g2) // cfg.SPLIT2,
         GATE_UP=False, TOK=cfg.BLOCK_M, MT=mt2, GPB=g2, WL=word_layout(cfg.num_warps, mt2, g2),
-        X_SMEM=X_LOADS[xload2][0], X_AHEAD=X_LOADS[xload2][1], XSPLIT=xsplit,
-        num_warps=cfg.num_warps)
-    BLOCK_H = cfg.SUM_BLOCK
+        X_SMEM=X_LOADS[xload2][0], X_AHEAD=X_LOADS[xload2][1], num_warps=cfg.num_warps)
+    BLOCK_H = 1024
     _moe_topk_sum_kernel[(T, triton.cdiv(H, BLOCK_H))](
         y, ids, out, H, E, y.stride(1), y.stride(0), out.stride(0), TOPK=topk, BLOCK_H=BLOCK_H,
         SPLIT=cfg.SPLIT2, num_warps=4)

@@ -16,6 +16,12 @@ so that `(w >> 4j) & 0x000F000F` is the bf16x2 pair (k, k+1) of one A register. 
 block are contiguous (one 16-byte load for GPB = 4). Dequantization is 2 instructions per weight pair
 (lop3 into bf16 128 + code, sub 136, mul by the group scale: the same bf16 rounding as q * s).
 
+Activations (the B operand, [32*GPB, 8 or 16 tokens] per block) read in the mma.sync B layout cost every
+warp one 4-byte load per pair of values: at GPB 8 32 loads per thread per block against 6 16-byte loads of
+words and scales, which capped the down GEMM and the 16-token tiles. They are loaded 16 bytes per thread
+instead (x_layout) and relabelled into the B layout through shared memory (4 KB per block, LDSM reads);
+X_LOADS names the choices, all with the same bits.
+
 Written in Gluon (triton.experimental.gluon), whose explicit layouts let the dequantized tensor be
 relabelled into the MMA operand layout without data movement (checked at compile time:
 `convert_layout(..., assert_trivial=True)`). Gluon kernels do not run in the CPU interpreter; the repack
@@ -162,30 +168,13 @@ if HAVE_GLUON:
         return w_ptrs, s_ptrs
 
     @gluon.jit
-    def _x_load(x_ptrs, x_mask, stride_xs, up_off, XSPLIT: gl.constexpr):
-        """One activation block. XSPLIT = 0: bf16 x. XSPLIT = s > 0: x = silu(g) * u rounded to bf16, g and u
-        the sums in split order of s fp32 gate / up partials (split stride stride_xs, up at + up_off):
-        the arithmetic of moe_w4a16._moe_swiglu_kernel, so the same bits as its output."""
-        if XSPLIT == 0:
-            x = gl.load(x_ptrs, mask=x_mask, other=0.0)
-        else:
-            g = 0.0 + gl.load(x_ptrs, mask=x_mask, other=0.0)          # 0 + first split, as that kernel sums
-            u = 0.0 + gl.load(x_ptrs + up_off, mask=x_mask, other=0.0)
-            for sp in gl.static_range(1, XSPLIT):
-                g += gl.load(x_ptrs + sp * stride_xs, mask=x_mask, other=0.0)
-                u += gl.load(x_ptrs + sp * stride_xs + up_off, mask=x_mask, other=0.0)
-            x = (g / (1.0 + gl.exp(-g)) * u).to(gl.bfloat16)
-        return x
-
-    @gluon.jit
-    def _frag_loop(acc0, acc1, w0, s0, w1, s1, x_ptrs, x_mask, nblk, stride_xs, up_off,
-                   TWO: gl.constexpr, X_AHEAD: gl.constexpr, XSPLIT: gl.constexpr, AL: gl.constexpr,
-                   BL: gl.constexpr, BN: gl.constexpr, GPB: gl.constexpr):
+    def _frag_loop(acc0, acc1, w0, s0, w1, s1, x_ptrs, x_mask, nblk,
+                   TWO: gl.constexpr, X_AHEAD: gl.constexpr, AL: gl.constexpr, BL: gl.constexpr,
+                   BN: gl.constexpr, GPB: gl.constexpr):
         """acc0 (+ acc1 with TWO) += A0 (A1) @ x over nblk blocks of 32*GPB k, in k order. One block of
         words and scales is in flight ahead of the one in use; with X_AHEAD one block of activations too
         (its load issued after the current block's relabel into BL), else they are loaded at use. x_ptrs /
-        x_mask: in x_layout (relabelled through shared memory) or in BL (the relabel is a no-op); XSPLIT,
-        stride_xs, up_off: _x_load."""
+        x_mask: in x_layout (relabelled through shared memory) or in BL (the relabel is a no-op)."""
         BK: gl.constexpr = 32 * GPB
         a0 = gl.load(w0)
         c0 = gl.load(s0)
@@ -193,7 +182,7 @@ if HAVE_GLUON:
             a1 = gl.load(w1)
             c1 = gl.load(s1)
         if X_AHEAD:
-            xr = _x_load(x_ptrs, x_mask, stride_xs, up_off, XSPLIT)
+            xr = gl.load(x_ptrs, mask=x_mask, other=0.0)
         for _ in range(nblk - 1):
             w0 += 4 * GPB
             s0 += GPB
@@ -207,9 +196,9 @@ if HAVE_GLUON:
             if X_AHEAD:
                 xb = gl.convert_layout(xr, BL)
                 x_ptrs += BK
-                xr = _x_load(x_ptrs, x_mask, stride_xs, up_off, XSPLIT)
+                xr = gl.load(x_ptrs, mask=x_mask, other=0.0)
             else:
-                xb = gl.convert_layout(_x_load(x_ptrs, x_mask, stride_xs, up_off, XSPLIT), BL)
+                xb = gl.convert_layout(gl.load(x_ptrs, mask=x_mask, other=0.0), BL)
                 x_ptrs += BK
             acc0 = mma_v2(_dequant_frag(a0, c0, AL, BN, BK), xb, acc0)
             if TWO:
@@ -221,7 +210,7 @@ if HAVE_GLUON:
         if X_AHEAD:
             xb = gl.convert_layout(xr, BL)
         else:
-            xb = gl.convert_layout(_x_load(x_ptrs, x_mask, stride_xs, up_off, XSPLIT), BL)
+            xb = gl.convert_layout(gl.load(x_ptrs, mask=x_mask, other=0.0), BL)
         acc0 = mma_v2(_dequant_frag(a0, c0, AL, BN, BK), xb, acc0)
         if TWO:
             acc1 = mma_v2(_dequant_frag(a1, c1, AL, BN, BK), xb, acc1)
@@ -254,8 +243,8 @@ if HAVE_GLUON:
         x_mask = gl.expand_dims(rm, 0) < M
 
         acc = gl.zeros([BN, TOK], gl.float32, layout=MMA)
-        acc, unused = _frag_loop(acc, acc, w_ptrs, s_ptrs, w_ptrs, s_ptrs, x_ptrs, x_mask, kb_per_split, 0, 0,
-                                 False, X_AHEAD, 0, AL, BL, BN, GPB)
+        acc, unused = _frag_loop(acc, acc, w_ptrs, s_ptrs, w_ptrs, s_ptrs, x_ptrs, x_mask, kb_per_split,
+                                 False, X_AHEAD, AL, BL, BN, GPB)
 
         # y[m, n] = acc[n, m]
         on = gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
@@ -313,8 +302,8 @@ def token_tile(M: int) -> int:
 
 
 def token_mt(plan_mt: int, tok: int) -> int:
-    """MMA tiles per warp for a token tile: 16-token tiles with 2 tiles per warp spill (255 registers; 108
-    against 64 us with 1 tile at M = 16, bench/results/w4-frag-h200-xsmem.md)."""
+    """MMA tiles per warp for a token tile: 16-token tiles with 2 tiles per warp spill (255 registers; 97.8
+    against 64.8 us with 1 tile at M = 16, bench/results/w4-frag-h200-xsmem.md)."""
     return plan_mt if tok == 8 else 1
 
 
