@@ -101,7 +101,7 @@ class Linear(nn.Module):
         return prepare(self, dtype, f"linear [{self.out_features} x {self.in_features}]",
                        frag_unsupported(self.out_features, self.in_features, self.group_size),
                        "dense linears default to Triton (the fragment kernel reads the weights once per 16 rows: "
-                       "slower from 16 rows, bench/results/kernels-h200.md)")
+                       "faster to 16 rows, even at 64, slower at 256: prefill; bench/results/kernels-h200.md)")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self)
