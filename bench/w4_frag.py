@@ -43,13 +43,12 @@ MOE_CANDIDATES = [  # the engine's table first (None), then block rows / tiles /
     None,
     FragMoEConfig(BLOCK_M=8, XLOAD="operand"),
     FragMoEConfig(BLOCK_M=8, XLOAD="operand", XLOAD2="smem-ahead"),
-    FragMoEConfig(BLOCK_M=8, XLOAD="operand", XLOAD2="smem-ahead", DEPTH2=2),
-    FragMoEConfig(BLOCK_M=8, XLOAD="operand", XLOAD2="smem", DEPTH2=2),
+    FragMoEConfig(BLOCK_M=8, XLOAD="operand", XLOAD2="smem"),
     FragMoEConfig(BLOCK_M=8),
-    FragMoEConfig(BLOCK_M=8, DEPTH2=2),
+    FragMoEConfig(BLOCK_M=8, XLOAD="smem"),
     FragMoEConfig(BLOCK_M=8, MT2=2),
     FragMoEConfig(BLOCK_M=16),
-    FragMoEConfig(BLOCK_M=16, DEPTH2=2),
+    FragMoEConfig(BLOCK_M=16, XLOAD="smem"),
 ]
 MOE_TS = [1, 4, 16, 64, 256, 1024]
 
@@ -123,8 +122,7 @@ def bench_moe(ts, bw, reps) -> list[dict]:
         for cand in MOE_CANDIDATES:
             cfg = cand or frag_moe_config(T * TOPK, E)
             label = (f"frag{' (engine table)' if cand is None else ''} bm{cfg.BLOCK_M} mt{cfg.MT}/{cfg.MT2 or cfg.MT} w{cfg.num_warps} "
-                     f"split13 {cfg.SPLIT13 or 'auto'} split2 {cfg.SPLIT2} x {cfg.XLOAD}/{cfg.XLOAD2 or cfg.XLOAD}"
-                     f"{' depth2 2' if cfg.DEPTH2 == 2 else ''}")
+                     f"split13 {cfg.SPLIT13 or 'auto'} split2 {cfg.SPLIT2} x {cfg.XLOAD}/{cfg.XLOAD2 or cfg.XLOAD}")
             _row(rows, {**base, "kernel": label},
                  lambda: fused_moe_frag(x, q13, w13s, q2, w2s, ids0, tw0, G, cfg), ref,
                  [lambda i=i, w=w: fused_moe_frag(x, q13, w13s, q2, w2s, i, w, G, cfg) for i, w in sets],

@@ -75,7 +75,7 @@
 #   xsm4   the final code: fragment and align GPU tests, the demo's greedy spec == plain, the target tests, the
 #          kernel and round benches
 #   xsm5   the final code: the demo spec bench, the graph-round and spec GPU tests
-#   xsm6   two blocks of the down GEMM's words in flight (FragMoEConfig.DEPTH2): fragment GPU tests, MoE candidates
+#   xsm6   two blocks of the down GEMM's words in flight (FragMoEConfig.DEPTH2 at 1ba8139, dropped): GPU tests, candidates
 #   xsm7   the kernel bench, the fragment tests and the demo's greedy spec == plain on the final code
 #   final3 final2 on this round's final code (align kernel, expert block rows, forked shared expert, router tiles)
 #   final2 the kernel, batch-invariance and bitwise GPU tests (all but the demo's logits-alone test) on the final code

@@ -33,7 +33,7 @@ if HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
 
-    from kdtree_engine.kernels.w4_frag import _frag_loop, _frag_loop_deep, _word_ptrs, mma_layout, operand_layout, x_layout
+    from kdtree_engine.kernels.w4_frag import _frag_loop, _word_ptrs, mma_layout, operand_layout, x_layout
 
 
 @dataclass(frozen=True)
@@ -49,13 +49,10 @@ class FragMoEConfig:
     GPB: int | None = None       # groups per K block of both matrices (None: frag_gpb(K) of each)
     XLOAD: str = "smem-ahead"    # how the gate/up GEMM loads activations (X_LOADS; the same bits)
     XLOAD2: str | None = None    # the down GEMM's (None: XLOAD)
-    DEPTH2: int = 1        # blocks of the down GEMM's words in flight ahead of the one in use (1 or 2; same bits)
 
     def __post_init__(self) -> None:
         if self.BLOCK_M not in (8, 16):
             raise ValueError(f"FragMoEConfig.BLOCK_M must be 8 or 16, got {self.BLOCK_M}")
-        if self.DEPTH2 not in (1, 2):
-            raise ValueError(f"FragMoEConfig.DEPTH2 must be 1 or 2, got {self.DEPTH2}")
         for name in ("XLOAD", "XLOAD2"):
             v = getattr(self, name)
             if v not in X_LOADS and not (name == "XLOAD2" and v is None):
@@ -85,7 +82,9 @@ FRAG_MOE_CONFIGS: list[tuple[int, FragMoEConfig]] = [
 # against 74.7 with operand loads in both, 83.1 with smem-ahead in both. Measured and dropped there: SwiGLU
 # applied in the down GEMM's activation loads instead of its own launch (every down program recomputing its
 # block's SwiGLU from the fp32 partials), 85.4 against 71.6 us at T = 1 and slower at every T
-# (bench/results/w4-frag-h200-swiglu-down.md).
+# (bench/results/w4-frag-h200-swiglu-down.md). Also dropped: two blocks of the down GEMM's words in flight
+# (121 registers, 4 programs per SM): 74.0 against 71.9 us at T = 1, slower at every T
+# (bench/results/w4-frag-h200-depth2.md).
 FEW_PAIRS = 8
 FEW_PAIRS_CONFIG = FragMoEConfig(BLOCK_M=8, XLOAD="operand", XLOAD2="smem-ahead")
 
@@ -121,7 +120,7 @@ if HAVE_GLUON:
                          UP_ROW, TOPK, stride_xt, stride_we, stride_wn, stride_se, stride_sn,
                          stride_os, stride_ot, kb_per_split,
                          GATE_UP: gl.constexpr, TOK: gl.constexpr, MT: gl.constexpr, GPB: gl.constexpr,
-                         WL: gl.constexpr, X_SMEM: gl.constexpr, X_AHEAD: gl.constexpr, DEPTH: gl.constexpr,
+                         WL: gl.constexpr, X_SMEM: gl.constexpr, X_AHEAD: gl.constexpr,
                          num_warps: gl.constexpr):
         """grid (blocks, N / BN, splits), one expert block's pairs over the split's K blocks.
         GATE_UP: x [T, H] rows pair // TOPK, weight rows n and UP_ROW + n -> out[split, pair, n] and
@@ -158,12 +157,8 @@ if HAVE_GLUON:
         x_ptrs = x_ptr + gl.expand_dims(xr, 0) * stride_xt + gl.expand_dims(rk, 1) + kb0 * BK
         acc0 = gl.zeros([BN, TOK], gl.float32, layout=MMA)
         acc1 = gl.zeros([BN, TOK], gl.float32, layout=MMA)
-        if DEPTH == 2:
-            acc0 = _frag_loop_deep(acc0, w0, s0, x_ptrs, gl.expand_dims(ok, 0), kb_per_split, X_AHEAD, AL, BL, BN,
-                                   GPB)
-        else:
-            acc0, acc1 = _frag_loop(acc0, acc1, w0, s0, w1, s1, x_ptrs, gl.expand_dims(ok, 0), kb_per_split,
-                                    GATE_UP, X_AHEAD, AL, BL, BN, GPB)
+        acc0, acc1 = _frag_loop(acc0, acc1, w0, s0, w1, s1, x_ptrs, gl.expand_dims(ok, 0), kb_per_split,
+                                GATE_UP, X_AHEAD, AL, BL, BN, GPB)
 
         pair_o, ok_o = _block_pairs(sorted_ptr, pid_b, rows, TOK, gl.SliceLayout(0, MMA))
         if not GATE_UP:
@@ -223,8 +218,7 @@ def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor
         x.stride(0), w13_q.stride(0), w13_q.stride(1), w13_scale.stride(0), w13_scale.stride(1),
         part.stride(0), part.stride(1), H // (32 * g13) // s13,
         GATE_UP=True, TOK=cfg.BLOCK_M, MT=mt, GPB=g13, WL=word_layout(cfg.num_warps, mt, g13),
-        X_SMEM=X_LOADS[cfg.XLOAD][0], X_AHEAD=X_LOADS[cfg.XLOAD][1], DEPTH=1,
-        num_warps=cfg.num_warps)
+        X_SMEM=X_LOADS[cfg.XLOAD][0], X_AHEAD=X_LOADS[cfg.XLOAD][1], num_warps=cfg.num_warps)
     inter = torch.empty((P, I), device=x.device, dtype=x.dtype)
     block = min(1024, triton.next_power_of_2(I))
     _moe_swiglu_kernel[(P, triton.cdiv(I, block))](
@@ -238,8 +232,7 @@ def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor
         inter.stride(0), w2_q.stride(0), w2_q.stride(1), w2_scale.stride(0), w2_scale.stride(1),
         y.stride(0), y.stride(1), I // (32 * g2) // cfg.SPLIT2,
         GATE_UP=False, TOK=cfg.BLOCK_M, MT=mt2, GPB=g2, WL=word_layout(cfg.num_warps, mt2, g2),
-        X_SMEM=X_LOADS[xload2][0], X_AHEAD=X_LOADS[xload2][1], DEPTH=cfg.DEPTH2,
-        num_warps=cfg.num_warps)
+        X_SMEM=X_LOADS[xload2][0], X_AHEAD=X_LOADS[xload2][1], num_warps=cfg.num_warps)
     BLOCK_H = 1024
     _moe_topk_sum_kernel[(T, triton.cdiv(H, BLOCK_H))](
         y, ids, out, H, E, y.stride(1), y.stride(0), out.stride(0), TOPK=topk, BLOCK_H=BLOCK_H,

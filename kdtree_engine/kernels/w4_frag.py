@@ -217,39 +217,6 @@ if HAVE_GLUON:
         return acc0, acc1
 
     @gluon.jit
-    def _frag_loop_deep(acc0, w0, s0, x_ptrs, x_mask, nblk,
-                        X_AHEAD: gl.constexpr, AL: gl.constexpr, BL: gl.constexpr, BN: gl.constexpr,
-                        GPB: gl.constexpr):
-        """_frag_loop for one matrix with two blocks of words and scales in flight ahead of the one in use
-        (the same MMAs in the same order: the same bits). Loads past block nblk - 1 are masked off."""
-        BK: gl.constexpr = 32 * GPB
-        a0 = gl.load(w0)
-        c0 = gl.load(s0)
-        a1 = gl.load(w0 + 4 * GPB, mask=nblk > 1, other=0)
-        c1 = gl.load(s0 + GPB, mask=nblk > 1, other=0.0)
-        if X_AHEAD:
-            xr = gl.load(x_ptrs, mask=x_mask, other=0.0)
-        for i in range(nblk):
-            w0 += 4 * GPB
-            s0 += GPB
-            more = i + 2 < nblk
-            n_a = gl.load(w0 + 4 * GPB, mask=more, other=0)
-            n_c = gl.load(s0 + GPB, mask=more, other=0.0)
-            if X_AHEAD:
-                xb = gl.convert_layout(xr, BL)
-                x_ptrs += BK
-                xr = gl.load(x_ptrs, mask=x_mask & (i + 1 < nblk), other=0.0)
-            else:
-                xb = gl.convert_layout(gl.load(x_ptrs, mask=x_mask, other=0.0), BL)
-                x_ptrs += BK
-            acc0 = mma_v2(_dequant_frag(a0, c0, AL, BN, BK), xb, acc0)
-            a0 = a1
-            c0 = c1
-            a1 = n_a
-            c1 = n_c
-        return acc0
-
-    @gluon.jit
     def _w4_frag_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, stride_xm, stride_wn, stride_sn,
                         stride_om, stride_os, kb_per_split,
                         TOK: gl.constexpr, MT: gl.constexpr, GPB: gl.constexpr, WL: gl.constexpr,
