@@ -1,7 +1,5 @@
 """Benchmark: the MoE router's float32 GEMM (x [M, 7168] @ gate [384, 7168].T, as K2 computes router
-logits) through the batch-invariant GEMM, with its default tile and candidate tiles, and through the
-engine's router kernel (kernels/router_gemm.py, from the bf16 hidden state as the model calls it), against
-cuBLAS.
+logits) through the batch-invariant GEMM, with its default tile and candidate tiles, against cuBLAS.
 
     python bench/router.py --out bench/results        # writes router-<gpu>.json and .md
 
@@ -25,7 +23,6 @@ if __package__ in (None, ""):
 from bench.common import (command_line, copy_bandwidth, device_info, gpu_stem, kernel_profile, md_table,  # noqa: E402
                           time_calls, write_results)
 from kdtree_engine.kernels.gemm import Tile, bi_linear, reduction_for, tile_for  # noqa: E402
-from kdtree_engine.kernels.router_gemm import router_logits  # noqa: E402
 
 N, K = 384, 7168
 MS = (1, 4, 16, 64, 129)
@@ -71,12 +68,6 @@ def main(argv: list[str] | None = None) -> int:
                "cublas_us": time_calls([lambda c=c: F.linear(x, c) for c in ws], reps=args.reps)["us"],
                "default_us": time_calls([lambda c=c: bi_linear(x, c) for c in ws], reps=args.reps)["us"],
                "rel_err": float((base.double() - ref).norm() / ref.norm())}
-        xb = x.to(torch.bfloat16)                          # the model's router input; exact in fp32
-        refb = xb.double() @ w.double().T
-        rk = router_logits(xb, w)
-        row["router_us"] = time_calls([lambda c=c: router_logits(xb, c) for c in ws], reps=args.reps)["us"]
-        row["router_rel_err"] = float((rk.double() - refb).norm() / refb.norm())
-        row["router_upcast_same_bits"] = bool(torch.equal(rk, router_logits(xb.float(), w)))
         for name, t in CANDIDATES.items():
             try:
                 y = bi_linear(x, w, tile=t)
@@ -88,8 +79,7 @@ def main(argv: list[str] | None = None) -> int:
             row["profile"] = kernel_profile(lambda: bi_linear(x, w))["kernels"]
             print("  " + "; ".join(f"{k['name'][:40]} x{k['calls']:g} {k['us']:.1f} us" for k in row["profile"]))
         rows.append(row)
-        print(f"M={M}: cuBLAS {row['cublas_us']:.1f} us, default {row['default_us']:.1f} us, router kernel "
-              f"{row['router_us']:.1f} us; "
+        print(f"M={M}: cuBLAS {row['cublas_us']:.1f} us, default {row['default_us']:.1f} us; "
               + ", ".join(f"{n} {_cell(row[n])}" for n in CANDIDATES), flush=True)
     payload = {"command": command_line(), "device": info, "copy_TBps": copy_bw / 1e12, "N": N, "K": K,
                "reduction": str(red), "rows": rows}
@@ -97,13 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     md = [f"# Router GEMM (float32, {N} x {K}) on {info['gpu']}", "", f"Command: `{payload['command']}`", "",
           f"Copy bandwidth {copy_bw / 1e12:.2f} TB/s; reduction {red} (fixed by the shape); cuBLAS with TF32 off. "
           "us per call (CUDA-graph replays over 8 weight copies); `*` marks a tile whose bits differ from the "
-          "default's. router kernel: kernels/router_gemm.py on the bf16 activations (its own bits; rel err against "
-          "float64).", ""]
-    md += md_table(["M", "cuBLAS us", "default us", "default TB/s", "default tile", *CANDIDATES, "rel err",
-                    "router kernel us", "router kernel TB/s", "router kernel rel err"],
+          "default's.", ""]
+    md += md_table(["M", "cuBLAS us", "default us", "default TB/s", "default tile", *CANDIDATES, "rel err"],
                    [[r["M"], r["cublas_us"], r["default_us"], gb / (r["default_us"] * 1e-6) / 1e12, r["default_tile"],
-                     *[_cell(r[n]) for n in CANDIDATES], r["rel_err"], r["router_us"],
-                     gb / (r["router_us"] * 1e-6) / 1e12, r["router_rel_err"]]
+                     *[_cell(r[n]) for n in CANDIDATES], r["rel_err"]]
                     for r in rows])
     jp, mp = write_results(args.out, f"router-{gpu_stem(info['gpu'])}", payload, md)
     print(f"wrote {jp} and {mp}")

@@ -76,7 +76,7 @@
 #          kernel and round benches
 #   xsm5   the final code: the demo spec bench, the graph-round and spec GPU tests
 #   xsm6   two blocks of the down GEMM's words in flight (FragMoEConfig.DEPTH2 at 1ba8139, dropped): GPU tests, candidates
-#   router4 the router-logit kernel (kernels/router_gemm.py): its GPU tests, the demo's greedy spec == plain, the
+#   router4 the router-logit kernel (kernels/router_gemm.py at 5f813f4, dropped): its GPU tests, the demo's spec == plain, the
 #          router and K2-step benches, the target tests
 #   final3 final2 on this round's final code (align kernel, expert block rows, forked shared expert, router tiles)
 #   final2 the kernel, batch-invariance and bitwise GPU tests (all but the demo's logits-alone test) on the final code

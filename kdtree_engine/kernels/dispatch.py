@@ -207,14 +207,6 @@ def dense_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return F.linear(x, w)
 
 
-def router_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """Router logits: x [M, K] (any float dtype) @ w [N, K] float32 .T -> [M, N] float32, x upcast exactly."""
-    if _use_triton(x, w):
-        from .router_gemm import router_logits
-        return router_logits(x, w)
-    return F.linear(x.float(), w)
-
-
 def head_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """Per-head product x [T, B, K], w [B, N, K] (any strides) -> [T, B, N]: out[t, b] = x[t, b] @ w[b].T."""
     if _use_triton(x, w):
