@@ -59,7 +59,6 @@ class FragMoEConfig:
                 raise ValueError(f"FragMoEConfig.{name} must be one of {sorted(X_LOADS)}, got {v!r}")
 
 
-
 def split13(H: int, gpb: int) -> int:
     """Gate/up splits over H: 2 when the K blocks split evenly into halves of >= 2 blocks (fixed by the
     shape: it is part of the reduction). bench/results/w4-frag-h200.md: 2 at K2 shapes."""
