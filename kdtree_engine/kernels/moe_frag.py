@@ -130,7 +130,7 @@ if HAVE_GLUON:
         MMA: gl.constexpr = mma_layout(num_warps)
         AL: gl.constexpr = operand_layout(0, num_warps)
         BL: gl.constexpr = operand_layout(1, num_warps)
-        XL: gl.constexpr = x_layout(BK, TOK, num_warps) if X_SMEM else BL
+        XL: gl.constexpr = x_layout(BK, TOK, num_warps, X_SMEM)
         pid_b = gl.program_id(0)
         rows = gl.load(blk_rows_ptr + pid_b)
         if rows == 0:

@@ -110,11 +110,13 @@ if HAVE_GLUON:
         return gl.DotOperandLayout(operand_index=index, parent=mma_layout(num_warps), k_width=2)
 
     @constexpr_function
-    def x_layout(bk, tok, num_warps):
-        """Load layout of an activation block [BK, TOK]: 8 consecutive k (16 bytes) per thread, a warp's
-        lanes along k first. Loaded so, then relabelled into the B operand through shared memory (one
-        16-byte load per 8 values; read in the B layout directly, every warp would issue one 4-byte load per
-        pair of values: ~5x the load instructions of the weights)."""
+    def x_layout(bk, tok, num_warps, smem):
+        """Load layout of an activation block [BK, TOK]. smem: 8 consecutive k (16 bytes) per thread, a warp's
+        lanes along k first, relabelled into the B operand through shared memory (one 16-byte load per 8
+        values; read in the B layout directly, every warp issues one 4-byte load per pair of values: ~5x the
+        load instructions of the weights). Else the B operand layout itself (the relabel is a no-op)."""
+        if not smem:
+            return operand_layout(1, num_warps)
         lanes_k = max(1, min(32, bk // 8))
         return gl.BlockedLayout(size_per_thread=[8, 1], threads_per_warp=[lanes_k, 32 // lanes_k],
                                 warps_per_cta=[1, num_warps], order=[0, 1])
@@ -229,7 +231,7 @@ if HAVE_GLUON:
         MMA: gl.constexpr = mma_layout(num_warps)
         AL: gl.constexpr = operand_layout(0, num_warps)
         BL: gl.constexpr = operand_layout(1, num_warps)
-        XL: gl.constexpr = x_layout(BK, TOK, num_warps) if X_SMEM else BL
+        XL: gl.constexpr = x_layout(BK, TOK, num_warps, X_SMEM)
         m0 = gl.program_id(0) * TOK
         n0 = gl.program_id(1) * BN
         pid_s = gl.program_id(2)
