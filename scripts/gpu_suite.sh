@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU tests and benchmarks, logs and results packed under $OUT; one device call runs one part.
-#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|next|chain|sample|rounds|decode|step|verify|resume|ncu|plane|merge|merge2|merge3|sample2|fork|last|plane2|rows|kload|lazy|rounds2|maxnreg|qsplit|stages|down|bm8|m64|merge4|merge5|final2|moerows|moe16|moe16b|router|router2|router3|final3|frag|frag2|frag3|frag4|frag5|frag7|frag8|xsm|xsm2|xsm3|xsm4|xsm5|xsm6|router4]   (on the GPU machine, from the repository root)
+#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|next|chain|sample|rounds|decode|step|verify|resume|ncu|plane|merge|merge2|merge3|sample2|fork|last|plane2|rows|kload|lazy|rounds2|maxnreg|qsplit|stages|down|bm8|m64|merge4|merge5|final2|moerows|moe16|moe16b|router|router2|router3|final3|frag|frag2|frag3|frag4|frag5|frag7|frag8|xsm|xsm2|xsm3|xsm4|xsm5|xsm6|router4|arrive]   (on the GPU machine, from the repository root)
 #   tune   the W4A16 config sweep, the bitwise and CUDA-graph GPU tests, the demo's spec benchmark
 #   check  the remaining GPU tests (kernels, batch invariance, target, attention), kernel and round benches
 #   bench  the benchmarks with long runs (K2 step, attention, GEMM)
@@ -76,6 +76,9 @@
 #          kernel and round benches
 #   xsm5   the final code: the demo spec bench, the graph-round and spec GPU tests
 #   xsm6   two blocks of the down GEMM's words in flight (FragMoEConfig.DEPTH2 at 1ba8139, dropped): GPU tests, candidates
+#   arrive the last-program epilogues (split-K sum, SwiGLU, top-k sum; kernels/arrivals.py): their GPU tests, the
+#          fragment candidates against the previous commit's (.abbase, an export of f81f08e), the kernel bench,
+#          the other fragment GPU tests
 #   router4 the router-logit kernel (kernels/router_gemm.py at 5f813f4, dropped): its GPU tests, the demo's spec == plain, the
 #          router and K2-step benches, the target tests
 #   final3 final2 on this round's final code (align kernel, expert block rows, forked shared expert, router tiles)
@@ -471,5 +474,14 @@ if [[ $PART == router4 ]]; then
   step bench_router 40 python3 bench/router.py --out "$RES"
   step bench_k2_step 80 python3 bench/k2_step.py --profile --out "$RES"
   step pytest_target 60 $PYT tests/gpu/test_target_gpu.py
+fi
+if [[ $PART == arrive ]]; then
+  step pytest_arrive 120 $PYT tests/gpu/test_w4_frag_gpu.py -k "last_program or topk_sum_in_down or graph_replays"
+  mkdir -p "$RES/base"
+  step bench_w4_frag_base 70 env PYTHONPATH="$PWD/.abbase" python3 .abbase/bench/w4_frag.py --no-dense --ts 1,4,16 \
+    --out "$RES/base"
+  step bench_w4_frag 160 python3 bench/w4_frag.py --ts 1,4,16,64 --ms 1,4,16 --out "$RES"
+  step bench_kernels 45 python3 bench/kernels.py --no-sweep --out "$RES"
+  step pytest_frag 130 $PYT tests/gpu/test_w4_frag_gpu.py -k "not (last_program or topk_sum_in_down or graph_replays)"
 fi
 ls -la "$RES"
