@@ -37,14 +37,12 @@ from kdtree_engine.quant import dequantize  # noqa: E402
 
 DENSE_CANDIDATES = [  # the engine's plan first (None), then overrides of it (the plan's split unless given)
     None, dict(xload="operand"), dict(xload="smem"), dict(tok=8, mt=2), dict(tok=16, mt=2),
-    dict(mt=1, split=2), dict(mt=1, split=1), dict(split=2), dict(split=7), dict(split=14),
+    dict(mt=1, split=2), dict(mt=1, split=1),
 ]
 MOE_CANDIDATES = [  # the engine's table first (None), then block rows / tiles / activation loads
     None,
     FragMoEConfig(BLOCK_M=8, XLOAD="operand"),
     FragMoEConfig(BLOCK_M=8, XLOAD="operand", XLOAD2="smem-ahead"),
-    FragMoEConfig(BLOCK_M=8, XLOAD="operand", XLOAD2="smem-ahead", MAXNREG13=128),
-    FragMoEConfig(BLOCK_M=8, XLOAD="operand", XLOAD2="smem-ahead", SUM_TOPK=True),
     FragMoEConfig(BLOCK_M=8, XLOAD="operand", XLOAD2="smem"),
     FragMoEConfig(BLOCK_M=8),
     FragMoEConfig(BLOCK_M=8, XLOAD="smem"),
@@ -124,8 +122,7 @@ def bench_moe(ts, bw, reps) -> list[dict]:
         for cand in MOE_CANDIDATES:
             cfg = cand or frag_moe_config(T * TOPK, E)
             label = (f"frag{' (engine table)' if cand is None else ''} bm{cfg.BLOCK_M} mt{cfg.MT}/{cfg.MT2 or cfg.MT} w{cfg.num_warps} "
-                     f"split13 {cfg.SPLIT13 or 'auto'} split2 {cfg.SPLIT2} x {cfg.XLOAD}/{cfg.XLOAD2 or cfg.XLOAD}"
-                     f"{' sum-in-down' if cfg.SUM_TOPK else ''}{f' maxnreg {cfg.MAXNREG13}' if cfg.MAXNREG13 else ''}")
+                     f"split13 {cfg.SPLIT13 or 'auto'} split2 {cfg.SPLIT2} x {cfg.XLOAD}/{cfg.XLOAD2 or cfg.XLOAD}")
             _row(rows, {**base, "kernel": label},
                  lambda: fused_moe_frag(x, q13, w13s, q2, w2s, ids0, tw0, G, cfg), ref,
                  [lambda i=i, w=w: fused_moe_frag(x, q13, w13s, q2, w2s, i, w, G, cfg) for i, w in sets],

@@ -76,7 +76,7 @@
 #          kernel and round benches
 #   xsm5   the final code: the demo spec bench, the graph-round and spec GPU tests
 #   xsm6   two blocks of the down GEMM's words in flight (FragMoEConfig.DEPTH2 at 1ba8139, dropped): GPU tests, candidates
-#   arrive the last-program epilogues (split-K sum, SwiGLU, top-k sum; kernels/arrivals.py): their GPU tests, the
+#   arrive the last-program epilogues at bca9951 (split-K sum, SwiGLU, top-k sum; dropped): their GPU tests, the
 #          fragment candidates against the previous commit's (.abbase, an export of f81f08e), the kernel bench,
 #          the other fragment GPU tests
 #   router4 the router-logit kernel (kernels/router_gemm.py at 5f813f4, dropped): its GPU tests, the demo's spec == plain, the

@@ -5,15 +5,13 @@ Stacked expert tensors, repacked once at load by `frag_repack` (same shapes and 
   w13 int32 [E, 2I, H/8], scale [E, 2I, H/g]   rows 0..I-1 gate_proj, I..2I-1 up_proj
   w2  int32 [E, H, I/8],  scale [E, H, I/g]
 
-Launches (no host synchronisation; CUDA-graph capturable), the align and top-k sum kernels shared with
-moe_w4a16.py:
+Launches (no host synchronisation; CUDA-graph capturable), the align, SwiGLU and top-k sum kernels
+shared with moe_w4a16.py:
   1. align: pairs (t, j) grouped by expert into blocks of BLOCK_M rows (the MMA's token columns);
   2. gate/up (_moe_frag_kernel, GATE_UP): grid (blocks, I / BN, splits over H): fp32 gate and up partials;
-     the last program of a tile to arrive (arrivals.py) sums them in split order, silu(g) * u -> inter
-     [P, I] (bf16; moe_w4a16._moe_swiglu_kernel's arithmetic);
-  3. down (the same kernel): grid (blocks, H / BN, splits over I): router weight x partial -> y [split, P, H];
-  4. top-k sum: out[t] = sum over j, then splits, of y (fixed order, no atomics); with SUM_TOPK done by the
-     last down program to arrive for a token's column tile instead (the same order).
+  3. SwiGLU: the partials summed in split order, silu(g) * u -> inter [P, I] (bf16);
+  4. down (the same kernel): grid (blocks, H / BN, splits over I): router weight x partial -> y [split, P, H];
+  5. top-k sum: out[t] = sum over j, then splits, of y (fixed order, no atomics).
 A pair's column of an mma.sync tile is summed over the same k tiles in the same order whatever the other
 columns hold, and the splits are fixed per matrix shape (never chosen from T), so a token's output does
 not depend on the batch (batch invariance).
@@ -26,17 +24,16 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from kdtree_engine.kernels.arrivals import arrival_counters
+from kdtree_engine.kernels.moe_w4a16 import _moe_swiglu_kernel, _moe_topk_sum_kernel, moe_align
+from kdtree_engine.kernels.w4_dequant import DEQ_FLOAT
 from kdtree_engine.kernels.common import bucket
-from kdtree_engine.kernels.moe_w4a16 import _moe_topk_sum_kernel, moe_align
 from kdtree_engine.kernels.w4_frag import HAVE_GLUON, X_LOADS, frag_gpb, frag_unsupported, word_layout
 
 if HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
 
-    from kdtree_engine.kernels.w4_frag import (_arrive, _frag_loop, _split_total, _word_ptrs, mma_layout,
-                                               operand_layout, x_layout)
+    from kdtree_engine.kernels.w4_frag import _frag_loop, _word_ptrs, mma_layout, operand_layout, x_layout
 
 
 @dataclass(frozen=True)
@@ -52,9 +49,6 @@ class FragMoEConfig:
     GPB: int | None = None       # groups per K block of both matrices (None: frag_gpb(K) of each)
     XLOAD: str = "smem-ahead"    # how the gate/up GEMM loads activations (X_LOADS; the same bits)
     XLOAD2: str | None = None    # the down GEMM's (None: XLOAD)
-    SUM_TOPK: bool = False       # the top-k sum by each token tile's last down program instead of its own
-    #                              launch (the same arithmetic); block 0's programs zero unrouted tokens
-    MAXNREG13: int = 0           # register cap of the gate/up kernel (0: the compiler's; re-tiles nothing)
 
     def __post_init__(self) -> None:
         if self.BLOCK_M not in (8, 16):
@@ -91,7 +85,7 @@ FRAG_MOE_CONFIGS: list[tuple[int, FragMoEConfig]] = [
 # (121 registers, 4 programs per SM): 74.0 against 71.9 us at T = 1, slower at every T
 # (bench/results/w4-frag-h200-depth2.md).
 FEW_PAIRS = 8
-FEW_PAIRS_CONFIG = FragMoEConfig(BLOCK_M=8, XLOAD="operand", XLOAD2="smem-ahead", SUM_TOPK=True, MAXNREG13=128)
+FEW_PAIRS_CONFIG = FragMoEConfig(BLOCK_M=8, XLOAD="operand", XLOAD2="smem-ahead")
 
 
 def frag_moe_config(num_pairs: int, num_experts: int) -> FragMoEConfig:
@@ -121,69 +115,16 @@ if HAVE_GLUON:
         return gl.load(sorted_ptr + pid_b * TOK + r, mask=ok, other=0), ok
 
     @gluon.jit
-    def _silu_mul(g, u):
-        """silu(g) * u in fp32: moe_w4a16._swiglu's arithmetic."""
-        return g / (1.0 + gl.exp(-g)) * u
-
-    @gluon.jit
-    def _valid_pairs(ids_ptr, t, ok, E, TOPK):
-        """[n] int32: pairs of tokens t routed to an expert in [0, E)."""
-        n = gl.zeros_like(t)
-        for j in range(TOPK):
-            eid = gl.load(ids_ptr + t * TOPK + j, mask=ok, other=-1)
-            n += ((eid >= 0) & (eid < E)).to(gl.int32)
-        return n
-
-    @gluon.jit
-    def _zero_orphans(y_ptr, ids_ptr, T, E, TOPK, stride_yt, n0, BN: gl.constexpr, TOK: gl.constexpr,
-                      MMA: gl.constexpr):
-        """y[t, n0 .. n0 + BN] = 0 for the tokens none of whose pairs is routed here (nothing arrives)."""
-        on = gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
-        for t0 in range(0, T, TOK):
-            t = t0 + gl.arange(0, TOK, layout=gl.SliceLayout(0, MMA))
-            orphan = (t < T) & (_valid_pairs(ids_ptr, t, t < T, E, TOPK) == 0)
-            ptrs = y_ptr + gl.expand_dims(t.to(gl.int64), 0) * stride_yt + n0 + gl.expand_dims(on, 1)
-            gl.store(ptrs, gl.zeros([BN, TOK], y_ptr.dtype.element_ty, MMA), mask=gl.expand_dims(orphan, 0))
-
-    @gluon.jit
-    def _sum_topk(part_ptr, y_ptr, arrive_ptr, ids_ptr, t, ok, E, TOPK, stride_ps, stride_pp, stride_yt,
-                  n0, on, BN: gl.constexpr, TOK: gl.constexpr, MMA: gl.constexpr, SPLITS: gl.constexpr):
-        """After this program stored its pairs' rows part[split, pair, n0 ..] (token t of each column): count
-        each pair in at its token's column tile; where it is the last of (valid pairs x SPLITS), y[t, n0 ..]
-        = the sum over the token's valid pairs in j order, then splits (_moe_topk_sum_kernel's arithmetic)."""
-        gl.thread_barrier()
-        counter = arrive_ptr + t * gl.num_programs(1) + gl.program_id(1)
-        old = gl.atomic_add(counter, gl.full([TOK], 1, gl.int32, gl.SliceLayout(0, MMA)), mask=ok,
-                            sem="acq_rel", scope="gpu")
-        last = ok & (old == _valid_pairs(ids_ptr, t, ok, E, TOPK) * SPLITS - 1)
-        cols = n0 + gl.expand_dims(on, 1)
-        tot = gl.zeros([BN, TOK], gl.float32, MMA)
-        for j in range(TOPK):
-            p = t * TOPK + j
-            eid = gl.load(ids_ptr + p, mask=last, other=-1)
-            m = gl.expand_dims(last & (eid >= 0) & (eid < E), 0)
-            for sp in gl.static_range(SPLITS):
-                tot += gl.load(part_ptr + sp * stride_ps + gl.expand_dims(p.to(gl.int64), 0) * stride_pp + cols,
-                               mask=m, other=0.0, cache_modifier=".cg")
-        gl.store(y_ptr + gl.expand_dims(t.to(gl.int64), 0) * stride_yt + cols, tot.to(y_ptr.dtype.element_ty),
-                 mask=gl.expand_dims(last, 0))
-        gl.store(counter, gl.zeros_like(old), mask=last)
-
-    @gluon.jit
-    def _moe_frag_kernel(x_ptr, w_ptr, s_ptr, out_ptr, y_ptr, arrive_ptr, tw_ptr, ids_ptr, sorted_ptr,
-                         blk_expert_ptr, blk_rows_ptr, UP_ROW, TOPK, T, E, stride_xt, stride_we, stride_wn,
-                         stride_se, stride_sn, stride_os, stride_ot, stride_yt, kb_per_split,
+    def _moe_frag_kernel(x_ptr, w_ptr, s_ptr, out_ptr, tw_ptr, sorted_ptr, blk_expert_ptr, blk_rows_ptr,
+                         UP_ROW, TOPK, stride_xt, stride_we, stride_wn, stride_se, stride_sn,
+                         stride_os, stride_ot, kb_per_split,
                          GATE_UP: gl.constexpr, TOK: gl.constexpr, MT: gl.constexpr, GPB: gl.constexpr,
-                         WL: gl.constexpr, X_SMEM: gl.constexpr, X_AHEAD: gl.constexpr, SPLITS: gl.constexpr,
-                         SUM_TOPK: gl.constexpr, num_warps: gl.constexpr):
-        """grid (blocks, N / BN, SPLITS), one expert block's pairs over the split's K blocks.
-        GATE_UP: x [T, H] rows pair // TOPK, weight rows n and UP_ROW + n -> y = inter [P, I] bf16,
-        silu(gate) * up of the gate / up sums (SPLITS > 1: fp32 partials out[split, pair, n] and
-        out[split, pair, UP_ROW + n], summed in split order by the tile's last program to arrive).
-        Else (down): x = inter [P, I] rows pair -> out[split, pair, n] = router weight x the partial down
-        sum; SUM_TOPK: the last program to arrive for a token's column tile (of its valid pairs x SPLITS)
-        adds them, pairs in j order then splits, into y = the output [T, H] bf16 (_moe_topk_sum_kernel's
-        arithmetic); tokens with no valid pair get zeros from the programs of block 0."""
+                         WL: gl.constexpr, X_SMEM: gl.constexpr, X_AHEAD: gl.constexpr,
+                         num_warps: gl.constexpr):
+        """grid (blocks, N / BN, splits), one expert block's pairs over the split's K blocks.
+        GATE_UP: x [T, H] rows pair // TOPK, weight rows n and UP_ROW + n -> out[split, pair, n] and
+        out[split, pair, UP_ROW + n] (fp32 gate / up partials). Else (down): x = inter [P, I] rows pair ->
+        out[split, pair, n] = router weight x the partial down sum."""
         BN: gl.constexpr = 16 * num_warps * MT
         BK: gl.constexpr = 32 * GPB
         MMA: gl.constexpr = mma_layout(num_warps)
@@ -191,14 +132,11 @@ if HAVE_GLUON:
         BL: gl.constexpr = operand_layout(1, num_warps)
         XL: gl.constexpr = x_layout(BK, TOK, num_warps, X_SMEM)
         pid_b = gl.program_id(0)
-        n0 = gl.program_id(1) * BN
-        if SUM_TOPK:
-            if pid_b == 0:
-                _zero_orphans(y_ptr, ids_ptr, T, E, TOPK, stride_yt, n0, BN, TOK, MMA)
         rows = gl.load(blk_rows_ptr + pid_b)
         if rows == 0:
             return
         e = gl.load(blk_expert_ptr + pid_b).to(gl.int64)
+        n0 = gl.program_id(1) * BN
         pid_s = gl.program_id(2)
         kb0 = pid_s * kb_per_split
         we = w_ptr + e * stride_we
@@ -212,7 +150,7 @@ if HAVE_GLUON:
         pair, ok = _block_pairs(sorted_ptr, pid_b, rows, TOK, gl.SliceLayout(0, XL))
         rk = gl.arange(0, BK, layout=gl.SliceLayout(1, XL))
         if GATE_UP:
-            xr = (pair // TOPK).to(gl.int64)   # the token's row of x
+            xr = (pair // TOPK).to(gl.int64)
         else:
             xr = pair.to(gl.int64)
         x_ptrs = x_ptr + gl.expand_dims(xr, 0) * stride_xt + gl.expand_dims(rk, 1) + kb0 * BK
@@ -222,30 +160,16 @@ if HAVE_GLUON:
                                 GATE_UP, X_AHEAD, AL, BL, BN, GPB)
 
         pair_o, ok_o = _block_pairs(sorted_ptr, pid_b, rows, TOK, gl.SliceLayout(0, MMA))
-        pair64 = gl.expand_dims(pair_o.to(gl.int64), 0)
-        on = gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
-        o_ptrs = out_ptr + pair64 * stride_ot + n0 + gl.expand_dims(on, 1)      # split 0
-        o_mask = gl.expand_dims(ok_o, 0)
-        if GATE_UP:
-            inter_ptrs = y_ptr + pair64 * stride_yt + n0 + gl.expand_dims(on, 1)
-            if SPLITS == 1:
-                gl.store(inter_ptrs, _silu_mul(acc0, acc1).to(y_ptr.dtype.element_ty), mask=o_mask)
-            else:
-                gl.store(o_ptrs + pid_s * stride_os, acc0, mask=o_mask)
-                gl.store(o_ptrs + pid_s * stride_os + UP_ROW, acc1, mask=o_mask)
-                tile = pid_b * gl.num_programs(1) + gl.program_id(1)
-                if _arrive(arrive_ptr + tile, SPLITS):
-                    g = _split_total(o_ptrs, o_mask, stride_os, SPLITS)
-                    u = _split_total(o_ptrs + UP_ROW, o_mask, stride_os, SPLITS)
-                    gl.store(inter_ptrs, _silu_mul(g, u).to(y_ptr.dtype.element_ty), mask=o_mask)
-                    gl.store(arrive_ptr + tile, 0)
-        else:
+        if not GATE_UP:
             tw = gl.load(tw_ptr + pair_o, mask=ok_o, other=0.0).to(gl.float32)
             acc0 = acc0 * gl.expand_dims(tw, 0)
-            gl.store(o_ptrs + pid_s * stride_os, acc0, mask=o_mask)
-            if SUM_TOPK:
-                _sum_topk(out_ptr, y_ptr, arrive_ptr, ids_ptr, pair_o // TOPK, ok_o, E, TOPK, stride_os,
-                          stride_ot, stride_yt, n0, on, BN, TOK, MMA, SPLITS)
+        on = gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
+        o_ptrs = (out_ptr + pid_s * stride_os + gl.expand_dims(pair_o.to(gl.int64), 0) * stride_ot
+                  + n0 + gl.expand_dims(on, 1))
+        o_mask = gl.expand_dims(ok_o, 0)
+        gl.store(o_ptrs, acc0, mask=o_mask)
+        if GATE_UP:
+            gl.store(o_ptrs + UP_ROW, acc1, mask=o_mask)
 
 
 def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor, w2_q: torch.Tensor,
@@ -287,37 +211,31 @@ def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor
     sorted_pairs, blk_expert, blk_rows = moe_align(ids, E, cfg.BLOCK_M)
     blocks = blk_rows.numel()
 
-    # gate/up with SwiGLU: split partials (fp32) summed by each tile's last program into inter
-    grid13 = (blocks, I // bn, s13)
-    inter = torch.empty((P, I), device=x.device, dtype=x.dtype)
-    part = inter if s13 == 1 else torch.empty((s13, P, 2 * I), device=x.device, dtype=torch.float32)
-    count13 = inter if s13 == 1 else arrival_counters(x.device, "moe_frag13", blocks * grid13[1])
-    _moe_frag_kernel[grid13](
-        x, w13_q, w13_scale, part, inter, count13, tw, ids, sorted_pairs, blk_expert, blk_rows, I, topk, T, E,
+    part = torch.empty((s13, P, 2 * I), device=x.device, dtype=torch.float32)
+    _moe_frag_kernel[(blocks, I // bn, s13)](
+        x, w13_q, w13_scale, part, tw, sorted_pairs, blk_expert, blk_rows, I, topk,
         x.stride(0), w13_q.stride(0), w13_q.stride(1), w13_scale.stride(0), w13_scale.stride(1),
-        part.stride(0) if s13 > 1 else 0, part.stride(-2) if s13 > 1 else 0, inter.stride(0),
-        H // (32 * g13) // s13,
+        part.stride(0), part.stride(1), H // (32 * g13) // s13,
         GATE_UP=True, TOK=cfg.BLOCK_M, MT=mt, GPB=g13, WL=word_layout(cfg.num_warps, mt, g13),
-        X_SMEM=X_LOADS[cfg.XLOAD][0], X_AHEAD=X_LOADS[cfg.XLOAD][1], SPLITS=s13, SUM_TOPK=False,
-        num_warps=cfg.num_warps, **({"maxnreg": cfg.MAXNREG13} if cfg.MAXNREG13 else {}))
-    # down x router weight: rows per pair (fp32), summed per token by the top-k sum launch or in-kernel
-    mt2 = mt_for(cfg, H, I, cfg.MT2)
-    grid2 = (blocks, H // (16 * cfg.num_warps * mt2), cfg.SPLIT2)
+        X_SMEM=X_LOADS[cfg.XLOAD][0], X_AHEAD=X_LOADS[cfg.XLOAD][1], num_warps=cfg.num_warps)
+    inter = torch.empty((P, I), device=x.device, dtype=x.dtype)
+    block = min(1024, triton.next_power_of_2(I))
+    _moe_swiglu_kernel[(P, triton.cdiv(I, block))](
+        part, inter, ids, I, E, part.stride(0), part.stride(1), inter.stride(0),
+        SPLIT=s13, BLOCK=block, DEQ=DEQ_FLOAT, num_warps=4)
     y = torch.empty((cfg.SPLIT2, P, H), device=x.device, dtype=torch.float32)
-    count2 = arrival_counters(x.device, "moe_frag2", T * grid2[1]) if cfg.SUM_TOPK else y
+    mt2 = mt_for(cfg, H, I, cfg.MT2)
     xload2 = cfg.XLOAD2 or cfg.XLOAD
-    _moe_frag_kernel[grid2](
-        inter, w2_q, w2_scale, y, out, count2, tw, ids, sorted_pairs, blk_expert, blk_rows, 0, topk, T, E,
+    _moe_frag_kernel[(blocks, H // (16 * cfg.num_warps * mt2), cfg.SPLIT2)](
+        inter, w2_q, w2_scale, y, tw, sorted_pairs, blk_expert, blk_rows, 0, 1,
         inter.stride(0), w2_q.stride(0), w2_q.stride(1), w2_scale.stride(0), w2_scale.stride(1),
-        y.stride(0), y.stride(1), out.stride(0), I // (32 * g2) // cfg.SPLIT2,
+        y.stride(0), y.stride(1), I // (32 * g2) // cfg.SPLIT2,
         GATE_UP=False, TOK=cfg.BLOCK_M, MT=mt2, GPB=g2, WL=word_layout(cfg.num_warps, mt2, g2),
-        X_SMEM=X_LOADS[xload2][0], X_AHEAD=X_LOADS[xload2][1], SPLITS=cfg.SPLIT2, SUM_TOPK=cfg.SUM_TOPK,
-        num_warps=cfg.num_warps)
-    if not cfg.SUM_TOPK:
-        BLOCK_H = 1024
-        _moe_topk_sum_kernel[(T, triton.cdiv(H, BLOCK_H))](
-            y, ids, out, H, E, y.stride(1), y.stride(0), out.stride(0), TOPK=topk, BLOCK_H=BLOCK_H,
-            SPLIT=cfg.SPLIT2, num_warps=4)
+        X_SMEM=X_LOADS[xload2][0], X_AHEAD=X_LOADS[xload2][1], num_warps=cfg.num_warps)
+    BLOCK_H = 1024
+    _moe_topk_sum_kernel[(T, triton.cdiv(H, BLOCK_H))](
+        y, ids, out, H, E, y.stride(1), y.stride(0), out.stride(0), TOPK=topk, BLOCK_H=BLOCK_H,
+        SPLIT=cfg.SPLIT2, num_warps=4)
     return out
 
 

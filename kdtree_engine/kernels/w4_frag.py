@@ -34,7 +34,6 @@ from __future__ import annotations
 import torch
 import triton
 
-from kdtree_engine.kernels.arrivals import arrival_counters
 from kdtree_engine.kernels.w4_dequant import BF16X2_PTX
 from kdtree_engine.quant import pack_int4, unpack_int4
 
@@ -220,29 +219,13 @@ if HAVE_GLUON:
         return acc0, acc1
 
     @gluon.jit
-    def _arrive(counter_ptr, ARRIVALS):
-        """After the program's stores: count it in; True for the last of ARRIVALS programs (arrivals.py)."""
-        gl.thread_barrier()
-        return gl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu") == ARRIVALS - 1
-
-    @gluon.jit
-    def _split_total(p_ptrs, mask, stride_s, SPLITS: gl.constexpr):
-        """sum over s of p_ptrs[s * stride_s] in split order (split_sum's arithmetic), read from L2."""
-        tot = gl.load(p_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
-        for s in gl.static_range(1, SPLITS):
-            tot += gl.load(p_ptrs + s * stride_s, mask=mask, other=0.0, cache_modifier=".cg")
-        return tot
-
-    @gluon.jit
-    def _w4_frag_kernel(x_ptr, w_ptr, s_ptr, out_ptr, y_ptr, arrive_ptr, M, N, stride_xm, stride_wn, stride_sn,
+    def _w4_frag_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, stride_xm, stride_wn, stride_sn,
                         stride_om, stride_os, kb_per_split,
                         TOK: gl.constexpr, MT: gl.constexpr, GPB: gl.constexpr, WL: gl.constexpr,
-                        X_SMEM: gl.constexpr, X_AHEAD: gl.constexpr, SPLITS: gl.constexpr,
-                        num_warps: gl.constexpr):
-        """grid (cdiv(M, TOK), N / BN, SPLITS): y[m, n] = sum over k of x[m, k] W[n, k]. SPLITS > 1: each
-        program stores its split's fp32 partial in out[split, m, n]; the last of a tile's SPLITS programs to
-        arrive (arrivals.py) sums them in split order into y (split_sum's arithmetic). The token tiles of one
-        weight tile are adjacent program ids: they run together and the weights are read from DRAM about once."""
+                        X_SMEM: gl.constexpr, X_AHEAD: gl.constexpr, num_warps: gl.constexpr):
+        """grid (cdiv(M, TOK), N / BN, splits): out[split, m, n] = sum over the split's k of x[m, k] W[n, k].
+        The token tiles of one weight tile are adjacent program ids: they run together and the weights are
+        read from DRAM about once."""
         BN: gl.constexpr = 16 * num_warps * MT
         BK: gl.constexpr = 32 * GPB
         MMA: gl.constexpr = mma_layout(num_warps)
@@ -268,17 +251,8 @@ if HAVE_GLUON:
         # y[m, n] = acc[n, m]
         on = gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
         om = m0 + gl.arange(0, TOK, layout=gl.SliceLayout(0, MMA))
-        o_off = gl.expand_dims(om, 0) * stride_om + n0 + gl.expand_dims(on, 1)
-        o_mask = gl.expand_dims(om, 0) < M
-        if SPLITS == 1:
-            gl.store(y_ptr + o_off, acc.to(y_ptr.dtype.element_ty), mask=o_mask)
-        else:
-            gl.store(out_ptr + pid_s * stride_os + o_off, acc, mask=o_mask)
-            tile = gl.program_id(1) * gl.num_programs(0) + gl.program_id(0)
-            if _arrive(arrive_ptr + tile, SPLITS):
-                tot = _split_total(out_ptr + o_off, o_mask, stride_os, SPLITS)
-                gl.store(y_ptr + o_off, tot.to(y_ptr.dtype.element_ty), mask=o_mask)
-                gl.store(arrive_ptr + tile, 0)
+        o_ptrs = out_ptr + pid_s * stride_os + gl.expand_dims(om, 0) * stride_om + n0 + gl.expand_dims(on, 1)
+        gl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=gl.expand_dims(om, 0) < M)
 
 
 GROUP = 32           # the only group size of the fragment order (one word = one group of one lane)
@@ -343,6 +317,8 @@ def frag_linear(x: torch.Tensor, wq: torch.Tensor, s: torch.Tensor, *, gpb: int 
     token_tile and token_mt; xload: how activations are loaded (X_LOADS)."""
     if not HAVE_GLUON:
         raise RuntimeError("the fragment-ordered W4A16 kernels need triton.experimental.gluon (triton >= 3.5)")
+    from kdtree_engine.kernels.split_sum import split_sum
+
     M, K = x.shape
     N = wq.shape[0]
     plan = dense_plan(N, K)
@@ -362,11 +338,11 @@ def frag_linear(x: torch.Tensor, wq: torch.Tensor, s: torch.Tensor, *, gpb: int 
     if M == 0:
         return y
     x = x.contiguous()
-    grid = (triton.cdiv(M, tok), N // bn, split)
     part = y if split == 1 else torch.empty((split, M, N), device=x.device, dtype=torch.float32)
-    counters = y if split == 1 else arrival_counters(x.device, "w4_frag", grid[0] * grid[1])
-    _w4_frag_kernel[grid](
-        x, wq, s, part, y, counters, M, N, x.stride(0), wq.stride(0), s.stride(0), N, M * N, K // bk // split,
+    _w4_frag_kernel[(triton.cdiv(M, tok), N // bn, split)](
+        x, wq, s, part, M, N, x.stride(0), wq.stride(0), s.stride(0), N, M * N, K // bk // split,
         TOK=tok, MT=mt, GPB=gpb, WL=word_layout(num_warps, mt, gpb), X_SMEM=X_LOADS[xload][0],
-        X_AHEAD=X_LOADS[xload][1], SPLITS=split, num_warps=num_warps)
+        X_AHEAD=X_LOADS[xload][1], num_warps=num_warps)
+    if split > 1:
+        split_sum(part, y, split)
     return y
