@@ -37,12 +37,18 @@ from kdtree_engine.quant import dequantize  # noqa: E402
 
 DENSE_CANDIDATES = [  # the engine's plan first (None), then overrides of it (the plan's split unless given)
     None, dict(xload="operand"), dict(xload="smem"), dict(tok=8, mt=2), dict(tok=16, mt=2),
-    dict(mt=1, split=2), dict(mt=1, split=1),
+    dict(mt=1, split=2), dict(mt=1, split=1), dict(mt=1, split=4), dict(num_warps=8, mt=1),
+    dict(num_warps=8, mt=1, split=2), dict(num_warps=8, mt=1, tok=16), dict(num_warps=8, mt=1, tok=16, split=2),
 ]
 MOE_CANDIDATES = [  # the engine's table first (None), then block rows / tiles / activation loads
     None,
     FragMoEConfig(BLOCK_M=8, XLOAD="operand"),
     FragMoEConfig(BLOCK_M=8, XLOAD="operand", XLOAD2="smem-ahead"),
+    FragMoEConfig(BLOCK_M=8, XLOAD="operand", XLOAD2="smem-ahead", MAXNREG2=72),
+    FragMoEConfig(BLOCK_M=8, XLOAD="operand", XLOAD2="smem-ahead", MAXNREG2=80),
+    FragMoEConfig(BLOCK_M=8, XLOAD="operand", XLOAD2="smem-ahead", EPI_BLOCK=256),
+    FragMoEConfig(BLOCK_M=8, XLOAD="operand", XLOAD2="smem-ahead", SPLIT2=2),
+    FragMoEConfig(BLOCK_M=8, MAXNREG2=80),
     FragMoEConfig(BLOCK_M=8, XLOAD="operand", XLOAD2="smem"),
     FragMoEConfig(BLOCK_M=8),
     FragMoEConfig(BLOCK_M=8, XLOAD="smem"),
@@ -122,7 +128,8 @@ def bench_moe(ts, bw, reps) -> list[dict]:
         for cand in MOE_CANDIDATES:
             cfg = cand or frag_moe_config(T * TOPK, E)
             label = (f"frag{' (engine table)' if cand is None else ''} bm{cfg.BLOCK_M} mt{cfg.MT}/{cfg.MT2 or cfg.MT} w{cfg.num_warps} "
-                     f"split13 {cfg.SPLIT13 or 'auto'} split2 {cfg.SPLIT2} x {cfg.XLOAD}/{cfg.XLOAD2 or cfg.XLOAD}")
+                     f"split13 {cfg.SPLIT13 or 'auto'} split2 {cfg.SPLIT2} x {cfg.XLOAD}/{cfg.XLOAD2 or cfg.XLOAD}"
+                     f"{f' maxnreg2 {cfg.MAXNREG2}' if cfg.MAXNREG2 else ''}{f' epi {cfg.EPI_BLOCK}' if cfg.EPI_BLOCK != 1024 else ''}")
             _row(rows, {**base, "kernel": label},
                  lambda: fused_moe_frag(x, q13, w13s, q2, w2s, ids0, tw0, G, cfg), ref,
                  [lambda i=i, w=w: fused_moe_frag(x, q13, w13s, q2, w2s, i, w, G, cfg) for i, w in sets],

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU tests and benchmarks, logs and results packed under $OUT; one device call runs one part.
-#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|next|chain|sample|rounds|decode|step|verify|resume|ncu|plane|merge|merge2|merge3|sample2|fork|last|plane2|rows|kload|lazy|rounds2|maxnreg|qsplit|stages|down|bm8|m64|merge4|merge5|final2|moerows|moe16|moe16b|router|router2|router3|final3|frag|frag2|frag3|frag4|frag5|frag7|frag8|xsm|xsm2|xsm3|xsm4|xsm5|xsm6|router4|arrive]   (on the GPU machine, from the repository root)
+#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|next|chain|sample|rounds|decode|step|verify|resume|ncu|plane|merge|merge2|merge3|sample2|fork|last|plane2|rows|kload|lazy|rounds2|maxnreg|qsplit|stages|down|bm8|m64|merge4|merge5|final2|moerows|moe16|moe16b|router|router2|router3|final3|frag|frag2|frag3|frag4|frag5|frag7|frag8|xsm|xsm2|xsm3|xsm4|xsm5|xsm6|router4|arrive|tune2]   (on the GPU machine, from the repository root)
 #   tune   the W4A16 config sweep, the bitwise and CUDA-graph GPU tests, the demo's spec benchmark
 #   check  the remaining GPU tests (kernels, batch invariance, target, attention), kernel and round benches
 #   bench  the benchmarks with long runs (K2 step, attention, GEMM)
@@ -79,6 +79,8 @@
 #   arrive the last-program epilogues at bca9951 (split-K sum, SwiGLU, top-k sum; dropped): their GPU tests, the
 #          fragment candidates against the previous commit's (.abbase, an export of f81f08e), the kernel bench,
 #          the other fragment GPU tests
+#   tune2  fragment candidates: down-kernel register caps, split down GEMM, epilogue launch widths; dense tiles,
+#          splits and 8-warp programs
 #   router4 the router-logit kernel (kernels/router_gemm.py at 5f813f4, dropped): its GPU tests, the demo's spec == plain, the
 #          router and K2-step benches, the target tests
 #   final3 final2 on this round's final code (align kernel, expert block rows, forked shared expert, router tiles)
@@ -483,5 +485,8 @@ if [[ $PART == arrive ]]; then
   step bench_w4_frag 160 python3 bench/w4_frag.py --ts 1,4,16,64 --ms 1,4,16 --out "$RES"
   step bench_kernels 45 python3 bench/kernels.py --no-sweep --out "$RES"
   step pytest_frag 130 $PYT tests/gpu/test_w4_frag_gpu.py -k "not (last_program or topk_sum_in_down or graph_replays)"
+fi
+if [[ $PART == tune2 ]]; then
+  step bench_w4_frag 240 python3 bench/w4_frag.py --ts 1,4,16,64 --ms 1,4,16 --out "$RES"
 fi
 ls -la "$RES"

@@ -49,6 +49,8 @@ class FragMoEConfig:
     GPB: int | None = None       # groups per K block of both matrices (None: frag_gpb(K) of each)
     XLOAD: str = "smem-ahead"    # how the gate/up GEMM loads activations (X_LOADS; the same bits)
     XLOAD2: str | None = None    # the down GEMM's (None: XLOAD)
+    MAXNREG2: int = 0      # register cap of the down kernel (0: the compiler's): more programs per SM, same code
+    EPI_BLOCK: int = 1024  # elements per program of the SwiGLU and top-k sum launches (elementwise: same bits)
 
     def __post_init__(self) -> None:
         if self.BLOCK_M not in (8, 16):
@@ -57,6 +59,10 @@ class FragMoEConfig:
             v = getattr(self, name)
             if v not in X_LOADS and not (name == "XLOAD2" and v is None):
                 raise ValueError(f"FragMoEConfig.{name} must be one of {sorted(X_LOADS)}, got {v!r}")
+        if self.EPI_BLOCK < 128 or self.EPI_BLOCK & (self.EPI_BLOCK - 1):
+            raise ValueError(f"FragMoEConfig.EPI_BLOCK must be a power of 2 >= 128, got {self.EPI_BLOCK}")
+        if self.MAXNREG2 and not 24 <= self.MAXNREG2 <= 255:
+            raise ValueError(f"FragMoEConfig.MAXNREG2 must be 0 or 24..255, got {self.MAXNREG2}")
 
 
 def split13(H: int, gpb: int) -> int:
@@ -219,7 +225,7 @@ def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor
         GATE_UP=True, TOK=cfg.BLOCK_M, MT=mt, GPB=g13, WL=word_layout(cfg.num_warps, mt, g13),
         X_SMEM=X_LOADS[cfg.XLOAD][0], X_AHEAD=X_LOADS[cfg.XLOAD][1], num_warps=cfg.num_warps)
     inter = torch.empty((P, I), device=x.device, dtype=x.dtype)
-    block = min(1024, triton.next_power_of_2(I))
+    block = min(cfg.EPI_BLOCK, triton.next_power_of_2(I))
     _moe_swiglu_kernel[(P, triton.cdiv(I, block))](
         part, inter, ids, I, E, part.stride(0), part.stride(1), inter.stride(0),
         SPLIT=s13, BLOCK=block, DEQ=DEQ_FLOAT, num_warps=4)
@@ -231,8 +237,9 @@ def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor
         inter.stride(0), w2_q.stride(0), w2_q.stride(1), w2_scale.stride(0), w2_scale.stride(1),
         y.stride(0), y.stride(1), I // (32 * g2) // cfg.SPLIT2,
         GATE_UP=False, TOK=cfg.BLOCK_M, MT=mt2, GPB=g2, WL=word_layout(cfg.num_warps, mt2, g2),
-        X_SMEM=X_LOADS[xload2][0], X_AHEAD=X_LOADS[xload2][1], num_warps=cfg.num_warps)
-    BLOCK_H = 1024
+        X_SMEM=X_LOADS[xload2][0], X_AHEAD=X_LOADS[xload2][1], num_warps=cfg.num_warps,
+        **({"maxnreg": cfg.MAXNREG2} if cfg.MAXNREG2 else {}))
+    BLOCK_H = cfg.EPI_BLOCK
     _moe_topk_sum_kernel[(T, triton.cdiv(H, BLOCK_H))](
         y, ids, out, H, E, y.stride(1), y.stride(0), out.stride(0), TOPK=topk, BLOCK_H=BLOCK_H,
         SPLIT=cfg.SPLIT2, num_warps=4)
