@@ -7,7 +7,8 @@ Stacked expert tensors, repacked once at load by `frag_repack` (same shapes and 
 
 Launches (no host synchronisation; CUDA-graph capturable), the align, SwiGLU and top-k sum kernels
 shared with moe_w4a16.py:
-  1. align: pairs (t, j) grouped by expert into blocks of BLOCK_M rows (the MMA's token columns);
+  1. align: pairs (t, j) grouped by expert into blocks of BLOCK_M rows (the MMA's token columns); skipped
+     for one token (its top-k experts are distinct: block j is pair j, read by the GEMMs from the ids);
   2. gate/up (_moe_frag_kernel, GATE_UP): grid (blocks, I / BN, splits over H): fp32 gate and up partials;
   3. SwiGLU: the partials summed in split order, silu(g) * u -> inter [P, I] (bf16);
   4. down (the same kernel): grid (blocks, H / BN, splits over I): router weight x partial -> y [split, P, H];
@@ -49,8 +50,11 @@ class FragMoEConfig:
     GPB: int | None = None       # groups per K block of both matrices (None: frag_gpb(K) of each)
     XLOAD: str = "smem-ahead"    # how the gate/up GEMM loads activations (X_LOADS; the same bits)
     XLOAD2: str | None = None    # the down GEMM's (None: XLOAD)
-    MAXNREG2: int = 0      # register cap of the down kernel (0: the compiler's): more programs per SM, same code
-    EPI_BLOCK: int = 1024  # elements per program of the SwiGLU and top-k sum launches (elementwise: same bits)
+    MAXNREG13: int = 0     # register caps of the gate/up and down kernels (0: the compiler's); the same code.
+    MAXNREG2: int = 0      # MAXNREG2 72 / 80 (5-6 programs per SM) measured slower (bench/results/w4-frag-h200-tune2.md)
+    EPI_BLOCK: int = 256   # elements per program of the SwiGLU and top-k sum launches (elementwise: same bits);
+    #                        T = 1: 69.7 against 70.6 us with 1024 (bench/results/w4-frag-h200-tune2.md)
+    DIRECT1: bool = True   # one token: block j = pair j, no align launch (the same bits)
 
     def __post_init__(self) -> None:
         if self.BLOCK_M not in (8, 16):
@@ -61,8 +65,10 @@ class FragMoEConfig:
                 raise ValueError(f"FragMoEConfig.{name} must be one of {sorted(X_LOADS)}, got {v!r}")
         if self.EPI_BLOCK < 128 or self.EPI_BLOCK & (self.EPI_BLOCK - 1):
             raise ValueError(f"FragMoEConfig.EPI_BLOCK must be a power of 2 >= 128, got {self.EPI_BLOCK}")
-        if self.MAXNREG2 and not 24 <= self.MAXNREG2 <= 255:
-            raise ValueError(f"FragMoEConfig.MAXNREG2 must be 0 or 24..255, got {self.MAXNREG2}")
+        for name in ("MAXNREG13", "MAXNREG2"):
+            v = getattr(self, name)
+            if v and not 24 <= v <= 255:
+                raise ValueError(f"FragMoEConfig.{name} must be 0 or 24..255, got {v}")
 
 
 def split13(H: int, gpb: int) -> int:
@@ -83,7 +89,9 @@ FRAG_MOE_CONFIGS: list[tuple[int, FragMoEConfig]] = [
 ]
 # Launches of at most this many pairs (T = 1 at top-8): the gate/up GEMM loads the activations in the MMA
 # operand layout, at use: the relabel through shared memory costs it 35 registers (163 against 128: 3
-# programs per SM instead of 4), which a one-wave launch feels; the down GEMM gains from it. T = 1: 71.8 us
+# programs per SM instead of 4), which a one-wave launch feels; the down GEMM gains from it. The 128-register
+# cap keeps 4 programs per SM where the compiler takes a few more (130 / 139 with the ids-direct blocks; the
+# spills, 40 bytes, are outside the K loop). T = 1: 71.8 us
 # against 74.7 with operand loads in both, 83.1 with smem-ahead in both. Measured and dropped there: SwiGLU
 # applied in the down GEMM's activation loads instead of its own launch (every down program recomputing its
 # block's SwiGLU from the fp32 partials), 85.4 against 71.6 us at T = 1 and slower at every T
@@ -91,7 +99,7 @@ FRAG_MOE_CONFIGS: list[tuple[int, FragMoEConfig]] = [
 # (121 registers, 4 programs per SM): 74.0 against 71.9 us at T = 1, slower at every T
 # (bench/results/w4-frag-h200-depth2.md).
 FEW_PAIRS = 8
-FEW_PAIRS_CONFIG = FragMoEConfig(BLOCK_M=8, XLOAD="operand", XLOAD2="smem-ahead")
+FEW_PAIRS_CONFIG = FragMoEConfig(BLOCK_M=8, XLOAD="operand", XLOAD2="smem-ahead", MAXNREG13=128)
 
 
 def frag_moe_config(num_pairs: int, num_experts: int) -> FragMoEConfig:
@@ -115,19 +123,23 @@ def mt_for(cfg: FragMoEConfig, H: int, I: int, mt: int | None = None) -> int:
 
 if HAVE_GLUON:
     @gluon.jit
-    def _block_pairs(sorted_ptr, pid_b, rows, TOK: gl.constexpr, layout: gl.constexpr):
+    def _block_pairs(sorted_ptr, pid_b, rows, TOK: gl.constexpr, DIRECT: gl.constexpr, layout: gl.constexpr):
+        """The pairs of block pid_b (its columns) and which columns hold one; DIRECT: pair pid_b alone."""
         r = gl.arange(0, TOK, layout=layout)
         ok = r < rows
+        if DIRECT:
+            return r * 0 + pid_b, ok
         return gl.load(sorted_ptr + pid_b * TOK + r, mask=ok, other=0), ok
 
     @gluon.jit
-    def _moe_frag_kernel(x_ptr, w_ptr, s_ptr, out_ptr, tw_ptr, sorted_ptr, blk_expert_ptr, blk_rows_ptr,
-                         UP_ROW, TOPK, stride_xt, stride_we, stride_wn, stride_se, stride_sn,
+    def _moe_frag_kernel(x_ptr, w_ptr, s_ptr, out_ptr, tw_ptr, sorted_ptr, blk_expert_ptr, blk_rows_ptr, ids_ptr,
+                         UP_ROW, TOPK, E, stride_xt, stride_we, stride_wn, stride_se, stride_sn,
                          stride_os, stride_ot, kb_per_split,
                          GATE_UP: gl.constexpr, TOK: gl.constexpr, MT: gl.constexpr, GPB: gl.constexpr,
-                         WL: gl.constexpr, X_SMEM: gl.constexpr, X_AHEAD: gl.constexpr,
+                         WL: gl.constexpr, X_SMEM: gl.constexpr, X_AHEAD: gl.constexpr, DIRECT: gl.constexpr,
                          num_warps: gl.constexpr):
-        """grid (blocks, N / BN, splits), one expert block's pairs over the split's K blocks.
+        """grid (blocks, N / BN, splits), one expert block's pairs over the split's K blocks. DIRECT: block b
+        is pair b alone, expert ids[b] (no block when outside [0, E)); the align launch is skipped.
         GATE_UP: x [T, H] rows pair // TOPK, weight rows n and UP_ROW + n -> out[split, pair, n] and
         out[split, pair, UP_ROW + n] (fp32 gate / up partials). Else (down): x = inter [P, I] rows pair ->
         out[split, pair, n] = router weight x the partial down sum."""
@@ -138,10 +150,16 @@ if HAVE_GLUON:
         BL: gl.constexpr = operand_layout(1, num_warps)
         XL: gl.constexpr = x_layout(BK, TOK, num_warps, X_SMEM)
         pid_b = gl.program_id(0)
-        rows = gl.load(blk_rows_ptr + pid_b)
-        if rows == 0:
-            return
-        e = gl.load(blk_expert_ptr + pid_b).to(gl.int64)
+        if DIRECT:
+            e = gl.load(ids_ptr + pid_b).to(gl.int64)
+            rows = ((e >= 0) & (e < E)).to(gl.int32)
+            if rows == 0:
+                return
+        else:
+            rows = gl.load(blk_rows_ptr + pid_b)
+            if rows == 0:
+                return
+            e = gl.load(blk_expert_ptr + pid_b).to(gl.int64)
         n0 = gl.program_id(1) * BN
         pid_s = gl.program_id(2)
         kb0 = pid_s * kb_per_split
@@ -153,7 +171,7 @@ if HAVE_GLUON:
         else:
             w1, s1 = w0, s0
 
-        pair, ok = _block_pairs(sorted_ptr, pid_b, rows, TOK, gl.SliceLayout(0, XL))
+        pair, ok = _block_pairs(sorted_ptr, pid_b, rows, TOK, DIRECT, gl.SliceLayout(0, XL))
         rk = gl.arange(0, BK, layout=gl.SliceLayout(1, XL))
         if GATE_UP:
             xr = (pair // TOPK).to(gl.int64)
@@ -165,7 +183,7 @@ if HAVE_GLUON:
         acc0, acc1 = _frag_loop(acc0, acc1, w0, s0, w1, s1, x_ptrs, gl.expand_dims(ok, 0), kb_per_split,
                                 GATE_UP, X_AHEAD, AL, BL, BN, GPB)
 
-        pair_o, ok_o = _block_pairs(sorted_ptr, pid_b, rows, TOK, gl.SliceLayout(0, MMA))
+        pair_o, ok_o = _block_pairs(sorted_ptr, pid_b, rows, TOK, DIRECT, gl.SliceLayout(0, MMA))
         if not GATE_UP:
             tw = gl.load(tw_ptr + pair_o, mask=ok_o, other=0.0).to(gl.float32)
             acc0 = acc0 * gl.expand_dims(tw, 0)
@@ -214,16 +232,24 @@ def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor
     x = x.contiguous()
     ids = topk_ids.reshape(-1).contiguous()
     tw = topk_weights.reshape(-1).contiguous()
-    sorted_pairs, blk_expert, blk_rows = moe_align(ids, E, cfg.BLOCK_M)
-    blocks = blk_rows.numel()
+    # one token: block j = pair j, no align launch (right for any ids; a token's top-k experts are distinct,
+    # so no expert is read twice); the same columns and sums as aligned blocks (the same bits)
+    direct = T == 1 and cfg.DIRECT1
+    if direct:
+        sorted_pairs = blk_expert = blk_rows = ids
+        blocks = P
+    else:
+        sorted_pairs, blk_expert, blk_rows = moe_align(ids, E, cfg.BLOCK_M)
+        blocks = blk_rows.numel()
 
     part = torch.empty((s13, P, 2 * I), device=x.device, dtype=torch.float32)
     _moe_frag_kernel[(blocks, I // bn, s13)](
-        x, w13_q, w13_scale, part, tw, sorted_pairs, blk_expert, blk_rows, I, topk,
+        x, w13_q, w13_scale, part, tw, sorted_pairs, blk_expert, blk_rows, ids, I, topk, E,
         x.stride(0), w13_q.stride(0), w13_q.stride(1), w13_scale.stride(0), w13_scale.stride(1),
         part.stride(0), part.stride(1), H // (32 * g13) // s13,
         GATE_UP=True, TOK=cfg.BLOCK_M, MT=mt, GPB=g13, WL=word_layout(cfg.num_warps, mt, g13),
-        X_SMEM=X_LOADS[cfg.XLOAD][0], X_AHEAD=X_LOADS[cfg.XLOAD][1], num_warps=cfg.num_warps)
+        X_SMEM=X_LOADS[cfg.XLOAD][0], X_AHEAD=X_LOADS[cfg.XLOAD][1], DIRECT=direct, num_warps=cfg.num_warps,
+        **({"maxnreg": cfg.MAXNREG13} if cfg.MAXNREG13 else {}))
     inter = torch.empty((P, I), device=x.device, dtype=x.dtype)
     block = min(cfg.EPI_BLOCK, triton.next_power_of_2(I))
     _moe_swiglu_kernel[(P, triton.cdiv(I, block))](
@@ -233,11 +259,11 @@ def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor
     mt2 = mt_for(cfg, H, I, cfg.MT2)
     xload2 = cfg.XLOAD2 or cfg.XLOAD
     _moe_frag_kernel[(blocks, H // (16 * cfg.num_warps * mt2), cfg.SPLIT2)](
-        inter, w2_q, w2_scale, y, tw, sorted_pairs, blk_expert, blk_rows, 0, 1,
+        inter, w2_q, w2_scale, y, tw, sorted_pairs, blk_expert, blk_rows, ids, 0, 1, E,
         inter.stride(0), w2_q.stride(0), w2_q.stride(1), w2_scale.stride(0), w2_scale.stride(1),
         y.stride(0), y.stride(1), I // (32 * g2) // cfg.SPLIT2,
         GATE_UP=False, TOK=cfg.BLOCK_M, MT=mt2, GPB=g2, WL=word_layout(cfg.num_warps, mt2, g2),
-        X_SMEM=X_LOADS[xload2][0], X_AHEAD=X_LOADS[xload2][1], num_warps=cfg.num_warps,
+        X_SMEM=X_LOADS[xload2][0], X_AHEAD=X_LOADS[xload2][1], DIRECT=direct, num_warps=cfg.num_warps,
         **({"maxnreg": cfg.MAXNREG2} if cfg.MAXNREG2 else {}))
     BLOCK_H = cfg.EPI_BLOCK
     _moe_topk_sum_kernel[(T, triton.cdiv(H, BLOCK_H))](
