@@ -128,8 +128,10 @@ if HAVE_GLUON:
         r = gl.arange(0, TOK, layout=layout)
         ok = r < rows
         if DIRECT:
-            return r * 0 + pid_b, ok
-        return gl.load(sorted_ptr + pid_b * TOK + r, mask=ok, other=0), ok
+            pair = r * 0 + pid_b
+        else:
+            pair = gl.load(sorted_ptr + pid_b * TOK + r, mask=ok, other=0)
+        return pair, ok
 
     @gluon.jit
     def _moe_frag_kernel(x_ptr, w_ptr, s_ptr, out_ptr, tw_ptr, sorted_ptr, blk_expert_ptr, blk_rows_ptr, ids_ptr,
