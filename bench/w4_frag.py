@@ -44,9 +44,8 @@ MOE_CANDIDATES = [  # the engine's table first (None), then block rows / tiles /
     None,
     FragMoEConfig(BLOCK_M=8, XLOAD="operand"),
     FragMoEConfig(BLOCK_M=8, XLOAD="operand", XLOAD2="smem-ahead"),
-    FragMoEConfig(BLOCK_M=8, XLOAD="operand", XLOAD2="smem-ahead", MAXNREG13=128),
-    FragMoEConfig(BLOCK_M=8, XLOAD="operand", XLOAD2="smem-ahead", MAXNREG13=128, DIRECT1=False),
-    FragMoEConfig(BLOCK_M=8, XLOAD="operand", XLOAD2="smem-ahead", MAXNREG13=128, DIRECT1=False, EPI_BLOCK=1024),
+    FragMoEConfig(BLOCK_M=8, XLOAD="operand", XLOAD2="smem-ahead", EPI_BLOCK=1024),
+    FragMoEConfig(BLOCK_M=8, XLOAD="operand", XLOAD2="smem-ahead", MAXNREG2=80),
     FragMoEConfig(BLOCK_M=8, XLOAD="operand", XLOAD2="smem"),
     FragMoEConfig(BLOCK_M=8),
     FragMoEConfig(BLOCK_M=8, XLOAD="smem"),
@@ -128,7 +127,7 @@ def bench_moe(ts, bw, reps) -> list[dict]:
             label = (f"frag{' (engine table)' if cand is None else ''} bm{cfg.BLOCK_M} mt{cfg.MT}/{cfg.MT2 or cfg.MT} w{cfg.num_warps} "
                      f"split13 {cfg.SPLIT13 or 'auto'} split2 {cfg.SPLIT2} x {cfg.XLOAD}/{cfg.XLOAD2 or cfg.XLOAD}"
                      f"{f' maxnreg {cfg.MAXNREG13}/{cfg.MAXNREG2}' if cfg.MAXNREG13 or cfg.MAXNREG2 else ''}"
-                     f" epi {cfg.EPI_BLOCK}{'' if cfg.DIRECT1 else ' align1'}")
+                     f" epi {cfg.EPI_BLOCK}")
             _row(rows, {**base, "kernel": label},
                  lambda: fused_moe_frag(x, q13, w13s, q2, w2s, ids0, tw0, G, cfg), ref,
                  [lambda i=i, w=w: fused_moe_frag(x, q13, w13s, q2, w2s, i, w, G, cfg) for i, w in sets],

@@ -7,8 +7,7 @@ Stacked expert tensors, repacked once at load by `frag_repack` (same shapes and 
 
 Launches (no host synchronisation; CUDA-graph capturable), the align, SwiGLU and top-k sum kernels
 shared with moe_w4a16.py:
-  1. align: pairs (t, j) grouped by expert into blocks of BLOCK_M rows (the MMA's token columns); skipped
-     for one token (its top-k experts are distinct: block j is pair j, read by the GEMMs from the ids);
+  1. align: pairs (t, j) grouped by expert into blocks of BLOCK_M rows (the MMA's token columns);
   2. gate/up (_moe_frag_kernel, GATE_UP): grid (blocks, I / BN, splits over H): fp32 gate and up partials;
   3. SwiGLU: the partials summed in split order, silu(g) * u -> inter [P, I] (bf16);
   4. down (the same kernel): grid (blocks, H / BN, splits over I): router weight x partial -> y [split, P, H];
@@ -53,8 +52,7 @@ class FragMoEConfig:
     MAXNREG13: int = 0     # register caps of the gate/up and down kernels (0: the compiler's); the same code.
     MAXNREG2: int = 0      # MAXNREG2 72 / 80 (5-6 programs per SM) measured slower (bench/results/w4-frag-h200-tune2.md)
     EPI_BLOCK: int = 256   # elements per program of the SwiGLU and top-k sum launches (elementwise: same bits);
-    #                        T = 1: 69.7 against 70.6 us with 1024 (bench/results/w4-frag-h200-tune2.md)
-    DIRECT1: bool = True   # one token: block j = pair j, no align launch (the same bits)
+    #                        T = 1: 71.4 against 72.6 us with 1024 (bench/results/w4-frag-h200-direct.md)
 
     def __post_init__(self) -> None:
         if self.BLOCK_M not in (8, 16):
@@ -89,17 +87,17 @@ FRAG_MOE_CONFIGS: list[tuple[int, FragMoEConfig]] = [
 ]
 # Launches of at most this many pairs (T = 1 at top-8): the gate/up GEMM loads the activations in the MMA
 # operand layout, at use: the relabel through shared memory costs it 35 registers (163 against 128: 3
-# programs per SM instead of 4), which a one-wave launch feels; the down GEMM gains from it. The 128-register
-# cap keeps 4 programs per SM where the compiler takes a few more (130 / 139 with the ids-direct blocks; the
-# spills, 40 bytes, are outside the K loop). T = 1: 71.8 us
+# programs per SM instead of 4), which a one-wave launch feels; the down GEMM gains from it. T = 1: 71.8 us
 # against 74.7 with operand loads in both, 83.1 with smem-ahead in both. Measured and dropped there: SwiGLU
 # applied in the down GEMM's activation loads instead of its own launch (every down program recomputing its
 # block's SwiGLU from the fp32 partials), 85.4 against 71.6 us at T = 1 and slower at every T
 # (bench/results/w4-frag-h200-swiglu-down.md). Also dropped: two blocks of the down GEMM's words in flight
 # (121 registers, 4 programs per SM): 74.0 against 71.9 us at T = 1, slower at every T
-# (bench/results/w4-frag-h200-depth2.md).
+# (bench/results/w4-frag-h200-depth2.md). Also dropped: one token's blocks read straight from the ids instead
+# of the align launch (block j = pair j; the same bits): 71.2 against 71.4 us at T = 1, the gate/up kernel
+# then needing 139 registers (capped at 128 with spills) (bench/results/w4-frag-h200-direct.md, commit 00d5eb9).
 FEW_PAIRS = 8
-FEW_PAIRS_CONFIG = FragMoEConfig(BLOCK_M=8, XLOAD="operand", XLOAD2="smem-ahead", MAXNREG13=128)
+FEW_PAIRS_CONFIG = FragMoEConfig(BLOCK_M=8, XLOAD="operand", XLOAD2="smem-ahead")
 
 
 def frag_moe_config(num_pairs: int, num_experts: int) -> FragMoEConfig:
@@ -123,25 +121,19 @@ def mt_for(cfg: FragMoEConfig, H: int, I: int, mt: int | None = None) -> int:
 
 if HAVE_GLUON:
     @gluon.jit
-    def _block_pairs(sorted_ptr, pid_b, rows, TOK: gl.constexpr, DIRECT: gl.constexpr, layout: gl.constexpr):
-        """The pairs of block pid_b (its columns) and which columns hold one; DIRECT: pair pid_b alone."""
+    def _block_pairs(sorted_ptr, pid_b, rows, TOK: gl.constexpr, layout: gl.constexpr):
         r = gl.arange(0, TOK, layout=layout)
         ok = r < rows
-        if DIRECT:
-            pair = r * 0 + pid_b
-        else:
-            pair = gl.load(sorted_ptr + pid_b * TOK + r, mask=ok, other=0)
-        return pair, ok
+        return gl.load(sorted_ptr + pid_b * TOK + r, mask=ok, other=0), ok
 
     @gluon.jit
-    def _moe_frag_kernel(x_ptr, w_ptr, s_ptr, out_ptr, tw_ptr, sorted_ptr, blk_expert_ptr, blk_rows_ptr, ids_ptr,
-                         UP_ROW, TOPK, E, stride_xt, stride_we, stride_wn, stride_se, stride_sn,
+    def _moe_frag_kernel(x_ptr, w_ptr, s_ptr, out_ptr, tw_ptr, sorted_ptr, blk_expert_ptr, blk_rows_ptr,
+                         UP_ROW, TOPK, stride_xt, stride_we, stride_wn, stride_se, stride_sn,
                          stride_os, stride_ot, kb_per_split,
                          GATE_UP: gl.constexpr, TOK: gl.constexpr, MT: gl.constexpr, GPB: gl.constexpr,
-                         WL: gl.constexpr, X_SMEM: gl.constexpr, X_AHEAD: gl.constexpr, DIRECT: gl.constexpr,
+                         WL: gl.constexpr, X_SMEM: gl.constexpr, X_AHEAD: gl.constexpr,
                          num_warps: gl.constexpr):
-        """grid (blocks, N / BN, splits), one expert block's pairs over the split's K blocks. DIRECT: block b
-        is pair b alone, expert ids[b] (no block when outside [0, E)); the align launch is skipped.
+        """grid (blocks, N / BN, splits), one expert block's pairs over the split's K blocks.
         GATE_UP: x [T, H] rows pair // TOPK, weight rows n and UP_ROW + n -> out[split, pair, n] and
         out[split, pair, UP_ROW + n] (fp32 gate / up partials). Else (down): x = inter [P, I] rows pair ->
         out[split, pair, n] = router weight x the partial down sum."""
@@ -152,16 +144,10 @@ if HAVE_GLUON:
         BL: gl.constexpr = operand_layout(1, num_warps)
         XL: gl.constexpr = x_layout(BK, TOK, num_warps, X_SMEM)
         pid_b = gl.program_id(0)
-        if DIRECT:
-            e = gl.load(ids_ptr + pid_b).to(gl.int64)
-            rows = ((e >= 0) & (e < E)).to(gl.int32)
-            if rows == 0:
-                return
-        else:
-            rows = gl.load(blk_rows_ptr + pid_b)
-            if rows == 0:
-                return
-            e = gl.load(blk_expert_ptr + pid_b).to(gl.int64)
+        rows = gl.load(blk_rows_ptr + pid_b)
+        if rows == 0:
+            return
+        e = gl.load(blk_expert_ptr + pid_b).to(gl.int64)
         n0 = gl.program_id(1) * BN
         pid_s = gl.program_id(2)
         kb0 = pid_s * kb_per_split
@@ -173,7 +159,7 @@ if HAVE_GLUON:
         else:
             w1, s1 = w0, s0
 
-        pair, ok = _block_pairs(sorted_ptr, pid_b, rows, TOK, DIRECT, gl.SliceLayout(0, XL))
+        pair, ok = _block_pairs(sorted_ptr, pid_b, rows, TOK, gl.SliceLayout(0, XL))
         rk = gl.arange(0, BK, layout=gl.SliceLayout(1, XL))
         if GATE_UP:
             xr = (pair // TOPK).to(gl.int64)
@@ -185,7 +171,7 @@ if HAVE_GLUON:
         acc0, acc1 = _frag_loop(acc0, acc1, w0, s0, w1, s1, x_ptrs, gl.expand_dims(ok, 0), kb_per_split,
                                 GATE_UP, X_AHEAD, AL, BL, BN, GPB)
 
-        pair_o, ok_o = _block_pairs(sorted_ptr, pid_b, rows, TOK, DIRECT, gl.SliceLayout(0, MMA))
+        pair_o, ok_o = _block_pairs(sorted_ptr, pid_b, rows, TOK, gl.SliceLayout(0, MMA))
         if not GATE_UP:
             tw = gl.load(tw_ptr + pair_o, mask=ok_o, other=0.0).to(gl.float32)
             acc0 = acc0 * gl.expand_dims(tw, 0)
@@ -234,23 +220,16 @@ def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor
     x = x.contiguous()
     ids = topk_ids.reshape(-1).contiguous()
     tw = topk_weights.reshape(-1).contiguous()
-    # one token: block j = pair j, no align launch (right for any ids; a token's top-k experts are distinct,
-    # so no expert is read twice); the same columns and sums as aligned blocks (the same bits)
-    direct = T == 1 and cfg.DIRECT1
-    if direct:
-        sorted_pairs = blk_expert = blk_rows = ids
-        blocks = P
-    else:
-        sorted_pairs, blk_expert, blk_rows = moe_align(ids, E, cfg.BLOCK_M)
-        blocks = blk_rows.numel()
+    sorted_pairs, blk_expert, blk_rows = moe_align(ids, E, cfg.BLOCK_M)
+    blocks = blk_rows.numel()
 
     part = torch.empty((s13, P, 2 * I), device=x.device, dtype=torch.float32)
     _moe_frag_kernel[(blocks, I // bn, s13)](
-        x, w13_q, w13_scale, part, tw, sorted_pairs, blk_expert, blk_rows, ids, I, topk, E,
+        x, w13_q, w13_scale, part, tw, sorted_pairs, blk_expert, blk_rows, I, topk,
         x.stride(0), w13_q.stride(0), w13_q.stride(1), w13_scale.stride(0), w13_scale.stride(1),
         part.stride(0), part.stride(1), H // (32 * g13) // s13,
         GATE_UP=True, TOK=cfg.BLOCK_M, MT=mt, GPB=g13, WL=word_layout(cfg.num_warps, mt, g13),
-        X_SMEM=X_LOADS[cfg.XLOAD][0], X_AHEAD=X_LOADS[cfg.XLOAD][1], DIRECT=direct, num_warps=cfg.num_warps,
+        X_SMEM=X_LOADS[cfg.XLOAD][0], X_AHEAD=X_LOADS[cfg.XLOAD][1], num_warps=cfg.num_warps,
         **({"maxnreg": cfg.MAXNREG13} if cfg.MAXNREG13 else {}))
     inter = torch.empty((P, I), device=x.device, dtype=x.dtype)
     block = min(cfg.EPI_BLOCK, triton.next_power_of_2(I))
@@ -261,11 +240,11 @@ def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor
     mt2 = mt_for(cfg, H, I, cfg.MT2)
     xload2 = cfg.XLOAD2 or cfg.XLOAD
     _moe_frag_kernel[(blocks, H // (16 * cfg.num_warps * mt2), cfg.SPLIT2)](
-        inter, w2_q, w2_scale, y, tw, sorted_pairs, blk_expert, blk_rows, ids, 0, 1, E,
+        inter, w2_q, w2_scale, y, tw, sorted_pairs, blk_expert, blk_rows, 0, 1,
         inter.stride(0), w2_q.stride(0), w2_q.stride(1), w2_scale.stride(0), w2_scale.stride(1),
         y.stride(0), y.stride(1), I // (32 * g2) // cfg.SPLIT2,
         GATE_UP=False, TOK=cfg.BLOCK_M, MT=mt2, GPB=g2, WL=word_layout(cfg.num_warps, mt2, g2),
-        X_SMEM=X_LOADS[xload2][0], X_AHEAD=X_LOADS[xload2][1], DIRECT=direct, num_warps=cfg.num_warps,
+        X_SMEM=X_LOADS[xload2][0], X_AHEAD=X_LOADS[xload2][1], num_warps=cfg.num_warps,
         **({"maxnreg": cfg.MAXNREG2} if cfg.MAXNREG2 else {}))
     BLOCK_H = cfg.EPI_BLOCK
     _moe_topk_sum_kernel[(T, triton.cdiv(H, BLOCK_H))](
