@@ -37,15 +37,14 @@ from kdtree_engine.quant import dequantize  # noqa: E402
 
 DENSE_CANDIDATES = [  # the engine's plan first (None), then overrides of it (the plan's split unless given)
     None, dict(xload="operand"), dict(xload="smem"), dict(tok=8, mt=2), dict(tok=16, mt=2),
-    dict(mt=1, split=2), dict(mt=1, split=1), dict(mt=1, split=4), dict(num_warps=8, mt=1),
-    dict(num_warps=8, mt=1, split=2), dict(num_warps=8, mt=1, tok=16), dict(num_warps=8, mt=1, tok=16, split=2),
+    dict(mt=1, split=2), dict(mt=1, split=1), dict(mt=1, split=4), dict(pdl=False), dict(mt=1, split=2, pdl=False),
 ]
 MOE_CANDIDATES = [  # the engine's table first (None), then block rows / tiles / activation loads
     None,
     FragMoEConfig(BLOCK_M=8, XLOAD="operand"),
     FragMoEConfig(BLOCK_M=8, XLOAD="operand", XLOAD2="smem-ahead"),
-    FragMoEConfig(BLOCK_M=8, XLOAD="operand", XLOAD2="smem-ahead", EPI_BLOCK=1024),
-    FragMoEConfig(BLOCK_M=8, XLOAD="operand", XLOAD2="smem-ahead", MAXNREG2=80),
+    FragMoEConfig(BLOCK_M=8, XLOAD="operand", XLOAD2="smem-ahead", PDL=False),
+    FragMoEConfig(BLOCK_M=8, PDL=False),
     FragMoEConfig(BLOCK_M=8, XLOAD="operand", XLOAD2="smem"),
     FragMoEConfig(BLOCK_M=8),
     FragMoEConfig(BLOCK_M=8, XLOAD="smem"),
@@ -94,7 +93,7 @@ def bench_dense(ms, bw, reps) -> list[dict]:
                 tag = "frag (engine plan)" if cand is None else "frag"
                 wr = reps_by_gpb[gpb]
                 label = (f"{tag} gpb{kw['gpb']} mt{kw['mt']} w{kw['num_warps']} split{kw['split']} tok{kw['tok']}"
-                         f" x {kw['xload']}")
+                         f" x {kw['xload']}{'' if kw.get('pdl', True) else ' no-pdl'}")
                 _row(rows, {**base, "kernel": label},
                      lambda: frag_linear(x, *wr[0], **kw), ref,
                      [lambda p=p, s=s: frag_linear(x, p, s, **kw) for p, s in wr], nbytes, bw, reps)
@@ -127,7 +126,7 @@ def bench_moe(ts, bw, reps) -> list[dict]:
             label = (f"frag{' (engine table)' if cand is None else ''} bm{cfg.BLOCK_M} mt{cfg.MT}/{cfg.MT2 or cfg.MT} w{cfg.num_warps} "
                      f"split13 {cfg.SPLIT13 or 'auto'} split2 {cfg.SPLIT2} x {cfg.XLOAD}/{cfg.XLOAD2 or cfg.XLOAD}"
                      f"{f' maxnreg {cfg.MAXNREG13}/{cfg.MAXNREG2}' if cfg.MAXNREG13 or cfg.MAXNREG2 else ''}"
-                     f" epi {cfg.EPI_BLOCK}")
+                     f" epi {cfg.EPI_BLOCK}{'' if cfg.PDL else ' no-pdl'}")
             _row(rows, {**base, "kernel": label},
                  lambda: fused_moe_frag(x, q13, w13s, q2, w2s, ids0, tw0, G, cfg), ref,
                  [lambda i=i, w=w: fused_moe_frag(x, q13, w13s, q2, w2s, i, w, G, cfg) for i, w in sets],

@@ -27,13 +27,15 @@ import triton
 from kdtree_engine.kernels.moe_w4a16 import _moe_swiglu_kernel, _moe_topk_sum_kernel, moe_align
 from kdtree_engine.kernels.w4_dequant import DEQ_FLOAT
 from kdtree_engine.kernels.common import bucket
+from kdtree_engine.kernels.pdl import pdl_launch
 from kdtree_engine.kernels.w4_frag import HAVE_GLUON, X_LOADS, frag_gpb, frag_unsupported, word_layout
 
 if HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
 
-    from kdtree_engine.kernels.w4_frag import _frag_loop, _word_ptrs, mma_layout, operand_layout, x_layout
+    from kdtree_engine.kernels.w4_frag import (_frag_loop, _word_ptrs, mma_layout, operand_layout, pdl_wait_gl,
+                                               x_layout)
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,7 @@ class FragMoEConfig:
     MAXNREG2: int = 0      # MAXNREG2 72 / 80 (5-6 programs per SM) measured slower (bench/results/w4-frag-h200-tune2.md)
     EPI_BLOCK: int = 256   # elements per program of the SwiGLU and top-k sum launches (elementwise: same bits);
     #                        T = 1: 71.4 against 72.6 us with 1024 (bench/results/w4-frag-h200-direct.md)
+    PDL: bool = True       # the gate/up, SwiGLU, down and top-k sum launches programmatic dependents (pdl.py)
 
     def __post_init__(self) -> None:
         if self.BLOCK_M not in (8, 16):
@@ -131,12 +134,14 @@ if HAVE_GLUON:
                          UP_ROW, TOPK, stride_xt, stride_we, stride_wn, stride_se, stride_sn,
                          stride_os, stride_ot, kb_per_split,
                          GATE_UP: gl.constexpr, TOK: gl.constexpr, MT: gl.constexpr, GPB: gl.constexpr,
-                         WL: gl.constexpr, X_SMEM: gl.constexpr, X_AHEAD: gl.constexpr,
+                         WL: gl.constexpr, X_SMEM: gl.constexpr, X_AHEAD: gl.constexpr, PDL: gl.constexpr,
                          num_warps: gl.constexpr):
         """grid (blocks, N / BN, splits), one expert block's pairs over the split's K blocks.
         GATE_UP: x [T, H] rows pair // TOPK, weight rows n and UP_ROW + n -> out[split, pair, n] and
         out[split, pair, UP_ROW + n] (fp32 gate / up partials). Else (down): x = inter [P, I] rows pair ->
-        out[split, pair, n] = router weight x the partial down sum."""
+        out[split, pair, n] = router weight x the partial down sum. PDL (pdl.py): launched dependent on the
+        align launch (gate/up: waits first) or the SwiGLU launch (down: waits after its first weight loads;
+        the blocks are two launches back, complete)."""
         BN: gl.constexpr = 16 * num_warps * MT
         BK: gl.constexpr = 32 * GPB
         MMA: gl.constexpr = mma_layout(num_warps)
@@ -144,6 +149,8 @@ if HAVE_GLUON:
         BL: gl.constexpr = operand_layout(1, num_warps)
         XL: gl.constexpr = x_layout(BK, TOK, num_warps, X_SMEM)
         pid_b = gl.program_id(0)
+        if GATE_UP and PDL:
+            pdl_wait_gl()
         rows = gl.load(blk_rows_ptr + pid_b)
         if rows == 0:
             return
@@ -169,7 +176,7 @@ if HAVE_GLUON:
         acc0 = gl.zeros([BN, TOK], gl.float32, layout=MMA)
         acc1 = gl.zeros([BN, TOK], gl.float32, layout=MMA)
         acc0, acc1 = _frag_loop(acc0, acc1, w0, s0, w1, s1, x_ptrs, gl.expand_dims(ok, 0), kb_per_split,
-                                GATE_UP, X_AHEAD, AL, BL, BN, GPB)
+                                GATE_UP, X_AHEAD, AL, BL, BN, GPB, PDL and not GATE_UP)
 
         pair_o, ok_o = _block_pairs(sorted_ptr, pid_b, rows, TOK, gl.SliceLayout(0, MMA))
         if not GATE_UP:
@@ -222,6 +229,7 @@ def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor
     tw = topk_weights.reshape(-1).contiguous()
     sorted_pairs, blk_expert, blk_rows = moe_align(ids, E, cfg.BLOCK_M)
     blocks = blk_rows.numel()
+    pdl = pdl_launch(cfg.PDL)
 
     part = torch.empty((s13, P, 2 * I), device=x.device, dtype=torch.float32)
     _moe_frag_kernel[(blocks, I // bn, s13)](
@@ -229,13 +237,13 @@ def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor
         x.stride(0), w13_q.stride(0), w13_q.stride(1), w13_scale.stride(0), w13_scale.stride(1),
         part.stride(0), part.stride(1), H // (32 * g13) // s13,
         GATE_UP=True, TOK=cfg.BLOCK_M, MT=mt, GPB=g13, WL=word_layout(cfg.num_warps, mt, g13),
-        X_SMEM=X_LOADS[cfg.XLOAD][0], X_AHEAD=X_LOADS[cfg.XLOAD][1], num_warps=cfg.num_warps,
-        **({"maxnreg": cfg.MAXNREG13} if cfg.MAXNREG13 else {}))
+        X_SMEM=X_LOADS[cfg.XLOAD][0], X_AHEAD=X_LOADS[cfg.XLOAD][1], PDL=cfg.PDL, num_warps=cfg.num_warps,
+        **pdl, **({"maxnreg": cfg.MAXNREG13} if cfg.MAXNREG13 else {}))
     inter = torch.empty((P, I), device=x.device, dtype=x.dtype)
     block = min(cfg.EPI_BLOCK, triton.next_power_of_2(I))
     _moe_swiglu_kernel[(P, triton.cdiv(I, block))](
         part, inter, ids, I, E, part.stride(0), part.stride(1), inter.stride(0),
-        SPLIT=s13, BLOCK=block, DEQ=DEQ_FLOAT, num_warps=4)
+        SPLIT=s13, BLOCK=block, DEQ=DEQ_FLOAT, PDL=cfg.PDL, num_warps=4, **pdl)
     y = torch.empty((cfg.SPLIT2, P, H), device=x.device, dtype=torch.float32)
     mt2 = mt_for(cfg, H, I, cfg.MT2)
     xload2 = cfg.XLOAD2 or cfg.XLOAD
@@ -244,12 +252,12 @@ def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor
         inter.stride(0), w2_q.stride(0), w2_q.stride(1), w2_scale.stride(0), w2_scale.stride(1),
         y.stride(0), y.stride(1), I // (32 * g2) // cfg.SPLIT2,
         GATE_UP=False, TOK=cfg.BLOCK_M, MT=mt2, GPB=g2, WL=word_layout(cfg.num_warps, mt2, g2),
-        X_SMEM=X_LOADS[xload2][0], X_AHEAD=X_LOADS[xload2][1], num_warps=cfg.num_warps,
-        **({"maxnreg": cfg.MAXNREG2} if cfg.MAXNREG2 else {}))
+        X_SMEM=X_LOADS[xload2][0], X_AHEAD=X_LOADS[xload2][1], PDL=cfg.PDL, num_warps=cfg.num_warps,
+        **pdl, **({"maxnreg": cfg.MAXNREG2} if cfg.MAXNREG2 else {}))
     BLOCK_H = cfg.EPI_BLOCK
     _moe_topk_sum_kernel[(T, triton.cdiv(H, BLOCK_H))](
         y, ids, out, H, E, y.stride(1), y.stride(0), out.stride(0), TOPK=topk, BLOCK_H=BLOCK_H,
-        SPLIT=cfg.SPLIT2, num_warps=4)
+        SPLIT=cfg.SPLIT2, PDL=cfg.PDL, num_warps=4, **pdl)
     return out
 
 

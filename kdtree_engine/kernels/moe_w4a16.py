@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from kdtree_engine.kernels.common import bucket, interpreting
+from kdtree_engine.kernels.pdl import pdl_wait
 from kdtree_engine.kernels.w4_dequant import DEQ_BF16X2, DEQ_BF16X2_EMU, DEQUANTS, _pair_pos, pair_order
 from kdtree_engine.kernels.w4a16 import _load_dequant, _mma, check_w4, deq_code, fp32_stages, k_splits
 from kdtree_engine.quant import dequantize
@@ -270,9 +271,12 @@ def _swiglu(g, u):
 
 @triton.jit
 def _moe_swiglu_kernel(part_ptr, inter_ptr, ids_ptr, I, E, stride_ps, stride_pp, stride_it,
-                       SPLIT: tl.constexpr, BLOCK: tl.constexpr, DEQ: tl.constexpr):
+                       SPLIT: tl.constexpr, BLOCK: tl.constexpr, DEQ: tl.constexpr, PDL: tl.constexpr = False):
     """grid (pairs, I / BLOCK): sum a pair's gate / up partials in split order, SwiGLU, write inter.
-    Pairs routed outside [0, E) have no partials (no block computed them) and are skipped."""
+    Pairs routed outside [0, E) have no partials (no block computed them) and are skipped. PDL: launched
+    dependent on the gate/up GEMM (pdl.py)."""
+    if PDL:
+        pdl_wait()
     p = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     eid = tl.load(ids_ptr + p + tl.zeros_like(offs))
@@ -337,8 +341,12 @@ def _moe_w2_kernel(a_ptr, w_ptr, s_ptr, y_ptr, tw_ptr, sorted_ptr, blk_expert_pt
 
 @triton.jit
 def _moe_topk_sum_kernel(y_ptr, ids_ptr, out_ptr, H, E, stride_yt, stride_ys, stride_ot,
-                         TOPK: tl.constexpr, BLOCK_H: tl.constexpr, SPLIT: tl.constexpr = 1):
-    """out[t] = sum over j (then over the down GEMM's splits s, in order) of y[s, t * TOPK + j]."""
+                         TOPK: tl.constexpr, BLOCK_H: tl.constexpr, SPLIT: tl.constexpr = 1,
+                         PDL: tl.constexpr = False):
+    """out[t] = sum over j (then over the down GEMM's splits s, in order) of y[s, t * TOPK + j]. PDL:
+    launched dependent on the down GEMM (pdl.py)."""
+    if PDL:
+        pdl_wait()
     t = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = offs < H

@@ -6,10 +6,15 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_launch, pdl_wait
+
 
 @triton.jit
-def _split_sum_kernel(part_ptr, out_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
-    """out[i] = (((part[0, i] + part[1, i]) + part[2, i]) + ...), in split order."""
+def _split_sum_kernel(part_ptr, out_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    """out[i] = (((part[0, i] + part[1, i]) + part[2, i]) + ...), in split order. PDL: launched dependent
+    on the GEMM that wrote the partials (pdl.py)."""
+    if PDL:
+        pdl_wait()
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < MN
     acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
@@ -18,8 +23,10 @@ def _split_sum_kernel(part_ptr, out_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.cons
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def split_sum(parts: torch.Tensor, out: torch.Tensor, split: int) -> None:
-    """out [M, N] = sum over s of parts [split, M, N] (float32), added in the order s = 0, 1, ..."""
+def split_sum(parts: torch.Tensor, out: torch.Tensor, split: int, pdl: bool = False) -> None:
+    """out [M, N] = sum over s of parts [split, M, N] (float32), added in the order s = 0, 1, ...
+    pdl: a programmatic dependent launch (pdl.py; CUDA sm_90+ only)."""
     mn = out.numel()
     block = 1024
-    _split_sum_kernel[(triton.cdiv(mn, block),)](parts, out, mn, SPLIT=split, BLOCK=block, num_warps=4)
+    _split_sum_kernel[(triton.cdiv(mn, block),)](parts, out, mn, SPLIT=split, BLOCK=block, PDL=pdl, num_warps=4,
+                                                **pdl_launch(pdl))

@@ -34,6 +34,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from kdtree_engine.kernels.pdl import PDL_ASM, pdl_launch
 from kdtree_engine.kernels.w4_dequant import BF16X2_PTX
 from kdtree_engine.quant import pack_int4, unpack_int4
 
@@ -98,6 +99,7 @@ except ImportError:  # pragma: no cover - depends on the installed triton
 
 if HAVE_GLUON:
     DEQ_ASM = gl.constexpr(BF16X2_PTX)   # output j = nibble j (w4_dequant.py)
+    WAIT_ASM = gl.constexpr(PDL_ASM)
 
     @constexpr_function
     def mma_layout(num_warps):
@@ -170,19 +172,27 @@ if HAVE_GLUON:
         return w_ptrs, s_ptrs
 
     @gluon.jit
+    def pdl_wait_gl():
+        """pdl.pdl_wait in Gluon kernels: wait for the previous launch, release the next one."""
+        gl.inline_asm_elementwise(WAIT_ASM, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
     def _frag_loop(acc0, acc1, w0, s0, w1, s1, x_ptrs, x_mask, nblk,
                    TWO: gl.constexpr, X_AHEAD: gl.constexpr, AL: gl.constexpr, BL: gl.constexpr,
-                   BN: gl.constexpr, GPB: gl.constexpr):
+                   BN: gl.constexpr, GPB: gl.constexpr, WAIT: gl.constexpr):
         """acc0 (+ acc1 with TWO) += A0 (A1) @ x over nblk blocks of 32*GPB k, in k order. One block of
         words and scales is in flight ahead of the one in use; with X_AHEAD one block of activations too
         (its load issued after the current block's relabel into BL), else they are loaded at use. x_ptrs /
-        x_mask: in x_layout (relabelled through shared memory) or in BL (the relabel is a no-op)."""
+        x_mask: in x_layout (relabelled through shared memory) or in BL (the relabel is a no-op). WAIT: the
+        first block's weights are requested before pdl_wait, the activations after it."""
         BK: gl.constexpr = 32 * GPB
         a0 = gl.load(w0)
         c0 = gl.load(s0)
         if TWO:
             a1 = gl.load(w1)
             c1 = gl.load(s1)
+        if WAIT:
+            pdl_wait_gl()
         if X_AHEAD:
             xr = gl.load(x_ptrs, mask=x_mask, other=0.0)
         for _ in range(nblk - 1):
@@ -222,10 +232,10 @@ if HAVE_GLUON:
     def _w4_frag_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, stride_xm, stride_wn, stride_sn,
                         stride_om, stride_os, kb_per_split,
                         TOK: gl.constexpr, MT: gl.constexpr, GPB: gl.constexpr, WL: gl.constexpr,
-                        X_SMEM: gl.constexpr, X_AHEAD: gl.constexpr, num_warps: gl.constexpr):
+                        X_SMEM: gl.constexpr, X_AHEAD: gl.constexpr, PDL: gl.constexpr, num_warps: gl.constexpr):
         """grid (cdiv(M, TOK), N / BN, splits): out[split, m, n] = sum over the split's k of x[m, k] W[n, k].
         The token tiles of one weight tile are adjacent program ids: they run together and the weights are
-        read from DRAM about once."""
+        read from DRAM about once. PDL: launched dependent on the kernel that wrote x (pdl.py)."""
         BN: gl.constexpr = 16 * num_warps * MT
         BK: gl.constexpr = 32 * GPB
         MMA: gl.constexpr = mma_layout(num_warps)
@@ -246,7 +256,7 @@ if HAVE_GLUON:
 
         acc = gl.zeros([BN, TOK], gl.float32, layout=MMA)
         acc, unused = _frag_loop(acc, acc, w_ptrs, s_ptrs, w_ptrs, s_ptrs, x_ptrs, x_mask, kb_per_split,
-                                 False, X_AHEAD, AL, BL, BN, GPB)
+                                 False, X_AHEAD, AL, BL, BN, GPB, PDL)
 
         # y[m, n] = acc[n, m]
         on = gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
@@ -311,10 +321,11 @@ def token_mt(plan_mt: int, tok: int) -> int:
 
 def frag_linear(x: torch.Tensor, wq: torch.Tensor, s: torch.Tensor, *, gpb: int | None = None,
                 mt: int | None = None, num_warps: int = 4, split: int | None = None,
-                tok: int | None = None, xload: str = "smem-ahead") -> torch.Tensor:
+                tok: int | None = None, xload: str = "smem-ahead", pdl: bool = True) -> torch.Tensor:
     """y [M, N] = x [M, K] @ W^T, W the fragment-repacked int4 words wq [N, K/8] (frag_repack with
     frag_gpb(K) unless gpb is given) and bf16 scales s [N, K/32]; x bfloat16. Unset knobs follow dense_plan,
-    token_tile and token_mt; xload: how activations are loaded (X_LOADS)."""
+    token_tile and token_mt; xload: how activations are loaded (X_LOADS); pdl: programmatic dependent launches
+    of the GEMM and its split sum (pdl.py; the same bits)."""
     if not HAVE_GLUON:
         raise RuntimeError("the fragment-ordered W4A16 kernels need triton.experimental.gluon (triton >= 3.5)")
     from kdtree_engine.kernels.split_sum import split_sum
@@ -342,7 +353,7 @@ def frag_linear(x: torch.Tensor, wq: torch.Tensor, s: torch.Tensor, *, gpb: int 
     _w4_frag_kernel[(triton.cdiv(M, tok), N // bn, split)](
         x, wq, s, part, M, N, x.stride(0), wq.stride(0), s.stride(0), N, M * N, K // bk // split,
         TOK=tok, MT=mt, GPB=gpb, WL=word_layout(num_warps, mt, gpb), X_SMEM=X_LOADS[xload][0],
-        X_AHEAD=X_LOADS[xload][1], num_warps=num_warps)
+        X_AHEAD=X_LOADS[xload][1], PDL=pdl, num_warps=num_warps, **pdl_launch(pdl))
     if split > 1:
-        split_sum(part, y, split)
+        split_sum(part, y, split, pdl=pdl)
     return y

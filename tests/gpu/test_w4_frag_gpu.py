@@ -76,6 +76,7 @@ def test_frag_linear_activation_loads_same_bits():
                         ("smem-ahead", 8, 2)):
         other = frag_linear(x, q, s, gpb=8, split=4, mt=mt, tok=tok, xload=xl)
         assert torch.equal(full, other), f"xload {xl} / tok {tok} / mt {mt} give other bits"
+    assert torch.equal(full, frag_linear(x, q, s, gpb=8, split=4, pdl=False)), "pdl=False gives other bits"
 
 
 def _moe_case(E, H, I, T, topk, gpb=None, seed=0, unowned=False):
@@ -129,13 +130,17 @@ def test_moe_frag_batch_invariant(cfg):
         assert torch.equal(full, fused_moe_frag(x, *w, ids, tw, G, FragMoEConfig(num_warps=warps))), f"{warps} warps"
     for c in (FragMoEConfig(XLOAD="operand"), FragMoEConfig(XLOAD="smem"), FragMoEConfig(BLOCK_M=16, XLOAD="smem"),
               FragMoEConfig(XLOAD="operand", XLOAD2="smem-ahead"), FragMoEConfig(XLOAD="smem-ahead", XLOAD2="operand"),
-              FragMoEConfig(MAXNREG13=128, MAXNREG2=80), FragMoEConfig(EPI_BLOCK=1024)):
+              FragMoEConfig(MAXNREG13=128, MAXNREG2=80), FragMoEConfig(EPI_BLOCK=1024), FragMoEConfig(PDL=False)):
         assert torch.equal(full, fused_moe_frag(x, *w, ids, tw, G, c)), f"{c} gives other bits"
     bad = []
     for m in (1, 4, 17):
         part = fused_moe_frag(x[:m], *w, ids[:m], tw[:m], G, cfg)
         if not torch.equal(part, full[:m]):
             bad.append((m, int((part != full[:m]).sum())))
+    plain = fused_moe_frag(x[:1], *w, ids[:1], tw[:1], G, FragMoEConfig(BLOCK_M=8, XLOAD="operand",
+                                                                      XLOAD2="smem-ahead", PDL=False))
+    if not torch.equal(plain, full[:1]):
+        bad.append(("T=1 without dependent launches", int((plain != full[:1]).sum())))
     assert not bad, f"tokens differ from the T=64 launch (T, #elements): {bad}"
 
 
@@ -173,3 +178,34 @@ def test_demo_runs_on_fragment_kernels_close_to_triton(monkeypatch):
     triton_logits = target(ids, target.new_cache(64)).logits
     assert all(order_of(ex) == CHECKPOINT for ex in experts)
     assert rel(frag, triton_logits) < 2e-2
+
+
+def test_dependent_launches_in_graphs_read_fresh_inputs():
+    """The GEMMs start before the kernel writing their input has finished (programmatic dependent launch)
+    and wait before reading it: captured after a kernel that writes x (and the routing), replayed with new
+    values, the dense GEMM (with its split sum) and the MoE at T = 1 / 3 equal eager launches bit for bit."""
+    p, s = rand_w4(4096, 7168)
+    q = frag_repack(p, 8)
+    x0, w, ids0, tw0, _ = _moe_case(E=64, H=7168, I=2048, T=3, topk=8)
+    for T in (1, 3):
+        src = torch.randn(T, 7168, device="cuda").to(torch.bfloat16)
+        sids, stw = ids0[:T].clone(), tw0[:T].clone()
+        xb = torch.empty_like(src)
+        ib = torch.empty_like(sids)
+        torch.mul(src, 1.0, out=xb)
+        torch.add(sids, 0, out=ib)
+        frag_linear(xb, q, s)
+        fused_moe_frag(xb, *w, ib, stw, G)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            torch.mul(src, 1.0, out=xb)                # kernels writing the GEMMs' inputs
+            torch.add(sids, 0, out=ib)
+            dense = frag_linear(xb, q, s)
+            moe = fused_moe_frag(xb, *w, ib, stw, G)
+        for r in range(6):
+            src.copy_(torch.randn(T, 7168, device="cuda").to(torch.bfloat16))
+            sids.copy_(torch.rand(T, 64, device="cuda").topk(8, dim=1).indices)
+            graph.replay()
+            xe = src.clone()
+            assert torch.equal(dense, frag_linear(xe, q, s)), f"T={T} replay {r}: dense differs from eager"
+            assert torch.equal(moe, fused_moe_frag(xe, *w, sids.clone(), stw, G)), f"T={T} replay {r}: MoE differs"

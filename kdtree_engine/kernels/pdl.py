@@ -1,0 +1,33 @@
+"""Programmatic dependent launch (sm_90+) for the chained launches of the fragment INT4 GEMMs.
+
+A kernel launched with `launch_pdl=True` may start while the kernel before it on the stream is finishing.
+It first does what does not read that kernel's outputs (index math, the first weight block's loads), then
+`pdl_wait`: griddepcontrol.wait (the previous kernel complete, its writes visible) followed by
+griddepcontrol.launch_dependents (the next launch may start once every program of this one got here). The
+release comes after the wait, so a kernel that starts early finds everything two launches back complete.
+Both instructions are no-ops in a kernel launched without the attribute. The launch order, the data and the
+arithmetic are unchanged: the same bits with or without (GPU-tested); CUDA-graph capture keeps the
+programmatic edges.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+PDL_ASM = "griddepcontrol.wait; griddepcontrol.launch_dependents; // $0"
+_ASM = tl.constexpr(PDL_ASM)
+
+
+@triton.jit
+def pdl_wait():
+    """Wait for the previous launch, then release the next one (Triton kernels; not in the interpreter)."""
+    tl.inline_asm_elementwise(_ASM, "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
+def pdl_launch(on: bool) -> dict:
+    """Launch options of a kernel that calls pdl_wait when `on`."""
+    return {"launch_pdl": True} if on else {}
+
+
+__all__ = ["PDL_ASM", "pdl_launch", "pdl_wait"]
