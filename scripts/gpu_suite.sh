@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU tests and benchmarks, logs and results packed under $OUT; one device call runs one part.
-#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|next|chain|sample|rounds|decode|step|verify|resume|ncu|plane|merge|merge2|merge3|sample2|fork|last|plane2|rows|kload|lazy|rounds2|maxnreg|qsplit|stages|down|bm8|m64|merge4|merge5|final2|moerows|moe16|moe16b|router|router2|router3|final3|frag|frag2|frag3|frag4|frag5|frag7|frag8|xsm|xsm2|xsm3|xsm4|xsm5|xsm6|router4|arrive|tune2|direct|epi|pdl]   (on the GPU machine, from the repository root)
+#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|next|chain|sample|rounds|decode|step|verify|resume|ncu|plane|merge|merge2|merge3|sample2|fork|last|plane2|rows|kload|lazy|rounds2|maxnreg|qsplit|stages|down|bm8|m64|merge4|merge5|final2|moerows|moe16|moe16b|router|router2|router3|final3|frag|frag2|frag3|frag4|frag5|frag7|frag8|xsm|xsm2|xsm3|xsm4|xsm5|xsm6|router4|arrive|tune2|direct|epi|pdl|pdl2]   (on the GPU machine, from the repository root)
 #   tune   the W4A16 config sweep, the bitwise and CUDA-graph GPU tests, the demo's spec benchmark
 #   check  the remaining GPU tests (kernels, batch invariance, target, attention), kernel and round benches
 #   bench  the benchmarks with long runs (K2 step, attention, GEMM)
@@ -87,6 +87,8 @@
 #          kernel bench, fragment candidates, the demo's spec == plain
 #   pdl    programmatic dependent launches of the fragment GEMMs and their epilogue launches: fragment GPU tests
 #          (same bits with and without, fresh inputs in graph replays), candidates, kernel bench, demo spec == plain
+#   pdl2   pdl with the align launch a dependent too: fragment GPU tests, kernel bench, demo spec == plain,
+#          candidates, align GPU tests, the K2 layer step and the round bench
 #   router4 the router-logit kernel (kernels/router_gemm.py at 5f813f4, dropped): its GPU tests, the demo's spec == plain, the
 #          router and K2-step benches, the target tests
 #   final3 final2 on this round's final code (align kernel, expert block rows, forked shared expert, router tiles)
@@ -513,5 +515,14 @@ if [[ $PART == pdl ]]; then
   step bench_w4_frag 120 python3 bench/w4_frag.py --ts 1,4,16,64 --ms 1,4,16 --out "$RES"
   step bench_kernels 45 python3 bench/kernels.py --no-sweep --out "$RES"
   step pytest_spec_bitwise 150 $PYT $SPEC_BITWISE
+fi
+if [[ $PART == pdl2 ]]; then
+  step pytest_frag 120 $PYT tests/gpu/test_w4_frag_gpu.py
+  step bench_kernels 45 python3 bench/kernels.py --no-sweep --out "$RES"
+  step pytest_spec_bitwise 120 $PYT $SPEC_BITWISE
+  step bench_w4_frag 60 python3 bench/w4_frag.py --no-dense --ts 1,4,16 --out "$RES"
+  step pytest_align 40 $PYT tests/gpu/test_kernels_gpu.py -k "moe_align"
+  step bench_k2_step 80 python3 bench/k2_step.py --profile --out "$RES"
+  step bench_round 95 python3 bench/round.py --out "$RES"
 fi
 ls -la "$RES"

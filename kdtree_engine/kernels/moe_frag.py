@@ -55,7 +55,8 @@ class FragMoEConfig:
     MAXNREG2: int = 0      # MAXNREG2 72 / 80 (5-6 programs per SM) measured slower (bench/results/w4-frag-h200-tune2.md)
     EPI_BLOCK: int = 256   # elements per program of the SwiGLU and top-k sum launches (elementwise: same bits);
     #                        T = 1: 71.4 against 72.6 us with 1024 (bench/results/w4-frag-h200-direct.md)
-    PDL: bool = True       # the gate/up, SwiGLU, down and top-k sum launches programmatic dependents (pdl.py)
+    PDL: bool = True       # every launch a programmatic dependent (pdl.py; the same bits): T = 1 67.8 against
+    #                        70.1 us, T = 16 742 against 753 (bench/results/w4-frag-h200-pdl.md)
 
     def __post_init__(self) -> None:
         if self.BLOCK_M not in (8, 16):
@@ -227,7 +228,7 @@ def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor
     x = x.contiguous()
     ids = topk_ids.reshape(-1).contiguous()
     tw = topk_weights.reshape(-1).contiguous()
-    sorted_pairs, blk_expert, blk_rows = moe_align(ids, E, cfg.BLOCK_M)
+    sorted_pairs, blk_expert, blk_rows = moe_align(ids, E, cfg.BLOCK_M, pdl=cfg.PDL)
     blocks = blk_rows.numel()
     pdl = pdl_launch(cfg.PDL)
 

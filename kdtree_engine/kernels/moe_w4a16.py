@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from kdtree_engine.kernels.common import bucket, interpreting
-from kdtree_engine.kernels.pdl import pdl_wait
+from kdtree_engine.kernels.pdl import pdl_launch, pdl_wait
 from kdtree_engine.kernels.w4_dequant import DEQ_BF16X2, DEQ_BF16X2_EMU, DEQUANTS, _pair_pos, pair_order
 from kdtree_engine.kernels.w4a16 import _load_dequant, _mma, check_w4, deq_code, fp32_stages, k_splits
 from kdtree_engine.quant import dequantize
@@ -129,10 +129,14 @@ def moe_config(num_pairs: int, num_experts: int) -> MoEConfig:
 
 @triton.jit
 def _moe_align_kernel(ids_ptr, P, E, sorted_ptr, blk_expert_ptr, blk_rows_ptr, max_blocks,
-                      BM: tl.constexpr, E_P2: tl.constexpr, CH: tl.constexpr, BCH: tl.constexpr):
+                      BM: tl.constexpr, E_P2: tl.constexpr, CH: tl.constexpr, BCH: tl.constexpr,
+                      PDL: tl.constexpr = False):
     """Program e (one per expert). ids [P] (flattened topk_ids) -> sorted_ptr [max_blocks*BM]: the
     pairs of expert e, ascending, from row blk_start[e] * BM on; blk_expert / blk_rows [max_blocks] for
-    e's blocks (program 0 also marks the unused blocks past the last one: rows = 0)."""
+    e's blocks (program 0 also marks the unused blocks past the last one: rows = 0). PDL: launched
+    dependent on the kernel that wrote the ids (pdl.py)."""
+    if PDL:
+        pdl_wait()
     e = tl.program_id(0)
     offs_e = tl.arange(0, E_P2)
     counts = tl.zeros([E_P2], dtype=tl.int32)
@@ -169,10 +173,13 @@ def _moe_align_kernel(ids_ptr, P, E, sorted_ptr, blk_expert_ptr, blk_rows_ptr, m
 
 @triton.jit
 def _moe_align_one_kernel(ids_ptr, P, E, sorted_ptr, blk_expert_ptr, blk_rows_ptr, max_blocks,
-                          BM: tl.constexpr, PP: tl.constexpr, MBP: tl.constexpr):
-    """One program, P <= PP pairs: the same outputs as _moe_align_kernel in one launch of one program.
+                          BM: tl.constexpr, PP: tl.constexpr, MBP: tl.constexpr, PDL: tl.constexpr = False):
+    """One program, P <= PP pairs: the same outputs as _moe_align_kernel in one launch of one program
+    (PDL: as there).
     Pair i of expert e: rank r_i = e's pairs before it, c_i = e's pairs; expert e's blocks start at
     start_i = sum of cdiv(c_j, BM) over the first pair j of each expert below e."""
+    if PDL:
+        pdl_wait()
     i = tl.arange(0, PP)
     ids = tl.load(ids_ptr + i, mask=i < P, other=-1).to(tl.int32)
     ok = (i < P) & (ids >= 0) & (ids < E)
@@ -369,10 +376,11 @@ def _moe_topk_sum_kernel(y_ptr, ids_ptr, out_ptr, H, E, stride_yt, stride_ys, st
 ALIGN_ONE_PROGRAM = 64
 
 
-def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, pdl: bool = False):
     """Group (token, slot) pairs by expert. Returns (sorted_pairs [max_blocks*BM] int32,
     blk_expert [max_blocks] int32, blk_rows [max_blocks] int32); rows = 0 marks an unused block and
-    sorted entries past a block's rows are unspecified."""
+    sorted entries past a block's rows are unspecified. pdl: a programmatic dependent launch (pdl.py;
+    CUDA sm_90+ only)."""
     ids = topk_ids.reshape(-1)
     if not ids.is_contiguous():
         ids = ids.contiguous()
@@ -385,12 +393,14 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     if P <= ALIGN_ONE_PROGRAM:
         _moe_align_one_kernel[(1,)](ids, P, num_experts, sorted_pairs, blk_expert, blk_rows, max_blocks,
                                     BM=block_m, PP=max(16, triton.next_power_of_2(P)),
-                                    MBP=max(16, triton.next_power_of_2(max_blocks)), num_warps=4)
+                                    MBP=max(16, triton.next_power_of_2(max_blocks)), PDL=pdl, num_warps=4,
+                                    **pdl_launch(pdl))
         return sorted_pairs, blk_expert, blk_rows
     e_p2 = triton.next_power_of_2(max(num_experts, 2))
     ch = max(16, min(triton.next_power_of_2(P), 1024))
     _moe_align_kernel[(num_experts,)](ids, P, num_experts, sorted_pairs, blk_expert, blk_rows, max_blocks,
-                                      BM=block_m, E_P2=e_p2, CH=ch, BCH=64, num_warps=4)
+                                      BM=block_m, E_P2=e_p2, CH=ch, BCH=64, PDL=pdl, num_warps=4,
+                                      **pdl_launch(pdl))
     return sorted_pairs, blk_expert, blk_rows
 
 
