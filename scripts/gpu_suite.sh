@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU tests and benchmarks, logs and results packed under $OUT; one device call runs one part.
-#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|next|chain|sample|rounds|decode|step|verify|resume|ncu|plane|merge|merge2|merge3|sample2|fork|last|plane2|rows|kload|lazy|rounds2|maxnreg|qsplit|stages|down|bm8|m64|merge4|merge5|final2|moerows|moe16|moe16b|router|router2|router3|final3|frag|frag2|frag3|frag4|frag5|frag7|frag8|xsm|xsm2|xsm3|xsm4|xsm5|xsm6|router4|arrive|tune2|direct|epi|pdl|pdl2]   (on the GPU machine, from the repository root)
+#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|next|chain|sample|rounds|decode|step|verify|resume|ncu|plane|merge|merge2|merge3|sample2|fork|last|plane2|rows|kload|lazy|rounds2|maxnreg|qsplit|stages|down|bm8|m64|merge4|merge5|final2|moerows|moe16|moe16b|router|router2|router3|final3|frag|frag2|frag3|frag4|frag5|frag7|frag8|xsm|xsm2|xsm3|xsm4|xsm5|xsm6|router4|arrive|tune2|direct|epi|pdl|pdl2|pdl3]   (on the GPU machine, from the repository root)
 #   tune   the W4A16 config sweep, the bitwise and CUDA-graph GPU tests, the demo's spec benchmark
 #   check  the remaining GPU tests (kernels, batch invariance, target, attention), kernel and round benches
 #   bench  the benchmarks with long runs (K2 step, attention, GEMM)
@@ -89,6 +89,8 @@
 #          (same bits with and without, fresh inputs in graph replays), candidates, kernel bench, demo spec == plain
 #   pdl2   pdl with the align launch a dependent too: fragment GPU tests, kernel bench, demo spec == plain,
 #          candidates, align GPU tests, the K2 layer step and the round bench
+#   pdl3   dependent launches of the batch-invariant GEMM and its split sum too: its GPU tests (bits, fresh
+#          inputs in graph replays), the demo's spec == plain, the K2 layer step, the target tests, fragment tests
 #   router4 the router-logit kernel (kernels/router_gemm.py at 5f813f4, dropped): its GPU tests, the demo's spec == plain, the
 #          router and K2-step benches, the target tests
 #   final3 final2 on this round's final code (align kernel, expert block rows, forked shared expert, router tiles)
@@ -524,5 +526,12 @@ if [[ $PART == pdl2 ]]; then
   step pytest_align 40 $PYT tests/gpu/test_kernels_gpu.py -k "moe_align"
   step bench_k2_step 80 python3 bench/k2_step.py --profile --out "$RES"
   step bench_round 95 python3 bench/round.py --out "$RES"
+fi
+if [[ $PART == pdl3 ]]; then
+  step pytest_bi 110 $PYT tests/gpu/test_batch_invariance_gpu.py -k "bi_linear or bi_head"
+  step pytest_spec_bitwise 120 $PYT $SPEC_BITWISE
+  step bench_k2_step 70 python3 bench/k2_step.py --profile --out "$RES"
+  step pytest_target 90 $PYT tests/gpu/test_target_gpu.py
+  step pytest_frag 100 $PYT tests/gpu/test_w4_frag_gpu.py -k "dependent or batch_invariant or same_bits"
 fi
 ls -la "$RES"

@@ -43,6 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_launch, pdl_supported, pdl_wait
 from .split_sum import split_sum
 from .common import DTYPES, interpreting
 
@@ -185,9 +186,12 @@ def _bi_gemm_kernel(x_ptr, w_ptr, out_ptr,
                     stride_ob, stride_om, stride_on, stride_os,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     UPCAST: tl.constexpr, INTERP_SUM: tl.constexpr, PREC: tl.constexpr,
-                    OUT_F32: tl.constexpr):
+                    OUT_F32: tl.constexpr, PDL: tl.constexpr = False):
     # grid: (m tiles [fastest, so programs sharing a weight tile run together], n tiles,
-    #        batches x splits [split fastest]); the batch (head) only moves the three base pointers
+    #        batches x splits [split fastest]); the batch (head) only moves the three base pointers.
+    # PDL: launched dependent on the previous kernel (pdl.py), waiting for it first
+    if PDL:
+        pdl_wait()
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_b = tl.program_id(2) // n_split
@@ -298,15 +302,16 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, M: int, N: int,
     if heads * split > 65535:
         raise ValueError(f"{heads} heads x {split} splits exceed the grid's third dimension")
     prec = "ieee" if (x.dtype == torch.float32 or interp) else "tf32"  # (tf32 is ignored for 16-bit)
+    pdl = not interp and pdl_supported(x.device)
     target = out if split == 1 else torch.empty((split,) + tuple(out.shape), device=x.device, dtype=torch.float32)
     grid = (triton.cdiv(M, t.BLOCK_M), triton.cdiv(N, t.BLOCK_N), heads * split)
     _bi_gemm_kernel[grid](
         x, w, target, M, N, K, kps, split, *x_strides, *w_strides, *out_strides, out.numel(),
         BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N, BLOCK_K=red.BLOCK_K,
-        UPCAST=interp, INTERP_SUM=interp and _interp_mode() == "sum", PREC=prec, OUT_F32=split > 1,
-        num_warps=t.num_warps, num_stages=t.num_stages)
+        UPCAST=interp, INTERP_SUM=interp and _interp_mode() == "sum", PREC=prec, OUT_F32=split > 1, PDL=pdl,
+        num_warps=t.num_warps, num_stages=t.num_stages, **pdl_launch(pdl))
     if split > 1:
-        split_sum(target, out, split)
+        split_sum(target, out, split, pdl=pdl)
     return out
 
 

@@ -27,7 +27,7 @@ import triton
 from kdtree_engine.kernels.moe_w4a16 import _moe_swiglu_kernel, _moe_topk_sum_kernel, moe_align
 from kdtree_engine.kernels.w4_dequant import DEQ_FLOAT
 from kdtree_engine.kernels.common import bucket
-from kdtree_engine.kernels.pdl import pdl_launch
+from kdtree_engine.kernels.pdl import pdl_launch, pdl_supported
 from kdtree_engine.kernels.w4_frag import HAVE_GLUON, X_LOADS, frag_gpb, frag_unsupported, word_layout
 
 if HAVE_GLUON:
@@ -228,9 +228,10 @@ def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor
     x = x.contiguous()
     ids = topk_ids.reshape(-1).contiguous()
     tw = topk_weights.reshape(-1).contiguous()
-    sorted_pairs, blk_expert, blk_rows = moe_align(ids, E, cfg.BLOCK_M, pdl=cfg.PDL)
+    on = cfg.PDL and pdl_supported(x.device)
+    sorted_pairs, blk_expert, blk_rows = moe_align(ids, E, cfg.BLOCK_M, pdl=on)
     blocks = blk_rows.numel()
-    pdl = pdl_launch(cfg.PDL)
+    pdl = pdl_launch(on)
 
     part = torch.empty((s13, P, 2 * I), device=x.device, dtype=torch.float32)
     _moe_frag_kernel[(blocks, I // bn, s13)](
@@ -238,13 +239,13 @@ def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor
         x.stride(0), w13_q.stride(0), w13_q.stride(1), w13_scale.stride(0), w13_scale.stride(1),
         part.stride(0), part.stride(1), H // (32 * g13) // s13,
         GATE_UP=True, TOK=cfg.BLOCK_M, MT=mt, GPB=g13, WL=word_layout(cfg.num_warps, mt, g13),
-        X_SMEM=X_LOADS[cfg.XLOAD][0], X_AHEAD=X_LOADS[cfg.XLOAD][1], PDL=cfg.PDL, num_warps=cfg.num_warps,
+        X_SMEM=X_LOADS[cfg.XLOAD][0], X_AHEAD=X_LOADS[cfg.XLOAD][1], PDL=on, num_warps=cfg.num_warps,
         **pdl, **({"maxnreg": cfg.MAXNREG13} if cfg.MAXNREG13 else {}))
     inter = torch.empty((P, I), device=x.device, dtype=x.dtype)
     block = min(cfg.EPI_BLOCK, triton.next_power_of_2(I))
     _moe_swiglu_kernel[(P, triton.cdiv(I, block))](
         part, inter, ids, I, E, part.stride(0), part.stride(1), inter.stride(0),
-        SPLIT=s13, BLOCK=block, DEQ=DEQ_FLOAT, PDL=cfg.PDL, num_warps=4, **pdl)
+        SPLIT=s13, BLOCK=block, DEQ=DEQ_FLOAT, PDL=on, num_warps=4, **pdl)
     y = torch.empty((cfg.SPLIT2, P, H), device=x.device, dtype=torch.float32)
     mt2 = mt_for(cfg, H, I, cfg.MT2)
     xload2 = cfg.XLOAD2 or cfg.XLOAD
@@ -253,12 +254,12 @@ def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor
         inter.stride(0), w2_q.stride(0), w2_q.stride(1), w2_scale.stride(0), w2_scale.stride(1),
         y.stride(0), y.stride(1), I // (32 * g2) // cfg.SPLIT2,
         GATE_UP=False, TOK=cfg.BLOCK_M, MT=mt2, GPB=g2, WL=word_layout(cfg.num_warps, mt2, g2),
-        X_SMEM=X_LOADS[xload2][0], X_AHEAD=X_LOADS[xload2][1], PDL=cfg.PDL, num_warps=cfg.num_warps,
+        X_SMEM=X_LOADS[xload2][0], X_AHEAD=X_LOADS[xload2][1], PDL=on, num_warps=cfg.num_warps,
         **pdl, **({"maxnreg": cfg.MAXNREG2} if cfg.MAXNREG2 else {}))
     BLOCK_H = cfg.EPI_BLOCK
     _moe_topk_sum_kernel[(T, triton.cdiv(H, BLOCK_H))](
         y, ids, out, H, E, y.stride(1), y.stride(0), out.stride(0), TOPK=topk, BLOCK_H=BLOCK_H,
-        SPLIT=cfg.SPLIT2, PDL=cfg.PDL, num_warps=4, **pdl)
+        SPLIT=cfg.SPLIT2, PDL=on, num_warps=4, **pdl)
     return out
 
 

@@ -5,15 +5,22 @@ It first does what does not read that kernel's outputs (index math, the first we
 `pdl_wait`: griddepcontrol.wait (the previous kernel complete, its writes visible) followed by
 griddepcontrol.launch_dependents (the next launch may start once every program of this one got here). The
 release comes after the wait, so a kernel that starts early finds everything two launches back complete.
-Both instructions are no-ops in a kernel launched without the attribute. The launch order, the data and the
+Both instructions are no-ops in a kernel launched without the attribute; they exist from sm_90 on
+(`pdl_supported`: older devices launch without them). The launch order, the data and the
 arithmetic are unchanged: the same bits with or without (GPU-tested); CUDA-graph capture keeps the
 programmatic edges.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
+
+import torch
 import triton
 import triton.language as tl
+
+log = logging.getLogger(__name__)
 
 PDL_ASM = "griddepcontrol.wait; griddepcontrol.launch_dependents; // $0"
 _ASM = tl.constexpr(PDL_ASM)
@@ -25,9 +32,20 @@ def pdl_wait():
     tl.inline_asm_elementwise(_ASM, "=r", [], dtype=tl.int32, is_pure=False, pack=1)
 
 
+@functools.lru_cache(maxsize=None)
+def pdl_supported(device: torch.device) -> bool:
+    """Dependent launches exist on CUDA devices of compute capability 9.0 and later (logged once per device)."""
+    if device.type != "cuda":
+        return False
+    major, minor = torch.cuda.get_device_capability(device)
+    ok = major >= 9
+    log.info("programmatic dependent launches on %s (sm_%d%d): %s", device, major, minor, "on" if ok else "off")
+    return ok
+
+
 def pdl_launch(on: bool) -> dict:
     """Launch options of a kernel that calls pdl_wait when `on`."""
     return {"launch_pdl": True} if on else {}
 
 
-__all__ = ["PDL_ASM", "pdl_launch", "pdl_wait"]
+__all__ = ["PDL_ASM", "pdl_launch", "pdl_supported", "pdl_wait"]

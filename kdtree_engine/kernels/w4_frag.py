@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from kdtree_engine.kernels.pdl import PDL_ASM, pdl_launch
+from kdtree_engine.kernels.pdl import PDL_ASM, pdl_launch, pdl_supported
 from kdtree_engine.kernels.w4_dequant import BF16X2_PTX
 from kdtree_engine.quant import pack_int4, unpack_int4
 
@@ -349,6 +349,7 @@ def frag_linear(x: torch.Tensor, wq: torch.Tensor, s: torch.Tensor, *, gpb: int 
     if M == 0:
         return y
     x = x.contiguous()
+    pdl = pdl and pdl_supported(x.device)
     part = y if split == 1 else torch.empty((split, M, N), device=x.device, dtype=torch.float32)
     _w4_frag_kernel[(triton.cdiv(M, tok), N // bn, split)](
         x, wq, s, part, M, N, x.stride(0), wq.stride(0), s.stride(0), N, M * N, K // bk // split,
