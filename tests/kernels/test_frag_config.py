@@ -9,7 +9,8 @@ from kdtree_engine.kernels.w4_frag import X_LOADS
 
 
 @pytest.mark.parametrize("field,value", [("XLOAD", "registers"), ("XLOAD2", "shared"), ("XLOAD", None),
-                                         ("BLOCK_M", 32)])
+                                         ("BLOCK_M", 32), ("EPI_BLOCK", 100), ("EPI_BLOCK", 64),
+                                         ("MAXNREG13", 8), ("MAXNREG2", 300)])
 def test_bad_fields_are_refused_by_name(field, value):
     with pytest.raises(ValueError, match=field):
         FragMoEConfig(**{field: value})
@@ -28,3 +29,12 @@ def test_launch_table_keeps_the_reduction(E):
     cfgs = {frag_moe_config(T * 8, E) for T in range(1, 2049, 7)} | {frag_moe_config(FEW_PAIRS, E)}
     assert len(cfgs) >= 2
     assert {(c.SPLIT13, c.SPLIT2, c.GPB) for c in cfgs} == {(None, 1, None)}
+
+
+def test_dependent_launches_only_where_they_exist():
+    """No dependent launches off CUDA (the kernels' wait instruction exists from sm_90 on)."""
+    import torch
+
+    from kdtree_engine.kernels.pdl import pdl_launch, pdl_supported
+    assert not pdl_supported(torch.device("cpu"))
+    assert pdl_launch(False) == {} and pdl_launch(True) == {"launch_pdl": True}
