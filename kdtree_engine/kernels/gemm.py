@@ -302,13 +302,13 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, M: int, N: int,
     if heads * split > 65535:
         raise ValueError(f"{heads} heads x {split} splits exceed the grid's third dimension")
     prec = "ieee" if (x.dtype == torch.float32 or interp) else "tf32"  # (tf32 is ignored for 16-bit)
-    pdl = not interp and pdl_supported(x.device)
+    pdl = pdl_supported(x.device)
     target = out if split == 1 else torch.empty((split,) + tuple(out.shape), device=x.device, dtype=torch.float32)
     grid = (triton.cdiv(M, t.BLOCK_M), triton.cdiv(N, t.BLOCK_N), heads * split)
     _bi_gemm_kernel[grid](
         x, w, target, M, N, K, kps, split, *x_strides, *w_strides, *out_strides, out.numel(),
         BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N, BLOCK_K=red.BLOCK_K,
-        UPCAST=interp, INTERP_SUM=interp and _interp_mode() == "sum", PREC=prec, OUT_F32=split > 1, PDL=pdl,
+        UPCAST=interp, INTERP_SUM=interp and _interp_mode() == "sum", PREC=prec, OUT_F32=split > 1,
         num_warps=t.num_warps, num_stages=t.num_stages, **pdl_launch(pdl))
     if split > 1:
         split_sum(target, out, split, pdl=pdl)

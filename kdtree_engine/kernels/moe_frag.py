@@ -239,13 +239,13 @@ def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor
         x.stride(0), w13_q.stride(0), w13_q.stride(1), w13_scale.stride(0), w13_scale.stride(1),
         part.stride(0), part.stride(1), H // (32 * g13) // s13,
         GATE_UP=True, TOK=cfg.BLOCK_M, MT=mt, GPB=g13, WL=word_layout(cfg.num_warps, mt, g13),
-        X_SMEM=X_LOADS[cfg.XLOAD][0], X_AHEAD=X_LOADS[cfg.XLOAD][1], PDL=on, num_warps=cfg.num_warps,
+        X_SMEM=X_LOADS[cfg.XLOAD][0], X_AHEAD=X_LOADS[cfg.XLOAD][1], num_warps=cfg.num_warps,
         **pdl, **({"maxnreg": cfg.MAXNREG13} if cfg.MAXNREG13 else {}))
     inter = torch.empty((P, I), device=x.device, dtype=x.dtype)
     block = min(cfg.EPI_BLOCK, triton.next_power_of_2(I))
     _moe_swiglu_kernel[(P, triton.cdiv(I, block))](
         part, inter, ids, I, E, part.stride(0), part.stride(1), inter.stride(0),
-        SPLIT=s13, BLOCK=block, DEQ=DEQ_FLOAT, PDL=on, num_warps=4, **pdl)
+        SPLIT=s13, BLOCK=block, DEQ=DEQ_FLOAT, num_warps=4, **pdl)
     y = torch.empty((cfg.SPLIT2, P, H), device=x.device, dtype=torch.float32)
     mt2 = mt_for(cfg, H, I, cfg.MT2)
     xload2 = cfg.XLOAD2 or cfg.XLOAD
@@ -254,12 +254,12 @@ def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor
         inter.stride(0), w2_q.stride(0), w2_q.stride(1), w2_scale.stride(0), w2_scale.stride(1),
         y.stride(0), y.stride(1), I // (32 * g2) // cfg.SPLIT2,
         GATE_UP=False, TOK=cfg.BLOCK_M, MT=mt2, GPB=g2, WL=word_layout(cfg.num_warps, mt2, g2),
-        X_SMEM=X_LOADS[xload2][0], X_AHEAD=X_LOADS[xload2][1], PDL=on, num_warps=cfg.num_warps,
+        X_SMEM=X_LOADS[xload2][0], X_AHEAD=X_LOADS[xload2][1], num_warps=cfg.num_warps,
         **pdl, **({"maxnreg": cfg.MAXNREG2} if cfg.MAXNREG2 else {}))
     BLOCK_H = cfg.EPI_BLOCK
     _moe_topk_sum_kernel[(T, triton.cdiv(H, BLOCK_H))](
         y, ids, out, H, E, y.stride(1), y.stride(0), out.stride(0), TOPK=topk, BLOCK_H=BLOCK_H,
-        SPLIT=cfg.SPLIT2, PDL=on, num_warps=4, **pdl)
+        SPLIT=cfg.SPLIT2, num_warps=4, **pdl)
     return out
 
 

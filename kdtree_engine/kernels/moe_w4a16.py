@@ -393,13 +393,13 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, pdl: bool 
     if P <= ALIGN_ONE_PROGRAM:
         _moe_align_one_kernel[(1,)](ids, P, num_experts, sorted_pairs, blk_expert, blk_rows, max_blocks,
                                     BM=block_m, PP=max(16, triton.next_power_of_2(P)),
-                                    MBP=max(16, triton.next_power_of_2(max_blocks)), PDL=pdl, num_warps=4,
+                                    MBP=max(16, triton.next_power_of_2(max_blocks)), num_warps=4,
                                     **pdl_launch(pdl))
         return sorted_pairs, blk_expert, blk_rows
     e_p2 = triton.next_power_of_2(max(num_experts, 2))
     ch = max(16, min(triton.next_power_of_2(P), 1024))
     _moe_align_kernel[(num_experts,)](ids, P, num_experts, sorted_pairs, blk_expert, blk_rows, max_blocks,
-                                      BM=block_m, E_P2=e_p2, CH=ch, BCH=64, PDL=pdl, num_warps=4,
+                                      BM=block_m, E_P2=e_p2, CH=ch, BCH=64, num_warps=4,
                                       **pdl_launch(pdl))
     return sorted_pairs, blk_expert, blk_rows
 

@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .common import interpreting
+
 log = logging.getLogger(__name__)
 
 PDL_ASM = "griddepcontrol.wait; griddepcontrol.launch_dependents; // $0"
@@ -33,19 +35,23 @@ def pdl_wait():
 
 
 @functools.lru_cache(maxsize=None)
-def pdl_supported(device: torch.device) -> bool:
-    """Dependent launches exist on CUDA devices of compute capability 9.0 and later (logged once per device)."""
-    if device.type != "cuda":
-        return False
+def _capable(device: torch.device) -> bool:
     major, minor = torch.cuda.get_device_capability(device)
     ok = major >= 9
     log.info("programmatic dependent launches on %s (sm_%d%d): %s", device, major, minor, "on" if ok else "off")
     return ok
 
 
+def pdl_supported(device: torch.device) -> bool:
+    """Dependent launches exist on CUDA devices of compute capability 9.0 and later (logged once per device),
+    never in the Triton interpreter."""
+    return device.type == "cuda" and not interpreting() and _capable(device)
+
+
 def pdl_launch(on: bool) -> dict:
-    """Launch options of a kernel that calls pdl_wait when `on`."""
-    return {"launch_pdl": True} if on else {}
+    """The keywords of a launch of a kernel with a `PDL` constexpr that calls pdl_wait when it is set: the
+    constexpr and, when on, the launch attribute."""
+    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
 
 
 __all__ = ["PDL_ASM", "pdl_launch", "pdl_supported", "pdl_wait"]

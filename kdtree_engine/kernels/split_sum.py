@@ -28,5 +28,5 @@ def split_sum(parts: torch.Tensor, out: torch.Tensor, split: int, pdl: bool = Fa
     pdl: a programmatic dependent launch (pdl.py; CUDA sm_90+ only)."""
     mn = out.numel()
     block = 1024
-    _split_sum_kernel[(triton.cdiv(mn, block),)](parts, out, mn, SPLIT=split, BLOCK=block, PDL=pdl, num_warps=4,
+    _split_sum_kernel[(triton.cdiv(mn, block),)](parts, out, mn, SPLIT=split, BLOCK=block, num_warps=4,
                                                 **pdl_launch(pdl))

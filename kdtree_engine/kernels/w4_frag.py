@@ -354,7 +354,7 @@ def frag_linear(x: torch.Tensor, wq: torch.Tensor, s: torch.Tensor, *, gpb: int 
     _w4_frag_kernel[(triton.cdiv(M, tok), N // bn, split)](
         x, wq, s, part, M, N, x.stride(0), wq.stride(0), s.stride(0), N, M * N, K // bk // split,
         TOK=tok, MT=mt, GPB=gpb, WL=word_layout(num_warps, mt, gpb), X_SMEM=X_LOADS[xload][0],
-        X_AHEAD=X_LOADS[xload][1], PDL=pdl, num_warps=num_warps, **pdl_launch(pdl))
+        X_AHEAD=X_LOADS[xload][1], num_warps=num_warps, **pdl_launch(pdl))
     if split > 1:
         split_sum(part, y, split, pdl=pdl)
     return y

@@ -37,4 +37,4 @@ def test_dependent_launches_only_where_they_exist():
 
     from kdtree_engine.kernels.pdl import pdl_launch, pdl_supported
     assert not pdl_supported(torch.device("cpu"))
-    assert pdl_launch(False) == {} and pdl_launch(True) == {"launch_pdl": True}
+    assert pdl_launch(False) == {"PDL": False} and pdl_launch(True) == {"PDL": True, "launch_pdl": True}
