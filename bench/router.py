@@ -1,11 +1,13 @@
-"""Benchmark: the MoE router's float32 GEMM (x [M, 7168] @ gate [384, 7168].T, as K2 computes router
-logits) through the batch-invariant GEMM, with its default tile and candidate tiles, against cuBLAS.
+"""Benchmark: the MoE router's float32 GEMM (x [M, 7168] bf16 @ gate [384, 7168].T, as K2 computes router
+logits): the router kernel (kernels/router_gemm.py, its table config and candidates) beside the generic
+batch-invariant GEMM on x.float() (the path before it) and cuBLAS on x.float().
 
     python bench/router.py --out bench/results        # writes router-<gpu>.json and .md
 
-Tiles only re-tile the output (the reduction, BLOCK_K and split, is fixed by the weight's shape), so every
-candidate must give the default's bits: checked per point. Times: median per call from CUDA-graph
-replays over weight copies that miss L2; TB/s on the fp32 weight bytes.
+Candidates change BN / KS / warps, which change the rounding (their own bits); TM only re-tiles. Every
+point checks the error against float64 and, for the router kernel, that rows computed alone equal the
+rows of the M-row call bit for bit. Times: median per call from CUDA-graph replays over weight copies
+that miss L2; TB/s on the fp32 weight bytes.
 """
 
 from __future__ import annotations
@@ -22,24 +24,28 @@ if __package__ in (None, ""):
 
 from bench.common import (command_line, copy_bandwidth, device_info, gpu_stem, kernel_profile, md_table,  # noqa: E402
                           time_calls, write_results)
-from kdtree_engine.kernels.gemm import Tile, bi_linear, reduction_for, tile_for  # noqa: E402
+from kdtree_engine.kernels.gemm import bi_linear  # noqa: E402
+from kdtree_engine.kernels.router_gemm import RouterGemmConfig, router_config, router_logits  # noqa: E402
 
 N, K = 384, 7168
 MS = (1, 4, 16, 64, 129)
-CANDIDATES = {  # name -> tile (BLOCK_M, BLOCK_N, num_warps, num_stages)
-    "m16_n64_w4_s4": Tile(16, 64, 4, 4),
-    "m16_n32_w4_s4": Tile(16, 32, 4, 4),
-    "m16_n32_w2_s6": Tile(16, 32, 2, 6),
-    "m16_n16_w2_s6": Tile(16, 16, 2, 6),
-    "m16_n16_w1_s8": Tile(16, 16, 1, 8),
-    "m32_n32_w4_s4": Tile(32, 32, 4, 4),
+CANDIDATES = {  # name -> router kernel config (BN, KS, warps, TM)
+    "b8_k512_w4": RouterGemmConfig(8, 512, 4, 16),
+    "b8_k1024_w4": RouterGemmConfig(8, 1024, 4, 16),
+    "b4_k512_w1": RouterGemmConfig(4, 512, 1, 16),
+    "b2_k1024_w1": RouterGemmConfig(2, 1024, 1, 16),
+    "b4_k1024_w1": RouterGemmConfig(4, 1024, 1, 16),
+    "b8_k256_w1": RouterGemmConfig(8, 256, 1, 16),
+    "b2_k512_w1": RouterGemmConfig(2, 512, 1, 16),
+    "b4_k512_w1_tm4": RouterGemmConfig(4, 512, 1, 4),
+    "b4_k512_w1_tm64": RouterGemmConfig(4, 512, 1, 64),
 }
 
 
 def _cell(c: dict) -> str:
     if "error" in c:
         return "error: " + c["error"][:40]
-    return f"{c['us']:.1f}" + ("" if c["same_bits"] else "*")
+    return f"{c['us']:.1f} ({c['rel_err']:.0e})"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,40 +63,46 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator(device="cuda").manual_seed(0)
     w = torch.randn(N, K, device="cuda", generator=gen) * K ** -0.5
     ws = [w] + [w.clone() for _ in range(7)]              # 8 x 11 MB: beyond the 60 MB L2
-    red = reduction_for(N, K, torch.float32)
+    cfg = router_config(N, K)
     rows = []
     for M in MS:
-        x = torch.randn(M, K, device="cuda", generator=gen)
+        x = torch.randn(M, K, device="cuda", generator=gen).to(torch.bfloat16)
         ref = x.double() @ w.double().T
-        base = bi_linear(x, w)
-        default = tile_for(M, torch.float32, N, K)
-        row = {"M": M, "default_tile": str(default),
-               "cublas_us": time_calls([lambda c=c: F.linear(x, c) for c in ws], reps=args.reps)["us"],
-               "default_us": time_calls([lambda c=c: bi_linear(x, c) for c in ws], reps=args.reps)["us"],
-               "rel_err": float((base.double() - ref).norm() / ref.norm())}
-        for name, t in CANDIDATES.items():
+        y = router_logits(x, w)
+        alone = torch.cat([router_logits(x[i:i + 1], w) for i in range(M)])
+        row = {"M": M,
+               "cublas_us": time_calls([lambda c=c: F.linear(x.float(), c) for c in ws], reps=args.reps)["us"],
+               "generic_us": time_calls([lambda c=c: bi_linear(x.float(), c) for c in ws], reps=args.reps)["us"],
+               "router_us": time_calls([lambda c=c: router_logits(x, c) for c in ws], reps=args.reps)["us"],
+               "rel_err": float((y.double() - ref).norm() / ref.norm()),
+               "invariant": bool(torch.equal(alone, y))}
+        for name, c in CANDIDATES.items():
             try:
-                y = bi_linear(x, w, tile=t)
-                row[name] = {"us": time_calls([lambda c=c, t=t: bi_linear(x, c, tile=t) for c in ws],
-                                              reps=args.reps)["us"], "same_bits": bool(torch.equal(y, base))}
+                yc = router_logits(x, w, config=c)
+                row[name] = {"us": time_calls([lambda w_=w_, c=c: router_logits(x, w_, config=c) for w_ in ws],
+                                              reps=args.reps)["us"],
+                             "rel_err": float((yc.double() - ref).norm() / ref.norm())}
             except Exception as exc:  # noqa: BLE001 - a candidate that fails is reported, not fatal
                 row[name] = {"error": f"{type(exc).__name__}: {exc}"[:160]}
         if args.profile:
-            row["profile"] = kernel_profile(lambda: bi_linear(x, w))["kernels"]
+            row["profile"] = kernel_profile(lambda: router_logits(x, w))["kernels"]
             print("  " + "; ".join(f"{k['name'][:40]} x{k['calls']:g} {k['us']:.1f} us" for k in row["profile"]))
         rows.append(row)
-        print(f"M={M}: cuBLAS {row['cublas_us']:.1f} us, default {row['default_us']:.1f} us; "
+        print(f"M={M}: cuBLAS {row['cublas_us']:.1f} us, generic {row['generic_us']:.1f} us, router "
+              f"{row['router_us']:.1f} us (invariant {row['invariant']}); "
               + ", ".join(f"{n} {_cell(row[n])}" for n in CANDIDATES), flush=True)
     payload = {"command": command_line(), "device": info, "copy_TBps": copy_bw / 1e12, "N": N, "K": K,
-               "reduction": str(red), "rows": rows}
+               "router_config": str(cfg), "rows": rows}
     gb = N * K * 4
     md = [f"# Router GEMM (float32, {N} x {K}) on {info['gpu']}", "", f"Command: `{payload['command']}`", "",
-          f"Copy bandwidth {copy_bw / 1e12:.2f} TB/s; reduction {red} (fixed by the shape); cuBLAS with TF32 off. "
-          "us per call (CUDA-graph replays over 8 weight copies); `*` marks a tile whose bits differ from the "
-          "default's.", ""]
-    md += md_table(["M", "cuBLAS us", "default us", "default TB/s", "default tile", *CANDIDATES, "rel err"],
-                   [[r["M"], r["cublas_us"], r["default_us"], gb / (r["default_us"] * 1e-6) / 1e12, r["default_tile"],
-                     *[_cell(r[n]) for n in CANDIDATES], r["rel_err"]]
+          f"Copy bandwidth {copy_bw / 1e12:.2f} TB/s ({gb / copy_bw * 1e6:.1f} us for the weight). bf16 activations; "
+          "cuBLAS (TF32 off) and the generic batch-invariant GEMM on x.float() (the copy included); the router kernel "
+          f"upcasts in its load, table config {cfg}. us per call (CUDA-graph replays over 8 weight copies); "
+          "invariant: rows computed alone == the rows of the M-row call, bit for bit; rel err against float64.", ""]
+    md += md_table(["M", "cuBLAS us", "generic us", "router us", "router TB/s", "invariant", "rel err",
+                    *CANDIDATES],
+                   [[r["M"], r["cublas_us"], r["generic_us"], r["router_us"], gb / (r["router_us"] * 1e-6) / 1e12,
+                     "yes" if r["invariant"] else "NO", r["rel_err"], *[_cell(r[n]) for n in CANDIDATES]]
                     for r in rows])
     jp, mp = write_results(args.out, f"router-{gpu_stem(info['gpu'])}", payload, md)
     print(f"wrote {jp} and {mp}")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU tests and benchmarks, logs and results packed under $OUT; one device call runs one part.
-#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|next|chain|sample|rounds|decode|step|verify|resume|ncu|plane|merge|merge2|merge3|sample2|fork|last|plane2|rows|kload|lazy|rounds2|maxnreg|qsplit|stages|down|bm8|m64|merge4|merge5|final2|moerows|moe16|moe16b|router|router2|router3|final3|frag|frag2|frag3|frag4|frag5|frag7|frag8|xsm|xsm2|xsm3|xsm4|xsm5|xsm6|router4|arrive|tune2|direct|epi|pdl|pdl2|pdl3]   (on the GPU machine, from the repository root)
+#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|next|chain|sample|rounds|decode|step|verify|resume|ncu|plane|merge|merge2|merge3|sample2|fork|last|plane2|rows|kload|lazy|rounds2|maxnreg|qsplit|stages|down|bm8|m64|merge4|merge5|final2|moerows|moe16|moe16b|router|router2|router3|final3|frag|frag2|frag3|frag4|frag5|frag7|frag8|xsm|xsm2|xsm3|xsm4|xsm5|xsm6|router4|arrive|tune2|direct|epi|pdl|pdl2|pdl3|rgemv|rgemv2]   (on the GPU machine, from the repository root)
 #   tune   the W4A16 config sweep, the bitwise and CUDA-graph GPU tests, the demo's spec benchmark
 #   check  the remaining GPU tests (kernels, batch invariance, target, attention), kernel and round benches
 #   bench  the benchmarks with long runs (K2 step, attention, GEMM)
@@ -91,6 +91,10 @@
 #          candidates, align GPU tests, the K2 layer step and the round bench
 #   pdl3   dependent launches of the batch-invariant GEMM and its split sum too: its GPU tests (bits, fresh
 #          inputs in graph replays), the demo's spec == plain, the K2 layer step, the target tests, fragment tests
+#   rgemv  the router kernel with the gate block in registers (kernels/router_gemm.py): its GPU tests, the router
+#          bench, the demo's spec == plain, the target tests, the K2 layer step
+#   rgemv2 the router kernel's one-warp programs with the next token's activations in flight: its GPU tests
+#          (every candidate shape), the router bench
 #   router4 the router-logit kernel (kernels/router_gemm.py at 5f813f4, dropped): its GPU tests, the demo's spec == plain, the
 #          router and K2-step benches, the target tests
 #   final3 final2 on this round's final code (align kernel, expert block rows, forked shared expert, router tiles)
@@ -533,5 +537,16 @@ if [[ $PART == pdl3 ]]; then
   step bench_k2_step 70 python3 bench/k2_step.py --profile --out "$RES"
   step pytest_target 90 $PYT tests/gpu/test_target_gpu.py
   step pytest_frag 100 $PYT tests/gpu/test_w4_frag_gpu.py -k "dependent or batch_invariant or same_bits"
+fi
+if [[ $PART == rgemv ]]; then
+  step pytest_router 60 $PYT tests/gpu/test_router_gemm_gpu.py
+  step bench_router 60 python3 bench/router.py --out "$RES"
+  step pytest_spec_bitwise 120 $PYT $SPEC_BITWISE
+  step bench_k2_step 70 python3 bench/k2_step.py --profile --out "$RES"
+  step pytest_target 90 $PYT tests/gpu/test_target_gpu.py
+fi
+if [[ $PART == rgemv2 ]]; then
+  step pytest_router 90 $PYT tests/gpu/test_router_gemm_gpu.py
+  step bench_router 90 python3 bench/router.py --out "$RES"
 fi
 ls -la "$RES"

@@ -41,7 +41,10 @@
 
   router tail    sigmoid, correction bias, group-limited top-k (ties: lower index first), weights.
                  CUDA: one Triton program per token (kernels/router.py); CPU: torch with stable sorts
-                 (model/moe.py route_torch). The router GEMM is a dense matmul (above).
+                 (model/moe.py route_torch).
+  router GEMM    float32 logits of the (bf16) hidden state against the float32 gate. CUDA with batch
+                 invariance on: the router kernel (kernels/router_gemm.py: the gate block held in
+                 registers, tokens looped, the upcast in the load); otherwise torch on x.float().
 
   SwiGLU         silu(gate) * up of the dense MLP and the shared expert. CUDA: one elementwise Triton
                  launch (kernels/swiglu.py); CPU: torch.
@@ -63,7 +66,7 @@ set by :func:`set_batch_invariant` (the CLI's ``--batch-invariant on|off``, ``LL
 it is on unless turned off.
 
 Everything else in the target forward is per row already: the embedding is a gather, rope and the
-activations are elementwise, the router logits go through dense_matmul (float32) and the router tail
+activations are elementwise, the router logits go through router_matmul (float32) and the router tail
 (selection and a sum over top_k <= 8 values in one row) is per row, the dense-expert MoE path
 adds a token's experts in ascending expert order, the fused INT4 MoE sums a token's top-k in slot
 order, cos/sin come from a table built once in float64 on the CPU. The naive MLA form (torch einsums)
@@ -205,6 +208,14 @@ def dense_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         from .gemm import bi_linear
         return bi_linear(x, w)
     return F.linear(x, w)
+
+
+def router_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Router logits: x [M, K] (any float dtype) @ w [N, K].T (float32) -> [M, N] float32."""
+    if _use_triton(x, w):
+        from .router_gemm import router_logits
+        return router_logits(x, w)
+    return F.linear(x.float(), w)
 
 
 def head_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

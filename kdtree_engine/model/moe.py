@@ -28,8 +28,8 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (topk_ids int64 [T, k], topk_weights float32 [T, k])."""
-        from ..kernels.dispatch import dense_matmul, route
-        logits = dense_matmul(x.float(), self.weight)  # [T, E], float32 router
+        from ..kernels.dispatch import route, router_matmul
+        logits = router_matmul(x, self.weight)  # [T, E], float32 router
         return route(logits, self.e_score_correction_bias, self.cfg)
 
 

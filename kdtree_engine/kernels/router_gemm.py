@@ -1,0 +1,135 @@
+"""Router logits in float32: x [M, K] (bf16 / fp16 / fp32, upcast exactly in the load) @ gate [N, K].T.
+
+    logits[m, n] = sum over splits s (in order) of  tree_sum_k( x[m, k] * w[n, k] )  over the split's KS keys
+
+The K2 router is a small float32 matrix ([384 x 7168], 11 MB) read at every layer and step. Through the
+generic batch-invariant GEMM (gemm.py: an FMA dot over 16-token tiles, plus a separate x.float() copy)
+it took 24-27 us at M = 1..16 against 2.6 us of bytes at copy bandwidth.
+
+Layout (weights in registers, tokens looped):
+
+    program (n block, k split, token tile):  w [BN, KS] fp32 loaded once, in one go (every load in flight
+                                              at once; before the dependent-launch wait: weights are static)
+        for each token m of the tile:          x[m, split] [KS] -> s = sum_k(w * x[None, :]) [BN] -> part[s, m]
+    splits > 1: part [splits, M, N] summed in split order (split_sum)
+
+Batch invariance: BN, KS and the warps (which fix the per-row summation tree) come from (N, K) alone
+(``router_config``); every token runs the same loop body on the same weight registers, so a row's logits
+do not depend on M or on the other rows of its tile (TM, the tokens per program, only re-tiles). The bits
+differ from the generic GEMM's (another summation order); the torch matmul stays the CPU path and the
+oracle. Checked by tests/kernels/test_router_gemm.py (interpreter) and tests/gpu/test_router_gemm_gpu.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import DTYPES
+from .pdl import pdl_launch, pdl_supported, pdl_wait
+from .split_sum import split_sum
+
+
+@dataclass(frozen=True)
+class RouterGemmConfig:
+    """BN weight rows x KS k per program and the warps set a row's rounding (fixed by (N, K)); TM (tokens
+    per program) only re-tiles."""
+    BN: int = 8
+    KS: int = 512
+    num_warps: int = 4
+    TM: int = 16
+
+    def __post_init__(self) -> None:
+        for name in ("BN", "KS", "num_warps"):
+            v = getattr(self, name)
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"RouterGemmConfig.{name} must be a power of 2, got {v}")
+        if self.TM < 1:
+            raise ValueError(f"RouterGemmConfig.TM must be >= 1, got {self.TM}")
+
+
+# (N, K) -> config, from bench/router.py on an H200 (bench/results/router-h200.md)
+ROUTER_CONFIGS: dict[tuple[int, int], RouterGemmConfig] = {
+    (384, 7168): RouterGemmConfig(BN=8, KS=512, num_warps=4, TM=16),
+}
+
+
+def router_config(N: int, K: int) -> RouterGemmConfig:
+    """The config of an [N, K] gate: the K2 table entry, else 8 rows x min(512, K rounded up to a power
+    of 2) k per program."""
+    if (N, K) in ROUTER_CONFIGS:
+        return ROUTER_CONFIGS[(N, K)]
+    return RouterGemmConfig(BN=8, KS=min(512, triton.next_power_of_2(max(K, 16))), num_warps=4, TM=16)
+
+
+@triton.jit
+def _router_gemm_kernel(x_ptr, w_ptr, out_ptr, M, N, K, TM, stride_xm, stride_wn, stride_os, stride_om,
+                        BN: tl.constexpr, KS: tl.constexpr, PDL: tl.constexpr = False):
+    """grid (cdiv(N, BN), splits, cdiv(M, TM)): out[s, m, n] = the split's partial logit of row m."""
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    m0 = tl.program_id(2) * TM
+    rn = pid_n * BN + tl.arange(0, BN)
+    rk = pid_s * KS + tl.arange(0, KS)
+    k_ok = rk < K
+    w = tl.load(w_ptr + rn.to(tl.int64)[:, None] * stride_wn + rk[None, :],
+                mask=(rn < N)[:, None] & k_ok[None, :], other=0.0)           # [BN, KS] fp32
+    if PDL:
+        pdl_wait()
+    m_end = tl.minimum(m0 + TM, M)
+    x_ptrs = x_ptr + m0.to(tl.int64) * stride_xm + rk
+    o_ptrs = out_ptr + pid_s.to(tl.int64) * stride_os + m0.to(tl.int64) * stride_om + rn
+    x = tl.load(x_ptrs, mask=k_ok, other=0.0)                                 # [KS], token m0
+    left = m_end - m0
+    for _ in range(m0, m_end):
+        x_ptrs += stride_xm
+        left -= 1
+        x_next = tl.load(x_ptrs, mask=k_ok & (tl.zeros_like(rk) < left), other=0.0)   # the next token, in flight
+        tl.store(o_ptrs, tl.sum(w * x.to(tl.float32)[None, :], axis=1), mask=rn < N)   # [BN]
+        o_ptrs += stride_om
+        x = x_next
+
+
+def router_logits_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ w [N, K].T in float32 (torch): the CPU path and the test oracle."""
+    return x.float() @ w.float().T
+
+
+def router_logits(x: torch.Tensor, w: torch.Tensor, *, config: RouterGemmConfig | None = None) -> torch.Tensor:
+    """x [M, K] (float dtype) @ w [N, K] (float32).T -> [M, N] float32, batch-invariant (module docstring).
+    ``config`` overrides the (N, K) table (benchmarks: BN / KS / warps change the rounding)."""
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"router_logits: x [M, K] and w [N, K] with the same K, got {tuple(x.shape)} and "
+                         f"{tuple(w.shape)}")
+    if w.dtype != torch.float32 or x.dtype not in DTYPES:
+        raise TypeError(f"router_logits: a float32 gate weight and bf16 / fp16 / fp32 activations, got w {w.dtype}, "
+                        f"x {x.dtype}")
+    if x.device != w.device:
+        raise ValueError(f"router_logits: x on {x.device}, w on {w.device}")
+    M, K = x.shape
+    N = w.shape[0]
+    out = torch.empty((M, N), device=x.device, dtype=torch.float32)
+    if M == 0 or N == 0:
+        return out
+    if K == 0:
+        return out.zero_()
+    x = x if x.stride(1) == 1 else x.contiguous()
+    w = w if w.stride(1) == 1 else w.contiguous()
+    cfg = config or router_config(N, K)
+    splits = triton.cdiv(K, cfg.KS)
+    tm = cfg.TM
+    pdl = pdl_supported(x.device)
+    part = out if splits == 1 else torch.empty((splits, M, N), device=x.device, dtype=torch.float32)
+    _router_gemm_kernel[(triton.cdiv(N, cfg.BN), splits, triton.cdiv(M, tm))](
+        x, w, part, M, N, K, tm, x.stride(0), w.stride(0), M * N, N, BN=cfg.BN, KS=cfg.KS,
+        num_warps=cfg.num_warps, **pdl_launch(pdl))
+    if splits > 1:
+        split_sum(part, out, splits, pdl=pdl)
+    return out
+
+
+__all__ = ["ROUTER_CONFIGS", "RouterGemmConfig", "router_config", "router_logits",
+           "router_logits_reference"]

@@ -1,0 +1,82 @@
+"""Router logits kernel on CUDA (kernels/router_gemm.py) at the K2 gate [384 x 7168]: accuracy against
+float64 with NaN-poisoned outputs, bitwise batch invariance (a row computed alone equals the same row
+inside calls of M = 2..129 and 256, with any tokens per program), and a CUDA graph whose router launch
+depends on the kernel writing its input (programmatic dependent launch) reading fresh values.
+
+    pytest -m gpu tests/gpu/test_router_gemm_gpu.py -v
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kdtree_engine.kernels.router_gemm import RouterGemmConfig, router_config, router_logits
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+N, K = 384, 7168
+
+
+def _rand(*shape, dtype=torch.float32, scale=1.0):
+    return (torch.randn(*shape, device="cuda") * scale).to(dtype)
+
+
+@pytest.fixture
+def poisoned_empty(monkeypatch):
+    orig = torch.empty
+
+    def empty(*a, **k):
+        t = orig(*a, **k)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", empty)
+
+
+# the table config and the other shapes of bench/router.py (each its own rounding, each batch-invariant)
+CONFIGS = {"table": None, "b8_k1024_w4": RouterGemmConfig(8, 1024, 4, 16),
+           "b4_k512_w1": RouterGemmConfig(4, 512, 1, 16), "b2_k1024_w1": RouterGemmConfig(2, 1024, 1, 16),
+           "b4_k1024_w1": RouterGemmConfig(4, 1024, 1, 16)}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_router_logits_k2_accurate_and_batch_invariant(poisoned_empty, dtype, name):
+    w = _rand(N, K, scale=K ** -0.5)
+    x = _rand(256, K, dtype=dtype)
+    cfg = CONFIGS[name] or router_config(N, K)
+    full = router_logits(x, w, config=cfg)
+    assert torch.isfinite(full).all(), "unwritten (NaN-poisoned) outputs"
+    ref = x.double() @ w.double().T
+    assert float((full.double() - ref).norm() / ref.norm()) < 2e-6
+    rows = (0, 1, 15, 16, 63, 64, 128)
+    alone = {i: router_logits(x[i:i + 1], w, config=cfg)[0] for i in rows}
+    bad = []
+    for j, m in enumerate(list(range(2, 130)) + [192]):
+        tm = RouterGemmConfig(cfg.BN, cfg.KS, cfg.num_warps, (1, 4, 16, 64)[j % 4])
+        y = router_logits(x[:m], w, config=tm)
+        if not torch.equal(y, full[:m]):
+            bad.append(f"M={m} differs from M=256")
+        bad += [f"M={m}: row {i} differs from M=1" for i in rows if i < m and not torch.equal(y[i], alone[i])]
+    assert not bad, "\n".join(bad[:20])
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_router_logits_dependent_launch_reads_fresh_input_in_graphs(name):
+    """The router kernel loads its weight block, then waits for the kernel that wrote x (pdl.py): captured
+    after such a kernel and replayed with new values, it equals eager launches bit for bit."""
+    w = _rand(N, K, scale=K ** -0.5)
+    cfg = CONFIGS[name] or router_config(N, K)
+    for M in (1, 5, 40):
+        src = _rand(M, K, dtype=torch.bfloat16)
+        xb = torch.empty_like(src)
+        torch.mul(src, 1.0, out=xb)
+        router_logits(xb, w, config=cfg)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            torch.mul(src, 1.0, out=xb)     # a kernel writing the router's input
+            y = router_logits(xb, w, config=cfg)
+        for r in range(6):
+            src.copy_(_rand(M, K, dtype=torch.bfloat16))
+            graph.replay()
+            assert torch.equal(y, router_logits(src.clone(), w, config=cfg)), f"M={M} replay {r} differs from eager"
