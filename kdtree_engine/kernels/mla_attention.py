@@ -87,6 +87,7 @@ import triton
 import triton.language as tl
 
 from .common import DTYPES, bucket, interpreting
+from .pdl import pdl_launch, pdl_supported, pdl_wait
 from .streams import side_by_side
 
 log = logging.getLogger(__name__)
@@ -354,10 +355,13 @@ def _mla_chunk_kernel(
     UPCAST: tl.constexpr, PREC: tl.constexpr, S_DEV: tl.constexpr = False,
     KEYS_ON_M: tl.constexpr = False, Q_IN_LOOP: tl.constexpr = False, L_BY_DOT: tl.constexpr = False,
     ROWS: tl.constexpr = 0, klat_desc=None, kpe_desc=None, K_DESC: tl.constexpr = False,
-    LAZY: tl.constexpr = False, QS: tl.constexpr = 1,
+    LAZY: tl.constexpr = False, QS: tl.constexpr = 1, PDL: tl.constexpr = False,
 ):
     # grid: ((row tiles [packed] or T * head tiles [gather]) * V_SPLIT, chunks); the V_SPLIT programs of
     # one (tile, chunk) are adjacent so that they run together and their repeated key reads hit L2
+    # PDL: a dependent launch (pdl.py), waiting first for the kernels writing q, the cache and S
+    if PDL:
+        pdl_wait()
     VS: tl.constexpr = CP // DV
     pid_r = tl.program_id(0) // VS
     pid_v = tl.program_id(0) % VS
@@ -603,8 +607,8 @@ def _mla_merge_kernel(po_ptr, pl_ptr, nvis_ptr, out_ptr, s_ptr, S, N, NC,
                       stride_pom, stride_poc, stride_plm, stride_ot, stride_on,
                       C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, CHUNK: tl.constexpr,
                       CAUSAL: tl.constexpr, S_DEV: tl.constexpr = False, LSE_BLOCK: tl.constexpr = 256,
-                      PREFETCH: tl.constexpr = False):
-    """grid (rows, C / BLOCK_D): merge a row's chunks.
+                      PREFETCH: tl.constexpr = False, PDL: tl.constexpr = False):
+    """grid (rows, C / BLOCK_D): merge a row's chunks. PDL: a dependent launch (pdl.py), waiting first.
 
     Summation order (per output element, the same for any BLOCK_D, layout or warps): chunks in blocks of
     BLOCK_C, each block summed by a fixed pairwise tree, the block sums added in chunk order; the
@@ -612,6 +616,8 @@ def _mla_merge_kernel(po_ptr, pl_ptr, nvis_ptr, out_ptr, s_ptr, S, N, NC,
     0, so one chunk merges to its own value bit for bit (as the direct write). BLOCK_C chunks per step
     are loaded at once, so a long context keeps many loads in flight (the partials are in L2). PREFETCH
     issues the next block's loads before the current block's sums (a load method: same bits)."""
+    if PDL:
+        pdl_wait()
     r = tl.program_id(0)
     d0 = tl.program_id(1) * BLOCK_D
     if S_DEV:
@@ -736,7 +742,7 @@ def _merge(po, pl, nvis, out, s_ptr, S: int, N: int, n_ch: int, strides: tuple[i
     _mla_merge_kernel[(T * N, triton.cdiv(C, mt.block_d))](
         po, pl, nvis, out, s_ptr, S, N, n_ch, *strides, out.stride(0), out.stride(1),
         C=C, BLOCK_D=mt.block_d, BLOCK_C=mt.block_c, CHUNK=chunk, CAUSAL=causal, S_DEV=s_dev,
-        LSE_BLOCK=mt.lse_block, PREFETCH=mt.prefetch, num_warps=mt.warps)
+        LSE_BLOCK=mt.lse_block, PREFETCH=mt.prefetch, num_warps=mt.warps, **pdl_launch(pdl_supported(out.device)))
 
 
 def _kv_descs(kv: torch.Tensor, rows: int, C: int, R: int, CP: int, RP: int, cfg: MLAConfig, VS: int
@@ -811,7 +817,7 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, sta
     common = dict(C=C, R=R, CP=CP, RP=RP, DV=DV, CHUNK=cfg.CHUNK, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
                   CAUSAL=causal, DIRECT=direct, UPCAST=upcast, PREC=prec,
                   KEYS_ON_M=cfg.KEYS_ON_M, Q_IN_LOOP=cfg.Q_IN_LOOP, L_BY_DOT=cfg.L_BY_DOT, ROWS=rows, LAZY=lazy,
-                  QS=cfg.QK_SPLIT,
+                  QS=cfg.QK_SPLIT, **pdl_launch(pdl_supported(kv.device)),
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     args_tail = (q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), kv.stride(0), stride_idx,
                  spom, spoc, splm, out.stride(0), out.stride(1), qk_scale)
@@ -878,7 +884,7 @@ def mla_attention_device(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tens
     common = dict(C=C, R=R, CP=CP, RP=RP, DV=DV, CHUNK=cfg.CHUNK, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
                   CAUSAL=False, DIRECT=direct, UPCAST=upcast, PREC=prec, S_DEV=True,
                   KEYS_ON_M=cfg.KEYS_ON_M, Q_IN_LOOP=cfg.Q_IN_LOOP, L_BY_DOT=cfg.L_BY_DOT, ROWS=rows, LAZY=lazy,
-                  QS=cfg.QK_SPLIT,
+                  QS=cfg.QK_SPLIT, **pdl_launch(pdl_supported(kv.device)),
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     args_tail = (q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), kv.stride(0), idx.stride(0),
                  spom, spoc, splm, out.stride(0), out.stride(1), float(scale) * LOG2E)

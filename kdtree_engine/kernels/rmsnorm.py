@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from .common import DTYPES
+from .pdl import pdl_launch, pdl_supported, pdl_wait
 
 _DTYPES = DTYPES
 _MAX_H = 65536
@@ -39,25 +40,31 @@ _MAX_H = 65536
 
 @triton.jit
 def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, H, stride_xm, stride_om, eps,
-                    BLOCK_H: tl.constexpr):
+                    BLOCK_H: tl.constexpr, PDL: tl.constexpr = False):
+    # PDL: a dependent launch (pdl.py): the weight (static) loads before the wait for the kernel writing x
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_H)
     mask = offs < H
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+    if PDL:
+        pdl_wait()
     x = tl.load(x_ptr + row * stride_xm + offs, mask=mask, other=0.0).to(tl.float32)
     ms = tl.sum(x * x, axis=0) / H
     r = tl.div_rn(1.0, tl.sqrt_rn(ms + eps))  # correctly rounded (IEEE) sqrt and division
     y = (x * r).to(x_ptr.dtype.element_ty)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
     o = w.to(tl.float32) * y.to(tl.float32)
     tl.store(out_ptr + row * stride_om + offs, o.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _add_rmsnorm_kernel(h_ptr, d_ptr, w_ptr, sum_ptr, out_ptr, H, stride_hm, stride_dm, stride_sm, stride_om, eps,
-                        BLOCK_H: tl.constexpr):
+                        BLOCK_H: tl.constexpr, PDL: tl.constexpr = False):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_H)
     mask = offs < H
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+    if PDL:
+        pdl_wait()
     a = tl.load(h_ptr + row * stride_hm + offs, mask=mask, other=0.0).to(tl.float32)
     b = tl.load(d_ptr + row * stride_dm + offs, mask=mask, other=0.0).to(tl.float32)
     s = (a + b).to(sum_ptr.dtype.element_ty)  # the residual stream, as torch's h + d
@@ -67,7 +74,6 @@ def _add_rmsnorm_kernel(h_ptr, d_ptr, w_ptr, sum_ptr, out_ptr, H, stride_hm, str
     ms = tl.sum(x * x, axis=0) / H
     r = tl.div_rn(1.0, tl.sqrt_rn(ms + eps))
     y = (x * r).to(sum_ptr.dtype.element_ty)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
     o = w.to(tl.float32) * y.to(tl.float32)
     tl.store(out_ptr + row * stride_om + offs, o.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -116,7 +122,7 @@ def bi_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tenso
     if M and H:
         BLOCK_H = triton.next_power_of_2(H)
         _rmsnorm_kernel[(M,)](x2, weight, out, H, x2.stride(0), out.stride(0), float(eps),
-                              BLOCK_H=BLOCK_H, num_warps=_warps(BLOCK_H))
+                              BLOCK_H=BLOCK_H, num_warps=_warps(BLOCK_H), **pdl_launch(pdl_supported(x.device)))
     return out.reshape(*lead, H)
 
 
@@ -138,7 +144,8 @@ def bi_add_rmsnorm(h: torch.Tensor, d: torch.Tensor, weight: torch.Tensor,
     if M and H:
         BLOCK_H = triton.next_power_of_2(H)
         _add_rmsnorm_kernel[(M,)](h2, d2, weight, s, out, H, h2.stride(0), d2.stride(0), s.stride(0), out.stride(0),
-                                  float(eps), BLOCK_H=BLOCK_H, num_warps=_warps(BLOCK_H))
+                                  float(eps), BLOCK_H=BLOCK_H, num_warps=_warps(BLOCK_H),
+                                  **pdl_launch(pdl_supported(h.device)))
     return s.reshape(*lead, H), out.reshape(*lead, H)
 
 

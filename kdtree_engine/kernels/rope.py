@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from .common import DTYPES
+from .pdl import pdl_launch, pdl_supported, pdl_wait
 from .rmsnorm import _warps
 
 
@@ -40,7 +41,9 @@ def _rotate(x_ptr, cos_ptr, sin_ptr, out_ptr, R2, BLOCK_R2: tl.constexpr):
 
 @triton.jit
 def _rope_heads_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, N, R2, stride_xt, stride_xn, stride_ct,
-                       stride_ot, stride_on, BLOCK_R2: tl.constexpr):
+                       stride_ot, stride_on, BLOCK_R2: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:  # a dependent launch (pdl.py): wait for the kernel writing q
+        pdl_wait()
     pid = tl.program_id(0).to(tl.int64)
     t = pid // N
     n = pid % N
@@ -50,7 +53,10 @@ def _rope_heads_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, N, R2, stride_xt, strid
 
 @triton.jit
 def _latent_write_kernel(kva_ptr, w_ptr, cos_ptr, sin_ptr, kv_ptr, slots_ptr, C, R2, eps,
-                         stride_at, stride_ct, stride_kv, BLOCK_C: tl.constexpr, BLOCK_R2: tl.constexpr):
+                         stride_at, stride_ct, stride_kv, BLOCK_C: tl.constexpr, BLOCK_R2: tl.constexpr,
+                         PDL: tl.constexpr = False):
+    if PDL:  # a dependent launch (pdl.py): wait for the kernel writing kva
+        pdl_wait()
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + t).to(tl.int64)
     row = kva_ptr + t * stride_at
@@ -94,7 +100,7 @@ def rope_heads(q: torch.Tensor, nope: int, cos: torch.Tensor, sin: torch.Tensor)
         _rope_heads_kernel[(T * N,)](q[..., nope:], cos, sin, out, N, R // 2, q.stride(0), q.stride(1),
                                      cos.stride(0), out.stride(0), out.stride(1),
                                      BLOCK_R2=triton.next_power_of_2(R // 2), num_warps=1,
-                                     enable_fp_fusion=False)
+                                     enable_fp_fusion=False, **pdl_launch(pdl_supported(q.device)))
     return out
 
 
@@ -124,7 +130,7 @@ def latent_write(kva: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: 
     _latent_write_kernel[(T,)](kva, norm_weight.contiguous(), cos, sin, kv, slots.contiguous(), C, R // 2,
                                float(eps), kva.stride(0), cos.stride(0), kv.stride(0), BLOCK_C=block_c,
                                BLOCK_R2=triton.next_power_of_2(R // 2), num_warps=_warps(block_c),
-                               enable_fp_fusion=False)
+                               enable_fp_fusion=False, **pdl_launch(pdl_supported(kva.device)))
 
 
 # ---- torch (CPU path, oracle) ------------------------------------------------------------------

@@ -26,13 +26,18 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_launch, pdl_supported, pdl_wait
+
 _MAX_E = 4096
 
 
 @triton.jit
 def _router_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, stride_l, G, EG, scale,
                    K: tl.constexpr, TOPK_GROUP: tl.constexpr, GROUPED: tl.constexpr, NORM: tl.constexpr,
-                   BLOCK_G: tl.constexpr, BLOCK_EG: tl.constexpr, BLOCK_K: tl.constexpr):
+                   BLOCK_G: tl.constexpr, BLOCK_EG: tl.constexpr, BLOCK_K: tl.constexpr,
+                   PDL: tl.constexpr = False):
+    if PDL:  # a dependent launch (pdl.py): wait for the kernel writing the logits
+        pdl_wait()
     row = tl.program_id(0).to(tl.int64)
     gi = tl.arange(0, BLOCK_G)  # [BG]
     ji = tl.arange(0, BLOCK_EG)  # [BEG]
@@ -105,7 +110,8 @@ def route_triton(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: 
         _router_kernel[(T,)](logits, bias, ids, w, logits.stride(0), n_group, EG, float(routed_scaling_factor),
                              K=top_k, TOPK_GROUP=topk_group, GROUPED=n_group > 1, NORM=bool(norm_topk_prob),
                              BLOCK_G=triton.next_power_of_2(n_group), BLOCK_EG=triton.next_power_of_2(EG),
-                             BLOCK_K=triton.next_power_of_2(top_k), num_warps=1 if E <= 128 else 4)
+                             BLOCK_K=triton.next_power_of_2(top_k), num_warps=1 if E <= 128 else 4,
+                             **pdl_launch(pdl_supported(logits.device)))
     return ids, w
 
 

@@ -11,6 +11,8 @@ Layout (weights in registers, tokens looped):
     program (n block, k split, token tile):  w [BN, KS] fp32 loaded once, in one go (every load in flight
                                               at once; before the dependent-launch wait: weights are static)
         for each token m of the tile:          x[m, split] [KS] -> s = sum_k(w * x[None, :]) [BN] -> part[s, m]
+                                              (token m + 1's activations already in flight)
+    one warp per program (the table's K2 shape): the k sum stays inside the warp (shuffles, no barrier)
     splits > 1: part [splits, M, N] summed in split order (split_sum)
 
 Batch invariance: BN, KS and the warps (which fix the per-row summation tree) come from (N, K) alone
@@ -37,9 +39,9 @@ from .split_sum import split_sum
 class RouterGemmConfig:
     """BN weight rows x KS k per program and the warps set a row's rounding (fixed by (N, K)); TM (tokens
     per program) only re-tiles."""
-    BN: int = 8
+    BN: int = 4
     KS: int = 512
-    num_warps: int = 4
+    num_warps: int = 1
     TM: int = 16
 
     def __post_init__(self) -> None:
@@ -51,18 +53,22 @@ class RouterGemmConfig:
             raise ValueError(f"RouterGemmConfig.TM must be >= 1, got {self.TM}")
 
 
-# (N, K) -> config, from bench/router.py on an H200 (bench/results/router-h200.md)
+# (N, K) -> config, from bench/router.py on an H200 (bench/results/router-h200-candidates.md, us at
+# M = 1 / 4 / 16 / 64 / 129; the generic GEMM on x.float(): 25 / 25.6 / 28.2 / 61.3 / 144):
+#   4 rows x 512 k, 1 warp     7.3 / 8.9 / 14.5 / 32.5 / 53.5   <- one warp: the k sum stays in the warp
+#   4 rows x 1024 k, 1 warp    5.6 / 8.1 / 15.6 / 37.9 / 68.3      (shuffles), no barrier per token
+#   8 rows x 512 k, 4 warps    7.0 / 11.2 / 24.1 / 66.7 / 123     (warps split k: two barriers per token)
 ROUTER_CONFIGS: dict[tuple[int, int], RouterGemmConfig] = {
-    (384, 7168): RouterGemmConfig(BN=8, KS=512, num_warps=4, TM=16),
+    (384, 7168): RouterGemmConfig(BN=4, KS=512, num_warps=1, TM=16),
 }
 
 
 def router_config(N: int, K: int) -> RouterGemmConfig:
-    """The config of an [N, K] gate: the K2 table entry, else 8 rows x min(512, K rounded up to a power
-    of 2) k per program."""
+    """The config of an [N, K] gate: the K2 table entry, else one warp on 4 rows x min(512, K rounded up to
+    a power of 2) k per program."""
     if (N, K) in ROUTER_CONFIGS:
         return ROUTER_CONFIGS[(N, K)]
-    return RouterGemmConfig(BN=8, KS=min(512, triton.next_power_of_2(max(K, 16))), num_warps=4, TM=16)
+    return RouterGemmConfig(BN=4, KS=min(512, triton.next_power_of_2(max(K, 32))), num_warps=1, TM=16)
 
 
 @triton.jit

@@ -16,12 +16,16 @@ import triton
 import triton.language as tl
 
 from .common import DTYPES
+from .pdl import pdl_launch, pdl_supported, pdl_wait
 
 _BLOCK = 1024
 
 
 @triton.jit
-def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, N, stride_g, stride_u, stride_o, BLOCK: tl.constexpr):
+def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, N, stride_g, stride_u, stride_o, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr = False):
+    if PDL:  # a dependent launch (pdl.py): wait for the kernel writing gate / up
+        pdl_wait()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
@@ -49,7 +53,8 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if M and N:
         block = min(_BLOCK, triton.next_power_of_2(N))
         _silu_mul_kernel[(M, triton.cdiv(N, block))](g2, u2, out, N, g2.stride(0), u2.stride(0), out.stride(0),
-                                                     BLOCK=block, num_warps=max(1, min(4, block // 256)))
+                                                     BLOCK=block, num_warps=max(1, min(4, block // 256)),
+                                                     **pdl_launch(pdl_supported(gate.device)))
     return out.reshape(*lead, N)
 
 

@@ -72,3 +72,41 @@ def test_head_norm_rope_close_to_torch(T: int, H: int, d: int) -> None:
     ulp = torch.finfo(torch.bfloat16).eps * ref.double().abs().amax(dim=-1, keepdim=True)
     assert float(((y.double() - ref.double()).abs() / ulp).max()) <= 2
     assert torch.equal(head_norm_rope(x[T - 1:], w, 1e-6, cos[T - 1:], sin[T - 1:])[0], y[T - 1])
+
+
+def _graph_fresh(make_inputs, fn, label: str) -> None:
+    """fn captured in a CUDA graph right after a kernel that writes its inputs (its dependent launch starts
+    early and waits, pdl.py), replayed with new values: each replay equals an eager call bit for bit."""
+    src = make_inputs()
+    bufs = [torch.empty_like(t) for t in src]
+    for b, t in zip(bufs, src):
+        torch.mul(t, 1, out=b)
+    fn(*bufs)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for b, t in zip(bufs, src):
+            torch.mul(t, 1, out=b)      # kernels writing the inputs
+        out = fn(*bufs)
+    outs = out if isinstance(out, tuple) else (out,)
+    for r in range(4):
+        for t, n in zip(src, make_inputs()):
+            t.copy_(n)
+        graph.replay()
+        want = fn(*[t.clone() for t in src])
+        want = want if isinstance(want, tuple) else (want,)
+        assert all(torch.equal(a, b) for a, b in zip(outs, want)), f"{label}: replay {r} differs from eager"
+
+
+def test_tails_dependent_launches_read_fresh_inputs_in_graphs() -> None:
+    from kdtree_engine.kernels.rope import rope_heads
+    H = 7168
+    w = torch.randn(H, device=DEV).to(torch.bfloat16)
+    cos, sin = (torch.randn(5, 32, device=DEV) for _ in range(2))
+    bias = torch.randn(384, device=DEV) * 0.1
+    bf = lambda *s: torch.randn(*s, device=DEV).to(torch.bfloat16)  # noqa: E731
+    _graph_fresh(lambda: [bf(5, H)], lambda x: bi_rmsnorm(x, w, 1e-6), "rmsnorm")
+    _graph_fresh(lambda: [bf(5, H), bf(5, H)], lambda h, d: bi_add_rmsnorm(h, d, w, 1e-6), "add_rmsnorm")
+    _graph_fresh(lambda: [bf(5, 2048), bf(5, 2048)], silu_mul, "silu_mul")
+    _graph_fresh(lambda: [bf(5, 8, 192)], lambda q: rope_heads(q, 128, cos, sin), "rope_heads")
+    _graph_fresh(lambda: [torch.randn(5, 384, device=DEV)], lambda lg: route_triton(lg, bias, 8, 1, 1, True, 2.5),
+                 "router tail")
