@@ -11,6 +11,8 @@ same math and the torch reference, against rooflines measured in the same run.
                                                        # written to mla_attention-chunk-sweep-<gpu>.*
     python bench/mla_attention.py --sweep-only --sweep-rows --no-peers     # decode rows per program (N = 8),
                                                        # written to mla_attention-rows-sweep-<gpu>.*
+    python bench/mla_attention.py --sweep-only --sweep-vsplit --no-peers   # column slices of small verifies,
+                                                       # written to mla_attention-vsplit-sweep-<gpu>.*
 
 The sweep first compiles every (candidate, launch kind) in a pool of processes (Triton's on-disk cache
 is shared), so that the timing loop itself compiles nothing; candidates that fail to compile (e.g. out
@@ -122,6 +124,15 @@ ROWS_FOR_N: dict[int, list[MLAConfig]] = {
 # programs per SM; measured slower at 4K-256K, also with 2 stages only past one wave of programs:
 # bench/results/mla_attention-stages-sweep-h200.md)
 ROWS_SWEEP: list[MLAConfig] = [c for cs in ROWS_FOR_N.values() for c in cs]
+# Output-column slices of small verify launches (V_SPLIT_BY_T: a re-tiling, the same bits; tested by
+# tests/gpu/test_mla_attention_gpu.py::test_v_split_by_t_bit_equal_bf16): at N = 8 a 4..16-node tree over
+# a 4K prefix is 8 prefix programs (one 32-row tile per chunk) for 132 SMs. `--sweep-vsplit` times them.
+VSPLIT_FOR_N: dict[int, list[MLAConfig]] = {
+    8: [_D8] + [replace(_D8, V_SPLIT_BY_T=((16, v),)) for v in (2, 4, 8)],
+    64: [_D64] + [replace(_D64, V_SPLIT_BY_T=((16, v),)) for v in (2, 4)]}
+VSPLIT_SWEEP: list[MLAConfig] = [c for cs in VSPLIT_FOR_N.values() for c in cs]
+VSPLIT_SHAPES = [(8, 4096, 4), (8, 4096, 16), (8, 32768, 4), (8, 32768, 16), (8, 131072, 16), (64, 4096, 4),
+                 (64, 4096, 16), (64, 32768, 16)]
 ROWS_SHAPES = [(8, 4096, 1), (8, 32768, 1), (8, 65536, 1), (8, 131072, 1), (8, 262144, 1), (64, 131072, 1)]
 SWEEP_SHAPES = [(8, 32768, 1), (8, 131072, 1), (8, 32768, 16), (8, 131072, 16), (8, 32768, 64),
                 (8, 131072, 64), (64, 32768, 1), (64, 131072, 1), (64, 32768, 16), (64, 131072, 16),
@@ -244,6 +255,9 @@ def main(argv=None) -> dict:
                     help="with --sweep-only: time CHUNK_SWEEP (chunk lengths, N = 8) at CHUNK_SHAPES instead")
     ap.add_argument("--sweep-rows", action="store_true",
                     help="with --sweep-only: time ROWS_SWEEP (decode rows per program, N = 8) at ROWS_SHAPES instead")
+    ap.add_argument("--sweep-vsplit", action="store_true",
+                    help="with --sweep-only: time VSPLIT_FOR_N (column slices of verify launches up to 16 nodes) "
+                         "at VSPLIT_SHAPES instead")
     ap.add_argument("--workers", type=int, default=0, help="compile processes for the sweep (0: CPUs)")
     ap.add_argument("--no-peers", action="store_true", help="skip sdpa and the torch reference")
     ap.add_argument("--budget-s", type=float, default=100.0, help="stop the sweep after this many seconds")
@@ -271,12 +285,14 @@ def main(argv=None) -> dict:
         workers = args.workers or min(16, os.cpu_count() or 1)
         cands, shapes = ((DECODE_SWEEP, DECODE_SHAPES) if args.sweep_decode else
                          (CHUNK_SWEEP, CHUNK_SHAPES) if args.sweep_chunk else
-                         (ROWS_SWEEP, ROWS_SHAPES) if args.sweep_rows else (SWEEP, SWEEP_SHAPES))
+                         (ROWS_SWEEP, ROWS_SHAPES) if args.sweep_rows else
+                         (VSPLIT_SWEEP, VSPLIT_SHAPES) if args.sweep_vsplit else (SWEEP, SWEEP_SHAPES))
+        per_n = ROWS_FOR_N if args.sweep_rows else VSPLIT_FOR_N if args.sweep_vsplit else None
         compile_err = precompile(cands, shapes, workers)
         print(f"compiled {len(compile_err)} (config, N, T kind) in {clock():.0f}s; "
               f"{sum(e is not None for e in compile_err.values())} failed", flush=True)
         for N, S, T in shapes:  # shape-major: a budget cut leaves whole shapes compared
-            for cfg in (ROWS_FOR_N[N] if args.sweep_rows else cands):
+            for cfg in (per_n[N] if per_n else cands):
                 base = {"N": N, "S": S, "T": T, "config": cfg.as_dict()}
                 err = compile_err.get((cfg, N, T == 1))
                 if err is not None:
@@ -320,7 +336,7 @@ def main(argv=None) -> dict:
                         for s in sweep])
         md += ["", "## Best candidate per shape", ""] + best_per_shape(sweep)
     kind = ("decode-" if args.sweep_decode else "chunk-" if args.sweep_chunk else
-            "rows-" if args.sweep_rows else "")
+            "rows-" if args.sweep_rows else "vsplit-" if args.sweep_vsplit else "")
     stem = (f"mla_attention-{kind}sweep-{gpu}" if args.sweep_only
             else f"mla_attention-{gpu}")
     jp, mp = write_results(args.out, stem, payload, md)

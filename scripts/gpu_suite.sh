@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU tests and benchmarks, logs and results packed under $OUT; one device call runs one part.
-#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|next|chain|sample|rounds|decode|step|verify|resume|ncu|plane|merge|merge2|merge3|sample2|fork|last|plane2|rows|kload|lazy|rounds2|maxnreg|qsplit|stages|down|bm8|m64|merge4|merge5|final2|moerows|moe16|moe16b|router|router2|router3|final3|frag|frag2|frag3|frag4|frag5|frag7|frag8|xsm|xsm2|xsm3|xsm4|xsm5|xsm6|router4|arrive|tune2|direct|epi|pdl|pdl2|pdl3|rgemv|rgemv2|pdl4|pdl5]   (on the GPU machine, from the repository root)
+#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|next|chain|sample|rounds|decode|step|verify|resume|ncu|plane|merge|merge2|merge3|sample2|fork|last|plane2|rows|kload|lazy|rounds2|maxnreg|qsplit|stages|down|bm8|m64|merge4|merge5|final2|moerows|moe16|moe16b|router|router2|router3|final3|frag|frag2|frag3|frag4|frag5|frag7|frag8|xsm|xsm2|xsm3|xsm4|xsm5|xsm6|router4|arrive|tune2|direct|epi|pdl|pdl2|pdl3|rgemv|rgemv2|pdl4|pdl5|shared|final4]   (on the GPU machine, from the repository root)
 #   tune   the W4A16 config sweep, the bitwise and CUDA-graph GPU tests, the demo's spec benchmark
 #   check  the remaining GPU tests (kernels, batch invariance, target, attention), kernel and round benches
 #   bench  the benchmarks with long runs (K2 step, attention, GEMM)
@@ -99,6 +99,10 @@
 #          (RMSNorm, residual + RMSNorm, rope, latent write, router tail, SwiGLU, attention chunks and merge):
 #          router and tail GPU tests, the router bench, the demo's spec == plain, graph rounds, the K2 layer step
 #   pdl5   the same code: the round bench, the target tests, the attention GPU tests
+#   shared the K2 layer step with the shared expert beside / after / before the routed experts
+#          (KDTREE_MOE_SHARED), and with the previous router GEMM path (bi_linear on x.float())
+#   final4 the shared expert before the routed experts (default): the demo's spec == plain, the K2 layer step
+#          with its profile, the round bench; the column-slice sweep of small verify attention launches
 #   router4 the router-logit kernel (kernels/router_gemm.py at 5f813f4, dropped): its GPU tests, the demo's spec == plain, the
 #          router and K2-step benches, the target tests
 #   final3 final2 on this round's final code (align kernel, expert block rows, forked shared expert, router tiles)
@@ -566,5 +570,19 @@ if [[ $PART == pdl5 ]]; then
   step pytest_target 90 $PYT tests/gpu/test_target_gpu.py
   step pytest_mla 150 $PYT tests/gpu/test_mla_attention_gpu.py -k "not candidate"
   step pytest_bi_rms 60 $PYT tests/gpu/test_batch_invariance_gpu.py -k rmsnorm
+fi
+if [[ $PART == shared ]]; then
+  for p in side after before; do
+    mkdir -p "$RES/$p"
+    step bench_k2_step_$p 60 env KDTREE_MOE_SHARED=$p python3 bench/k2_step.py --nodes 1,4,16,64 --out "$RES/$p"
+  done
+  mkdir -p "$RES/generic"
+  step bench_k2_step_generic 60 env KDTREE_ROUTER_GEMM=generic python3 bench/k2_step.py --nodes 1,4,16,64 --out "$RES/generic"
+fi
+if [[ $PART == final4 ]]; then
+  step pytest_spec_bitwise 120 $PYT $SPEC_BITWISE
+  step bench_k2_step 70 python3 bench/k2_step.py --profile --out "$RES"
+  step bench_round 95 python3 bench/round.py --out "$RES"
+  step sweep_vsplit 150 python3 bench/mla_attention.py --sweep-only --sweep-vsplit --no-peers --budget-s 120 --out "$RES"
 fi
 ls -la "$RES"

@@ -104,6 +104,9 @@ _TREE_FORCED = _forced("KDTREE_TREE_BACKEND")
 _ATTN_FORCED = _forced("KDTREE_ATTN_BACKEND")
 _DENSE_FORCED = _forced("KDTREE_DENSE_BACKEND")
 _BATCH_INVARIANT = True
+# the router GEMM on CUDA with batch invariance on: "router" (kernels/router_gemm.py) or "generic" (the
+# batch-invariant GEMM on x.float(), its own bits; a measurement knob)
+_ROUTER_GEMM = _forced("KDTREE_ROUTER_GEMM", ("router", "generic")) or "router"
 
 
 def set_batch_invariant(on: bool) -> None:
@@ -213,6 +216,11 @@ def dense_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def router_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """Router logits: x [M, K] (any float dtype) @ w [N, K].T (float32) -> [M, N] float32."""
     if _use_triton(x, w):
+        if _ROUTER_GEMM == "generic":
+            log_once("router-gemm:generic", "router GEMM: the generic batch-invariant GEMM on x.float() "
+                     "(KDTREE_ROUTER_GEMM=generic)")
+            from .gemm import bi_linear
+            return bi_linear(x.float(), w)
         from .router_gemm import router_logits
         return router_logits(x, w)
     return F.linear(x.float(), w)

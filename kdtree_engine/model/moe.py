@@ -12,8 +12,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import os
+
 from ..config import ModelConfig
 from .layers import MLP, GroupOf, dense_only, log_once
+
+# Where the shared expert runs on CUDA (the same kernels and sum either way, so the same bits): "before"
+# (default) the router and routed experts on the same stream, "after" them, "side" on a side stream beside
+# them. K2 layer on an H200 (bench/results/k2_step-h200-shared-*.md, us at T = 1 / 4 / 16 / 64): before
+# 206 / 399 / 966 / 2368, after 206 / 398 / 960 / 2374, side 211 / 421 / 1036 / 2561 (the routed kernels,
+# sized for the whole GPU, share it with the shared expert's GEMMs and run a long tail). KDTREE_MOE_SHARED
+# picks another (measurements).
+SHARED_PLACEMENTS = ("before", "after", "side")
+_SHARED = os.environ.get("KDTREE_MOE_SHARED", "before")
+if _SHARED not in SHARED_PLACEMENTS:
+    raise ValueError(f"KDTREE_MOE_SHARED must be one of {SHARED_PLACEMENTS}, got {_SHARED!r}")
 
 
 class Router(nn.Module):
@@ -170,9 +183,8 @@ class MoE(nn.Module):
                                    group_of=shared_group_of) if cfg.n_shared_experts > 0 else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Router + routed experts and the shared expert are independent until their sum: on CUDA the
-        shared expert runs on a side stream beside them (its GEMMs fill the SMs the routed kernels'
-        last waves leave idle; the same kernels and sum, so the same bits)."""
+        """Router + routed experts and the shared expert are independent until their sum; on CUDA they run
+        in the order of KDTREE_MOE_SHARED (default: the shared expert first, one stream; above)."""
         part: dict[str, torch.Tensor] = {}
 
         def routed() -> None:
@@ -183,11 +195,17 @@ class MoE(nn.Module):
             routed()
             return part["routed"]
         from ..kernels.streams import side_by_side
-        if x.device.type == "cuda":
-            log_once("moe-side", "MoE on cuda: the shared expert on a side stream beside the routed experts")
 
         def shared() -> None:
             part["shared"] = self.shared_experts(x)
 
-        side_by_side(x.device, shared, routed)
+        if x.device.type == "cuda" and _SHARED != "side":
+            log_once("moe-side", f"MoE on cuda: the shared expert {_SHARED} the routed experts, one stream")
+            first, second = (routed, shared) if _SHARED == "after" else (shared, routed)
+            first()
+            second()
+        else:
+            if x.device.type == "cuda":
+                log_once("moe-side", "MoE on cuda: the shared expert on a side stream beside the routed experts")
+            side_by_side(x.device, shared, routed)
         return part["routed"] + part["shared"]
