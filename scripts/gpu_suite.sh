@@ -103,7 +103,7 @@
 #          (KDTREE_MOE_SHARED), and with the previous router GEMM path (bi_linear on x.float())
 #   final4 the shared expert before the routed experts (default): the demo's spec == plain, the K2 layer step
 #          with its profile, the round bench; the column-slice sweep of small verify attention launches
-#   spec4  the demo spec bench on the final code
+#   spec4  the demo spec bench on the final code (every setting checked lossless against plain decoding)
 #   router4 the router-logit kernel (kernels/router_gemm.py at 5f813f4, dropped): its GPU tests, the demo's spec == plain, the
 #          router and K2-step benches, the target tests
 #   final3 final2 on this round's final code (align kernel, expert block rows, forked shared expert, router tiles)

@@ -18,15 +18,32 @@ from ..config import ModelConfig
 from .layers import MLP, GroupOf, dense_only, log_once
 
 # Where the shared expert runs on CUDA (the same kernels and sum either way, so the same bits): "before"
-# (default) the router and routed experts on the same stream, "after" them, "side" on a side stream beside
-# them. K2 layer on an H200 (bench/results/k2_step-h200-shared-*.md, us at T = 1 / 4 / 16 / 64): before
-# 206 / 399 / 966 / 2368, after 206 / 398 / 960 / 2374, side 211 / 421 / 1036 / 2561 (the routed kernels,
-# sized for the whole GPU, share it with the shared expert's GEMMs and run a long tail). KDTREE_MOE_SHARED
-# picks another (measurements).
+# the router and routed experts on the same stream, "after" them, or "side": on a side stream beside them.
+# Measured on an H200:
+#   K2 layer (shared expert 88 MB; bench/results/k2_step-h200-shared-*.md, us at T = 1 / 4 / 16 / 64):
+#     before 206 / 399 / 966 / 2368, after 206 / 398 / 960 / 2374, side 211 / 421 / 1036 / 2561: the routed
+#     kernels, sized for the whole GPU, share it with the shared expert's GEMMs and run a long tail;
+#   demo model (shared expert 0.3 MB; bench/results/round-h200-shared-*.md, ms per graph round plain /
+#     DDTree-8): side 0.253 / 0.606, before 0.277 / 0.630: its kernels leave most SMs idle.
+# So by the shared expert's weight bytes (the threshold lies between the two measured models): side
+# stream under SHARED_SIDE_BYTES, else before. KDTREE_MOE_SHARED forces one (measurements).
 SHARED_PLACEMENTS = ("before", "after", "side")
-_SHARED = os.environ.get("KDTREE_MOE_SHARED", "before")
-if _SHARED not in SHARED_PLACEMENTS:
+SHARED_SIDE_BYTES = 16 << 20
+_SHARED = os.environ.get("KDTREE_MOE_SHARED") or None
+if _SHARED not in (None,) + SHARED_PLACEMENTS:
     raise ValueError(f"KDTREE_MOE_SHARED must be one of {SHARED_PLACEMENTS}, got {_SHARED!r}")
+
+
+def shared_placement(shared_bytes: int) -> str:
+    """Where a shared expert of this many weight bytes runs on CUDA (above); logged once per choice."""
+    if _SHARED is not None:
+        log_once(f"moe-shared:{_SHARED}", f"MoE on cuda: the shared expert placed '{_SHARED}' (KDTREE_MOE_SHARED)")
+        return _SHARED
+    place = "side" if shared_bytes < SHARED_SIDE_BYTES else "before"
+    log_once(f"moe-shared:{place}", f"MoE on cuda: the shared expert ({shared_bytes / 2**20:.1f} MB of weights) "
+             + ("on a side stream beside the routed experts" if place == "side" else
+                "before the routed experts on one stream") + f" (side stream under {SHARED_SIDE_BYTES >> 20} MB)")
+    return place
 
 
 class Router(nn.Module):
@@ -181,10 +198,11 @@ class MoE(nn.Module):
         self.experts = Experts(cfg, dtype=dtype, group_size=group_size)
         self.shared_experts = (MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, dtype=dtype,
                                    group_of=shared_group_of) if cfg.n_shared_experts > 0 else None)
+        self._shared_bytes: int | None = None   # the shared expert's weight bytes (its CUDA placement)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Router + routed experts and the shared expert are independent until their sum; on CUDA they run
-        in the order of KDTREE_MOE_SHARED (default: the shared expert first, one stream; above)."""
+        side by side or one after the other (shared_placement)."""
         part: dict[str, torch.Tensor] = {}
 
         def routed() -> None:
@@ -199,13 +217,15 @@ class MoE(nn.Module):
         def shared() -> None:
             part["shared"] = self.shared_experts(x)
 
-        if x.device.type == "cuda" and _SHARED != "side":
-            log_once("moe-side", f"MoE on cuda: the shared expert {_SHARED} the routed experts, one stream")
-            first, second = (routed, shared) if _SHARED == "after" else (shared, routed)
+        place = "side"
+        if x.device.type == "cuda":
+            if self._shared_bytes is None:
+                self._shared_bytes = sum(t.numel() * t.element_size() for t in self.shared_experts.state_dict().values())
+            place = shared_placement(self._shared_bytes)
+        if place == "side":
+            side_by_side(x.device, shared, routed)   # off CUDA: one after the other
+        else:
+            first, second = (routed, shared) if place == "after" else (shared, routed)
             first()
             second()
-        else:
-            if x.device.type == "cuda":
-                log_once("moe-side", "MoE on cuda: the shared expert on a side stream beside the routed experts")
-            side_by_side(x.device, shared, routed)
         return part["routed"] + part["shared"]
