@@ -1,4 +1,6 @@
-"""Programmatic dependent launch (sm_90+) for the chained launches of the fragment INT4 GEMMs.
+"""Programmatic dependent launch (sm_90+) for the chained launches of a layer: the INT4 and batch-invariant
+GEMMs with their epilogues, the router GEMM and the per-layer tails (norms, rope, latent write, router tail,
+SwiGLU, attention chunks and merge).
 
 A kernel launched with `launch_pdl=True` may start while the kernel before it on the stream is finishing.
 It first does what does not read that kernel's outputs (index math, the first weight block's loads), then
