@@ -39,43 +39,45 @@ _MAX_H = 65536
 
 
 @triton.jit
-def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, H, stride_xm, stride_om, eps,
-                    BLOCK_H: tl.constexpr, PDL: tl.constexpr = False):
-    # PDL: a dependent launch (pdl.py): the weight (static) loads before the wait for the kernel writing x
+def _row_start(w_ptr, H, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+    """This program's row, its offsets and mask, and the norm weight [BLOCK_H]. PDL: a dependent launch
+    (pdl.py): the weight (static) loads before the wait for the kernel writing the row."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_H)
     mask = offs < H
     w = tl.load(w_ptr + offs, mask=mask, other=0.0)
     if PDL:
         pdl_wait()
-    x = tl.load(x_ptr + row * stride_xm + offs, mask=mask, other=0.0).to(tl.float32)
+    return row, offs, mask, w
+
+
+@triton.jit
+def _norm_store(x, w, H, eps, out_ptrs, mask, XT: tl.constexpr):
+    """out = w * (x * rsqrt(mean(x^2) + eps)).to(XT), rounded once to out's dtype; x fp32 [BLOCK_H]."""
     ms = tl.sum(x * x, axis=0) / H
     r = tl.div_rn(1.0, tl.sqrt_rn(ms + eps))  # correctly rounded (IEEE) sqrt and division
-    y = (x * r).to(x_ptr.dtype.element_ty)
+    y = (x * r).to(XT)
     o = w.to(tl.float32) * y.to(tl.float32)
-    tl.store(out_ptr + row * stride_om + offs, o.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptrs, o.to(out_ptrs.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, H, stride_xm, stride_om, eps,
+                    BLOCK_H: tl.constexpr, PDL: tl.constexpr = False):
+    row, offs, mask, w = _row_start(w_ptr, H, BLOCK_H, PDL)
+    x = tl.load(x_ptr + row * stride_xm + offs, mask=mask, other=0.0).to(tl.float32)
+    _norm_store(x, w, H, eps, out_ptr + row * stride_om + offs, mask, x_ptr.dtype.element_ty)
 
 
 @triton.jit
 def _add_rmsnorm_kernel(h_ptr, d_ptr, w_ptr, sum_ptr, out_ptr, H, stride_hm, stride_dm, stride_sm, stride_om, eps,
                         BLOCK_H: tl.constexpr, PDL: tl.constexpr = False):
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK_H)
-    mask = offs < H
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
-    if PDL:
-        pdl_wait()
+    row, offs, mask, w = _row_start(w_ptr, H, BLOCK_H, PDL)
     a = tl.load(h_ptr + row * stride_hm + offs, mask=mask, other=0.0).to(tl.float32)
     b = tl.load(d_ptr + row * stride_dm + offs, mask=mask, other=0.0).to(tl.float32)
     s = (a + b).to(sum_ptr.dtype.element_ty)  # the residual stream, as torch's h + d
     tl.store(sum_ptr + row * stride_sm + offs, s, mask=mask)
-    # from here on _rmsnorm_kernel with x = s
-    x = s.to(tl.float32)
-    ms = tl.sum(x * x, axis=0) / H
-    r = tl.div_rn(1.0, tl.sqrt_rn(ms + eps))
-    y = (x * r).to(sum_ptr.dtype.element_ty)
-    o = w.to(tl.float32) * y.to(tl.float32)
-    tl.store(out_ptr + row * stride_om + offs, o.to(out_ptr.dtype.element_ty), mask=mask)
+    _norm_store(s.to(tl.float32), w, H, eps, out_ptr + row * stride_om + offs, mask, sum_ptr.dtype.element_ty)
 
 
 def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
