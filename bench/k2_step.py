@@ -632,7 +632,10 @@ def markdown(rep: dict, gpu_label: str) -> list[str]:
     for r in rep["steps"]:
         if r.get("profile"):
             lines += ["", f"## Kernels of one layer at T = {r['T']} (torch.profiler, eager launches: "
-                      f"{r['profile_total_us']:.0f} us of device time against {r['layer_us']:.0f} us per graph replay)", ""]
+                      f"{r['profile_total_us']:.0f} us of device time against {r['layer_us']:.0f} us per graph replay)", "",
+                      "A dependent launch (kernels/pdl.py) starts before the kernel ahead of it ends and waits for "
+                      "it, so its device time here includes that wait (e.g. the MoE's SwiGLU while the gate/up GEMM "
+                      "finishes); the graph-replay times above are the real ones.", ""]
             for what in ("kernels", "ops"):
                 lines += common.md_table([what[:-1], "calls", "us", "share"],
                                          [[k["name"][:110].replace("|", "/"), k["calls"], k["us"],
