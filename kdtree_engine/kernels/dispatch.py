@@ -46,6 +46,9 @@
                  invariance on: the router kernel (kernels/router_gemm.py: the gate block held in
                  registers, tokens looped, the upcast in the load); otherwise torch on x.float().
 
+  shared expert  where the MoE's shared expert runs on CUDA (:func:`shared_placement`, by its weight bytes):
+                 on a side stream beside the router and routed experts, or before them on one stream.
+
   SwiGLU         silu(gate) * up of the dense MLP and the shared expert. CUDA: one elementwise Triton
                  launch (kernels/swiglu.py); CPU: torch.
 
@@ -211,6 +214,33 @@ def dense_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         from .gemm import bi_linear
         return bi_linear(x, w)
     return F.linear(x, w)
+
+
+# Where the shared expert runs on CUDA (the same kernels and sum either way, so the same bits): "before"
+# the router and routed experts on the same stream, "after" them, or "side": on a side stream beside them.
+# Measured on an H200:
+#   K2 layer (shared expert 88 MB; bench/results/k2_step-h200-shared-*.md, us at T = 1 / 4 / 16 / 64):
+#     before 206 / 399 / 966 / 2368, after 206 / 398 / 960 / 2374, side 211 / 421 / 1036 / 2561: the routed
+#     kernels, sized for the whole GPU, share it with the shared expert's GEMMs and run a long tail;
+#   demo model (shared expert 0.3 MB; bench/results/round-h200-shared-*.md, ms per graph round plain /
+#     DDTree-8): side 0.253 / 0.606, before 0.277 / 0.630: its kernels leave most SMs idle.
+# So by the shared expert's weight bytes (the threshold lies between the two measured models): side
+# stream under SHARED_SIDE_BYTES, else before. KDTREE_MOE_SHARED forces one (measurements).
+SHARED_PLACEMENTS = ("before", "after", "side")
+SHARED_SIDE_BYTES = 16 << 20
+_SHARED = _forced("KDTREE_MOE_SHARED", SHARED_PLACEMENTS)
+
+
+def shared_placement(shared_bytes: int) -> str:
+    """Where a shared expert of this many weight bytes runs on CUDA (above); logged once per choice."""
+    if _SHARED is not None:
+        log_once(f"moe-shared:{_SHARED}", f"MoE on cuda: the shared expert placed '{_SHARED}' (KDTREE_MOE_SHARED)")
+        return _SHARED
+    place = "side" if shared_bytes < SHARED_SIDE_BYTES else "before"
+    log_once(f"moe-shared:{place}", f"MoE on cuda: the shared expert ({shared_bytes / 2**20:.1f} MB of weights) "
+             + ("on a side stream beside the routed experts" if place == "side" else
+                "before the routed experts on one stream") + f" (side stream under {SHARED_SIDE_BYTES >> 20} MB)")
+    return place
 
 
 def router_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

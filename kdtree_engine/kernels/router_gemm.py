@@ -126,11 +126,10 @@ def router_logits(x: torch.Tensor, w: torch.Tensor, *, config: RouterGemmConfig 
     w = w if w.stride(1) == 1 else w.contiguous()
     cfg = config or router_config(N, K)
     splits = triton.cdiv(K, cfg.KS)
-    tm = cfg.TM
     pdl = pdl_supported(x.device)
     part = out if splits == 1 else torch.empty((splits, M, N), device=x.device, dtype=torch.float32)
-    _router_gemm_kernel[(triton.cdiv(N, cfg.BN), splits, triton.cdiv(M, tm))](
-        x, w, part, M, N, K, tm, x.stride(0), w.stride(0), M * N, N, BN=cfg.BN, KS=cfg.KS,
+    _router_gemm_kernel[(triton.cdiv(N, cfg.BN), splits, triton.cdiv(M, cfg.TM))](
+        x, w, part, M, N, K, cfg.TM, x.stride(0), w.stride(0), M * N, N, BN=cfg.BN, KS=cfg.KS,
         num_warps=cfg.num_warps, **pdl_launch(pdl))
     if splits > 1:
         split_sum(part, out, splits, pdl=pdl)
