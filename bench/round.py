@@ -81,6 +81,7 @@ def device_busy(prof: Any) -> dict:
     """Union of device-side intervals (kernels, memcpy, memset) in a profile: busy us and event count."""
     spans = []
     kernels = 0
+    by_name: dict[str, list[float]] = {}  # kernel name -> [launches, device us]
     for e in prof.events():
         dt = getattr(e, "device_type", None)
         if dt is None or "CUDA" not in str(dt):
@@ -88,6 +89,9 @@ def device_busy(prof: Any) -> dict:
         tr = e.time_range
         spans.append((tr.start, tr.end))
         kernels += 1
+        entry = by_name.setdefault(e.name, [0, 0.0])
+        entry[0] += 1
+        entry[1] += tr.end - tr.start
     spans.sort()
     busy, cur_s, cur_e = 0.0, None, None
     for s, e in spans:
@@ -103,8 +107,20 @@ def device_busy(prof: Any) -> dict:
         total = 0.0
         for k in prof.key_averages():
             total += float(getattr(k, "self_device_time_total", getattr(k, "self_cuda_time_total", 0.0)) or 0.0)
-        return {"busy_us": total, "events": 0, "method": "sum of self device time"}
-    return {"busy_us": busy, "events": kernels, "method": "union of device intervals"}
+        return {"busy_us": total, "events": 0, "method": "sum of self device time", "by_name": {}}
+    return {"busy_us": busy, "events": kernels, "method": "union of device intervals", "by_name": by_name}
+
+
+def kernel_table(full: dict, pre: dict, rounds: int, top: int) -> list[dict]:
+    """The ``top`` kernels by device time per round: the full run's per-name launches and time minus the
+    prefill-only run's, divided by the rounds."""
+    rows = []
+    for name, (n, us) in full["by_name"].items():
+        n0, us0 = pre["by_name"].get(name, (0, 0.0))
+        if n - n0 > 0:
+            rows.append({"kernel": name, "launches_per_round": (n - n0) / rounds, "us_per_round": (us - us0) / rounds})
+    rows.sort(key=lambda r: -r["us_per_round"])
+    return rows[:top]
 
 
 def profile_generate(fn: Callable[[], Any]) -> tuple[Any, dict]:
@@ -119,6 +135,7 @@ def profile_generate(fn: Callable[[], Any]) -> tuple[Any, dict]:
 # ---- the benchmark ---------------------------------------------------------------------------
 
 MODES = ("eager", "device", "graph")
+TOP_KERNELS = 40  # kernels listed per setting (graph rounds), by device time per round
 MODE_TEXT = {
     "eager": "generate(eager=True): the host-driven loop (heap tree builder, host accept, stage timers)",
     "device": "device-resident rounds run eagerly (the kernels a graph replays, launched one by one)",
@@ -157,6 +174,7 @@ def _kernel_profile(cuda: bool, gen: Callable, prompt: Prompt, params: SamplingP
             "launches_per_round": (full["events"] - pre["events"]) / n_rounds if n_rounds else None,
             "outside_kernels_frac": 1 - busy_us / 1e6 / r0["decode_s"] if r0["decode_s"] > 0 else None,
             "profiled_wall_s": res.stats["decode_s"],
+            "top_kernels": kernel_table(full, pre, n_rounds, TOP_KERNELS) if n_rounds else [],
         }
     except Exception as exc:  # noqa: BLE001 - the profile is reported missing, the rates stand
         return {"error": f"{type(exc).__name__}: {exc}"[:300], "outside_kernels_frac": None}
@@ -296,7 +314,25 @@ def markdown(rep: dict, tag: str) -> list[str]:
                               "graph/eager", "kernel ms/round", "launches/round", "outside kernels eager",
                               "outside kernels graph", "draft ms", "tree ms", "verify ms", "commit ms",
                               "lossless"], rows)
+    lines += kernel_sections(rep)
     lines += ["", f"Elapsed {rep['elapsed_s']:.0f} s."]
+    return lines
+
+
+def kernel_sections(rep: dict) -> list[str]:
+    """Per setting: the graph round's kernels by device time (prompt 0 profiled, prefill subtracted)."""
+    lines: list[str] = []
+    for r in rep["results"]:
+        g = r["graph"]
+        top = g.get("kernels", {}).get("top_kernels") if isinstance(g, dict) else None
+        if not top:
+            continue
+        total = sum(k["us_per_round"] for k in top)
+        lines += ["", f"### {r['setting']}: kernels of a graph round (top {len(top)} by device time, "
+                      f"{total:.1f} us per round in these)", ""]
+        lines += common.md_table(["kernel", "launches/round", "us/round", "us/launch"],
+                                 [[k["kernel"][:90].replace("|", "/"), k["launches_per_round"], k["us_per_round"],
+                                   k["us_per_round"] / k["launches_per_round"]] for k in top])
     return lines
 
 
