@@ -57,12 +57,16 @@
                  RMSNorm dispatch, model/dflash.py apply_rope_half). The drafter only proposes, so this
                  is about launches, not bits.
 
+  drafter attn   the block's queries over the cached context and the block (GQA, optional sliding window).
+                 CUDA: one Triton program per query head (kernels/draft_attention.py; online softmax); CPU:
+                 torch (concatenation, GQA repeat, masked sdpa). Only proposes: time, not bits.
+
   DDTree builder  (device-resident rounds) CUDA: one Triton program (kernels/tree_ops.py); CPU: the
                  vectorized torch builder (spec/tree.py); the same tree.
 
 ``KDTREE_INT4_BACKEND`` (also ``frag``: the fragment kernels, an error where they do not apply) /
 ``KDTREE_ATTN_BACKEND`` / ``KDTREE_TREE_BACKEND`` / ``KDTREE_DENSE_BACKEND`` (dense and
-per-head matmuls, RMSNorm and residual+norm, MLA tails, router tail, SwiGLU, drafter q / k) = ``torch`` | ``triton`` force one backend (tests run the Triton code on the CPU with
+per-head matmuls, RMSNorm and residual+norm, MLA tails, router tail, SwiGLU, drafter q / k and attention) = ``torch`` | ``triton`` force one backend (tests run the Triton code on the CPU with
 ``TRITON_INTERPRET=1``); forcing a torch path on CUDA with batch invariance on is obeyed and logged as a
 warning (bitwise equality of speculative and plain decoding then no longer holds). Batch invariance is
 set by :func:`set_batch_invariant` (the CLI's ``--batch-invariant on|off``, ``LLM(batch_invariant=...)``);
@@ -315,6 +319,12 @@ def head_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch
         return triton_head_norm_rope(x, weight, eps, cos, sin)
     from ..model.dflash import apply_rope_half
     return apply_rope_half(rms_norm(x, weight, eps), cos, sin)
+
+
+def draft_attention_backend(q: torch.Tensor, k: torch.Tensor) -> str:
+    """The drafter's attention (block queries over the cached context + the block): one Triton launch on
+    CUDA (kernels/draft_attention.py), else torch (model/dflash.py: concatenation, GQA repeat, masked sdpa)."""
+    return "triton" if _elementwise_backend("drafter attention", q.device, q, k) else "torch"
 
 
 def mla_tail_backend(device: torch.device) -> str:

@@ -125,16 +125,23 @@ class DraftAttention(nn.Module):
         return head_norm_rope(x, norm.weight, norm.eps, cos, sin)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_ctx: torch.Tensor,
-                v_ctx: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
-                visible: torch.Tensor | None = None) -> torch.Tensor:
+                v_ctx: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor | None,
+                visible: torch.Tensor | None = None, start: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, D] (normed block stream); k_ctx/v_ctx [Hkv, S, d] (cached context) -> [B, D].
 
         visible [B, S+B] bool, optional: keys a query may see at all (device-resident rounds pass the
-        whole cache buffer and hide the slots past the committed length)."""
+        whole cache buffer and hide the slots past the committed length). start [] long, optional: the
+        committed length (the slots a query sees), for the one-launch kernel (kernels/draft_attention.py),
+        which the dispatch takes on CUDA; without it, or on the CPU, the torch path below."""
         B = x.shape[0]
         q = self._norm_rope(self.q_norm, self.q_proj(x).view(B, self.heads, self.head_dim), cos, sin)
         kb, vb = self._kv(x)
         kb = self._norm_rope(self.k_norm, kb, cos, sin)
+        from ..kernels.dispatch import draft_attention_backend
+        if start is not None and draft_attention_backend(q, k_ctx) == "triton":
+            from ..kernels.draft_attention import draft_attention
+            o = draft_attention(q, k_ctx, v_ctx, kb, vb, start, self.window)  # [B, H, d]
+            return self.o_proj(o.reshape(B, self.heads * self.head_dim))
         k = torch.cat([k_ctx, kb.transpose(0, 1)], dim=1)  # [Hkv, S+B, d]
         v = torch.cat([v_ctx, vb.transpose(0, 1)], dim=1)  # [Hkv, S+B, d]
         rep = self.heads // self.kv_heads
@@ -226,6 +233,7 @@ class DFlashDrafter(nn.Module):
             ctx = self.hidden_norm(self.fc(ctx_features.to(device=dev, dtype=dt)))  # [C, D]
             cos_c, sin_c = rope_tables(torch.arange(L0, start, device=dev), cfg.head_dim, cfg.rope_theta, dt)
         h = block_embeds.to(device=dev, dtype=dt)  # [B, D]
+        start_t = torch.tensor(start, device=dev)  # the context length, for the one-launch attention kernel
         pending: torch.Tensor | None = None  # a layer's MLP output, added by the next norm (one dispatch)
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
@@ -234,7 +242,7 @@ class DFlashDrafter(nn.Module):
                 cache.k[i, :, L0:start] = k_c
                 cache.v[i, :, L0:start] = v_c
             h, x = layer.input_layernorm.residual(h, pending)
-            a = attn(x, cos_b, sin_b, cache.k[i, :, :start], cache.v[i, :, :start], q_pos, k_pos)
+            a = attn(x, cos_b, sin_b, cache.k[i, :, :start], cache.v[i, :, :start], q_pos, k_pos, None, start_t)
             h, x = layer.post_attention_layernorm.residual(h, a)
             pending = layer.mlp(x)
         cache.length = start
@@ -275,10 +283,13 @@ class DFlashDrafter(nn.Module):
         dev, dt, cfg = self.device, self.dtype, self.cfg
         q_pos = start + torch.arange(B, device=dev)  # [B]
         c_pos = start - n_ctx + torch.arange(R, device=dev)  # [R] cache slots = positions
-        slot_pos = torch.arange(cache.capacity, device=dev)  # [S_cap]
-        k_pos = torch.cat([slot_pos, q_pos])  # [S_cap + B]
-        visible = torch.cat([slot_pos < start, torch.ones(B, dtype=torch.bool, device=dev)])  # [S_cap + B]
-        visible = visible.unsqueeze(0).expand(B, -1)  # [B, S_cap + B]
+        from ..kernels.dispatch import draft_attention_backend
+        k_pos = visible = None  # the kernel reads the committed length itself; the torch path masks
+        if draft_attention_backend(block_embeds, cache.k) == "torch":
+            slot_pos = torch.arange(cache.capacity, device=dev)  # [S_cap]
+            k_pos = torch.cat([slot_pos, q_pos])  # [S_cap + B]
+            visible = torch.cat([slot_pos < start, torch.ones(B, dtype=torch.bool, device=dev)])  # [S_cap + B]
+            visible = visible.unsqueeze(0).expand(B, -1)  # [B, S_cap + B]
         cos_t, sin_t = self._rope_table(cache, cache.capacity + B)
         cos_b, sin_b = cos_t.index_select(0, q_pos), sin_t.index_select(0, q_pos)
         cos_c, sin_c = cos_t.index_select(0, c_pos), sin_t.index_select(0, c_pos)
@@ -292,7 +303,7 @@ class DFlashDrafter(nn.Module):
             cache.v[i].index_copy_(1, c_pos, v_c)
             h, x = layer.input_layernorm.residual(h, pending)
             h, x = layer.post_attention_layernorm.residual(h, attn(x, cos_b, sin_b, cache.k[i], cache.v[i], q_pos,
-                                                                   k_pos, visible))
+                                                                   k_pos, visible, start))
             pending = layer.mlp(x)
         return self.norm.residual(h, pending)[1]
 

@@ -1,0 +1,177 @@
+"""Per-row selection over logits in one launch each: the greedy token and the drafter's top-k log-probs.
+
+    argmax_rows(x)           x [L, V] -> [L] int64            torch.argmax(x, dim=-1)
+    topk_logprobs_rows(x, k) x [L, V] -> lp [L, k] float32,    the k largest x.float() of a row, best first,
+                                         ids [L, k] int64      minus the row's logsumexp; ids their columns
+
+L rows (positions), V columns (vocabulary: 4096 in the demo, 163840 in K2), k picks per row. x is float32,
+bfloat16 or float16 with unit last stride and any row stride (a row view of a wider tensor). One program
+per row, so a row's result never depends on the rows sharing the launch.
+
+Order: among equal values the lower column first (torch.argmax's result; a stable descending sort's order
+for the top k, :func:`topk_logprobs_torch`); -0.0 equals +0.0; NaN counts as larger than every number (as
+in torch.argmax and torch.sort), the first NaN of a row winning. A row holding a NaN has a NaN logsumexp,
+so all its log-probs are NaN (as torch's).
+
+argmax: the row in chunks of BLOCK columns, each lane keeping its running (max, column) (strictly greater
+replaces, so a lane keeps its first column among ties), then the lane with the largest value and, among
+equal ones, the lowest column.
+
+top-k: the row held whole in registers (V <= ``TOPK_MAX_V``; the caller keeps torch beyond), its
+logsumexp in float32 (max, then the sum of exp2 of the shifted values), then each element as one int64
+key, (its value's bits mapped to an order-preserving int32) << 32 | (2^31 - 1 - column), so one max
+reduction per pick gives the largest value and, among equal values, the lowest column. Pick r is the
+largest key below pick r - 1's (a runtime loop of k rounds; the tile is never rewritten); its value and
+column come back out of the key, exactly, and the log-prob is value - logsumexp.
+
+Arithmetic against the torch oracle: the values are x's own (exact in float32); the logsumexp sums in
+another order, with Triton's exp2 / log2 (approximate on CUDA), so log-probs agree within a few fp32 ulps
+and ids exactly.
+
+CPU: :func:`topk_logprobs_torch` is the oracle (and the path for V > ``TOPK_MAX_V``); under
+TRITON_INTERPRET=1 the kernels run on CPU tensors (tests/kernels/test_row_select.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import DTYPES, interpreting
+from .pdl import pdl_launch, pdl_supported, pdl_wait
+
+TOPK_MAX_V = 16384   # top-k rows above this many columns do not fit the register tile: ValueError
+_LOG2E = tl.constexpr(1.4426950408889634)
+_LN2 = tl.constexpr(0.6931471805599453)
+
+
+# ------------------------------------------------------------------------------------------------ argmax
+
+@triton.jit
+def _argmax_rows_kernel(x_ptr, out_ptr, V, stride_x, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:  # a dependent launch (pdl.py): wait for the kernel writing the logits
+        pdl_wait()
+    row = tl.program_id(0).to(tl.int64)
+    base = x_ptr + row * stride_x
+    offs = tl.arange(0, BLOCK)
+    best = tl.full([BLOCK], float("-inf"), tl.float32)
+    col = offs  # a lane whose values are all -inf keeps its first column (>= V only for padding lanes)
+    for start in range(0, V, BLOCK):
+        c = start + offs
+        v = tl.load(base + c, mask=c < V, other=float("-inf")).to(tl.float32)
+        # a greater value, or the lane's first NaN (nothing replaces a NaN: NaN > y and NaN == NaN are false)
+        take = (v > best) | ((v != v) & (best == best))
+        best = tl.where(take, v, best)
+        col = tl.where(take, c, col)
+    nan = best != best
+    any_nan = tl.max(nan.to(tl.int32), axis=0) > 0
+    m = tl.max(tl.where(nan, float("-inf"), best), axis=0)
+    cand = tl.where(any_nan, nan, best == m)
+    pick = tl.min(tl.where(cand, col, 2147483647), axis=0)
+    tl.store(out_ptr + row, pick.to(tl.int64))
+
+
+def _argmax_config(V: int) -> tuple[int, int]:
+    """(BLOCK columns per chunk, num_warps)."""
+    if V <= 256:
+        return max(triton.next_power_of_2(V), 32), 1
+    if V <= 2048:
+        return triton.next_power_of_2(V), 4
+    return 2048, 4
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """Triton: x [L, V] float32 / bf16 / fp16 (unit last stride) -> [L] int64, torch.argmax(x, dim=-1)."""
+    _check_rows("argmax_rows", x)
+    L, V = x.shape
+    out = torch.empty((L,), dtype=torch.int64, device=x.device)
+    if L:
+        block, warps = _argmax_config(V)
+        _argmax_rows_kernel[(L,)](x, out, V, x.stride(0), BLOCK=block, num_warps=warps,
+                                  **pdl_launch(pdl_supported(x.device)))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------- top-k
+
+@triton.jit
+def _topk_logprobs_kernel(x_ptr, lp_ptr, ids_ptr, V, K, stride_x, BLOCK_V: tl.constexpr,
+                          PDL: tl.constexpr = False):
+    if PDL:  # a dependent launch (pdl.py): wait for the kernel writing the logits
+        pdl_wait()
+    row = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, BLOCK_V)
+    valid = i < V
+    v = tl.load(x_ptr + row * stride_x + i, mask=valid, other=float("-inf")).to(tl.float32)
+    # logsumexp: shifted by the row max (by 0 when that is not finite: all -inf gives -inf, +inf gives +inf,
+    # a NaN anywhere gives NaN through the sum, whatever max makes of it)
+    m = tl.max(v, axis=0)
+    shift = tl.where(tl.abs(m) < float("inf"), m, 0.0)
+    s = tl.sum(tl.exp2((v - shift) * _LOG2E), axis=0)
+    lse = shift + tl.log2(s) * _LN2
+    # order-preserving keys: float bits -> int32 ordered as the floats (+0 for -0, every NaN the largest),
+    # then the column, the lower column the larger key
+    bits = v.to(tl.int32, bitcast=True)
+    hi = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    hi = tl.where(v == 0.0, 0, hi)
+    hi = tl.where(v != v, 0x7FFFFFFF, hi)
+    key = (hi.to(tl.int64) << 32) | (2147483647 - i).to(tl.int64)
+    key = tl.where(valid, key, -9223372036854775807)  # below every element's key
+    prev = tl.full([], 9223372036854775807, tl.int64)
+    out = row * K
+    for r in range(0, K):
+        best = tl.max(tl.where(key < prev, key, -9223372036854775807), axis=0)
+        prev = best
+        h = (best >> 32).to(tl.int32)
+        val = (h ^ ((h >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+        tl.store(lp_ptr + out + r, val - lse)
+        tl.store(ids_ptr + out + r, 2147483647 - (best & 0xFFFFFFFF))
+
+
+def _topk_config(V: int) -> tuple[int, int]:
+    """(BLOCK_V, num_warps): the whole row, at most 16 columns per thread."""
+    block = max(triton.next_power_of_2(V), 32)
+    return block, min(max(block // 512, 1), 16)
+
+
+def topk_logprobs_rows(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton: x [L, V] logits float32 / bf16 / fp16 (unit last stride), 1 <= k <= V <= TOPK_MAX_V ->
+    (lp [L, k] float32 descending, ids [L, k] int64): spec/tree.py's topk_logprobs, ties to the lower id."""
+    _check_rows("topk_logprobs_rows", x)
+    L, V = x.shape
+    if V > TOPK_MAX_V:
+        raise ValueError(f"topk_logprobs_rows: V={V} columns exceed the register tile's {TOPK_MAX_V}")
+    if not 1 <= k <= V:
+        raise ValueError(f"topk_logprobs_rows: k={k} must be in [1, V={V}]")
+    lp = torch.empty((L, k), dtype=torch.float32, device=x.device)
+    ids = torch.empty((L, k), dtype=torch.int64, device=x.device)
+    if L:
+        block, warps = _topk_config(V)
+        _topk_logprobs_kernel[(L,)](x, lp, ids, V, k, x.stride(0), BLOCK_V=block, num_warps=warps,
+                                    **pdl_launch(pdl_supported(x.device)))
+    return lp, ids
+
+
+def topk_logprobs_torch(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The oracle: x [L, V] -> (lp [L, k] float32, ids [L, k] int64) from a stable descending sort of
+    x.float() (ties to the lower id, NaN first) minus torch.logsumexp."""
+    xf = x.float()
+    vals, ids = torch.sort(xf, dim=-1, descending=True, stable=True)
+    return vals[:, :k] - torch.logsumexp(xf, dim=-1, keepdim=True), ids[:, :k]
+
+
+def _check_rows(name: str, x: torch.Tensor) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"{name}: x must be [L, V], got {tuple(x.shape)}")
+    if x.dtype not in DTYPES:
+        raise TypeError(f"{name}: x must be bf16/fp16/fp32, got {x.dtype}")
+    if x.shape[1] == 0 or x.shape[1] > 2**31 - 1:
+        raise ValueError(f"{name}: V={x.shape[1]} columns, need 1 <= V < 2^31")
+    if x.stride(1) != 1 and x.shape[1] > 1:
+        raise ValueError(f"{name}: x must have unit last stride, got strides {x.stride()}")
+    if x.device.type != "cuda" and not interpreting():
+        raise ValueError(f"{name}: x on {x.device}: the kernels run on CUDA (or under TRITON_INTERPRET=1)")
+
+
+__all__ = ["TOPK_MAX_V", "argmax_rows", "topk_logprobs_rows", "topk_logprobs_torch"]
