@@ -65,10 +65,12 @@ ROUTER_CONFIGS: dict[tuple[int, int], RouterGemmConfig] = {
 
 def router_config(N: int, K: int) -> RouterGemmConfig:
     """The config of an [N, K] gate: the K2 table entry, else one warp on 4 rows x min(512, K rounded up to
-    a power of 2) k per program."""
+    a power of 2) k per program, 16 tokens per program; 4 for gates of at most 64 experts, whose few weight
+    programs would otherwise walk a verify block's tokens in one or two long chains."""
     if (N, K) in ROUTER_CONFIGS:
         return ROUTER_CONFIGS[(N, K)]
-    return RouterGemmConfig(BN=4, KS=min(512, triton.next_power_of_2(max(K, 32))), num_warps=1, TM=16)
+    return RouterGemmConfig(BN=4, KS=min(512, triton.next_power_of_2(max(K, 32))), num_warps=1,
+                            TM=4 if N <= 64 else 16)
 
 
 @triton.jit

@@ -85,6 +85,12 @@ def _ddtree_kernel(lp_ptr, ids_ptr, root_ptr, tok_ptr, par_ptr, dep_ptr, mask_pt
         tl.store(mp, m.to(tl.int8), mask=ok[:, None] & ok[None, :])
 
 
+def _tree_warps(nb: int) -> int:
+    """Warps of the one program: a single warp up to 32 nodes (a pop's reductions stay in warp shuffles,
+    no barrier; the [32, 32] mask is 32 registers a lane), more for larger trees (their mask would spill)."""
+    return 1 if nb <= 32 else 4 if nb < 64 else 8
+
+
 def build_tree_triton(lp: torch.Tensor, ids: torch.Tensor, budget: int, root_token: torch.Tensor,
                       start: torch.Tensor | int):
     """The tree of ``spec.tree.build_tree`` from one launch. lp [L, K], ids [L, K], root_token [] long."""
@@ -111,6 +117,6 @@ def build_tree_triton(lp: torch.Tensor, ids: torch.Tensor, budget: int, root_tok
     mask8 = torch.empty((n1, n1) if in_kernel else (1,), dtype=torch.int8, device=dev)
     _ddtree_kernel[(1,)](lpf, idf, root, tok, par, dep, mask8, L, K, n,
                          PB=max(triton.next_power_of_2(2 * n + 1), 2), NB=nb, MASK=in_kernel, MAXD=L,
-                         num_warps=8 if nb >= 64 else 4)
+                         num_warps=_tree_warps(nb))
     mask = mask8.view(torch.bool) if in_kernel else ancestor_mask(par, max_depth=L)
     return DraftTree(tokens=tok, parents=par, depths=dep, positions=dep + start, mask=mask)
