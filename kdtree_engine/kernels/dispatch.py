@@ -63,9 +63,12 @@
 
   DDTree builder  (device-resident rounds) CUDA: one Triton program (kernels/tree_ops.py); CPU: the
                  vectorized torch builder (spec/tree.py); the same tree.
+  accept walk    (device-resident rounds) the walk, the accepted order, the emitted tokens, the count and
+                 the bonus. CUDA: one Triton program (kernels/accept_walk.py); CPU: the vectorized torch walk
+                 (spec/accept.py + spec/device_round.py); the same results.
 
 ``KDTREE_INT4_BACKEND`` (also ``frag``: the fragment kernels, an error where they do not apply) /
-``KDTREE_ATTN_BACKEND`` / ``KDTREE_TREE_BACKEND`` / ``KDTREE_DENSE_BACKEND`` (dense and
+``KDTREE_ATTN_BACKEND`` / ``KDTREE_TREE_BACKEND`` (DDTree builder and accept walk) / ``KDTREE_DENSE_BACKEND`` (dense and
 per-head matmuls, RMSNorm and residual+norm, MLA tails, router tail, SwiGLU, drafter q / k and attention) = ``torch`` | ``triton`` force one backend (tests run the Triton code on the CPU with
 ``TRITON_INTERPRET=1``); forcing a torch path on CUDA with batch invariance on is obeyed and logged as a
 warning (bitwise equality of speculative and plain decoding then no longer holds). Batch invariance is
@@ -446,6 +449,13 @@ def build_draft_tree(lp: torch.Tensor, ids: torch.Tensor, budget: int, root_toke
         return build_tree_triton(lp, ids, budget, root_token, start)
     from ..spec.tree import build_tree
     return build_tree(lp, ids, budget, root_token, start)
+
+
+def accept_backend(device: torch.device) -> str:
+    """The accept walk and its bookkeeping in a device-resident round: CUDA: one Triton program
+    (kernels/accept_walk.py); CPU: the vectorized torch walk (spec/accept.py, spec/device_round.py).
+    The same accepted nodes, emitted tokens and bonus."""
+    return _backend("accept walk (device rounds)", _TREE_FORCED, device)
 
 
 def log_choices(device: torch.device) -> None:

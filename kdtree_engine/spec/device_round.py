@@ -35,7 +35,7 @@ import torch
 from ..model.target import Target
 from ..sampling import SamplingParams, greedy, race, rule_probs, sample
 from .accept import accept_path_mask
-from .tree import DraftTree, chain_tree, topk_logprobs, tree_size
+from .tree import DraftTree, topk_logprobs, tree_size
 
 DEVICE_ROUND_METHODS = ("none", "dflash", "ddtree")
 
@@ -104,6 +104,8 @@ class DeviceRound:
         self.bonus = torch.zeros((), dtype=torch.long, device=dev)  # newest token, not yet in the cache
         self.ctx = torch.zeros((self.B, max(feat, 1)), dtype=target.dtype, device=dev)  # drafter context rows
         self.n_ctx = torch.zeros((), dtype=torch.long, device=dev)  # valid rows of ctx
+        self.block = (torch.full((self.B,), self.drafter.cfg.mask_token_id, dtype=torch.long, device=dev)
+                      if self.drafter is not None else None)  # the drafter's block; entry 0 = the bonus
         self.result = torch.zeros((self.m + 1,), dtype=torch.long, device=dev)  # emitted [M] + count
         # sampling: top-k and nucleus on/off are part of the round; temperature / top-p values and the
         # noise [N1, V] are device buffers refilled per request / per round
@@ -114,6 +116,15 @@ class DeviceRound:
                       if self.sampling and sampling.top_p < 1.0 else None)
         self.noise = (torch.ones((self.n1, target.cfg.vocab_size), dtype=torch.float32, device=dev)
                       if self.sampling else None)
+        # the chain of "none" / "dflash": static parents, depths and mask; tokens and positions rewritten per round
+        self.chain = None
+        if method != "ddtree":
+            dep = torch.arange(self.n1, device=dev)
+            tokens = self.bonus.reshape(1) if self.n1 == 1 else torch.zeros(self.n1, dtype=torch.long, device=dev)
+            positions = self.start.reshape(1) if self.n1 == 1 else torch.zeros_like(dep)
+            self.chain = DraftTree(tokens=tokens, parents=dep - 1, depths=dep, positions=positions,
+                                   mask=torch.ones((self.n1, self.n1), dtype=torch.bool, device=dev).tril())
+        self.acc = torch.zeros((self.m,), dtype=torch.long, device=dev)  # accepted nodes, root first
 
     def draw(self, generator: torch.Generator | None) -> None:
         """Fresh Exp(1) noise for the next round's picks (sampling only; outside the captured step)."""
@@ -167,16 +178,17 @@ class DeviceRound:
 
     # ---- the round (device only) ----------------------------------------------------------------
     def make_tree(self) -> DraftTree:
-        dev = self.target.device
         if self.drafter is None:
-            return chain_tree(self.bonus, torch.empty(0, dtype=torch.long, device=dev), self.start)
-        B = self.B
-        block = torch.where(torch.arange(B, device=dev) == 0, self.bonus,
-                            torch.full((B,), self.drafter.cfg.mask_token_id, dtype=torch.long, device=dev))
-        h = self.drafter.forward_static(self.ctx, self.n_ctx, self.target.embed(block), self.dcache, self.start)
+            return self.chain  # the root alone: views of bonus and start
+        self.block[:1].copy_(self.bonus.reshape(1))  # [bonus, MASK x (B-1)]
+        h = self.drafter.forward_static(self.ctx, self.n_ctx, self.target.embed(self.block), self.dcache, self.start)
         draft_logits = self.target.lm_head(h[1:])  # [B-1, V]
         if self.method == "dflash":
-            return chain_tree(self.bonus, greedy(draft_logits[: self.budget]), self.start)
+            chain = self.chain
+            chain.tokens[:1].copy_(self.bonus.reshape(1))
+            chain.tokens[1:].copy_(greedy(draft_logits[: self.budget]))
+            torch.add(chain.depths, self.start, out=chain.positions)
+            return chain
         from ..kernels.dispatch import build_draft_tree
         lp, ids = topk_logprobs(draft_logits, self.budget)  # [B-1, K]
         return build_draft_tree(lp, ids, self.budget, self.bonus, self.start)
@@ -191,14 +203,26 @@ class DeviceRound:
                                               self.aux_layers)
             picks = (race(rule_probs(vout.logits, self.temperature, self.top_k, self.top_p), self.noise)
                      if self.sampling else greedy(vout.logits))  # [N1]
-            on_path, bonus = accept_path_mask(tree, picks)
-            count = on_path.sum()  # [] = A
-            acc = accepted_order(on_path, tree.depths, self.m)  # [M]
-            self.cache.compact_static(self.start, acc)
+            acc, count = self.accept(tree, picks)  # [M], [] = A; result and bonus written
+            if self.n1 > 1:  # a lone root keeps its slot
+                self.cache.compact_static(self.start, acc)
             if self.drafter is not None:
                 self.ctx[: self.m].copy_(vout.aux.index_select(0, acc))
                 self.n_ctx.copy_(count)
-            self.result[: self.m].copy_(emitted_tokens(tree.tokens, acc, count, bonus))
-            self.result[self.m:].copy_(count.reshape(1))
             self.start.add_(count)
-            self.bonus.copy_(bonus)
+
+    def accept(self, tree: DraftTree, picks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The walk: writes ``result`` (emitted tokens + count) and ``bonus``; returns (accepted nodes [M],
+        count []). CUDA: one launch (kernels/accept_walk.py); CPU: the vectorized torch walk."""
+        from ..kernels.dispatch import accept_backend
+        if accept_backend(picks.device) == "triton":
+            from ..kernels.accept_walk import accept_walk
+            accept_walk(tree.tokens, tree.parents, picks, self.m, self.B - 1, self.acc, self.result, self.bonus)
+            return self.acc, self.result[self.m]
+        on_path, bonus = accept_path_mask(tree, picks)
+        count = on_path.sum()  # [] = A
+        acc = accepted_order(on_path, tree.depths, self.m)  # [M]
+        self.result[: self.m].copy_(emitted_tokens(tree.tokens, acc, count, bonus))
+        self.result[self.m:].copy_(count.reshape(1))
+        self.bonus.copy_(bonus)
+        return acc, count
