@@ -69,8 +69,10 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
     """Argmax over the last axis; ties go to the lowest token id.  [..., V] -> [...]"""
-    # torch.argmax returns the first maximal index on every backend (documented).
-    return torch.argmax(logits, dim=-1)
+    # torch.argmax returns the first maximal index on every backend (documented); on CUDA the dispatch's
+    # one-program-per-row kernel returns the same index
+    from .kernels.dispatch import row_argmax
+    return row_argmax(logits)
 
 
 def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -63,13 +63,17 @@
 
   DDTree builder  (device-resident rounds) CUDA: one Triton program (kernels/tree_ops.py); CPU: the
                  vectorized torch builder (spec/tree.py); the same tree.
+  row select     greedy picks (argmax over the vocabulary, ties to the lowest id) and the drafter's top-k
+                 log-probs. CUDA: one Triton program per row (kernels/row_select.py; the top-k up to
+                 TOPK_MAX_V columns, torch beyond, logged); CPU: torch.argmax / torch.topk + logsumexp.
+
   accept walk    (device-resident rounds) the walk, the accepted order, the emitted tokens, the count and
                  the bonus. CUDA: one Triton program (kernels/accept_walk.py); CPU: the vectorized torch walk
                  (spec/accept.py + spec/device_round.py); the same results.
 
 ``KDTREE_INT4_BACKEND`` (also ``frag``: the fragment kernels, an error where they do not apply) /
 ``KDTREE_ATTN_BACKEND`` / ``KDTREE_TREE_BACKEND`` (DDTree builder and accept walk) / ``KDTREE_DENSE_BACKEND`` (dense and
-per-head matmuls, RMSNorm and residual+norm, MLA tails, router tail, SwiGLU, drafter q / k and attention) = ``torch`` | ``triton`` force one backend (tests run the Triton code on the CPU with
+per-head matmuls, RMSNorm and residual+norm, MLA tails, router tail, SwiGLU, drafter q / k and attention, row select) = ``torch`` | ``triton`` force one backend (tests run the Triton code on the CPU with
 ``TRITON_INTERPRET=1``); forcing a torch path on CUDA with batch invariance on is obeyed and logged as a
 warning (bitwise equality of speculative and plain decoding then no longer holds). Batch invariance is
 set by :func:`set_batch_invariant` (the CLI's ``--batch-invariant on|off``, ``LLM(batch_invariant=...)``);
@@ -449,6 +453,36 @@ def build_draft_tree(lp: torch.Tensor, ids: torch.Tensor, budget: int, root_toke
         return build_tree_triton(lp, ids, budget, root_token, start)
     from ..spec.tree import build_tree
     return build_tree(lp, ids, budget, root_token, start)
+
+
+def row_argmax(x: torch.Tensor) -> torch.Tensor:
+    """Argmax over the last axis, ties to the lowest index (greedy picks): [..., V] -> [...] long. CUDA: one
+    Triton program per row (kernels/row_select.py; torch.argmax's result); CPU: torch.argmax."""
+    from .common import DTYPES
+    if x.dim() >= 1 and x.numel() and x.dtype in DTYPES and _elementwise_backend("row argmax (greedy picks)",
+                                                                                  x.device, x):
+        from .row_select import argmax_rows
+        rows = x.reshape(-1, x.shape[-1])
+        return argmax_rows(rows if rows.stride(-1) == 1 else rows.contiguous()).reshape(x.shape[:-1])
+    return torch.argmax(x, dim=-1)
+
+
+def draft_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The drafter's per-position top-k log-probs: logits [L, V] -> (lp [L, k'] float32 descending, ids
+    [L, k'] long), k' = min(k, V). CUDA with V <= TOPK_MAX_V: one Triton program per row (kernels/row_select.py,
+    ties to the lower id); otherwise torch (spec/tree.py: topk + logsumexp), logged."""
+    from .common import DTYPES
+    from .row_select import TOPK_MAX_V
+    V = logits.shape[-1]
+    if logits.dim() == 2 and V and logits.dtype in DTYPES and _elementwise_backend(
+            "drafter top-k log-probs", logits.device, logits):
+        if V <= TOPK_MAX_V:
+            from .row_select import topk_logprobs_rows
+            return topk_logprobs_rows(logits if logits.stride(-1) == 1 else logits.contiguous(), min(k, V))
+        log_once(f"topk:wide:{V}", f"drafter top-k log-probs: torch for a vocabulary of {V} "
+                 f"(> {TOPK_MAX_V}, the Triton kernel's register tile)")
+    from ..spec.tree import topk_logprobs_torch
+    return topk_logprobs_torch(logits, k)
 
 
 def accept_backend(device: torch.device) -> str:

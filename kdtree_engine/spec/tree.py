@@ -49,8 +49,15 @@ class DraftTree:
 def topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-position top-k log-probabilities of raw drafter logits (no temperature).
 
-    logits [L, V] -> (lp [L, k] float32, descending; ids [L, k] long).
+    logits [L, V] -> (lp [L, k] float32, descending; ids [L, k] long), k capped at V. The kernel choice is
+    the dispatch's (kernels/dispatch.py draft_topk); :func:`topk_logprobs_torch` is the torch path.
     """
+    from ..kernels.dispatch import draft_topk
+    return draft_topk(logits, k)
+
+
+def topk_logprobs_torch(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`topk_logprobs` in torch: topk of the float32 logits minus their logsumexp."""
     x = logits.float()
     k = min(k, x.shape[-1])
     vals, ids = torch.topk(x, k, dim=-1)  # [L, k]
