@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU tests and benchmarks, logs and results packed under $OUT; one device call runs one part.
-#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|next|chain|sample|rounds|decode|step|verify|resume|ncu|plane|merge|merge2|merge3|sample2|fork|last|plane2|rows|kload|lazy|rounds2|maxnreg|qsplit|stages|down|bm8|m64|merge4|merge5|final2|moerows|moe16|moe16b|router|router2|router3|final3|frag|frag2|frag3|frag4|frag5|frag7|frag8|xsm|xsm2|xsm3|xsm4|xsm5|xsm6|router4|arrive|tune2|direct|epi|pdl|pdl2|pdl3|rgemv|rgemv2|pdl4|pdl5|shared|final4|spec4|prof]   (on the GPU machine, from the repository root)
+#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|next|chain|sample|rounds|decode|step|verify|resume|ncu|plane|merge|merge2|merge3|sample2|fork|last|plane2|rows|kload|lazy|rounds2|maxnreg|qsplit|stages|down|bm8|m64|merge4|merge5|final2|moerows|moe16|moe16b|router|router2|router3|final3|frag|frag2|frag3|frag4|frag5|frag7|frag8|xsm|xsm2|xsm3|xsm4|xsm5|xsm6|router4|arrive|tune2|direct|epi|pdl|pdl2|pdl3|rgemv|rgemv2|pdl4|pdl5|shared|final4|spec4|prof|round5]   (on the GPU machine, from the repository root)
 #   tune   the W4A16 config sweep, the bitwise and CUDA-graph GPU tests, the demo's spec benchmark
 #   check  the remaining GPU tests (kernels, batch invariance, target, attention), kernel and round benches
 #   bench  the benchmarks with long runs (K2 step, attention, GEMM)
@@ -105,6 +105,8 @@
 #          with its profile, the round bench; the column-slice sweep of small verify attention launches
 #   spec4  the demo spec bench on the final code (every setting checked lossless against plain decoding)
 #   prof   the round bench with its per-kernel table of graph rounds (plain, DFlash, DDTree-16)
+#   round5 the round's own kernels (drafter attention, row select, accept walk): their GPU tests, the demo
+#          spec bench (every setting checked lossless), the round bench with its kernel table, spec == plain
 #   router4 the router-logit kernel (kernels/router_gemm.py at 5f813f4, dropped): its GPU tests, the demo's spec == plain, the
 #          router and K2-step benches, the target tests
 #   final3 final2 on this round's final code (align kernel, expert block rows, forked shared expert, router tiles)
@@ -590,6 +592,14 @@ fi
 if [[ $PART == spec4 ]]; then
   step bench_spec 200 python3 -m kdtree_engine.bench_spec --device cuda --num-prompts 8 --max-tokens 128 \
     --out "$RES/spec" --plot "$RES/spec/spec-h200.png"
+fi
+if [[ $PART == round5 ]]; then
+  step pytest_round_kernels 120 $PYT tests/gpu/test_draft_attention_gpu.py tests/gpu/test_accept_walk_gpu.py \
+    tests/gpu/test_row_select_gpu.py tests/gpu/test_router_gemm_gpu.py -k "not candidate"
+  step bench_spec 200 python3 -m kdtree_engine.bench_spec --device cuda --num-prompts 8 --max-tokens 128 \
+    --out "$RES/spec" --plot "$RES/spec/spec-h200.png"
+  step bench_round 100 python3 bench/round.py --budgets 16 --prompts 2 --out "$RES"
+  step pytest_spec_bitwise 110 $PYT $SPEC_BITWISE
 fi
 if [[ $PART == prof ]]; then
   step bench_round 150 python3 bench/round.py --budgets 16 --prompts 2 --out "$RES"
