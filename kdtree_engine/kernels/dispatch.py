@@ -65,7 +65,8 @@
                  vectorized torch builder (spec/tree.py); the same tree.
   row select     greedy picks (argmax over the vocabulary, ties to the lowest id) and the drafter's top-k
                  log-probs. CUDA: one Triton program per row (kernels/row_select.py; the top-k up to
-                 TOPK_MAX_V columns, torch beyond, logged); CPU: torch.argmax / torch.topk + logsumexp.
+                 TOPK_MAX_K of TOPK_MAX_V columns, torch beyond, logged); CPU: torch.argmax / torch.topk +
+                 logsumexp.
 
   accept walk    (device-resident rounds) the walk, the accepted order, the emitted tokens, the count and
                  the bonus. CUDA: one Triton program (kernels/accept_walk.py); CPU: the vectorized torch walk
@@ -469,18 +470,18 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:
 
 def draft_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The drafter's per-position top-k log-probs: logits [L, V] -> (lp [L, k'] float32 descending, ids
-    [L, k'] long), k' = min(k, V). CUDA with V <= TOPK_MAX_V: one Triton program per row (kernels/row_select.py,
-    ties to the lower id); otherwise torch (spec/tree.py: topk + logsumexp), logged."""
+    [L, k'] long), k' = min(k, V). CUDA with V <= TOPK_MAX_V and k' <= TOPK_MAX_K: one Triton program per row
+    (kernels/row_select.py, ties to the lower id); otherwise torch (spec/tree.py: topk + logsumexp), logged."""
     from .common import DTYPES
-    from .row_select import TOPK_MAX_V
+    from .row_select import TOPK_MAX_K, TOPK_MAX_V
     V = logits.shape[-1]
     if logits.dim() == 2 and V and logits.dtype in DTYPES and _elementwise_backend(
             "drafter top-k log-probs", logits.device, logits):
-        if V <= TOPK_MAX_V:
+        if V <= TOPK_MAX_V and min(k, V) <= TOPK_MAX_K:
             from .row_select import topk_logprobs_rows
             return topk_logprobs_rows(logits if logits.stride(-1) == 1 else logits.contiguous(), min(k, V))
-        log_once(f"topk:wide:{V}", f"drafter top-k log-probs: torch for a vocabulary of {V} "
-                 f"(> {TOPK_MAX_V}, the Triton kernel's register tile)")
+        log_once(f"topk:wide:{V}:{k}", f"drafter top-k log-probs: torch for {k} of {V} (the Triton kernel "
+                 f"takes k <= {TOPK_MAX_K} of V <= {TOPK_MAX_V})")
     from ..spec.tree import topk_logprobs_torch
     return topk_logprobs_torch(logits, k)
 

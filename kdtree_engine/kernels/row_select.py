@@ -49,6 +49,8 @@ from .common import DTYPES, interpreting
 from .pdl import pdl_launch, pdl_supported, pdl_wait
 
 TOPK_MAX_V = 16384   # top-k rows above this many columns do not fit the register tile: ValueError
+TOPK_MAX_K = 128     # the largest k measured and GPU-tested (tests/gpu/test_row_select_gpu.py); the dispatch
+                     # (kernels/dispatch.py draft_topk) keeps torch beyond it
 _LOG2E = tl.constexpr(1.4426950408889634)
 _LN2 = tl.constexpr(0.6931471805599453)
 
@@ -211,4 +213,4 @@ def _check_device(name: str, x: torch.Tensor) -> None:
         raise ValueError(f"{name}: x on {x.device}: the kernel runs on CUDA (or under TRITON_INTERPRET=1)")
 
 
-__all__ = ["TOPK_MAX_V", "argmax_rows", "topk_logprobs_rows", "topk_logprobs_torch"]
+__all__ = ["TOPK_MAX_K", "TOPK_MAX_V", "argmax_rows", "topk_logprobs_rows", "topk_logprobs_torch"]
