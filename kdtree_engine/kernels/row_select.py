@@ -49,8 +49,9 @@ from .common import DTYPES, interpreting
 from .pdl import pdl_launch, pdl_supported, pdl_wait
 
 TOPK_MAX_V = 16384   # top-k rows above this many columns do not fit the register tile: ValueError
-TOPK_MAX_K = 128     # the largest k measured and GPU-tested (tests/gpu/test_row_select_gpu.py); the dispatch
-                     # (kernels/dispatch.py draft_topk) keeps torch beyond it
+TOPK_MAX_K = 128     # the largest k measured and GPU-tested (tests/gpu/test_row_select_gpu.py): a k = 256 sort
+                     # of 1024 columns outran a 230 s test cap on the H200; ValueError beyond, the dispatch
+                     # (kernels/dispatch.py draft_topk) keeps torch there
 _LOG2E = tl.constexpr(1.4426950408889634)
 _LN2 = tl.constexpr(0.6931471805599453)
 
@@ -178,8 +179,8 @@ def topk_logprobs_rows(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Ten
     L, V = x.shape
     if V > TOPK_MAX_V:
         raise ValueError(f"topk_logprobs_rows: V={V} columns exceed the register tile's {TOPK_MAX_V}")
-    if not 1 <= k <= V:
-        raise ValueError(f"topk_logprobs_rows: k={k} must be in [1, V={V}]")
+    if not 1 <= k <= min(V, TOPK_MAX_K):
+        raise ValueError(f"topk_logprobs_rows: k={k} must be in [1, min(V={V}, {TOPK_MAX_K})]")
     _check_device("topk_logprobs_rows", x)
     lp = torch.empty((L, k), dtype=torch.float32, device=x.device)
     ids = torch.empty((L, k), dtype=torch.int64, device=x.device)

@@ -17,7 +17,7 @@ HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parent))
 
 from kdtree_engine.kernels.common import interpreting  # noqa: E402
-from kdtree_engine.kernels.row_select import (TOPK_MAX_V, argmax_rows, topk_logprobs_rows,  # noqa: E402
+from kdtree_engine.kernels.row_select import (TOPK_MAX_K, TOPK_MAX_V, argmax_rows, topk_logprobs_rows,  # noqa: E402
                                               topk_logprobs_torch)
 
 DT = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -132,6 +132,8 @@ def test_rejects_bad_inputs():
     for k in (0, 11):
         with pytest.raises(ValueError, match=f"k={k}"):
             topk_logprobs_rows(x, k)
+    with pytest.raises(ValueError, match=f"k={TOPK_MAX_K + 1}"):   # beyond the GPU-tested range
+        topk_logprobs_rows(torch.zeros(2, 1000), TOPK_MAX_K + 1)
     for fn in (argmax_rows, lambda t: topk_logprobs_rows(t, 2)):
         with pytest.raises(ValueError, match=r"\[L, V\]"):
             fn(torch.zeros(10))
