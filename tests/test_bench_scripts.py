@@ -117,13 +117,22 @@ def test_round_fields_finite(round_report):
 
 
 def test_device_busy_union():
-    def ev(dev, s, e):
-        return SimpleNamespace(device_type=dev, time_range=SimpleNamespace(start=s, end=e))
+    def ev(dev, s, e, name="k"):
+        return SimpleNamespace(device_type=dev, time_range=SimpleNamespace(start=s, end=e), name=name)
 
-    prof = SimpleNamespace(events=lambda: [ev("DeviceType.CUDA", 0, 10), ev("DeviceType.CUDA", 5, 12),
-                                           ev("DeviceType.CPU", 0, 100), ev("DeviceType.CUDA", 20, 25)])
+    prof = SimpleNamespace(events=lambda: [ev("DeviceType.CUDA", 0, 10, "a"), ev("DeviceType.CUDA", 5, 12, "b"),
+                                           ev("DeviceType.CPU", 0, 100, "a"), ev("DeviceType.CUDA", 20, 25, "a")])
     got = round_bench.device_busy(prof)
     assert got["busy_us"] == 17 and got["events"] == 3
+    assert got["by_name"] == {"a": [2, 15.0], "b": [1, 7.0]}
+
+
+def test_kernel_table_subtracts_prefill_and_ranks_by_time():
+    full = {"by_name": {"a": [12, 30.0], "b": [4, 40.0], "c": [2, 2.0]}}
+    pre = {"by_name": {"a": [2, 10.0], "c": [2, 2.0]}}
+    rows = round_bench.kernel_table(full, pre, rounds=2, top=5)
+    assert rows == [{"kernel": "b", "launches_per_round": 2.0, "us_per_round": 20.0},
+                    {"kernel": "a", "launches_per_round": 5.0, "us_per_round": 10.0}]
 
 
 DEMO = ROOT / "kdtree_engine" / "assets" / "demo"
