@@ -4,8 +4,13 @@
       -> tree (dflash: argmax chain; ddtree: the best-first builder in one launch (kernels/tree_ops.py)
          on CUDA, the vectorized torch builder on the CPU; none: the root alone)
       -> verify (one target step over the tree, whole-cache attention with a device-side mask)
-      -> accept (vectorized walk: on-path mask, bonus) -> commit (KV compaction by device indices,
-         the drafter's context rows gathered by device indices) -> emitted tokens + count
+      -> accept (CUDA: the walk and its bookkeeping in one program, kernels/accept_walk.py; CPU: the
+         vectorized torch walk: on-path mask, accepted order, emitted tokens, bonus)
+      -> commit (KV compaction by device indices, none for a lone root; the drafter's context rows
+         gathered by device indices) -> emitted tokens + count
+
+The chains of "none" (the root alone: views of ``bonus`` and ``start``) and "dflash" live in static buffers
+(parents, depths and mask fixed; tokens and positions rewritten per round).
 
 The round reads and writes only tensors it owns (``start``, ``bonus``, ``ctx``, ``n_ctx``, the two
 caches, ``result``); nothing is read back to the host and every shape is fixed by (method, budget,
