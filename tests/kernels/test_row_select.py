@@ -41,7 +41,28 @@ CASES = {
     "topk_fp32_l2_v4096_strided": ("topk", 2, 4096, "fp32", (4, 16), {"strided": True}),
     "topk_bf16_l1_v4096_k37": ("topk", 1, 4096, "bf16", (37,), {"ties": True}),
     "topk_fp32_l4_v37_special": ("topk", 4, 37, "fp32", (1, 5, 37), {"special": True}),
+    "dispatch_wiring": ("dispatch", 3, 300, "fp32", (8, 200), {}),
 }
+
+
+def _run_dispatch(L: int, V: int, dt: torch.dtype, ks: tuple, gen: torch.Generator, rec: dict) -> dict:
+    """The engine's entry points with the Triton row kernels forced (as on CUDA): greedy() of 1-D and 3-D
+    logits is torch.argmax's; topk_logprobs takes the kernel up to TOPK_MAX_K (ids of the stable-sort
+    oracle) and torch's topk beyond (k = 200 here: its exact result)."""
+    from kdtree_engine.kernels import dispatch
+    from kdtree_engine.sampling import greedy
+    from kdtree_engine.spec.tree import topk_logprobs, topk_logprobs_torch as tree_topk_torch
+    dispatch._DENSE_FORCED = "triton"
+    x = (torch.randn(2, L, V, generator=gen) * 3).to(dt)
+    for logits in (x[0, 0], x):
+        if not torch.equal(greedy(logits), torch.argmax(logits, dim=-1)):
+            rec["bad"].append(f"greedy of {tuple(logits.shape)}")
+    for k in ks:
+        lp, ids = topk_logprobs(x[0], k)
+        want_lp, want_ids = (topk_logprobs_torch if k <= TOPK_MAX_K else tree_topk_torch)(x[0], k)
+        if not torch.equal(ids, want_ids) or (lp - want_lp).abs().max() > LP_TOL * max(1.0, float(want_lp.abs().max())):
+            rec["bad"].append(f"topk_logprobs k={k}")
+    return rec
 
 
 def _inputs(L: int, V: int, dt: torch.dtype, opt: dict, gen: torch.Generator) -> torch.Tensor:
@@ -95,6 +116,8 @@ def _run_one(name, spec):
     gen = torch.Generator().manual_seed(seed)
     x = _inputs(L, V, dt, opt, gen)
     rec = {"seed": seed, "bad": [], "nonfinite": 0}
+    if kind == "dispatch":
+        return _run_dispatch(L, V, dt, ks, gen, rec)
     if kind == "argmax":
         y = argmax_rows(x)
         ref = torch.argmax(x, dim=-1)
