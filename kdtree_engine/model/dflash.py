@@ -233,7 +233,10 @@ class DFlashDrafter(nn.Module):
             ctx = self.hidden_norm(self.fc(ctx_features.to(device=dev, dtype=dt)))  # [C, D]
             cos_c, sin_c = rope_tables(torch.arange(L0, start, device=dev), cfg.head_dim, cfg.rope_theta, dt)
         h = block_embeds.to(device=dev, dtype=dt)  # [B, D]
-        start_t = torch.tensor(start, device=dev)  # the context length, for the one-launch attention kernel
+        from ..kernels.dispatch import draft_attention_backend
+        # the context length as a device scalar, read by the one-launch attention kernel (the torch path masks)
+        start_t = (torch.tensor(start, device=dev) if draft_attention_backend(h, cache.k) == "triton"
+                   else None)
         pending: torch.Tensor | None = None  # a layer's MLP output, added by the next norm (one dispatch)
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn

@@ -70,6 +70,36 @@ def _rounds() -> dict:
     return {"bad": bad, "seed": 0}
 
 
+def random_tree(L: int, V: int, budget: int | None, gen: torch.Generator):
+    """A DDTree of ``budget`` nodes (None: the argmax chain of L drafts) from random drafter logits; root V + 1."""
+    logits = torch.randn(L, V, generator=gen) * 3
+    if budget is None:
+        return chain_tree(torch.tensor(V + 1), logits.argmax(-1), torch.tensor(12))
+    lp, ids = topk_logprobs(logits, budget)
+    return build_tree(lp, ids, budget, torch.tensor(V + 1), torch.tensor(12))
+
+
+def walk_mismatches(tree, picks: torch.Tensor, L: int, device: torch.device) -> list[str]:
+    """The kernel's walk on ``device`` against the torch walk and the host walk (CPU tensors in): the names
+    of the outputs that differ (count, accepted nodes, emitted tokens, bonus)."""
+    n1 = tree.tokens.shape[0]
+    m = min(L + 1, n1)
+    on_path, bonus = accept_path_mask(tree, picks)
+    count = int(on_path.sum())
+    acc = accepted_order(on_path, tree.depths, m)
+    emitted = emitted_tokens(tree.tokens, acc, on_path.sum(), bonus)
+    path, ref_bonus = accept_reference(tree, picks)
+    a, r, b = (torch.empty(shape, dtype=torch.long, device=device) for shape in ((m,), (m + 1,), ()))
+    accept_walk(tree.tokens.to(device), tree.parents.to(device), picks.to(device), m, L, a, r, b)
+    checks = {
+        "count": int(r[m]) == count == len(path),
+        "acc": torch.equal(a.cpu(), acc) and a[:count].tolist() == path,
+        "emitted": torch.equal(r[:count].cpu(), emitted[:count]),
+        "bonus": int(b) == int(bonus) == ref_bonus,
+    }
+    return [f"{k} (A={count})" for k, ok in checks.items() if not ok]
+
+
 def _run_one(name, spec):
     L, V, budget, trials = spec
     if name == "rounds_tiny_pair":
@@ -78,31 +108,8 @@ def _run_one(name, spec):
     gen = torch.Generator().manual_seed(seed)
     bad = []
     for t in range(trials):
-        logits = torch.randn(L, V, generator=gen) * 3
-        if budget is None:
-            tree = chain_tree(torch.tensor(V + 1), logits.argmax(-1), torch.tensor(12))
-        else:
-            lp, ids = topk_logprobs(logits, budget)
-            tree = build_tree(lp, ids, budget, torch.tensor(V + 1), torch.tensor(12))
-        n1 = tree.tokens.shape[0]
-        m = min(L + 1, n1)
-        picks = _picks(tree, V, gen)
-        on_path, bonus = accept_path_mask(tree, picks)
-        count = int(on_path.sum())
-        acc = accepted_order(on_path, tree.depths, m)
-        emitted = emitted_tokens(tree.tokens, acc, on_path.sum(), bonus)
-        path, ref_bonus = accept_reference(tree, picks)
-        got_acc = torch.empty(m, dtype=torch.long)
-        got_res = torch.empty(m + 1, dtype=torch.long)
-        got_bonus = torch.empty((), dtype=torch.long)
-        accept_walk(tree.tokens, tree.parents, picks, m, L, got_acc, got_res, got_bonus)
-        checks = {
-            "count": int(got_res[m]) == count == len(path),
-            "acc": torch.equal(got_acc, acc) and got_acc[:count].tolist() == path,
-            "emitted": torch.equal(got_res[:count], emitted[:count]),
-            "bonus": int(got_bonus) == int(bonus) == ref_bonus,
-        }
-        bad += [f"trial {t} (A={count}): {k}" for k, ok in checks.items() if not ok]
+        tree = random_tree(L, V, budget, gen)
+        bad += [f"trial {t}: {k}" for k in walk_mismatches(tree, _picks(tree, V, gen), L, torch.device("cpu"))]
     return {"bad": bad, "seed": seed}
 
 
