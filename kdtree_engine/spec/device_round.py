@@ -33,6 +33,7 @@ top-k and whether a nucleus is cut at all set shapes and are part of the round.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -40,7 +41,7 @@ import torch
 from ..model.target import Target
 from ..sampling import SamplingParams, greedy, race, rule_probs, sample
 from .accept import accept_path_mask
-from .tree import DraftTree, topk_logprobs, tree_size
+from .tree import DraftTree, chain_tree, topk_logprobs, tree_size
 
 DEVICE_ROUND_METHODS = ("none", "dflash", "ddtree")
 
@@ -121,14 +122,14 @@ class DeviceRound:
                       if self.sampling and sampling.top_p < 1.0 else None)
         self.noise = (torch.ones((self.n1, target.cfg.vocab_size), dtype=torch.float32, device=dev)
                       if self.sampling else None)
-        # the chain of "none" / "dflash": static parents, depths and mask; tokens and positions rewritten per round
+        # the chain of "none" / "dflash": static parents, depths and mask; tokens and positions rewritten per
+        # round (the root alone: views of bonus and start)
         self.chain = None
         if method != "ddtree":
-            dep = torch.arange(self.n1, device=dev)
-            tokens = self.bonus.reshape(1) if self.n1 == 1 else torch.zeros(self.n1, dtype=torch.long, device=dev)
-            positions = self.start.reshape(1) if self.n1 == 1 else torch.zeros_like(dep)
-            self.chain = DraftTree(tokens=tokens, parents=dep - 1, depths=dep, positions=positions,
-                                   mask=torch.ones((self.n1, self.n1), dtype=torch.bool, device=dev).tril())
+            self.chain = chain_tree(self.bonus, torch.zeros(self.n1 - 1, dtype=torch.long, device=dev), 0)
+            if self.n1 == 1:
+                self.chain = dataclasses.replace(self.chain, tokens=self.bonus.reshape(1),
+                                                 positions=self.start.reshape(1))
         self.acc = torch.zeros((self.m,), dtype=torch.long, device=dev)  # accepted nodes, root first
 
     def draw(self, generator: torch.Generator | None) -> None:
