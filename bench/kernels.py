@@ -110,7 +110,7 @@ def bench_dense(copy_bw, reps, log):
                 try:
                     row["frag_rel_err"] = rel(frag_linear(x, *wf[0]), ref)
                     row["frag_us"] = time_calls([lambda p=p, s=s: frag_linear(x, p, s) for p, s in wf], reps=reps)["us"]
-                    row["frag_plan"] = dict(zip(("gpb", "mt", "split", "depth"), dense_plan(N, K)))
+                    row["frag_plan"] = dict(zip(("gpb", "mt", "split"), dense_plan(N, K)))
                 except Exception as exc:  # noqa: BLE001
                     row["frag_us"], row["frag_error"] = None, _err(exc)
             row["bf16_us"] = time_calls([lambda w=w: F.linear(x, w) for w in wb], reps=reps)["us"]

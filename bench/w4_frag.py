@@ -35,11 +35,9 @@ from kdtree_engine.kernels.w4_frag import dense_plan, frag_gpb, frag_linear, fra
 from kdtree_engine.kernels.w4a16 import w4a16_linear  # noqa: E402
 from kdtree_engine.quant import dequantize  # noqa: E402
 
-DENSE_CANDIDATES = [  # the engine's plan first (None), then overrides of it (the plan's split unless given);
-    # depth >= 1: the group loop (depth blocks of words in flight, one group dequantized at a time)
-    None, dict(mt=1, split=1), dict(mt=1, split=2), dict(depth=1), dict(depth=2, mt=1),
-    dict(depth=1, mt=1, split=2), dict(depth=2, mt=1, split=2), dict(depth=3, mt=1, split=2),
-    dict(depth=2, mt=1, split=1), dict(depth=3, mt=1, split=1), dict(depth=1, mt=1, split=1),
+DENSE_CANDIDATES = [  # the engine's plan first (None), then overrides of it (the plan's split unless given)
+    None, dict(xload="operand"), dict(xload="smem"), dict(tok=8, mt=2), dict(tok=16, mt=2),
+    dict(mt=1, split=2), dict(mt=1, split=1), dict(mt=1, split=4), dict(pdl=False), dict(mt=1, split=2, pdl=False),
 ]
 MOE_CANDIDATES = [  # the engine's table first (None), then block rows / tiles / activation loads
     None,
@@ -88,14 +86,14 @@ def bench_dense(ms, bw, reps) -> list[dict]:
             _row(rows, {**base, "kernel": "torch bf16 (dequantized)"}, lambda: x @ wd.T, ref,
                  [lambda: x @ wd.T], None, bw, reps)
             for cand in DENSE_CANDIDATES:
-                gpb, mt, split, depth = plan
-                kw = dict(gpb=gpb, mt=token_mt(mt, token_tile(M)), num_warps=4, split=split, xload="smem-ahead", depth=depth,
+                gpb, mt, split = plan
+                kw = dict(gpb=gpb, mt=token_mt(mt, token_tile(M)), num_warps=4, split=split, xload="smem-ahead",
                           tok=token_tile(M))
                 kw.update(cand or {})
                 tag = "frag (engine plan)" if cand is None else "frag"
                 wr = reps_by_gpb[gpb]
                 label = (f"{tag} gpb{kw['gpb']} mt{kw['mt']} w{kw['num_warps']} split{kw['split']} tok{kw['tok']}"
-                         f" x {kw['xload']} depth {kw['depth']}{'' if kw.get('pdl', True) else ' no-pdl'}")
+                         f" x {kw['xload']}{'' if kw.get('pdl', True) else ' no-pdl'}")
                 _row(rows, {**base, "kernel": label},
                      lambda: frag_linear(x, *wr[0], **kw), ref,
                      [lambda p=p, s=s: frag_linear(x, p, s, **kw) for p, s in wr], nbytes, bw, reps)

@@ -99,8 +99,6 @@ except ImportError:  # pragma: no cover - depends on the installed triton
 
 if HAVE_GLUON:
     DEQ_ASM = gl.constexpr(BF16X2_PTX)   # output j = nibble j (w4_dequant.py)
-    # the CTA barrier: gl.barrier in newer Gluon, gl.thread_barrier in triton 3.5 / 3.6
-    CTA_BARRIER = getattr(gl, "barrier", None) or getattr(gl, "thread_barrier")
     WAIT_ASM = gl.constexpr(PDL_ASM)
 
     @constexpr_function
@@ -231,134 +229,10 @@ if HAVE_GLUON:
         return acc0, acc1
 
     @gluon.jit
-    def _halves(t):
-        """[BN, 4, G] -> (even g, odd g), each [BN, 4, G / 2]: g is a register index, so a relabel."""
-        return gl.split(gl.reshape(t, [t.shape[0], t.shape[1], t.shape[2] // 2, 2]))
-
-    @gluon.jit
-    def _groups8(t):
-        """[BN, 4, 8] words or scales of one block -> the 8 groups [BN, 4, 1] in k order (no data moves)."""
-        e, o = _halves(t)
-        ee, eo = _halves(e)
-        oe, oo = _halves(o)
-        g0, g4 = _halves(ee)
-        g2, g6 = _halves(eo)
-        g1, g5 = _halves(oe)
-        g3, g7 = _halves(oo)
-        return (g0, g1, g2, g3, g4, g5, g6, g7)
-
-    @gluon.jit
-    def _group_mmas(acc, a, c, x_smem, AL: gl.constexpr, BL: gl.constexpr, BN: gl.constexpr, GPB: gl.constexpr):
-        """acc += the block's A (words a, scales c [BN, 4, GPB]) @ x_smem [32*GPB, TOK], one group of 32 k at
-        a time in k order (the k16 MMA steps of one block-wide mma_v2, in the same order: the same bits)."""
-        ga = _groups8(a)
-        gc = _groups8(c)
-        for g in gl.static_range(GPB):
-            xb = x_smem.slice(32 * g, 32, dim=0).load(BL)
-            acc = mma_v2(_dequant_frag(ga[g], gc[g], AL, BN, 32), xb, acc)
-        return acc
-
-    @gluon.jit
-    def _frag_loop_g(acc0, acc1, w0, s0, w1, s1, x_ptrs, x_mask, nblk, x_smem,
-                     TWO: gl.constexpr, DEPTH: gl.constexpr, AL: gl.constexpr, BL: gl.constexpr,
-                     BN: gl.constexpr, GPB: gl.constexpr, WAIT: gl.constexpr):
-        """_frag_loop's sums (the same bits) with DEPTH blocks of words and scales in flight (1..3) and
-        the dequantization one group (32 k) at a time: the block's A operand (64 registers a tile) is never
-        whole, which leaves room for the deeper prefetch. The activation block is staged in x_smem
-        [32*GPB, TOK] (loaded one block ahead); GPB must be 8. Loads past the last block re-read it (an
-        L2 hit) instead of taking a mask."""
-        BK: gl.constexpr = 32 * GPB
-        WB: gl.constexpr = 4 * GPB
-        last = nblk - 1
-        a_0 = gl.load(w0)
-        c_0 = gl.load(s0)
-        b_0 = a_0
-        d_0 = c_0
-        if TWO:
-            b_0 = gl.load(w1)
-            d_0 = gl.load(s1)
-        a_1 = a_0
-        c_1 = c_0
-        b_1 = b_0
-        d_1 = d_0
-        a_2 = a_0
-        c_2 = c_0
-        b_2 = b_0
-        d_2 = d_0
-        if DEPTH >= 2:
-            k1 = gl.minimum(1, last)
-            a_1 = gl.load(w0 + k1 * WB)
-            c_1 = gl.load(s0 + k1 * GPB)
-            if TWO:
-                b_1 = gl.load(w1 + k1 * WB)
-                d_1 = gl.load(s1 + k1 * GPB)
-        if DEPTH >= 3:
-            k2 = gl.minimum(2, last)
-            a_2 = gl.load(w0 + k2 * WB)
-            c_2 = gl.load(s0 + k2 * GPB)
-            if TWO:
-                b_2 = gl.load(w1 + k2 * WB)
-                d_2 = gl.load(s1 + k2 * GPB)
-        if WAIT:
-            pdl_wait_gl()
-        xr = gl.load(x_ptrs, mask=x_mask, other=0.0)
-        for i in range(nblk):
-            kn = gl.minimum(i + DEPTH, last)
-            n_a = gl.load(w0 + kn * WB)
-            n_c = gl.load(s0 + kn * GPB)
-            n_b = n_a
-            n_d = n_c
-            if TWO:
-                n_b = gl.load(w1 + kn * WB)
-                n_d = gl.load(s1 + kn * GPB)
-            CTA_BARRIER()                  # the previous block's reads of x_smem are done
-            x_smem.store(xr)
-            xr = gl.load(x_ptrs + gl.minimum(i + 1, last) * BK, mask=x_mask, other=0.0)
-            CTA_BARRIER()
-            acc0 = _group_mmas(acc0, a_0, c_0, x_smem, AL, BL, BN, GPB)
-            if TWO:
-                acc1 = _group_mmas(acc1, b_0, d_0, x_smem, AL, BL, BN, GPB)
-            if DEPTH == 1:
-                a_0 = n_a
-                c_0 = n_c
-                b_0 = n_b
-                d_0 = n_d
-            elif DEPTH == 2:
-                a_0 = a_1
-                c_0 = c_1
-                b_0 = b_1
-                d_0 = d_1
-                a_1 = n_a
-                c_1 = n_c
-                b_1 = n_b
-                d_1 = n_d
-            else:
-                a_0 = a_1
-                c_0 = c_1
-                b_0 = b_1
-                d_0 = d_1
-                a_1 = a_2
-                c_1 = c_2
-                b_1 = b_2
-                d_1 = d_2
-                a_2 = n_a
-                c_2 = n_c
-                b_2 = n_b
-                d_2 = n_d
-        return acc0, acc1
-
-    @constexpr_function
-    def x_smem_layout():
-        """Shared layout of a staged activation block [BK, TOK] (k contiguous): 16-byte units swizzled by
-        the token column, so that the 8 columns of an operand read fall in different banks."""
-        return gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[0, 1])
-
-    @gluon.jit
     def _w4_frag_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, stride_xm, stride_wn, stride_sn,
                         stride_om, stride_os, kb_per_split,
                         TOK: gl.constexpr, MT: gl.constexpr, GPB: gl.constexpr, WL: gl.constexpr,
-                        X_SMEM: gl.constexpr, X_AHEAD: gl.constexpr, PDL: gl.constexpr, DEPTH: gl.constexpr,
-                        num_warps: gl.constexpr):
+                        X_SMEM: gl.constexpr, X_AHEAD: gl.constexpr, PDL: gl.constexpr, num_warps: gl.constexpr):
         """grid (cdiv(M, TOK), N / BN, splits): out[split, m, n] = sum over the split's k of x[m, k] W[n, k].
         The token tiles of one weight tile are adjacent program ids: they run together and the weights are
         read from DRAM about once. PDL: launched dependent on the kernel that wrote x (pdl.py)."""
@@ -381,13 +255,8 @@ if HAVE_GLUON:
         x_mask = gl.expand_dims(rm, 0) < M
 
         acc = gl.zeros([BN, TOK], gl.float32, layout=MMA)
-        if DEPTH == 0:
-            acc, unused = _frag_loop(acc, acc, w_ptrs, s_ptrs, w_ptrs, s_ptrs, x_ptrs, x_mask, kb_per_split,
-                                     False, X_AHEAD, AL, BL, BN, GPB, PDL)
-        else:
-            x_smem = gl.allocate_shared_memory(gl.bfloat16, [BK, TOK], x_smem_layout())
-            acc, unused = _frag_loop_g(acc, acc, w_ptrs, s_ptrs, w_ptrs, s_ptrs, x_ptrs, x_mask, kb_per_split,
-                                       x_smem, False, DEPTH, AL, BL, BN, GPB, PDL)
+        acc, unused = _frag_loop(acc, acc, w_ptrs, s_ptrs, w_ptrs, s_ptrs, x_ptrs, x_mask, kb_per_split,
+                                 False, X_AHEAD, AL, BL, BN, GPB, PDL)
 
         # y[m, n] = acc[n, m]
         on = gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
@@ -429,22 +298,12 @@ def split_for(N: int, K: int, bn: int, bk: int, target: int) -> int:
     return max([s for s in range(1, iters + 1) if iters % s == 0 and iters // s >= 2 and tiles * s <= target] or [1])
 
 
-def check_depth(depth: int, gpb: int, xload: str, what: str) -> None:
-    """The group loop (depth >= 1) needs 8 groups per block and activations staged in shared memory."""
-    if depth not in (0, 1, 2, 3):
-        raise ValueError(f"{what}: depth must be 0 (block loop) or 1..3 (group loop), got {depth}")
-    if depth and (gpb != 8 or xload == "operand"):
-        raise ValueError(f"{what}: the group loop (depth {depth}) needs gpb 8 and activations through shared "
-                         f"memory, got gpb {gpb}, xload {xload!r}")
-
-
-def dense_plan(N: int, K: int) -> tuple[int, int, int, int]:
-    """(gpb, mt, split, depth) of the dense kernel for an [N, K] weight: fixed by the shape, never by M (the
-    split is part of the reduction). mt is for 8-token tiles; 16-token tiles take 1 (token_mt). MT and depth
-    only re-tile / re-schedule."""
+def dense_plan(N: int, K: int) -> tuple[int, int, int]:
+    """(gpb, mt, split) of the dense kernel for an [N, K] weight: fixed by the shape, never by M (the split
+    is part of the reduction). mt is for 8-token tiles; 16-token tiles take 1 (token_mt). MT only re-tiles."""
     gpb = frag_gpb(K)
     mt = 2 if N % 128 == 0 else 1
-    return gpb, mt, split_for(N, K, 64 * mt, 32 * gpb, DENSE_TARGET_PROGRAMS), 0
+    return gpb, mt, split_for(N, K, 64 * mt, 32 * gpb, DENSE_TARGET_PROGRAMS)
 
 
 def token_tile(M: int) -> int:
@@ -462,14 +321,11 @@ def token_mt(plan_mt: int, tok: int) -> int:
 
 def frag_linear(x: torch.Tensor, wq: torch.Tensor, s: torch.Tensor, *, gpb: int | None = None,
                 mt: int | None = None, num_warps: int = 4, split: int | None = None,
-                tok: int | None = None, xload: str = "smem-ahead", pdl: bool = True,
-                depth: int | None = None) -> torch.Tensor:
+                tok: int | None = None, xload: str = "smem-ahead", pdl: bool = True) -> torch.Tensor:
     """y [M, N] = x [M, K] @ W^T, W the fragment-repacked int4 words wq [N, K/8] (frag_repack with
     frag_gpb(K) unless gpb is given) and bf16 scales s [N, K/32]; x bfloat16. Unset knobs follow dense_plan,
     token_tile and token_mt; xload: how activations are loaded (X_LOADS); pdl: programmatic dependent launches
-    of the GEMM and its split sum (pdl.py; the same bits); depth: 0 for the block loop, 1..3 for the group loop
-    with that many blocks of words in flight (_frag_loop_g: gpb 8, activations staged in shared memory, the
-    same bits; None: dense_plan's)."""
+    of the GEMM and its split sum (pdl.py; the same bits)."""
     if not HAVE_GLUON:
         raise RuntimeError("the fragment-ordered W4A16 kernels need triton.experimental.gluon (triton >= 3.5)")
     from kdtree_engine.kernels.split_sum import split_sum
@@ -481,9 +337,7 @@ def frag_linear(x: torch.Tensor, wq: torch.Tensor, s: torch.Tensor, *, gpb: int 
     gpb = plan[0] if gpb is None else gpb
     mt = token_mt(plan[1], tok) if mt is None else mt
     split = plan[2] if split is None else split
-    depth = plan[3] if depth is None else depth
     bn, bk = 16 * num_warps * mt, 32 * gpb
-    check_depth(depth, gpb, xload, "frag_linear")
     if x.dtype != torch.bfloat16:
         raise TypeError(f"frag_linear: bfloat16 activations required, got {x.dtype}")
     if xload not in X_LOADS:
@@ -499,8 +353,8 @@ def frag_linear(x: torch.Tensor, wq: torch.Tensor, s: torch.Tensor, *, gpb: int 
     part = y if split == 1 else torch.empty((split, M, N), device=x.device, dtype=torch.float32)
     _w4_frag_kernel[(triton.cdiv(M, tok), N // bn, split)](
         x, wq, s, part, M, N, x.stride(0), wq.stride(0), s.stride(0), N, M * N, K // bk // split,
-        TOK=tok, MT=mt, GPB=gpb, WL=word_layout(num_warps, mt, gpb), X_SMEM=X_LOADS[xload][0] or depth > 0,
-        X_AHEAD=X_LOADS[xload][1], DEPTH=depth, num_warps=num_warps, **pdl_launch(pdl))
+        TOK=tok, MT=mt, GPB=gpb, WL=word_layout(num_warps, mt, gpb), X_SMEM=X_LOADS[xload][0],
+        X_AHEAD=X_LOADS[xload][1], num_warps=num_warps, **pdl_launch(pdl))
     if split > 1:
         split_sum(part, y, split, pdl=pdl)
     return y

@@ -79,26 +79,6 @@ def test_frag_linear_activation_loads_same_bits():
     assert torch.equal(full, frag_linear(x, q, s, gpb=8, split=4, pdl=False)), "pdl=False gives other bits"
 
 
-@pytest.mark.parametrize("N,K,split", [(2048, 7168, 4), (192, 2048, 1), (4096, 7168, 14), (128, 256, 1)])
-def test_frag_linear_group_loop_same_bits(poisoned, N, K, split):
-    """The group loop (depth 1..3 blocks of words in flight, one group dequantized at a time, activations
-    staged in shared memory) runs the block loop's MMAs in the same order: the same bits, at 8 / 16-token
-    tiles and 1 / 2 MMA tiles per warp; and right against the reference."""
-    p, s = rand_w4(N, K)
-    q = frag_repack(p, 8)
-    for M in (1, 13, 37):
-        x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
-        ref = (x.float() @ dequantize(p, s, G, torch.bfloat16).float().T).to(torch.bfloat16)
-        for tok, mt in ((8, 1), (8, 2), (16, 1)):
-            if N % (64 * mt):
-                continue
-            block = frag_linear(x, q, s, gpb=8, split=split, mt=mt, tok=tok, depth=0)
-            _check(block, ref, TOL, f"block loop N={N} K={K} M={M}")
-            for depth in (1, 2, 3):
-                group = frag_linear(x, q, s, gpb=8, split=split, mt=mt, tok=tok, depth=depth)
-                assert torch.equal(block, group), f"depth {depth} tok {tok} mt {mt} M {M}: other bits"
-
-
 def _moe_case(E, H, I, T, topk, gpb=None, seed=0, unowned=False):
     torch.manual_seed(seed)
     w13p, w13s = rand_w4(E, 2 * I, H)

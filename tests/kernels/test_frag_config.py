@@ -38,21 +38,3 @@ def test_dependent_launches_only_where_they_exist():
     from kdtree_engine.kernels.pdl import pdl_launch, pdl_supported
     assert not pdl_supported(torch.device("cpu"))
     assert pdl_launch(False) == {"PDL": False} and pdl_launch(True) == {"PDL": True, "launch_pdl": True}
-
-
-@pytest.mark.parametrize("depth,gpb,xload", [(4, 8, "smem-ahead"), (-1, 8, "smem"), (1, 4, "smem-ahead"),
-                                             (2, 8, "operand")])
-def test_group_loop_refuses_what_it_cannot_run(depth, gpb, xload):
-    """The dense kernel's group loop (depth 1..3) needs 8 groups per block and activations staged in shared
-    memory; anything else is refused with a message naming the depth (never silently run another loop)."""
-    from kdtree_engine.kernels.w4_frag import check_depth
-    with pytest.raises(ValueError, match="depth"):
-        check_depth(depth, gpb, xload, "frag_linear")
-
-
-def test_dense_plan_keeps_the_reduction_and_a_valid_depth():
-    from kdtree_engine.kernels.w4_frag import check_depth, dense_plan
-    for N, K in ((36864, 7168), (4096, 7168), (7168, 2048), (192, 512)):
-        gpb, mt, split, depth = dense_plan(N, K)
-        check_depth(depth, gpb, "smem-ahead", "dense_plan")
-        assert (K // (32 * gpb)) % split == 0
