@@ -31,13 +31,15 @@ from bench.common import command_line, copy_bandwidth, device_info, gpu_stem, l2
 from bench.kernels import DENSE, E, G, H, I, TOPK, rand_w4, rel, route, w4_bytes  # noqa: E402
 from kdtree_engine.kernels.moe_frag import FragMoEConfig, frag_moe_config, fused_moe_frag  # noqa: E402
 from kdtree_engine.kernels.moe_w4a16 import fused_moe_reference, fused_moe_w4a16  # noqa: E402
-from kdtree_engine.kernels.w4_frag import dense_plan, frag_gpb, frag_linear, frag_repack, token_mt, token_tile  # noqa: E402
+from kdtree_engine.kernels.w4_frag import dense_plan, frag_gpb, frag_linear, frag_repack, frag_tile, token_mt, token_tile  # noqa: E402
 from kdtree_engine.kernels.w4a16 import w4a16_linear  # noqa: E402
 from kdtree_engine.quant import dequantize  # noqa: E402
 
-DENSE_CANDIDATES = [  # the engine's plan first (None), then overrides of it (the plan's split unless given)
-    None, dict(xload="operand"), dict(xload="smem"), dict(tok=8, mt=2), dict(tok=16, mt=2),
-    dict(mt=1, split=2), dict(mt=1, split=1), dict(mt=1, split=4), dict(pdl=False), dict(mt=1, split=2, pdl=False),
+DENSE_CANDIDATES = [  # the engine's plan first (None), then overrides of it (the plan's split unless given);
+    # tile: words and scales in frag_tile's order (each block of 64 rows contiguous)
+    None, dict(mt=1, split=2), dict(mt=1, split=1), dict(tile=64), dict(tile=64, mt=1, split=2),
+    dict(tile=64, mt=1, split=1), dict(tile=64, mt=1, split=4), dict(tile=64, mt=1, split=7),
+    dict(tile=64, mt=2, split=2),
 ]
 MOE_CANDIDATES = [  # the engine's table first (None), then block rows / tiles / activation loads
     None,
@@ -76,7 +78,8 @@ def bench_dense(ms, bw, reps) -> list[dict]:
         ws = [rand_w4(N, K) for _ in range(max(1, math.ceil(3 * l2 / nbytes)))]
         wd = dequantize(*ws[0], G, torch.bfloat16)
         plan = dense_plan(N, K)
-        reps_by_gpb = {plan[0]: [(frag_repack(p, plan[0]), s) for p, s in ws]}
+        reps_by_gpb = {(plan[0], 0): [(frag_repack(p, plan[0]), s) for p, s in ws]}
+        reps_by_gpb[(plan[0], 64)] = [frag_tile(q, s, plan[0], 64) for q, s in reps_by_gpb[(plan[0], 0)]]
         for M in ms:
             x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
             ref = x.double() @ wd.double().T
@@ -91,9 +94,10 @@ def bench_dense(ms, bw, reps) -> list[dict]:
                           tok=token_tile(M))
                 kw.update(cand or {})
                 tag = "frag (engine plan)" if cand is None else "frag"
-                wr = reps_by_gpb[gpb]
+                wr = reps_by_gpb[(gpb, kw.get("tile", 0))]
                 label = (f"{tag} gpb{kw['gpb']} mt{kw['mt']} w{kw['num_warps']} split{kw['split']} tok{kw['tok']}"
-                         f" x {kw['xload']}{'' if kw.get('pdl', True) else ' no-pdl'}")
+                         f" x {kw['xload']}{'' if kw.get('pdl', True) else ' no-pdl'}"
+                         f"{' tiled 64' if kw.get('tile') else ''}")
                 _row(rows, {**base, "kernel": label},
                      lambda: frag_linear(x, *wr[0], **kw), ref,
                      [lambda p=p, s=s: frag_linear(x, p, s, **kw) for p, s in wr], nbytes, bw, reps)

@@ -161,9 +161,9 @@ if HAVE_GLUON:
         kb0 = pid_s * kb_per_split
         we = w_ptr + e * stride_we
         se = s_ptr + e * stride_se
-        w0, s0 = _word_ptrs(we, se, n0, stride_wn, stride_sn, kb0, WL, BN, GPB)
+        w0, s0 = _word_ptrs(we, se, n0, stride_wn, stride_sn, kb0, WL, BN, GPB, 0)
         if GATE_UP:
-            w1, s1 = _word_ptrs(we, se, UP_ROW + n0, stride_wn, stride_sn, kb0, WL, BN, GPB)
+            w1, s1 = _word_ptrs(we, se, UP_ROW + n0, stride_wn, stride_sn, kb0, WL, BN, GPB, 0)
         else:
             w1, s1 = w0, s0
 
@@ -177,7 +177,7 @@ if HAVE_GLUON:
         acc0 = gl.zeros([BN, TOK], gl.float32, layout=MMA)
         acc1 = gl.zeros([BN, TOK], gl.float32, layout=MMA)
         acc0, acc1 = _frag_loop(acc0, acc1, w0, s0, w1, s1, x_ptrs, gl.expand_dims(ok, 0), kb_per_split,
-                                GATE_UP, X_AHEAD, AL, BL, BN, GPB, PDL and not GATE_UP)
+                                GATE_UP, X_AHEAD, AL, BL, BN, GPB, PDL and not GATE_UP, 0)
 
         pair_o, ok_o = _block_pairs(sorted_ptr, pid_b, rows, TOK, gl.SliceLayout(0, MMA))
         if not GATE_UP:

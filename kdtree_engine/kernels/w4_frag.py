@@ -79,6 +79,20 @@ def frag_repack(packed: torch.Tensor, gpb: int) -> torch.Tensor:
     return _permute_codes(packed, gpb, frag_perm(gpb), "frag_repack")
 
 
+def frag_tile(words: torch.Tensor, scales: torch.Tensor, gpb: int, tile: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fragment-ordered words [N, K/8] and scales [N, K/32] -> the same tensors with each block (32*gpb k) of
+    each `tile` rows stored contiguously ([N/tile, blocks, tile, ...]; same shapes): a program's loads of one
+    block are then one contiguous run instead of `tile` runs of 16*gpb bytes."""
+    N, kw = words.shape
+    nblk = kw // (4 * gpb)
+    if N % tile or kw % (4 * gpb) or scales.shape != (N, nblk * gpb):
+        raise ValueError(f"frag_tile: words {tuple(words.shape)} / scales {tuple(scales.shape)} do not tile by "
+                         f"{tile} rows and blocks of {gpb} groups")
+    w = words.reshape(N // tile, tile, nblk, 4 * gpb).transpose(1, 2).contiguous().reshape(N, kw)
+    s = scales.reshape(N // tile, tile, nblk, gpb).transpose(1, 2).contiguous().reshape(N, nblk * gpb)
+    return w, s
+
+
 def frag_unrepack(packed: torch.Tensor, gpb: int) -> torch.Tensor:
     """Inverse of frag_repack."""
     return _permute_codes(packed, gpb, torch.argsort(frag_perm(gpb)), "frag_unrepack")
@@ -159,16 +173,24 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _word_ptrs(w_ptr, s_ptr, row0, stride_wn, stride_sn, kb0,
-                   WL: gl.constexpr, BN: gl.constexpr, GPB: gl.constexpr):
-        """Pointers of block kb0 of rows row0 .. row0+BN: words [BN, 4, GPB], scales (same for the 4 t)."""
+                   WL: gl.constexpr, BN: gl.constexpr, GPB: gl.constexpr, TILE: gl.constexpr):
+        """Pointers of block kb0 of rows row0 .. row0+BN: words [BN, 4, GPB], scales (same for the 4 t).
+        TILE 0: row-major words [N, K/8] and scales [N, K/32]; TILE > 0: frag_tile's order (each block of
+        TILE rows contiguous)."""
         rn = gl.arange(0, BN, layout=gl.SliceLayout(1, gl.SliceLayout(2, WL)))
         rt = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, WL)))
         rg = gl.arange(0, GPB, layout=gl.SliceLayout(0, gl.SliceLayout(1, WL)))
         n3 = gl.expand_dims(gl.expand_dims(rn, 1), 2) + row0
         t3 = gl.expand_dims(gl.expand_dims(rt, 0), 2)
         g3 = gl.expand_dims(gl.expand_dims(rg, 0), 1)
-        w_ptrs = w_ptr + n3 * stride_wn + t3 * GPB + g3 + kb0 * (4 * GPB)
-        s_ptrs = s_ptr + n3 * stride_sn + g3 + t3 * 0 + kb0 * GPB
+        if TILE == 0:
+            w_ptrs = w_ptr + n3 * stride_wn + t3 * GPB + g3 + kb0 * (4 * GPB)
+            s_ptrs = s_ptr + n3 * stride_sn + g3 + t3 * 0 + kb0 * GPB
+        else:
+            tl3 = n3 // TILE
+            r3 = n3 % TILE
+            w_ptrs = w_ptr + tl3 * (TILE * stride_wn) + r3 * (4 * GPB) + t3 * GPB + g3 + kb0 * (TILE * 4 * GPB)
+            s_ptrs = s_ptr + tl3 * (TILE * stride_sn) + r3 * GPB + g3 + t3 * 0 + kb0 * (TILE * GPB)
         return w_ptrs, s_ptrs
 
     @gluon.jit
@@ -179,13 +201,15 @@ if HAVE_GLUON:
     @gluon.jit
     def _frag_loop(acc0, acc1, w0, s0, w1, s1, x_ptrs, x_mask, nblk,
                    TWO: gl.constexpr, X_AHEAD: gl.constexpr, AL: gl.constexpr, BL: gl.constexpr,
-                   BN: gl.constexpr, GPB: gl.constexpr, WAIT: gl.constexpr):
+                   BN: gl.constexpr, GPB: gl.constexpr, WAIT: gl.constexpr, TILE: gl.constexpr):
         """acc0 (+ acc1 with TWO) += A0 (A1) @ x over nblk blocks of 32*GPB k, in k order. One block of
         words and scales is in flight ahead of the one in use; with X_AHEAD one block of activations too
         (its load issued after the current block's relabel into BL), else they are loaded at use. x_ptrs /
         x_mask: in x_layout (relabelled through shared memory) or in BL (the relabel is a no-op). WAIT: the
         first block's weights are requested before pdl_wait, the activations after it."""
         BK: gl.constexpr = 32 * GPB
+        WSTEP: gl.constexpr = 4 * GPB * (TILE if TILE else 1)   # words / scales from one block to the next
+        SSTEP: gl.constexpr = GPB * (TILE if TILE else 1)
         a0 = gl.load(w0)
         c0 = gl.load(s0)
         if TWO:
@@ -196,13 +220,13 @@ if HAVE_GLUON:
         if X_AHEAD:
             xr = gl.load(x_ptrs, mask=x_mask, other=0.0)
         for _ in range(nblk - 1):
-            w0 += 4 * GPB
-            s0 += GPB
+            w0 += WSTEP
+            s0 += SSTEP
             n_a0 = gl.load(w0)
             n_c0 = gl.load(s0)
             if TWO:
-                w1 += 4 * GPB
-                s1 += GPB
+                w1 += WSTEP
+                s1 += SSTEP
                 n_a1 = gl.load(w1)
                 n_c1 = gl.load(s1)
             if X_AHEAD:
@@ -232,7 +256,8 @@ if HAVE_GLUON:
     def _w4_frag_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, stride_xm, stride_wn, stride_sn,
                         stride_om, stride_os, kb_per_split,
                         TOK: gl.constexpr, MT: gl.constexpr, GPB: gl.constexpr, WL: gl.constexpr,
-                        X_SMEM: gl.constexpr, X_AHEAD: gl.constexpr, PDL: gl.constexpr, num_warps: gl.constexpr):
+                        X_SMEM: gl.constexpr, X_AHEAD: gl.constexpr, PDL: gl.constexpr, TILE: gl.constexpr,
+                        num_warps: gl.constexpr):
         """grid (cdiv(M, TOK), N / BN, splits): out[split, m, n] = sum over the split's k of x[m, k] W[n, k].
         The token tiles of one weight tile are adjacent program ids: they run together and the weights are
         read from DRAM about once. PDL: launched dependent on the kernel that wrote x (pdl.py)."""
@@ -246,7 +271,7 @@ if HAVE_GLUON:
         n0 = gl.program_id(1) * BN
         pid_s = gl.program_id(2)
         kb0 = pid_s * kb_per_split
-        w_ptrs, s_ptrs = _word_ptrs(w_ptr, s_ptr, n0, stride_wn, stride_sn, kb0, WL, BN, GPB)
+        w_ptrs, s_ptrs = _word_ptrs(w_ptr, s_ptr, n0, stride_wn, stride_sn, kb0, WL, BN, GPB, TILE)
 
         # activations as the B operand [BK, TOK] (x^T), tokens >= M read as 0
         rk = gl.arange(0, BK, layout=gl.SliceLayout(1, XL))
@@ -256,7 +281,7 @@ if HAVE_GLUON:
 
         acc = gl.zeros([BN, TOK], gl.float32, layout=MMA)
         acc, unused = _frag_loop(acc, acc, w_ptrs, s_ptrs, w_ptrs, s_ptrs, x_ptrs, x_mask, kb_per_split,
-                                 False, X_AHEAD, AL, BL, BN, GPB, PDL)
+                                 False, X_AHEAD, AL, BL, BN, GPB, PDL, TILE)
 
         # y[m, n] = acc[n, m]
         on = gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
@@ -321,11 +346,12 @@ def token_mt(plan_mt: int, tok: int) -> int:
 
 def frag_linear(x: torch.Tensor, wq: torch.Tensor, s: torch.Tensor, *, gpb: int | None = None,
                 mt: int | None = None, num_warps: int = 4, split: int | None = None,
-                tok: int | None = None, xload: str = "smem-ahead", pdl: bool = True) -> torch.Tensor:
+                tok: int | None = None, xload: str = "smem-ahead", pdl: bool = True, tile: int = 0) -> torch.Tensor:
     """y [M, N] = x [M, K] @ W^T, W the fragment-repacked int4 words wq [N, K/8] (frag_repack with
     frag_gpb(K) unless gpb is given) and bf16 scales s [N, K/32]; x bfloat16. Unset knobs follow dense_plan,
     token_tile and token_mt; xload: how activations are loaded (X_LOADS); pdl: programmatic dependent launches
-    of the GEMM and its split sum (pdl.py; the same bits)."""
+    of the GEMM and its split sum (pdl.py; the same bits); tile: 0 for row-major words and scales, else the rows
+    per tile of frag_tile's order (the same bits)."""
     if not HAVE_GLUON:
         raise RuntimeError("the fragment-ordered W4A16 kernels need triton.experimental.gluon (triton >= 3.5)")
     from kdtree_engine.kernels.split_sum import split_sum
@@ -342,6 +368,8 @@ def frag_linear(x: torch.Tensor, wq: torch.Tensor, s: torch.Tensor, *, gpb: int 
         raise TypeError(f"frag_linear: bfloat16 activations required, got {x.dtype}")
     if xload not in X_LOADS:
         raise ValueError(f"frag_linear: xload must be one of {sorted(X_LOADS)}, got {xload!r}")
+    if tile and (N % tile or (bn % tile and tile % bn)):
+        raise ValueError(f"frag_linear: tile {tile} must divide N={N} and divide or be a multiple of {bn} rows")
     if N % bn or K % (bk * split) or wq.shape[1] * 8 != K or s.shape != (N, K // GROUP):
         raise ValueError(f"frag_linear: N={N} must be a multiple of {bn}, K={K} of {bk * split}; words "
                          f"{tuple(wq.shape)}, scales {tuple(s.shape)}")
@@ -354,7 +382,7 @@ def frag_linear(x: torch.Tensor, wq: torch.Tensor, s: torch.Tensor, *, gpb: int 
     _w4_frag_kernel[(triton.cdiv(M, tok), N // bn, split)](
         x, wq, s, part, M, N, x.stride(0), wq.stride(0), s.stride(0), N, M * N, K // bk // split,
         TOK=tok, MT=mt, GPB=gpb, WL=word_layout(num_warps, mt, gpb), X_SMEM=X_LOADS[xload][0],
-        X_AHEAD=X_LOADS[xload][1], num_warps=num_warps, **pdl_launch(pdl))
+        X_AHEAD=X_LOADS[xload][1], TILE=tile, num_warps=num_warps, **pdl_launch(pdl))
     if split > 1:
         split_sum(part, y, split, pdl=pdl)
     return y

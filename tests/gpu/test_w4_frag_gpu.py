@@ -20,7 +20,7 @@ pytestmark = [
 
 from kdtree_engine.kernels.moe_frag import FragMoEConfig, fused_moe_frag  # noqa: E402
 from kdtree_engine.kernels.moe_w4a16 import fused_moe_reference  # noqa: E402
-from kdtree_engine.kernels.w4_frag import HAVE_GLUON, frag_gpb, frag_linear, frag_repack  # noqa: E402
+from kdtree_engine.kernels.w4_frag import HAVE_GLUON, frag_gpb, frag_linear, frag_repack, frag_tile  # noqa: E402
 from kdtree_engine.quant import dequantize  # noqa: E402
 
 from tests.gpu.test_kernels_gpu import _check, poisoned, rand_w4, rel  # noqa: E402,F401
@@ -77,6 +77,24 @@ def test_frag_linear_activation_loads_same_bits():
         other = frag_linear(x, q, s, gpb=8, split=4, mt=mt, tok=tok, xload=xl)
         assert torch.equal(full, other), f"xload {xl} / tok {tok} / mt {mt} give other bits"
     assert torch.equal(full, frag_linear(x, q, s, gpb=8, split=4, pdl=False)), "pdl=False gives other bits"
+
+
+@pytest.mark.parametrize("N,K,split", [(2048, 7168, 4), (192, 2048, 1), (128, 256, 1)])
+def test_frag_linear_tiled_words_same_bits(poisoned, N, K, split):
+    """Words and scales in frag_tile's order (each block of 64 rows contiguous) read through TILE: the same
+    values into the same MMAs, the same bits as row-major, at 8 / 16-token tiles and 1 / 2 MMA tiles per warp."""
+    p, s = rand_w4(N, K)
+    q = frag_repack(p, 8)
+    qt, st = frag_tile(q, s, 8, 64)
+    assert not torch.equal(qt, q) or N == 64
+    for M in (1, 13, 37):
+        x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
+        for tok, mt in ((8, 1), (8, 2), (16, 1)):
+            if N % (64 * mt):
+                continue
+            rows = frag_linear(x, q, s, gpb=8, split=split, mt=mt, tok=tok)
+            tiled = frag_linear(x, qt, st, gpb=8, split=split, mt=mt, tok=tok, tile=64)
+            assert torch.equal(rows, tiled), f"tiled words: other bits (tok {tok} mt {mt} M {M})"
 
 
 def _moe_case(E, H, I, T, topk, gpb=None, seed=0, unowned=False):
