@@ -31,15 +31,13 @@ from bench.common import command_line, copy_bandwidth, device_info, gpu_stem, l2
 from bench.kernels import DENSE, E, G, H, I, TOPK, rand_w4, rel, route, w4_bytes  # noqa: E402
 from kdtree_engine.kernels.moe_frag import FragMoEConfig, frag_moe_config, fused_moe_frag  # noqa: E402
 from kdtree_engine.kernels.moe_w4a16 import fused_moe_reference, fused_moe_w4a16  # noqa: E402
-from kdtree_engine.kernels.w4_frag import dense_plan, frag_gpb, frag_linear, frag_repack, frag_tile, token_mt, token_tile  # noqa: E402
+from kdtree_engine.kernels.w4_frag import dense_plan, frag_gpb, frag_linear, frag_repack, frag_tile, token_mt, token_tile, DENSE_TILE  # noqa: E402
 from kdtree_engine.kernels.w4a16 import w4a16_linear  # noqa: E402
 from kdtree_engine.quant import dequantize  # noqa: E402
 
 DENSE_CANDIDATES = [  # the engine's plan first (None), then overrides of it (the plan's split unless given);
-    # tile: words and scales in frag_tile's order (each block of 64 rows contiguous)
-    None, dict(mt=1, split=2), dict(mt=1, split=1), dict(tile=64), dict(tile=64, mt=1, split=2),
-    dict(tile=64, mt=1, split=1), dict(tile=64, mt=1, split=4), dict(tile=64, mt=1, split=7),
-    dict(tile=64, mt=2, split=2),
+    # tile: 0 for row-major words (the engine's plan: frag_tile's 64-row tiles)
+    None, dict(tile=0), dict(split=1), dict(split=2), dict(split=4), dict(split=7), dict(tile=0, mt=2, split=4),
 ]
 MOE_CANDIDATES = [  # the engine's table first (None), then block rows / tiles / activation loads
     None,
@@ -79,7 +77,7 @@ def bench_dense(ms, bw, reps) -> list[dict]:
         wd = dequantize(*ws[0], G, torch.bfloat16)
         plan = dense_plan(N, K)
         reps_by_gpb = {(plan[0], 0): [(frag_repack(p, plan[0]), s) for p, s in ws]}
-        reps_by_gpb[(plan[0], 64)] = [frag_tile(q, s, plan[0], 64) for q, s in reps_by_gpb[(plan[0], 0)]]
+        reps_by_gpb[(plan[0], 64)] = [(frag_tile(q, plan[0], 64), s) for q, s in reps_by_gpb[(plan[0], 0)]]
         for M in ms:
             x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
             ref = x.double() @ wd.double().T
@@ -91,7 +89,7 @@ def bench_dense(ms, bw, reps) -> list[dict]:
             for cand in DENSE_CANDIDATES:
                 gpb, mt, split = plan
                 kw = dict(gpb=gpb, mt=token_mt(mt, token_tile(M)), num_warps=4, split=split, xload="smem-ahead",
-                          tok=token_tile(M))
+                          tok=token_tile(M), tile=DENSE_TILE)
                 kw.update(cand or {})
                 tag = "frag (engine plan)" if cand is None else "frag"
                 wr = reps_by_gpb[(gpb, kw.get("tile", 0))]

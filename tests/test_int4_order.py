@@ -31,8 +31,11 @@ def _linear(n: int = 64, k: int = 96) -> Linear:
     return layer
 
 
-def test_linear_reorder_round_trip_and_checkpoint_view():
-    layer = _linear()
+@pytest.mark.parametrize("n,k", [(64, 96), (192, 512)])
+def test_linear_reorder_round_trip_and_checkpoint_view(n, k):
+    """Fragment order (nibbles permuted in each row's blocks, then blocks of 64 rows made contiguous) and back:
+    the checkpoint's words, and the same dense weight through checkpoint_words."""
+    layer = _linear(n, k)
     words = layer.weight_packed.clone()
     dense = layer.dense_weight().clone()
     set_order(layer, FRAG)

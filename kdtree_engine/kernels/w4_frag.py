@@ -79,18 +79,21 @@ def frag_repack(packed: torch.Tensor, gpb: int) -> torch.Tensor:
     return _permute_codes(packed, gpb, frag_perm(gpb), "frag_repack")
 
 
-def frag_tile(words: torch.Tensor, scales: torch.Tensor, gpb: int, tile: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fragment-ordered words [N, K/8] and scales [N, K/32] -> the same tensors with each block (32*gpb k) of
-    each `tile` rows stored contiguously ([N/tile, blocks, tile, ...]; same shapes): a program's loads of one
-    block are then one contiguous run instead of `tile` runs of 16*gpb bytes."""
+DENSE_TILE = 64      # rows per tile of the dense kernel's words (frag_tile)
+
+
+def frag_tile(words: torch.Tensor, gpb: int, tile: int, inverse: bool = False) -> torch.Tensor:
+    """Fragment-ordered words [N, K/8] -> the same words with each block (32*gpb k) of each `tile` rows stored
+    contiguously ([N/tile, blocks, tile, 4*gpb]; same shape): a program's loads of one block are then one
+    contiguous run instead of `tile` runs of 16*gpb bytes. inverse: back to row-major. Scales stay row-major."""
     N, kw = words.shape
+    if N % tile or kw % (4 * gpb):
+        raise ValueError(f"frag_tile: words {tuple(words.shape)} do not tile by {tile} rows and blocks of {gpb} "
+                         "groups")
     nblk = kw // (4 * gpb)
-    if N % tile or kw % (4 * gpb) or scales.shape != (N, nblk * gpb):
-        raise ValueError(f"frag_tile: words {tuple(words.shape)} / scales {tuple(scales.shape)} do not tile by "
-                         f"{tile} rows and blocks of {gpb} groups")
-    w = words.reshape(N // tile, tile, nblk, 4 * gpb).transpose(1, 2).contiguous().reshape(N, kw)
-    s = scales.reshape(N // tile, tile, nblk, gpb).transpose(1, 2).contiguous().reshape(N, nblk * gpb)
-    return w, s
+    if inverse:
+        return words.reshape(N // tile, nblk, tile, 4 * gpb).transpose(1, 2).contiguous().reshape(N, kw)
+    return words.reshape(N // tile, tile, nblk, 4 * gpb).transpose(1, 2).contiguous().reshape(N, kw)
 
 
 def frag_unrepack(packed: torch.Tensor, gpb: int) -> torch.Tensor:
@@ -175,7 +178,7 @@ if HAVE_GLUON:
     def _word_ptrs(w_ptr, s_ptr, row0, stride_wn, stride_sn, kb0,
                    WL: gl.constexpr, BN: gl.constexpr, GPB: gl.constexpr, TILE: gl.constexpr):
         """Pointers of block kb0 of rows row0 .. row0+BN: words [BN, 4, GPB], scales (same for the 4 t).
-        TILE 0: row-major words [N, K/8] and scales [N, K/32]; TILE > 0: frag_tile's order (each block of
+        Scales row-major [N, K/32]; words row-major [N, K/8] (TILE 0) or in frag_tile's order (each block of
         TILE rows contiguous)."""
         rn = gl.arange(0, BN, layout=gl.SliceLayout(1, gl.SliceLayout(2, WL)))
         rt = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, WL)))
@@ -190,7 +193,7 @@ if HAVE_GLUON:
             tl3 = n3 // TILE
             r3 = n3 % TILE
             w_ptrs = w_ptr + tl3 * (TILE * stride_wn) + r3 * (4 * GPB) + t3 * GPB + g3 + kb0 * (TILE * 4 * GPB)
-            s_ptrs = s_ptr + tl3 * (TILE * stride_sn) + r3 * GPB + g3 + t3 * 0 + kb0 * (TILE * GPB)
+            s_ptrs = s_ptr + n3 * stride_sn + g3 + t3 * 0 + kb0 * GPB
         return w_ptrs, s_ptrs
 
     @gluon.jit
@@ -209,7 +212,7 @@ if HAVE_GLUON:
         first block's weights are requested before pdl_wait, the activations after it."""
         BK: gl.constexpr = 32 * GPB
         WSTEP: gl.constexpr = 4 * GPB * (TILE if TILE else 1)   # words / scales from one block to the next
-        SSTEP: gl.constexpr = GPB * (TILE if TILE else 1)
+        SSTEP: gl.constexpr = GPB
         a0 = gl.load(w0)
         c0 = gl.load(s0)
         if TWO:
@@ -293,6 +296,7 @@ if HAVE_GLUON:
 GROUP = 32           # the only group size of the fragment order (one word = one group of one lane)
 MAX_GPB = 8          # groups per K block: 8 (256 k) measured fastest at K2 shapes (bench/results/w4-frag-h200.md)
 DENSE_TARGET_PROGRAMS = 1200   # K splits of a dense matrix: the most with at most this many programs
+DENSE_MIN_BLOCKS = 4           # ... and at least this many K blocks each
 
 
 def frag_gpb(K: int) -> int:
@@ -325,10 +329,15 @@ def split_for(N: int, K: int, bn: int, bk: int, target: int) -> int:
 
 def dense_plan(N: int, K: int) -> tuple[int, int, int]:
     """(gpb, mt, split) of the dense kernel for an [N, K] weight: fixed by the shape, never by M (the split
-    is part of the reduction). mt is for 8-token tiles; 16-token tiles take 1 (token_mt). MT only re-tiles."""
+    is part of the reduction). One MMA tile per warp (64-row programs, the rows of one DENSE_TILE) and the most
+    K splits of >= DENSE_MIN_BLOCKS blocks with at most DENSE_TARGET_PROGRAMS programs: with tiled words
+    36864 x 7168 at M = 1 43.0 us (2 splits) against 46.5 for 2 tiles per warp and 4 splits, one expert's
+    4096 x 7168 8.3 us (4 splits) against 11.3 with 14 (bench/results/w4-frag-h200-tiled.md). MT only re-tiles."""
     gpb = frag_gpb(K)
-    mt = 2 if N % 128 == 0 else 1
-    return gpb, mt, split_for(N, K, 64 * mt, 32 * gpb, DENSE_TARGET_PROGRAMS)
+    iters, tiles = K // (32 * gpb), N // 64
+    split = max(s for s in range(1, iters + 1)
+                if iters % s == 0 and (iters // s >= DENSE_MIN_BLOCKS or s == 1) and tiles * s <= max(DENSE_TARGET_PROGRAMS, tiles))
+    return gpb, 1, split
 
 
 def token_tile(M: int) -> int:

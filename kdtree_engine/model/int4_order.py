@@ -5,6 +5,10 @@ fragment order of the Gluon kernels (kernels/w4_frag.py), converted in place, on
   layers.Linear          weight_packed [N, K/8]                in_features
   moe.Experts            w13_packed [E, 2I, H/8], w2_packed [E, H, I/8]   H, I
 
+Fragment order of a layers.Linear also stores each block of DENSE_TILE rows contiguously (frag_tile: a
+permutation of the rows' blocks, so that one program's loads of a block are one contiguous run); the
+experts' words stay row-major. Scales are never moved.
+
 A module starts in checkpoint order. The kernel dispatch (kernels/dispatch.int4_kernel) asks for the
 order its kernel reads (`set_order`); anything that needs the checkpoint's bytes (the torch paths,
 dequantized views) reads them through `checkpoint_words`, and loading restores the checkpoint order
@@ -41,7 +45,7 @@ def order_of(module: nn.Module) -> str:
 @torch.no_grad()
 def set_order(module: nn.Module, order: str) -> None:
     """Convert the module's INT4 words to `order` in place (no-op when already there)."""
-    from ..kernels.w4_frag import frag_gpb, frag_repack, frag_unrepack
+    from ..kernels.w4_frag import DENSE_TILE, frag_gpb, frag_repack, frag_tile, frag_unrepack
 
     if order not in (CHECKPOINT, FRAG):
         raise ValueError(f"INT4 word order must be {CHECKPOINT!r} or {FRAG!r}, got {order!r}")
@@ -55,13 +59,16 @@ def set_order(module: nn.Module, order: str) -> None:
         if buf.is_cuda and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(f"INT4 {name} would be reordered to {order} order inside a CUDA graph capture; "
                                "run one eager forward (or kernels.dispatch.prepare_int4) before capturing")
-    convert = frag_repack if order == FRAG else frag_unrepack
     for name, k in words:
         buf = getattr(module, name)
         gpb = frag_gpb(k)
+        tile = DENSE_TILE if name == "weight_packed" else 0
         mats = buf.unbind(0) if buf.dim() == 3 else (buf,)
         for m in mats:                       # one matrix at a time: the codes take 32x the words' memory
-            m.copy_(convert(m, gpb))
+            if order == FRAG:
+                m.copy_(frag_tile(frag_repack(m, gpb), gpb, tile) if tile else frag_repack(m, gpb))
+            else:
+                m.copy_(frag_unrepack(frag_tile(m, gpb, tile, inverse=True) if tile else m, gpb))
     module.__dict__[_ATTR] = order
     log_once(f"int4-order:{order}:{buf.device.type}",
              f"INT4 words reordered in place to {order} order on {buf.device.type} (once per module)")
@@ -73,9 +80,11 @@ def checkpoint_words(module: nn.Module, name: str) -> torch.Tensor:
     buf = getattr(module, name)
     if order_of(module) == CHECKPOINT:
         return buf
-    from ..kernels.w4_frag import frag_gpb, frag_unrepack
-    k = dict(int4_words(module))[name]
-    return frag_unrepack(buf, frag_gpb(k))
+    from ..kernels.w4_frag import DENSE_TILE, frag_gpb, frag_tile, frag_unrepack
+    gpb = frag_gpb(dict(int4_words(module))[name])
+    if name == "weight_packed":
+        buf = frag_tile(buf, gpb, DENSE_TILE, inverse=True)
+    return frag_unrepack(buf, gpb)
 
 
 def prepare(module: nn.Module, dtype: torch.dtype, what: str, unsupported: str | None,

@@ -81,19 +81,20 @@ def test_frag_linear_activation_loads_same_bits():
 
 @pytest.mark.parametrize("N,K,split", [(2048, 7168, 4), (192, 2048, 1), (128, 256, 1)])
 def test_frag_linear_tiled_words_same_bits(poisoned, N, K, split):
-    """Words and scales in frag_tile's order (each block of 64 rows contiguous) read through TILE: the same
-    values into the same MMAs, the same bits as row-major, at 8 / 16-token tiles and 1 / 2 MMA tiles per warp."""
+    """Words in frag_tile's order (each block of 64 rows contiguous) read through TILE: the same values into
+    the same MMAs, the same bits as row-major, at 8 / 16-token tiles and 1 / 2 MMA tiles per warp."""
     p, s = rand_w4(N, K)
     q = frag_repack(p, 8)
-    qt, st = frag_tile(q, s, 8, 64)
+    qt = frag_tile(q, 8, 64)
     assert torch.equal(qt, q) == (N == 64 or K == 256), "tiling moved nothing (or moved a single tile)"
+    assert torch.equal(frag_tile(qt, 8, 64, inverse=True), q)
     for M in (1, 13, 37):
         x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
         for tok, mt in ((8, 1), (8, 2), (16, 1)):
             if N % (64 * mt):
                 continue
             rows = frag_linear(x, q, s, gpb=8, split=split, mt=mt, tok=tok)
-            tiled = frag_linear(x, qt, st, gpb=8, split=split, mt=mt, tok=tok, tile=64)
+            tiled = frag_linear(x, qt, s, gpb=8, split=split, mt=mt, tok=tok, tile=64)
             assert torch.equal(rows, tiled), f"tiled words: other bits (tok {tok} mt {mt} M {M})"
 
 

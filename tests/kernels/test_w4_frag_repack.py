@@ -41,15 +41,14 @@ def test_repack_round_trip_and_bad_k():
 
 
 def test_frag_tile_puts_each_block_of_a_tile_together():
-    """frag_tile: word (row n, block b, j) lands at [n // T, b, n % T, j] of the tiled order; bad shapes are
-    refused by name."""
+    """frag_tile: word (row n, block b, j) lands at [n // T, b, n % T, j] of the tiled order, the inverse
+    restores row-major; bad shapes are refused by name."""
     import torch
 
     from kdtree_engine.kernels.w4_frag import frag_tile
     N, K, gpb, T = 128, 512, 4, 64
-    w = torch.arange(N * K // 8, dtype=torch.int32).reshape(N, K // 8)
-    s = torch.arange(N * K // 32, dtype=torch.float32).reshape(N, K // 32).to(torch.bfloat16)
-    wt, st = frag_tile(w, s, gpb, T)
+    w = torch.randint(-2**31, 2**31 - 1, (N, K // 8), dtype=torch.int32)
+    wt = frag_tile(w, gpb, T)
     nblk = K // (32 * gpb)
     flat = wt.reshape(-1)
     for n in (0, 5, 63, 64, 127):
@@ -57,6 +56,6 @@ def test_frag_tile_puts_each_block_of_a_tile_together():
             for j in range(4 * gpb):
                 pos = (((n // T) * nblk + b) * T + n % T) * 4 * gpb + j
                 assert flat[pos] == w[n, b * 4 * gpb + j]
-    assert torch.equal(st.reshape(N // T, nblk, T, gpb).transpose(1, 2).reshape(N, K // 32), s)
+    assert torch.equal(frag_tile(wt, gpb, T, inverse=True), w)
     with pytest.raises(ValueError, match="frag_tile"):
-        frag_tile(w[:100], s[:100], gpb, T)
+        frag_tile(w[:100], gpb, T)
