@@ -31,7 +31,7 @@ from bench.common import command_line, copy_bandwidth, device_info, gpu_stem, l2
 from bench.kernels import DENSE, E, G, H, I, TOPK, rand_w4, rel, route, w4_bytes  # noqa: E402
 from kdtree_engine.kernels.moe_frag import FragMoEConfig, frag_moe_config, fused_moe_frag  # noqa: E402
 from kdtree_engine.kernels.moe_w4a16 import fused_moe_reference, fused_moe_w4a16  # noqa: E402
-from kdtree_engine.kernels.w4_frag import dense_plan, frag_gpb, frag_linear, frag_repack, frag_tile, token_mt, token_tile, DENSE_TILE  # noqa: E402
+from kdtree_engine.kernels.w4_frag import dense_plan, frag_gpb, frag_linear, frag_repack, frag_tile, token_mt, token_tile, FRAG_TILE  # noqa: E402
 from kdtree_engine.kernels.w4a16 import w4a16_linear  # noqa: E402
 from kdtree_engine.quant import dequantize  # noqa: E402
 
@@ -39,18 +39,17 @@ DENSE_CANDIDATES = [  # the engine's plan first (None), then overrides of it (th
     # tile: 0 for row-major words (the engine's plan: frag_tile's 64-row tiles)
     None, dict(tile=0), dict(split=1), dict(split=2), dict(split=4), dict(split=7), dict(tile=0, mt=2, split=4),
 ]
-MOE_CANDIDATES = [  # the engine's table first (None), then block rows / tiles / activation loads
+MOE_CANDIDATES = [  # the engine's table first (None), then block rows / tiles / splits / activation loads, all on
+    # the engine's tiled words; the engine's table on row-major words last
     None,
-    FragMoEConfig(BLOCK_M=8, XLOAD="operand"),
     FragMoEConfig(BLOCK_M=8, XLOAD="operand", XLOAD2="smem-ahead"),
-    FragMoEConfig(BLOCK_M=8, XLOAD="operand", XLOAD2="smem-ahead", PDL=False),
-    FragMoEConfig(BLOCK_M=8, PDL=False),
-    FragMoEConfig(BLOCK_M=8, XLOAD="operand", XLOAD2="smem"),
     FragMoEConfig(BLOCK_M=8),
-    FragMoEConfig(BLOCK_M=8, XLOAD="smem"),
     FragMoEConfig(BLOCK_M=8, MT2=2),
+    FragMoEConfig(BLOCK_M=8, XLOAD="operand", XLOAD2="smem-ahead", SPLIT13=4),
+    FragMoEConfig(BLOCK_M=8, XLOAD="operand", XLOAD2="smem-ahead", SPLIT13=1),
+    FragMoEConfig(BLOCK_M=8, XLOAD="operand", XLOAD2="smem-ahead", SPLIT2=2),
+    FragMoEConfig(BLOCK_M=8, SPLIT13=4),
     FragMoEConfig(BLOCK_M=16),
-    FragMoEConfig(BLOCK_M=16, XLOAD="smem"),
 ]
 MOE_TS = [1, 4, 16, 64, 256, 1024]
 
@@ -89,7 +88,7 @@ def bench_dense(ms, bw, reps) -> list[dict]:
             for cand in DENSE_CANDIDATES:
                 gpb, mt, split = plan
                 kw = dict(gpb=gpb, mt=token_mt(mt, token_tile(M)), num_warps=4, split=split, xload="smem-ahead",
-                          tok=token_tile(M), tile=DENSE_TILE)
+                          tok=token_tile(M), tile=FRAG_TILE)
                 kw.update(cand or {})
                 tag = "frag (engine plan)" if cand is None else "frag"
                 wr = reps_by_gpb[(gpb, kw.get("tile", 0))]
@@ -109,6 +108,7 @@ def bench_moe(ts, bw, reps) -> list[dict]:
     w13p, w13s = rand_w4(E, 2 * I, H)
     w2p, w2s = rand_w4(E, H, I)
     frag = (frag_repack(w13p, frag_gpb(H)), frag_repack(w2p, frag_gpb(I)))
+    tiled = (frag_tile(frag[0], frag_gpb(H), FRAG_TILE), frag_tile(frag[1], frag_gpb(I), FRAG_TILE))
     expert_bytes = w4_bytes(2 * I, H) + w4_bytes(H, I)
     gen = torch.Generator(device="cuda").manual_seed(0)
     for T in ts:
@@ -122,16 +122,16 @@ def bench_moe(ts, bw, reps) -> list[dict]:
         _row(rows, {**base, "kernel": "default"}, lambda: fused_moe_w4a16(x, w13p, w13s, w2p, w2s, ids0, tw0, G),
              ref, [lambda i=i, w=w: fused_moe_w4a16(x, w13p, w13s, w2p, w2s, i, w, G) for i, w in sets],
              nbytes, bw, reps)
-        q13, q2 = frag
-        for cand in MOE_CANDIDATES:
+        for cand, tile in [(c, FRAG_TILE) for c in MOE_CANDIDATES] + [(None, 0)]:
+            q13, q2 = tiled if tile else frag
             cfg = cand or frag_moe_config(T * TOPK, E)
             label = (f"frag{' (engine table)' if cand is None else ''} bm{cfg.BLOCK_M} mt{cfg.MT}/{cfg.MT2 or cfg.MT} w{cfg.num_warps} "
                      f"split13 {cfg.SPLIT13 or 'auto'} split2 {cfg.SPLIT2} x {cfg.XLOAD}/{cfg.XLOAD2 or cfg.XLOAD}"
                      f"{f' maxnreg {cfg.MAXNREG13}/{cfg.MAXNREG2}' if cfg.MAXNREG13 or cfg.MAXNREG2 else ''}"
-                     f" epi {cfg.EPI_BLOCK}{'' if cfg.PDL else ' no-pdl'}")
+                     f" epi {cfg.EPI_BLOCK}{'' if cfg.PDL else ' no-pdl'}{' tiled 64' if tile else ' row-major'}")
             _row(rows, {**base, "kernel": label},
-                 lambda: fused_moe_frag(x, q13, w13s, q2, w2s, ids0, tw0, G, cfg), ref,
-                 [lambda i=i, w=w: fused_moe_frag(x, q13, w13s, q2, w2s, i, w, G, cfg) for i, w in sets],
+                 lambda: fused_moe_frag(x, q13, w13s, q2, w2s, ids0, tw0, G, cfg, tile=tile), ref,
+                 [lambda i=i, w=w: fused_moe_frag(x, q13, w13s, q2, w2s, i, w, G, cfg, tile=tile) for i, w in sets],
                  nbytes, bw, reps)
     return rows
 

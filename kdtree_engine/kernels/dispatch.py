@@ -376,8 +376,8 @@ def w4a16_matmul(x: torch.Tensor, layer) -> torch.Tensor:
     from ..model.int4_order import checkpoint_words
     kind = layer.int4_prepare(x.dtype)
     if kind == "frag":
-        from .w4_frag import DENSE_TILE, frag_linear
-        return frag_linear(x.to(torch.bfloat16), layer.weight_packed, layer.weight_scale, tile=DENSE_TILE)
+        from .w4_frag import FRAG_TILE, frag_linear
+        return frag_linear(x.to(torch.bfloat16), layer.weight_packed, layer.weight_scale, tile=FRAG_TILE)
     if kind == "triton":
         from .w4a16 import w4a16_linear
         return w4a16_linear(x, layer.weight_packed, layer.weight_scale, layer.group_size)

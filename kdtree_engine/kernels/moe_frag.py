@@ -136,7 +136,7 @@ if HAVE_GLUON:
                          stride_os, stride_ot, kb_per_split,
                          GATE_UP: gl.constexpr, TOK: gl.constexpr, MT: gl.constexpr, GPB: gl.constexpr,
                          WL: gl.constexpr, X_SMEM: gl.constexpr, X_AHEAD: gl.constexpr, PDL: gl.constexpr,
-                         num_warps: gl.constexpr):
+                         TILE: gl.constexpr, num_warps: gl.constexpr):
         """grid (blocks, N / BN, splits), one expert block's pairs over the split's K blocks.
         GATE_UP: x [T, H] rows pair // TOPK, weight rows n and UP_ROW + n -> out[split, pair, n] and
         out[split, pair, UP_ROW + n] (fp32 gate / up partials). Else (down): x = inter [P, I] rows pair ->
@@ -161,9 +161,9 @@ if HAVE_GLUON:
         kb0 = pid_s * kb_per_split
         we = w_ptr + e * stride_we
         se = s_ptr + e * stride_se
-        w0, s0 = _word_ptrs(we, se, n0, stride_wn, stride_sn, kb0, WL, BN, GPB, 0)
+        w0, s0 = _word_ptrs(we, se, n0, stride_wn, stride_sn, kb0, WL, BN, GPB, TILE)
         if GATE_UP:
-            w1, s1 = _word_ptrs(we, se, UP_ROW + n0, stride_wn, stride_sn, kb0, WL, BN, GPB, 0)
+            w1, s1 = _word_ptrs(we, se, UP_ROW + n0, stride_wn, stride_sn, kb0, WL, BN, GPB, TILE)
         else:
             w1, s1 = w0, s0
 
@@ -177,7 +177,7 @@ if HAVE_GLUON:
         acc0 = gl.zeros([BN, TOK], gl.float32, layout=MMA)
         acc1 = gl.zeros([BN, TOK], gl.float32, layout=MMA)
         acc0, acc1 = _frag_loop(acc0, acc1, w0, s0, w1, s1, x_ptrs, gl.expand_dims(ok, 0), kb_per_split,
-                                GATE_UP, X_AHEAD, AL, BL, BN, GPB, PDL and not GATE_UP, 0)
+                                GATE_UP, X_AHEAD, AL, BL, BN, GPB, PDL and not GATE_UP, TILE)
 
         pair_o, ok_o = _block_pairs(sorted_ptr, pid_b, rows, TOK, gl.SliceLayout(0, MMA))
         if not GATE_UP:
@@ -194,9 +194,10 @@ if HAVE_GLUON:
 
 def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor, w2_q: torch.Tensor,
                    w2_scale: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                   group_size: int, config: FragMoEConfig | None = None) -> torch.Tensor:
+                   group_size: int, config: FragMoEConfig | None = None, tile: int = 0) -> torch.Tensor:
     """x [T, H] bf16 -> [T, H] bf16: routed experts only; w13_q / w2_q in fragment order (frag_repack with
-    frag_gpb of each matrix's input width, or config.GPB)."""
+    frag_gpb of each matrix's input width, or config.GPB), row-major (tile 0) or each matrix in frag_tile's
+    order of `tile` rows (the same bits)."""
     if not HAVE_GLUON:
         raise RuntimeError("fused_moe_frag needs triton.experimental.gluon (triton >= 3.5)")
     if x.dtype != torch.bfloat16 or x.dim() != 2:
@@ -220,6 +221,10 @@ def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor
     s13 = cfg.SPLIT13 or split13(H, g13)
     mt = mt_for(cfg, H, I)
     bn = 16 * cfg.num_warps * mt
+    mt2 = mt_for(cfg, H, I, cfg.MT2)
+    if tile and (I % tile or H % tile or any(b % tile and tile % b for b in (bn, 16 * cfg.num_warps * mt2))):
+        raise ValueError(f"fused_moe_frag: tile {tile} must divide H={H} and I={I} and divide or be a multiple of "
+                         "each GEMM's rows per program")
     if (H // (32 * g13)) % s13 or (I // (32 * g2)) % cfg.SPLIT2:
         raise ValueError(f"fused_moe_frag: H={H} / I={I} blocks do not split in {s13} / {cfg.SPLIT2}")
     out = torch.empty_like(x)
@@ -239,7 +244,7 @@ def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor
         x.stride(0), w13_q.stride(0), w13_q.stride(1), w13_scale.stride(0), w13_scale.stride(1),
         part.stride(0), part.stride(1), H // (32 * g13) // s13,
         GATE_UP=True, TOK=cfg.BLOCK_M, MT=mt, GPB=g13, WL=word_layout(cfg.num_warps, mt, g13),
-        X_SMEM=X_LOADS[cfg.XLOAD][0], X_AHEAD=X_LOADS[cfg.XLOAD][1], num_warps=cfg.num_warps,
+        X_SMEM=X_LOADS[cfg.XLOAD][0], X_AHEAD=X_LOADS[cfg.XLOAD][1], TILE=tile, num_warps=cfg.num_warps,
         **pdl, **({"maxnreg": cfg.MAXNREG13} if cfg.MAXNREG13 else {}))
     inter = torch.empty((P, I), device=x.device, dtype=x.dtype)
     block = min(cfg.EPI_BLOCK, triton.next_power_of_2(I))
@@ -247,14 +252,13 @@ def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor
         part, inter, ids, I, E, part.stride(0), part.stride(1), inter.stride(0),
         SPLIT=s13, BLOCK=block, DEQ=DEQ_FLOAT, num_warps=4, **pdl)
     y = torch.empty((cfg.SPLIT2, P, H), device=x.device, dtype=torch.float32)
-    mt2 = mt_for(cfg, H, I, cfg.MT2)
     xload2 = cfg.XLOAD2 or cfg.XLOAD
     _moe_frag_kernel[(blocks, H // (16 * cfg.num_warps * mt2), cfg.SPLIT2)](
         inter, w2_q, w2_scale, y, tw, sorted_pairs, blk_expert, blk_rows, 0, 1,
         inter.stride(0), w2_q.stride(0), w2_q.stride(1), w2_scale.stride(0), w2_scale.stride(1),
         y.stride(0), y.stride(1), I // (32 * g2) // cfg.SPLIT2,
         GATE_UP=False, TOK=cfg.BLOCK_M, MT=mt2, GPB=g2, WL=word_layout(cfg.num_warps, mt2, g2),
-        X_SMEM=X_LOADS[xload2][0], X_AHEAD=X_LOADS[xload2][1], num_warps=cfg.num_warps,
+        X_SMEM=X_LOADS[xload2][0], X_AHEAD=X_LOADS[xload2][1], TILE=tile, num_warps=cfg.num_warps,
         **pdl, **({"maxnreg": cfg.MAXNREG2} if cfg.MAXNREG2 else {}))
     BLOCK_H = cfg.EPI_BLOCK
     _moe_topk_sum_kernel[(T, triton.cdiv(H, BLOCK_H))](

@@ -79,21 +79,22 @@ def frag_repack(packed: torch.Tensor, gpb: int) -> torch.Tensor:
     return _permute_codes(packed, gpb, frag_perm(gpb), "frag_repack")
 
 
-DENSE_TILE = 64      # rows per tile of the dense kernel's words (frag_tile)
+FRAG_TILE = 64      # rows per tile of the fragment kernels' words as the engine stores them (frag_tile)
 
 
 def frag_tile(words: torch.Tensor, gpb: int, tile: int, inverse: bool = False) -> torch.Tensor:
-    """Fragment-ordered words [N, K/8] -> the same words with each block (32*gpb k) of each `tile` rows stored
-    contiguously ([N/tile, blocks, tile, 4*gpb]; same shape): a program's loads of one block are then one
-    contiguous run instead of `tile` runs of 16*gpb bytes. inverse: back to row-major. Scales stay row-major."""
-    N, kw = words.shape
+    """Fragment-ordered words [.., N, K/8] -> the same words with each block (32*gpb k) of each `tile` rows
+    stored contiguously ([.., N/tile, blocks, tile, 4*gpb]; same shape): a program's loads of one block are
+    then one contiguous run instead of `tile` runs of 16*gpb bytes. inverse: back to row-major. Scales stay
+    row-major."""
+    N, kw = words.shape[-2:]
     if N % tile or kw % (4 * gpb):
         raise ValueError(f"frag_tile: words {tuple(words.shape)} do not tile by {tile} rows and blocks of {gpb} "
                          "groups")
     nblk = kw // (4 * gpb)
-    if inverse:
-        return words.reshape(N // tile, nblk, tile, 4 * gpb).transpose(1, 2).contiguous().reshape(N, kw)
-    return words.reshape(N // tile, tile, nblk, 4 * gpb).transpose(1, 2).contiguous().reshape(N, kw)
+    lead = words.shape[:-2]
+    src = (N // tile, nblk, tile) if inverse else (N // tile, tile, nblk)
+    return words.reshape(*lead, *src, 4 * gpb).transpose(-3, -2).contiguous().reshape(words.shape)
 
 
 def frag_unrepack(packed: torch.Tensor, gpb: int) -> torch.Tensor:
@@ -329,7 +330,7 @@ def split_for(N: int, K: int, bn: int, bk: int, target: int) -> int:
 
 def dense_plan(N: int, K: int) -> tuple[int, int, int]:
     """(gpb, mt, split) of the dense kernel for an [N, K] weight: fixed by the shape, never by M (the split
-    is part of the reduction). One MMA tile per warp (64-row programs, the rows of one DENSE_TILE) and the most
+    is part of the reduction). One MMA tile per warp (64-row programs, the rows of one FRAG_TILE) and the most
     K splits of >= DENSE_MIN_BLOCKS blocks with at most DENSE_TARGET_PROGRAMS programs: with tiled words
     36864 x 7168 at M = 1 43.0 us (2 splits) against 46.5 for 2 tiles per warp and 4 splits, one expert's
     4096 x 7168 8.3 us (4 splits) against 11.3 with 14 (bench/results/w4-frag-h200-tiled.md). MT only re-tiles."""

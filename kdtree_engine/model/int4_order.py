@@ -5,9 +5,9 @@ fragment order of the Gluon kernels (kernels/w4_frag.py), converted in place, on
   layers.Linear          weight_packed [N, K/8]                in_features
   moe.Experts            w13_packed [E, 2I, H/8], w2_packed [E, H, I/8]   H, I
 
-Fragment order of a layers.Linear also stores each block of DENSE_TILE rows contiguously (frag_tile: a
-permutation of the rows' blocks, so that one program's loads of a block are one contiguous run); the
-experts' words stay row-major. Scales are never moved.
+Fragment order also stores each K block of FRAG_TILE rows contiguously (frag_tile, per matrix: a
+permutation of the rows' blocks, so that one program's loads of a block are one contiguous run). Scales
+are never moved.
 
 A module starts in checkpoint order. The kernel dispatch (kernels/dispatch.int4_kernel) asks for the
 order its kernel reads (`set_order`); anything that needs the checkpoint's bytes (the torch paths,
@@ -45,7 +45,7 @@ def order_of(module: nn.Module) -> str:
 @torch.no_grad()
 def set_order(module: nn.Module, order: str) -> None:
     """Convert the module's INT4 words to `order` in place (no-op when already there)."""
-    from ..kernels.w4_frag import DENSE_TILE, frag_gpb, frag_repack, frag_tile, frag_unrepack
+    from ..kernels.w4_frag import FRAG_TILE, frag_gpb, frag_repack, frag_tile, frag_unrepack
 
     if order not in (CHECKPOINT, FRAG):
         raise ValueError(f"INT4 word order must be {CHECKPOINT!r} or {FRAG!r}, got {order!r}")
@@ -62,7 +62,7 @@ def set_order(module: nn.Module, order: str) -> None:
     for name, k in words:
         buf = getattr(module, name)
         gpb = frag_gpb(k)
-        tile = DENSE_TILE if name == "weight_packed" else 0
+        tile = FRAG_TILE
         mats = buf.unbind(0) if buf.dim() == 3 else (buf,)
         for m in mats:                       # one matrix at a time: the codes take 32x the words' memory
             if order == FRAG:
@@ -80,11 +80,9 @@ def checkpoint_words(module: nn.Module, name: str) -> torch.Tensor:
     buf = getattr(module, name)
     if order_of(module) == CHECKPOINT:
         return buf
-    from ..kernels.w4_frag import DENSE_TILE, frag_gpb, frag_tile, frag_unrepack
+    from ..kernels.w4_frag import FRAG_TILE, frag_gpb, frag_tile, frag_unrepack
     gpb = frag_gpb(dict(int4_words(module))[name])
-    if name == "weight_packed":
-        buf = frag_tile(buf, gpb, DENSE_TILE, inverse=True)
-    return frag_unrepack(buf, gpb)
+    return frag_unrepack(frag_tile(buf, gpb, FRAG_TILE, inverse=True), gpb)
 
 
 def prepare(module: nn.Module, dtype: torch.dtype, what: str, unsupported: str | None,

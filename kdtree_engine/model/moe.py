@@ -91,8 +91,9 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Expe
         kind = experts.int4_prepare(x.dtype)
         if kind == "frag":
             from ..kernels.moe_frag import fused_moe_frag
+            from ..kernels.w4_frag import FRAG_TILE
             return fused_moe_frag(x, experts.w13_packed, experts.w13_scale, experts.w2_packed,
-                                  experts.w2_scale, ids, weights, experts.group_size)
+                                  experts.w2_scale, ids, weights, experts.group_size, tile=FRAG_TILE)
         if kind == "triton":
             from ..kernels.moe_w4a16 import fused_moe_w4a16
             return fused_moe_w4a16(x, experts.w13_packed, experts.w13_scale, experts.w2_packed,

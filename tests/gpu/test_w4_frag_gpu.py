@@ -135,6 +135,20 @@ def test_moe_frag_k2_and_unowned_experts(poisoned):
     _check(fused_moe_frag(x, *w, ids, tw, G), ref, TOL, "moe frag K2 slice")
 
 
+@pytest.mark.parametrize("T", [1, 9, 64])
+def test_moe_frag_tiled_words_same_bits(poisoned, T):
+    """Expert words in frag_tile's order (each K block of 64 rows contiguous, per matrix) read through TILE:
+    the same bits as row-major, with the table's configs and 2 MMA tiles per warp; right at K2 shapes."""
+    x, w, ids, tw, ref = _moe_case(E=16, H=7168, I=2048, T=T, topk=8, unowned=T == 9)
+    q13, s13, q2, s2 = w
+    tiled = (frag_tile(q13, frag_gpb(7168), 64), s13, frag_tile(q2, frag_gpb(2048), 64), s2)
+    assert not torch.equal(tiled[0], q13)
+    for cfg in (None, FragMoEConfig(BLOCK_M=16), FragMoEConfig(BLOCK_M=8, MT=2, MT2=2)):
+        rows = fused_moe_frag(x, *w, ids, tw, G, cfg)
+        _check(rows, ref, TOL, f"moe frag T={T} {cfg}")
+        assert torch.equal(rows, fused_moe_frag(x, *tiled, ids, tw, G, cfg, tile=64)), f"T={T} {cfg}: other bits"
+
+
 @pytest.mark.parametrize("cfg", [None, FragMoEConfig(BLOCK_M=16)])
 def test_moe_frag_batch_invariant(cfg):
     """A token's output is the same, bit for bit, alone and in batches of 4 / 17 / 64 (T = 1 takes the
