@@ -197,7 +197,7 @@ def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor
                    group_size: int, config: FragMoEConfig | None = None, tile: int = 0) -> torch.Tensor:
     """x [T, H] bf16 -> [T, H] bf16: routed experts only; w13_q / w2_q in fragment order (frag_repack with
     frag_gpb of each matrix's input width, or config.GPB), row-major (tile 0) or each matrix in frag_tile's
-    order of `tile` rows (the same bits)."""
+    order of `tile` rows (-1: block-major; the same bits)."""
     if not HAVE_GLUON:
         raise RuntimeError("fused_moe_frag needs triton.experimental.gluon (triton >= 3.5)")
     if x.dtype != torch.bfloat16 or x.dim() != 2:
@@ -222,9 +222,11 @@ def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor
     mt = mt_for(cfg, H, I)
     bn = 16 * cfg.num_warps * mt
     mt2 = mt_for(cfg, H, I, cfg.MT2)
-    if tile and (I % tile or H % tile or any(b % tile and tile % b for b in (bn, 16 * cfg.num_warps * mt2))):
-        raise ValueError(f"fused_moe_frag: tile {tile} must divide H={H} and I={I} and divide or be a multiple of "
-                         "each GEMM's rows per program")
+    t13, t2 = (2 * I, H) if tile == -1 else (tile, tile)
+    if tile and (t13 < 0 or (2 * I) % t13 or H % t2 or (bn % t13 and t13 % bn)
+                 or (16 * cfg.num_warps * mt2) % t2 and t2 % (16 * cfg.num_warps * mt2)):
+        raise ValueError(f"fused_moe_frag: tile {tile} must be -1 or divide 2I={2 * I} and H={H} and divide or be a "
+                         "multiple of each GEMM's rows per program")
     if (H // (32 * g13)) % s13 or (I // (32 * g2)) % cfg.SPLIT2:
         raise ValueError(f"fused_moe_frag: H={H} / I={I} blocks do not split in {s13} / {cfg.SPLIT2}")
     out = torch.empty_like(x)
@@ -244,7 +246,7 @@ def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor
         x.stride(0), w13_q.stride(0), w13_q.stride(1), w13_scale.stride(0), w13_scale.stride(1),
         part.stride(0), part.stride(1), H // (32 * g13) // s13,
         GATE_UP=True, TOK=cfg.BLOCK_M, MT=mt, GPB=g13, WL=word_layout(cfg.num_warps, mt, g13),
-        X_SMEM=X_LOADS[cfg.XLOAD][0], X_AHEAD=X_LOADS[cfg.XLOAD][1], TILE=tile, num_warps=cfg.num_warps,
+        X_SMEM=X_LOADS[cfg.XLOAD][0], X_AHEAD=X_LOADS[cfg.XLOAD][1], TILE=t13, num_warps=cfg.num_warps,
         **pdl, **({"maxnreg": cfg.MAXNREG13} if cfg.MAXNREG13 else {}))
     inter = torch.empty((P, I), device=x.device, dtype=x.dtype)
     block = min(cfg.EPI_BLOCK, triton.next_power_of_2(I))
@@ -258,7 +260,7 @@ def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor
         inter.stride(0), w2_q.stride(0), w2_q.stride(1), w2_scale.stride(0), w2_scale.stride(1),
         y.stride(0), y.stride(1), I // (32 * g2) // cfg.SPLIT2,
         GATE_UP=False, TOK=cfg.BLOCK_M, MT=mt2, GPB=g2, WL=word_layout(cfg.num_warps, mt2, g2),
-        X_SMEM=X_LOADS[xload2][0], X_AHEAD=X_LOADS[xload2][1], TILE=tile, num_warps=cfg.num_warps,
+        X_SMEM=X_LOADS[xload2][0], X_AHEAD=X_LOADS[xload2][1], TILE=t2, num_warps=cfg.num_warps,
         **pdl, **({"maxnreg": cfg.MAXNREG2} if cfg.MAXNREG2 else {}))
     BLOCK_H = cfg.EPI_BLOCK
     _moe_topk_sum_kernel[(T, triton.cdiv(H, BLOCK_H))](

@@ -86,9 +86,10 @@ def frag_tile(words: torch.Tensor, gpb: int, tile: int, inverse: bool = False) -
     """Fragment-ordered words [.., N, K/8] -> the same words with each block (32*gpb k) of each `tile` rows
     stored contiguously ([.., N/tile, blocks, tile, 4*gpb]; same shape): a program's loads of one block are
     then one contiguous run instead of `tile` runs of 16*gpb bytes. inverse: back to row-major. Scales stay
-    row-major."""
+    row-major. tile -1: the whole matrix (block-major: block b of every row, then block b + 1)."""
     N, kw = words.shape[-2:]
-    if N % tile or kw % (4 * gpb):
+    tile = N if tile == -1 else tile
+    if tile <= 0 or N % tile or kw % (4 * gpb):
         raise ValueError(f"frag_tile: words {tuple(words.shape)} do not tile by {tile} rows and blocks of {gpb} "
                          "groups")
     nblk = kw // (4 * gpb)
@@ -360,8 +361,8 @@ def frag_linear(x: torch.Tensor, wq: torch.Tensor, s: torch.Tensor, *, gpb: int 
     """y [M, N] = x [M, K] @ W^T, W the fragment-repacked int4 words wq [N, K/8] (frag_repack with
     frag_gpb(K) unless gpb is given) and bf16 scales s [N, K/32]; x bfloat16. Unset knobs follow dense_plan,
     token_tile and token_mt; xload: how activations are loaded (X_LOADS); pdl: programmatic dependent launches
-    of the GEMM and its split sum (pdl.py; the same bits); tile: 0 for row-major words and scales, else the rows
-    per tile of frag_tile's order (the same bits)."""
+    of the GEMM and its split sum (pdl.py; the same bits); tile: 0 for row-major words, else the rows per tile of
+    frag_tile's order (-1: the whole matrix; the same bits)."""
     if not HAVE_GLUON:
         raise RuntimeError("the fragment-ordered W4A16 kernels need triton.experimental.gluon (triton >= 3.5)")
     from kdtree_engine.kernels.split_sum import split_sum
@@ -378,8 +379,10 @@ def frag_linear(x: torch.Tensor, wq: torch.Tensor, s: torch.Tensor, *, gpb: int 
         raise TypeError(f"frag_linear: bfloat16 activations required, got {x.dtype}")
     if xload not in X_LOADS:
         raise ValueError(f"frag_linear: xload must be one of {sorted(X_LOADS)}, got {xload!r}")
-    if tile and (N % tile or (bn % tile and tile % bn)):
-        raise ValueError(f"frag_linear: tile {tile} must divide N={N} and divide or be a multiple of {bn} rows")
+    tile = N if tile == -1 else tile
+    if tile and (tile < 0 or N % tile or (bn % tile and tile % bn)):
+        raise ValueError(f"frag_linear: tile {tile} must be -1 or divide N={N} and divide or be a multiple of "
+                         f"{bn} rows")
     if N % bn or K % (bk * split) or wq.shape[1] * 8 != K or s.shape != (N, K // GROUP):
         raise ValueError(f"frag_linear: N={N} must be a multiple of {bn}, K={K} of {bk * split}; words "
                          f"{tuple(wq.shape)}, scales {tuple(s.shape)}")

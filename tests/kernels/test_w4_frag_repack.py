@@ -57,5 +57,10 @@ def test_frag_tile_puts_each_block_of_a_tile_together():
                 pos = (((n // T) * nblk + b) * T + n % T) * 4 * gpb + j
                 assert flat[pos] == w[n, b * 4 * gpb + j]
     assert torch.equal(frag_tile(wt, gpb, T, inverse=True), w)
+    bm = frag_tile(w, gpb, -1).reshape(-1)          # block-major: block b of every row, then block b + 1
+    for n in (0, 77, 127):
+        for b in range(nblk):
+            assert torch.equal(bm[(b * N + n) * 4 * gpb:(b * N + n + 1) * 4 * gpb], w[n, b * 4 * gpb:(b + 1) * 4 * gpb])
+    assert torch.equal(frag_tile(frag_tile(w, gpb, -1), gpb, -1, inverse=True), w)
     with pytest.raises(ValueError, match="frag_tile"):
         frag_tile(w[:100], gpb, T)
