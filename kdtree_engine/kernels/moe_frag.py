@@ -100,8 +100,11 @@ FRAG_MOE_CONFIGS: list[tuple[int, FragMoEConfig]] = [
 # (bench/results/w4-frag-h200-depth2.md). Also dropped: one token's blocks read straight from the ids instead
 # of the align launch (block j = pair j; the same bits): 71.2 against 71.4 us at T = 1, the gate/up kernel
 # then needing 139 registers (capped at 128 with spills) (bench/results/w4-frag-h200-direct.md, commit 00d5eb9).
+# On the tiled expert words (model/int4_order.py, FRAG_TILE) the operand loads lost that edge: T = 1 78.0 us
+# against 71.1 with smem-ahead in both (row-major words with operand loads: 69.1;
+# bench/results/w4-frag-h200-tiled4.md), so the few-pairs launch now loads as the others do.
 FEW_PAIRS = 8
-FEW_PAIRS_CONFIG = FragMoEConfig(BLOCK_M=8, XLOAD="operand", XLOAD2="smem-ahead")
+FEW_PAIRS_CONFIG = FragMoEConfig(BLOCK_M=8)
 
 
 def frag_moe_config(num_pairs: int, num_experts: int) -> FragMoEConfig:
