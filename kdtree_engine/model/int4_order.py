@@ -12,8 +12,9 @@ are never moved.
 A module starts in checkpoint order. The kernel dispatch (kernels/dispatch.int4_kernel) asks for the
 order its kernel reads (`set_order`); anything that needs the checkpoint's bytes (the torch paths,
 dequantized views) reads them through `checkpoint_words`, and loading restores the checkpoint order
-first (the loader calls `set_order(module, CHECKPOINT)` before it writes). The conversion is a permutation of the nibbles inside each row
-(same shape, same bytes per row), so it needs no second copy of the weights: one matrix at a time.
+first (the loader calls `set_order(module, CHECKPOINT)` before it writes). The conversion is a permutation inside each matrix (the nibbles
+of each row's blocks, then the rows' blocks; same shape), so it needs no second copy of the weights: one
+matrix at a time.
 """
 
 from __future__ import annotations
