@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU tests and benchmarks, logs and results packed under $OUT; one device call runs one part.
-#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|next|chain|sample|rounds|decode|step|verify|resume|ncu|plane|merge|merge2|merge3|sample2|fork|last|plane2|rows|kload|lazy|rounds2|maxnreg|qsplit|stages|down|bm8|m64|merge4|merge5|final2|moerows|moe16|moe16b|router|router2|router3|final3|frag|frag2|frag3|frag4|frag5|frag7|frag8|xsm|xsm2|xsm3|xsm4|xsm5|xsm6|router4|arrive|tune2|direct|epi|pdl|pdl2|pdl3|rgemv|rgemv2|pdl4|pdl5|shared|final4|spec4|prof|round5|round6|round7|tiled|tiled2|tiled3|tiled4|tiled5|tiled6|tiled7]   (on the GPU machine, from the repository root)
+#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|next|chain|sample|rounds|decode|step|verify|resume|ncu|plane|merge|merge2|merge3|sample2|fork|last|plane2|rows|kload|lazy|rounds2|maxnreg|qsplit|stages|down|bm8|m64|merge4|merge5|final2|moerows|moe16|moe16b|router|router2|router3|final3|frag|frag2|frag3|frag4|frag5|frag7|frag8|xsm|xsm2|xsm3|xsm4|xsm5|xsm6|router4|arrive|tune2|direct|epi|pdl|pdl2|pdl3|rgemv|rgemv2|pdl4|pdl5|shared|final4|spec4|prof|round5|round6|round7|tiled|tiled2|tiled3|tiled4|tiled5|tiled6|tiled7|tiled8]   (on the GPU machine, from the repository root)
 #   tune   the W4A16 config sweep, the bitwise and CUDA-graph GPU tests, the demo's spec benchmark
 #   check  the remaining GPU tests (kernels, batch invariance, target, attention), kernel and round benches
 #   bench  the benchmarks with long runs (K2 step, attention, GEMM)
@@ -120,6 +120,7 @@
 #   tiled5 the final code's GPU tests: fragment kernels, target, the demo's spec == plain, graph rounds and spec
 #   tiled6 the final code's benches: the issue's kernel bench, the K2 layer step, the demo spec and round benches
 #   tiled7 the graph-round and spec GPU tests that tiled5's step cap left out (sampled rounds, tree builders, spec)
+#   tiled8 every fragment GPU test after the word-pointer tidy-up (scales' pointers out of the TILE branch)
 #   round7 each DDTree-builder test case timed apart (scripts/diag_tree_gpu.py), then the graph-round tests
 #          that round6's step cap left out and the spec GPU tests
 #   router4 the router-logit kernel (kernels/router_gemm.py at 5f813f4, dropped): its GPU tests, the demo's spec == plain, the
@@ -663,6 +664,9 @@ fi
 if [[ $PART == tiled7 ]]; then
   step pytest_graph_rest 280 $PYT tests/gpu/test_graph_round_gpu.py tests/spec/test_spec_gpu.py \
     -k "sampled or vectorized or greedy_spec"
+fi
+if [[ $PART == tiled8 ]]; then
+  step pytest_frag 200 $PYT tests/gpu/test_w4_frag_gpu.py
 fi
 if [[ $PART == prof ]]; then
   step bench_round 150 python3 bench/round.py --budgets 16 --prompts 2 --out "$RES"

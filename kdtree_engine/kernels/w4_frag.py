@@ -188,14 +188,12 @@ if HAVE_GLUON:
         n3 = gl.expand_dims(gl.expand_dims(rn, 1), 2) + row0
         t3 = gl.expand_dims(gl.expand_dims(rt, 0), 2)
         g3 = gl.expand_dims(gl.expand_dims(rg, 0), 1)
+        s_ptrs = s_ptr + n3 * stride_sn + g3 + t3 * 0 + kb0 * GPB
         if TILE == 0:
             w_ptrs = w_ptr + n3 * stride_wn + t3 * GPB + g3 + kb0 * (4 * GPB)
-            s_ptrs = s_ptr + n3 * stride_sn + g3 + t3 * 0 + kb0 * GPB
         else:
-            tl3 = n3 // TILE
-            r3 = n3 % TILE
-            w_ptrs = w_ptr + tl3 * (TILE * stride_wn) + r3 * (4 * GPB) + t3 * GPB + g3 + kb0 * (TILE * 4 * GPB)
-            s_ptrs = s_ptr + n3 * stride_sn + g3 + t3 * 0 + kb0 * GPB
+            w_ptrs = (w_ptr + (n3 // TILE) * (TILE * stride_wn) + (n3 % TILE) * (4 * GPB) + t3 * GPB + g3
+                      + kb0 * (TILE * 4 * GPB))
         return w_ptrs, s_ptrs
 
     @gluon.jit
@@ -211,10 +209,11 @@ if HAVE_GLUON:
         words and scales is in flight ahead of the one in use; with X_AHEAD one block of activations too
         (its load issued after the current block's relabel into BL), else they are loaded at use. x_ptrs /
         x_mask: in x_layout (relabelled through shared memory) or in BL (the relabel is a no-op). WAIT: the
-        first block's weights are requested before pdl_wait, the activations after it."""
+        first block's weights are requested before pdl_wait, the activations after it. TILE: the words'
+        order (_word_ptrs), which sets the step from one block to the next."""
         BK: gl.constexpr = 32 * GPB
-        WSTEP: gl.constexpr = 4 * GPB * (TILE if TILE else 1)   # words / scales from one block to the next
-        SSTEP: gl.constexpr = GPB
+        WSTEP: gl.constexpr = 4 * GPB * (TILE if TILE else 1)   # words from one block to the next
+        SSTEP: gl.constexpr = GPB                               # scales (row-major)
         a0 = gl.load(w0)
         c0 = gl.load(s0)
         if TWO:
@@ -321,12 +320,6 @@ def frag_unsupported(N: int, K: int, group_size: int, bn: int = 64) -> str | Non
     if N % bn:
         return f"{N} output rows not a multiple of {bn}"
     return None
-
-
-def split_for(N: int, K: int, bn: int, bk: int, target: int) -> int:
-    """The most K splits (a divisor of the K blocks, >= 2 blocks each) with N/bn * splits <= target programs."""
-    iters, tiles = K // bk, N // bn
-    return max([s for s in range(1, iters + 1) if iters % s == 0 and iters // s >= 2 and tiles * s <= target] or [1])
 
 
 def dense_plan(N: int, K: int) -> tuple[int, int, int]:
