@@ -37,10 +37,11 @@ from kdtree_engine.quant import dequantize  # noqa: E402
 
 DENSE_CANDIDATES = [  # the engine's plan first (None), then overrides of it (the plan's split unless given);
     # tile: 0 for row-major words (the engine's plan: frag_tile's 64-row tiles)
-    None, dict(tile=0), dict(tile=-1), dict(tile=-1, split=4), dict(split=4), dict(tile=0, mt=2, split=4),
+    None, dict(tile=0), dict(split=4), dict(tile=0, mt=2, split=4),
 ]
 MOE_CANDIDATES = [  # the engine's table first (None), then block rows / tiles / splits / activation loads, all on
-    # the engine's tiled words; the engine's table on row-major words last
+    # the engine's tiled words; the engine's table on row-major words last (block-major words, measured at
+    # commit ca715eb: bench/results/w4-frag-h200-tiled4.md)
     None,
     FragMoEConfig(BLOCK_M=8, XLOAD="operand", XLOAD2="smem-ahead"),
     FragMoEConfig(BLOCK_M=8),
@@ -73,8 +74,7 @@ def bench_dense(ms, bw, reps) -> list[dict]:
         wd = dequantize(*ws[0], G, torch.bfloat16)
         plan = dense_plan(N, K)
         reps_by_gpb = {(plan[0], 0): [(frag_repack(p, plan[0]), s) for p, s in ws]}
-        for t in (64, -1):
-            reps_by_gpb[(plan[0], t)] = [(frag_tile(q, plan[0], t), s) for q, s in reps_by_gpb[(plan[0], 0)]]
+        reps_by_gpb[(plan[0], FRAG_TILE)] = [(frag_tile(q, plan[0], FRAG_TILE), s) for q, s in reps_by_gpb[(plan[0], 0)]]
         for M in ms:
             x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
             ref = x.double() @ wd.double().T
@@ -106,7 +106,7 @@ def bench_moe(ts, bw, reps) -> list[dict]:
     w13p, w13s = rand_w4(E, 2 * I, H)
     w2p, w2s = rand_w4(E, H, I)
     frag = (frag_repack(w13p, frag_gpb(H)), frag_repack(w2p, frag_gpb(I)))
-    tiled = {t: (frag_tile(frag[0], frag_gpb(H), t), frag_tile(frag[1], frag_gpb(I), t)) for t in (64, -1)}
+    tiled = (frag_tile(frag[0], frag_gpb(H), FRAG_TILE), frag_tile(frag[1], frag_gpb(I), FRAG_TILE))
     expert_bytes = w4_bytes(2 * I, H) + w4_bytes(H, I)
     gen = torch.Generator(device="cuda").manual_seed(0)
     for T in ts:
@@ -120,8 +120,8 @@ def bench_moe(ts, bw, reps) -> list[dict]:
         _row(rows, {**base, "kernel": "default"}, lambda: fused_moe_w4a16(x, w13p, w13s, w2p, w2s, ids0, tw0, G),
              ref, [lambda i=i, w=w: fused_moe_w4a16(x, w13p, w13s, w2p, w2s, i, w, G) for i, w in sets],
              nbytes, bw, reps)
-        for cand, tile in [(c, FRAG_TILE) for c in MOE_CANDIDATES] + [(c, -1 if FRAG_TILE == 64 else 64) for c in MOE_CANDIDATES[:3]] + [(None, 0)]:
-            q13, q2 = tiled[tile] if tile else frag
+        for cand, tile in [(c, FRAG_TILE) for c in MOE_CANDIDATES] + [(None, 0)]:
+            q13, q2 = tiled if tile else frag
             cfg = cand or frag_moe_config(T * TOPK, E)
             label = (f"frag{' (engine table)' if cand is None else ''} bm{cfg.BLOCK_M} mt{cfg.MT}/{cfg.MT2 or cfg.MT} w{cfg.num_warps} "
                      f"split13 {cfg.SPLIT13 or 'auto'} split2 {cfg.SPLIT2} x {cfg.XLOAD}/{cfg.XLOAD2 or cfg.XLOAD}"

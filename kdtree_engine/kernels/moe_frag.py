@@ -28,7 +28,7 @@ from kdtree_engine.kernels.moe_w4a16 import _moe_swiglu_kernel, _moe_topk_sum_ke
 from kdtree_engine.kernels.w4_dequant import DEQ_FLOAT
 from kdtree_engine.kernels.common import bucket
 from kdtree_engine.kernels.pdl import pdl_launch, pdl_supported
-from kdtree_engine.kernels.w4_frag import HAVE_GLUON, X_LOADS, frag_gpb, frag_unsupported, word_layout
+from kdtree_engine.kernels.w4_frag import HAVE_GLUON, X_LOADS, frag_gpb, frag_unsupported, tile_unsupported, word_layout
 
 if HAVE_GLUON:
     from triton.experimental import gluon
@@ -89,9 +89,10 @@ FRAG_MOE_CONFIGS: list[tuple[int, FragMoEConfig]] = [
     (8, FragMoEConfig(BLOCK_M=8)),
     (1 << 62, FragMoEConfig(BLOCK_M=16)),
 ]
-# Launches of at most this many pairs (T = 1 at top-8): the gate/up GEMM loads the activations in the MMA
-# operand layout, at use: the relabel through shared memory costs it 35 registers (163 against 128: 3
-# programs per SM instead of 4), which a one-wave launch feels; the down GEMM gains from it. T = 1: 71.8 us
+# Launches of at most 8 pairs (T = 1 at top-8) had their own config until the words were tiled: the gate/up
+# GEMM loaded the activations in the MMA operand layout, at use: the relabel through shared memory cost it
+# 35 registers (163 against 128: 3 programs per SM instead of 4), which a one-wave launch feels; the down
+# GEMM gains from it. T = 1: 71.8 us
 # against 74.7 with operand loads in both, 83.1 with smem-ahead in both. Measured and dropped there: SwiGLU
 # applied in the down GEMM's activation loads instead of its own launch (every down program recomputing its
 # block's SwiGLU from the fp32 partials), 85.4 against 71.6 us at T = 1 and slower at every T
@@ -102,14 +103,10 @@ FRAG_MOE_CONFIGS: list[tuple[int, FragMoEConfig]] = [
 # then needing 139 registers (capped at 128 with spills) (bench/results/w4-frag-h200-direct.md, commit 00d5eb9).
 # On the tiled expert words (model/int4_order.py, FRAG_TILE) the operand loads lost that edge: T = 1 78.0 us
 # against 71.1 with smem-ahead in both (row-major words with operand loads: 69.1;
-# bench/results/w4-frag-h200-tiled4.md), so the few-pairs launch now loads as the others do.
-FEW_PAIRS = 8
-FEW_PAIRS_CONFIG = FragMoEConfig(BLOCK_M=8)
+# bench/results/w4-frag-h200-tiled4.md), so those launches take the table like the others.
 
 
 def frag_moe_config(num_pairs: int, num_experts: int) -> FragMoEConfig:
-    if num_pairs <= FEW_PAIRS:
-        return FEW_PAIRS_CONFIG
     return bucket(FRAG_MOE_CONFIGS, -(-num_pairs // max(num_experts, 1)))
 
 
@@ -200,7 +197,7 @@ def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor
                    group_size: int, config: FragMoEConfig | None = None, tile: int = 0) -> torch.Tensor:
     """x [T, H] bf16 -> [T, H] bf16: routed experts only; w13_q / w2_q in fragment order (frag_repack with
     frag_gpb of each matrix's input width, or config.GPB), row-major (tile 0) or each matrix in frag_tile's
-    order of `tile` rows (-1: block-major; the same bits)."""
+    order of `tile` rows (the same bits)."""
     if not HAVE_GLUON:
         raise RuntimeError("fused_moe_frag needs triton.experimental.gluon (triton >= 3.5)")
     if x.dtype != torch.bfloat16 or x.dim() != 2:
@@ -225,11 +222,9 @@ def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor
     mt = mt_for(cfg, H, I)
     bn = 16 * cfg.num_warps * mt
     mt2 = mt_for(cfg, H, I, cfg.MT2)
-    t13, t2 = (2 * I, H) if tile == -1 else (tile, tile)
-    if tile and (t13 < 0 or (2 * I) % t13 or H % t2 or (bn % t13 and t13 % bn)
-                 or (16 * cfg.num_warps * mt2) % t2 and t2 % (16 * cfg.num_warps * mt2)):
-        raise ValueError(f"fused_moe_frag: tile {tile} must be -1 or divide 2I={2 * I} and H={H} and divide or be a "
-                         "multiple of each GEMM's rows per program")
+    why = tile_unsupported(2 * I, tile, bn) or tile_unsupported(H, tile, 16 * cfg.num_warps * mt2)
+    if why:
+        raise ValueError(f"fused_moe_frag: {why}")
     if (H // (32 * g13)) % s13 or (I // (32 * g2)) % cfg.SPLIT2:
         raise ValueError(f"fused_moe_frag: H={H} / I={I} blocks do not split in {s13} / {cfg.SPLIT2}")
     out = torch.empty_like(x)
@@ -249,7 +244,7 @@ def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor
         x.stride(0), w13_q.stride(0), w13_q.stride(1), w13_scale.stride(0), w13_scale.stride(1),
         part.stride(0), part.stride(1), H // (32 * g13) // s13,
         GATE_UP=True, TOK=cfg.BLOCK_M, MT=mt, GPB=g13, WL=word_layout(cfg.num_warps, mt, g13),
-        X_SMEM=X_LOADS[cfg.XLOAD][0], X_AHEAD=X_LOADS[cfg.XLOAD][1], TILE=t13, num_warps=cfg.num_warps,
+        X_SMEM=X_LOADS[cfg.XLOAD][0], X_AHEAD=X_LOADS[cfg.XLOAD][1], TILE=tile, num_warps=cfg.num_warps,
         **pdl, **({"maxnreg": cfg.MAXNREG13} if cfg.MAXNREG13 else {}))
     inter = torch.empty((P, I), device=x.device, dtype=x.dtype)
     block = min(cfg.EPI_BLOCK, triton.next_power_of_2(I))
@@ -263,7 +258,7 @@ def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor
         inter.stride(0), w2_q.stride(0), w2_q.stride(1), w2_scale.stride(0), w2_scale.stride(1),
         y.stride(0), y.stride(1), I // (32 * g2) // cfg.SPLIT2,
         GATE_UP=False, TOK=cfg.BLOCK_M, MT=mt2, GPB=g2, WL=word_layout(cfg.num_warps, mt2, g2),
-        X_SMEM=X_LOADS[xload2][0], X_AHEAD=X_LOADS[xload2][1], TILE=t2, num_warps=cfg.num_warps,
+        X_SMEM=X_LOADS[xload2][0], X_AHEAD=X_LOADS[xload2][1], TILE=tile, num_warps=cfg.num_warps,
         **pdl, **({"maxnreg": cfg.MAXNREG2} if cfg.MAXNREG2 else {}))
     BLOCK_H = cfg.EPI_BLOCK
     _moe_topk_sum_kernel[(T, triton.cdiv(H, BLOCK_H))](

@@ -86,16 +86,33 @@ def frag_tile(words: torch.Tensor, gpb: int, tile: int, inverse: bool = False) -
     """Fragment-ordered words [.., N, K/8] -> the same words with each block (32*gpb k) of each `tile` rows
     stored contiguously ([.., N/tile, blocks, tile, 4*gpb]; same shape): a program's loads of one block are
     then one contiguous run instead of `tile` runs of 16*gpb bytes. inverse: back to row-major. Scales stay
-    row-major. tile -1: the whole matrix (block-major: block b of every row, then block b + 1)."""
+    row-major."""
     N, kw = words.shape[-2:]
-    tile = N if tile == -1 else tile
     if tile <= 0 or N % tile or kw % (4 * gpb):
         raise ValueError(f"frag_tile: words {tuple(words.shape)} do not tile by {tile} rows and blocks of {gpb} "
                          "groups")
     nblk = kw // (4 * gpb)
-    lead = words.shape[:-2]
     src = (N // tile, nblk, tile) if inverse else (N // tile, tile, nblk)
-    return words.reshape(*lead, *src, 4 * gpb).transpose(-3, -2).contiguous().reshape(words.shape)
+    return words.reshape(*words.shape[:-2], *src, 4 * gpb).transpose(-3, -2).contiguous().reshape(words.shape)
+
+
+def to_engine_order(words: torch.Tensor, gpb: int) -> torch.Tensor:
+    """Checkpoint-ordered words [.., N, K/8] -> the order the engine keeps for the fragment kernels: the
+    fragment repack, then FRAG_TILE-row tiles."""
+    return frag_tile(frag_repack(words, gpb), gpb, FRAG_TILE)
+
+
+def from_engine_order(words: torch.Tensor, gpb: int) -> torch.Tensor:
+    """Inverse of to_engine_order."""
+    return frag_unrepack(frag_tile(words, gpb, FRAG_TILE, inverse=True), gpb)
+
+
+def tile_unsupported(rows: int, tile: int, bn: int) -> str | None:
+    """Why words in `tile`-row tiles cannot feed programs of `bn` rows of an [rows, K] matrix (None: they can;
+    tile 0 is row-major)."""
+    if tile and (tile < 0 or rows % tile or (bn % tile and tile % bn)):
+        return f"tile {tile} must divide the {rows} rows and divide or be a multiple of {bn} rows per program"
+    return None
 
 
 def frag_unrepack(packed: torch.Tensor, gpb: int) -> torch.Tensor:
@@ -355,7 +372,7 @@ def frag_linear(x: torch.Tensor, wq: torch.Tensor, s: torch.Tensor, *, gpb: int 
     frag_gpb(K) unless gpb is given) and bf16 scales s [N, K/32]; x bfloat16. Unset knobs follow dense_plan,
     token_tile and token_mt; xload: how activations are loaded (X_LOADS); pdl: programmatic dependent launches
     of the GEMM and its split sum (pdl.py; the same bits); tile: 0 for row-major words, else the rows per tile of
-    frag_tile's order (-1: the whole matrix; the same bits)."""
+    frag_tile's order (the same bits)."""
     if not HAVE_GLUON:
         raise RuntimeError("the fragment-ordered W4A16 kernels need triton.experimental.gluon (triton >= 3.5)")
     from kdtree_engine.kernels.split_sum import split_sum
@@ -372,10 +389,9 @@ def frag_linear(x: torch.Tensor, wq: torch.Tensor, s: torch.Tensor, *, gpb: int 
         raise TypeError(f"frag_linear: bfloat16 activations required, got {x.dtype}")
     if xload not in X_LOADS:
         raise ValueError(f"frag_linear: xload must be one of {sorted(X_LOADS)}, got {xload!r}")
-    tile = N if tile == -1 else tile
-    if tile and (tile < 0 or N % tile or (bn % tile and tile % bn)):
-        raise ValueError(f"frag_linear: tile {tile} must be -1 or divide N={N} and divide or be a multiple of "
-                         f"{bn} rows")
+    why = tile_unsupported(N, tile, bn)
+    if why:
+        raise ValueError(f"frag_linear: {why}")
     if N % bn or K % (bk * split) or wq.shape[1] * 8 != K or s.shape != (N, K // GROUP):
         raise ValueError(f"frag_linear: N={N} must be a multiple of {bn}, K={K} of {bk * split}; words "
                          f"{tuple(wq.shape)}, scales {tuple(s.shape)}")

@@ -46,7 +46,7 @@ def order_of(module: nn.Module) -> str:
 @torch.no_grad()
 def set_order(module: nn.Module, order: str) -> None:
     """Convert the module's INT4 words to `order` in place (no-op when already there)."""
-    from ..kernels.w4_frag import FRAG_TILE, frag_gpb, frag_repack, frag_tile, frag_unrepack
+    from ..kernels.w4_frag import frag_gpb, from_engine_order, to_engine_order
 
     if order not in (CHECKPOINT, FRAG):
         raise ValueError(f"INT4 word order must be {CHECKPOINT!r} or {FRAG!r}, got {order!r}")
@@ -60,16 +60,13 @@ def set_order(module: nn.Module, order: str) -> None:
         if buf.is_cuda and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(f"INT4 {name} would be reordered to {order} order inside a CUDA graph capture; "
                                "run one eager forward (or kernels.dispatch.prepare_int4) before capturing")
+    convert = to_engine_order if order == FRAG else from_engine_order
     for name, k in words:
         buf = getattr(module, name)
         gpb = frag_gpb(k)
-        tile = FRAG_TILE
         mats = buf.unbind(0) if buf.dim() == 3 else (buf,)
         for m in mats:                       # one matrix at a time: the codes take 32x the words' memory
-            if order == FRAG:
-                m.copy_(frag_tile(frag_repack(m, gpb), gpb, tile) if tile else frag_repack(m, gpb))
-            else:
-                m.copy_(frag_unrepack(frag_tile(m, gpb, tile, inverse=True) if tile else m, gpb))
+            m.copy_(convert(m, gpb))
     module.__dict__[_ATTR] = order
     log_once(f"int4-order:{order}:{buf.device.type}",
              f"INT4 words reordered in place to {order} order on {buf.device.type} (once per module)")
@@ -81,9 +78,8 @@ def checkpoint_words(module: nn.Module, name: str) -> torch.Tensor:
     buf = getattr(module, name)
     if order_of(module) == CHECKPOINT:
         return buf
-    from ..kernels.w4_frag import FRAG_TILE, frag_gpb, frag_tile, frag_unrepack
-    gpb = frag_gpb(dict(int4_words(module))[name])
-    return frag_unrepack(frag_tile(buf, gpb, FRAG_TILE, inverse=True), gpb)
+    from ..kernels.w4_frag import frag_gpb, from_engine_order
+    return from_engine_order(buf, frag_gpb(dict(int4_words(module))[name]))
 
 
 def prepare(module: nn.Module, dtype: torch.dtype, what: str, unsupported: str | None,

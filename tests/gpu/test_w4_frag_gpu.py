@@ -85,19 +85,17 @@ def test_frag_linear_tiled_words_same_bits(poisoned, N, K, split):
     the same MMAs, the same bits as row-major, at 8 / 16-token tiles and 1 / 2 MMA tiles per warp."""
     p, s = rand_w4(N, K)
     q = frag_repack(p, 8)
-    qts = {t: frag_tile(q, 8, t) for t in (64, -1)}
-    assert torch.equal(qts[64], q) == (N == 64 or K == 256), "tiling moved nothing (or moved a single tile)"
-    assert torch.equal(qts[-1], q) == (K == 256), "block-major order moved nothing"
-    assert all(torch.equal(frag_tile(qt, 8, t, inverse=True), q) for t, qt in qts.items())
+    qt = frag_tile(q, 8, 64)
+    assert torch.equal(qt, q) == (N == 64 or K == 256), "tiling moved nothing (or moved a single tile)"
+    assert torch.equal(frag_tile(qt, 8, 64, inverse=True), q)
     for M in (1, 13, 37):
         x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
         for tok, mt in ((8, 1), (8, 2), (16, 1)):
             if N % (64 * mt):
                 continue
             rows = frag_linear(x, q, s, gpb=8, split=split, mt=mt, tok=tok)
-            for t, qt in qts.items():
-                tiled = frag_linear(x, qt, s, gpb=8, split=split, mt=mt, tok=tok, tile=t)
-                assert torch.equal(rows, tiled), f"tile {t}: other bits (tok {tok} mt {mt} M {M})"
+            tiled = frag_linear(x, qt, s, gpb=8, split=split, mt=mt, tok=tok, tile=64)
+            assert torch.equal(rows, tiled), f"tiled words: other bits (tok {tok} mt {mt} M {M})"
 
 
 def _moe_case(E, H, I, T, topk, gpb=None, seed=0, unowned=False):
@@ -139,19 +137,16 @@ def test_moe_frag_k2_and_unowned_experts(poisoned):
 
 @pytest.mark.parametrize("T", [1, 9, 64])
 def test_moe_frag_tiled_words_same_bits(poisoned, T):
-    """Expert words in frag_tile's order (each K block of 64 rows contiguous, or block-major, per matrix) read
-    through TILE: the same bits as row-major, with the table's configs and 2 MMA tiles per warp; right at K2
-    shapes."""
+    """Expert words in frag_tile's order (each K block of 64 rows contiguous, per matrix) read through TILE:
+    the same bits as row-major, with the table's configs and 2 MMA tiles per warp; right at K2 shapes."""
     x, w, ids, tw, ref = _moe_case(E=16, H=7168, I=2048, T=T, topk=8, unowned=T == 9)
     q13, s13, q2, s2 = w
-    for tile in (64, -1):
-        tiled = (frag_tile(q13, frag_gpb(7168), tile), s13, frag_tile(q2, frag_gpb(2048), tile), s2)
-        assert not torch.equal(tiled[0], q13)
-        for cfg in (None, FragMoEConfig(BLOCK_M=16), FragMoEConfig(BLOCK_M=8, MT=2, MT2=2)):
-            rows = fused_moe_frag(x, *w, ids, tw, G, cfg)
-            _check(rows, ref, TOL, f"moe frag T={T} {cfg}")
-            assert torch.equal(rows, fused_moe_frag(x, *tiled, ids, tw, G, cfg, tile=tile)), \
-                f"T={T} {cfg} tile {tile}: other bits"
+    tiled = (frag_tile(q13, frag_gpb(7168), 64), s13, frag_tile(q2, frag_gpb(2048), 64), s2)
+    assert not torch.equal(tiled[0], q13)
+    for cfg in (None, FragMoEConfig(BLOCK_M=16), FragMoEConfig(BLOCK_M=8, MT=2, MT2=2)):
+        rows = fused_moe_frag(x, *w, ids, tw, G, cfg)
+        _check(rows, ref, TOL, f"moe frag T={T} {cfg}")
+        assert torch.equal(rows, fused_moe_frag(x, *tiled, ids, tw, G, cfg, tile=64)), f"T={T} {cfg}: other bits"
 
 
 @pytest.mark.parametrize("cfg", [None, FragMoEConfig(BLOCK_M=16)])

@@ -57,10 +57,22 @@ def test_frag_tile_puts_each_block_of_a_tile_together():
                 pos = (((n // T) * nblk + b) * T + n % T) * 4 * gpb + j
                 assert flat[pos] == w[n, b * 4 * gpb + j]
     assert torch.equal(frag_tile(wt, gpb, T, inverse=True), w)
-    bm = frag_tile(w, gpb, -1).reshape(-1)          # block-major: block b of every row, then block b + 1
-    for n in (0, 77, 127):
-        for b in range(nblk):
-            assert torch.equal(bm[(b * N + n) * 4 * gpb:(b * N + n + 1) * 4 * gpb], w[n, b * 4 * gpb:(b + 1) * 4 * gpb])
-    assert torch.equal(frag_tile(frag_tile(w, gpb, -1), gpb, -1, inverse=True), w)
     with pytest.raises(ValueError, match="frag_tile"):
         frag_tile(w[:100], gpb, T)
+
+
+def test_engine_order_round_trip_and_tile_checks():
+    """to_engine_order = the repack then 64-row tiles (its inverse restores the checkpoint words, stacked or
+    not); tile_unsupported names a tile that does not fit the rows or the programs."""
+    import torch
+
+    from kdtree_engine.kernels.w4_frag import (FRAG_TILE, frag_repack, frag_tile, from_engine_order,
+                                               tile_unsupported, to_engine_order)
+    w = torch.randint(-2**31, 2**31 - 1, (3, 128, 64), dtype=torch.int32)
+    e = to_engine_order(w, 8)
+    assert torch.equal(e[1], frag_tile(frag_repack(w[1], 8), 8, FRAG_TILE))
+    assert torch.equal(from_engine_order(e, 8), w)
+    assert tile_unsupported(4096, 64, 64) is None and tile_unsupported(4096, 64, 128) is None
+    assert tile_unsupported(4096, 0, 64) is None
+    for rows, tile, bn in ((4096, 96, 64), (4160, 128, 64), (4096, -1, 64), (4096, 48, 64)):
+        assert "tile" in (tile_unsupported(rows, tile, bn) or ""), (rows, tile, bn)
