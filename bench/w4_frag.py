@@ -31,13 +31,15 @@ from bench.common import command_line, copy_bandwidth, device_info, gpu_stem, l2
 from bench.kernels import DENSE, E, G, H, I, TOPK, rand_w4, rel, route, w4_bytes  # noqa: E402
 from kdtree_engine.kernels.moe_frag import FragMoEConfig, frag_moe_config, fused_moe_frag  # noqa: E402
 from kdtree_engine.kernels.moe_w4a16 import fused_moe_reference, fused_moe_w4a16  # noqa: E402
-from kdtree_engine.kernels.w4_frag import dense_plan, frag_gpb, frag_linear, frag_repack, frag_tile, token_mt, token_tile, FRAG_TILE  # noqa: E402
+from kdtree_engine.kernels.w4_frag import dense_plan, frag_gpb, frag_linear, frag_repack, frag_tile, token_mma, token_mt, token_tile, FRAG_TILE  # noqa: E402
 from kdtree_engine.kernels.w4a16 import w4a16_linear  # noqa: E402
 from kdtree_engine.quant import dequantize  # noqa: E402
 
 DENSE_CANDIDATES = [  # the engine's plan first (None), then overrides of it (the plan's split unless given);
     # tile: 0 for row-major words (the engine's plan: frag_tile's 64-row tiles)
-    None, dict(tile=0), dict(split=4), dict(tile=0, mt=2, split=4),
+    # mma: the instruction (token_mma: mma.sync up to 16 tokens per program, wgmma beyond)
+    None, dict(tile=0), dict(split=4), dict(mma="sync", tok=16), dict(mma="wgmma", tok=16),
+    dict(mma="wgmma", tok=32),
 ]
 MOE_CANDIDATES = [  # the engine's table first (None), then block rows / tiles / splits / activation loads, all on
     # the engine's tiled words; the engine's table on row-major words last (block-major words, measured at
@@ -92,7 +94,8 @@ def bench_dense(ms, bw, reps) -> list[dict]:
                 wr = reps_by_gpb[(gpb, kw.get("tile", 0))]
                 label = (f"{tag} gpb{kw['gpb']} mt{kw['mt']} w{kw['num_warps']} split{kw['split']} tok{kw['tok']}"
                          f" x {kw['xload']}{'' if kw.get('pdl', True) else ' no-pdl'}"
-                         f"{' tiled ' + str(kw['tile']) if kw.get('tile') else ''}")
+                         f"{' tiled ' + str(kw['tile']) if kw.get('tile') else ''}"
+                         f" {kw.get('mma') or token_mma(kw['tok'])}")
                 _row(rows, {**base, "kernel": label},
                      lambda: frag_linear(x, *wr[0], **kw), ref,
                      [lambda p=p, s=s: frag_linear(x, p, s, **kw) for p, s in wr], nbytes, bw, reps)

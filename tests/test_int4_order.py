@@ -97,12 +97,9 @@ def test_loading_restores_checkpoint_order_and_model_matches_reference(tmp_path)
     assert generate(model, prompt, SamplingParams(max_tokens=12, ignore_eos=True)).token_ids == want
 
 
-def test_dense_linear_policy_and_forced_frag(monkeypatch):
-    """Dense INT4 linears take Triton by default (logged reason) even where the fragment kernel could run;
-    forcing frag on a device where it cannot run is an error that names the reason."""
+def test_forced_frag_error_names_the_linear(monkeypatch):
+    """Forcing the fragment kernels where they cannot run is an error that names the weight and the reason."""
     cpu = torch.device("cpu")
-    monkeypatch.setattr(dispatch, "_INT4_FORCED", "triton")
-    assert dispatch.int4_kernel(cpu, torch.bfloat16, "linear [64 x 96]", None, "policy") == "triton"
     monkeypatch.setattr(dispatch, "_INT4_FORCED", "frag")
-    with pytest.raises(ValueError, match="KDTREE_INT4_BACKEND=frag.*linear \\[64 x 96\\]"):
-        dispatch.int4_kernel(cpu, torch.bfloat16, "linear [64 x 96]", None, "policy")
+    with pytest.raises(ValueError, match="KDTREE_INT4_BACKEND=frag.*linear \\[64 x 96\\].*not on cuda"):
+        dispatch.int4_kernel(cpu, torch.bfloat16, "linear [64 x 96]", None)

@@ -12,11 +12,12 @@
                  the fragment-ordered Gluon kernels (kernels/moe_frag.py: the words loaded straight into
                  mma.sync registers; the experts' words are reordered in place once, model/int4_order.py);
                  other CUDA cases: Triton (kernels/moe_w4a16.py).
-  W4A16 linear   CPU: dequantize + float32 matmul. CUDA: Triton (kernels/w4a16.py); the fragment kernel
-                 (kernels/w4_frag.py) only with KDTREE_INT4_BACKEND=frag: it is faster up to 8 rows but reads
-                 the weights once per 16 rows, so verify widths of 16 and more run slower on it.
-                 Every kernel keeps a row's reduction order independent of the number of rows; each choice
-                 is logged once per shape with its reason.
+  W4A16 linear   CPU: dequantize + float32 matmul. CUDA, bfloat16 activations, group 32, rows a multiple of
+                 64: the fragment-ordered Gluon kernel (kernels/w4_frag.py: mma.sync programs up to 16 tokens,
+                 wgmma programs of 32 / 64 beyond, the same bits; faster than the Triton kernel at every
+                 M = 1..256 of the K2 shapes, bench/results/w4-frag-h200-wgmma.md); other CUDA cases: Triton
+                 (kernels/w4a16.py). Every kernel keeps a row's reduction order independent of the number of
+                 rows; each choice is logged once per shape with its reason.
   MLA attention  CUDA with batch invariance on: the Triton kernel (kernels/mla_attention.py, split-KV
                  flash decoding with split sizes fixed by position). Otherwise the torch reference
                  (model/mla.py), which is not batch-invariant on CUDA (cuBLAS batched GEMMs).
@@ -153,11 +154,9 @@ def int4_backend(device: torch.device) -> str:
     return _backend("W4A16", "triton" if _INT4_FORCED == "frag" else _INT4_FORCED, device)
 
 
-def int4_kernel(device: torch.device, dtype: torch.dtype, what: str, unsupported: str | None,
-                not_by_default: str | None = None) -> str:
+def int4_kernel(device: torch.device, dtype: torch.dtype, what: str, unsupported: str | None) -> str:
     """The kernel family of one INT4 weight (or expert stack): "torch", "triton" or "frag".
-    ``unsupported``: why its shape cannot take the fragment kernels (None: it can); ``not_by_default``: why
-    they are not the default for it (``KDTREE_INT4_BACKEND=frag`` still takes them)."""
+    ``unsupported``: why its shape cannot take the fragment kernels (None: it can)."""
     if int4_backend(device) == "torch":
         return "torch"
     if _INT4_FORCED == "triton":
@@ -167,8 +166,6 @@ def int4_kernel(device: torch.device, dtype: torch.dtype, what: str, unsupported
     why = ("not on cuda" if device.type != "cuda" else "the interpreter" if interpreting()
            else "triton without gluon" if not HAVE_GLUON
            else f"{dtype} activations (bfloat16 needed)" if dtype != torch.bfloat16 else unsupported)
-    if not why and _INT4_FORCED != "frag":
-        why = not_by_default
     if why:
         if _INT4_FORCED == "frag":
             raise ValueError(f"KDTREE_INT4_BACKEND=frag: the fragment kernels cannot run {what}: {why}")

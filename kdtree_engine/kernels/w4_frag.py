@@ -125,7 +125,9 @@ try:  # Gluon exists in triton >= 3.5; the kernels need it, the repack above doe
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
     from triton.runtime.jit import constexpr_function
+    cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier   # renamed in triton 3.7
     HAVE_GLUON = True
 except ImportError:  # pragma: no cover - depends on the installed triton
     HAVE_GLUON = False
@@ -146,6 +148,24 @@ if HAVE_GLUON:
     def operand_layout(index, num_warps):
         """Register layout of mma.sync operand `index` (0: weights A, 1: activations B)."""
         return gl.DotOperandLayout(operand_index=index, parent=mma_layout(num_warps), k_width=2)
+
+    @constexpr_function
+    def wg_layout(tok):
+        """The wgmma accumulator layout of one warpgroup: 64 weight rows x tok tokens (m64 n{tok} k16)."""
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, tok, 16])
+
+    @constexpr_function
+    def wg_a_layout(tok):
+        """Register layout of the wgmma A operand (the dequantized weights): per warp the mma.sync A fragments
+        of its 16 rows."""
+        return gl.DotOperandLayout(operand_index=0, parent=wg_layout(tok), k_width=2)
+
+    @constexpr_function
+    def wg_x_layout(tok, bk):
+        """Load layout of an activation block [TOK, BK] for its shared-memory copy: 8 consecutive k per thread."""
+        lanes_k = max(1, min(32, bk // 8))
+        return gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[32 // lanes_k, lanes_k],
+                                warps_per_cta=[4, 1], order=[1, 0])
 
     @constexpr_function
     def x_layout(bk, tok, num_warps, smem):
@@ -274,35 +294,79 @@ if HAVE_GLUON:
         return acc0, acc1
 
     @gluon.jit
+    def _frag_loop_wg(acc, w0, s0, x_ptrs, x_mask, nblk, xs, AL: gl.constexpr, BN: gl.constexpr,
+                      GPB: gl.constexpr, WAIT: gl.constexpr, TILE: gl.constexpr):
+        """acc [64, TOK] += A @ x over nblk blocks, by wgmma: the dequantized weights are the register A
+        operand (the same fragments as mma.sync's), the activation block [TOK, BK] the shared-memory B
+        operand (xs: two buffers), read by the tensor cores for the whole warpgroup. One block of words,
+        scales and activations in flight ahead of the one in use."""
+        BK: gl.constexpr = 32 * GPB
+        WSTEP: gl.constexpr = 4 * GPB * (TILE if TILE else 1)
+        a0 = gl.load(w0)
+        c0 = gl.load(s0)
+        if WAIT:
+            pdl_wait_gl()
+        xr = gl.load(x_ptrs, mask=x_mask, other=0.0)
+        for i in range(nblk - 1):
+            buf = xs.index(i % 2)
+            buf.store(xr)
+            w0 += WSTEP
+            s0 += GPB
+            x_ptrs += BK
+            n_a0 = gl.load(w0)
+            n_c0 = gl.load(s0)
+            xr = gl.load(x_ptrs, mask=x_mask, other=0.0)
+            fence_async_shared()
+            cta_barrier()
+            acc = warpgroup_mma(_dequant_frag(a0, c0, AL, BN, BK), buf.permute((1, 0)), acc)
+            a0 = n_a0
+            c0 = n_c0
+        buf = xs.index((nblk - 1) % 2)
+        buf.store(xr)
+        fence_async_shared()
+        cta_barrier()
+        acc = warpgroup_mma(_dequant_frag(a0, c0, AL, BN, BK), buf.permute((1, 0)), acc)
+        return acc
+
+    @gluon.jit
     def _w4_frag_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, stride_xm, stride_wn, stride_sn,
                         stride_om, stride_os, kb_per_split,
                         TOK: gl.constexpr, MT: gl.constexpr, GPB: gl.constexpr, WL: gl.constexpr,
                         X_SMEM: gl.constexpr, X_AHEAD: gl.constexpr, PDL: gl.constexpr, TILE: gl.constexpr,
-                        num_warps: gl.constexpr):
+                        num_warps: gl.constexpr, WG: gl.constexpr = False):
         """grid (cdiv(M, TOK), N / BN, splits): out[split, m, n] = sum over the split's k of x[m, k] W[n, k].
         The token tiles of one weight tile are adjacent program ids: they run together and the weights are
         read from DRAM about once. PDL: launched dependent on the kernel that wrote x (pdl.py)."""
         BN: gl.constexpr = 16 * num_warps * MT
         BK: gl.constexpr = 32 * GPB
-        MMA: gl.constexpr = mma_layout(num_warps)
-        AL: gl.constexpr = operand_layout(0, num_warps)
-        BL: gl.constexpr = operand_layout(1, num_warps)
-        XL: gl.constexpr = x_layout(BK, TOK, num_warps, X_SMEM)
+        MMA: gl.constexpr = wg_layout(TOK) if WG else mma_layout(num_warps)
         m0 = gl.program_id(0) * TOK
         n0 = gl.program_id(1) * BN
         pid_s = gl.program_id(2)
         kb0 = pid_s * kb_per_split
         w_ptrs, s_ptrs = _word_ptrs(w_ptr, s_ptr, n0, stride_wn, stride_sn, kb0, WL, BN, GPB, TILE)
-
-        # activations as the B operand [BK, TOK] (x^T), tokens >= M read as 0
-        rk = gl.arange(0, BK, layout=gl.SliceLayout(1, XL))
-        rm = m0 + gl.arange(0, TOK, layout=gl.SliceLayout(0, XL))
-        x_ptrs = x_ptr + gl.expand_dims(rm, 0) * stride_xm + gl.expand_dims(rk, 1) + kb0 * BK
-        x_mask = gl.expand_dims(rm, 0) < M
-
         acc = gl.zeros([BN, TOK], gl.float32, layout=MMA)
-        acc, unused = _frag_loop(acc, acc, w_ptrs, s_ptrs, w_ptrs, s_ptrs, x_ptrs, x_mask, kb_per_split,
-                                 False, X_AHEAD, AL, BL, BN, GPB, PDL, TILE)
+        if WG:
+            # activations [TOK, BK] (k contiguous) into shared memory, the wgmma B operand as its transpose
+            XW: gl.constexpr = wg_x_layout(TOK, BK)
+            rk = gl.arange(0, BK, layout=gl.SliceLayout(0, XW))
+            rm = m0 + gl.arange(0, TOK, layout=gl.SliceLayout(1, XW))
+            x_ptrs = x_ptr + gl.expand_dims(rm, 1) * stride_xm + gl.expand_dims(rk, 0) + kb0 * BK
+            xs = gl.allocate_shared_memory(gl.bfloat16, [2, TOK, BK],
+                                           gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
+            acc = _frag_loop_wg(acc, w_ptrs, s_ptrs, x_ptrs, gl.expand_dims(rm, 1) < M, kb_per_split, xs,
+                                wg_a_layout(TOK), BN, GPB, PDL, TILE)
+        else:
+            AL: gl.constexpr = operand_layout(0, num_warps)
+            BL: gl.constexpr = operand_layout(1, num_warps)
+            XL: gl.constexpr = x_layout(BK, TOK, num_warps, X_SMEM)
+            # activations as the B operand [BK, TOK] (x^T), tokens >= M read as 0
+            rk = gl.arange(0, BK, layout=gl.SliceLayout(1, XL))
+            rm = m0 + gl.arange(0, TOK, layout=gl.SliceLayout(0, XL))
+            x_ptrs = x_ptr + gl.expand_dims(rm, 0) * stride_xm + gl.expand_dims(rk, 1) + kb0 * BK
+            x_mask = gl.expand_dims(rm, 0) < M
+            acc, unused = _frag_loop(acc, acc, w_ptrs, s_ptrs, w_ptrs, s_ptrs, x_ptrs, x_mask, kb_per_split,
+                                     False, X_AHEAD, AL, BL, BN, GPB, PDL, TILE)
 
         # y[m, n] = acc[n, m]
         on = gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
@@ -352,27 +416,43 @@ def dense_plan(N: int, K: int) -> tuple[int, int, int]:
     return gpb, 1, split
 
 
-def token_tile(M: int) -> int:
-    """Token columns per program, 8 or 16 (each program holds its [32*GPB x tile] activation operand in
-    registers: 32 columns spill at GPB 8); more tokens take more programs, each reading the weights. A
-    column's sum does not depend on the tile (one MMA column per token)."""
-    return 8 if M <= 8 else 16
+def token_tile(M: int, wide: bool = True) -> int:
+    """Token columns per program: 8 or 16 on mma.sync (each warp holds its [32*GPB x tile] activation operand in
+    registers: 32 columns spill at GPB 8), 32 or 64 on wgmma (wide: the launch can take wgmma programs, the
+    activations then a shared-memory operand of the warpgroup); more tokens take more programs, each reading the
+    weights. A column's sum does not depend on the tile or the instruction (tests/gpu/test_w4_frag_gpu.py:
+    wgmma and mma.sync give the same bits)."""
+    for tok in (8, 16, 32) if wide else (8,):
+        if M <= tok:
+            return tok
+    return 64 if wide else 16
+
+
+def token_mma(tok: int) -> str:
+    """The MMA instruction of a token tile: mma.sync up to 16 tokens, wgmma beyond. Dense 36864 x 7168
+    (bench/results/w4-frag-h200-wgmma.md): at M = 1 / 16 mma.sync 43.9 / 66.8 us against wgmma 53.9 / 63.7
+    (its synchronous MMA does not overlap the dequantization); at M = 64 64-token wgmma programs 138 us against
+    217 for 16-token mma.sync programs, which dequantize each weight 4 times."""
+    return "sync" if tok <= 16 else "wgmma"
 
 
 def token_mt(plan_mt: int, tok: int) -> int:
     """MMA tiles per warp for a token tile: 16-token tiles with 2 tiles per warp spill (255 registers; 97.8
-    against 64.8 us with 1 tile at M = 16, bench/results/w4-frag-h200-xsmem.md)."""
+    against 64.8 us with 1 tile at M = 16, bench/results/w4-frag-h200-xsmem.md); wgmma programs have one."""
     return plan_mt if tok == 8 else 1
 
 
 def frag_linear(x: torch.Tensor, wq: torch.Tensor, s: torch.Tensor, *, gpb: int | None = None,
                 mt: int | None = None, num_warps: int = 4, split: int | None = None,
-                tok: int | None = None, xload: str = "smem-ahead", pdl: bool = True, tile: int = 0) -> torch.Tensor:
+                tok: int | None = None, xload: str = "smem-ahead", pdl: bool = True, tile: int = 0,
+                mma: str | None = None) -> torch.Tensor:
     """y [M, N] = x [M, K] @ W^T, W the fragment-repacked int4 words wq [N, K/8] (frag_repack with
     frag_gpb(K) unless gpb is given) and bf16 scales s [N, K/32]; x bfloat16. Unset knobs follow dense_plan,
-    token_tile and token_mt; xload: how activations are loaded (X_LOADS); pdl: programmatic dependent launches
-    of the GEMM and its split sum (pdl.py; the same bits); tile: 0 for row-major words, else the rows per tile of
-    frag_tile's order (the same bits)."""
+    token_tile, token_mt and token_mma; xload: how activations are loaded (X_LOADS); pdl: programmatic dependent
+    launches of the GEMM and its split sum (pdl.py; the same bits); tile: 0 for row-major words, else the rows per
+    tile of frag_tile's order (the same bits); mma: "sync" (mma.sync, 8 / 16-token tiles) or "wgmma" (the
+    dequantized weights the register A operand of a warpgroup MMA, the activations its shared-memory B operand;
+    4 warps, 1 tile per warp; the same bits)."""
     if not HAVE_GLUON:
         raise RuntimeError("the fragment-ordered W4A16 kernels need triton.experimental.gluon (triton >= 3.5)")
     from kdtree_engine.kernels.split_sum import split_sum
@@ -380,13 +460,19 @@ def frag_linear(x: torch.Tensor, wq: torch.Tensor, s: torch.Tensor, *, gpb: int 
     M, K = x.shape
     N = wq.shape[0]
     plan = dense_plan(N, K)
-    tok = token_tile(M) if tok is None else tok
+    tok = token_tile(M, wide=mma != "sync" and num_warps == 4 and mt in (None, 1)) if tok is None else tok
     gpb = plan[0] if gpb is None else gpb
     mt = token_mt(plan[1], tok) if mt is None else mt
+    mma = token_mma(tok) if mma is None else mma
     split = plan[2] if split is None else split
     bn, bk = 16 * num_warps * mt, 32 * gpb
     if x.dtype != torch.bfloat16:
         raise TypeError(f"frag_linear: bfloat16 activations required, got {x.dtype}")
+    if mma not in ("sync", "wgmma"):
+        raise ValueError(f"frag_linear: mma must be 'sync' or 'wgmma', got {mma!r}")
+    if mma == "wgmma" and (num_warps != 4 or mt != 1 or tok not in (8, 16, 32, 64)):
+        raise ValueError(f"frag_linear: wgmma needs 4 warps, 1 tile per warp and 8/16/32/64 tokens per program; "
+                         f"got {num_warps} warps, mt {mt}, tok {tok}")
     if xload not in X_LOADS:
         raise ValueError(f"frag_linear: xload must be one of {sorted(X_LOADS)}, got {xload!r}")
     why = tile_unsupported(N, tile, bn)
@@ -404,7 +490,7 @@ def frag_linear(x: torch.Tensor, wq: torch.Tensor, s: torch.Tensor, *, gpb: int 
     _w4_frag_kernel[(triton.cdiv(M, tok), N // bn, split)](
         x, wq, s, part, M, N, x.stride(0), wq.stride(0), s.stride(0), N, M * N, K // bk // split,
         TOK=tok, MT=mt, GPB=gpb, WL=word_layout(num_warps, mt, gpb), X_SMEM=X_LOADS[xload][0],
-        X_AHEAD=X_LOADS[xload][1], TILE=tile, num_warps=num_warps, **pdl_launch(pdl))
+        X_AHEAD=X_LOADS[xload][1], TILE=tile, num_warps=num_warps, WG=mma == "wgmma", **pdl_launch(pdl))
     if split > 1:
         split_sum(part, y, split, pdl=pdl)
     return y

@@ -82,8 +82,7 @@ def checkpoint_words(module: nn.Module, name: str) -> torch.Tensor:
     return from_engine_order(buf, frag_gpb(dict(int4_words(module))[name]))
 
 
-def prepare(module: nn.Module, dtype: torch.dtype, what: str, unsupported: str | None,
-            not_by_default: str | None = None) -> str:
+def prepare(module: nn.Module, dtype: torch.dtype, what: str, unsupported: str | None) -> str:
     """The module's INT4 kernel family for activations of `dtype` (kernels.dispatch.int4_kernel), with its
     words put in the order that family reads; remembered per (dtype, device, forced backend)."""
     from ..kernels import dispatch
@@ -92,7 +91,7 @@ def prepare(module: nn.Module, dtype: torch.dtype, what: str, unsupported: str |
     cached = module.__dict__.get("_int4_kind")
     if cached is not None and cached[0] == key and order_of(module) == (FRAG if cached[1] == "frag" else CHECKPOINT):
         return cached[1]
-    kind = dispatch.int4_kernel(device, dtype, what, unsupported, not_by_default)
+    kind = dispatch.int4_kernel(device, dtype, what, unsupported)
     set_order(module, FRAG if kind == "frag" else CHECKPOINT)
     module.__dict__["_int4_kind"] = (key, kind)
     return kind

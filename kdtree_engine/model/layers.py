@@ -99,9 +99,7 @@ class Linear(nn.Module):
         from ..kernels.w4_frag import frag_unsupported
         from .int4_order import prepare
         return prepare(self, dtype, f"linear [{self.out_features} x {self.in_features}]",
-                       frag_unsupported(self.out_features, self.in_features, self.group_size),
-                       "dense linears default to Triton (the fragment kernel reads the weights once per 16 rows: "
-                       "faster to 16 rows, even at 64, slower at 256: prefill; bench/results/kernels-h200.md)")
+                       frag_unsupported(self.out_features, self.in_features, self.group_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self)

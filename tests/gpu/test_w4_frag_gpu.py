@@ -98,6 +98,63 @@ def test_frag_linear_tiled_words_same_bits(poisoned, N, K, split):
             assert torch.equal(rows, tiled), f"tiled words: other bits (tok {tok} mt {mt} M {M})"
 
 
+@pytest.mark.parametrize("N,K,split,tile", [(192, 512, 1, 0), (4096, 7168, 4, 64), (7168, 2048, 2, 64),
+                                            (128, 256, 1, 64)])
+@pytest.mark.parametrize("M", [1, 3, 16, 37, 64])
+def test_frag_linear_wgmma_matches_reference(poisoned, N, K, split, tile, M):
+    """wgmma programs (dequantized weights the register A operand, activations the shared-memory B operand)
+    against x @ W^T, at every token tile that fits M."""
+    p, s = rand_w4(N, K)
+    gpb = frag_gpb(K)
+    q = frag_repack(p, gpb)
+    if tile:
+        q = frag_tile(q, gpb, tile)
+    x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
+    ref = (x.float() @ dequantize(p, s, G, torch.bfloat16).float().T).to(torch.bfloat16)
+    for tok in (8, 16, 32, 64):
+        out = frag_linear(x, q, s, gpb=gpb, split=split, tok=tok, tile=tile, mma="wgmma")
+        _check(out, ref, TOL, f"frag wgmma N={N} K={K} M={M} tok={tok}")
+
+
+@pytest.mark.parametrize("split", [1, 2])
+def test_frag_linear_wgmma_batch_invariant(split):
+    """wgmma programs of 8 / 16 / 32 / 64 tokens (instructions m64n8 .. m64n64): a row's bits do not depend
+    on the token tile, on the other rows of the launch or on the instruction (mma.sync gives them too)."""
+    p, s = rand_w4(2048, 7168)
+    q = frag_tile(frag_repack(p, 8), 8, 64)
+    x = torch.randn(100, 7168, device="cuda").to(torch.bfloat16)
+    full = frag_linear(x, q, s, gpb=8, split=split, tok=64, tile=64, mma="wgmma")
+    bad = []
+    for tok in (8, 16, 32, 64):
+        for m in (1, 5, 16, 17, 64, 100):
+            rows = frag_linear(x[:m], q, s, gpb=8, split=split, tok=tok, tile=64, mma="wgmma")
+            if not torch.equal(rows, full[:m]):
+                bad.append((tok, m, int((rows != full[:m]).sum())))
+    assert not bad, f"rows differ from the M=100 launch (tok, M, #elements): {bad}"
+    # mma.sync programs of 16 tokens: the same bits (the engine's plan takes either by the token count)
+    sync = frag_linear(x, q, s, gpb=8, split=split, tok=16, tile=64, mma="sync")
+    assert torch.equal(sync, full), f"wgmma vs mma.sync: {int((sync != full).sum())} elements differ"
+
+
+def test_int4_linear_module_takes_fragment_kernel(poisoned):
+    """An INT4 Linear on CUDA with bfloat16 activations runs the fragment kernel by default (its words put in
+    engine order in place, once): right values, and the rows of every M (mma.sync and wgmma programs) equal
+    the M = 130 forward bit for bit."""
+    from kdtree_engine.model.int4_order import FRAG, order_of
+    from kdtree_engine.model.layers import Linear
+    p, s = rand_w4(1024, 2048)
+    lin = Linear(2048, 1024, group_size=G, dtype=torch.bfloat16).cuda()
+    lin.weight_packed.copy_(p)
+    lin.weight_scale.copy_(s)
+    x = torch.randn(130, 2048, device="cuda").to(torch.bfloat16)
+    full = lin(x)
+    assert order_of(lin) == FRAG
+    ref = (x.float() @ dequantize(p, s, G, torch.bfloat16).float().T).to(torch.bfloat16)
+    _check(full, ref, TOL, "INT4 Linear M=130")
+    bad = [m for m in (1, 8, 9, 16, 17, 32, 33, 64, 70) if not torch.equal(lin(x[:m]), full[:m])]
+    assert not bad, f"rows differ from the M=130 forward at M = {bad}"
+
+
 def _moe_case(E, H, I, T, topk, gpb=None, seed=0, unowned=False):
     torch.manual_seed(seed)
     w13p, w13s = rand_w4(E, 2 * I, H)
