@@ -133,6 +133,17 @@ VSPLIT_FOR_N: dict[int, list[MLAConfig]] = {
 VSPLIT_SWEEP: list[MLAConfig] = [c for cs in VSPLIT_FOR_N.values() for c in cs]
 VSPLIT_SHAPES = [(8, 4096, 4), (8, 4096, 16), (8, 32768, 4), (8, 32768, 16), (8, 131072, 16), (64, 4096, 4),
                  (64, 4096, 16), (64, 32768, 16)]
+# Verify tiles of 64 rows (tl.dot on wgmma) beside the defaults' 32-row mma.sync tiles: whether they give the
+# same bits (bench_case's `diff_vs_default`: elements that differ from the default config's output) and their
+# time. `--sweep-wide` times them (decode launches keep their own tiles: verify shapes only).
+_W8, _W64 = replace(_D8, DECODE_BLOCK_M=0, DECODE_STAGES=0), _D64
+WIDE_FOR_N: dict[int, list[MLAConfig]] = {
+    n: [d, replace(w, BLOCK_M=64, num_warps=4), replace(w, BLOCK_M=64, num_warps=8),
+        replace(w, BLOCK_M=64, num_warps=8, BLOCK_N=32), replace(w, BLOCK_M=64, num_warps=4, V_SPLIT=2)]
+    for n, d, w in ((8, _D8, _W8), (64, _D64, _W64))}
+WIDE_SWEEP: list[MLAConfig] = [c for cs in WIDE_FOR_N.values() for c in cs]
+WIDE_SHAPES = [(8, 4096, 16), (8, 4096, 64), (8, 32768, 16), (8, 32768, 64), (64, 4096, 16), (64, 4096, 64),
+               (64, 32768, 16)]
 ROWS_SHAPES = [(8, 4096, 1), (8, 32768, 1), (8, 65536, 1), (8, 131072, 1), (8, 262144, 1), (64, 131072, 1)]
 SWEEP_SHAPES = [(8, 32768, 1), (8, 131072, 1), (8, 32768, 16), (8, 131072, 16), (8, 32768, 64),
                 (8, 131072, 64), (64, 32768, 1), (64, 131072, 1), (64, 32768, 16), (64, 131072, 16),
@@ -212,6 +223,8 @@ def bench_case(N, S, T, bw, mm, cfg=None, peers=True, reps=20):
     out = mla_attention(q_lat, q_pe, kvs[0], S, mask, SCALE, C, config=cfg)
     ref = mla_attention_reference(q_lat, q_pe, kvs[0], S, mask, SCALE, C)
     rec["rel_err"] = rel(out, ref)
+    if cfg is not None:
+        rec["diff_vs_default"] = int((out != mla_attention(q_lat, q_pe, kvs[0], S, mask, SCALE, C)).sum())
     t = time_calls([lambda kv=kv: mla_attention(q_lat, q_pe, kv, S, mask, SCALE, C, config=cfg) for kv in kvs],
                    reps=reps)
     rec["us"] = t["us"]
@@ -258,6 +271,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--sweep-vsplit", action="store_true",
                     help="with --sweep-only: time VSPLIT_FOR_N (column slices of verify launches up to 16 nodes) "
                          "at VSPLIT_SHAPES instead")
+    ap.add_argument("--sweep-wide", action="store_true",
+                    help="with --sweep-only: time WIDE_FOR_N (64-row verify tiles) at WIDE_SHAPES instead, with "
+                         "their bits against the default's")
     ap.add_argument("--workers", type=int, default=0, help="compile processes for the sweep (0: CPUs)")
     ap.add_argument("--no-peers", action="store_true", help="skip sdpa and the torch reference")
     ap.add_argument("--budget-s", type=float, default=100.0, help="stop the sweep after this many seconds")
@@ -286,8 +302,10 @@ def main(argv=None) -> dict:
         cands, shapes = ((DECODE_SWEEP, DECODE_SHAPES) if args.sweep_decode else
                          (CHUNK_SWEEP, CHUNK_SHAPES) if args.sweep_chunk else
                          (ROWS_SWEEP, ROWS_SHAPES) if args.sweep_rows else
-                         (VSPLIT_SWEEP, VSPLIT_SHAPES) if args.sweep_vsplit else (SWEEP, SWEEP_SHAPES))
-        per_n = ROWS_FOR_N if args.sweep_rows else VSPLIT_FOR_N if args.sweep_vsplit else None
+                         (VSPLIT_SWEEP, VSPLIT_SHAPES) if args.sweep_vsplit else
+                         (WIDE_SWEEP, WIDE_SHAPES) if args.sweep_wide else (SWEEP, SWEEP_SHAPES))
+        per_n = (ROWS_FOR_N if args.sweep_rows else VSPLIT_FOR_N if args.sweep_vsplit else
+                 WIDE_FOR_N if args.sweep_wide else None)
         compile_err = precompile(cands, shapes, workers)
         print(f"compiled {len(compile_err)} (config, N, T kind) in {clock():.0f}s; "
               f"{sum(e is not None for e in compile_err.values())} failed", flush=True)
@@ -308,7 +326,7 @@ def main(argv=None) -> dict:
                 sweep.append(rec)
                 print("sweep", cfg.as_dict(), N, S, T, f"{rec.get('us', float('nan')):.1f} us",
                       f"x copy {rec.get('x_copy', float('nan')):.3f} x roof {rec.get('x_roof', float('nan')):.3f}"
-                      f" err {rec.get('rel_err')}", flush=True)
+                      f" err {rec.get('rel_err')} diff {rec.get('diff_vs_default')}", flush=True)
 
     info = device_info()
     gpu = gpu_stem(info["gpu"])
@@ -330,13 +348,14 @@ def main(argv=None) -> dict:
         md += ["", "sdpa errors: " + "; ".join(f"{k}: {v}" for k, v in list(errs.items())[:3])]
     if sweep:
         md += ["", "## Config sweep", ""]
-        md += md_table(["config", "N", "S", "T", "us", "x copy", "x roof", "err"],
+        md += md_table(["config", "N", "S", "T", "us", "x copy", "x roof", "err", "diff vs default"],
                        [[_cfg_str(s["config"]), s["N"], s["S"], s["T"], s.get("us"), s.get("x_copy"),
-                         s.get("x_roof"), s.get("rel_err", s.get("error", s.get("skipped")))]
+                         s.get("x_roof"), s.get("rel_err", s.get("error", s.get("skipped"))),
+                         s.get("diff_vs_default")]
                         for s in sweep])
         md += ["", "## Best candidate per shape", ""] + best_per_shape(sweep)
     kind = ("decode-" if args.sweep_decode else "chunk-" if args.sweep_chunk else
-            "rows-" if args.sweep_rows else "vsplit-" if args.sweep_vsplit else "")
+            "rows-" if args.sweep_rows else "vsplit-" if args.sweep_vsplit else "wide-" if args.sweep_wide else "")
     stem = (f"mla_attention-{kind}sweep-{gpu}" if args.sweep_only
             else f"mla_attention-{gpu}")
     jp, mp = write_results(args.out, stem, payload, md)

@@ -109,8 +109,10 @@ class MLAConfig:
 
     Fields that set a row's arithmetic (batch invariance: fixed per heads-per-rank N, never chosen from
     T): CHUNK (split points), BLOCK_N (online-softmax step), BLOCK_M / num_warps (the MMA instruction
-    kind: 16-row tiles compile to mma.sync, 64-row tiles to wgmma, and they round differently; and
-    without L_BY_DOT the warps' split of a tile sets the order of the softmax row sums), L_BY_DOT,
+    kind: 16/32-row tiles compile to mma.sync, 64-row tiles to wgmma; without L_BY_DOT the warps' split of
+    a tile sets the order of the softmax row sums. With L_BY_DOT, 64-row wgmma tiles of 4 or 8 warps gave
+    the 32-row mma.sync tiles' bits at every verify shape measured, bench/results/mla_attention-wide-sweep-
+    h200.md, but no speed: 4 warps 2x slower, 8 warps within -5..+25%; kept fixed), L_BY_DOT,
     KEYS_ON_M (which operand sits on the MMA's M side), num_stages, Q_IN_LOOP (kept fixed too: they
     change the compiled schedule, not the math, but nothing is gained by varying them).
     Exception: with L_BY_DOT, decode launches (T = 1) may run DECODE_BLOCK_M / DECODE_STAGES
