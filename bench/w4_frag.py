@@ -50,6 +50,9 @@ MOE_CANDIDATES = [  # the engine's table first (None), then block rows / tiles /
     FragMoEConfig(BLOCK_M=8, MT2=2),
     FragMoEConfig(BLOCK_M=8, XLOAD="smem", XLOAD2="smem-ahead"),
     FragMoEConfig(BLOCK_M=8, MT=2),
+    # wgmma expert blocks (32 / 64 token rows; the register cap keeps 3 programs per SM)
+    FragMoEConfig(BLOCK_M=16), FragMoEConfig(BLOCK_M=32), FragMoEConfig(BLOCK_M=64),
+    FragMoEConfig(BLOCK_M=32, MAXNREG13=168, MAXNREG2=168),
 ]
 MOE_TS = [1, 4, 16, 64, 256, 1024]
 
@@ -129,7 +132,8 @@ def bench_moe(ts, bw, reps) -> list[dict]:
             label = (f"frag{' (engine table)' if cand is None else ''} bm{cfg.BLOCK_M} mt{cfg.MT}/{cfg.MT2 or cfg.MT} w{cfg.num_warps} "
                      f"split13 {cfg.SPLIT13 or 'auto'} split2 {cfg.SPLIT2} x {cfg.XLOAD}/{cfg.XLOAD2 or cfg.XLOAD}"
                      f"{f' maxnreg {cfg.MAXNREG13}/{cfg.MAXNREG2}' if cfg.MAXNREG13 or cfg.MAXNREG2 else ''}"
-                     f" epi {cfg.EPI_BLOCK}{'' if cfg.PDL else ' no-pdl'}{f' tiled {tile}' if tile else ' row-major'}")
+                     f" epi {cfg.EPI_BLOCK}{'' if cfg.PDL else ' no-pdl'}{f' tiled {tile}' if tile else ' row-major'}"
+                     f"{' wgmma' if cfg.wgmma else ''}")
             _row(rows, {**base, "kernel": label},
                  lambda: fused_moe_frag(x, q13, w13s, q2, w2s, ids0, tw0, G, cfg, tile=tile), ref,
                  [lambda i=i, w=w: fused_moe_frag(x, q13, w13s, q2, w2s, i, w, G, cfg, tile=tile) for i, w in sets],

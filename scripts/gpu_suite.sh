@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU tests and benchmarks, logs and results packed under $OUT; one device call runs one part.
-#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|next|chain|sample|rounds|decode|step|verify|resume|ncu|plane|merge|merge2|merge3|sample2|fork|last|plane2|rows|kload|lazy|rounds2|maxnreg|qsplit|stages|down|bm8|m64|merge4|merge5|final2|moerows|moe16|moe16b|router|router2|router3|final3|frag|frag2|frag3|frag4|frag5|frag7|frag8|xsm|xsm2|xsm3|xsm4|xsm5|xsm6|router4|arrive|tune2|direct|epi|pdl|pdl2|pdl3|rgemv|rgemv2|pdl4|pdl5|shared|final4|spec4|prof|round5|round6|round7|tiled|tiled2|tiled3|tiled4|tiled5|tiled6|tiled7|tiled8|wg|wg2|wide|wg3]   (on the GPU machine, from the repository root)
+#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|next|chain|sample|rounds|decode|step|verify|resume|ncu|plane|merge|merge2|merge3|sample2|fork|last|plane2|rows|kload|lazy|rounds2|maxnreg|qsplit|stages|down|bm8|m64|merge4|merge5|final2|moerows|moe16|moe16b|router|router2|router3|final3|frag|frag2|frag3|frag4|frag5|frag7|frag8|xsm|xsm2|xsm3|xsm4|xsm5|xsm6|router4|arrive|tune2|direct|epi|pdl|pdl2|pdl3|rgemv|rgemv2|pdl4|pdl5|shared|final4|spec4|prof|round5|round6|round7|tiled|tiled2|tiled3|tiled4|tiled5|tiled6|tiled7|tiled8|wg|wg2|wide|wg3|wg4|wg5]   (on the GPU machine, from the repository root)
 #   tune   the W4A16 config sweep, the bitwise and CUDA-graph GPU tests, the demo's spec benchmark
 #   check  the remaining GPU tests (kernels, batch invariance, target, attention), kernel and round benches
 #   bench  the benchmarks with long runs (K2 step, attention, GEMM)
@@ -126,6 +126,8 @@
 #   wg2    the plan with wgmma programs beyond 16 tokens: every fragment GPU test, the dense bench up to M = 256
 #   wg3    dense INT4 linears on the fragment kernel by default: its engine and plan GPU tests, the target and
 #          demo spec == plain tests, the issue's kernel bench
+#   wg4    MoE expert blocks of 32 / 64 tokens on wgmma: the MoE fragment GPU tests, the MoE bench to T = 2048
+#   wg5    the final code's fragment, target and demo spec == plain GPU tests (32-row wgmma blocks in the table)
 #   wide   64-row verify tiles of the MLA attention (wgmma) against the defaults: time and bits (--sweep-wide)
 #   round7 each DDTree-builder test case timed apart (scripts/diag_tree_gpu.py), then the graph-round tests
 #          that round6's step cap left out and the spec GPU tests
@@ -691,6 +693,15 @@ if [[ $PART == wg3 ]]; then
   step pytest_target 120 $PYT tests/gpu/test_target_gpu.py
   step pytest_spec_bitwise 110 $PYT $SPEC_BITWISE
   step bench_kernels 150 python3 bench/kernels.py --no-sweep --out "$RES"
+fi
+if [[ $PART == wg4 ]]; then
+  step pytest_moe_wg 200 $PYT tests/gpu/test_w4_frag_gpu.py -k "moe"
+  step bench_w4_frag 240 python3 bench/w4_frag.py --no-dense --ts 64,256,1024,2048 --out "$RES"
+fi
+if [[ $PART == wg5 ]]; then
+  step pytest_frag 230 $PYT tests/gpu/test_w4_frag_gpu.py
+  step pytest_target 120 $PYT tests/gpu/test_target_gpu.py
+  step pytest_spec_bitwise 110 $PYT $SPEC_BITWISE
 fi
 if [[ $PART == prof ]]; then
   step bench_round 150 python3 bench/round.py --budgets 16 --prompts 2 --out "$RES"

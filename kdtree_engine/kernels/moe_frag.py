@@ -34,14 +34,17 @@ if HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
 
-    from kdtree_engine.kernels.w4_frag import (_frag_loop, _word_ptrs, mma_layout, operand_layout, pdl_wait_gl,
+    from kdtree_engine.kernels.w4_frag import (_frag_loop, _frag_loop_wg, _word_ptrs, mma_layout, operand_layout,
+                                               pdl_wait_gl, wg_a_layout, wg_layout, wg_x_layout, wg_x_smem,
                                                x_layout)
 
 
 @dataclass(frozen=True)
 class FragMoEConfig:
-    BLOCK_M: int = 8       # token rows per expert block = the MMA's token columns (8 or 16; re-tiles only).
-    #                        32 / 64 would hold a [256 x 32 / 64] activation operand per thread: spills
+    BLOCK_M: int = 8       # token rows per expert block = the MMA's token columns (re-tiles only): 8 or 16 on
+    #                        mma.sync (32 / 64 would hold a [256 x 32 / 64] activation operand per thread: spills),
+    #                        32 or 64 on wgmma (w4_frag._frag_loop_wg: activations in shared memory; 4 warps, MT 1;
+    #                        the same bits as mma.sync, GPU-tested)
     MT: int = 1            # 16-row MMA tiles per warp (re-tiles only)
     MT2: int | None = None # the down GEMM's tiles per warp (None: MT; re-tiles only). 2 / 4 measured within
     #                        the run-to-run spread at T = 1..64 (bench/results/w4-frag-h200-mt2.md)
@@ -58,9 +61,17 @@ class FragMoEConfig:
     PDL: bool = True       # every launch a programmatic dependent (pdl.py; the same bits): T = 1 67.8 against
     #                        70.1 us, T = 16 742 against 753 (bench/results/w4-frag-h200-pdl.md)
 
+    @property
+    def wgmma(self) -> bool:
+        """Whether the expert blocks run on wgmma (more than 16 token rows) rather than mma.sync."""
+        return self.BLOCK_M > 16
+
     def __post_init__(self) -> None:
-        if self.BLOCK_M not in (8, 16):
-            raise ValueError(f"FragMoEConfig.BLOCK_M must be 8 or 16, got {self.BLOCK_M}")
+        if self.BLOCK_M not in (8, 16, 32, 64):
+            raise ValueError(f"FragMoEConfig.BLOCK_M must be 8, 16, 32 or 64, got {self.BLOCK_M}")
+        if self.wgmma and (self.num_warps != 4 or self.MT != 1 or self.MT2 not in (None, 1)):
+            raise ValueError(f"FragMoEConfig: {self.BLOCK_M}-row blocks run on wgmma, which needs 4 warps and one "
+                             f"MMA tile per warp; got {self}")
         for name in ("XLOAD", "XLOAD2"):
             v = getattr(self, name)
             if v not in X_LOADS and not (name == "XLOAD2" and v is None):
@@ -84,10 +95,15 @@ def split13(H: int, gpb: int) -> int:
 # GPB): only BLOCK_M / MT / the activation loads differ. bench/results/w4-frag-h200-xsmem.md, K2 layer:
 # 8-row blocks from T = 4 to 256 (up to 5.3 pairs per expert; 3138 us at T = 256 against 3740 for 16-row
 # blocks), 16-row blocks with 1 MMA tile per warp at T = 1024 (21 pairs per expert: 7212 us against 8174;
-# 2 tiles per warp spill once the activations pass through shared memory).
+# 2 tiles per warp spill once the activations pass through shared memory). bench/results/w4-frag-h200-moe-
+# wgmma.md: 32-row wgmma blocks from 17 pairs per expert (T = 1024 / 2048: 5227 / 9283 us against 7092 /
+# 12044 for 16-row blocks; at T = 64 / 256 they lose: 2763 / 3919 against 2003 / 3045 for 8-row blocks;
+# 64-row blocks spill: 16161 us at T = 1024). Up to 16 pairs 16-row blocks stay (one block per expert either
+# way, and a 32-column wgmma doubles the MMA work: dense M = 16 91 against 65 us).
 FRAG_MOE_CONFIGS: list[tuple[int, FragMoEConfig]] = [
     (8, FragMoEConfig(BLOCK_M=8)),
-    (1 << 62, FragMoEConfig(BLOCK_M=16)),
+    (16, FragMoEConfig(BLOCK_M=16)),
+    (1 << 62, FragMoEConfig(BLOCK_M=32)),
 ]
 # Launches of at most 8 pairs (T = 1 at top-8) had their own config until the words were tiled: the gate/up
 # GEMM loaded the activations in the MMA operand layout, at use: the relabel through shared memory cost it
@@ -136,19 +152,16 @@ if HAVE_GLUON:
                          stride_os, stride_ot, kb_per_split,
                          GATE_UP: gl.constexpr, TOK: gl.constexpr, MT: gl.constexpr, GPB: gl.constexpr,
                          WL: gl.constexpr, X_SMEM: gl.constexpr, X_AHEAD: gl.constexpr, PDL: gl.constexpr,
-                         TILE: gl.constexpr, num_warps: gl.constexpr):
+                         TILE: gl.constexpr, num_warps: gl.constexpr, WG: gl.constexpr = False):
         """grid (blocks, N / BN, splits), one expert block's pairs over the split's K blocks.
         GATE_UP: x [T, H] rows pair // TOPK, weight rows n and UP_ROW + n -> out[split, pair, n] and
         out[split, pair, UP_ROW + n] (fp32 gate / up partials). Else (down): x = inter [P, I] rows pair ->
         out[split, pair, n] = router weight x the partial down sum. PDL (pdl.py): launched dependent on the
         align launch (gate/up: waits first) or the SwiGLU launch (down: waits after its first weight loads;
-        the blocks are two launches back, complete)."""
+        the blocks are two launches back, complete). WG: wgmma programs (w4_frag._frag_loop_wg; 4 warps, MT 1)."""
         BN: gl.constexpr = 16 * num_warps * MT
         BK: gl.constexpr = 32 * GPB
-        MMA: gl.constexpr = mma_layout(num_warps)
-        AL: gl.constexpr = operand_layout(0, num_warps)
-        BL: gl.constexpr = operand_layout(1, num_warps)
-        XL: gl.constexpr = x_layout(BK, TOK, num_warps, X_SMEM)
+        MMA: gl.constexpr = wg_layout(TOK) if WG else mma_layout(num_warps)
         pid_b = gl.program_id(0)
         if GATE_UP and PDL:
             pdl_wait_gl()
@@ -167,17 +180,28 @@ if HAVE_GLUON:
         else:
             w1, s1 = w0, s0
 
-        pair, ok = _block_pairs(sorted_ptr, pid_b, rows, TOK, gl.SliceLayout(0, XL))
-        rk = gl.arange(0, BK, layout=gl.SliceLayout(1, XL))
-        if GATE_UP:
-            xr = (pair // TOPK).to(gl.int64)
-        else:
-            xr = pair.to(gl.int64)
-        x_ptrs = x_ptr + gl.expand_dims(xr, 0) * stride_xt + gl.expand_dims(rk, 1) + kb0 * BK
         acc0 = gl.zeros([BN, TOK], gl.float32, layout=MMA)
         acc1 = gl.zeros([BN, TOK], gl.float32, layout=MMA)
-        acc0, acc1 = _frag_loop(acc0, acc1, w0, s0, w1, s1, x_ptrs, gl.expand_dims(ok, 0), kb_per_split,
-                                GATE_UP, X_AHEAD, AL, BL, BN, GPB, PDL and not GATE_UP, TILE)
+        if WG:
+            # the block's activations [TOK, BK] (k contiguous) into shared memory: the wgmma B operand
+            XW: gl.constexpr = wg_x_layout(TOK, BK)
+            pair, ok = _block_pairs(sorted_ptr, pid_b, rows, TOK, gl.SliceLayout(1, XW))
+            rk = gl.arange(0, BK, layout=gl.SliceLayout(0, XW))
+            xr = (pair // TOPK).to(gl.int64) if GATE_UP else pair.to(gl.int64)
+            x_ptrs = x_ptr + gl.expand_dims(xr, 1) * stride_xt + gl.expand_dims(rk, 0) + kb0 * BK
+            xs = gl.allocate_shared_memory(gl.bfloat16, [2, TOK, BK], wg_x_smem(TOK, BK))
+            acc0, acc1 = _frag_loop_wg(acc0, acc1, w0, s0, w1, s1, x_ptrs, gl.expand_dims(ok, 1), kb_per_split,
+                                       xs, GATE_UP, wg_a_layout(TOK), BN, GPB, PDL and not GATE_UP, TILE)
+        else:
+            AL: gl.constexpr = operand_layout(0, num_warps)
+            BL: gl.constexpr = operand_layout(1, num_warps)
+            XL: gl.constexpr = x_layout(BK, TOK, num_warps, X_SMEM)
+            pair, ok = _block_pairs(sorted_ptr, pid_b, rows, TOK, gl.SliceLayout(0, XL))
+            rk = gl.arange(0, BK, layout=gl.SliceLayout(1, XL))
+            xr = (pair // TOPK).to(gl.int64) if GATE_UP else pair.to(gl.int64)
+            x_ptrs = x_ptr + gl.expand_dims(xr, 0) * stride_xt + gl.expand_dims(rk, 1) + kb0 * BK
+            acc0, acc1 = _frag_loop(acc0, acc1, w0, s0, w1, s1, x_ptrs, gl.expand_dims(ok, 0), kb_per_split,
+                                    GATE_UP, X_AHEAD, AL, BL, BN, GPB, PDL and not GATE_UP, TILE)
 
         pair_o, ok_o = _block_pairs(sorted_ptr, pid_b, rows, TOK, gl.SliceLayout(0, MMA))
         if not GATE_UP:
@@ -245,7 +269,7 @@ def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor
         part.stride(0), part.stride(1), H // (32 * g13) // s13,
         GATE_UP=True, TOK=cfg.BLOCK_M, MT=mt, GPB=g13, WL=word_layout(cfg.num_warps, mt, g13),
         X_SMEM=X_LOADS[cfg.XLOAD][0], X_AHEAD=X_LOADS[cfg.XLOAD][1], TILE=tile, num_warps=cfg.num_warps,
-        **pdl, **({"maxnreg": cfg.MAXNREG13} if cfg.MAXNREG13 else {}))
+        WG=cfg.wgmma, **pdl, **({"maxnreg": cfg.MAXNREG13} if cfg.MAXNREG13 else {}))
     inter = torch.empty((P, I), device=x.device, dtype=x.dtype)
     block = min(cfg.EPI_BLOCK, triton.next_power_of_2(I))
     _moe_swiglu_kernel[(P, triton.cdiv(I, block))](
@@ -259,7 +283,7 @@ def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor
         y.stride(0), y.stride(1), I // (32 * g2) // cfg.SPLIT2,
         GATE_UP=False, TOK=cfg.BLOCK_M, MT=mt2, GPB=g2, WL=word_layout(cfg.num_warps, mt2, g2),
         X_SMEM=X_LOADS[xload2][0], X_AHEAD=X_LOADS[xload2][1], TILE=tile, num_warps=cfg.num_warps,
-        **pdl, **({"maxnreg": cfg.MAXNREG2} if cfg.MAXNREG2 else {}))
+        WG=cfg.wgmma, **pdl, **({"maxnreg": cfg.MAXNREG2} if cfg.MAXNREG2 else {}))
     BLOCK_H = cfg.EPI_BLOCK
     _moe_topk_sum_kernel[(T, triton.cdiv(H, BLOCK_H))](
         y, ids, out, H, E, y.stride(1), y.stride(0), out.stride(0), TOPK=topk, BLOCK_H=BLOCK_H,

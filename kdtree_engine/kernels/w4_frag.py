@@ -294,16 +294,22 @@ if HAVE_GLUON:
         return acc0, acc1
 
     @gluon.jit
-    def _frag_loop_wg(acc, w0, s0, x_ptrs, x_mask, nblk, xs, AL: gl.constexpr, BN: gl.constexpr,
-                      GPB: gl.constexpr, WAIT: gl.constexpr, TILE: gl.constexpr):
-        """acc [64, TOK] += A @ x over nblk blocks, by wgmma: the dequantized weights are the register A
-        operand (the same fragments as mma.sync's), the activation block [TOK, BK] the shared-memory B
-        operand (xs: two buffers), read by the tensor cores for the whole warpgroup. One block of words,
-        scales and activations in flight ahead of the one in use."""
+    def _frag_loop_wg(acc0, acc1, w0, s0, w1, s1, x_ptrs, x_mask, nblk, xs,
+                      TWO: gl.constexpr, AL: gl.constexpr, BN: gl.constexpr, GPB: gl.constexpr,
+                      WAIT: gl.constexpr, TILE: gl.constexpr):
+        """acc0 (+ acc1 with TWO) [64, TOK] += A0 (A1) @ x over nblk blocks, by wgmma: the dequantized weights
+        are the register A operand (the same fragments as mma.sync's), the activation block [TOK, BK] the
+        shared-memory B operand (xs: two buffers), read by the tensor cores for the whole warpgroup. One block
+        of words, scales and activations in flight ahead of the one in use. The MMA is synchronous: the
+        asynchronous forms measured wrong from three blocks on and no faster
+        (bench/results/w4-frag-h200-wgmma-async2.md)."""
         BK: gl.constexpr = 32 * GPB
         WSTEP: gl.constexpr = 4 * GPB * (TILE if TILE else 1)
         a0 = gl.load(w0)
         c0 = gl.load(s0)
+        if TWO:
+            a1 = gl.load(w1)
+            c1 = gl.load(s1)
         if WAIT:
             pdl_wait_gl()
         xr = gl.load(x_ptrs, mask=x_mask, other=0.0)
@@ -315,18 +321,34 @@ if HAVE_GLUON:
             x_ptrs += BK
             n_a0 = gl.load(w0)
             n_c0 = gl.load(s0)
+            if TWO:
+                w1 += WSTEP
+                s1 += GPB
+                n_a1 = gl.load(w1)
+                n_c1 = gl.load(s1)
             xr = gl.load(x_ptrs, mask=x_mask, other=0.0)
             fence_async_shared()
             cta_barrier()
-            acc = warpgroup_mma(_dequant_frag(a0, c0, AL, BN, BK), buf.permute((1, 0)), acc)
+            acc0 = warpgroup_mma(_dequant_frag(a0, c0, AL, BN, BK), buf.permute((1, 0)), acc0)
             a0 = n_a0
             c0 = n_c0
+            if TWO:
+                acc1 = warpgroup_mma(_dequant_frag(a1, c1, AL, BN, BK), buf.permute((1, 0)), acc1)
+                a1 = n_a1
+                c1 = n_c1
         buf = xs.index((nblk - 1) % 2)
         buf.store(xr)
         fence_async_shared()
         cta_barrier()
-        acc = warpgroup_mma(_dequant_frag(a0, c0, AL, BN, BK), buf.permute((1, 0)), acc)
-        return acc
+        acc0 = warpgroup_mma(_dequant_frag(a0, c0, AL, BN, BK), buf.permute((1, 0)), acc0)
+        if TWO:
+            acc1 = warpgroup_mma(_dequant_frag(a1, c1, AL, BN, BK), buf.permute((1, 0)), acc1)
+        return acc0, acc1
+
+    @constexpr_function
+    def wg_x_smem(tok, bk):
+        """Shared-memory layout of the two activation buffers [2, TOK, BK] of _frag_loop_wg."""
+        return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
 
     @gluon.jit
     def _w4_frag_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, stride_xm, stride_wn, stride_sn,
@@ -352,10 +374,9 @@ if HAVE_GLUON:
             rk = gl.arange(0, BK, layout=gl.SliceLayout(0, XW))
             rm = m0 + gl.arange(0, TOK, layout=gl.SliceLayout(1, XW))
             x_ptrs = x_ptr + gl.expand_dims(rm, 1) * stride_xm + gl.expand_dims(rk, 0) + kb0 * BK
-            xs = gl.allocate_shared_memory(gl.bfloat16, [2, TOK, BK],
-                                           gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
-            acc = _frag_loop_wg(acc, w_ptrs, s_ptrs, x_ptrs, gl.expand_dims(rm, 1) < M, kb_per_split, xs,
-                                wg_a_layout(TOK), BN, GPB, PDL, TILE)
+            xs = gl.allocate_shared_memory(gl.bfloat16, [2, TOK, BK], wg_x_smem(TOK, BK))
+            acc, unused = _frag_loop_wg(acc, acc, w_ptrs, s_ptrs, w_ptrs, s_ptrs, x_ptrs, gl.expand_dims(rm, 1) < M,
+                                        kb_per_split, xs, False, wg_a_layout(TOK), BN, GPB, PDL, TILE)
         else:
             AL: gl.constexpr = operand_layout(0, num_warps)
             BL: gl.constexpr = operand_layout(1, num_warps)

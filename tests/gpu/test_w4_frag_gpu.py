@@ -171,7 +171,8 @@ def _moe_case(E, H, I, T, topk, gpb=None, seed=0, unowned=False):
 
 
 @pytest.mark.parametrize("cfg", [None, FragMoEConfig(BLOCK_M=16, SPLIT13=4, SPLIT2=2),
-                                 FragMoEConfig(GPB=4, MT=2, SPLIT13=2, SPLIT2=2), FragMoEConfig(BLOCK_M=8, MT=2)])
+                                 FragMoEConfig(GPB=4, MT=2, SPLIT13=2, SPLIT2=2), FragMoEConfig(BLOCK_M=8, MT=2),
+                                 FragMoEConfig(BLOCK_M=32), FragMoEConfig(BLOCK_M=64, SPLIT13=4, SPLIT2=2)])
 @pytest.mark.parametrize("T", [1, 5, 33])
 def test_moe_frag_matches_reference_small(poisoned, cfg, T):
     x, w, ids, tw, ref = _moe_case(E=12, H=1024, I=512, T=T, topk=3, gpb=cfg and cfg.GPB, seed=T)
@@ -200,20 +201,21 @@ def test_moe_frag_tiled_words_same_bits(poisoned, T):
     q13, s13, q2, s2 = w
     tiled = (frag_tile(q13, frag_gpb(7168), 64), s13, frag_tile(q2, frag_gpb(2048), 64), s2)
     assert not torch.equal(tiled[0], q13)
-    for cfg in (None, FragMoEConfig(BLOCK_M=16), FragMoEConfig(BLOCK_M=8, MT=2, MT2=2)):
+    for cfg in (None, FragMoEConfig(BLOCK_M=16), FragMoEConfig(BLOCK_M=8, MT=2, MT2=2), FragMoEConfig(BLOCK_M=32)):
         rows = fused_moe_frag(x, *w, ids, tw, G, cfg)
         _check(rows, ref, TOL, f"moe frag T={T} {cfg}")
         assert torch.equal(rows, fused_moe_frag(x, *tiled, ids, tw, G, cfg, tile=64)), f"T={T} {cfg}: other bits"
 
 
-@pytest.mark.parametrize("cfg", [None, FragMoEConfig(BLOCK_M=16)])
+@pytest.mark.parametrize("cfg", [None, FragMoEConfig(BLOCK_M=16), FragMoEConfig(BLOCK_M=32)])
 def test_moe_frag_batch_invariant(cfg):
     """A token's output is the same, bit for bit, alone and in batches of 4 / 17 / 64 (T = 1 takes the
     few-pairs config), with every block size of the table (each pair is its own MMA column) and every way
     of loading the activations."""
     x, w, ids, tw, _ = _moe_case(E=64, H=2048, I=1024, T=64, topk=8)
     full = fused_moe_frag(x, *w, ids, tw, G, cfg)
-    for bm, mt, mt2 in ((8, 1, None), (8, 2, None), (16, 1, None), (16, 2, None), (8, 1, 2), (8, 1, 4), (8, 2, 1)):
+    for bm, mt, mt2 in ((8, 1, None), (8, 2, None), (16, 1, None), (16, 2, None), (8, 1, 2), (8, 1, 4), (8, 2, 1),
+                        (32, 1, None), (64, 1, None)):   # 32 / 64: wgmma programs
         other = fused_moe_frag(x, *w, ids, tw, G, FragMoEConfig(BLOCK_M=bm, MT=mt, MT2=mt2))
         assert torch.equal(full, other), f"block rows {bm} / MT {mt} / MT2 {mt2} give other bits"
     for warps in (2, 8):

@@ -9,11 +9,28 @@ from kdtree_engine.kernels.w4_frag import X_LOADS
 
 
 @pytest.mark.parametrize("field,value", [("XLOAD", "registers"), ("XLOAD2", "shared"), ("XLOAD", None),
-                                         ("BLOCK_M", 32), ("EPI_BLOCK", 100), ("EPI_BLOCK", 64),
+                                         ("BLOCK_M", 24), ("EPI_BLOCK", 100), ("EPI_BLOCK", 64),
                                          ("MAXNREG13", 8), ("MAXNREG2", 300)])
 def test_bad_fields_are_refused_by_name(field, value):
     with pytest.raises(ValueError, match=field):
         FragMoEConfig(**{field: value})
+
+
+def test_wgmma_blocks_need_one_warpgroup_of_single_tiles():
+    """32 / 64-row expert blocks run on wgmma: 4 warps, one MMA tile per warp, or a named error."""
+    assert FragMoEConfig(BLOCK_M=32).wgmma and not FragMoEConfig(BLOCK_M=16).wgmma
+    for kw in (dict(MT=2), dict(MT2=2), dict(num_warps=8)):
+        with pytest.raises(ValueError, match="wgmma"):
+            FragMoEConfig(BLOCK_M=64, **kw)
+
+
+def test_dense_token_tiles_and_instructions():
+    """The dense plan's token tile follows M (8 / 16 on mma.sync, 32 / 64 on wgmma); launches that cannot take
+    wgmma programs stay at 16."""
+    from kdtree_engine.kernels.w4_frag import token_mma, token_tile
+    assert [token_tile(m) for m in (1, 8, 9, 16, 17, 32, 33, 64, 1000)] == [8, 8, 16, 16, 32, 32, 64, 64, 64]
+    assert [token_tile(m, wide=False) for m in (1, 9, 17, 1000)] == [8, 16, 16, 16]
+    assert [token_mma(t) for t in (8, 16, 32, 64)] == ["sync", "sync", "wgmma", "wgmma"]
 
 
 def test_every_activation_load_is_accepted_for_both_gemms():
