@@ -35,7 +35,7 @@ if HAVE_GLUON:
     from triton.experimental.gluon import language as gl
 
     from kdtree_engine.kernels.w4_frag import (_frag_loop, _frag_loop_wg, _word_ptrs, mma_layout, operand_layout,
-                                               pdl_wait_gl, wg_a_layout, wg_layout, wg_x_layout, wg_x_smem,
+                                               pdl_wait_gl, wg_a_layout, wg_layout, wg_x_layout, WG_X_SMEM,
                                                x_layout)
 
 
@@ -189,7 +189,7 @@ if HAVE_GLUON:
             rk = gl.arange(0, BK, layout=gl.SliceLayout(0, XW))
             xr = (pair // TOPK).to(gl.int64) if GATE_UP else pair.to(gl.int64)
             x_ptrs = x_ptr + gl.expand_dims(xr, 1) * stride_xt + gl.expand_dims(rk, 0) + kb0 * BK
-            xs = gl.allocate_shared_memory(gl.bfloat16, [2, TOK, BK], wg_x_smem(TOK, BK))
+            xs = gl.allocate_shared_memory(gl.bfloat16, [2, TOK, BK], WG_X_SMEM)
             acc0, acc1 = _frag_loop_wg(acc0, acc1, w0, s0, w1, s1, x_ptrs, gl.expand_dims(ok, 1), kb_per_split,
                                        xs, GATE_UP, wg_a_layout(TOK), BN, GPB, PDL and not GATE_UP, TILE)
         else:

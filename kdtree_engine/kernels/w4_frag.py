@@ -1,5 +1,7 @@
 """Fragment-ordered W4A16 GEMM (GPU only): the packed weights are loaded straight into the
 registers of an mma.sync A operand, dequantized there, and never pass through shared memory.
+Programs of more than 16 tokens use the same registers as the A operand of a warpgroup MMA (wgmma), with
+the activations its shared-memory B operand (_frag_loop_wg); wgmma and mma.sync give the same bits.
 
 The default kernel (`kdtree_engine/kernels/w4a16.py`) dequantizes a tile in registers, stores it to shared
 memory and reloads it in the MMA's operand layout: ~5 bytes of shared-memory traffic per weight, the limit
@@ -137,6 +139,8 @@ except ImportError:  # pragma: no cover - depends on the installed triton
 
 if HAVE_GLUON:
     DEQ_ASM = gl.constexpr(BF16X2_PTX)   # output j = nibble j (w4_dequant.py)
+    # the two activation buffers [2, TOK, BK] bf16 of _frag_loop_wg (the wgmma B operand, 128-byte swizzle)
+    WG_X_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
     WAIT_ASM = gl.constexpr(PDL_ASM)
 
     @constexpr_function
@@ -345,11 +349,6 @@ if HAVE_GLUON:
             acc1 = warpgroup_mma(_dequant_frag(a1, c1, AL, BN, BK), buf.permute((1, 0)), acc1)
         return acc0, acc1
 
-    @constexpr_function
-    def wg_x_smem(tok, bk):
-        """Shared-memory layout of the two activation buffers [2, TOK, BK] of _frag_loop_wg."""
-        return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-
     @gluon.jit
     def _w4_frag_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, stride_xm, stride_wn, stride_sn,
                         stride_om, stride_os, kb_per_split,
@@ -374,7 +373,7 @@ if HAVE_GLUON:
             rk = gl.arange(0, BK, layout=gl.SliceLayout(0, XW))
             rm = m0 + gl.arange(0, TOK, layout=gl.SliceLayout(1, XW))
             x_ptrs = x_ptr + gl.expand_dims(rm, 1) * stride_xm + gl.expand_dims(rk, 0) + kb0 * BK
-            xs = gl.allocate_shared_memory(gl.bfloat16, [2, TOK, BK], wg_x_smem(TOK, BK))
+            xs = gl.allocate_shared_memory(gl.bfloat16, [2, TOK, BK], WG_X_SMEM)
             acc, unused = _frag_loop_wg(acc, acc, w_ptrs, s_ptrs, w_ptrs, s_ptrs, x_ptrs, gl.expand_dims(rm, 1) < M,
                                         kb_per_split, xs, False, wg_a_layout(TOK), BN, GPB, PDL, TILE)
         else:
