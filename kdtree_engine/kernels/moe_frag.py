@@ -184,7 +184,7 @@ if HAVE_GLUON:
         acc1 = gl.zeros([BN, TOK], gl.float32, layout=MMA)
         if WG:
             # the block's activations [TOK, BK] (k contiguous) into shared memory: the wgmma B operand
-            XW: gl.constexpr = wg_x_layout(TOK, BK)
+            XW: gl.constexpr = wg_x_layout(BK)
             pair, ok = _block_pairs(sorted_ptr, pid_b, rows, TOK, gl.SliceLayout(1, XW))
             rk = gl.arange(0, BK, layout=gl.SliceLayout(0, XW))
             xr = (pair // TOPK).to(gl.int64) if GATE_UP else pair.to(gl.int64)

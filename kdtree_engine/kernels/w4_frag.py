@@ -165,7 +165,7 @@ if HAVE_GLUON:
         return gl.DotOperandLayout(operand_index=0, parent=wg_layout(tok), k_width=2)
 
     @constexpr_function
-    def wg_x_layout(tok, bk):
+    def wg_x_layout(bk):
         """Load layout of an activation block [TOK, BK] for its shared-memory copy: 8 consecutive k per thread."""
         lanes_k = max(1, min(32, bk // 8))
         return gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[32 // lanes_k, lanes_k],
@@ -243,6 +243,19 @@ if HAVE_GLUON:
         gl.inline_asm_elementwise(WAIT_ASM, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
+    def _load_words(w0, s0, w1, s1, TWO: gl.constexpr):
+        """One block's words and scales of the A0 operand and, with TWO, of A1 (else A1 aliases A0: unused)."""
+        a0 = gl.load(w0)
+        c0 = gl.load(s0)
+        if TWO:
+            a1 = gl.load(w1)
+            c1 = gl.load(s1)
+        else:
+            a1 = a0
+            c1 = c0
+        return a0, c0, a1, c1
+
+    @gluon.jit
     def _frag_loop(acc0, acc1, w0, s0, w1, s1, x_ptrs, x_mask, nblk,
                    TWO: gl.constexpr, X_AHEAD: gl.constexpr, AL: gl.constexpr, BL: gl.constexpr,
                    BN: gl.constexpr, GPB: gl.constexpr, WAIT: gl.constexpr, TILE: gl.constexpr):
@@ -255,11 +268,7 @@ if HAVE_GLUON:
         BK: gl.constexpr = 32 * GPB
         WSTEP: gl.constexpr = 4 * GPB * (TILE if TILE else 1)   # words from one block to the next
         SSTEP: gl.constexpr = GPB                               # scales (row-major)
-        a0 = gl.load(w0)
-        c0 = gl.load(s0)
-        if TWO:
-            a1 = gl.load(w1)
-            c1 = gl.load(s1)
+        a0, c0, a1, c1 = _load_words(w0, s0, w1, s1, TWO)
         if WAIT:
             pdl_wait_gl()
         if X_AHEAD:
@@ -267,13 +276,9 @@ if HAVE_GLUON:
         for _ in range(nblk - 1):
             w0 += WSTEP
             s0 += SSTEP
-            n_a0 = gl.load(w0)
-            n_c0 = gl.load(s0)
-            if TWO:
-                w1 += WSTEP
-                s1 += SSTEP
-                n_a1 = gl.load(w1)
-                n_c1 = gl.load(s1)
+            w1 += WSTEP
+            s1 += SSTEP
+            n_a0, n_c0, n_a1, n_c1 = _load_words(w0, s0, w1, s1, TWO)
             if X_AHEAD:
                 xb = gl.convert_layout(xr, BL)
                 x_ptrs += BK
@@ -309,11 +314,7 @@ if HAVE_GLUON:
         (bench/results/w4-frag-h200-wgmma-async2.md)."""
         BK: gl.constexpr = 32 * GPB
         WSTEP: gl.constexpr = 4 * GPB * (TILE if TILE else 1)
-        a0 = gl.load(w0)
-        c0 = gl.load(s0)
-        if TWO:
-            a1 = gl.load(w1)
-            c1 = gl.load(s1)
+        a0, c0, a1, c1 = _load_words(w0, s0, w1, s1, TWO)
         if WAIT:
             pdl_wait_gl()
         xr = gl.load(x_ptrs, mask=x_mask, other=0.0)
@@ -322,14 +323,10 @@ if HAVE_GLUON:
             buf.store(xr)
             w0 += WSTEP
             s0 += GPB
+            w1 += WSTEP
+            s1 += GPB
             x_ptrs += BK
-            n_a0 = gl.load(w0)
-            n_c0 = gl.load(s0)
-            if TWO:
-                w1 += WSTEP
-                s1 += GPB
-                n_a1 = gl.load(w1)
-                n_c1 = gl.load(s1)
+            n_a0, n_c0, n_a1, n_c1 = _load_words(w0, s0, w1, s1, TWO)
             xr = gl.load(x_ptrs, mask=x_mask, other=0.0)
             fence_async_shared()
             cta_barrier()
@@ -369,7 +366,7 @@ if HAVE_GLUON:
         acc = gl.zeros([BN, TOK], gl.float32, layout=MMA)
         if WG:
             # activations [TOK, BK] (k contiguous) into shared memory, the wgmma B operand as its transpose
-            XW: gl.constexpr = wg_x_layout(TOK, BK)
+            XW: gl.constexpr = wg_x_layout(BK)
             rk = gl.arange(0, BK, layout=gl.SliceLayout(0, XW))
             rm = m0 + gl.arange(0, TOK, layout=gl.SliceLayout(1, XW))
             x_ptrs = x_ptr + gl.expand_dims(rm, 1) * stride_xm + gl.expand_dims(rk, 0) + kb0 * BK
