@@ -17,6 +17,7 @@ the experts touched over the copy bandwidth, and the error against `fused_moe_re
 from __future__ import annotations
 
 import argparse
+from dataclasses import fields
 import math
 import sys
 from pathlib import Path
@@ -40,6 +41,9 @@ DENSE_CANDIDATES = [  # the engine's plan first (None), then overrides of it (th
     # mma: the instruction (token_mma: mma.sync up to 16 tokens per program, wgmma beyond)
     None, dict(tile=0), dict(split=4), dict(mma="sync", tok=16), dict(mma="wgmma", tok=16),
     dict(mma="wgmma", tok=32),
+    # words and scales through a shared-memory ring of 2 / 3 / 4 / 6 slots (mma.sync programs; same bits)
+    dict(mma="sync", ring=2), dict(mma="sync", ring=3), dict(mma="sync", ring=4), dict(mma="sync", ring=6),
+    dict(mma="sync", ring=4, split=1), dict(mma="sync", ring=4, split=4),
 ]
 MOE_CANDIDATES = [  # the engine's table first (None), then block rows / tiles / splits / activation loads, all on
     # the engine's tiled words; the engine's table on row-major words last (block-major words, measured at
@@ -53,6 +57,11 @@ MOE_CANDIDATES = [  # the engine's table first (None), then block rows / tiles /
     # wgmma expert blocks (32 / 64 token rows; the register cap keeps 3 programs per SM)
     FragMoEConfig(BLOCK_M=16), FragMoEConfig(BLOCK_M=32), FragMoEConfig(BLOCK_M=64),
     FragMoEConfig(BLOCK_M=32, MAXNREG13=168, MAXNREG2=168),
+    # words and scales through shared-memory rings (RING13 / RING2 slots; the same bits)
+    FragMoEConfig(BLOCK_M=8, RING13=2, RING2=2), FragMoEConfig(BLOCK_M=8, RING13=3, RING2=3),
+    FragMoEConfig(BLOCK_M=8, RING13=3, RING2=4), FragMoEConfig(BLOCK_M=8, RING13=4, RING2=6),
+    FragMoEConfig(BLOCK_M=8, RING2=4), FragMoEConfig(BLOCK_M=8, RING13=3),
+    FragMoEConfig(BLOCK_M=16, RING13=3, RING2=4),
 ]
 MOE_TS = [1, 4, 16, 64, 256, 1024]
 
@@ -70,7 +79,17 @@ def _row(rows, base, fn, ref, timed, nbytes, bw, reps):
     print(f"{base}: {r.get('us')} us, err {r.get('err', r.get('error'))}", flush=True)
 
 
-def bench_dense(ms, bw, reps) -> list[dict]:
+def _wanted(cand, only: str | None) -> bool:
+    """The engine's plan / table (cand None) always; the other candidates whose set knobs (a dense dict, a
+    FragMoEConfig's fields off their defaults), lower-cased, contain `only` (None: all)."""
+    if cand is None or only is None:
+        return True
+    knobs = cand if isinstance(cand, dict) else {f.name: getattr(cand, f.name) for f in fields(cand)
+                                                  if getattr(cand, f.name) != f.default}
+    return only.lower() in repr(knobs).lower()
+
+
+def bench_dense(ms, bw, reps, only: str | None = None) -> list[dict]:
     rows: list[dict] = []
     l2 = l2_bytes()
     for name, (N, K) in DENSE.items():
@@ -88,7 +107,7 @@ def bench_dense(ms, bw, reps) -> list[dict]:
                  [lambda p=p, s=s: w4a16_linear(x, p, s, G) for p, s in ws], nbytes, bw, reps)
             _row(rows, {**base, "kernel": "torch bf16 (dequantized)"}, lambda: x @ wd.T, ref,
                  [lambda: x @ wd.T], None, bw, reps)
-            for cand in DENSE_CANDIDATES:
+            for cand in [c for c in DENSE_CANDIDATES if _wanted(c, only)]:
                 gpb, mt, split = plan
                 kw = dict(gpb=gpb, mt=token_mt(mt, token_tile(M)), num_warps=4, split=split, xload="smem-ahead",
                           tok=token_tile(M), tile=FRAG_TILE)
@@ -98,7 +117,7 @@ def bench_dense(ms, bw, reps) -> list[dict]:
                 label = (f"{tag} gpb{kw['gpb']} mt{kw['mt']} w{kw['num_warps']} split{kw['split']} tok{kw['tok']}"
                          f" x {kw['xload']}{'' if kw.get('pdl', True) else ' no-pdl'}"
                          f"{' tiled ' + str(kw['tile']) if kw.get('tile') else ''}"
-                         f" {kw.get('mma') or token_mma(kw['tok'])}")
+                         f" {kw.get('mma') or token_mma(kw['tok'])}{' ring ' + str(kw['ring']) if kw.get('ring') else ''}")
                 _row(rows, {**base, "kernel": label},
                      lambda: frag_linear(x, *wr[0], **kw), ref,
                      [lambda p=p, s=s: frag_linear(x, p, s, **kw) for p, s in wr], nbytes, bw, reps)
@@ -107,7 +126,7 @@ def bench_dense(ms, bw, reps) -> list[dict]:
     return rows
 
 
-def bench_moe(ts, bw, reps) -> list[dict]:
+def bench_moe(ts, bw, reps, only: str | None = None) -> list[dict]:
     rows: list[dict] = []
     w13p, w13s = rand_w4(E, 2 * I, H)
     w2p, w2s = rand_w4(E, H, I)
@@ -126,14 +145,14 @@ def bench_moe(ts, bw, reps) -> list[dict]:
         _row(rows, {**base, "kernel": "default"}, lambda: fused_moe_w4a16(x, w13p, w13s, w2p, w2s, ids0, tw0, G),
              ref, [lambda i=i, w=w: fused_moe_w4a16(x, w13p, w13s, w2p, w2s, i, w, G) for i, w in sets],
              nbytes, bw, reps)
-        for cand, tile in [(c, FRAG_TILE) for c in MOE_CANDIDATES] + [(None, 0)]:
+        for cand, tile in [(c, FRAG_TILE) for c in MOE_CANDIDATES if _wanted(c, only)] + [(None, 0)]:
             q13, q2 = tiled if tile else frag
             cfg = cand or frag_moe_config(T * TOPK, E)
             label = (f"frag{' (engine table)' if cand is None else ''} bm{cfg.BLOCK_M} mt{cfg.MT}/{cfg.MT2 or cfg.MT} w{cfg.num_warps} "
                      f"split13 {cfg.SPLIT13 or 'auto'} split2 {cfg.SPLIT2} x {cfg.XLOAD}/{cfg.XLOAD2 or cfg.XLOAD}"
                      f"{f' maxnreg {cfg.MAXNREG13}/{cfg.MAXNREG2}' if cfg.MAXNREG13 or cfg.MAXNREG2 else ''}"
                      f" epi {cfg.EPI_BLOCK}{'' if cfg.PDL else ' no-pdl'}{f' tiled {tile}' if tile else ' row-major'}"
-                     f"{' wgmma' if cfg.wgmma else ''}")
+                     f"{' wgmma' if cfg.wgmma else ''}{f' ring {cfg.RING13}/{cfg.RING2}' if cfg.RING13 or cfg.RING2 else ''}")
             _row(rows, {**base, "kernel": label},
                  lambda: fused_moe_frag(x, q13, w13s, q2, w2s, ids0, tw0, G, cfg, tile=tile), ref,
                  [lambda i=i, w=w: fused_moe_frag(x, q13, w13s, q2, w2s, i, w, G, cfg, tile=tile) for i, w in sets],
@@ -149,6 +168,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ts", default=",".join(map(str, MOE_TS)), help="MoE token counts")
     ap.add_argument("--no-dense", action="store_true")
     ap.add_argument("--no-moe", action="store_true")
+    ap.add_argument("--only", default=None, help="besides the engine's plan / table, only the candidates whose "
+                    "repr contains this text (e.g. 'ring')")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench/w4_frag.py needs a CUDA GPU", file=sys.stderr)
@@ -156,8 +177,8 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     bw = copy_bandwidth()
     info = device_info()
-    rows = [] if args.no_dense else bench_dense([int(v) for v in args.ms.split(",")], bw, args.reps)
-    rows += [] if args.no_moe else bench_moe([int(v) for v in args.ts.split(",")], bw, args.reps)
+    rows = [] if args.no_dense else bench_dense([int(v) for v in args.ms.split(",")], bw, args.reps, args.only)
+    rows += [] if args.no_moe else bench_moe([int(v) for v in args.ts.split(",")], bw, args.reps, args.only)
     md = [f"# Fragment-ordered W4A16 (Gluon, mma.sync A operand from registers) on {info.get('gpu', 'GPU')}", "",
           f"Command: `{command_line()}`", "",
           f"torch {info.get('torch')}, triton {info.get('triton')}. Copy bandwidth {bw / 1e12:.2f} TB/s (read + write). "
