@@ -41,9 +41,6 @@ DENSE_CANDIDATES = [  # the engine's plan first (None), then overrides of it (th
     # mma: the instruction (token_mma: mma.sync up to 16 tokens per program, wgmma beyond)
     None, dict(tile=0), dict(split=4), dict(mma="sync", tok=16), dict(mma="wgmma", tok=16),
     dict(mma="wgmma", tok=32),
-    # words and scales through a shared-memory ring of 2 / 3 / 4 / 6 slots (mma.sync programs; same bits)
-    dict(mma="sync", ring=2), dict(mma="sync", ring=3), dict(mma="sync", ring=4), dict(mma="sync", ring=6),
-    dict(mma="sync", ring=4, split=1), dict(mma="sync", ring=4, split=4),
 ]
 MOE_CANDIDATES = [  # the engine's table first (None), then block rows / tiles / splits / activation loads, all on
     # the engine's tiled words; the engine's table on row-major words last (block-major words, measured at
@@ -57,11 +54,6 @@ MOE_CANDIDATES = [  # the engine's table first (None), then block rows / tiles /
     # wgmma expert blocks (32 / 64 token rows; the register cap keeps 3 programs per SM)
     FragMoEConfig(BLOCK_M=16), FragMoEConfig(BLOCK_M=32), FragMoEConfig(BLOCK_M=64),
     FragMoEConfig(BLOCK_M=32, MAXNREG13=168, MAXNREG2=168),
-    # words and scales through shared-memory rings (RING13 / RING2 slots; the same bits)
-    FragMoEConfig(BLOCK_M=8, RING13=2, RING2=2), FragMoEConfig(BLOCK_M=8, RING13=3, RING2=3),
-    FragMoEConfig(BLOCK_M=8, RING13=3, RING2=4), FragMoEConfig(BLOCK_M=8, RING13=4, RING2=6),
-    FragMoEConfig(BLOCK_M=8, RING2=4), FragMoEConfig(BLOCK_M=8, RING13=3),
-    FragMoEConfig(BLOCK_M=16, RING13=3, RING2=4),
 ]
 MOE_TS = [1, 4, 16, 64, 256, 1024]
 
@@ -117,7 +109,7 @@ def bench_dense(ms, bw, reps, only: str | None = None) -> list[dict]:
                 label = (f"{tag} gpb{kw['gpb']} mt{kw['mt']} w{kw['num_warps']} split{kw['split']} tok{kw['tok']}"
                          f" x {kw['xload']}{'' if kw.get('pdl', True) else ' no-pdl'}"
                          f"{' tiled ' + str(kw['tile']) if kw.get('tile') else ''}"
-                         f" {kw.get('mma') or token_mma(kw['tok'])}{' ring ' + str(kw['ring']) if kw.get('ring') else ''}")
+                         f" {kw.get('mma') or token_mma(kw['tok'])}")
                 _row(rows, {**base, "kernel": label},
                      lambda: frag_linear(x, *wr[0], **kw), ref,
                      [lambda p=p, s=s: frag_linear(x, p, s, **kw) for p, s in wr], nbytes, bw, reps)
@@ -152,7 +144,7 @@ def bench_moe(ts, bw, reps, only: str | None = None) -> list[dict]:
                      f"split13 {cfg.SPLIT13 or 'auto'} split2 {cfg.SPLIT2} x {cfg.XLOAD}/{cfg.XLOAD2 or cfg.XLOAD}"
                      f"{f' maxnreg {cfg.MAXNREG13}/{cfg.MAXNREG2}' if cfg.MAXNREG13 or cfg.MAXNREG2 else ''}"
                      f" epi {cfg.EPI_BLOCK}{'' if cfg.PDL else ' no-pdl'}{f' tiled {tile}' if tile else ' row-major'}"
-                     f"{' wgmma' if cfg.wgmma else ''}{f' ring {cfg.RING13}/{cfg.RING2}' if cfg.RING13 or cfg.RING2 else ''}")
+                     f"{' wgmma' if cfg.wgmma else ''}")
             _row(rows, {**base, "kernel": label},
                  lambda: fused_moe_frag(x, q13, w13s, q2, w2s, ids0, tw0, G, cfg, tile=tile), ref,
                  [lambda i=i, w=w: fused_moe_frag(x, q13, w13s, q2, w2s, i, w, G, cfg, tile=tile) for i, w in sets],
@@ -169,7 +161,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-dense", action="store_true")
     ap.add_argument("--no-moe", action="store_true")
     ap.add_argument("--only", default=None, help="besides the engine's plan / table, only the candidates whose "
-                    "repr contains this text (e.g. 'ring')")
+                    "repr contains this text (e.g. 'wgmma', 'maxnreg')")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench/w4_frag.py needs a CUDA GPU", file=sys.stderr)

@@ -128,8 +128,8 @@
 #          demo spec == plain tests, the issue's kernel bench
 #   wg4    MoE expert blocks of 32 / 64 tokens on wgmma: the MoE fragment GPU tests, the MoE bench to T = 2048
 #   wg5    the final code's fragment, target and demo spec == plain GPU tests (32-row wgmma blocks in the table)
-#   ring   words and scales through a shared-memory ring (cp.async): the ring GPU tests (reference, same bits),
-#          the dense (M = 1 / 4 / 16) and MoE (T = 1 / 4 / 16 / 64) ring candidates beside the plan / table
+#   ring   (commit a9e851d, dropped) words and scales through a shared-memory ring (cp.async): the ring GPU tests
+#          (reference, same bits), the dense (M = 1 / 4 / 16) and MoE (T = 1 / 4 / 16 / 64) ring candidates
 #   wide   64-row verify tiles of the MLA attention (wgmma) against the defaults: time and bits (--sweep-wide)
 #   round7 each DDTree-builder test case timed apart (scripts/diag_tree_gpu.py), then the graph-round tests
 #          that round6's step cap left out and the spec GPU tests

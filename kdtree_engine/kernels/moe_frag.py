@@ -34,9 +34,9 @@ if HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
 
-    from kdtree_engine.kernels.w4_frag import (_frag_loop, _frag_loop_ring, _frag_loop_wg, _scale_ptrs, _word_ptrs,
-                                               mma_layout, operand_layout, pdl_wait_gl, wg_a_layout, wg_layout,
-                                               wg_x_layout, WG_X_SMEM, x_layout)
+    from kdtree_engine.kernels.w4_frag import (_frag_loop, _frag_loop_wg, _word_ptrs, mma_layout, operand_layout,
+                                               pdl_wait_gl, wg_a_layout, wg_layout, wg_x_layout, WG_X_SMEM,
+                                               x_layout)
 
 
 @dataclass(frozen=True)
@@ -60,8 +60,6 @@ class FragMoEConfig:
     #                        T = 1: 71.4 against 72.6 us with 1024 (bench/results/w4-frag-h200-direct.md)
     PDL: bool = True       # every launch a programmatic dependent (pdl.py; the same bits): T = 1 67.8 against
     #                        70.1 us, T = 16 742 against 753 (bench/results/w4-frag-h200-pdl.md)
-    RING13: int = 0        # mma.sync blocks: the gate/up GEMM's words and scales through a shared-memory ring of
-    RING2: int = 0         # this many slots by cp.async (w4_frag._frag_loop_ring; 0: in registers); the same bits
 
     @property
     def wgmma(self) -> bool:
@@ -78,10 +76,6 @@ class FragMoEConfig:
             v = getattr(self, name)
             if v not in X_LOADS and not (name == "XLOAD2" and v is None):
                 raise ValueError(f"FragMoEConfig.{name} must be one of {sorted(X_LOADS)}, got {v!r}")
-        for name in ("RING13", "RING2"):
-            v = getattr(self, name)
-            if v and (v < 2 or self.wgmma):
-                raise ValueError(f"FragMoEConfig.{name} must be 0 or >= 2 slots, on mma.sync blocks (<= 16 rows); got {self}")
         if self.EPI_BLOCK < 128 or self.EPI_BLOCK & (self.EPI_BLOCK - 1):
             raise ValueError(f"FragMoEConfig.EPI_BLOCK must be a power of 2 >= 128, got {self.EPI_BLOCK}")
         for name in ("MAXNREG13", "MAXNREG2"):
@@ -158,15 +152,13 @@ if HAVE_GLUON:
                          stride_os, stride_ot, kb_per_split,
                          GATE_UP: gl.constexpr, TOK: gl.constexpr, MT: gl.constexpr, GPB: gl.constexpr,
                          WL: gl.constexpr, X_SMEM: gl.constexpr, X_AHEAD: gl.constexpr, PDL: gl.constexpr,
-                         TILE: gl.constexpr, num_warps: gl.constexpr, WG: gl.constexpr = False,
-                         RING: gl.constexpr = 0):
+                         TILE: gl.constexpr, num_warps: gl.constexpr, WG: gl.constexpr = False):
         """grid (blocks, N / BN, splits), one expert block's pairs over the split's K blocks.
         GATE_UP: x [T, H] rows pair // TOPK, weight rows n and UP_ROW + n -> out[split, pair, n] and
         out[split, pair, UP_ROW + n] (fp32 gate / up partials). Else (down): x = inter [P, I] rows pair ->
         out[split, pair, n] = router weight x the partial down sum. PDL (pdl.py): launched dependent on the
         align launch (gate/up: waits first) or the SwiGLU launch (down: waits after its first weight loads;
-        the blocks are two launches back, complete). WG: wgmma programs (w4_frag._frag_loop_wg; 4 warps, MT 1).
-        RING: mma.sync programs stream the words through a shared-memory ring of RING slots (_frag_loop_ring)."""
+        the blocks are two launches back, complete). WG: wgmma programs (w4_frag._frag_loop_wg; 4 warps, MT 1)."""
         BN: gl.constexpr = 16 * num_warps * MT
         BK: gl.constexpr = 32 * GPB
         MMA: gl.constexpr = wg_layout(TOK) if WG else mma_layout(num_warps)
@@ -208,16 +200,8 @@ if HAVE_GLUON:
             rk = gl.arange(0, BK, layout=gl.SliceLayout(1, XL))
             xr = (pair // TOPK).to(gl.int64) if GATE_UP else pair.to(gl.int64)
             x_ptrs = x_ptr + gl.expand_dims(xr, 0) * stride_xt + gl.expand_dims(rk, 1) + kb0 * BK
-            if RING:
-                s0 = _scale_ptrs(se, n0, stride_sn, kb0, WL, BN, GPB)
-                s1 = s0
-                if GATE_UP:
-                    s1 = _scale_ptrs(se, UP_ROW + n0, stride_sn, kb0, WL, BN, GPB)
-                acc0, acc1 = _frag_loop_ring(acc0, acc1, w0, s0, w1, s1, x_ptrs, gl.expand_dims(ok, 0), kb_per_split,
-                                             GATE_UP, X_AHEAD, AL, BL, BN, GPB, PDL and not GATE_UP, TILE, RING, WL)
-            else:
-                acc0, acc1 = _frag_loop(acc0, acc1, w0, s0, w1, s1, x_ptrs, gl.expand_dims(ok, 0), kb_per_split,
-                                        GATE_UP, X_AHEAD, AL, BL, BN, GPB, PDL and not GATE_UP, TILE)
+            acc0, acc1 = _frag_loop(acc0, acc1, w0, s0, w1, s1, x_ptrs, gl.expand_dims(ok, 0), kb_per_split,
+                                    GATE_UP, X_AHEAD, AL, BL, BN, GPB, PDL and not GATE_UP, TILE)
 
         pair_o, ok_o = _block_pairs(sorted_ptr, pid_b, rows, TOK, gl.SliceLayout(0, MMA))
         if not GATE_UP:
@@ -285,7 +269,7 @@ def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor
         part.stride(0), part.stride(1), H // (32 * g13) // s13,
         GATE_UP=True, TOK=cfg.BLOCK_M, MT=mt, GPB=g13, WL=word_layout(cfg.num_warps, mt, g13),
         X_SMEM=X_LOADS[cfg.XLOAD][0], X_AHEAD=X_LOADS[cfg.XLOAD][1], TILE=tile, num_warps=cfg.num_warps,
-        WG=cfg.wgmma, RING=cfg.RING13, **pdl, **({"maxnreg": cfg.MAXNREG13} if cfg.MAXNREG13 else {}))
+        WG=cfg.wgmma, **pdl, **({"maxnreg": cfg.MAXNREG13} if cfg.MAXNREG13 else {}))
     inter = torch.empty((P, I), device=x.device, dtype=x.dtype)
     block = min(cfg.EPI_BLOCK, triton.next_power_of_2(I))
     _moe_swiglu_kernel[(P, triton.cdiv(I, block))](
@@ -299,7 +283,7 @@ def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor
         y.stride(0), y.stride(1), I // (32 * g2) // cfg.SPLIT2,
         GATE_UP=False, TOK=cfg.BLOCK_M, MT=mt2, GPB=g2, WL=word_layout(cfg.num_warps, mt2, g2),
         X_SMEM=X_LOADS[xload2][0], X_AHEAD=X_LOADS[xload2][1], TILE=tile, num_warps=cfg.num_warps,
-        WG=cfg.wgmma, RING=cfg.RING2, **pdl, **({"maxnreg": cfg.MAXNREG2} if cfg.MAXNREG2 else {}))
+        WG=cfg.wgmma, **pdl, **({"maxnreg": cfg.MAXNREG2} if cfg.MAXNREG2 else {}))
     BLOCK_H = cfg.EPI_BLOCK
     _moe_topk_sum_kernel[(T, triton.cdiv(H, BLOCK_H))](
         y, ids, out, H, E, y.stride(1), y.stride(0), out.stride(0), TOPK=topk, BLOCK_H=BLOCK_H,

@@ -126,11 +126,10 @@ def frag_unrepack(packed: torch.Tensor, gpb: int) -> torch.Tensor:
 try:  # Gluon exists in triton >= 3.5; the kernels need it, the repack above does not
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp_async, mma_v2
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
     from triton.runtime.jit import constexpr_function
     cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier   # renamed in triton 3.7
-    cp_async_load = getattr(cp_async, "async_load", None) or cp_async.async_copy_global_to_shared   # renamed in 3.7
     HAVE_GLUON = True
 except ImportError:  # pragma: no cover - depends on the installed triton
     HAVE_GLUON = False
@@ -143,9 +142,6 @@ if HAVE_GLUON:
     # the two activation buffers [2, TOK, BK] bf16 of _frag_loop_wg (the wgmma B operand, 128-byte swizzle)
     WG_X_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
     WAIT_ASM = gl.constexpr(PDL_ASM)
-    # the word and scale rings of _frag_loop_ring: [RING, BN, 4, GPB] int32, [RING, BN, GPB] bf16, unswizzled
-    RING_W_SMEM = gl.constexpr(gl.SwizzledSharedLayout(4, 1, 1, [2, 1, 0]))
-    RING_S_SMEM = gl.constexpr(gl.SwizzledSharedLayout(8, 1, 1, [1, 0]))
 
     @constexpr_function
     def mma_layout(num_warps):
@@ -307,92 +303,6 @@ if HAVE_GLUON:
         return acc0, acc1
 
     @gluon.jit
-    def _scale_ptrs(s_ptr, row0, stride_sn, kb0, WL: gl.constexpr, BN: gl.constexpr, GPB: gl.constexpr):
-        """Scale pointers [BN, GPB] of block kb0 of rows row0 .. row0+BN (row-major scales), in the word layout
-        without its lane dimension (each scale once, not once per lane t)."""
-        SL: gl.constexpr = gl.SliceLayout(1, WL)
-        rn = gl.arange(0, BN, layout=gl.SliceLayout(1, SL))
-        rg = gl.arange(0, GPB, layout=gl.SliceLayout(0, SL))
-        # a row's GPB scales are contiguous and 16-byte aligned (K / 32 is a multiple of GPB): one 16-byte copy
-        offs = gl.expand_dims(rn + row0, 1) * stride_sn + gl.expand_dims(rg, 0) + kb0 * GPB
-        return s_ptr + gl.max_contiguous(gl.multiple_of(offs, [GPB, GPB]), [1, GPB])
-
-    @gluon.jit
-    def _ring_copy(wsm, ssm, slot, w, s, ok):
-        """Start the copy of one block's words [BN, 4, GPB] and scales [BN, GPB] into ring slot `slot` (ok
-        False: nothing is read, the slot is zero-filled)."""
-        cp_async_load(wsm.index(slot), w, mask=ok)
-        cp_async_load(ssm.index(slot), s, mask=ok)
-
-    @gluon.jit
-    def _ring_read(wsm, ssm, slot, WL: gl.constexpr):
-        """One block's words [BN, 4, GPB] and their scales (broadcast over the lanes t) from ring slot `slot`."""
-        a = wsm.index(slot).load(WL)
-        c = gl.expand_dims(ssm.index(slot).load(gl.SliceLayout(1, WL)), 1)
-        a, c = gl.broadcast(a, c)
-        return a, c
-
-    @gluon.jit
-    def _frag_loop_ring(acc0, acc1, w0, s0, w1, s1, x_ptrs, x_mask, nblk,
-                        TWO: gl.constexpr, X_AHEAD: gl.constexpr, AL: gl.constexpr, BL: gl.constexpr,
-                        BN: gl.constexpr, GPB: gl.constexpr, WAIT: gl.constexpr, TILE: gl.constexpr,
-                        RING: gl.constexpr, WL: gl.constexpr):
-        """_frag_loop with the words and scales streamed through a RING-slot shared-memory ring by cp.async:
-        RING - 1 blocks in flight ahead of the one in use, without holding them in registers. The same
-        values reach the same MMAs in the same order (the same bits). s0 / s1: [BN, GPB] (_scale_ptrs).
-        Block i sits in slot i % RING; the copy of block i + RING - 1 is issued after the barrier that
-        follows every thread's wait for block i, so the slot it overwrites (read at step i - 1) is free."""
-        BK: gl.constexpr = 32 * GPB
-        WSTEP: gl.constexpr = 4 * GPB * (TILE if TILE else 1)
-        wsm0 = gl.allocate_shared_memory(gl.int32, [RING, BN, 4, GPB], RING_W_SMEM)
-        ssm0 = gl.allocate_shared_memory(gl.bfloat16, [RING, BN, GPB], RING_S_SMEM)
-        if TWO:
-            wsm1 = gl.allocate_shared_memory(gl.int32, [RING, BN, 4, GPB], RING_W_SMEM)
-            ssm1 = gl.allocate_shared_memory(gl.bfloat16, [RING, BN, GPB], RING_S_SMEM)
-        for j in gl.static_range(RING - 1):
-            _ring_copy(wsm0, ssm0, j, w0 + j * WSTEP, s0 + j * GPB, j < nblk)
-            if TWO:
-                _ring_copy(wsm1, ssm1, j, w1 + j * WSTEP, s1 + j * GPB, j < nblk)
-            cp_async.commit_group()
-        if WAIT:
-            pdl_wait_gl()
-        if X_AHEAD:
-            xr = gl.load(x_ptrs, mask=x_mask, other=0.0)
-        for i in range(nblk - 1):
-            cp_async.wait_group(RING - 2)
-            cta_barrier()
-            nb = i + RING - 1
-            _ring_copy(wsm0, ssm0, nb % RING, w0 + nb * WSTEP, s0 + nb * GPB, nb < nblk)
-            if TWO:
-                _ring_copy(wsm1, ssm1, nb % RING, w1 + nb * WSTEP, s1 + nb * GPB, nb < nblk)
-            cp_async.commit_group()
-            a0, c0 = _ring_read(wsm0, ssm0, i % RING, WL)
-            if X_AHEAD:
-                xb = gl.convert_layout(xr, BL)
-                x_ptrs += BK
-                xr = gl.load(x_ptrs, mask=x_mask, other=0.0)
-            else:
-                xb = gl.convert_layout(gl.load(x_ptrs, mask=x_mask, other=0.0), BL)
-                x_ptrs += BK
-            acc0 = mma_v2(_dequant_frag(a0, c0, AL, BN, BK), xb, acc0)
-            if TWO:
-                a1, c1 = _ring_read(wsm1, ssm1, i % RING, WL)
-                acc1 = mma_v2(_dequant_frag(a1, c1, AL, BN, BK), xb, acc1)
-        cp_async.wait_group(0)
-        cta_barrier()
-        last = (nblk - 1) % RING
-        a0, c0 = _ring_read(wsm0, ssm0, last, WL)
-        if X_AHEAD:
-            xb = gl.convert_layout(xr, BL)
-        else:
-            xb = gl.convert_layout(gl.load(x_ptrs, mask=x_mask, other=0.0), BL)
-        acc0 = mma_v2(_dequant_frag(a0, c0, AL, BN, BK), xb, acc0)
-        if TWO:
-            a1, c1 = _ring_read(wsm1, ssm1, last, WL)
-            acc1 = mma_v2(_dequant_frag(a1, c1, AL, BN, BK), xb, acc1)
-        return acc0, acc1
-
-    @gluon.jit
     def _frag_loop_wg(acc0, acc1, w0, s0, w1, s1, x_ptrs, x_mask, nblk, xs,
                       TWO: gl.constexpr, AL: gl.constexpr, BN: gl.constexpr, GPB: gl.constexpr,
                       WAIT: gl.constexpr, TILE: gl.constexpr):
@@ -441,11 +351,10 @@ if HAVE_GLUON:
                         stride_om, stride_os, kb_per_split,
                         TOK: gl.constexpr, MT: gl.constexpr, GPB: gl.constexpr, WL: gl.constexpr,
                         X_SMEM: gl.constexpr, X_AHEAD: gl.constexpr, PDL: gl.constexpr, TILE: gl.constexpr,
-                        num_warps: gl.constexpr, WG: gl.constexpr = False, RING: gl.constexpr = 0):
+                        num_warps: gl.constexpr, WG: gl.constexpr = False):
         """grid (cdiv(M, TOK), N / BN, splits): out[split, m, n] = sum over the split's k of x[m, k] W[n, k].
         The token tiles of one weight tile are adjacent program ids: they run together and the weights are
-        read from DRAM about once. PDL: launched dependent on the kernel that wrote x (pdl.py). RING: the words
-        through a shared-memory ring of RING slots (_frag_loop_ring; mma.sync programs; 0: in registers)."""
+        read from DRAM about once. PDL: launched dependent on the kernel that wrote x (pdl.py)."""
         BN: gl.constexpr = 16 * num_warps * MT
         BK: gl.constexpr = 32 * GPB
         MMA: gl.constexpr = wg_layout(TOK) if WG else mma_layout(num_warps)
@@ -473,13 +382,8 @@ if HAVE_GLUON:
             rm = m0 + gl.arange(0, TOK, layout=gl.SliceLayout(0, XL))
             x_ptrs = x_ptr + gl.expand_dims(rm, 0) * stride_xm + gl.expand_dims(rk, 1) + kb0 * BK
             x_mask = gl.expand_dims(rm, 0) < M
-            if RING:
-                s_ptrs = _scale_ptrs(s_ptr, n0, stride_sn, kb0, WL, BN, GPB)
-                acc, unused = _frag_loop_ring(acc, acc, w_ptrs, s_ptrs, w_ptrs, s_ptrs, x_ptrs, x_mask, kb_per_split,
-                                              False, X_AHEAD, AL, BL, BN, GPB, PDL, TILE, RING, WL)
-            else:
-                acc, unused = _frag_loop(acc, acc, w_ptrs, s_ptrs, w_ptrs, s_ptrs, x_ptrs, x_mask, kb_per_split,
-                                         False, X_AHEAD, AL, BL, BN, GPB, PDL, TILE)
+            acc, unused = _frag_loop(acc, acc, w_ptrs, s_ptrs, w_ptrs, s_ptrs, x_ptrs, x_mask, kb_per_split,
+                                     False, X_AHEAD, AL, BL, BN, GPB, PDL, TILE)
 
         # y[m, n] = acc[n, m]
         on = gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
@@ -558,15 +462,14 @@ def token_mt(plan_mt: int, tok: int) -> int:
 def frag_linear(x: torch.Tensor, wq: torch.Tensor, s: torch.Tensor, *, gpb: int | None = None,
                 mt: int | None = None, num_warps: int = 4, split: int | None = None,
                 tok: int | None = None, xload: str = "smem-ahead", pdl: bool = True, tile: int = 0,
-                mma: str | None = None, ring: int = 0) -> torch.Tensor:
+                mma: str | None = None) -> torch.Tensor:
     """y [M, N] = x [M, K] @ W^T, W the fragment-repacked int4 words wq [N, K/8] (frag_repack with
     frag_gpb(K) unless gpb is given) and bf16 scales s [N, K/32]; x bfloat16. Unset knobs follow dense_plan,
     token_tile, token_mt and token_mma; xload: how activations are loaded (X_LOADS); pdl: programmatic dependent
     launches of the GEMM and its split sum (pdl.py; the same bits); tile: 0 for row-major words, else the rows per
     tile of frag_tile's order (the same bits); mma: "sync" (mma.sync, 8 / 16-token tiles) or "wgmma" (the
     dequantized weights the register A operand of a warpgroup MMA, the activations its shared-memory B operand;
-    4 warps, 1 tile per warp; the same bits); ring: mma.sync programs stream the words and scales through a
-    shared-memory ring of this many slots (_frag_loop_ring; 0: in registers; the same bits)."""
+    4 warps, 1 tile per warp; the same bits)."""
     if not HAVE_GLUON:
         raise RuntimeError("the fragment-ordered W4A16 kernels need triton.experimental.gluon (triton >= 3.5)")
     from kdtree_engine.kernels.split_sum import split_sum
@@ -587,8 +490,6 @@ def frag_linear(x: torch.Tensor, wq: torch.Tensor, s: torch.Tensor, *, gpb: int 
     if mma == "wgmma" and (num_warps != 4 or mt != 1 or tok not in (8, 16, 32, 64)):
         raise ValueError(f"frag_linear: wgmma needs 4 warps, 1 tile per warp and 8/16/32/64 tokens per program; "
                          f"got {num_warps} warps, mt {mt}, tok {tok}")
-    if ring and (ring < 2 or mma != "sync"):
-        raise ValueError(f"frag_linear: ring must be 0 or >= 2 slots on mma.sync programs; got ring {ring}, mma {mma!r}")
     if xload not in X_LOADS:
         raise ValueError(f"frag_linear: xload must be one of {sorted(X_LOADS)}, got {xload!r}")
     why = tile_unsupported(N, tile, bn)
@@ -606,7 +507,7 @@ def frag_linear(x: torch.Tensor, wq: torch.Tensor, s: torch.Tensor, *, gpb: int 
     _w4_frag_kernel[(triton.cdiv(M, tok), N // bn, split)](
         x, wq, s, part, M, N, x.stride(0), wq.stride(0), s.stride(0), N, M * N, K // bk // split,
         TOK=tok, MT=mt, GPB=gpb, WL=word_layout(num_warps, mt, gpb), X_SMEM=X_LOADS[xload][0],
-        X_AHEAD=X_LOADS[xload][1], TILE=tile, num_warps=num_warps, WG=mma == "wgmma", RING=ring, **pdl_launch(pdl))
+        X_AHEAD=X_LOADS[xload][1], TILE=tile, num_warps=num_warps, WG=mma == "wgmma", **pdl_launch(pdl))
     if split > 1:
         split_sum(part, y, split, pdl=pdl)
     return y

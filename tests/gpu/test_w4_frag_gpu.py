@@ -79,29 +79,6 @@ def test_frag_linear_activation_loads_same_bits():
     assert torch.equal(full, frag_linear(x, q, s, gpb=8, split=4, pdl=False)), "pdl=False gives other bits"
 
 
-@pytest.mark.parametrize("N,K,split,tile", [(2048, 7168, 4, 64), (192, 2048, 1, 0), (128, 256, 1, 64),
-                                            (4096, 7168, 7, 64)])
-def test_frag_linear_ring_matches_reference_same_bits(poisoned, N, K, split, tile):
-    """Words and scales through a shared-memory ring (2 / 3 / 4 slots; splits of 1 block, of fewer blocks than
-    slots, and of more): right against the reference and the same bits as words held in registers, at 8 / 16
-    token tiles and 1 / 2 MMA tiles per warp."""
-    p, s = rand_w4(N, K)
-    q = frag_repack(p, 8)
-    if tile:
-        q = frag_tile(q, 8, tile)
-    wd = dequantize(p, s, G, torch.float32)
-    for M in (1, 13, 37):
-        x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
-        for tok, mt in ((8, 1), (8, 2), (16, 1)):
-            if N % (64 * mt):
-                continue
-            regs = frag_linear(x, q, s, gpb=8, split=split, mt=mt, tok=tok, tile=tile, mma="sync")
-            _check(regs, x.float() @ wd.T, TOL, f"frag N={N} K={K} M={M} tok {tok} mt {mt}")
-            for ring in (2, 3, 4):
-                other = frag_linear(x, q, s, gpb=8, split=split, mt=mt, tok=tok, tile=tile, mma="sync", ring=ring)
-                assert torch.equal(regs, other), f"ring {ring}: other bits (N={N} K={K} M={M} tok {tok} mt {mt})"
-
-
 @pytest.mark.parametrize("N,K,split", [(2048, 7168, 4), (192, 2048, 1), (128, 256, 1)])
 def test_frag_linear_tiled_words_same_bits(poisoned, N, K, split):
     """Words in frag_tile's order (each block of 64 rows contiguous) read through TILE: the same values into
@@ -195,8 +172,7 @@ def _moe_case(E, H, I, T, topk, gpb=None, seed=0, unowned=False):
 
 @pytest.mark.parametrize("cfg", [None, FragMoEConfig(BLOCK_M=16, SPLIT13=4, SPLIT2=2),
                                  FragMoEConfig(GPB=4, MT=2, SPLIT13=2, SPLIT2=2), FragMoEConfig(BLOCK_M=8, MT=2),
-                                 FragMoEConfig(BLOCK_M=32), FragMoEConfig(BLOCK_M=64, SPLIT13=4, SPLIT2=2),
-                                 FragMoEConfig(RING13=3, RING2=4), FragMoEConfig(BLOCK_M=16, RING13=4, RING2=2)])
+                                 FragMoEConfig(BLOCK_M=32), FragMoEConfig(BLOCK_M=64, SPLIT13=4, SPLIT2=2)])
 @pytest.mark.parametrize("T", [1, 5, 33])
 def test_moe_frag_matches_reference_small(poisoned, cfg, T):
     x, w, ids, tw, ref = _moe_case(E=12, H=1024, I=512, T=T, topk=3, gpb=cfg and cfg.GPB, seed=T)
@@ -225,8 +201,7 @@ def test_moe_frag_tiled_words_same_bits(poisoned, T):
     q13, s13, q2, s2 = w
     tiled = (frag_tile(q13, frag_gpb(7168), 64), s13, frag_tile(q2, frag_gpb(2048), 64), s2)
     assert not torch.equal(tiled[0], q13)
-    for cfg in (None, FragMoEConfig(BLOCK_M=16), FragMoEConfig(BLOCK_M=8, MT=2, MT2=2), FragMoEConfig(BLOCK_M=32),
-                FragMoEConfig(RING13=3, RING2=4)):
+    for cfg in (None, FragMoEConfig(BLOCK_M=16), FragMoEConfig(BLOCK_M=8, MT=2, MT2=2), FragMoEConfig(BLOCK_M=32)):
         rows = fused_moe_frag(x, *w, ids, tw, G, cfg)
         _check(rows, ref, TOL, f"moe frag T={T} {cfg}")
         assert torch.equal(rows, fused_moe_frag(x, *tiled, ids, tw, G, cfg, tile=64)), f"T={T} {cfg}: other bits"
@@ -247,8 +222,7 @@ def test_moe_frag_batch_invariant(cfg):
         assert torch.equal(full, fused_moe_frag(x, *w, ids, tw, G, FragMoEConfig(num_warps=warps))), f"{warps} warps"
     for c in (FragMoEConfig(XLOAD="operand"), FragMoEConfig(XLOAD="smem"), FragMoEConfig(BLOCK_M=16, XLOAD="smem"),
               FragMoEConfig(XLOAD="operand", XLOAD2="smem-ahead"), FragMoEConfig(XLOAD="smem-ahead", XLOAD2="operand"),
-              FragMoEConfig(MAXNREG13=128, MAXNREG2=80), FragMoEConfig(EPI_BLOCK=1024), FragMoEConfig(PDL=False),
-              FragMoEConfig(RING13=3, RING2=4), FragMoEConfig(BLOCK_M=16, RING13=2, RING2=3)):
+              FragMoEConfig(MAXNREG13=128, MAXNREG2=80), FragMoEConfig(EPI_BLOCK=1024), FragMoEConfig(PDL=False)):
         assert torch.equal(full, fused_moe_frag(x, *w, ids, tw, G, c)), f"{c} gives other bits"
     bad = []
     for m in (1, 4, 17):

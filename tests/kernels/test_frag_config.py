@@ -10,7 +10,7 @@ from kdtree_engine.kernels.w4_frag import X_LOADS
 
 @pytest.mark.parametrize("field,value", [("XLOAD", "registers"), ("XLOAD2", "shared"), ("XLOAD", None),
                                          ("BLOCK_M", 24), ("EPI_BLOCK", 100), ("EPI_BLOCK", 64),
-                                         ("MAXNREG13", 8), ("MAXNREG2", 300), ("RING13", 1), ("RING2", -2)])
+                                         ("MAXNREG13", 8), ("MAXNREG2", 300)])
 def test_bad_fields_are_refused_by_name(field, value):
     with pytest.raises(ValueError, match=field):
         FragMoEConfig(**{field: value})
@@ -22,13 +22,6 @@ def test_wgmma_blocks_need_one_warpgroup_of_single_tiles():
     for kw in (dict(MT=2), dict(MT2=2), dict(num_warps=8)):
         with pytest.raises(ValueError, match="wgmma"):
             FragMoEConfig(BLOCK_M=64, **kw)
-
-
-def test_rings_only_on_mma_sync_blocks():
-    """Word rings (RING13 / RING2) run in the mma.sync loop: a wgmma block with a ring is a named error."""
-    assert FragMoEConfig(RING13=3, RING2=4).RING2 == 4
-    with pytest.raises(ValueError, match="RING13"):
-        FragMoEConfig(BLOCK_M=32, RING13=3)
 
 
 def test_dense_token_tiles_and_instructions():
