@@ -135,7 +135,8 @@ VSPLIT_SHAPES = [(8, 4096, 4), (8, 4096, 16), (8, 32768, 4), (8, 32768, 16), (8,
                  (64, 4096, 16), (64, 32768, 16)]
 # Verify tiles of 64 rows (tl.dot on wgmma) beside the defaults' 32-row mma.sync tiles: whether they give the
 # same bits (bench_case's `diff_vs_default`: elements that differ from the default config's output) and their
-# time. `--sweep-wide` times them (decode launches keep their own tiles: verify shapes only).
+# time. `--sweep-wide` times them (at N = 8 decode launches keep their own tiles: verify shapes only; N = 64 has no
+decode tiles of its own, so its decode shapes run the candidates' tiles).
 _W8, _W64 = replace(_D8, DECODE_BLOCK_M=0, DECODE_STAGES=0), _D64
 WIDE_FOR_N: dict[int, list[MLAConfig]] = {
     n: [d, replace(w, BLOCK_M=64, num_warps=4), replace(w, BLOCK_M=64, num_warps=8),
@@ -143,7 +144,7 @@ WIDE_FOR_N: dict[int, list[MLAConfig]] = {
     for n, d, w in ((8, _D8, _W8), (64, _D64, _W64))}
 WIDE_SWEEP: list[MLAConfig] = [c for cs in WIDE_FOR_N.values() for c in cs]
 WIDE_SHAPES = [(8, 4096, 16), (8, 4096, 64), (8, 32768, 16), (8, 32768, 64), (64, 4096, 16), (64, 4096, 64),
-               (64, 32768, 16)]
+               (64, 32768, 16), (64, 32768, 64), (64, 4096, 1), (64, 32768, 1), (64, 131072, 1)]
 ROWS_SHAPES = [(8, 4096, 1), (8, 32768, 1), (8, 65536, 1), (8, 131072, 1), (8, 262144, 1), (64, 131072, 1)]
 SWEEP_SHAPES = [(8, 32768, 1), (8, 131072, 1), (8, 32768, 16), (8, 131072, 16), (8, 32768, 64),
                 (8, 131072, 64), (64, 32768, 1), (64, 131072, 1), (64, 32768, 16), (64, 131072, 16),
@@ -271,6 +272,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--sweep-vsplit", action="store_true",
                     help="with --sweep-only: time VSPLIT_FOR_N (column slices of verify launches up to 16 nodes) "
                          "at VSPLIT_SHAPES instead")
+    ap.add_argument("--sweep-n", type=int, default=None, help="with --sweep-only: only the sweep's shapes of these "
+                    "heads per rank")
     ap.add_argument("--sweep-wide", action="store_true",
                     help="with --sweep-only: time WIDE_FOR_N (64-row verify tiles) at WIDE_SHAPES instead, with "
                          "their bits against the default's")
@@ -304,6 +307,7 @@ def main(argv=None) -> dict:
                          (ROWS_SWEEP, ROWS_SHAPES) if args.sweep_rows else
                          (VSPLIT_SWEEP, VSPLIT_SHAPES) if args.sweep_vsplit else
                          (WIDE_SWEEP, WIDE_SHAPES) if args.sweep_wide else (SWEEP, SWEEP_SHAPES))
+        shapes = [sh for sh in shapes if args.sweep_n is None or sh[0] == args.sweep_n]
         per_n = (ROWS_FOR_N if args.sweep_rows else VSPLIT_FOR_N if args.sweep_vsplit else
                  WIDE_FOR_N if args.sweep_wide else None)
         compile_err = precompile(cands, shapes, workers)

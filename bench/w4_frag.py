@@ -41,6 +41,8 @@ DENSE_CANDIDATES = [  # the engine's plan first (None), then overrides of it (th
     # mma: the instruction (token_mma: mma.sync up to 16 tokens per program, wgmma beyond)
     None, dict(tile=0), dict(split=4), dict(mma="sync", tok=16), dict(mma="wgmma", tok=16),
     dict(mma="wgmma", tok=32),
+    # two warpgroups per program (128 weight rows) sharing one activation buffer
+    dict(mma="wgmma", tok=16, num_warps=8), dict(mma="wgmma", tok=32, num_warps=8), dict(mma="wgmma", tok=64, num_warps=8),
 ]
 MOE_CANDIDATES = [  # the engine's table first (None), then block rows / tiles / splits / activation loads, all on
     # the engine's tiled words; the engine's table on row-major words last (block-major words, measured at

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU tests and benchmarks, logs and results packed under $OUT; one device call runs one part.
-#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|next|chain|sample|rounds|decode|step|verify|resume|ncu|plane|merge|merge2|merge3|sample2|fork|last|plane2|rows|kload|lazy|rounds2|maxnreg|qsplit|stages|down|bm8|m64|merge4|merge5|final2|moerows|moe16|moe16b|router|router2|router3|final3|frag|frag2|frag3|frag4|frag5|frag7|frag8|xsm|xsm2|xsm3|xsm4|xsm5|xsm6|router4|arrive|tune2|direct|epi|pdl|pdl2|pdl3|rgemv|rgemv2|pdl4|pdl5|shared|final4|spec4|prof|round5|round6|round7|tiled|tiled2|tiled3|tiled4|tiled5|tiled6|tiled7|tiled8|wg|wg2|wide|wg3|wg4|wg5|ring]   (on the GPU machine, from the repository root)
+#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|next|chain|sample|rounds|decode|step|verify|resume|ncu|plane|merge|merge2|merge3|sample2|fork|last|plane2|rows|kload|lazy|rounds2|maxnreg|qsplit|stages|down|bm8|m64|merge4|merge5|final2|moerows|moe16|moe16b|router|router2|router3|final3|frag|frag2|frag3|frag4|frag5|frag7|frag8|xsm|xsm2|xsm3|xsm4|xsm5|xsm6|router4|arrive|tune2|direct|epi|pdl|pdl2|pdl3|rgemv|rgemv2|pdl4|pdl5|shared|final4|spec4|prof|round5|round6|round7|tiled|tiled2|tiled3|tiled4|tiled5|tiled6|tiled7|tiled8|wg|wg2|wide|wg3|wg4|wg5|ring|router5]   (on the GPU machine, from the repository root)
 #   tune   the W4A16 config sweep, the bitwise and CUDA-graph GPU tests, the demo's spec benchmark
 #   check  the remaining GPU tests (kernels, batch invariance, target, attention), kernel and round benches
 #   bench  the benchmarks with long runs (K2 step, attention, GEMM)
@@ -130,6 +130,8 @@
 #   wg5    the final code's fragment, target and demo spec == plain GPU tests (32-row wgmma blocks in the table)
 #   ring   (commit a9e851d, dropped) words and scales through a shared-memory ring (cp.async): the ring GPU tests
 #          (reference, same bits), the dense (M = 1 / 4 / 16) and MoE (T = 1 / 4 / 16 / 64) ring candidates
+#   router5 the router GEMM on tensor cores (tf32x3 tiles): its GPU tests and bench; dense wgmma programs of two
+#          warpgroups; 64-row 8-warp attention tiles at N = 64 (verify and decode shapes)
 #   wide   64-row verify tiles of the MLA attention (wgmma) against the defaults: time and bits (--sweep-wide)
 #   round7 each DDTree-builder test case timed apart (scripts/diag_tree_gpu.py), then the graph-round tests
 #          that round6's step cap left out and the spec GPU tests
@@ -708,6 +710,13 @@ fi
 if [[ $PART == ring ]]; then
   step pytest_ring 240 $PYT tests/gpu/test_w4_frag_gpu.py -k "ring or moe_frag_batch_invariant or matches_reference_small or tiled_words"
   step bench_w4_frag 270 python3 bench/w4_frag.py --only ring --ms 1,4,16 --ts 1,4,16,64 --out "$RES"
+fi
+if [[ $PART == router5 ]]; then
+  step pytest_router 150 $PYT tests/gpu/test_router_gemm_gpu.py
+  step bench_router 120 python3 bench/router.py --out "$RES"
+  step bench_w4_frag 120 python3 bench/w4_frag.py --only num_warps --no-moe --ms 16,64,256 --out "$RES"
+  step bench_mla_wide 230 python3 bench/mla_attention.py --sweep-only --sweep-wide --sweep-n 64 --no-peers \
+    --budget-s 170 --out "$RES"
 fi
 if [[ $PART == prof ]]; then
   step bench_round 150 python3 bench/round.py --budgets 16 --prompts 2 --out "$RES"

@@ -154,22 +154,23 @@ if HAVE_GLUON:
         return gl.DotOperandLayout(operand_index=index, parent=mma_layout(num_warps), k_width=2)
 
     @constexpr_function
-    def wg_layout(tok):
-        """The wgmma accumulator layout of one warpgroup: 64 weight rows x tok tokens (m64 n{tok} k16)."""
-        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, tok, 16])
+    def wg_layout(tok, num_warps=4):
+        """The wgmma accumulator layout: 64 weight rows x tok tokens (m64 n{tok} k16) per warpgroup, the
+        warpgroups (num_warps / 4) stacked over the rows."""
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, tok, 16])
 
     @constexpr_function
-    def wg_a_layout(tok):
+    def wg_a_layout(tok, num_warps=4):
         """Register layout of the wgmma A operand (the dequantized weights): per warp the mma.sync A fragments
         of its 16 rows."""
-        return gl.DotOperandLayout(operand_index=0, parent=wg_layout(tok), k_width=2)
+        return gl.DotOperandLayout(operand_index=0, parent=wg_layout(tok, num_warps), k_width=2)
 
     @constexpr_function
-    def wg_x_layout(bk):
+    def wg_x_layout(bk, num_warps=4):
         """Load layout of an activation block [TOK, BK] for its shared-memory copy: 8 consecutive k per thread."""
         lanes_k = max(1, min(32, bk // 8))
         return gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[32 // lanes_k, lanes_k],
-                                warps_per_cta=[4, 1], order=[1, 0])
+                                warps_per_cta=[num_warps, 1], order=[1, 0])
 
     @constexpr_function
     def x_layout(bk, tok, num_warps, smem):
@@ -357,7 +358,7 @@ if HAVE_GLUON:
         read from DRAM about once. PDL: launched dependent on the kernel that wrote x (pdl.py)."""
         BN: gl.constexpr = 16 * num_warps * MT
         BK: gl.constexpr = 32 * GPB
-        MMA: gl.constexpr = wg_layout(TOK) if WG else mma_layout(num_warps)
+        MMA: gl.constexpr = wg_layout(TOK, num_warps) if WG else mma_layout(num_warps)
         m0 = gl.program_id(0) * TOK
         n0 = gl.program_id(1) * BN
         pid_s = gl.program_id(2)
@@ -366,13 +367,13 @@ if HAVE_GLUON:
         acc = gl.zeros([BN, TOK], gl.float32, layout=MMA)
         if WG:
             # activations [TOK, BK] (k contiguous) into shared memory, the wgmma B operand as its transpose
-            XW: gl.constexpr = wg_x_layout(BK)
+            XW: gl.constexpr = wg_x_layout(BK, num_warps)
             rk = gl.arange(0, BK, layout=gl.SliceLayout(0, XW))
             rm = m0 + gl.arange(0, TOK, layout=gl.SliceLayout(1, XW))
             x_ptrs = x_ptr + gl.expand_dims(rm, 1) * stride_xm + gl.expand_dims(rk, 0) + kb0 * BK
             xs = gl.allocate_shared_memory(gl.bfloat16, [2, TOK, BK], WG_X_SMEM)
             acc, unused = _frag_loop_wg(acc, acc, w_ptrs, s_ptrs, w_ptrs, s_ptrs, x_ptrs, gl.expand_dims(rm, 1) < M,
-                                        kb_per_split, xs, False, wg_a_layout(TOK), BN, GPB, PDL, TILE)
+                                        kb_per_split, xs, False, wg_a_layout(TOK, num_warps), BN, GPB, PDL, TILE)
         else:
             AL: gl.constexpr = operand_layout(0, num_warps)
             BL: gl.constexpr = operand_layout(1, num_warps)
@@ -477,7 +478,7 @@ def frag_linear(x: torch.Tensor, wq: torch.Tensor, s: torch.Tensor, *, gpb: int 
     M, K = x.shape
     N = wq.shape[0]
     plan = dense_plan(N, K)
-    tok = token_tile(M, wide=mma != "sync" and num_warps == 4 and mt in (None, 1)) if tok is None else tok
+    tok = token_tile(M, wide=mma != "sync" and num_warps in (4, 8) and mt in (None, 1)) if tok is None else tok
     gpb = plan[0] if gpb is None else gpb
     mt = token_mt(plan[1], tok) if mt is None else mt
     mma = token_mma(tok) if mma is None else mma
@@ -487,8 +488,8 @@ def frag_linear(x: torch.Tensor, wq: torch.Tensor, s: torch.Tensor, *, gpb: int 
         raise TypeError(f"frag_linear: bfloat16 activations required, got {x.dtype}")
     if mma not in ("sync", "wgmma"):
         raise ValueError(f"frag_linear: mma must be 'sync' or 'wgmma', got {mma!r}")
-    if mma == "wgmma" and (num_warps != 4 or mt != 1 or tok not in (8, 16, 32, 64)):
-        raise ValueError(f"frag_linear: wgmma needs 4 warps, 1 tile per warp and 8/16/32/64 tokens per program; "
+    if mma == "wgmma" and (num_warps not in (4, 8) or mt != 1 or tok not in (8, 16, 32, 64)):
+        raise ValueError(f"frag_linear: wgmma needs 4 or 8 warps, 1 tile per warp and 8/16/32/64 tokens per program; "
                          f"got {num_warps} warps, mt {mt}, tok {tok}")
     if xload not in X_LOADS:
         raise ValueError(f"frag_linear: xload must be one of {sorted(X_LOADS)}, got {xload!r}")
