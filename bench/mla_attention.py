@@ -136,12 +136,14 @@ VSPLIT_SHAPES = [(8, 4096, 4), (8, 4096, 16), (8, 32768, 4), (8, 32768, 16), (8,
 # Verify tiles of 64 rows (tl.dot on wgmma) beside the defaults' 32-row mma.sync tiles: whether they give the
 # same bits (bench_case's `diff_vs_default`: elements that differ from the default config's output) and their
 # time. `--sweep-wide` times them (at N = 8 decode launches keep their own tiles: verify shapes only; N = 64 has no
-decode tiles of its own, so its decode shapes run the candidates' tiles).
+# decode tiles of its own, so its decode shapes run the candidates' tiles).
 _W8, _W64 = replace(_D8, DECODE_BLOCK_M=0, DECODE_STAGES=0), _D64
 WIDE_FOR_N: dict[int, list[MLAConfig]] = {
-    n: [d, replace(w, BLOCK_M=64, num_warps=4), replace(w, BLOCK_M=64, num_warps=8),
-        replace(w, BLOCK_M=64, num_warps=8, BLOCK_N=32), replace(w, BLOCK_M=64, num_warps=4, V_SPLIT=2)]
-    for n, d, w in ((8, _D8, _W8), (64, _D64, _W64))}
+    8: [_D8, replace(_W8, BLOCK_M=64, num_warps=4), replace(_W8, BLOCK_M=64, num_warps=8),
+        replace(_W8, BLOCK_M=64, num_warps=8, BLOCK_N=32), replace(_W8, BLOCK_M=64, num_warps=4, V_SPLIT=2)],
+    # N = 64: the default (64-row tiles in 8 warps) beside the 32-row 4-warp tiles it replaced
+    64: [_D64, replace(_W64, BLOCK_M=32, num_warps=4), replace(_W64, BLOCK_M=64, num_warps=4),
+         replace(_W64, BLOCK_M=64, num_warps=8, BLOCK_N=32)]}
 WIDE_SWEEP: list[MLAConfig] = [c for cs in WIDE_FOR_N.values() for c in cs]
 WIDE_SHAPES = [(8, 4096, 16), (8, 4096, 64), (8, 32768, 16), (8, 32768, 64), (64, 4096, 16), (64, 4096, 64),
                (64, 32768, 16), (64, 32768, 64), (64, 4096, 1), (64, 32768, 1), (64, 131072, 1)]

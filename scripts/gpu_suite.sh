@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU tests and benchmarks, logs and results packed under $OUT; one device call runs one part.
-#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|next|chain|sample|rounds|decode|step|verify|resume|ncu|plane|merge|merge2|merge3|sample2|fork|last|plane2|rows|kload|lazy|rounds2|maxnreg|qsplit|stages|down|bm8|m64|merge4|merge5|final2|moerows|moe16|moe16b|router|router2|router3|final3|frag|frag2|frag3|frag4|frag5|frag7|frag8|xsm|xsm2|xsm3|xsm4|xsm5|xsm6|router4|arrive|tune2|direct|epi|pdl|pdl2|pdl3|rgemv|rgemv2|pdl4|pdl5|shared|final4|spec4|prof|round5|round6|round7|tiled|tiled2|tiled3|tiled4|tiled5|tiled6|tiled7|tiled8|wg|wg2|wide|wg3|wg4|wg5|ring|router5]   (on the GPU machine, from the repository root)
+#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|next|chain|sample|rounds|decode|step|verify|resume|ncu|plane|merge|merge2|merge3|sample2|fork|last|plane2|rows|kload|lazy|rounds2|maxnreg|qsplit|stages|down|bm8|m64|merge4|merge5|final2|moerows|moe16|moe16b|router|router2|router3|final3|frag|frag2|frag3|frag4|frag5|frag7|frag8|xsm|xsm2|xsm3|xsm4|xsm5|xsm6|router4|arrive|tune2|direct|epi|pdl|pdl2|pdl3|rgemv|rgemv2|pdl4|pdl5|shared|final4|spec4|prof|round5|round6|round7|tiled|tiled2|tiled3|tiled4|tiled5|tiled6|tiled7|tiled8|wg|wg2|wide|wg3|wg4|wg5|ring|router5|wide64]   (on the GPU machine, from the repository root)
 #   tune   the W4A16 config sweep, the bitwise and CUDA-graph GPU tests, the demo's spec benchmark
 #   check  the remaining GPU tests (kernels, batch invariance, target, attention), kernel and round benches
 #   bench  the benchmarks with long runs (K2 step, attention, GEMM)
@@ -132,6 +132,8 @@
 #          (reference, same bits), the dense (M = 1 / 4 / 16) and MoE (T = 1 / 4 / 16 / 64) ring candidates
 #   router5 the router GEMM on tensor cores (tf32x3 tiles): its GPU tests and bench; dense wgmma programs of two
 #          warpgroups; 64-row 8-warp attention tiles at N = 64 (verify and decode shapes)
+#   wide64 64-row 8-warp attention tiles as the N = 64 default: the N = 64 wide sweep (verify and decode), the
+#          attention bit-equality / reference tests at N = 64, the K2 layer step
 #   wide   64-row verify tiles of the MLA attention (wgmma) against the defaults: time and bits (--sweep-wide)
 #   round7 each DDTree-builder test case timed apart (scripts/diag_tree_gpu.py), then the graph-round tests
 #          that round6's step cap left out and the spec GPU tests
@@ -717,6 +719,12 @@ if [[ $PART == router5 ]]; then
   step bench_w4_frag 120 python3 bench/w4_frag.py --only num_warps --no-moe --ms 16,64,256 --out "$RES"
   step bench_mla_wide 230 python3 bench/mla_attention.py --sweep-only --sweep-wide --sweep-n 64 --no-peers \
     --budget-s 170 --out "$RES"
+fi
+if [[ $PART == wide64 ]]; then
+  step bench_mla_wide 170 python3 bench/mla_attention.py --sweep-only --sweep-wide --sweep-n 64 --no-peers \
+    --budget-s 120 --out "$RES"
+  step pytest_mla64 170 $PYT tests/gpu/test_mla_attention_gpu.py -k "(batch_invariant or vs_reference or causal_chunks) and 64 and not candidate"
+  step bench_k2_step 240 python3 bench/k2_step.py --out "$RES"
 fi
 if [[ $PART == prof ]]; then
   step bench_round 150 python3 bench/round.py --budgets 16 --prompts 2 --out "$RES"
