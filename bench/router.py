@@ -39,13 +39,6 @@ CANDIDATES = {  # name -> router kernel config (BN, KS, warps, TM)
     "b2_k512_w1": RouterGemmConfig(2, 512, 1, 16),
     "b4_k512_w1_tm4": RouterGemmConfig(4, 512, 1, 4),
     "b4_k512_w1_tm64": RouterGemmConfig(4, 512, 1, 64),
-    # tensor cores (tf32x3 dots of 16 tokens; TM tokens per program)
-    "mma_b32_k256_w4": RouterGemmConfig(32, 256, 4, 64, MMA=True),
-    "mma_b32_k256_w4_tm16": RouterGemmConfig(32, 256, 4, 16, MMA=True),
-    "mma_b32_k256_w4_tm1k": RouterGemmConfig(32, 256, 4, 1024, MMA=True),
-    "mma_b32_k128_w4_tm16": RouterGemmConfig(32, 128, 4, 16, MMA=True),
-    "mma_b64_k128_w4": RouterGemmConfig(64, 128, 4, 64, MMA=True),
-    "mma_b32_k128_w4": RouterGemmConfig(32, 128, 4, 64, MMA=True),
 }
 
 

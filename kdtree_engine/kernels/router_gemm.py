@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import DTYPES, interpreting
+from .common import DTYPES
 from .pdl import pdl_launch, pdl_supported, pdl_wait
 from .split_sum import split_sum
 
@@ -43,11 +43,6 @@ class RouterGemmConfig:
     KS: int = 512
     num_warps: int = 1
     TM: int = 16
-    # tensor cores (_router_mma_kernel): each 16-token tile of the program's TM tokens is one MMA dot of the
-    # weight tile in tf32x3 (bf16 / fp16 activations are exact in tf32, so x * w = x * hi(w) + x * lo(w), 22 of
-    # w's 24 mantissa bits, products exact, float32 sums); rows of an MMA are independent, so TM still only
-    # re-tiles. Else the FMA loop (_router_gemm_kernel: one token at a time on CUDA cores)
-    MMA: bool = False
 
     def __post_init__(self) -> None:
         for name in ("BN", "KS", "num_warps"):
@@ -56,8 +51,6 @@ class RouterGemmConfig:
                 raise ValueError(f"RouterGemmConfig.{name} must be a power of 2, got {v}")
         if self.TM < 1:
             raise ValueError(f"RouterGemmConfig.TM must be >= 1, got {self.TM}")
-        if self.MMA and (self.BN < 16 or self.KS < 16):
-            raise ValueError(f"RouterGemmConfig: MMA tiles need BN >= 16 and KS >= 16, got {self}")
 
 
 # (N, K) -> config, from bench/router.py on an H200 (bench/results/router-h200-candidates.md, us at
@@ -108,41 +101,6 @@ def _router_gemm_kernel(x_ptr, w_ptr, out_ptr, M, N, K, TM, stride_xm, stride_wn
         x = x_next
 
 
-MMA_ROWS = 16   # token rows of one MMA dot of _router_mma_kernel (fixed: with TM it only re-tiles)
-
-
-@triton.jit
-def _router_mma_kernel(x_ptr, w_ptr, out_ptr, M, N, K, TM, stride_xm, stride_wn, stride_os, stride_om,
-                       BN: tl.constexpr, KS: tl.constexpr, BM: tl.constexpr, ROW_EXACT: tl.constexpr,
-                       PDL: tl.constexpr = False):
-    """grid (cdiv(N, BN), splits, cdiv(M, TM)): out[s, m, n] = the split's partial logits of the program's TM
-    tokens, BM at a time, each tile one tf32x3 dot with the weight tile [BN, KS] loaded once (before the
-    dependent-launch wait). ROW_EXACT (interpreter): a broadcast product + sum per row instead of the dot."""
-    pid_n = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    m0 = tl.program_id(2) * TM
-    rn = pid_n * BN + tl.arange(0, BN)
-    rk = pid_s * KS + tl.arange(0, KS)
-    k_ok = rk < K
-    w = tl.load(w_ptr + rn.to(tl.int64)[:, None] * stride_wn + rk[None, :],
-                mask=(rn < N)[:, None] & k_ok[None, :], other=0.0)           # [BN, KS] fp32
-    wt = tl.trans(w)                                                          # [KS, BN]
-    if PDL:
-        pdl_wait()
-    m_end = tl.minimum(m0 + TM, M)
-    for mm in range(m0, m_end, BM):
-        rm = mm + tl.arange(0, BM)
-        m_ok = rm < m_end
-        x = tl.load(x_ptr + rm.to(tl.int64)[:, None] * stride_xm + rk[None, :],
-                    mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)   # [BM, KS]
-        if ROW_EXACT:
-            s = tl.sum(x[:, :, None] * wt[None, :, :], axis=1)
-        else:
-            s = tl.dot(x, wt, input_precision="tf32x3")
-        tl.store(out_ptr + pid_s.to(tl.int64) * stride_os + rm.to(tl.int64)[:, None] * stride_om + rn[None, :], s,
-                 mask=m_ok[:, None] & (rn < N)[None, :])
-
-
 def router_logits_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ w [N, K].T in float32 (torch): the CPU path and the test oracle."""
     return x.float() @ w.float().T
@@ -172,14 +130,9 @@ def router_logits(x: torch.Tensor, w: torch.Tensor, *, config: RouterGemmConfig 
     splits = triton.cdiv(K, cfg.KS)
     pdl = pdl_supported(x.device)
     part = out if splits == 1 else torch.empty((splits, M, N), device=x.device, dtype=torch.float32)
-    grid = (triton.cdiv(N, cfg.BN), splits, triton.cdiv(M, cfg.TM))
-    if cfg.MMA:
-        _router_mma_kernel[grid](x, w, part, M, N, K, cfg.TM, x.stride(0), w.stride(0), M * N, N, BN=cfg.BN,
-                                 KS=cfg.KS, BM=MMA_ROWS, ROW_EXACT=interpreting(), num_warps=cfg.num_warps,
-                                 **pdl_launch(pdl))
-    else:
-        _router_gemm_kernel[grid](x, w, part, M, N, K, cfg.TM, x.stride(0), w.stride(0), M * N, N, BN=cfg.BN,
-                                  KS=cfg.KS, num_warps=cfg.num_warps, **pdl_launch(pdl))
+    _router_gemm_kernel[(triton.cdiv(N, cfg.BN), splits, triton.cdiv(M, cfg.TM))](
+        x, w, part, M, N, K, cfg.TM, x.stride(0), w.stride(0), M * N, N, BN=cfg.BN, KS=cfg.KS,
+        num_warps=cfg.num_warps, **pdl_launch(pdl))
     if splits > 1:
         split_sum(part, out, splits, pdl=pdl)
     return out

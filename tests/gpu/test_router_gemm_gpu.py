@@ -8,8 +8,6 @@ depends on the kernel writing its input (programmatic dependent launch) reading 
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 import torch
 
@@ -38,9 +36,7 @@ def poisoned_empty(monkeypatch):
 # the table config and the other shapes of bench/router.py (each its own rounding, each batch-invariant)
 CONFIGS = {"table": None, "b8_k1024_w4": RouterGemmConfig(8, 1024, 4, 16),
            "b4_k512_w1": RouterGemmConfig(4, 512, 1, 16), "b2_k1024_w1": RouterGemmConfig(2, 1024, 1, 16),
-           "b4_k1024_w1": RouterGemmConfig(4, 1024, 1, 16),
-           "mma_b32_k256_w4": RouterGemmConfig(32, 256, 4, 64, MMA=True),
-           "mma_b32_k128_w4": RouterGemmConfig(32, 128, 4, 16, MMA=True)}
+           "b4_k1024_w1": RouterGemmConfig(4, 1024, 1, 16)}
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -57,7 +53,7 @@ def test_router_logits_k2_accurate_and_batch_invariant(poisoned_empty, dtype, na
     alone = {i: router_logits(x[i:i + 1], w, config=cfg)[0] for i in rows}
     bad = []
     for j, m in enumerate(list(range(2, 130)) + [192]):
-        tm = replace(cfg, TM=(1, 4, 16, 64)[j % 4])
+        tm = RouterGemmConfig(cfg.BN, cfg.KS, cfg.num_warps, (1, 4, 16, 64)[j % 4])
         y = router_logits(x[:m], w, config=tm)
         if not torch.equal(y, full[:m]):
             bad.append(f"M={m} differs from M=256")
