@@ -32,7 +32,7 @@ from bench.common import command_line, copy_bandwidth, device_info, gpu_stem, l2
 from bench.kernels import DENSE, E, G, H, I, TOPK, rand_w4, rel, route, w4_bytes  # noqa: E402
 from kdtree_engine.kernels.moe_frag import FragMoEConfig, frag_moe_config, fused_moe_frag  # noqa: E402
 from kdtree_engine.kernels.moe_w4a16 import fused_moe_reference, fused_moe_w4a16  # noqa: E402
-from kdtree_engine.kernels.w4_frag import dense_plan, frag_gpb, frag_linear, frag_repack, frag_tile, token_mma, token_mt, token_tile, FRAG_TILE  # noqa: E402
+from kdtree_engine.kernels.w4_frag import dense_plan, frag_gpb, frag_linear, frag_repack, frag_tile, token_mma, token_mt, token_tile, token_warps, FRAG_TILE  # noqa: E402
 from kdtree_engine.kernels.w4a16 import w4a16_linear  # noqa: E402
 from kdtree_engine.quant import dequantize  # noqa: E402
 
@@ -41,8 +41,9 @@ DENSE_CANDIDATES = [  # the engine's plan first (None), then overrides of it (th
     # mma: the instruction (token_mma: mma.sync up to 16 tokens per program, wgmma beyond)
     None, dict(tile=0), dict(split=4), dict(mma="sync", tok=16), dict(mma="wgmma", tok=16),
     dict(mma="wgmma", tok=32),
-    # two warpgroups per program (128 weight rows) sharing one activation buffer
-    dict(mma="wgmma", tok=16, num_warps=8), dict(mma="wgmma", tok=32, num_warps=8), dict(mma="wgmma", tok=64, num_warps=8),
+    # two warpgroups per program (128 weight rows) sharing one activation buffer (the plan's 64-token programs),
+    # and 64-token programs of one warpgroup
+    dict(mma="wgmma", tok=16, num_warps=8), dict(mma="wgmma", tok=32, num_warps=8), dict(mma="wgmma", tok=64, num_warps=4),
 ]
 MOE_CANDIDATES = [  # the engine's table first (None), then block rows / tiles / splits / activation loads, all on
     # the engine's tiled words; the engine's table on row-major words last (block-major words, measured at
@@ -103,8 +104,9 @@ def bench_dense(ms, bw, reps, only: str | None = None) -> list[dict]:
                  [lambda: x @ wd.T], None, bw, reps)
             for cand in [c for c in DENSE_CANDIDATES if _wanted(c, only)]:
                 gpb, mt, split = plan
-                kw = dict(gpb=gpb, mt=token_mt(mt, token_tile(M)), num_warps=4, split=split, xload="smem-ahead",
-                          tok=token_tile(M), tile=FRAG_TILE)
+                tok = token_tile(M)
+                kw = dict(gpb=gpb, mt=token_mt(mt, tok), num_warps=token_warps(tok, N) if token_mma(tok) == "wgmma" else 4,
+                          split=split, xload="smem-ahead", tok=tok, tile=FRAG_TILE)
                 kw.update(cand or {})
                 tag = "frag (engine plan)" if cand is None else "frag"
                 wr = reps_by_gpb[(gpb, kw.get("tile", 0))]

@@ -144,7 +144,8 @@ class MLAConfig:
     DECODE_MIN_PROGRAMS: int = 0
     # the softmax row sum of a key block as an MMA (P @ ones, the P @ V operand in the P @ V order) instead
     # of a tl.sum across the tile's warps: a row's arithmetic then no longer depends on how the warps
-    # split the tile (BLOCK_M), which makes DECODE_BLOCK_M a re-tiling (mma.sync tiles, BLOCK_M < 64)
+    # split the tile (BLOCK_M), which makes DECODE_BLOCK_M a re-tiling (mma.sync tiles; also beside 64-row wgmma
+    # verify tiles, whose bits equal the 32-row mma.sync tiles' at every shape measured and tested)
     L_BY_DOT: bool = False
     # decode launches (T = 1): this BLOCK_M and num_stages instead (0: the config's); needs L_BY_DOT,
     # KEYS_ON_M off and both BLOCK_Ms under 64 (mma.sync: per element the same k-steps for any row count)
@@ -193,14 +194,14 @@ class MLAConfig:
     QK_SPLIT: int = 1
 
     def __post_init__(self) -> None:
-        if self.DECODE_BLOCK_M and not (self.L_BY_DOT and not self.KEYS_ON_M and self.BLOCK_M < 64
+        if self.DECODE_BLOCK_M and not (self.L_BY_DOT and not self.KEYS_ON_M and 16 <= self.BLOCK_M <= 64
                                         and 16 <= self.DECODE_BLOCK_M < 64):
-            raise ValueError("MLAConfig.DECODE_BLOCK_M needs L_BY_DOT, KEYS_ON_M off and BLOCK_M and "
+            raise ValueError("MLAConfig.DECODE_BLOCK_M needs L_BY_DOT, KEYS_ON_M off, BLOCK_M in [16, 64] and "
                              f"DECODE_BLOCK_M in [16, 64); got {self}")
-        if self.DECODE_WARPS and not (self.L_BY_DOT and not self.KEYS_ON_M and self.BLOCK_M < 64
+        if self.DECODE_WARPS and not (self.L_BY_DOT and not self.KEYS_ON_M and self.BLOCK_M <= 64
                                       and (self.DECODE_BLOCK_M or self.BLOCK_M) < 64 and self.DECODE_WARPS in (2, 4, 8)):
-            raise ValueError("MLAConfig.DECODE_WARPS needs L_BY_DOT, KEYS_ON_M off, tiles under 64 rows and 2, 4 "
-                             f"or 8 warps; got {self}")
+            raise ValueError("MLAConfig.DECODE_WARPS needs L_BY_DOT, KEYS_ON_M off, decode tiles under 64 rows and 2, "
+                             f"4 or 8 warps; got {self}")
         if self.QK_SPLIT not in (1, 2) or (self.QK_SPLIT == 2 and (self.KEYS_ON_M or self.K_DESC)):
             raise ValueError(f"MLAConfig.QK_SPLIT must be 1 or 2 (2 without KEYS_ON_M or K_DESC); got {self}")
         if self.LAZY_RESCALE not in ("off", "decode", "all"):
@@ -287,13 +288,18 @@ class MLAConfig:
 # 16-row tile runs out of shared memory (233 KB), and 2 stages with slices gave 25.8 / 39.9 / 78.8 us.
 # N = 64: 16-row decode tiles are slower from 128K (181-215 vs 153 us), so only L_BY_DOT (60 -> 51 us
 # at 32K, 153 -> 144 us at 128K) and the decode V_SPLIT rule.
+# N > 16 verify: 64-row tiles in 8 warps (tl.dot on wgmma), the 32-row 4-warp mma.sync tiles kept for decode
+# launches (DECODE_BLOCK_M / DECODE_WARPS: the 64-row tiles run out of shared memory there, 240-289 KB).
+# python3 bench/mla_attention.py --sweep-only --sweep-wide --sweep-n 64 (bench/results/mla_attention-wide64-
+# sweep-h200.md), N = 64, 4K / 32K context: 16 nodes 71.6 / 398 us against 80.4 / 407, 64 nodes 219 / 1416
+# against 231 / 1446, the same bits (0 elements differ at every shape; GPU-tested: decode rows == tree rows).
 DEFAULT_CONFIGS: list[tuple[int, MLAConfig]] = [
     (16, MLAConfig(CHUNK=512, BLOCK_M=32, BLOCK_N=64, V_SPLIT=1, num_warps=4, num_stages=2, KEYS_ON_M=False,
                    Q_IN_LOOP=False, V_SPLIT_BY_T=(), DECODE_MIN_PROGRAMS=0, L_BY_DOT=True,
                    DECODE_BLOCK_M=16, DECODE_STAGES=3, QK_SPLIT=1)),  # N <= 16 (TP8: 8 heads/rank)
     (1 << 30, MLAConfig(CHUNK=512, BLOCK_M=64, BLOCK_N=64, V_SPLIT=1, num_warps=8, num_stages=2,
                         KEYS_ON_M=False, Q_IN_LOOP=False, V_SPLIT_BY_T=(), DECODE_MIN_PROGRAMS=128, L_BY_DOT=True,
-                        QK_SPLIT=1)),
+                        DECODE_BLOCK_M=32, DECODE_WARPS=4, QK_SPLIT=1)),
 ]
 
 

@@ -454,6 +454,14 @@ def token_mma(tok: int) -> str:
     return "sync" if tok <= 16 else "wgmma"
 
 
+def token_warps(tok: int, rows: int) -> int:
+    """Warps per wgmma program for a token tile over `rows` weight rows: 64-token programs run two warpgroups where
+    128 divides the rows (8 warps, 128 weight rows sharing one activation buffer: 36864 x 7168 at M = 64 / 256 137 / 410 us against 140 / 450 with one, an
+    expert's w13 19.2 / 65.8 against 21.7 / 70.8; bench/results/w4-frag-h200-wg8.md); the rest 4 (8-warp
+    16 / 32-token programs were slower). Only re-tiles: the same bits (tests/gpu/test_w4_frag_gpu.py)."""
+    return 8 if tok == 64 and rows % 128 == 0 else 4
+
+
 def token_mt(plan_mt: int, tok: int) -> int:
     """MMA tiles per warp for a token tile: 16-token tiles with 2 tiles per warp spill (255 registers; 97.8
     against 64.8 us with 1 tile at M = 16, bench/results/w4-frag-h200-xsmem.md); wgmma programs have one."""
@@ -461,16 +469,16 @@ def token_mt(plan_mt: int, tok: int) -> int:
 
 
 def frag_linear(x: torch.Tensor, wq: torch.Tensor, s: torch.Tensor, *, gpb: int | None = None,
-                mt: int | None = None, num_warps: int = 4, split: int | None = None,
+                mt: int | None = None, num_warps: int | None = None, split: int | None = None,
                 tok: int | None = None, xload: str = "smem-ahead", pdl: bool = True, tile: int = 0,
                 mma: str | None = None) -> torch.Tensor:
     """y [M, N] = x [M, K] @ W^T, W the fragment-repacked int4 words wq [N, K/8] (frag_repack with
     frag_gpb(K) unless gpb is given) and bf16 scales s [N, K/32]; x bfloat16. Unset knobs follow dense_plan,
-    token_tile, token_mt and token_mma; xload: how activations are loaded (X_LOADS); pdl: programmatic dependent
+    token_tile, token_mt, token_mma and token_warps (wgmma programs); xload: how activations are loaded (X_LOADS); pdl: programmatic dependent
     launches of the GEMM and its split sum (pdl.py; the same bits); tile: 0 for row-major words, else the rows per
     tile of frag_tile's order (the same bits); mma: "sync" (mma.sync, 8 / 16-token tiles) or "wgmma" (the
     dequantized weights the register A operand of a warpgroup MMA, the activations its shared-memory B operand;
-    4 warps, 1 tile per warp; the same bits)."""
+    4 or 8 warps: one or two warpgroups, 1 tile per warp; the same bits)."""
     if not HAVE_GLUON:
         raise RuntimeError("the fragment-ordered W4A16 kernels need triton.experimental.gluon (triton >= 3.5)")
     from kdtree_engine.kernels.split_sum import split_sum
@@ -478,10 +486,11 @@ def frag_linear(x: torch.Tensor, wq: torch.Tensor, s: torch.Tensor, *, gpb: int 
     M, K = x.shape
     N = wq.shape[0]
     plan = dense_plan(N, K)
-    tok = token_tile(M, wide=mma != "sync" and num_warps in (4, 8) and mt in (None, 1)) if tok is None else tok
+    tok = token_tile(M, wide=mma != "sync" and num_warps in (None, 4, 8) and mt in (None, 1)) if tok is None else tok
     gpb = plan[0] if gpb is None else gpb
     mt = token_mt(plan[1], tok) if mt is None else mt
     mma = token_mma(tok) if mma is None else mma
+    num_warps = (token_warps(tok, N) if mma == "wgmma" else 4) if num_warps is None else num_warps
     split = plan[2] if split is None else split
     bn, bk = 16 * num_warps * mt, 32 * gpb
     if x.dtype != torch.bfloat16:

@@ -111,9 +111,11 @@ def test_frag_linear_wgmma_matches_reference(poisoned, N, K, split, tile, M):
         q = frag_tile(q, gpb, tile)
     x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
     ref = (x.float() @ dequantize(p, s, G, torch.bfloat16).float().T).to(torch.bfloat16)
-    for tok in (8, 16, 32, 64):
-        out = frag_linear(x, q, s, gpb=gpb, split=split, tok=tok, tile=tile, mma="wgmma")
-        _check(out, ref, TOL, f"frag wgmma N={N} K={K} M={M} tok={tok}")
+    for tok, warps in ((8, 4), (16, 4), (32, 4), (64, 4), (32, 8), (64, 8)):
+        if N % (16 * warps):
+            continue
+        out = frag_linear(x, q, s, gpb=gpb, split=split, tok=tok, tile=tile, mma="wgmma", num_warps=warps)
+        _check(out, ref, TOL, f"frag wgmma N={N} K={K} M={M} tok={tok} warps={warps}")
 
 
 @pytest.mark.parametrize("split", [1, 2])
@@ -123,14 +125,14 @@ def test_frag_linear_wgmma_batch_invariant(split):
     p, s = rand_w4(2048, 7168)
     q = frag_tile(frag_repack(p, 8), 8, 64)
     x = torch.randn(100, 7168, device="cuda").to(torch.bfloat16)
-    full = frag_linear(x, q, s, gpb=8, split=split, tok=64, tile=64, mma="wgmma")
+    full = frag_linear(x, q, s, gpb=8, split=split, tok=64, tile=64, mma="wgmma", num_warps=4)
     bad = []
-    for tok in (8, 16, 32, 64):
+    for tok, warps in ((8, 4), (16, 4), (32, 4), (64, 4), (16, 8), (64, 8)):   # 8 warps: two warpgroups
         for m in (1, 5, 16, 17, 64, 100):
-            rows = frag_linear(x[:m], q, s, gpb=8, split=split, tok=tok, tile=64, mma="wgmma")
+            rows = frag_linear(x[:m], q, s, gpb=8, split=split, tok=tok, tile=64, mma="wgmma", num_warps=warps)
             if not torch.equal(rows, full[:m]):
-                bad.append((tok, m, int((rows != full[:m]).sum())))
-    assert not bad, f"rows differ from the M=100 launch (tok, M, #elements): {bad}"
+                bad.append((tok, warps, m, int((rows != full[:m]).sum())))
+    assert not bad, f"rows differ from the M=100 launch (tok, warps, M, #elements): {bad}"
     # mma.sync programs of 16 tokens: the same bits (the engine's plan takes either by the token count)
     sync = frag_linear(x, q, s, gpb=8, split=split, tok=16, tile=64, mma="sync")
     assert torch.equal(sync, full), f"wgmma vs mma.sync: {int((sync != full).sum())} elements differ"

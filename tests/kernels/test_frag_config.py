@@ -33,6 +33,13 @@ def test_dense_token_tiles_and_instructions():
     assert [token_mma(t) for t in (8, 16, 32, 64)] == ["sync", "sync", "wgmma", "wgmma"]
 
 
+def test_wgmma_warpgroups_follow_the_token_tile_and_rows():
+    """64-token wgmma programs run two warpgroups (128 weight rows) where 128 divides the rows, else one."""
+    from kdtree_engine.kernels.w4_frag import token_warps
+    assert [token_warps(t, 36864) for t in (8, 16, 32, 64)] == [4, 4, 4, 8]
+    assert token_warps(64, 192) == 4 and token_warps(64, 128) == 8
+
+
 def test_every_activation_load_is_accepted_for_both_gemms():
     for a in X_LOADS:
         for b in (None, *X_LOADS):
