@@ -129,7 +129,8 @@ ROWS_SWEEP: list[MLAConfig] = [c for cs in ROWS_FOR_N.values() for c in cs]
 # a 4K prefix is 8 prefix programs (one 32-row tile per chunk) for 132 SMs. `--sweep-vsplit` times them.
 VSPLIT_FOR_N: dict[int, list[MLAConfig]] = {
     8: [_D8] + [replace(_D8, V_SPLIT_BY_T=((16, v),)) for v in (2, 4, 8)],
-    64: [_D64] + [replace(_D64, V_SPLIT_BY_T=((16, v),)) for v in (2, 4)]}
+    # N = 64: the slices on the 32-row verify tiles (the default's 64-row tiles take none: MLAConfig)
+    64: [_D64] + [replace(_D64, BLOCK_M=32, num_warps=4, V_SPLIT_BY_T=((16, v),)) for v in (2, 4)]}
 VSPLIT_SWEEP: list[MLAConfig] = [c for cs in VSPLIT_FOR_N.values() for c in cs]
 VSPLIT_SHAPES = [(8, 4096, 4), (8, 4096, 16), (8, 32768, 4), (8, 32768, 16), (8, 131072, 16), (64, 4096, 4),
                  (64, 4096, 16), (64, 32768, 16)]
@@ -140,7 +141,7 @@ VSPLIT_SHAPES = [(8, 4096, 4), (8, 4096, 16), (8, 32768, 4), (8, 32768, 16), (8,
 _W8, _W64 = replace(_D8, DECODE_BLOCK_M=0, DECODE_STAGES=0), _D64
 WIDE_FOR_N: dict[int, list[MLAConfig]] = {
     8: [_D8, replace(_W8, BLOCK_M=64, num_warps=4), replace(_W8, BLOCK_M=64, num_warps=8),
-        replace(_W8, BLOCK_M=64, num_warps=8, BLOCK_N=32), replace(_W8, BLOCK_M=64, num_warps=4, V_SPLIT=2)],
+        replace(_W8, BLOCK_M=64, num_warps=8, BLOCK_N=32)],   # with column slices they do not fit (MLAConfig)
     # N = 64: the default (64-row tiles in 8 warps) beside the 32-row 4-warp tiles it replaced
     64: [_D64, replace(_W64, BLOCK_M=32, num_warps=4), replace(_W64, BLOCK_M=64, num_warps=4),
          replace(_W64, BLOCK_M=64, num_warps=8, BLOCK_N=32)]}

@@ -157,6 +157,8 @@ def test_v_split_by_t_bit_equal_bf16(name, N):
     S, T = 5000, 40
     seed = int(torch.randint(1 << 30, (1,)))
     base = replace(_cfg(name, N), V_SPLIT=1, V_SPLIT_BY_T=(), DECODE_MIN_PROGRAMS=0)
+    if base.BLOCK_M >= 64 and not base.KEYS_ON_M:   # 64-row row tiles take no slices (MLAConfig): the 32-row
+        base = replace(base, BLOCK_M=32, num_warps=4)  # tiles they replaced, which do
     cfg = replace(base, V_SPLIT_BY_T=((1, 4), (16, 2)))
     auto = replace(base, DECODE_MIN_PROGRAMS=128)  # decode launches here: 10 chunks x 1-2 tiles -> 8 slices
     q_lat, q_pe, kv = inputs(T, N, S, seed)

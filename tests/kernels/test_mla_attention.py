@@ -341,9 +341,25 @@ def test_decode_block_m_is_a_decode_retiling():
     assert _plan(512, 64, 8, 2, torch.float32, cfg, 8 * 512)[0].BLOCK_M == 32
     # the decode rule counts the re-tiled launch's programs: N = 64 -> 4 row tiles x 2 chunks x 8 slices
     assert _plan(512, 64, 64, 1, torch.float32, cfg, 2 * 512)[5] == 8
-    for bad in (dict(L_BY_DOT=False), dict(KEYS_ON_M=True), dict(BLOCK_M=64), dict(DECODE_BLOCK_M=64)):
+    for bad in (dict(L_BY_DOT=False), dict(KEYS_ON_M=True), dict(BLOCK_M=128), dict(DECODE_BLOCK_M=64)):
         with pytest.raises(ValueError, match="DECODE_BLOCK_M"):
             MLAConfig(**{**dict(BLOCK_M=32, L_BY_DOT=True, DECODE_BLOCK_M=16), **bad})
+
+
+def test_wide_verify_tiles_keep_narrow_decode_tiles_without_slices():
+    """64-row verify tiles (wgmma) may run beside 32-row decode tiles (the N > 16 default); 64-row tiles that a
+    launch could cut in column slices are refused by name (they do not fit in shared memory)."""
+    from kdtree_engine.kernels.mla_attention import default_config
+
+    cfg = default_config(64)
+    assert (cfg.BLOCK_M, cfg.num_warps) == (64, 8)
+    assert (cfg.for_launch(1).BLOCK_M, cfg.for_launch(1).num_warps, cfg.for_launch(2).BLOCK_M) == (32, 4, 64)
+    wide = dict(BLOCK_M=64, num_warps=8, L_BY_DOT=True, DECODE_BLOCK_M=32, DECODE_WARPS=4)
+    MLAConfig(**wide, DECODE_MIN_PROGRAMS=128, V_SPLIT_BY_T=((1, 4),))      # slices on the decode tiles only
+    for bad in (dict(V_SPLIT=2), dict(V_SPLIT_BY_T=((16, 2),)), dict(DECODE_BLOCK_M=0, DECODE_WARPS=0,
+                                                                     DECODE_MIN_PROGRAMS=128)):
+        with pytest.raises(ValueError, match="column slices"):
+            MLAConfig(**{**wide, **bad})
 
 
 def test_decode_rule_keeps_slices_of_64_columns():
