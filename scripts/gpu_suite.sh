@@ -136,7 +136,7 @@
 #          attention bit-equality / reference tests at N = 64, the K2 layer step
 #   wg8    dense 64-token wgmma programs of two warpgroups and N = 64 attention verify tiles of 64 rows (decode
 #          keeps 32): every fragment GPU test, the N = 64 attention tests, the attention bench
-#   wg8b   the same code: the K2 layer step with its profile and the issue's kernel bench
+#   wg8b   the same code: the N = 64 V_SPLIT test, the K2 layer step with its profile and the issue's kernel bench
 #   wide   64-row verify tiles of the MLA attention (wgmma) against the defaults: time and bits (--sweep-wide)
 #   round7 each DDTree-builder test case timed apart (scripts/diag_tree_gpu.py), then the graph-round tests
 #          that round6's step cap left out and the spec GPU tests
@@ -735,6 +735,7 @@ if [[ $PART == wg8 ]]; then
   step bench_mla 120 python3 bench/mla_attention.py --no-peers --out "$RES"
 fi
 if [[ $PART == wg8b ]]; then
+  step pytest_vsplit64 120 $PYT tests/gpu/test_mla_attention_gpu.py -k "v_split_by_t and 64-default"
   step bench_k2_step 260 python3 bench/k2_step.py --profile --out "$RES"
   step bench_kernels 200 python3 bench/kernels.py --no-sweep --out "$RES"
 fi
