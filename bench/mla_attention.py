@@ -139,15 +139,21 @@ VSPLIT_SHAPES = [(8, 4096, 4), (8, 4096, 16), (8, 32768, 4), (8, 32768, 16), (8,
 # time. `--sweep-wide` times them (at N = 8 decode launches keep their own tiles: verify shapes only; N = 64 has no
 # decode tiles of its own, so its decode shapes run the candidates' tiles).
 _W8, _W64 = replace(_D8, DECODE_BLOCK_M=0, DECODE_STAGES=0), _D64
+# Also 8 warps on 32 / 16-row tiles (decode launches keep 4: DECODE_WARPS): offline (triton 3.6, sm_90) the
+# 32-row 4-warp verify tile spills (255 registers + 360 bytes a thread), 8 warps fit (253, 138 for 16 rows);
+# with the row sums by the MMA the warps' split does not touch a row's arithmetic.
 WIDE_FOR_N: dict[int, list[MLAConfig]] = {
     8: [_D8, replace(_W8, BLOCK_M=64, num_warps=4), replace(_W8, BLOCK_M=64, num_warps=8),
-        replace(_W8, BLOCK_M=64, num_warps=8, BLOCK_N=32)],   # with column slices they do not fit (MLAConfig)
+        replace(_W8, BLOCK_M=64, num_warps=8, BLOCK_N=32),    # with column slices they do not fit (MLAConfig)
+        replace(_D8, num_warps=8, DECODE_WARPS=4), replace(_D8, BLOCK_M=16, num_warps=8, DECODE_WARPS=4)],
     # N = 64: the default (64-row tiles in 8 warps) beside the 32-row 4-warp tiles it replaced
     64: [_D64, replace(_W64, BLOCK_M=32, num_warps=4), replace(_W64, BLOCK_M=64, num_warps=4),
-         replace(_W64, BLOCK_M=64, num_warps=8, BLOCK_N=32)]}
+         replace(_W64, BLOCK_M=64, num_warps=8, BLOCK_N=32), replace(_W64, BLOCK_M=32, num_warps=8),
+         replace(_W64, BLOCK_M=16, num_warps=8)]}
 WIDE_SWEEP: list[MLAConfig] = [c for cs in WIDE_FOR_N.values() for c in cs]
-WIDE_SHAPES = [(8, 4096, 16), (8, 4096, 64), (8, 32768, 16), (8, 32768, 64), (64, 4096, 16), (64, 4096, 64),
-               (64, 32768, 16), (64, 32768, 64), (64, 4096, 1), (64, 32768, 1), (64, 131072, 1)]
+WIDE_SHAPES = [(8, 4096, 4), (8, 4096, 16), (8, 4096, 64), (8, 32768, 16), (8, 32768, 64), (8, 131072, 16),
+               (64, 4096, 4), (64, 4096, 16), (64, 4096, 64), (64, 32768, 16), (64, 32768, 64), (64, 4096, 1),
+               (64, 32768, 1), (64, 131072, 1)]
 ROWS_SHAPES = [(8, 4096, 1), (8, 32768, 1), (8, 65536, 1), (8, 131072, 1), (8, 262144, 1), (64, 131072, 1)]
 SWEEP_SHAPES = [(8, 32768, 1), (8, 131072, 1), (8, 32768, 16), (8, 131072, 16), (8, 32768, 64),
                 (8, 131072, 64), (64, 32768, 1), (64, 131072, 1), (64, 32768, 16), (64, 131072, 16),
