@@ -57,6 +57,8 @@ MOE_CANDIDATES = [  # the engine's table first (None), then block rows / tiles /
     # wgmma expert blocks (32 / 64 token rows; the register cap keeps 3 programs per SM)
     FragMoEConfig(BLOCK_M=16), FragMoEConfig(BLOCK_M=32), FragMoEConfig(BLOCK_M=64),
     FragMoEConfig(BLOCK_M=32, MAXNREG13=168, MAXNREG2=168),
+    # wgmma blocks in two warpgroups (128 weight rows per program sharing one activation buffer)
+    FragMoEConfig(BLOCK_M=32, num_warps=8), FragMoEConfig(BLOCK_M=64, num_warps=8),
 ]
 MOE_TS = [1, 4, 16, 64, 256, 1024]
 

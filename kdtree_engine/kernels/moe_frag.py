@@ -43,7 +43,7 @@ if HAVE_GLUON:
 class FragMoEConfig:
     BLOCK_M: int = 8       # token rows per expert block = the MMA's token columns (re-tiles only): 8 or 16 on
     #                        mma.sync (32 / 64 would hold a [256 x 32 / 64] activation operand per thread: spills),
-    #                        32 or 64 on wgmma (w4_frag._frag_loop_wg: activations in shared memory; 4 warps, MT 1;
+    #                        32 or 64 on wgmma (w4_frag._frag_loop_wg: activations in shared memory; 4 or 8 warps, MT 1;
     #                        the same bits as mma.sync, GPU-tested)
     MT: int = 1            # 16-row MMA tiles per warp (re-tiles only)
     MT2: int | None = None # the down GEMM's tiles per warp (None: MT; re-tiles only). 2 / 4 measured within
@@ -69,9 +69,9 @@ class FragMoEConfig:
     def __post_init__(self) -> None:
         if self.BLOCK_M not in (8, 16, 32, 64):
             raise ValueError(f"FragMoEConfig.BLOCK_M must be 8, 16, 32 or 64, got {self.BLOCK_M}")
-        if self.wgmma and (self.num_warps != 4 or self.MT != 1 or self.MT2 not in (None, 1)):
-            raise ValueError(f"FragMoEConfig: {self.BLOCK_M}-row blocks run on wgmma, which needs 4 warps and one "
-                             f"MMA tile per warp; got {self}")
+        if self.wgmma and (self.num_warps not in (4, 8) or self.MT != 1 or self.MT2 not in (None, 1)):
+            raise ValueError(f"FragMoEConfig: {self.BLOCK_M}-row blocks run on wgmma, which needs 4 or 8 warps (one or "
+                             f"two warpgroups) and one MMA tile per warp; got {self}")
         for name in ("XLOAD", "XLOAD2"):
             v = getattr(self, name)
             if v not in X_LOADS and not (name == "XLOAD2" and v is None):
@@ -158,10 +158,11 @@ if HAVE_GLUON:
         out[split, pair, UP_ROW + n] (fp32 gate / up partials). Else (down): x = inter [P, I] rows pair ->
         out[split, pair, n] = router weight x the partial down sum. PDL (pdl.py): launched dependent on the
         align launch (gate/up: waits first) or the SwiGLU launch (down: waits after its first weight loads;
-        the blocks are two launches back, complete). WG: wgmma programs (w4_frag._frag_loop_wg; 4 warps, MT 1)."""
+        the blocks are two launches back, complete). WG: wgmma programs (w4_frag._frag_loop_wg; one or two
+        warpgroups, MT 1)."""
         BN: gl.constexpr = 16 * num_warps * MT
         BK: gl.constexpr = 32 * GPB
-        MMA: gl.constexpr = wg_layout(TOK) if WG else mma_layout(num_warps)
+        MMA: gl.constexpr = wg_layout(TOK, num_warps) if WG else mma_layout(num_warps)
         pid_b = gl.program_id(0)
         if GATE_UP and PDL:
             pdl_wait_gl()
@@ -184,14 +185,14 @@ if HAVE_GLUON:
         acc1 = gl.zeros([BN, TOK], gl.float32, layout=MMA)
         if WG:
             # the block's activations [TOK, BK] (k contiguous) into shared memory: the wgmma B operand
-            XW: gl.constexpr = wg_x_layout(BK)
+            XW: gl.constexpr = wg_x_layout(BK, num_warps)
             pair, ok = _block_pairs(sorted_ptr, pid_b, rows, TOK, gl.SliceLayout(1, XW))
             rk = gl.arange(0, BK, layout=gl.SliceLayout(0, XW))
             xr = (pair // TOPK).to(gl.int64) if GATE_UP else pair.to(gl.int64)
             x_ptrs = x_ptr + gl.expand_dims(xr, 1) * stride_xt + gl.expand_dims(rk, 0) + kb0 * BK
             xs = gl.allocate_shared_memory(gl.bfloat16, [2, TOK, BK], WG_X_SMEM)
             acc0, acc1 = _frag_loop_wg(acc0, acc1, w0, s0, w1, s1, x_ptrs, gl.expand_dims(ok, 1), kb_per_split,
-                                       xs, GATE_UP, wg_a_layout(TOK), BN, GPB, PDL and not GATE_UP, TILE)
+                                       xs, GATE_UP, wg_a_layout(TOK, num_warps), BN, GPB, PDL and not GATE_UP, TILE)
         else:
             AL: gl.constexpr = operand_layout(0, num_warps)
             BL: gl.constexpr = operand_layout(1, num_warps)

@@ -174,7 +174,8 @@ def _moe_case(E, H, I, T, topk, gpb=None, seed=0, unowned=False):
 
 @pytest.mark.parametrize("cfg", [None, FragMoEConfig(BLOCK_M=16, SPLIT13=4, SPLIT2=2),
                                  FragMoEConfig(GPB=4, MT=2, SPLIT13=2, SPLIT2=2), FragMoEConfig(BLOCK_M=8, MT=2),
-                                 FragMoEConfig(BLOCK_M=32), FragMoEConfig(BLOCK_M=64, SPLIT13=4, SPLIT2=2)])
+                                 FragMoEConfig(BLOCK_M=32), FragMoEConfig(BLOCK_M=64, SPLIT13=4, SPLIT2=2),
+                                 FragMoEConfig(BLOCK_M=32, num_warps=8)])
 @pytest.mark.parametrize("T", [1, 5, 33])
 def test_moe_frag_matches_reference_small(poisoned, cfg, T):
     x, w, ids, tw, ref = _moe_case(E=12, H=1024, I=512, T=T, topk=3, gpb=cfg and cfg.GPB, seed=T)
@@ -224,7 +225,8 @@ def test_moe_frag_batch_invariant(cfg):
         assert torch.equal(full, fused_moe_frag(x, *w, ids, tw, G, FragMoEConfig(num_warps=warps))), f"{warps} warps"
     for c in (FragMoEConfig(XLOAD="operand"), FragMoEConfig(XLOAD="smem"), FragMoEConfig(BLOCK_M=16, XLOAD="smem"),
               FragMoEConfig(XLOAD="operand", XLOAD2="smem-ahead"), FragMoEConfig(XLOAD="smem-ahead", XLOAD2="operand"),
-              FragMoEConfig(MAXNREG13=128, MAXNREG2=80), FragMoEConfig(EPI_BLOCK=1024), FragMoEConfig(PDL=False)):
+              FragMoEConfig(MAXNREG13=128, MAXNREG2=80), FragMoEConfig(EPI_BLOCK=1024), FragMoEConfig(PDL=False),
+              FragMoEConfig(BLOCK_M=32, num_warps=8), FragMoEConfig(BLOCK_M=64, num_warps=8)):
         assert torch.equal(full, fused_moe_frag(x, *w, ids, tw, G, c)), f"{c} gives other bits"
     bad = []
     for m in (1, 4, 17):

@@ -16,10 +16,12 @@ def test_bad_fields_are_refused_by_name(field, value):
         FragMoEConfig(**{field: value})
 
 
-def test_wgmma_blocks_need_one_warpgroup_of_single_tiles():
-    """32 / 64-row expert blocks run on wgmma: 4 warps, one MMA tile per warp, or a named error."""
+def test_wgmma_blocks_need_warpgroups_of_single_tiles():
+    """32 / 64-row expert blocks run on wgmma: one or two warpgroups (4 / 8 warps), one MMA tile per warp, or a
+    named error."""
     assert FragMoEConfig(BLOCK_M=32).wgmma and not FragMoEConfig(BLOCK_M=16).wgmma
-    for kw in (dict(MT=2), dict(MT2=2), dict(num_warps=8)):
+    assert FragMoEConfig(BLOCK_M=32, num_warps=8).wgmma
+    for kw in (dict(MT=2), dict(MT2=2), dict(num_warps=2)):
         with pytest.raises(ValueError, match="wgmma"):
             FragMoEConfig(BLOCK_M=64, **kw)
 
