@@ -145,7 +145,7 @@ def bench_moe(ts, bw, reps, only: str | None = None) -> list[dict]:
              nbytes, bw, reps)
         for cand, tile in [(c, FRAG_TILE) for c in MOE_CANDIDATES if _wanted(c, only)] + [(None, 0)]:
             q13, q2 = tiled if tile else frag
-            cfg = cand or frag_moe_config(T * TOPK, E)
+            cfg = cand or frag_moe_config(T * TOPK, E, H, I)
             label = (f"frag{' (engine table)' if cand is None else ''} bm{cfg.BLOCK_M} mt{cfg.MT}/{cfg.MT2 or cfg.MT} w{cfg.num_warps} "
                      f"split13 {cfg.SPLIT13 or 'auto'} split2 {cfg.SPLIT2} x {cfg.XLOAD}/{cfg.XLOAD2 or cfg.XLOAD}"
                      f"{f' maxnreg {cfg.MAXNREG13}/{cfg.MAXNREG2}' if cfg.MAXNREG13 or cfg.MAXNREG2 else ''}"

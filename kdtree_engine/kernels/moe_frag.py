@@ -19,7 +19,7 @@ not depend on the batch (batch invariance).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -99,11 +99,14 @@ def split13(H: int, gpb: int) -> int:
 # wgmma.md: 32-row wgmma blocks from 17 pairs per expert (T = 1024 / 2048: 5227 / 9283 us against 7092 /
 # 12044 for 16-row blocks; at T = 64 / 256 they lose: 2763 / 3919 against 2003 / 3045 for 8-row blocks;
 # 64-row blocks spill: 16161 us at T = 1024). Up to 16 pairs 16-row blocks stay (one block per expert either
-# way, and a 32-column wgmma doubles the MMA work: dense M = 16 91 against 65 us).
+# way, and a 32-column wgmma doubles the MMA work: dense M = 16 91 against 65 us). The 32-row blocks run two
+# warpgroups (128 weight rows per program sharing one activation buffer; the same bits, GPU-tested): T = 1024 /
+# 2048 5020 / 9052 us against 5083 / 9402 with one (bench/results/w4-frag-h200-moe8.md; 64-row blocks in two
+# warpgroups spill: 11548 at T = 1024).
 FRAG_MOE_CONFIGS: list[tuple[int, FragMoEConfig]] = [
     (8, FragMoEConfig(BLOCK_M=8)),
     (16, FragMoEConfig(BLOCK_M=16)),
-    (1 << 62, FragMoEConfig(BLOCK_M=32)),
+    (1 << 62, FragMoEConfig(BLOCK_M=32, num_warps=8)),
 ]
 # Launches of at most 8 pairs (T = 1 at top-8) had their own config until the words were tiled: the gate/up
 # GEMM loaded the activations in the MMA operand layout, at use: the relabel through shared memory cost it
@@ -122,8 +125,14 @@ FRAG_MOE_CONFIGS: list[tuple[int, FragMoEConfig]] = [
 # bench/results/w4-frag-h200-tiled4.md), so those launches take the table like the others.
 
 
-def frag_moe_config(num_pairs: int, num_experts: int) -> FragMoEConfig:
-    return bucket(FRAG_MOE_CONFIGS, -(-num_pairs // max(num_experts, 1)))
+def frag_moe_config(num_pairs: int, num_experts: int, H: int | None = None, I: int | None = None) -> FragMoEConfig:
+    """The table's config for num_pairs (token, expert) pairs over num_experts experts; with the expert shape
+    (H, I), two-warpgroup wgmma blocks fall back to one warpgroup where 128 rows do not divide H and I (a
+    re-tiling: the same bits)."""
+    cfg = bucket(FRAG_MOE_CONFIGS, -(-num_pairs // max(num_experts, 1)))
+    if H is not None and I is not None and cfg.wgmma and cfg.num_warps == 8 and (H % 128 or I % 128):
+        cfg = replace(cfg, num_warps=4)
+    return cfg
 
 
 def frag_moe_unsupported(H: int, I: int, group_size: int, cfg: FragMoEConfig | None = None) -> str | None:
@@ -232,7 +241,7 @@ def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor
     I = two_i // 2
     topk = topk_ids.shape[1]
     P = T * topk
-    cfg = config or frag_moe_config(P, E)
+    cfg = config or frag_moe_config(P, E, H, I)
     why = frag_moe_unsupported(H, I, group_size, cfg)
     if why:
         raise ValueError(f"fused_moe_frag: {why}")
