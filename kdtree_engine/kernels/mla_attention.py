@@ -287,8 +287,9 @@ class MLAConfig:
 #   512, 16, 32, 4, 2                     45 (76)      116     367   |  65 (174)    602    2194
 #   512, 64, 32, 8, 2                     68 (155)      98     291   |  70 (159)    530    1895
 # Tree verify (T = 16..64) is the engine's common step, so BM=32/BN=64 for N <= 16 (64-row 8-warp tiles for
-# N > 16: below); for plain decoding at N <= 16, (512, 16, 64, 4, 3) is faster at T = 1. One line per N bucket, every field spelled out, so a
-# sweep winner (bench/mla_attention.py --sweep prints it in this form) is a one-line edit.
+# N > 16: below); for plain decoding at N <= 16, (512, 16, 64, 4, 3) is faster at T = 1. One line per N
+# bucket, every field spelled out, so a sweep winner (bench/mla_attention.py --sweep prints it in this form)
+# is a one-line edit.
 # DECODE_MIN_PROGRAMS=128 (python3 bench/mla_attention.py --sweep-only --sweep-decode): T = 1 at 4K
 # context 47 -> 30 us (N = 8) and 44 -> 32 us (N = 64), at 32K N = 8 57 -> 48 us; launches that already
 # have >= 128 programs (N = 64 from 32K, N = 8 from 128K: more slices there cost 1.3-8x) keep V_SPLIT 1.

@@ -1,7 +1,8 @@
 """Fragment-ordered W4A16 GEMM (GPU only): the packed weights are loaded straight into the
 registers of an mma.sync A operand, dequantized there, and never pass through shared memory.
-Programs of more than 16 tokens use the same registers as the A operand of a warpgroup MMA (wgmma), with
-the activations its shared-memory B operand (_frag_loop_wg); wgmma and mma.sync give the same bits.
+Programs of more than 16 tokens use the same registers as the A operand of a warpgroup MMA (wgmma; one or two
+warpgroups per program), with the activations its shared-memory B operand (_frag_loop_wg); wgmma and mma.sync
+give the same bits.
 
 The default kernel (`kdtree_engine/kernels/w4a16.py`) dequantizes a tile in registers, stores it to shared
 memory and reloads it in the MMA's operand layout: ~5 bytes of shared-memory traffic per weight, the limit
@@ -455,10 +456,11 @@ def token_mma(tok: int) -> str:
 
 
 def token_warps(tok: int, rows: int) -> int:
-    """Warps per wgmma program for a token tile over `rows` weight rows: 64-token programs run two warpgroups where
-    128 divides the rows (8 warps, 128 weight rows sharing one activation buffer: 36864 x 7168 at M = 64 / 256 137 / 410 us against 140 / 450 with one, an
-    expert's w13 19.2 / 65.8 against 21.7 / 70.8; bench/results/w4-frag-h200-wg8.md); the rest 4 (8-warp
-    16 / 32-token programs were slower). Only re-tiles: the same bits (tests/gpu/test_w4_frag_gpu.py)."""
+    """Warps per wgmma program for a token tile over `rows` weight rows: 64-token programs run two warpgroups
+    where 128 divides the rows (8 warps, 128 weight rows sharing one activation buffer: 36864 x 7168 at
+    M = 64 / 256 137 / 410 us against 140 / 450 with one, an expert's w13 19.2 / 65.8 against 21.7 / 70.8;
+    bench/results/w4-frag-h200-wg8.md); the rest 4 (8-warp 16 / 32-token programs were slower). Only
+    re-tiles: the same bits (tests/gpu/test_w4_frag_gpu.py)."""
     return 8 if tok == 64 and rows % 128 == 0 else 4
 
 
@@ -474,11 +476,12 @@ def frag_linear(x: torch.Tensor, wq: torch.Tensor, s: torch.Tensor, *, gpb: int 
                 mma: str | None = None) -> torch.Tensor:
     """y [M, N] = x [M, K] @ W^T, W the fragment-repacked int4 words wq [N, K/8] (frag_repack with
     frag_gpb(K) unless gpb is given) and bf16 scales s [N, K/32]; x bfloat16. Unset knobs follow dense_plan,
-    token_tile, token_mt, token_mma and token_warps (wgmma programs); xload: how activations are loaded (X_LOADS); pdl: programmatic dependent
-    launches of the GEMM and its split sum (pdl.py; the same bits); tile: 0 for row-major words, else the rows per
-    tile of frag_tile's order (the same bits); mma: "sync" (mma.sync, 8 / 16-token tiles) or "wgmma" (the
-    dequantized weights the register A operand of a warpgroup MMA, the activations its shared-memory B operand;
-    4 or 8 warps: one or two warpgroups, 1 tile per warp; the same bits)."""
+    token_tile, token_mt, token_mma and token_warps (wgmma programs); xload: how activations are loaded
+    (X_LOADS); pdl: programmatic dependent launches of the GEMM and its split sum (pdl.py; the same bits); tile:
+    0 for row-major words, else the rows per tile of frag_tile's order (the same bits); mma: "sync" (mma.sync,
+    8 / 16-token tiles) or "wgmma" (the dequantized weights the register A operand of a warpgroup MMA, the
+    activations its shared-memory B operand; 4 or 8 warps: one or two warpgroups, 1 tile per warp; the same
+    bits)."""
     if not HAVE_GLUON:
         raise RuntimeError("the fragment-ordered W4A16 kernels need triton.experimental.gluon (triton >= 3.5)")
     from kdtree_engine.kernels.split_sum import split_sum
