@@ -191,7 +191,7 @@ def bench_moe(layer, copy_bw, reps, log):
                                              for ids, tw in sets], reps=reps)["us"]
                 row["frag_TBps"] = nbytes / (row["frag_us"] * 1e-6) / 1e12
                 row["frag_frac_copy"] = row["frag_TBps"] * 1e12 / copy_bw
-                row["frag_config"] = dataclasses.asdict(frag_moe_config(T * TOPK, E, H, I))
+                row["frag_config"] = dataclasses.asdict(frag_moe_config(T * TOPK, E))
             except Exception as exc:  # noqa: BLE001
                 row["frag_us"], row["frag_error"] = None, _err(exc)
                 traceback.print_exc()

@@ -30,7 +30,7 @@ if str(ROOT) not in sys.path:
 
 from bench.common import command_line, copy_bandwidth, device_info, gpu_stem, l2_bytes, md_table, time_calls, write_results  # noqa: E402
 from bench.kernels import DENSE, E, G, H, I, TOPK, rand_w4, rel, route, w4_bytes  # noqa: E402
-from kdtree_engine.kernels.moe_frag import FragMoEConfig, frag_moe_config, fused_moe_frag  # noqa: E402
+from kdtree_engine.kernels.moe_frag import FragMoEConfig, frag_moe_config, fused_moe_frag, warps_for  # noqa: E402
 from kdtree_engine.kernels.moe_w4a16 import fused_moe_reference, fused_moe_w4a16  # noqa: E402
 from kdtree_engine.kernels.w4_frag import dense_plan, frag_gpb, frag_linear, frag_repack, frag_tile, token_mma, token_mt, token_tile, token_warps, FRAG_TILE  # noqa: E402
 from kdtree_engine.kernels.w4a16 import w4a16_linear  # noqa: E402
@@ -145,7 +145,7 @@ def bench_moe(ts, bw, reps, only: str | None = None) -> list[dict]:
              nbytes, bw, reps)
         for cand, tile in [(c, FRAG_TILE) for c in MOE_CANDIDATES if _wanted(c, only)] + [(None, 0)]:
             q13, q2 = tiled if tile else frag
-            cfg = cand or frag_moe_config(T * TOPK, E, H, I)
+            cfg = warps_for(cand or frag_moe_config(T * TOPK, E), H, I)
             label = (f"frag{' (engine table)' if cand is None else ''} bm{cfg.BLOCK_M} mt{cfg.MT}/{cfg.MT2 or cfg.MT} w{cfg.num_warps} "
                      f"split13 {cfg.SPLIT13 or 'auto'} split2 {cfg.SPLIT2} x {cfg.XLOAD}/{cfg.XLOAD2 or cfg.XLOAD}"
                      f"{f' maxnreg {cfg.MAXNREG13}/{cfg.MAXNREG2}' if cfg.MAXNREG13 or cfg.MAXNREG2 else ''}"

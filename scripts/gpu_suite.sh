@@ -182,6 +182,10 @@ MLA_BITEQ="(batch_invariant or bit_equal) and not kom and not qil and not candid
 NCU_SECTIONS="--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats
   --section SchedulerStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis
   --section InstructionStats --section SourceCounters"
+target_and_spec() {  # the INT4 target tests, the demo's greedy spec == plain and the device-length bitwise test
+  step pytest_target 120 $PYT tests/gpu/test_target_gpu.py
+  step pytest_spec_bitwise 150 $PYT $SPEC_BITWISE
+}
 ncu_probe() {  # ncu_probe NAME SECONDS CASE [NCU OPTIONS...]: Nsight Compute on one bench/ncu_probe.py case
   local name=$1 secs=$2 case=$3; shift 3
   local ncu; ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
@@ -703,8 +707,7 @@ if [[ $PART == wide ]]; then
 fi
 if [[ $PART == wg3 ]]; then
   step pytest_frag_engine 150 $PYT tests/gpu/test_w4_frag_gpu.py -k "module or plan_token or dependent or demo"
-  step pytest_target 120 $PYT tests/gpu/test_target_gpu.py
-  step pytest_spec_bitwise 110 $PYT $SPEC_BITWISE
+  target_and_spec
   step bench_kernels 150 python3 bench/kernels.py --no-sweep --out "$RES"
 fi
 if [[ $PART == wg4 ]]; then
@@ -713,8 +716,7 @@ if [[ $PART == wg4 ]]; then
 fi
 if [[ $PART == wg5 ]]; then
   step pytest_frag 230 $PYT tests/gpu/test_w4_frag_gpu.py
-  step pytest_target 120 $PYT tests/gpu/test_target_gpu.py
-  step pytest_spec_bitwise 110 $PYT $SPEC_BITWISE
+  target_and_spec
 fi
 if [[ $PART == ring ]]; then
   step pytest_ring 240 $PYT tests/gpu/test_w4_frag_gpu.py -k "ring or moe_frag_batch_invariant or matches_reference_small or tiled_words"
@@ -749,8 +751,7 @@ if [[ $PART == warps8 ]]; then
 fi
 if [[ $PART == final5 ]]; then
   step pytest_mla 240 $PYT tests/gpu/test_mla_attention_gpu.py -k "$MLA_BITEQ"
-  step pytest_target 120 $PYT tests/gpu/test_target_gpu.py
-  step pytest_spec_bitwise 150 $PYT $SPEC_BITWISE
+  target_and_spec
 fi
 if [[ $PART == moe8 ]]; then
   step pytest_moe8 150 $PYT tests/gpu/test_w4_frag_gpu.py -k "moe_frag_batch_invariant or moe_frag_matches_reference_small"

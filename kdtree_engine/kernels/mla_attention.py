@@ -202,7 +202,7 @@ class MLAConfig:
                                       and (self.DECODE_BLOCK_M or self.BLOCK_M) < 64 and self.DECODE_WARPS in (2, 4, 8)):
             raise ValueError("MLAConfig.DECODE_WARPS needs L_BY_DOT, KEYS_ON_M off, decode tiles under 64 rows and 2, "
                              f"4 or 8 warps; got {self}")
-        if not self.KEYS_ON_M and self.slices_possible(self.BLOCK_M, self.DECODE_BLOCK_M or self.BLOCK_M):
+        if not self.KEYS_ON_M and self._wide_tiles_sliced():
             raise ValueError("MLAConfig: 64-row tiles take no output-column slices (V_SPLIT, V_SPLIT_BY_T, "
                              "DECODE_MIN_PROGRAMS): whole they need 224 KB of shared memory, sliced 256-289 KB "
                              f"(over the 227 KB of an H200); got {self}")
@@ -215,12 +215,12 @@ class MLAConfig:
             raise ValueError(f"MLAConfig.DECODE_ROWS must be a power of 2 <= the decode tile's {tile} rows; "
                              f"got {self.DECODE_ROWS}")
 
-    def slices_possible(self, verify_rows: int, decode_rows: int) -> bool:
+    def _wide_tiles_sliced(self) -> bool:
         """Whether a launch on tiles of >= 64 rows could be cut in column slices: verify tiles by V_SPLIT or a
         V_SPLIT_BY_T bucket beyond T = 1, decode tiles by V_SPLIT, any bucket or DECODE_MIN_PROGRAMS."""
-        verify = verify_rows >= 64 and (self.V_SPLIT > 1 or any(v > 1 and t > 1 for t, v in self.V_SPLIT_BY_T))
-        decode = decode_rows >= 64 and (self.V_SPLIT > 1 or self.DECODE_MIN_PROGRAMS > 0
-                                        or any(v > 1 for _, v in self.V_SPLIT_BY_T))
+        verify = self.BLOCK_M >= 64 and (self.V_SPLIT > 1 or any(v > 1 and t > 1 for t, v in self.V_SPLIT_BY_T))
+        decode = (self.DECODE_BLOCK_M or self.BLOCK_M) >= 64 and (
+            self.V_SPLIT > 1 or self.DECODE_MIN_PROGRAMS > 0 or any(v > 1 for _, v in self.V_SPLIT_BY_T))
         return verify or decode
 
     def lazy(self, T: int) -> bool:

@@ -125,20 +125,21 @@ FRAG_MOE_CONFIGS: list[tuple[int, FragMoEConfig]] = [
 # bench/results/w4-frag-h200-tiled4.md), so those launches take the table like the others.
 
 
-def frag_moe_config(num_pairs: int, num_experts: int, H: int | None = None, I: int | None = None) -> FragMoEConfig:
-    """The table's config for num_pairs (token, expert) pairs over num_experts experts; with the expert shape
-    (H, I), two-warpgroup wgmma blocks fall back to one warpgroup where 128 rows do not divide H and I (a
-    re-tiling: the same bits)."""
-    cfg = bucket(FRAG_MOE_CONFIGS, -(-num_pairs // max(num_experts, 1)))
-    if H is not None and I is not None and cfg.wgmma and cfg.num_warps == 8 and (H % 128 or I % 128):
-        cfg = replace(cfg, num_warps=4)
-    return cfg
+def frag_moe_config(num_pairs: int, num_experts: int) -> FragMoEConfig:
+    return bucket(FRAG_MOE_CONFIGS, -(-num_pairs // max(num_experts, 1)))
 
 
 def frag_moe_unsupported(H: int, I: int, group_size: int, cfg: FragMoEConfig | None = None) -> str | None:
     """Why experts with hidden H and intermediate I cannot take the fragment kernels (None: they can)."""
-    bn = 16 * (cfg.num_warps if cfg else 4)   # MT > 1 is dropped where it does not divide (mt_for)
+    bn = 16 * (cfg.num_warps if cfg else 4)   # MT > 1 (mt_for) and warps > 4 (warps_for) are dropped where they do not divide
     return frag_unsupported(I, H, group_size, bn) or frag_unsupported(H, I, group_size, bn)
+
+
+def warps_for(cfg: FragMoEConfig, H: int, I: int) -> FragMoEConfig:
+    """cfg with num_warps where 16 * num_warps rows divide H and I, else 4 (e.g. the table's two-warpgroup wgmma
+    blocks on the demo's I = 192); warps only re-tile rows: the same bits. MT is fitted by mt_for."""
+    bn = 16 * cfg.num_warps
+    return cfg if cfg.num_warps <= 4 or (H % bn == 0 and I % bn == 0) else replace(cfg, num_warps=4)
 
 
 def mt_for(cfg: FragMoEConfig, H: int, I: int, mt: int | None = None) -> int:
@@ -241,7 +242,7 @@ def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor
     I = two_i // 2
     topk = topk_ids.shape[1]
     P = T * topk
-    cfg = config or frag_moe_config(P, E, H, I)
+    cfg = warps_for(config or frag_moe_config(P, E), H, I)
     why = frag_moe_unsupported(H, I, group_size, cfg)
     if why:
         raise ValueError(f"fused_moe_frag: {why}")
@@ -301,4 +302,5 @@ def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor
     return out
 
 
-__all__ = ["FragMoEConfig", "FRAG_MOE_CONFIGS", "frag_moe_config", "frag_moe_unsupported", "fused_moe_frag", "split13"]
+__all__ = ["FragMoEConfig", "FRAG_MOE_CONFIGS", "frag_moe_config", "frag_moe_unsupported", "fused_moe_frag", "split13",
+           "warps_for"]

@@ -29,12 +29,12 @@ def test_wgmma_blocks_need_warpgroups_of_single_tiles():
 def test_two_warpgroup_blocks_fall_back_where_128_rows_do_not_divide():
     """The table's 32-row wgmma blocks run two warpgroups (128 weight rows per program) at K2 shapes and one on
     experts whose widths 128 does not divide (the demo's I = 192), so no shape the table reaches is refused."""
-    from kdtree_engine.kernels.moe_frag import frag_moe_unsupported
-    k2 = frag_moe_config(2048 * 8, 384, 7168, 2048)
+    from kdtree_engine.kernels.moe_frag import frag_moe_unsupported, warps_for
+    k2 = warps_for(frag_moe_config(2048 * 8, 384), 7168, 2048)
     assert k2.wgmma and k2.num_warps == 8 and frag_moe_unsupported(7168, 2048, 32, k2) is None
-    demo = frag_moe_config(512 * 2, 8, 256, 192)
+    demo = warps_for(frag_moe_config(512 * 2, 8), 256, 192)
     assert demo.wgmma and demo.num_warps == 4 and frag_moe_unsupported(256, 192, 32, demo) is None
-    assert frag_moe_config(8, 384, 7168, 2048) == frag_moe_config(8, 384)
+    assert warps_for(frag_moe_config(8, 384), 7168, 2048) == frag_moe_config(8, 384)
 
 
 def test_dense_token_tiles_and_instructions():
