@@ -375,7 +375,8 @@ def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
             continue
         try:
             row.update(bench_step(T, S, cfg, layers, kv, rope, rank_attn, shared_r, dense_r, head_r, final_norm,
-                                  dev, dtype, gen, reps, args.seed, E_r, W, log, args.profile and cuda))
+                                  dev, dtype, gen, reps, args.seed, E_r, W, log, args.profile and cuda,
+                                  args.path))
         except Exception as exc:  # noqa: BLE001 - one failing size is reported, the rest still run
             traceback.print_exc()
             row["error"] = f"{type(exc).__name__}: {exc}"[:300]
@@ -416,7 +417,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
         ar = A.allreduce_us(T * H * esz)
         comm = 2 * FULL_LAYERS * ar + A.gather_latency_us
         compute = (FULL_LAYERS * rk["attn_us"] + rk["dense_mlp_us"] + (FULL_LAYERS - 1) * rk["moe_us"]
-                   + rk["lm_head_us"])
+                   + rk["lm_head_us"] + row.get("index_us", 0.0))
         mem_floor = (FULL_LAYERS * rk["attn_bytes"] + dense_r_w + (FULL_LAYERS - 1) * rank_moe_bytes
                      + head_r_w) / copy_bw * 1e6
         row["projection"] = {"compute_us": compute, "comm_us": comm, "allreduce_us": ar,
@@ -461,8 +462,39 @@ def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
     }
 
 
+class StepInputs:
+    """What a step's layers share: the tree mask and, on the static path (the engine's device round, as
+    captured in its CUDA graph), the device-side length, the new slots and the attention's per-step index
+    (built once per step for all layers, timed on its own: ``index_us``)."""
+
+    def __init__(self, T: int, S: int, mask: torch.Tensor | None, kv_capacity: int, path: str,
+                 dev: torch.device) -> None:
+        from kdtree_engine.kernels.dispatch import attention_gather_index
+        from kdtree_engine.model.target import static_visibility
+        self.S, self.path = S, path
+        self.mask = mask if path == "host" or mask is not None else torch.ones(T, T, dtype=torch.bool, device=dev).tril()
+        if path == "static":
+            self.start = torch.tensor(S, device=dev)
+            self.slots = self.start + torch.arange(T, device=dev)
+            self.index = lambda: attention_gather_index(self.mask)
+            self.gather = self.index()
+            self.visible = (static_visibility(self.start, self.mask, kv_capacity) if self.gather is None
+                            else None)
+
+    def attn(self, attn: MLA, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor):
+        if self.path == "host":
+            return attn(x, cos, sin, kv, self.S, self.mask)
+        return attn.forward_static(x, cos, sin, kv, self.slots, self.start, self.mask, self.visible, self.gather)
+
+    def layer(self, layer: DecoderLayer, h, pending, cos, sin, kv):
+        if self.path == "host":
+            return layer(h, pending, cos, sin, kv, self.S, self.mask)
+        return layer.forward_static(h, pending, cos, sin, kv, self.slots, self.start, self.mask, self.visible,
+                                    self.gather)
+
+
 def bench_step(T, S, cfg, layers, kv, rope, rank_attn, shared_r, dense_r, head_r, final_norm, dev, dtype, gen,
-               reps, seed, E_r, W, log, profile: bool = False) -> dict:
+               reps, seed, E_r, W, log, profile: bool = False, path: str = "static") -> dict:
     H = cfg.hidden_size
     L = len(layers)
     if T == 1:
@@ -475,10 +507,11 @@ def bench_step(T, S, cfg, layers, kv, rope, rank_attn, shared_r, dense_r, head_r
     cos, sin = rope.tables(positions)
     cos, sin = cos.to(dev), sin.to(dev)
     xs = [torch.randn(T, H, generator=gen, device=dev).to(dtype) for _ in range(L)]
+    step = StepInputs(T, S, mask, kv[0].shape[0], path, dev)
 
     def attn_call(l):
         layer = layers[l]
-        return xs[l] + layer.self_attn(layer.input_layernorm(xs[l]), cos, sin, kv[l], S, mask)
+        return xs[l] + step.attn(layer.self_attn, layer.input_layernorm(xs[l]), cos, sin, kv[l])
 
     def moe_call(l, h):
         layer = layers[l]
@@ -488,9 +521,9 @@ def bench_step(T, S, cfg, layers, kv, rope, rank_attn, shared_r, dense_r, head_r
     pend = [torch.randn(T, H, generator=gen, device=dev).to(dtype) for _ in range(L)]
 
     def layer_call(l):
-        return layers[l](xs[l], pend[l], cos, sin, kv[l], S, mask)
+        return step.layer(layers[l], xs[l], pend[l], cos, sin, kv[l])
 
-    out: dict = {}
+    out: dict = {"path": path}
     with torch.no_grad():
         hs = [attn_call(l) for l in range(L)]  # MoE inputs (also builds W_UK / W_UV)
         ids_per_layer = []
@@ -510,6 +543,8 @@ def bench_step(T, S, cfg, layers, kv, rope, rank_attn, shared_r, dense_r, head_r
         t_layer = time_us([lambda l=l: layer_call(l) for l in range(L)], reps)
         out["moe_us"], out["layer_us"] = t_moe["us"], t_layer["us"]
         out["graph"] = bool(t["graph"] and t_moe["graph"] and t_layer["graph"])
+        if path == "static":  # the per-step attention index, once for all layers
+            out["index_us"] = time_us([step.index], reps)["us"]
         for tt in (t_moe, t_layer):
             if "graph_error" in tt:
                 out.setdefault("graph_error", tt["graph_error"])
@@ -533,7 +568,7 @@ def bench_step(T, S, cfg, layers, kv, rope, rank_attn, shared_r, dense_r, head_r
         def rank_attn_call(i):
             m = rank_attn[i]
             l = i % L
-            return xs[l] + m.self_attn(m.input_layernorm(xs[l]), cos, sin, kv[l], S, mask)
+            return xs[l] + step.attn(m.self_attn, m.input_layernorm(xs[l]), cos, sin, kv[l])
 
         rank["attn_us"] = time_us([lambda i=i: rank_attn_call(i) for i in range(len(rank_attn))], reps)["us"]
 
@@ -582,6 +617,18 @@ def bench_step(T, S, cfg, layers, kv, rope, rank_attn, shared_r, dense_r, head_r
 
 # ---- report ----------------------------------------------------------------------------------
 
+def _path_text(rep: dict) -> str:
+    paths = {r.get("path", "host") for r in rep["steps"] if "layer_us" in r}
+    if paths != {"static"}:
+        return ("Layers run the host-length forward (eager generation: the attention's per-query index built in "
+                "every layer).")
+    idx = ", ".join(f"{r['index_us']:.1f}" for r in rep["steps"] if "index_us" in r)
+    return ("Layers run the static forward of the engine's device round (what its CUDA graph captures: committed "
+            "length on the device, the attention's per-query index built once per step for all layers: "
+            f"{idx} us at T = {', '.join(str(r['T']) for r in rep['steps'] if 'index_us' in r)}, counted once "
+            "per step in the projection).")
+
+
 def markdown(rep: dict, gpu_label: str) -> list[str]:
     A = rep["assumptions"]
     cfgd = rep["config"]
@@ -596,7 +643,7 @@ def markdown(rep: dict, gpu_label: str) -> list[str]:
              f"{rep['matmul_flops'] / 1e12:.3g} TFLOP/s. {rep['layers_timed']} MoE layers built "
              f"(hidden {cfgd['hidden_size']}, {cfgd['num_attention_heads']} heads, {cfgd['n_routed_experts']} experts "
              f"top-{cfgd['num_experts_per_tok']}, INT4 g32 experts), latent cache of {rep['context']} tokens, "
-             f"random weights; T = 1 causal decode, T > 1 random tree.", "",
+             f"random weights; T = 1 causal decode, T > 1 random tree. {_path_text(rep)}", "",
              "x copy = bytes that must be read / copy bandwidth / measured time (attention: bf16 weights + latent "
              "cache; MoE: router + shared expert + INT4 bytes of the distinct experts the router chose in that step). "
              "x roof = max(memory time, FLOPs / matmul rate) / time. Times per layer: median of CUDA-graph replays "
@@ -693,6 +740,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--batch-invariant", choices=("on", "off"), default="on",
                     help="on (the engine's default): dense matmuls, RMSNorm and MLA attention through the batch-"
                          "invariant Triton kernels; off: cuBLAS and the torch attention")
+    ap.add_argument("--path", choices=("static", "host"), default="static",
+                    help="static (the engine's device round, captured in its CUDA graph): device-side length, the "
+                         "attention's per-query index built once per step for all layers; host: the host-length "
+                         "forward (eager generation), which builds that index in every layer")
     ap.add_argument("--profile", action="store_true",
                     help="also list the device time per kernel of one layer at each T (torch.profiler, CUDA)")
     ap.add_argument("--time-budget", type=float, default=TIME_BUDGET_S,

@@ -13,6 +13,8 @@ same math and the torch reference, against rooflines measured in the same run.
                                                        # written to mla_attention-rows-sweep-<gpu>.*
     python bench/mla_attention.py --sweep-only --sweep-vsplit --no-peers   # column slices of small verifies,
                                                        # written to mla_attention-vsplit-sweep-<gpu>.*
+    python bench/mla_attention.py --sweep-only --sweep-small --no-peers    # small trees on the decode tiles,
+                                                       # written to mla_attention-small-sweep-<gpu>.*
 
 The sweep first compiles every (candidate, launch kind) in a pool of processes (Triton's on-disk cache
 is shared), so that the timing loop itself compiles nothing; candidates that fail to compile (e.g. out
@@ -154,6 +156,16 @@ WIDE_SWEEP: list[MLAConfig] = [c for cs in WIDE_FOR_N.values() for c in cs]
 WIDE_SHAPES = [(8, 4096, 4), (8, 4096, 16), (8, 4096, 64), (8, 32768, 16), (8, 32768, 64), (8, 131072, 16),
                (64, 4096, 4), (64, 4096, 16), (64, 4096, 64), (64, 32768, 16), (64, 32768, 64), (64, 4096, 1),
                (64, 32768, 1), (64, 131072, 1)]
+# Small trees on the decode tiles (DECODE_MAX_T: a re-tiling, the same bits; tested by tests/gpu/
+# test_mla_attention_gpu.py::test_small_trees_on_decode_tiles_bit_equal_bf16): at N = 64 a 4-node tree over a 4K
+# prefix is 32 programs of 64-row tiles for 132 SMs, on the 32-row decode tiles with column slices 128.
+# `--sweep-small` times them.
+SMALL_FOR_N: dict[int, list[MLAConfig]] = {
+    8: [_D8, replace(_D8, DECODE_MAX_T=8)],
+    64: [_D64, replace(_D64, DECODE_MAX_T=8), replace(_D64, DECODE_MAX_T=8, DECODE_MIN_PROGRAMS=256)]}
+SMALL_SWEEP: list[MLAConfig] = [c for cs in SMALL_FOR_N.values() for c in cs]
+SMALL_SHAPES = [(64, 4096, 2), (64, 4096, 4), (64, 4096, 8), (64, 32768, 4), (64, 32768, 8), (64, 131072, 8),
+                (8, 4096, 4), (8, 4096, 8), (8, 32768, 4), (8, 32768, 8), (8, 131072, 8)]
 ROWS_SHAPES = [(8, 4096, 1), (8, 32768, 1), (8, 65536, 1), (8, 131072, 1), (8, 262144, 1), (64, 131072, 1)]
 SWEEP_SHAPES = [(8, 32768, 1), (8, 131072, 1), (8, 32768, 16), (8, 131072, 16), (8, 32768, 64),
                 (8, 131072, 64), (64, 32768, 1), (64, 131072, 1), (64, 32768, 16), (64, 131072, 16),
@@ -286,6 +298,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--sweep-wide", action="store_true",
                     help="with --sweep-only: time WIDE_FOR_N (64-row verify tiles) at WIDE_SHAPES instead, with "
                          "their bits against the default's")
+    ap.add_argument("--sweep-small", action="store_true",
+                    help="with --sweep-only: time SMALL_FOR_N (trees of up to 8 nodes on the decode tiles) at "
+                         "SMALL_SHAPES instead, with their bits against the default's")
     ap.add_argument("--workers", type=int, default=0, help="compile processes for the sweep (0: CPUs)")
     ap.add_argument("--no-peers", action="store_true", help="skip sdpa and the torch reference")
     ap.add_argument("--budget-s", type=float, default=100.0, help="stop the sweep after this many seconds")
@@ -315,10 +330,11 @@ def main(argv=None) -> dict:
                          (CHUNK_SWEEP, CHUNK_SHAPES) if args.sweep_chunk else
                          (ROWS_SWEEP, ROWS_SHAPES) if args.sweep_rows else
                          (VSPLIT_SWEEP, VSPLIT_SHAPES) if args.sweep_vsplit else
-                         (WIDE_SWEEP, WIDE_SHAPES) if args.sweep_wide else (SWEEP, SWEEP_SHAPES))
+                         (WIDE_SWEEP, WIDE_SHAPES) if args.sweep_wide else
+                         (SMALL_SWEEP, SMALL_SHAPES) if args.sweep_small else (SWEEP, SWEEP_SHAPES))
         shapes = [sh for sh in shapes if args.sweep_n is None or sh[0] == args.sweep_n]
         per_n = (ROWS_FOR_N if args.sweep_rows else VSPLIT_FOR_N if args.sweep_vsplit else
-                 WIDE_FOR_N if args.sweep_wide else None)
+                 WIDE_FOR_N if args.sweep_wide else SMALL_FOR_N if args.sweep_small else None)
         compile_err = precompile(cands, shapes, workers)
         print(f"compiled {len(compile_err)} (config, N, T kind) in {clock():.0f}s; "
               f"{sum(e is not None for e in compile_err.values())} failed", flush=True)
@@ -368,7 +384,8 @@ def main(argv=None) -> dict:
                         for s in sweep])
         md += ["", "## Best candidate per shape", ""] + best_per_shape(sweep)
     kind = ("decode-" if args.sweep_decode else "chunk-" if args.sweep_chunk else
-            "rows-" if args.sweep_rows else "vsplit-" if args.sweep_vsplit else "wide-" if args.sweep_wide else "")
+            "rows-" if args.sweep_rows else "vsplit-" if args.sweep_vsplit else "wide-" if args.sweep_wide else
+            "small-" if args.sweep_small else "")
     stem = (f"mla_attention-{kind}sweep-{gpu}" if args.sweep_only
             else f"mla_attention-{gpu}")
     jp, mp = write_results(args.out, stem, payload, md)

@@ -52,6 +52,7 @@ def test_k2_step_fields_finite(k2_report):
         assert "error" not in s and "skipped" not in s, s
         assert s["kind"] == ("decode" if s["T"] == 1 else "verify")
         assert s["finite"] is True
+        assert s["path"] == "static" and finite(s["index_us"])  # the engine's device-round forward by default
         for k in ("attn_us", "moe_us", "layer_us", "layer_roofline_us", "layer_x_copy", "layer_x_roof",
                   "attn_x_copy", "moe_x_copy"):
             assert finite(s[k]) and s[k] > 0, k

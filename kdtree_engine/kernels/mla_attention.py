@@ -115,7 +115,7 @@ class MLAConfig:
     h200.md, but no speed: 4 warps 2x slower, 8 warps within -5..+25%; kept fixed), L_BY_DOT,
     KEYS_ON_M (which operand sits on the MMA's M side), num_stages, Q_IN_LOOP (kept fixed too: they
     change the compiled schedule, not the math, but nothing is gained by varying them).
-    Exception: with L_BY_DOT, decode launches (T = 1) may run DECODE_BLOCK_M / DECODE_STAGES
+    Exception: with L_BY_DOT, decode launches (T <= DECODE_MAX_T, default 1) may run DECODE_BLOCK_M / DECODE_STAGES
     (mma.sync tiles of another row count: the same arithmetic per row, see :meth:`for_launch`).
 
     Fields that only re-tile the work: V_SPLIT cuts the 512 output columns over V_SPLIT programs, each
@@ -137,7 +137,7 @@ class MLAConfig:
     KEYS_ON_M: bool = False
     Q_IN_LOOP: bool = False  # re-read q (L1/L2 hits) every key step instead of holding it in registers
     V_SPLIT_BY_T: tuple[tuple[int, int], ...] = ()  # (max T, V_SPLIT) buckets; re-tiling only (above)
-    # decode launches (T = 1): V_SPLIT doubles (up to 8, slices of >= DECODE_MIN_SLICE columns) until
+    # decode launches (T <= DECODE_MAX_T): V_SPLIT doubles (up to 8, slices of >= DECODE_MIN_SLICE columns) until
     # row tiles x chunks x V_SPLIT reaches this many programs (0: off). Re-tiling only, like
     # V_SPLIT_BY_T: at short context a decode launch has 8-64 programs for 132 SMs
     # (bench/results/mla_attention-decode-sweep-h200.md)
@@ -147,7 +147,7 @@ class MLAConfig:
     # split the tile (BLOCK_M), which makes DECODE_BLOCK_M a re-tiling (mma.sync tiles; also beside 64-row wgmma
     # verify tiles, whose bits equal the 32-row mma.sync tiles' at every shape measured and tested)
     L_BY_DOT: bool = False
-    # decode launches (T = 1): this BLOCK_M and num_stages instead (0: the config's); needs L_BY_DOT,
+    # decode launches (T <= DECODE_MAX_T): this BLOCK_M and num_stages instead (0: the config's); needs L_BY_DOT,
     # KEYS_ON_M off and both BLOCK_Ms under 64 (mma.sync: per element the same k-steps for any row count)
     DECODE_BLOCK_M: int = 0
     DECODE_STAGES: int = 0
@@ -155,7 +155,7 @@ class MLAConfig:
     # 4K-64K (38.7 against 32.0 us at 64K), even past one wave of programs (58.5 against 56.9 us at 128K,
     # 105 against 104 at 256K; bench/results/mla_attention-stages-sweep-h200.md): a second program per
     # SM does not speed up a decode step; the third stage's prefetch does
-    # decode launches (T = 1): this num_warps instead (0: the config's). With L_BY_DOT on mma.sync tiles a
+    # decode launches (T <= DECODE_MAX_T): this num_warps instead (0: the config's). With L_BY_DOT on mma.sync tiles a
     # row's arithmetic does not depend on the warps' split (each score's 576-long and each output's key
     # reduction stays inside one warp's MMA chain; the row sums are an MMA), so this only re-tiles.
     # Measured at N = 8: 8 warps 26.8 us against 24.2 at 32K, 2 warps 34.5; off in the defaults
@@ -192,8 +192,17 @@ class MLAConfig:
     # N = 64 launch slower (25.3 against 24.8 us; 116 against 112 at 128K): the decode step is not bound
     # by the score chain. Off (1) in the defaults, which the full GPU test set has run on
     QK_SPLIT: int = 1
+    # launches of up to this many queries run as decode launches: DECODE_BLOCK_M / DECODE_STAGES /
+    # DECODE_WARPS tiles and the DECODE_MIN_PROGRAMS column slices (DECODE_ROWS and LAZY_RESCALE "decode"
+    # stay T = 1 only). A re-tiling like the decode launch's own (the same mma.sync arithmetic per row, and
+    # the same bits as the 64-row wgmma verify tiles: tests/gpu/test_mla_attention_gpu.py). A 4-node tree at
+    # N = 64 over a 4K prefix is 32 programs of 64-row tiles for 132 SMs; on decode tiles with column
+    # slices it is 128
+    DECODE_MAX_T: int = 1
 
     def __post_init__(self) -> None:
+        if self.DECODE_MAX_T < 1:
+            raise ValueError(f"MLAConfig.DECODE_MAX_T must be >= 1; got {self.DECODE_MAX_T}")
         if self.DECODE_BLOCK_M and not (self.L_BY_DOT and not self.KEYS_ON_M and 16 <= self.BLOCK_M <= 64
                                         and 16 <= self.DECODE_BLOCK_M < 64):
             raise ValueError("MLAConfig.DECODE_BLOCK_M needs L_BY_DOT, KEYS_ON_M off, BLOCK_M in [16, 64] and "
@@ -227,16 +236,20 @@ class MLAConfig:
         """Whether a launch of T queries skips the rescale of blocks where no row's max moved."""
         return self.LAZY_RESCALE == "all" or (self.LAZY_RESCALE == "decode" and T == 1)
 
+    def decode(self, T: int) -> bool:
+        """Whether a launch of T queries runs as a decode launch (T <= DECODE_MAX_T)."""
+        return T <= self.DECODE_MAX_T
+
     def rows(self, T: int) -> int:
         """(query, head) rows per program of a launch of T queries (of the for_launch(T) config)."""
-        if T != 1:
+        if not self.decode(T):
             return self.BLOCK_M
-        return self.DECODE_ROWS or self.DECODE_BLOCK_M or self.BLOCK_M
+        return (self.DECODE_ROWS if T == 1 else 0) or self.DECODE_BLOCK_M or self.BLOCK_M
 
     def for_launch(self, T: int) -> "MLAConfig":
-        """The config a launch of T queries runs: decode launches take DECODE_BLOCK_M / DECODE_STAGES /
-        DECODE_WARPS."""
-        if T != 1 or not (self.DECODE_BLOCK_M or self.DECODE_STAGES or self.DECODE_WARPS):
+        """The config a launch of T queries runs: decode launches (T <= DECODE_MAX_T) take DECODE_BLOCK_M /
+        DECODE_STAGES / DECODE_WARPS."""
+        if not self.decode(T) or not (self.DECODE_BLOCK_M or self.DECODE_STAGES or self.DECODE_WARPS):
             return self
         return replace(self, BLOCK_M=self.DECODE_BLOCK_M or self.BLOCK_M,
                        num_stages=self.DECODE_STAGES or self.num_stages,
@@ -250,7 +263,7 @@ class MLAConfig:
             if T <= max_t:
                 vs = v
                 break
-        if T == 1 and self.DECODE_MIN_PROGRAMS and programs is not None:
+        if self.decode(T) and self.DECODE_MIN_PROGRAMS and programs is not None:
             while (vs < 8 and programs * vs < self.DECODE_MIN_PROGRAMS
                    and columns // (2 * vs) >= DECODE_MIN_SLICE):
                 vs *= 2
@@ -270,6 +283,8 @@ class MLAConfig:
         for k in ("L_BY_DOT", "DECODE_BLOCK_M", "DECODE_STAGES", "DECODE_WARPS", "DECODE_ROWS", "K_DESC"):
             if getattr(self, k):
                 d[k] = getattr(self, k)
+        if self.DECODE_MAX_T != 1:
+            d["DECODE_MAX_T"] = self.DECODE_MAX_T
         if self.LAZY_RESCALE != "off":
             d["LAZY_RESCALE"] = self.LAZY_RESCALE
         if self.QK_SPLIT != 1:

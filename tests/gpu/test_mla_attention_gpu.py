@@ -240,3 +240,25 @@ def test_candidate_tree_batch_invariant_bf16(name, N):
         if not torch.equal(one[0], full[i]):
             bad.append(i)
     assert not bad, f"nodes {bad[:8]} differ alone vs in the tree (seed {seed}, {cfg})"
+
+
+@pytest.mark.parametrize("N", [8, 64])
+def test_small_trees_on_decode_tiles_bit_equal_bf16(N):
+    """DECODE_MAX_T = 8 (trees of up to 8 nodes on the decode tiles and their column slices) leaves a row's
+    bits: the first T nodes of a 64-node tree (a tree themselves: parent[i] < i) give the rows of the default
+    config's 64-node launch, host- and device-length, at T = 2, 4, 8."""
+    S, Tt = 4096 + 37, 64
+    seed = int(torch.randint(1 << 30, (1,)))
+    cfg = replace(default_config(N), DECODE_MAX_T=8)
+    q_lat, q_pe, kv = inputs(Tt, N, S, seed)
+    mask = random_tree_mask(Tt, torch.Generator().manual_seed(seed)).cuda()
+    full = mla_attention(q_lat, q_pe, kv, S, mask, SCALE, C)
+    cap = torch.cat([kv, torch.randn(300, C + R, device="cuda").bfloat16()])
+    for T in (2, 4, 8):
+        poison_allocator()
+        sub = mla_attention(q_lat[:T], q_pe[:T], kv[: S + T], S, mask[:T, :T].contiguous(), SCALE, C, config=cfg)
+        assert torch.equal(sub, full[:T]), f"T = {T} on decode tiles (seed {seed})"
+        buf = torch.cat([kv[: S + T], cap[S + Tt:]])
+        dev = mla_attention_device(q_lat[:T], q_pe[:T], buf, torch.tensor(S), mask[:T, :T].contiguous(), SCALE, C,
+                                   config=cfg)
+        assert torch.equal(dev, full[:T]), f"device-length T = {T} (seed {seed})"

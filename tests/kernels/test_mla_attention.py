@@ -109,6 +109,9 @@ CONFIGS = {
                       num_stages=1),
     "descbm": MLAConfig(CHUNK=64, BLOCK_M=32, BLOCK_N=32, L_BY_DOT=True, DECODE_BLOCK_M=16, K_DESC=True,
                         num_stages=1),
+    # launches of up to 4 queries on the decode tiles (16 rows), column slices sized by DECODE_MIN_PROGRAMS
+    "decmaxt": MLAConfig(CHUNK=32, BLOCK_M=32, BLOCK_N=16, L_BY_DOT=True, DECODE_BLOCK_M=16, DECODE_MAX_T=4,
+                         DECODE_MIN_PROGRAMS=64, num_stages=1),
 }
 
 # name: (kind, N, S, T, mask, config, variant)
@@ -158,6 +161,8 @@ CASES["N3_S45_T1_causal_qs2_bf16"] = ("ref", 3, 45, 1, "causal", "qs2", "bf16")
 CASES["N4_S70_T9_causal_qs2bm"] = ("ref", 4, 70, 9, "causal", "qs2bm", "")
 CASES["inv_N4_S70_T9_tree_qs2"] = ("inv", 4, 70, 9, "tree", "qs2", "")
 CASES["inv_N5_S61_T7_causal_qs2bm"] = ("inv", 5, 61, 7, "causal", "qs2bm", "")  # alone: V_SPLIT 2
+CASES["inv_N20_S45_T7_tree_decmaxt"] = ("inv", 20, 45, 7, "tree", "decmaxt", "")  # alone / first 4: decode tiles
+CASES["N20_S45_T4_tree_decmaxt"] = ("ref", 20, 45, 4, "tree", "decmaxt", "")
 
 # device-side length: the whole buffer (junk past S + T) and start as a tensor == the host-length launch
 CASES["dev_N3_S37_T5_tree_c32"] = ("dev", 3, 37, 5, "tree", "c32", "")
@@ -171,6 +176,7 @@ CASES["dev_N6_S50_T1_causal_decrows"] = ("dev", 6, 50, 1, "causal", "decrows", "
 CASES["dev_N3_S64_T5_tree_desc"] = ("dev", 3, 64, 5, "tree", "desc", "")
 CASES["dev_N4_S90_T1_causal_descbm"] = ("dev", 4, 90, 1, "causal", "descbm", "")
 CASES["dev_N3_S64_T5_tree_qs2"] = ("dev", 3, 64, 5, "tree", "qs2", "")
+CASES["dev_N20_S50_T3_tree_decmaxt"] = ("dev", 20, 50, 3, "tree", "decmaxt", "")
 
 # merge tiles are bit-neutral (merge_tiles): per row, random chunk partials; trees of 8..64 chunks and
 # 8..32 columns give the same bits for rows whose chunks fit the smaller tree, and the column tile never
@@ -409,3 +415,22 @@ def test_decode_warps_is_a_decode_retiling():
     for bad in (dict(L_BY_DOT=False), dict(KEYS_ON_M=True), dict(BLOCK_M=64, DECODE_BLOCK_M=0), dict(DECODE_WARPS=3)):
         with pytest.raises(ValueError, match="DECODE_WARPS"):
             MLAConfig(**{**dict(BLOCK_M=32, L_BY_DOT=True, DECODE_WARPS=8), **bad})
+
+
+def test_decode_max_t_widens_the_decode_launch():
+    """DECODE_MAX_T: launches of up to that many queries take the decode tiles and the DECODE_MIN_PROGRAMS
+    column slices; larger ones the verify tiles; DECODE_ROWS stays T = 1 only; below 1 is refused by name."""
+    import torch
+    from kdtree_engine.kernels.mla_attention import _plan
+
+    cfg = MLAConfig(BLOCK_M=64, num_warps=8, L_BY_DOT=True, DECODE_BLOCK_M=32, DECODE_WARPS=4,
+                    DECODE_MIN_PROGRAMS=128, DECODE_MAX_T=8)
+    assert [(cfg.for_launch(t).BLOCK_M, cfg.for_launch(t).num_warps, cfg.rows(t)) for t in (1, 4, 8, 9)] == [
+        (32, 4, 32), (32, 4, 32), (32, 4, 32), (64, 8, 64)]
+    # N = 64, T = 4 over 4 chunks: 8 row tiles x 4 chunks = 32 programs -> 4 slices; T = 9 keeps one
+    assert _plan(512, 64, 64, 4, torch.float32, cfg, 4 * 512)[5] == 4
+    assert _plan(512, 64, 64, 9, torch.float32, cfg, 4 * 512)[5] == 1
+    assert MLAConfig(BLOCK_M=32, L_BY_DOT=True, DECODE_BLOCK_M=16, DECODE_ROWS=4, DECODE_MAX_T=4).rows(2) == 16
+    assert cfg.as_dict()["DECODE_MAX_T"] == 8 and "DECODE_MAX_T" not in MLAConfig().as_dict()
+    with pytest.raises(ValueError, match="DECODE_MAX_T"):
+        MLAConfig(DECODE_MAX_T=0)
