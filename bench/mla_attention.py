@@ -160,9 +160,11 @@ WIDE_SHAPES = [(8, 4096, 4), (8, 4096, 16), (8, 4096, 64), (8, 32768, 16), (8, 3
 # test_mla_attention_gpu.py::test_small_trees_on_decode_tiles_bit_equal_bf16): at N = 64 a 4-node tree over a 4K
 # prefix is 32 programs of 64-row tiles for 132 SMs, on the 32-row decode tiles with column slices 128.
 # `--sweep-small` times them.
+# (measured first without the bound on the verify tiles' programs, DECODE_MAX_T_PROGRAMS; now the defaults
+# beside the verify tiles for every small tree)
 SMALL_FOR_N: dict[int, list[MLAConfig]] = {
-    8: [_D8, replace(_D8, DECODE_MAX_T=8)],
-    64: [_D64, replace(_D64, DECODE_MAX_T=8), replace(_D64, DECODE_MAX_T=8, DECODE_MIN_PROGRAMS=256)]}
+    8: [replace(_D8, DECODE_MAX_T=1), _D8],
+    64: [replace(_D64, DECODE_MAX_T=1), _D64, replace(_D64, DECODE_MIN_PROGRAMS=256)]}
 SMALL_SWEEP: list[MLAConfig] = [c for cs in SMALL_FOR_N.values() for c in cs]
 SMALL_SHAPES = [(64, 4096, 2), (64, 4096, 4), (64, 4096, 8), (64, 32768, 4), (64, 32768, 8), (64, 131072, 8),
                 (8, 4096, 4), (8, 4096, 8), (8, 32768, 4), (8, 32768, 8), (8, 131072, 8)]

@@ -192,13 +192,17 @@ class MLAConfig:
     # N = 64 launch slower (25.3 against 24.8 us; 116 against 112 at 128K): the decode step is not bound
     # by the score chain. Off (1) in the defaults, which the full GPU test set has run on
     QK_SPLIT: int = 1
-    # launches of up to this many queries run as decode launches: DECODE_BLOCK_M / DECODE_STAGES /
-    # DECODE_WARPS tiles and the DECODE_MIN_PROGRAMS column slices (DECODE_ROWS and LAZY_RESCALE "decode"
-    # stay T = 1 only). A re-tiling like the decode launch's own (the same mma.sync arithmetic per row, and
-    # the same bits as the 64-row wgmma verify tiles: tests/gpu/test_mla_attention_gpu.py). A 4-node tree at
-    # N = 64 over a 4K prefix is 32 programs of 64-row tiles for 132 SMs; on decode tiles with column
-    # slices it is 128
+    # launches of up to this many queries whose verify tiles would make fewer than DECODE_MAX_T_PROGRAMS
+    # programs run as decode launches: DECODE_BLOCK_M / DECODE_STAGES / DECODE_WARPS tiles and the
+    # DECODE_MIN_PROGRAMS column slices (DECODE_ROWS and LAZY_RESCALE "decode" stay T = 1 only). A re-tiling
+    # like the decode launch's own (the same mma.sync arithmetic per row, and the same bits as the 64-row
+    # wgmma verify tiles: tests/gpu/test_mla_attention_gpu.py). A 4-node tree at N = 64 over a 4K prefix is
+    # 36 programs of 64-row tiles for 132 SMs; on the decode tiles with column slices 144. Where the verify
+    # tiles already fill the GPU, more programs cost (python3 bench/mla_attention.py --sweep-only
+    # --sweep-small, bench/results/mla_attention-small-sweep-h200.md: N = 8, 8 nodes at 128K 184 against
+    # 146 us; N = 64, 8 nodes at 32K 228 against 220), hence the bound on the verify tiles' programs
     DECODE_MAX_T: int = 1
+    DECODE_MAX_T_PROGRAMS: int = 132
 
     def __post_init__(self) -> None:
         if self.DECODE_MAX_T < 1:
@@ -236,26 +240,30 @@ class MLAConfig:
         """Whether a launch of T queries skips the rescale of blocks where no row's max moved."""
         return self.LAZY_RESCALE == "all" or (self.LAZY_RESCALE == "decode" and T == 1)
 
-    def decode(self, T: int) -> bool:
-        """Whether a launch of T queries runs as a decode launch (T <= DECODE_MAX_T)."""
-        return T <= self.DECODE_MAX_T
+    def decode(self, T: int, verify_programs: int | None = None) -> bool:
+        """Whether a launch of T queries runs as a decode launch: T = 1, or T <= DECODE_MAX_T where the
+        verify tiles would make `verify_programs` < DECODE_MAX_T_PROGRAMS programs (None: not bounded)."""
+        return T == 1 or (T <= self.DECODE_MAX_T and
+                          (verify_programs is None or verify_programs < self.DECODE_MAX_T_PROGRAMS))
 
-    def rows(self, T: int) -> int:
+    def rows(self, T: int, verify_programs: int | None = None) -> int:
         """(query, head) rows per program of a launch of T queries (of the for_launch(T) config)."""
-        if not self.decode(T):
+        if not self.decode(T, verify_programs):
             return self.BLOCK_M
         return (self.DECODE_ROWS if T == 1 else 0) or self.DECODE_BLOCK_M or self.BLOCK_M
 
-    def for_launch(self, T: int) -> "MLAConfig":
-        """The config a launch of T queries runs: decode launches (T <= DECODE_MAX_T) take DECODE_BLOCK_M /
+    def for_launch(self, T: int, verify_programs: int | None = None) -> "MLAConfig":
+        """The config a launch of T queries runs: decode launches (:meth:`decode`) take DECODE_BLOCK_M /
         DECODE_STAGES / DECODE_WARPS."""
-        if not self.decode(T) or not (self.DECODE_BLOCK_M or self.DECODE_STAGES or self.DECODE_WARPS):
+        if not self.decode(T, verify_programs) or not (self.DECODE_BLOCK_M or self.DECODE_STAGES
+                                                       or self.DECODE_WARPS):
             return self
         return replace(self, BLOCK_M=self.DECODE_BLOCK_M or self.BLOCK_M,
                        num_stages=self.DECODE_STAGES or self.num_stages,
                        num_warps=self.DECODE_WARPS or self.num_warps)
 
-    def v_split(self, T: int, programs: int | None = None, columns: int = 0) -> int:
+    def v_split(self, T: int, programs: int | None = None, columns: int = 0,
+                verify_programs: int | None = None) -> int:
         """Output-column slices for a launch of T queries with `programs` programs per slice over
         `columns` output columns (programs None: the config's own V_SPLIT / V_SPLIT_BY_T, no decode rule)."""
         vs = self.V_SPLIT
@@ -263,7 +271,7 @@ class MLAConfig:
             if T <= max_t:
                 vs = v
                 break
-        if self.decode(T) and self.DECODE_MIN_PROGRAMS and programs is not None:
+        if self.decode(T, verify_programs) and self.DECODE_MIN_PROGRAMS and programs is not None:
             while (vs < 8 and programs * vs < self.DECODE_MIN_PROGRAMS
                    and columns // (2 * vs) >= DECODE_MIN_SLICE):
                 vs *= 2
@@ -285,6 +293,7 @@ class MLAConfig:
                 d[k] = getattr(self, k)
         if self.DECODE_MAX_T != 1:
             d["DECODE_MAX_T"] = self.DECODE_MAX_T
+            d["DECODE_MAX_T_PROGRAMS"] = self.DECODE_MAX_T_PROGRAMS
         if self.LAZY_RESCALE != "off":
             d["LAZY_RESCALE"] = self.LAZY_RESCALE
         if self.QK_SPLIT != 1:
@@ -321,13 +330,17 @@ class MLAConfig:
 # python3 bench/mla_attention.py --sweep-only --sweep-wide --sweep-n 64 (bench/results/mla_attention-wide64-
 # sweep-h200.md), N = 64, 4K / 32K context: 16 nodes 71.6 / 398 us against 80.4 / 407, 64 nodes 219 / 1416
 # against 231 / 1446, the same bits (0 elements differ at every shape; GPU-tested: decode rows == tree rows).
+# Trees of up to 8 nodes on the decode tiles where the verify tiles would leave SMs idle (DECODE_MAX_T, bounded
+# by DECODE_MAX_T_PROGRAMS; python3 bench/mla_attention.py --sweep-only --sweep-small, bench/results/
+# mla_attention-small-sweep-h200.md): N = 8 at 4K, 4 / 8 nodes 39.4 / 39.8 us against 53.3 / 53.7, at 32K 53.1 /
+# 72.0 against 71.0 / 73.7; N = 64 at 4K, 2 / 4 / 8 nodes 49.4 / 56.4 / 56.6 against 56.8 / 60.7 / 62.9.
 DEFAULT_CONFIGS: list[tuple[int, MLAConfig]] = [
     (16, MLAConfig(CHUNK=512, BLOCK_M=32, BLOCK_N=64, V_SPLIT=1, num_warps=4, num_stages=2, KEYS_ON_M=False,
                    Q_IN_LOOP=False, V_SPLIT_BY_T=(), DECODE_MIN_PROGRAMS=0, L_BY_DOT=True,
-                   DECODE_BLOCK_M=16, DECODE_STAGES=3, QK_SPLIT=1)),  # N <= 16 (TP8: 8 heads/rank)
+                   DECODE_BLOCK_M=16, DECODE_STAGES=3, QK_SPLIT=1, DECODE_MAX_T=8)),  # N <= 16 (TP8: 8 heads/rank)
     (1 << 30, MLAConfig(CHUNK=512, BLOCK_M=64, BLOCK_N=64, V_SPLIT=1, num_warps=8, num_stages=2,
                         KEYS_ON_M=False, Q_IN_LOOP=False, V_SPLIT_BY_T=(), DECODE_MIN_PROGRAMS=128, L_BY_DOT=True,
-                        DECODE_BLOCK_M=32, DECODE_WARPS=4, QK_SPLIT=1)),
+                        DECODE_BLOCK_M=32, DECODE_WARPS=4, QK_SPLIT=1, DECODE_MAX_T=8)),
 ]
 
 
@@ -754,7 +767,9 @@ def _plan(C: int, R: int, N: int, T: int, dtype: torch.dtype, config: MLAConfig 
     V_SPLIT, DV, upcast, input precision).
     n_keys: the keys the launch's grid covers (its chunks and row tiles size a decode launch's V_SPLIT)."""
     base = config or default_config(N)
-    cfg, rows, lazy = base.for_launch(T), base.rows(T), base.lazy(T)
+    n_ch = triton.cdiv(n_keys, base.CHUNK)
+    vp = triton.cdiv(T * N, base.BLOCK_M) * n_ch   # the verify tiles' programs (decode rule for small trees)
+    cfg, rows, lazy = base.for_launch(T, vp), base.rows(T, vp), base.lazy(T)
     if cfg.CHUNK % cfg.BLOCK_N:
         raise ValueError(f"CHUNK {cfg.CHUNK} must be a multiple of BLOCK_N {cfg.BLOCK_N}")
     CP = triton.next_power_of_2(C)
@@ -764,7 +779,7 @@ def _plan(C: int, R: int, N: int, T: int, dtype: torch.dtype, config: MLAConfig 
             raise ValueError(f"V_SPLIT {vs} must divide {CP} into slices of >= 16 columns")
     if cfg.BLOCK_M < 16 or cfg.BLOCK_N < 16:
         raise ValueError(f"BLOCK_M {cfg.BLOCK_M} and BLOCK_N {cfg.BLOCK_N} must be >= 16 (tl.dot)")
-    v_split = cfg.v_split(T, triton.cdiv(T * N, rows) * triton.cdiv(n_keys, cfg.CHUNK), CP)
+    v_split = base.v_split(T, triton.cdiv(T * N, rows) * n_ch, CP, vp)
     upcast = interpreting()  # fp32 operands and row-exact dots under the interpreter
     prec = "ieee" if (dtype == torch.float32 or upcast) else "tf32"
     return cfg, rows, lazy, CP, RP, v_split, CP // v_split, upcast, prec
@@ -893,7 +908,8 @@ def mla_attention_device(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tens
     [] or [1] integer tensor, start + T <= S_cap); tree_mask [T, T] bool (tril for a causal block).
     The grid covers all cdiv(S_cap, CHUNK) chunks; programs outside the host split's chunks exit at
     once, so every row is reduced exactly as :func:`mla_attention` reduces it for the same start
-    (bit for bit: same chunks, same blocks, same merge order). ``gather_index``: tree_gather_index(tree_mask)
+    (bit for bit: same chunks, same blocks, same merge order). T = 1 (the root alone: tree_mask [[True]])
+    runs the causal decode launch. ``gather_index``: tree_gather_index(tree_mask)
     when the caller already has it (one per step for all layers).
     """
     if kv_lora_rank is None:
@@ -926,6 +942,15 @@ def mla_attention_device(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tens
                  spom, spoc, splm, out.stride(0), out.stride(1), float(scale) * LOG2E)
     n_tiles = triton.cdiv(T * N, rows)
     descs = _kv_descs(kv, cap, C, R, CP, RP, cfg, VS)
+    if T == 1:
+        # one query (a tree of its root alone, the plain decoding step of a device round) sees the prefix and
+        # itself, the causal case: one packed launch with the per-row length (chunks past it exit at once),
+        # the host-length decode launch's reduction, instead of a prefix launch beside a gather launch
+        _mla_chunk_kernel[(n_tiles * VS, n_ch)](q_lat, q_pe, kv, idx, nvis, po, pl, out, s_dev, T, 0, N, 0,
+                                                *args_tail, GATHER=False, **{**common, "CAUSAL": True}, **descs)
+        if not direct:
+            _merge(po, pl, nvis, out, s_dev, 0, N, n_ch, (spom, spoc, splm), C, cfg.CHUNK, True, True)
+        return out
 
     def prefix() -> None:   # the two launches keep to disjoint chunks (S_DEV): side by side
         _mla_chunk_kernel[(n_tiles * VS, n_ch)](q_lat, q_pe, kv, idx, nvis, po, pl, out, s_dev, T, 0, N, 0,

@@ -177,6 +177,10 @@ CASES["dev_N3_S64_T5_tree_desc"] = ("dev", 3, 64, 5, "tree", "desc", "")
 CASES["dev_N4_S90_T1_causal_descbm"] = ("dev", 4, 90, 1, "causal", "descbm", "")
 CASES["dev_N3_S64_T5_tree_qs2"] = ("dev", 3, 64, 5, "tree", "qs2", "")
 CASES["dev_N20_S50_T3_tree_decmaxt"] = ("dev", 20, 50, 3, "tree", "decmaxt", "")
+# T = 1 (the root alone) runs the causal launch on the device; the host-length tree launch is the oracle
+CASES["dev_N3_S37_T1_tree_c32"] = ("dev", 3, 37, 1, "tree", "c32", "")
+CASES["dev_N20_S70_T1_tree_decmaxt"] = ("dev", 20, 70, 1, "tree", "decmaxt", "")
+CASES["dev_N4_S20_T1_tree_c64"] = ("dev", 4, 20, 1, "tree", "c64", "")   # one chunk: the direct write
 
 # merge tiles are bit-neutral (merge_tiles): per row, random chunk partials; trees of 8..64 chunks and
 # 8..32 columns give the same bits for rows whose chunks fit the smaller tree, and the column tile never
@@ -428,8 +432,14 @@ def test_decode_max_t_widens_the_decode_launch():
     assert [(cfg.for_launch(t).BLOCK_M, cfg.for_launch(t).num_warps, cfg.rows(t)) for t in (1, 4, 8, 9)] == [
         (32, 4, 32), (32, 4, 32), (32, 4, 32), (64, 8, 64)]
     # N = 64, T = 4 over 4 chunks: 8 row tiles x 4 chunks = 32 programs -> 4 slices; T = 9 keeps one
+    assert _plan(512, 64, 64, 4, torch.float32, cfg, 4 * 512)[:2] == (cfg.for_launch(4), 32)
     assert _plan(512, 64, 64, 4, torch.float32, cfg, 4 * 512)[5] == 4
     assert _plan(512, 64, 64, 9, torch.float32, cfg, 4 * 512)[5] == 1
+    # ... but where the verify tiles already make >= DECODE_MAX_T_PROGRAMS programs (4 tiles x 33 chunks), they
+    # stay; decode (T = 1) launches are not bounded
+    assert _plan(512, 64, 64, 4, torch.float32, cfg, 33 * 512)[:2] == (cfg, 64)
+    assert _plan(512, 64, 64, 4, torch.float32, cfg, 32 * 512)[:2] == (cfg.for_launch(4), 32)
+    assert _plan(512, 64, 64, 1, torch.float32, cfg, 1000 * 512)[1] == 32
     assert MLAConfig(BLOCK_M=32, L_BY_DOT=True, DECODE_BLOCK_M=16, DECODE_ROWS=4, DECODE_MAX_T=4).rows(2) == 16
     assert cfg.as_dict()["DECODE_MAX_T"] == 8 and "DECODE_MAX_T" not in MLAConfig().as_dict()
     with pytest.raises(ValueError, match="DECODE_MAX_T"):
