@@ -363,7 +363,7 @@ def test_wide_verify_tiles_keep_narrow_decode_tiles_without_slices():
 
     cfg = default_config(64)
     assert (cfg.BLOCK_M, cfg.num_warps) == (64, 8)
-    assert (cfg.for_launch(1).BLOCK_M, cfg.for_launch(1).num_warps, cfg.for_launch(2).BLOCK_M) == (32, 4, 64)
+    assert (cfg.for_launch(1).BLOCK_M, cfg.for_launch(1).num_warps, cfg.for_launch(9).BLOCK_M) == (32, 4, 64)
     wide = dict(BLOCK_M=64, num_warps=8, L_BY_DOT=True, DECODE_BLOCK_M=32, DECODE_WARPS=4)
     MLAConfig(**wide, DECODE_MIN_PROGRAMS=128, V_SPLIT_BY_T=((1, 4),))      # slices on the decode tiles only
     for bad in (dict(V_SPLIT=2), dict(V_SPLIT_BY_T=((16, 2),)), dict(DECODE_BLOCK_M=0, DECODE_WARPS=0,
