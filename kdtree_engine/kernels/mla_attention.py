@@ -203,10 +203,21 @@ class MLAConfig:
     # 146 us; N = 64, 8 nodes at 32K 228 against 220), hence the bound on the verify tiles' programs
     DECODE_MAX_T: int = 1
     DECODE_MAX_T_PROGRAMS: int = 132
+    # the decode launches of small trees (1 < T, see DECODE_MAX_T) on tiles of this many rows and warps instead
+    # of the T = 1 launch's (0: those). mma.sync tiles with the row sums by the MMA: a re-tiling like
+    # DECODE_BLOCK_M / DECODE_WARPS (bench/results/mla_attention-warps8-sweep-h200.md: 16-row 8-warp tiles, the
+    # default's bits, at N = 64 with 4 nodes over 4K 48.8 against 61.1 us)
+    SMALL_BLOCK_M: int = 0
+    SMALL_WARPS: int = 0
 
     def __post_init__(self) -> None:
         if self.DECODE_MAX_T < 1:
             raise ValueError(f"MLAConfig.DECODE_MAX_T must be >= 1; got {self.DECODE_MAX_T}")
+        if (self.SMALL_BLOCK_M or self.SMALL_WARPS) and not (
+                self.L_BY_DOT and not self.KEYS_ON_M and self.SMALL_BLOCK_M in (0, 16, 32)
+                and self.SMALL_WARPS in (0, 2, 4, 8) and (self.SMALL_BLOCK_M or self.DECODE_BLOCK_M or self.BLOCK_M) < 64):
+            raise ValueError("MLAConfig.SMALL_BLOCK_M / SMALL_WARPS need L_BY_DOT, KEYS_ON_M off, tiles of 16 or 32 rows "
+                             f"and 2, 4 or 8 warps; got {self}")
         if self.DECODE_BLOCK_M and not (self.L_BY_DOT and not self.KEYS_ON_M and 16 <= self.BLOCK_M <= 64
                                         and 16 <= self.DECODE_BLOCK_M < 64):
             raise ValueError("MLAConfig.DECODE_BLOCK_M needs L_BY_DOT, KEYS_ON_M off, BLOCK_M in [16, 64] and "
@@ -250,17 +261,22 @@ class MLAConfig:
         """(query, head) rows per program of a launch of T queries (of the for_launch(T) config)."""
         if not self.decode(T, verify_programs):
             return self.BLOCK_M
-        return (self.DECODE_ROWS if T == 1 else 0) or self.DECODE_BLOCK_M or self.BLOCK_M
+        if T == 1:
+            return self.DECODE_ROWS or self.DECODE_BLOCK_M or self.BLOCK_M
+        return self.SMALL_BLOCK_M or self.DECODE_BLOCK_M or self.BLOCK_M
 
     def for_launch(self, T: int, verify_programs: int | None = None) -> "MLAConfig":
         """The config a launch of T queries runs: decode launches (:meth:`decode`) take DECODE_BLOCK_M /
-        DECODE_STAGES / DECODE_WARPS."""
-        if not self.decode(T, verify_programs) or not (self.DECODE_BLOCK_M or self.DECODE_STAGES
-                                                       or self.DECODE_WARPS):
+        DECODE_STAGES / DECODE_WARPS, those of small trees SMALL_BLOCK_M / SMALL_WARPS where set."""
+        if not self.decode(T, verify_programs):
             return self
-        return replace(self, BLOCK_M=self.DECODE_BLOCK_M or self.BLOCK_M,
-                       num_stages=self.DECODE_STAGES or self.num_stages,
-                       num_warps=self.DECODE_WARPS or self.num_warps)
+        small = T > 1
+        bm = (self.SMALL_BLOCK_M if small else 0) or self.DECODE_BLOCK_M or self.BLOCK_M
+        warps = (self.SMALL_WARPS if small else 0) or self.DECODE_WARPS or self.num_warps
+        if (bm, warps, self.DECODE_STAGES or self.num_stages) == (self.BLOCK_M, self.num_warps, self.num_stages):
+            return self
+        return replace(self, BLOCK_M=bm,
+                       num_stages=self.DECODE_STAGES or self.num_stages, num_warps=warps)
 
     def v_split(self, T: int, programs: int | None = None, columns: int = 0,
                 verify_programs: int | None = None) -> int:
@@ -288,7 +304,8 @@ class MLAConfig:
             d["V_SPLIT_BY_T"] = self.V_SPLIT_BY_T
         if self.DECODE_MIN_PROGRAMS:
             d["DECODE_MIN_PROGRAMS"] = self.DECODE_MIN_PROGRAMS
-        for k in ("L_BY_DOT", "DECODE_BLOCK_M", "DECODE_STAGES", "DECODE_WARPS", "DECODE_ROWS", "K_DESC"):
+        for k in ("L_BY_DOT", "DECODE_BLOCK_M", "DECODE_STAGES", "DECODE_WARPS", "DECODE_ROWS", "K_DESC",
+                  "SMALL_BLOCK_M", "SMALL_WARPS"):
             if getattr(self, k):
                 d[k] = getattr(self, k)
         if self.DECODE_MAX_T != 1:

@@ -242,19 +242,25 @@ def test_candidate_tree_batch_invariant_bf16(name, N):
     assert not bad, f"nodes {bad[:8]} differ alone vs in the tree (seed {seed}, {cfg})"
 
 
+SMALL_TILES = {"default": {}, "w8": dict(SMALL_WARPS=8), "bm16w8": dict(SMALL_BLOCK_M=16, SMALL_WARPS=8),
+               "t16w8": dict(DECODE_MAX_T=16, SMALL_WARPS=8)}
+
+
+@pytest.mark.parametrize("tiles", list(SMALL_TILES))
 @pytest.mark.parametrize("N", [8, 64])
-def test_small_trees_on_decode_tiles_bit_equal_bf16(N):
+def test_small_trees_on_decode_tiles_bit_equal_bf16(N, tiles):
     """DECODE_MAX_T = 8 (trees of up to 8 nodes on the decode tiles and their column slices) leaves a row's
     bits: the first T nodes of a 64-node tree (a tree themselves: parent[i] < i) give the rows of the default
-    config's 64-node launch, host- and device-length, at T = 2, 4, 8."""
+    config's 64-node launch, host- and device-length, at T = 2, 4, 8, 16; also on the small trees' own tiles
+    (SMALL_BLOCK_M / SMALL_WARPS) and with DECODE_MAX_T = 16."""
     S, Tt = 4096 + 37, 64
     seed = int(torch.randint(1 << 30, (1,)))
-    cfg = replace(default_config(N), DECODE_MAX_T=8)
+    cfg = replace(default_config(N), **{"DECODE_MAX_T": 8, **SMALL_TILES[tiles]})
     q_lat, q_pe, kv = inputs(Tt, N, S, seed)
     mask = random_tree_mask(Tt, torch.Generator().manual_seed(seed)).cuda()
     full = mla_attention(q_lat, q_pe, kv, S, mask, SCALE, C)
     cap = torch.cat([kv, torch.randn(300, C + R, device="cuda").bfloat16()])
-    for T in (2, 4, 8):
+    for T in (2, 4, 8, 16):
         poison_allocator()
         sub = mla_attention(q_lat[:T], q_pe[:T], kv[: S + T], S, mask[:T, :T].contiguous(), SCALE, C, config=cfg)
         assert torch.equal(sub, full[:T]), f"T = {T} on decode tiles (seed {seed})"

@@ -112,6 +112,9 @@ CONFIGS = {
     # launches of up to 4 queries on the decode tiles (16 rows), column slices sized by DECODE_MIN_PROGRAMS
     "decmaxt": MLAConfig(CHUNK=32, BLOCK_M=32, BLOCK_N=16, L_BY_DOT=True, DECODE_BLOCK_M=16, DECODE_MAX_T=4,
                          DECODE_MIN_PROGRAMS=64, num_stages=1),
+    # ... on the small trees' own tiles (16 rows; the T = 1 launch keeps its 32)
+    "smallbm": MLAConfig(CHUNK=32, BLOCK_M=64, BLOCK_N=16, L_BY_DOT=True, DECODE_BLOCK_M=32, DECODE_MAX_T=4,
+                         SMALL_BLOCK_M=16, SMALL_WARPS=8, num_stages=1),
 }
 
 # name: (kind, N, S, T, mask, config, variant)
@@ -163,6 +166,7 @@ CASES["inv_N4_S70_T9_tree_qs2"] = ("inv", 4, 70, 9, "tree", "qs2", "")
 CASES["inv_N5_S61_T7_causal_qs2bm"] = ("inv", 5, 61, 7, "causal", "qs2bm", "")  # alone: V_SPLIT 2
 CASES["inv_N20_S45_T7_tree_decmaxt"] = ("inv", 20, 45, 7, "tree", "decmaxt", "")  # alone / first 4: decode tiles
 CASES["N20_S45_T4_tree_decmaxt"] = ("ref", 20, 45, 4, "tree", "decmaxt", "")
+CASES["inv_N20_S45_T7_tree_smallbm"] = ("inv", 20, 45, 7, "tree", "smallbm", "")
 
 # device-side length: the whole buffer (junk past S + T) and start as a tensor == the host-length launch
 CASES["dev_N3_S37_T5_tree_c32"] = ("dev", 3, 37, 5, "tree", "c32", "")
@@ -444,3 +448,10 @@ def test_decode_max_t_widens_the_decode_launch():
     assert cfg.as_dict()["DECODE_MAX_T"] == 8 and "DECODE_MAX_T" not in MLAConfig().as_dict()
     with pytest.raises(ValueError, match="DECODE_MAX_T"):
         MLAConfig(DECODE_MAX_T=0)
+    small = MLAConfig(BLOCK_M=64, num_warps=8, L_BY_DOT=True, DECODE_BLOCK_M=32, DECODE_WARPS=4, DECODE_MAX_T=8,
+                      SMALL_BLOCK_M=16, SMALL_WARPS=8)
+    assert [(small.for_launch(t).BLOCK_M, small.for_launch(t).num_warps, small.rows(t)) for t in (1, 4, 9)] == [
+        (32, 4, 32), (16, 8, 16), (64, 8, 64)]
+    for bad in (dict(L_BY_DOT=False), dict(SMALL_BLOCK_M=64), dict(SMALL_WARPS=3)):
+        with pytest.raises(ValueError, match="SMALL_BLOCK_M"):
+            MLAConfig(**{**dict(BLOCK_M=32, L_BY_DOT=True, SMALL_BLOCK_M=16), **bad})
