@@ -351,10 +351,15 @@ class MLAConfig:
 # by DECODE_MAX_T_PROGRAMS; python3 bench/mla_attention.py --sweep-only --sweep-small, bench/results/
 # mla_attention-small-sweep-h200.md): N = 8 at 4K, 4 / 8 nodes 39.4 / 39.8 us against 53.3 / 53.7, at 32K 53.1 /
 # 72.0 against 71.0 / 73.7; N = 64 at 4K, 2 / 4 / 8 nodes 49.4 / 56.4 / 56.6 against 56.8 / 60.7 / 62.9.
+# N <= 16: trees of up to 16 nodes, in 8 warps (SMALL_WARPS; bench/results/mla_attention-small-sweep-h200-tiles.md):
+# at 4K 40.0 / 39.7 / 43.3 us at 4 / 8 / 16 nodes against 39.5 / 39.8 / 55.7 (up to 8 nodes, 4 warps), at 32K
+# 49.7 / 69.4 against 54.0 / 71.9. N = 64 keeps the 32-row 4-warp decode tiles: 16-row 8-warp tiles win 2 / 4
+# nodes (44.3 / 48.9 against 50.0 / 56.1 us) but lose 8 (72.3 against 56.8).
 DEFAULT_CONFIGS: list[tuple[int, MLAConfig]] = [
     (16, MLAConfig(CHUNK=512, BLOCK_M=32, BLOCK_N=64, V_SPLIT=1, num_warps=4, num_stages=2, KEYS_ON_M=False,
                    Q_IN_LOOP=False, V_SPLIT_BY_T=(), DECODE_MIN_PROGRAMS=0, L_BY_DOT=True,
-                   DECODE_BLOCK_M=16, DECODE_STAGES=3, QK_SPLIT=1, DECODE_MAX_T=8)),  # N <= 16 (TP8: 8 heads/rank)
+                   DECODE_BLOCK_M=16, DECODE_STAGES=3, QK_SPLIT=1, DECODE_MAX_T=16,
+                   SMALL_WARPS=8)),  # N <= 16 (TP8: 8 heads/rank)
     (1 << 30, MLAConfig(CHUNK=512, BLOCK_M=64, BLOCK_N=64, V_SPLIT=1, num_warps=8, num_stages=2,
                         KEYS_ON_M=False, Q_IN_LOOP=False, V_SPLIT_BY_T=(), DECODE_MIN_PROGRAMS=128, L_BY_DOT=True,
                         DECODE_BLOCK_M=32, DECODE_WARPS=4, QK_SPLIT=1, DECODE_MAX_T=8)),
