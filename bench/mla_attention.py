@@ -140,7 +140,7 @@ VSPLIT_SHAPES = [(8, 4096, 4), (8, 4096, 16), (8, 32768, 4), (8, 32768, 16), (8,
 # same bits (bench_case's `diff_vs_default`: elements that differ from the default config's output) and their
 # time. `--sweep-wide` times them (at N = 8 decode launches keep their own tiles: verify shapes only; N = 64 has no
 # decode tiles of its own, so its decode shapes run the candidates' tiles).
-_W8, _W64 = replace(_D8, DECODE_BLOCK_M=0, DECODE_STAGES=0), _D64
+_W8, _W64 = replace(_D8, DECODE_BLOCK_M=0, DECODE_STAGES=0, DECODE_MAX_T=1, SMALL_WARPS=0), _D64
 # Also 8 warps on 32 / 16-row tiles (decode launches keep 4: DECODE_WARPS): offline (triton 3.6, sm_90) the
 # 32-row 4-warp verify tile spills (255 registers + 360 bytes a thread), 8 warps fit (253, 138 for 16 rows);
 # with the row sums by the MMA the warps' split does not touch a row's arithmetic.

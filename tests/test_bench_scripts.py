@@ -155,3 +155,13 @@ def test_launch_census_counts_every_part(tmp_path):
         assert sum(n for _, n in s["top_ops"]) == s["total"]
     assert "drafter" not in plain["parts"] and plain["parts"].get("tree", 0) < tree["parts"]["tree"]
     assert tree["parts"]["drafter"] > 0
+
+
+def test_attention_bench_candidates_are_valid_configs():
+    """bench/mla_attention.py builds its sweep candidates at import (from the defaults): each one a config that
+    MLAConfig accepts, so a change of the defaults cannot break the bench before it runs."""
+    from bench import mla_attention as mb
+    from kdtree_engine.kernels.mla_attention import MLAConfig
+
+    lists = [mb.SWEEP, mb.DECODE_SWEEP, mb.CHUNK_SWEEP, mb.ROWS_SWEEP, mb.VSPLIT_SWEEP, mb.WIDE_SWEEP, mb.SMALL_SWEEP]
+    assert all(isinstance(c, MLAConfig) for cs in lists for c in cs) and all(lists)

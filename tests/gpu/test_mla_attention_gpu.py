@@ -156,7 +156,8 @@ def test_v_split_by_t_bit_equal_bf16(name, N):
     to the config without buckets."""
     S, T = 5000, 40
     seed = int(torch.randint(1 << 30, (1,)))
-    base = replace(_cfg(name, N), V_SPLIT=1, V_SPLIT_BY_T=(), DECODE_MIN_PROGRAMS=0)
+    # (small trees on the verify tiles: the T = 16 bucket's 2 slices of a 16-row 3-stage decode tile need 233 KB)
+    base = replace(_cfg(name, N), V_SPLIT=1, V_SPLIT_BY_T=(), DECODE_MIN_PROGRAMS=0, DECODE_MAX_T=1, SMALL_WARPS=0)
     if base.BLOCK_M >= 64 and not base.KEYS_ON_M:   # 64-row row tiles take no slices (MLAConfig): the 32-row
         base = replace(base, BLOCK_M=32, num_warps=4)  # tiles they replaced, which do
     cfg = replace(base, V_SPLIT_BY_T=((1, 4), (16, 2)))
