@@ -63,7 +63,8 @@ Batch invariance (a row's result does not depend on T or on which rows share its
   * with L_BY_DOT the row sum of a key block is an MMA (P @ ones) rather than a sum across the warps
     that split the tile, so on mma.sync tiles (BLOCK_M < 64: per element the same k16 steps for any
     row count) the row count is a re-tiling too: decode launches may take DECODE_BLOCK_M /
-    DECODE_STAGES (MLAConfig.for_launch);
+    DECODE_STAGES (MLAConfig.for_launch), and so may small trees (DECODE_MAX_T, SMALL_WARPS) where the
+    verify tiles would leave SMs idle; a device-length launch of one query runs the causal decode launch;
   * the merge runs in chunk order with the same formula for any number of rows.
 Checked bit for bit by tests/kernels/test_mla_attention.py (interpreter, fp32) and
 tests/gpu/test_mla_attention_gpu.py (H200, bf16).
