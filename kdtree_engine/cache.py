@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from .config import ModelConfig
+from .kernels.common import take_rows
 
 
 class CacheFullError(RuntimeError):
@@ -67,5 +68,5 @@ class LatentCache:
         The host-side ``length`` is not changed (the caller keeps the length on the device).
         """
         M = keep.shape[0]
-        src = self.kv.index_select(1, start + keep)  # [layers, M, 576]
+        src = take_rows(self.kv, start + keep, dim=1)  # [layers, M, 576]
         self.kv.index_copy_(1, start + torch.arange(M, device=self.kv.device), src)

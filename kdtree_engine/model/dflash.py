@@ -31,6 +31,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..draft_config import DraftConfig
+from ..kernels.common import take_rows
 from .layers import MLP, Linear, RMSNorm, stacked_linear
 
 
@@ -294,8 +295,8 @@ class DFlashDrafter(nn.Module):
             visible = torch.cat([slot_pos < start, torch.ones(B, dtype=torch.bool, device=dev)])  # [S_cap + B]
             visible = visible.unsqueeze(0).expand(B, -1)  # [B, S_cap + B]
         cos_t, sin_t = self._rope_table(cache, cache.capacity + B)
-        cos_b, sin_b = cos_t.index_select(0, q_pos), sin_t.index_select(0, q_pos)
-        cos_c, sin_c = cos_t.index_select(0, c_pos), sin_t.index_select(0, c_pos)
+        cos_b, sin_b = take_rows(cos_t, q_pos), take_rows(sin_t, q_pos)
+        cos_c, sin_c = take_rows(cos_t, c_pos), take_rows(sin_t, c_pos)
         ctx = self.hidden_norm(self.fc(ctx_rows.to(dtype=dt)))  # [R, D]
         h = block_embeds.to(device=dev, dtype=dt)  # [B, D]
         pending: torch.Tensor | None = None  # as in forward

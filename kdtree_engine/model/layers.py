@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig, yarn_mscale
+from ..kernels.common import take_rows
 
 log = logging.getLogger("kdtree_engine")
 
@@ -251,7 +252,7 @@ class Rope(nn.Module):
 
     def gather(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin [T, R/2] at device positions, no host read: the caller has called :meth:`ensure`."""
-        return self.cos.index_select(0, positions), self.sin.index_select(0, positions)
+        return take_rows(self.cos, positions), take_rows(self.sin, positions)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

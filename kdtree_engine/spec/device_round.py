@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from ..kernels.common import take_rows
 from ..model.target import Target
 from ..sampling import SamplingParams, greedy, race, rule_probs, sample
 from .accept import accept_path_mask
@@ -213,7 +214,7 @@ class DeviceRound:
             if self.n1 > 1:  # a lone root keeps its slot
                 self.cache.compact_static(self.start, acc)
             if self.drafter is not None:
-                self.ctx[: self.m].copy_(vout.aux.index_select(0, acc))
+                self.ctx[: self.m].copy_(take_rows(vout.aux, acc))
                 self.n_ctx.copy_(count)
             self.start.add_(count)
 
