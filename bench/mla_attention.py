@@ -7,7 +7,7 @@ same math and the torch reference, against rooflines measured in the same run.
                                                        # written to mla_attention-sweep-<gpu>.*
     python bench/mla_attention.py --sweep-only --sweep-decode --no-peers   # V_SPLIT for decode launches,
                                                        # written to mla_attention-decode-sweep-<gpu>.*
-    python bench/mla_attention.py --sweep-only --sweep-chunk --no-peers    # chunk lengths (N = 8),
+    python bench/mla_attention.py --sweep-only --sweep-chunk --no-peers    # chunk lengths (N = 8, 64),
                                                        # written to mla_attention-chunk-sweep-<gpu>.*
     python bench/mla_attention.py --sweep-only --sweep-rows --no-peers     # decode rows per program (N = 8),
                                                        # written to mla_attention-rows-sweep-<gpu>.*
@@ -101,14 +101,6 @@ DECODE_SWEEP: list[MLAConfig] = [
     MLAConfig(**{**_DEC, "DECODE_MIN_PROGRAMS": 0}, L_BY_DOT=True, DECODE_BLOCK_M=16, DECODE_STAGES=3),
 ]
 DECODE_SHAPES = [(8, 4096, 1), (8, 32768, 1), (8, 131072, 1), (64, 4096, 1), (64, 32768, 1), (64, 131072, 1)]
-# Chunk length (a reduction field: decode and verify share it). With the merge at 128 programs per decode
-# launch, shorter chunks give a decode launch more programs (65 at 32K with CHUNK 512, for 132 SMs).
-# `--sweep-chunk` times the N <= 16 default beside its CHUNK = 256 / 1024 twins.
-_N8 = dict(BLOCK_M=32, BLOCK_N=64, V_SPLIT=1, num_warps=4, num_stages=2, L_BY_DOT=True, DECODE_BLOCK_M=16,
-           DECODE_STAGES=3)
-CHUNK_SWEEP: list[MLAConfig] = [MLAConfig(CHUNK=512, **_N8), MLAConfig(CHUNK=256, **_N8), MLAConfig(CHUNK=1024, **_N8)]
-CHUNK_SHAPES = [(8, 4096, 1), (8, 32768, 1), (8, 131072, 1), (8, 32768, 16), (8, 131072, 16), (8, 32768, 64),
-                (8, 131072, 64)]
 # Re-tilings of the defaults (they leave a row's arithmetic as it is): decode rows per program
 # (DECODE_ROWS: the rest of the 16-row tile masked; at N = 8 a 32K decode is 65 programs for 132 SMs),
 # decode warps (DECODE_WARPS: 2 warps per scheduler instead of 1), the packed launches' key tiles by
@@ -126,6 +118,17 @@ ROWS_FOR_N: dict[int, list[MLAConfig]] = {
 # programs per SM; measured slower at 4K-256K, also with 2 stages only past one wave of programs:
 # bench/results/mla_attention-stages-sweep-h200.md)
 ROWS_SWEEP: list[MLAConfig] = [c for cs in ROWS_FOR_N.values() for c in cs]
+# Chunk length (a reduction field: decode and verify share it; fixed per N). Shorter chunks give a launch
+# more programs where it has few (a decode or a small tree over a short prefix), and the decode launches fewer
+# column slices (DECODE_MIN_PROGRAMS), so less recomputed q K^T; longer ones fewer partials to merge.
+# `--sweep-chunk` times each N's default beside its CHUNK = 256 twin (measured before at N = 8 on an older
+# default, bench/results/mla_attention-chunk-sweep-h200.md: no length won everywhere; 1024 there too).
+CHUNK_FOR_N: dict[int, list[MLAConfig]] = {8: [_D8, replace(_D8, CHUNK=256)],
+                                           64: [_D64, replace(_D64, CHUNK=256)]}
+CHUNK_SWEEP: list[MLAConfig] = [c for cs in CHUNK_FOR_N.values() for c in cs]
+CHUNK_SHAPES = [(64, 4096, 1), (64, 4096, 4), (64, 4096, 8), (64, 4096, 16), (64, 4096, 64), (64, 32768, 1),
+                (64, 32768, 8), (64, 32768, 64), (64, 131072, 1), (64, 131072, 16), (8, 4096, 1), (8, 32768, 1),
+                (8, 131072, 1), (8, 4096, 16), (8, 32768, 16), (8, 32768, 64)]
 # Output-column slices of small verify launches (V_SPLIT_BY_T: a re-tiling, the same bits; tested by
 # tests/gpu/test_mla_attention_gpu.py::test_v_split_by_t_bit_equal_bf16): at N = 8 a 4..16-node tree over
 # a 4K prefix is 8 prefix programs (one 32-row tile per chunk) for 132 SMs. `--sweep-vsplit` times them.
@@ -292,7 +295,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--sweep-decode", action="store_true",
                     help="with --sweep-only: time DECODE_SWEEP (V_SPLIT for T = 1) at DECODE_SHAPES instead")
     ap.add_argument("--sweep-chunk", action="store_true",
-                    help="with --sweep-only: time CHUNK_SWEEP (chunk lengths, N = 8) at CHUNK_SHAPES instead")
+                    help="with --sweep-only: time CHUNK_FOR_N (chunk lengths) at CHUNK_SHAPES instead")
     ap.add_argument("--sweep-rows", action="store_true",
                     help="with --sweep-only: time ROWS_SWEEP (decode rows per program, N = 8) at ROWS_SHAPES instead")
     ap.add_argument("--sweep-vsplit", action="store_true",
@@ -338,7 +341,8 @@ def main(argv=None) -> dict:
                          (WIDE_SWEEP, WIDE_SHAPES) if args.sweep_wide else
                          (SMALL_SWEEP, SMALL_SHAPES) if args.sweep_small else (SWEEP, SWEEP_SHAPES))
         shapes = [sh for sh in shapes if args.sweep_n is None or sh[0] == args.sweep_n]
-        per_n = (ROWS_FOR_N if args.sweep_rows else VSPLIT_FOR_N if args.sweep_vsplit else
+        per_n = (CHUNK_FOR_N if args.sweep_chunk else ROWS_FOR_N if args.sweep_rows else
+                 VSPLIT_FOR_N if args.sweep_vsplit else
                  WIDE_FOR_N if args.sweep_wide else SMALL_FOR_N if args.sweep_small else None)
         compile_err = precompile(cands, shapes, workers)
         print(f"compiled {len(compile_err)} (config, N, T kind) in {clock():.0f}s; "

@@ -16,6 +16,7 @@ from torch import nn
 
 from ..cache import LatentCache
 from ..config import ModelConfig
+from ..kernels.common import take_rows
 from .int4_order import CHECKPOINT, set_order
 from .layers import MLP, GroupOf, Linear, RMSNorm, Rope
 from .mla import MLA
@@ -232,7 +233,8 @@ class Target(nn.Module):
         return LatentCache(self.cfg, max_tokens, dtype=self.dtype, device=self.device)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(ids)  # [T, H]
+        # take_rows, not the module's index_select: a drafter block is up to 16 ids (kernels/common.py)
+        return take_rows(self.embed_tokens.weight, ids)  # [T, H]
 
     def lm_head(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head_proj(h).float()  # [T, V]
