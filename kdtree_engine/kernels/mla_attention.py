@@ -210,6 +210,10 @@ class MLAConfig:
     # default's bits, at N = 64 with 4 nodes over 4K 48.8 against 61.1 us)
     SMALL_BLOCK_M: int = 0
     SMALL_WARPS: int = 0
+    # decode launches (T = 1) on the warpgroup kernel (mla_decode_wg.py: keys on the wgmma's M side, TMA key
+    # tiles in a ring of this many slots; 0: the chunk kernel). The chunk kernel's arithmetic with L_BY_DOT
+    # (GPU-tested bit for bit against it), so a method, not a rounding choice; CUDA only (sm_90), N <= 16
+    DECODE_WG: int = 0
 
     def __post_init__(self) -> None:
         if self.DECODE_MAX_T < 1:
@@ -233,6 +237,10 @@ class MLAConfig:
                              f"(over the 227 KB of an H200); got {self}")
         if self.QK_SPLIT not in (1, 2) or (self.QK_SPLIT == 2 and (self.KEYS_ON_M or self.K_DESC)):
             raise ValueError(f"MLAConfig.QK_SPLIT must be 1 or 2 (2 without KEYS_ON_M or K_DESC); got {self}")
+        if self.DECODE_WG and not (self.L_BY_DOT and self.QK_SPLIT == 1 and not self.DECODE_ROWS
+                                   and self.LAZY_RESCALE == "off" and self.DECODE_WG in (2, 3)):
+            raise ValueError("MLAConfig.DECODE_WG (2 or 3 key slots) needs L_BY_DOT, QK_SPLIT 1, DECODE_ROWS 0 and "
+                             f"LAZY_RESCALE off (the chunk kernel's arithmetic it reproduces); got {self}")
         if self.LAZY_RESCALE not in ("off", "decode", "all"):
             raise ValueError(f"MLAConfig.LAZY_RESCALE must be 'off', 'decode' or 'all'; got {self.LAZY_RESCALE!r}")
         tile = self.DECODE_BLOCK_M or self.BLOCK_M
@@ -306,7 +314,7 @@ class MLAConfig:
         if self.DECODE_MIN_PROGRAMS:
             d["DECODE_MIN_PROGRAMS"] = self.DECODE_MIN_PROGRAMS
         for k in ("L_BY_DOT", "DECODE_BLOCK_M", "DECODE_STAGES", "DECODE_WARPS", "DECODE_ROWS", "K_DESC",
-                  "SMALL_BLOCK_M", "SMALL_WARPS"):
+                  "SMALL_BLOCK_M", "SMALL_WARPS", "DECODE_WG"):
             if getattr(self, k):
                 d[k] = getattr(self, k)
         if self.DECODE_MAX_T != 1:
@@ -848,6 +856,30 @@ def _kv_descs(kv: torch.Tensor, rows: int, C: int, R: int, CP: int, RP: int, cfg
     return dict(klat_desc=lat, kpe_desc=pe, K_DESC=True)
 
 
+def _decode_wg(cfg: MLAConfig, q_lat: torch.Tensor, kv: torch.Tensor, R: int, VS: int) -> bool:
+    """Whether a decode launch (T = 1) runs on the warpgroup kernel: the config asks for it (DECODE_WG) and
+    the launch fits it (otherwise the chunk kernel, the reason logged once)."""
+    if not cfg.DECODE_WG:
+        return False
+    from . import mla_decode_wg
+
+    _, N, C = q_lat.shape
+    why = mla_decode_wg.unsupported(N, C, R, q_lat.dtype, cfg.BLOCK_N, VS, cfg.DECODE_WG)
+    if why is None and (q_lat.device.type != "cuda" or interpreting()):
+        why = "not on a CUDA device" if q_lat.device.type != "cuda" else "the Triton interpreter"
+    elif why is None and (kv.data_ptr() % 16 or (kv.stride(0) * kv.element_size()) % 16):
+        why = f"kv not 16-byte aligned for TMA (stride {kv.stride(0)})"
+    elif why is None and torch.cuda.get_device_capability(q_lat.device)[0] != 9:
+        why = f"sm_{''.join(map(str, torch.cuda.get_device_capability(q_lat.device)))} (wgmma: sm_90)"
+    if why is not None:
+        key = f"wg:{why}"
+        if key not in _LOGGED:
+            _LOGGED.add(key)
+            log.info("MLA attention: decode launches on the chunk kernel, not the warpgroup kernel: %s", why)
+        return False
+    return True
+
+
 def _partials(out: torch.Tensor, n_ch: int) -> tuple[torch.Tensor, torch.Tensor, int, int, int]:
     """Per-chunk fp32 partial outputs [T*N, n_ch, C] and log-sum-exps [T*N, n_ch] with their strides
     (out itself, unused, when one chunk covers everything)."""
@@ -897,7 +929,12 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, sta
                  spom, spoc, splm, out.stride(0), out.stride(1), qk_scale)
     n_tiles = triton.cdiv(T * N, rows)
     descs = _kv_descs(kv, S + T, C, R, CP, RP, cfg, VS)
-    if causal:
+    if causal and T == 1 and _decode_wg(cfg, q_lat, kv, R, VS):
+        from .mla_decode_wg import launch as decode_wg
+
+        decode_wg(q_lat, q_pe, kv, S + 1, po, pl, out, nvis, S, (spom, spoc, splm), qk_scale, cfg.CHUNK, n_ch, VS,
+                  cfg.DECODE_WG, direct, False, pdl_launch(pdl_supported(kv.device)))
+    elif causal:
         grid = (n_tiles * VS, n_ch)
         _mla_chunk_kernel[grid](q_lat, q_pe, kv, idx, nvis, po, pl, out, nvis, T, S, N, 0, *args_tail,
                                 GATHER=False, **common, **descs)
@@ -969,8 +1006,14 @@ def mla_attention_device(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tens
         # one query (a tree of its root alone, the plain decoding step of a device round) sees the prefix and
         # itself, the causal case: one packed launch with the per-row length (chunks past it exit at once),
         # the host-length decode launch's reduction, instead of a prefix launch beside a gather launch
-        _mla_chunk_kernel[(n_tiles * VS, n_ch)](q_lat, q_pe, kv, idx, nvis, po, pl, out, s_dev, T, 0, N, 0,
-                                                *args_tail, GATHER=False, **{**common, "CAUSAL": True}, **descs)
+        if _decode_wg(cfg, q_lat, kv, R, VS):
+            from .mla_decode_wg import launch as decode_wg
+
+            decode_wg(q_lat, q_pe, kv, cap, po, pl, out, s_dev, 0, (spom, spoc, splm), args_tail[-1], cfg.CHUNK,
+                      n_ch, VS, cfg.DECODE_WG, direct, True, pdl_launch(pdl_supported(kv.device)))
+        else:
+            _mla_chunk_kernel[(n_tiles * VS, n_ch)](q_lat, q_pe, kv, idx, nvis, po, pl, out, s_dev, T, 0, N, 0,
+                                                    *args_tail, GATHER=False, **{**common, "CAUSAL": True}, **descs)
         if not direct:
             _merge(po, pl, nvis, out, s_dev, 0, N, n_ch, (spom, spoc, splm), C, cfg.CHUNK, True, True)
         return out

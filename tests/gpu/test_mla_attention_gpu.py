@@ -223,6 +223,37 @@ def test_decode_rows_bit_equal_bf16(N, retile):
         assert torch.equal(one_dev[0], full[i]), f"device-length decode row {i} (seed {seed})"
 
 
+WG = {"wg2": dict(DECODE_WG=2), "wg3": dict(DECODE_WG=3), "wg2slices": dict(DECODE_WG=2, DECODE_MIN_PROGRAMS=128)}
+
+
+@pytest.mark.parametrize("N,wg", [(8, "wg2"), (8, "wg3"), (8, "wg2slices"), (16, "wg2"), (16, "wg2slices"),
+                                  (5, "wg3")])
+def test_decode_warpgroup_bit_equal_bf16(N, wg):
+    """The warpgroup decode kernel (keys on the wgmma's M side, TMA key tiles; DECODE_WG) is the chunk kernel's
+    arithmetic: a decode row equals the default config's decode and its row in a causal block, bit for bit,
+    host- and device-length, over one chunk (direct write), chunk edges and a long prefix, with column slices."""
+    from kdtree_engine.kernels.mla_attention import _decode_wg
+    from kdtree_engine.kernels.mla_decode_wg import unsupported
+
+    base = default_config(N)
+    cfg = replace(base, **WG[wg])
+    assert unsupported(N, C, R, torch.bfloat16, cfg.BLOCK_N, 1, cfg.DECODE_WG) is None
+    for S, T in ((100, 8), (512 - 3, 6), (32768 + 5, 40)):
+        seed = int(torch.randint(1 << 30, (1,)))
+        q_lat, q_pe, kv = inputs(T, N, S, seed)
+        assert _decode_wg(cfg, q_lat[:1], kv, R, 1), "the warpgroup kernel does not take this launch"
+        full = mla_attention(q_lat, q_pe, kv, S, None, SCALE, C, config=base)
+        cap = torch.cat([kv, torch.randn(300, C + R, device="cuda").bfloat16()])
+        for i in (0, T // 2 + 1, T - 1):
+            poison_allocator()
+            one = mla_attention(q_lat[i:i + 1], q_pe[i:i + 1], kv[: S + i + 1], S + i, None, SCALE, C, config=cfg)
+            assert torch.equal(one[0], full[i]), f"decode row {i} at S = {S}, {wg} (seed {seed})"
+            buf = torch.cat([kv[: S + i + 1], cap[S + T:]])
+            one_dev = mla_attention_device(q_lat[i:i + 1], q_pe[i:i + 1], buf, torch.tensor(S + i),
+                                           torch.ones(1, 1, dtype=torch.bool, device="cuda"), SCALE, C, config=cfg)
+            assert torch.equal(one_dev[0], full[i]), f"device-length decode row {i} at S = {S}, {wg} (seed {seed})"
+
+
 @pytest.mark.parametrize("name", [n for n in CANDIDATES if n != "default"])
 @pytest.mark.parametrize("N", [8, 64])
 def test_candidate_tree_batch_invariant_bf16(name, N):

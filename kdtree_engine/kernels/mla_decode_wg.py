@@ -1,0 +1,203 @@
+"""One-query (decode) MLA attention chunks on warpgroup MMAs with TMA key tiles (Gluon, sm_90, GPU only).
+
+The Triton chunk kernel (mla_attention.py) runs a decode launch of N <= 16 heads on 16-row mma.sync tiles:
+half of every tile is padding, each warp walks a 36-MMA score chain one dependent MMA at a time, and its
+key copies issue an address and a predicate per 16 bytes; one warp per scheduler at ~4 cycles an
+instruction is what bounds it (bench/results/ncu-h200-notes.md). Here the keys sit on the MMA's M side:
+
+    s^T [BN keys, NP] = K_lat [BN, C] @ q_lat^T [C, NP]  then  += K_pe [BN, R] @ q_pe^T [R, NP]
+    l   [NP]          = l * alpha + (ones [64, BN] @ P^T [BN, NP])[0]
+    o^T [DV, NP]      = o^T * alpha + K_lat[:, cols]^T [DV, BN] @ P^T [BN, NP]
+
+(NP = heads padded to 8 or 16, the wgmma's N; one warpgroup; the key tiles copied by TMA into a ring of
+STAGES slots, mbarrier-tracked). Per element this is the chunk kernel's arithmetic with L_BY_DOT: the same
+576-long fp32 score chain (latent, then rope) in k16 steps, scale, -inf past the row's keys, exp2 against
+the running max, the row sum of the bf16 P by an MMA, the rescaled accumulator as the P @ V MMA's
+addend, the same partials (o = acc / l, lse = m + log2 l) for the same merge. The GPU tests hold it to
+the Triton decode launch bit for bit (tests/gpu/test_mla_attention_gpu.py).
+
+Keys past the row's end inside a block are real cache slots (or the TMA's zero fill past the tensor)
+weighted exactly 0, so they must be finite: the engine's latent cache is zero-initialised and only ever
+holds written keys.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kdtree_engine.kernels.pdl import PDL_ASM
+
+try:  # Gluon exists in triton >= 3.5
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                                  warpgroup_mma)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier   # renamed in triton 3.7
+    tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared   # renamed in triton 3.7
+    HAVE_GLUON = True
+except (ImportError, AttributeError):  # pragma: no cover - depends on the installed triton
+    HAVE_GLUON = False
+
+BLOCK_N = 64       # keys per step: one wgmma M tile (the config's BLOCK_N must match: the online-softmax step)
+MAX_HEADS = 16     # the wgmma's N side holds the heads of one query
+
+
+def unsupported(N: int, C: int, R: int, dtype: torch.dtype, block_n: int, v_split: int, stages: int) -> str | None:
+    """Why a decode launch of N heads cannot run here (None: it can)."""
+    if not HAVE_GLUON:
+        return "triton without Gluon"
+    if N > MAX_HEADS:
+        return f"{N} heads (at most {MAX_HEADS} on the MMA's N side)"
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"dtype {dtype} (bf16 / fp16 operands)"
+    if block_n != BLOCK_N:
+        return f"BLOCK_N {block_n} (the warpgroup tile is {BLOCK_N} keys)"
+    if C % 64 or R != 64 or C > 512:
+        return f"C = {C}, R = {R} (C a multiple of 64 up to 512, R = 64)"
+    if v_split not in (1, 2, 4, 8) or (C // v_split) % 64:
+        return f"V_SPLIT {v_split} (1, 2, 4 or 8 column slices of a multiple of 64)"
+    np_ = 8 if N <= 8 else 16
+    smem = stages * BLOCK_N * (C + R) * 2 + np_ * (C + R) * 2 + np_ * BLOCK_N * 2
+    if smem > 227 * 1024:
+        return f"{stages} stages need {smem // 1024} KB of shared memory"
+    return None
+
+
+if HAVE_GLUON:
+    WAIT_ASM = gl.constexpr(PDL_ASM)
+
+    @gluon.jit
+    def _mla_decode_wg_kernel(ql_ptr, qp_ptr, lat_desc, pe_desc, po_ptr, pl_ptr, out_ptr, s_ptr,
+                              S, N, stride_qln, stride_qpn, stride_pom, stride_poc, stride_plm, stride_on,
+                              qk_scale,
+                              C: gl.constexpr, R: gl.constexpr, NP: gl.constexpr, DV: gl.constexpr,
+                              VS: gl.constexpr, CHUNK: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
+                              DIRECT: gl.constexpr, S_DEV: gl.constexpr, PDL: gl.constexpr):
+        # grid (V_SPLIT, chunks): the slices of one chunk adjacent (their key tiles hit L2)
+        if PDL:
+            gl.inline_asm_elementwise(WAIT_ASM, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+        pid_v = gl.program_id(0)
+        c = gl.program_id(1)
+        if S_DEV:
+            S = gl.load(s_ptr).to(gl.int32)
+        L = S + 1                       # the query sees the prefix and itself
+        p0 = c * CHUNK
+        if p0 >= L:
+            return
+        p_end = gl.minimum(p0 + CHUNK, L)
+        n_blk = (p_end - p0 + BN - 1) // BN
+
+        ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NP, 16])
+        ROW: gl.constexpr = gl.SliceLayout(0, ACC)     # [NP]: per head
+        KEY: gl.constexpr = gl.SliceLayout(1, ACC)     # [BN] / [DV]: per key / output column
+        ONES: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
+        QL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+        Q_SL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        DT: gl.constexpr = lat_desc.dtype
+
+        # q [NP, C] / [NP, R] (heads past N zero) into shared memory: the MMAs' B operand (K-major, transposed)
+        hq = gl.arange(0, NP, layout=gl.SliceLayout(1, QL))
+        cq = gl.arange(0, C, layout=gl.SliceLayout(0, QL))
+        rq = gl.arange(0, R, layout=gl.SliceLayout(0, QL))
+        h_ok = hq < N
+        q_lat = gl.load(ql_ptr + hq[:, None] * stride_qln + cq[None, :], mask=h_ok[:, None], other=0.0)
+        q_pe = gl.load(qp_ptr + hq[:, None] * stride_qpn + rq[None, :], mask=h_ok[:, None], other=0.0)
+        ql_s = gl.allocate_shared_memory(DT, [NP, C], Q_SL, q_lat)
+        qp_s = gl.allocate_shared_memory(DT, [NP, R], Q_SL, q_pe)
+        p_s = gl.allocate_shared_memory(DT, [NP, BN], Q_SL)
+
+        kl = gl.allocate_shared_memory(DT, [STAGES, BN, C], lat_desc.layout)
+        kp = gl.allocate_shared_memory(DT, [STAGES, BN, R], pe_desc.layout)
+        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(bars.index(i), count=1)
+        fence_async_shared()
+        cta_barrier()
+        NBYTES: gl.constexpr = BN * (C + R) * 2
+        for i in gl.static_range(STAGES):
+            ok = i < n_blk
+            mbarrier.expect(bars.index(i), NBYTES, pred=ok)
+            tma_load(lat_desc, [p0 + i * BN, 0], bars.index(i), kl.index(i), pred=ok)
+            tma_load(pe_desc, [p0 + i * BN, 0], bars.index(i), kp.index(i), pred=ok)
+
+        m_i = gl.full([NP], float("-inf"), gl.float32, layout=ROW)
+        l_i = gl.zeros([NP], gl.float32, layout=ROW)
+        acc = gl.zeros([DV, NP], gl.float32, layout=ACC)
+        ones = gl.full([64, BN], 1.0, DT, layout=ONES)
+        zs = gl.zeros([BN, NP], gl.float32, layout=ACC)
+        zl = gl.zeros([64, NP], gl.float32, layout=ACC)
+        offs_n = gl.arange(0, BN, layout=KEY)
+        for j in range(n_blk):
+            st = j % STAGES
+            mbarrier.wait(bars.index(st), (j // STAGES) & 1)
+            k_lat = kl.index(st)
+            s = warpgroup_mma(k_lat, ql_s.permute((1, 0)), zs, use_acc=False)
+            s = warpgroup_mma(kp.index(st), qp_s.permute((1, 0)), s)
+            s = s * qk_scale
+            p = p0 + j * BN + offs_n
+            s = gl.where((p < L)[:, None], s, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, 0))
+            alpha = gl.exp2(m_i - m_new)
+            pr = gl.exp2(s - m_new[None, :])
+            p_s.store(gl.permute(pr.to(DT), (1, 0)))
+            fence_async_shared()
+            cta_barrier()           # every warp's part of P is in before the warpgroup reads it
+            lsum = warpgroup_mma(ones, p_s.permute((1, 0)), zl, use_acc=False)
+            l_i = l_i * alpha + gl.max(lsum, 0)
+            acc = acc * alpha[None, :]
+            if VS == 1:
+                acc = warpgroup_mma(k_lat.permute((1, 0)), p_s.permute((1, 0)), acc)
+            else:
+                for vv in gl.static_range(VS):   # this slice's columns of the latent tile (constant offsets)
+                    if pid_v == vv:
+                        acc = warpgroup_mma(k_lat.slice(vv * DV, DV, dim=1).permute((1, 0)), p_s.permute((1, 0)),
+                                            acc)
+            m_i = m_new
+            cta_barrier()           # every warp is done with this slot and with P before they are rewritten
+            nxt = j + STAGES
+            if nxt < n_blk:
+                mbarrier.expect(bars.index(st), NBYTES)
+                tma_load(lat_desc, [p0 + nxt * BN, 0], bars.index(st), kl.index(st))
+                tma_load(pe_desc, [p0 + nxt * BN, 0], bars.index(st), kp.index(st))
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(bars.index(i))
+
+        o = acc / l_i[None, :]                          # [DV, NP]
+        h = gl.arange(0, NP, layout=ROW)
+        d = pid_v * DV + gl.arange(0, DV, layout=KEY)
+        ok = (h < N)[None, :] & (d < C)[:, None]
+        if DIRECT:
+            gl.store(out_ptr + h[None, :] * stride_on + d[:, None], o.to(out_ptr.dtype.element_ty), mask=ok)
+        else:
+            h64 = h.to(gl.int64)
+            gl.store(po_ptr + h64[None, :] * stride_pom + c * stride_poc + d[:, None], o, mask=ok)
+            if pid_v == 0:
+                gl.store(pl_ptr + h64 * stride_plm + c, m_i + gl.log2(l_i), mask=h < N)
+
+
+def kv_descriptors(kv: torch.Tensor, rows: int, C: int, R: int) -> tuple:
+    """TMA descriptors of the latent [rows, C] and rope [rows, R] parts of kv [>= rows, C + R] (keys past
+    `rows` read as zeros), in BLOCK_N-key tiles."""
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    stride = kv.stride(0)
+    lat = TensorDescriptor(kv, [rows, C], [stride, 1], [BLOCK_N, C], layout)
+    pe = TensorDescriptor(kv[:, C:], [rows, R], [stride, 1], [BLOCK_N, R], layout)
+    return lat, pe
+
+
+def launch(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, rows: int, po, pl, out, s_ptr, S: int,
+           strides: tuple[int, int, int], qk_scale: float, chunk: int, n_ch: int, v_split: int, stages: int,
+           direct: bool, s_dev: bool, pdl: dict) -> None:
+    """One decode launch: q_lat [1, N, C], q_pe [1, N, R] against the first `rows` slots of kv; partials
+    (po, pl with `strides` = (row, chunk, lse row)) or, direct, out [1, N, C]."""
+    _, N, C = q_lat.shape
+    R = q_pe.shape[2]
+    lat, pe = kv_descriptors(kv, rows, C, R)
+    _mla_decode_wg_kernel[(v_split, n_ch)](
+        q_lat, q_pe, lat, pe, po, pl, out, s_ptr, S, N, q_lat.stride(1), q_pe.stride(1), *strides,
+        out.stride(1), qk_scale, C=C, R=R, NP=8 if N <= 8 else 16, DV=C // v_split, VS=v_split, CHUNK=chunk, BN=BLOCK_N,
+        STAGES=stages, DIRECT=direct, S_DEV=s_dev, num_warps=4, **pdl)
+
+
+__all__ = ["BLOCK_N", "HAVE_GLUON", "MAX_HEADS", "launch", "unsupported"]
