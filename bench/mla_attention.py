@@ -110,7 +110,7 @@ _D8, _D64 = default_config(8), default_config(64)
 ROWS_FOR_N: dict[int, list[MLAConfig]] = {
     8: [_D8, replace(_D8, DECODE_WG=2), replace(_D8, DECODE_WG=3),
         replace(_D8, DECODE_WG=2, DECODE_MIN_PROGRAMS=128)],
-    64: [_D64]}
+    64: [_D64, replace(_D64, DECODE_WG=2)]}
 # measured before (bench/results/mla_attention-rows-sweep-h200.md, part kload): replace(_D8, DECODE_WARPS=8),
 # replace(_D8, DECODE_WARPS=2), replace(_D8, K_DESC=True), replace(_D8, DECODE_ROWS=1),
 # replace(_D64, DECODE_WARPS=8): all slower than the default; LAZY_RESCALE "decode" / "all"
@@ -168,14 +168,17 @@ WIDE_SHAPES = [(8, 4096, 4), (8, 4096, 16), (8, 4096, 64), (8, 32768, 16), (8, 3
 # beside the verify tiles for every small tree)
 # Then the small trees' own tiles (SMALL_BLOCK_M / SMALL_WARPS), and at N = 8 trees of up to 16 nodes.
 SMALL_FOR_N: dict[int, list[MLAConfig]] = {
-    8: [replace(_D8, DECODE_MAX_T=1), _D8, replace(_D8, SMALL_WARPS=8), replace(_D8, DECODE_MAX_T=16),
-        replace(_D8, DECODE_MAX_T=16, SMALL_WARPS=8)],
-    64: [replace(_D64, DECODE_MAX_T=1), _D64, replace(_D64, SMALL_BLOCK_M=16, SMALL_WARPS=8),
-         replace(_D64, SMALL_BLOCK_M=16, SMALL_WARPS=8, DECODE_MIN_PROGRAMS=0), replace(_D64, SMALL_WARPS=8)]}
+    8: [replace(_D8, DECODE_MAX_T=1), _D8, replace(_D8, DECODE_WG=2)],
+    64: [replace(_D64, DECODE_MAX_T=1), _D64, replace(_D64, DECODE_WG=2),
+         replace(_D64, DECODE_WG=2, DECODE_MAX_T=16)]}
+# measured before (bench/results/mla_attention-small-sweep-h200-tiles.md): replace(_D8, SMALL_WARPS=8),
+# replace(_D8, DECODE_MAX_T=16), replace(_D64, SMALL_BLOCK_M=16, SMALL_WARPS=8) (also with DECODE_MIN_PROGRAMS=0),
+# replace(_D64, SMALL_WARPS=8). Now: the prefix chunks of small trees on the warpgroup kernel (DECODE_WG)
 SMALL_SWEEP: list[MLAConfig] = [c for cs in SMALL_FOR_N.values() for c in cs]
-SMALL_SHAPES = [(64, 4096, 2), (64, 4096, 4), (64, 4096, 8), (64, 32768, 4), (8, 4096, 4), (8, 4096, 8),
-                (8, 4096, 16), (8, 32768, 4), (8, 32768, 8), (8, 32768, 16)]
-ROWS_SHAPES = [(8, 4096, 1), (8, 32768, 1), (8, 65536, 1), (8, 131072, 1), (8, 262144, 1), (64, 131072, 1)]
+SMALL_SHAPES = [(64, 4096, 2), (64, 4096, 4), (64, 4096, 8), (64, 4096, 16), (64, 32768, 4), (8, 4096, 4),
+                (8, 4096, 8), (8, 4096, 16), (8, 32768, 4), (8, 32768, 8), (8, 32768, 16), (8, 131072, 16)]
+ROWS_SHAPES = [(8, 4096, 1), (8, 32768, 1), (8, 65536, 1), (8, 131072, 1), (8, 262144, 1), (64, 4096, 1),
+               (64, 32768, 1), (64, 131072, 1)]
 SWEEP_SHAPES = [(8, 32768, 1), (8, 131072, 1), (8, 32768, 16), (8, 131072, 16), (8, 32768, 64),
                 (8, 131072, 64), (64, 32768, 1), (64, 131072, 1), (64, 32768, 16), (64, 131072, 16),
                 (64, 32768, 64), (64, 131072, 64)]

@@ -210,9 +210,10 @@ class MLAConfig:
     # default's bits, at N = 64 with 4 nodes over 4K 48.8 against 61.1 us)
     SMALL_BLOCK_M: int = 0
     SMALL_WARPS: int = 0
-    # decode launches (T = 1) on the warpgroup kernel (mla_decode_wg.py: keys on the wgmma's M side, TMA key
-    # tiles in a ring of this many slots; 0: the chunk kernel). The chunk kernel's arithmetic with L_BY_DOT
-    # (GPU-tested bit for bit against it), so a method, not a rounding choice; CUDA only (sm_90), N <= 16
+    # decode launches (T = 1, and the whole prefix chunks of the small trees that DECODE_MAX_T puts on decode
+    # launches) on the warpgroup kernel (mla_decode_wg.py: keys on the wgmma's M side, TMA key tiles in a ring
+    # of this many slots; 0: the chunk kernel). The chunk kernel's arithmetic with L_BY_DOT (GPU-tested bit for
+    # bit against it), so a method, not a rounding choice; CUDA sm_90 only (elsewhere the chunk kernel, logged)
     DECODE_WG: int = 0
 
     def __post_init__(self) -> None:
@@ -793,9 +794,9 @@ def tree_gather_index(tree_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 
 def _plan(C: int, R: int, N: int, T: int, dtype: torch.dtype, config: MLAConfig | None, n_keys: int
-          ) -> tuple[MLAConfig, int, bool, int, int, int, int, bool, str]:
+          ) -> tuple[MLAConfig, int, bool, int, int, int, int, bool, str, bool]:
     """Launch constants shared by both launches: (config, rows per program, lazy rescale, CP, RP,
-    V_SPLIT, DV, upcast, input precision).
+    V_SPLIT, DV, upcast, input precision, decode launch).
     n_keys: the keys the launch's grid covers (its chunks and row tiles size a decode launch's V_SPLIT)."""
     base = config or default_config(N)
     n_ch = triton.cdiv(n_keys, base.CHUNK)
@@ -813,7 +814,7 @@ def _plan(C: int, R: int, N: int, T: int, dtype: torch.dtype, config: MLAConfig 
     v_split = base.v_split(T, triton.cdiv(T * N, rows) * n_ch, CP, vp)
     upcast = interpreting()  # fp32 operands and row-exact dots under the interpreter
     prec = "ieee" if (dtype == torch.float32 or upcast) else "tf32"
-    return cfg, rows, lazy, CP, RP, v_split, CP // v_split, upcast, prec
+    return cfg, rows, lazy, CP, RP, v_split, CP // v_split, upcast, prec, base.decode(T, vp)
 
 
 def _merge(po, pl, nvis, out, s_ptr, S: int, N: int, n_ch: int, strides: tuple[int, int, int], C: int,
@@ -856,15 +857,16 @@ def _kv_descs(kv: torch.Tensor, rows: int, C: int, R: int, CP: int, RP: int, cfg
     return dict(klat_desc=lat, kpe_desc=pe, K_DESC=True)
 
 
-def _decode_wg(cfg: MLAConfig, q_lat: torch.Tensor, kv: torch.Tensor, R: int, VS: int) -> bool:
-    """Whether a decode launch (T = 1) runs on the warpgroup kernel: the config asks for it (DECODE_WG) and
-    the launch fits it (otherwise the chunk kernel, the reason logged once)."""
-    if not cfg.DECODE_WG:
+def _decode_wg(cfg: MLAConfig, dec: bool, q_lat: torch.Tensor, kv: torch.Tensor, R: int, VS: int) -> bool:
+    """Whether a decode launch (dec: T = 1, or the prefix launch of a small tree) runs on the warpgroup kernel:
+    the config asks for it (DECODE_WG) and the launch fits it (otherwise the chunk kernel, the reason logged
+    once)."""
+    if not (cfg.DECODE_WG and dec):
         return False
     from . import mla_decode_wg
 
-    _, N, C = q_lat.shape
-    why = mla_decode_wg.unsupported(N, C, R, q_lat.dtype, cfg.BLOCK_N, VS, cfg.DECODE_WG)
+    T, N, C = q_lat.shape
+    why = mla_decode_wg.unsupported(T * N, C, R, q_lat.dtype, cfg.BLOCK_N, VS, cfg.DECODE_WG)
     if why is None and (q_lat.device.type != "cuda" or interpreting()):
         why = "not on a CUDA device" if q_lat.device.type != "cuda" else "the Triton interpreter"
     elif why is None and (kv.data_ptr() % 16 or (kv.stride(0) * kv.element_size()) % 16):
@@ -905,7 +907,7 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, sta
     out = torch.empty((T, N, C), device=q_lat.device, dtype=q_lat.dtype)
     if T == 0 or N == 0:
         return out
-    cfg, rows, lazy, CP, RP, VS, DV, upcast, prec = _plan(C, R, N, T, q_lat.dtype, config, S + T)
+    cfg, rows, lazy, CP, RP, VS, DV, upcast, prec, dec = _plan(C, R, N, T, q_lat.dtype, config, S + T)
     qk_scale = float(scale) * LOG2E
     causal = tree_mask is None
     dev = kv.device
@@ -929,11 +931,12 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, sta
                  spom, spoc, splm, out.stride(0), out.stride(1), qk_scale)
     n_tiles = triton.cdiv(T * N, rows)
     descs = _kv_descs(kv, S + T, C, R, CP, RP, cfg, VS)
-    if causal and T == 1 and _decode_wg(cfg, q_lat, kv, R, VS):
+    wg = _decode_wg(cfg, dec and (T == 1 or not causal), q_lat, kv, R, VS)
+    if wg:
         from .mla_decode_wg import launch as decode_wg
-
+    if causal and wg:
         decode_wg(q_lat, q_pe, kv, S + 1, po, pl, out, nvis, S, (spom, spoc, splm), qk_scale, cfg.CHUNK, n_ch, VS,
-                  cfg.DECODE_WG, direct, False, pdl_launch(pdl_supported(kv.device)))
+                  cfg.DECODE_WG, True, direct, False, pdl_launch(pdl_supported(kv.device)))
     elif causal:
         grid = (n_tiles * VS, n_ch)
         _mla_chunk_kernel[grid](q_lat, q_pe, kv, idx, nvis, po, pl, out, nvis, T, S, N, 0, *args_tail,
@@ -942,6 +945,10 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, sta
         c_split = S // cfg.CHUNK  # chunks [0, c_split) lie wholly in the committed prefix
 
         def prefix() -> None:
+            if wg:   # the whole prefix chunks of a small tree: no mask in them
+                decode_wg(q_lat, q_pe, kv, S + T, po, pl, out, nvis, S, (spom, spoc, splm), qk_scale, cfg.CHUNK,
+                          c_split, VS, cfg.DECODE_WG, False, False, False, pdl_launch(pdl_supported(kv.device)))
+                return
             _mla_chunk_kernel[(n_tiles * VS, c_split)](q_lat, q_pe, kv, idx, nvis, po, pl, out, nvis, T, S, N, 0,
                                                        *args_tail, GATHER=False, **common, **descs)
 
@@ -986,7 +993,7 @@ def mla_attention_device(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tens
     out = torch.empty((T, N, C), device=q_lat.device, dtype=q_lat.dtype)
     if T == 0 or N == 0:
         return out
-    cfg, rows, lazy, CP, RP, VS, DV, upcast, prec = _plan(C, R, N, T, q_lat.dtype, config, cap)
+    cfg, rows, lazy, CP, RP, VS, DV, upcast, prec, dec = _plan(C, R, N, T, q_lat.dtype, config, cap)
     dev = kv.device
     s_dev = start.reshape(1).to(device=dev, dtype=torch.int32)
     idx, nvis = gather_index if gather_index is not None else tree_gather_index(tree_mask.to(dev))
@@ -1002,15 +1009,16 @@ def mla_attention_device(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tens
                  spom, spoc, splm, out.stride(0), out.stride(1), float(scale) * LOG2E)
     n_tiles = triton.cdiv(T * N, rows)
     descs = _kv_descs(kv, cap, C, R, CP, RP, cfg, VS)
+    wg = _decode_wg(cfg, dec, q_lat, kv, R, VS)
+    if wg:
+        from .mla_decode_wg import launch as decode_wg
     if T == 1:
         # one query (a tree of its root alone, the plain decoding step of a device round) sees the prefix and
         # itself, the causal case: one packed launch with the per-row length (chunks past it exit at once),
         # the host-length decode launch's reduction, instead of a prefix launch beside a gather launch
-        if _decode_wg(cfg, q_lat, kv, R, VS):
-            from .mla_decode_wg import launch as decode_wg
-
+        if wg:
             decode_wg(q_lat, q_pe, kv, cap, po, pl, out, s_dev, 0, (spom, spoc, splm), args_tail[-1], cfg.CHUNK,
-                      n_ch, VS, cfg.DECODE_WG, direct, True, pdl_launch(pdl_supported(kv.device)))
+                      n_ch, VS, cfg.DECODE_WG, True, direct, True, pdl_launch(pdl_supported(kv.device)))
         else:
             _mla_chunk_kernel[(n_tiles * VS, n_ch)](q_lat, q_pe, kv, idx, nvis, po, pl, out, s_dev, T, 0, N, 0,
                                                     *args_tail, GATHER=False, **{**common, "CAUSAL": True}, **descs)
@@ -1019,6 +1027,10 @@ def mla_attention_device(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tens
         return out
 
     def prefix() -> None:   # the two launches keep to disjoint chunks (S_DEV): side by side
+        if wg:   # the whole prefix chunks of a small tree (no mask in them); the others exit at once
+            decode_wg(q_lat, q_pe, kv, cap, po, pl, out, s_dev, 0, (spom, spoc, splm), args_tail[-1], cfg.CHUNK,
+                      n_ch, VS, cfg.DECODE_WG, False, False, True, pdl_launch(pdl_supported(kv.device)))
+            return
         _mla_chunk_kernel[(n_tiles * VS, n_ch)](q_lat, q_pe, kv, idx, nvis, po, pl, out, s_dev, T, 0, N, 0,
                                                 *args_tail, GATHER=False, **common, **descs)
 

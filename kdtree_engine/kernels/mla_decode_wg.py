@@ -1,6 +1,7 @@
-"""One-query (decode) MLA attention chunks on warpgroup MMAs with TMA key tiles (Gluon, sm_90, GPU only).
+"""Decode launches of MLA attention (one query, or the whole prefix chunks of a small tree) on warpgroup MMAs
+with TMA key tiles (Gluon, sm_90, GPU only).
 
-The Triton chunk kernel (mla_attention.py) runs a decode launch of N <= 16 heads on 16-row mma.sync tiles:
+The Triton chunk kernel (mla_attention.py) runs a decode launch of N = 8 heads on 16-row mma.sync tiles:
 half of every tile is padding, each warp walks a 36-MMA score chain one dependent MMA at a time, and its
 key copies issue an address and a predicate per 16 bytes; one warp per scheduler at ~4 cycles an
 instruction is what bounds it (bench/results/ncu-h200-notes.md). Here the keys sit on the MMA's M side:
@@ -9,7 +10,7 @@ instruction is what bounds it (bench/results/ncu-h200-notes.md). Here the keys s
     l   [NP]          = l * alpha + (ones [64, BN] @ P^T [BN, NP])[0]
     o^T [DV, NP]      = o^T * alpha + K_lat[:, cols]^T [DV, BN] @ P^T [BN, NP]
 
-(NP = heads padded to 8 or 16, the wgmma's N; one warpgroup; the key tiles copied by TMA into a ring of
+(NP = 8, 16 or 32 (query, head) rows per program, the wgmma's N, more rows in more programs; one warpgroup; the key tiles copied by TMA into a ring of
 STAGES slots, mbarrier-tracked). Per element this is the chunk kernel's arithmetic with L_BY_DOT: the same
 576-long fp32 score chain (latent, then rope) in k16 steps, scale, -inf past the row's keys, exp2 against
 the running max, the row sum of the bf16 P by an MMA, the rescaled accumulator as the P @ V MMA's
@@ -24,6 +25,7 @@ holds written keys.
 from __future__ import annotations
 
 import torch
+import triton
 
 from kdtree_engine.kernels.pdl import PDL_ASM
 
@@ -40,15 +42,17 @@ except (ImportError, AttributeError):  # pragma: no cover - depends on the insta
     HAVE_GLUON = False
 
 BLOCK_N = 64       # keys per step: one wgmma M tile (the config's BLOCK_N must match: the online-softmax step)
-MAX_HEADS = 16     # the wgmma's N side holds the heads of one query
 
 
-def unsupported(N: int, C: int, R: int, dtype: torch.dtype, block_n: int, v_split: int, stages: int) -> str | None:
-    """Why a decode launch of N heads cannot run here (None: it can)."""
+def rows_per_program(rows: int) -> int:
+    """(query, head) rows per program, the wgmma's N: 8, 16 or 32 (more rows: more programs per chunk)."""
+    return 8 if rows <= 8 else 16 if rows <= 16 else 32
+
+
+def unsupported(rows: int, C: int, R: int, dtype: torch.dtype, block_n: int, v_split: int, stages: int) -> str | None:
+    """Why a launch of `rows` (query, head) rows cannot run here (None: it can)."""
     if not HAVE_GLUON:
         return "triton without Gluon"
-    if N > MAX_HEADS:
-        return f"{N} heads (at most {MAX_HEADS} on the MMA's N side)"
     if dtype not in (torch.bfloat16, torch.float16):
         return f"dtype {dtype} (bf16 / fp16 operands)"
     if block_n != BLOCK_N:
@@ -57,10 +61,10 @@ def unsupported(N: int, C: int, R: int, dtype: torch.dtype, block_n: int, v_spli
         return f"C = {C}, R = {R} (C a multiple of 64 up to 512, R = 64)"
     if v_split not in (1, 2, 4, 8) or (C // v_split) % 64:
         return f"V_SPLIT {v_split} (1, 2, 4 or 8 column slices of a multiple of 64)"
-    np_ = 8 if N <= 8 else 16
+    np_ = rows_per_program(rows)
     smem = stages * BLOCK_N * (C + R) * 2 + np_ * (C + R) * 2 + np_ * BLOCK_N * 2
     if smem > 227 * 1024:
-        return f"{stages} stages need {smem // 1024} KB of shared memory"
+        return f"{stages} key slots with {np_}-row programs need {smem // 1024} KB of shared memory"
     return None
 
 
@@ -69,19 +73,25 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _mla_decode_wg_kernel(ql_ptr, qp_ptr, lat_desc, pe_desc, po_ptr, pl_ptr, out_ptr, s_ptr,
-                              S, N, stride_qln, stride_qpn, stride_pom, stride_poc, stride_plm, stride_on,
-                              qk_scale,
+                              S, T, N, stride_qlt, stride_qln, stride_qpt, stride_qpn, stride_pom, stride_poc,
+                              stride_plm, stride_ot, stride_on, qk_scale,
                               C: gl.constexpr, R: gl.constexpr, NP: gl.constexpr, DV: gl.constexpr,
                               VS: gl.constexpr, CHUNK: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
-                              DIRECT: gl.constexpr, S_DEV: gl.constexpr, PDL: gl.constexpr):
-        # grid (V_SPLIT, chunks): the slices of one chunk adjacent (their key tiles hit L2)
+                              CAUSAL: gl.constexpr, DIRECT: gl.constexpr, S_DEV: gl.constexpr, PDL: gl.constexpr):
+        # grid (row groups x V_SPLIT, chunks): the slices of one group adjacent (their key tiles hit L2).
+        # CAUSAL: one query (T = 1) over [0, S] (itself included); else the whole prefix chunks of a tree's
+        # T queries over [0, S) (the tree's own keys are the chunk kernel's gather launch)
         if PDL:
             gl.inline_asm_elementwise(WAIT_ASM, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-        pid_v = gl.program_id(0)
+        pid_g = gl.program_id(0) // VS
+        pid_v = gl.program_id(0) % VS
         c = gl.program_id(1)
         if S_DEV:
             S = gl.load(s_ptr).to(gl.int32)
-        L = S + 1                       # the query sees the prefix and itself
+            if not CAUSAL:
+                if (c + 1) * CHUNK > S:
+                    return
+        L = S + 1 if CAUSAL else S
         p0 = c * CHUNK
         if p0 >= L:
             return
@@ -96,13 +106,18 @@ if HAVE_GLUON:
         Q_SL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         DT: gl.constexpr = lat_desc.dtype
 
-        # q [NP, C] / [NP, R] (heads past N zero) into shared memory: the MMAs' B operand (K-major, transposed)
-        hq = gl.arange(0, NP, layout=gl.SliceLayout(1, QL))
+        # this group's NP (query, head) rows of q [NP, C] / [NP, R] (rows past T * N zero) into shared memory:
+        # the MMAs' B operand (K-major, transposed)
+        rw = pid_g * NP + gl.arange(0, NP, layout=gl.SliceLayout(1, QL))
         cq = gl.arange(0, C, layout=gl.SliceLayout(0, QL))
         rq = gl.arange(0, R, layout=gl.SliceLayout(0, QL))
-        h_ok = hq < N
-        q_lat = gl.load(ql_ptr + hq[:, None] * stride_qln + cq[None, :], mask=h_ok[:, None], other=0.0)
-        q_pe = gl.load(qp_ptr + hq[:, None] * stride_qpn + rq[None, :], mask=h_ok[:, None], other=0.0)
+        r_ok = rw < T * N
+        tq = (rw // N).to(gl.int64)
+        hq = (rw % N).to(gl.int64)
+        q_lat = gl.load(ql_ptr + (tq * stride_qlt + hq * stride_qln)[:, None] + cq[None, :], mask=r_ok[:, None],
+                        other=0.0)
+        q_pe = gl.load(qp_ptr + (tq * stride_qpt + hq * stride_qpn)[:, None] + rq[None, :], mask=r_ok[:, None],
+                       other=0.0)
         ql_s = gl.allocate_shared_memory(DT, [NP, C], Q_SL, q_lat)
         qp_s = gl.allocate_shared_memory(DT, [NP, R], Q_SL, q_pe)
         p_s = gl.allocate_shared_memory(DT, [NP, BN], Q_SL)
@@ -164,16 +179,17 @@ if HAVE_GLUON:
             mbarrier.invalidate(bars.index(i))
 
         o = acc / l_i[None, :]                          # [DV, NP]
-        h = gl.arange(0, NP, layout=ROW)
+        r = pid_g * NP + gl.arange(0, NP, layout=ROW)
         d = pid_v * DV + gl.arange(0, DV, layout=KEY)
-        ok = (h < N)[None, :] & (d < C)[:, None]
+        ok = (r < T * N)[None, :] & (d < C)[:, None]
+        r64 = r.to(gl.int64)
         if DIRECT:
-            gl.store(out_ptr + h[None, :] * stride_on + d[:, None], o.to(out_ptr.dtype.element_ty), mask=ok)
+            o_row = (r64 // N) * stride_ot + (r64 % N) * stride_on
+            gl.store(out_ptr + o_row[None, :] + d[:, None], o.to(out_ptr.dtype.element_ty), mask=ok)
         else:
-            h64 = h.to(gl.int64)
-            gl.store(po_ptr + h64[None, :] * stride_pom + c * stride_poc + d[:, None], o, mask=ok)
+            gl.store(po_ptr + r64[None, :] * stride_pom + c * stride_poc + d[:, None], o, mask=ok)
             if pid_v == 0:
-                gl.store(pl_ptr + h64 * stride_plm + c, m_i + gl.log2(l_i), mask=h < N)
+                gl.store(pl_ptr + r64 * stride_plm + c, m_i + gl.log2(l_i), mask=r < T * N)
 
 
 def kv_descriptors(kv: torch.Tensor, rows: int, C: int, R: int) -> tuple:
@@ -188,16 +204,19 @@ def kv_descriptors(kv: torch.Tensor, rows: int, C: int, R: int) -> tuple:
 
 def launch(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, rows: int, po, pl, out, s_ptr, S: int,
            strides: tuple[int, int, int], qk_scale: float, chunk: int, n_ch: int, v_split: int, stages: int,
-           direct: bool, s_dev: bool, pdl: dict) -> None:
-    """One decode launch: q_lat [1, N, C], q_pe [1, N, R] against the first `rows` slots of kv; partials
-    (po, pl with `strides` = (row, chunk, lse row)) or, direct, out [1, N, C]."""
-    _, N, C = q_lat.shape
+           causal: bool, direct: bool, s_dev: bool, pdl: dict) -> None:
+    """One launch over chunks [0, n_ch) of the first `rows` slots of kv: q_lat [T, N, C], q_pe [T, N, R] (causal:
+    T = 1 over [0, S]; else a tree's T queries over the whole chunks of [0, S)); partials (po, pl with
+    `strides` = (row, chunk, lse row)) or, direct, out [T, N, C]."""
+    T, N, C = q_lat.shape
     R = q_pe.shape[2]
+    np_ = rows_per_program(T * N)
     lat, pe = kv_descriptors(kv, rows, C, R)
-    _mla_decode_wg_kernel[(v_split, n_ch)](
-        q_lat, q_pe, lat, pe, po, pl, out, s_ptr, S, N, q_lat.stride(1), q_pe.stride(1), *strides,
-        out.stride(1), qk_scale, C=C, R=R, NP=8 if N <= 8 else 16, DV=C // v_split, VS=v_split, CHUNK=chunk, BN=BLOCK_N,
-        STAGES=stages, DIRECT=direct, S_DEV=s_dev, num_warps=4, **pdl)
+    _mla_decode_wg_kernel[(triton.cdiv(T * N, np_) * v_split, n_ch)](
+        q_lat, q_pe, lat, pe, po, pl, out, s_ptr, S, T, N, q_lat.stride(0), q_lat.stride(1), q_pe.stride(0),
+        q_pe.stride(1), *strides, out.stride(0), out.stride(1), qk_scale, C=C, R=R, NP=np_, DV=C // v_split,
+        VS=v_split, CHUNK=chunk, BN=BLOCK_N, STAGES=stages, CAUSAL=causal, DIRECT=direct, S_DEV=s_dev, num_warps=4,
+        **pdl)
 
 
-__all__ = ["BLOCK_N", "HAVE_GLUON", "MAX_HEADS", "launch", "unsupported"]
+__all__ = ["BLOCK_N", "HAVE_GLUON", "launch", "rows_per_program", "unsupported"]

@@ -227,11 +227,12 @@ WG = {"wg2": dict(DECODE_WG=2), "wg3": dict(DECODE_WG=3), "wg2slices": dict(DECO
 
 
 @pytest.mark.parametrize("N,wg", [(8, "wg2"), (8, "wg3"), (8, "wg2slices"), (16, "wg2"), (16, "wg2slices"),
-                                  (5, "wg3")])
+                                  (5, "wg3"), (64, "wg2")])
 def test_decode_warpgroup_bit_equal_bf16(N, wg):
     """The warpgroup decode kernel (keys on the wgmma's M side, TMA key tiles; DECODE_WG) is the chunk kernel's
     arithmetic: a decode row equals the default config's decode and its row in a causal block, bit for bit,
-    host- and device-length, over one chunk (direct write), chunk edges and a long prefix, with column slices."""
+    host- and device-length, over one chunk (direct write), chunk edges and a long prefix, with column slices,
+    and at N = 64 in two programs of 32 rows per chunk."""
     from kdtree_engine.kernels.mla_attention import _decode_wg
     from kdtree_engine.kernels.mla_decode_wg import unsupported
 
@@ -241,7 +242,7 @@ def test_decode_warpgroup_bit_equal_bf16(N, wg):
     for S, T in ((100, 8), (512 - 3, 6), (32768 + 5, 40)):
         seed = int(torch.randint(1 << 30, (1,)))
         q_lat, q_pe, kv = inputs(T, N, S, seed)
-        assert _decode_wg(cfg, q_lat[:1], kv, R, 1), "the warpgroup kernel does not take this launch"
+        assert _decode_wg(cfg, True, q_lat[:1], kv, R, 1), "the warpgroup kernel does not take this launch"
         full = mla_attention(q_lat, q_pe, kv, S, None, SCALE, C, config=base)
         cap = torch.cat([kv, torch.randn(300, C + R, device="cuda").bfloat16()])
         for i in (0, T // 2 + 1, T - 1):
@@ -275,7 +276,8 @@ def test_candidate_tree_batch_invariant_bf16(name, N):
 
 
 SMALL_TILES = {"default": {}, "w8": dict(SMALL_WARPS=8), "bm16w8": dict(SMALL_BLOCK_M=16, SMALL_WARPS=8),
-               "t16w8": dict(DECODE_MAX_T=16, SMALL_WARPS=8)}
+               "t16w8": dict(DECODE_MAX_T=16, SMALL_WARPS=8), "wg2": dict(DECODE_WG=2),
+               "t16wg2": dict(DECODE_MAX_T=16, SMALL_WARPS=8, DECODE_WG=2)}
 
 
 @pytest.mark.parametrize("tiles", list(SMALL_TILES))
@@ -284,7 +286,8 @@ def test_small_trees_on_decode_tiles_bit_equal_bf16(N, tiles):
     """DECODE_MAX_T = 8 (trees of up to 8 nodes on the decode tiles and their column slices) leaves a row's
     bits: the first T nodes of a 64-node tree (a tree themselves: parent[i] < i) give the rows of the default
     config's 64-node launch, host- and device-length, at T = 2, 4, 8, 16; also on the small trees' own tiles
-    (SMALL_BLOCK_M / SMALL_WARPS) and with DECODE_MAX_T = 16."""
+    (SMALL_BLOCK_M / SMALL_WARPS), with DECODE_MAX_T = 16 and with the prefix chunks on the warpgroup kernel
+    (DECODE_WG)."""
     S, Tt = 4096 + 37, 64
     seed = int(torch.randint(1 << 30, (1,)))
     cfg = replace(default_config(N), **{"DECODE_MAX_T": 8, **SMALL_TILES[tiles]})
