@@ -238,10 +238,11 @@ class MLAConfig:
                              f"(over the 227 KB of an H200); got {self}")
         if self.QK_SPLIT not in (1, 2) or (self.QK_SPLIT == 2 and (self.KEYS_ON_M or self.K_DESC)):
             raise ValueError(f"MLAConfig.QK_SPLIT must be 1 or 2 (2 without KEYS_ON_M or K_DESC); got {self}")
-        if self.DECODE_WG and not (self.L_BY_DOT and self.QK_SPLIT == 1 and not self.DECODE_ROWS
+        if self.DECODE_WG and not (self.L_BY_DOT and not self.KEYS_ON_M and self.QK_SPLIT == 1 and not self.DECODE_ROWS
                                    and self.LAZY_RESCALE == "off" and self.DECODE_WG in (2, 3)):
-            raise ValueError("MLAConfig.DECODE_WG (2 or 3 key slots) needs L_BY_DOT, QK_SPLIT 1, DECODE_ROWS 0 and "
-                             f"LAZY_RESCALE off (the chunk kernel's arithmetic it reproduces); got {self}")
+            raise ValueError("MLAConfig.DECODE_WG (2 or 3 key slots) needs L_BY_DOT, KEYS_ON_M off, QK_SPLIT 1, "
+                             "DECODE_ROWS 0 and LAZY_RESCALE off (the chunk kernel's arithmetic it reproduces); "
+                             f"got {self}")
         if self.LAZY_RESCALE not in ("off", "decode", "all"):
             raise ValueError(f"MLAConfig.LAZY_RESCALE must be 'off', 'decode' or 'all'; got {self.LAZY_RESCALE!r}")
         tile = self.DECODE_BLOCK_M or self.BLOCK_M
@@ -365,14 +366,21 @@ class MLAConfig:
 # at 4K 40.0 / 39.7 / 43.3 us at 4 / 8 / 16 nodes against 39.5 / 39.8 / 55.7 (up to 8 nodes, 4 warps), at 32K
 # 49.7 / 69.4 against 54.0 / 71.9. N = 64 keeps the 32-row 4-warp decode tiles: 16-row 8-warp tiles win 2 / 4
 # nodes (44.3 / 48.9 against 50.0 / 56.1 us) but lose 8 (72.3 against 56.8).
+# Both buckets: decode launches on the warpgroup kernel with 2 key slots (DECODE_WG; the same bits, GPU-tested;
+# python3 bench/mla_attention.py --sweep-only --sweep-rows / --sweep-small, bench/results/mla_attention-wg-sweep-
+# h200-both.md and mla_attention-small-sweep-h200-wg.md): N = 8 decode 16.0 / 20.0 / 28.2 / 51.1 / 93.9 us at 4K /
+# 32K / 64K / 128K / 256K against 19.9 / 23.6 / 32.2 / 57.5 / 104.2 (3 slots: slower from 64K); N = 64 decode
+# 19.4 / 31.0 / 104 at 4K / 32K / 128K against 28.2 / 45.7 / 114; N = 64 trees of 2 / 4 / 8 nodes over 4K 43.5 /
+# 48.0 / 53.3 against 50.1 / 58.2 / 57.2; N = 8 trees over 4K as before (41.0 / 41.6 / 44.0 at 4 / 8 / 16 nodes
+# against 40.5 / 41.3 / 43.5), over 32K 55.1 / 59.5 / 91.7 against 50.4 / 72.0 / 91.9.
 DEFAULT_CONFIGS: list[tuple[int, MLAConfig]] = [
     (16, MLAConfig(CHUNK=512, BLOCK_M=32, BLOCK_N=64, V_SPLIT=1, num_warps=4, num_stages=2, KEYS_ON_M=False,
                    Q_IN_LOOP=False, V_SPLIT_BY_T=(), DECODE_MIN_PROGRAMS=0, L_BY_DOT=True,
                    DECODE_BLOCK_M=16, DECODE_STAGES=3, QK_SPLIT=1, DECODE_MAX_T=16,
-                   SMALL_WARPS=8)),  # N <= 16 (TP8: 8 heads/rank)
+                   SMALL_WARPS=8, DECODE_WG=2)),  # N <= 16 (TP8: 8 heads/rank)
     (1 << 30, MLAConfig(CHUNK=512, BLOCK_M=64, BLOCK_N=64, V_SPLIT=1, num_warps=8, num_stages=2,
                         KEYS_ON_M=False, Q_IN_LOOP=False, V_SPLIT_BY_T=(), DECODE_MIN_PROGRAMS=128, L_BY_DOT=True,
-                        DECODE_BLOCK_M=32, DECODE_WARPS=4, QK_SPLIT=1, DECODE_MAX_T=8)),
+                        DECODE_BLOCK_M=32, DECODE_WARPS=4, QK_SPLIT=1, DECODE_MAX_T=8, DECODE_WG=2)),
 ]
 
 

@@ -208,7 +208,7 @@ def test_decode_rows_bit_equal_bf16(N, retile):
     S, T = 32768 + 5, 40
     seed = int(torch.randint(1 << 30, (1,)))
     base = default_config(N)
-    cfg = replace(base, **RETILES[retile])
+    cfg = replace(base, DECODE_WG=0, **RETILES[retile])   # re-tilings of the chunk kernel's decode launch
     q_lat, q_pe, kv = inputs(T, N, S, seed)
     full = mla_attention(q_lat, q_pe, kv, S, None, SCALE, C, config=base)
     assert torch.equal(mla_attention(q_lat, q_pe, kv, S, None, SCALE, C, config=cfg), full), f"block (seed {seed})"

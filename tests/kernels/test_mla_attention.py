@@ -455,3 +455,34 @@ def test_decode_max_t_widens_the_decode_launch():
     for bad in (dict(L_BY_DOT=False), dict(SMALL_BLOCK_M=64), dict(SMALL_WARPS=3)):
         with pytest.raises(ValueError, match="SMALL_BLOCK_M"):
             MLAConfig(**{**dict(BLOCK_M=32, L_BY_DOT=True, SMALL_BLOCK_M=16), **bad})
+
+
+def test_decode_wg_config_and_fit(caplog):
+    """DECODE_WG needs the chunk kernel arithmetic it reproduces; a launch it cannot take says why (logged once) and
+    runs on the chunk kernel."""
+    from kdtree_engine.kernels import mla_decode_wg as W
+    from kdtree_engine.kernels.mla_attention import _decode_wg
+
+    ok = MLAConfig(BLOCK_N=64, L_BY_DOT=True, DECODE_WG=2)
+    for bad in (dict(L_BY_DOT=False), dict(KEYS_ON_M=True), dict(QK_SPLIT=2), dict(DECODE_WG=4),
+                dict(LAZY_RESCALE="all"), dict(DECODE_ROWS=4, BLOCK_M=32, DECODE_BLOCK_M=16)):
+        with pytest.raises(ValueError, match="DECODE_WG"):
+            MLAConfig(**{**ok.as_dict(), **bad})
+    assert W.rows_per_program(8) == 8 and W.rows_per_program(9) == 16 and W.rows_per_program(512) == 32
+    if W.HAVE_GLUON:
+        assert W.unsupported(64, 512, 64, torch.bfloat16, 64, 1, 2) is None
+        assert W.unsupported(8, 512, 64, torch.bfloat16, 64, 1, 3) is None
+    assert "dtype" in W.unsupported(8, 512, 64, torch.float32, 64, 1, 2) or not W.HAVE_GLUON
+    if W.HAVE_GLUON:
+        assert "BLOCK_N" in W.unsupported(8, 512, 64, torch.bfloat16, 32, 1, 2)
+        assert "R = 32" in W.unsupported(8, 512, 32, torch.bfloat16, 64, 1, 2)
+        assert "V_SPLIT 16" in W.unsupported(8, 512, 64, torch.bfloat16, 64, 16, 2)
+        assert "shared memory" in W.unsupported(64, 512, 64, torch.bfloat16, 64, 1, 3)
+    q = torch.zeros(1, 8, 512, dtype=torch.bfloat16)
+    kv = torch.zeros(10, 576, dtype=torch.bfloat16)
+    assert not _decode_wg(MLAConfig(BLOCK_N=64, L_BY_DOT=True), True, q, kv, 64, 1)   # not asked for
+    with caplog.at_level("INFO", logger="kdtree_engine.kernels.mla_attention"):
+        assert not _decode_wg(ok, True, q, kv, 64, 1)    # asked for, but on the CPU
+        assert not _decode_wg(ok, True, q, kv, 64, 1)
+    assert sum("warpgroup kernel" in r.getMessage() for r in caplog.records) <= 1
+    assert not _decode_wg(ok, False, q, kv, 64, 1)  # not a decode launch
