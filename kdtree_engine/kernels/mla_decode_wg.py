@@ -106,6 +106,21 @@ if HAVE_GLUON:
         Q_SL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         DT: gl.constexpr = lat_desc.dtype
 
+        # the first key tiles in flight before q is read (its load latency overlaps theirs)
+        kl = gl.allocate_shared_memory(DT, [STAGES, BN, C], lat_desc.layout)
+        kp = gl.allocate_shared_memory(DT, [STAGES, BN, R], pe_desc.layout)
+        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(bars.index(i), count=1)
+        fence_async_shared()
+        cta_barrier()
+        NBYTES: gl.constexpr = BN * (C + R) * 2
+        for i in gl.static_range(STAGES):
+            ok = i < n_blk
+            mbarrier.expect(bars.index(i), NBYTES, pred=ok)
+            tma_load(lat_desc, [p0 + i * BN, 0], bars.index(i), kl.index(i), pred=ok)
+            tma_load(pe_desc, [p0 + i * BN, 0], bars.index(i), kp.index(i), pred=ok)
+
         # this group's NP (query, head) rows of q [NP, C] / [NP, R] (rows past T * N zero) into shared memory:
         # the MMAs' B operand (K-major, transposed)
         rw = pid_g * NP + gl.arange(0, NP, layout=gl.SliceLayout(1, QL))
@@ -121,20 +136,8 @@ if HAVE_GLUON:
         ql_s = gl.allocate_shared_memory(DT, [NP, C], Q_SL, q_lat)
         qp_s = gl.allocate_shared_memory(DT, [NP, R], Q_SL, q_pe)
         p_s = gl.allocate_shared_memory(DT, [NP, BN], Q_SL)
-
-        kl = gl.allocate_shared_memory(DT, [STAGES, BN, C], lat_desc.layout)
-        kp = gl.allocate_shared_memory(DT, [STAGES, BN, R], pe_desc.layout)
-        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(STAGES):
-            mbarrier.init(bars.index(i), count=1)
         fence_async_shared()
-        cta_barrier()
-        NBYTES: gl.constexpr = BN * (C + R) * 2
-        for i in gl.static_range(STAGES):
-            ok = i < n_blk
-            mbarrier.expect(bars.index(i), NBYTES, pred=ok)
-            tma_load(lat_desc, [p0 + i * BN, 0], bars.index(i), kl.index(i), pred=ok)
-            tma_load(pe_desc, [p0 + i * BN, 0], bars.index(i), kp.index(i), pred=ok)
+        cta_barrier()           # q in shared memory (every warp's part) before the first MMA reads it
 
         m_i = gl.full([NP], float("-inf"), gl.float32, layout=ROW)
         l_i = gl.zeros([NP], gl.float32, layout=ROW)
