@@ -836,6 +836,13 @@ def _merge(po, pl, nvis, out, s_ptr, S: int, N: int, n_ch: int, strides: tuple[i
         LSE_BLOCK=mt.lse_block, PREFETCH=mt.prefetch, num_warps=mt.warps, **pdl_launch(pdl_supported(out.device)))
 
 
+def _log_once(msg: str) -> None:
+    """An automatic choice, logged the first time it is made."""
+    if msg not in _LOGGED:
+        _LOGGED.add(msg)
+        log.info("%s", msg)
+
+
 def _kv_descs(kv: torch.Tensor, rows: int, C: int, R: int, CP: int, RP: int, cfg: MLAConfig, VS: int
               ) -> dict:
     """Kernel arguments of the packed launch's key copies: TMA descriptors of the latent [rows, C] and
@@ -852,10 +859,7 @@ def _kv_descs(kv: torch.Tensor, rows: int, C: int, R: int, CP: int, RP: int, cfg
     elif kv.data_ptr() % 16 or (kv.stride(0) * item) % 16 or (C * item) % 16:
         why = f"kv not 16-byte aligned (stride {kv.stride(0)}, C = {C})"
     if why is not None:
-        key = f"kdesc:{why}"
-        if key not in _LOGGED:
-            _LOGGED.add(key)
-            log.info("MLA attention: key tiles by pointer loads, not TMA: %s", why)
+        _log_once(f"MLA attention: key tiles by pointer loads, not TMA: {why}")
         return {}
     from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -882,10 +886,7 @@ def _decode_wg(cfg: MLAConfig, dec: bool, q_lat: torch.Tensor, kv: torch.Tensor,
     elif why is None and torch.cuda.get_device_capability(q_lat.device)[0] != 9:
         why = f"sm_{''.join(map(str, torch.cuda.get_device_capability(q_lat.device)))} (wgmma: sm_90)"
     if why is not None:
-        key = f"wg:{why}"
-        if key not in _LOGGED:
-            _LOGGED.add(key)
-            log.info("MLA attention: decode launches on the chunk kernel, not the warpgroup kernel: %s", why)
+        _log_once(f"MLA attention: decode launches on the chunk kernel, not the warpgroup kernel: {why}")
         return False
     return True
 

@@ -212,15 +212,22 @@ def test_decode_rows_bit_equal_bf16(N, retile):
     q_lat, q_pe, kv = inputs(T, N, S, seed)
     full = mla_attention(q_lat, q_pe, kv, S, None, SCALE, C, config=base)
     assert torch.equal(mla_attention(q_lat, q_pe, kv, S, None, SCALE, C, config=cfg), full), f"block (seed {seed})"
+    check_decode_rows(q_lat, q_pe, kv, S, full, (0, 17, 39), cfg, f"{retile} (seed {seed})")
+
+
+def check_decode_rows(q_lat, q_pe, kv, S, full, rows, cfg, what):
+    """Query i of a causal block over [0, S) decoded alone (over [0, S + i], host- and device-length, the
+    device-length buffer with other keys past the row) == its row `full[i]` in the block, bit for bit."""
+    T = q_lat.shape[0]
     cap = torch.cat([kv, torch.randn(300, C + R, device="cuda").bfloat16()])
-    for i in (0, 17, 39):
+    for i in rows:
         poison_allocator()
         one = mla_attention(q_lat[i:i + 1], q_pe[i:i + 1], kv[: S + i + 1], S + i, None, SCALE, C, config=cfg)
-        assert torch.equal(one[0], full[i]), f"decode row {i}, {retile} (seed {seed})"
+        assert torch.equal(one[0], full[i]), f"decode row {i} at S = {S}, {what}"
         buf = torch.cat([kv[: S + i + 1], cap[S + T:]])
         one_dev = mla_attention_device(q_lat[i:i + 1], q_pe[i:i + 1], buf, torch.tensor(S + i),
                                        torch.ones(1, 1, dtype=torch.bool, device="cuda"), SCALE, C, config=cfg)
-        assert torch.equal(one_dev[0], full[i]), f"device-length decode row {i} (seed {seed})"
+        assert torch.equal(one_dev[0], full[i]), f"device-length decode row {i} at S = {S}, {what}"
 
 
 WG = {"wg2": dict(DECODE_WG=2), "wg3": dict(DECODE_WG=3), "wg2slices": dict(DECODE_WG=2, DECODE_MIN_PROGRAMS=128)}
@@ -244,15 +251,7 @@ def test_decode_warpgroup_bit_equal_bf16(N, wg):
         q_lat, q_pe, kv = inputs(T, N, S, seed)
         assert _decode_wg(cfg, True, q_lat[:1], kv, R, 1), "the warpgroup kernel does not take this launch"
         full = mla_attention(q_lat, q_pe, kv, S, None, SCALE, C, config=base)
-        cap = torch.cat([kv, torch.randn(300, C + R, device="cuda").bfloat16()])
-        for i in (0, T // 2 + 1, T - 1):
-            poison_allocator()
-            one = mla_attention(q_lat[i:i + 1], q_pe[i:i + 1], kv[: S + i + 1], S + i, None, SCALE, C, config=cfg)
-            assert torch.equal(one[0], full[i]), f"decode row {i} at S = {S}, {wg} (seed {seed})"
-            buf = torch.cat([kv[: S + i + 1], cap[S + T:]])
-            one_dev = mla_attention_device(q_lat[i:i + 1], q_pe[i:i + 1], buf, torch.tensor(S + i),
-                                           torch.ones(1, 1, dtype=torch.bool, device="cuda"), SCALE, C, config=cfg)
-            assert torch.equal(one_dev[0], full[i]), f"device-length decode row {i} at S = {S}, {wg} (seed {seed})"
+        check_decode_rows(q_lat, q_pe, kv, S, full, (0, T // 2 + 1, T - 1), cfg, f"{wg} (seed {seed})")
 
 
 @pytest.mark.parametrize("name", [n for n in CANDIDATES if n != "default"])
