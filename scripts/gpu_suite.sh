@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU tests and benchmarks, logs and results packed under $OUT; one device call runs one part.
-#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|next|chain|sample|rounds|decode|step|verify|resume|ncu|plane|merge|merge2|merge3|sample2|fork|last|plane2|rows|kload|lazy|rounds2|maxnreg|qsplit|stages|down|bm8|m64|merge4|merge5|final2|moerows|moe16|moe16b|router|router2|router3|final3|frag|frag2|frag3|frag4|frag5|frag7|frag8|xsm|xsm2|xsm3|xsm4|xsm5|xsm6|router4|arrive|tune2|direct|epi|pdl|pdl2|pdl3|rgemv|rgemv2|pdl4|pdl5|shared|final4|spec4|prof|round5|round6|round7|tiled|tiled2|tiled3|tiled4|tiled5|tiled6|tiled7|tiled8|wg|wg2|wide|wg3|wg4|wg5|ring|router5|wide64|wg8|wg8b|warps8|final5|moe8|small|small2|small3|small4|small5|take|chunk|wgdec|wgdec2|wgfin|wgfin2|wgprof|wgq|wgref]   (on the GPU machine, from the repository root)
+#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|next|chain|sample|rounds|decode|step|verify|resume|ncu|plane|merge|merge2|merge3|sample2|fork|last|plane2|rows|kload|lazy|rounds2|maxnreg|qsplit|stages|down|bm8|m64|merge4|merge5|final2|moerows|moe16|moe16b|router|router2|router3|final3|frag|frag2|frag3|frag4|frag5|frag7|frag8|xsm|xsm2|xsm3|xsm4|xsm5|xsm6|router4|arrive|tune2|direct|epi|pdl|pdl2|pdl3|rgemv|rgemv2|pdl4|pdl5|shared|final4|spec4|prof|round5|round6|round7|tiled|tiled2|tiled3|tiled4|tiled5|tiled6|tiled7|tiled8|wg|wg2|wide|wg3|wg4|wg5|ring|router5|wide64|wg8|wg8b|warps8|final5|moe8|small|small2|small3|small4|small5|take|chunk|wgdec|wgdec2|wgfin|wgfin2|wgprof|wgq|wgref|wground]   (on the GPU machine, from the repository root)
 #   tune   the W4A16 config sweep, the bitwise and CUDA-graph GPU tests, the demo's spec benchmark
 #   check  the remaining GPU tests (kernels, batch invariance, target, attention), kernel and round benches
 #   bench  the benchmarks with long runs (K2 step, attention, GEMM)
@@ -158,6 +158,7 @@
 #   wgq    the warpgroup kernel with its first key tiles issued before q is read: its bit-equality tests, the N = 8
 #          decode sweep
 #   wgref  the decode-row checks of the attention GPU tests in one helper: the tests that use it
+#   wground the final code: the round benchmark, the graph-round and spec GPU tests
 #   small5 the same code with the bench's candidates fixed: the attention bench, the V_SPLIT-by-T test (small trees on
 #          the verify tiles there), the K2 layer step again
 #   small4 N <= 16 small trees up to 16 nodes in 8 warps as the default: the K2 layer step, the attention bench, the
@@ -854,6 +855,10 @@ if [[ $PART == wgq ]]; then
 fi
 if [[ $PART == wgref ]]; then
   step pytest_wgref 200 $PYT tests/gpu/test_mla_attention_gpu.py -k "decode_warpgroup or (decode_rows_bit_equal and (stages2 or rows8))"
+fi
+if [[ $PART == wground ]]; then
+  step bench_round 130 python3 bench/round.py --budgets 16 --prompts 2 --out "$RES"
+  step pytest_graph 130 $PYT tests/gpu/test_graph_round_gpu.py tests/spec/test_spec_gpu.py
 fi
 if [[ $PART == prof ]]; then
   step bench_round 150 python3 bench/round.py --budgets 16 --prompts 2 --out "$RES"
