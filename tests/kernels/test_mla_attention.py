@@ -476,6 +476,8 @@ def test_decode_wg_config_and_fit(caplog):
     if W.HAVE_GLUON:
         assert "BLOCK_N" in W.unsupported(8, 512, 64, torch.bfloat16, 32, 1, 2)
         assert "R = 32" in W.unsupported(8, 512, 32, torch.bfloat16, 64, 1, 2)
+        assert "C = 256" in W.unsupported(8, 256, 64, torch.bfloat16, 64, 1, 2)
+        assert "float16" in W.unsupported(8, 512, 64, torch.float16, 64, 1, 2)
         assert "V_SPLIT 16" in W.unsupported(8, 512, 64, torch.bfloat16, 64, 16, 2)
         assert "shared memory" in W.unsupported(64, 512, 64, torch.bfloat16, 64, 1, 3)
     q = torch.zeros(1, 8, 512, dtype=torch.bfloat16)
