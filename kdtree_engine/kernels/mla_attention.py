@@ -88,6 +88,7 @@ import triton
 import triton.language as tl
 
 from .common import DTYPES, bucket, interpreting
+from .mla_decode_wg import launch as decode_wg, unsupported as wg_unsupported
 from .pdl import pdl_launch, pdl_supported, pdl_wait
 from .streams import side_by_side
 
@@ -843,6 +844,14 @@ def _log_once(msg: str) -> None:
         log.info("%s", msg)
 
 
+def _tma_misaligned(kv: torch.Tensor, C: int) -> str | None:
+    """Why TMA descriptors of kv's latent [rows, C] / rope parts cannot be made (16-byte alignment), or None."""
+    item = kv.element_size()
+    if kv.data_ptr() % 16 or (kv.stride(0) * item) % 16 or (C * item) % 16:
+        return f"kv not 16-byte aligned (stride {kv.stride(0)}, C = {C})"
+    return None
+
+
 def _kv_descs(kv: torch.Tensor, rows: int, C: int, R: int, CP: int, RP: int, cfg: MLAConfig, VS: int
               ) -> dict:
     """Kernel arguments of the packed launch's key copies: TMA descriptors of the latent [rows, C] and
@@ -850,14 +859,13 @@ def _kv_descs(kv: torch.Tensor, rows: int, C: int, R: int, CP: int, RP: int, cfg
     the cache cannot be described (logged once)."""
     if not cfg.K_DESC:
         return {}
-    item = kv.element_size()
     why = None
     if VS != 1:
         why = f"V_SPLIT {VS} (the descriptor path reads whole rows)"
     elif kv.device.type != "cuda" and not interpreting():
         why = f"kv on {kv.device.type}"
-    elif kv.data_ptr() % 16 or (kv.stride(0) * item) % 16 or (C * item) % 16:
-        why = f"kv not 16-byte aligned (stride {kv.stride(0)}, C = {C})"
+    else:
+        why = _tma_misaligned(kv, C)
     if why is not None:
         _log_once(f"MLA attention: key tiles by pointer loads, not TMA: {why}")
         return {}
@@ -875,15 +883,13 @@ def _decode_wg(cfg: MLAConfig, dec: bool, q_lat: torch.Tensor, kv: torch.Tensor,
     once)."""
     if not (cfg.DECODE_WG and dec):
         return False
-    from . import mla_decode_wg
-
     T, N, C = q_lat.shape
-    why = mla_decode_wg.unsupported(T * N, C, R, q_lat.dtype, cfg.BLOCK_N, VS, cfg.DECODE_WG)
+    why = wg_unsupported(T * N, C, R, q_lat.dtype, cfg.BLOCK_N, VS, cfg.DECODE_WG)
     if why is None and (q_lat.device.type != "cuda" or interpreting()):
         why = "not on a CUDA device" if q_lat.device.type != "cuda" else "the Triton interpreter"
-    elif why is None and (kv.data_ptr() % 16 or (kv.stride(0) * kv.element_size()) % 16):
-        why = f"kv not 16-byte aligned for TMA (stride {kv.stride(0)})"
-    elif why is None and torch.cuda.get_device_capability(q_lat.device)[0] != 9:
+    if why is None:
+        why = _tma_misaligned(kv, C)
+    if why is None and torch.cuda.get_device_capability(q_lat.device)[0] != 9:
         why = f"sm_{''.join(map(str, torch.cuda.get_device_capability(q_lat.device)))} (wgmma: sm_90)"
     if why is not None:
         _log_once(f"MLA attention: decode launches on the chunk kernel, not the warpgroup kernel: {why}")
@@ -920,6 +926,7 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, sta
     qk_scale = float(scale) * LOG2E
     causal = tree_mask is None
     dev = kv.device
+    pdl = pdl_launch(pdl_supported(dev))
     if causal:
         idx = nvis = torch.zeros(1, dtype=torch.int32, device=dev)  # unused
         stride_idx = 0
@@ -934,18 +941,16 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, sta
     common = dict(C=C, R=R, CP=CP, RP=RP, DV=DV, CHUNK=cfg.CHUNK, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
                   CAUSAL=causal, DIRECT=direct, UPCAST=upcast, PREC=prec,
                   KEYS_ON_M=cfg.KEYS_ON_M, Q_IN_LOOP=cfg.Q_IN_LOOP, L_BY_DOT=cfg.L_BY_DOT, ROWS=rows, LAZY=lazy,
-                  QS=cfg.QK_SPLIT, **pdl_launch(pdl_supported(kv.device)),
+                  QS=cfg.QK_SPLIT, **pdl,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     args_tail = (q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), kv.stride(0), stride_idx,
                  spom, spoc, splm, out.stride(0), out.stride(1), qk_scale)
     n_tiles = triton.cdiv(T * N, rows)
     descs = _kv_descs(kv, S + T, C, R, CP, RP, cfg, VS)
     wg = _decode_wg(cfg, dec and (T == 1 or not causal), q_lat, kv, R, VS)
-    if wg:
-        from .mla_decode_wg import launch as decode_wg
     if causal and wg:
         decode_wg(q_lat, q_pe, kv, S + 1, po, pl, out, nvis, S, (spom, spoc, splm), qk_scale, cfg.CHUNK, n_ch, VS,
-                  cfg.DECODE_WG, True, direct, False, pdl_launch(pdl_supported(kv.device)))
+                  cfg.DECODE_WG, True, direct, False, pdl)
     elif causal:
         grid = (n_tiles * VS, n_ch)
         _mla_chunk_kernel[grid](q_lat, q_pe, kv, idx, nvis, po, pl, out, nvis, T, S, N, 0, *args_tail,
@@ -956,7 +961,7 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, sta
         def prefix() -> None:
             if wg:   # the whole prefix chunks of a small tree: no mask in them
                 decode_wg(q_lat, q_pe, kv, S + T, po, pl, out, nvis, S, (spom, spoc, splm), qk_scale, cfg.CHUNK,
-                          c_split, VS, cfg.DECODE_WG, False, False, False, pdl_launch(pdl_supported(kv.device)))
+                          c_split, VS, cfg.DECODE_WG, False, False, False, pdl)
                 return
             _mla_chunk_kernel[(n_tiles * VS, c_split)](q_lat, q_pe, kv, idx, nvis, po, pl, out, nvis, T, S, N, 0,
                                                        *args_tail, GATHER=False, **common, **descs)
@@ -1004,6 +1009,7 @@ def mla_attention_device(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tens
         return out
     cfg, rows, lazy, CP, RP, VS, DV, upcast, prec, dec = _plan(C, R, N, T, q_lat.dtype, config, cap)
     dev = kv.device
+    pdl = pdl_launch(pdl_supported(dev))
     s_dev = start.reshape(1).to(device=dev, dtype=torch.int32)
     idx, nvis = gather_index if gather_index is not None else tree_gather_index(tree_mask.to(dev))
     n_ch = triton.cdiv(cap, cfg.CHUNK)
@@ -1012,22 +1018,20 @@ def mla_attention_device(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tens
     common = dict(C=C, R=R, CP=CP, RP=RP, DV=DV, CHUNK=cfg.CHUNK, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
                   CAUSAL=False, DIRECT=direct, UPCAST=upcast, PREC=prec, S_DEV=True,
                   KEYS_ON_M=cfg.KEYS_ON_M, Q_IN_LOOP=cfg.Q_IN_LOOP, L_BY_DOT=cfg.L_BY_DOT, ROWS=rows, LAZY=lazy,
-                  QS=cfg.QK_SPLIT, **pdl_launch(pdl_supported(kv.device)),
+                  QS=cfg.QK_SPLIT, **pdl,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     args_tail = (q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), kv.stride(0), idx.stride(0),
                  spom, spoc, splm, out.stride(0), out.stride(1), float(scale) * LOG2E)
     n_tiles = triton.cdiv(T * N, rows)
     descs = _kv_descs(kv, cap, C, R, CP, RP, cfg, VS)
     wg = _decode_wg(cfg, dec, q_lat, kv, R, VS)
-    if wg:
-        from .mla_decode_wg import launch as decode_wg
     if T == 1:
         # one query (a tree of its root alone, the plain decoding step of a device round) sees the prefix and
         # itself, the causal case: one packed launch with the per-row length (chunks past it exit at once),
         # the host-length decode launch's reduction, instead of a prefix launch beside a gather launch
         if wg:
             decode_wg(q_lat, q_pe, kv, cap, po, pl, out, s_dev, 0, (spom, spoc, splm), args_tail[-1], cfg.CHUNK,
-                      n_ch, VS, cfg.DECODE_WG, True, direct, True, pdl_launch(pdl_supported(kv.device)))
+                      n_ch, VS, cfg.DECODE_WG, True, direct, True, pdl)
         else:
             _mla_chunk_kernel[(n_tiles * VS, n_ch)](q_lat, q_pe, kv, idx, nvis, po, pl, out, s_dev, T, 0, N, 0,
                                                     *args_tail, GATHER=False, **{**common, "CAUSAL": True}, **descs)
@@ -1038,7 +1042,7 @@ def mla_attention_device(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tens
     def prefix() -> None:   # the two launches keep to disjoint chunks (S_DEV): side by side
         if wg:   # the whole prefix chunks of a small tree (no mask in them); the others exit at once
             decode_wg(q_lat, q_pe, kv, cap, po, pl, out, s_dev, 0, (spom, spoc, splm), args_tail[-1], cfg.CHUNK,
-                      n_ch, VS, cfg.DECODE_WG, False, False, True, pdl_launch(pdl_supported(kv.device)))
+                      n_ch, VS, cfg.DECODE_WG, False, False, True, pdl)
             return
         _mla_chunk_kernel[(n_tiles * VS, n_ch)](q_lat, q_pe, kv, idx, nvis, po, pl, out, s_dev, T, 0, N, 0,
                                                 *args_tail, GATHER=False, **common, **descs)

@@ -11,11 +11,11 @@ instruction is what bounds it (bench/results/ncu-h200-notes.md). Here the keys s
     o^T [DV, NP]      = o^T * alpha + K_lat[:, cols]^T [DV, BN] @ P^T [BN, NP]
 
 (NP = 8, 16 or 32 (query, head) rows per program, the wgmma's N, more rows in more programs; one warpgroup;
-the key tiles copied by TMA into a ring of STAGES slots, mbarrier-tracked). Per element this is the chunk kernel's arithmetic with L_BY_DOT: the same
-576-long fp32 score chain (latent, then rope) in k16 steps, scale, -inf past the row's keys, exp2 against
-the running max, the row sum of the bf16 P by an MMA, the rescaled accumulator as the P @ V MMA's
-addend, the same partials (o = acc / l, lse = m + log2 l) for the same merge. The GPU tests hold it to
-the Triton decode launch bit for bit (tests/gpu/test_mla_attention_gpu.py).
+the key tiles copied by TMA into a ring of STAGES slots, mbarrier-tracked). Per element this is the chunk
+kernel's arithmetic with L_BY_DOT: the same 576-long fp32 score chain (latent, then rope) in k16 steps,
+scale, -inf past the row's keys, exp2 against the running max, the row sum of the bf16 P by an MMA, the
+rescaled accumulator as the P @ V MMA's addend, the same partials (o = acc / l, lse = m + log2 l) for the
+same merge. The GPU tests hold it to the Triton decode launch bit for bit (tests/gpu/test_mla_attention_gpu.py).
 
 Keys past the row's end inside a block are real cache slots (or the TMA's zero fill past the tensor)
 weighted exactly 0, so they must be finite: the engine's latent cache is zero-initialised and only ever
