@@ -457,11 +457,14 @@ def test_decode_max_t_widens_the_decode_launch():
             MLAConfig(**{**dict(BLOCK_M=32, L_BY_DOT=True, SMALL_BLOCK_M=16), **bad})
 
 
-def test_decode_wg_config_and_fit(caplog):
+def test_decode_wg_config_and_fit(caplog, monkeypatch):
     """DECODE_WG needs the chunk kernel arithmetic it reproduces; a launch it cannot take says why (logged once) and
     runs on the chunk kernel."""
+    from kdtree_engine.kernels import mla_attention as M
     from kdtree_engine.kernels import mla_decode_wg as W
     from kdtree_engine.kernels.mla_attention import _decode_wg
+
+    monkeypatch.setattr(M, "_LOGGED", set())   # nothing logged yet in this test's eyes
 
     ok = MLAConfig(BLOCK_N=64, L_BY_DOT=True, DECODE_WG=2)
     for bad in (dict(L_BY_DOT=False), dict(KEYS_ON_M=True), dict(QK_SPLIT=2), dict(DECODE_WG=4),
@@ -486,5 +489,6 @@ def test_decode_wg_config_and_fit(caplog):
     with caplog.at_level("INFO", logger="kdtree_engine.kernels.mla_attention"):
         assert not _decode_wg(ok, True, q, kv, 64, 1)    # asked for, but on the CPU
         assert not _decode_wg(ok, True, q, kv, 64, 1)
-    assert sum("warpgroup kernel" in r.getMessage() for r in caplog.records) <= 1
+    said = [r.getMessage() for r in caplog.records if "warpgroup kernel" in r.getMessage()]
+    assert len(said) == 1 and "not on a CUDA device" in said[0], said
     assert not _decode_wg(ok, False, q, kv, 64, 1)  # not a decode launch
