@@ -7,7 +7,7 @@ The case is run once before the range (compiles, warms the caches of the allocat
 cudaProfilerStart/Stop, so `--profile-from-start off` profiles exactly the launches of one call. After
 the range it prints each Triton kernel's registers, spills and shared memory per compiled variant.
 Cases: mla_decode_{4k,32k,128k} (N=8, T=1), mla_verify16_32k (N=8, T=16, random tree), moe_t{1,16}
-(384 experts top-8; moe_frag_t{1,16}: the fragment kernels), dense_m1 (36864 x 7168 W4A16, M=1), plane_m1 (the same by the nibble-plane kernel).
+(384 experts top-8; moe_frag_t{1,16}: the fragment kernels), dense_m1 (36864 x 7168 W4A16, M=1; dense_frag_m{4,16}: the engine's fragment kernel), plane_m1 (the same by the nibble-plane kernel).
 """
 
 from __future__ import annotations
@@ -57,6 +57,14 @@ def _dense(M: int):
     return lambda: w4a16.w4a16_linear(x, p, s, G)
 
 
+def _dense_frag(M: int):
+    from kdtree_engine.kernels.w4_frag import FRAG_TILE, frag_linear, to_engine_order, frag_gpb
+    p, s = rand_w4(36864, 7168, g=G)
+    p = to_engine_order(p, frag_gpb(7168))
+    x = torch.randn(M, 7168, device="cuda").to(torch.bfloat16)
+    return lambda: frag_linear(x, p, s, tile=FRAG_TILE)
+
+
 def _plane(M: int, cand=(64, 64, 4, 2, False, True, 1)):
     from bench.w4_plane_probe import run_plane
     p, s = rand_w4(36864, 7168, g=G)
@@ -74,6 +82,8 @@ CASES = {
     "moe_frag_t1": lambda: _moe_frag(1),
     "moe_frag_t16": lambda: _moe_frag(16),
     "dense_m1": lambda: _dense(1),
+    "dense_frag_m4": lambda: _dense_frag(4),
+    "dense_frag_m16": lambda: _dense_frag(16),
     "plane_m1": lambda: _plane(1),
     "plane_wb_m1": lambda: _plane(1, (64, 64, 4, 2, True, True, 8)),
 }
