@@ -85,26 +85,16 @@ def frag_repack(packed: torch.Tensor, gpb: int) -> torch.Tensor:
 FRAG_TILE = 64      # rows per tile of the fragment kernels' words as the engine stores them (frag_tile)
 
 
-def frag_tile(words: torch.Tensor, gpb: int, tile: int, inverse: bool = False, v4: bool = False) -> torch.Tensor:
+def frag_tile(words: torch.Tensor, gpb: int, tile: int, inverse: bool = False) -> torch.Tensor:
     """Fragment-ordered words [.., N, K/8] -> the same words with each block (32*gpb k) of each `tile` rows
     stored contiguously ([.., N/tile, blocks, tile, 4*gpb]; same shape): a program's loads of one block are
-    then one contiguous run instead of `tile` runs of 16*gpb bytes. v4 (gpb a multiple of 4): inside a tile's
-    block, each 16-byte quarter of a lane's words (4 groups) stored for all rows and lanes before the next
-    ([.., N/tile, blocks, gpb/4, tile, 4, 4]): one 16-byte load of every lane of a warp reads 512 contiguous
-    bytes (without it, every 32-byte sector is read half by each of two loads). inverse: back to row-major.
-    Scales stay row-major."""
+    then one contiguous run instead of `tile` runs of 16*gpb bytes. inverse: back to row-major. Scales stay
+    row-major."""
     N, kw = words.shape[-2:]
-    if tile <= 0 or N % tile or kw % (4 * gpb) or (v4 and gpb % 4):
+    if tile <= 0 or N % tile or kw % (4 * gpb):
         raise ValueError(f"frag_tile: words {tuple(words.shape)} do not tile by {tile} rows and blocks of {gpb} "
-                         f"groups{' in 16-byte quarters' if v4 else ''}")
+                         "groups")
     nblk = kw // (4 * gpb)
-    lead = words.shape[:-2]
-    if v4:   # [N/tile, tile, nblk, 4 (t), gpb/4, 4] <-> [N/tile, nblk, gpb/4, tile, 4 (t), 4]
-        fwd = (0, 2, 4, 1, 3, 5)
-        src = (N // tile, nblk, gpb // 4, tile, LANES_T, 4) if inverse else (N // tile, tile, nblk, LANES_T, gpb // 4, 4)
-        perm = tuple(fwd.index(i) for i in range(6)) if inverse else fwd
-        off = len(lead)
-        return words.reshape(*lead, *src).permute(*range(off), *(off + p for p in perm)).contiguous().reshape(words.shape)
     src = (N // tile, nblk, tile) if inverse else (N // tile, tile, nblk)
     return words.reshape(*words.shape[:-2], *src, 4 * gpb).transpose(-3, -2).contiguous().reshape(words.shape)
 
@@ -231,10 +221,10 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _word_ptrs(w_ptr, s_ptr, row0, stride_wn, stride_sn, kb0,
-                   WL: gl.constexpr, BN: gl.constexpr, GPB: gl.constexpr, TILE: gl.constexpr, V4: gl.constexpr = False):
+                   WL: gl.constexpr, BN: gl.constexpr, GPB: gl.constexpr, TILE: gl.constexpr):
         """Pointers of block kb0 of rows row0 .. row0+BN: words [BN, 4, GPB], scales (same for the 4 t).
         Scales row-major [N, K/32]; words row-major [N, K/8] (TILE 0) or in frag_tile's order (each block of
-        TILE rows contiguous; V4: in 16-byte quarters, frag_tile's v4)."""
+        TILE rows contiguous)."""
         rn = gl.arange(0, BN, layout=gl.SliceLayout(1, gl.SliceLayout(2, WL)))
         rt = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, WL)))
         rg = gl.arange(0, GPB, layout=gl.SliceLayout(0, gl.SliceLayout(1, WL)))
@@ -244,9 +234,6 @@ if HAVE_GLUON:
         s_ptrs = s_ptr + n3 * stride_sn + g3 + t3 * 0 + kb0 * GPB
         if TILE == 0:
             w_ptrs = w_ptr + n3 * stride_wn + t3 * GPB + g3 + kb0 * (4 * GPB)
-        elif V4:
-            w_ptrs = (w_ptr + (n3 // TILE) * (TILE * stride_wn) + (g3 // 4) * (TILE * 16) + (n3 % TILE) * 16 + t3 * 4
-                      + g3 % 4 + kb0 * (TILE * 4 * GPB))
         else:
             w_ptrs = (w_ptr + (n3 // TILE) * (TILE * stride_wn) + (n3 % TILE) * (4 * GPB) + t3 * GPB + g3
                       + kb0 * (TILE * 4 * GPB))
@@ -366,7 +353,7 @@ if HAVE_GLUON:
                         stride_om, stride_os, kb_per_split,
                         TOK: gl.constexpr, MT: gl.constexpr, GPB: gl.constexpr, WL: gl.constexpr,
                         X_SMEM: gl.constexpr, X_AHEAD: gl.constexpr, PDL: gl.constexpr, TILE: gl.constexpr,
-                        num_warps: gl.constexpr, WG: gl.constexpr = False, V4: gl.constexpr = False):
+                        num_warps: gl.constexpr, WG: gl.constexpr = False):
         """grid (cdiv(M, TOK), N / BN, splits): out[split, m, n] = sum over the split's k of x[m, k] W[n, k].
         The token tiles of one weight tile are adjacent program ids: they run together and the weights are
         read from DRAM about once. PDL: launched dependent on the kernel that wrote x (pdl.py)."""
@@ -377,7 +364,7 @@ if HAVE_GLUON:
         n0 = gl.program_id(1) * BN
         pid_s = gl.program_id(2)
         kb0 = pid_s * kb_per_split
-        w_ptrs, s_ptrs = _word_ptrs(w_ptr, s_ptr, n0, stride_wn, stride_sn, kb0, WL, BN, GPB, TILE, V4)
+        w_ptrs, s_ptrs = _word_ptrs(w_ptr, s_ptr, n0, stride_wn, stride_sn, kb0, WL, BN, GPB, TILE)
         acc = gl.zeros([BN, TOK], gl.float32, layout=MMA)
         if WG:
             # activations [TOK, BK] (k contiguous) into shared memory, the wgmma B operand as its transpose
@@ -486,7 +473,7 @@ def token_mt(plan_mt: int, tok: int) -> int:
 def frag_linear(x: torch.Tensor, wq: torch.Tensor, s: torch.Tensor, *, gpb: int | None = None,
                 mt: int | None = None, num_warps: int | None = None, split: int | None = None,
                 tok: int | None = None, xload: str = "smem-ahead", pdl: bool = True, tile: int = 0,
-                mma: str | None = None, v4: bool = False, tma: int = 0) -> torch.Tensor:
+                mma: str | None = None, tma: int = 0) -> torch.Tensor:
     """y [M, N] = x [M, K] @ W^T, W the fragment-repacked int4 words wq [N, K/8] (frag_repack with
     frag_gpb(K) unless gpb is given) and bf16 scales s [N, K/32]; x bfloat16. Unset knobs follow dense_plan,
     token_tile, token_mt, token_mma and token_warps (wgmma programs); xload: how activations are loaded
@@ -494,7 +481,7 @@ def frag_linear(x: torch.Tensor, wq: torch.Tensor, s: torch.Tensor, *, gpb: int 
     0 for row-major words, else the rows per tile of frag_tile's order (the same bits); mma: "sync" (mma.sync,
     8 / 16-token tiles) or "wgmma" (the dequantized weights the register A operand of a warpgroup MMA, the
     activations its shared-memory B operand; 4 or 8 warps: one or two warpgroups, 1 tile per warp; the same
-    bits); v4: the tiled words in frag_tile's 16-byte quarters (the same bits); tma: mma.sync programs with the
+    bits); tma: mma.sync programs with the
     words and scales copied by TMA into a ring of this many slots (w4_frag_tma.py; 0: in registers; the same
     bits)."""
     if not HAVE_GLUON:
@@ -523,15 +510,12 @@ def frag_linear(x: torch.Tensor, wq: torch.Tensor, s: torch.Tensor, *, gpb: int 
     why = tile_unsupported(N, tile, bn)
     if why:
         raise ValueError(f"frag_linear: {why}")
-    if v4 and (not tile or gpb % 4):
-        raise ValueError(f"frag_linear: v4 words need tiled words (tile > 0) and gpb a multiple of 4; got tile {tile}, "
-                         f"gpb {gpb}")
     if N % bn or K % (bk * split) or wq.shape[1] * 8 != K or s.shape != (N, K // GROUP):
         raise ValueError(f"frag_linear: N={N} must be a multiple of {bn}, K={K} of {bk * split}; words "
                          f"{tuple(wq.shape)}, scales {tuple(s.shape)}")
     if tma:
         from kdtree_engine.kernels import w4_frag_tma
-        why = "v4 words" if v4 else w4_frag_tma.tma_unsupported(N, K, gpb, tile, tma, tok)
+        why = w4_frag_tma.tma_unsupported(N, K, gpb, tile, tma, tok)
         if why or mma != "sync" or mt != 1 or num_warps != 4:
             raise ValueError(f"frag_linear: tma {tma}: {why or f'needs mma.sync, 1 tile, 4 warps; got {mma}, {mt}, {num_warps}'}")
     y = torch.empty((M, N), device=x.device, dtype=x.dtype)
@@ -546,7 +530,7 @@ def frag_linear(x: torch.Tensor, wq: torch.Tensor, s: torch.Tensor, *, gpb: int 
         _w4_frag_kernel[(triton.cdiv(M, tok), N // bn, split)](
             x, wq, s, part, M, N, x.stride(0), wq.stride(0), s.stride(0), N, M * N, K // bk // split,
             TOK=tok, MT=mt, GPB=gpb, WL=word_layout(num_warps, mt, gpb), X_SMEM=X_LOADS[xload][0],
-            X_AHEAD=X_LOADS[xload][1], TILE=tile, num_warps=num_warps, WG=mma == "wgmma", V4=v4, **pdl_launch(pdl))
+            X_AHEAD=X_LOADS[xload][1], TILE=tile, num_warps=num_warps, WG=mma == "wgmma", **pdl_launch(pdl))
     if split > 1:
         split_sum(part, y, split, pdl=pdl)
     return y

@@ -158,7 +158,7 @@ def launch(x: torch.Tensor, wq: torch.Tensor, s: torch.Tensor, part: torch.Tenso
     _w4_frag_tma_kernel[((M + tok - 1) // tok, N // BN, split)](
         x, wd, sd, part, M, x.stride(0), N, M * N, nblk // split, nblk,
         TOK=tok, GPB=gpb, W2L=word_layout_2d(gpb), WL=word_layout(4, 1, gpb), X_SMEM=X_LOADS[xload][0],
-        X_AHEAD=X_LOADS[xload][1], PDL=pdl, STAGES=stages, num_warps=4, **pdl_launch(pdl))
+        X_AHEAD=X_LOADS[xload][1], STAGES=stages, num_warps=4, **pdl_launch(pdl))
 
 
 __all__ = ["BN", "HAVE_TMA", "descriptors", "launch", "tma_unsupported", "word_layout_2d"]

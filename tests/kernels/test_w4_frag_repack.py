@@ -61,31 +61,6 @@ def test_frag_tile_puts_each_block_of_a_tile_together():
         frag_tile(w[:100], gpb, T)
 
 
-def test_frag_tile_v4_puts_each_quarter_of_a_block_together():
-    """frag_tile v4: word (row n, block b, lane t, group g) lands at [n // T, b, g // 4, n % T, t, g % 4] (one
-    16-byte quarter of every lane's words of a tile contiguous); stacked matrices tile one by one; the inverse
-    restores row-major; gpb not a multiple of 4 is refused by name."""
-    import torch
-
-    from kdtree_engine.kernels.w4_frag import frag_tile
-    N, K, gpb, T = 128, 2048, 8, 64
-    w = torch.randint(-2**31, 2**31 - 1, (2, N, K // 8), dtype=torch.int32)
-    wt = frag_tile(w, gpb, T, v4=True)
-    nblk = K // (32 * gpb)
-    for e in (0, 1):
-        flat = wt[e].reshape(-1)
-        for n in (0, 9, 63, 64, 127):
-            for b in (0, nblk - 1):
-                for t in range(4):
-                    for g in range(gpb):
-                        pos = (((((n // T) * nblk + b) * (gpb // 4) + g // 4) * T + n % T) * 4 + t) * 4 + g % 4
-                        assert flat[pos] == w[e, n, b * 4 * gpb + t * gpb + g]
-    assert torch.equal(frag_tile(wt, gpb, T, inverse=True, v4=True), w)
-    assert not torch.equal(frag_tile(w, gpb, T), wt)
-    with pytest.raises(ValueError, match="frag_tile.*quarters"):
-        frag_tile(w[0, :, :96], 2, T, v4=True)
-
-
 def test_engine_order_round_trip_and_tile_checks():
     """to_engine_order = the repack then 64-row tiles (its inverse restores the checkpoint words, stacked or
     not); tile_unsupported names a tile that does not fit the rows or the programs."""
