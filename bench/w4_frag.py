@@ -44,8 +44,7 @@ DENSE_CANDIDATES = [  # the engine's plan first (None), then overrides of it (th
     # two warpgroups per program (128 weight rows) sharing one activation buffer (the plan's 64-token programs),
     # and 64-token programs of one warpgroup
     dict(mma="wgmma", tok=16, num_warps=8), dict(mma="wgmma", tok=32, num_warps=8), dict(mma="wgmma", tok=64, num_warps=4),
-    # the tiled words in 16-byte quarters (v4), and the words + scales by TMA into a ring of `tma` slots
-    dict(v4=True), dict(v4=True, split=1), dict(v4=True, split=4),
+    # the words + scales by TMA into a ring of `tma` slots
     dict(tma=2), dict(tma=3), dict(tma=4), dict(tma=6), dict(tma=4, split=1), dict(tma=4, split=4),
     dict(tma=3, split=4), dict(tma=6, split=4), dict(tma=4, split=7),
 ]
@@ -99,10 +98,8 @@ def bench_dense(ms, bw, reps, only: str | None = None) -> list[dict]:
         ws = [rand_w4(N, K) for _ in range(max(1, math.ceil(3 * l2 / nbytes)))]
         wd = dequantize(*ws[0], G, torch.bfloat16)
         plan = dense_plan(N, K)
-        reps_by_gpb = {(plan[0], 0, False): [(frag_repack(p, plan[0]), s) for p, s in ws]}
-        for v4 in (False, True):
-            reps_by_gpb[(plan[0], FRAG_TILE, v4)] = [(frag_tile(q, plan[0], FRAG_TILE, v4=v4), s)
-                                                     for q, s in reps_by_gpb[(plan[0], 0, False)]]
+        reps_by_gpb = {(plan[0], 0): [(frag_repack(p, plan[0]), s) for p, s in ws]}
+        reps_by_gpb[(plan[0], FRAG_TILE)] = [(frag_tile(q, plan[0], FRAG_TILE), s) for q, s in reps_by_gpb[(plan[0], 0)]]
         for M in ms:
             x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
             ref = x.double() @ wd.double().T
@@ -118,11 +115,11 @@ def bench_dense(ms, bw, reps, only: str | None = None) -> list[dict]:
                           split=split, xload="smem-ahead", tok=tok, tile=FRAG_TILE)
                 kw.update(cand or {})
                 tag = "frag (engine plan)" if cand is None else "frag"
-                wr = reps_by_gpb[(gpb, kw.get("tile", 0), kw.get("v4", False))]
+                wr = reps_by_gpb[(gpb, kw.get("tile", 0))]
                 label = (f"{tag} gpb{kw['gpb']} mt{kw['mt']} w{kw['num_warps']} split{kw['split']} tok{kw['tok']}"
                          f" x {kw['xload']}{'' if kw.get('pdl', True) else ' no-pdl'}"
                          f"{' tiled ' + str(kw['tile']) if kw.get('tile') else ''}"
-                         f" {kw.get('mma') or token_mma(kw['tok'])}{' v4' if kw.get('v4') else ''}"
+                         f" {kw.get('mma') or token_mma(kw['tok'])}"
                          f"{' tma ' + str(kw['tma']) if kw.get('tma') else ''}")
                 _row(rows, {**base, "kernel": label},
                      lambda: frag_linear(x, *wr[0], **kw), ref,
@@ -175,7 +172,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-dense", action="store_true")
     ap.add_argument("--no-moe", action="store_true")
     ap.add_argument("--only", default=None, help="besides the engine's plan / table, only the candidates whose "
-                    "repr contains this text or one of these comma-separated texts (e.g. 'wgmma', 'maxnreg,v4')")
+                    "repr contains this text or one of these comma-separated texts (e.g. 'wgmma', 'maxnreg,tma')")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench/w4_frag.py needs a CUDA GPU", file=sys.stderr)
