@@ -44,9 +44,6 @@ DENSE_CANDIDATES = [  # the engine's plan first (None), then overrides of it (th
     # two warpgroups per program (128 weight rows) sharing one activation buffer (the plan's 64-token programs),
     # and 64-token programs of one warpgroup
     dict(mma="wgmma", tok=16, num_warps=8), dict(mma="wgmma", tok=32, num_warps=8), dict(mma="wgmma", tok=64, num_warps=4),
-    # the words + scales by TMA into a ring of `tma` slots
-    dict(tma=2), dict(tma=3), dict(tma=4), dict(tma=6), dict(tma=4, split=1), dict(tma=4, split=4),
-    dict(tma=3, split=4), dict(tma=6, split=4), dict(tma=4, split=7),
 ]
 MOE_CANDIDATES = [  # the engine's table first (None), then block rows / tiles / splits / activation loads, all on
     # the engine's tiled words; the engine's table on row-major words last (block-major words, measured at
@@ -119,8 +116,7 @@ def bench_dense(ms, bw, reps, only: str | None = None) -> list[dict]:
                 label = (f"{tag} gpb{kw['gpb']} mt{kw['mt']} w{kw['num_warps']} split{kw['split']} tok{kw['tok']}"
                          f" x {kw['xload']}{'' if kw.get('pdl', True) else ' no-pdl'}"
                          f"{' tiled ' + str(kw['tile']) if kw.get('tile') else ''}"
-                         f" {kw.get('mma') or token_mma(kw['tok'])}"
-                         f"{' tma ' + str(kw['tma']) if kw.get('tma') else ''}")
+                         f" {kw.get('mma') or token_mma(kw['tok'])}")
                 _row(rows, {**base, "kernel": label},
                      lambda: frag_linear(x, *wr[0], **kw), ref,
                      [lambda p=p, s=s: frag_linear(x, p, s, **kw) for p, s in wr], nbytes, bw, reps)
@@ -172,7 +168,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-dense", action="store_true")
     ap.add_argument("--no-moe", action="store_true")
     ap.add_argument("--only", default=None, help="besides the engine's plan / table, only the candidates whose "
-                    "repr contains this text or one of these comma-separated texts (e.g. 'wgmma', 'maxnreg,tma')")
+                    "repr contains this text or one of these comma-separated texts (e.g. 'wgmma', 'maxnreg,wgmma')")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench/w4_frag.py needs a CUDA GPU", file=sys.stderr)

@@ -161,7 +161,7 @@
 #   wground the final code: the round benchmark, the graph-round and spec GPU tests
 #   tma    the dense fragment kernel with its words in 16-byte quarters (v4) and with a TMA-fed ring: their
 #          same-bits GPU tests and the dense candidates of the fragment bench (v4 measured equal, removed since)
-#   tma2   the TMA-fed ring: its same-bits GPU test and its dense candidates
+#   tma2   the TMA-fed ring: its same-bits GPU test and its dense candidates (measured slower, removed since)
 #   ncuw4  Nsight Compute sections of the engine's dense fragment W4A16 kernel at M = 4 and 16 (36864 x 7168)
 #   small5 the same code with the bench's candidates fixed: the attention bench, the V_SPLIT-by-T test (small trees on
 #          the verify tiles there), the K2 layer step again

@@ -473,7 +473,7 @@ def token_mt(plan_mt: int, tok: int) -> int:
 def frag_linear(x: torch.Tensor, wq: torch.Tensor, s: torch.Tensor, *, gpb: int | None = None,
                 mt: int | None = None, num_warps: int | None = None, split: int | None = None,
                 tok: int | None = None, xload: str = "smem-ahead", pdl: bool = True, tile: int = 0,
-                mma: str | None = None, tma: int = 0) -> torch.Tensor:
+                mma: str | None = None) -> torch.Tensor:
     """y [M, N] = x [M, K] @ W^T, W the fragment-repacked int4 words wq [N, K/8] (frag_repack with
     frag_gpb(K) unless gpb is given) and bf16 scales s [N, K/32]; x bfloat16. Unset knobs follow dense_plan,
     token_tile, token_mt, token_mma and token_warps (wgmma programs); xload: how activations are loaded
@@ -481,8 +481,6 @@ def frag_linear(x: torch.Tensor, wq: torch.Tensor, s: torch.Tensor, *, gpb: int 
     0 for row-major words, else the rows per tile of frag_tile's order (the same bits); mma: "sync" (mma.sync,
     8 / 16-token tiles) or "wgmma" (the dequantized weights the register A operand of a warpgroup MMA, the
     activations its shared-memory B operand; 4 or 8 warps: one or two warpgroups, 1 tile per warp; the same
-    bits); tma: mma.sync programs with the
-    words and scales copied by TMA into a ring of this many slots (w4_frag_tma.py; 0: in registers; the same
     bits)."""
     if not HAVE_GLUON:
         raise RuntimeError("the fragment-ordered W4A16 kernels need triton.experimental.gluon (triton >= 3.5)")
@@ -513,24 +511,16 @@ def frag_linear(x: torch.Tensor, wq: torch.Tensor, s: torch.Tensor, *, gpb: int 
     if N % bn or K % (bk * split) or wq.shape[1] * 8 != K or s.shape != (N, K // GROUP):
         raise ValueError(f"frag_linear: N={N} must be a multiple of {bn}, K={K} of {bk * split}; words "
                          f"{tuple(wq.shape)}, scales {tuple(s.shape)}")
-    if tma:
-        from kdtree_engine.kernels import w4_frag_tma
-        why = w4_frag_tma.tma_unsupported(N, K, gpb, tile, tma, tok)
-        if why or mma != "sync" or mt != 1 or num_warps != 4:
-            raise ValueError(f"frag_linear: tma {tma}: {why or f'needs mma.sync, 1 tile, 4 warps; got {mma}, {mt}, {num_warps}'}")
     y = torch.empty((M, N), device=x.device, dtype=x.dtype)
     if M == 0:
         return y
     x = x.contiguous()
     pdl = pdl and pdl_supported(x.device)
     part = y if split == 1 else torch.empty((split, M, N), device=x.device, dtype=torch.float32)
-    if tma:
-        w4_frag_tma.launch(x, wq, s, part, tok, gpb, split, tma, xload, pdl)
-    else:
-        _w4_frag_kernel[(triton.cdiv(M, tok), N // bn, split)](
-            x, wq, s, part, M, N, x.stride(0), wq.stride(0), s.stride(0), N, M * N, K // bk // split,
-            TOK=tok, MT=mt, GPB=gpb, WL=word_layout(num_warps, mt, gpb), X_SMEM=X_LOADS[xload][0],
-            X_AHEAD=X_LOADS[xload][1], TILE=tile, num_warps=num_warps, WG=mma == "wgmma", **pdl_launch(pdl))
+    _w4_frag_kernel[(triton.cdiv(M, tok), N // bn, split)](
+        x, wq, s, part, M, N, x.stride(0), wq.stride(0), s.stride(0), N, M * N, K // bk // split,
+        TOK=tok, MT=mt, GPB=gpb, WL=word_layout(num_warps, mt, gpb), X_SMEM=X_LOADS[xload][0],
+        X_AHEAD=X_LOADS[xload][1], TILE=tile, num_warps=num_warps, WG=mma == "wgmma", **pdl_launch(pdl))
     if split > 1:
         split_sum(part, y, split, pdl=pdl)
     return y

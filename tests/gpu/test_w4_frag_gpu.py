@@ -98,26 +98,6 @@ def test_frag_linear_tiled_words_same_bits(poisoned, N, K, split):
             assert torch.equal(rows, tiled), f"tiled words: other bits (tok {tok} mt {mt} M {M})"
 
 
-@pytest.mark.parametrize("N,K,split", [(2048, 7168, 4), (192, 2048, 1), (4096, 7168, 2), (128, 256, 1)])
-def test_frag_linear_tma_same_bits(poisoned, N, K, split):
-    """The TMA-fed ring of 2 / 3 / 5 slots: the same values into the same MMAs, the same bits as the register
-    kernel on tiled words, at 8 / 16-token tiles; a bad ring is refused by name."""
-    from kdtree_engine.kernels.w4_frag_tma import tma_unsupported
-    p, s = rand_w4(N, K)
-    q = frag_tile(frag_repack(p, 8), 8, 64)
-    tma_ok = tma_unsupported(N, K, 8, 64, 2, 8) is None
-    for M in (1, 13, 16, 37):
-        x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
-        for tok in (8, 16):
-            base = frag_linear(x, q, s, gpb=8, split=split, tok=tok, tile=64, mma="sync")
-            for stages in ((2, 3, 5) if tma_ok else ()):
-                out = frag_linear(x, q, s, gpb=8, split=split, tok=tok, tile=64, mma="sync", tma=stages)
-                assert torch.equal(base, out), f"TMA ring of {stages}: other bits (tok {tok} M {M})"
-    assert tma_ok == (K % 256 == 0), tma_unsupported(N, K, 8, 64, 2, 8)
-    with pytest.raises(ValueError, match="tma"):
-        frag_linear(x, q, s, gpb=8, split=split, tok=16, tile=64, mma="sync", tma=1)
-
-
 @pytest.mark.parametrize("N,K,split,tile", [(192, 512, 1, 0), (4096, 7168, 4, 64), (7168, 2048, 2, 64),
                                             (128, 256, 1, 64)])
 @pytest.mark.parametrize("M", [1, 3, 16, 37, 64])
