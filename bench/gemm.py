@@ -222,18 +222,19 @@ def sweep(shapes, ms) -> list[dict]:
     """Graph-times candidate reductions (BLOCK_K, split) x tiles; prints the best per (shape, M)."""
     from kdtree_engine.kernels.gemm import Reduction, Tile, bi_linear
 
-    tiles_small = [Tile(16, 64, 4, 4), Tile(16, 64, 4, 6), Tile(16, 128, 8, 4)]
+    tiles_small = [Tile(16, 64, 4, 4), Tile(16, 64, 4, 6), Tile(16, 64, 4, 8), Tile(16, 128, 8, 4)]
     tiles_mid = [Tile(64, 64, 4, 4), Tile(64, 128, 4, 4), Tile(32, 128, 4, 4)]
     tiles_big = [Tile(128, 128, 8, 4), Tile(128, 128, 8, 3), Tile(128, 64, 4, 4), Tile(64, 128, 4, 4),
                  Tile(64, 256, 8, 3), Tile(256, 128, 8, 3)]
     out = []
     g = torch.Generator(device="cuda").manual_seed(1)
-    t_end = time.time() + 330  # keep the whole sweep bounded
+    t_end = time.time() + 420  # keep the whole sweep bounded
     for name, N, K in shapes:
         w = (torch.randn(N, K, device="cuda", generator=g) * K ** -0.5).to(torch.bfloat16)
         ws = _copies(N, K, w)
         xs = torch.randn(max(ms), K, device="cuda", generator=g).to(torch.bfloat16)
-        reds = [Reduction(bk, s) for bk, s in ((64, 1), (128, 1), (64, 2), (128, 2), (64, 4))
+        reds = [Reduction(bk, s) for bk, s in ((64, 1), (128, 1), (64, 2), (128, 2), (64, 4), (128, 4), (64, 8),
+                                                (128, 8))
                 if (K + bk - 1) // bk >= 4 * s]
         for M in ms:
             if time.time() > t_end:

@@ -16,3 +16,18 @@ def single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture
+def warpgroup_launches(monkeypatch):
+    """Count the attention launcher's warpgroup decode launches: the list grows by one per launch."""
+    import kdtree_engine.kernels.mla_attention as mod
+    calls: list = []
+    real = mod.decode_wg
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(mod, "decode_wg", counted)
+    return calls

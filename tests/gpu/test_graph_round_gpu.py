@@ -164,6 +164,44 @@ def test_device_length_attention_bitwise_gpu():
         assert torch.equal(host, dev), (S, T)
 
 
+@pytest.mark.parametrize("T", [1, 4, 16])
+def test_device_length_attention_graph_replay_bitwise_gpu(warpgroup_launches, T):
+    """CUDA-graph replays of the device-length attention at K2 widths (latent 512, rope 64, bf16: the warpgroup
+    kernel for one query and for the prefix chunks of small trees) equal eager host-length launches bit for
+    bit, with fresh queries, cache and committed length written into the captured buffers before each
+    replay (lengths across chunk edges and past 32K)."""
+    from kdtree_engine.kernels.mla_attention import mla_attention, mla_attention_device
+
+    g = torch.Generator(device="cuda").manual_seed(T)
+    N, C, R, cap, scale = 8, 512, 64, 40000, 0.135
+    q_lat = torch.randn(T, N, C, device="cuda", generator=g).to(torch.bfloat16)
+    q_pe = torch.randn(T, N, R, device="cuda", generator=g).to(torch.bfloat16)
+    buf = torch.randn(cap, C + R, device="cuda", generator=g).to(torch.bfloat16)
+    s_dev = torch.tensor(100, device="cuda")
+    parents = [-1] + [int(torch.randint(max(0, i - 3), i, (1,))) for i in range(1, T)]
+    mask = torch.zeros(T, T, dtype=torch.bool)
+    for i, p in enumerate(parents):
+        if p >= 0:
+            mask[i] = mask[p]
+        mask[i, i] = True
+    mask = mask.cuda()
+    mla_attention_device(q_lat, q_pe, buf, s_dev, mask, scale, C)   # compiles outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = mla_attention_device(q_lat, q_pe, buf, s_dev, mask, scale, C)
+    assert warpgroup_launches, "the warpgroup kernel served no launch of the captured attention"
+    for S in (0, 511, 512, 4096 + 9, 33000):
+        q_lat.copy_(torch.randn(T, N, C, device="cuda", generator=g).to(torch.bfloat16))
+        q_pe.copy_(torch.randn(T, N, R, device="cuda", generator=g).to(torch.bfloat16))
+        buf.copy_(torch.randn(cap, C + R, device="cuda", generator=g).to(torch.bfloat16))
+        s_dev.fill_(S)
+        out.fill_(float("nan"))
+        graph.replay()
+        host = mla_attention(q_lat, q_pe, buf[: S + T], S, mask, scale, C)
+        assert torch.equal(out, host), (T, S, int((out != host).sum()))
+
+
 def test_triton_tree_builder_equals_heap_gpu():
     """The one-program DDTree builder (compiled) returns the heap's tree, ties and -inf included."""
     from kdtree_engine.kernels.tree_ops import build_tree_triton
