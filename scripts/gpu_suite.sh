@@ -358,10 +358,10 @@ if [[ $PART == tma2 ]]; then
   step bench_w4_frag 300 python3 bench/w4_frag.py --no-moe --ms 1,4,16 --only "tma" --out "$RES"
 fi
 if [[ $PART == gsweep ]]; then
-  step pytest_wgref2 200 $PYT tests/gpu/test_mla_attention_gpu.py -k "warpgroup_default_vs_reference or bf16_vs_reference"
-  step pytest_wggraph 200 $PYT tests/gpu/test_graph_round_gpu.py -k "graph_replay_bitwise or device_length"
-  step bench_gemm_sweep 470 python3 bench/gemm.py --sweep --shapes q_a+kv_a,shared_w2,q_b,shared_w13 --ms 4 \
+  step bench_gemm_sweep 300 python3 bench/gemm.py --sweep --shapes q_a+kv_a,shared_w2,q_b,shared_w13 --ms 4 \
     --sweep-ms 1,4,16,64,256 --no-rmsnorm --no-heads --out "$RES"
+  step pytest_wgref2 130 $PYT tests/gpu/test_mla_attention_gpu.py -k "warpgroup_default_vs_reference or bf16_vs_reference"
+  step pytest_wggraph 120 $PYT tests/gpu/test_graph_round_gpu.py -k "graph_replay_bitwise or device_length"
 fi
 if [[ $PART == ncuw4 ]]; then
   for case in dense_frag_m4 dense_frag_m16; do
