@@ -66,10 +66,11 @@ def test_bf16_vs_reference(N, S, T):
 
 
 @pytest.mark.parametrize("N", [8, 64])
-@pytest.mark.parametrize("S,T", [(4096 + 5, 1), (32768, 1), (4096 - 3, 4), (32768 + 700, 8)])
+@pytest.mark.parametrize("S,T", [(4096 + 5, 1), (32768, 1), (4096 - 3, 4), (4096 + 700, 8)])
 def test_decode_warpgroup_default_vs_reference(warpgroup_launches, N, S, T):
     """The default config at K2 widths: one-query decodes and the prefix chunks of small trees run on the
-    warpgroup kernel (its launches counted) and match the float reference on fresh inputs."""
+    warpgroup kernel (its launches counted) and match the float reference on fresh inputs. (Small trees run
+    as decode launches only while their verify tiles would leave SMs idle: 8 nodes over 32K do not.)"""
     seed = int(torch.randint(1 << 30, (1,)))
     q_lat, q_pe, kv = inputs(T, N, S, seed)
     mask = None if T == 1 else random_tree_mask(T, torch.Generator().manual_seed(seed)).cuda()
