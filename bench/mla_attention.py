@@ -108,16 +108,16 @@ DECODE_SHAPES = [(8, 4096, 1), (8, 32768, 1), (8, 131072, 1), (64, 4096, 1), (64
 # ones not measured yet.
 _D8, _D64 = default_config(8), default_config(64)
 ROWS_FOR_N: dict[int, list[MLAConfig]] = {
-    8: [_D8, replace(_D8, DECODE_WG=2), replace(_D8, DECODE_WG=3),
-        replace(_D8, DECODE_WG=2, DECODE_MIN_PROGRAMS=128)],
-    64: [_D64, replace(_D64, DECODE_WG=2)]}
+    8: [_D8, replace(_D8, DECODE_WG_MIN_PROGRAMS=0)],
+    64: [_D64]}
 # measured before (bench/results/mla_attention-rows-sweep-h200.md, part kload): replace(_D8, DECODE_WARPS=8),
 # replace(_D8, DECODE_WARPS=2), replace(_D8, K_DESC=True), replace(_D8, DECODE_ROWS=1),
 # replace(_D64, DECODE_WARPS=8): all slower than the default; LAZY_RESCALE "decode" / "all"
 # (bench/results/mla_attention-lazy-sweep-h200.md): slower. then QK_SPLIT 2 against one chain
 # (bench/results/mla_attention-qsplit-sweep-h200.md, with 2 as the default then), decode stages (2: two
 # programs per SM; slower at 4K-256K: bench/results/mla_attention-stages-sweep-h200.md). Now: the warpgroup
-# decode kernel (DECODE_WG: 2 / 3 key slots, and with column slices up to 128 programs)
+# decode kernel (DECODE_WG: 2 / 3 key slots, and with column slices up to 128 programs; bench/results/mla_attention-
+# wg-sweep-h200-qfirst.md). Now: the default's one-query column slices (DECODE_WG_MIN_PROGRAMS) against none
 ROWS_SWEEP: list[MLAConfig] = [c for cs in ROWS_FOR_N.values() for c in cs]
 # Chunk length (a reduction field: decode and verify share it; fixed per N). Shorter chunks give a launch
 # more programs where it has few (a decode or a small tree over a short prefix), and the decode launches fewer

@@ -88,7 +88,7 @@ import triton
 import triton.language as tl
 
 from .common import DTYPES, bucket, interpreting
-from .mla_decode_wg import launch as decode_wg, unsupported as wg_unsupported
+from .mla_decode_wg import launch as decode_wg, rows_per_program as wg_rows, unsupported as wg_unsupported
 from .pdl import pdl_launch, pdl_supported, pdl_wait
 from .streams import side_by_side
 
@@ -216,6 +216,12 @@ class MLAConfig:
     # of this many slots; 0: the chunk kernel). The chunk kernel's arithmetic with L_BY_DOT (GPU-tested bit for
     # bit against it), so a method, not a rounding choice; CUDA sm_90 only (elsewhere the chunk kernel, logged)
     DECODE_WG: int = 0
+    # one-query decode launches on the warpgroup kernel: column slices (V_SPLIT doubled up to 8) until row groups
+    # x chunks x slices reaches this many programs (0: the launch's V_SPLIT). Only there: the chunk kernel's
+    # 3-stage 16-row decode tiles have no shared memory for slices, and the small trees' prefix launches share
+    # their V_SPLIT with the tail. Each slice recomputes the same scores (the same bits, GPU-tested); N = 8 at
+    # 4K / 32K 14.3 / 18.9 against 15.9 / 19.6 us, equal from 64K (bench/results/mla_attention-wg-sweep-h200-qfirst.md)
+    DECODE_WG_MIN_PROGRAMS: int = 0
 
     def __post_init__(self) -> None:
         if self.DECODE_MAX_T < 1:
@@ -244,6 +250,8 @@ class MLAConfig:
             raise ValueError("MLAConfig.DECODE_WG (2 or 3 key slots) needs L_BY_DOT, KEYS_ON_M off, QK_SPLIT 1, "
                              "DECODE_ROWS 0 and LAZY_RESCALE off (the chunk kernel's arithmetic it reproduces); "
                              f"got {self}")
+        if self.DECODE_WG_MIN_PROGRAMS and not self.DECODE_WG:
+            raise ValueError(f"MLAConfig.DECODE_WG_MIN_PROGRAMS needs DECODE_WG (warpgroup launches); got {self}")
         if self.LAZY_RESCALE not in ("off", "decode", "all"):
             raise ValueError(f"MLAConfig.LAZY_RESCALE must be 'off', 'decode' or 'all'; got {self.LAZY_RESCALE!r}")
         tile = self.DECODE_BLOCK_M or self.BLOCK_M
@@ -317,7 +325,7 @@ class MLAConfig:
         if self.DECODE_MIN_PROGRAMS:
             d["DECODE_MIN_PROGRAMS"] = self.DECODE_MIN_PROGRAMS
         for k in ("L_BY_DOT", "DECODE_BLOCK_M", "DECODE_STAGES", "DECODE_WARPS", "DECODE_ROWS", "K_DESC",
-                  "SMALL_BLOCK_M", "SMALL_WARPS", "DECODE_WG"):
+                  "SMALL_BLOCK_M", "SMALL_WARPS", "DECODE_WG", "DECODE_WG_MIN_PROGRAMS"):
             if getattr(self, k):
                 d[k] = getattr(self, k)
         if self.DECODE_MAX_T != 1:
@@ -378,7 +386,7 @@ DEFAULT_CONFIGS: list[tuple[int, MLAConfig]] = [
     (16, MLAConfig(CHUNK=512, BLOCK_M=32, BLOCK_N=64, V_SPLIT=1, num_warps=4, num_stages=2, KEYS_ON_M=False,
                    Q_IN_LOOP=False, V_SPLIT_BY_T=(), DECODE_MIN_PROGRAMS=0, L_BY_DOT=True,
                    DECODE_BLOCK_M=16, DECODE_STAGES=3, QK_SPLIT=1, DECODE_MAX_T=16,
-                   SMALL_WARPS=8, DECODE_WG=2)),  # N <= 16 (TP8: 8 heads/rank)
+                   SMALL_WARPS=8, DECODE_WG=2, DECODE_WG_MIN_PROGRAMS=128)),  # N <= 16 (TP8: 8 heads/rank)
     (1 << 30, MLAConfig(CHUNK=512, BLOCK_M=64, BLOCK_N=64, V_SPLIT=1, num_warps=8, num_stages=2,
                         KEYS_ON_M=False, Q_IN_LOOP=False, V_SPLIT_BY_T=(), DECODE_MIN_PROGRAMS=128, L_BY_DOT=True,
                         DECODE_BLOCK_M=32, DECODE_WARPS=4, QK_SPLIT=1, DECODE_MAX_T=8, DECODE_WG=2)),
@@ -897,6 +905,15 @@ def _decode_wg(cfg: MLAConfig, dec: bool, q_lat: torch.Tensor, kv: torch.Tensor,
     return True
 
 
+def _wg_slices(cfg: MLAConfig, N: int, n_ch: int, C: int, VS: int) -> int:
+    """Column slices of a one-query warpgroup launch over n_ch chunks (MLAConfig.DECODE_WG_MIN_PROGRAMS)."""
+    programs = triton.cdiv(N, wg_rows(N)) * n_ch
+    vs = VS
+    while vs < 8 and programs * vs < cfg.DECODE_WG_MIN_PROGRAMS and (C // (2 * vs)) % 64 == 0:
+        vs *= 2
+    return vs
+
+
 def _partials(out: torch.Tensor, n_ch: int) -> tuple[torch.Tensor, torch.Tensor, int, int, int]:
     """Per-chunk fp32 partial outputs [T*N, n_ch, C] and log-sum-exps [T*N, n_ch] with their strides
     (out itself, unused, when one chunk covers everything)."""
@@ -949,8 +966,8 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, sta
     descs = _kv_descs(kv, S + T, C, R, CP, RP, cfg, VS)
     wg = _decode_wg(cfg, dec and (T == 1 or not causal), q_lat, kv, R, VS)
     if causal and wg:
-        decode_wg(q_lat, q_pe, kv, S + 1, po, pl, out, nvis, S, (spom, spoc, splm), qk_scale, cfg.CHUNK, n_ch, VS,
-                  cfg.DECODE_WG, True, direct, False, pdl)
+        decode_wg(q_lat, q_pe, kv, S + 1, po, pl, out, nvis, S, (spom, spoc, splm), qk_scale, cfg.CHUNK, n_ch,
+                  _wg_slices(cfg, N, n_ch, C, VS), cfg.DECODE_WG, True, direct, False, pdl)
     elif causal:
         grid = (n_tiles * VS, n_ch)
         _mla_chunk_kernel[grid](q_lat, q_pe, kv, idx, nvis, po, pl, out, nvis, T, S, N, 0, *args_tail,
@@ -1031,7 +1048,7 @@ def mla_attention_device(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tens
         # the host-length decode launch's reduction, instead of a prefix launch beside a gather launch
         if wg:
             decode_wg(q_lat, q_pe, kv, cap, po, pl, out, s_dev, 0, (spom, spoc, splm), args_tail[-1], cfg.CHUNK,
-                      n_ch, VS, cfg.DECODE_WG, True, direct, True, pdl)
+                      n_ch, _wg_slices(cfg, N, n_ch, C, VS), cfg.DECODE_WG, True, direct, True, pdl)
         else:
             _mla_chunk_kernel[(n_tiles * VS, n_ch)](q_lat, q_pe, kv, idx, nvis, po, pl, out, s_dev, T, 0, N, 0,
                                                     *args_tail, GATHER=False, **{**common, "CAUSAL": True}, **descs)

@@ -457,6 +457,25 @@ def test_decode_max_t_widens_the_decode_launch():
             MLAConfig(**{**dict(BLOCK_M=32, L_BY_DOT=True, SMALL_BLOCK_M=16), **bad})
 
 
+def test_decode_wg_column_slices():
+    """DECODE_WG_MIN_PROGRAMS: a one-query warpgroup launch doubles its column slices (up to 8, slices of a
+    multiple of 64 columns) until row groups x chunks x slices reaches the minimum; it needs DECODE_WG."""
+    from dataclasses import replace
+
+    from kdtree_engine.kernels.mla_attention import _wg_slices, default_config
+
+    cfg = MLAConfig(BLOCK_N=64, L_BY_DOT=True, DECODE_WG=2, DECODE_WG_MIN_PROGRAMS=128)
+    assert default_config(8).DECODE_WG_MIN_PROGRAMS == 128 and default_config(64).DECODE_WG_MIN_PROGRAMS == 0
+    # N = 8: one row group per chunk; 4K + 1 keys = 9 chunks -> 8 slices, 32K + 1 = 65 -> 2, 64K = 128 -> 1
+    assert [_wg_slices(cfg, 8, n, 512, 1) for n in (1, 9, 65, 128, 513)] == [8, 8, 2, 1, 1]
+    assert [_wg_slices(cfg, 64, n, 512, 1) for n in (9, 33, 64)] == [8, 2, 1]   # 2 groups of 32 rows
+    assert _wg_slices(cfg, 8, 9, 128, 1) == 2        # slices stay a multiple of 64 columns
+    assert _wg_slices(cfg, 8, 65, 512, 4) == 4       # never fewer than the launch's own
+    assert _wg_slices(replace(cfg, DECODE_WG_MIN_PROGRAMS=0), 8, 9, 512, 1) == 1
+    with pytest.raises(ValueError, match="DECODE_WG_MIN_PROGRAMS"):
+        MLAConfig(BLOCK_N=64, L_BY_DOT=True, DECODE_WG_MIN_PROGRAMS=128)
+
+
 def test_decode_wg_config_and_fit(caplog, monkeypatch):
     """DECODE_WG needs the chunk kernel arithmetic it reproduces; a launch it cannot take says why (logged once) and
     runs on the chunk kernel."""
