@@ -217,7 +217,8 @@ class MLAConfig:
     # bit against it), so a method, not a rounding choice; CUDA sm_90 only (elsewhere the chunk kernel, logged)
     DECODE_WG: int = 0
     # one-query decode launches on the warpgroup kernel: column slices (V_SPLIT doubled up to 8) until row groups
-    # x chunks x slices reaches this many programs (0: the launch's V_SPLIT). Only there: the chunk kernel's
+    # x chunks x slices reaches this many programs (0: the launch's V_SPLIT; inert without DECODE_WG or where the
+    # launch falls back to the chunk kernel). Only there: the chunk kernel's
     # 3-stage 16-row decode tiles have no shared memory for slices, and the small trees' prefix launches share
     # their V_SPLIT with the tail. Each slice recomputes the same scores (the same bits, GPU-tested); N = 8 at
     # 4K / 32K 14.3 / 18.9 against 15.9 / 19.6 us, equal from 64K (bench/results/mla_attention-wg-sweep-h200-qfirst.md)
@@ -250,8 +251,6 @@ class MLAConfig:
             raise ValueError("MLAConfig.DECODE_WG (2 or 3 key slots) needs L_BY_DOT, KEYS_ON_M off, QK_SPLIT 1, "
                              "DECODE_ROWS 0 and LAZY_RESCALE off (the chunk kernel's arithmetic it reproduces); "
                              f"got {self}")
-        if self.DECODE_WG_MIN_PROGRAMS and not self.DECODE_WG:
-            raise ValueError(f"MLAConfig.DECODE_WG_MIN_PROGRAMS needs DECODE_WG (warpgroup launches); got {self}")
         if self.LAZY_RESCALE not in ("off", "decode", "all"):
             raise ValueError(f"MLAConfig.LAZY_RESCALE must be 'off', 'decode' or 'all'; got {self.LAZY_RESCALE!r}")
         tile = self.DECODE_BLOCK_M or self.BLOCK_M

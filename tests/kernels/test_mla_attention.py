@@ -459,7 +459,7 @@ def test_decode_max_t_widens_the_decode_launch():
 
 def test_decode_wg_column_slices():
     """DECODE_WG_MIN_PROGRAMS: a one-query warpgroup launch doubles its column slices (up to 8, slices of a
-    multiple of 64 columns) until row groups x chunks x slices reaches the minimum; it needs DECODE_WG."""
+    multiple of 64 columns) until row groups x chunks x slices reaches the minimum."""
     from dataclasses import replace
 
     from kdtree_engine.kernels.mla_attention import _wg_slices, default_config
@@ -472,8 +472,8 @@ def test_decode_wg_column_slices():
     assert _wg_slices(cfg, 8, 9, 128, 1) == 2        # slices stay a multiple of 64 columns
     assert _wg_slices(cfg, 8, 65, 512, 4) == 4       # never fewer than the launch's own
     assert _wg_slices(replace(cfg, DECODE_WG_MIN_PROGRAMS=0), 8, 9, 512, 1) == 1
-    with pytest.raises(ValueError, match="DECODE_WG_MIN_PROGRAMS"):
-        MLAConfig(BLOCK_N=64, L_BY_DOT=True, DECODE_WG_MIN_PROGRAMS=128)
+    # inert without the warpgroup kernel: the default with DECODE_WG off stays a valid config
+    assert replace(default_config(8), DECODE_WG=0).DECODE_WG_MIN_PROGRAMS == 128
 
 
 def test_decode_wg_config_and_fit(caplog, monkeypatch):
