@@ -81,7 +81,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 import triton
@@ -103,6 +103,14 @@ LOG2E = 1.4426950408889634
 # narrower P @ V tiles compile to another MMA shape whose rounding differs (seen on the demo model,
 # C = 64 cut into 16-column slices: plain decoding left the verify's bits).
 DECODE_MIN_SLICE = 64
+
+
+def _double_slices(vs: int, programs: int, minimum: int, fits: Callable[[int], bool]) -> int:
+    """Output-column slices doubled from vs (up to 8) while programs x slices stays under `minimum` and the doubled
+    count fits(slices) (the decode rules DECODE_MIN_PROGRAMS and DECODE_WG_MIN_PROGRAMS)."""
+    while vs < 8 and programs * vs < minimum and fits(2 * vs):
+        vs *= 2
+    return vs
 
 
 @dataclass(frozen=True)
@@ -218,10 +226,10 @@ class MLAConfig:
     DECODE_WG: int = 0
     # one-query decode launches on the warpgroup kernel: column slices (V_SPLIT doubled up to 8) until row groups
     # x chunks x slices reaches this many programs (0: the launch's V_SPLIT; inert without DECODE_WG or where the
-    # launch falls back to the chunk kernel). Only there: the chunk kernel's
-    # 3-stage 16-row decode tiles have no shared memory for slices, and the small trees' prefix launches share
-    # their V_SPLIT with the tail. Each slice recomputes the same scores (the same bits, GPU-tested); N = 8 at
-    # 4K / 32K 14.3 / 18.9 against 15.9 / 19.6 us, equal from 64K (bench/results/mla_attention-wg-sweep-h200-qfirst.md)
+    # launch falls back to the chunk kernel). Only there: the chunk kernel's 3-stage 16-row decode tiles have no
+    # shared memory for slices, and the small trees' prefix launches share their V_SPLIT with the tail. Each slice
+    # recomputes the same scores (the same bits, GPU-tested); N = 8 at 4K / 32K 13.6 / 18.8 against 15.9 / 19.8 us,
+    # equal from 64K (bench/results/mla_attention-wg-sweep-h200-slices.md)
     DECODE_WG_MIN_PROGRAMS: int = 0
 
     def __post_init__(self) -> None:
@@ -307,9 +315,7 @@ class MLAConfig:
                 vs = v
                 break
         if self.decode(T, verify_programs) and self.DECODE_MIN_PROGRAMS and programs is not None:
-            while (vs < 8 and programs * vs < self.DECODE_MIN_PROGRAMS
-                   and columns // (2 * vs) >= DECODE_MIN_SLICE):
-                vs *= 2
+            vs = _double_slices(vs, programs, self.DECODE_MIN_PROGRAMS, lambda v: columns // v >= DECODE_MIN_SLICE)
         return vs
 
     def as_dict(self) -> dict:
@@ -906,11 +912,7 @@ def _decode_wg(cfg: MLAConfig, dec: bool, q_lat: torch.Tensor, kv: torch.Tensor,
 
 def _wg_slices(cfg: MLAConfig, N: int, n_ch: int, C: int, VS: int) -> int:
     """Column slices of a one-query warpgroup launch over n_ch chunks (MLAConfig.DECODE_WG_MIN_PROGRAMS)."""
-    programs = triton.cdiv(N, wg_rows(N)) * n_ch
-    vs = VS
-    while vs < 8 and programs * vs < cfg.DECODE_WG_MIN_PROGRAMS and (C // (2 * vs)) % 64 == 0:
-        vs *= 2
-    return vs
+    return _double_slices(VS, triton.cdiv(N, wg_rows(N)) * n_ch, cfg.DECODE_WG_MIN_PROGRAMS, lambda v: (C // v) % 64 == 0)
 
 
 def _partials(out: torch.Tensor, n_ch: int) -> tuple[torch.Tensor, torch.Tensor, int, int, int]:
