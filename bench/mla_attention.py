@@ -15,6 +15,8 @@ same math and the torch reference, against rooflines measured in the same run.
                                                        # written to mla_attention-vsplit-sweep-<gpu>.*
     python bench/mla_attention.py --sweep-only --sweep-small --no-peers    # small trees on the decode tiles,
                                                        # written to mla_attention-small-sweep-<gpu>.*
+    python bench/mla_attention.py --sweep-only --sweep-wg --no-peers       # warpgroup launches' MMA order, rows,
+                                                       # written to mla_attention-wg-sweep-<gpu>.*
 
 The sweep first compiles every (candidate, launch kind) in a pool of processes (Triton's on-disk cache
 is shared), so that the timing loop itself compiles nothing; candidates that fail to compile (e.g. out
@@ -177,6 +179,20 @@ SMALL_FOR_N: dict[int, list[MLAConfig]] = {
 SMALL_SWEEP: list[MLAConfig] = [c for cs in SMALL_FOR_N.values() for c in cs]
 SMALL_SHAPES = [(64, 4096, 2), (64, 4096, 4), (64, 4096, 8), (64, 4096, 16), (64, 32768, 4), (8, 4096, 4),
                 (8, 4096, 8), (8, 4096, 16), (8, 32768, 4), (8, 32768, 8), (8, 32768, 16), (8, 131072, 16)]
+# The warpgroup launches' MMA order and tiling (DECODE_WG_PIPE: the next block's scores issued behind this block's
+# P @ V, one wait per block; DECODE_WG_ROWS: 8- or 16-row programs; slices of small trees' prefix launches by
+# DECODE_WG_MIN_PROGRAMS, at N = 64 with DECODE_MIN_PROGRAMS 64 for one slice at 4 nodes): `--sweep-wg`
+WG_FOR_N: dict[int, list[MLAConfig]] = {
+    8: [_D8, replace(_D8, DECODE_WG_PIPE=True), replace(_D8, DECODE_WG_PIPE=True, DECODE_WG_ROWS=16),
+        replace(_D8, DECODE_WG_PIPE=True, DECODE_WG_ROWS=8), replace(_D8, DECODE_WG_MIN_PROGRAMS=0),
+        replace(_D8, DECODE_WG=3, DECODE_WG_PIPE=True)],
+    64: [_D64, replace(_D64, DECODE_WG_PIPE=True), replace(_D64, DECODE_WG_PIPE=True, DECODE_WG_ROWS=16),
+         replace(_D64, DECODE_WG_PIPE=True, DECODE_MIN_PROGRAMS=64),
+         replace(_D64, DECODE_WG_PIPE=True, DECODE_WG_ROWS=16, DECODE_MIN_PROGRAMS=64)]}
+WG_SWEEP: list[MLAConfig] = [c for cs in WG_FOR_N.values() for c in cs]
+WG_SHAPES = [(8, 4096, 1), (8, 32768, 1), (8, 131072, 1), (8, 4096, 4), (8, 4096, 8), (8, 4096, 16), (8, 32768, 4),
+             (8, 32768, 16), (64, 4096, 1), (64, 32768, 1), (64, 4096, 2), (64, 4096, 4), (64, 4096, 8),
+             (64, 32768, 4)]
 ROWS_SHAPES = [(8, 4096, 1), (8, 32768, 1), (8, 65536, 1), (8, 131072, 1), (8, 262144, 1), (64, 4096, 1),
                (64, 32768, 1), (64, 131072, 1)]
 SWEEP_SHAPES = [(8, 32768, 1), (8, 131072, 1), (8, 32768, 16), (8, 131072, 16), (8, 32768, 64),
@@ -313,6 +329,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--sweep-small", action="store_true",
                     help="with --sweep-only: time SMALL_FOR_N (trees of up to 8 nodes on the decode tiles) at "
                          "SMALL_SHAPES instead, with their bits against the default's")
+    ap.add_argument("--sweep-wg", action="store_true",
+                    help="with --sweep-only: time WG_FOR_N (the warpgroup launches' MMA order, rows per program and "
+                         "slices) at WG_SHAPES instead, with their bits against the default's")
     ap.add_argument("--workers", type=int, default=0, help="compile processes for the sweep (0: CPUs)")
     ap.add_argument("--no-peers", action="store_true", help="skip sdpa and the torch reference")
     ap.add_argument("--budget-s", type=float, default=100.0, help="stop the sweep after this many seconds")
@@ -343,11 +362,13 @@ def main(argv=None) -> dict:
                          (ROWS_SWEEP, ROWS_SHAPES) if args.sweep_rows else
                          (VSPLIT_SWEEP, VSPLIT_SHAPES) if args.sweep_vsplit else
                          (WIDE_SWEEP, WIDE_SHAPES) if args.sweep_wide else
-                         (SMALL_SWEEP, SMALL_SHAPES) if args.sweep_small else (SWEEP, SWEEP_SHAPES))
+                         (SMALL_SWEEP, SMALL_SHAPES) if args.sweep_small else
+                         (WG_SWEEP, WG_SHAPES) if args.sweep_wg else (SWEEP, SWEEP_SHAPES))
         shapes = [sh for sh in shapes if args.sweep_n is None or sh[0] == args.sweep_n]
         per_n = (CHUNK_FOR_N if args.sweep_chunk else ROWS_FOR_N if args.sweep_rows else
                  VSPLIT_FOR_N if args.sweep_vsplit else
-                 WIDE_FOR_N if args.sweep_wide else SMALL_FOR_N if args.sweep_small else None)
+                 WIDE_FOR_N if args.sweep_wide else SMALL_FOR_N if args.sweep_small else
+                 WG_FOR_N if args.sweep_wg else None)
         compile_err = precompile(cands, shapes, workers)
         print(f"compiled {len(compile_err)} (config, N, T kind) in {clock():.0f}s; "
               f"{sum(e is not None for e in compile_err.values())} failed", flush=True)
@@ -398,7 +419,7 @@ def main(argv=None) -> dict:
         md += ["", "## Best candidate per shape", ""] + best_per_shape(sweep)
     kind = ("decode-" if args.sweep_decode else "chunk-" if args.sweep_chunk else
             "rows-" if args.sweep_rows else "vsplit-" if args.sweep_vsplit else "wide-" if args.sweep_wide else
-            "small-" if args.sweep_small else "")
+            "small-" if args.sweep_small else "wg-" if args.sweep_wg else "")
     stem = (f"mla_attention-{kind}sweep-{gpu}" if args.sweep_only
             else f"mla_attention-{gpu}")
     jp, mp = write_results(args.out, stem, payload, md)

@@ -224,13 +224,19 @@ class MLAConfig:
     # of this many slots; 0: the chunk kernel). The chunk kernel's arithmetic with L_BY_DOT (GPU-tested bit for
     # bit against it), so a method, not a rounding choice; CUDA sm_90 only (elsewhere the chunk kernel, logged)
     DECODE_WG: int = 0
-    # one-query decode launches on the warpgroup kernel: column slices (V_SPLIT doubled up to 8) until row groups
-    # x chunks x slices reaches this many programs (0: the launch's V_SPLIT; inert without DECODE_WG or where the
-    # launch falls back to the chunk kernel). Only there: the chunk kernel's 3-stage 16-row decode tiles have no
-    # shared memory for slices, and the small trees' prefix launches share their V_SPLIT with the tail. Each slice
-    # recomputes the same scores (the same bits, GPU-tested); N = 8 at 4K / 32K 13.6 / 18.8 against 15.9 / 19.8 us,
-    # equal from 64K (bench/results/mla_attention-wg-sweep-h200-slices.md)
+    # warpgroup launches (one-query decodes and the prefix launches of small trees): column slices (V_SPLIT doubled
+    # up to 8) until row groups x chunks x slices reaches this many programs (0: the launch's V_SPLIT; inert without
+    # DECODE_WG or where the launch falls back to the chunk kernel, whose 3-stage 16-row decode tiles have no shared
+    # memory for slices). A tree's prefix launch and its tail launch write disjoint chunks, each all columns, so
+    # their slices may differ. Each slice recomputes the same scores (the same bits, GPU-tested); N = 8 at 4K / 32K
+    # 13.6 / 18.8 against 15.9 / 19.8 us, equal from 64K (bench/results/mla_attention-wg-sweep-h200-slices.md)
     DECODE_WG_MIN_PROGRAMS: int = 0
+    # warpgroup launches: at most this many (query, head) rows per program (the wgmma's N: 8, 16 or 32; fewer rows
+    # make more programs, each re-reading the chunk's key tiles); a re-tiling, the same bits (GPU-tested)
+    DECODE_WG_ROWS: int = 32
+    # warpgroup launches: the next key block's scores issued behind this block's row sums and P @ V, one wait for
+    # the three (otherwise each waited for in turn); the same MMAs, the same bits (GPU-tested)
+    DECODE_WG_PIPE: bool = False
 
     def __post_init__(self) -> None:
         if self.DECODE_MAX_T < 1:
@@ -259,6 +265,8 @@ class MLAConfig:
             raise ValueError("MLAConfig.DECODE_WG (2 or 3 key slots) needs L_BY_DOT, KEYS_ON_M off, QK_SPLIT 1, "
                              "DECODE_ROWS 0 and LAZY_RESCALE off (the chunk kernel's arithmetic it reproduces); "
                              f"got {self}")
+        if self.DECODE_WG_ROWS not in (8, 16, 32):
+            raise ValueError(f"MLAConfig.DECODE_WG_ROWS must be 8, 16 or 32; got {self.DECODE_WG_ROWS}")
         if self.LAZY_RESCALE not in ("off", "decode", "all"):
             raise ValueError(f"MLAConfig.LAZY_RESCALE must be 'off', 'decode' or 'all'; got {self.LAZY_RESCALE!r}")
         tile = self.DECODE_BLOCK_M or self.BLOCK_M
@@ -330,9 +338,11 @@ class MLAConfig:
         if self.DECODE_MIN_PROGRAMS:
             d["DECODE_MIN_PROGRAMS"] = self.DECODE_MIN_PROGRAMS
         for k in ("L_BY_DOT", "DECODE_BLOCK_M", "DECODE_STAGES", "DECODE_WARPS", "DECODE_ROWS", "K_DESC",
-                  "SMALL_BLOCK_M", "SMALL_WARPS", "DECODE_WG", "DECODE_WG_MIN_PROGRAMS"):
+                  "SMALL_BLOCK_M", "SMALL_WARPS", "DECODE_WG", "DECODE_WG_MIN_PROGRAMS", "DECODE_WG_PIPE"):
             if getattr(self, k):
                 d[k] = getattr(self, k)
+        if self.DECODE_WG_ROWS != 32:
+            d["DECODE_WG_ROWS"] = self.DECODE_WG_ROWS
         if self.DECODE_MAX_T != 1:
             d["DECODE_MAX_T"] = self.DECODE_MAX_T
             d["DECODE_MAX_T_PROGRAMS"] = self.DECODE_MAX_T_PROGRAMS
@@ -897,7 +907,7 @@ def _decode_wg(cfg: MLAConfig, dec: bool, q_lat: torch.Tensor, kv: torch.Tensor,
     if not (cfg.DECODE_WG and dec):
         return False
     T, N, C = q_lat.shape
-    why = wg_unsupported(T * N, C, R, q_lat.dtype, cfg.BLOCK_N, VS, cfg.DECODE_WG)
+    why = wg_unsupported(T * N, C, R, q_lat.dtype, cfg.BLOCK_N, VS, cfg.DECODE_WG, cfg.DECODE_WG_ROWS)
     if why is None and (q_lat.device.type != "cuda" or interpreting()):
         why = "not on a CUDA device" if q_lat.device.type != "cuda" else "the Triton interpreter"
     if why is None:
@@ -910,9 +920,16 @@ def _decode_wg(cfg: MLAConfig, dec: bool, q_lat: torch.Tensor, kv: torch.Tensor,
     return True
 
 
-def _wg_slices(cfg: MLAConfig, N: int, n_ch: int, C: int, VS: int) -> int:
-    """Column slices of a one-query warpgroup launch over n_ch chunks (MLAConfig.DECODE_WG_MIN_PROGRAMS)."""
-    return _double_slices(VS, triton.cdiv(N, wg_rows(N)) * n_ch, cfg.DECODE_WG_MIN_PROGRAMS, lambda v: (C // v) % 64 == 0)
+def _wg_slices(cfg: MLAConfig, rows: int, n_ch: int, C: int, VS: int) -> int:
+    """Column slices of a warpgroup launch of `rows` (query, head) rows over n_ch chunks
+    (MLAConfig.DECODE_WG_MIN_PROGRAMS)."""
+    programs = triton.cdiv(rows, wg_rows(rows, cfg.DECODE_WG_ROWS)) * n_ch
+    return _double_slices(VS, programs, cfg.DECODE_WG_MIN_PROGRAMS, lambda v: (C // v) % 64 == 0)
+
+
+def _wg_opts(cfg: MLAConfig) -> dict:
+    """The warpgroup launch's tiling and MMA order (MLAConfig.DECODE_WG_ROWS / DECODE_WG_PIPE)."""
+    return dict(most_rows=cfg.DECODE_WG_ROWS, pipe=cfg.DECODE_WG_PIPE)
 
 
 def _partials(out: torch.Tensor, n_ch: int) -> tuple[torch.Tensor, torch.Tensor, int, int, int]:
@@ -968,7 +985,7 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, sta
     wg = _decode_wg(cfg, dec and (T == 1 or not causal), q_lat, kv, R, VS)
     if causal and wg:
         decode_wg(q_lat, q_pe, kv, S + 1, po, pl, out, nvis, S, (spom, spoc, splm), qk_scale, cfg.CHUNK, n_ch,
-                  _wg_slices(cfg, N, n_ch, C, VS), cfg.DECODE_WG, True, direct, False, pdl)
+                  _wg_slices(cfg, N, n_ch, C, VS), cfg.DECODE_WG, True, direct, False, pdl, **_wg_opts(cfg))
     elif causal:
         grid = (n_tiles * VS, n_ch)
         _mla_chunk_kernel[grid](q_lat, q_pe, kv, idx, nvis, po, pl, out, nvis, T, S, N, 0, *args_tail,
@@ -979,7 +996,8 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, sta
         def prefix() -> None:
             if wg:   # the whole prefix chunks of a small tree: no mask in them
                 decode_wg(q_lat, q_pe, kv, S + T, po, pl, out, nvis, S, (spom, spoc, splm), qk_scale, cfg.CHUNK,
-                          c_split, VS, cfg.DECODE_WG, False, False, False, pdl)
+                          c_split, _wg_slices(cfg, T * N, c_split, C, VS), cfg.DECODE_WG, False, False, False, pdl,
+                          **_wg_opts(cfg))
                 return
             _mla_chunk_kernel[(n_tiles * VS, c_split)](q_lat, q_pe, kv, idx, nvis, po, pl, out, nvis, T, S, N, 0,
                                                        *args_tail, GATHER=False, **common, **descs)
@@ -1049,7 +1067,7 @@ def mla_attention_device(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tens
         # the host-length decode launch's reduction, instead of a prefix launch beside a gather launch
         if wg:
             decode_wg(q_lat, q_pe, kv, cap, po, pl, out, s_dev, 0, (spom, spoc, splm), args_tail[-1], cfg.CHUNK,
-                      n_ch, _wg_slices(cfg, N, n_ch, C, VS), cfg.DECODE_WG, True, direct, True, pdl)
+                      n_ch, _wg_slices(cfg, N, n_ch, C, VS), cfg.DECODE_WG, True, direct, True, pdl, **_wg_opts(cfg))
         else:
             _mla_chunk_kernel[(n_tiles * VS, n_ch)](q_lat, q_pe, kv, idx, nvis, po, pl, out, s_dev, T, 0, N, 0,
                                                     *args_tail, GATHER=False, **{**common, "CAUSAL": True}, **descs)
@@ -1060,7 +1078,8 @@ def mla_attention_device(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tens
     def prefix() -> None:   # the two launches keep to disjoint chunks (S_DEV): side by side
         if wg:   # the whole prefix chunks of a small tree (no mask in them); the others exit at once
             decode_wg(q_lat, q_pe, kv, cap, po, pl, out, s_dev, 0, (spom, spoc, splm), args_tail[-1], cfg.CHUNK,
-                      n_ch, VS, cfg.DECODE_WG, False, False, True, pdl)
+                      n_ch, _wg_slices(cfg, T * N, n_ch, C, VS), cfg.DECODE_WG, False, False, True, pdl,
+                      **_wg_opts(cfg))
             return
         _mla_chunk_kernel[(n_tiles * VS, n_ch)](q_lat, q_pe, kv, idx, nvis, po, pl, out, s_dev, T, 0, N, 0,
                                                 *args_tail, GATHER=False, **common, **descs)

@@ -33,7 +33,8 @@ try:  # Gluon exists in triton >= 3.5
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
-                                                                  warpgroup_mma)
+                                                                  warpgroup_mma, warpgroup_mma_init,
+                                                                  warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier   # renamed in triton 3.7
     tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared   # renamed in triton 3.7
@@ -44,12 +45,13 @@ except (ImportError, AttributeError):  # pragma: no cover - depends on the insta
 BLOCK_N = 64       # keys per step: one wgmma M tile (the config's BLOCK_N must match: the online-softmax step)
 
 
-def rows_per_program(rows: int) -> int:
-    """(query, head) rows per program, the wgmma's N: 8, 16 or 32 (more rows: more programs per chunk)."""
-    return 8 if rows <= 8 else 16 if rows <= 16 else 32
+def rows_per_program(rows: int, most: int = 32) -> int:
+    """(query, head) rows per program, the wgmma's N: 8, 16 or 32, at most `most` (more rows: more programs)."""
+    return min(most, 8 if rows <= 8 else 16 if rows <= 16 else 32)
 
 
-def unsupported(rows: int, C: int, R: int, dtype: torch.dtype, block_n: int, v_split: int, stages: int) -> str | None:
+def unsupported(rows: int, C: int, R: int, dtype: torch.dtype, block_n: int, v_split: int, stages: int,
+                most: int = 32) -> str | None:
     """Why a launch of `rows` (query, head) rows cannot run here (None: it can)."""
     if not HAVE_GLUON:
         return "triton without Gluon"
@@ -61,7 +63,9 @@ def unsupported(rows: int, C: int, R: int, dtype: torch.dtype, block_n: int, v_s
         return f"C = {C}, R = {R} (C = 512, R = 64)"
     if v_split not in (1, 2, 4, 8) or (C // v_split) % 64:
         return f"V_SPLIT {v_split} (1, 2, 4 or 8 column slices of a multiple of 64)"
-    np_ = rows_per_program(rows)
+    if most not in (8, 16, 32):
+        return f"{most} rows per program (8, 16 or 32)"
+    np_ = rows_per_program(rows, most)
     smem = stages * BLOCK_N * (C + R) * 2 + np_ * (C + R) * 2 + np_ * BLOCK_N * 2
     if smem > 227 * 1024:
         return f"{stages} key slots with {np_}-row programs need {smem // 1024} KB of shared memory"
@@ -72,12 +76,53 @@ if HAVE_GLUON:
     WAIT_ASM = gl.constexpr(PDL_ASM)
 
     @gluon.jit
+    def _scores(kl_st, kp_st, ql_s, qp_s, zs):
+        """s^T [BN, NP] of one key slot: the latent then the rope MMA, issued (asynchronous: wait for the token)."""
+        s = warpgroup_mma(kl_st, ql_s.permute((1, 0)), zs, use_acc=False, is_async=True)
+        return warpgroup_mma(kp_st, qp_s.permute((1, 0)), s, is_async=True)
+
+    @gluon.jit
+    def _probs(s, m_i, pos, L, qk_scale, p_s):
+        """One online-softmax step on s^T [BN, NP] (keys at positions pos, -inf from L on): P^T into p_s, every
+        warp's part in before it returns; (alpha, the new running max)."""
+        s = s * qk_scale
+        s = gl.where((pos < L)[:, None], s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 0))
+        alpha = gl.exp2(m_i - m_new)
+        pr = gl.exp2(s - m_new[None, :])
+        p_s.store(gl.permute(pr.to(p_s.dtype), (1, 0)))
+        fence_async_shared()
+        cta_barrier()           # every warp's part of P is in before the warpgroup reads it
+        return alpha, m_new
+
+    @gluon.jit
+    def _pv(k_lat, p_s, acc, pid_v, DV: gl.constexpr, VS: gl.constexpr):
+        """o^T [DV, NP] += this slice's columns of the latent tile^T @ P^T, issued (asynchronous: wait for the token)."""
+        if VS == 1:
+            return warpgroup_mma(k_lat.permute((1, 0)), p_s.permute((1, 0)), acc, is_async=True)
+        tok = warpgroup_mma_init(acc)
+        for vv in gl.static_range(VS):   # this slice's columns of the latent tile (constant offsets)
+            if pid_v == vv:
+                tok = warpgroup_mma(k_lat.slice(vv * DV, DV, dim=1).permute((1, 0)), p_s.permute((1, 0)), tok,
+                                    is_async=True)
+        return tok
+
+    @gluon.jit
+    def _refill(lat_desc, pe_desc, kl, kp, bars, st, p0, nxt, n_blk, BN: gl.constexpr, NBYTES: gl.constexpr):
+        """Key block nxt (if there is one) into slot st."""
+        if nxt < n_blk:
+            mbarrier.expect(bars.index(st), NBYTES)
+            tma_load(lat_desc, [p0 + nxt * BN, 0], bars.index(st), kl.index(st))
+            tma_load(pe_desc, [p0 + nxt * BN, 0], bars.index(st), kp.index(st))
+
+    @gluon.jit
     def _mla_decode_wg_kernel(ql_ptr, qp_ptr, lat_desc, pe_desc, po_ptr, pl_ptr, out_ptr, s_ptr,
                               S, T, N, stride_qlt, stride_qln, stride_qpt, stride_qpn, stride_pom, stride_poc,
                               stride_plm, stride_ot, stride_on, qk_scale,
                               C: gl.constexpr, R: gl.constexpr, NP: gl.constexpr, DV: gl.constexpr,
                               VS: gl.constexpr, CHUNK: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
-                              CAUSAL: gl.constexpr, DIRECT: gl.constexpr, S_DEV: gl.constexpr, PDL: gl.constexpr):
+                              CAUSAL: gl.constexpr, DIRECT: gl.constexpr, S_DEV: gl.constexpr, PIPE: gl.constexpr,
+                              PDL: gl.constexpr):
         # grid (row groups x V_SPLIT, chunks): the slices of one group adjacent (their key tiles hit L2).
         # CAUSAL: one query (T = 1) over [0, S] (itself included); else the whole prefix chunks of a tree's
         # T queries over [0, S) (the tree's own keys are the chunk kernel's gather launch)
@@ -146,38 +191,47 @@ if HAVE_GLUON:
         zs = gl.zeros([BN, NP], gl.float32, layout=ACC)
         zl = gl.zeros([64, NP], gl.float32, layout=ACC)
         offs_n = gl.arange(0, BN, layout=KEY)
-        for j in range(n_blk):
-            st = j % STAGES
-            mbarrier.wait(bars.index(st), (j // STAGES) & 1)
-            k_lat = kl.index(st)
-            s = warpgroup_mma(k_lat, ql_s.permute((1, 0)), zs, use_acc=False)
-            s = warpgroup_mma(kp.index(st), qp_s.permute((1, 0)), s)
-            s = s * qk_scale
-            p = p0 + j * BN + offs_n
-            s = gl.where((p < L)[:, None], s, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(s, 0))
-            alpha = gl.exp2(m_i - m_new)
-            pr = gl.exp2(s - m_new[None, :])
-            p_s.store(gl.permute(pr.to(DT), (1, 0)))
-            fence_async_shared()
-            cta_barrier()           # every warp's part of P is in before the warpgroup reads it
-            lsum = warpgroup_mma(ones, p_s.permute((1, 0)), zl, use_acc=False)
+        if PIPE:
+            # block j+1's scores are issued behind block j's row sums and P @ V, before those are waited for:
+            # the tensor pipe runs them back to back while the warps wait once per block, not once per MMA
+            mbarrier.wait(bars.index(0), 0)
+            s_t = _scores(kl.index(0), kp.index(0), ql_s, qp_s, zs)
+            for j in range(n_blk - 1):
+                st = j % STAGES
+                s = warpgroup_mma_wait(num_outstanding=0, deps=[s_t])
+                alpha, m_new = _probs(s, m_i, p0 + j * BN + offs_n, L, qk_scale, p_s)
+                lsum_t = warpgroup_mma(ones, p_s.permute((1, 0)), zl, use_acc=False, is_async=True)
+                acc_t = _pv(kl.index(st), p_s, acc * alpha[None, :], pid_v, DV, VS)
+                nx = (j + 1) % STAGES
+                mbarrier.wait(bars.index(nx), ((j + 1) // STAGES) & 1)
+                s_t = _scores(kl.index(nx), kp.index(nx), ql_s, qp_s, zs)
+                lsum, acc = warpgroup_mma_wait(num_outstanding=2, deps=[lsum_t, acc_t])   # the scores stay
+                l_i = l_i * alpha + gl.max(lsum, 0)
+                m_i = m_new
+                cta_barrier()       # every warp is done with this slot and with P before they are rewritten
+                _refill(lat_desc, pe_desc, kl, kp, bars, st, p0, j + STAGES, n_blk, BN, NBYTES)
+            j = n_blk - 1
+            s = warpgroup_mma_wait(num_outstanding=0, deps=[s_t])
+            alpha, m_new = _probs(s, m_i, p0 + j * BN + offs_n, L, qk_scale, p_s)
+            lsum_t = warpgroup_mma(ones, p_s.permute((1, 0)), zl, use_acc=False, is_async=True)
+            acc_t = _pv(kl.index(j % STAGES), p_s, acc * alpha[None, :], pid_v, DV, VS)
+            lsum, acc = warpgroup_mma_wait(num_outstanding=0, deps=[lsum_t, acc_t])
             l_i = l_i * alpha + gl.max(lsum, 0)
-            acc = acc * alpha[None, :]
-            if VS == 1:
-                acc = warpgroup_mma(k_lat.permute((1, 0)), p_s.permute((1, 0)), acc)
-            else:
-                for vv in gl.static_range(VS):   # this slice's columns of the latent tile (constant offsets)
-                    if pid_v == vv:
-                        acc = warpgroup_mma(k_lat.slice(vv * DV, DV, dim=1).permute((1, 0)), p_s.permute((1, 0)),
-                                            acc)
             m_i = m_new
-            cta_barrier()           # every warp is done with this slot and with P before they are rewritten
-            nxt = j + STAGES
-            if nxt < n_blk:
-                mbarrier.expect(bars.index(st), NBYTES)
-                tma_load(lat_desc, [p0 + nxt * BN, 0], bars.index(st), kl.index(st))
-                tma_load(pe_desc, [p0 + nxt * BN, 0], bars.index(st), kp.index(st))
+        else:
+            for j in range(n_blk):
+                st = j % STAGES
+                mbarrier.wait(bars.index(st), (j // STAGES) & 1)
+                s = warpgroup_mma_wait(num_outstanding=0,
+                                       deps=[_scores(kl.index(st), kp.index(st), ql_s, qp_s, zs)])
+                alpha, m_new = _probs(s, m_i, p0 + j * BN + offs_n, L, qk_scale, p_s)
+                lsum = warpgroup_mma(ones, p_s.permute((1, 0)), zl, use_acc=False)
+                l_i = l_i * alpha + gl.max(lsum, 0)
+                acc = warpgroup_mma_wait(num_outstanding=0,
+                                         deps=[_pv(kl.index(st), p_s, acc * alpha[None, :], pid_v, DV, VS)])
+                m_i = m_new
+                cta_barrier()       # every warp is done with this slot and with P before they are rewritten
+                _refill(lat_desc, pe_desc, kl, kp, bars, st, p0, j + STAGES, n_blk, BN, NBYTES)
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(i))
 
@@ -207,18 +261,20 @@ def kv_descriptors(kv: torch.Tensor, rows: int, C: int, R: int) -> tuple:
 
 def launch(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, rows: int, po, pl, out, s_ptr, S: int,
            strides: tuple[int, int, int], qk_scale: float, chunk: int, n_ch: int, v_split: int, stages: int,
-           causal: bool, direct: bool, s_dev: bool, pdl: dict) -> None:
+           causal: bool, direct: bool, s_dev: bool, pdl: dict, most_rows: int = 32, pipe: bool = False) -> None:
     """One launch over chunks [0, n_ch) of the first `rows` slots of kv: q_lat [T, N, C], q_pe [T, N, R] (causal:
     T = 1 over [0, S]; else a tree's T queries over the whole chunks of [0, S)); partials (po, pl with
-    `strides` = (row, chunk, lse row)) or, direct, out [T, N, C]."""
+    `strides` = (row, chunk, lse row)) or, direct, out [T, N, C]. Programs of up to `most_rows` (query, head) rows;
+    pipe: the next key block's scores issued before this block's P @ V is waited for (the same MMAs)."""
     T, N, C = q_lat.shape
     R = q_pe.shape[2]
-    np_ = rows_per_program(T * N)
+    np_ = rows_per_program(T * N, most_rows)
     lat, pe = kv_descriptors(kv, rows, C, R)
     _mla_decode_wg_kernel[(triton.cdiv(T * N, np_) * v_split, n_ch)](
         q_lat, q_pe, lat, pe, po, pl, out, s_ptr, S, T, N, q_lat.stride(0), q_lat.stride(1), q_pe.stride(0),
         q_pe.stride(1), *strides, out.stride(0), out.stride(1), qk_scale, C=C, R=R, NP=np_, DV=C // v_split,
-        VS=v_split, CHUNK=chunk, BN=BLOCK_N, STAGES=stages, CAUSAL=causal, DIRECT=direct, S_DEV=s_dev, num_warps=4,
+        VS=v_split, CHUNK=chunk, BN=BLOCK_N, STAGES=stages, CAUSAL=causal, DIRECT=direct, S_DEV=s_dev, PIPE=pipe,
+        num_warps=4,
         **pdl)
 
 

@@ -246,11 +246,16 @@ def check_decode_rows(q_lat, q_pe, kv, S, full, rows, cfg, what):
         assert torch.equal(one_dev[0], full[i]), f"device-length decode row {i} at S = {S}, {what}"
 
 
-WG = {"wg2": dict(DECODE_WG=2), "wg3": dict(DECODE_WG=3), "wg2slices": dict(DECODE_WG=2, DECODE_MIN_PROGRAMS=128)}
+WG = {"wg2": dict(DECODE_WG=2), "wg3": dict(DECODE_WG=3), "wg2slices": dict(DECODE_WG=2, DECODE_MIN_PROGRAMS=128),
+      "wg2pipe": dict(DECODE_WG=2, DECODE_WG_PIPE=True), "wg3pipe": dict(DECODE_WG=3, DECODE_WG_PIPE=True),
+      "wg2pipeslices": dict(DECODE_WG=2, DECODE_WG_PIPE=True, DECODE_WG_MIN_PROGRAMS=128),
+      "wg2rows16pipe": dict(DECODE_WG=2, DECODE_WG_ROWS=16, DECODE_WG_PIPE=True),
+      "wg2rows8": dict(DECODE_WG=2, DECODE_WG_ROWS=8, DECODE_WG_MIN_PROGRAMS=128)}
 
 
 @pytest.mark.parametrize("N,wg", [(8, "wg2"), (8, "wg3"), (8, "wg2slices"), (16, "wg2"), (16, "wg2slices"),
-                                  (5, "wg3"), (64, "wg2")])
+                                  (5, "wg3"), (64, "wg2"), (8, "wg2pipe"), (8, "wg3pipe"), (8, "wg2pipeslices"),
+                                  (5, "wg2pipe"), (64, "wg2pipe"), (64, "wg2rows16pipe"), (16, "wg2rows8")])
 def test_decode_warpgroup_bit_equal_bf16(N, wg):
     """The warpgroup decode kernel (keys on the wgmma's M side, TMA key tiles; DECODE_WG) is the chunk kernel's
     arithmetic: a decode row equals the default config's decode and its row in a causal block, bit for bit,
@@ -292,7 +297,11 @@ def test_candidate_tree_batch_invariant_bf16(name, N):
 
 SMALL_TILES = {"default": {}, "w8": dict(SMALL_WARPS=8), "bm16w8": dict(SMALL_BLOCK_M=16, SMALL_WARPS=8),
                "t16w8": dict(DECODE_MAX_T=16, SMALL_WARPS=8), "wg2": dict(DECODE_WG=2),
-               "t16wg2": dict(DECODE_MAX_T=16, SMALL_WARPS=8, DECODE_WG=2)}
+               "t16wg2": dict(DECODE_MAX_T=16, SMALL_WARPS=8, DECODE_WG=2),
+               "wg2pipeslices": dict(DECODE_WG=2, DECODE_WG_PIPE=True, DECODE_WG_MIN_PROGRAMS=128),
+               "t16wg2rows16pipe": dict(DECODE_MAX_T=16, SMALL_WARPS=8, DECODE_WG=2, DECODE_WG_ROWS=16,
+                                        DECODE_WG_PIPE=True, DECODE_WG_MIN_PROGRAMS=128),
+               "wg2rows8": dict(DECODE_WG=2, DECODE_WG_ROWS=8)}
 
 
 @pytest.mark.parametrize("tiles", list(SMALL_TILES))
@@ -302,7 +311,7 @@ def test_small_trees_on_decode_tiles_bit_equal_bf16(N, tiles):
     bits: the first T nodes of a 64-node tree (a tree themselves: parent[i] < i) give the rows of the default
     config's 64-node launch, host- and device-length, at T = 2, 4, 8, 16; also on the small trees' own tiles
     (SMALL_BLOCK_M / SMALL_WARPS), with DECODE_MAX_T = 16 and with the prefix chunks on the warpgroup kernel
-    (DECODE_WG)."""
+    (DECODE_WG), also in column slices, in 8- or 16-row programs and with the next block's scores issued early."""
     S, Tt = 4096 + 37, 64
     seed = int(torch.randint(1 << 30, (1,)))
     cfg = replace(default_config(N), **{"DECODE_MAX_T": 8, **SMALL_TILES[tiles]})

@@ -474,6 +474,28 @@ def test_decode_wg_column_slices():
     assert _wg_slices(replace(cfg, DECODE_WG_MIN_PROGRAMS=0), 8, 9, 512, 1) == 1
     # inert without the warpgroup kernel: the default with DECODE_WG off stays a valid config
     assert replace(default_config(8), DECODE_WG=0).DECODE_WG_MIN_PROGRAMS == 128
+    # a tree's prefix launch counts its T x N rows: 4 nodes x 8 heads = one 32-row group, 8 chunks -> 8 slices;
+    # 16 nodes = 4 groups -> 4; in 16-row programs (DECODE_WG_ROWS) twice the groups, half the slices
+    assert [_wg_slices(cfg, 4 * 8, 8, 512, 1), _wg_slices(cfg, 16 * 8, 8, 512, 1)] == [8, 4]
+    assert [_wg_slices(replace(cfg, DECODE_WG_ROWS=r), 4 * 8, 8, 512, 1) for r in (8, 16, 32)] == [4, 8, 8]
+    assert _wg_slices(replace(cfg, DECODE_WG_ROWS=16), 16 * 8, 8, 512, 1) == 2
+
+
+def test_decode_wg_rows_and_pipe_fields():
+    """DECODE_WG_ROWS caps the warpgroup program's rows at 8, 16 or 32 (anything else refused, naming the field);
+    both fields round-trip through as_dict (the benchmarks' config records)."""
+    from kdtree_engine.kernels import mla_decode_wg as W
+
+    assert [W.rows_per_program(r, 16) for r in (4, 8, 9, 16, 17, 512)] == [8, 8, 16, 16, 16, 16]
+    assert [W.rows_per_program(r, 8) for r in (1, 9, 512)] == [8, 8, 8]
+    for bad in (0, 4, 64):
+        with pytest.raises(ValueError, match="DECODE_WG_ROWS"):
+            MLAConfig(BLOCK_N=64, L_BY_DOT=True, DECODE_WG=2, DECODE_WG_ROWS=bad)
+    cfg = MLAConfig(BLOCK_N=64, L_BY_DOT=True, DECODE_WG=2, DECODE_WG_ROWS=16, DECODE_WG_PIPE=True)
+    assert MLAConfig(**cfg.as_dict()) == cfg
+    assert "DECODE_WG_ROWS" not in MLAConfig(BLOCK_N=64, L_BY_DOT=True, DECODE_WG=2).as_dict()
+    if W.HAVE_GLUON:
+        assert "rows per program" in W.unsupported(8, 512, 64, torch.bfloat16, 64, 1, 2, most=64)
 
 
 def test_decode_wg_config_and_fit(caplog, monkeypatch):
