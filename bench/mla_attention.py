@@ -15,7 +15,7 @@ same math and the torch reference, against rooflines measured in the same run.
                                                        # written to mla_attention-vsplit-sweep-<gpu>.*
     python bench/mla_attention.py --sweep-only --sweep-small --no-peers    # small trees on the decode tiles,
                                                        # written to mla_attention-small-sweep-<gpu>.*
-    python bench/mla_attention.py --sweep-only --sweep-wg --no-peers       # warpgroup launches' MMA order, rows,
+    python bench/mla_attention.py --sweep-only --sweep-wg --no-peers       # warpgroup launches' score chains, rows,
                                                        # written to mla_attention-wg-sweep-<gpu>.*
 
 The sweep first compiles every (candidate, launch kind) in a pool of processes (Triton's on-disk cache
@@ -179,16 +179,16 @@ SMALL_FOR_N: dict[int, list[MLAConfig]] = {
 SMALL_SWEEP: list[MLAConfig] = [c for cs in SMALL_FOR_N.values() for c in cs]
 SMALL_SHAPES = [(64, 4096, 2), (64, 4096, 4), (64, 4096, 8), (64, 4096, 16), (64, 32768, 4), (8, 4096, 4),
                 (8, 4096, 8), (8, 4096, 16), (8, 32768, 4), (8, 32768, 8), (8, 32768, 16), (8, 131072, 16)]
-# The warpgroup launches' MMA order and tiling (DECODE_WG_PIPE: the next block's scores issued behind this block's
-# P @ V, one wait per block; DECODE_WG_ROWS: 8- or 16-row programs; slices of small trees' prefix launches by
-# DECODE_WG_MIN_PROGRAMS, at N = 64 with DECODE_MIN_PROGRAMS 64 for one slice at 4 nodes): `--sweep-wg`
+# The warpgroup launches' score chains and tiling (QK_SPLIT 2: the latent scores in two MMA chains, in the chunk
+# kernel too; DECODE_WG_ROWS: 8- or 16-row programs; without DECODE_WG_MIN_PROGRAMS: no slices for small trees'
+# prefix launches; at N = 64 DECODE_MIN_PROGRAMS 64: one slice at 4 nodes). Measured before (part wgpipe,
+# bench/results/mla_attention-wg-sweep-h200-pipe.md): the next block's scores issued behind this block's P @ V,
+# slower everywhere. `--sweep-wg`
 WG_FOR_N: dict[int, list[MLAConfig]] = {
-    8: [_D8, replace(_D8, DECODE_WG_PIPE=True), replace(_D8, DECODE_WG_PIPE=True, DECODE_WG_ROWS=16),
-        replace(_D8, DECODE_WG_PIPE=True, DECODE_WG_ROWS=8), replace(_D8, DECODE_WG_MIN_PROGRAMS=0),
-        replace(_D8, DECODE_WG=3, DECODE_WG_PIPE=True)],
-    64: [_D64, replace(_D64, DECODE_WG_PIPE=True), replace(_D64, DECODE_WG_PIPE=True, DECODE_WG_ROWS=16),
-         replace(_D64, DECODE_WG_PIPE=True, DECODE_MIN_PROGRAMS=64),
-         replace(_D64, DECODE_WG_PIPE=True, DECODE_WG_ROWS=16, DECODE_MIN_PROGRAMS=64)]}
+    8: [_D8, replace(_D8, QK_SPLIT=2), replace(_D8, DECODE_WG_MIN_PROGRAMS=0), replace(_D8, DECODE_WG_ROWS=8),
+        replace(_D8, DECODE_WG_ROWS=16)],
+    64: [_D64, replace(_D64, QK_SPLIT=2), replace(_D64, DECODE_MIN_PROGRAMS=64),
+         replace(_D64, DECODE_WG_ROWS=16, DECODE_MIN_PROGRAMS=64)]}
 WG_SWEEP: list[MLAConfig] = [c for cs in WG_FOR_N.values() for c in cs]
 WG_SHAPES = [(8, 4096, 1), (8, 32768, 1), (8, 131072, 1), (8, 4096, 4), (8, 4096, 8), (8, 4096, 16), (8, 32768, 4),
              (8, 32768, 16), (64, 4096, 1), (64, 32768, 1), (64, 4096, 2), (64, 4096, 4), (64, 4096, 8),
@@ -330,8 +330,8 @@ def main(argv=None) -> dict:
                     help="with --sweep-only: time SMALL_FOR_N (trees of up to 8 nodes on the decode tiles) at "
                          "SMALL_SHAPES instead, with their bits against the default's")
     ap.add_argument("--sweep-wg", action="store_true",
-                    help="with --sweep-only: time WG_FOR_N (the warpgroup launches' MMA order, rows per program and "
-                         "slices) at WG_SHAPES instead, with their bits against the default's")
+                    help="with --sweep-only: time WG_FOR_N (the warpgroup launches' score chains, rows per program "
+                         "and slices) at WG_SHAPES instead, with their bits against the default's")
     ap.add_argument("--workers", type=int, default=0, help="compile processes for the sweep (0: CPUs)")
     ap.add_argument("--no-peers", action="store_true", help="skip sdpa and the torch reference")
     ap.add_argument("--budget-s", type=float, default=100.0, help="stop the sweep after this many seconds")

@@ -6,7 +6,8 @@
 The case is run once before the range (compiles, warms the caches of the allocator), then once inside
 cudaProfilerStart/Stop, so `--profile-from-start off` profiles exactly the launches of one call. After
 the range it prints each Triton kernel's registers, spills and shared memory per compiled variant.
-Cases: mla_decode_{4k,32k,128k} (N=8, T=1), mla_verify16_32k (N=8, T=16, random tree), moe_t{1,16}
+Cases: mla_decode_{4k,32k,128k} (N=8, T=1), mla_verify16_32k (N=8, T=16, random tree), mla_tree4_4k (N=8, 4 nodes),
+mla_tree{2,4}_4k_n64 / mla_decode_4k_n64 (N=64: 2 / 4 nodes, one query), moe_t{1,16}
 (384 experts top-8; moe_frag_t{1,16}: the fragment kernels), dense_m1 (36864 x 7168 W4A16, M=1; dense_frag_m{4,16}: the engine's fragment kernel), plane_m1 (the same by the nibble-plane kernel).
 """
 
@@ -27,8 +28,8 @@ from kdtree_engine.kernels import mla_attention as mla_mod  # noqa: E402
 from kdtree_engine.kernels import moe_w4a16, w4a16  # noqa: E402
 
 
-def _mla(S: int, T: int):
-    q_lat, q_pe, kvs, mask = make_case(8, S, T, 1)
+def _mla(S: int, T: int, N: int = 8):
+    q_lat, q_pe, kvs, mask = make_case(N, S, T, 1)
     return lambda: mla_mod.mla_attention(q_lat, q_pe, kvs[0], S, mask, SCALE, C)
 
 
@@ -77,6 +78,10 @@ CASES = {
     "mla_decode_32k": lambda: _mla(32768, 1),
     "mla_decode_128k": lambda: _mla(131072, 1),
     "mla_verify16_32k": lambda: _mla(32768, 16),
+    "mla_tree4_4k": lambda: _mla(4096, 4),
+    "mla_tree4_4k_n64": lambda: _mla(4096, 4, 64),
+    "mla_tree2_4k_n64": lambda: _mla(4096, 2, 64),
+    "mla_decode_4k_n64": lambda: _mla(4096, 1, 64),
     "moe_t1": lambda: _moe(1),
     "moe_t16": lambda: _moe(16),
     "moe_frag_t1": lambda: _moe_frag(1),

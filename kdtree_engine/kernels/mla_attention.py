@@ -234,9 +234,6 @@ class MLAConfig:
     # warpgroup launches: at most this many (query, head) rows per program (the wgmma's N: 8, 16 or 32; fewer rows
     # make more programs, each re-reading the chunk's key tiles); a re-tiling, the same bits (GPU-tested)
     DECODE_WG_ROWS: int = 32
-    # warpgroup launches: the next key block's scores issued behind this block's row sums and P @ V, one wait for
-    # the three (otherwise each waited for in turn); the same MMAs, the same bits (GPU-tested)
-    DECODE_WG_PIPE: bool = False
 
     def __post_init__(self) -> None:
         if self.DECODE_MAX_T < 1:
@@ -260,9 +257,9 @@ class MLAConfig:
                              f"(over the 227 KB of an H200); got {self}")
         if self.QK_SPLIT not in (1, 2) or (self.QK_SPLIT == 2 and (self.KEYS_ON_M or self.K_DESC)):
             raise ValueError(f"MLAConfig.QK_SPLIT must be 1 or 2 (2 without KEYS_ON_M or K_DESC); got {self}")
-        if self.DECODE_WG and not (self.L_BY_DOT and not self.KEYS_ON_M and self.QK_SPLIT == 1 and not self.DECODE_ROWS
+        if self.DECODE_WG and not (self.L_BY_DOT and not self.KEYS_ON_M and not self.DECODE_ROWS
                                    and self.LAZY_RESCALE == "off" and self.DECODE_WG in (2, 3)):
-            raise ValueError("MLAConfig.DECODE_WG (2 or 3 key slots) needs L_BY_DOT, KEYS_ON_M off, QK_SPLIT 1, "
+            raise ValueError("MLAConfig.DECODE_WG (2 or 3 key slots) needs L_BY_DOT, KEYS_ON_M off, "
                              "DECODE_ROWS 0 and LAZY_RESCALE off (the chunk kernel's arithmetic it reproduces); "
                              f"got {self}")
         if self.DECODE_WG_ROWS not in (8, 16, 32):
@@ -338,7 +335,7 @@ class MLAConfig:
         if self.DECODE_MIN_PROGRAMS:
             d["DECODE_MIN_PROGRAMS"] = self.DECODE_MIN_PROGRAMS
         for k in ("L_BY_DOT", "DECODE_BLOCK_M", "DECODE_STAGES", "DECODE_WARPS", "DECODE_ROWS", "K_DESC",
-                  "SMALL_BLOCK_M", "SMALL_WARPS", "DECODE_WG", "DECODE_WG_MIN_PROGRAMS", "DECODE_WG_PIPE"):
+                  "SMALL_BLOCK_M", "SMALL_WARPS", "DECODE_WG", "DECODE_WG_MIN_PROGRAMS"):
             if getattr(self, k):
                 d[k] = getattr(self, k)
         if self.DECODE_WG_ROWS != 32:
@@ -928,8 +925,8 @@ def _wg_slices(cfg: MLAConfig, rows: int, n_ch: int, C: int, VS: int) -> int:
 
 
 def _wg_opts(cfg: MLAConfig) -> dict:
-    """The warpgroup launch's tiling and MMA order (MLAConfig.DECODE_WG_ROWS / DECODE_WG_PIPE)."""
-    return dict(most_rows=cfg.DECODE_WG_ROWS, pipe=cfg.DECODE_WG_PIPE)
+    """The warpgroup launch's rows per program and score chains (MLAConfig.DECODE_WG_ROWS / QK_SPLIT)."""
+    return dict(most_rows=cfg.DECODE_WG_ROWS, qk_split=cfg.QK_SPLIT)
 
 
 def _partials(out: torch.Tensor, n_ch: int) -> tuple[torch.Tensor, torch.Tensor, int, int, int]:

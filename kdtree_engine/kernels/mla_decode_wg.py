@@ -76,16 +76,27 @@ if HAVE_GLUON:
     WAIT_ASM = gl.constexpr(PDL_ASM)
 
     @gluon.jit
-    def _scores(kl_st, kp_st, ql_s, qp_s, zs):
-        """s^T [BN, NP] of one key slot: the latent then the rope MMA, issued (asynchronous: wait for the token)."""
-        s = warpgroup_mma(kl_st, ql_s.permute((1, 0)), zs, use_acc=False, is_async=True)
-        return warpgroup_mma(kp_st, qp_s.permute((1, 0)), s, is_async=True)
+    def _scores(kl_st, kp_st, ql_s, qp_s, zs, qk_scale, C: gl.constexpr, QS: gl.constexpr):
+        """Scaled s^T [BN, NP] of one key slot: the latent then the rope MMA chain; QS = 2: the latent's lower
+        half then the rope, beside the upper half as its own chain, each scaled before the add (the chunk
+        kernel's QK_SPLIT arithmetic)."""
+        if QS == 1:
+            s = warpgroup_mma(kl_st, ql_s.permute((1, 0)), zs, use_acc=False, is_async=True)
+            s = warpgroup_mma(kp_st, qp_s.permute((1, 0)), s, is_async=True)
+            return warpgroup_mma_wait(num_outstanding=0, deps=[s]) * qk_scale
+        HC: gl.constexpr = C // 2
+        lo = warpgroup_mma(kl_st.slice(0, HC, dim=1), ql_s.slice(0, HC, dim=1).permute((1, 0)), zs, use_acc=False,
+                           is_async=True)
+        lo = warpgroup_mma(kp_st, qp_s.permute((1, 0)), lo, is_async=True)
+        hi = warpgroup_mma(kl_st.slice(HC, HC, dim=1), ql_s.slice(HC, HC, dim=1).permute((1, 0)), zs,
+                           use_acc=False, is_async=True)
+        lo, hi = warpgroup_mma_wait(num_outstanding=0, deps=[lo, hi])
+        return lo * qk_scale + hi * qk_scale
 
     @gluon.jit
-    def _probs(s, m_i, pos, L, qk_scale, p_s):
-        """One online-softmax step on s^T [BN, NP] (keys at positions pos, -inf from L on): P^T into p_s, every
-        warp's part in before it returns; (alpha, the new running max)."""
-        s = s * qk_scale
+    def _probs(s, m_i, pos, L, p_s):
+        """One online-softmax step on the scaled s^T [BN, NP] (keys at positions pos, -inf from L on): P^T into
+        p_s, every warp's part in before it returns; (alpha, the new running max)."""
         s = gl.where((pos < L)[:, None], s, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, 0))
         alpha = gl.exp2(m_i - m_new)
@@ -121,7 +132,7 @@ if HAVE_GLUON:
                               stride_plm, stride_ot, stride_on, qk_scale,
                               C: gl.constexpr, R: gl.constexpr, NP: gl.constexpr, DV: gl.constexpr,
                               VS: gl.constexpr, CHUNK: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
-                              CAUSAL: gl.constexpr, DIRECT: gl.constexpr, S_DEV: gl.constexpr, PIPE: gl.constexpr,
+                              CAUSAL: gl.constexpr, DIRECT: gl.constexpr, S_DEV: gl.constexpr, QS: gl.constexpr,
                               PDL: gl.constexpr):
         # grid (row groups x V_SPLIT, chunks): the slices of one group adjacent (their key tiles hit L2).
         # CAUSAL: one query (T = 1) over [0, S] (itself included); else the whole prefix chunks of a tree's
@@ -191,47 +202,18 @@ if HAVE_GLUON:
         zs = gl.zeros([BN, NP], gl.float32, layout=ACC)
         zl = gl.zeros([64, NP], gl.float32, layout=ACC)
         offs_n = gl.arange(0, BN, layout=KEY)
-        if PIPE:
-            # block j+1's scores are issued behind block j's row sums and P @ V, before those are waited for:
-            # the tensor pipe runs them back to back while the warps wait once per block, not once per MMA
-            mbarrier.wait(bars.index(0), 0)
-            s_t = _scores(kl.index(0), kp.index(0), ql_s, qp_s, zs)
-            for j in range(n_blk - 1):
-                st = j % STAGES
-                s = warpgroup_mma_wait(num_outstanding=0, deps=[s_t])
-                alpha, m_new = _probs(s, m_i, p0 + j * BN + offs_n, L, qk_scale, p_s)
-                lsum_t = warpgroup_mma(ones, p_s.permute((1, 0)), zl, use_acc=False, is_async=True)
-                acc_t = _pv(kl.index(st), p_s, acc * alpha[None, :], pid_v, DV, VS)
-                nx = (j + 1) % STAGES
-                mbarrier.wait(bars.index(nx), ((j + 1) // STAGES) & 1)
-                s_t = _scores(kl.index(nx), kp.index(nx), ql_s, qp_s, zs)
-                lsum, acc = warpgroup_mma_wait(num_outstanding=2, deps=[lsum_t, acc_t])   # the scores stay
-                l_i = l_i * alpha + gl.max(lsum, 0)
-                m_i = m_new
-                cta_barrier()       # every warp is done with this slot and with P before they are rewritten
-                _refill(lat_desc, pe_desc, kl, kp, bars, st, p0, j + STAGES, n_blk, BN, NBYTES)
-            j = n_blk - 1
-            s = warpgroup_mma_wait(num_outstanding=0, deps=[s_t])
-            alpha, m_new = _probs(s, m_i, p0 + j * BN + offs_n, L, qk_scale, p_s)
-            lsum_t = warpgroup_mma(ones, p_s.permute((1, 0)), zl, use_acc=False, is_async=True)
-            acc_t = _pv(kl.index(j % STAGES), p_s, acc * alpha[None, :], pid_v, DV, VS)
-            lsum, acc = warpgroup_mma_wait(num_outstanding=0, deps=[lsum_t, acc_t])
+        for j in range(n_blk):
+            st = j % STAGES
+            mbarrier.wait(bars.index(st), (j // STAGES) & 1)
+            s = _scores(kl.index(st), kp.index(st), ql_s, qp_s, zs, qk_scale, C, QS)
+            alpha, m_new = _probs(s, m_i, p0 + j * BN + offs_n, L, p_s)
+            lsum = warpgroup_mma(ones, p_s.permute((1, 0)), zl, use_acc=False)
             l_i = l_i * alpha + gl.max(lsum, 0)
+            acc = warpgroup_mma_wait(num_outstanding=0,
+                                     deps=[_pv(kl.index(st), p_s, acc * alpha[None, :], pid_v, DV, VS)])
             m_i = m_new
-        else:
-            for j in range(n_blk):
-                st = j % STAGES
-                mbarrier.wait(bars.index(st), (j // STAGES) & 1)
-                s = warpgroup_mma_wait(num_outstanding=0,
-                                       deps=[_scores(kl.index(st), kp.index(st), ql_s, qp_s, zs)])
-                alpha, m_new = _probs(s, m_i, p0 + j * BN + offs_n, L, qk_scale, p_s)
-                lsum = warpgroup_mma(ones, p_s.permute((1, 0)), zl, use_acc=False)
-                l_i = l_i * alpha + gl.max(lsum, 0)
-                acc = warpgroup_mma_wait(num_outstanding=0,
-                                         deps=[_pv(kl.index(st), p_s, acc * alpha[None, :], pid_v, DV, VS)])
-                m_i = m_new
-                cta_barrier()       # every warp is done with this slot and with P before they are rewritten
-                _refill(lat_desc, pe_desc, kl, kp, bars, st, p0, j + STAGES, n_blk, BN, NBYTES)
+            cta_barrier()           # every warp is done with this slot and with P before they are rewritten
+            _refill(lat_desc, pe_desc, kl, kp, bars, st, p0, j + STAGES, n_blk, BN, NBYTES)
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(i))
 
@@ -261,11 +243,11 @@ def kv_descriptors(kv: torch.Tensor, rows: int, C: int, R: int) -> tuple:
 
 def launch(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, rows: int, po, pl, out, s_ptr, S: int,
            strides: tuple[int, int, int], qk_scale: float, chunk: int, n_ch: int, v_split: int, stages: int,
-           causal: bool, direct: bool, s_dev: bool, pdl: dict, most_rows: int = 32, pipe: bool = False) -> None:
+           causal: bool, direct: bool, s_dev: bool, pdl: dict, most_rows: int = 32, qk_split: int = 1) -> None:
     """One launch over chunks [0, n_ch) of the first `rows` slots of kv: q_lat [T, N, C], q_pe [T, N, R] (causal:
     T = 1 over [0, S]; else a tree's T queries over the whole chunks of [0, S)); partials (po, pl with
     `strides` = (row, chunk, lse row)) or, direct, out [T, N, C]. Programs of up to `most_rows` (query, head) rows;
-    pipe: the next key block's scores issued before this block's P @ V is waited for (the same MMAs)."""
+    qk_split: the score chains (MLAConfig.QK_SPLIT)."""
     T, N, C = q_lat.shape
     R = q_pe.shape[2]
     np_ = rows_per_program(T * N, most_rows)
@@ -273,7 +255,7 @@ def launch(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, rows: int,
     _mla_decode_wg_kernel[(triton.cdiv(T * N, np_) * v_split, n_ch)](
         q_lat, q_pe, lat, pe, po, pl, out, s_ptr, S, T, N, q_lat.stride(0), q_lat.stride(1), q_pe.stride(0),
         q_pe.stride(1), *strides, out.stride(0), out.stride(1), qk_scale, C=C, R=R, NP=np_, DV=C // v_split,
-        VS=v_split, CHUNK=chunk, BN=BLOCK_N, STAGES=stages, CAUSAL=causal, DIRECT=direct, S_DEV=s_dev, PIPE=pipe,
+        VS=v_split, CHUNK=chunk, BN=BLOCK_N, STAGES=stages, CAUSAL=causal, DIRECT=direct, S_DEV=s_dev, QS=qk_split,
         num_warps=4,
         **pdl)
 

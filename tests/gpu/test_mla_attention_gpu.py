@@ -247,24 +247,25 @@ def check_decode_rows(q_lat, q_pe, kv, S, full, rows, cfg, what):
 
 
 WG = {"wg2": dict(DECODE_WG=2), "wg3": dict(DECODE_WG=3), "wg2slices": dict(DECODE_WG=2, DECODE_MIN_PROGRAMS=128),
-      "wg2pipe": dict(DECODE_WG=2, DECODE_WG_PIPE=True), "wg3pipe": dict(DECODE_WG=3, DECODE_WG_PIPE=True),
-      "wg2pipeslices": dict(DECODE_WG=2, DECODE_WG_PIPE=True, DECODE_WG_MIN_PROGRAMS=128),
-      "wg2rows16pipe": dict(DECODE_WG=2, DECODE_WG_ROWS=16, DECODE_WG_PIPE=True),
+      "wg2qs2": dict(DECODE_WG=2, QK_SPLIT=2), "wg3qs2": dict(DECODE_WG=3, QK_SPLIT=2),
+      "wg2qs2slices": dict(DECODE_WG=2, QK_SPLIT=2, DECODE_WG_MIN_PROGRAMS=128),
+      "wg2rows16": dict(DECODE_WG=2, DECODE_WG_ROWS=16),
       "wg2rows8": dict(DECODE_WG=2, DECODE_WG_ROWS=8, DECODE_WG_MIN_PROGRAMS=128)}
 
 
 @pytest.mark.parametrize("N,wg", [(8, "wg2"), (8, "wg3"), (8, "wg2slices"), (16, "wg2"), (16, "wg2slices"),
-                                  (5, "wg3"), (64, "wg2"), (8, "wg2pipe"), (8, "wg3pipe"), (8, "wg2pipeslices"),
-                                  (5, "wg2pipe"), (64, "wg2pipe"), (64, "wg2rows16pipe"), (16, "wg2rows8")])
+                                  (5, "wg3"), (64, "wg2"), (8, "wg2qs2"), (8, "wg3qs2"), (8, "wg2qs2slices"),
+                                  (5, "wg2qs2"), (64, "wg2qs2"), (64, "wg2rows16"), (16, "wg2rows8")])
 def test_decode_warpgroup_bit_equal_bf16(N, wg):
     """The warpgroup decode kernel (keys on the wgmma's M side, TMA key tiles; DECODE_WG) is the chunk kernel's
     arithmetic: a decode row equals the default config's decode and its row in a causal block, bit for bit,
     host- and device-length, over one chunk (direct write), chunk edges and a long prefix, with column slices,
-    and at N = 64 in two programs of 32 rows per chunk."""
+    at N = 64 in two programs of 32 rows per chunk (or four of 16), and with the scores in two chains
+    (QK_SPLIT 2, against the chunk kernel's)."""
     from kdtree_engine.kernels.mla_attention import _decode_wg
     from kdtree_engine.kernels.mla_decode_wg import unsupported
 
-    base = default_config(N)
+    base = replace(default_config(N), QK_SPLIT=WG[wg].get("QK_SPLIT", 1))   # the chunk kernel's arithmetic
     cfg = replace(base, **WG[wg])
     assert unsupported(N, C, R, torch.bfloat16, cfg.BLOCK_N, 1, cfg.DECODE_WG) is None
     for S, T in ((100, 8), (512 - 3, 6), (32768 + 5, 40)):
@@ -298,9 +299,9 @@ def test_candidate_tree_batch_invariant_bf16(name, N):
 SMALL_TILES = {"default": {}, "w8": dict(SMALL_WARPS=8), "bm16w8": dict(SMALL_BLOCK_M=16, SMALL_WARPS=8),
                "t16w8": dict(DECODE_MAX_T=16, SMALL_WARPS=8), "wg2": dict(DECODE_WG=2),
                "t16wg2": dict(DECODE_MAX_T=16, SMALL_WARPS=8, DECODE_WG=2),
-               "wg2pipeslices": dict(DECODE_WG=2, DECODE_WG_PIPE=True, DECODE_WG_MIN_PROGRAMS=128),
-               "t16wg2rows16pipe": dict(DECODE_MAX_T=16, SMALL_WARPS=8, DECODE_WG=2, DECODE_WG_ROWS=16,
-                                        DECODE_WG_PIPE=True, DECODE_WG_MIN_PROGRAMS=128),
+               "wg2qs2slices": dict(DECODE_WG=2, QK_SPLIT=2, DECODE_WG_MIN_PROGRAMS=128),
+               "t16wg2rows16": dict(DECODE_MAX_T=16, SMALL_WARPS=8, DECODE_WG=2, DECODE_WG_ROWS=16,
+                                    DECODE_WG_MIN_PROGRAMS=128),
                "wg2rows8": dict(DECODE_WG=2, DECODE_WG_ROWS=8)}
 
 
@@ -311,13 +312,15 @@ def test_small_trees_on_decode_tiles_bit_equal_bf16(N, tiles):
     bits: the first T nodes of a 64-node tree (a tree themselves: parent[i] < i) give the rows of the default
     config's 64-node launch, host- and device-length, at T = 2, 4, 8, 16; also on the small trees' own tiles
     (SMALL_BLOCK_M / SMALL_WARPS), with DECODE_MAX_T = 16 and with the prefix chunks on the warpgroup kernel
-    (DECODE_WG), also in column slices, in 8- or 16-row programs and with the next block's scores issued early."""
+    (DECODE_WG), also in column slices, in 8- or 16-row programs and with the scores in two chains (QK_SPLIT 2,
+    against the verify tiles' QK_SPLIT 2)."""
     S, Tt = 4096 + 37, 64
     seed = int(torch.randint(1 << 30, (1,)))
-    cfg = replace(default_config(N), **{"DECODE_MAX_T": 8, **SMALL_TILES[tiles]})
+    base = replace(default_config(N), QK_SPLIT=SMALL_TILES[tiles].get("QK_SPLIT", 1))
+    cfg = replace(base, **{"DECODE_MAX_T": 8, **SMALL_TILES[tiles]})
     q_lat, q_pe, kv = inputs(Tt, N, S, seed)
     mask = random_tree_mask(Tt, torch.Generator().manual_seed(seed)).cuda()
-    full = mla_attention(q_lat, q_pe, kv, S, mask, SCALE, C)
+    full = mla_attention(q_lat, q_pe, kv, S, mask, SCALE, C, config=base)
     cap = torch.cat([kv, torch.randn(300, C + R, device="cuda").bfloat16()])
     for T in (2, 4, 8, 16):
         poison_allocator()

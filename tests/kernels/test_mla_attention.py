@@ -481,9 +481,9 @@ def test_decode_wg_column_slices():
     assert _wg_slices(replace(cfg, DECODE_WG_ROWS=16), 16 * 8, 8, 512, 1) == 2
 
 
-def test_decode_wg_rows_and_pipe_fields():
-    """DECODE_WG_ROWS caps the warpgroup program's rows at 8, 16 or 32 (anything else refused, naming the field);
-    both fields round-trip through as_dict (the benchmarks' config records)."""
+def test_decode_wg_rows_field_and_qk_split():
+    """DECODE_WG_ROWS caps the warpgroup program's rows at 8, 16 or 32 (anything else refused, naming the field) and
+    round-trips through as_dict (the benchmarks' config records); the warpgroup kernel takes QK_SPLIT 2."""
     from kdtree_engine.kernels import mla_decode_wg as W
 
     assert [W.rows_per_program(r, 16) for r in (4, 8, 9, 16, 17, 512)] == [8, 8, 16, 16, 16, 16]
@@ -491,7 +491,7 @@ def test_decode_wg_rows_and_pipe_fields():
     for bad in (0, 4, 64):
         with pytest.raises(ValueError, match="DECODE_WG_ROWS"):
             MLAConfig(BLOCK_N=64, L_BY_DOT=True, DECODE_WG=2, DECODE_WG_ROWS=bad)
-    cfg = MLAConfig(BLOCK_N=64, L_BY_DOT=True, DECODE_WG=2, DECODE_WG_ROWS=16, DECODE_WG_PIPE=True)
+    cfg = MLAConfig(BLOCK_N=64, L_BY_DOT=True, DECODE_WG=2, DECODE_WG_ROWS=16, QK_SPLIT=2)
     assert MLAConfig(**cfg.as_dict()) == cfg
     assert "DECODE_WG_ROWS" not in MLAConfig(BLOCK_N=64, L_BY_DOT=True, DECODE_WG=2).as_dict()
     if W.HAVE_GLUON:
@@ -508,7 +508,7 @@ def test_decode_wg_config_and_fit(caplog, monkeypatch):
     monkeypatch.setattr(M, "_LOGGED", set())   # nothing logged yet in this test's eyes
 
     ok = MLAConfig(BLOCK_N=64, L_BY_DOT=True, DECODE_WG=2)
-    for bad in (dict(L_BY_DOT=False), dict(KEYS_ON_M=True), dict(QK_SPLIT=2), dict(DECODE_WG=4),
+    for bad in (dict(L_BY_DOT=False), dict(KEYS_ON_M=True), dict(DECODE_WG=4),
                 dict(LAZY_RESCALE="all"), dict(DECODE_ROWS=4, BLOCK_M=32, DECODE_BLOCK_M=16)):
         with pytest.raises(ValueError, match="DECODE_WG"):
             MLAConfig(**{**ok.as_dict(), **bad})
