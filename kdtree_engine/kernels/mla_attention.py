@@ -394,13 +394,22 @@ class MLAConfig:
 # 19.4 / 31.0 / 104 at 4K / 32K / 128K against 28.2 / 45.7 / 114; N = 64 trees of 2 / 4 / 8 nodes over 4K 43.5 /
 # 48.0 / 53.3 against 50.1 / 58.2 / 57.2; N = 8 trees over 4K as before (41.0 / 41.6 / 44.0 at 4 / 8 / 16 nodes
 # against 40.5 / 41.3 / 43.5), over 32K 55.1 / 59.5 / 91.7 against 50.4 / 72.0 / 91.9.
+# Small trees' prefix launches sliced like one-query decodes (DECODE_WG_MIN_PROGRAMS), N <= 16 in 16-row warpgroup
+# programs (DECODE_WG_ROWS), N = 64 with DECODE_MIN_PROGRAMS 64 (one column slice where 64 programs are reached:
+# the 4-node prefix launch leaves SMs to the tree-tail launch beside it); all re-tilings, the same bits (GPU-tested).
+# python3 bench/mla_attention.py --sweep-only --sweep-wg (bench/results/mla_attention-wg-sweep-h200-qs2.md), N = 8
+# trees of 4 / 8 / 16 nodes over 4K 31.4 / 38.1 / 40.9 us against 39.9 / 40.7 / 42.8 unsliced in 32-row programs,
+# 4 nodes over 32K 44.4 against 52.7 (one query: the same launch); N = 64 trees of 2 / 4 nodes over 4K 38.8 / 42.1
+# against 42.6 / 46.0 (the host path's per-call tree index included), decode 19.4 / 30.4 us at 4K / 32K against
+# 18.9 / 30.8. The score chains split in two (QK_SPLIT 2) measured equal on the warpgroup kernel (19.2 against 19.4
+# us at 32K) and are not adopted.
 DEFAULT_CONFIGS: list[tuple[int, MLAConfig]] = [
     (16, MLAConfig(CHUNK=512, BLOCK_M=32, BLOCK_N=64, V_SPLIT=1, num_warps=4, num_stages=2, KEYS_ON_M=False,
                    Q_IN_LOOP=False, V_SPLIT_BY_T=(), DECODE_MIN_PROGRAMS=0, L_BY_DOT=True,
                    DECODE_BLOCK_M=16, DECODE_STAGES=3, QK_SPLIT=1, DECODE_MAX_T=16,
-                   SMALL_WARPS=8, DECODE_WG=2, DECODE_WG_MIN_PROGRAMS=128)),  # N <= 16 (TP8: 8 heads/rank)
+                   SMALL_WARPS=8, DECODE_WG=2, DECODE_WG_MIN_PROGRAMS=128, DECODE_WG_ROWS=16)),  # N <= 16 (TP8)
     (1 << 30, MLAConfig(CHUNK=512, BLOCK_M=64, BLOCK_N=64, V_SPLIT=1, num_warps=8, num_stages=2,
-                        KEYS_ON_M=False, Q_IN_LOOP=False, V_SPLIT_BY_T=(), DECODE_MIN_PROGRAMS=128, L_BY_DOT=True,
+                        KEYS_ON_M=False, Q_IN_LOOP=False, V_SPLIT_BY_T=(), DECODE_MIN_PROGRAMS=64, L_BY_DOT=True,
                         DECODE_BLOCK_M=32, DECODE_WARPS=4, QK_SPLIT=1, DECODE_MAX_T=8, DECODE_WG=2)),
 ]
 
