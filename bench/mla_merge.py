@@ -8,7 +8,7 @@ Compute). Its summation order is fixed by the chunk count alone (pairwise trees 
 see kdtree_engine/kernels/mla_attention.py), so the column tile (BLOCK_D), the warps and PREFETCH (the next
 block's loads issued before the current block's sums) only change how fast it runs; each variant's output
 is compared bit for bit with the engine's launch. Partials are random, rows are causal decode rows
-(T = 1, N = 8 or 64) or a 16-node verify at N = 8; timings are medians of CUDA-graph replays of
+(T = 1, N = 8 or 64), a 16-node verify at N = 8 or the rows of a 4-node tree over 4K; timings are medians of CUDA-graph replays of
 PER_GRAPH back-to-back launches, per launch.
 """
 
@@ -32,7 +32,8 @@ PER_GRAPH = 20   # launches per CUDA graph (one launch alone would time the repl
 # (label, T, N, context S): rows = T * N causal rows over S + t + 1 keys
 SHAPES = [("decode N=8 32K", 1, 8, 32768), ("decode N=8 128K", 1, 8, 131072), ("decode N=8 256K", 1, 8, 262144),
           ("decode N=64 128K", 1, 64, 131072), ("verify N=8 T=16 32K", 16, 8, 32768),
-          ("verify N=8 T=16 128K", 16, 8, 131072)]
+          ("verify N=8 T=16 128K", 16, 8, 131072), ("tree N=64 T=4 4K", 4, 64, 4096), ("tree N=8 T=4 4K", 4, 8, 4096),
+          ("decode N=64 4K", 1, 64, 4096)]
 # (BLOCK_D, num_warps, PREFETCH); None: the engine's launch (merge_tiles), timed first
 VARIANTS = [None, (32, 2, False), (32, 2, True), (128, 2, False), (16, 2, False), (16, 2, True), (16, 1, True),
             (8, 1, True), (32, 4, True), (64, 4, True)]
