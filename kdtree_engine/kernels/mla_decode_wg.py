@@ -13,8 +13,8 @@ instruction is what bounds it (bench/results/ncu-h200-notes.md). Here the keys s
 (NP = 8, 16 or 32 (query, head) rows per program, the wgmma's N, more rows in more programs; one warpgroup;
 the key tiles copied by TMA into a ring of STAGES slots, mbarrier-tracked). Per element this is the chunk
 kernel's arithmetic with L_BY_DOT: the same 576-long fp32 score chain (latent, then rope) in k16 steps,
-scale, -inf past the row's keys, exp2 against the running max, the row sum of the bf16 P by an MMA, the
-rescaled accumulator as the P @ V MMA's addend, the same partials (o = acc / l, lse = m + log2 l) for the
+scale, -inf past the row's keys, exp2 against the running max, the row sum of the bf16 P by an MMA (its 64 equal
+rows carried as a tile, one taken at the end), the rescaled accumulator as the P @ V MMA's addend, the same partials (o = acc / l, lse = m + log2 l) for the
 same merge. The GPU tests hold it to the Triton decode launch bit for bit (tests/gpu/test_mla_attention_gpu.py).
 
 Keys past the row's end inside a block are real cache slots (or the TMA's zero fill past the tensor)
@@ -196,7 +196,10 @@ if HAVE_GLUON:
         cta_barrier()           # q in shared memory (every warp's part) before the first MMA reads it
 
         m_i = gl.full([NP], float("-inf"), gl.float32, layout=ROW)
-        l_i = gl.zeros([NP], gl.float32, layout=ROW)
+        # the row sums as the ones-MMA's [64, NP] tile, its 64 rows equal (the same products in the same order);
+        # each row carries the chunk kernel's l = l * alpha + rowsum(P) step for step, one row is taken at the end
+        # (no cross-warp reduction per block)
+        l_t = gl.zeros([64, NP], gl.float32, layout=ACC)
         acc = gl.zeros([DV, NP], gl.float32, layout=ACC)
         ones = gl.full([64, BN], 1.0, DT, layout=ONES)
         zs = gl.zeros([BN, NP], gl.float32, layout=ACC)
@@ -208,7 +211,7 @@ if HAVE_GLUON:
             s = _scores(kl.index(st), kp.index(st), ql_s, qp_s, zs, qk_scale, C, QS)
             alpha, m_new = _probs(s, m_i, p0 + j * BN + offs_n, L, p_s)
             lsum = warpgroup_mma(ones, p_s.permute((1, 0)), zl, use_acc=False)
-            l_i = l_i * alpha + gl.max(lsum, 0)
+            l_t = l_t * alpha[None, :] + lsum
             acc = warpgroup_mma_wait(num_outstanding=0,
                                      deps=[_pv(kl.index(st), p_s, acc * alpha[None, :], pid_v, DV, VS)])
             m_i = m_new
@@ -217,6 +220,7 @@ if HAVE_GLUON:
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(i))
 
+        l_i = gl.max(l_t, 0)                            # every row the same: the max picks one
         o = acc / l_i[None, :]                          # [DV, NP]
         r = pid_g * NP + gl.arange(0, NP, layout=ROW)
         d = pid_v * DV + gl.arange(0, DV, layout=KEY)
