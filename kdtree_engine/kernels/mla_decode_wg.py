@@ -14,8 +14,8 @@ instruction is what bounds it (bench/results/ncu-h200-notes.md). Here the keys s
 the key tiles copied by TMA into a ring of STAGES slots, mbarrier-tracked). Per element this is the chunk
 kernel's arithmetic with L_BY_DOT: the same 576-long fp32 score chain (latent, then rope) in k16 steps,
 scale, -inf past the row's keys, exp2 against the running max, the row sum of the bf16 P by an MMA (its 64 equal
-rows carried as a tile, one taken at the end), the rescaled accumulator as the P @ V MMA's addend, the same partials (o = acc / l, lse = m + log2 l) for the
-same merge. The GPU tests hold it to the Triton decode launch bit for bit (tests/gpu/test_mla_attention_gpu.py).
+rows carried as a tile, one taken at the end), the rescaled accumulator as the P @ V MMA's addend, the same
+partials (o = acc / l, lse = m + log2 l) for the same merge. The GPU tests hold it to the Triton decode launch bit for bit (tests/gpu/test_mla_attention_gpu.py).
 
 Keys past the row's end inside a block are real cache slots (or the TMA's zero fill past the tensor)
 weighted exactly 0, so they must be finite: the engine's latent cache is zero-initialised and only ever
@@ -108,15 +108,16 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _pv(k_lat, p_s, acc, pid_v, DV: gl.constexpr, VS: gl.constexpr):
-        """o^T [DV, NP] += this slice's columns of the latent tile^T @ P^T, issued (asynchronous: wait for the token)."""
+        """o^T [DV, NP] = acc + this slice's columns of the latent tile^T @ P^T."""
         if VS == 1:
-            return warpgroup_mma(k_lat.permute((1, 0)), p_s.permute((1, 0)), acc, is_async=True)
-        tok = warpgroup_mma_init(acc)
-        for vv in gl.static_range(VS):   # this slice's columns of the latent tile (constant offsets)
-            if pid_v == vv:
-                tok = warpgroup_mma(k_lat.slice(vv * DV, DV, dim=1).permute((1, 0)), p_s.permute((1, 0)), tok,
-                                    is_async=True)
-        return tok
+            tok = warpgroup_mma(k_lat.permute((1, 0)), p_s.permute((1, 0)), acc, is_async=True)
+        else:
+            tok = warpgroup_mma_init(acc)
+            for vv in gl.static_range(VS):   # this slice's columns of the latent tile (constant offsets)
+                if pid_v == vv:
+                    tok = warpgroup_mma(k_lat.slice(vv * DV, DV, dim=1).permute((1, 0)), p_s.permute((1, 0)), tok,
+                                        is_async=True)
+        return warpgroup_mma_wait(num_outstanding=0, deps=[tok])
 
     @gluon.jit
     def _refill(lat_desc, pe_desc, kl, kp, bars, st, p0, nxt, n_blk, BN: gl.constexpr, NBYTES: gl.constexpr):
@@ -212,8 +213,7 @@ if HAVE_GLUON:
             alpha, m_new = _probs(s, m_i, p0 + j * BN + offs_n, L, p_s)
             lsum = warpgroup_mma(ones, p_s.permute((1, 0)), zl, use_acc=False)
             l_t = l_t * alpha[None, :] + lsum
-            acc = warpgroup_mma_wait(num_outstanding=0,
-                                     deps=[_pv(kl.index(st), p_s, acc * alpha[None, :], pid_v, DV, VS)])
+            acc = _pv(kl.index(st), p_s, acc * alpha[None, :], pid_v, DV, VS)
             m_i = m_new
             cta_barrier()           # every warp is done with this slot and with P before they are rewritten
             _refill(lat_desc, pe_desc, kl, kp, bars, st, p0, j + STAGES, n_blk, BN, NBYTES)
