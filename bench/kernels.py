@@ -111,7 +111,8 @@ def bench_dense(copy_bw, reps, log):
                     row["frag_rel_err"] = rel(frag_linear(x, *wf[0], tile=FRAG_TILE), ref)
                     row["frag_us"] = time_calls([lambda p=p, s=s: frag_linear(x, p, s, tile=FRAG_TILE) for p, s in wf],
                                                 reps=reps)["us"]
-                    row["frag_plan"] = {**dict(zip(("gpb", "mt", "split"), dense_plan(N, K))), "tile": FRAG_TILE}
+                    row["frag_plan"] = {**dict(zip(("gpb", "mt", "programs"), dense_plan(
+                        N, K, torch.cuda.get_device_properties(0).multi_processor_count))), "tile": FRAG_TILE}
                 except Exception as exc:  # noqa: BLE001
                     row["frag_us"], row["frag_error"] = None, _err(exc)
             row["bf16_us"] = time_calls([lambda w=w: F.linear(x, w) for w in wb], reps=reps)["us"]

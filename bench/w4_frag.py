@@ -32,18 +32,20 @@ from bench.common import command_line, copy_bandwidth, device_info, gpu_stem, l2
 from bench.kernels import DENSE, E, G, H, I, TOPK, rand_w4, rel, route, w4_bytes  # noqa: E402
 from kdtree_engine.kernels.moe_frag import FragMoEConfig, frag_moe_config, fused_moe_frag, warps_for  # noqa: E402
 from kdtree_engine.kernels.moe_w4a16 import fused_moe_reference, fused_moe_w4a16  # noqa: E402
-from kdtree_engine.kernels.w4_frag import dense_plan, frag_gpb, frag_linear, frag_repack, frag_tile, token_mma, token_mt, token_tile, token_warps, FRAG_TILE  # noqa: E402
+from kdtree_engine.kernels.w4_frag import _w4_frag_kernel, dense_plan, frag_gpb, frag_linear, frag_repack, frag_tile, partition_rows, token_mma, token_mt, token_tile, token_warps, FRAG_TILE  # noqa: E402
 from kdtree_engine.kernels.w4a16 import w4a16_linear  # noqa: E402
 from kdtree_engine.quant import dequantize  # noqa: E402
 
-DENSE_CANDIDATES = [  # the engine's plan first (None), then overrides of it (the plan's split unless given);
+DENSE_CANDIDATES = [  # the engine's plan first (None), then overrides of it (the plan's partition unless given);
+    # split: tile-aligned K splits (programs = row tiles x split; 2 was the plan of 36864 x 7168 and 7168 x 2048
+    # before the stream partition, 7 that of 4096 x 7168); per_sm: the stream partition over per_sm programs
+    # per SM; pt: the partition's rows per tile (partition_rows; programs of pt / 16 warps at every token tile)
     # tile: 0 for row-major words (the engine's plan: frag_tile's 64-row tiles)
     # mma: the instruction (token_mma: mma.sync up to 16 tokens per program, wgmma beyond)
-    None, dict(tile=0), dict(split=4), dict(mma="sync", tok=16), dict(mma="wgmma", tok=16),
-    dict(mma="wgmma", tok=32),
-    # two warpgroups per program (128 weight rows) sharing one activation buffer (the plan's 64-token programs),
-    # and 64-token programs of one warpgroup
-    dict(mma="wgmma", tok=16, num_warps=8), dict(mma="wgmma", tok=32, num_warps=8), dict(mma="wgmma", tok=64, num_warps=4),
+    None, dict(split=2), dict(split=7), dict(per_sm=3), dict(per_sm=5), dict(per_sm=6), dict(per_sm=8),
+    dict(pt=128), dict(pt=128, per_sm=3), dict(pt=128, per_sm=4), dict(tile=0), dict(mma="sync", tok=16),
+    dict(mma="wgmma", tok=16), dict(mma="wgmma", tok=32), dict(pt=128, mma="wgmma", tok=16),
+    dict(pt=128, mma="wgmma", tok=32),
 ]
 MOE_CANDIDATES = [  # the engine's table first (None), then block rows / tiles / splits / activation loads, all on
     # the engine's tiled words; the engine's table on row-major words last (block-major words, measured at
@@ -87,14 +89,40 @@ def _wanted(cand, only: str | None) -> bool:
     return any(o in repr(knobs).lower() for o in only.lower().split(","))
 
 
+def _compiled_regs(fn) -> dict:
+    """(registers, spilled bytes) of every compiled variant of a Triton / Gluon kernel, by cache key."""
+    out = {}
+    for entry in getattr(fn, "device_caches", {}).values():
+        for key, k in entry[0].items():
+            out[key] = (getattr(k, "n_regs", None), getattr(k, "n_spills", None))
+    return out
+
+
+def _dense_kwargs(N, K, M, sms, cand) -> dict:
+    """frag_linear's knobs for one dense candidate: the engine's plan with the candidate's overrides."""
+    cand = dict(cand or {})
+    pt = cand.pop("pt", partition_rows(N))
+    gpb, mt, programs = dense_plan(N, K, sms, pt)
+    tok = cand.get("tok", token_tile(M))
+    kw = dict(gpb=gpb, mt=token_mt(mt, tok), num_warps=token_warps(pt), xload="smem-ahead", tok=tok,
+              tile=FRAG_TILE, pt=pt)
+    if "per_sm" in cand:
+        kw["programs"] = max(1, min(sms * cand.pop("per_sm"), (N // pt) * (K // (32 * gpb))))
+    elif "split" not in cand:
+        kw["programs"] = programs
+    kw.update(cand)
+    return kw
+
+
 def bench_dense(ms, bw, reps, only: str | None = None) -> list[dict]:
     rows: list[dict] = []
     l2 = l2_bytes()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     for name, (N, K) in DENSE.items():
         nbytes = w4_bytes(N, K)
         ws = [rand_w4(N, K) for _ in range(max(1, math.ceil(3 * l2 / nbytes)))]
         wd = dequantize(*ws[0], G, torch.bfloat16)
-        plan = dense_plan(N, K)
+        plan = dense_plan(N, K, sms)
         reps_by_gpb = {(plan[0], 0): [(frag_repack(p, plan[0]), s) for p, s in ws]}
         reps_by_gpb[(plan[0], FRAG_TILE)] = [(frag_tile(q, plan[0], FRAG_TILE), s) for q, s in reps_by_gpb[(plan[0], 0)]]
         for M in ms:
@@ -106,20 +134,23 @@ def bench_dense(ms, bw, reps, only: str | None = None) -> list[dict]:
             _row(rows, {**base, "kernel": "torch bf16 (dequantized)"}, lambda: x @ wd.T, ref,
                  [lambda: x @ wd.T], None, bw, reps)
             for cand in [c for c in DENSE_CANDIDATES if _wanted(c, only)]:
-                gpb, mt, split = plan
-                tok = token_tile(M)
-                kw = dict(gpb=gpb, mt=token_mt(mt, tok), num_warps=token_warps(tok, N) if token_mma(tok) == "wgmma" else 4,
-                          split=split, xload="smem-ahead", tok=tok, tile=FRAG_TILE)
-                kw.update(cand or {})
+                kw = _dense_kwargs(N, K, M, sms, cand)
                 tag = "frag (engine plan)" if cand is None else "frag"
-                wr = reps_by_gpb[(gpb, kw.get("tile", 0))]
-                label = (f"{tag} gpb{kw['gpb']} mt{kw['mt']} w{kw['num_warps']} split{kw['split']} tok{kw['tok']}"
+                wr = reps_by_gpb[(kw["gpb"], kw.get("tile", 0))]
+                part = f"split{kw['split']}" if "split" in kw else f"programs{kw['programs']}"
+                label = (f"{tag} gpb{kw['gpb']} mt{kw['mt']} w{kw['num_warps']} {part}"
+                         f" pt{kw['pt']} tok{kw['tok']}"
                          f" x {kw['xload']}{'' if kw.get('pdl', True) else ' no-pdl'}"
                          f"{' tiled ' + str(kw['tile']) if kw.get('tile') else ''}"
                          f" {kw.get('mma') or token_mma(kw['tok'])}")
+                before = _compiled_regs(_w4_frag_kernel)
                 _row(rows, {**base, "kernel": label},
                      lambda: frag_linear(x, *wr[0], **kw), ref,
                      [lambda p=p, s=s: frag_linear(x, p, s, **kw) for p, s in wr], nbytes, bw, reps)
+                new = [v for k, v in _compiled_regs(_w4_frag_kernel).items() if k not in before]
+                if new:
+                    rows[-1]["regs"] = new
+                    print(f"  compiled: (registers, spilled bytes) {new}", flush=True)
         del ws, reps_by_gpb, wd
         torch.cuda.empty_cache()
     return rows
@@ -184,9 +215,9 @@ def main(argv=None) -> int:
           "us: median over CUDA-graph replays (dense: rotating weight copies > L2; MoE: 4 routings). "
           "TB/s: int4 + scale bytes of the matrix (MoE: of the experts touched) / time. err: relative, against "
           "x @ W^T in float64 (dense; W the bf16-rounded dequantized weights) or `fused_moe_reference` (MoE).", ""]
-    md += md_table(["matrix", "M / T", "kernel", "us", "TB/s", "x copy", "err"],
+    md += md_table(["matrix", "M / T", "kernel", "us", "TB/s", "x copy", "err", "registers (new compiles)"],
                    [[r["matrix"], r["M"], r["kernel"], r.get("us"), r.get("TBps"), r.get("x_copy"),
-                     r.get("err", r.get("error"))] for r in rows])
+                     r.get("err", r.get("error")), " ".join(f"{a}/{b}" for a, b in r.get("regs", []))] for r in rows])
     write_results(args.out, f"w4-frag-{gpu_stem(info['gpu'])}", {"device": info, "copy_bw": bw, "rows": rows}, md)
     print("\n".join(md[-len(rows) - 2:]))
     return 0

@@ -34,6 +34,8 @@ is tested on the CPU (tests/kernels/test_w4_frag_repack.py), the kernels on the 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 
@@ -349,55 +351,79 @@ if HAVE_GLUON:
         return acc0, acc1
 
     @gluon.jit
+    def _stream_program(block, work, programs):
+        """The program of the stream partition whose range holds global K block `block` (see dense_partition)."""
+        return ((block + 1) * programs - 1) // work
+
+    @gluon.jit
     def _w4_frag_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, stride_xm, stride_wn, stride_sn,
-                        stride_om, stride_os, kb_per_split,
+                        stride_om, stride_os, iters, work, programs,
                         TOK: gl.constexpr, MT: gl.constexpr, GPB: gl.constexpr, WL: gl.constexpr,
                         X_SMEM: gl.constexpr, X_AHEAD: gl.constexpr, PDL: gl.constexpr, TILE: gl.constexpr,
-                        num_warps: gl.constexpr, WG: gl.constexpr = False):
-        """grid (cdiv(M, TOK), N / BN, splits): out[split, m, n] = sum over the split's k of x[m, k] W[n, k].
-        The token tiles of one weight tile are adjacent program ids: they run together and the weights are
-        read from DRAM about once. PDL: launched dependent on the kernel that wrote x (pdl.py)."""
+                        PT: gl.constexpr, SEGS: gl.constexpr, num_warps: gl.constexpr,
+                        WG: gl.constexpr = False):
+        """grid (cdiv(M, TOK), programs): the stream partition of the work = (N / PT) x iters K blocks, row tile
+        major (dense_partition), each PT-row tile in passes of BN rows. Program p takes global blocks [p * work // programs, (p + 1) * work // programs);
+        each run of them within one row tile (a segment) is one partial, written to out[slot, m, n] with slot
+        its index among the tile's segments (split_sum adds a tile's slots alone). The partition is fixed by the shape,
+        never by M. The token tiles of one weight range are adjacent program ids: they run together and the
+        weights are read from DRAM about once. PDL: launched dependent on the kernel that wrote x (pdl.py)."""
         BN: gl.constexpr = 16 * num_warps * MT
         BK: gl.constexpr = 32 * GPB
         MMA: gl.constexpr = wg_layout(TOK, num_warps) if WG else mma_layout(num_warps)
+        XW: gl.constexpr = wg_x_layout(BK, num_warps)                # wgmma: activations [TOK, BK] to smem
+        AL: gl.constexpr = operand_layout(0, num_warps)              # mma.sync: the A / B operands
+        BL: gl.constexpr = operand_layout(1, num_warps)
+        XL: gl.constexpr = x_layout(BK, TOK, num_warps, X_SMEM)      # mma.sync: activations [BK, TOK]
         m0 = gl.program_id(0) * TOK
-        n0 = gl.program_id(1) * BN
-        pid_s = gl.program_id(2)
-        kb0 = pid_s * kb_per_split
-        w_ptrs, s_ptrs = _word_ptrs(w_ptr, s_ptr, n0, stride_wn, stride_sn, kb0, WL, BN, GPB, TILE)
-        acc = gl.zeros([BN, TOK], gl.float32, layout=MMA)
+        p = gl.program_id(1)
+        g = p * work // programs
+        end = (p + 1) * work // programs
         if WG:
-            # activations [TOK, BK] (k contiguous) into shared memory, the wgmma B operand as its transpose
-            XW: gl.constexpr = wg_x_layout(BK, num_warps)
-            rk = gl.arange(0, BK, layout=gl.SliceLayout(0, XW))
-            rm = m0 + gl.arange(0, TOK, layout=gl.SliceLayout(1, XW))
-            x_ptrs = x_ptr + gl.expand_dims(rm, 1) * stride_xm + gl.expand_dims(rk, 0) + kb0 * BK
             xs = gl.allocate_shared_memory(gl.bfloat16, [2, TOK, BK], WG_X_SMEM)
-            acc, unused = _frag_loop_wg(acc, acc, w_ptrs, s_ptrs, w_ptrs, s_ptrs, x_ptrs, gl.expand_dims(rm, 1) < M,
-                                        kb_per_split, xs, False, wg_a_layout(TOK, num_warps), BN, GPB, PDL, TILE)
-        else:
-            AL: gl.constexpr = operand_layout(0, num_warps)
-            BL: gl.constexpr = operand_layout(1, num_warps)
-            XL: gl.constexpr = x_layout(BK, TOK, num_warps, X_SMEM)
-            # activations as the B operand [BK, TOK] (x^T), tokens >= M read as 0
-            rk = gl.arange(0, BK, layout=gl.SliceLayout(1, XL))
-            rm = m0 + gl.arange(0, TOK, layout=gl.SliceLayout(0, XL))
-            x_ptrs = x_ptr + gl.expand_dims(rm, 0) * stride_xm + gl.expand_dims(rk, 1) + kb0 * BK
-            x_mask = gl.expand_dims(rm, 0) < M
-            acc, unused = _frag_loop(acc, acc, w_ptrs, s_ptrs, w_ptrs, s_ptrs, x_ptrs, x_mask, kb_per_split,
-                                     False, X_AHEAD, AL, BL, BN, GPB, PDL, TILE)
-
-        # y[m, n] = acc[n, m]
-        on = gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
-        om = m0 + gl.arange(0, TOK, layout=gl.SliceLayout(0, MMA))
-        o_ptrs = out_ptr + pid_s * stride_os + gl.expand_dims(om, 0) * stride_om + n0 + gl.expand_dims(on, 1)
-        gl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=gl.expand_dims(om, 0) < M)
+        for _seg in gl.static_range(SEGS):   # unrolled: a loop over segments costs ~30 registers (ptxas)
+            if g < end:
+                t = g // iters
+                b0 = g - t * iters
+                nb = gl.minimum(iters - b0, end - g)
+                slot = p - _stream_program(t * iters, work, programs)
+                for h in gl.static_range(PT // BN):   # the partition's row tile in passes of BN rows
+                    row0 = t * PT + h * BN
+                    w_ptrs, s_ptrs = _word_ptrs(w_ptr, s_ptr, row0, stride_wn, stride_sn, b0, WL, BN, GPB, TILE)
+                    acc = gl.zeros([BN, TOK], gl.float32, layout=MMA)
+                    if WG:
+                        # activations [TOK, BK] (k contiguous) into shared memory, the wgmma B operand as its
+                        # transpose
+                        rk = gl.arange(0, BK, layout=gl.SliceLayout(0, XW))
+                        rm = m0 + gl.arange(0, TOK, layout=gl.SliceLayout(1, XW))
+                        x_ptrs = x_ptr + gl.expand_dims(rm, 1) * stride_xm + gl.expand_dims(rk, 0) + b0 * BK
+                        acc, unused = _frag_loop_wg(acc, acc, w_ptrs, s_ptrs, w_ptrs, s_ptrs, x_ptrs,
+                                                    gl.expand_dims(rm, 1) < M, nb, xs, False,
+                                                    wg_a_layout(TOK, num_warps), BN, GPB, PDL, TILE)
+                    else:
+                        # activations as the B operand [BK, TOK] (x^T), tokens >= M read as 0
+                        rk = gl.arange(0, BK, layout=gl.SliceLayout(1, XL))
+                        rm = m0 + gl.arange(0, TOK, layout=gl.SliceLayout(0, XL))
+                        x_ptrs = x_ptr + gl.expand_dims(rm, 0) * stride_xm + gl.expand_dims(rk, 1) + b0 * BK
+                        acc, unused = _frag_loop(acc, acc, w_ptrs, s_ptrs, w_ptrs, s_ptrs, x_ptrs,
+                                                 gl.expand_dims(rm, 0) < M, nb, False, X_AHEAD, AL, BL, BN, GPB,
+                                                 PDL, TILE)
+                    # y[m, n] = acc[n, m]
+                    on = gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
+                    om = m0 + gl.arange(0, TOK, layout=gl.SliceLayout(0, MMA))
+                    o_mask = gl.expand_dims(om, 0) < M
+                    o_ptrs = out_ptr + gl.expand_dims(om, 0) * stride_om + row0 + gl.expand_dims(on, 1)
+                    gl.store(o_ptrs + slot * stride_os, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
+                g += nb
 
 
 GROUP = 32           # the only group size of the fragment order (one word = one group of one lane)
 MAX_GPB = 8          # groups per K block: 8 (256 k) measured fastest at K2 shapes (bench/results/w4-frag-h200.md)
-DENSE_TARGET_PROGRAMS = 1200   # K splits of a dense matrix: the most with at most this many programs
-DENSE_MIN_BLOCKS = 4           # ... and at least this many K blocks each
+DENSE_WARPS_PER_SM = 16        # stream partition of a dense matrix: one wave of 16 warps per SM (4 programs of the
+                               # 16-token tile's 128 registers)
+DENSE_PARTITION_ROWS = 64      # rows of a partition tile where they divide N (partition_rows)
+DENSE_MIN_BLOCKS = 4           # ... and at least this many K blocks per program
+DENSE_MAX_SEGMENTS = 4         # row tiles one program may touch (its segments are unrolled)
 
 
 def frag_gpb(K: int) -> int:
@@ -422,17 +448,48 @@ def frag_unsupported(N: int, K: int, group_size: int, bn: int = 64) -> str | Non
     return None
 
 
-def dense_plan(N: int, K: int) -> tuple[int, int, int]:
-    """(gpb, mt, split) of the dense kernel for an [N, K] weight: fixed by the shape, never by M (the split
-    is part of the reduction). One MMA tile per warp (64-row programs, the rows of one FRAG_TILE) and the most
-    K splits of >= DENSE_MIN_BLOCKS blocks with at most DENSE_TARGET_PROGRAMS programs: with tiled words
-    36864 x 7168 at M = 1 43.0 us (2 splits) against 46.5 for 2 tiles per warp and 4 splits, one expert's
-    4096 x 7168 8.3 us (4 splits) against 11.3 with 14 (bench/results/w4-frag-h200-tiled.md). MT only re-tiles."""
+def partition_rows(N: int) -> int:
+    """Rows of one tile of the dense stream partition: DENSE_PARTITION_ROWS where they divide N, else 64. A
+    program covers one tile (pt / 16 warps of one MMA tile each; token_warps) or, given fewer rows, takes the
+    tile in passes over the same K ranges (the same bits)."""
+    return DENSE_PARTITION_ROWS if N % DENSE_PARTITION_ROWS == 0 else 64
+
+
+def dense_plan(N: int, K: int, sms: int, pt: int | None = None) -> tuple[int, int, int]:
+    """(gpb, mt, programs) of the dense kernel for an [N, K] weight on a device of `sms` SMs: fixed by the
+    shape and the device, never by M (the partition is part of the reduction). One MMA tile per warp and a
+    stream partition (dense_partition) over one wave of DENSE_WARPS_PER_SM warps per SM with at least
+    DENSE_MIN_BLOCKS 64-row K blocks per program: tile-aligned K splits left a partial wave (36864 x 7168:
+    1152 programs, 2.18 waves of 16-token programs); a matrix of more than two row tiles per program takes
+    more programs (the kernel unrolls a program's segments). pt: the partition's rows (partition_rows unless
+    given). MT only re-tiles."""
     gpb = frag_gpb(K)
-    iters, tiles = K // (32 * gpb), N // 64
-    split = max(s for s in range(1, iters + 1)
-                if iters % s == 0 and (iters // s >= DENSE_MIN_BLOCKS or s == 1) and tiles * s <= max(DENSE_TARGET_PROGRAMS, tiles))
-    return gpb, 1, split
+    pt = partition_rows(N) if pt is None else pt
+    blocks = (N // 64) * (K // (32 * gpb))   # 64-row K blocks
+    programs = max(1, min(sms * DENSE_WARPS_PER_SM // token_warps(pt), blocks * 64 // pt // DENSE_MIN_BLOCKS))
+    return gpb, 1, max(programs, -(-(N // pt) // 2))   # <= 2 tiles of blocks each: <= 3 segments
+
+
+@functools.lru_cache(maxsize=256)
+def dense_partition(tiles: int, iters: int, programs: int) -> tuple[int, int]:
+    """(slots, segments) of the stream partition of tiles x iters K blocks (row tile major) over `programs`
+    programs, program p taking blocks [p * work // programs, (p + 1) * work // programs), cut at tile ends
+    into segments: slots, the most programs that share one tile (each tile's partials are added in program
+    order by split_sum); segments, the most tiles one program touches (the kernel's unrolled segments).
+        programs = tiles * s (s | iters)  -> (s, 1): the tile-aligned split of s K ranges per tile"""
+    work = tiles * iters
+    if not 1 <= programs <= work:
+        raise ValueError(f"dense_partition: programs must be in 1..{work} (row tiles x K blocks), got {programs}")
+    if work * programs >= 2 ** 31:
+        raise ValueError(f"dense_partition: {tiles} tiles x {iters} blocks x {programs} programs overflow int32")
+    prog = lambda block: ((block + 1) * programs - 1) // work  # noqa: E731 - the kernel's _stream_program
+    slots = max(prog(t * iters + iters - 1) - prog(t * iters) + 1 for t in range(tiles))
+    segments = max((((p + 1) * work // programs) - 1) // iters - (p * work // programs) // iters + 1
+                   for p in range(programs))
+    if segments > DENSE_MAX_SEGMENTS:
+        raise ValueError(f"dense_partition: {programs} programs over {tiles} tiles x {iters} blocks touch up to "
+                         f"{segments} tiles each (at most {DENSE_MAX_SEGMENTS}: the kernel unrolls them)")
+    return slots, segments
 
 
 def token_tile(M: int, wide: bool = True) -> int:
@@ -455,13 +512,12 @@ def token_mma(tok: int) -> str:
     return "sync" if tok <= 16 else "wgmma"
 
 
-def token_warps(tok: int, rows: int) -> int:
-    """Warps per wgmma program for a token tile over `rows` weight rows: 64-token programs run two warpgroups
-    where 128 divides the rows (8 warps, 128 weight rows sharing one activation buffer: 36864 x 7168 at
-    M = 64 / 256 137 / 410 us against 140 / 450 with one, an expert's w13 19.2 / 65.8 against 21.7 / 70.8;
-    bench/results/w4-frag-h200-wg8.md); the rest 4 (8-warp 16 / 32-token programs were slower). Only
-    re-tiles: the same bits (tests/gpu/test_w4_frag_gpu.py)."""
-    return 8 if tok == 64 and rows % 128 == 0 else 4
+def token_warps(pt: int, mt: int = 1) -> int:
+    """Warps of a dense program: the rows of one partition tile (pt, partition_rows) at mt 16-row MMA tiles
+    per warp, for every token tile and instruction (wgmma: one or two warpgroups). 64-token wgmma programs of
+    two warpgroups measured faster than one (36864 x 7168 at M = 64 / 256 137 / 410 us against 140 / 450;
+    bench/results/w4-frag-h200-wg8.md), 16-token mma.sync programs of 4 warps need 128 registers."""
+    return max(1, pt // (16 * mt))
 
 
 def token_mt(plan_mt: int, tok: int) -> int:
@@ -472,29 +528,34 @@ def token_mt(plan_mt: int, tok: int) -> int:
 
 def frag_linear(x: torch.Tensor, wq: torch.Tensor, s: torch.Tensor, *, gpb: int | None = None,
                 mt: int | None = None, num_warps: int | None = None, split: int | None = None,
-                tok: int | None = None, xload: str = "smem-ahead", pdl: bool = True, tile: int = 0,
-                mma: str | None = None) -> torch.Tensor:
+                programs: int | None = None, pt: int | None = None, tok: int | None = None,
+                xload: str = "smem-ahead", pdl: bool = True, tile: int = 0, mma: str | None = None) -> torch.Tensor:
     """y [M, N] = x [M, K] @ W^T, W the fragment-repacked int4 words wq [N, K/8] (frag_repack with
     frag_gpb(K) unless gpb is given) and bf16 scales s [N, K/32]; x bfloat16. Unset knobs follow dense_plan,
-    token_tile, token_mt, token_mma and token_warps (wgmma programs); xload: how activations are loaded
-    (X_LOADS); pdl: programmatic dependent launches of the GEMM and its split sum (pdl.py; the same bits); tile:
-    0 for row-major words, else the rows per tile of frag_tile's order (the same bits); mma: "sync" (mma.sync,
-    8 / 16-token tiles) or "wgmma" (the dequantized weights the register A operand of a warpgroup MMA, the
-    activations its shared-memory B operand; 4 or 8 warps: one or two warpgroups, 1 tile per warp; the same
-    bits)."""
+    token_tile, token_mt, token_mma and token_warps; programs: the stream partition's program
+    count (dense_partition), or split: s tile-aligned K ranges per row tile (programs = row tiles x s); pt:
+    the partition's rows per tile (partition_rows, a multiple of the program's rows); xload:
+    how activations are loaded (X_LOADS); pdl: programmatic dependent launches of the GEMM and its split sum
+    (pdl.py; the same bits); tile: 0 for row-major words, else the rows per tile of frag_tile's order (the
+    same bits); mma: "sync" (mma.sync, 8 / 16-token tiles) or "wgmma" (the dequantized weights the register A
+    operand of a warpgroup MMA, the activations its shared-memory B operand; 4 or 8 warps: one or two
+    warpgroups, 1 tile per warp; the same bits). The bits depend on the partition alone: any token tile,
+    MMA, warps, loads and word order give them."""
     if not HAVE_GLUON:
         raise RuntimeError("the fragment-ordered W4A16 kernels need triton.experimental.gluon (triton >= 3.5)")
     from kdtree_engine.kernels.split_sum import split_sum
 
     M, K = x.shape
     N = wq.shape[0]
-    plan = dense_plan(N, K)
+    if split is not None and programs is not None:
+        raise ValueError(f"frag_linear: give split ({split}) or programs ({programs}), not both")
+    pt = partition_rows(N) if pt is None else pt
+    plan = dense_plan(N, K, torch.cuda.get_device_properties(x.device).multi_processor_count, pt)
     tok = token_tile(M, wide=mma != "sync" and num_warps in (None, 4, 8) and mt in (None, 1)) if tok is None else tok
     gpb = plan[0] if gpb is None else gpb
     mt = token_mt(plan[1], tok) if mt is None else mt
     mma = token_mma(tok) if mma is None else mma
-    num_warps = (token_warps(tok, N) if mma == "wgmma" else 4) if num_warps is None else num_warps
-    split = plan[2] if split is None else split
+    num_warps = token_warps(pt, mt) if num_warps is None else num_warps
     bn, bk = 16 * num_warps * mt, 32 * gpb
     if x.dtype != torch.bfloat16:
         raise TypeError(f"frag_linear: bfloat16 activations required, got {x.dtype}")
@@ -508,19 +569,30 @@ def frag_linear(x: torch.Tensor, wq: torch.Tensor, s: torch.Tensor, *, gpb: int 
     why = tile_unsupported(N, tile, bn)
     if why:
         raise ValueError(f"frag_linear: {why}")
-    if N % bn or K % (bk * split) or wq.shape[1] * 8 != K or s.shape != (N, K // GROUP):
-        raise ValueError(f"frag_linear: N={N} must be a multiple of {bn}, K={K} of {bk * split}; words "
+    if N % bn or K % bk or wq.shape[1] * 8 != K or s.shape != (N, K // GROUP):
+        raise ValueError(f"frag_linear: N={N} must be a multiple of {bn}, K={K} of {bk}; words "
                          f"{tuple(wq.shape)}, scales {tuple(s.shape)}")
+    if pt % bn or N % pt:
+        raise ValueError(f"frag_linear: the partition's {pt}-row tiles must divide N={N} and be a multiple "
+                         f"of the {bn}-row programs")
+    tiles, iters = N // pt, K // bk
+    if split is not None:
+        if split < 1 or iters % split:
+            raise ValueError(f"frag_linear: split {split} must divide the {iters} K blocks of {bk}")
+        programs = tiles * split
+    programs = min(plan[2], tiles * iters) if programs is None else programs
+    slots, segs = dense_partition(tiles, iters, programs)
     y = torch.empty((M, N), device=x.device, dtype=x.dtype)
     if M == 0:
         return y
     x = x.contiguous()
     pdl = pdl and pdl_supported(x.device)
-    part = y if split == 1 else torch.empty((split, M, N), device=x.device, dtype=torch.float32)
-    _w4_frag_kernel[(triton.cdiv(M, tok), N // bn, split)](
-        x, wq, s, part, M, N, x.stride(0), wq.stride(0), s.stride(0), N, M * N, K // bk // split,
+    part = y if slots == 1 else torch.empty((slots, M, N), device=x.device, dtype=torch.float32)
+    _w4_frag_kernel[(triton.cdiv(M, tok), programs)](
+        x, wq, s, part, M, N, x.stride(0), wq.stride(0), s.stride(0), N, M * N, iters, tiles * iters, programs,
         TOK=tok, MT=mt, GPB=gpb, WL=word_layout(num_warps, mt, gpb), X_SMEM=X_LOADS[xload][0],
-        X_AHEAD=X_LOADS[xload][1], TILE=tile, num_warps=num_warps, WG=mma == "wgmma", **pdl_launch(pdl))
-    if split > 1:
-        split_sum(part, y, split, pdl=pdl)
+        X_AHEAD=X_LOADS[xload][1], TILE=tile, PT=pt, SEGS=segs, num_warps=num_warps, WG=mma == "wgmma",
+        **pdl_launch(pdl))
+    if slots > 1:
+        split_sum(part, y, slots, pdl=pdl, stream=(pt, iters, tiles * iters, programs))
     return y

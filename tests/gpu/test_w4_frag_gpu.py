@@ -34,15 +34,54 @@ TOL = 1e-2
 
 @pytest.mark.parametrize("N,K,gpb,mt,warps,split", [
     (192, 512, 4, 1, 4, 1), (256, 768, 8, 2, 4, 3), (4096, 7168, 8, 2, 4, 4), (7168, 2048, 8, 1, 4, 2),
-    (512, 1024, 4, 2, 8, 2), (128, 512, 16, 1, 2, 1),
+    (512, 1024, 4, 1, 8, 2), (128, 512, 16, 1, 2, 1),
 ])
 @pytest.mark.parametrize("M", [1, 3, 8, 13, 16, 37])
 def test_frag_linear_matches_reference(poisoned, N, K, gpb, mt, warps, split, M):
     p, s = rand_w4(N, K)
     x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
     ref = (x.float() @ dequantize(p, s, G, torch.bfloat16).float().T).to(torch.bfloat16)
-    out = frag_linear(x, frag_repack(p, gpb), s, gpb=gpb, mt=mt, num_warps=warps, split=split)
+    out = frag_linear(x, frag_repack(p, gpb), s, gpb=gpb, mt=mt, num_warps=warps, split=split,
+                      pt=max(64, 16 * warps * mt))   # the partition's tiles hold whole programs
     _check(out, ref, TOL, f"frag N={N} K={K} M={M}")
+
+
+@pytest.mark.parametrize("N,K,programs", [(2048, 7168, 100), (2048, 7168, 37), (192, 512, 5), (1024, 2048, 7),
+                                          (36864, 7168, None)])
+def test_frag_linear_stream_partition(poisoned, N, K, programs):
+    """Stream partitions whose program ranges cut row tiles inside (up to 7 partials per tile; tiles with fewer
+    segments zero their unused slots): x @ W^T, and a row's bits equal the M = 37 launch at every token tile,
+    MMA and warp count (the partition alone sets the reduction)."""
+    p, s = rand_w4(N, K)
+    gpb = frag_gpb(K)
+    q = frag_tile(frag_repack(p, gpb), gpb, 64)
+    x = torch.randn(37, K, device="cuda").to(torch.bfloat16)
+    ref = (x.float() @ dequantize(p, s, G, torch.bfloat16).float().T).to(torch.bfloat16)
+    pt = 128 if N % 128 == 0 else 64   # 128-row tiles: 4-warp programs take them in two passes
+    full = frag_linear(x, q, s, programs=programs, tile=64, pt=pt)
+    _check(full, ref, TOL, f"frag stream N={N} K={K} programs={programs}")
+    if programs is None:
+        assert torch.equal(frag_linear(x, q, s, tile=64), frag_linear(x, q, s, tile=64, pt=64)), "plan's tiles not 64"
+    bad = []
+    for tok, warps, mma in ((8, 4, "sync"), (16, 4, "sync"), (32, 4, "wgmma"), (64, 4, "wgmma"), (64, 8, "wgmma"),
+                            (16, 8, "sync")):
+        if 16 * warps > pt:
+            continue
+        for m in (1, 5, 16, 37):
+            rows = frag_linear(x[:m], q, s, programs=programs, tile=64, pt=pt, tok=tok, num_warps=warps, mma=mma)
+            if not torch.equal(rows, full[:m]):
+                bad.append((tok, warps, m, int((rows != full[:m]).sum())))
+    assert not bad, f"rows differ from the M=37 launch (tok, warps, M, #elements): {bad}"
+
+
+def test_frag_linear_split_is_a_stream_partition():
+    """split = s is the stream partition of row tiles x s programs (each tile cut into s equal K ranges):
+    the same bits."""
+    p, s = rand_w4(2048, 7168)
+    q = frag_repack(p, 8)
+    x = torch.randn(9, 7168, device="cuda").to(torch.bfloat16)
+    split4 = frag_linear(x, q, s, split=4)
+    assert torch.equal(split4, frag_linear(x, q, s, programs=16 * 4))
 
 
 def test_frag_linear_detects_unrepacked_words():
@@ -58,8 +97,8 @@ def test_frag_linear_batch_invariant(split):
     p, s = rand_w4(4096, 7168)
     q = frag_repack(p, 8)
     x = torch.randn(100, 7168, device="cuda").to(torch.bfloat16)
-    full = frag_linear(x, q, s, gpb=8, mt=2, split=split)
-    bad = [(m, int((frag_linear(x[:m], q, s, gpb=8, mt=2, split=split) != full[:m]).sum()))
+    full = frag_linear(x, q, s, gpb=8, mt=2, split=split, pt=128)
+    bad = [(m, int((frag_linear(x[:m], q, s, gpb=8, mt=2, split=split, pt=128) != full[:m]).sum()))
            for m in (1, 2, 5, 8, 9, 16, 17, 64)]
     bad = [b for b in bad if b[1]]
     assert not bad, f"rows differ from the M=100 launch (M, #elements): {bad}"
@@ -71,12 +110,12 @@ def test_frag_linear_activation_loads_same_bits():
     p, s = rand_w4(2048, 7168)
     q = frag_repack(p, 8)
     x = torch.randn(21, 7168, device="cuda").to(torch.bfloat16)
-    full = frag_linear(x, q, s, gpb=8, split=4)
+    full = frag_linear(x, q, s, gpb=8, split=4, pt=128)   # 128-row tiles: 64-row programs take them in two passes
     for xl, tok, mt in (("operand", 16, 1), ("operand", 8, 2), ("smem", 8, 1), ("smem-ahead", 16, 1),
                         ("smem-ahead", 8, 2)):
-        other = frag_linear(x, q, s, gpb=8, split=4, mt=mt, tok=tok, xload=xl)
+        other = frag_linear(x, q, s, gpb=8, split=4, mt=mt, tok=tok, xload=xl, pt=128)
         assert torch.equal(full, other), f"xload {xl} / tok {tok} / mt {mt} give other bits"
-    assert torch.equal(full, frag_linear(x, q, s, gpb=8, split=4, pdl=False)), "pdl=False gives other bits"
+    assert torch.equal(full, frag_linear(x, q, s, gpb=8, split=4, pdl=False, pt=128)), "pdl=False gives other bits"
 
 
 @pytest.mark.parametrize("N,K,split", [(2048, 7168, 4), (192, 2048, 1), (128, 256, 1)])
@@ -93,8 +132,8 @@ def test_frag_linear_tiled_words_same_bits(poisoned, N, K, split):
         for tok, mt in ((8, 1), (8, 2), (16, 1)):
             if N % (64 * mt):
                 continue
-            rows = frag_linear(x, q, s, gpb=8, split=split, mt=mt, tok=tok)
-            tiled = frag_linear(x, qt, s, gpb=8, split=split, mt=mt, tok=tok, tile=64)
+            rows = frag_linear(x, q, s, gpb=8, split=split, mt=mt, tok=tok, pt=64 * mt)
+            tiled = frag_linear(x, qt, s, gpb=8, split=split, mt=mt, tok=tok, tile=64, pt=64 * mt)
             assert torch.equal(rows, tiled), f"tiled words: other bits (tok {tok} mt {mt} M {M})"
 
 
@@ -114,7 +153,8 @@ def test_frag_linear_wgmma_matches_reference(poisoned, N, K, split, tile, M):
     for tok, warps in ((8, 4), (16, 4), (32, 4), (64, 4), (32, 8), (64, 8)):
         if N % (16 * warps):
             continue
-        out = frag_linear(x, q, s, gpb=gpb, split=split, tok=tok, tile=tile, mma="wgmma", num_warps=warps)
+        out = frag_linear(x, q, s, gpb=gpb, split=split, tok=tok, tile=tile, mma="wgmma", num_warps=warps,
+                          pt=16 * warps)
         _check(out, ref, TOL, f"frag wgmma N={N} K={K} M={M} tok={tok} warps={warps}")
 
 
@@ -125,16 +165,17 @@ def test_frag_linear_wgmma_batch_invariant(split):
     p, s = rand_w4(2048, 7168)
     q = frag_tile(frag_repack(p, 8), 8, 64)
     x = torch.randn(100, 7168, device="cuda").to(torch.bfloat16)
-    full = frag_linear(x, q, s, gpb=8, split=split, tok=64, tile=64, mma="wgmma", num_warps=4)
+    full = frag_linear(x, q, s, gpb=8, split=split, tok=64, tile=64, mma="wgmma", num_warps=4, pt=128)
     bad = []
     for tok, warps in ((8, 4), (16, 4), (32, 4), (64, 4), (16, 8), (64, 8)):   # 8 warps: two warpgroups
         for m in (1, 5, 16, 17, 64, 100):
-            rows = frag_linear(x[:m], q, s, gpb=8, split=split, tok=tok, tile=64, mma="wgmma", num_warps=warps)
+            rows = frag_linear(x[:m], q, s, gpb=8, split=split, tok=tok, tile=64, mma="wgmma", num_warps=warps,
+                               pt=128)
             if not torch.equal(rows, full[:m]):
                 bad.append((tok, warps, m, int((rows != full[:m]).sum())))
     assert not bad, f"rows differ from the M=100 launch (tok, warps, M, #elements): {bad}"
     # mma.sync programs of 16 tokens: the same bits (the engine's plan takes either by the token count)
-    sync = frag_linear(x, q, s, gpb=8, split=split, tok=16, tile=64, mma="sync")
+    sync = frag_linear(x, q, s, gpb=8, split=split, tok=16, tile=64, mma="sync", pt=128)
     assert torch.equal(sync, full), f"wgmma vs mma.sync: {int((sync != full).sum())} elements differ"
 
 

@@ -46,11 +46,11 @@ def test_dense_token_tiles_and_instructions():
     assert [token_mma(t) for t in (8, 16, 32, 64)] == ["sync", "sync", "wgmma", "wgmma"]
 
 
-def test_wgmma_warpgroups_follow_the_token_tile_and_rows():
-    """64-token wgmma programs run two warpgroups (128 weight rows) where 128 divides the rows, else one."""
+def test_dense_programs_cover_one_partition_tile():
+    """A dense program's warps hold the rows of one partition tile at every token tile (wgmma: 64 rows one
+    warpgroup, 128 two)."""
     from kdtree_engine.kernels.w4_frag import token_warps
-    assert [token_warps(t, 36864) for t in (8, 16, 32, 64)] == [4, 4, 4, 8]
-    assert token_warps(64, 192) == 4 and token_warps(64, 128) == 8
+    assert token_warps(64) == 4 and token_warps(128) == 8 and token_warps(128, 2) == 4 and token_warps(64, 2) == 2
 
 
 def test_every_activation_load_is_accepted_for_both_gemms():
