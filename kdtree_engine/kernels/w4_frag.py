@@ -397,6 +397,7 @@ if HAVE_GLUON:
                         rk = gl.arange(0, BK, layout=gl.SliceLayout(0, XW))
                         rm = m0 + gl.arange(0, TOK, layout=gl.SliceLayout(1, XW))
                         x_ptrs = x_ptr + gl.expand_dims(rm, 1) * stride_xm + gl.expand_dims(rk, 0) + b0 * BK
+                        cta_barrier()   # the buffers' last reader (another warpgroup's MMA) is done
                         acc, unused = _frag_loop_wg(acc, acc, w_ptrs, s_ptrs, w_ptrs, s_ptrs, x_ptrs,
                                                     gl.expand_dims(rm, 1) < M, nb, xs, False,
                                                     wg_a_layout(TOK, num_warps), BN, GPB, PDL, TILE)
