@@ -365,7 +365,7 @@ if HAVE_GLUON:
         """grid (cdiv(M, TOK), programs): the stream partition of the work = (N / PT) x iters K blocks, row tile
         major (dense_partition), each PT-row tile in passes of BN rows. Program p takes global blocks [p * work // programs, (p + 1) * work // programs);
         each run of them within one row tile (a segment) is one partial, written to out[slot, m, n] with slot
-        its index among the tile's segments (split_sum adds a tile's slots alone). The partition is fixed by the shape,
+        its index among the tile's segments (stream_sum adds a tile's slots alone). The partition is fixed by the shape,
         never by M. The token tiles of one weight range are adjacent program ids: they run together and the
         weights are read from DRAM about once. PDL: launched dependent on the kernel that wrote x (pdl.py)."""
         BN: gl.constexpr = 16 * num_warps * MT
@@ -476,7 +476,7 @@ def dense_partition(tiles: int, iters: int, programs: int) -> tuple[int, int]:
     """(slots, segments) of the stream partition of tiles x iters K blocks (row tile major) over `programs`
     programs, program p taking blocks [p * work // programs, (p + 1) * work // programs), cut at tile ends
     into segments: slots, the most programs that share one tile (each tile's partials are added in program
-    order by split_sum); segments, the most tiles one program touches (the kernel's unrolled segments).
+    order by stream_sum); segments, the most tiles one program touches (the kernel's unrolled segments).
         programs = tiles * s (s | iters)  -> (s, 1): the tile-aligned split of s K ranges per tile"""
     work = tiles * iters
     if not 1 <= programs <= work:
@@ -544,7 +544,7 @@ def frag_linear(x: torch.Tensor, wq: torch.Tensor, s: torch.Tensor, *, gpb: int 
     MMA, warps, loads and word order give them."""
     if not HAVE_GLUON:
         raise RuntimeError("the fragment-ordered W4A16 kernels need triton.experimental.gluon (triton >= 3.5)")
-    from kdtree_engine.kernels.split_sum import split_sum
+    from kdtree_engine.kernels.split_sum import stream_sum
 
     M, K = x.shape
     N = wq.shape[0]
@@ -595,5 +595,5 @@ def frag_linear(x: torch.Tensor, wq: torch.Tensor, s: torch.Tensor, *, gpb: int 
         X_AHEAD=X_LOADS[xload][1], TILE=tile, PT=pt, SEGS=segs, num_warps=num_warps, WG=mma == "wgmma",
         **pdl_launch(pdl))
     if slots > 1:
-        split_sum(part, y, slots, pdl=pdl, stream=(pt, iters, tiles * iters, programs))
+        stream_sum(part, y, slots, pt, iters, tiles * iters, programs, pdl=pdl)
     return y

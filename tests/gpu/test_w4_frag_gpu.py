@@ -81,7 +81,8 @@ def test_frag_linear_split_is_a_stream_partition():
     q = frag_repack(p, 8)
     x = torch.randn(9, 7168, device="cuda").to(torch.bfloat16)
     split4 = frag_linear(x, q, s, split=4)
-    assert torch.equal(split4, frag_linear(x, q, s, programs=16 * 4))
+    assert torch.equal(split4, frag_linear(x, q, s, programs=32 * 4))          # 32 tiles of 64 rows
+    assert torch.equal(frag_linear(x, q, s, split=4, pt=128), frag_linear(x, q, s, programs=16 * 4, pt=128))
 
 
 def test_frag_linear_detects_unrepacked_words():

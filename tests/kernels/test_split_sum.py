@@ -1,4 +1,4 @@
-"""The fixed-order partial sum (kernels/split_sum.py) under the interpreter (child process, see _interp.py):
+"""The fixed-order partial sums (kernels/split_sum.py: split_sum, stream_sum) under the interpreter (child process, see _interp.py):
 plain splits, and the stream partition of the dense fragment kernel (w4_frag.dense_partition), where a
 column adds only the slots its row tile has and the others are never written (NaN-poisoned here). Oracle:
 torch float32 sums in slot order over the slots a brute-force walk of the partition gives each tile; the
@@ -37,7 +37,7 @@ def _slots_per_tile(tiles: int, iters: int, programs: int) -> list[int]:
 
 
 def _run_one(name, spec):
-    from kdtree_engine.kernels.split_sum import split_sum
+    from kdtree_engine.kernels.split_sum import split_sum, stream_sum
 
     M, tiles, rows, iters, programs = spec
     seed = int.from_bytes(os.urandom(4), "little")
@@ -52,7 +52,10 @@ def _run_one(name, spec):
     for t, u in enumerate(used):
         parts[:u, :, t * rows:(t + 1) * rows] = torch.randn(u, M, rows, generator=gen)
     out = torch.empty(M, N)
-    split_sum(parts, out, split, stream=stream)
+    if stream is None:
+        split_sum(parts, out, split)
+    else:
+        stream_sum(parts, out, split, *stream)
     ref = torch.empty(M, N)
     for t, u in enumerate(used):
         acc = parts[0, :, t * rows:(t + 1) * rows].clone()
