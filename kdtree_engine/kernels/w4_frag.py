@@ -461,7 +461,9 @@ def dense_plan(N: int, K: int, sms: int, pt: int | None = None) -> tuple[int, in
     shape and the device, never by M (the partition is part of the reduction). One MMA tile per warp and a
     stream partition (dense_partition) over one wave of DENSE_WARPS_PER_SM warps per SM with at least
     DENSE_MIN_BLOCKS 64-row K blocks per program: tile-aligned K splits left a partial wave (36864 x 7168:
-    1152 programs, 2.18 waves of 16-token programs); a matrix of more than two row tiles per program takes
+    1152 programs, 2.18 waves of 16-token programs; 62.6 against 67.0 us at M = 16, 127 against 136 at M = 64,
+    equal at M = 1 / 4 / 256: bench/results/w4-frag-h200-stream.md); 128-row tiles (8-warp programs) were
+    faster from 64 tokens but slower at M <= 4 (50.6 against 46.4 us at M = 1); a matrix of more than two row tiles per program takes
     more programs (the kernel unrolls a program's segments). pt: the partition's rows (partition_rows unless
     given). MT only re-tiles."""
     gpb = frag_gpb(K)
@@ -536,7 +538,7 @@ def frag_linear(x: torch.Tensor, wq: torch.Tensor, s: torch.Tensor, *, gpb: int 
     token_tile, token_mt, token_mma and token_warps; programs: the stream partition's program
     count (dense_partition), or split: s tile-aligned K ranges per row tile (programs = row tiles x s); pt:
     the partition's rows per tile (partition_rows, a multiple of the program's rows); xload:
-    how activations are loaded (X_LOADS); pdl: programmatic dependent launches of the GEMM and its split sum
+    how activations are loaded (X_LOADS); pdl: programmatic dependent launches of the GEMM and its partial sum
     (pdl.py; the same bits); tile: 0 for row-major words, else the rows per tile of frag_tile's order (the
     same bits); mma: "sync" (mma.sync, 8 / 16-token tiles) or "wgmma" (the dequantized weights the register A
     operand of a warpgroup MMA, the activations its shared-memory B operand; 4 or 8 warps: one or two
