@@ -34,6 +34,12 @@ def split_sum(parts: torch.Tensor, out: torch.Tensor, split: int, pdl: bool = Fa
 
 
 @triton.jit
+def _stream_program(block, work, programs):
+    """w4_frag.stream_program: the program of the stream partition whose range holds global K block `block`."""
+    return ((block + 1) * programs - 1) // work
+
+
+@triton.jit
 def _stream_sum_kernel(part_ptr, out_ptr, MN, N, rows, iters, work, programs, SPLIT: tl.constexpr,
                        BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """grid (M, cdiv(N, BLOCK)): out[m, n] = part[0, m, n] + part[1, m, n] + ... over the slots that row tile
@@ -44,7 +50,7 @@ def _stream_sum_kernel(part_ptr, out_ptr, MN, N, rows, iters, work, programs, SP
     n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = n < N
     first = (n // rows) * iters
-    used = ((first + iters) * programs - 1) // work - ((first + 1) * programs - 1) // work + 1
+    used = _stream_program(first + iters - 1, work, programs) - _stream_program(first, work, programs) + 1
     offs = tl.program_id(0).to(tl.int64) * N + n
     acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
     for s in tl.static_range(1, SPLIT):

@@ -352,7 +352,7 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _stream_program(block, work, programs):
-        """The program of the stream partition whose range holds global K block `block` (see dense_partition)."""
+        """stream_program in the kernel: the program whose range holds global K block `block`."""
         return ((block + 1) * programs - 1) // work
 
     @gluon.jit
@@ -362,12 +362,13 @@ if HAVE_GLUON:
                         X_SMEM: gl.constexpr, X_AHEAD: gl.constexpr, PDL: gl.constexpr, TILE: gl.constexpr,
                         PT: gl.constexpr, SEGS: gl.constexpr, num_warps: gl.constexpr,
                         WG: gl.constexpr = False):
-        """grid (cdiv(M, TOK), programs): the stream partition of the work = (N / PT) x iters K blocks, row tile
-        major (dense_partition), each PT-row tile in passes of BN rows. Program p takes global blocks [p * work // programs, (p + 1) * work // programs);
-        each run of them within one row tile (a segment) is one partial, written to out[slot, m, n] with slot
-        its index among the tile's segments (stream_sum adds a tile's slots alone). The partition is fixed by the shape,
-        never by M. The token tiles of one weight range are adjacent program ids: they run together and the
-        weights are read from DRAM about once. PDL: launched dependent on the kernel that wrote x (pdl.py)."""
+        """grid (cdiv(M, TOK), programs): the stream partition of the work = (N / PT) x iters K blocks, row
+        tile major (dense_partition), each PT-row tile in passes of BN rows. Program p takes global blocks
+        [p * work // programs, (p + 1) * work // programs); each run of them within one row tile (a segment) is
+        one partial, written to out[slot, m, n] with slot its index among the tile's segments (stream_sum adds
+        a tile's slots alone). The partition is fixed by the shape, never by M. The token tiles of one weight
+        range are adjacent program ids: they run together and the weights are read from DRAM about once.
+        PDL: launched dependent on the kernel that wrote x (pdl.py)."""
         BN: gl.constexpr = 16 * num_warps * MT
         BK: gl.constexpr = 32 * GPB
         MMA: gl.constexpr = wg_layout(TOK, num_warps) if WG else mma_layout(num_warps)
@@ -421,9 +422,9 @@ if HAVE_GLUON:
 GROUP = 32           # the only group size of the fragment order (one word = one group of one lane)
 MAX_GPB = 8          # groups per K block: 8 (256 k) measured fastest at K2 shapes (bench/results/w4-frag-h200.md)
 DENSE_WARPS_PER_SM = 16        # stream partition of a dense matrix: one wave of 16 warps per SM (4 programs of the
-                               # 16-token tile's 128 registers)
+                               # 16-token tile's 128 registers) ...
+DENSE_MIN_BLOCKS = 4           # ... and at least this many 64-row K blocks per program
 DENSE_PARTITION_ROWS = 64      # rows of a partition tile where they divide N (partition_rows)
-DENSE_MIN_BLOCKS = 4           # ... and at least this many K blocks per program
 DENSE_MAX_SEGMENTS = 4         # row tiles one program may touch (its segments are unrolled)
 
 
@@ -463,14 +464,20 @@ def dense_plan(N: int, K: int, sms: int, pt: int | None = None) -> tuple[int, in
     DENSE_MIN_BLOCKS 64-row K blocks per program: tile-aligned K splits left a partial wave (36864 x 7168:
     1152 programs, 2.18 waves of 16-token programs; 62.6 against 67.0 us at M = 16, 127 against 136 at M = 64,
     equal at M = 1 / 4 / 256: bench/results/w4-frag-h200-stream.md); 128-row tiles (8-warp programs) were
-    faster from 64 tokens but slower at M <= 4 (50.6 against 46.4 us at M = 1); a matrix of more than two row tiles per program takes
-    more programs (the kernel unrolls a program's segments). pt: the partition's rows (partition_rows unless
-    given). MT only re-tiles."""
+    faster from 64 tokens but slower at M <= 4 (50.6 against 46.4 us at M = 1); a matrix of more than two
+    row tiles per program takes more programs (the kernel unrolls a program's segments). pt: the partition's
+    rows (partition_rows unless given). MT only re-tiles."""
     gpb = frag_gpb(K)
     pt = partition_rows(N) if pt is None else pt
     blocks = (N // 64) * (K // (32 * gpb))   # 64-row K blocks
     programs = max(1, min(sms * DENSE_WARPS_PER_SM // token_warps(pt), blocks * 64 // pt // DENSE_MIN_BLOCKS))
     return gpb, 1, max(programs, -(-(N // pt) // 2))   # <= 2 tiles of blocks each: <= 3 segments
+
+
+def stream_program(block: int, work: int, programs: int) -> int:
+    """The program whose range [p * work // programs, (p + 1) * work // programs) holds global K block `block`
+    (the kernels' _stream_program)."""
+    return ((block + 1) * programs - 1) // work
 
 
 @functools.lru_cache(maxsize=256)
@@ -485,8 +492,8 @@ def dense_partition(tiles: int, iters: int, programs: int) -> tuple[int, int]:
         raise ValueError(f"dense_partition: programs must be in 1..{work} (row tiles x K blocks), got {programs}")
     if work * programs >= 2 ** 31:
         raise ValueError(f"dense_partition: {tiles} tiles x {iters} blocks x {programs} programs overflow int32")
-    prog = lambda block: ((block + 1) * programs - 1) // work  # noqa: E731 - the kernel's _stream_program
-    slots = max(prog(t * iters + iters - 1) - prog(t * iters) + 1 for t in range(tiles))
+    slots = max(stream_program(t * iters + iters - 1, work, programs) - stream_program(t * iters, work, programs) + 1
+                for t in range(tiles))
     segments = max((((p + 1) * work // programs) - 1) // iters - (p * work // programs) // iters + 1
                    for p in range(programs))
     if segments > DENSE_MAX_SEGMENTS:
@@ -517,9 +524,9 @@ def token_mma(tok: int) -> str:
 
 def token_warps(pt: int, mt: int = 1) -> int:
     """Warps of a dense program: the rows of one partition tile (pt, partition_rows) at mt 16-row MMA tiles
-    per warp, for every token tile and instruction (wgmma: one or two warpgroups). 64-token wgmma programs of
-    two warpgroups measured faster than one (36864 x 7168 at M = 64 / 256 137 / 410 us against 140 / 450;
-    bench/results/w4-frag-h200-wg8.md), 16-token mma.sync programs of 4 warps need 128 registers."""
+    per warp, for every token tile and instruction (wgmma: one or two warpgroups), so that no token tile
+    changes the partition. The default 64-row tiles give 4 warps everywhere; 128-row tiles (8 warps) were
+    faster from 64 tokens and slower at M <= 4 (bench/results/w4-frag-h200-stream.md)."""
     return max(1, pt // (16 * mt))
 
 

@@ -8,7 +8,8 @@ import random
 
 import pytest
 
-from kdtree_engine.kernels.w4_frag import DENSE_MAX_SEGMENTS, DENSE_MIN_BLOCKS, dense_partition, dense_plan, partition_rows
+from kdtree_engine.kernels.w4_frag import (DENSE_MAX_SEGMENTS, DENSE_MIN_BLOCKS, dense_partition, dense_plan,
+                                           partition_rows, stream_program)
 
 
 def _walk(tiles: int, iters: int, programs: int) -> dict[int, list[tuple[int, int, int]]]:
@@ -38,7 +39,7 @@ def test_partition_slots_and_owner_formula(case):
     programs = rng.randint(1, tiles * iters)
     segs = _walk(tiles, iters, programs)
     work = tiles * iters
-    owner = lambda b: ((b + 1) * programs - 1) // work  # noqa: E731 - the kernel's _stream_program
+    owner = lambda b: stream_program(b, work, programs)  # noqa: E731 - the kernels' closed form
     for t, ss in segs.items():
         first = owner(t * iters)
         assert [p for p, _, _ in ss] == list(range(first, first + len(ss))), (tiles, iters, programs, t)
