@@ -8,7 +8,7 @@ cudaProfilerStart/Stop, so `--profile-from-start off` profiles exactly the launc
 the range it prints each Triton kernel's registers, spills and shared memory per compiled variant.
 Cases: mla_decode_{4k,32k,128k} (N=8, T=1), mla_verify16_32k (N=8, T=16, random tree), mla_tree4_4k (N=8, 4 nodes),
 mla_tree{2,4}_4k_n64 / mla_decode_4k_n64 (N=64: 2 / 4 nodes, one query), moe_t{1,16}
-(384 experts top-8; moe_frag_t{1,16}: the fragment kernels), dense_m1 (36864 x 7168 W4A16, M=1; dense_frag_m{4,16}: the engine's fragment kernel), plane_m1 (the same by the nibble-plane kernel).
+(384 experts top-8; moe_frag_t{1,4,16}: the fragment kernels on the engine's word order), dense_m1 (36864 x 7168 W4A16, M=1; dense_frag_m{4,16}: the engine's fragment kernel), plane_m1 (the same by the nibble-plane kernel).
 """
 
 from __future__ import annotations
@@ -43,13 +43,13 @@ def _moe(T: int):
 
 def _moe_frag(T: int, cfg=None):
     from kdtree_engine.kernels.moe_frag import fused_moe_frag
-    from kdtree_engine.kernels.w4_frag import frag_gpb, frag_repack
+    from kdtree_engine.kernels.w4_frag import FRAG_TILE, frag_gpb, to_engine_order
     w13p, w13s = rand_w4(E, 2 * I, H, g=G)
     w2p, w2s = rand_w4(E, H, I, g=G)
-    w13p, w2p = frag_repack(w13p, frag_gpb(H)), frag_repack(w2p, frag_gpb(I))
+    w13p, w2p = to_engine_order(w13p, frag_gpb(H)), to_engine_order(w2p, frag_gpb(I))   # as the engine keeps them
     x = torch.randn(T, H, device="cuda").to(torch.bfloat16)
     ids, tw = route(T, 1, torch.Generator(device="cuda").manual_seed(0))[0]
-    return lambda: fused_moe_frag(x, w13p, w13s, w2p, w2s, ids, tw, G, cfg)
+    return lambda: fused_moe_frag(x, w13p, w13s, w2p, w2s, ids, tw, G, cfg, tile=FRAG_TILE)
 
 
 def _dense(M: int):
@@ -85,6 +85,7 @@ CASES = {
     "moe_t1": lambda: _moe(1),
     "moe_t16": lambda: _moe(16),
     "moe_frag_t1": lambda: _moe_frag(1),
+    "moe_frag_t4": lambda: _moe_frag(4),
     "moe_frag_t16": lambda: _moe_frag(16),
     "dense_m1": lambda: _dense(1),
     "dense_frag_m4": lambda: _dense_frag(4),

@@ -30,7 +30,7 @@ if str(ROOT) not in sys.path:
 
 from bench.common import command_line, copy_bandwidth, device_info, gpu_stem, l2_bytes, md_table, time_calls, write_results  # noqa: E402
 from bench.kernels import DENSE, E, G, H, I, TOPK, rand_w4, rel, route, w4_bytes  # noqa: E402
-from kdtree_engine.kernels.moe_frag import FragMoEConfig, frag_moe_config, fused_moe_frag, warps_for  # noqa: E402
+from kdtree_engine.kernels.moe_frag import FragMoEConfig, frag_moe_config, fused_moe_frag  # noqa: E402
 from kdtree_engine.kernels.moe_w4a16 import fused_moe_reference, fused_moe_w4a16  # noqa: E402
 from kdtree_engine.kernels.w4_frag import _w4_frag_kernel, dense_plan, frag_gpb, frag_linear, frag_repack, frag_tile, partition_rows, token_mma, token_mt, token_tile, token_warps, FRAG_TILE  # noqa: E402
 from kdtree_engine.kernels.w4a16 import w4a16_linear  # noqa: E402
@@ -47,20 +47,22 @@ DENSE_CANDIDATES = [  # the engine's plan first (None), then overrides of it (th
     dict(mma="wgmma", tok=16), dict(mma="wgmma", tok=32), dict(pt=128, mma="wgmma", tok=16),
     dict(pt=128, mma="wgmma", tok=32),
 ]
-MOE_CANDIDATES = [  # the engine's table first (None), then block rows / tiles / splits / activation loads, all on
-    # the engine's tiled words; the engine's table on row-major words last (block-major words, measured at
-    # commit ca715eb: bench/results/w4-frag-h200-tiled4.md)
+MOE_CANDIDATES = [  # the engine's table first (None), then programs per expert block (the stream partition's: P13
+    # gate/up, P2 down; 0 = tile-aligned splits as before it: gate/up 2 K ranges per tile (P13 64), down 1 (P2
+    # 112)), register caps, block rows and activation loads, all on the engine's tiled words; the engine's table on
+    # row-major words last
     None,
-    FragMoEConfig(BLOCK_M=8, XLOAD="operand", XLOAD2="smem-ahead"),
+    FragMoEConfig(BLOCK_M=8, P13=64, P2=112),
+    FragMoEConfig(BLOCK_M=8, P13=64, P2=112, MAXNREG2=96),
     FragMoEConfig(BLOCK_M=8),
-    FragMoEConfig(BLOCK_M=8, MT2=2),
-    FragMoEConfig(BLOCK_M=8, XLOAD="smem", XLOAD2="smem-ahead"),
-    FragMoEConfig(BLOCK_M=8, MT=2),
-    # wgmma expert blocks (32 / 64 token rows; the register cap keeps 3 programs per SM)
+    FragMoEConfig(BLOCK_M=8, P2=66),
+    FragMoEConfig(BLOCK_M=8, P2=66, MAXNREG2=96),
+    FragMoEConfig(BLOCK_M=8, P13=33, P2=66, MAXNREG2=96),
+    FragMoEConfig(BLOCK_M=8, P13=98, P2=164, MAXNREG2=96),
+    FragMoEConfig(BLOCK_M=8, XLOAD="operand", XLOAD2="smem-ahead", MAXNREG2=96),
+    FragMoEConfig(BLOCK_M=8, XLOAD="smem", XLOAD2="smem-ahead", MAXNREG2=96),
+    # wgmma expert blocks (32 / 64 token rows)
     FragMoEConfig(BLOCK_M=16), FragMoEConfig(BLOCK_M=32), FragMoEConfig(BLOCK_M=64),
-    FragMoEConfig(BLOCK_M=32, MAXNREG13=168, MAXNREG2=168),
-    # wgmma blocks in two warpgroups (128 weight rows per program sharing one activation buffer)
-    FragMoEConfig(BLOCK_M=32, num_warps=8), FragMoEConfig(BLOCK_M=64, num_warps=8),
 ]
 MOE_TS = [1, 4, 16, 64, 256, 1024]
 
@@ -177,9 +179,9 @@ def bench_moe(ts, bw, reps, only: str | None = None) -> list[dict]:
              nbytes, bw, reps)
         for cand, tile in [(c, FRAG_TILE) for c in MOE_CANDIDATES if _wanted(c, only)] + [(None, 0)]:
             q13, q2 = tiled if tile else frag
-            cfg = warps_for(cand or frag_moe_config(T * TOPK, E), H, I)
-            label = (f"frag{' (engine table)' if cand is None else ''} bm{cfg.BLOCK_M} mt{cfg.MT}/{cfg.MT2 or cfg.MT} w{cfg.num_warps} "
-                     f"split13 {cfg.SPLIT13 or 'auto'} split2 {cfg.SPLIT2} x {cfg.XLOAD}/{cfg.XLOAD2 or cfg.XLOAD}"
+            cfg = cand or frag_moe_config(T * TOPK, E)
+            label = (f"frag{' (engine table)' if cand is None else ''} bm{cfg.BLOCK_M} "
+                     f"programs {cfg.P13 or 'plan'}/{cfg.P2 or 'plan'} x {cfg.XLOAD}/{cfg.XLOAD2 or cfg.XLOAD}"
                      f"{f' maxnreg {cfg.MAXNREG13}/{cfg.MAXNREG2}' if cfg.MAXNREG13 or cfg.MAXNREG2 else ''}"
                      f" epi {cfg.EPI_BLOCK}{'' if cfg.PDL else ' no-pdl'}{f' tiled {tile}' if tile else ' row-major'}"
                      f"{' wgmma' if cfg.wgmma else ''}")

@@ -8,13 +8,15 @@ Stacked expert tensors, repacked once at load by `frag_repack` (same shapes and 
 Launches (no host synchronisation; CUDA-graph capturable), the align, SwiGLU and top-k sum kernels
 shared with moe_w4a16.py:
   1. align: pairs (t, j) grouped by expert into blocks of BLOCK_M rows (the MMA's token columns);
-  2. gate/up (_moe_frag_kernel, GATE_UP): grid (blocks, I / BN, splits over H): fp32 gate and up partials;
-  3. SwiGLU: the partials summed in split order, silu(g) * u -> inter [P, I] (bf16);
-  4. down (the same kernel): grid (blocks, H / BN, splits over I): router weight x partial -> y [split, P, H];
-  5. top-k sum: out[t] = sum over j, then splits, of y (fixed order, no atomics).
-A pair's column of an mma.sync tile is summed over the same k tiles in the same order whatever the other
-columns hold, and the splits are fixed per matrix shape (never chosen from T), so a token's output does
-not depend on the batch (batch invariance).
+  2. gate/up (_moe_frag_kernel, GATE_UP): grid (blocks, programs): each expert block's work, 64-row tiles
+     (gate rows and the matching up rows) x K blocks over H, cut by the stream partition (moe_plan) into
+     equal ranges; each run of a range within one tile is one fp32 gate / up partial;
+  3. SwiGLU: a column's partials summed in slot order, silu(g) * u -> inter [P, I] (bf16);
+  4. down (the same kernel): the same over H-row tiles x K blocks over I: router weight x partial -> y;
+  5. top-k sum: out[t] = sum over j, then the column's slots, of y (fixed order, no atomics).
+A pair's column of an MMA tile is summed over the same k blocks in the same order whatever the other
+columns hold, and the partitions are fixed by the expert shape, top-k and the SM count (never by T), so a
+token's output does not depend on the batch (batch invariance).
 """
 
 from __future__ import annotations
@@ -24,33 +26,32 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 
-from kdtree_engine.kernels.moe_w4a16 import _moe_swiglu_kernel, _moe_topk_sum_kernel, moe_align
+from kdtree_engine.kernels.moe_w4a16 import moe_align, moe_swiglu, moe_topk_sum
+from kdtree_engine.kernels.split_sum import Partition
 from kdtree_engine.kernels.w4_dequant import DEQ_FLOAT
 from kdtree_engine.kernels.common import bucket
 from kdtree_engine.kernels.pdl import pdl_launch, pdl_supported
-from kdtree_engine.kernels.w4_frag import HAVE_GLUON, X_LOADS, frag_gpb, frag_unsupported, tile_unsupported, word_layout
+from kdtree_engine.kernels.w4_frag import (HAVE_GLUON, X_LOADS, dense_partition, frag_gpb, frag_unsupported,
+                                           stream_programs, tile_unsupported, word_layout)
 
 if HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
 
-    from kdtree_engine.kernels.w4_frag import (_frag_loop, _frag_loop_wg, _word_ptrs, mma_layout, operand_layout,
-                                               pdl_wait_gl, wg_a_layout, wg_layout, wg_x_layout, WG_X_SMEM,
-                                               x_layout)
+    from kdtree_engine.kernels.w4_frag import (_frag_loop, _frag_loop_wg, _stream_program, _word_ptrs, cta_barrier,
+                                               mma_layout, operand_layout, pdl_wait_gl, wg_a_layout, wg_layout,
+                                               wg_x_layout, WG_X_SMEM, x_layout)
 
 
 @dataclass(frozen=True)
 class FragMoEConfig:
     BLOCK_M: int = 8       # token rows per expert block = the MMA's token columns (re-tiles only): 8 or 16 on
     #                        mma.sync (32 / 64 would hold a [256 x 32 / 64] activation operand per thread: spills),
-    #                        32 or 64 on wgmma (w4_frag._frag_loop_wg: activations in shared memory; 4 or 8 warps, MT 1;
-    #                        the same bits as mma.sync, GPU-tested)
-    MT: int = 1            # 16-row MMA tiles per warp (re-tiles only)
-    MT2: int | None = None # the down GEMM's tiles per warp (None: MT; re-tiles only). 2 / 4 measured within
-    #                        the run-to-run spread at T = 1..64 (bench/results/w4-frag-h200-mt2.md)
-    num_warps: int = 4     # 2 and 8 measured slower (bench/results/w4-frag-h200-warps.md); re-tiles only
-    SPLIT13: int | None = None   # gate/up splits over H (part of the reduction; None: split13(H))
-    SPLIT2: int = 1        # down splits over I (part of the reduction)
+    #                        32 or 64 on wgmma (w4_frag._frag_loop_wg: activations in shared memory; one
+    #                        warpgroup; the same bits as mma.sync, GPU-tested). Programs are 4 warps of one
+    #                        16-row MMA tile each: one 64-row partition tile (MOE_PARTITION_ROWS)
+    P13: int | None = None   # gate/up programs per expert block (part of the reduction; None: moe_plan)
+    P2: int | None = None    # down programs per expert block (part of the reduction; None: moe_plan)
     GPB: int | None = None       # groups per K block of both matrices (None: frag_gpb(K) of each)
     XLOAD: str = "smem-ahead"    # how the gate/up GEMM loads activations (X_LOADS; the same bits)
     XLOAD2: str | None = None    # the down GEMM's (None: XLOAD)
@@ -69,9 +70,10 @@ class FragMoEConfig:
     def __post_init__(self) -> None:
         if self.BLOCK_M not in (8, 16, 32, 64):
             raise ValueError(f"FragMoEConfig.BLOCK_M must be 8, 16, 32 or 64, got {self.BLOCK_M}")
-        if self.wgmma and (self.num_warps not in (4, 8) or self.MT != 1 or self.MT2 not in (None, 1)):
-            raise ValueError(f"FragMoEConfig: {self.BLOCK_M}-row blocks run on wgmma, which needs 4 or 8 warps (one or "
-                             f"two warpgroups) and one MMA tile per warp; got {self}")
+        for name in ("P13", "P2"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise ValueError(f"FragMoEConfig.{name} must be None or >= 1 programs per expert block, got {v}")
         for name in ("XLOAD", "XLOAD2"):
             v = getattr(self, name)
             if v not in X_LOADS and not (name == "XLOAD2" and v is None):
@@ -84,15 +86,25 @@ class FragMoEConfig:
                 raise ValueError(f"FragMoEConfig.{name} must be 0 or 24..255, got {v}")
 
 
-def split13(H: int, gpb: int) -> int:
-    """Gate/up splits over H: 2 when the K blocks split evenly into halves of >= 2 blocks (fixed by the
-    shape: it is part of the reduction). bench/results/w4-frag-h200.md: 2 at K2 shapes."""
-    blocks = H // (32 * gpb)
-    return 2 if blocks % 2 == 0 and blocks >= 4 else 1
+MOE_PARTITION_ROWS = 64   # rows of a partition tile = a program's rows (MOE_WARPS warps x one 16-row MMA tile)
+MOE_WARPS = 4
+MOE_GATE_UP_PER_SM = 3    # programs per SM the 8-token gate/up kernel holds (163 registers, smem-ahead loads) ...
+MOE_DOWN_PER_SM = 5       # ... and the down kernel (103, capped at 96 without spills by the table's 8-row config):
+#                           moe_plan fills one wave with a token's top-k experts
 
 
-# (max pairs per expert = cdiv(T * top_k, E), config); first match wins; all share the reduction (splits,
-# GPB): only BLOCK_M / MT / the activation loads differ. bench/results/w4-frag-h200-xsmem.md, K2 layer:
+def moe_plan(rows: int, K: int, gpb: int, sms: int, top_k: int, per_sm: int) -> Partition:
+    """The stream partition of one expert block's GEMM over `rows` output rows (64-row tiles) x K (blocks of
+    32 * gpb): programs so that a token's top_k expert blocks fill one wave of per_sm programs per SM
+    (w4_frag.stream_programs). Fixed by the shape, top_k and the device, never by T: it is part of the
+    reduction. Tile-aligned K splits left a partial wave at T = 1 (K2: 512 gate/up programs at 3 per SM,
+    1.29 waves; 896 down programs at 5 per SM, 1.36 waves: bench/results/ncu-h200-moe-frag-t1-split.txt)."""
+    tiles, iters = rows // MOE_PARTITION_ROWS, K // (32 * gpb)
+    return Partition(MOE_PARTITION_ROWS, tiles, iters, stream_programs(tiles, iters, sms * per_sm // max(top_k, 1)))
+
+
+# (max pairs per expert = cdiv(T * top_k, E), config); first match wins; all share the reduction (partitions,
+# GPB): only BLOCK_M / the activation loads differ. bench/results/w4-frag-h200-xsmem.md, K2 layer:
 # 8-row blocks from T = 4 to 256 (up to 5.3 pairs per expert; 3138 us at T = 256 against 3740 for 16-row
 # blocks), 16-row blocks with 1 MMA tile per warp at T = 1024 (21 pairs per expert: 7212 us against 8174;
 # 2 tiles per warp spill once the activations pass through shared memory). bench/results/w4-frag-h200-moe-
@@ -102,11 +114,12 @@ def split13(H: int, gpb: int) -> int:
 # way, and a 32-column wgmma doubles the MMA work: dense M = 16 91 against 65 us). The 32-row blocks run two
 # warpgroups (128 weight rows per program sharing one activation buffer; the same bits, GPU-tested): T = 1024 /
 # 2048 5020 / 9052 us against 5083 / 9402 with one (bench/results/w4-frag-h200-moe8.md; 64-row blocks in two
-# warpgroups spill: 11548 at T = 1024).
+# warpgroups spill: 11548 at T = 1024). Those two-warpgroup (and 2-tiles-per-warp) programs were dropped with
+# the stream partition, whose 64-row tiles every program covers whatever T picks.
 FRAG_MOE_CONFIGS: list[tuple[int, FragMoEConfig]] = [
-    (8, FragMoEConfig(BLOCK_M=8)),
+    (8, FragMoEConfig(BLOCK_M=8, MAXNREG2=96)),
     (16, FragMoEConfig(BLOCK_M=16)),
-    (1 << 62, FragMoEConfig(BLOCK_M=32, num_warps=8)),
+    (1 << 62, FragMoEConfig(BLOCK_M=32)),
 ]
 # Launches of at most 8 pairs (T = 1 at top-8) had their own config until the words were tiled: the gate/up
 # GEMM loaded the activations in the MMA operand layout, at use: the relabel through shared memory cost it
@@ -129,24 +142,10 @@ def frag_moe_config(num_pairs: int, num_experts: int) -> FragMoEConfig:
     return bucket(FRAG_MOE_CONFIGS, -(-num_pairs // max(num_experts, 1)))
 
 
-def frag_moe_unsupported(H: int, I: int, group_size: int, cfg: FragMoEConfig | None = None) -> str | None:
+def frag_moe_unsupported(H: int, I: int, group_size: int) -> str | None:
     """Why experts with hidden H and intermediate I cannot take the fragment kernels (None: they can)."""
-    bn = 16 * (cfg.num_warps if cfg else 4)   # MT > 1 (mt_for) and warps > 4 (warps_for) are dropped where they do not divide
+    bn = MOE_PARTITION_ROWS
     return frag_unsupported(I, H, group_size, bn) or frag_unsupported(H, I, group_size, bn)
-
-
-def warps_for(cfg: FragMoEConfig, H: int, I: int) -> FragMoEConfig:
-    """cfg with num_warps where 16 * num_warps rows divide H and I, else 4 (e.g. the table's two-warpgroup wgmma
-    blocks on the demo's I = 192); warps only re-tile rows: the same bits. MT is fitted by mt_for."""
-    bn = 16 * cfg.num_warps
-    return cfg if cfg.num_warps <= 4 or (H % bn == 0 and I % bn == 0) else replace(cfg, num_warps=4)
-
-
-def mt_for(cfg: FragMoEConfig, H: int, I: int, mt: int | None = None) -> int:
-    """mt (default cfg.MT) where 16 * warps * mt divides I and H, else 1 (it only re-tiles rows: same bits)."""
-    mt = mt or cfg.MT
-    bn = 16 * cfg.num_warps * mt
-    return mt if I % bn == 0 and H % bn == 0 else 1
 
 
 if HAVE_GLUON:
@@ -159,18 +158,21 @@ if HAVE_GLUON:
     @gluon.jit
     def _moe_frag_kernel(x_ptr, w_ptr, s_ptr, out_ptr, tw_ptr, sorted_ptr, blk_expert_ptr, blk_rows_ptr,
                          UP_ROW, TOPK, stride_xt, stride_we, stride_wn, stride_se, stride_sn,
-                         stride_os, stride_ot, kb_per_split,
-                         GATE_UP: gl.constexpr, TOK: gl.constexpr, MT: gl.constexpr, GPB: gl.constexpr,
-                         WL: gl.constexpr, X_SMEM: gl.constexpr, X_AHEAD: gl.constexpr, PDL: gl.constexpr,
-                         TILE: gl.constexpr, num_warps: gl.constexpr, WG: gl.constexpr = False):
-        """grid (blocks, N / BN, splits), one expert block's pairs over the split's K blocks.
-        GATE_UP: x [T, H] rows pair // TOPK, weight rows n and UP_ROW + n -> out[split, pair, n] and
-        out[split, pair, UP_ROW + n] (fp32 gate / up partials). Else (down): x = inter [P, I] rows pair ->
-        out[split, pair, n] = router weight x the partial down sum. PDL (pdl.py): launched dependent on the
+                         stride_os, stride_ot, iters, work, programs,
+                         GATE_UP: gl.constexpr, TOK: gl.constexpr, GPB: gl.constexpr, WL: gl.constexpr,
+                         X_SMEM: gl.constexpr, X_AHEAD: gl.constexpr, PDL: gl.constexpr, TILE: gl.constexpr,
+                         SEGS: gl.constexpr, num_warps: gl.constexpr, WG: gl.constexpr = False):
+        """grid (blocks, programs): one expert block's pairs over program p's range of the stream partition of
+        (N / BN) row tiles x iters K blocks, row tile major (moe_plan): global blocks [p * work // programs,
+        (p + 1) * work // programs), each run of them within one tile (a segment, unrolled: SEGS) one partial,
+        written to out[slot, pair, n] with slot its index among the tile's segments.
+        GATE_UP: x [T, H] rows pair // TOPK, weight rows n and UP_ROW + n -> out[slot, pair, n] and
+        out[slot, pair, UP_ROW + n] (fp32 gate / up partials). Else (down): x = inter [P, I] rows pair ->
+        out[slot, pair, n] = router weight x the partial down sum. PDL (pdl.py): launched dependent on the
         align launch (gate/up: waits first) or the SwiGLU launch (down: waits after its first weight loads;
-        the blocks are two launches back, complete). WG: wgmma programs (w4_frag._frag_loop_wg; one or two
-        warpgroups, MT 1)."""
-        BN: gl.constexpr = 16 * num_warps * MT
+        the blocks are two launches back, complete). WG: wgmma programs (w4_frag._frag_loop_wg, one
+        warpgroup)."""
+        BN: gl.constexpr = 16 * num_warps
         BK: gl.constexpr = 32 * GPB
         MMA: gl.constexpr = wg_layout(TOK, num_warps) if WG else mma_layout(num_warps)
         pid_b = gl.program_id(0)
@@ -180,51 +182,62 @@ if HAVE_GLUON:
         if rows == 0:
             return
         e = gl.load(blk_expert_ptr + pid_b).to(gl.int64)
-        n0 = gl.program_id(1) * BN
-        pid_s = gl.program_id(2)
-        kb0 = pid_s * kb_per_split
+        p = gl.program_id(1)
+        g = p * work // programs
+        end = (p + 1) * work // programs
         we = w_ptr + e * stride_we
         se = s_ptr + e * stride_se
-        w0, s0 = _word_ptrs(we, se, n0, stride_wn, stride_sn, kb0, WL, BN, GPB, TILE)
-        if GATE_UP:
-            w1, s1 = _word_ptrs(we, se, UP_ROW + n0, stride_wn, stride_sn, kb0, WL, BN, GPB, TILE)
-        else:
-            w1, s1 = w0, s0
-
-        acc0 = gl.zeros([BN, TOK], gl.float32, layout=MMA)
-        acc1 = gl.zeros([BN, TOK], gl.float32, layout=MMA)
         if WG:
-            # the block's activations [TOK, BK] (k contiguous) into shared memory: the wgmma B operand
-            XW: gl.constexpr = wg_x_layout(BK, num_warps)
-            pair, ok = _block_pairs(sorted_ptr, pid_b, rows, TOK, gl.SliceLayout(1, XW))
-            rk = gl.arange(0, BK, layout=gl.SliceLayout(0, XW))
-            xr = (pair // TOPK).to(gl.int64) if GATE_UP else pair.to(gl.int64)
-            x_ptrs = x_ptr + gl.expand_dims(xr, 1) * stride_xt + gl.expand_dims(rk, 0) + kb0 * BK
             xs = gl.allocate_shared_memory(gl.bfloat16, [2, TOK, BK], WG_X_SMEM)
-            acc0, acc1 = _frag_loop_wg(acc0, acc1, w0, s0, w1, s1, x_ptrs, gl.expand_dims(ok, 1), kb_per_split,
-                                       xs, GATE_UP, wg_a_layout(TOK, num_warps), BN, GPB, PDL and not GATE_UP, TILE)
-        else:
-            AL: gl.constexpr = operand_layout(0, num_warps)
-            BL: gl.constexpr = operand_layout(1, num_warps)
-            XL: gl.constexpr = x_layout(BK, TOK, num_warps, X_SMEM)
-            pair, ok = _block_pairs(sorted_ptr, pid_b, rows, TOK, gl.SliceLayout(0, XL))
-            rk = gl.arange(0, BK, layout=gl.SliceLayout(1, XL))
-            xr = (pair // TOPK).to(gl.int64) if GATE_UP else pair.to(gl.int64)
-            x_ptrs = x_ptr + gl.expand_dims(xr, 0) * stride_xt + gl.expand_dims(rk, 1) + kb0 * BK
-            acc0, acc1 = _frag_loop(acc0, acc1, w0, s0, w1, s1, x_ptrs, gl.expand_dims(ok, 0), kb_per_split,
-                                    GATE_UP, X_AHEAD, AL, BL, BN, GPB, PDL and not GATE_UP, TILE)
-
-        pair_o, ok_o = _block_pairs(sorted_ptr, pid_b, rows, TOK, gl.SliceLayout(0, MMA))
-        if not GATE_UP:
-            tw = gl.load(tw_ptr + pair_o, mask=ok_o, other=0.0).to(gl.float32)
-            acc0 = acc0 * gl.expand_dims(tw, 0)
-        on = gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
-        o_ptrs = (out_ptr + pid_s * stride_os + gl.expand_dims(pair_o.to(gl.int64), 0) * stride_ot
-                  + n0 + gl.expand_dims(on, 1))
-        o_mask = gl.expand_dims(ok_o, 0)
-        gl.store(o_ptrs, acc0, mask=o_mask)
-        if GATE_UP:
-            gl.store(o_ptrs + UP_ROW, acc1, mask=o_mask)
+        for _seg in gl.static_range(SEGS):   # unrolled, as in w4_frag._w4_frag_kernel
+            if g < end:
+                t = g // iters
+                b0 = g - t * iters
+                nb = gl.minimum(iters - b0, end - g)
+                slot = p - _stream_program(t * iters, work, programs)
+                n0 = t * BN
+                w0, s0 = _word_ptrs(we, se, n0, stride_wn, stride_sn, b0, WL, BN, GPB, TILE)
+                if GATE_UP:
+                    w1, s1 = _word_ptrs(we, se, UP_ROW + n0, stride_wn, stride_sn, b0, WL, BN, GPB, TILE)
+                else:
+                    w1, s1 = w0, s0
+                acc0 = gl.zeros([BN, TOK], gl.float32, layout=MMA)
+                acc1 = gl.zeros([BN, TOK], gl.float32, layout=MMA)
+                # the activation pointers per segment (a pointer tensor kept across segments costs registers)
+                if WG:
+                    # the block's activations [TOK, BK] (k contiguous) into shared memory: the wgmma B operand
+                    XW: gl.constexpr = wg_x_layout(BK, num_warps)
+                    pair, ok = _block_pairs(sorted_ptr, pid_b, rows, TOK, gl.SliceLayout(1, XW))
+                    rk = gl.arange(0, BK, layout=gl.SliceLayout(0, XW)) + b0 * BK
+                    xr = (pair // TOPK).to(gl.int64) if GATE_UP else pair.to(gl.int64)
+                    x_ptrs = x_ptr + gl.expand_dims(xr, 1) * stride_xt + gl.expand_dims(rk, 0)
+                    cta_barrier()   # the buffers' last reader (the previous segment's MMA) is done
+                    acc0, acc1 = _frag_loop_wg(acc0, acc1, w0, s0, w1, s1, x_ptrs, gl.expand_dims(ok, 1), nb, xs,
+                                               GATE_UP, wg_a_layout(TOK, num_warps), BN, GPB, PDL and not GATE_UP,
+                                               TILE)
+                else:
+                    AL: gl.constexpr = operand_layout(0, num_warps)
+                    BL: gl.constexpr = operand_layout(1, num_warps)
+                    XL: gl.constexpr = x_layout(BK, TOK, num_warps, X_SMEM)
+                    pair, ok = _block_pairs(sorted_ptr, pid_b, rows, TOK, gl.SliceLayout(0, XL))
+                    rk = gl.arange(0, BK, layout=gl.SliceLayout(1, XL)) + b0 * BK
+                    xr = (pair // TOPK).to(gl.int64) if GATE_UP else pair.to(gl.int64)
+                    x_ptrs = x_ptr + gl.expand_dims(xr, 0) * stride_xt + gl.expand_dims(rk, 1)
+                    acc0, acc1 = _frag_loop(acc0, acc1, w0, s0, w1, s1, x_ptrs, gl.expand_dims(ok, 0), nb, GATE_UP,
+                                            X_AHEAD, AL, BL, BN, GPB, PDL and not GATE_UP, TILE)
+                # the output pointers after the K loop (not live through it)
+                pair_o, ok_o = _block_pairs(sorted_ptr, pid_b, rows, TOK, gl.SliceLayout(0, MMA))
+                if not GATE_UP:
+                    tw = gl.load(tw_ptr + pair_o, mask=ok_o, other=0.0).to(gl.float32)
+                    acc0 = acc0 * gl.expand_dims(tw, 0)
+                on = gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
+                o_ptrs = (out_ptr + slot * stride_os + gl.expand_dims(pair_o.to(gl.int64), 0) * stride_ot + n0
+                          + gl.expand_dims(on, 1))
+                o_mask = gl.expand_dims(ok_o, 0)
+                gl.store(o_ptrs, acc0, mask=o_mask)
+                if GATE_UP:
+                    gl.store(o_ptrs + UP_ROW, acc1, mask=o_mask)
+                g += nb
 
 
 def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor, w2_q: torch.Tensor,
@@ -242,8 +255,8 @@ def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor
     I = two_i // 2
     topk = topk_ids.shape[1]
     P = T * topk
-    cfg = warps_for(config or frag_moe_config(P, E), H, I)
-    why = frag_moe_unsupported(H, I, group_size, cfg)
+    cfg = config or frag_moe_config(P, E)
+    why = frag_moe_unsupported(H, I, group_size)
     if why:
         raise ValueError(f"fused_moe_frag: {why}")
     for name, q, sc, n, k in (("w13", w13_q, w13_scale, 2 * I, H), ("w2", w2_q, w2_scale, H, I)):
@@ -253,15 +266,21 @@ def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor
                              f"[{E}, {n}, {k // group_size}] scales, got {tuple(q.shape)} {q.dtype} / "
                              f"{tuple(sc.shape)} {sc.dtype}")
     g13, g2 = (cfg.GPB, cfg.GPB) if cfg.GPB else (frag_gpb(H), frag_gpb(I))
-    s13 = cfg.SPLIT13 or split13(H, g13)
-    mt = mt_for(cfg, H, I)
-    bn = 16 * cfg.num_warps * mt
-    mt2 = mt_for(cfg, H, I, cfg.MT2)
-    why = tile_unsupported(2 * I, tile, bn) or tile_unsupported(H, tile, 16 * cfg.num_warps * mt2)
+    bn = MOE_PARTITION_ROWS
+    why = tile_unsupported(2 * I, tile, bn) or tile_unsupported(H, tile, bn)
     if why:
         raise ValueError(f"fused_moe_frag: {why}")
-    if (H // (32 * g13)) % s13 or (I // (32 * g2)) % cfg.SPLIT2:
-        raise ValueError(f"fused_moe_frag: H={H} / I={I} blocks do not split in {s13} / {cfg.SPLIT2}")
+    if H % (32 * g13) or I % (32 * g2):
+        raise ValueError(f"fused_moe_frag: H={H} / I={I} are not whole K blocks of {32 * g13} / {32 * g2}")
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    part13 = moe_plan(I, H, g13, sms, topk, MOE_GATE_UP_PER_SM)
+    part2 = moe_plan(H, I, g2, sms, topk, MOE_DOWN_PER_SM)
+    if cfg.P13:
+        part13 = replace(part13, programs=min(cfg.P13, part13.work))
+    if cfg.P2:
+        part2 = replace(part2, programs=min(cfg.P2, part2.work))
+    slots13, segs13 = dense_partition(part13.tiles, part13.iters, part13.programs)
+    slots2, segs2 = dense_partition(part2.tiles, part2.iters, part2.programs)
     out = torch.empty_like(x)
     if T == 0:
         return out
@@ -273,34 +292,28 @@ def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor
     blocks = blk_rows.numel()
     pdl = pdl_launch(on)
 
-    part = torch.empty((s13, P, 2 * I), device=x.device, dtype=torch.float32)
-    _moe_frag_kernel[(blocks, I // bn, s13)](
+    part = torch.empty((slots13, P, 2 * I), device=x.device, dtype=torch.float32)
+    _moe_frag_kernel[(blocks, part13.programs)](
         x, w13_q, w13_scale, part, tw, sorted_pairs, blk_expert, blk_rows, I, topk,
         x.stride(0), w13_q.stride(0), w13_q.stride(1), w13_scale.stride(0), w13_scale.stride(1),
-        part.stride(0), part.stride(1), H // (32 * g13) // s13,
-        GATE_UP=True, TOK=cfg.BLOCK_M, MT=mt, GPB=g13, WL=word_layout(cfg.num_warps, mt, g13),
-        X_SMEM=X_LOADS[cfg.XLOAD][0], X_AHEAD=X_LOADS[cfg.XLOAD][1], TILE=tile, num_warps=cfg.num_warps,
+        part.stride(0), part.stride(1), part13.iters, part13.work, part13.programs,
+        GATE_UP=True, TOK=cfg.BLOCK_M, GPB=g13, WL=word_layout(MOE_WARPS, 1, g13),
+        X_SMEM=X_LOADS[cfg.XLOAD][0], X_AHEAD=X_LOADS[cfg.XLOAD][1], TILE=tile, SEGS=segs13, num_warps=MOE_WARPS,
         WG=cfg.wgmma, **pdl, **({"maxnreg": cfg.MAXNREG13} if cfg.MAXNREG13 else {}))
     inter = torch.empty((P, I), device=x.device, dtype=x.dtype)
-    block = min(cfg.EPI_BLOCK, triton.next_power_of_2(I))
-    _moe_swiglu_kernel[(P, triton.cdiv(I, block))](
-        part, inter, ids, I, E, part.stride(0), part.stride(1), inter.stride(0),
-        SPLIT=s13, BLOCK=block, DEQ=DEQ_FLOAT, num_warps=4, **pdl)
-    y = torch.empty((cfg.SPLIT2, P, H), device=x.device, dtype=torch.float32)
+    moe_swiglu(part, inter, ids, E, slots13, part13, DEQ_FLOAT, min(cfg.EPI_BLOCK, triton.next_power_of_2(I)), on)
+    y = torch.empty((slots2, P, H), device=x.device, dtype=torch.float32)
     xload2 = cfg.XLOAD2 or cfg.XLOAD
-    _moe_frag_kernel[(blocks, H // (16 * cfg.num_warps * mt2), cfg.SPLIT2)](
+    _moe_frag_kernel[(blocks, part2.programs)](
         inter, w2_q, w2_scale, y, tw, sorted_pairs, blk_expert, blk_rows, 0, 1,
         inter.stride(0), w2_q.stride(0), w2_q.stride(1), w2_scale.stride(0), w2_scale.stride(1),
-        y.stride(0), y.stride(1), I // (32 * g2) // cfg.SPLIT2,
-        GATE_UP=False, TOK=cfg.BLOCK_M, MT=mt2, GPB=g2, WL=word_layout(cfg.num_warps, mt2, g2),
-        X_SMEM=X_LOADS[xload2][0], X_AHEAD=X_LOADS[xload2][1], TILE=tile, num_warps=cfg.num_warps,
+        y.stride(0), y.stride(1), part2.iters, part2.work, part2.programs,
+        GATE_UP=False, TOK=cfg.BLOCK_M, GPB=g2, WL=word_layout(MOE_WARPS, 1, g2),
+        X_SMEM=X_LOADS[xload2][0], X_AHEAD=X_LOADS[xload2][1], TILE=tile, SEGS=segs2, num_warps=MOE_WARPS,
         WG=cfg.wgmma, **pdl, **({"maxnreg": cfg.MAXNREG2} if cfg.MAXNREG2 else {}))
-    BLOCK_H = cfg.EPI_BLOCK
-    _moe_topk_sum_kernel[(T, triton.cdiv(H, BLOCK_H))](
-        y, ids, out, H, E, y.stride(1), y.stride(0), out.stride(0), TOPK=topk, BLOCK_H=BLOCK_H,
-        SPLIT=cfg.SPLIT2, num_warps=4, **pdl)
+    moe_topk_sum(y, out, ids, E, topk, slots2, part2, cfg.EPI_BLOCK, on)
     return out
 
 
-__all__ = ["FragMoEConfig", "FRAG_MOE_CONFIGS", "frag_moe_config", "frag_moe_unsupported", "fused_moe_frag", "split13",
-           "warps_for"]
+__all__ = ["FragMoEConfig", "FRAG_MOE_CONFIGS", "MOE_PARTITION_ROWS", "frag_moe_config", "frag_moe_unsupported",
+           "fused_moe_frag", "moe_plan"]

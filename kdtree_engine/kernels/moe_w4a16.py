@@ -41,6 +41,7 @@ import triton.language as tl
 
 from kdtree_engine.kernels.common import bucket, interpreting
 from kdtree_engine.kernels.pdl import pdl_launch, pdl_wait
+from kdtree_engine.kernels.split_sum import Partition, _stream_slots
 from kdtree_engine.kernels.w4_dequant import DEQ_BF16X2, DEQ_BF16X2_EMU, DEQUANTS, _pair_pos, pair_order
 from kdtree_engine.kernels.w4a16 import _load_dequant, _mma, check_w4, deq_code, fp32_stages, k_splits
 from kdtree_engine.quant import dequantize
@@ -277,23 +278,27 @@ def _swiglu(g, u):
 
 
 @triton.jit
-def _moe_swiglu_kernel(part_ptr, inter_ptr, ids_ptr, I, E, stride_ps, stride_pp, stride_it,
-                       SPLIT: tl.constexpr, BLOCK: tl.constexpr, DEQ: tl.constexpr, PDL: tl.constexpr = False):
-    """grid (pairs, I / BLOCK): sum a pair's gate / up partials in split order, SwiGLU, write inter.
-    Pairs routed outside [0, E) have no partials (no block computed them) and are skipped. PDL: launched
-    dependent on the gate/up GEMM (pdl.py)."""
+def _moe_swiglu_kernel(part_ptr, inter_ptr, ids_ptr, I, E, stride_ps, stride_pp, stride_it, rows, iters, work,
+                       programs, SPLIT: tl.constexpr, BLOCK: tl.constexpr, DEQ: tl.constexpr,
+                       PDL: tl.constexpr = False):
+    """grid (pairs, I / BLOCK): sum a pair's gate / up partials in slot order (the slots column i's row tile
+    has in the gate/up GEMM's partition: split_sum.Partition, rows / iters / work / programs), SwiGLU, write
+    inter. Pairs routed outside [0, E) have no partials (no block computed them) and are skipped. PDL:
+    launched dependent on the gate/up GEMM (pdl.py)."""
     if PDL:
         pdl_wait()
     p = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     eid = tl.load(ids_ptr + p + tl.zeros_like(offs))
     mask = (offs < I) & (eid >= 0) & (eid < E)
+    used = _stream_slots(offs, rows, iters, work, programs)
     row = part_ptr + p.to(tl.int64) * stride_pp + offs
     g = tl.zeros((BLOCK,), dtype=tl.float32)
     u = tl.zeros((BLOCK,), dtype=tl.float32)
     for sp in tl.static_range(SPLIT):
-        g += tl.load(row + sp * stride_ps, mask=mask, other=0.0)
-        u += tl.load(row + sp * stride_ps + I, mask=mask, other=0.0)
+        more = mask & (sp < used)
+        g = tl.where(more, g + tl.load(row + sp * stride_ps, mask=more, other=0.0), g)
+        u = tl.where(more, u + tl.load(row + sp * stride_ps + I, mask=more, other=0.0), u)
     h = _swiglu(g, u)
     tl.store(inter_ptr + p.to(tl.int64) * stride_it + _pair_pos(offs, DEQ), h.to(inter_ptr.dtype.element_ty),
              mask=mask)
@@ -347,24 +352,47 @@ def _moe_w2_kernel(a_ptr, w_ptr, s_ptr, y_ptr, tw_ptr, sorted_ptr, blk_expert_pt
 
 
 @triton.jit
-def _moe_topk_sum_kernel(y_ptr, ids_ptr, out_ptr, H, E, stride_yt, stride_ys, stride_ot,
-                         TOPK: tl.constexpr, BLOCK_H: tl.constexpr, SPLIT: tl.constexpr = 1,
+def _moe_topk_sum_kernel(y_ptr, ids_ptr, out_ptr, H, E, stride_yt, stride_ys, stride_ot, rows, iters, work,
+                         programs, TOPK: tl.constexpr, BLOCK_H: tl.constexpr, SPLIT: tl.constexpr = 1,
                          PDL: tl.constexpr = False):
-    """out[t] = sum over j (then over the down GEMM's splits s, in order) of y[s, t * TOPK + j]. PDL:
-    launched dependent on the down GEMM (pdl.py)."""
+    """out[t] = sum over j (then over the slots of the down GEMM's partition that column n's row tile has, in
+    order: split_sum.Partition) of y[s, t * TOPK + j]. PDL: launched dependent on the down GEMM (pdl.py)."""
     if PDL:
         pdl_wait()
     t = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = offs < H
+    used = _stream_slots(offs, rows, iters, work, programs)
     acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
     for j in tl.static_range(TOPK):
         p = t * TOPK + j
         eid = tl.load(ids_ptr + p + tl.zeros_like(offs))     # broadcast: a vector mask below
         ok = mask & (eid >= 0) & (eid < E)
         for sp in tl.static_range(SPLIT):
-            acc += tl.load(y_ptr + sp * stride_ys + p.to(tl.int64) * stride_yt + offs, mask=ok, other=0.0)
+            more = ok & (sp < used)
+            acc = tl.where(more, acc + tl.load(y_ptr + sp * stride_ys + p.to(tl.int64) * stride_yt + offs, mask=more,
+                                               other=0.0), acc)
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def moe_swiglu(part: torch.Tensor, inter: torch.Tensor, ids: torch.Tensor, num_experts: int, slots: int,
+               partition: Partition, deq: int, block: int, pdl: bool = False) -> None:
+    """inter [P, I] = SwiGLU of the gate / up partials part [slots, P, 2I] (float32) summed in slot order over
+    the slots of each column's row tile in `partition`; pairs whose expert is outside [0, E) are skipped."""
+    P, I = inter.shape
+    _moe_swiglu_kernel[(P, triton.cdiv(I, block))](
+        part, inter, ids, I, num_experts, part.stride(0), part.stride(1), inter.stride(0), *partition.args(),
+        SPLIT=slots, BLOCK=block, DEQ=deq, num_warps=4, **pdl_launch(pdl))
+
+
+def moe_topk_sum(y: torch.Tensor, out: torch.Tensor, ids: torch.Tensor, num_experts: int, topk: int, slots: int,
+                 partition: Partition, block: int, pdl: bool = False) -> None:
+    """out [T, H] = sum over j, then over the slots of column n's row tile in `partition`, of the router-weighted
+    down partials y [slots, T * topk, H] (float32); pairs whose expert is outside [0, E) add nothing."""
+    T, H = out.shape
+    _moe_topk_sum_kernel[(T, triton.cdiv(H, block))](
+        y, ids, out, H, num_experts, y.stride(1), y.stride(0), out.stride(0), *partition.args(), TOPK=topk,
+        BLOCK_H=block, SPLIT=slots, num_warps=4, **pdl_launch(pdl))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -464,10 +492,7 @@ def fused_moe_w4a16(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.
         stride_pp=0 if part is None else part.stride(1), k_per_split=k_per_split, SPLIT=split,
         num_warps=cfg.num_warps, num_stages=stages, maxnreg=cfg.MAXNREG13 or None)
     if part is not None:
-        block = min(1024, triton.next_power_of_2(I))
-        _moe_swiglu_kernel[(P, triton.cdiv(I, block))](
-            part, inter, ids, I, E, part.stride(0), part.stride(1), inter.stride(0),
-            SPLIT=split, BLOCK=block, DEQ=deq, num_warps=4)
+        moe_swiglu(part, inter, ids, E, split, Partition.split(I, split), deq, min(1024, triton.next_power_of_2(I)))
     _moe_w2_kernel[(max_blocks, triton.cdiv(H, bn2), split2)](
         inter, w2_packed, w2_scale, y, tw, sorted_pairs, blk_expert, blk_rows, H, I,
         inter.stride(0), w2_packed.stride(0), w2_packed.stride(1), w2_scale.stride(0), w2_scale.stride(1),
@@ -475,10 +500,7 @@ def fused_moe_w4a16(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.
         G=group_size, BLOCK_M=cfg.BLOCK_M, BLOCK_N=bn2, BLOCK_K=block_k, SWAP_AB=cfg.SWAP_AB,
         UPCAST=upcast, PREC=prec, DEQ=deq, EVEN=I % block_k == 0 and H % bn2 == 0,
         num_warps=cfg.num_warps, num_stages=stages, maxnreg=cfg.MAXNREG2 or None)
-    BLOCK_H = 1024
-    _moe_topk_sum_kernel[(T, triton.cdiv(H, BLOCK_H))](
-        y, ids, out, H, E, y.stride(1), y.stride(0), out.stride(0), TOPK=topk, BLOCK_H=BLOCK_H, SPLIT=split2,
-        num_warps=4)
+    moe_topk_sum(y, out, ids, E, topk, split2, Partition.split(H, split2), 1024)
     return out
 
 
@@ -507,4 +529,5 @@ def fused_moe_reference(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: to
     return out.to(x.dtype)
 
 
-__all__ = ["MoEConfig", "MOE_CONFIGS", "moe_config", "moe_align", "fused_moe_w4a16", "fused_moe_reference"]
+__all__ = ["MoEConfig", "MOE_CONFIGS", "moe_config", "moe_align", "fused_moe_w4a16", "fused_moe_reference", "moe_swiglu",
+           "moe_topk_sum"]

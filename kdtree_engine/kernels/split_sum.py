@@ -1,7 +1,9 @@
 """The fixed-order reduction of split-K partials shared by the GEMM kernels (no atomics), and of the stream
-partition's partials of the dense fragment W4A16 kernel (w4_frag.py)."""
+partition's partials of the fragment W4A16 kernels (w4_frag.py, moe_frag.py)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -40,17 +42,47 @@ def _stream_program(block, work, programs):
 
 
 @triton.jit
+def _stream_slots(n, rows, iters, work, programs):
+    """The partials (slots) that output row n's tile n // rows has in the stream partition of row tiles of
+    `rows` rows x iters K blocks over `programs` programs (w4_frag.dense_partition; the tile's other slots
+    are never written). 32-bit arithmetic: dense_partition keeps (work + 1) * programs below 2^31."""
+    first = (n // rows) * iters
+    return _stream_program(first + iters - 1, work, programs) - _stream_program(first, work, programs) + 1
+
+
+@dataclass(frozen=True)
+class Partition:
+    """A stream partition (w4_frag.dense_partition) as the partial sums read it: row tiles of `rows` rows x
+    iters K blocks over `programs` programs (tiles: how many row tiles). Partition.split(rows, s): s equal
+    K ranges per tile (each output row then has s slots)."""
+    rows: int
+    tiles: int
+    iters: int
+    programs: int
+
+    @property
+    def work(self) -> int:
+        return self.tiles * self.iters
+
+    def args(self) -> tuple[int, int, int, int]:
+        """(rows, iters, work, programs): the sum kernels' arguments."""
+        return self.rows, self.iters, self.work, self.programs
+
+    @classmethod
+    def split(cls, rows: int, s: int) -> "Partition":
+        return cls(rows, 1, s, s)
+
+
+@triton.jit
 def _stream_sum_kernel(part_ptr, out_ptr, MN, N, rows, iters, work, programs, SPLIT: tl.constexpr,
                        BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """grid (M, cdiv(N, BLOCK)): out[m, n] = part[0, m, n] + part[1, m, n] + ... over the slots that row tile
-    n // rows has in the stream partition (w4_frag.dense_partition; the others are never written), in slot
-    order. 32-bit column arithmetic: dense_partition keeps (work + 1) * programs below 2^31."""
+    n // rows has in the stream partition (_stream_slots), in slot order."""
     if PDL:
         pdl_wait()
     n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = n < N
-    first = (n // rows) * iters
-    used = _stream_program(first + iters - 1, work, programs) - _stream_program(first, work, programs) + 1
+    used = _stream_slots(n, rows, iters, work, programs)
     offs = tl.program_id(0).to(tl.int64) * N + n
     acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
     for s in tl.static_range(1, SPLIT):

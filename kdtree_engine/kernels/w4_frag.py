@@ -469,9 +469,14 @@ def dense_plan(N: int, K: int, sms: int, pt: int | None = None) -> tuple[int, in
     rows (partition_rows unless given). MT only re-tiles."""
     gpb = frag_gpb(K)
     pt = partition_rows(N) if pt is None else pt
-    blocks = (N // 64) * (K // (32 * gpb))   # 64-row K blocks
-    programs = max(1, min(sms * DENSE_WARPS_PER_SM // token_warps(pt), blocks * 64 // pt // DENSE_MIN_BLOCKS))
-    return gpb, 1, max(programs, -(-(N // pt) // 2))   # <= 2 tiles of blocks each: <= 3 segments
+    return gpb, 1, stream_programs(N // pt, K // (32 * gpb), sms * DENSE_WARPS_PER_SM // token_warps(pt))
+
+
+def stream_programs(tiles: int, iters: int, wanted: int) -> int:
+    """Programs of a stream partition of tiles x iters K blocks: `wanted`, but at least DENSE_MIN_BLOCKS blocks
+    each and at most two tiles of blocks each (<= 3 segments), never more than the blocks."""
+    work = tiles * iters
+    return min(work, max(1, min(wanted, work // DENSE_MIN_BLOCKS), -(-tiles // 2)))
 
 
 def stream_program(block: int, work: int, programs: int) -> int:

@@ -214,26 +214,28 @@ def _moe_case(E, H, I, T, topk, gpb=None, seed=0, unowned=False):
     return x, (frag_repack(w13p, g13), w13s, frag_repack(w2p, g2), w2s), ids, tw, ref
 
 
-@pytest.mark.parametrize("cfg", [None, FragMoEConfig(BLOCK_M=16, SPLIT13=4, SPLIT2=2),
-                                 FragMoEConfig(GPB=4, MT=2, SPLIT13=2, SPLIT2=2), FragMoEConfig(BLOCK_M=8, MT=2),
-                                 FragMoEConfig(BLOCK_M=32), FragMoEConfig(BLOCK_M=64, SPLIT13=4, SPLIT2=2),
-                                 FragMoEConfig(BLOCK_M=32, num_warps=8)])
+@pytest.mark.parametrize("cfg", [None, FragMoEConfig(BLOCK_M=16, P13=5, P2=7), FragMoEConfig(GPB=4, P13=9, P2=5),
+                                 FragMoEConfig(BLOCK_M=8, MAXNREG2=96, P13=9, P2=4), FragMoEConfig(BLOCK_M=32),
+                                 FragMoEConfig(BLOCK_M=64, P13=5, P2=7), FragMoEConfig(BLOCK_M=32, P13=9, P2=4)])
 @pytest.mark.parametrize("T", [1, 5, 33])
 def test_moe_frag_matches_reference_small(poisoned, cfg, T):
+    """Odd stream partitions (P13 / P2 programs per expert block: partials of up to 3 programs per tile, up to 4
+    tiles per program) on mma.sync and wgmma blocks against the torch reference."""
     x, w, ids, tw, ref = _moe_case(E=12, H=1024, I=512, T=T, topk=3, gpb=cfg and cfg.GPB, seed=T)
     _check(fused_moe_frag(x, *w, ids, tw, G, cfg), ref, TOL, f"moe frag T={T} {cfg}")
 
 
 @pytest.mark.parametrize("T", [1, 7, 40])
 def test_moe_frag_demo_shapes(poisoned, T):
-    """The demo's experts (H 256, I 192: 2 groups per block on w2, MT 2 dropped where 128 rows do not divide)."""
+    """The demo's experts (H 256, I 192: 2 groups per block on w2)."""
     x, w, ids, tw, ref = _moe_case(E=8, H=256, I=192, T=T, topk=2, seed=T)
-    for cfg in (None, FragMoEConfig(BLOCK_M=16, MT=2)):
+    for cfg in (None, FragMoEConfig(BLOCK_M=16, P13=3, P2=5)):
         _check(fused_moe_frag(x, *w, ids, tw, G, cfg), ref, TOL, f"moe frag demo shapes T={T} {cfg}")
 
 
 def test_moe_frag_k2_and_unowned_experts(poisoned):
-    """K2 shapes (a slice of 48 experts), with some pairs routed to experts of another rank (-1)."""
+    """K2 shapes (a slice of 48 experts; the engine's partitions: 3 / 2 partials per tile), with some pairs routed
+    to experts of another rank (-1)."""
     x, w, ids, tw, ref = _moe_case(E=48, H=7168, I=2048, T=9, topk=8, unowned=True)
     _check(fused_moe_frag(x, *w, ids, tw, G), ref, TOL, "moe frag K2 slice")
 
@@ -241,12 +243,12 @@ def test_moe_frag_k2_and_unowned_experts(poisoned):
 @pytest.mark.parametrize("T", [1, 9, 64])
 def test_moe_frag_tiled_words_same_bits(poisoned, T):
     """Expert words in frag_tile's order (each K block of 64 rows contiguous, per matrix) read through TILE:
-    the same bits as row-major, with the table's configs and 2 MMA tiles per warp; right at K2 shapes."""
+    the same bits as row-major, with the table's configs and another partition; right at K2 shapes."""
     x, w, ids, tw, ref = _moe_case(E=16, H=7168, I=2048, T=T, topk=8, unowned=T == 9)
     q13, s13, q2, s2 = w
     tiled = (frag_tile(q13, frag_gpb(7168), 64), s13, frag_tile(q2, frag_gpb(2048), 64), s2)
     assert not torch.equal(tiled[0], q13)
-    for cfg in (None, FragMoEConfig(BLOCK_M=16), FragMoEConfig(BLOCK_M=8, MT=2, MT2=2), FragMoEConfig(BLOCK_M=32)):
+    for cfg in (None, FragMoEConfig(BLOCK_M=16), FragMoEConfig(BLOCK_M=8, P13=40, P2=70), FragMoEConfig(BLOCK_M=32)):
         rows = fused_moe_frag(x, *w, ids, tw, G, cfg)
         _check(rows, ref, TOL, f"moe frag T={T} {cfg}")
         assert torch.equal(rows, fused_moe_frag(x, *tiled, ids, tw, G, cfg, tile=64)), f"T={T} {cfg}: other bits"
@@ -255,20 +257,18 @@ def test_moe_frag_tiled_words_same_bits(poisoned, T):
 @pytest.mark.parametrize("cfg", [None, FragMoEConfig(BLOCK_M=16), FragMoEConfig(BLOCK_M=32)])
 def test_moe_frag_batch_invariant(cfg):
     """A token's output is the same, bit for bit, alone and in batches of 4 / 17 / 64 (T = 1 takes the
-    few-pairs config), with every block size of the table (each pair is its own MMA column) and every way
-    of loading the activations."""
-    x, w, ids, tw, _ = _moe_case(E=64, H=2048, I=1024, T=64, topk=8)
+    few-pairs config), with every block size of the table (each pair is its own MMA column), every way of
+    loading the activations and every register cap: at K2 widths, on the engine's stream partitions (gate/up
+    3 partials per tile, down 2)."""
+    x, w, ids, tw, _ = _moe_case(E=32, H=7168, I=2048, T=64, topk=8)
     full = fused_moe_frag(x, *w, ids, tw, G, cfg)
-    for bm, mt, mt2 in ((8, 1, None), (8, 2, None), (16, 1, None), (16, 2, None), (8, 1, 2), (8, 1, 4), (8, 2, 1),
-                        (32, 1, None), (64, 1, None)):   # 32 / 64: wgmma programs
-        other = fused_moe_frag(x, *w, ids, tw, G, FragMoEConfig(BLOCK_M=bm, MT=mt, MT2=mt2))
-        assert torch.equal(full, other), f"block rows {bm} / MT {mt} / MT2 {mt2} give other bits"
-    for warps in (2, 8):
-        assert torch.equal(full, fused_moe_frag(x, *w, ids, tw, G, FragMoEConfig(num_warps=warps))), f"{warps} warps"
+    for bm in (8, 16, 32, 64):   # 32 / 64: wgmma programs
+        other = fused_moe_frag(x, *w, ids, tw, G, FragMoEConfig(BLOCK_M=bm))
+        assert torch.equal(full, other), f"block rows {bm} give other bits"
     for c in (FragMoEConfig(XLOAD="operand"), FragMoEConfig(XLOAD="smem"), FragMoEConfig(BLOCK_M=16, XLOAD="smem"),
               FragMoEConfig(XLOAD="operand", XLOAD2="smem-ahead"), FragMoEConfig(XLOAD="smem-ahead", XLOAD2="operand"),
-              FragMoEConfig(MAXNREG13=128, MAXNREG2=80), FragMoEConfig(EPI_BLOCK=1024), FragMoEConfig(PDL=False),
-              FragMoEConfig(BLOCK_M=32, num_warps=8), FragMoEConfig(BLOCK_M=64, num_warps=8)):
+              FragMoEConfig(MAXNREG13=128, MAXNREG2=80), FragMoEConfig(MAXNREG2=0), FragMoEConfig(EPI_BLOCK=1024),
+              FragMoEConfig(PDL=False)):
         assert torch.equal(full, fused_moe_frag(x, *w, ids, tw, G, c)), f"{c} gives other bits"
     bad = []
     for m in (1, 4, 17):

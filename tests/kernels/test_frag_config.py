@@ -10,31 +10,46 @@ from kdtree_engine.kernels.w4_frag import X_LOADS
 
 @pytest.mark.parametrize("field,value", [("XLOAD", "registers"), ("XLOAD2", "shared"), ("XLOAD", None),
                                          ("BLOCK_M", 24), ("EPI_BLOCK", 100), ("EPI_BLOCK", 64),
-                                         ("MAXNREG13", 8), ("MAXNREG2", 300)])
+                                         ("MAXNREG13", 8), ("MAXNREG2", 300), ("P13", 0), ("P2", -3)])
 def test_bad_fields_are_refused_by_name(field, value):
     with pytest.raises(ValueError, match=field):
         FragMoEConfig(**{field: value})
 
 
-def test_wgmma_blocks_need_warpgroups_of_single_tiles():
-    """32 / 64-row expert blocks run on wgmma: one or two warpgroups (4 / 8 warps), one MMA tile per warp, or a
-    named error."""
-    assert FragMoEConfig(BLOCK_M=32).wgmma and not FragMoEConfig(BLOCK_M=16).wgmma
-    assert FragMoEConfig(BLOCK_M=32, num_warps=8).wgmma
-    for kw in (dict(MT=2), dict(MT2=2), dict(num_warps=2)):
-        with pytest.raises(ValueError, match="wgmma"):
-            FragMoEConfig(BLOCK_M=64, **kw)
+def test_wgmma_blocks():
+    assert FragMoEConfig(BLOCK_M=32).wgmma and FragMoEConfig(BLOCK_M=64).wgmma and not FragMoEConfig(BLOCK_M=16).wgmma
 
 
-def test_two_warpgroup_blocks_fall_back_where_128_rows_do_not_divide():
-    """The table's 32-row wgmma blocks run two warpgroups (128 weight rows per program) at K2 shapes and one on
-    experts whose widths 128 does not divide (the demo's I = 192), so no shape the table reaches is refused."""
-    from kdtree_engine.kernels.moe_frag import frag_moe_unsupported, warps_for
-    k2 = warps_for(frag_moe_config(2048 * 8, 384), 7168, 2048)
-    assert k2.wgmma and k2.num_warps == 8 and frag_moe_unsupported(7168, 2048, 32, k2) is None
-    demo = warps_for(frag_moe_config(512 * 2, 8), 256, 192)
-    assert demo.wgmma and demo.num_warps == 4 and frag_moe_unsupported(256, 192, 32, demo) is None
-    assert warps_for(frag_moe_config(8, 384), 7168, 2048) == frag_moe_config(8, 384)
+@pytest.mark.parametrize("sms", [132, 78, 16])
+def test_moe_plan_fills_one_wave_per_token(sms):
+    """The MoE stream partitions: at K2 widths a token's 8 expert blocks fill one wave (3 gate/up and 5 down
+    programs per SM) with at least 4 K blocks per program and at most 2 tiles of blocks each (fewer SMs: more
+    programs than one wave); the partition depends on the shape, top-k and SM count only."""
+    from kdtree_engine.kernels.moe_frag import MOE_PARTITION_ROWS, moe_plan
+    from kdtree_engine.kernels.w4_frag import dense_partition, frag_gpb
+    gu = moe_plan(2048, 7168, frag_gpb(7168), sms, 8, 3)
+    down = moe_plan(7168, 2048, frag_gpb(2048), sms, 8, 5)
+    assert (gu.rows, gu.tiles, gu.iters) == (MOE_PARTITION_ROWS, 32, 28)
+    assert (down.rows, down.tiles, down.iters) == (MOE_PARTITION_ROWS, 112, 8)
+    for part, per_sm in ((gu, 3), (down, 5)):
+        assert part.programs == max(min(sms * per_sm // 8, part.work // 4), -(-part.tiles // 2))
+        slots, segments = dense_partition(part.tiles, part.iters, part.programs)
+        assert 1 <= slots and segments <= 4
+    if sms == 132:
+        assert (gu.programs, down.programs) == (49, 82) and 8 * 49 <= 132 * 3 and 8 * 82 <= 132 * 5
+
+
+def test_moe_plan_refuses_nothing_the_engine_reaches():
+    """Every expert shape the fragment kernels accept gets a partition whose segments the kernel unrolls (the
+    demo's H 256 / I 192 included)."""
+    from kdtree_engine.kernels.moe_frag import frag_moe_unsupported, moe_plan
+    from kdtree_engine.kernels.w4_frag import dense_partition, frag_gpb
+    for H, I in ((256, 192), (1024, 512), (2048, 1024), (7168, 2048), (7168, 64), (64, 7168)):
+        assert frag_moe_unsupported(H, I, 32) is None
+        for topk in (1, 2, 8):
+            for sms in (1, 132):
+                for part in (moe_plan(I, H, frag_gpb(H), sms, topk, 3), moe_plan(H, I, frag_gpb(I), sms, topk, 5)):
+                    dense_partition(part.tiles, part.iters, part.programs)
 
 
 def test_dense_token_tiles_and_instructions():
@@ -61,11 +76,11 @@ def test_every_activation_load_is_accepted_for_both_gemms():
 
 @pytest.mark.parametrize("E", [8, 384])
 def test_launch_table_keeps_the_reduction(E):
-    """Whatever T picks, the fields that enter the reduction (splits, groups per block) are the same: a
+    """Whatever T picks, the fields that enter the reduction (partitions, groups per block) are the same: a
     token's output does not depend on the batch it is launched in."""
     cfgs = {frag_moe_config(T * 8, E) for T in range(1, 2049, 7)}
     assert len(cfgs) >= 2
-    assert {(c.SPLIT13, c.SPLIT2, c.GPB) for c in cfgs} == {(None, 1, None)}
+    assert {(c.P13, c.P2, c.GPB) for c in cfgs} == {(None, None, None)}
 
 
 def test_dependent_launches_only_where_they_exist():
