@@ -47,22 +47,16 @@ DENSE_CANDIDATES = [  # the engine's plan first (None), then overrides of it (th
     dict(mma="wgmma", tok=16), dict(mma="wgmma", tok=32), dict(pt=128, mma="wgmma", tok=16),
     dict(pt=128, mma="wgmma", tok=32),
 ]
-MOE_CANDIDATES = [  # the engine's table first (None), then programs per expert block (the stream partition's: P13
-    # gate/up, P2 down; 0 = tile-aligned splits as before it: gate/up 2 K ranges per tile (P13 64), down 1 (P2
-    # 112)), register caps, block rows and activation loads, all on the engine's tiled words; the engine's table on
-    # row-major words last
+MOE_CANDIDATES = [  # the engine's table first (None), then programs per expert block (P13 gate/up, P2 down: the
+    # stream partition's; 64 / 112 = the tile-aligned K splits before it: gate/up 2 K ranges per tile, down 1),
+    # register caps and activation loads, all on the engine's tiled words; the engine's table on row-major words last
     None,
-    FragMoEConfig(BLOCK_M=8, P13=64, P2=112),
-    FragMoEConfig(BLOCK_M=8, P13=64, P2=112, MAXNREG2=96),
+    FragMoEConfig(BLOCK_M=8, P13=64),
+    FragMoEConfig(BLOCK_M=8, P2=82, MAXNREG2=96),
     FragMoEConfig(BLOCK_M=8),
-    FragMoEConfig(BLOCK_M=8, P2=66),
-    FragMoEConfig(BLOCK_M=8, P2=66, MAXNREG2=96),
-    FragMoEConfig(BLOCK_M=8, P13=33, P2=66, MAXNREG2=96),
-    FragMoEConfig(BLOCK_M=8, P13=98, P2=164, MAXNREG2=96),
-    FragMoEConfig(BLOCK_M=8, XLOAD="operand", XLOAD2="smem-ahead", MAXNREG2=96),
+    FragMoEConfig(BLOCK_M=8, P13=98, MAXNREG2=96),
     FragMoEConfig(BLOCK_M=8, XLOAD="smem", XLOAD2="smem-ahead", MAXNREG2=96),
-    # wgmma expert blocks (32 / 64 token rows)
-    FragMoEConfig(BLOCK_M=16), FragMoEConfig(BLOCK_M=32), FragMoEConfig(BLOCK_M=64),
+    FragMoEConfig(BLOCK_M=16),
 ]
 MOE_TS = [1, 4, 16, 64, 256, 1024]
 

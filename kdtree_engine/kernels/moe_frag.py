@@ -88,19 +88,24 @@ class FragMoEConfig:
 
 MOE_PARTITION_ROWS = 64   # rows of a partition tile = a program's rows (MOE_WARPS warps x one 16-row MMA tile)
 MOE_WARPS = 4
-MOE_GATE_UP_PER_SM = 3    # programs per SM the 8-token gate/up kernel holds (163 registers, smem-ahead loads) ...
-MOE_DOWN_PER_SM = 5       # ... and the down kernel (103, capped at 96 without spills by the table's 8-row config):
-#                           moe_plan fills one wave with a token's top-k experts
+MOE_GATE_UP_PER_SM = 3    # programs per SM the 8-token gate/up kernel holds (163 registers, smem-ahead loads):
+#                           its stream partition fills one wave with a token's top-k expert blocks
+MOE_DOWN_PER_SM = None    # the down GEMM (K = I: 8 blocks at K2) runs whole row tiles (one partial; 92 registers, 5
+#                           programs per SM): on the stream partition of 5 programs per SM (103 registers capped at 96)
+#                           it gained 0.9 us at T = 1 and lost 2.4 us at T = 4, its top-k sum 1.1 more
+#                           (bench/results/ncu-h200-moe-frag-t{1,4}-stream.txt)
 
 
-def moe_plan(rows: int, K: int, gpb: int, sms: int, top_k: int, per_sm: int) -> Partition:
-    """The stream partition of one expert block's GEMM over `rows` output rows (64-row tiles) x K (blocks of
-    32 * gpb): programs so that a token's top_k expert blocks fill one wave of per_sm programs per SM
-    (w4_frag.stream_programs). Fixed by the shape, top_k and the device, never by T: it is part of the
-    reduction. Tile-aligned K splits left a partial wave at T = 1 (K2: 512 gate/up programs at 3 per SM,
-    1.29 waves; 896 down programs at 5 per SM, 1.36 waves: bench/results/ncu-h200-moe-frag-t1-split.txt)."""
+def moe_plan(rows: int, K: int, gpb: int, sms: int, top_k: int, per_sm: int | None) -> Partition:
+    """The partition of one expert block's GEMM over `rows` output rows (64-row tiles) x K (blocks of 32 * gpb):
+    per_sm None: one program per row tile over the whole of K; else the stream partition whose programs let a
+    token's top_k expert blocks fill one wave of per_sm programs per SM (w4_frag.stream_programs). Fixed by the
+    shape, top_k and the device, never by T: it is part of the reduction. The gate/up GEMM's 2 tile-aligned K
+    splits left a partial wave at T = 1 (K2: 512 programs at 3 per SM, 1.29 waves, 47.4 us; on the stream
+    partition 392 programs, 41.2 us: ncu-h200-moe-frag-t1-split.txt, -stream.txt)."""
     tiles, iters = rows // MOE_PARTITION_ROWS, K // (32 * gpb)
-    return Partition(MOE_PARTITION_ROWS, tiles, iters, stream_programs(tiles, iters, sms * per_sm // max(top_k, 1)))
+    programs = tiles if per_sm is None else stream_programs(tiles, iters, sms * per_sm // max(top_k, 1))
+    return Partition(MOE_PARTITION_ROWS, tiles, iters, programs)
 
 
 # (max pairs per expert = cdiv(T * top_k, E), config); first match wins; all share the reduction (partitions,
@@ -117,7 +122,7 @@ def moe_plan(rows: int, K: int, gpb: int, sms: int, top_k: int, per_sm: int) -> 
 # warpgroups spill: 11548 at T = 1024). Those two-warpgroup (and 2-tiles-per-warp) programs were dropped with
 # the stream partition, whose 64-row tiles every program covers whatever T picks.
 FRAG_MOE_CONFIGS: list[tuple[int, FragMoEConfig]] = [
-    (8, FragMoEConfig(BLOCK_M=8, MAXNREG2=96)),
+    (8, FragMoEConfig(BLOCK_M=8)),
     (16, FragMoEConfig(BLOCK_M=16)),
     (1 << 62, FragMoEConfig(BLOCK_M=32)),
 ]
@@ -161,11 +166,13 @@ if HAVE_GLUON:
                          stride_os, stride_ot, iters, work, programs,
                          GATE_UP: gl.constexpr, TOK: gl.constexpr, GPB: gl.constexpr, WL: gl.constexpr,
                          X_SMEM: gl.constexpr, X_AHEAD: gl.constexpr, PDL: gl.constexpr, TILE: gl.constexpr,
-                         SEGS: gl.constexpr, num_warps: gl.constexpr, WG: gl.constexpr = False):
+                         SEGS: gl.constexpr, WHOLE: gl.constexpr, num_warps: gl.constexpr, WG: gl.constexpr = False):
         """grid (blocks, programs): one expert block's pairs over program p's range of the stream partition of
         (N / BN) row tiles x iters K blocks, row tile major (moe_plan): global blocks [p * work // programs,
         (p + 1) * work // programs), each run of them within one tile (a segment, unrolled: SEGS) one partial,
-        written to out[slot, pair, n] with slot its index among the tile's segments.
+        written to out[slot, pair, n] with slot its index among the tile's segments. WHOLE: one program per
+        row tile over all of K (programs = N / BN: program p is tile p, one partial; without the division the
+        8-token down program keeps 9 fewer registers).
         GATE_UP: x [T, H] rows pair // TOPK, weight rows n and UP_ROW + n -> out[slot, pair, n] and
         out[slot, pair, UP_ROW + n] (fp32 gate / up partials). Else (down): x = inter [P, I] rows pair ->
         out[slot, pair, n] = router weight x the partial down sum. PDL (pdl.py): launched dependent on the
@@ -191,11 +198,17 @@ if HAVE_GLUON:
             xs = gl.allocate_shared_memory(gl.bfloat16, [2, TOK, BK], WG_X_SMEM)
         for _seg in gl.static_range(SEGS):   # unrolled, as in w4_frag._w4_frag_kernel
             if g < end:
-                t = g // iters
-                b0 = g - t * iters
-                nb = gl.minimum(iters - b0, end - g)
-                slot = p - _stream_program(t * iters, work, programs)
-                n0 = t * BN
+                if WHOLE:
+                    b0 = 0
+                    nb = iters
+                    slot = 0
+                    n0 = p * BN
+                else:
+                    t = g // iters
+                    b0 = g - t * iters
+                    nb = gl.minimum(iters - b0, end - g)
+                    slot = p - _stream_program(t * iters, work, programs)
+                    n0 = t * BN
                 w0, s0 = _word_ptrs(we, se, n0, stride_wn, stride_sn, b0, WL, BN, GPB, TILE)
                 if GATE_UP:
                     w1, s1 = _word_ptrs(we, se, UP_ROW + n0, stride_wn, stride_sn, b0, WL, BN, GPB, TILE)
@@ -208,9 +221,9 @@ if HAVE_GLUON:
                     # the block's activations [TOK, BK] (k contiguous) into shared memory: the wgmma B operand
                     XW: gl.constexpr = wg_x_layout(BK, num_warps)
                     pair, ok = _block_pairs(sorted_ptr, pid_b, rows, TOK, gl.SliceLayout(1, XW))
-                    rk = gl.arange(0, BK, layout=gl.SliceLayout(0, XW)) + b0 * BK
+                    rk = gl.arange(0, BK, layout=gl.SliceLayout(0, XW))
                     xr = (pair // TOPK).to(gl.int64) if GATE_UP else pair.to(gl.int64)
-                    x_ptrs = x_ptr + gl.expand_dims(xr, 1) * stride_xt + gl.expand_dims(rk, 0)
+                    x_ptrs = x_ptr + gl.expand_dims(xr, 1) * stride_xt + gl.expand_dims(rk, 0) + b0 * BK
                     cta_barrier()   # the buffers' last reader (the previous segment's MMA) is done
                     acc0, acc1 = _frag_loop_wg(acc0, acc1, w0, s0, w1, s1, x_ptrs, gl.expand_dims(ok, 1), nb, xs,
                                                GATE_UP, wg_a_layout(TOK, num_warps), BN, GPB, PDL and not GATE_UP,
@@ -220,9 +233,10 @@ if HAVE_GLUON:
                     BL: gl.constexpr = operand_layout(1, num_warps)
                     XL: gl.constexpr = x_layout(BK, TOK, num_warps, X_SMEM)
                     pair, ok = _block_pairs(sorted_ptr, pid_b, rows, TOK, gl.SliceLayout(0, XL))
-                    rk = gl.arange(0, BK, layout=gl.SliceLayout(1, XL)) + b0 * BK
+                    rk = gl.arange(0, BK, layout=gl.SliceLayout(1, XL))
                     xr = (pair // TOPK).to(gl.int64) if GATE_UP else pair.to(gl.int64)
-                    x_ptrs = x_ptr + gl.expand_dims(xr, 0) * stride_xt + gl.expand_dims(rk, 1)
+                    # the block offset added last: folded into the tensor first it cost the 16-token down 39 registers
+                    x_ptrs = x_ptr + gl.expand_dims(xr, 0) * stride_xt + gl.expand_dims(rk, 1) + b0 * BK
                     acc0, acc1 = _frag_loop(acc0, acc1, w0, s0, w1, s1, x_ptrs, gl.expand_dims(ok, 0), nb, GATE_UP,
                                             X_AHEAD, AL, BL, BN, GPB, PDL and not GATE_UP, TILE)
                 # the output pointers after the K loop (not live through it)
@@ -298,7 +312,8 @@ def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor
         x.stride(0), w13_q.stride(0), w13_q.stride(1), w13_scale.stride(0), w13_scale.stride(1),
         part.stride(0), part.stride(1), part13.iters, part13.work, part13.programs,
         GATE_UP=True, TOK=cfg.BLOCK_M, GPB=g13, WL=word_layout(MOE_WARPS, 1, g13),
-        X_SMEM=X_LOADS[cfg.XLOAD][0], X_AHEAD=X_LOADS[cfg.XLOAD][1], TILE=tile, SEGS=segs13, num_warps=MOE_WARPS,
+        X_SMEM=X_LOADS[cfg.XLOAD][0], X_AHEAD=X_LOADS[cfg.XLOAD][1], TILE=tile, SEGS=segs13,
+        WHOLE=part13.programs == part13.tiles, num_warps=MOE_WARPS,
         WG=cfg.wgmma, **pdl, **({"maxnreg": cfg.MAXNREG13} if cfg.MAXNREG13 else {}))
     inter = torch.empty((P, I), device=x.device, dtype=x.dtype)
     moe_swiglu(part, inter, ids, E, slots13, part13, DEQ_FLOAT, min(cfg.EPI_BLOCK, triton.next_power_of_2(I)), on)
@@ -309,7 +324,8 @@ def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor
         inter.stride(0), w2_q.stride(0), w2_q.stride(1), w2_scale.stride(0), w2_scale.stride(1),
         y.stride(0), y.stride(1), part2.iters, part2.work, part2.programs,
         GATE_UP=False, TOK=cfg.BLOCK_M, GPB=g2, WL=word_layout(MOE_WARPS, 1, g2),
-        X_SMEM=X_LOADS[xload2][0], X_AHEAD=X_LOADS[xload2][1], TILE=tile, SEGS=segs2, num_warps=MOE_WARPS,
+        X_SMEM=X_LOADS[xload2][0], X_AHEAD=X_LOADS[xload2][1], TILE=tile, SEGS=segs2,
+        WHOLE=part2.programs == part2.tiles, num_warps=MOE_WARPS,
         WG=cfg.wgmma, **pdl, **({"maxnreg": cfg.MAXNREG2} if cfg.MAXNREG2 else {}))
     moe_topk_sum(y, out, ids, E, topk, slots2, part2, cfg.EPI_BLOCK, on)
     return out

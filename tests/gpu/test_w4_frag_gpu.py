@@ -7,6 +7,7 @@ W dequantized from the original (not repacked) words, and fused_moe_reference.""
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -234,8 +235,8 @@ def test_moe_frag_demo_shapes(poisoned, T):
 
 
 def test_moe_frag_k2_and_unowned_experts(poisoned):
-    """K2 shapes (a slice of 48 experts; the engine's partitions: 3 / 2 partials per tile), with some pairs routed
-    to experts of another rank (-1)."""
+    """K2 shapes (a slice of 48 experts; the engine's partitions: gate/up 3 partials per tile, down whole tiles),
+    with some pairs routed to experts of another rank (-1)."""
     x, w, ids, tw, ref = _moe_case(E=48, H=7168, I=2048, T=9, topk=8, unowned=True)
     _check(fused_moe_frag(x, *w, ids, tw, G), ref, TOL, "moe frag K2 slice")
 
@@ -258,8 +259,8 @@ def test_moe_frag_tiled_words_same_bits(poisoned, T):
 def test_moe_frag_batch_invariant(cfg):
     """A token's output is the same, bit for bit, alone and in batches of 4 / 17 / 64 (T = 1 takes the
     few-pairs config), with every block size of the table (each pair is its own MMA column), every way of
-    loading the activations and every register cap: at K2 widths, on the engine's stream partitions (gate/up
-    3 partials per tile, down 2)."""
+    loading the activations and every register cap: at K2 widths, on the engine's partitions (gate/up 3
+    partials per tile) and a down stream partition (2)."""
     x, w, ids, tw, _ = _moe_case(E=32, H=7168, I=2048, T=64, topk=8)
     full = fused_moe_frag(x, *w, ids, tw, G, cfg)
     for bm in (8, 16, 32, 64):   # 32 / 64: wgmma programs
@@ -270,6 +271,12 @@ def test_moe_frag_batch_invariant(cfg):
               FragMoEConfig(MAXNREG13=128, MAXNREG2=80), FragMoEConfig(MAXNREG2=0), FragMoEConfig(EPI_BLOCK=1024),
               FragMoEConfig(PDL=False)):
         assert torch.equal(full, fused_moe_frag(x, *w, ids, tw, G, c)), f"{c} gives other bits"
+    stream2 = FragMoEConfig(P2=82)
+    full2 = fused_moe_frag(x, *w, ids, tw, G, stream2)
+    for bm in (8, 16, 32):
+        assert torch.equal(full2, fused_moe_frag(x, *w, ids, tw, G, replace(stream2, BLOCK_M=bm))), f"P2 82 bm {bm}"
+    for m in (1, 5):
+        assert torch.equal(full2[:m], fused_moe_frag(x[:m], *w, ids[:m], tw[:m], G, stream2)), f"P2 82 T={m}"
     bad = []
     for m in (1, 4, 17):
         part = fused_moe_frag(x[:m], *w, ids[:m], tw[:m], G, cfg)

@@ -21,22 +21,24 @@ def test_wgmma_blocks():
 
 
 @pytest.mark.parametrize("sms", [132, 78, 16])
-def test_moe_plan_fills_one_wave_per_token(sms):
-    """The MoE stream partitions: at K2 widths a token's 8 expert blocks fill one wave (3 gate/up and 5 down
-    programs per SM) with at least 4 K blocks per program and at most 2 tiles of blocks each (fewer SMs: more
-    programs than one wave); the partition depends on the shape, top-k and SM count only."""
-    from kdtree_engine.kernels.moe_frag import MOE_PARTITION_ROWS, moe_plan
+def test_moe_plans(sms):
+    """The MoE partitions: at K2 widths a token's 8 gate/up expert blocks fill one wave of 3 programs per SM
+    with at least 4 K blocks per program and at most 2 tiles of blocks each (fewer SMs: more programs than one
+    wave); the down GEMM runs whole row tiles. They depend on the shape, top-k and SM count only."""
+    from kdtree_engine.kernels.moe_frag import MOE_DOWN_PER_SM, MOE_GATE_UP_PER_SM, MOE_PARTITION_ROWS, moe_plan
     from kdtree_engine.kernels.w4_frag import dense_partition, frag_gpb
-    gu = moe_plan(2048, 7168, frag_gpb(7168), sms, 8, 3)
-    down = moe_plan(7168, 2048, frag_gpb(2048), sms, 8, 5)
+    gu = moe_plan(2048, 7168, frag_gpb(7168), sms, 8, MOE_GATE_UP_PER_SM)
+    down = moe_plan(7168, 2048, frag_gpb(2048), sms, 8, MOE_DOWN_PER_SM)
     assert (gu.rows, gu.tiles, gu.iters) == (MOE_PARTITION_ROWS, 32, 28)
-    assert (down.rows, down.tiles, down.iters) == (MOE_PARTITION_ROWS, 112, 8)
-    for part, per_sm in ((gu, 3), (down, 5)):
-        assert part.programs == max(min(sms * per_sm // 8, part.work // 4), -(-part.tiles // 2))
-        slots, segments = dense_partition(part.tiles, part.iters, part.programs)
-        assert 1 <= slots and segments <= 4
+    assert (down.rows, down.tiles, down.iters, down.programs) == (MOE_PARTITION_ROWS, 112, 8, 112)
+    assert dense_partition(down.tiles, down.iters, down.programs) == (1, 1)
+    assert gu.programs == max(min(sms * 3 // 8, gu.work // 4), -(-gu.tiles // 2))
+    slots, segments = dense_partition(gu.tiles, gu.iters, gu.programs)
+    assert 1 <= slots and segments <= 3
     if sms == 132:
-        assert (gu.programs, down.programs) == (49, 82) and 8 * 49 <= 132 * 3 and 8 * 82 <= 132 * 5
+        assert gu.programs == 49 and 8 * 49 <= 132 * 3 and (slots, segments) == (3, 2)
+    stream_down = moe_plan(7168, 2048, frag_gpb(2048), sms, 8, 5)
+    assert stream_down.programs == max(min(sms * 5 // 8, stream_down.work // 4), 56)
 
 
 def test_moe_plan_refuses_nothing_the_engine_reaches():
@@ -48,7 +50,8 @@ def test_moe_plan_refuses_nothing_the_engine_reaches():
         assert frag_moe_unsupported(H, I, 32) is None
         for topk in (1, 2, 8):
             for sms in (1, 132):
-                for part in (moe_plan(I, H, frag_gpb(H), sms, topk, 3), moe_plan(H, I, frag_gpb(I), sms, topk, 5)):
+                for part in (moe_plan(I, H, frag_gpb(H), sms, topk, 3), moe_plan(H, I, frag_gpb(I), sms, topk, 5),
+                             moe_plan(H, I, frag_gpb(I), sms, topk, None)):
                     dense_partition(part.tiles, part.iters, part.programs)
 
 
