@@ -87,18 +87,40 @@ def frag_repack(packed: torch.Tensor, gpb: int) -> torch.Tensor:
 FRAG_TILE = 64      # rows per tile of the fragment kernels' words as the engine stores them (frag_tile)
 
 
+FRAG_CHUNK = 4      # words of one thread's 16-byte load
+
+
 def frag_tile(words: torch.Tensor, gpb: int, tile: int, inverse: bool = False) -> torch.Tensor:
     """Fragment-ordered words [.., N, K/8] -> the same words with each block (32*gpb k) of each `tile` rows
     stored contiguously ([.., N/tile, blocks, tile, 4*gpb]; same shape): a program's loads of one block are
-    then one contiguous run instead of `tile` runs of 16*gpb bytes. inverse: back to row-major. Scales stay
-    row-major."""
+    then one contiguous run instead of `tile` runs of 16*gpb bytes. Within a row's 4*gpb words of a block,
+    gpb > FRAG_CHUNK stores them chunk-major ([gpb/4 chunks, 4 threads t, 4 words]: `frag_chunks`), so that one
+    16-byte load of the 4 threads of a row reads 64 contiguous bytes (whole 32-byte sectors) instead of every
+    other 16 bytes of 128. inverse: back to row-major. Scales stay row-major."""
     N, kw = words.shape[-2:]
     if tile <= 0 or N % tile or kw % (4 * gpb):
         raise ValueError(f"frag_tile: words {tuple(words.shape)} do not tile by {tile} rows and blocks of {gpb} "
                          "groups")
     nblk = kw // (4 * gpb)
+    lead = words.shape[:-2]
+    if inverse:
+        words = frag_chunks(words.reshape(*lead, N, nblk, 4 * gpb), gpb, inverse=True)
     src = (N // tile, nblk, tile) if inverse else (N // tile, tile, nblk)
-    return words.reshape(*words.shape[:-2], *src, 4 * gpb).transpose(-3, -2).contiguous().reshape(words.shape)
+    out = words.reshape(*lead, *src, 4 * gpb).transpose(-3, -2).contiguous()
+    if not inverse:
+        out = frag_chunks(out, gpb)
+    return out.reshape(*lead, N, kw)
+
+
+def frag_chunks(words: torch.Tensor, gpb: int, inverse: bool = False) -> torch.Tensor:
+    """[.., 4*gpb] words of one row's block, thread-major ([4 threads t, gpb words g]) -> chunk-major
+    ([gpb/4 chunks, t, 4 words]: word (t, g) at (g // 4) * 16 + t * 4 + g % 4) where gpb > FRAG_CHUNK; else
+    unchanged. inverse: back."""
+    if gpb <= FRAG_CHUNK:
+        return words
+    lead, chunks = words.shape[:-1], gpb // FRAG_CHUNK
+    shape = (chunks, LANES_T, FRAG_CHUNK) if inverse else (LANES_T, chunks, FRAG_CHUNK)
+    return words.reshape(*lead, *shape).transpose(-3, -2).contiguous().reshape(*lead, 4 * gpb)
 
 
 def to_engine_order(words: torch.Tensor, gpb: int) -> torch.Tensor:
@@ -226,7 +248,7 @@ if HAVE_GLUON:
                    WL: gl.constexpr, BN: gl.constexpr, GPB: gl.constexpr, TILE: gl.constexpr):
         """Pointers of block kb0 of rows row0 .. row0+BN: words [BN, 4, GPB], scales (same for the 4 t).
         Scales row-major [N, K/32]; words row-major [N, K/8] (TILE 0) or in frag_tile's order (each block of
-        TILE rows contiguous)."""
+        TILE rows contiguous, a row's words of a block chunk-major where GPB > 4)."""
         rn = gl.arange(0, BN, layout=gl.SliceLayout(1, gl.SliceLayout(2, WL)))
         rt = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, WL)))
         rg = gl.arange(0, GPB, layout=gl.SliceLayout(0, gl.SliceLayout(1, WL)))
@@ -237,7 +259,11 @@ if HAVE_GLUON:
         if TILE == 0:
             w_ptrs = w_ptr + n3 * stride_wn + t3 * GPB + g3 + kb0 * (4 * GPB)
         else:
-            w_ptrs = (w_ptr + (n3 // TILE) * (TILE * stride_wn) + (n3 % TILE) * (4 * GPB) + t3 * GPB + g3
+            if GPB > 4:   # frag_chunks: a row's words of a block chunk-major, [g // 4][t][g % 4]
+                wo = (g3 // 4) * 16 + t3 * 4 + g3 % 4
+            else:
+                wo = t3 * GPB + g3
+            w_ptrs = (w_ptr + (n3 // TILE) * (TILE * stride_wn) + (n3 % TILE) * (4 * GPB) + wo
                       + kb0 * (TILE * 4 * GPB))
         return w_ptrs, s_ptrs
 

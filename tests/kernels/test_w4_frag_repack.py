@@ -40,22 +40,29 @@ def test_repack_round_trip_and_bad_k():
         frag_repack(p[..., :12], 4)
 
 
-def test_frag_tile_puts_each_block_of_a_tile_together():
-    """frag_tile: word (row n, block b, j) lands at [n // T, b, n % T, j] of the tiled order, the inverse
-    restores row-major; bad shapes are refused by name."""
+@pytest.mark.parametrize("gpb", [2, 4, 8])
+def test_frag_tile_puts_each_block_of_a_tile_together(gpb):
+    """frag_tile: word (row n, block b, thread t, group g) lands at [n // T, b, n % T, j] of the tiled order, with
+    j = t * gpb + g up to 4 groups per block and chunk-major j = (g // 4) * 16 + t * 4 + g % 4 beyond (16-byte
+    chunks of the 4 threads of a row side by side); the inverse restores row-major; bad shapes are refused by
+    name."""
     import torch
 
     from kdtree_engine.kernels.w4_frag import frag_tile
-    N, K, gpb, T = 128, 512, 4, 64
-    w = torch.randint(-2**31, 2**31 - 1, (N, K // 8), dtype=torch.int32)
+    N, K, T = 128, 1024, 64
+    w = torch.randint(-2**31, 2**31 - 1, (2, N, K // 8), dtype=torch.int32)
     wt = frag_tile(w, gpb, T)
     nblk = K // (32 * gpb)
-    flat = wt.reshape(-1)
+    flat = wt[1].reshape(-1)
     for n in (0, 5, 63, 64, 127):
         for b in range(nblk):
-            for j in range(4 * gpb):
-                pos = (((n // T) * nblk + b) * T + n % T) * 4 * gpb + j
-                assert flat[pos] == w[n, b * 4 * gpb + j]
+            for t in range(4):
+                for g in range(gpb):
+                    j = (g // 4) * 16 + t * 4 + g % 4 if gpb > 4 else t * gpb + g
+                    pos = (((n // T) * nblk + b) * T + n % T) * 4 * gpb + j
+                    assert flat[pos] == w[1, n, b * 4 * gpb + t * gpb + g]
+    w = w[0]
+    wt = wt[0]
     assert torch.equal(frag_tile(wt, gpb, T, inverse=True), w)
     with pytest.raises(ValueError, match="frag_tile"):
         frag_tile(w[:100], gpb, T)
