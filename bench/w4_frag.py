@@ -42,7 +42,9 @@ DENSE_CANDIDATES = [  # the engine's plan first (None), then overrides of it (th
     # per SM; pt: the partition's rows per tile (partition_rows; programs of pt / 16 warps at every token tile)
     # tile: 0 for row-major words (the engine's plan: frag_tile's 64-row tiles)
     # mma: the instruction (token_mma: mma.sync up to 16 tokens per program, wgmma beyond)
-    None, dict(split=2), dict(split=7), dict(per_sm=3), dict(per_sm=5), dict(per_sm=6), dict(per_sm=8),
+    # pairs: the mma.sync loop's two blocks per trip (token_pairs: 8-token programs)
+    None, dict(pairs=False), dict(pairs=True, tok=16), dict(split=2), dict(split=7), dict(per_sm=3), dict(per_sm=5),
+    dict(per_sm=6), dict(per_sm=8),
     dict(pt=128), dict(pt=128, per_sm=3), dict(pt=128, per_sm=4), dict(tile=0), dict(mma="sync", tok=16),
     dict(mma="wgmma", tok=16), dict(mma="wgmma", tok=32), dict(pt=128, mma="wgmma", tok=16),
     dict(pt=128, mma="wgmma", tok=32),
@@ -138,7 +140,8 @@ def bench_dense(ms, bw, reps, only: str | None = None) -> list[dict]:
                          f" pt{kw['pt']} tok{kw['tok']}"
                          f" x {kw['xload']}{'' if kw.get('pdl', True) else ' no-pdl'}"
                          f"{' tiled ' + str(kw['tile']) if kw.get('tile') else ''}"
-                         f" {kw.get('mma') or token_mma(kw['tok'])}")
+                         f" {kw.get('mma') or token_mma(kw['tok'])}"
+                         f"{'' if kw.get('pairs') is None else (' pairs' if kw['pairs'] else ' no-pairs')}")
                 before = _compiled_regs(_w4_frag_kernel)
                 _row(rows, {**base, "kernel": label},
                      lambda: frag_linear(x, *wr[0], **kw), ref,

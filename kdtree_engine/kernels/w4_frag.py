@@ -288,13 +288,17 @@ if HAVE_GLUON:
     @gluon.jit
     def _frag_loop(acc0, acc1, w0, s0, w1, s1, x_ptrs, x_mask, nblk,
                    TWO: gl.constexpr, X_AHEAD: gl.constexpr, AL: gl.constexpr, BL: gl.constexpr,
-                   BN: gl.constexpr, GPB: gl.constexpr, WAIT: gl.constexpr, TILE: gl.constexpr):
+                   BN: gl.constexpr, GPB: gl.constexpr, WAIT: gl.constexpr, TILE: gl.constexpr,
+                   PAIRS: gl.constexpr = False):
         """acc0 (+ acc1 with TWO) += A0 (A1) @ x over nblk blocks of 32*GPB k, in k order. One block of
         words and scales is in flight ahead of the one in use; with X_AHEAD one block of activations too
         (its load issued after the current block's relabel into BL), else they are loaded at use. x_ptrs /
         x_mask: in x_layout (relabelled through shared memory) or in BL (the relabel is a no-op). WAIT: the
         first block's weights are requested before pdl_wait, the activations after it. TILE: the words'
-        order (_word_ptrs), which sets the step from one block to the next."""
+        order (_word_ptrs), which sets the step from one block to the next. PAIRS: two blocks per trip, the
+        words in flight alternating between two named register sets instead of being moved into place after
+        every block (8-token dense programs: 304 against 349 instructions per block and warp offline, 122
+        against 108 registers; 16-token programs would need 156 and spill at 128)."""
         BK: gl.constexpr = 32 * GPB
         WSTEP: gl.constexpr = 4 * GPB * (TILE if TILE else 1)   # words from one block to the next
         SSTEP: gl.constexpr = GPB                               # scales (row-major)
@@ -303,30 +307,69 @@ if HAVE_GLUON:
             pdl_wait_gl()
         if X_AHEAD:
             xr = gl.load(x_ptrs, mask=x_mask, other=0.0)
-        for _ in range(nblk - 1):
-            w0 += WSTEP
-            s0 += SSTEP
-            w1 += WSTEP
-            s1 += SSTEP
-            n_a0, n_c0, n_a1, n_c1 = _load_words(w0, s0, w1, s1, TWO)
-            if X_AHEAD:
-                xb = gl.convert_layout(xr, BL)
-                x_ptrs += BK
-                xr = gl.load(x_ptrs, mask=x_mask, other=0.0)
-            else:
-                xb = gl.convert_layout(gl.load(x_ptrs, mask=x_mask, other=0.0), BL)
-                x_ptrs += BK
-            acc0 = mma_v2(_dequant_frag(a0, c0, AL, BN, BK), xb, acc0)
-            if TWO:
-                acc1 = mma_v2(_dequant_frag(a1, c1, AL, BN, BK), xb, acc1)
+        else:
+            xr = x_mask   # unused (the activations are loaded at use): carried through _x_step unchanged
+        if PAIRS:
+            for _ in range((nblk - 1) // 2):
+                b0, d0, b1, d1 = _load_words(w0 + WSTEP, s0 + SSTEP, w1 + WSTEP, s1 + SSTEP, TWO)
+                xb, xr, x_ptrs = _x_step(xr, x_ptrs, x_mask, BK, X_AHEAD, BL)
+                acc0, acc1 = _mma_block(acc0, acc1, a0, c0, a1, c1, xb, TWO, AL, BN, BK)
+                w0 += 2 * WSTEP
+                s0 += 2 * SSTEP
+                w1 += 2 * WSTEP
+                s1 += 2 * SSTEP
+                a0, c0, a1, c1 = _load_words(w0, s0, w1, s1, TWO)
+                xb, xr, x_ptrs = _x_step(xr, x_ptrs, x_mask, BK, X_AHEAD, BL)
+                acc0, acc1 = _mma_block(acc0, acc1, b0, d0, b1, d1, xb, TWO, AL, BN, BK)
+            if (nblk - 1) % 2:   # an odd block left before the last: one single step
+                w0 += WSTEP
+                s0 += SSTEP
+                w1 += WSTEP
+                s1 += SSTEP
+                b0, d0, b1, d1 = _load_words(w0, s0, w1, s1, TWO)
+                xb, xr, x_ptrs = _x_step(xr, x_ptrs, x_mask, BK, X_AHEAD, BL)
+                acc0, acc1 = _mma_block(acc0, acc1, a0, c0, a1, c1, xb, TWO, AL, BN, BK)
+                a0 = b0
+                c0 = d0
+                a1 = b1
+                c1 = d1
+        else:
+            for _ in range(nblk - 1):
+                w0 += WSTEP
+                s0 += SSTEP
+                w1 += WSTEP
+                s1 += SSTEP
+                n_a0, n_c0, n_a1, n_c1 = _load_words(w0, s0, w1, s1, TWO)
+                xb, xr, x_ptrs = _x_step(xr, x_ptrs, x_mask, BK, X_AHEAD, BL)
+                acc0, acc1 = _mma_block(acc0, acc1, a0, c0, a1, c1, xb, TWO, AL, BN, BK)
+                a0 = n_a0
+                c0 = n_c0
                 a1 = n_a1
                 c1 = n_c1
-            a0 = n_a0
-            c0 = n_c0
         if X_AHEAD:
             xb = gl.convert_layout(xr, BL)
         else:
             xb = gl.convert_layout(gl.load(x_ptrs, mask=x_mask, other=0.0), BL)
+        acc0, acc1 = _mma_block(acc0, acc1, a0, c0, a1, c1, xb, TWO, AL, BN, BK)
+        return acc0, acc1
+
+    @gluon.jit
+    def _x_step(xr, x_ptrs, x_mask, BK: gl.constexpr, X_AHEAD: gl.constexpr, BL: gl.constexpr):
+        """The activations of the block in use, in BL, and the pointers moved on a block; X_AHEAD: xr held
+        them and the next block's load is issued (else they are loaded here)."""
+        if X_AHEAD:
+            xb = gl.convert_layout(xr, BL)
+            x_ptrs += BK
+            xr = gl.load(x_ptrs, mask=x_mask, other=0.0)
+        else:
+            xb = gl.convert_layout(gl.load(x_ptrs, mask=x_mask, other=0.0), BL)
+            x_ptrs += BK
+        return xb, xr, x_ptrs
+
+    @gluon.jit
+    def _mma_block(acc0, acc1, a0, c0, a1, c1, xb, TWO: gl.constexpr, AL: gl.constexpr, BN: gl.constexpr,
+                   BK: gl.constexpr):
+        """One block's MMAs: acc0 += dequant(a0, c0) @ xb (and acc1 with a1, c1 under TWO)."""
         acc0 = mma_v2(_dequant_frag(a0, c0, AL, BN, BK), xb, acc0)
         if TWO:
             acc1 = mma_v2(_dequant_frag(a1, c1, AL, BN, BK), xb, acc1)
@@ -387,14 +430,15 @@ if HAVE_GLUON:
                         TOK: gl.constexpr, MT: gl.constexpr, GPB: gl.constexpr, WL: gl.constexpr,
                         X_SMEM: gl.constexpr, X_AHEAD: gl.constexpr, PDL: gl.constexpr, TILE: gl.constexpr,
                         PT: gl.constexpr, SEGS: gl.constexpr, num_warps: gl.constexpr,
-                        WG: gl.constexpr = False):
+                        WG: gl.constexpr = False, PAIRS: gl.constexpr = False):
         """grid (cdiv(M, TOK), programs): the stream partition of the work = (N / PT) x iters K blocks, row
         tile major (dense_partition), each PT-row tile in passes of BN rows. Program p takes global blocks
         [p * work // programs, (p + 1) * work // programs); each run of them within one row tile (a segment) is
         one partial, written to out[slot, m, n] with slot its index among the tile's segments (stream_sum adds
         a tile's slots alone). The partition is fixed by the shape, never by M. The token tiles of one weight
         range are adjacent program ids: they run together and the weights are read from DRAM about once.
-        PDL: launched dependent on the kernel that wrote x (pdl.py)."""
+        PDL: launched dependent on the kernel that wrote x (pdl.py). PAIRS: _frag_loop's two blocks per trip
+        (mma.sync)."""
         BN: gl.constexpr = 16 * num_warps * MT
         BK: gl.constexpr = 32 * GPB
         MMA: gl.constexpr = wg_layout(TOK, num_warps) if WG else mma_layout(num_warps)
@@ -435,7 +479,7 @@ if HAVE_GLUON:
                         x_ptrs = x_ptr + gl.expand_dims(rm, 0) * stride_xm + gl.expand_dims(rk, 1) + b0 * BK
                         acc, unused = _frag_loop(acc, acc, w_ptrs, s_ptrs, w_ptrs, s_ptrs, x_ptrs,
                                                  gl.expand_dims(rm, 0) < M, nb, False, X_AHEAD, AL, BL, BN, GPB,
-                                                 PDL, TILE)
+                                                 PDL, TILE, PAIRS)
                     # y[m, n] = acc[n, m]
                     on = gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
                     om = m0 + gl.arange(0, TOK, layout=gl.SliceLayout(0, MMA))
@@ -553,6 +597,12 @@ def token_mma(tok: int) -> str:
     return "sync" if tok <= 16 else "wgmma"
 
 
+def token_pairs(tok: int) -> bool:
+    """Whether the mma.sync loop of a token tile runs two blocks per trip (_frag_loop PAIRS): 8-token programs
+    (122 registers, 4 per SM as before); 16-token ones would spill."""
+    return tok == 8
+
+
 def token_warps(pt: int, mt: int = 1) -> int:
     """Warps of a dense program: the rows of one partition tile (pt, partition_rows) at mt 16-row MMA tiles
     per warp, for every token tile and instruction (wgmma: one or two warpgroups), so that no token tile
@@ -570,7 +620,8 @@ def token_mt(plan_mt: int, tok: int) -> int:
 def frag_linear(x: torch.Tensor, wq: torch.Tensor, s: torch.Tensor, *, gpb: int | None = None,
                 mt: int | None = None, num_warps: int | None = None, split: int | None = None,
                 programs: int | None = None, pt: int | None = None, tok: int | None = None,
-                xload: str = "smem-ahead", pdl: bool = True, tile: int = 0, mma: str | None = None) -> torch.Tensor:
+                xload: str = "smem-ahead", pdl: bool = True, tile: int = 0, mma: str | None = None,
+                pairs: bool | None = None) -> torch.Tensor:
     """y [M, N] = x [M, K] @ W^T, W the fragment-repacked int4 words wq [N, K/8] (frag_repack with
     frag_gpb(K) unless gpb is given) and bf16 scales s [N, K/32]; x bfloat16. Unset knobs follow dense_plan,
     token_tile, token_mt, token_mma and token_warps; programs: the stream partition's program
@@ -580,8 +631,9 @@ def frag_linear(x: torch.Tensor, wq: torch.Tensor, s: torch.Tensor, *, gpb: int 
     (pdl.py; the same bits); tile: 0 for row-major words, else the rows per tile of frag_tile's order (the
     same bits); mma: "sync" (mma.sync, 8 / 16-token tiles) or "wgmma" (the dequantized weights the register A
     operand of a warpgroup MMA, the activations its shared-memory B operand; 4 or 8 warps: one or two
-    warpgroups, 1 tile per warp; the same bits). The bits depend on the partition alone: any token tile,
-    MMA, warps, loads and word order give them."""
+    warpgroups, 1 tile per warp; the same bits); pairs: the mma.sync loop's two blocks per trip (None:
+    token_pairs; the same bits). The bits depend on the partition alone: any token tile, MMA, warps, loads and
+    word order give them."""
     if not HAVE_GLUON:
         raise RuntimeError("the fragment-ordered W4A16 kernels need triton.experimental.gluon (triton >= 3.5)")
     from kdtree_engine.kernels.split_sum import stream_sum
@@ -633,6 +685,7 @@ def frag_linear(x: torch.Tensor, wq: torch.Tensor, s: torch.Tensor, *, gpb: int 
         x, wq, s, part, M, N, x.stride(0), wq.stride(0), s.stride(0), N, M * N, iters, tiles * iters, programs,
         TOK=tok, MT=mt, GPB=gpb, WL=word_layout(num_warps, mt, gpb), X_SMEM=X_LOADS[xload][0],
         X_AHEAD=X_LOADS[xload][1], TILE=tile, PT=pt, SEGS=segs, num_warps=num_warps, WG=mma == "wgmma",
+        PAIRS=token_pairs(tok) if pairs is None else pairs,
         **pdl_launch(pdl))
     if slots > 1:
         stream_sum(part, y, slots, pt, iters, tiles * iters, programs, pdl=pdl)

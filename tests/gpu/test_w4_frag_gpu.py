@@ -51,8 +51,9 @@ def test_frag_linear_matches_reference(poisoned, N, K, gpb, mt, warps, split, M)
                                           (36864, 7168, None)])
 def test_frag_linear_stream_partition(poisoned, N, K, programs):
     """Stream partitions whose program ranges cut row tiles inside (up to 7 partials per tile; tiles with fewer
-    segments zero their unused slots): x @ W^T, and a row's bits equal the M = 37 launch at every token tile,
-    MMA and warp count (the partition alone sets the reduction)."""
+    segments zero their unused slots; segments of odd and even block counts): x @ W^T, and a row's bits equal
+    the M = 37 launch at every token tile, MMA, warp count and mma.sync loop (two blocks per trip or one: the
+    partition alone sets the reduction)."""
     p, s = rand_w4(N, K)
     gpb = frag_gpb(K)
     q = frag_tile(frag_repack(p, gpb), gpb, 64)
@@ -64,15 +65,17 @@ def test_frag_linear_stream_partition(poisoned, N, K, programs):
     if programs is None:   # the engine's own plan (its partition tiles) as well
         _check(frag_linear(x, q, s, tile=64), ref, TOL, f"frag plan N={N} K={K}")
     bad = []
-    for tok, warps, mma in ((8, 4, "sync"), (16, 4, "sync"), (32, 4, "wgmma"), (64, 4, "wgmma"), (64, 8, "wgmma"),
-                            (16, 8, "sync")):
+    for tok, warps, mma, pairs in ((8, 4, "sync", None), (8, 4, "sync", False), (16, 4, "sync", None),
+                                   (16, 4, "sync", True), (32, 4, "wgmma", None), (64, 4, "wgmma", None),
+                                   (64, 8, "wgmma", None), (16, 8, "sync", None)):
         if 16 * warps > pt:
             continue
         for m in (1, 5, 16, 37):
-            rows = frag_linear(x[:m], q, s, programs=programs, tile=64, pt=pt, tok=tok, num_warps=warps, mma=mma)
+            rows = frag_linear(x[:m], q, s, programs=programs, tile=64, pt=pt, tok=tok, num_warps=warps, mma=mma,
+                               pairs=pairs)
             if not torch.equal(rows, full[:m]):
-                bad.append((tok, warps, m, int((rows != full[:m]).sum())))
-    assert not bad, f"rows differ from the M=37 launch (tok, warps, M, #elements): {bad}"
+                bad.append((tok, warps, pairs, m, int((rows != full[:m]).sum())))
+    assert not bad, f"rows differ from the M=37 launch (tok, warps, pairs, M, #elements): {bad}"
 
 
 def test_frag_linear_split_is_a_stream_partition():
