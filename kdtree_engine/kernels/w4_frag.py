@@ -597,10 +597,12 @@ def token_mma(tok: int) -> str:
     return "sync" if tok <= 16 else "wgmma"
 
 
-def token_pairs(tok: int) -> bool:
-    """Whether the mma.sync loop of a token tile runs two blocks per trip (_frag_loop PAIRS): 8-token programs
-    (122 registers, 4 per SM as before); 16-token ones would spill."""
-    return tok == 8
+def token_pairs(tok: int, mt: int = 1) -> bool:
+    """Whether the mma.sync loop of a token tile runs two blocks per trip (_frag_loop PAIRS): 8-token programs of
+    one MMA tile per warp (122 registers, 4 per SM as before; 36864 x 7168 at M = 1: 43.6 against 46.3 us,
+    bench/results/w4-frag-h200-pairs.md); 16-token ones need 156 (69.0 against 61.7 us at M = 16), and 2 tiles
+    per warp crash triton 3.6's LLVM lowering."""
+    return tok == 8 and mt == 1
 
 
 def token_warps(pt: int, mt: int = 1) -> int:
@@ -654,6 +656,9 @@ def frag_linear(x: torch.Tensor, wq: torch.Tensor, s: torch.Tensor, *, gpb: int 
         raise TypeError(f"frag_linear: bfloat16 activations required, got {x.dtype}")
     if mma not in ("sync", "wgmma"):
         raise ValueError(f"frag_linear: mma must be 'sync' or 'wgmma', got {mma!r}")
+    if pairs and (mma == "wgmma" or mt != 1):
+        raise ValueError(f"frag_linear: pairs (two blocks per trip) is an mma.sync loop of one MMA tile per warp; got "
+                         f"mma {mma}, mt {mt}")
     if mma == "wgmma" and (num_warps not in (4, 8) or mt != 1 or tok not in (8, 16, 32, 64)):
         raise ValueError(f"frag_linear: wgmma needs 4 or 8 warps, 1 tile per warp and 8/16/32/64 tokens per program; "
                          f"got {num_warps} warps, mt {mt}, tok {tok}")
@@ -685,7 +690,7 @@ def frag_linear(x: torch.Tensor, wq: torch.Tensor, s: torch.Tensor, *, gpb: int 
         x, wq, s, part, M, N, x.stride(0), wq.stride(0), s.stride(0), N, M * N, iters, tiles * iters, programs,
         TOK=tok, MT=mt, GPB=gpb, WL=word_layout(num_warps, mt, gpb), X_SMEM=X_LOADS[xload][0],
         X_AHEAD=X_LOADS[xload][1], TILE=tile, PT=pt, SEGS=segs, num_warps=num_warps, WG=mma == "wgmma",
-        PAIRS=token_pairs(tok) if pairs is None else pairs,
+        PAIRS=token_pairs(tok, mt) if pairs is None else pairs,
         **pdl_launch(pdl))
     if slots > 1:
         stream_sum(part, y, slots, pt, iters, tiles * iters, programs, pdl=pdl)
