@@ -321,31 +321,18 @@ if HAVE_GLUON:
                 a0, c0, a1, c1 = _load_words(w0, s0, w1, s1, TWO)
                 xb, xr, x_ptrs = _x_step(xr, x_ptrs, x_mask, BK, X_AHEAD, BL)
                 acc0, acc1 = _mma_block(acc0, acc1, b0, d0, b1, d1, xb, TWO, AL, BN, BK)
-            if (nblk - 1) % 2:   # an odd block left before the last: one single step
-                w0 += WSTEP
-                s0 += SSTEP
-                w1 += WSTEP
-                s1 += SSTEP
-                b0, d0, b1, d1 = _load_words(w0, s0, w1, s1, TWO)
-                xb, xr, x_ptrs = _x_step(xr, x_ptrs, x_mask, BK, X_AHEAD, BL)
-                acc0, acc1 = _mma_block(acc0, acc1, a0, c0, a1, c1, xb, TWO, AL, BN, BK)
-                a0 = b0
-                c0 = d0
-                a1 = b1
-                c1 = d1
-        else:
-            for _ in range(nblk - 1):
-                w0 += WSTEP
-                s0 += SSTEP
-                w1 += WSTEP
-                s1 += SSTEP
-                n_a0, n_c0, n_a1, n_c1 = _load_words(w0, s0, w1, s1, TWO)
-                xb, xr, x_ptrs = _x_step(xr, x_ptrs, x_mask, BK, X_AHEAD, BL)
-                acc0, acc1 = _mma_block(acc0, acc1, a0, c0, a1, c1, xb, TWO, AL, BN, BK)
-                a0 = n_a0
-                c0 = n_c0
-                a1 = n_a1
-                c1 = n_c1
+        for _ in range((nblk - 1) % 2 if PAIRS else nblk - 1):   # one block per trip (PAIRS: an odd one left)
+            w0 += WSTEP
+            s0 += SSTEP
+            w1 += WSTEP
+            s1 += SSTEP
+            n_a0, n_c0, n_a1, n_c1 = _load_words(w0, s0, w1, s1, TWO)
+            xb, xr, x_ptrs = _x_step(xr, x_ptrs, x_mask, BK, X_AHEAD, BL)
+            acc0, acc1 = _mma_block(acc0, acc1, a0, c0, a1, c1, xb, TWO, AL, BN, BK)
+            a0 = n_a0
+            c0 = n_c0
+            a1 = n_a1
+            c1 = n_c1
         if X_AHEAD:
             xb = gl.convert_layout(xr, BL)
         else:
