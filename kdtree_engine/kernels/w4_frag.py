@@ -667,6 +667,9 @@ def frag_linear(x: torch.Tensor, wq: torch.Tensor, s: torch.Tensor, *, gpb: int 
         programs = tiles * split
     programs = min(plan[2], tiles * iters) if programs is None else programs
     slots, segs = dense_partition(tiles, iters, programs)
+    from kdtree_engine.model.layers import log_once
+    log_once(f"dense-frag-plan:{N}:{K}:{programs}:{pt}", f"W4A16 fragment kernel [{N} x {K}]: {programs} programs over "
+             f"{tiles} tiles of {pt} rows x {iters} K blocks (partials per tile: {slots})")
     y = torch.empty((M, N), device=x.device, dtype=x.dtype)
     if M == 0:
         return y
