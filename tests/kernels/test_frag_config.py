@@ -64,6 +64,14 @@ def test_dense_token_tiles_and_instructions():
     assert [token_mma(t) for t in (8, 16, 32, 64)] == ["sync", "sync", "wgmma", "wgmma"]
 
 
+def test_two_blocks_per_trip_only_for_8_token_single_tile_programs():
+    """The mma.sync loop runs two blocks per trip for 8-token programs of one MMA tile per warp only (16-token ones
+    would need 156 registers; 2 tiles per warp crash triton 3.6's lowering)."""
+    from kdtree_engine.kernels.w4_frag import token_pairs
+    assert token_pairs(8) and token_pairs(8, 1)
+    assert not token_pairs(16) and not token_pairs(8, 2) and not token_pairs(32)
+
+
 def test_dense_programs_cover_one_partition_tile():
     """A dense program's warps hold the rows of one partition tile at every token tile (wgmma: 64 rows one
     warpgroup, 128 two)."""
