@@ -295,11 +295,6 @@ def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor
         part2 = replace(part2, programs=min(cfg.P2, part2.work))
     slots13, segs13 = dense_partition(part13.tiles, part13.iters, part13.programs)
     slots2, segs2 = dense_partition(part2.tiles, part2.iters, part2.programs)
-    from kdtree_engine.model.layers import log_once
-    log_once(f"moe-frag-plan:{H}:{I}:{topk}:{sms}:{part13.programs}:{part2.programs}",
-             f"MoE fragment kernels, experts H {H} / I {I}, top-{topk} on {sms} SMs: gate/up {part13.programs} programs "
-             f"per expert block over {part13.tiles} tiles x {part13.iters} K blocks (partials per tile: {slots13}), down "
-             f"{part2.programs} programs over {part2.tiles} x {part2.iters} (partials per tile: {slots2})")
     out = torch.empty_like(x)
     if T == 0:
         return out

@@ -91,12 +91,11 @@ def _stream_sum_kernel(part_ptr, out_ptr, MN, N, rows, iters, work, programs, SP
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def stream_sum(parts: torch.Tensor, out: torch.Tensor, slots: int, rows: int, iters: int, work: int,
-               programs: int, pdl: bool = False) -> None:
-    """out [M, N] = the sum in slot order of the partials parts [slots, M, N] (float32) of the stream
-    partition of (N / rows) row tiles x iters K blocks over `programs` programs (w4_frag.dense_partition):
-    column n adds only its row tile's slots. pdl: a programmatic dependent launch (pdl.py; sm_90+ only)."""
+def stream_sum(parts: torch.Tensor, out: torch.Tensor, slots: int, partition: Partition, pdl: bool = False) -> None:
+    """out [M, N] = the sum in slot order of the partials parts [slots, M, N] (float32) of `partition`
+    (w4_frag.dense_partition): column n adds only its row tile's slots. pdl: a programmatic dependent launch
+    (pdl.py; sm_90+ only)."""
     M, N = out.shape
     block = 512
-    _stream_sum_kernel[(M, triton.cdiv(N, block))](parts, out, out.numel(), N, rows, iters, work, programs,
+    _stream_sum_kernel[(M, triton.cdiv(N, block))](parts, out, out.numel(), N, *partition.args(),
                                                   SPLIT=slots, BLOCK=block, num_warps=4, **pdl_launch(pdl))

@@ -561,6 +561,10 @@ def dense_partition(tiles: int, iters: int, programs: int) -> tuple[int, int]:
     if segments > DENSE_MAX_SEGMENTS:
         raise ValueError(f"dense_partition: {programs} programs over {tiles} tiles x {iters} blocks touch up to "
                          f"{segments} tiles each (at most {DENSE_MAX_SEGMENTS}: the kernel unrolls them)")
+    from kdtree_engine.model.layers import log_once   # once per partition (this function is cached)
+    log_once(f"stream-partition:{tiles}:{iters}:{programs}", f"fragment W4A16 stream partition: {tiles} row tiles x "
+             f"{iters} K blocks over {programs} programs (partials per tile: {slots}, segments per program: "
+             f"{segments})")
     return slots, segments
 
 
@@ -625,7 +629,7 @@ def frag_linear(x: torch.Tensor, wq: torch.Tensor, s: torch.Tensor, *, gpb: int 
     word order give them."""
     if not HAVE_GLUON:
         raise RuntimeError("the fragment-ordered W4A16 kernels need triton.experimental.gluon (triton >= 3.5)")
-    from kdtree_engine.kernels.split_sum import stream_sum
+    from kdtree_engine.kernels.split_sum import Partition, stream_sum
 
     M, K = x.shape
     N = wq.shape[0]
@@ -667,9 +671,6 @@ def frag_linear(x: torch.Tensor, wq: torch.Tensor, s: torch.Tensor, *, gpb: int 
         programs = tiles * split
     programs = min(plan[2], tiles * iters) if programs is None else programs
     slots, segs = dense_partition(tiles, iters, programs)
-    from kdtree_engine.model.layers import log_once
-    log_once(f"dense-frag-plan:{N}:{K}:{programs}:{pt}", f"W4A16 fragment kernel [{N} x {K}]: {programs} programs over "
-             f"{tiles} tiles of {pt} rows x {iters} K blocks (partials per tile: {slots})")
     y = torch.empty((M, N), device=x.device, dtype=x.dtype)
     if M == 0:
         return y
@@ -683,5 +684,5 @@ def frag_linear(x: torch.Tensor, wq: torch.Tensor, s: torch.Tensor, *, gpb: int 
         PAIRS=token_pairs(tok, mt) if pairs is None else pairs,
         **pdl_launch(pdl))
     if slots > 1:
-        stream_sum(part, y, slots, pt, iters, tiles * iters, programs, pdl=pdl)
+        stream_sum(part, y, slots, Partition(pt, tiles, iters, programs), pdl=pdl)
     return y

@@ -115,7 +115,7 @@ def _run_moe(name, spec, gen):
 
 
 def _run_one(name, spec):
-    from kdtree_engine.kernels.split_sum import split_sum, stream_sum
+    from kdtree_engine.kernels.split_sum import Partition, split_sum, stream_sum
 
     M, tiles, rows, iters, programs = spec
     seed = int.from_bytes(os.urandom(4), "little")
@@ -127,13 +127,13 @@ def _run_one(name, spec):
         used, stream, split = [iters] * tiles, None, iters
     else:
         used = _slots_per_tile(tiles, iters, programs)
-        stream, split = (rows, iters, tiles * iters, programs), max(used)
+        stream, split = Partition(rows, tiles, iters, programs), max(used)
     parts = _poisoned_partials(used, split, M, rows, gen)
     out = torch.empty(M, N)
     if stream is None:
         split_sum(parts, out, split)
     else:
-        stream_sum(parts, out, split, *stream)
+        stream_sum(parts, out, split, stream)
     ref = _in_order(parts, used, rows)
     return {"meta": out.shape == ref.shape, "nonfinite": int((~torch.isfinite(out)).sum()),
             "differ": int((out != ref).sum()), "seed": seed, "max_slots": split}
