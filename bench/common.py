@@ -152,20 +152,6 @@ def bf16_matmul_rate(n: int = 8192, reps: int = 20) -> float:
     return 2 * n**3 / (t * 1e-6)
 
 
-def set_prefetch(on: bool) -> dict:
-    """The weight and key lines the GEMM, MoE and warpgroup attention launches ask of L2 before their dependent-launch
-    wait (kernels/gemm.py PREFETCH_TOTAL, moe_frag.py MOE_PREFETCH_TOTAL, mla_decode_wg.py PREFETCH_TOTAL): off sets
-    the budgets to 0, an A/B of the same code. Returns the budgets in force (bytes per launch), for the results."""
-    from kdtree_engine.kernels import gemm, mla_decode_wg, moe_frag
-
-    if not on:
-        gemm.PREFETCH_TOTAL = 0
-        moe_frag.MOE_PREFETCH_TOTAL = 0
-        mla_decode_wg.PREFETCH_TOTAL = 0
-    return {"gemm_total": gemm.PREFETCH_TOTAL, "moe_total": moe_frag.MOE_PREFETCH_TOTAL,
-            "attention_total": mla_decode_wg.PREFETCH_TOTAL}
-
-
 def command_line() -> str:
     return " ".join([os.path.basename(sys.executable)] + sys.argv) if sys.argv else "python"
 

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import gpu_stem, set_prefetch  # noqa: E402
+from bench.common import gpu_stem  # noqa: E402
 
 SHAPES = [  # name, N (out), K (in)
     ("q_a+kv_a", 2112, 7168),
@@ -315,8 +315,6 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--sweep-ms", default="1,16,64,129,256", help="M values of the sweep")
     ap.add_argument("--no-rmsnorm", action="store_true")
     ap.add_argument("--no-heads", action="store_true", help="skip the per-head (MLA absorption) GEMM")
-    ap.add_argument("--no-prefetch", action="store_true",
-                    help="no weight prefetch before the dependent-launch waits (an A/B of the same code)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench/gemm.py needs a CUDA device")
@@ -328,7 +326,7 @@ def main(argv: list[str] | None = None) -> dict:
     shapes = [s for s in SHAPES if not names or s[0] in names]
     torch.backends.cuda.matmul.allow_tf32 = False
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-           "python": platform.python_version(), "ceilings": ceilings(), "prefetch": set_prefetch(not args.no_prefetch)}
+           "python": platform.python_version(), "ceilings": ceilings()}
     print(f"ceilings: {res['ceilings']}", flush=True)
     res["gemm"] = bench_gemm(shapes, ms, args.rep_ms)
     if not args.no_rmsnorm:

@@ -259,7 +259,6 @@ def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
                     gather_latency_us=args.gather_latency_us, draft_ms=args.draft_ms, tau=args.tau)
     from kdtree_engine.kernels.dispatch import set_batch_invariant
     set_batch_invariant(args.batch_invariant == "on")  # on: the engine's default (Triton attention, GEMM, norms)
-    prefetch = common.set_prefetch(not args.no_prefetch)
 
     cfg = tiny_config(args.layers) if args.tiny else k2_config(args.layers)
     H, N, E, K = cfg.hidden_size, cfg.num_attention_heads, cfg.n_routed_experts, cfg.num_experts_per_tok
@@ -452,7 +451,6 @@ def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
     return {
         "command": args.command, "device": env, "dtype": str(dtype).replace("torch.", ""),
         "batch_invariant": args.batch_invariant,
-        "prefetch": prefetch,
         "tiny": bool(args.tiny), "copy_Bps": copy_bw, "matmul_flops": mm_rate,
         "config": {k: getattr(cfg, k) for k in ("hidden_size", "num_attention_heads", "n_routed_experts",
                                                  "num_experts_per_tok", "moe_intermediate_size", "intermediate_size",
@@ -750,8 +748,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                     help="also list the device time per kernel of one layer at each T (torch.profiler, CUDA)")
     ap.add_argument("--time-budget", type=float, default=TIME_BUDGET_S,
                     help="seconds after which the remaining node counts are skipped")
-    ap.add_argument("--no-prefetch", action="store_true",
-                    help="no weight prefetch before the dependent-launch waits (an A/B of the same code)")
     a = ap.parse_args(argv)
     a.layers = a.layers or (2 if a.tiny else 4)
     a.nodes = a.nodes or ([1, 4, 8] if a.tiny else list(DEFAULT_NODES))

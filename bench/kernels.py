@@ -32,7 +32,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import (Clock, bf16_matmul_rate, command_line, copy_bandwidth, device_info, gpu_stem,  # noqa: E402
-                          l2_bytes, md_table, set_prefetch, time_calls, write_results)
+                          l2_bytes, md_table, time_calls, write_results)
 from kdtree_engine.kernels.moe_frag import frag_moe_config, fused_moe_frag  # noqa: E402
 from kdtree_engine.kernels.w4_frag import FRAG_TILE, HAVE_GLUON, dense_plan, frag_gpb, frag_linear, to_engine_order  # noqa: E402
 from kdtree_engine.kernels.moe_w4a16 import (MOE_CONFIGS, MoEConfig, fused_moe_reference, fused_moe_w4a16,  # noqa: E402
@@ -271,8 +271,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sweep-moe-rows", action="store_true",
                     help="sweep the MoE expert block rows (BLOCK_M 16 / 32 / 64) at T = "
                          f"{', '.join(map(str, w4_sweep.MOE_ROWS_SIZES))} instead (no dense)")
-    ap.add_argument("--no-prefetch", action="store_true",
-                    help="no weight prefetch before the dependent-launch waits (an A/B of the same code)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench kernels needs a CUDA GPU", file=sys.stderr)
@@ -287,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     copy_bw = copy_bandwidth()
     mm = bf16_matmul_rate()
     log(f"{info['gpu']}: copy {copy_bw / 1e12:.2f} TB/s, bf16 matmul {mm / 1e12:.0f} TFLOP/s")
-    payload = {"command": command_line(), "device": info, "prefetch": set_prefetch(not args.no_prefetch), "copy_TBps": copy_bw / 1e12, "bf16_TFLOPs": mm / 1e12,
+    payload = {"command": command_line(), "device": info, "copy_TBps": copy_bw / 1e12, "bf16_TFLOPs": mm / 1e12,
                "group_size": G, "dense_configs": {str(m): c.as_dict() for m, c in DENSE_CONFIGS},
                "moe_configs": {str(m): c.as_dict() for m, c in MOE_CONFIGS}}
     payload["dense"] = [] if args.sweep_only else bench_dense(copy_bw, args.reps, log)

@@ -52,7 +52,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench.common import (Clock, bf16_matmul_rate, command_line, copy_bandwidth, device_info,  # noqa: E402
-                          gpu_stem, l2_bytes, md_table, set_prefetch, time_calls, write_results)
+                          gpu_stem, l2_bytes, md_table, time_calls, write_results)
 from kdtree_engine.kernels.mla_attention import MLAConfig, default_config, mla_attention  # noqa: E402
 from kdtree_engine.model.mla import mla_attention_reference  # noqa: E402
 
@@ -338,10 +338,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--workers", type=int, default=0, help="compile processes for the sweep (0: CPUs)")
     ap.add_argument("--no-peers", action="store_true", help="skip sdpa and the torch reference")
     ap.add_argument("--budget-s", type=float, default=100.0, help="stop the sweep after this many seconds")
-    ap.add_argument("--no-prefetch", action="store_true",
-                    help="no key prefetch before the dependent-launch waits (an A/B of the same code)")
     args = ap.parse_args(argv)
-    prefetch = set_prefetch(not args.no_prefetch)
     if not torch.cuda.is_available():
         raise SystemExit("needs CUDA")
     clock = Clock()
@@ -399,7 +396,7 @@ def main(argv=None) -> dict:
 
     info = device_info()
     gpu = gpu_stem(info["gpu"])
-    payload = {"command": command_line(), "device": info, "prefetch": prefetch, "copy_Bps": bw, "bf16_flops": mm,
+    payload = {"command": command_line(), "device": info, "copy_Bps": bw, "bf16_flops": mm,
                "cases": rows, "sweep": sweep, "seconds": clock()}
     headers = ["N", "S", "T", "us", "TB/s", "x copy", "TFLOP/s", "x roof", "sdpa us", "ref us", "err"]
     table = [[r["N"], r["S"], r["T"], r["us"], r["TBps"], r["x_copy"], r["TFLOPs"], r["x_roof"],

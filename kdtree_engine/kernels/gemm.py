@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import l2_prefetch, pdl_launch, pdl_supported, pdl_wait
+from .pdl import pdl_launch, pdl_supported, pdl_wait
 from .split_sum import split_sum
 from .common import DTYPES, interpreting
 
@@ -86,19 +86,6 @@ class Tile:
     BLOCK_N: int = 64   # weight rows per program (the wgmma M side: 64 or 128)
     num_warps: int = 4
     num_stages: int = 4
-    prefetch_bytes: int = 64 * 1024   # of each program's first weight lines asked of L2 before it waits on the
-    #                                   launch ahead (PDL launches of k-contiguous weights; 0: none)
-
-    def prefetch_lines(self, k_per_split: int, elem_bytes: int, programs: int) -> int:
-        """128-byte lines per weight row prefetched: a power of 2 within prefetch_bytes, PREFETCH_TOTAL over the
-        launch's programs (a many-wave launch's later programs would only prefetch what they load next) and
-        the program's k range."""
-        per = min(self.prefetch_bytes, PREFETCH_TOTAL // max(programs, 1))
-        lines = min(per // (self.BLOCK_N * 128), -(-k_per_split * elem_bytes // 128))
-        return 1 << (lines.bit_length() - 1) if lines > 0 else 0
-
-
-PREFETCH_TOTAL = 16 << 20   # bytes a launch asks of L2 before its wait, at most (the H200's L2: 60 MB)
 
 
 # K-step per dtype: 16-bit inputs stream 128 k (256 B per weight row) per step; fp32 runs the FMA
@@ -199,12 +186,12 @@ def _bi_gemm_kernel(x_ptr, w_ptr, out_ptr,
                     stride_ob, stride_om, stride_on, stride_os,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     UPCAST: tl.constexpr, INTERP_SUM: tl.constexpr, PREC: tl.constexpr,
-                    OUT_F32: tl.constexpr, PDL: tl.constexpr = False, PF_LINES: tl.constexpr = 0,
-                    PF_STEP: tl.constexpr = 64):
+                    OUT_F32: tl.constexpr, PDL: tl.constexpr = False):
     # grid: (m tiles [fastest, so programs sharing a weight tile run together], n tiles,
     #        batches x splits [split fastest]); the batch (head) only moves the three base pointers.
-    # PDL: launched dependent on the previous kernel (pdl.py), waiting for it first; before the wait the first
-    # PF_LINES 128-byte lines (PF_STEP elements apart; k contiguous) of the program's weight rows are asked of L2
+    # PDL: launched dependent on the previous kernel (pdl.py), waiting for it first
+    if PDL:
+        pdl_wait()
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_b = tl.program_id(2) // n_split
@@ -212,12 +199,6 @@ def _bi_gemm_kernel(x_ptr, w_ptr, out_ptr,
     x_ptr += pid_b.to(tl.int64) * stride_xb
     w_ptr += pid_b.to(tl.int64) * stride_wb
     out_ptr += pid_b.to(tl.int64) * stride_ob
-    if PDL:
-        if PF_LINES > 0:
-            pn = tl.minimum(pid_n * BLOCK_N + tl.arange(0, BLOCK_N), N - 1)
-            pk = tl.minimum(pid_k * k_per_split + tl.arange(0, PF_LINES) * PF_STEP, K - 1)
-            l2_prefetch(w_ptr + pn[:, None].to(tl.int64) * stride_wn + pk[None, :])
-        pdl_wait()
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -323,14 +304,12 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, M: int, N: int,
     prec = "ieee" if (x.dtype == torch.float32 or interp) else "tf32"  # (tf32 is ignored for 16-bit)
     pdl = pdl_supported(x.device)
     target = out if split == 1 else torch.empty((split,) + tuple(out.shape), device=x.device, dtype=torch.float32)
-    elem = x.element_size()
     grid = (triton.cdiv(M, t.BLOCK_M), triton.cdiv(N, t.BLOCK_N), heads * split)
-    pf = t.prefetch_lines(kps, elem, grid[0] * grid[1] * grid[2]) if pdl and w_strides[2] == 1 else 0
     _bi_gemm_kernel[grid](
         x, w, target, M, N, K, kps, split, *x_strides, *w_strides, *out_strides, out.numel(),
         BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N, BLOCK_K=red.BLOCK_K,
         UPCAST=interp, INTERP_SUM=interp and _interp_mode() == "sum", PREC=prec, OUT_F32=split > 1,
-        PF_LINES=pf, PF_STEP=128 // elem, num_warps=t.num_warps, num_stages=t.num_stages, **pdl_launch(pdl))
+        num_warps=t.num_warps, num_stages=t.num_stages, **pdl_launch(pdl))
     if split > 1:
         split_sum(target, out, split, pdl=pdl)
     return out

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from kdtree_engine.kernels.pdl import PDL_ASM, PREFETCH_ASM
+from kdtree_engine.kernels.pdl import PDL_ASM
 
 try:  # Gluon exists in triton >= 3.5
     from triton.experimental import gluon
@@ -74,24 +74,6 @@ def unsupported(rows: int, C: int, R: int, dtype: torch.dtype, block_n: int, v_s
 
 if HAVE_GLUON:
     WAIT_ASM = gl.constexpr(PDL_ASM)
-    PREFETCH = gl.constexpr(PREFETCH_ASM)
-
-    @gluon.jit
-    def _prefetch_chunk(kv_ptr, stride_kv, n_rows, S, s_ptr, CHUNK: gl.constexpr, LINES: gl.constexpr,
-                        CAUSAL: gl.constexpr, S_DEV: gl.constexpr):
-        """Before the dependent-launch wait, by the first program of chunk program_id(1): ask L2 for the chunk's
-        first LINES 128-byte lines of key rows (contiguous: row stride x 2 bytes each), if the chunk holds keys.
-        A hint only: S_DEV reads the length before the wait (a stale value moves the hint, never the result)."""
-        c = gl.program_id(1)
-        if gl.program_id(0) == 0:
-            if S_DEV:
-                S = gl.load(s_ptr).to(gl.int32)
-            L = S + 1 if CAUSAL else S
-            if c * CHUNK < L:
-                rl = gl.arange(0, LINES, layout=gl.BlockedLayout([1], [32], [4], [0]))
-                first = (c * CHUNK).to(gl.int64) * stride_kv
-                off = gl.minimum(first + rl.to(gl.int64) * 64, (stride_kv * n_rows).to(gl.int64) - 1)   # 64 bf16 a line
-                gl.inline_asm_elementwise(PREFETCH, "=r,l", [kv_ptr + off], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
     def _scores(kl_st, kp_st, ql_s, qp_s, zs, qk_scale, C: gl.constexpr, QS: gl.constexpr):
@@ -148,18 +130,15 @@ if HAVE_GLUON:
     @gluon.jit
     def _mla_decode_wg_kernel(ql_ptr, qp_ptr, lat_desc, pe_desc, po_ptr, pl_ptr, out_ptr, s_ptr,
                               S, T, N, stride_qlt, stride_qln, stride_qpt, stride_qpn, stride_pom, stride_poc,
-                              stride_plm, stride_ot, stride_on, qk_scale, kv_ptr, stride_kv, n_rows,
+                              stride_plm, stride_ot, stride_on, qk_scale,
                               C: gl.constexpr, R: gl.constexpr, NP: gl.constexpr, DV: gl.constexpr,
                               VS: gl.constexpr, CHUNK: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
                               CAUSAL: gl.constexpr, DIRECT: gl.constexpr, S_DEV: gl.constexpr, QS: gl.constexpr,
-                              PDL: gl.constexpr, PF_LINES: gl.constexpr = 0):
+                              PDL: gl.constexpr):
         # grid (row groups x V_SPLIT, chunks): the slices of one group adjacent (their key tiles hit L2).
         # CAUSAL: one query (T = 1) over [0, S] (itself included); else the whole prefix chunks of a tree's
-        # T queries over [0, S) (the tree's own keys are the chunk kernel's gather launch). PF_LINES (PDL):
-        # _prefetch_chunk before the wait
+        # T queries over [0, S) (the tree's own keys are the chunk kernel's gather launch)
         if PDL:
-            if PF_LINES > 0:
-                _prefetch_chunk(kv_ptr, stride_kv, n_rows, S, s_ptr, CHUNK, PF_LINES, CAUSAL, S_DEV)
             gl.inline_asm_elementwise(WAIT_ASM, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
         pid_g = gl.program_id(0) // VS
         pid_v = gl.program_id(0) % VS
@@ -256,17 +235,6 @@ if HAVE_GLUON:
                 gl.store(pl_ptr + r64 * stride_plm + c, m_i + gl.log2(l_i), mask=r < T * N)
 
 
-PREFETCH_TOTAL = 16 << 20   # key bytes a launch asks of L2 before its wait, at most (the H200's L2: 60 MB)
-
-
-def prefetch_lines(chunk: int, row_bytes: int, n_ch: int) -> int:
-    """128-byte lines of its chunk's key rows the first program of each chunk prefetches: a power of 2 within the
-    chunk and PREFETCH_TOTAL over the launch's chunks (K2 rows of 1152 bytes, 512-key chunks: 4096 at 4K context,
-    2048 at 32K, 512 at 128K); 0 under 64 lines."""
-    lines = min(chunk * row_bytes // 128, PREFETCH_TOTAL // (128 * max(n_ch, 1)))
-    return 1 << (lines.bit_length() - 1) if lines >= 64 else 0
-
-
 def kv_descriptors(kv: torch.Tensor, rows: int, C: int, R: int) -> tuple:
     """TMA descriptors of the latent [rows, C] and rope [rows, R] parts of kv [>= rows, C + R] (keys past
     `rows` read as zeros), in BLOCK_N-key tiles."""
@@ -290,10 +258,10 @@ def launch(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, rows: int,
     lat, pe = kv_descriptors(kv, rows, C, R)
     _mla_decode_wg_kernel[(triton.cdiv(T * N, np_) * v_split, n_ch)](
         q_lat, q_pe, lat, pe, po, pl, out, s_ptr, S, T, N, q_lat.stride(0), q_lat.stride(1), q_pe.stride(0),
-        q_pe.stride(1), *strides, out.stride(0), out.stride(1), qk_scale, kv, kv.stride(0), rows, C=C, R=R, NP=np_,
-        DV=C // v_split, VS=v_split, CHUNK=chunk, BN=BLOCK_N, STAGES=stages, CAUSAL=causal, DIRECT=direct, S_DEV=s_dev,
-        QS=qk_split, num_warps=4, PF_LINES=prefetch_lines(chunk, kv.stride(0) * 2, n_ch) if pdl.get("PDL") else 0,
+        q_pe.stride(1), *strides, out.stride(0), out.stride(1), qk_scale, C=C, R=R, NP=np_, DV=C // v_split,
+        VS=v_split, CHUNK=chunk, BN=BLOCK_N, STAGES=stages, CAUSAL=causal, DIRECT=direct, S_DEV=s_dev, QS=qk_split,
+        num_warps=4,
         **pdl)
 
 
-__all__ = ["BLOCK_N", "HAVE_GLUON", "PREFETCH_TOTAL", "launch", "prefetch_lines", "rows_per_program", "unsupported"]
+__all__ = ["BLOCK_N", "HAVE_GLUON", "launch", "rows_per_program", "unsupported"]

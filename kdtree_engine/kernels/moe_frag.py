@@ -39,7 +39,7 @@ if HAVE_GLUON:
     from triton.experimental.gluon import language as gl
 
     from kdtree_engine.kernels.w4_frag import (_frag_loop, _frag_loop_wg, _stream_program, _word_ptrs, cta_barrier,
-                                               l2_prefetch_gl, mma_layout, operand_layout, pdl_wait_gl, wg_a_layout, wg_layout,
+                                               mma_layout, operand_layout, pdl_wait_gl, wg_a_layout, wg_layout,
                                                wg_x_layout, WG_X_SMEM, x_layout)
 
 
@@ -143,21 +143,6 @@ FRAG_MOE_CONFIGS: list[tuple[int, FragMoEConfig]] = [
 # bench/results/w4-frag-h200-tiled4.md), so those launches take the table like the others.
 
 
-MOE_PREFETCH_BYTES = 64 * 1024   # of words a program asks of L2 before its wait, at most
-MOE_PREFETCH_TOTAL = 24 << 20    # bytes a launch asks of L2 before its wait, at most (L2: 60 MB)
-
-
-def prefetch_lines(pairs: int, programs: int, tile: int, rows: int, runs: int) -> int:
-    """Lines (128 bytes) of each of its `runs` word runs (gate and up: 2; down: 1) a program prefetches
-    (_prefetch_words): a power of 2 within MOE_PREFETCH_BYTES and MOE_PREFETCH_TOTAL over pairs x programs (T = 1
-    at K2: gate/up 128 of each, down 128); 0 under 8 lines, on row-major words (tile 0) or tiles other than the
-    program's rows."""
-    if tile != rows:
-        return 0
-    per = min(MOE_PREFETCH_BYTES, MOE_PREFETCH_TOTAL // max(pairs * programs, 1)) // (runs * 128)
-    return 1 << (per.bit_length() - 1) if per >= 8 else 0   # under 1 KB a program: not worth the instructions
-
-
 def frag_moe_config(num_pairs: int, num_experts: int) -> FragMoEConfig:
     return bucket(FRAG_MOE_CONFIGS, -(-num_pairs // max(num_experts, 1)))
 
@@ -176,29 +161,12 @@ if HAVE_GLUON:
         return gl.load(sorted_ptr + pid_b * TOK + r, mask=ok, other=0), ok
 
     @gluon.jit
-    def _prefetch_words(w_ptr, e, stride_we, stride_wn, up_row, iters, work, programs, GATE_UP: gl.constexpr,
-                        BN: gl.constexpr, GPB: gl.constexpr, TILE: gl.constexpr, LINES: gl.constexpr,
-                        num_warps: gl.constexpr):
-        """Ask L2 for the first LINES 128-byte lines of expert e's words of this program's first segment (and of
-        the matching up rows, GATE_UP) in frag_tile order (a tile's blocks contiguous; clamped to the tile)."""
-        g = gl.program_id(1) * work // programs
-        t = g // iters
-        blk: gl.constexpr = TILE * 4 * GPB          # words of one block of a tile
-        rl = gl.arange(0, LINES, layout=gl.BlockedLayout([1], [32], [num_warps], [0]))
-        off = gl.minimum((g - t * iters) * blk + rl * 32, iters * blk - 1)   # 32 words a line
-        we = w_ptr + e.to(gl.int64) * stride_we
-        l2_prefetch_gl(we + (t * BN // TILE) * (TILE * stride_wn) + off)
-        if GATE_UP:
-            l2_prefetch_gl(we + ((up_row + t * BN) // TILE) * (TILE * stride_wn) + off)
-
-    @gluon.jit
     def _moe_frag_kernel(x_ptr, w_ptr, s_ptr, out_ptr, tw_ptr, sorted_ptr, blk_expert_ptr, blk_rows_ptr,
                          UP_ROW, TOPK, stride_xt, stride_we, stride_wn, stride_se, stride_sn,
-                         stride_os, stride_ot, iters, work, programs, ids_ptr, n_pairs, n_experts,
+                         stride_os, stride_ot, iters, work, programs,
                          GATE_UP: gl.constexpr, TOK: gl.constexpr, GPB: gl.constexpr, WL: gl.constexpr,
                          X_SMEM: gl.constexpr, X_AHEAD: gl.constexpr, PDL: gl.constexpr, TILE: gl.constexpr,
-                         SEGS: gl.constexpr, WHOLE: gl.constexpr, num_warps: gl.constexpr, WG: gl.constexpr = False,
-                         PF_LINES: gl.constexpr = 0):
+                         SEGS: gl.constexpr, WHOLE: gl.constexpr, num_warps: gl.constexpr, WG: gl.constexpr = False):
         """grid (blocks, programs): one expert block's pairs over program p's range of the stream partition of
         (N / BN) row tiles x iters K blocks, row tile major (moe_plan): global blocks [p * work // programs,
         (p + 1) * work // programs), each run of them within one tile (a segment, unrolled: SEGS) one partial,
@@ -210,26 +178,17 @@ if HAVE_GLUON:
         out[slot, pair, n] = router weight x the partial down sum. PDL (pdl.py): launched dependent on the
         align launch (gate/up: waits first) or the SwiGLU launch (down: waits after its first weight loads;
         the blocks are two launches back, complete). WG: wgmma programs (w4_frag._frag_loop_wg, one
-        warpgroup). PF_LINES (PDL launches, tiled words): _prefetch_words before the wait."""
+        warpgroup)."""
         BN: gl.constexpr = 16 * num_warps
         BK: gl.constexpr = 32 * GPB
         MMA: gl.constexpr = wg_layout(TOK, num_warps) if WG else mma_layout(num_warps)
         pid_b = gl.program_id(0)
         if GATE_UP and PDL:
-            if PF_LINES > 0:   # pair pid_b's expert (the router's ids, two launches back) stands in for block
-                if pid_b < n_pairs:   # pid_b's (the align's, one back): over pid_b < pairs they are the same set
-                    e_pf = gl.load(ids_ptr + pid_b)
-                    if (e_pf >= 0) & (e_pf < n_experts):
-                        _prefetch_words(w_ptr, e_pf, stride_we, stride_wn, UP_ROW, iters, work, programs, True,
-                                        BN, GPB, TILE, PF_LINES, num_warps)
             pdl_wait_gl()
         rows = gl.load(blk_rows_ptr + pid_b)
         if rows == 0:
             return
         e = gl.load(blk_expert_ptr + pid_b).to(gl.int64)
-        if not GATE_UP and PF_LINES > 0:   # the blocks are two launches back: complete before the down's wait
-            _prefetch_words(w_ptr, e, stride_we, stride_wn, UP_ROW, iters, work, programs, False, BN, GPB, TILE,
-                            PF_LINES, num_warps)
         p = gl.program_id(1)
         g = p * work // programs
         end = (p + 1) * work // programs
@@ -348,11 +307,10 @@ def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor
     pdl = pdl_launch(on)
 
     part = torch.empty((slots13, P, 2 * I), device=x.device, dtype=torch.float32)
-    pf = prefetch_lines(P, part13.programs, tile, bn, 2) if on and not cfg.wgmma else 0
     _moe_frag_kernel[(blocks, part13.programs)](
         x, w13_q, w13_scale, part, tw, sorted_pairs, blk_expert, blk_rows, I, topk,
         x.stride(0), w13_q.stride(0), w13_q.stride(1), w13_scale.stride(0), w13_scale.stride(1),
-        part.stride(0), part.stride(1), part13.iters, part13.work, part13.programs, ids, P, E, PF_LINES=pf,
+        part.stride(0), part.stride(1), part13.iters, part13.work, part13.programs,
         GATE_UP=True, TOK=cfg.BLOCK_M, GPB=g13, WL=word_layout(MOE_WARPS, 1, g13),
         X_SMEM=X_LOADS[cfg.XLOAD][0], X_AHEAD=X_LOADS[cfg.XLOAD][1], TILE=tile, SEGS=segs13,
         WHOLE=part13.programs == part13.tiles, num_warps=MOE_WARPS,
@@ -364,8 +322,8 @@ def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor
     _moe_frag_kernel[(blocks, part2.programs)](
         inter, w2_q, w2_scale, y, tw, sorted_pairs, blk_expert, blk_rows, 0, 1,
         inter.stride(0), w2_q.stride(0), w2_q.stride(1), w2_scale.stride(0), w2_scale.stride(1),
-        y.stride(0), y.stride(1), part2.iters, part2.work, part2.programs, ids, P, E,
-        PF_LINES=prefetch_lines(P, part2.programs, tile, bn, 1) if on and not cfg.wgmma else 0, GATE_UP=False, TOK=cfg.BLOCK_M, GPB=g2, WL=word_layout(MOE_WARPS, 1, g2),
+        y.stride(0), y.stride(1), part2.iters, part2.work, part2.programs,
+        GATE_UP=False, TOK=cfg.BLOCK_M, GPB=g2, WL=word_layout(MOE_WARPS, 1, g2),
         X_SMEM=X_LOADS[xload2][0], X_AHEAD=X_LOADS[xload2][1], TILE=tile, SEGS=segs2,
         WHOLE=part2.programs == part2.tiles, num_warps=MOE_WARPS,
         WG=cfg.wgmma, **pdl, **({"maxnreg": cfg.MAXNREG2} if cfg.MAXNREG2 else {}))

@@ -28,22 +28,12 @@ log = logging.getLogger(__name__)
 
 PDL_ASM = "griddepcontrol.wait; griddepcontrol.launch_dependents; // $0"
 _ASM = tl.constexpr(PDL_ASM)
-PREFETCH_ASM = "prefetch.global.L2 [$1]; // $0"
-_PREFETCH = tl.constexpr(PREFETCH_ASM)
 
 
 @triton.jit
 def pdl_wait():
     """Wait for the previous launch, then release the next one (Triton kernels; not in the interpreter)."""
     tl.inline_asm_elementwise(_ASM, "=r", [], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def l2_prefetch(ptrs):
-    """Ask L2 for the 128-byte line of each pointer: a hint (nothing comes back, nothing waits on it). Used
-    before pdl_wait on data the previous launch does not write (weights), so their first lines come from
-    DRAM while that launch finishes; the loads after the wait find them in L2. Bit-neutral."""
-    tl.inline_asm_elementwise(_PREFETCH, "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @functools.lru_cache(maxsize=None)
@@ -66,4 +56,4 @@ def pdl_launch(on: bool) -> dict:
     return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
 
 
-__all__ = ["PDL_ASM", "PREFETCH_ASM", "l2_prefetch", "pdl_launch", "pdl_supported", "pdl_wait"]
+__all__ = ["PDL_ASM", "pdl_launch", "pdl_supported", "pdl_wait"]

@@ -39,7 +39,7 @@ import functools
 import torch
 import triton
 
-from kdtree_engine.kernels.pdl import PDL_ASM, PREFETCH_ASM, pdl_launch, pdl_supported
+from kdtree_engine.kernels.pdl import PDL_ASM, pdl_launch, pdl_supported
 from kdtree_engine.kernels.w4_dequant import BF16X2_PTX
 from kdtree_engine.quant import pack_int4, unpack_int4
 
@@ -167,7 +167,6 @@ if HAVE_GLUON:
     # the two activation buffers [2, TOK, BK] bf16 of _frag_loop_wg (the wgmma B operand, 128-byte swizzle)
     WG_X_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
     WAIT_ASM = gl.constexpr(PDL_ASM)
-    PREFETCH = gl.constexpr(PREFETCH_ASM)
 
     @constexpr_function
     def mma_layout(num_warps):
@@ -272,11 +271,6 @@ if HAVE_GLUON:
     def pdl_wait_gl():
         """pdl.pdl_wait in Gluon kernels: wait for the previous launch, release the next one."""
         gl.inline_asm_elementwise(WAIT_ASM, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-
-    @gluon.jit
-    def l2_prefetch_gl(ptrs):
-        """pdl.l2_prefetch in Gluon kernels: ask L2 for each pointer's 128-byte line (a hint)."""
-        gl.inline_asm_elementwise(PREFETCH, "=r,l", [ptrs], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
     def _load_words(w0, s0, w1, s1, TWO: gl.constexpr):

@@ -188,27 +188,3 @@ def test_bi_linear_dependent_launch_reads_fresh_input_in_graphs(name):
             src.copy_(_rand(M, K, dtype=torch.bfloat16))
             graph.replay()
             assert torch.equal(y, bi_linear(src.clone(), w)), f"{name} M={M} replay {r} differs from eager"
-
-
-@pytest.mark.parametrize("name", ["q_a+kv_a", "q_b", "shared_w2"])
-def test_bi_linear_prefetch_same_bits(name, monkeypatch):
-    """The weight lines asked of L2 before the dependent-launch wait are a hint: with the budget at 0 (no
-    prefetch) the GEMM gives the same bits, eager and in a graph after a kernel writing x."""
-    from kdtree_engine.kernels import gemm
-
-    N, K = K2_SHAPES[name]
-    w = _rand(N, K, dtype=torch.bfloat16, scale=0.02)
-    for M in (1, 4, 16):
-        x = _rand(M, K, dtype=torch.bfloat16)
-        on = bi_linear(x, w)
-        xb = torch.empty_like(x)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            torch.mul(x, 1.0, out=xb)
-            y = bi_linear(xb, w)
-        graph.replay()
-        with monkeypatch.context() as m:
-            m.setattr(gemm, "PREFETCH_TOTAL", 0)
-            off = bi_linear(x, w)
-        assert torch.equal(on, off), f"{name} M={M}: prefetch changed the bits"
-        assert torch.equal(y, off), f"{name} M={M}: graph replay differs"

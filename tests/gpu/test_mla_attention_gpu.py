@@ -330,20 +330,3 @@ def test_small_trees_on_decode_tiles_bit_equal_bf16(N, tiles):
         dev = mla_attention_device(q_lat[:T], q_pe[:T], buf, torch.tensor(S), mask[:T, :T].contiguous(), SCALE, C,
                                    config=cfg)
         assert torch.equal(dev, full[:T]), f"device-length T = {T} (seed {seed})"
-
-
-@pytest.mark.parametrize("N,S,T", [(8, 32768 - 5, 1), (64, 4096, 1), (64, 4096, 4), (8, 131072 + 9, 1)])
-def test_decode_warpgroup_prefetch_same_bits(warpgroup_launches, N, S, T, monkeypatch):
-    """The key lines the warpgroup launch asks of L2 before its dependent-launch wait are a hint: with the
-    budget at 0 (no prefetch) the decode and small-tree launches give the same bits."""
-    from kdtree_engine.kernels import mla_decode_wg
-
-    seed = int(torch.randint(1 << 30, (1,)))
-    q_lat, q_pe, kv = inputs(T, N, S, seed)
-    mask = random_tree_mask(T, torch.Generator().manual_seed(seed)).cuda() if T > 1 else None
-    on = mla_attention(q_lat, q_pe, kv, S, mask, SCALE, C)
-    assert warpgroup_launches, "the default config did not run this launch on the warpgroup kernel"
-    with monkeypatch.context() as m:
-        m.setattr(mla_decode_wg, "PREFETCH_TOTAL", 0)
-        off = mla_attention(q_lat, q_pe, kv, S, mask, SCALE, C)
-    assert torch.equal(on, off), f"N={N} S={S} T={T} seed {seed}: prefetch changed the bits"

@@ -259,22 +259,6 @@ def test_moe_frag_tiled_words_same_bits(poisoned, T):
         assert torch.equal(rows, fused_moe_frag(x, *tiled, ids, tw, G, cfg, tile=64)), f"T={T} {cfg}: other bits"
 
 
-@pytest.mark.parametrize("T", [1, 4])
-def test_moe_frag_prefetch_same_bits(T, monkeypatch):
-    """The gate/up and down programs' first words asked of L2 before their waits (tiled words, the engine's
-    order) are a hint: with the budget at 0 the MoE gives the same bits, with some pairs on other ranks' experts."""
-    from kdtree_engine.kernels import moe_frag
-
-    x, w, ids, tw, ref = _moe_case(E=32, H=7168, I=2048, T=T, topk=8, unowned=T == 4)
-    q13, s13, q2, s2 = w
-    tiled = (frag_tile(q13, frag_gpb(7168), 64), s13, frag_tile(q2, frag_gpb(2048), 64), s2)
-    on = fused_moe_frag(x, *tiled, ids, tw, G, tile=64)
-    _check(on, ref, TOL, f"moe frag T={T} prefetch")
-    with monkeypatch.context() as m:
-        m.setattr(moe_frag, "MOE_PREFETCH_TOTAL", 0)
-        assert torch.equal(on, fused_moe_frag(x, *tiled, ids, tw, G, tile=64)), f"T={T}: prefetch changed the bits"
-
-
 @pytest.mark.parametrize("cfg", [None, FragMoEConfig(BLOCK_M=16), FragMoEConfig(BLOCK_M=32)])
 def test_moe_frag_batch_invariant(cfg):
     """A token's output is the same, bit for bit, alone and in batches of 4 / 17 / 64 (T = 1 takes the

@@ -101,22 +101,3 @@ def test_dependent_launches_only_where_they_exist():
     from kdtree_engine.kernels.pdl import pdl_launch, pdl_supported
     assert not pdl_supported(torch.device("cpu"))
     assert pdl_launch(False) == {"PDL": False} and pdl_launch(True) == {"PDL": True, "launch_pdl": True}
-
-
-def test_moe_prefetch_lines_within_budgets():
-    """Lines of each word run (gate and up: 2, down: 1) a MoE program asks of L2 before its wait: a power of 2
-    within the per-program and per-launch budgets, 0 under 8 lines and on words the rule cannot address (row-major,
-    or tiles other than the program's rows)."""
-    from kdtree_engine.kernels import moe_frag
-    from kdtree_engine.kernels.moe_frag import prefetch_lines
-
-    assert prefetch_lines(8, 49, 64, 64, 2) == 128      # T = 1 at K2: 16 KB of gate and of up words a program
-    assert prefetch_lines(8, 112, 64, 64, 1) == 128     # the down's whole row tiles: 16 KB of its 64 KB
-    assert prefetch_lines(32, 49, 64, 64, 2) == 32
-    assert prefetch_lines(8, 49, 0, 64, 2) == 0 and prefetch_lines(8, 49, 128, 64, 2) == 0
-    assert prefetch_lines(2048, 49, 64, 64, 2) == 0
-    for pairs in range(1, 3000, 13):
-        for runs in (1, 2):
-            v = prefetch_lines(pairs, 49, 64, 64, runs)
-            assert v == 0 or (v >= 8 and v & (v - 1) == 0 and v * 128 * runs <= moe_frag.MOE_PREFETCH_BYTES
-                              and v * 128 * runs * pairs * 49 <= moe_frag.MOE_PREFETCH_TOTAL)

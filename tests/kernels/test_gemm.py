@@ -54,28 +54,6 @@ def test_tiles_are_valid_for_every_m():
         assert isinstance(red, Reduction) and red.split_k >= 1
 
 
-def test_prefetch_lines_within_budgets():
-    """Lines per weight row asked of L2 before the dependent-launch wait: a power of 2 (the kernel's arange)
-    within the tile's bytes, the launch's total over its programs and the program's k range; none when the
-    launch has too many programs (a many-wave launch's later programs would prefetch what they load next)."""
-    from kdtree_engine.kernels import gemm
-
-    for (n, k) in K2_SHAPES[:5]:
-        red = reduction_for(n, k, torch.bfloat16)
-        t = tile_for(1, torch.bfloat16, n, k)
-        programs = -(-n // t.BLOCK_N) * red.n_splits(k)
-        lines = t.prefetch_lines(red.k_per_split(k), 2, programs)
-        assert lines == 8, (n, k, lines)         # 64 KB of each program's first k: 64 rows x 8 lines of 128 bytes
-        assert lines * 128 * t.BLOCK_N * programs <= gemm.PREFETCH_TOTAL
-    assert Tile(16, 64, 4, 6).prefetch_lines(7168, 2, 2560) == 0          # the lm_head's 2560 programs
-    assert Tile(16, 64, 4, 6).prefetch_lines(128, 2, 64) == 2             # a head GEMM's k range: 256 bytes
-    assert Tile(16, 64, 4, 6).prefetch_lines(160, 2, 64) == 2             # 320 bytes: 3 lines, rounded down
-    assert Tile(16, 64, 4, 6, prefetch_bytes=0).prefetch_lines(7168, 2, 64) == 0
-    for p in range(1, 4000, 37):
-        v = Tile(16, 64, 4, 6).prefetch_lines(7168, 2, p)
-        assert v == 0 or (v & (v - 1) == 0 and v * 128 * 64 <= min(64 * 1024, gemm.PREFETCH_TOTAL // p))
-
-
 def test_rejects_bad_inputs():
     x = torch.randn(2, 16)
     with pytest.raises(TypeError):

@@ -533,18 +533,3 @@ def test_decode_wg_config_and_fit(caplog, monkeypatch):
     said = [r.getMessage() for r in caplog.records if "warpgroup kernel" in r.getMessage()]
     assert len(said) == 1 and "not on a CUDA device" in said[0], said
     assert not _decode_wg(ok, False, q, kv, 64, 1)  # not a decode launch
-
-
-def test_warpgroup_prefetch_lines_within_budget():
-    """Key lines the first program of each chunk asks of L2 before its wait: a power of 2 within its chunk and the
-    launch's budget over its chunks, none under 64 lines."""
-    from kdtree_engine.kernels import mla_decode_wg as wg
-
-    row = (512 + 64) * 2
-    assert wg.prefetch_lines(512, row, 8) == 4096         # 4K context: 512 KB of each 576 KB chunk
-    assert wg.prefetch_lines(512, row, 64) == 2048        # 32K
-    assert wg.prefetch_lines(512, row, 256) == 512        # 128K
-    assert wg.prefetch_lines(512, row, 1 << 14) == 0      # 8M keys: under 64 lines a chunk
-    for n_ch in range(1, 3000, 7):
-        v = wg.prefetch_lines(512, row, n_ch)
-        assert v == 0 or (v >= 64 and v & (v - 1) == 0 and v * 128 <= 512 * row and v * 128 * n_ch <= wg.PREFETCH_TOTAL)
