@@ -13,7 +13,9 @@ shared with moe_w4a16.py:
      equal ranges; each run of a range within one tile is one fp32 gate / up partial;
   3. SwiGLU: a column's partials summed in slot order, silu(g) * u -> inter [P, I] (bf16);
   4. down (the same kernel): the same over H-row tiles x K blocks over I: router weight x partial -> y;
-  5. top-k sum: out[t] = sum over j, then the column's slots, of y (fixed order, no atomics).
+  5. top-k sum: out[t] = sum over j, then the column's slots, of y (fixed order).
+Launches of up to FUSE_MAX_PAIRS pairs on mma.sync blocks do 3 and 5 in the GEMMs instead: the last program to
+finish a tile (an arrival counter per tile) sums its partials in the same order (fused_epilogues).
 A pair's column of an MMA tile is summed over the same k blocks in the same order whatever the other
 columns hold, and the partitions are fixed by the expert shape, top-k and the SM count (never by T), so a
 token's output does not depend on the batch (batch invariance).
@@ -143,6 +145,31 @@ FRAG_MOE_CONFIGS: list[tuple[int, FragMoEConfig]] = [
 # bench/results/w4-frag-h200-tiled4.md), so those launches take the table like the others.
 
 
+# Launches of up to this many (token, expert) pairs do the SwiGLU and the top-k sum in the GEMMs' last programs
+# (_moe_frag_kernel FUSE) instead of their own launches: those two launches cost 4.2 us of a 67.2 us T = 1 MoE and
+# 5.0 of 213 at T = 4, nothing at T = 16 (bench/results/launch-bounds-h200.md: the launches left out).
+FUSE_MAX_PAIRS = 64
+
+
+def fused_epilogues(pairs: int, cfg: FragMoEConfig) -> bool:
+    """Whether a launch of `pairs` pairs fuses its SwiGLU and top-k sum into the GEMMs (mma.sync blocks only; the
+    top-k sum also needs whole-tile down programs). Any choice gives the same bits."""
+    return pairs <= FUSE_MAX_PAIRS and not cfg.wgmma
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(device: torch.device, n13: int, n2: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Arrival counters of the fused epilogues (gate/up: per block and row tile; down: per row tile), int32 zeros
+    kept per device: each launch's last program of a tile sets its counter back to 0. One MoE launch at a time
+    per device (the engine's layers run one after another)."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n13 + n2:
+        buf = _COUNTERS[device] = torch.zeros(max(n13 + n2, 4096), device=device, dtype=torch.int32)
+    return buf[:n13], buf[n13:n13 + n2]
+
+
 def frag_moe_config(num_pairs: int, num_experts: int) -> FragMoEConfig:
     return bucket(FRAG_MOE_CONFIGS, -(-num_pairs // max(num_experts, 1)))
 
@@ -161,12 +188,54 @@ if HAVE_GLUON:
         return gl.load(sorted_ptr + pid_b * TOK + r, mask=ok, other=0), ok
 
     @gluon.jit
+    def _last_arrival(cnt_ptr, n):
+        """Whether this program is the last of the n that count at cnt_ptr (the last one zeroes it for the next
+        launch). Every thread's stores before it are visible to the last program's loads after it: a CTA barrier,
+        then one acquire-release atomic at GPU scope."""
+        cta_barrier()
+        last = gl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu") == n - 1
+        if last:
+            gl.store(cnt_ptr, 0)
+        return last
+
+    @gluon.jit
+    def _swiglu_tile(part_ptr, inter_ptr, o_base, i_ptrs, o_mask, up_row, stride_os, n_slots,
+                     SLOTS: gl.constexpr, BN: gl.constexpr, TOK: gl.constexpr, MMA: gl.constexpr):
+        """moe_w4a16._moe_swiglu_kernel on one [BN, TOK] tile: the gate / up partials summed in slot order (the
+        tile's n_slots of at most SLOTS), silu(g) * u into inter: the same operations in the same order."""
+        g = gl.zeros([BN, TOK], gl.float32, layout=MMA)
+        u = gl.zeros([BN, TOK], gl.float32, layout=MMA)
+        for sp in gl.static_range(SLOTS):
+            if sp < n_slots:
+                g = g + gl.load(o_base + sp * stride_os, mask=o_mask, other=0.0, cache_modifier=".cg")
+                u = u + gl.load(o_base + sp * stride_os + up_row, mask=o_mask, other=0.0, cache_modifier=".cg")
+        h = g / (1.0 + gl.exp(-g)) * u
+        gl.store(i_ptrs, h.to(inter_ptr.dtype.element_ty), mask=o_mask)
+
+    @gluon.jit
+    def _topk_sum_tile(y_ptr, ids_ptr, fin_ptr, n0, n_tok, n_experts, stride_ot, stride_ft,
+                       TOPK: gl.constexpr, BN: gl.constexpr, num_warps: gl.constexpr):
+        """moe_w4a16._moe_topk_sum_kernel on one row tile (one slot: whole-tile down programs): out[t, n0 + i] =
+        the router-weighted down rows of t's pairs summed in top-k order (pairs outside [0, E) skipped)."""
+        n = n0 + gl.arange(0, BN, layout=gl.BlockedLayout([1], [32], [num_warps], [0]))
+        for t in range(n_tok):
+            acc = gl.zeros([BN], gl.float32, layout=gl.BlockedLayout([1], [32], [num_warps], [0]))
+            for j in gl.static_range(TOPK):
+                pj = t * TOPK + j
+                eid = gl.load(ids_ptr + pj)
+                if (eid >= 0) & (eid < n_experts):
+                    acc = acc + gl.load(y_ptr + pj.to(gl.int64) * stride_ot + n, cache_modifier=".cg")
+            gl.store(fin_ptr + t.to(gl.int64) * stride_ft + n, acc.to(fin_ptr.dtype.element_ty))
+
+    @gluon.jit
     def _moe_frag_kernel(x_ptr, w_ptr, s_ptr, out_ptr, tw_ptr, sorted_ptr, blk_expert_ptr, blk_rows_ptr,
                          UP_ROW, TOPK, stride_xt, stride_we, stride_wn, stride_se, stride_sn,
                          stride_os, stride_ot, iters, work, programs,
+                         fin_ptr, stride_ft, cnt_ptr, ids_ptr, n_tok, n_experts,
                          GATE_UP: gl.constexpr, TOK: gl.constexpr, GPB: gl.constexpr, WL: gl.constexpr,
                          X_SMEM: gl.constexpr, X_AHEAD: gl.constexpr, PDL: gl.constexpr, TILE: gl.constexpr,
-                         SEGS: gl.constexpr, WHOLE: gl.constexpr, num_warps: gl.constexpr, WG: gl.constexpr = False):
+                         SEGS: gl.constexpr, WHOLE: gl.constexpr, num_warps: gl.constexpr, WG: gl.constexpr = False,
+                         FUSE: gl.constexpr = False, SLOTS: gl.constexpr = 1, TOPK_C: gl.constexpr = 8):
         """grid (blocks, programs): one expert block's pairs over program p's range of the stream partition of
         (N / BN) row tiles x iters K blocks, row tile major (moe_plan): global blocks [p * work // programs,
         (p + 1) * work // programs), each run of them within one tile (a segment, unrolled: SEGS) one partial,
@@ -178,7 +247,11 @@ if HAVE_GLUON:
         out[slot, pair, n] = router weight x the partial down sum. PDL (pdl.py): launched dependent on the
         align launch (gate/up: waits first) or the SwiGLU launch (down: waits after its first weight loads;
         the blocks are two launches back, complete). WG: wgmma programs (w4_frag._frag_loop_wg, one
-        warpgroup)."""
+        warpgroup).
+        FUSE (fused_moe_frag's small launches): the epilogue launches' work done by the last program of each tile
+        (_last_arrival on cnt_ptr): gate/up, the SwiGLU of the tile's partials (at most SLOTS) into fin = inter
+        [P, I]; down (whole tiles), the top-k sum of the row tile over all blocks into fin = out [n_tok, H] (ids:
+        the pairs' experts, TOPK_C per token). The same operations in the same order as those launches."""
         BN: gl.constexpr = 16 * num_warps
         BK: gl.constexpr = 32 * GPB
         MMA: gl.constexpr = wg_layout(TOK, num_warps) if WG else mma_layout(num_warps)
@@ -187,6 +260,10 @@ if HAVE_GLUON:
             pdl_wait_gl()
         rows = gl.load(blk_rows_ptr + pid_b)
         if rows == 0:
+            if FUSE and not GATE_UP:   # an empty block still counts towards its row tile's sum
+                if _last_arrival(cnt_ptr + gl.program_id(1), gl.num_programs(0)):
+                    _topk_sum_tile(out_ptr, ids_ptr, fin_ptr, gl.program_id(1) * BN, n_tok, n_experts, stride_ot,
+                                   stride_ft, TOPK_C, BN, num_warps)
             return
         e = gl.load(blk_expert_ptr + pid_b).to(gl.int64)
         p = gl.program_id(1)
@@ -251,6 +328,24 @@ if HAVE_GLUON:
                 gl.store(o_ptrs, acc0, mask=o_mask)
                 if GATE_UP:
                     gl.store(o_ptrs + UP_ROW, acc1, mask=o_mask)
+                if FUSE:
+                    if GATE_UP:
+                        if WHOLE:
+                            n_slots = 1
+                            last = True
+                        else:
+                            n_slots = (_stream_program(t * iters + iters - 1, work, programs)
+                                       - _stream_program(t * iters, work, programs) + 1)
+                            last = _last_arrival(cnt_ptr + pid_b * (work // iters) + t, n_slots)
+                        if last:
+                            i_ptrs = (fin_ptr + gl.expand_dims(pair_o.to(gl.int64), 0) * stride_ft + n0
+                                      + gl.expand_dims(on, 1))
+                            _swiglu_tile(out_ptr, fin_ptr, o_ptrs - slot * stride_os, i_ptrs, o_mask, UP_ROW,
+                                         stride_os, n_slots, SLOTS, BN, TOK, MMA)
+                    else:
+                        if _last_arrival(cnt_ptr + p, gl.num_programs(0)):
+                            _topk_sum_tile(out_ptr, ids_ptr, fin_ptr, n0, n_tok, n_experts, stride_ot, stride_ft,
+                                           TOPK_C, BN, num_warps)
                 g += nb
 
 
@@ -307,29 +402,37 @@ def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor
     pdl = pdl_launch(on)
 
     part = torch.empty((slots13, P, 2 * I), device=x.device, dtype=torch.float32)
+    inter = torch.empty((P, I), device=x.device, dtype=x.dtype)
+    fuse = fused_epilogues(P, cfg)
+    fuse2 = fuse and part2.programs == part2.tiles
+    cnt13, cnt2 = _counters(x.device, blocks * part13.tiles, part2.tiles) if fuse else (blk_rows, blk_rows)
     _moe_frag_kernel[(blocks, part13.programs)](
         x, w13_q, w13_scale, part, tw, sorted_pairs, blk_expert, blk_rows, I, topk,
         x.stride(0), w13_q.stride(0), w13_q.stride(1), w13_scale.stride(0), w13_scale.stride(1),
         part.stride(0), part.stride(1), part13.iters, part13.work, part13.programs,
+        inter, inter.stride(0), cnt13, ids, T, E, FUSE=fuse, SLOTS=slots13, TOPK_C=topk,
         GATE_UP=True, TOK=cfg.BLOCK_M, GPB=g13, WL=word_layout(MOE_WARPS, 1, g13),
         X_SMEM=X_LOADS[cfg.XLOAD][0], X_AHEAD=X_LOADS[cfg.XLOAD][1], TILE=tile, SEGS=segs13,
         WHOLE=part13.programs == part13.tiles, num_warps=MOE_WARPS,
         WG=cfg.wgmma, **pdl, **({"maxnreg": cfg.MAXNREG13} if cfg.MAXNREG13 else {}))
-    inter = torch.empty((P, I), device=x.device, dtype=x.dtype)
-    moe_swiglu(part, inter, ids, E, slots13, part13, DEQ_FLOAT, min(cfg.EPI_BLOCK, triton.next_power_of_2(I)), on)
+    if not fuse:
+        moe_swiglu(part, inter, ids, E, slots13, part13, DEQ_FLOAT, min(cfg.EPI_BLOCK, triton.next_power_of_2(I)),
+                   on)
     y = torch.empty((slots2, P, H), device=x.device, dtype=torch.float32)
     xload2 = cfg.XLOAD2 or cfg.XLOAD
     _moe_frag_kernel[(blocks, part2.programs)](
         inter, w2_q, w2_scale, y, tw, sorted_pairs, blk_expert, blk_rows, 0, 1,
         inter.stride(0), w2_q.stride(0), w2_q.stride(1), w2_scale.stride(0), w2_scale.stride(1),
         y.stride(0), y.stride(1), part2.iters, part2.work, part2.programs,
+        out, out.stride(0), cnt2, ids, T, E, FUSE=fuse2, SLOTS=slots2, TOPK_C=topk,
         GATE_UP=False, TOK=cfg.BLOCK_M, GPB=g2, WL=word_layout(MOE_WARPS, 1, g2),
         X_SMEM=X_LOADS[xload2][0], X_AHEAD=X_LOADS[xload2][1], TILE=tile, SEGS=segs2,
         WHOLE=part2.programs == part2.tiles, num_warps=MOE_WARPS,
         WG=cfg.wgmma, **pdl, **({"maxnreg": cfg.MAXNREG2} if cfg.MAXNREG2 else {}))
-    moe_topk_sum(y, out, ids, E, topk, slots2, part2, cfg.EPI_BLOCK, on)
+    if not fuse2:
+        moe_topk_sum(y, out, ids, E, topk, slots2, part2, cfg.EPI_BLOCK, on)
     return out
 
 
-__all__ = ["FragMoEConfig", "FRAG_MOE_CONFIGS", "MOE_PARTITION_ROWS", "frag_moe_config", "frag_moe_unsupported",
+__all__ = ["FUSE_MAX_PAIRS", "FragMoEConfig", "FRAG_MOE_CONFIGS", "fused_epilogues", "MOE_PARTITION_ROWS", "frag_moe_config", "frag_moe_unsupported",
            "fused_moe_frag", "moe_plan"]

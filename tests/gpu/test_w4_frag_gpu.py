@@ -259,6 +259,35 @@ def test_moe_frag_tiled_words_same_bits(poisoned, T):
         assert torch.equal(rows, fused_moe_frag(x, *tiled, ids, tw, G, cfg, tile=64)), f"T={T} {cfg}: other bits"
 
 
+@pytest.mark.parametrize("case", ["k2-1", "k2-4", "k2-8", "small-16", "small-p13", "small-whole"])
+def test_moe_frag_fused_epilogues_same_bits(poisoned, case, monkeypatch):
+    """Small launches do the SwiGLU and the top-k sum in the GEMMs' last program of each tile (arrival counters)
+    instead of their own launches: the same bits as those launches, call after call (the counters go back to 0),
+    with pairs on other ranks' experts; K2 shapes on the engine's tiled words and odd partitions."""
+    from kdtree_engine.kernels import moe_frag
+
+    kind, arg = case.split("-")
+    if kind == "k2":
+        T, cfgs, E, H, I = int(arg), [None], 32, 7168, 2048
+    else:
+        T, E, H, I = 5, 24, 512, 256
+        cfgs = {"16": [FragMoEConfig(BLOCK_M=16)], "p13": [FragMoEConfig(BLOCK_M=8, P13=5, P2=7)],
+                "whole": [FragMoEConfig(BLOCK_M=8, P13=4, P2=8)]}[arg]
+    x, w, ids, tw, ref = _moe_case(E=E, H=H, I=I, T=T, topk=8, unowned=T != 1)
+    q13, s13, q2, s2 = w
+    tile = 64
+    tiled = (frag_tile(q13, frag_gpb(H), tile), s13, frag_tile(q2, frag_gpb(I), tile), s2)
+    for cfg in cfgs:
+        assert moe_frag.fused_epilogues(T * 8, cfg or moe_frag.frag_moe_config(T * 8, E))
+        fused = [fused_moe_frag(x, *tiled, ids, tw, G, cfg, tile=tile) for _ in range(3)]
+        _check(fused[0], ref, TOL, f"moe frag fused {case}")
+        with monkeypatch.context() as m:
+            m.setattr(moe_frag, "FUSE_MAX_PAIRS", 0)
+            plain = fused_moe_frag(x, *tiled, ids, tw, G, cfg, tile=tile)
+        for r, y in enumerate(fused):
+            assert torch.equal(y, plain), f"{case} {cfg} call {r}: the fused epilogues changed the bits"
+
+
 @pytest.mark.parametrize("cfg", [None, FragMoEConfig(BLOCK_M=16), FragMoEConfig(BLOCK_M=32)])
 def test_moe_frag_batch_invariant(cfg):
     """A token's output is the same, bit for bit, alone and in batches of 4 / 17 / 64 (T = 1 takes the

@@ -101,3 +101,25 @@ def test_dependent_launches_only_where_they_exist():
     from kdtree_engine.kernels.pdl import pdl_launch, pdl_supported
     assert not pdl_supported(torch.device("cpu"))
     assert pdl_launch(False) == {"PDL": False} and pdl_launch(True) == {"PDL": True, "launch_pdl": True}
+
+
+def test_fused_epilogues_for_small_mma_sync_launches():
+    """The SwiGLU and top-k sum ride in the GEMMs' last programs for launches of up to FUSE_MAX_PAIRS pairs on
+    mma.sync blocks (never wgmma blocks); their arrival counters are disjoint zeroed slices, kept per device."""
+    import torch
+
+    from kdtree_engine.kernels import moe_frag
+    from kdtree_engine.kernels.moe_frag import FUSE_MAX_PAIRS, fused_epilogues
+
+    assert fused_epilogues(8, frag_moe_config(8, 384)) and fused_epilogues(FUSE_MAX_PAIRS, FragMoEConfig(BLOCK_M=16))
+    assert not fused_epilogues(FUSE_MAX_PAIRS + 1, FragMoEConfig())
+    assert not fused_epilogues(8, FragMoEConfig(BLOCK_M=32))
+    dev = torch.device("cpu")
+    a, b = moe_frag._counters(dev, 9 * 32, 112)
+    assert a.numel() == 288 and b.numel() == 112 and a.data_ptr() + 288 * 4 == b.data_ptr()
+    assert not a.any() and not b.any()
+    a2, _ = moe_frag._counters(dev, 100, 10)
+    assert a2.data_ptr() == a.data_ptr()                     # reused
+    big, _ = moe_frag._counters(dev, 5000, 10)
+    assert big.numel() == 5000 and not big.any()
+    moe_frag._COUNTERS.pop(dev)
