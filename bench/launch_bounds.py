@@ -3,8 +3,9 @@ runs them and with one of their launches left out (the outputs are then wrong: t
 
     python3 bench/launch_bounds.py [--out bench/results]
 
-MoE (routed experts, kernels/moe_frag.py on the engine's tiled words, T = 1 / 4 / 16): as is, without the SwiGLU
-launch, without the top-k sum launch, without both. A fused epilogue cannot gain more than its launch's row.
+MoE (routed experts, kernels/moe_frag.py on the engine's tiled words, T = 1 / 4 / 16), the epilogues in their own
+launches: as is, without the SwiGLU launch, without the top-k sum launch, without both (a fused epilogue cannot
+gain more than its launch's row); and fused: the engine's default (moe_frag.fused_epilogues).
 Attention (kernels/mla_attention.py, device-length forward, N = 64 / 8 heads over a 4096-token cache, trees of
 4 / 8 nodes): as is (prefix launch beside the tree-tail launch, then the merge), the two launches one after the
 other, the prefix alone, the tail alone. Whether the tail launch is on the critical path.
@@ -51,8 +52,11 @@ def moe_rows(reps: int) -> list[dict]:
     frag = (to_engine_order(w13p, frag_gpb(H)), w13s, to_engine_order(w2p, frag_gpb(I)), w2s)
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
-    variants = {"as is": {}, "no SwiGLU launch": {"moe_swiglu": _skip}, "no top-k sum launch": {"moe_topk_sum": _skip},
-                "neither": {"moe_swiglu": _skip, "moe_topk_sum": _skip}}
+    unfused = {"FUSE_MAX_PAIRS": 0}   # the epilogues in their own launches (moe_frag.fused_epilogues off)
+    variants = {"as is": unfused, "no SwiGLU launch": {**unfused, "moe_swiglu": _skip},
+                "no top-k sum launch": {**unfused, "moe_topk_sum": _skip},
+                "neither": {**unfused, "moe_swiglu": _skip, "moe_topk_sum": _skip},
+                "fused": {}}
     for T in (1, 4, 16):
         x = torch.randn(T, H, device="cuda").to(torch.bfloat16)
         sets = route(T, 4, gen)
@@ -110,7 +114,7 @@ def main(argv: list[str] | None = None) -> dict:
     torch.manual_seed(0)
     payload = {"command": command_line(), "device": device_info(), "moe": moe_rows(args.reps),
                "attention": attention_rows(args.reps)}
-    mv = ["as is", "no SwiGLU launch", "no top-k sum launch", "neither"]
+    mv = ["as is", "no SwiGLU launch", "no top-k sum launch", "neither", "fused"]
     av = ["as is", "one after the other", "prefix alone", "tail alone"]
     lines = ["# Launch bounds (" + payload["device"].get("gpu", "?") + ")", "", f"Command: `{payload['command']}`", "",
              __doc__.split("\n\n")[1], "", "## MoE, us per call", "",
