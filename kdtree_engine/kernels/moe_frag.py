@@ -146,9 +146,12 @@ FRAG_MOE_CONFIGS: list[tuple[int, FragMoEConfig]] = [
 
 
 # Launches of up to this many (token, expert) pairs do the SwiGLU and the top-k sum in the GEMMs' last programs
-# (_moe_frag_kernel FUSE) instead of their own launches: those two launches cost 4.2 us of a 67.2 us T = 1 MoE and
-# 5.0 of 213 at T = 4, nothing at T = 16 (bench/results/launch-bounds-h200.md: the launches left out).
-FUSE_MAX_PAIRS = 64
+# (_moe_frag_kernel FUSE) instead of their own launches. Those two launches cost 4.2 us of a 67.2 us T = 1 MoE and
+# 5.0 of 213 at T = 4, nothing at T = 16 (bench/results/launch-bounds-h200.md: the launches left out). Fused, T = 1
+# took 65.8 against 69.3 us, but T = 4 219.9 against 210.2: every program then waits on its arrival atomic before
+# it frees its slot, which a launch of 4-5 waves pays in every wave (bench/results/launch-bounds-h200-fuse64.md,
+# up to 64 pairs). So one token at top-8 only.
+FUSE_MAX_PAIRS = 8
 
 
 def fused_epilogues(pairs: int, cfg: FragMoEConfig) -> bool:

@@ -263,7 +263,8 @@ def test_moe_frag_tiled_words_same_bits(poisoned, T):
 def test_moe_frag_fused_epilogues_same_bits(poisoned, case, monkeypatch):
     """Small launches do the SwiGLU and the top-k sum in the GEMMs' last program of each tile (arrival counters)
     instead of their own launches: the same bits as those launches, call after call (the counters go back to 0),
-    with pairs on other ranks' experts; K2 shapes on the engine's tiled words and odd partitions."""
+    with pairs on other ranks' experts; K2 shapes on the engine's tiled words and odd partitions, the fusion
+    allowed up to 64 pairs (the engine fuses one token's)."""
     from kdtree_engine.kernels import moe_frag
 
     kind, arg = case.split("-")
@@ -277,6 +278,7 @@ def test_moe_frag_fused_epilogues_same_bits(poisoned, case, monkeypatch):
     q13, s13, q2, s2 = w
     tile = 64
     tiled = (frag_tile(q13, frag_gpb(H), tile), s13, frag_tile(q2, frag_gpb(I), tile), s2)
+    monkeypatch.setattr(moe_frag, "FUSE_MAX_PAIRS", 64)   # fused beyond one token too: the same code
     for cfg in cfgs:
         assert moe_frag.fused_epilogues(T * 8, cfg or moe_frag.frag_moe_config(T * 8, E))
         fused = [fused_moe_frag(x, *tiled, ids, tw, G, cfg, tile=tile) for _ in range(3)]

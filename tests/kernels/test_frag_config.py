@@ -111,6 +111,7 @@ def test_fused_epilogues_for_small_mma_sync_launches():
     from kdtree_engine.kernels import moe_frag
     from kdtree_engine.kernels.moe_frag import FUSE_MAX_PAIRS, fused_epilogues
 
+    assert FUSE_MAX_PAIRS == 8                               # one token at top-8 (moe_frag: measured)
     assert fused_epilogues(8, frag_moe_config(8, 384)) and fused_epilogues(FUSE_MAX_PAIRS, FragMoEConfig(BLOCK_M=16))
     assert not fused_epilogues(FUSE_MAX_PAIRS + 1, FragMoEConfig())
     assert not fused_epilogues(8, FragMoEConfig(BLOCK_M=32))
