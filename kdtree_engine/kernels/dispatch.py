@@ -226,7 +226,9 @@ def dense_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 # Where the shared expert runs on CUDA (the same kernels and sum either way, so the same bits): "before"
-# the router and routed experts on the same stream, "after" them, or "side": on a side stream beside them.
+# the router and routed experts on the same stream, "after" them, "side": on a side stream beside them, or
+# "router-side": the router (its GEMM and top-k launches) on a side stream beside the shared expert, the routed
+# experts after both.
 # Measured on an H200:
 #   K2 layer (shared expert 88 MB; bench/results/k2_step-h200-shared-*.md, us at T = 1 / 4 / 16 / 64):
 #     before 206 / 399 / 966 / 2368, after 206 / 398 / 960 / 2374, side 211 / 421 / 1036 / 2561: the routed
@@ -235,7 +237,7 @@ def dense_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 #     DDTree-8): side 0.253 / 0.606, before 0.277 / 0.630: its kernels leave most SMs idle.
 # So by the shared expert's weight bytes (the threshold lies between the two measured models): side
 # stream under SHARED_SIDE_BYTES, else before. KDTREE_MOE_SHARED forces one (measurements).
-SHARED_PLACEMENTS = ("before", "after", "side")
+SHARED_PLACEMENTS = ("before", "after", "side", "router-side")
 SHARED_SIDE_BYTES = 16 << 20
 _SHARED = _forced("KDTREE_MOE_SHARED", SHARED_PLACEMENTS)
 

@@ -175,9 +175,15 @@ class MoE(nn.Module):
         side by side or one after the other (shared_placement)."""
         part: dict[str, torch.Tensor] = {}
 
+        def route() -> None:
+            part["ids"], part["w"] = self.gate(x)
+
+        def experts() -> None:
+            part["routed"] = self.experts(x, part["ids"], part["w"])
+
         def routed() -> None:
-            ids, w = self.gate(x)
-            part["routed"] = self.experts(x, ids, w)
+            route()
+            experts()
 
         if self.shared_experts is None:
             routed()
@@ -195,6 +201,9 @@ class MoE(nn.Module):
             place = shared_placement(self._shared_bytes)
         if place == "side":
             side_by_side(x.device, shared, routed)   # off CUDA: one after the other
+        elif place == "router-side":
+            side_by_side(x.device, route, shared)    # the router's small launches beside the shared expert's GEMMs
+            experts()
         else:
             first, second = (routed, shared) if place == "after" else (shared, routed)
             first()
