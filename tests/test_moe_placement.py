@@ -18,17 +18,19 @@ from kdtree_engine.kernels import dispatch as dispatch
 
 def test_default_placement_follows_the_shared_expert_bytes(monkeypatch):
     monkeypatch.setattr(dispatch, "_SHARED", None)
-    assert dispatch.shared_placement(300 << 10) == "side"                        # the demo: 0.3 MB
-    assert dispatch.shared_placement(dispatch.SHARED_SIDE_BYTES - 1) == "side"
-    assert dispatch.shared_placement(dispatch.SHARED_SIDE_BYTES) == "before"
-    assert dispatch.shared_placement(3 * 7168 * 2048 * 2) == "before"           # K2: 88 MB
+    for t in (1, 8, 64):
+        assert dispatch.shared_placement(300 << 10, t) == "side"                 # the demo: 0.3 MB
+        assert dispatch.shared_placement(dispatch.SHARED_SIDE_BYTES - 1, t) == "side"
+    k2 = 3 * 7168 * 2048 * 2                                                     # K2: 88 MB
+    assert dispatch.shared_placement(dispatch.SHARED_SIDE_BYTES, 1) == "router-side"
+    assert [dispatch.shared_placement(k2, t) for t in (1, 4, 8, 9, 16, 129)] == ["router-side"] * 3 + ["before"] * 3
 
 
 @pytest.mark.parametrize("forced", dispatch.SHARED_PLACEMENTS)
 def test_forced_placement_wins(monkeypatch, forced):
     monkeypatch.setattr(dispatch, "_SHARED", forced)
-    assert dispatch.shared_placement(1) == forced
-    assert dispatch.shared_placement(1 << 40) == forced
+    assert dispatch.shared_placement(1, 1) == forced
+    assert dispatch.shared_placement(1 << 40, 64) == forced
 
 
 def test_bad_placement_is_refused_by_name():
@@ -43,33 +45,35 @@ def test_bad_placement_is_refused_by_name():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("quant", [None, "w4a16"])
 def test_every_placement_gives_the_same_bits_on_cuda(monkeypatch, quant):
-    """The placements order the same launches: the k2-tiny MoE layer gives the same bits under each, eager and
-    replayed in a CUDA graph with fresh inputs (the side streams captured as a fork / join)."""
+    """The placements order the same launches: the k2-tiny MoE layer gives the same bits under each; on the INT4
+    experts (the fragment kernels, graph-capturable) also replayed in a CUDA graph with fresh inputs (the side
+    streams captured as a fork / join)."""
     from kdtree_engine.config import preset
     from kdtree_engine.model.moe import MoE
 
     cfg = preset("k2-tiny")
-    torch.manual_seed(0)
+    g = torch.Generator(device="cuda").manual_seed(0)
     layer = MoE(cfg, dtype=torch.bfloat16, group_size=32 if quant else None).cuda()
     for t in [*layer.parameters(), *layer.buffers()]:
         if t.is_floating_point():
-            t.data.normal_(0, 0.05)
+            t.data.copy_(torch.randn(t.shape, device="cuda", generator=g) * 0.05)
         else:                                  # INT4 words: any bits are int4 values
-            t.data.copy_(torch.randint(-2 ** 31, 2 ** 31 - 1, t.shape, device=t.device, dtype=torch.int64).to(t.dtype))
-    x = torch.randn(5, cfg.hidden_size, device="cuda").to(torch.bfloat16)
+            t.data.copy_(torch.randint(-2 ** 31, 2 ** 31 - 1, t.shape, device="cuda", generator=g,
+                                       dtype=torch.int64).to(t.dtype))
+    x = (torch.randn(5, cfg.hidden_size, device="cuda", generator=g)).to(torch.bfloat16)
+    x2 = (torch.randn(5, cfg.hidden_size, device="cuda", generator=g)).to(torch.bfloat16)
     outs = {}
     for place in dispatch.SHARED_PLACEMENTS:
         monkeypatch.setattr(dispatch, "_SHARED", place)
-        eager = layer(x)
-        xb = x.clone()
-        graph = torch.cuda.CUDAGraph()
-        layer(xb)
-        with torch.cuda.graph(graph):
-            y = layer(xb)
-        xb.copy_(x)
-        graph.replay()
-        assert torch.equal(y, eager), f"{place}: graph replay differs from eager"
-        outs[place] = eager
-    first = outs["before"]
+        outs[place] = layer(x)
+        if quant:
+            xb = x.clone()
+            layer(xb)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                y = layer(xb)
+            xb.copy_(x2)
+            graph.replay()
+            assert torch.equal(y, layer(x2)), f"{place}: graph replay differs from eager"
     for place, y in outs.items():
-        assert torch.equal(y, first), f"{place} gives other bits than 'before'"
+        assert torch.equal(y, outs["before"]), f"{place} gives other bits than 'before'"

@@ -47,8 +47,9 @@
                  invariance on: the router kernel (kernels/router_gemm.py: the gate block held in
                  registers, tokens looped, the upcast in the load); otherwise torch on x.float().
 
-  shared expert  where the MoE's shared expert runs on CUDA (:func:`shared_placement`, by its weight bytes):
-                 on a side stream beside the router and routed experts, or before them on one stream.
+  shared expert  where the MoE's shared expert runs on CUDA (:func:`shared_placement`, by its weight bytes and
+                 the tokens): on a side stream beside the router and routed experts, beside the router alone
+                 (up to 8 tokens), or before them on one stream.
 
   SwiGLU         silu(gate) * up of the dense MLP and the shared expert. CUDA: one elementwise Triton
                  launch (kernels/swiglu.py); CPU: torch.
@@ -235,22 +236,33 @@ def dense_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 #     kernels, sized for the whole GPU, share it with the shared expert's GEMMs and run a long tail;
 #   demo model (shared expert 0.3 MB; bench/results/round-h200-shared-*.md, ms per graph round plain /
 #     DDTree-8): side 0.253 / 0.606, before 0.277 / 0.630: its kernels leave most SMs idle.
-# So by the shared expert's weight bytes (the threshold lies between the two measured models): side
-# stream under SHARED_SIDE_BYTES, else before. KDTREE_MOE_SHARED forces one (measurements).
+#   K2 layer, router-side against before in one call (bench/results/k2_step-h200-rside.md, -before.md; us at T =
+#     1 / 4 / 8 / 16 / 32 / 64): 189 / 350 / 538 / 957 / 1543 / 2381 against 197 / 364 / 550 / 900 / 1478 / 2203:
+#     the router's small launches hide beside the shared GEMMs up to 8 tokens; from 16 they contend with them.
+# So by the shared expert's weight bytes (the threshold lies between the two measured models): side stream
+# under SHARED_SIDE_BYTES; else router-side up to ROUTER_SIDE_MAX_T tokens, before beyond. KDTREE_MOE_SHARED
+# forces one (measurements).
 SHARED_PLACEMENTS = ("before", "after", "side", "router-side")
 SHARED_SIDE_BYTES = 16 << 20
+ROUTER_SIDE_MAX_T = 8
 _SHARED = _forced("KDTREE_MOE_SHARED", SHARED_PLACEMENTS)
 
 
-def shared_placement(shared_bytes: int) -> str:
-    """Where a shared expert of this many weight bytes runs on CUDA (above); logged once per choice."""
+def shared_placement(shared_bytes: int, tokens: int) -> str:
+    """Where a shared expert of this many weight bytes runs on CUDA for a launch of `tokens` tokens (above);
+    logged once per choice."""
     if _SHARED is not None:
         log_once(f"moe-shared:{_SHARED}", f"MoE on cuda: the shared expert placed '{_SHARED}' (KDTREE_MOE_SHARED)")
         return _SHARED
-    place = "side" if shared_bytes < SHARED_SIDE_BYTES else "before"
-    log_once(f"moe-shared:{place}", f"MoE on cuda: the shared expert ({shared_bytes / 2**20:.1f} MB of weights) "
-             + ("on a side stream beside the routed experts" if place == "side" else
-                "before the routed experts on one stream") + f" (side stream under {SHARED_SIDE_BYTES >> 20} MB)")
+    if shared_bytes < SHARED_SIDE_BYTES:
+        place, why = "side", "on a side stream beside the router and routed experts"
+    elif tokens <= ROUTER_SIDE_MAX_T:
+        place, why = "router-side", (f"beside the router (a side stream), then the routed experts (up to "
+                                     f"{ROUTER_SIDE_MAX_T} tokens)")
+    else:
+        place, why = "before", f"before the router and routed experts on one stream (over {ROUTER_SIDE_MAX_T} tokens)"
+    log_once(f"moe-shared:{place}", f"MoE on cuda: the shared expert ({shared_bytes / 2**20:.1f} MB of weights) {why} "
+             f"(a side stream for all under {SHARED_SIDE_BYTES >> 20} MB)")
     return place
 
 

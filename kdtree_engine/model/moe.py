@@ -198,7 +198,7 @@ class MoE(nn.Module):
             if self._shared_bytes is None:
                 self._shared_bytes = sum(t.numel() * t.element_size() for t in self.shared_experts.state_dict().values())
             from ..kernels.dispatch import shared_placement
-            place = shared_placement(self._shared_bytes)
+            place = shared_placement(self._shared_bytes, x.shape[0])
         if place == "side":
             side_by_side(x.device, shared, routed)   # off CUDA: one after the other
         elif place == "router-side":
