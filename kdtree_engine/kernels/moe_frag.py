@@ -231,6 +231,15 @@ if HAVE_GLUON:
             gl.store(fin_ptr + t.to(gl.int64) * stride_ft + n, acc.to(fin_ptr.dtype.element_ty))
 
     @gluon.jit
+    def _down_arrival(y_ptr, cnt_ptr, ids_ptr, fin_ptr, tile, n_tok, n_experts, stride_ot, stride_ft,
+                      TOPK: gl.constexpr, BN: gl.constexpr, num_warps: gl.constexpr):
+        """A whole-tile down program (of any expert block, an empty one too) done with row tile `tile`: the last of
+        the launch's blocks to get there writes the tile's top-k sum (_topk_sum_tile)."""
+        if _last_arrival(cnt_ptr + tile, gl.num_programs(0)):
+            _topk_sum_tile(y_ptr, ids_ptr, fin_ptr, tile * BN, n_tok, n_experts, stride_ot, stride_ft, TOPK, BN,
+                           num_warps)
+
+    @gluon.jit
     def _moe_frag_kernel(x_ptr, w_ptr, s_ptr, out_ptr, tw_ptr, sorted_ptr, blk_expert_ptr, blk_rows_ptr,
                          UP_ROW, TOPK, stride_xt, stride_we, stride_wn, stride_se, stride_sn,
                          stride_os, stride_ot, iters, work, programs,
@@ -264,9 +273,8 @@ if HAVE_GLUON:
         rows = gl.load(blk_rows_ptr + pid_b)
         if rows == 0:
             if FUSE and not GATE_UP:   # an empty block still counts towards its row tile's sum
-                if _last_arrival(cnt_ptr + gl.program_id(1), gl.num_programs(0)):
-                    _topk_sum_tile(out_ptr, ids_ptr, fin_ptr, gl.program_id(1) * BN, n_tok, n_experts, stride_ot,
-                                   stride_ft, TOPK_C, BN, num_warps)
+                _down_arrival(out_ptr, cnt_ptr, ids_ptr, fin_ptr, gl.program_id(1), n_tok, n_experts, stride_ot,
+                              stride_ft, TOPK_C, BN, num_warps)
             return
         e = gl.load(blk_expert_ptr + pid_b).to(gl.int64)
         p = gl.program_id(1)
@@ -345,10 +353,9 @@ if HAVE_GLUON:
                                       + gl.expand_dims(on, 1))
                             _swiglu_tile(out_ptr, fin_ptr, o_ptrs - slot * stride_os, i_ptrs, o_mask, UP_ROW,
                                          stride_os, n_slots, SLOTS, BN, TOK, MMA)
-                    else:
-                        if _last_arrival(cnt_ptr + p, gl.num_programs(0)):
-                            _topk_sum_tile(out_ptr, ids_ptr, fin_ptr, n0, n_tok, n_experts, stride_ot, stride_ft,
-                                           TOPK_C, BN, num_warps)
+                    else:   # whole tiles: program p is row tile p
+                        _down_arrival(out_ptr, cnt_ptr, ids_ptr, fin_ptr, p, n_tok, n_experts, stride_ot, stride_ft,
+                                      TOPK_C, BN, num_warps)
                 g += nb
 
 
