@@ -186,7 +186,9 @@ SMALL_SHAPES = [(64, 4096, 2), (64, 4096, 4), (64, 4096, 8), (64, 4096, 16), (64
 # kernel too; DECODE_WG_ROWS: 8- or 16-row programs; without DECODE_WG_MIN_PROGRAMS: no slices for small trees'
 # prefix launches; at N = 64 DECODE_MIN_PROGRAMS 64: one slice at 4 nodes). Measured before (part wgpipe,
 # bench/results/mla_attention-wg-sweep-h200-pipe.md): the next block's scores issued behind this block's P @ V,
-# slower everywhere. `--sweep-wg`
+# slower everywhere; (part ahead, bench/results/mla_attention-wg-sweep-h200-ahead.md) the next block's scores issued
+# before this block's softmax, with 2 or 3 key slots: the same bits, slower everywhere (N = 8 decode 17.7 / 25.7 / 57.0
+# us at 4K / 32K / 128K against 12.2 / 18.4 / 50.9; N = 64 4-node trees over 4K 47.1 against 42.8). `--sweep-wg`
 WG_FOR_N: dict[int, list[MLAConfig]] = {
     8: [_D8, replace(_D8, QK_SPLIT=2), replace(_D8, DECODE_WG_MIN_PROGRAMS=0), replace(_D8, DECODE_WG_ROWS=8),
         replace(_D8, DECODE_WG_ROWS=16)],

@@ -108,7 +108,7 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _pv(k_lat, p_s, acc, pid_v, DV: gl.constexpr, VS: gl.constexpr):
-        """o^T [DV, NP] = acc + this slice's columns of the latent tile^T @ P^T."""
+        """o^T [DV, NP] = acc + this slice's columns of the latent tile^T @ P^T, issued and not waited for."""
         if VS == 1:
             tok = warpgroup_mma(k_lat.permute((1, 0)), p_s.permute((1, 0)), acc, is_async=True)
         else:
@@ -117,7 +117,7 @@ if HAVE_GLUON:
                 if pid_v == vv:
                     tok = warpgroup_mma(k_lat.slice(vv * DV, DV, dim=1).permute((1, 0)), p_s.permute((1, 0)), tok,
                                         is_async=True)
-        return warpgroup_mma_wait(num_outstanding=0, deps=[tok])
+        return tok
 
     @gluon.jit
     def _refill(lat_desc, pe_desc, kl, kp, bars, st, p0, nxt, n_blk, BN: gl.constexpr, NBYTES: gl.constexpr):
@@ -211,9 +211,11 @@ if HAVE_GLUON:
             mbarrier.wait(bars.index(st), (j // STAGES) & 1)
             s = _scores(kl.index(st), kp.index(st), ql_s, qp_s, zs, qk_scale, C, QS)
             alpha, m_new = _probs(s, m_i, p0 + j * BN + offs_n, L, p_s)
-            lsum = warpgroup_mma(ones, p_s.permute((1, 0)), zl, use_acc=False)
+            # the row sums and P @ V issued together, one wait (their results as before: l = l * alpha + rowsum)
+            lsum = warpgroup_mma(ones, p_s.permute((1, 0)), zl, use_acc=False, is_async=True)
+            pv = _pv(kl.index(st), p_s, acc * alpha[None, :], pid_v, DV, VS)
+            lsum, acc = warpgroup_mma_wait(num_outstanding=0, deps=[lsum, pv])
             l_t = l_t * alpha[None, :] + lsum
-            acc = _pv(kl.index(st), p_s, acc * alpha[None, :], pid_v, DV, VS)
             m_i = m_new
             cta_barrier()           # every warp is done with this slot and with P before they are rewritten
             _refill(lat_desc, pe_desc, kl, kp, bars, st, p0, j + STAGES, n_blk, BN, NBYTES)
