@@ -269,6 +269,49 @@ def sweep(shapes, ms) -> list[dict]:
     return out
 
 
+# Per-head tiles: the absorption products have K = 128 (W_UK: one K step, 512 programs of 64 rows) or 512 (W_UV), so
+# the default 6-stage tile's shared memory (one program per SM) only serializes the programs. Any tile gives the
+# same bits (the reduction is head_reduction_for's). W_UK is timed both as the engine passed it before (a transposed
+# view of kv_b_proj's rows: k strided) and contiguous [N, K] (the layout absorbed_weights now keeps).
+HEAD_SWEEP_TILES = [t for t in ((16, 64, 4, 6), (16, 64, 4, 1), (16, 64, 4, 2), (16, 64, 4, 3),
+                                          (16, 128, 4, 1), (16, 128, 4, 2), (16, 128, 8, 1), (16, 128, 8, 2),
+                                          (16, 256, 8, 1))]
+HEAD_SWEEP_SHAPES = [("q_nope x W_UK (view)", 64, 512, 128, True), ("q_nope x W_UK", 64, 512, 128, False),
+                     ("o_lat x W_UV", 64, 128, 512, False), ("q_nope x W_UK", 8, 512, 128, False),
+                     ("o_lat x W_UV", 8, 128, 512, False)]
+
+
+def sweep_heads(ms) -> list[dict]:
+    """Graph-times the per-head GEMM's candidate tiles (HEAD_SWEEP_TILES) at each M; prints the best per shape."""
+    from kdtree_engine.kernels.gemm import Tile, bi_head_linear
+
+    out = []
+    g = torch.Generator(device="cuda").manual_seed(2)
+    for name, B, N, K, transposed in HEAD_SWEEP_SHAPES:
+        if transposed:
+            w = (torch.randn(B, K, N, device="cuda", generator=g) * K ** -0.5).to(torch.bfloat16).transpose(1, 2)
+        else:
+            w = (torch.randn(B, N, K, device="cuda", generator=g) * K ** -0.5).to(torch.bfloat16)
+        ws = [w] + [w.clone() for _ in range(min(16, max(1, -(-(256 << 20) // (B * N * K * 2)))) - 1)]
+        xs = torch.randn(max(ms), B, K, device="cuda", generator=g).to(torch.bfloat16)
+        for M in ms:
+            x = xs[:M]
+            base = bi_head_linear(x, w)
+            res = []
+            for t in HEAD_SWEEP_TILES:
+                tile = Tile(*t)
+                same = bool(torch.equal(bi_head_linear(x, w, tile=tile), base))
+                us = _graph_us([lambda c=c: bi_head_linear(x, c, tile=tile) for c in ws])
+                res.append((us, t, same))
+                out.append({"shape": name, "heads": B, "N": N, "K": K, "M": M, "tile": list(t), "us": us,
+                            "same_bits": same, "TBps": B * N * K * 2 / (us * 1e-6) / 1e12})
+            print(f"heads {name:22s} x{B:2d} M={M:3d} | " + " | ".join(
+                f"{t[0]}x{t[1]}w{t[2]}s{t[3]} {us:5.1f}{'' if same else ' DIFF'}" for us, t, same in res), flush=True)
+        del w, ws, xs
+        torch.cuda.empty_cache()
+    return out
+
+
 def write_md(path: Path, res: dict) -> None:
     c = res["ceilings"]
     lines = [f"# Batch-invariant GEMM vs cuBLAS — {res['gpu']}", "",
@@ -313,6 +356,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--rep-ms", type=float, default=20.0, help="do_bench repetition time per point")
     ap.add_argument("--sweep", action="store_true", help="also time candidate tiles / reductions")
     ap.add_argument("--sweep-ms", default="1,16,64,129,256", help="M values of the sweep")
+    ap.add_argument("--sweep-heads", action="store_true", help="also time the per-head GEMM's candidate tiles")
     ap.add_argument("--no-rmsnorm", action="store_true")
     ap.add_argument("--no-heads", action="store_true", help="skip the per-head (MLA absorption) GEMM")
     args = ap.parse_args(argv)
@@ -335,6 +379,8 @@ def main(argv: list[str] | None = None) -> dict:
         res["heads"] = bench_heads(ms, args.rep_ms)
     if args.sweep:
         res["sweep"] = sweep(shapes, [int(m) for m in args.sweep_ms.split(",") if m])
+    if args.sweep_heads:
+        res["sweep_heads"] = sweep_heads([m for m in ms if m <= 16] or [1])
     res["wall_s"] = time.time() - t0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -43,11 +43,12 @@ DENSE_CANDIDATES = [  # the engine's plan first (None), then overrides of it (th
     # tile: 0 for row-major words (the engine's plan: frag_tile's 64-row tiles)
     # mma: the instruction (token_mma: mma.sync up to 16 tokens per program, wgmma beyond)
     # pairs: the mma.sync loop's two blocks per trip (token_pairs: 8-token programs)
+    # tok: tokens per program (16 tokens as two 8-token programs side by side: the second reads the weights from L2)
     None, dict(pairs=False), dict(pairs=True, tok=16), dict(split=2), dict(split=7), dict(per_sm=3), dict(per_sm=5),
     dict(per_sm=6), dict(per_sm=8),
     dict(pt=128), dict(pt=128, per_sm=3), dict(pt=128, per_sm=4), dict(tile=0), dict(mma="sync", tok=16),
     dict(mma="wgmma", tok=16), dict(mma="wgmma", tok=32), dict(pt=128, mma="wgmma", tok=16),
-    dict(pt=128, mma="wgmma", tok=32),
+    dict(pt=128, mma="wgmma", tok=32), dict(tok=8), dict(tok=8, pt=128),
 ]
 MOE_CANDIDATES = [  # the engine's table first (None), then programs per expert block (P13 gate/up, P2 down: the
     # stream partition's; 64 / 112 = the tile-aligned K splits before it: gate/up 2 K ranges per tile, down 1),

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU tests and benchmarks, logs and results packed under $OUT; one device call runs one part.
-#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|next|chain|sample|rounds|decode|step|verify|resume|ncu|plane|merge|merge2|merge3|sample2|fork|last|plane2|rows|kload|lazy|rounds2|maxnreg|qsplit|stages|down|bm8|m64|merge4|merge5|final2|moerows|moe16|moe16b|router|router2|router3|final3|frag|frag2|frag3|frag4|frag5|frag7|frag8|xsm|xsm2|xsm3|xsm4|xsm5|xsm6|router4|arrive|tune2|direct|epi|pdl|pdl2|pdl3|rgemv|rgemv2|pdl4|pdl5|shared|final4|spec4|prof|round5|round6|round7|tiled|tiled2|tiled3|tiled4|tiled5|tiled6|tiled7|tiled8|wg|wg2|wide|wg3|wg4|wg5|ring|router5|wide64|wg8|wg8b|warps8|final5|moe8|small|small2|small3|small4|small5|take|chunk|wgdec|wgdec2|wgfin|wgfin2|wgprof|wgq|wgref|wground|ncuw4|tma|tma2|gsweep|wgtest|wgslice|wgslice2|slicefin|wgpipe|ncutree|wgqs2|wgfin3|wgbench|tailmerge|ltile|stream|stream2|stream3|streamfin|ncumoe|moestream|moestream2|chunks|chunks2|pairs|pairs2|pairs3|prefetch|bounds|fuse|fuse8|rside|rside2|final6|review2|ahead]   (on the GPU machine, from the repository root)
+#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|next|chain|sample|rounds|decode|step|verify|resume|ncu|plane|merge|merge2|merge3|sample2|fork|last|plane2|rows|kload|lazy|rounds2|maxnreg|qsplit|stages|down|bm8|m64|merge4|merge5|final2|moerows|moe16|moe16b|router|router2|router3|final3|frag|frag2|frag3|frag4|frag5|frag7|frag8|xsm|xsm2|xsm3|xsm4|xsm5|xsm6|router4|arrive|tune2|direct|epi|pdl|pdl2|pdl3|rgemv|rgemv2|pdl4|pdl5|shared|final4|spec4|prof|round5|round6|round7|tiled|tiled2|tiled3|tiled4|tiled5|tiled6|tiled7|tiled8|wg|wg2|wide|wg3|wg4|wg5|ring|router5|wide64|wg8|wg8b|warps8|final5|moe8|small|small2|small3|small4|small5|take|chunk|wgdec|wgdec2|wgfin|wgfin2|wgprof|wgq|wgref|wground|ncuw4|tma|tma2|gsweep|wgtest|wgslice|wgslice2|slicefin|wgpipe|ncutree|wgqs2|wgfin3|wgbench|tailmerge|ltile|stream|stream2|stream3|streamfin|ncumoe|moestream|moestream2|chunks|chunks2|pairs|pairs2|pairs3|prefetch|bounds|fuse|fuse8|rside|rside2|final6|review2|ahead|stalls|heads]   (on the GPU machine, from the repository root)
 #   tune   the W4A16 config sweep, the bitwise and CUDA-graph GPU tests, the demo's spec benchmark
 #   check  the remaining GPU tests (kernels, batch invariance, target, attention), kernel and round benches
 #   bench  the benchmarks with long runs (K2 step, attention, GEMM)
@@ -217,6 +217,9 @@
 #   review2 after the review (one helper for the down program's arrival): the fused-epilogue and graph MoE tests
 #   ahead  the warpgroup attention with the next key block's scores issued before the softmax: its bit-equality
 #          GPU tests and the warpgroup sweep
+#   stalls the warpgroup attention's stall reasons (Nsight Compute PC sampling: 32K decode at N = 8, a 4-node tree over
+#          4K at N = 64), its bit-equality tests with one wait per block, the attention bench
+#   heads  the per-head GEMM's tile sweep (the MLA absorption products) and 16-token dense W4A16 as two 8-token programs
 #   bounds what leaving out one launch could gain (bench/launch_bounds.py): the MoE's SwiGLU / top-k sum, a small
 #          tree's tail launch beside its prefix launch
 #   prefetch weight / key lines asked of L2 before the dependent-launch waits (commit 549eb2a, reverted since: its
@@ -570,6 +573,18 @@ fi
 if [[ $PART == ahead ]]; then
   step pytest_ahead 200 $PYT tests/gpu/test_mla_attention_gpu.py -k "ahead"
   step bench_mla_wg 200 python3 bench/mla_attention.py --sweep-only --sweep-wg --no-peers --budget-s 170 --out "$RES"
+fi
+if [[ $PART == stalls ]]; then
+  for case in mla_decode_32k mla_tree4_4k_n64; do
+    ncu_probe "ncu_stalls_$case" 60 "$case" --metrics "regex:smsp__pcsamp_warps_issue_stalled_.*"
+  done
+  step pytest_mla_biteq 250 $PYT tests/gpu/test_mla_attention_gpu.py -k "warpgroup or small_trees"
+  step bench_mla 140 python3 bench/mla_attention.py --no-peers --out "$RES"
+fi
+if [[ $PART == heads ]]; then
+  step bench_gemm_heads 150 python3 bench/gemm.py --shapes none --ms 1,4,16 --no-rmsnorm --no-heads --sweep-heads \
+    --out "$RES"
+  step bench_w4_tok8 150 python3 bench/w4_frag.py --no-moe --ms 8,16 --reps 20 --only "'tok': 8" --out "$RES"
 fi
 if [[ $PART == bounds ]]; then
   step bench_bounds 200 python3 bench/launch_bounds.py --out "$RES"

@@ -131,6 +131,15 @@ FP32_TILES: dict[tuple[int, int], list[tuple[int, Tile]]] = {
                   (1 << 62, Tile(16, 64, 4, 4))],
 }
 
+# Per-head (the MLA absorption, bi_head_linear) M-bucket tiles by (N, K), the default buckets beyond the last
+# (tiles never change the bits). q_nope x W_UK ([512 x 128] per head, a transposed view of kv_b_proj's rows) is
+# one K step per program: the default 6-stage tile holds one program per SM; 2 stages give 3.9 / 3.9 / 4.0 us
+# at M = 1 / 4 / 16 against 6.4 / 6.5 / 6.5 over 64 heads (1.5 against 1.7 over 8), where o_lat x W_UV keeps the
+# default (python3 bench/gemm.py --sweep-heads, bench/results/gemm-heads-h200-sweep.log).
+HEAD_TILES: dict[tuple[int, int], list[tuple[int, Tile]]] = {
+    (512, 128): [(16, Tile(16, 64, 4, 2))],
+}
+
 # M buckets: (max M, tile). The first bucket with M <= max M is used.
 TILES_16BIT: list[tuple[int, Tile]] = [
     (16, Tile(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=6)),
@@ -315,6 +324,15 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, M: int, N: int,
     return out
 
 
+def head_tile_for(M: int, dtype: torch.dtype, N: int, K: int) -> Tile:
+    """Output tiling of a per-head GEMM of M rows over [N, K] heads (HEAD_TILES, else tile_for's)."""
+    if dtype != torch.float32:
+        for max_m, t in HEAD_TILES.get((N, K), ()):
+            if M <= max_m:
+                return t
+    return tile_for(M, dtype)
+
+
 def head_reduction_for(N: int, K: int, dtype: torch.dtype) -> Reduction:
     """The fixed reduction of a per-head GEMM ([B, N, K] weights): one split (the heads already give
     the GPU B times the programs, and K is small: 128 / 512 at K2 shapes)."""
@@ -348,12 +366,12 @@ def bi_head_linear(x: torch.Tensor, w: torch.Tensor, *, tile: Tile | None = None
         return out
     if K == 0:
         return out.zero_()
-    t = tile or tile_for(M, x.dtype)
+    t = tile or head_tile_for(M, x.dtype, N, K)
     red = reduction or head_reduction_for(N, K, x.dtype)
     return _launch(x, w, out, M, N, K, B, (x.stride(1), x.stride(0), x.stride(2)),
                    (w.stride(0), w.stride(1), w.stride(2)), (N, B * N, 1), t, red)
 
 
 __all__ = ["Reduction", "Tile", "K2_CONFIGS", "TILES_16BIT", "TILES_FP32", "reduction_for", "tile_for",
-           "head_reduction_for", "bi_linear", "bi_linear_reference", "bi_head_linear", "bi_head_linear_reference",
+           "HEAD_TILES", "head_tile_for", "head_reduction_for", "bi_linear", "bi_linear_reference", "bi_head_linear", "bi_head_linear_reference",
            "interpreting"]

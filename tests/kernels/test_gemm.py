@@ -54,6 +54,21 @@ def test_tiles_are_valid_for_every_m():
         assert isinstance(red, Reduction) and red.split_k >= 1
 
 
+def test_head_tiles_by_shape():
+    """The per-head GEMM takes its shape's bucket up to the bucket's M and the default buckets beyond (and for
+    other shapes and float32)."""
+    from kdtree_engine.kernels.gemm import HEAD_TILES, head_tile_for
+
+    for (n, k), table in HEAD_TILES.items():
+        for max_m, t in table:
+            assert t.BLOCK_M >= 16 and t.BLOCK_N >= 16 and t.num_warps in (1, 2, 4, 8)
+            assert head_tile_for(max_m, torch.bfloat16, n, k) == t
+        last = table[-1][0]
+        assert head_tile_for(last + 1, torch.bfloat16, n, k) == tile_for(last + 1, torch.bfloat16)
+        assert head_tile_for(1, torch.float32, n, k) == tile_for(1, torch.float32)
+    assert head_tile_for(1, torch.bfloat16, 3, 5) == tile_for(1, torch.bfloat16)
+
+
 def test_rejects_bad_inputs():
     x = torch.randn(2, 16)
     with pytest.raises(TypeError):
