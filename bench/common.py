@@ -135,6 +135,61 @@ def kernel_profile(fn: Callable[[], object], reps: int = 5, top: int = 20) -> di
     return {"kernels": table(acc), "ops": table(ops)}
 
 
+def graph_timeline(fn: Callable[[], object], reps: int = 5) -> dict:
+    """Where one call of fn goes inside a CUDA graph: fn captured once, its replays under torch.profiler; per kernel
+    in launch order its start (from the first kernel's start), duration and the idle gap before it on the device
+    (negative: it overlapped the kernel before it), each the median over the replays. span_us: first start to last
+    end; busy_us: the union of the kernels' intervals."""
+    import statistics
+
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            g.replay()
+            torch.cuda.synchronize()
+    kern = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                   if "CUDA" in str(getattr(e, "device_type", "")) and "Memcpy" not in e.name
+                   and "Memset" not in e.name), key=lambda k: k[0])
+    del g
+    if not kern or len(kern) % reps:
+        return {"error": f"{len(kern)} kernel events over {reps} replays", "kernels": []}
+    n = len(kern) // reps
+    runs = [kern[i * n:(i + 1) * n] for i in range(reps)]
+    rows, spans, busys = [], [], []
+    for run in runs:
+        t0 = run[0][0]
+        spans.append(max(e for _, e, _ in run) - t0)
+        busy, cur_s, cur_e = 0.0, None, None
+        for st, en, _ in run:
+            if cur_e is None or st > cur_e:
+                if cur_e is not None:
+                    busy += cur_e - cur_s
+                cur_s, cur_e = st, en
+            else:
+                cur_e = max(cur_e, en)
+        busys.append(busy + (cur_e - cur_s))
+    for i in range(n):
+        starts = [run[i][0] - run[0][0] for run in runs]
+        durs = [run[i][1] - run[i][0] for run in runs]
+        gaps = [run[i][0] - max(e for _, e, _ in run[:i]) if i else 0.0 for run in runs]
+        rows.append({"name": runs[0][i][2], "start_us": statistics.median(starts), "us": statistics.median(durs),
+                     "gap_us": statistics.median(gaps)})
+    return {"kernels": rows, "span_us": statistics.median(spans), "busy_us": statistics.median(busys)}
+
+
 def copy_bandwidth(nbytes: int = 2 * 2**30, reps: int = 20) -> float:
     """Device-to-device copy, bytes read + written per second (B/s)."""
     a = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda")

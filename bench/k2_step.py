@@ -376,7 +376,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
         try:
             row.update(bench_step(T, S, cfg, layers, kv, rope, rank_attn, shared_r, dense_r, head_r, final_norm,
                                   dev, dtype, gen, reps, args.seed, E_r, W, log, args.profile and cuda,
-                                  args.path))
+                                  args.path, args.timeline and cuda))
         except Exception as exc:  # noqa: BLE001 - one failing size is reported, the rest still run
             traceback.print_exc()
             row["error"] = f"{type(exc).__name__}: {exc}"[:300]
@@ -494,7 +494,7 @@ class StepInputs:
 
 
 def bench_step(T, S, cfg, layers, kv, rope, rank_attn, shared_r, dense_r, head_r, final_norm, dev, dtype, gen,
-               reps, seed, E_r, W, log, profile: bool = False, path: str = "static") -> dict:
+               reps, seed, E_r, W, log, profile: bool = False, path: str = "static", timeline: bool = False) -> dict:
     H = cfg.hidden_size
     L = len(layers)
     if T == 1:
@@ -552,6 +552,8 @@ def bench_step(T, S, cfg, layers, kv, rope, rank_attn, shared_r, dense_r, head_r
         if profile:  # where a layer's time goes: device time per kernel (eager launches, no graph)
             out["profile"] = common.kernel_profile(lambda: layer_call(0), reps=5)
             out["profile_total_us"] = sum(r["us"] for r in out["profile"]["kernels"])
+        if timeline:  # the same inside a CUDA graph: each kernel's start, duration and the gap before it
+            out["timeline"] = common.graph_timeline(lambda: layer_call(0), reps=5)
 
         # ---- one rank of W: the EP rank with the most touched experts in each layer ----
         bases, busiest, pairs = [], [], []
@@ -688,6 +690,17 @@ def markdown(rep: dict, gpu_label: str) -> list[str]:
                                          [[k["name"][:110].replace("|", "/"), k["calls"], k["us"],
                                            f"{k['us'] / r['profile_total_us']:.0%}"] for k in r["profile"][what]])
                 lines.append("")
+        tl = r.get("timeline") or {}
+        if tl.get("kernels"):
+            lines += ["", f"## One layer at T = {r['T']} inside a CUDA graph (torch.profiler over replays: span "
+                      f"{tl['span_us']:.1f} us, kernels busy {tl['busy_us']:.1f} us)", "",
+                      "start: from the first kernel's start; gap: idle device time before the kernel (negative: it "
+                      "overlapped the kernel before it, a dependent launch or a forked stream).", ""]
+            lines += common.md_table(["#", "kernel", "start us", "us", "gap us"],
+                                     [[i, k["name"][:90].replace("|", "/"), k["start_us"], k["us"], k["gap_us"]]
+                                      for i, k in enumerate(tl["kernels"])])
+        elif tl.get("error"):
+            lines += ["", f"Timeline at T = {r['T']}: {tl['error']}"]
         rk = r.get("rank") or {}
         if rk.get("moe_profile"):
             total = sum(k["us"] for k in rk["moe_profile"]["kernels"])
@@ -746,6 +759,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                          "forward (eager generation), which builds that index in every layer")
     ap.add_argument("--profile", action="store_true",
                     help="also list the device time per kernel of one layer at each T (torch.profiler, CUDA)")
+    ap.add_argument("--timeline", action="store_true",
+                    help="also list each kernel of one layer inside a CUDA graph at each T: start, duration, the gap "
+                         "before it (torch.profiler over graph replays)")
     ap.add_argument("--time-budget", type=float, default=TIME_BUDGET_S,
                     help="seconds after which the remaining node counts are skipped")
     a = ap.parse_args(argv)
