@@ -173,15 +173,16 @@ WIDE_SHAPES = [(8, 4096, 4), (8, 4096, 16), (8, 4096, 64), (8, 32768, 16), (8, 3
 # tiles at N = 64 (Nsight Compute, 4 nodes over 4K: 16 programs of 32 rows, one key block each, 12.4 us, 255
 # registers) in 16-row 8-warp or 32-row 8-warp tiles, and at N = 8 in 4 warps.
 SMALL_FOR_N: dict[int, list[MLAConfig]] = {
-    8: [_D8, replace(_D8, TAIL_V_SPLIT=2), replace(_D8, TAIL_V_SPLIT=4)],
-    64: [_D64, replace(_D64, TAIL_V_SPLIT=2), replace(_D64, TAIL_V_SPLIT=4), replace(_D64, TAIL_V_SPLIT=8)]}
+    8: [_D8, replace(_D8, SMALL_WARPS=4)],
+    64: [_D64, replace(_D64, SMALL_BLOCK_M=16, SMALL_WARPS=8), replace(_D64, SMALL_WARPS=8)]}
 # measured before (bench/results/mla_attention-small-sweep-h200-tiles.md): replace(_D8, SMALL_WARPS=8),
 # replace(_D8, DECODE_MAX_T=16), replace(_D64, SMALL_BLOCK_M=16, SMALL_WARPS=8) (also with DECODE_MIN_PROGRAMS=0),
 # replace(_D64, SMALL_WARPS=8); then (bench/results/mla_attention-small-sweep-h200-wg.md) the prefix chunks of small
 # trees on the warpgroup kernel (DECODE_WG) against DECODE_MAX_T 1 / the decode tiles, and DECODE_MAX_T 16 at N = 64;
 # then (bench/results/mla_attention-small-sweep-h200-tail.md) the tail launch's tiles: replace(_D8, SMALL_WARPS=4),
-# replace(_D64, SMALL_BLOCK_M=16, SMALL_WARPS=8), replace(_D64, SMALL_WARPS=8), none faster. Now: the tail launch in
-# column slices (TAIL_V_SPLIT), after a K2 layer's timeline showed it 10 us past the prefix launch beside it at 4 nodes
+# replace(_D64, SMALL_BLOCK_M=16, SMALL_WARPS=8), replace(_D64, SMALL_WARPS=8), none faster; then (bench/results/
+# mla_attention-small-sweep-h200-tailvs.md) the tail launch in 2 / 4 / 8 column slices of its own (a TAIL_V_SPLIT
+# field, dropped): the same bits, no faster (N = 64, 4 nodes over 4K 43.0-43.7 us against 42.6; N = 8 slower).
 SMALL_SWEEP: list[MLAConfig] = [c for cs in SMALL_FOR_N.values() for c in cs]
 SMALL_SHAPES = [(64, 4096, 2), (64, 4096, 4), (64, 4096, 8), (64, 4096, 16), (64, 32768, 4), (8, 4096, 4),
                 (8, 4096, 8), (8, 4096, 16), (8, 32768, 4), (8, 32768, 8), (8, 32768, 16), (8, 131072, 16)]
