@@ -74,16 +74,7 @@ def time_calls(calls: Sequence[Callable[[], object]], reps: int = 20, warmup: in
 
     if use_graph:
         try:
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                run_all()
-            torch.cuda.current_stream().wait_stream(s)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                run_all()
-            g.replay()
-            torch.cuda.synchronize()
+            g = capture_graph(run_all)
             t = _events_median(g.replay, reps)
             del g
             return {"us": t / len(calls), "graph": True}
@@ -94,6 +85,34 @@ def time_calls(calls: Sequence[Callable[[], object]], reps: int = 20, warmup: in
             return {"us": t / len(calls), "graph": False, "graph_error": err}
     t = _events_median(run_all, reps)
     return {"us": t / len(calls), "graph": False}
+
+
+def capture_graph(fn: Callable[[], object]) -> "torch.cuda.CUDAGraph":
+    """fn run once on a side stream (warm-up), then captured into a CUDA graph, replayed once and synchronized."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize()
+    return g
+
+
+def union_us(spans: Sequence[tuple[float, float]]) -> float:
+    """Length of the union of (start, end) intervals."""
+    busy, cur_s, cur_e = 0.0, None, None
+    for st, en in sorted(spans):
+        if cur_e is None or st > cur_e:
+            if cur_e is not None:
+                busy += cur_e - cur_s
+            cur_s, cur_e = st, en
+        else:
+            cur_e = max(cur_e, en)
+    return busy + (cur_e - cur_s if cur_e is not None else 0.0)
 
 
 def kernel_profile(fn: Callable[[], object], reps: int = 5, top: int = 20) -> dict:
@@ -146,16 +165,7 @@ def graph_timeline(fn: Callable[[], object], reps: int = 5) -> dict:
 
     fn()
     torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
+    g = capture_graph(fn)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
             g.replay()
@@ -170,17 +180,8 @@ def graph_timeline(fn: Callable[[], object], reps: int = 5) -> dict:
     runs = [kern[i * n:(i + 1) * n] for i in range(reps)]
     rows, spans, busys = [], [], []
     for run in runs:
-        t0 = run[0][0]
-        spans.append(max(e for _, e, _ in run) - t0)
-        busy, cur_s, cur_e = 0.0, None, None
-        for st, en, _ in run:
-            if cur_e is None or st > cur_e:
-                if cur_e is not None:
-                    busy += cur_e - cur_s
-                cur_s, cur_e = st, en
-            else:
-                cur_e = max(cur_e, en)
-        busys.append(busy + (cur_e - cur_s))
+        spans.append(max(e for _, e, _ in run) - run[0][0])
+        busys.append(union_us([(st, en) for st, en, _ in run]))
     for i in range(n):
         starts = [run[i][0] - run[0][0] for run in runs]
         durs = [run[i][1] - run[i][0] for run in runs]

@@ -178,6 +178,16 @@ HEAD_SHAPES = [  # name, heads, N (out), K (in), weight passed as a transposed v
 ]
 
 
+def _head_weights(B: int, N: int, K: int, transposed: bool, g: torch.Generator) -> tuple[torch.Tensor, list]:
+    """Per-head bf16 weights [B, N, K] (a transposed view of [B, K, N] where `transposed`, as W_UK) and enough
+    copies of them (up to 16, 256 MB in all) for graph replays to read them from HBM rather than L2."""
+    if transposed:
+        w = (torch.randn(B, K, N, device="cuda", generator=g) * K ** -0.5).to(torch.bfloat16).transpose(1, 2)
+    else:
+        w = (torch.randn(B, N, K, device="cuda", generator=g) * K ** -0.5).to(torch.bfloat16)
+    return w, [w] + [w.clone() for _ in range(min(16, max(1, -(-(256 << 20) // (B * N * K * 2)))) - 1)]
+
+
 def bench_heads(ms, rep_ms: float) -> list[dict]:
     """The MLA absorption products (per-head GEMM, kernels/gemm.py bi_head_linear) against torch einsum
     (cuBLAS batched GEMM), operands laid out as the model passes them."""
@@ -186,12 +196,7 @@ def bench_heads(ms, rep_ms: float) -> list[dict]:
     out = []
     g = torch.Generator(device="cuda").manual_seed(0)
     for name, B, N, K, transposed in HEAD_SHAPES:
-        if transposed:
-            w = (torch.randn(B, K, N, device="cuda", generator=g) * K ** -0.5).to(torch.bfloat16).transpose(1, 2)
-        else:
-            w = (torch.randn(B, N, K, device="cuda", generator=g) * K ** -0.5).to(torch.bfloat16)
-        n_copies = min(16, max(1, -(-(256 << 20) // (B * N * K * 2))))
-        ws = [w] + [w.clone() for _ in range(n_copies - 1)]
+        w, ws = _head_weights(B, N, K, transposed, g)
         xs = torch.randn(max(ms), B, K + (64 if transposed else 0), device="cuda", generator=g).to(torch.bfloat16)
         for M in ms:
             x = xs[:M, :, :K]
@@ -273,9 +278,8 @@ def sweep(shapes, ms) -> list[dict]:
 # the default 6-stage tile's shared memory (one program per SM) only serializes the programs. Any tile gives the
 # same bits (the reduction is head_reduction_for's). W_UK is timed both as the engine passed it before (a transposed
 # view of kv_b_proj's rows: k strided) and contiguous [N, K] (the layout absorbed_weights now keeps).
-HEAD_SWEEP_TILES = [t for t in ((16, 64, 4, 6), (16, 64, 4, 1), (16, 64, 4, 2), (16, 64, 4, 3),
-                                          (16, 128, 4, 1), (16, 128, 4, 2), (16, 128, 8, 1), (16, 128, 8, 2),
-                                          (16, 256, 8, 1))]
+HEAD_SWEEP_TILES = [(16, 64, 4, 6), (16, 64, 4, 1), (16, 64, 4, 2), (16, 64, 4, 3), (16, 128, 4, 1), (16, 128, 4, 2),
+                    (16, 128, 8, 1), (16, 128, 8, 2), (16, 256, 8, 1)]
 HEAD_SWEEP_SHAPES = [("q_nope x W_UK (view)", 64, 512, 128, True), ("q_nope x W_UK", 64, 512, 128, False),
                      ("o_lat x W_UV", 64, 128, 512, False), ("q_nope x W_UK", 8, 512, 128, False),
                      ("o_lat x W_UV", 8, 128, 512, False)]
@@ -288,11 +292,7 @@ def sweep_heads(ms) -> list[dict]:
     out = []
     g = torch.Generator(device="cuda").manual_seed(2)
     for name, B, N, K, transposed in HEAD_SWEEP_SHAPES:
-        if transposed:
-            w = (torch.randn(B, K, N, device="cuda", generator=g) * K ** -0.5).to(torch.bfloat16).transpose(1, 2)
-        else:
-            w = (torch.randn(B, N, K, device="cuda", generator=g) * K ** -0.5).to(torch.bfloat16)
-        ws = [w] + [w.clone() for _ in range(min(16, max(1, -(-(256 << 20) // (B * N * K * 2)))) - 1)]
+        w, ws = _head_weights(B, N, K, transposed, g)
         xs = torch.randn(max(ms), B, K, device="cuda", generator=g).to(torch.bfloat16)
         for M in ms:
             x = xs[:M]

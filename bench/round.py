@@ -92,17 +92,7 @@ def device_busy(prof: Any) -> dict:
         entry = by_name.setdefault(e.name, [0, 0.0])
         entry[0] += 1
         entry[1] += tr.end - tr.start
-    spans.sort()
-    busy, cur_s, cur_e = 0.0, None, None
-    for s, e in spans:
-        if cur_e is None or s > cur_e:
-            if cur_e is not None:
-                busy += cur_e - cur_s
-            cur_s, cur_e = s, e
-        else:
-            cur_e = max(cur_e, e)
-    if cur_e is not None:
-        busy += cur_e - cur_s
+    busy = common.union_us(spans)
     if not spans:  # no device events listed: fall back to the summed self device time of all ops
         total = 0.0
         for k in prof.key_averages():
