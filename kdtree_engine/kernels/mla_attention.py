@@ -387,6 +387,11 @@ class MLAConfig:
 # at 4K 40.0 / 39.7 / 43.3 us at 4 / 8 / 16 nodes against 39.5 / 39.8 / 55.7 (up to 8 nodes, 4 warps), at 32K
 # 49.7 / 69.4 against 54.0 / 71.9. N = 64 keeps the 32-row 4-warp decode tiles: 16-row 8-warp tiles win 2 / 4
 # nodes (44.3 / 48.9 against 50.0 / 56.1 us) but lose 8 (72.3 against 56.8).
+# N > 16: a small tree's tail launch (its own keys; the prefix chunks run on the warpgroup kernel, which SMALL_* do not
+# touch) in 16-row 8-warp tiles, as N <= 16 has them: the K2 layer's timeline at 4 nodes (bench/results/
+# k2_step-h200.md) had the 32-row 4-warp tail at 29-30 us beside a 21 us prefix launch, the merge waiting for it;
+# offline (triton 3.6, sm_90) that tile is 255 registers + 472 bytes of stack and 4096 instructions, one warp per
+# scheduler; 16 rows in 8 warps 151 registers, no spills, 1712 instructions (the same bits: GPU-tested re-tiling).
 # Both buckets: decode launches on the warpgroup kernel with 2 key slots (DECODE_WG; the same bits, GPU-tested;
 # python3 bench/mla_attention.py --sweep-only --sweep-rows / --sweep-small, bench/results/mla_attention-wg-sweep-
 # h200-both.md and mla_attention-small-sweep-h200-wg.md): N = 8 decode 16.0 / 20.0 / 28.2 / 51.1 / 93.9 us at 4K /
@@ -410,7 +415,8 @@ DEFAULT_CONFIGS: list[tuple[int, MLAConfig]] = [
                    SMALL_WARPS=8, DECODE_WG=2, DECODE_WG_MIN_PROGRAMS=128, DECODE_WG_ROWS=16)),  # N <= 16 (TP8)
     (1 << 30, MLAConfig(CHUNK=512, BLOCK_M=64, BLOCK_N=64, V_SPLIT=1, num_warps=8, num_stages=2,
                         KEYS_ON_M=False, Q_IN_LOOP=False, V_SPLIT_BY_T=(), DECODE_MIN_PROGRAMS=64, L_BY_DOT=True,
-                        DECODE_BLOCK_M=32, DECODE_WARPS=4, QK_SPLIT=1, DECODE_MAX_T=8, DECODE_WG=2)),
+                        DECODE_BLOCK_M=32, DECODE_WARPS=4, QK_SPLIT=1, DECODE_MAX_T=8, DECODE_WG=2,
+                        SMALL_BLOCK_M=16, SMALL_WARPS=8)),
 ]
 
 
