@@ -385,8 +385,8 @@ class MLAConfig:
 # 72.0 against 71.0 / 73.7; N = 64 at 4K, 2 / 4 / 8 nodes 49.4 / 56.4 / 56.6 against 56.8 / 60.7 / 62.9.
 # N <= 16: trees of up to 16 nodes, in 8 warps (SMALL_WARPS; bench/results/mla_attention-small-sweep-h200-tiles.md):
 # at 4K 40.0 / 39.7 / 43.3 us at 4 / 8 / 16 nodes against 39.5 / 39.8 / 55.7 (up to 8 nodes, 4 warps), at 32K
-# 49.7 / 69.4 against 54.0 / 71.9. N = 64 keeps the 32-row 4-warp decode tiles: 16-row 8-warp tiles win 2 / 4
-# nodes (44.3 / 48.9 against 50.0 / 56.1 us) but lose 8 (72.3 against 56.8).
+# 49.7 / 69.4 against 54.0 / 71.9. N = 64 kept the 32-row 4-warp decode tiles then (the prefix chunks ran on them too):
+# 16-row 8-warp tiles won 2 / 4 nodes (44.3 / 48.9 against 50.0 / 56.1 us) but lost 8 (72.3 against 56.8).
 # N > 16: a small tree's tail launch (its own keys; the prefix chunks run on the warpgroup kernel, which SMALL_* do not
 # touch) in 16-row 8-warp tiles, as N <= 16 has them: the K2 layer's timeline at 4 nodes (bench/results/
 # k2_step-h200.md) had the 32-row 4-warp tail at 29-30 us beside a 21 us prefix launch, the merge waiting for it;
