@@ -126,6 +126,10 @@ def test_device_busy_union():
     got = round_bench.device_busy(prof)
     assert got["busy_us"] == 17 and got["events"] == 3
     assert got["by_name"] == {"a": [2, 15.0], "b": [1, 7.0]}
+    from bench.common import union_us
+    # unsorted, nested, touching and disjoint intervals; none at all
+    assert union_us([(5, 8), (0, 10), (10, 12), (20, 21)]) == 13
+    assert union_us([]) == 0
 
 
 def test_kernel_table_subtracts_prefill_and_ranks_by_time():
