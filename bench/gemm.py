@@ -276,8 +276,8 @@ def sweep(shapes, ms) -> list[dict]:
 
 # Per-head tiles: the absorption products have K = 128 (W_UK: one K step, 512 programs of 64 rows) or 512 (W_UV), so
 # the default 6-stage tile's shared memory (one program per SM) only serializes the programs. Any tile gives the
-# same bits (the reduction is head_reduction_for's). W_UK is timed both as the engine passed it before (a transposed
-# view of kv_b_proj's rows: k strided) and contiguous [N, K] (the layout absorbed_weights now keeps).
+# same bits (the reduction is head_reduction_for's). W_UK is timed both as the engine passes it (a transposed view
+# of kv_b_proj's rows: k strided) and contiguous [N, K] (whether a copy in that layout would pay).
 HEAD_SWEEP_TILES = [(16, 64, 4, 6), (16, 64, 4, 1), (16, 64, 4, 2), (16, 64, 4, 3), (16, 128, 4, 1), (16, 128, 4, 2),
                     (16, 128, 8, 1), (16, 128, 8, 2), (16, 256, 8, 1)]
 HEAD_SWEEP_SHAPES = [("q_nope x W_UK (view)", 64, 512, 128, True), ("q_nope x W_UK", 64, 512, 128, False),

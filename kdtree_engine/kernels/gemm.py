@@ -178,10 +178,15 @@ def tile_for(M: int, dtype: torch.dtype, N: int | None = None, K: int | None = N
         table = FP32_TILES.get((N, K), TILES_FP32)
     else:
         table = K2_CONFIGS.get((N, K), (None, None))[1] or TILES_16BIT
+    return _bucket(table, M) or table[-1][1]
+
+
+def _bucket(table: list[tuple[int, Tile]], M: int) -> Tile | None:
+    """The tile of the first (max M, tile) bucket with M <= max M (None past the last)."""
     for max_m, t in table:
         if M <= max_m:
             return t
-    return table[-1][1]
+    return None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -326,11 +331,8 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, M: int, N: int,
 
 def head_tile_for(M: int, dtype: torch.dtype, N: int, K: int) -> Tile:
     """Output tiling of a per-head GEMM of M rows over [N, K] heads (HEAD_TILES, else tile_for's)."""
-    if dtype != torch.float32:
-        for max_m, t in HEAD_TILES.get((N, K), ()):
-            if M <= max_m:
-                return t
-    return tile_for(M, dtype)
+    own = _bucket(HEAD_TILES.get((N, K), []), M) if dtype != torch.float32 else None
+    return own or tile_for(M, dtype)
 
 
 def head_reduction_for(N: int, K: int, dtype: torch.dtype) -> Reduction:
@@ -373,5 +375,5 @@ def bi_head_linear(x: torch.Tensor, w: torch.Tensor, *, tile: Tile | None = None
 
 
 __all__ = ["Reduction", "Tile", "K2_CONFIGS", "TILES_16BIT", "TILES_FP32", "reduction_for", "tile_for",
-           "HEAD_TILES", "head_tile_for", "head_reduction_for", "bi_linear", "bi_linear_reference", "bi_head_linear", "bi_head_linear_reference",
-           "interpreting"]
+           "HEAD_TILES", "head_tile_for", "head_reduction_for", "bi_linear", "bi_linear_reference", "bi_head_linear",
+           "bi_head_linear_reference", "interpreting"]
