@@ -44,8 +44,10 @@ def test_bad_placement_is_refused_by_name():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("quant", [None, "w4a16"])
-def test_every_placement_gives_the_same_bits_on_cuda(monkeypatch, quant):
-    """The placements order the same launches: the k2-tiny MoE layer gives the same bits under each; on the INT4
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_every_placement_gives_the_same_bits_on_cuda(monkeypatch, quant, tokens):
+    """The placements order the same launches: the k2-tiny MoE layer gives the same bits under each (where the
+    shared expert runs first, the routed experts' top-k sum adds it; else an add after both); on the INT4
     experts (the fragment kernels, graph-capturable) also replayed in a CUDA graph with fresh inputs (the side
     streams captured as a fork / join)."""
     from kdtree_engine.config import preset
@@ -60,8 +62,8 @@ def test_every_placement_gives_the_same_bits_on_cuda(monkeypatch, quant):
         else:                                  # INT4 words: any bits are int4 values
             t.data.copy_(torch.randint(-2 ** 31, 2 ** 31 - 1, t.shape, device="cuda", generator=g,
                                        dtype=torch.int64).to(t.dtype))
-    x = (torch.randn(5, cfg.hidden_size, device="cuda", generator=g)).to(torch.bfloat16)
-    x2 = (torch.randn(5, cfg.hidden_size, device="cuda", generator=g)).to(torch.bfloat16)
+    x = (torch.randn(tokens, cfg.hidden_size, device="cuda", generator=g)).to(torch.bfloat16)
+    x2 = (torch.randn(tokens, cfg.hidden_size, device="cuda", generator=g)).to(torch.bfloat16)
     outs = {}
     for place in dispatch.SHARED_PLACEMENTS:
         monkeypatch.setattr(dispatch, "_SHARED", place)

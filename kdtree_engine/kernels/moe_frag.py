@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 
-from kdtree_engine.kernels.moe_w4a16 import moe_align, moe_swiglu, moe_topk_sum
+from kdtree_engine.kernels.moe_w4a16 import check_add, moe_align, moe_swiglu, moe_topk_sum
 from kdtree_engine.kernels.split_sum import Partition
 from kdtree_engine.kernels.w4_dequant import DEQ_FLOAT
 from kdtree_engine.kernels.common import bucket
@@ -216,10 +216,11 @@ if HAVE_GLUON:
         gl.store(i_ptrs, h.to(inter_ptr.dtype.element_ty), mask=o_mask)
 
     @gluon.jit
-    def _topk_sum_tile(y_ptr, ids_ptr, fin_ptr, n0, n_tok, n_experts, stride_ot, stride_ft,
-                       TOPK: gl.constexpr, BN: gl.constexpr, num_warps: gl.constexpr):
+    def _topk_sum_tile(y_ptr, ids_ptr, fin_ptr, add_ptr, n0, n_tok, n_experts, stride_ot, stride_ft, stride_at,
+                       TOPK: gl.constexpr, BN: gl.constexpr, num_warps: gl.constexpr, ADD: gl.constexpr):
         """moe_w4a16._moe_topk_sum_kernel on one row tile (one slot: whole-tile down programs): out[t, n0 + i] =
-        the router-weighted down rows of t's pairs summed in top-k order (pairs outside [0, E) skipped)."""
+        the router-weighted down rows of t's pairs summed in top-k order (pairs outside [0, E) skipped); ADD: that
+        rounded, plus add[t, n0 + i], rounded once (moe_w4a16.add_rounded)."""
         n = n0 + gl.arange(0, BN, layout=gl.BlockedLayout([1], [32], [num_warps], [0]))
         for t in range(n_tok):
             acc = gl.zeros([BN], gl.float32, layout=gl.BlockedLayout([1], [32], [num_warps], [0]))
@@ -228,26 +229,31 @@ if HAVE_GLUON:
                 eid = gl.load(ids_ptr + pj)
                 if (eid >= 0) & (eid < n_experts):
                     acc = acc + gl.load(y_ptr + pj.to(gl.int64) * stride_ot + n, cache_modifier=".cg")
-            gl.store(fin_ptr + t.to(gl.int64) * stride_ft + n, acc.to(fin_ptr.dtype.element_ty))
+            res = acc.to(fin_ptr.dtype.element_ty)
+            if ADD:
+                other = gl.load(add_ptr + t.to(gl.int64) * stride_at + n)
+                res = (res.to(gl.float32) + other.to(gl.float32)).to(fin_ptr.dtype.element_ty)
+            gl.store(fin_ptr + t.to(gl.int64) * stride_ft + n, res)
 
     @gluon.jit
-    def _down_arrival(y_ptr, cnt_ptr, ids_ptr, fin_ptr, tile, n_tok, n_experts, stride_ot, stride_ft,
-                      TOPK: gl.constexpr, BN: gl.constexpr, num_warps: gl.constexpr):
+    def _down_arrival(y_ptr, cnt_ptr, ids_ptr, fin_ptr, add_ptr, tile, n_tok, n_experts, stride_ot, stride_ft,
+                      stride_at, TOPK: gl.constexpr, BN: gl.constexpr, num_warps: gl.constexpr, ADD: gl.constexpr):
         """A whole-tile down program (of any expert block, an empty one too) done with row tile `tile`: the last of
         the launch's blocks to get there writes the tile's top-k sum (_topk_sum_tile)."""
         if _last_arrival(cnt_ptr + tile, gl.num_programs(0)):
-            _topk_sum_tile(y_ptr, ids_ptr, fin_ptr, tile * BN, n_tok, n_experts, stride_ot, stride_ft, TOPK, BN,
-                           num_warps)
+            _topk_sum_tile(y_ptr, ids_ptr, fin_ptr, add_ptr, tile * BN, n_tok, n_experts, stride_ot, stride_ft,
+                           stride_at, TOPK, BN, num_warps, ADD)
 
     @gluon.jit
     def _moe_frag_kernel(x_ptr, w_ptr, s_ptr, out_ptr, tw_ptr, sorted_ptr, blk_expert_ptr, blk_rows_ptr,
                          UP_ROW, TOPK, stride_xt, stride_we, stride_wn, stride_se, stride_sn,
                          stride_os, stride_ot, iters, work, programs,
-                         fin_ptr, stride_ft, cnt_ptr, ids_ptr, n_tok, n_experts,
+                         fin_ptr, stride_ft, cnt_ptr, ids_ptr, n_tok, n_experts, add_ptr, stride_at,
                          GATE_UP: gl.constexpr, TOK: gl.constexpr, GPB: gl.constexpr, WL: gl.constexpr,
                          X_SMEM: gl.constexpr, X_AHEAD: gl.constexpr, PDL: gl.constexpr, TILE: gl.constexpr,
                          SEGS: gl.constexpr, WHOLE: gl.constexpr, num_warps: gl.constexpr, WG: gl.constexpr = False,
-                         FUSE: gl.constexpr = False, SLOTS: gl.constexpr = 1, TOPK_C: gl.constexpr = 8):
+                         FUSE: gl.constexpr = False, SLOTS: gl.constexpr = 1, TOPK_C: gl.constexpr = 8,
+                         ADD: gl.constexpr = False):
         """grid (blocks, programs): one expert block's pairs over program p's range of the stream partition of
         (N / BN) row tiles x iters K blocks, row tile major (moe_plan): global blocks [p * work // programs,
         (p + 1) * work // programs), each run of them within one tile (a segment, unrolled: SEGS) one partial,
@@ -263,7 +269,8 @@ if HAVE_GLUON:
         FUSE (fused_moe_frag's small launches): the epilogue launches' work done by the last program of each tile
         (_last_arrival on cnt_ptr): gate/up, the SwiGLU of the tile's partials (at most SLOTS) into fin = inter
         [P, I]; down (whole tiles), the top-k sum of the row tile over all blocks into fin = out [n_tok, H] (ids:
-        the pairs' experts, TOPK_C per token). The same operations in the same order as those launches."""
+        the pairs' experts, TOPK_C per token), plus add [n_tok, H] where ADD. The same operations in the same order
+        as those launches."""
         BN: gl.constexpr = 16 * num_warps
         BK: gl.constexpr = 32 * GPB
         MMA: gl.constexpr = wg_layout(TOK, num_warps) if WG else mma_layout(num_warps)
@@ -273,8 +280,8 @@ if HAVE_GLUON:
         rows = gl.load(blk_rows_ptr + pid_b)
         if rows == 0:
             if FUSE and not GATE_UP:   # an empty block still counts towards its row tile's sum
-                _down_arrival(out_ptr, cnt_ptr, ids_ptr, fin_ptr, gl.program_id(1), n_tok, n_experts, stride_ot,
-                              stride_ft, TOPK_C, BN, num_warps)
+                _down_arrival(out_ptr, cnt_ptr, ids_ptr, fin_ptr, add_ptr, gl.program_id(1), n_tok, n_experts,
+                              stride_ot, stride_ft, stride_at, TOPK_C, BN, num_warps, ADD)
             return
         e = gl.load(blk_expert_ptr + pid_b).to(gl.int64)
         p = gl.program_id(1)
@@ -354,22 +361,25 @@ if HAVE_GLUON:
                             _swiglu_tile(out_ptr, fin_ptr, o_ptrs - slot * stride_os, i_ptrs, o_mask, UP_ROW,
                                          stride_os, n_slots, SLOTS, BN, TOK, MMA)
                     else:   # whole tiles: program p is row tile p
-                        _down_arrival(out_ptr, cnt_ptr, ids_ptr, fin_ptr, p, n_tok, n_experts, stride_ot, stride_ft,
-                                      TOPK_C, BN, num_warps)
+                        _down_arrival(out_ptr, cnt_ptr, ids_ptr, fin_ptr, add_ptr, p, n_tok, n_experts, stride_ot,
+                                      stride_ft, stride_at, TOPK_C, BN, num_warps, ADD)
                 g += nb
 
 
 def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor, w2_q: torch.Tensor,
                    w2_scale: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                   group_size: int, config: FragMoEConfig | None = None, tile: int = 0) -> torch.Tensor:
+                   group_size: int, config: FragMoEConfig | None = None, tile: int = 0,
+                   add: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, H] bf16 -> [T, H] bf16: routed experts only; w13_q / w2_q in fragment order (frag_repack with
     frag_gpb of each matrix's input width, or config.GPB), row-major (tile 0) or each matrix in frag_tile's
-    order of `tile` rows (the same bits)."""
+    order of `tile` rows (the same bits). add [T, H] bf16 (e.g. the shared expert's output): added in the top-k
+    sum, the bits of `fused_moe_frag(...) + add`."""
     if not HAVE_GLUON:
         raise RuntimeError("fused_moe_frag needs triton.experimental.gluon (triton >= 3.5)")
     if x.dtype != torch.bfloat16 or x.dim() != 2:
         raise ValueError(f"fused_moe_frag: x must be [T, H] bfloat16, got {tuple(x.shape)} {x.dtype}")
     T, H = x.shape
+    check_add(add, x, "fused_moe_frag")
     E, two_i, _ = w13_q.shape
     I = two_i // 2
     topk = topk_ids.shape[1]
@@ -420,7 +430,7 @@ def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor
         x, w13_q, w13_scale, part, tw, sorted_pairs, blk_expert, blk_rows, I, topk,
         x.stride(0), w13_q.stride(0), w13_q.stride(1), w13_scale.stride(0), w13_scale.stride(1),
         part.stride(0), part.stride(1), part13.iters, part13.work, part13.programs,
-        inter, inter.stride(0), cnt13, ids, T, E, FUSE=fuse, SLOTS=slots13, TOPK_C=topk,
+        inter, inter.stride(0), cnt13, ids, T, E, inter, 0, FUSE=fuse, SLOTS=slots13, TOPK_C=topk,
         GATE_UP=True, TOK=cfg.BLOCK_M, GPB=g13, WL=word_layout(MOE_WARPS, 1, g13),
         X_SMEM=X_LOADS[cfg.XLOAD][0], X_AHEAD=X_LOADS[cfg.XLOAD][1], TILE=tile, SEGS=segs13,
         WHOLE=part13.programs == part13.tiles, num_warps=MOE_WARPS,
@@ -434,13 +444,14 @@ def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor
         inter, w2_q, w2_scale, y, tw, sorted_pairs, blk_expert, blk_rows, 0, 1,
         inter.stride(0), w2_q.stride(0), w2_q.stride(1), w2_scale.stride(0), w2_scale.stride(1),
         y.stride(0), y.stride(1), part2.iters, part2.work, part2.programs,
-        out, out.stride(0), cnt2, ids, T, E, FUSE=fuse2, SLOTS=slots2, TOPK_C=topk,
+        out, out.stride(0), cnt2, ids, T, E, out if add is None else add, 0 if add is None else add.stride(0),
+        FUSE=fuse2, SLOTS=slots2, TOPK_C=topk, ADD=fuse2 and add is not None,
         GATE_UP=False, TOK=cfg.BLOCK_M, GPB=g2, WL=word_layout(MOE_WARPS, 1, g2),
         X_SMEM=X_LOADS[xload2][0], X_AHEAD=X_LOADS[xload2][1], TILE=tile, SEGS=segs2,
         WHOLE=part2.programs == part2.tiles, num_warps=MOE_WARPS,
         WG=cfg.wgmma, **pdl, **({"maxnreg": cfg.MAXNREG2} if cfg.MAXNREG2 else {}))
     if not fuse2:
-        moe_topk_sum(y, out, ids, E, topk, slots2, part2, cfg.EPI_BLOCK, on)
+        moe_topk_sum(y, out, ids, E, topk, slots2, part2, cfg.EPI_BLOCK, on, add=add)
     return out
 
 

@@ -352,11 +352,19 @@ def _moe_w2_kernel(a_ptr, w_ptr, s_ptr, y_ptr, tw_ptr, sorted_ptr, blk_expert_pt
 
 
 @triton.jit
-def _moe_topk_sum_kernel(y_ptr, ids_ptr, out_ptr, H, E, stride_yt, stride_ys, stride_ot, rows, iters, work,
-                         programs, TOPK: tl.constexpr, BLOCK_H: tl.constexpr, SPLIT: tl.constexpr = 1,
-                         PDL: tl.constexpr = False):
+def add_rounded(res, other):
+    """res + other as torch adds two tensors of res's dtype: both read as float32, the sum rounded once to
+    res's dtype (the routed sum plus the shared expert: the same bits as the explicit add after the MoE)."""
+    return (res.to(tl.float32) + other.to(tl.float32)).to(res.dtype)
+
+
+@triton.jit
+def _moe_topk_sum_kernel(y_ptr, ids_ptr, out_ptr, add_ptr, H, E, stride_yt, stride_ys, stride_ot, stride_at, rows,
+                         iters, work, programs, TOPK: tl.constexpr, BLOCK_H: tl.constexpr, SPLIT: tl.constexpr = 1,
+                         ADD: tl.constexpr = False, PDL: tl.constexpr = False):
     """out[t] = sum over j (then over the slots of the down GEMM's partition that column n's row tile has, in
-    order: split_sum.Partition) of y[s, t * TOPK + j]. PDL: launched dependent on the down GEMM (pdl.py)."""
+    order: split_sum.Partition) of y[s, t * TOPK + j]; ADD: out[t] = round(round(that) + add[t]) (add_rounded).
+    PDL: launched dependent on the down GEMM (pdl.py)."""
     if PDL:
         pdl_wait()
     t = tl.program_id(0)
@@ -372,7 +380,10 @@ def _moe_topk_sum_kernel(y_ptr, ids_ptr, out_ptr, H, E, stride_yt, stride_ys, st
             more = ok & (sp < used)
             acc = tl.where(more, acc + tl.load(y_ptr + sp * stride_ys + p.to(tl.int64) * stride_yt + offs, mask=more,
                                                other=0.0), acc)
-    tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    res = acc.to(out_ptr.dtype.element_ty)
+    if ADD:
+        res = add_rounded(res, tl.load(add_ptr + t.to(tl.int64) * stride_at + offs, mask=mask, other=0.0))
+    tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs, res, mask=mask)
 
 
 def moe_swiglu(part: torch.Tensor, inter: torch.Tensor, ids: torch.Tensor, num_experts: int, slots: int,
@@ -386,13 +397,25 @@ def moe_swiglu(part: torch.Tensor, inter: torch.Tensor, ids: torch.Tensor, num_e
 
 
 def moe_topk_sum(y: torch.Tensor, out: torch.Tensor, ids: torch.Tensor, num_experts: int, topk: int, slots: int,
-                 partition: Partition, block: int, pdl: bool = False) -> None:
+                 partition: Partition, block: int, pdl: bool = False, add: torch.Tensor | None = None) -> None:
     """out [T, H] = sum over j, then over the slots of column n's row tile in `partition`, of the router-weighted
-    down partials y [slots, T * topk, H] (float32); pairs whose expert is outside [0, E) add nothing."""
+    down partials y [slots, T * topk, H] (float32); pairs whose expert is outside [0, E) add nothing. add [T, H]
+    (out's dtype, unit column stride): out = that sum rounded to out's dtype, plus add (add_rounded)."""
     T, H = out.shape
     _moe_topk_sum_kernel[(T, triton.cdiv(H, block))](
-        y, ids, out, H, num_experts, y.stride(1), y.stride(0), out.stride(0), *partition.args(), TOPK=topk,
-        BLOCK_H=block, SPLIT=slots, num_warps=4, **pdl_launch(pdl))
+        y, ids, out, out if add is None else add, H, num_experts, y.stride(1), y.stride(0), out.stride(0),
+        0 if add is None else add.stride(0), *partition.args(), TOPK=topk, BLOCK_H=block, SPLIT=slots,
+        ADD=add is not None, num_warps=4, **pdl_launch(pdl))
+
+
+def check_add(add: torch.Tensor | None, x: torch.Tensor, who: str) -> None:
+    """The MoE's `add` operand (the shared expert's output, added in the top-k sum): [T, H] in x's dtype on x's
+    device, unit column stride."""
+    if add is None:
+        return
+    if add.shape != x.shape or add.dtype != x.dtype or add.device != x.device or (add.numel() and add.stride(1) != 1):
+        raise ValueError(f"{who}: add must be [{x.shape[0]}, {x.shape[1]}] {x.dtype} on {x.device} with unit column "
+                         f"stride (x's), got {tuple(add.shape)} {add.dtype} on {add.device}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -435,8 +458,9 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, pdl: bool 
 def fused_moe_w4a16(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.Tensor,
                     w2_packed: torch.Tensor, w2_scale: torch.Tensor, topk_ids: torch.Tensor,
                     topk_weights: torch.Tensor, group_size: int,
-                    config: MoEConfig | None = None) -> torch.Tensor:
-    """x [T, H] -> [T, H] (x.dtype): routed experts only (the caller adds the shared expert)."""
+                    config: MoEConfig | None = None, add: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, H] -> [T, H] (x.dtype): routed experts only; add [T, H] (x.dtype, e.g. the shared expert's output):
+    added in the top-k sum, the bits of `fused_moe_w4a16(...) + add`."""
     if x.dim() != 2:
         raise ValueError(f"x must be [T, H], got {tuple(x.shape)}")
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
@@ -456,6 +480,7 @@ def fused_moe_w4a16(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.
                     ("w2_scale", w2_scale)):
         if w.stride(-1) != 1 or w.stride(-2) != w.shape[-1]:
             raise ValueError(f"{name} must be contiguous in its last two dims")
+    check_add(add, x, "fused_moe_w4a16")
     topk = topk_ids.shape[1]
     out = torch.empty_like(x)
     if T == 0:
@@ -500,7 +525,7 @@ def fused_moe_w4a16(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.
         G=group_size, BLOCK_M=cfg.BLOCK_M, BLOCK_N=bn2, BLOCK_K=block_k, SWAP_AB=cfg.SWAP_AB,
         UPCAST=upcast, PREC=prec, DEQ=deq, EVEN=I % block_k == 0 and H % bn2 == 0,
         num_warps=cfg.num_warps, num_stages=stages, maxnreg=cfg.MAXNREG2 or None)
-    moe_topk_sum(y, out, ids, E, topk, split2, Partition.split(H, split2), 1024)
+    moe_topk_sum(y, out, ids, E, topk, split2, Partition.split(H, split2), 1024, add=add)
     return out
 
 

@@ -74,8 +74,9 @@ class Experts(nn.Module):
                 self.register_buffer(f"{name}_packed", torch.zeros(E, n, k // 8, dtype=torch.int32))
                 self.register_buffer(f"{name}_scale", torch.zeros(E, n, k // group_size, dtype=dtype))
 
-    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return moe(x, ids, weights, self)
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                add: torch.Tensor | None = None) -> torch.Tensor:
+        return moe(x, ids, weights, self, add)
 
     def int4_prepare(self, dtype: torch.dtype) -> str:
         """The INT4 kernel family for activations of `dtype`, the words in its order (model/int4_order.py)."""
@@ -85,26 +86,31 @@ class Experts(nn.Module):
                        frag_moe_unsupported(self.hidden, self.inter, self.group_size))
 
 
-def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Experts) -> torch.Tensor:
-    """The single MoE entry: x [T, H], ids [T, k], weights [T, k] -> sum_k w * expert(x) [T, H]."""
+def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Experts,
+        add: torch.Tensor | None = None) -> torch.Tensor:
+    """The single MoE entry: x [T, H], ids [T, k], weights [T, k] -> sum_k w * expert(x) [T, H], plus add [T, H]
+    (x's dtype: the shared expert's output) where given: the bits of `moe(...) + add` on every path (the GPU
+    kernels add it in their top-k sum, saving a launch)."""
     if experts.group_size is not None:
         kind = experts.int4_prepare(x.dtype)
         if kind == "frag":
             from ..kernels.moe_frag import fused_moe_frag
             from ..kernels.w4_frag import FRAG_TILE
             return fused_moe_frag(x, experts.w13_packed, experts.w13_scale, experts.w2_packed,
-                                  experts.w2_scale, ids, weights, experts.group_size, tile=FRAG_TILE)
+                                  experts.w2_scale, ids, weights, experts.group_size, tile=FRAG_TILE, add=add)
         if kind == "triton":
             from ..kernels.moe_w4a16 import fused_moe_w4a16
             return fused_moe_w4a16(x, experts.w13_packed, experts.w13_scale, experts.w2_packed,
-                                   experts.w2_scale, ids, weights, experts.group_size)
+                                   experts.w2_scale, ids, weights, experts.group_size, add=add)
     from ..kernels.dispatch import static_active
     if static_active():
         log_once(f"moe-static:{x.device.type}:{experts.group_size}",
                  f"MoE in device-resident rounds on {x.device.type}: torch, every expert, zero weight if not routed")
-        return moe_static(x, ids, weights, experts)
-    log_once(f"moe:{x.device.type}:{experts.group_size}", f"MoE on {x.device.type}: torch per-expert loop")
-    return moe_reference(x, ids, weights, experts)
+        out = moe_static(x, ids, weights, experts)
+    else:
+        log_once(f"moe:{x.device.type}:{experts.group_size}", f"MoE on {x.device.type}: torch per-expert loop")
+        out = moe_reference(x, ids, weights, experts)
+    return out if add is None else out + add
 
 
 def _expert_weights(experts: Experts, e: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -178,8 +184,8 @@ class MoE(nn.Module):
         def route() -> None:
             part["ids"], part["w"] = self.gate(x)
 
-        def experts() -> None:
-            part["routed"] = self.experts(x, part["ids"], part["w"])
+        def experts(add: torch.Tensor | None = None) -> None:
+            part["routed"] = self.experts(x, part["ids"], part["w"], add)
 
         def routed() -> None:
             route()
@@ -201,11 +207,15 @@ class MoE(nn.Module):
             place = shared_placement(self._shared_bytes, x.shape[0])
         if place == "side":
             side_by_side(x.device, shared, routed)   # off CUDA: one after the other
-        elif place == "router-side":
-            side_by_side(x.device, route, shared)    # the router's small launches beside the shared expert's GEMMs
-            experts()
-        else:
-            first, second = (routed, shared) if place == "after" else (shared, routed)
-            first()
-            second()
+        elif place == "after":
+            routed()
+            shared()
+        else:   # the shared expert's output is there before the routed experts: their top-k sum adds it
+            if place == "router-side":
+                side_by_side(x.device, route, shared)    # the router's small launches beside the shared expert's GEMMs
+            else:
+                shared()
+                route()
+            experts(part["shared"])
+            return part["routed"]
         return part["routed"] + part["shared"]

@@ -245,6 +245,19 @@ def test_moe_frag_k2_and_unowned_experts(poisoned):
     _check(fused_moe_frag(x, *w, ids, tw, G), ref, TOL, "moe frag K2 slice")
 
 
+@pytest.mark.parametrize("T", [1, 5, 40])
+def test_moe_frag_add_is_the_explicit_add(poisoned, T):
+    """An addend (the shared expert's output, at a row stride of its own) added in the top-k sum: in the down
+    GEMM's last programs (T = 1: 8 pairs, fused epilogues) or in the top-k sum launch, the bits of the routed
+    output plus the addend as torch adds two bf16 tensors, at K2 widths."""
+    x, w, ids, tw, _ = _moe_case(E=16, H=7168, I=2048, T=T, topk=8, unowned=T == 5)
+    add = (torch.randn(T, 7168 + 8, device="cuda") * 3).to(torch.bfloat16)[:, 8:]
+    for cfg in (None, FragMoEConfig(BLOCK_M=16), FragMoEConfig(BLOCK_M=32)):
+        plain = fused_moe_frag(x, *w, ids, tw, G, cfg)
+        fused = fused_moe_frag(x, *w, ids, tw, G, cfg, add=add)
+        assert torch.equal(fused, plain + add), f"T={T} {cfg}: {int((fused != plain + add).sum())} elements differ"
+
+
 @pytest.mark.parametrize("T", [1, 9, 64])
 def test_moe_frag_tiled_words_same_bits(poisoned, T):
     """Expert words in frag_tile's order (each K block of 64 rows contiguous, per matrix) read through TILE:

@@ -61,6 +61,9 @@ def test_rejects_bad_inputs():
         fused_moe_w4a16(x, w13p, w13s, w2p[:, :32], w2s[:, :32], ids, tw, 32)
     with pytest.raises(ValueError):
         fused_moe_w4a16(x, w13p, w13s, w2p, w2s, ids, tw, 64)
+    for bad in (torch.zeros(2, 63), torch.zeros(2, 64, dtype=torch.bfloat16), torch.zeros(64, 2).t()):
+        with pytest.raises(ValueError, match="add must be"):
+            fused_moe_w4a16(x, w13p, w13s, w2p, w2s, ids, tw, 32, add=bad)
 
 
 # ---------------------------------------------------------------------------------- interpreter
@@ -96,6 +99,10 @@ CASES = {
     "t3_bf16_x2_down_split3": (3, 128, 192, 5, 2, 32, "bf16", "distinct", {"SPLIT_K2": 3, "SPLIT_K": 2,
                                                                           "BLOCK_K": 64, "DEQUANT": "bf16x2",
                                                                           "BLOCK_N": 32}),
+    # plus an addend (the shared expert's output, at a row stride of its own) in the top-k sum
+    "t5_fp32_add_down_split2_mixed": (5, 96, 96, 6, 3, 32, "fp32", "mixed", {"SPLIT_K2": 2, "BLOCK_K": 64,
+                                                                             "add": True}),
+    "t3_bf16_add": (3, 160, 64, 7, 3, 32, "bf16", "distinct", {"add": True}),
 }
 
 
@@ -108,9 +115,13 @@ def _run_one(name, spec):
     seed = int.from_bytes(os.urandom(4), "little")
     gen = torch.Generator().manual_seed(seed)
     x, w13p, w13s, w2p, w2s, ids, tw = make_moe(T, H, I, E, k, G, DT[dt], gen, ids_mode)
+    over = dict(over)
+    add = torch.randn(T, H + 5, generator=gen).to(x.dtype)[:, 2:H + 2] if over.pop("add", False) else None
     cfg = replace(moe_config(T * k, E), **over) if over else None
-    y = fused_moe_w4a16(x, w13p, w13s, w2p, w2s, ids, tw, G, config=cfg)
+    y = fused_moe_w4a16(x, w13p, w13s, w2p, w2s, ids, tw, G, config=cfg, add=add)
     ref = fused_moe_reference(x, w13p, w13s, w2p, w2s, ids, tw, G)
+    if add is not None:
+        ref = (ref.float() + add.float()).to(x.dtype)
     return _interp.output_record(y, ref, y.dtype == x.dtype and tuple(y.shape) == (T, H)) | {"seed": seed}
 
 

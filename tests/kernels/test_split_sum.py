@@ -4,7 +4,8 @@ splits, and stream partitions (w4_frag.dense_partition, as the fragment kernels 
 column adds only the slots its row tile has and the others are never written (NaN-poisoned here, as are the
 partials of pairs routed to no expert here, id -1). Oracle: torch float32 sums in slot order over the slots
 a brute-force walk of the partition gives each tile; the same bits are expected (the same additions in the
-same order), and for SwiGLU the same up to the exponential's last ulp."""
+same order), and for SwiGLU the same up to the exponential's last ulp. The top-k sum with an addend (the shared
+expert's output) must give the bits of the sum plus the addend (float32 here; bf16 on the GPU)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,8 @@ CASES = {
     "moe_swiglu_split2": (2, 1, 24, 2, None),
     "moe_topk_stream_t6_i4_p17": (4, 6, 8, 4, 17),
     "moe_topk_split1": (2, 1, 40, 1, None),
+    "moe_topk_add_stream_t6_i4_p17": (4, 6, 8, 4, 17),
+    "moe_topk_add_split1": (3, 1, 40, 1, None),
 }
 MOE_E, MOE_K = 5, 3
 
@@ -98,8 +101,12 @@ def _run_moe(name, spec, gen):
                 "differ": int((~torch.isclose(got, want, rtol=1e-5, atol=1e-6)).sum()), "max_slots": slots}
     y = _poisoned_partials(used, slots, P, rows, gen)
     y[:, flat < 0] = float("nan")
-    out = torch.empty(T, N)
-    moe_topk_sum(y, out, flat, MOE_E, MOE_K, slots, part, 16)
+    # _add: plus an addend (the shared expert's output) at a row stride of its own. float32 here: the interpreter
+    # rounds float32 -> bf16 otherwise than the GPU (half up), so the bf16 rounding is checked on the GPU
+    # (tests/gpu/test_w4_frag_gpu.py); here that the addend's element is the one added
+    add = torch.randn(T, N + 3, generator=gen)[:, 1:N + 1] * 4 if "_add" in name else None
+    out = torch.full((T, N), -7.0)
+    moe_topk_sum(y, out, flat, MOE_E, MOE_K, slots, part, 16, add=add)
     ref = torch.zeros(T, N)
     for t in range(T):
         for j in range(MOE_K):
@@ -110,6 +117,8 @@ def _run_moe(name, spec, gen):
                 cols = slice(c * rows, (c + 1) * rows)
                 for s_ in range(used[c]):
                     ref[t, cols] = ref[t, cols] + y[s_, p, cols]
+    if add is not None:
+        ref = ref + add
     return {"meta": True, "nonfinite": int((~torch.isfinite(out)).sum()), "differ": int((out != ref).sum()),
             "max_slots": slots}
 
