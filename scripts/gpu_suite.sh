@@ -229,9 +229,9 @@
 #   final7b the GPU tests final7's step caps cut off (the last small-tree attention cases, the spec tests)
 #   stail  N = 64 small trees' tail launch in 16-row 8-warp tiles (the default now): their bit-equality tests, the K2
 #          layer at 1 / 4 / 8 nodes with its timeline
-#   route  the shared expert added in the routed experts' top-k sum and the tensor-core router GEMM: their GPU tests,
-#          the router bench (its tensor-core candidates), the K2 layer with its timeline on the FMA router and the
-#          K2 layer with the tensor-core router (KDTREE_ROUTER_GEMM=tc)
+#   route  the shared expert added in the routed experts' top-k sum and the tensor-core router GEMM (commit ab1fa1d,
+#          reverted since: KDTREE_ROUTER_GEMM=tc is gone): their GPU tests, the router bench (its tensor-core
+#          candidates), the K2 layer with its timeline on the FMA router and the K2 layer with the tensor-core router
 #   bounds what leaving out one launch could gain (bench/launch_bounds.py): the MoE's SwiGLU / top-k sum, a small
 #          tree's tail launch beside its prefix launch
 #   prefetch weight / key lines asked of L2 before the dependent-launch waits (commit 549eb2a, reverted since: its

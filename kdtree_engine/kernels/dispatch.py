@@ -121,9 +121,9 @@ _TREE_FORCED = _forced("KDTREE_TREE_BACKEND")
 _ATTN_FORCED = _forced("KDTREE_ATTN_BACKEND")
 _DENSE_FORCED = _forced("KDTREE_DENSE_BACKEND")
 _BATCH_INVARIANT = True
-# the router GEMM on CUDA with batch invariance on: "router" (kernels/router_gemm.py, FMA), "tc" (the same file's
-# tensor-core kernel, bf16 activations) or "generic" (the batch-invariant GEMM on x.float()); each its own bits
-_ROUTER_GEMM = _forced("KDTREE_ROUTER_GEMM", ("router", "tc", "generic")) or "router"
+# the router GEMM on CUDA with batch invariance on: "router" (kernels/router_gemm.py) or "generic" (the
+# batch-invariant GEMM on x.float(), its own bits; a measurement knob)
+_ROUTER_GEMM = _forced("KDTREE_ROUTER_GEMM", ("router", "generic")) or "router"
 
 
 def set_batch_invariant(on: bool) -> None:
@@ -274,10 +274,7 @@ def router_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
                      "(KDTREE_ROUTER_GEMM=generic)")
             from .gemm import bi_linear
             return bi_linear(x.float(), w)
-        from .router_gemm import router_logits, router_tc_config
-        if _ROUTER_GEMM == "tc" and x.dtype == torch.bfloat16:
-            log_once("router-gemm:tc", "router GEMM: the tensor-core kernel (three-part bf16 gate, KDTREE_ROUTER_GEMM=tc)")
-            return router_logits(x, w, config=router_tc_config(w.shape[0], w.shape[1]))
+        from .router_gemm import router_logits
         return router_logits(x, w)
     return F.linear(x.float(), w)
 

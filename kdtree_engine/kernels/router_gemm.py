@@ -20,21 +20,6 @@ Batch invariance: BN, KS and the warps (which fix the per-row summation tree) co
 do not depend on M or on the other rows of its tile (TM, the tokens per program, only re-tiles). The bits
 differ from the generic GEMM's (another summation order); the torch matmul stays the CPU path and the
 oracle. Checked by tests/kernels/test_router_gemm.py (interpreter) and tests/gpu/test_router_gemm_gpu.py.
-
-Tensor cores (bf16 activations, ``RouterTCConfig``): the float32 gate splits exactly into three bf16 parts,
-w = w0 + w1 + w2 (w0 = bf16(w), w1 = bf16(w - w0), w2 = w - w0 - w1: 8 + 8 + 8 of the 24 significand bits, each
-remainder exact in float32), and a bf16 activation times a bf16 part is exact in the MMA's float32 products, so
-
-    program (n block of BN experts, k split of KS):  w0, w1, w2 [BN, KS] split once, in registers
-        for each 16-token step:  acc = w2 @ x^T;  acc += w1 @ x^T;  acc += w0 @ x^T   [BN, 16] (bf16 MMAs)
-                                 part[s, m, n] = acc^T
-    splits summed in split order (split_sum)
-
-a float32 accumulation of exact products, as the FMA kernel's, in the MMA's order. The weight is read as stored
-(11 MB at K2) and split in registers; the FMA work (K2 at 64 tokens: 176 M FMAs, 32.5 us) moves to the tensor
-cores. Batch invariance: BN / KS / warps from (N, K) (``router_tc_config``), a fixed 16-token MMA tile
-whatever M (more tokens: more steps), each output element's k steps the same for any M. Under the interpreter
-the products run in float32 (the parts as float32 values: the same exact products).
 """
 
 from __future__ import annotations
@@ -45,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import DTYPES, interpreting
+from .common import DTYPES
 from .pdl import pdl_launch, pdl_supported, pdl_wait
 from .split_sum import split_sum
 
@@ -76,39 +61,6 @@ class RouterGemmConfig:
 ROUTER_CONFIGS: dict[tuple[int, int], RouterGemmConfig] = {
     (384, 7168): RouterGemmConfig(BN=4, KS=512, num_warps=1, TM=16),
 }
-
-
-@dataclass(frozen=True)
-class RouterTCConfig:
-    """Tensor-core router GEMM (bf16 activations): BN experts x KS k per program (held in registers as three bf16
-    parts) in num_warps; all three set a logit's rounding (fixed by (N, K))."""
-    BN: int = 64
-    KS: int = 128
-    num_warps: int = 4
-
-    def __post_init__(self) -> None:
-        for name in ("BN", "KS", "num_warps"):
-            v = getattr(self, name)
-            if v < 1 or v & (v - 1):
-                raise ValueError(f"RouterTCConfig.{name} must be a power of 2, got {v}")
-        if self.BN < 16 or self.KS < 16:
-            raise ValueError(f"RouterTCConfig: BN and KS must be >= 16, got {self}")
-
-
-TC_TOKENS = 16   # tokens per program of the tensor-core kernel (the MMA's N side; fixed: batch invariance)
-
-# (N, K) -> tensor-core config (python3 bench/router.py, bench/results/router-h200-tc.md)
-ROUTER_TC_CONFIGS: dict[tuple[int, int], RouterTCConfig] = {
-    (384, 7168): RouterTCConfig(BN=64, KS=128, num_warps=4),
-}
-
-
-def router_tc_config(N: int, K: int) -> RouterTCConfig:
-    """The tensor-core config of an [N, K] gate: the table entry, else 64 experts x min(128, K to a power of 2 >=
-    16) k per program."""
-    if (N, K) in ROUTER_TC_CONFIGS:
-        return ROUTER_TC_CONFIGS[(N, K)]
-    return RouterTCConfig(BN=64, KS=min(128, triton.next_power_of_2(max(K, 16))), num_warps=4)
 
 
 def router_config(N: int, K: int) -> RouterGemmConfig:
@@ -149,53 +101,14 @@ def _router_gemm_kernel(x_ptr, w_ptr, out_ptr, M, N, K, TM, stride_xm, stride_wn
         x = x_next
 
 
-@triton.jit
-def _router_tc_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_os, stride_om,
-                      BN: tl.constexpr, BM: tl.constexpr, KS: tl.constexpr,
-                      UPCAST: tl.constexpr, PDL: tl.constexpr = False):
-    """grid (cdiv(N, BN), splits): out[s, m, n] = the split's partial logit of every row m, from the exact
-    three-part bf16 split of the float32 gate (held in registers) on bf16 MMAs, BM tokens per step."""
-    rn = tl.program_id(0) * BN + tl.arange(0, BN)
-    rk = tl.program_id(1) * KS + tl.arange(0, KS)
-    n_ok = rn < N
-    k_ok = rk < K
-    w = tl.load(w_ptr + rn.to(tl.int64)[:, None] * stride_wn + rk[None, :], mask=n_ok[:, None] & k_ok[None, :],
-                other=0.0)                                             # [BN, KS] fp32, all in flight at once
-    w0 = w.to(tl.bfloat16)
-    r = w - w0.to(tl.float32)
-    w1 = r.to(tl.bfloat16)
-    w2 = (r - w1.to(tl.float32)).to(tl.bfloat16)                       # w == w0 + w1 + w2 exactly
-    if PDL:
-        pdl_wait()   # the weights are static: read before the activations' writer is done
-    rm = tl.arange(0, BM)
-    o_base = out_ptr + tl.program_id(1).to(tl.int64) * stride_os + rn[:, None]
-    for m0 in range(0, M, BM):
-        m_ok = (m0 + rm) < M
-        x = tl.load(x_ptr + (m0 + rm).to(tl.int64)[:, None] * stride_xm + rk[None, :],
-                    mask=m_ok[:, None] & k_ok[None, :], other=0.0)      # [BM, KS] bf16
-        xt = tl.trans(x)
-        if UPCAST:   # the interpreter: float32 products of the same exact values
-            xf = xt.to(tl.float32)
-            acc = tl.dot(w2.to(tl.float32), xf, input_precision="ieee")
-            acc = tl.dot(w1.to(tl.float32), xf, acc, input_precision="ieee")
-            acc = tl.dot(w0.to(tl.float32), xf, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(w2, xt)
-            acc = tl.dot(w1, xt, acc)
-            acc = tl.dot(w0, xt, acc)                                  # [BN, BM] fp32
-        tl.store(o_base + (m0 + rm).to(tl.int64)[None, :] * stride_om, acc, mask=n_ok[:, None] & m_ok[None, :])
-
-
 def router_logits_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ w [N, K].T in float32 (torch): the CPU path and the test oracle."""
     return x.float() @ w.float().T
 
 
-def router_logits(x: torch.Tensor, w: torch.Tensor, *,
-                  config: RouterGemmConfig | RouterTCConfig | None = None) -> torch.Tensor:
-    """x [M, K] (float dtype) @ w [N, K] (float32).T -> [M, N] float32, batch-invariant (module docstring): the FMA
-    kernel (RouterGemmConfig, the default) or, for bf16 x, the tensor-core kernel (RouterTCConfig). ``config``
-    overrides the (N, K) table (benchmarks: the fields that set a logit's rounding)."""
+def router_logits(x: torch.Tensor, w: torch.Tensor, *, config: RouterGemmConfig | None = None) -> torch.Tensor:
+    """x [M, K] (float dtype) @ w [N, K] (float32).T -> [M, N] float32, batch-invariant (module docstring).
+    ``config`` overrides the (N, K) table (benchmarks: BN / KS / warps change the rounding)."""
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"router_logits: x [M, K] and w [N, K] with the same K, got {tuple(x.shape)} and "
                          f"{tuple(w.shape)}")
@@ -214,23 +127,16 @@ def router_logits(x: torch.Tensor, w: torch.Tensor, *,
     x = x if x.stride(1) == 1 else x.contiguous()
     w = w if w.stride(1) == 1 else w.contiguous()
     cfg = config or router_config(N, K)
-    if isinstance(cfg, RouterTCConfig) and x.dtype != torch.bfloat16:
-        raise TypeError(f"router_logits: the tensor-core kernel takes bf16 activations, got {x.dtype}")
     splits = triton.cdiv(K, cfg.KS)
     pdl = pdl_supported(x.device)
     part = out if splits == 1 else torch.empty((splits, M, N), device=x.device, dtype=torch.float32)
-    if isinstance(cfg, RouterTCConfig):
-        _router_tc_kernel[(triton.cdiv(N, cfg.BN), splits)](
-            x, w, part, M, N, K, x.stride(0), w.stride(0), M * N, N, BN=cfg.BN, BM=TC_TOKENS, KS=cfg.KS,
-            UPCAST=interpreting(), num_warps=cfg.num_warps, **pdl_launch(pdl))
-    else:
-        _router_gemm_kernel[(triton.cdiv(N, cfg.BN), splits, triton.cdiv(M, cfg.TM))](
-            x, w, part, M, N, K, cfg.TM, x.stride(0), w.stride(0), M * N, N, BN=cfg.BN, KS=cfg.KS,
-            num_warps=cfg.num_warps, **pdl_launch(pdl))
+    _router_gemm_kernel[(triton.cdiv(N, cfg.BN), splits, triton.cdiv(M, cfg.TM))](
+        x, w, part, M, N, K, cfg.TM, x.stride(0), w.stride(0), M * N, N, BN=cfg.BN, KS=cfg.KS,
+        num_warps=cfg.num_warps, **pdl_launch(pdl))
     if splits > 1:
         split_sum(part, out, splits, pdl=pdl)
     return out
 
 
-__all__ = ["ROUTER_CONFIGS", "ROUTER_TC_CONFIGS", "RouterGemmConfig", "RouterTCConfig", "TC_TOKENS", "router_config",
-           "router_logits", "router_logits_reference", "router_tc_config"]
+__all__ = ["ROUTER_CONFIGS", "RouterGemmConfig", "router_config", "router_logits",
+           "router_logits_reference"]

@@ -16,8 +16,7 @@ HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parent))
 
 from kdtree_engine.kernels.router_gemm import (  # noqa: E402
-    ROUTER_CONFIGS, RouterGemmConfig, RouterTCConfig, router_config, router_logits, router_logits_reference,
-    router_tc_config)
+    ROUTER_CONFIGS, RouterGemmConfig, router_config, router_logits, router_logits_reference)
 
 DT = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TOL = 2e-6   # float32 accumulation of exactly upcast inputs, against float64 on the same inputs
@@ -35,11 +34,6 @@ def test_config_rules():
         RouterGemmConfig(BN=8, KS=500)
     with pytest.raises(ValueError, match="TM"):
         RouterGemmConfig(TM=0)
-    assert router_tc_config(384, 7168).KS == 128 and router_tc_config(8, 40) == RouterTCConfig(64, 64, 4)
-    with pytest.raises(ValueError, match="power of 2"):
-        RouterTCConfig(KS=96)
-    with pytest.raises(TypeError, match="bf16 activations"):
-        router_logits(torch.randn(2, 16), torch.randn(4, 16), config=RouterTCConfig(16, 16, 4))
 
 
 def test_rejects_bad_inputs():
@@ -74,10 +68,6 @@ CASES: dict[str, tuple] = {
     # bitwise: rows alone (M = 1) vs inside calls of M = 2..70, tokens per program 1 / 3 / 16 / 64
     "inv_bf16_default": (70, 24, 1000, "bf16", {"invariance": True}),
     "inv_bf16_split": (70, 12, 200, "bf16", {"invariance": True, "config": (4, 32, 2, 16)}),
-    # the tensor-core kernel (three-part bf16 gate): masked expert rows, k past K, several splits and token steps
-    "acc_bf16_tc_m5_n70_k300": (5, 70, 300, "bf16", {"tc": (64, 128, 4)}),
-    "acc_bf16_tc_m33_n24_k1000": (33, 24, 1000, "bf16", {"tc": (16, 64, 4)}),
-    "inv_bf16_tc": (70, 24, 200, "bf16", {"invariance": True, "tc": (16, 64, 4)}),
 }
 _INV_M = (2, 3, 17, 33, 64, 70)
 _INV_ROWS = (0, 1, 16, 31, 63, 69)
@@ -92,17 +82,14 @@ def _run_one(name, spec):
     if opt.get("noncontig"):
         x = x[:, ::2]
     w = torch.randn(N, K, generator=gen)
-    cfg = (RouterTCConfig(*opt["tc"]) if "tc" in opt else RouterGemmConfig(*opt["config"]) if "config" in opt
-           else router_config(N, K))
+    cfg = RouterGemmConfig(*opt["config"]) if "config" in opt else router_config(N, K)
     y = router_logits(x, w, config=cfg)
     ref = x.double() @ w.double().T
     rec = {"ok_meta": y.dtype == torch.float32 and tuple(y.shape) == (M, N),
            "nonfinite": int((~torch.isfinite(y)).sum()), "rel": float((y.double() - ref).norm() / ref.norm()),
            "splits": -(-K // cfg.KS), "seed": seed, "bad": []}
     if opt.get("invariance"):
-        def tiled(j):   # the FMA kernel's tokens per program (re-tiling); the tensor-core kernel has fixed steps
-            if isinstance(cfg, RouterTCConfig):
-                return cfg
+        def tiled(j):
             return RouterGemmConfig(cfg.BN, cfg.KS, cfg.num_warps, _TMS[j % len(_TMS)])
         alone = {i: router_logits(x[i:i + 1], w, config=tiled(i))[0] for i in _INV_ROWS}
         for j, m in enumerate(_INV_M):
@@ -143,7 +130,7 @@ def test_router_kernel_accuracy_interpreted(interp_results, name):
     _interp.check_ran(rec)
     assert rec["ok_meta"] and rec["nonfinite"] == 0, f"seed {rec['seed']}"
     assert rec["rel"] < TOL, f"relative error {rec['rel']:.3g} (seed {rec['seed']})"
-    if "config" in CASES[name][4] or "tc" in CASES[name][4]:
+    if "config" in CASES[name][4]:
         assert rec["splits"] > 1
 
 
