@@ -33,10 +33,11 @@ PER_GRAPH = 20   # launches per CUDA graph (one launch alone would time the repl
 SHAPES = [("decode N=8 32K", 1, 8, 32768), ("decode N=8 128K", 1, 8, 131072), ("decode N=8 256K", 1, 8, 262144),
           ("decode N=64 128K", 1, 64, 131072), ("verify N=8 T=16 32K", 16, 8, 32768),
           ("verify N=8 T=16 128K", 16, 8, 131072), ("tree N=64 T=4 4K", 4, 64, 4096), ("tree N=8 T=4 4K", 4, 8, 4096),
-          ("decode N=64 4K", 1, 64, 4096)]
+          ("decode N=64 4K", 1, 64, 4096), ("tree N=64 T=16 4K", 16, 64, 4096), ("tree N=64 T=64 4K", 64, 64, 4096)]
 # (BLOCK_D, num_warps, PREFETCH); None: the engine's launch (merge_tiles), timed first
 VARIANTS = [None, (32, 2, False), (32, 2, True), (128, 2, False), (16, 2, False), (16, 2, True), (16, 1, True),
-            (8, 1, True), (32, 4, True), (64, 4, True)]
+            (8, 1, True), (32, 4, True), (64, 4, True), (128, 4, False), (256, 4, False), (256, 4, True), (512, 4, False),
+            (512, 8, False)]
 
 
 def run_shape(T: int, N: int, S: int, reps: int) -> list[dict]:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU tests and benchmarks, logs and results packed under $OUT; one device call runs one part.
-#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|next|chain|sample|rounds|decode|step|verify|resume|ncu|plane|merge|merge2|merge3|sample2|fork|last|plane2|rows|kload|lazy|rounds2|maxnreg|qsplit|stages|down|bm8|m64|merge4|merge5|final2|moerows|moe16|moe16b|router|router2|router3|final3|frag|frag2|frag3|frag4|frag5|frag7|frag8|xsm|xsm2|xsm3|xsm4|xsm5|xsm6|router4|arrive|tune2|direct|epi|pdl|pdl2|pdl3|rgemv|rgemv2|pdl4|pdl5|shared|final4|spec4|prof|round5|round6|round7|tiled|tiled2|tiled3|tiled4|tiled5|tiled6|tiled7|tiled8|wg|wg2|wide|wg3|wg4|wg5|ring|router5|wide64|wg8|wg8b|warps8|final5|moe8|small|small2|small3|small4|small5|take|chunk|wgdec|wgdec2|wgfin|wgfin2|wgprof|wgq|wgref|wground|ncuw4|tma|tma2|gsweep|wgtest|wgslice|wgslice2|slicefin|wgpipe|ncutree|wgqs2|wgfin3|wgbench|tailmerge|ltile|stream|stream2|stream3|streamfin|ncumoe|moestream|moestream2|chunks|chunks2|pairs|pairs2|pairs3|prefetch|bounds|fuse|fuse8|rside|rside2|final6|review2|ahead|stalls|heads|tline|tail|final7|final7b|stail|route]   (on the GPU machine, from the repository root)
+#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|next|chain|sample|rounds|decode|step|verify|resume|ncu|plane|merge|merge2|merge3|sample2|fork|last|plane2|rows|kload|lazy|rounds2|maxnreg|qsplit|stages|down|bm8|m64|merge4|merge5|final2|moerows|moe16|moe16b|router|router2|router3|final3|frag|frag2|frag3|frag4|frag5|frag7|frag8|xsm|xsm2|xsm3|xsm4|xsm5|xsm6|router4|arrive|tune2|direct|epi|pdl|pdl2|pdl3|rgemv|rgemv2|pdl4|pdl5|shared|final4|spec4|prof|round5|round6|round7|tiled|tiled2|tiled3|tiled4|tiled5|tiled6|tiled7|tiled8|wg|wg2|wide|wg3|wg4|wg5|ring|router5|wide64|wg8|wg8b|warps8|final5|moe8|small|small2|small3|small4|small5|take|chunk|wgdec|wgdec2|wgfin|wgfin2|wgprof|wgq|wgref|wground|ncuw4|tma|tma2|gsweep|wgtest|wgslice|wgslice2|slicefin|wgpipe|ncutree|wgqs2|wgfin3|wgbench|tailmerge|ltile|stream|stream2|stream3|streamfin|ncumoe|moestream|moestream2|chunks|chunks2|pairs|pairs2|pairs3|prefetch|bounds|fuse|fuse8|rside|rside2|final6|review2|ahead|stalls|heads|tline|tail|final7|final7b|stail|route|order]   (on the GPU machine, from the repository root)
 #   tune   the W4A16 config sweep, the bitwise and CUDA-graph GPU tests, the demo's spec benchmark
 #   check  the remaining GPU tests (kernels, batch invariance, target, attention), kernel and round benches
 #   bench  the benchmarks with long runs (K2 step, attention, GEMM)
@@ -232,6 +232,9 @@
 #   route  the shared expert added in the routed experts' top-k sum and the tensor-core router GEMM (commit ab1fa1d,
 #          reverted since: KDTREE_ROUTER_GEMM=tc is gone): their GPU tests, the router bench (its tensor-core
 #          candidates), the K2 layer with its timeline on the FMA router and the K2 layer with the tensor-core router
+#   order  a tree's tail attention launch issued before its prefix launch (mla_attention.TAIL_FIRST): the small-tree,
+#          V_SPLIT-by-T and device-length bit-equality tests, the merge bench (large-tree shapes and wider column
+#          tiles), the K2 layer with its timeline, and again with the prefix launch first
 #   bounds what leaving out one launch could gain (bench/launch_bounds.py): the MoE's SwiGLU / top-k sum, a small
 #          tree's tail launch beside its prefix launch
 #   prefetch weight / key lines asked of L2 before the dependent-launch waits (commit 549eb2a, reverted since: its
@@ -631,6 +634,16 @@ if [[ $PART == route ]]; then
   mkdir -p "$RES/tc"
   step bench_k2_step_tc 120 env KDTREE_ROUTER_GEMM=tc python3 bench/k2_step.py --nodes 1,4,8,16,32,64 --timeline \
     --out "$RES/tc"
+fi
+if [[ $PART == order ]]; then
+  step pytest_order 170 $PYT tests/gpu/test_mla_attention_gpu.py tests/gpu/test_graph_round_gpu.py \
+    -k "small_trees or v_split_by_t or device_length"
+  step bench_merge 80 python3 bench/mla_merge.py --out "$RES"
+  step bench_k2_step 140 python3 bench/k2_step.py --timeline --out "$RES"
+  mkdir -p "$RES/pf"
+  step bench_k2_step_pf 140 python3 -c "import runpy, sys; import kdtree_engine.kernels.mla_attention as m; \
+m.TAIL_FIRST = False; sys.argv = ['bench/k2_step.py', '--nodes', '4,8,16,32,64', '--timeline', '--out', '$RES/pf']; \
+runpy.run_path('bench/k2_step.py', run_name='__main__')"
 fi
 if [[ $PART == bounds ]]; then
   step bench_bounds 200 python3 bench/launch_bounds.py --out "$RES"
