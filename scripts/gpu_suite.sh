@@ -232,7 +232,8 @@
 #   route  the shared expert added in the routed experts' top-k sum and the tensor-core router GEMM (commit ab1fa1d,
 #          reverted since: KDTREE_ROUTER_GEMM=tc is gone): their GPU tests, the router bench (its tensor-core
 #          candidates), the K2 layer with its timeline on the FMA router and the K2 layer with the tensor-core router
-#   order  a tree's tail attention launch issued before its prefix launch (mla_attention.TAIL_FIRST): the small-tree,
+#   order  a tree's tail attention launch issued before its prefix launch (mla_attention.TAIL_FIRST of commit 2ed5474,
+#          dropped since: the python one-liner step no longer applies): the small-tree,
 #          V_SPLIT-by-T and device-length bit-equality tests, the merge bench (large-tree shapes and wider column
 #          tiles), the K2 layer with its timeline, and again with the prefix launch first
 #   bounds what leaving out one launch could gain (bench/launch_bounds.py): the MoE's SwiGLU / top-k sum, a small

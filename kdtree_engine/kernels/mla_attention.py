@@ -455,14 +455,6 @@ def merge_tiles(rows: int, n_ch: int, C: int) -> MergeTiles:
     return MergeTiles(block_c, min(cp, 32 if rows <= 64 else 128), lse_block, 2, False)
 
 
-# A tree's two launches side by side (mla_attention_device): the tail launch (each query's own keys and the prefix's
-# last partial chunk, one chunk per program) issued before the prefix launch, so that its short programs take SMs
-# first instead of waiting behind the prefix launch's waves (a 64-node tree at N = 64 over 4K: 512 prefix programs of
-# 8 key blocks; bench/results/k2_step-h200.md had the tail end 10 us after the prefix). The order of two launches on
-# disjoint chunks: the same bits either way.
-TAIL_FIRST = True
-
-
 def default_config(n_heads: int) -> MLAConfig:
     return bucket(DEFAULT_CONFIGS, n_heads)
 
@@ -1111,11 +1103,10 @@ def mla_attention_device(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tens
         _mla_chunk_kernel[(T * triton.cdiv(N, rows) * VS, n_ch)](
             q_lat, q_pe, kv, idx, nvis, po, pl, out, s_dev, T, 0, N, 0, *args_tail, GATHER=True, **common)
 
-    # disjoint chunks, as above; the launch on the side stream is issued first
-    if TAIL_FIRST:
-        side_by_side(dev, tail, prefix)
-    else:
-        side_by_side(dev, prefix, tail)
+    # disjoint chunks, as above. The prefix launch (on the side stream) is issued first: the tail launch first was
+    # slower at 4 and 32 nodes (N = 64 over 4K: the merge done 14 / 12 us later), equal at 8 / 16, 3 us faster at
+    # 64 (bench/results/k2_step-h200-tailfirst.md against k2_step-h200-prefixfirst.md, the layers' timelines)
+    side_by_side(dev, prefix, tail)
     if not direct:
         _merge(po, pl, nvis, out, s_dev, 0, N, n_ch, (spom, spoc, splm), C, cfg.CHUNK, False, True)
     return out
