@@ -266,8 +266,10 @@ def shared_placement(shared_bytes: int, tokens: int) -> str:
     return place
 
 
-def router_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """Router logits: x [M, K] (any float dtype) @ w [N, K].T (float32) -> [M, N] float32."""
+def router_matmul(x: torch.Tensor, w: torch.Tensor, partials: bool = False) -> torch.Tensor:
+    """Router logits: x [M, K] (any float dtype) @ w [N, K].T (float32) -> [M, N] float32. partials: the router
+    kernel's split-K partials [S, M, N] where it runs (their sum in split order is the logits; `route` takes
+    either), else the logits."""
     if _use_triton(x, w):
         if _ROUTER_GEMM == "generic":
             log_once("router-gemm:generic", "router GEMM: the generic batch-invariant GEMM on x.float() "
@@ -275,7 +277,7 @@ def router_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
             from .gemm import bi_linear
             return bi_linear(x.float(), w)
         from .router_gemm import router_logits
-        return router_logits(x, w)
+        return router_logits(x, w, partials=partials)
     return F.linear(x.float(), w)
 
 
@@ -313,7 +315,8 @@ def _elementwise_backend(kind: str, device: torch.device, *tensors: torch.Tensor
 
 
 def route(logits: torch.Tensor, bias: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router tail: logits [T, E] float32 -> (expert ids int64 [T, k], weights float32 [T, k])."""
+    """Router tail: logits [T, E] float32, or split-K partials [S, T, E] (router_matmul partials=True: summed in
+    split order, the bits of the logits) -> (expert ids int64 [T, k], weights float32 [T, k])."""
     if _elementwise_backend("router tail (sigmoid, group top-k, weights)", logits.device, logits):
         from .router import route_triton
         return route_triton(logits, bias, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group,

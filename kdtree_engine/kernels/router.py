@@ -1,4 +1,5 @@
-"""The noaux_tc router tail in one launch: router logits -> (expert ids, routing weights).
+"""The noaux_tc router tail in one launch: router logits (or the router GEMM's split-K partials, summed in split
+order first) -> (expert ids, routing weights).
 
 One program per token row (so a row's result never depends on how many rows share the launch):
 
@@ -32,9 +33,9 @@ _MAX_E = 4096
 
 
 @triton.jit
-def _router_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, stride_l, G, EG, scale,
+def _router_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, stride_l, stride_s, G, EG, scale,
                    K: tl.constexpr, TOPK_GROUP: tl.constexpr, GROUPED: tl.constexpr, NORM: tl.constexpr,
-                   BLOCK_G: tl.constexpr, BLOCK_EG: tl.constexpr, BLOCK_K: tl.constexpr,
+                   BLOCK_G: tl.constexpr, BLOCK_EG: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr = 1,
                    PDL: tl.constexpr = False):
     if PDL:  # a dependent launch (pdl.py): wait for the kernel writing the logits
         pdl_wait()
@@ -45,6 +46,8 @@ def _router_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, stride_l, G, EG, scale,
     e = gi[:, None] * EG + ji[None, :]  # expert index (padding lanes alias real ones: mask with valid)
     big = BLOCK_G * BLOCK_EG  # larger than every expert index
     logit = tl.load(logits_ptr + row * stride_l + e, mask=valid, other=0.0)
+    for sp in tl.static_range(1, SPLITS):   # split-K partials, added in split order (split_sum's sums)
+        logit += tl.load(logits_ptr + sp * stride_s + row * stride_l + e, mask=valid, other=0.0)
     score = tl.div_rn(1.0, 1.0 + tl.exp(-logit))  # sigmoid, IEEE division
     choice = score + tl.load(bias_ptr + e, mask=valid, other=0.0)
     choice = tl.where(valid, choice, float("-inf"))
@@ -87,12 +90,14 @@ def _router_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, stride_l, G, EG, scale,
 
 def route_triton(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,
                  norm_topk_prob: bool, routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [T, E] float32, bias [E] float32 -> (ids int64 [T, k], weights float32 [T, k])."""
+    """logits [T, E] float32, or split-K partials [S, T, E] summed in split order first (the bits of
+    split_sum), bias [E] float32 -> (ids int64 [T, k], weights float32 [T, k])."""
     if logits.dtype != torch.float32 or bias.dtype != torch.float32:
         raise TypeError(f"route_triton: logits {logits.dtype} and bias {bias.dtype} must be float32")
-    if logits.dim() != 2:
-        raise ValueError(f"route_triton: logits must be [T, E], got {tuple(logits.shape)}")
-    T, E = logits.shape
+    if logits.dim() not in (2, 3) or (logits.dim() == 3 and logits.shape[0] < 1):
+        raise ValueError(f"route_triton: logits must be [T, E] or [S >= 1, T, E], got {tuple(logits.shape)}")
+    parts = logits if logits.dim() == 3 else logits[None]
+    S, T, E = parts.shape
     if bias.shape != (E,):
         raise ValueError(f"route_triton: bias shape {tuple(bias.shape)} does not match E={E}")
     if E > _MAX_E or E % n_group or not 1 <= top_k <= E or not 1 <= topk_group <= n_group:
@@ -100,18 +105,18 @@ def route_triton(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: 
                          f"(need E <= {_MAX_E}, E % n_group == 0, 1 <= k <= E, 1 <= topk_group <= n_group)")
     if n_group > 1 and E // n_group < 2:
         raise ValueError(f"route_triton: groups of {E // n_group} expert(s); a group scores its top-2")
-    if logits.stride(-1) != 1:
-        logits = logits.contiguous()
+    if parts.stride(-1) != 1:
+        parts = parts.contiguous()
     bias = bias.contiguous()
     ids = torch.empty((T, top_k), dtype=torch.int64, device=logits.device)
     w = torch.empty((T, top_k), dtype=torch.float32, device=logits.device)
     if T:
         EG = E // n_group
-        _router_kernel[(T,)](logits, bias, ids, w, logits.stride(0), n_group, EG, float(routed_scaling_factor),
-                             K=top_k, TOPK_GROUP=topk_group, GROUPED=n_group > 1, NORM=bool(norm_topk_prob),
-                             BLOCK_G=triton.next_power_of_2(n_group), BLOCK_EG=triton.next_power_of_2(EG),
-                             BLOCK_K=triton.next_power_of_2(top_k), num_warps=1 if E <= 128 else 4,
-                             **pdl_launch(pdl_supported(logits.device)))
+        _router_kernel[(T,)](parts, bias, ids, w, parts.stride(1), parts.stride(0), n_group, EG,
+                             float(routed_scaling_factor), K=top_k, TOPK_GROUP=topk_group, GROUPED=n_group > 1,
+                             NORM=bool(norm_topk_prob), BLOCK_G=triton.next_power_of_2(n_group),
+                             BLOCK_EG=triton.next_power_of_2(EG), BLOCK_K=triton.next_power_of_2(top_k), SPLITS=S,
+                             num_warps=1 if E <= 128 else 4, **pdl_launch(pdl_supported(logits.device)))
     return ids, w
 
 

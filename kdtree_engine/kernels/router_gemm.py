@@ -106,9 +106,12 @@ def router_logits_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return x.float() @ w.float().T
 
 
-def router_logits(x: torch.Tensor, w: torch.Tensor, *, config: RouterGemmConfig | None = None) -> torch.Tensor:
+def router_logits(x: torch.Tensor, w: torch.Tensor, *, config: RouterGemmConfig | None = None,
+                  partials: bool = False) -> torch.Tensor:
     """x [M, K] (float dtype) @ w [N, K] (float32).T -> [M, N] float32, batch-invariant (module docstring).
-    ``config`` overrides the (N, K) table (benchmarks: BN / KS / warps change the rounding)."""
+    ``config`` overrides the (N, K) table (benchmarks: BN / KS / warps change the rounding). partials: the split-K
+    partials [S, M, N] instead (S >= 1; their sum in split order is the logits: the router tail adds them,
+    kernels/router.py, saving the split_sum launch)."""
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"router_logits: x [M, K] and w [N, K] with the same K, got {tuple(x.shape)} and "
                          f"{tuple(w.shape)}")
@@ -120,10 +123,9 @@ def router_logits(x: torch.Tensor, w: torch.Tensor, *, config: RouterGemmConfig 
     M, K = x.shape
     N = w.shape[0]
     out = torch.empty((M, N), device=x.device, dtype=torch.float32)
-    if M == 0 or N == 0:
-        return out
-    if K == 0:
-        return out.zero_()
+    if M == 0 or N == 0 or K == 0:
+        out = out.zero_()
+        return out[None] if partials else out
     x = x if x.stride(1) == 1 else x.contiguous()
     w = w if w.stride(1) == 1 else w.contiguous()
     cfg = config or router_config(N, K)
@@ -133,8 +135,11 @@ def router_logits(x: torch.Tensor, w: torch.Tensor, *, config: RouterGemmConfig 
     _router_gemm_kernel[(triton.cdiv(N, cfg.BN), splits, triton.cdiv(M, cfg.TM))](
         x, w, part, M, N, K, cfg.TM, x.stride(0), w.stride(0), M * N, N, BN=cfg.BN, KS=cfg.KS,
         num_warps=cfg.num_warps, **pdl_launch(pdl))
-    if splits > 1:
-        split_sum(part, out, splits, pdl=pdl)
+    if splits == 1:
+        return out[None] if partials else out
+    if partials:
+        return part
+    split_sum(part, out, splits, pdl=pdl)
     return out
 
 

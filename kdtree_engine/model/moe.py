@@ -28,15 +28,19 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (topk_ids int64 [T, k], topk_weights float32 [T, k])."""
         from ..kernels.dispatch import route, router_matmul
-        logits = router_matmul(x, self.weight)  # [T, E], float32 router
+        logits = router_matmul(x, self.weight, partials=True)  # [T, E] or [S, T, E] split partials, float32
         return route(logits, self.e_score_correction_bias, self.cfg)
 
 
 def route_torch(logits: torch.Tensor, bias: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router tail in torch (the CPU path and the oracle of kernels/router.py): logits [T, E] float32 ->
-    (ids int64 [T, k], weights float32 [T, k]). Stable descending sorts, so among equal scores the lower
-    index wins (groups and experts), as in the numpy reference; torch.topk does not promise an order
-    among ties."""
+    """Router tail in torch (the CPU path and the oracle of kernels/router.py): logits [T, E] float32, or split-K
+    partials [S, T, E] added in split order first -> (ids int64 [T, k], weights float32 [T, k]). Stable
+    descending sorts, so among equal scores the lower index wins (groups and experts), as in the numpy
+    reference; torch.topk does not promise an order among ties."""
+    if logits.dim() == 3:
+        parts, logits = logits, logits[0]
+        for p in parts[1:]:
+            logits = logits + p
     scores = logits.sigmoid()  # [T, E]
     choice = scores + bias  # bias only chooses experts
     if cfg.n_group > 1:

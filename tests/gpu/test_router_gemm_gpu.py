@@ -80,3 +80,21 @@ def test_router_logits_dependent_launch_reads_fresh_input_in_graphs(name):
             src.copy_(_rand(M, K, dtype=torch.bfloat16))
             graph.replay()
             assert torch.equal(y, router_logits(src.clone(), w, config=cfg)), f"M={M} replay {r} differs from eager"
+
+
+@pytest.mark.parametrize("M", [1, 5, 64])
+def test_router_partials_route_like_the_logits(M):
+    """The router kernel's split-K partials handed to the router tail (kernels/router.py adds them in split order):
+    the same experts and weights, bit for bit, as the tail on the summed logits, at the K2 gate."""
+    from kdtree_engine.config import preset
+    from kdtree_engine.kernels.router import route_triton
+    cfg = preset("k2")
+    w = _rand(N, K, scale=K ** -0.5)
+    x = _rand(M, K, dtype=torch.bfloat16)
+    bias = _rand(N, scale=0.05)
+    parts = router_logits(x, w, partials=True)
+    logits = router_logits(x, w)
+    assert parts.shape == (-(-K // router_config(N, K).KS), M, N)
+    args = (bias, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor)
+    a, b = route_triton(parts, *args), route_triton(logits, *args)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])

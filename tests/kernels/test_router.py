@@ -76,8 +76,23 @@ def test_dispatch_cpu_is_torch_path() -> None:
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
+def test_torch_path_sums_split_partials_in_order() -> None:
+    """Split-K partials [S, T, E] (the router kernel's, router_matmul partials=True): the torch path adds them in
+    split order first, the bits of the logits split_sum writes."""
+    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    cfg = _cfg(24, 3, 4, 2)
+    parts, bias = torch.randn(5, 7, 24, generator=gen), torch.randn(24, generator=gen) * 0.1
+    logits = ((((parts[0] + parts[1]) + parts[2]) + parts[3]) + parts[4])
+    a, b = route_torch(parts, bias, cfg), route_torch(logits, bias, cfg)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    a = route_torch(parts[:1], bias, cfg)
+    assert torch.equal(a[0], route_torch(parts[0], bias, cfg)[0])
+
+
 def test_rejects_bad_inputs() -> None:
     from kdtree_engine.kernels.router import route_triton
+    with pytest.raises(ValueError, match="S >= 1"):
+        route_triton(torch.zeros(0, 2, 8), torch.zeros(8), 2, 1, 1, True, 1.0)
     with pytest.raises(TypeError):
         route_triton(torch.zeros(2, 8, dtype=torch.float64), torch.zeros(8), 2, 1, 1, True, 1.0)
     with pytest.raises(ValueError):
@@ -98,6 +113,8 @@ CASES = {
     "ties_t13_e24_k5": (13, 24, 5, 1, 1, True, "tied"),
     "ties_grouped_t13_e32_k4_g4_tg2": (13, 32, 4, 4, 2, True, "tied"),
     "inv_t65_e40_k8_g5_tg2": (65, 40, 8, 5, 2, True, "invariance"),
+    # split-K partials [3, T, E] (strided rows) summed in the kernel: the bits of the kernel on their in-order sum
+    "splits_t9_e64_k6_g8_tg3": (9, 64, 6, 8, 3, True, "splits"),
 }
 MAX_ULPS = 8  # weights: numpy's exp in the sigmoid vs torch's, and the k-term sum's order (k > 2)
 
@@ -111,6 +128,10 @@ def _run_one(name, spec):
     cfg = _cfg(E, k, G, tg, norm)
     if kind == "tied":
         logits, bias = _tied_inputs(gen, T, E)
+    elif kind == "splits":
+        parts = torch.randn(3, T, 2 * E, generator=gen)[:, :, ::2]
+        logits = (parts[0] + parts[1]) + parts[2]
+        bias = torch.randn(E, generator=gen) * 0.1
     else:
         logits = torch.randn(T, 2 * E, generator=gen)[:, ::2] * 2  # strided rows: a view of a wider tensor
         bias = torch.randn(E, generator=gen) * 0.1
@@ -120,6 +141,10 @@ def _run_one(name, spec):
     rec = {"seed": seed, "meta": ids.dtype == torch.int64 and w.dtype == torch.float32 and ids.shape == (T, k),
            "nonfinite": int((~torch.isfinite(w)).sum()), "ids_equal": bool(torch.equal(ids, rids)),
            "ulps": float(((w.double() - rw.double()).abs() / ulp).max()), "bad": []}
+    if kind == "splits":
+        a = route_triton(parts, bias, k, G, tg, norm, cfg.routed_scaling_factor)
+        if not (torch.equal(a[0], ids) and torch.equal(a[1], w)):
+            rec["bad"].append("the partials' launch differs from the launch on their in-order sum")
     if kind == "invariance":
         for i in (0, 1, 31, 64):
             a = route_triton(logits[i:i + 1], bias, k, G, tg, norm, cfg.routed_scaling_factor)

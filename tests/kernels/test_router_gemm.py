@@ -88,6 +88,11 @@ def _run_one(name, spec):
     rec = {"ok_meta": y.dtype == torch.float32 and tuple(y.shape) == (M, N),
            "nonfinite": int((~torch.isfinite(y)).sum()), "rel": float((y.double() - ref).norm() / ref.norm()),
            "splits": -(-K // cfg.KS), "seed": seed, "bad": []}
+    part = router_logits(x, w, config=cfg, partials=True)
+    summed = part[0].clone()
+    for p in part[1:]:
+        summed = summed + p
+    rec["partials_ok"] = tuple(part.shape) == (rec["splits"], M, N) and bool(torch.equal(summed, y))
     if opt.get("invariance"):
         def tiled(j):
             return RouterGemmConfig(cfg.BN, cfg.KS, cfg.num_warps, _TMS[j % len(_TMS)])
@@ -130,6 +135,7 @@ def test_router_kernel_accuracy_interpreted(interp_results, name):
     _interp.check_ran(rec)
     assert rec["ok_meta"] and rec["nonfinite"] == 0, f"seed {rec['seed']}"
     assert rec["rel"] < TOL, f"relative error {rec['rel']:.3g} (seed {rec['seed']})"
+    assert rec["partials_ok"], f"the split partials [S, M, N] do not add up (in split order) to the logits (seed {rec['seed']})"
     if "config" in CASES[name][4]:
         assert rec["splits"] > 1
 
