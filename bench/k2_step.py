@@ -145,9 +145,10 @@ def mlp_bytes(m: MLP) -> int:
 # ---- timing ----------------------------------------------------------------------------------
 
 def time_us(calls: Sequence[Callable[[], object]], reps: int) -> dict:
-    """Median microseconds per call; CUDA: common.time_calls (graph replay), CPU: host clock."""
+    """Median microseconds per call; CUDA: common.time_calls (graph replay of the calls, rotated _GRAPH_ROUNDS
+    times), CPU: host clock."""
     if _DEVICE.type == "cuda":
-        return common.time_calls(list(calls), reps=reps)
+        return common.time_calls(list(calls) * _GRAPH_ROUNDS, reps=reps)
     for c in calls:
         c()
     times = []
@@ -181,6 +182,9 @@ def cpu_matmul_rate(n: int = 512, reps: int = 3) -> float:
 
 
 _DEVICE = torch.device("cpu")
+# rounds of the layers' calls in one timed CUDA graph (--graph-rounds): the graph's own launch is paid once per
+# replay, as one step's graph (61 layers) pays it once per step
+_GRAPH_ROUNDS = 1
 
 
 # ---- tree ------------------------------------------------------------------------------------
@@ -248,7 +252,8 @@ def build_layers(cfg: ModelConfig, n: int, dtype, dev, gen, quant) -> list[Decod
 
 
 def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
-    global _DEVICE
+    global _DEVICE, _GRAPH_ROUNDS
+    _GRAPH_ROUNDS = args.graph_rounds
     clock = common.Clock()
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     _DEVICE = dev
@@ -455,7 +460,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
         "config": {k: getattr(cfg, k) for k in ("hidden_size", "num_attention_heads", "n_routed_experts",
                                                  "num_experts_per_tok", "moe_intermediate_size", "intermediate_size",
                                                  "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "vocab_size")},
-        "layers_timed": n_layers, "context": S, "nodes": nodes, "reps": reps, "static_bytes": static,
+        "layers_timed": n_layers, "graph_rounds": args.graph_rounds, "context": S, "nodes": nodes, "reps": reps, "static_bytes": static,
         "assumptions": dataclasses.asdict(A), "assumptions_text": A.text(H, FULL_LAYERS),
         "full_layers": FULL_LAYERS, "steps": steps, "projection": proj_rows,
         "time_budget_hit": deadline_hit, "elapsed_s": clock(),
@@ -649,7 +654,8 @@ def markdown(rep: dict, gpu_label: str) -> list[str]:
              "x copy = bytes that must be read / copy bandwidth / measured time (attention: bf16 weights + latent "
              "cache; MoE: router + shared expert + INT4 bytes of the distinct experts the router chose in that step). "
              "x roof = max(memory time, FLOPs / matmul rate) / time. Times per layer: median of CUDA-graph replays "
-             "rotating over the layers' weights.", "",
+             f"rotating over the layers' weights ({rep['layers_timed'] * rep.get('graph_rounds', 1)} layer calls per "
+             "graph).", "",
              "## Single GPU, whole K2 layer", ""]
     rows = []
     for r in rep["steps"]:
@@ -743,6 +749,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--tiny", action="store_true", help="k2-tiny dims (CPU smoke test)")
     ap.add_argument("--device", default=None, help="cuda | cpu (default: cuda when available)")
     ap.add_argument("--reps", type=int, default=None, help="timed replays per measurement (default 20; --tiny 3)")
+    ap.add_argument("--graph-rounds", type=int, default=1,
+                    help="rounds of the layers' calls in one timed CUDA graph (default 1: --layers calls)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tau", type=float, default=4.0, help="DDTree accepted tokens per round for the projection")
     ap.add_argument("--draft-ms", type=float, default=1.0, help="drafter + tree build + accept per round (ms)")
@@ -769,8 +777,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     a.nodes = a.nodes or ([1, 4, 8] if a.tiny else list(DEFAULT_NODES))
     a.context = a.context or (64 if a.tiny else 4096)
     a.reps = a.reps or (3 if a.tiny else 20)
-    if a.layers < 1 or a.context < 1 or any(t < 1 for t in a.nodes):
-        ap.error("--layers, --context and --nodes must be positive")
+    if a.layers < 1 or a.context < 1 or a.graph_rounds < 1 or any(t < 1 for t in a.nodes):
+        ap.error("--layers, --context, --graph-rounds and --nodes must be positive")
     return a
 
 
