@@ -241,8 +241,9 @@
 #          the demo's spec == plain and the device-length bitwise test, the K2 layer with its timeline
 #   final8b the graph-round and spec GPU tests on the same code
 #   rounds8 final8b's tests, then the K2 layer timed on graphs of 4 layer calls (--graph-rounds 1) and of 16 (4)
-#   rstep  the router GEMM's tokens side by side in a loop step (RouterGemmConfig.STEP, the same bits): its GPU tests,
-#          the router bench, the K2 layer with the table's STEP set to 4 (runpy) and as it is
+#   rstep  the router GEMM's tokens side by side in a loop step (RouterGemmConfig.STEP of commit 0bb81c5, the same bits;
+#          dropped since, the runpy step no longer applies): its GPU tests, the router bench, the K2 layer with the
+#          table's STEP set to 4 and as it is
 #   bounds what leaving out one launch could gain (bench/launch_bounds.py): the MoE's SwiGLU / top-k sum, a small
 #          tree's tail launch beside its prefix launch
 #   prefetch weight / key lines asked of L2 before the dependent-launch waits (commit 549eb2a, reverted since: its

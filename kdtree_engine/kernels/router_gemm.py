@@ -38,13 +38,11 @@ from .split_sum import split_sum
 @dataclass(frozen=True)
 class RouterGemmConfig:
     """BN weight rows x KS k per program and the warps set a row's rounding (fixed by (N, K)); TM (tokens
-    per program) and STEP (tokens per loop step: their loads and sums issued together, each token's sum the
-    same expression on the same registers) only re-tile."""
+    per program) only re-tiles."""
     BN: int = 4
     KS: int = 512
     num_warps: int = 1
     TM: int = 16
-    STEP: int = 1
 
     def __post_init__(self) -> None:
         for name in ("BN", "KS", "num_warps"):
@@ -53,8 +51,6 @@ class RouterGemmConfig:
                 raise ValueError(f"RouterGemmConfig.{name} must be a power of 2, got {v}")
         if self.TM < 1:
             raise ValueError(f"RouterGemmConfig.TM must be >= 1, got {self.TM}")
-        if self.STEP not in (1, 2, 4):
-            raise ValueError(f"RouterGemmConfig.STEP must be 1, 2 or 4, got {self.STEP}")
 
 
 # (N, K) -> config, from bench/router.py on an H200 (bench/results/router-h200-candidates.md, us at
@@ -79,9 +75,8 @@ def router_config(N: int, K: int) -> RouterGemmConfig:
 
 @triton.jit
 def _router_gemm_kernel(x_ptr, w_ptr, out_ptr, M, N, K, TM, stride_xm, stride_wn, stride_os, stride_om,
-                        BN: tl.constexpr, KS: tl.constexpr, STEP: tl.constexpr = 1, PDL: tl.constexpr = False):
-    """grid (cdiv(N, BN), splits, cdiv(M, TM)): out[s, m, n] = the split's partial logit of row m. STEP > 1: that
-    many tokens per loop step, loaded and summed side by side (independent chains), each as STEP = 1 sums it."""
+                        BN: tl.constexpr, KS: tl.constexpr, PDL: tl.constexpr = False):
+    """grid (cdiv(N, BN), splits, cdiv(M, TM)): out[s, m, n] = the split's partial logit of row m."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     m0 = tl.program_id(2) * TM
@@ -95,14 +90,6 @@ def _router_gemm_kernel(x_ptr, w_ptr, out_ptr, M, N, K, TM, stride_xm, stride_wn
     m_end = tl.minimum(m0 + TM, M)
     x_ptrs = x_ptr + m0.to(tl.int64) * stride_xm + rk
     o_ptrs = out_ptr + pid_s.to(tl.int64) * stride_os + m0.to(tl.int64) * stride_om + rn
-    if STEP > 1:
-        for m in range(m0, m_end, STEP):
-            for j in tl.static_range(STEP):   # vector masks (a scalar one is not a mask for the interpreter)
-                xj = tl.load(x_ptrs + (m - m0 + j) * stride_xm, mask=k_ok & ((tl.zeros_like(rk) + m + j) < m_end),
-                             other=0.0)                                                        # [KS]
-                tl.store(o_ptrs + (m - m0 + j) * stride_om, tl.sum(w * xj.to(tl.float32)[None, :], axis=1),
-                         mask=(rn < N) & ((tl.zeros_like(rn) + m + j) < m_end))
-        return
     x = tl.load(x_ptrs, mask=k_ok, other=0.0)                                 # [KS], token m0
     left = m_end - m0
     for _ in range(m0, m_end):
@@ -146,7 +133,7 @@ def router_logits(x: torch.Tensor, w: torch.Tensor, *, config: RouterGemmConfig 
     pdl = pdl_supported(x.device)
     part = out if splits == 1 else torch.empty((splits, M, N), device=x.device, dtype=torch.float32)
     _router_gemm_kernel[(triton.cdiv(N, cfg.BN), splits, triton.cdiv(M, cfg.TM))](
-        x, w, part, M, N, K, cfg.TM, x.stride(0), w.stride(0), M * N, N, BN=cfg.BN, KS=cfg.KS, STEP=cfg.STEP,
+        x, w, part, M, N, K, cfg.TM, x.stride(0), w.stride(0), M * N, N, BN=cfg.BN, KS=cfg.KS,
         num_warps=cfg.num_warps, **pdl_launch(pdl))
     if splits == 1:
         return out[None] if partials else out

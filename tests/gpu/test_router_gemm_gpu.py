@@ -98,15 +98,3 @@ def test_router_partials_route_like_the_logits(M):
     args = (bias, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor)
     a, b = route_triton(parts, *args), route_triton(logits, *args)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
-
-
-@pytest.mark.parametrize("step,tm", [(2, 16), (4, 16), (4, 32), (4, 3)])
-def test_router_steps_keep_the_bits(poisoned_empty, step, tm):
-    """Tokens summed side by side in one loop step (STEP) and other tokens per program (TM) only re-tile: the
-    table config's logits bit for bit, at the K2 gate for odd M."""
-    w = _rand(N, K, scale=K ** -0.5)
-    x = _rand(129, K, dtype=torch.bfloat16)
-    base = router_config(N, K)
-    cfg = RouterGemmConfig(base.BN, base.KS, base.num_warps, tm, step)
-    for m in (1, 2, 5, 64, 129):
-        assert torch.equal(router_logits(x[:m], w, config=cfg), router_logits(x[:m], w, config=base)), f"M={m}"
