@@ -249,7 +249,8 @@
 #          (other bits), each set through runpy before the bench: the window of the router beside the shared expert
 #   ctx    the K2 layer at a committed length that is not a multiple of the 512-key chunk (4000: a tree's tail launch
 #          then holds 416 prefix keys besides the tree's) and at 4096, one after the other, with their timelines
-#   tailvs a tree's tail launch in column slices (MLAConfig.TAIL_V_SPLIT, back) where the committed length is off the
+#   tailvs a tree's tail launch in column slices (MLAConfig.TAIL_V_SPLIT of commit 542973e, dropped again since: the runpy
+#          steps no longer apply) where the committed length is off the
 #          chunk grid: the N = 64 bit-equality tests of the slices, the K2 layer at context 4000 with the N > 16
 #          bucket's TAIL_V_SPLIT 0 / 2 / 4 (set through runpy) and their timelines
 #   bounds what leaving out one launch could gain (bench/launch_bounds.py): the MoE's SwiGLU / top-k sum, a small

@@ -234,12 +234,6 @@ class MLAConfig:
     # warpgroup launches: at most this many (query, head) rows per program (the wgmma's N: 8, 16 or 32; fewer rows
     # make more programs, each re-reading the chunk's key tiles); a re-tiling, the same bits (GPU-tested)
     DECODE_WG_ROWS: int = 32
-    # tree launches: the tail launch's (a tree's own keys and the prefix's last partial chunk, one query per
-    # program) output-column slices on tiles under 64 rows (0: the launch's V_SPLIT). It writes its own chunks, all
-    # columns, so its slices may differ from the prefix launch's; a re-tiling, the same bits (GPU-tested). Its
-    # programs are few (T x row tiles) and each holds a whole [rows x 512] fp32 accumulator (255 registers and
-    # spills at N = 64): slices give it more programs with smaller ones
-    TAIL_V_SPLIT: int = 0
 
     def __post_init__(self) -> None:
         if self.DECODE_MAX_T < 1:
@@ -268,8 +262,6 @@ class MLAConfig:
             raise ValueError("MLAConfig.DECODE_WG (2 or 3 key slots) needs L_BY_DOT, KEYS_ON_M off, "
                              "DECODE_ROWS 0 and LAZY_RESCALE off (the chunk kernel's arithmetic it reproduces); "
                              f"got {self}")
-        if self.TAIL_V_SPLIT not in (0, 1, 2, 4, 8):
-            raise ValueError(f"MLAConfig.TAIL_V_SPLIT must be 0 (the launch's), 1, 2, 4 or 8; got {self.TAIL_V_SPLIT}")
         if self.DECODE_WG_ROWS not in (8, 16, 32):
             raise ValueError(f"MLAConfig.DECODE_WG_ROWS must be 8, 16 or 32; got {self.DECODE_WG_ROWS}")
         if self.LAZY_RESCALE not in ("off", "decode", "all"):
@@ -348,8 +340,6 @@ class MLAConfig:
                 d[k] = getattr(self, k)
         if self.DECODE_WG_ROWS != 32:
             d["DECODE_WG_ROWS"] = self.DECODE_WG_ROWS
-        if self.TAIL_V_SPLIT:
-            d["TAIL_V_SPLIT"] = self.TAIL_V_SPLIT
         if self.DECODE_MAX_T != 1:
             d["DECODE_MAX_T"] = self.DECODE_MAX_T
             d["DECODE_MAX_T_PROGRAMS"] = self.DECODE_MAX_T_PROGRAMS
@@ -949,18 +939,6 @@ def _wg_slices(cfg: MLAConfig, rows: int, n_ch: int, C: int, VS: int) -> int:
     return _double_slices(VS, programs, cfg.DECODE_WG_MIN_PROGRAMS, lambda v: (C // v) % 64 == 0)
 
 
-def _tail_launch(cfg: MLAConfig, VS: int, CP: int, common: dict) -> tuple[int, dict]:
-    """Output-column slices and kernel options of a tree's tail launch: MLAConfig.TAIL_V_SPLIT on tiles under 64 rows
-    (0, or 64-row tiles, whose slices do not fit in shared memory: the launch's VS), at most 2 stages when sliced
-    (the launch runs one or two key blocks; 3-stage 16-row tiles in slices need 233 KB)."""
-    vt = cfg.TAIL_V_SPLIT if cfg.TAIL_V_SPLIT and cfg.BLOCK_M < 64 and not cfg.KEYS_ON_M else VS
-    if CP % vt or CP // vt < 16:
-        raise ValueError(f"TAIL_V_SPLIT {vt} must divide {CP} into slices of >= 16 columns")
-    if vt == VS:
-        return vt, common
-    return vt, {**common, "DV": CP // vt, "num_stages": min(2, common["num_stages"])}
-
-
 def _wg_opts(cfg: MLAConfig) -> dict:
     """The warpgroup launch's rows per program and score chains (MLAConfig.DECODE_WG_ROWS / QK_SPLIT)."""
     return dict(most_rows=cfg.DECODE_WG_ROWS, qk_split=cfg.QK_SPLIT)
@@ -1037,9 +1015,8 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, sta
                                                        *args_tail, GATHER=False, **common, **descs)
 
         def tail() -> None:
-            vt, opts = _tail_launch(cfg, VS, CP, common)
-            _mla_chunk_kernel[(T * triton.cdiv(N, rows) * vt, n_ch - c_split)](
-                q_lat, q_pe, kv, idx, nvis, po, pl, out, nvis, T, S, N, c_split, *args_tail, GATHER=True, **opts)
+            _mla_chunk_kernel[(T * triton.cdiv(N, rows) * VS, n_ch - c_split)](
+                q_lat, q_pe, kv, idx, nvis, po, pl, out, nvis, T, S, N, c_split, *args_tail, GATHER=True, **common)
 
         # the packed (prefix) and gather (tree tail) launches write disjoint chunks: side by side, the
         # gather launch (a few programs, one chunk each) need not wait for the prefix launch to drain
@@ -1123,9 +1100,8 @@ def mla_attention_device(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tens
                                                 *args_tail, GATHER=False, **common, **descs)
 
     def tail() -> None:
-        vt, opts = _tail_launch(cfg, VS, CP, common)
-        _mla_chunk_kernel[(T * triton.cdiv(N, rows) * vt, n_ch)](
-            q_lat, q_pe, kv, idx, nvis, po, pl, out, s_dev, T, 0, N, 0, *args_tail, GATHER=True, **opts)
+        _mla_chunk_kernel[(T * triton.cdiv(N, rows) * VS, n_ch)](
+            q_lat, q_pe, kv, idx, nvis, po, pl, out, s_dev, T, 0, N, 0, *args_tail, GATHER=True, **common)
 
     # disjoint chunks, as above. The prefix launch (on the side stream) is issued first: the tail launch first was
     # slower at 4 and 32 nodes (N = 64 over 4K: the merge done 14 / 12 us later), equal at 8 / 16, 3 us faster at

@@ -302,10 +302,7 @@ SMALL_TILES = {"default": {}, "w8": dict(SMALL_WARPS=8), "bm16w8": dict(SMALL_BL
                "wg2qs2slices": dict(DECODE_WG=2, QK_SPLIT=2, DECODE_WG_MIN_PROGRAMS=128),
                "t16wg2rows16": dict(DECODE_MAX_T=16, SMALL_WARPS=8, DECODE_WG=2, DECODE_WG_ROWS=16,
                                     DECODE_WG_MIN_PROGRAMS=128),
-               "wg2rows8": dict(DECODE_WG=2, DECODE_WG_ROWS=8),
-               "tail2": dict(TAIL_V_SPLIT=2), "tail4": dict(TAIL_V_SPLIT=4), "tail8": dict(TAIL_V_SPLIT=8),
-               "t16wg2rows16tail4": dict(DECODE_MAX_T=16, SMALL_WARPS=8, DECODE_WG=2, DECODE_WG_ROWS=16,
-                                         DECODE_WG_MIN_PROGRAMS=128, TAIL_V_SPLIT=4)}
+               "wg2rows8": dict(DECODE_WG=2, DECODE_WG_ROWS=8)}
 
 
 @pytest.mark.parametrize("tiles", list(SMALL_TILES))
@@ -316,7 +313,7 @@ def test_small_trees_on_decode_tiles_bit_equal_bf16(N, tiles):
     config's 64-node launch, host- and device-length, at T = 2, 4, 8, 16; also on the small trees' own tiles
     (SMALL_BLOCK_M / SMALL_WARPS), with DECODE_MAX_T = 16 and with the prefix chunks on the warpgroup kernel
     (DECODE_WG), also in column slices, in 8- or 16-row programs and with the scores in two chains (QK_SPLIT 2,
-    against the verify tiles' QK_SPLIT 2), and with the tail launch in column slices (TAIL_V_SPLIT)."""
+    against the verify tiles' QK_SPLIT 2)."""
     S, Tt = 4096 + 37, 64
     seed = int(torch.randint(1 << 30, (1,)))
     base = replace(default_config(N), QK_SPLIT=SMALL_TILES[tiles].get("QK_SPLIT", 1))

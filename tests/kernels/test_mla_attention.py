@@ -115,8 +115,6 @@ CONFIGS = {
     # ... on the small trees' own tiles (16 rows; the T = 1 launch keeps its 32)
     "smallbm": MLAConfig(CHUNK=32, BLOCK_M=64, BLOCK_N=16, L_BY_DOT=True, DECODE_BLOCK_M=32, DECODE_MAX_T=4,
                          SMALL_BLOCK_M=16, SMALL_WARPS=8, num_stages=1),
-    # a tree's tail launch (its own keys, the last partial chunk) in 2 column slices, the prefix launch in none
-    "tailvs": MLAConfig(CHUNK=32, BLOCK_M=16, BLOCK_N=16, TAIL_V_SPLIT=2, num_stages=1),
 }
 
 # name: (kind, N, S, T, mask, config, variant)
@@ -169,8 +167,6 @@ CASES["inv_N5_S61_T7_causal_qs2bm"] = ("inv", 5, 61, 7, "causal", "qs2bm", "")  
 CASES["inv_N20_S45_T7_tree_decmaxt"] = ("inv", 20, 45, 7, "tree", "decmaxt", "")  # alone / first 4: decode tiles
 CASES["N20_S45_T4_tree_decmaxt"] = ("ref", 20, 45, 4, "tree", "decmaxt", "")
 CASES["inv_N20_S45_T7_tree_smallbm"] = ("inv", 20, 45, 7, "tree", "smallbm", "")
-CASES["N4_S37_T5_tree_tailvs"] = ("ref", 4, 37, 5, "tree", "tailvs", "")
-CASES["inv_N4_S70_T9_tree_tailvs"] = ("inv", 4, 70, 9, "tree", "tailvs", "")   # alone: no tail launch
 
 # device-side length: the whole buffer (junk past S + T) and start as a tensor == the host-length launch
 CASES["dev_N3_S37_T5_tree_c32"] = ("dev", 3, 37, 5, "tree", "c32", "")
@@ -185,7 +181,6 @@ CASES["dev_N3_S64_T5_tree_desc"] = ("dev", 3, 64, 5, "tree", "desc", "")
 CASES["dev_N4_S90_T1_causal_descbm"] = ("dev", 4, 90, 1, "causal", "descbm", "")
 CASES["dev_N3_S64_T5_tree_qs2"] = ("dev", 3, 64, 5, "tree", "qs2", "")
 CASES["dev_N20_S50_T3_tree_decmaxt"] = ("dev", 20, 50, 3, "tree", "decmaxt", "")
-CASES["dev_N3_S37_T5_tree_tailvs"] = ("dev", 3, 37, 5, "tree", "tailvs", "")
 # T = 1 (the root alone) runs the causal launch on the device; the host-length tree launch is the oracle
 CASES["dev_N3_S37_T1_tree_c32"] = ("dev", 3, 37, 1, "tree", "c32", "")
 CASES["dev_N20_S70_T1_tree_decmaxt"] = ("dev", 20, 70, 1, "tree", "decmaxt", "")
@@ -335,20 +330,6 @@ if __name__ == "__main__" and "--interp-cases" in sys.argv:
     from _interp import child_main
 
     child_main(CASES, _run_one, sys.argv[sys.argv.index("--interp-cases") + 1:])
-
-
-def test_tail_v_split_field():
-    """TAIL_V_SPLIT slices a tree's tail launch on tiles under 64 rows (at most 2 stages), never 64-row tiles; bad
-    values are refused."""
-    from kdtree_engine.kernels.mla_attention import _tail_launch
-    common = {"DV": 512, "num_stages": 3}
-    assert _tail_launch(MLAConfig(BLOCK_M=32, TAIL_V_SPLIT=4), 1, 512, common) == (4, {"DV": 128, "num_stages": 2})
-    assert _tail_launch(MLAConfig(BLOCK_M=32), 2, 512, common) == (2, common)
-    assert _tail_launch(MLAConfig(BLOCK_M=64, num_warps=8, TAIL_V_SPLIT=4), 1, 512, common) == (1, common)
-    with pytest.raises(ValueError, match="TAIL_V_SPLIT"):
-        MLAConfig(TAIL_V_SPLIT=3)
-    with pytest.raises(ValueError, match="TAIL_V_SPLIT"):
-        _tail_launch(MLAConfig(BLOCK_M=32, TAIL_V_SPLIT=8), 1, 64, common)
 
 
 def test_decode_min_programs_sizes_v_split():
