@@ -17,6 +17,8 @@ same math and the torch reference, against rooflines measured in the same run.
                                                        # written to mla_attention-small-sweep-<gpu>.*
     python bench/mla_attention.py --sweep-only --sweep-wg --no-peers       # warpgroup launches' score chains, rows,
                                                        # written to mla_attention-wg-sweep-<gpu>.*
+    python bench/mla_attention.py --sweep-only --sweep-verify --no-peers   # trees' prefix chunks, queries on M,
+                                                       # written to mla_attention-verify-sweep-<gpu>.*
 
 The sweep first compiles every (candidate, launch kind) in a pool of processes (Triton's on-disk cache
 is shared), so that the timing loop itself compiles nothing; candidates that fail to compile (e.g. out
@@ -202,6 +204,15 @@ WG_SWEEP: list[MLAConfig] = [c for cs in WG_FOR_N.values() for c in cs]
 WG_SHAPES = [(8, 4096, 1), (8, 32768, 1), (8, 131072, 1), (8, 4096, 4), (8, 4096, 8), (8, 4096, 16), (8, 32768, 4),
              (8, 32768, 16), (64, 4096, 1), (64, 32768, 1), (64, 4096, 2), (64, 4096, 4), (64, 4096, 8),
              (64, 32768, 4)]
+# A tree's whole prefix chunks on the queries-on-M warpgroup kernel (VERIFY_WG: 64 rows per program of two
+# warpgroups, 2 or 1 TMA key slots) against the chunk kernel's verify tiles; at N = 8 trees of up to 16 nodes stay
+# decode launches. `--sweep-verify`
+VERIFY_FOR_N: dict[int, list[MLAConfig]] = {
+    8: [_D8, replace(_D8, VERIFY_WG=2)],
+    64: [_D64, replace(_D64, VERIFY_WG=2), replace(_D64, VERIFY_WG=1)]}
+VERIFY_SWEEP: list[MLAConfig] = [c for cs in VERIFY_FOR_N.values() for c in cs]
+VERIFY_SHAPES = [(64, 4096, 16), (64, 4096, 32), (64, 4096, 64), (64, 4096, 128), (64, 32768, 16),
+                 (64, 32768, 64), (64, 131072, 16), (8, 4096, 64), (8, 32768, 32), (8, 32768, 64), (8, 131072, 64)]
 ROWS_SHAPES = [(8, 4096, 1), (8, 32768, 1), (8, 65536, 1), (8, 131072, 1), (8, 262144, 1), (64, 4096, 1),
                (64, 32768, 1), (64, 131072, 1)]
 SWEEP_SHAPES = [(8, 32768, 1), (8, 131072, 1), (8, 32768, 16), (8, 131072, 16), (8, 32768, 64),
@@ -341,6 +352,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--sweep-wg", action="store_true",
                     help="with --sweep-only: time WG_FOR_N (the warpgroup launches' score chains, rows per program "
                          "and slices) at WG_SHAPES instead, with their bits against the default's")
+    ap.add_argument("--sweep-verify", action="store_true",
+                    help="with --sweep-only: time VERIFY_FOR_N (a tree's prefix chunks on the warpgroup kernel) at "
+                         "VERIFY_SHAPES instead, with their bits against the default's")
     ap.add_argument("--workers", type=int, default=0, help="compile processes for the sweep (0: CPUs)")
     ap.add_argument("--no-peers", action="store_true", help="skip sdpa and the torch reference")
     ap.add_argument("--budget-s", type=float, default=100.0, help="stop the sweep after this many seconds")
@@ -372,12 +386,13 @@ def main(argv=None) -> dict:
                          (VSPLIT_SWEEP, VSPLIT_SHAPES) if args.sweep_vsplit else
                          (WIDE_SWEEP, WIDE_SHAPES) if args.sweep_wide else
                          (SMALL_SWEEP, SMALL_SHAPES) if args.sweep_small else
-                         (WG_SWEEP, WG_SHAPES) if args.sweep_wg else (SWEEP, SWEEP_SHAPES))
+                         (WG_SWEEP, WG_SHAPES) if args.sweep_wg else
+                         (VERIFY_SWEEP, VERIFY_SHAPES) if args.sweep_verify else (SWEEP, SWEEP_SHAPES))
         shapes = [sh for sh in shapes if args.sweep_n is None or sh[0] == args.sweep_n]
         per_n = (CHUNK_FOR_N if args.sweep_chunk else ROWS_FOR_N if args.sweep_rows else
                  VSPLIT_FOR_N if args.sweep_vsplit else
                  WIDE_FOR_N if args.sweep_wide else SMALL_FOR_N if args.sweep_small else
-                 WG_FOR_N if args.sweep_wg else None)
+                 WG_FOR_N if args.sweep_wg else VERIFY_FOR_N if args.sweep_verify else None)
         compile_err = precompile(cands, shapes, workers)
         print(f"compiled {len(compile_err)} (config, N, T kind) in {clock():.0f}s; "
               f"{sum(e is not None for e in compile_err.values())} failed", flush=True)
@@ -428,7 +443,7 @@ def main(argv=None) -> dict:
         md += ["", "## Best candidate per shape", ""] + best_per_shape(sweep)
     kind = ("decode-" if args.sweep_decode else "chunk-" if args.sweep_chunk else
             "rows-" if args.sweep_rows else "vsplit-" if args.sweep_vsplit else "wide-" if args.sweep_wide else
-            "small-" if args.sweep_small else "wg-" if args.sweep_wg else "")
+            "small-" if args.sweep_small else "wg-" if args.sweep_wg else "verify-" if args.sweep_verify else "")
     stem = (f"mla_attention-{kind}sweep-{gpu}" if args.sweep_only
             else f"mla_attention-{gpu}")
     jp, mp = write_results(args.out, stem, payload, md)

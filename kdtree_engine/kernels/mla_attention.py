@@ -89,6 +89,7 @@ import triton.language as tl
 
 from .common import DTYPES, bucket, interpreting
 from .mla_decode_wg import launch as decode_wg, rows_per_program as wg_rows, unsupported as wg_unsupported
+from .mla_verify_wg import launch as verify_wg, unsupported as vwg_unsupported
 from .pdl import pdl_launch, pdl_supported, pdl_wait
 from .streams import side_by_side
 
@@ -234,6 +235,12 @@ class MLAConfig:
     # warpgroup launches: at most this many (query, head) rows per program (the wgmma's N: 8, 16 or 32; fewer rows
     # make more programs, each re-reading the chunk's key tiles); a re-tiling, the same bits (GPU-tested)
     DECODE_WG_ROWS: int = 32
+    # the prefix launches of trees on the verify tiles (not decode launches) on the queries-on-M warpgroup kernel
+    # (mla_verify_wg.py: 64 rows and one whole prefix chunk per program of two warpgroups, q and a ring of this
+    # many TMA key slots in shared memory; 0: the chunk kernel). The chunk kernel's arithmetic with L_BY_DOT
+    # (GPU-tested bit for bit against it), so a method, not a rounding choice; CUDA sm_90 only (elsewhere the
+    # chunk kernel, logged)
+    VERIFY_WG: int = 0
 
     def __post_init__(self) -> None:
         if self.DECODE_MAX_T < 1:
@@ -262,6 +269,10 @@ class MLAConfig:
             raise ValueError("MLAConfig.DECODE_WG (2 or 3 key slots) needs L_BY_DOT, KEYS_ON_M off, "
                              "DECODE_ROWS 0 and LAZY_RESCALE off (the chunk kernel's arithmetic it reproduces); "
                              f"got {self}")
+        if self.VERIFY_WG and not (self.L_BY_DOT and not self.KEYS_ON_M and self.QK_SPLIT == 1
+                                   and self.VERIFY_WG in (1, 2)):
+            raise ValueError("MLAConfig.VERIFY_WG (1 or 2 key slots) needs L_BY_DOT, KEYS_ON_M off and QK_SPLIT 1 "
+                             f"(the chunk kernel's arithmetic it reproduces); got {self}")
         if self.DECODE_WG_ROWS not in (8, 16, 32):
             raise ValueError(f"MLAConfig.DECODE_WG_ROWS must be 8, 16 or 32; got {self.DECODE_WG_ROWS}")
         if self.LAZY_RESCALE not in ("off", "decode", "all"):
@@ -335,7 +346,7 @@ class MLAConfig:
         if self.DECODE_MIN_PROGRAMS:
             d["DECODE_MIN_PROGRAMS"] = self.DECODE_MIN_PROGRAMS
         for k in ("L_BY_DOT", "DECODE_BLOCK_M", "DECODE_STAGES", "DECODE_WARPS", "DECODE_ROWS", "K_DESC",
-                  "SMALL_BLOCK_M", "SMALL_WARPS", "DECODE_WG", "DECODE_WG_MIN_PROGRAMS"):
+                  "SMALL_BLOCK_M", "SMALL_WARPS", "DECODE_WG", "DECODE_WG_MIN_PROGRAMS", "VERIFY_WG"):
             if getattr(self, k):
                 d[k] = getattr(self, k)
         if self.DECODE_WG_ROWS != 32:
@@ -912,6 +923,16 @@ def _kv_descs(kv: torch.Tensor, rows: int, C: int, R: int, CP: int, RP: int, cfg
     return dict(klat_desc=lat, kpe_desc=pe, K_DESC=True)
 
 
+def _wg_device(q_lat: torch.Tensor, kv: torch.Tensor, C: int) -> str | None:
+    """Why this device / cache cannot run the warpgroup kernels (wgmma, TMA key tiles), or None."""
+    if q_lat.device.type != "cuda" or interpreting():
+        return "not on a CUDA device" if q_lat.device.type != "cuda" else "the Triton interpreter"
+    why = _tma_misaligned(kv, C)
+    if why is None and torch.cuda.get_device_capability(q_lat.device)[0] != 9:
+        why = f"sm_{''.join(map(str, torch.cuda.get_device_capability(q_lat.device)))} (wgmma: sm_90)"
+    return why
+
+
 def _decode_wg(cfg: MLAConfig, dec: bool, q_lat: torch.Tensor, kv: torch.Tensor, R: int, VS: int) -> bool:
     """Whether a decode launch (dec: T = 1, or the prefix launch of a small tree) runs on the warpgroup kernel:
     the config asks for it (DECODE_WG) and the launch fits it (otherwise the chunk kernel, the reason logged
@@ -919,15 +940,23 @@ def _decode_wg(cfg: MLAConfig, dec: bool, q_lat: torch.Tensor, kv: torch.Tensor,
     if not (cfg.DECODE_WG and dec):
         return False
     T, N, C = q_lat.shape
-    why = wg_unsupported(T * N, C, R, q_lat.dtype, cfg.BLOCK_N, VS, cfg.DECODE_WG, cfg.DECODE_WG_ROWS)
-    if why is None and (q_lat.device.type != "cuda" or interpreting()):
-        why = "not on a CUDA device" if q_lat.device.type != "cuda" else "the Triton interpreter"
-    if why is None:
-        why = _tma_misaligned(kv, C)
-    if why is None and torch.cuda.get_device_capability(q_lat.device)[0] != 9:
-        why = f"sm_{''.join(map(str, torch.cuda.get_device_capability(q_lat.device)))} (wgmma: sm_90)"
+    why = (wg_unsupported(T * N, C, R, q_lat.dtype, cfg.BLOCK_N, VS, cfg.DECODE_WG, cfg.DECODE_WG_ROWS)
+           or _wg_device(q_lat, kv, C))
     if why is not None:
         _log_once(f"MLA attention: decode launches on the chunk kernel, not the warpgroup kernel: {why}")
+        return False
+    return True
+
+
+def _verify_wg(cfg: MLAConfig, dec: bool, q_lat: torch.Tensor, kv: torch.Tensor, R: int) -> bool:
+    """Whether a tree's prefix launch on the verify tiles (not dec) runs on the queries-on-M warpgroup kernel: the
+    config asks for it (VERIFY_WG) and the launch fits it (otherwise the chunk kernel, the reason logged once)."""
+    if not cfg.VERIFY_WG or dec:
+        return False
+    C = q_lat.shape[2]
+    why = vwg_unsupported(C, R, q_lat.dtype, cfg.BLOCK_N, cfg.VERIFY_WG) or _wg_device(q_lat, kv, C)
+    if why is not None:
+        _log_once(f"MLA attention: tree prefix launches on the chunk kernel, not the warpgroup kernel: {why}")
         return False
     return True
 
@@ -995,6 +1024,7 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, sta
     n_tiles = triton.cdiv(T * N, rows)
     descs = _kv_descs(kv, S + T, C, R, CP, RP, cfg, VS)
     wg = _decode_wg(cfg, dec and (T == 1 or not causal), q_lat, kv, R, VS)
+    vwg = not causal and _verify_wg(cfg, dec, q_lat, kv, R)
     if causal and wg:
         decode_wg(q_lat, q_pe, kv, S + 1, po, pl, out, nvis, S, (spom, spoc, splm), qk_scale, cfg.CHUNK, n_ch,
                   _wg_slices(cfg, N, n_ch, C, VS), cfg.DECODE_WG, True, direct, False, pdl, **_wg_opts(cfg))
@@ -1010,6 +1040,10 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, sta
                 decode_wg(q_lat, q_pe, kv, S + T, po, pl, out, nvis, S, (spom, spoc, splm), qk_scale, cfg.CHUNK,
                           c_split, _wg_slices(cfg, T * N, c_split, C, VS), cfg.DECODE_WG, False, False, False, pdl,
                           **_wg_opts(cfg))
+                return
+            if vwg:  # the whole prefix chunks of a larger tree: 64 rows per program, queries on the M side
+                verify_wg(q_lat, q_pe, kv, S + T, po, pl, nvis, S, (spom, spoc, splm), qk_scale, cfg.CHUNK, c_split,
+                          cfg.VERIFY_WG, False, pdl)
                 return
             _mla_chunk_kernel[(n_tiles * VS, c_split)](q_lat, q_pe, kv, idx, nvis, po, pl, out, nvis, T, S, N, 0,
                                                        *args_tail, GATHER=False, **common, **descs)
@@ -1076,6 +1110,7 @@ def mla_attention_device(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tens
     n_tiles = triton.cdiv(T * N, rows)
     descs = _kv_descs(kv, cap, C, R, CP, RP, cfg, VS)
     wg = _decode_wg(cfg, dec, q_lat, kv, R, VS)
+    vwg = T > 1 and _verify_wg(cfg, dec, q_lat, kv, R)
     if T == 1:
         # one query (a tree of its root alone, the plain decoding step of a device round) sees the prefix and
         # itself, the causal case: one packed launch with the per-row length (chunks past it exit at once),
@@ -1095,6 +1130,10 @@ def mla_attention_device(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tens
             decode_wg(q_lat, q_pe, kv, cap, po, pl, out, s_dev, 0, (spom, spoc, splm), args_tail[-1], cfg.CHUNK,
                       n_ch, _wg_slices(cfg, T * N, n_ch, C, VS), cfg.DECODE_WG, False, False, True, pdl,
                       **_wg_opts(cfg))
+            return
+        if vwg:  # the whole prefix chunks of a larger tree (the others exit at once)
+            verify_wg(q_lat, q_pe, kv, cap, po, pl, s_dev, 0, (spom, spoc, splm), args_tail[-1], cfg.CHUNK, n_ch,
+                      cfg.VERIFY_WG, True, pdl)
             return
         _mla_chunk_kernel[(n_tiles * VS, n_ch)](q_lat, q_pe, kv, idx, nvis, po, pl, out, s_dev, T, 0, N, 0,
                                                 *args_tail, GATHER=False, **common, **descs)

@@ -330,3 +330,27 @@ def test_small_trees_on_decode_tiles_bit_equal_bf16(N, tiles):
         dev = mla_attention_device(q_lat[:T], q_pe[:T], buf, torch.tensor(S), mask[:T, :T].contiguous(), SCALE, C,
                                    config=cfg)
         assert torch.equal(dev, full[:T]), f"device-length T = {T} (seed {seed})"
+
+
+@pytest.mark.parametrize("N,stages", [(64, 2), (64, 1), (8, 2), (16, 2)])
+def test_verify_warpgroup_bit_equal_bf16(N, stages):
+    """The queries-on-M warpgroup kernel for a tree's whole prefix chunks (VERIFY_WG) is the chunk kernel's
+    arithmetic: a tree launch equals the chunk kernel's (VERIFY_WG 0) bit for bit, host- and device-length, on
+    and off the chunk grid, over one prefix chunk and a long prefix, rows past T * N in the last tile."""
+    from kdtree_engine.kernels.mla_attention import _verify_wg
+
+    base = replace(default_config(N), VERIFY_WG=0, DECODE_MAX_T=1)
+    cfg = replace(base, VERIFY_WG=stages)
+    for S, T in ((4096, 64), (4096 - 96, 16), (512 + 3, 24), (32768 + 5, 33)):
+        seed = int(torch.randint(1 << 30, (1,)))
+        q_lat, q_pe, kv = inputs(T, N, S, seed)
+        assert _verify_wg(cfg, False, q_lat, kv, R), "the warpgroup kernel does not take this launch"
+        mask = random_tree_mask(T, torch.Generator().manual_seed(seed)).cuda()
+        ref = mla_attention(q_lat, q_pe, kv, S, mask, SCALE, C, config=base)
+        poison_allocator()
+        out = mla_attention(q_lat, q_pe, kv, S, mask, SCALE, C, config=cfg)
+        assert torch.equal(out, ref), f"host-length S = {S}, T = {T}: {int((out != ref).sum())} differ (seed {seed})"
+        buf = torch.cat([kv, torch.randn(700, C + R, device="cuda").bfloat16()])
+        poison_allocator()
+        dev = mla_attention_device(q_lat, q_pe, buf, torch.tensor(S, device="cuda"), mask, SCALE, C, config=cfg)
+        assert torch.equal(dev, ref), f"device-length S = {S}, T = {T} (seed {seed})"

@@ -1,0 +1,181 @@
+"""Prefix launches of MLA tree verify with many (query, head) rows on warpgroup MMAs, queries on the M side
+(Gluon, sm_90, GPU only).
+
+A tree of T queries at N = 64 heads has T * 64 rows that all read the same prefix keys. The Triton chunk
+kernel runs them in 64-row 8-warp tiles (mla_attention.py) at ~20% of the bf16 MMA rate. Here one program of
+two warpgroups takes 64 rows and one whole prefix chunk, with q and a ring of key tiles in shared memory (TMA):
+
+    s [64, BN]  = q_lat [64, C] @ K_lat^T [C, BN]  then  += q_pe [64, R] @ K_pe^T [R, BN]   (warpgroup w: keys w)
+    l [64]      = l * alpha + max_j (P [64, BN] @ ones [BN, 16])[:, j]
+    o [64, C]   = o * alpha + P [64, BN] @ K_lat [BN, C]                                  (warpgroup w: columns w)
+
+(warps [4, 2]: the two warpgroups split the scores' keys and the output's columns; P goes through shared
+memory, as the P @ V operand needs every key of a row). Per element this is the chunk kernel's arithmetic
+with L_BY_DOT: the same 576-long fp32 score chain (latent, then rope) in k16 steps, scale, exp2 against the
+running max, the row sum of the bf16 P by an MMA, the rescaled accumulator as the P @ V MMA's addend, the same
+partials (o = acc / l, lse = m + log2 l) for the same merge. Only whole prefix chunks (no mask in them); the
+tree's own keys stay on the chunk kernel's gather launch. The GPU tests hold it to the chunk kernel bit for
+bit (tests/gpu/test_mla_attention_gpu.py).
+
+Shared memory: q 72 KB + STAGES x 72 KB of key tiles + P 8 KB + ones 2 KB (two slots: 226 KB of the 227).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from kdtree_engine.kernels.mla_decode_wg import BLOCK_N, HAVE_GLUON, kv_descriptors
+from kdtree_engine.kernels.pdl import PDL_ASM
+
+if HAVE_GLUON:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                                  warpgroup_mma, warpgroup_mma_wait)
+    cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier   # renamed in triton 3.7
+    tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared   # renamed in triton 3.7
+
+ROWS = 64          # (query, head) rows per program: one wgmma M tile
+WARPS = 8          # two warpgroups
+
+
+def unsupported(C: int, R: int, dtype: torch.dtype, block_n: int, stages: int) -> str | None:
+    """Why a verify prefix launch cannot run here (None: it can)."""
+    if not HAVE_GLUON:
+        return "triton without Gluon"
+    if dtype != torch.bfloat16:
+        return f"dtype {dtype} (bf16 operands)"
+    if block_n != BLOCK_N:
+        return f"BLOCK_N {block_n} (the warpgroup tile is {BLOCK_N} keys)"
+    if C != 512 or R != 64:
+        return f"C = {C}, R = {R} (C = 512, R = 64)"
+    smem = (stages + 1) * BLOCK_N * (C + R) * 2 + ROWS * BLOCK_N * 2 + 16 * BLOCK_N * 2
+    if stages < 1 or smem > 227 * 1024:
+        return f"{stages} key slots need {smem // 1024} KB of shared memory"
+    return None
+
+
+if HAVE_GLUON:
+    WAIT_ASM = gl.constexpr(PDL_ASM)
+
+    @gluon.jit
+    def _mla_verify_wg_kernel(ql_ptr, qp_ptr, lat_desc, pe_desc, po_ptr, pl_ptr, s_ptr,
+                              S, T, N, stride_qlt, stride_qln, stride_qpt, stride_qpn, stride_pom, stride_poc,
+                              stride_plm, qk_scale,
+                              C: gl.constexpr, R: gl.constexpr, CHUNK: gl.constexpr, BN: gl.constexpr,
+                              STAGES: gl.constexpr, S_DEV: gl.constexpr, PDL: gl.constexpr):
+        # grid (row tiles, chunks): the whole prefix chunks [0, S // CHUNK) of a tree's T queries
+        if PDL:
+            gl.inline_asm_elementwise(WAIT_ASM, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+        pid_m = gl.program_id(0)
+        c = gl.program_id(1)
+        if S_DEV:
+            S = gl.load(s_ptr).to(gl.int32)
+        if (c + 1) * CHUNK > S:
+            return
+        p0 = c * CHUNK
+        NBLK: gl.constexpr = CHUNK // BN
+
+        ACC_S: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BN // 2, 16])
+        ACC_O: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, C // 2, 16])
+        ACC_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 8, 16])
+        ROW_S: gl.constexpr = gl.SliceLayout(1, ACC_S)
+        ROW_O: gl.constexpr = gl.SliceLayout(1, ACC_O)
+        ROW_L: gl.constexpr = gl.SliceLayout(1, ACC_L)
+        QL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [8, 1], [1, 0])
+        Q_SL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        DT: gl.constexpr = lat_desc.dtype
+        M: gl.constexpr = 64
+
+        # the first key tiles in flight before q is read (its load latency overlaps theirs)
+        kl = gl.allocate_shared_memory(DT, [STAGES, BN, C], lat_desc.layout)
+        kp = gl.allocate_shared_memory(DT, [STAGES, BN, R], pe_desc.layout)
+        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(bars.index(i), count=1)
+        fence_async_shared()
+        cta_barrier()
+        NBYTES: gl.constexpr = BN * (C + R) * 2
+        for i in gl.static_range(STAGES):
+            if i < NBLK:
+                mbarrier.expect(bars.index(i), NBYTES)
+                tma_load(lat_desc, [p0 + i * BN, 0], bars.index(i), kl.index(i))
+                tma_load(pe_desc, [p0 + i * BN, 0], bars.index(i), kp.index(i))
+
+        # this tile's 64 (query, head) rows of q (rows past T * N zero) into shared memory: the A operand
+        rw = pid_m * M + gl.arange(0, M, layout=gl.SliceLayout(1, QL))
+        cq = gl.arange(0, C, layout=gl.SliceLayout(0, QL))
+        rq = gl.arange(0, R, layout=gl.SliceLayout(0, QL))
+        r_ok = rw < T * N
+        tq = (rw // N).to(gl.int64)
+        hq = (rw % N).to(gl.int64)
+        q_lat = gl.load(ql_ptr + (tq * stride_qlt + hq * stride_qln)[:, None] + cq[None, :], mask=r_ok[:, None],
+                        other=0.0)
+        q_pe = gl.load(qp_ptr + (tq * stride_qpt + hq * stride_qpn)[:, None] + rq[None, :], mask=r_ok[:, None],
+                       other=0.0)
+        ql_s = gl.allocate_shared_memory(DT, [M, C], Q_SL, q_lat)
+        qp_s = gl.allocate_shared_memory(DT, [M, R], Q_SL, q_pe)
+        p_s = gl.allocate_shared_memory(DT, [M, BN], Q_SL)
+        ones_t = gl.allocate_shared_memory(DT, [16, BN], Q_SL, gl.full([16, BN], 1.0, DT, layout=QL))
+        fence_async_shared()
+        cta_barrier()           # q and the ones in shared memory (every warp's part) before the first MMA
+
+        m_i = gl.full([M], float("-inf"), gl.float32, layout=ROW_S)
+        l_i = gl.zeros([M], gl.float32, layout=ROW_S)
+        acc = gl.zeros([M, C], gl.float32, layout=ACC_O)
+        zs = gl.zeros([M, BN], gl.float32, layout=ACC_S)
+        zl = gl.zeros([M, 16], gl.float32, layout=ACC_L)
+        offs_n = gl.arange(0, BN, layout=gl.SliceLayout(0, ACC_S))
+        for j in range(NBLK):
+            st = j % STAGES
+            mbarrier.wait(bars.index(st), (j // STAGES) & 1)
+            s = warpgroup_mma(ql_s, kl.index(st).permute((1, 0)), zs, use_acc=False, is_async=True)
+            s = warpgroup_mma(qp_s, kp.index(st).permute((1, 0)), s, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=[s]) * qk_scale
+            s = gl.where((p0 + j * BN + offs_n < S)[None, :], s, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, 1))
+            alpha = gl.exp2(m_i - m_new)
+            pr = gl.exp2(s - m_new[:, None])
+            p_s.store(pr.to(DT))
+            fence_async_shared()
+            cta_barrier()       # every warp's part of P is in before the warpgroups read it
+            lsum = warpgroup_mma(p_s, ones_t.permute((1, 0)), zl, use_acc=False, is_async=True)
+            alpha_o = gl.convert_layout(alpha, ROW_O)
+            pv = warpgroup_mma(p_s, kl.index(st), acc * alpha_o[:, None], is_async=True)
+            lsum, acc = warpgroup_mma_wait(num_outstanding=0, deps=[lsum, pv])
+            l_i = l_i * alpha + gl.convert_layout(gl.max(lsum, 1), ROW_S)
+            m_i = m_new
+            cta_barrier()       # every warp is done with this slot and with P before they are rewritten
+            if j + STAGES < NBLK:
+                mbarrier.expect(bars.index(st), NBYTES)
+                tma_load(lat_desc, [p0 + (j + STAGES) * BN, 0], bars.index(st), kl.index(st))
+                tma_load(pe_desc, [p0 + (j + STAGES) * BN, 0], bars.index(st), kp.index(st))
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(bars.index(i))
+
+        o = acc / gl.convert_layout(l_i, ROW_O)[:, None]
+        r = pid_m * M + gl.arange(0, M, layout=ROW_O)
+        d = gl.arange(0, C, layout=gl.SliceLayout(0, ACC_O))
+        r64 = r.to(gl.int64)
+        gl.store(po_ptr + r64[:, None] * stride_pom + c * stride_poc + d[None, :], o, mask=(r < T * N)[:, None])
+        rl = pid_m * M + gl.arange(0, M, layout=ROW_S)
+        gl.store(pl_ptr + rl.to(gl.int64) * stride_plm + c, m_i + gl.log2(l_i), mask=rl < T * N)
+
+
+def launch(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, rows: int, po: torch.Tensor, pl: torch.Tensor,
+           s_ptr: torch.Tensor, S: int, strides: tuple[int, int, int], qk_scale: float, chunk: int, n_ch: int,
+           stages: int, s_dev: bool, pdl: dict) -> None:
+    """One launch over chunks [0, n_ch) of a tree's T queries (q_lat [T, N, C], q_pe [T, N, R]) against the first
+    `rows` slots of kv; only whole chunks of [0, S) are computed (S from s_ptr when s_dev), their partials written
+    to po / pl (strides = (row, chunk, lse row))."""
+    T, N, C = q_lat.shape
+    R = q_pe.shape[2]
+    lat, pe = kv_descriptors(kv, rows, C, R)
+    _mla_verify_wg_kernel[(triton.cdiv(T * N, ROWS), n_ch)](
+        q_lat, q_pe, lat, pe, po, pl, s_ptr, S, T, N, q_lat.stride(0), q_lat.stride(1), q_pe.stride(0),
+        q_pe.stride(1), *strides, qk_scale, C=C, R=R, CHUNK=chunk, BN=BLOCK_N, STAGES=stages, S_DEV=s_dev,
+        num_warps=WARPS, **pdl)
+
+
+__all__ = ["ROWS", "launch", "unsupported"]
