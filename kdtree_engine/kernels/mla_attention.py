@@ -89,7 +89,7 @@ import triton.language as tl
 
 from .common import DTYPES, bucket, interpreting
 from .mla_decode_wg import launch as decode_wg, rows_per_program as wg_rows, unsupported as wg_unsupported
-from .mla_verify_wg import launch as verify_wg, unsupported as vwg_unsupported
+from .mla_verify_wg import ROWS as VWG_ROWS, launch as verify_wg, unsupported as vwg_unsupported
 from .pdl import pdl_launch, pdl_supported, pdl_wait
 from .streams import side_by_side
 
@@ -237,7 +237,9 @@ class MLAConfig:
     DECODE_WG_ROWS: int = 32
     # the prefix launches of trees on the verify tiles (not decode launches) on the queries-on-M warpgroup kernel
     # (mla_verify_wg.py: 64 rows and one whole prefix chunk per program of two warpgroups, q and a ring of this
-    # many TMA key slots in shared memory; 0: the chunk kernel). The chunk kernel's arithmetic with L_BY_DOT
+    # many TMA key slots in shared memory; 0: the chunk kernel); where N is a multiple of 64 (a row tile is one
+    # query's heads) the tree's own chunks too, their keys gathered, in the same launch ahead of the prefix
+    # chunks, instead of the chunk kernel's gather launch beside it. The chunk kernel's arithmetic with L_BY_DOT
     # (GPU-tested bit for bit against it), so a method, not a rounding choice; CUDA sm_90 only (elsewhere the
     # chunk kernel, logged)
     VERIFY_WG: int = 0
@@ -1052,10 +1054,14 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, sta
             _mla_chunk_kernel[(T * triton.cdiv(N, rows) * VS, n_ch - c_split)](
                 q_lat, q_pe, kv, idx, nvis, po, pl, out, nvis, T, S, N, c_split, *args_tail, GATHER=True, **common)
 
-        # the packed (prefix) and gather (tree tail) launches write disjoint chunks: side by side, the
-        # gather launch (a few programs, one chunk each) need not wait for the prefix launch to drain
-        # (Nsight Compute, 32K / 16 nodes: 50 us + 15 us back to back)
-        side_by_side(dev, prefix if c_split > 0 else None, tail)
+        if vwg and N % VWG_ROWS == 0:   # one launch: the tree's own chunks first, then the prefix chunks
+            verify_wg(q_lat, q_pe, kv, S + T, po, pl, nvis, S, (spom, spoc, splm), qk_scale, cfg.CHUNK, c_split,
+                      cfg.VERIFY_WG, False, pdl, tail=(idx, nvis, n_ch - c_split))
+        else:
+            # the packed (prefix) and gather (tree tail) launches write disjoint chunks: side by side, the
+            # gather launch (a few programs, one chunk each) need not wait for the prefix launch to drain
+            # (Nsight Compute, 32K / 16 nodes: 50 us + 15 us back to back)
+            side_by_side(dev, prefix if c_split > 0 else None, tail)
     if not direct:
         _merge(po, pl, nvis, out, nvis, S, N, n_ch, (spom, spoc, splm), C, cfg.CHUNK, causal, False)
     return out
@@ -1142,10 +1148,15 @@ def mla_attention_device(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tens
         _mla_chunk_kernel[(T * triton.cdiv(N, rows) * VS, n_ch)](
             q_lat, q_pe, kv, idx, nvis, po, pl, out, s_dev, T, 0, N, 0, *args_tail, GATHER=True, **common)
 
-    # disjoint chunks, as above. The prefix launch (on the side stream) is issued first: the tail launch first was
-    # slower at 4 and 32 nodes (N = 64 over 4K: the merge done 14 / 12 us later), equal at 8 / 16, 3 us faster at
-    # 64 (bench/results/k2_step-h200-tailfirst.md against k2_step-h200-prefixfirst.md, the layers' timelines)
-    side_by_side(dev, prefix, tail)
+    if vwg and N % VWG_ROWS == 0:   # one launch: the tree's own chunks (at most 1 + cdiv(T - 1, CHUNK)) first
+        verify_wg(q_lat, q_pe, kv, cap, po, pl, s_dev, 0, (spom, spoc, splm), args_tail[-1], cfg.CHUNK, n_ch,
+                  cfg.VERIFY_WG, True, pdl, tail=(idx, nvis, 1 + triton.cdiv(T - 1, cfg.CHUNK)))
+    else:
+        # disjoint chunks, as above. The prefix launch (on the side stream) is issued first: the tail launch first
+        # was slower at 4 and 32 nodes (N = 64 over 4K: the merge done 14 / 12 us later), equal at 8 / 16, 3 us
+        # faster at 64 (bench/results/k2_step-h200-tailfirst.md against k2_step-h200-prefixfirst.md, the layers'
+        # timelines)
+        side_by_side(dev, prefix, tail)
     if not direct:
         _merge(po, pl, nvis, out, s_dev, 0, N, n_ch, (spom, spoc, splm), C, cfg.CHUNK, False, True)
     return out

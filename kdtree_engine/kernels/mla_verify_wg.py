@@ -13,9 +13,12 @@ two warpgroups takes 64 rows and one whole prefix chunk, with q and a ring of ke
 memory, as the P @ V operand needs every key of a row). Per element this is the chunk kernel's arithmetic
 with L_BY_DOT: the same 576-long fp32 score chain (latent, then rope) in k16 steps, scale, exp2 against the
 running max, the row sum of the bf16 P by an MMA, the rescaled accumulator as the P @ V MMA's addend, the same
-partials (o = acc / l, lse = m + log2 l) for the same merge. Only whole prefix chunks (no mask in them); the
-tree's own keys stay on the chunk kernel's gather launch. The GPU tests hold it to the chunk kernel bit for
-bit (tests/gpu/test_mla_attention_gpu.py).
+partials (o = acc / l, lse = m + log2 l) for the same merge. The whole prefix chunks, key tiles by TMA; where
+N is a multiple of 64 (a row tile is one query's heads) also the tree's own chunks (from S // CHUNK: the
+prefix's last keys, then the query's ancestors and itself), each query's keys gathered row by row (cp.async)
+through tree_gather_index's idx, masked from the query's length on, as the chunk kernel's gather launch reads
+them; those programs come first in the grid. The GPU tests hold it to the chunk kernel bit for bit
+(tests/gpu/test_mla_attention_gpu.py).
 
 Shared memory: q 72 KB + STAGES x 72 KB of key tiles + P 8 KB + ones 2 KB (two slots: 226 KB of the 227).
 """
@@ -31,6 +34,7 @@ from kdtree_engine.kernels.pdl import PDL_ASM
 if HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                                   warpgroup_mma, warpgroup_mma_wait)
     cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier   # renamed in triton 3.7
@@ -60,35 +64,88 @@ if HAVE_GLUON:
     WAIT_ASM = gl.constexpr(PDL_ASM)
 
     @gluon.jit
-    def _mla_verify_wg_kernel(ql_ptr, qp_ptr, lat_desc, pe_desc, po_ptr, pl_ptr, s_ptr,
-                              S, T, N, stride_qlt, stride_qln, stride_qpt, stride_qpn, stride_pom, stride_poc,
-                              stride_plm, qk_scale,
+    def _step(kl_st, kp_st, ql_s, qp_s, p_s, ones_t, zs, zl, acc, m_i, l_i, pos, L, qk_scale,
+              ROW_S: gl.constexpr, ROW_O: gl.constexpr):
+        """One key block of the online softmax (keys at positions pos [BN], -inf from L on): the scores' chain,
+        P through shared memory, the row sums and P @ V issued together, one wait."""
+        s = warpgroup_mma(ql_s, kl_st.permute((1, 0)), zs, use_acc=False, is_async=True)
+        s = warpgroup_mma(qp_s, kp_st.permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=[s]) * qk_scale
+        s = gl.where((pos < L)[None, :], s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        alpha = gl.exp2(m_i - m_new)
+        pr = gl.exp2(s - m_new[:, None])
+        p_s.store(pr.to(p_s.dtype))
+        fence_async_shared()
+        cta_barrier()           # every warp's part of P is in before the warpgroups read it
+        lsum = warpgroup_mma(p_s, ones_t.permute((1, 0)), zl, use_acc=False, is_async=True)
+        alpha_o = gl.convert_layout(alpha, ROW_O)
+        pv = warpgroup_mma(p_s, kl_st, acc * alpha_o[:, None], is_async=True)
+        lsum, acc = warpgroup_mma_wait(num_outstanding=0, deps=[lsum, pv])
+        l_i = l_i * alpha + gl.convert_layout(gl.max(lsum, 1), ROW_S)
+        return acc, m_new, l_i
+
+    @gluon.jit
+    def _gather_block(kv_ptr, stride_kv, idx_ptr, t_q, stride_idx, pos, S, p_end, kl_st, kp_st,
+                      C: gl.constexpr, R: gl.constexpr, BN: gl.constexpr, GL: gl.constexpr):
+        """The keys at virtual positions pos [BN] of query t_q into one slot (cp.async row gathers: position p < S
+        is slot p, S + k the k-th visible new slot idx[t_q, k]; past p_end slot S, weighted 0 by the mask); every
+        warp's part in before it returns."""
+        pg = gl.convert_layout(pos, gl.SliceLayout(1, GL))
+        j = gl.load(idx_ptr + t_q.to(gl.int64) * stride_idx + (pg - S), mask=(pg < p_end) & (pg >= S), other=0)
+        slot = gl.where(pg < S, pg, S + j)
+        row = kv_ptr + (slot.to(gl.int64) * stride_kv)[:, None]
+        async_copy.async_copy_global_to_shared(kl_st, row + gl.arange(0, C, layout=gl.SliceLayout(0, GL))[None, :])
+        async_copy.async_copy_global_to_shared(kp_st, row + C + gl.arange(0, R, layout=gl.SliceLayout(0, GL))[None, :])
+        async_copy.commit_group()
+        async_copy.wait_group(0)
+        fence_async_shared()
+        cta_barrier()
+
+    @gluon.jit
+    def _mla_verify_wg_kernel(ql_ptr, qp_ptr, lat_desc, pe_desc, kv_ptr, idx_ptr, nvis_ptr, po_ptr, pl_ptr, s_ptr,
+                              S, T, N, stride_qlt, stride_qln, stride_qpt, stride_qpn, stride_kv, stride_idx,
+                              stride_pom, stride_poc, stride_plm, qk_scale,
                               C: gl.constexpr, R: gl.constexpr, CHUNK: gl.constexpr, BN: gl.constexpr,
-                              STAGES: gl.constexpr, S_DEV: gl.constexpr, PDL: gl.constexpr):
-        # grid (row tiles, chunks): the whole prefix chunks [0, S // CHUNK) of a tree's T queries
+                              STAGES: gl.constexpr, S_DEV: gl.constexpr, N_TAIL: gl.constexpr, PDL: gl.constexpr):
+        # grid (row tiles, N_TAIL + prefix chunks): program_id(1) < N_TAIL is the tree tail's chunk
+        # S // CHUNK + program_id(1) (N a multiple of 64: a tile is one query's heads, its keys gathered through
+        # idx; first in the grid, so that they take SMs before the prefix programs), the others the whole prefix
+        # chunk program_id(1) - N_TAIL of [0, S) (key tiles by TMA)
         if PDL:
             gl.inline_asm_elementwise(WAIT_ASM, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
         pid_m = gl.program_id(0)
-        c = gl.program_id(1)
+        jc = gl.program_id(1)
         if S_DEV:
             S = gl.load(s_ptr).to(gl.int32)
-        if (c + 1) * CHUNK > S:
-            return
+        M: gl.constexpr = 64
+        tail = jc < N_TAIL
+        t_q = (pid_m * M) // N
+        if tail:
+            c = S // CHUNK + jc
+            L = S + gl.load(nvis_ptr + t_q)
+            p_end = gl.minimum(c * CHUNK + CHUNK, L)
+        else:
+            c = jc - N_TAIL
+            L = S
+            p_end = c * CHUNK + CHUNK
         p0 = c * CHUNK
-        NBLK: gl.constexpr = CHUNK // BN
+        if p_end > L:
+            return
+        if p0 >= p_end:
+            return
+        n_blk = (p_end - p0 + BN - 1) // BN
 
         ACC_S: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BN // 2, 16])
         ACC_O: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, C // 2, 16])
         ACC_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 8, 16])
         ROW_S: gl.constexpr = gl.SliceLayout(1, ACC_S)
         ROW_O: gl.constexpr = gl.SliceLayout(1, ACC_O)
-        ROW_L: gl.constexpr = gl.SliceLayout(1, ACC_L)
         QL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [8, 1], [1, 0])
+        GL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
         Q_SL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         DT: gl.constexpr = lat_desc.dtype
-        M: gl.constexpr = 64
 
-        # the first key tiles in flight before q is read (its load latency overlaps theirs)
         kl = gl.allocate_shared_memory(DT, [STAGES, BN, C], lat_desc.layout)
         kp = gl.allocate_shared_memory(DT, [STAGES, BN, R], pe_desc.layout)
         bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -97,11 +154,12 @@ if HAVE_GLUON:
         fence_async_shared()
         cta_barrier()
         NBYTES: gl.constexpr = BN * (C + R) * 2
-        for i in gl.static_range(STAGES):
-            if i < NBLK:
-                mbarrier.expect(bars.index(i), NBYTES)
-                tma_load(lat_desc, [p0 + i * BN, 0], bars.index(i), kl.index(i))
-                tma_load(pe_desc, [p0 + i * BN, 0], bars.index(i), kp.index(i))
+        if not tail:   # the first key tiles in flight before q is read (its load latency overlaps theirs)
+            for i in gl.static_range(STAGES):
+                if i < CHUNK // BN:
+                    mbarrier.expect(bars.index(i), NBYTES)
+                    tma_load(lat_desc, [p0 + i * BN, 0], bars.index(i), kl.index(i))
+                    tma_load(pe_desc, [p0 + i * BN, 0], bars.index(i), kp.index(i))
 
         # this tile's 64 (query, head) rows of q (rows past T * N zero) into shared memory: the A operand
         rw = pid_m * M + gl.arange(0, M, layout=gl.SliceLayout(1, QL))
@@ -127,30 +185,25 @@ if HAVE_GLUON:
         zs = gl.zeros([M, BN], gl.float32, layout=ACC_S)
         zl = gl.zeros([M, 16], gl.float32, layout=ACC_L)
         offs_n = gl.arange(0, BN, layout=gl.SliceLayout(0, ACC_S))
-        for j in range(NBLK):
-            st = j % STAGES
-            mbarrier.wait(bars.index(st), (j // STAGES) & 1)
-            s = warpgroup_mma(ql_s, kl.index(st).permute((1, 0)), zs, use_acc=False, is_async=True)
-            s = warpgroup_mma(qp_s, kp.index(st).permute((1, 0)), s, is_async=True)
-            s = warpgroup_mma_wait(num_outstanding=0, deps=[s]) * qk_scale
-            s = gl.where((p0 + j * BN + offs_n < S)[None, :], s, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(s, 1))
-            alpha = gl.exp2(m_i - m_new)
-            pr = gl.exp2(s - m_new[:, None])
-            p_s.store(pr.to(DT))
-            fence_async_shared()
-            cta_barrier()       # every warp's part of P is in before the warpgroups read it
-            lsum = warpgroup_mma(p_s, ones_t.permute((1, 0)), zl, use_acc=False, is_async=True)
-            alpha_o = gl.convert_layout(alpha, ROW_O)
-            pv = warpgroup_mma(p_s, kl.index(st), acc * alpha_o[:, None], is_async=True)
-            lsum, acc = warpgroup_mma_wait(num_outstanding=0, deps=[lsum, pv])
-            l_i = l_i * alpha + gl.convert_layout(gl.max(lsum, 1), ROW_S)
-            m_i = m_new
-            cta_barrier()       # every warp is done with this slot and with P before they are rewritten
-            if j + STAGES < NBLK:
-                mbarrier.expect(bars.index(st), NBYTES)
-                tma_load(lat_desc, [p0 + (j + STAGES) * BN, 0], bars.index(st), kl.index(st))
-                tma_load(pe_desc, [p0 + (j + STAGES) * BN, 0], bars.index(st), kp.index(st))
+        if tail:
+            for j in range(n_blk):
+                pos = p0 + j * BN + offs_n
+                _gather_block(kv_ptr, stride_kv, idx_ptr, t_q, stride_idx, pos, S, p_end, kl.index(0), kp.index(0),
+                              C, R, BN, GL)
+                acc, m_i, l_i = _step(kl.index(0), kp.index(0), ql_s, qp_s, p_s, ones_t, zs, zl, acc, m_i, l_i, pos,
+                                      L, qk_scale, ROW_S, ROW_O)
+                cta_barrier()   # every warp is done with the slot and with P before they are rewritten
+        else:
+            for j in range(CHUNK // BN):
+                st = j % STAGES
+                mbarrier.wait(bars.index(st), (j // STAGES) & 1)
+                acc, m_i, l_i = _step(kl.index(st), kp.index(st), ql_s, qp_s, p_s, ones_t, zs, zl, acc, m_i, l_i,
+                                      p0 + j * BN + offs_n, L, qk_scale, ROW_S, ROW_O)
+                cta_barrier()   # every warp is done with this slot and with P before they are rewritten
+                if j + STAGES < CHUNK // BN:
+                    mbarrier.expect(bars.index(st), NBYTES)
+                    tma_load(lat_desc, [p0 + (j + STAGES) * BN, 0], bars.index(st), kl.index(st))
+                    tma_load(pe_desc, [p0 + (j + STAGES) * BN, 0], bars.index(st), kp.index(st))
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(i))
 
@@ -165,17 +218,21 @@ if HAVE_GLUON:
 
 def launch(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, rows: int, po: torch.Tensor, pl: torch.Tensor,
            s_ptr: torch.Tensor, S: int, strides: tuple[int, int, int], qk_scale: float, chunk: int, n_ch: int,
-           stages: int, s_dev: bool, pdl: dict) -> None:
-    """One launch over chunks [0, n_ch) of a tree's T queries (q_lat [T, N, C], q_pe [T, N, R]) against the first
-    `rows` slots of kv; only whole chunks of [0, S) are computed (S from s_ptr when s_dev), their partials written
-    to po / pl (strides = (row, chunk, lse row))."""
+           stages: int, s_dev: bool, pdl: dict, tail: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> None:
+    """One launch over the whole prefix chunks [0, n_ch) of a tree's T queries (q_lat [T, N, C], q_pe [T, N, R])
+    against the first `rows` slots of kv; only whole chunks of [0, S) are computed (S from s_ptr when s_dev), their
+    partials written to po / pl (strides = (row, chunk, lse row)). tail = (idx, nvis, n_tail): also the tree's own
+    chunks S // CHUNK .. + n_tail (keys gathered through tree_gather_index's idx / nvis; N a multiple of 64)."""
     T, N, C = q_lat.shape
     R = q_pe.shape[2]
+    idx, nvis, n_tail = tail if tail is not None else (s_ptr, s_ptr, 0)
+    if n_tail and N % ROWS:
+        raise ValueError(f"mla_verify_wg: a tail chunk needs whole {ROWS}-row tiles per query, N = {N}")
     lat, pe = kv_descriptors(kv, rows, C, R)
-    _mla_verify_wg_kernel[(triton.cdiv(T * N, ROWS), n_ch)](
-        q_lat, q_pe, lat, pe, po, pl, s_ptr, S, T, N, q_lat.stride(0), q_lat.stride(1), q_pe.stride(0),
-        q_pe.stride(1), *strides, qk_scale, C=C, R=R, CHUNK=chunk, BN=BLOCK_N, STAGES=stages, S_DEV=s_dev,
-        num_warps=WARPS, **pdl)
+    _mla_verify_wg_kernel[(triton.cdiv(T * N, ROWS), n_tail + n_ch)](
+        q_lat, q_pe, lat, pe, kv, idx, nvis, po, pl, s_ptr, S, T, N, q_lat.stride(0), q_lat.stride(1), q_pe.stride(0),
+        q_pe.stride(1), kv.stride(0), idx.stride(0) if n_tail else 0, *strides, qk_scale, C=C, R=R, CHUNK=chunk,
+        BN=BLOCK_N, STAGES=stages, S_DEV=s_dev, N_TAIL=n_tail, num_warps=WARPS, **pdl)
 
 
 __all__ = ["ROWS", "launch", "unsupported"]

@@ -334,14 +334,15 @@ def test_small_trees_on_decode_tiles_bit_equal_bf16(N, tiles):
 
 @pytest.mark.parametrize("N,stages", [(64, 2), (64, 1), (8, 2), (16, 2)])
 def test_verify_warpgroup_bit_equal_bf16(N, stages):
-    """The queries-on-M warpgroup kernel for a tree's whole prefix chunks (VERIFY_WG) is the chunk kernel's
-    arithmetic: a tree launch equals the chunk kernel's (VERIFY_WG 0) bit for bit, host- and device-length, on
-    and off the chunk grid, over one prefix chunk and a long prefix, rows past T * N in the last tile."""
+    """The queries-on-M warpgroup kernel for a tree's whole prefix chunks (VERIFY_WG; at N = 64 also the tree's
+    own chunks, keys gathered, in the same launch) is the chunk kernel's arithmetic: a tree launch equals the chunk
+    kernel's (VERIFY_WG 0) bit for bit, host- and device-length, on and off the chunk grid, over no whole prefix
+    chunk, one and many, a tree whose paths cross a chunk edge, rows past T * N in the last tile."""
     from kdtree_engine.kernels.mla_attention import _verify_wg
 
     base = replace(default_config(N), VERIFY_WG=0, DECODE_MAX_T=1)
     cfg = replace(base, VERIFY_WG=stages)
-    for S, T in ((4096, 64), (4096 - 96, 16), (512 + 3, 24), (32768 + 5, 33)):
+    for S, T in ((4096, 64), (4096 - 96, 16), (512 + 3, 24), (1024 - 6, 40), (300, 20), (32768 + 5, 33)):
         seed = int(torch.randint(1 << 30, (1,)))
         q_lat, q_pe, kv = inputs(T, N, S, seed)
         assert _verify_wg(cfg, False, q_lat, kv, R), "the warpgroup kernel does not take this launch"
