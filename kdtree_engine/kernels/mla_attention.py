@@ -421,15 +421,23 @@ class MLAConfig:
 # against 42.6 / 46.0 (the host path's per-call tree index included), decode 19.4 / 30.4 us at 4K / 32K against
 # 18.9 / 30.8. The score chains split in two (QK_SPLIT 2) measured equal on the warpgroup kernel (19.2 against 19.4
 # us at 32K) and are not adopted.
+# Trees on the verify tiles (both buckets): their whole prefix chunks on the queries-on-M warpgroup kernel (VERIFY_WG
+# 2; at N = 64 the tree's own chunks in the same launch, first), the same bits (GPU-tested). python3
+# bench/mla_attention.py --sweep-only --sweep-verify (bench/results/mla_attention-verify-sweep-h200.md), against the
+# chunk kernel: N = 64 over 4K 64.2 / 102 / 173 / 318 us at 16 / 32 / 64 / 128 nodes against 71.5 / 130 / 219 / 401,
+# over 32K 301 / 1081 at 16 / 64 against 398 / 1420; N = 8 at 64 nodes 55.0 / 179 / 547 us over 4K / 32K / 128K
+# against 62.5 / 244 / 775 (one key slot: slower). One layer's attention sublayer at 16 / 32 / 64 nodes 126 / 172 /
+# 248 against 143 / 197 / 290 us (bench/results/k2_step-h200-vwg2.md against -vwg0.md).
 DEFAULT_CONFIGS: list[tuple[int, MLAConfig]] = [
     (16, MLAConfig(CHUNK=512, BLOCK_M=32, BLOCK_N=64, V_SPLIT=1, num_warps=4, num_stages=2, KEYS_ON_M=False,
                    Q_IN_LOOP=False, V_SPLIT_BY_T=(), DECODE_MIN_PROGRAMS=0, L_BY_DOT=True,
                    DECODE_BLOCK_M=16, DECODE_STAGES=3, QK_SPLIT=1, DECODE_MAX_T=16,
-                   SMALL_WARPS=8, DECODE_WG=2, DECODE_WG_MIN_PROGRAMS=128, DECODE_WG_ROWS=16)),  # N <= 16 (TP8)
+                   SMALL_WARPS=8, DECODE_WG=2, DECODE_WG_MIN_PROGRAMS=128, DECODE_WG_ROWS=16,
+                   VERIFY_WG=2)),  # N <= 16 (TP8)
     (1 << 30, MLAConfig(CHUNK=512, BLOCK_M=64, BLOCK_N=64, V_SPLIT=1, num_warps=8, num_stages=2,
                         KEYS_ON_M=False, Q_IN_LOOP=False, V_SPLIT_BY_T=(), DECODE_MIN_PROGRAMS=64, L_BY_DOT=True,
                         DECODE_BLOCK_M=32, DECODE_WARPS=4, QK_SPLIT=1, DECODE_MAX_T=8, DECODE_WG=2,
-                        SMALL_BLOCK_M=16, SMALL_WARPS=8)),
+                        SMALL_BLOCK_M=16, SMALL_WARPS=8, VERIFY_WG=2)),
 ]
 
 
@@ -1054,7 +1062,7 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, sta
             _mla_chunk_kernel[(T * triton.cdiv(N, rows) * VS, n_ch - c_split)](
                 q_lat, q_pe, kv, idx, nvis, po, pl, out, nvis, T, S, N, c_split, *args_tail, GATHER=True, **common)
 
-        if vwg and N % VWG_ROWS == 0:   # one launch: the tree's own chunks first, then the prefix chunks
+        if vwg and N % VWG_ROWS == 0 and not direct:   # one launch: the tree's own chunks first, then the prefix's
             verify_wg(q_lat, q_pe, kv, S + T, po, pl, nvis, S, (spom, spoc, splm), qk_scale, cfg.CHUNK, c_split,
                       cfg.VERIFY_WG, False, pdl, tail=(idx, nvis, n_ch - c_split))
         else:
@@ -1148,7 +1156,7 @@ def mla_attention_device(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tens
         _mla_chunk_kernel[(T * triton.cdiv(N, rows) * VS, n_ch)](
             q_lat, q_pe, kv, idx, nvis, po, pl, out, s_dev, T, 0, N, 0, *args_tail, GATHER=True, **common)
 
-    if vwg and N % VWG_ROWS == 0:   # one launch: the tree's own chunks (at most 1 + cdiv(T - 1, CHUNK)) first
+    if vwg and N % VWG_ROWS == 0 and not direct:   # one launch, the tree's own chunks first (1 + cdiv(T - 1, CHUNK))
         verify_wg(q_lat, q_pe, kv, cap, po, pl, s_dev, 0, (spom, spoc, splm), args_tail[-1], cfg.CHUNK, n_ch,
                   cfg.VERIFY_WG, True, pdl, tail=(idx, nvis, 1 + triton.cdiv(T - 1, cfg.CHUNK)))
     else:

@@ -123,7 +123,7 @@ if HAVE_GLUON:
         t_q = (pid_m * M) // N
         if tail:
             c = S // CHUNK + jc
-            L = S + gl.load(nvis_ptr + t_q)
+            L = S + gl.load(nvis_ptr + t_q).to(gl.int32)
             p_end = gl.minimum(c * CHUNK + CHUNK, L)
         else:
             c = jc - N_TAIL
