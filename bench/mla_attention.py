@@ -196,9 +196,9 @@ SMALL_SHAPES = [(64, 4096, 2), (64, 4096, 4), (64, 4096, 8), (64, 4096, 16), (64
 # before this block's softmax, with 2 or 3 key slots: the same bits, slower everywhere (N = 8 decode 17.7 / 25.7 / 57.0
 # us at 4K / 32K / 128K against 12.2 / 18.4 / 50.9; N = 64 4-node trees over 4K 47.1 against 42.8). `--sweep-wg`
 WG_FOR_N: dict[int, list[MLAConfig]] = {
-    8: [_D8, replace(_D8, QK_SPLIT=2), replace(_D8, DECODE_WG_MIN_PROGRAMS=0), replace(_D8, DECODE_WG_ROWS=8),
+    8: [_D8, replace(_D8, QK_SPLIT=2, VERIFY_WG=0), replace(_D8, DECODE_WG_MIN_PROGRAMS=0), replace(_D8, DECODE_WG_ROWS=8),
         replace(_D8, DECODE_WG_ROWS=16)],
-    64: [_D64, replace(_D64, QK_SPLIT=2), replace(_D64, DECODE_MIN_PROGRAMS=64),
+    64: [_D64, replace(_D64, QK_SPLIT=2, VERIFY_WG=0), replace(_D64, DECODE_MIN_PROGRAMS=64),
          replace(_D64, DECODE_WG_ROWS=16, DECODE_MIN_PROGRAMS=64)]}
 WG_SWEEP: list[MLAConfig] = [c for cs in WG_FOR_N.values() for c in cs]
 WG_SHAPES = [(8, 4096, 1), (8, 32768, 1), (8, 131072, 1), (8, 4096, 4), (8, 4096, 8), (8, 4096, 16), (8, 32768, 4),

@@ -258,7 +258,8 @@
 #          bucket's VERIFY_WG 2 (set through runpy) and as it is, with their timelines
 #   vwg2   VERIFY_WG 2 as the default of both buckets: the attention tests that run trees on the verify tiles (bit
 #          equality, batch invariance, the reference), the demo's greedy spec == plain and the device-length bitwise test
-#   vwg3   the same: the K2 layer with its timeline, the attention bench, the graph-round and spec GPU tests
+#   vwg3   the same: the K2 layer with its timeline, the attention bench, the graph-round and spec GPU tests, the
+#          attention tests with the scores in two chains (QK_SPLIT 2: the chunk kernel's verify tiles)
 #   bounds what leaving out one launch could gain (bench/launch_bounds.py): the MoE's SwiGLU / top-k sum, a small
 #          tree's tail launch beside its prefix launch
 #   prefetch weight / key lines asked of L2 before the dependent-launch waits (commit 549eb2a, reverted since: its
@@ -737,7 +738,8 @@ fi
 if [[ $PART == vwg3 ]]; then
   step bench_k2_step 130 python3 bench/k2_step.py --timeline --out "$RES"
   step bench_mla 140 python3 bench/mla_attention.py --no-peers --out "$RES"
-  step pytest_graph 250 $PYT tests/gpu/test_graph_round_gpu.py tests/spec/test_spec_gpu.py
+  step pytest_graph 220 $PYT tests/gpu/test_graph_round_gpu.py tests/spec/test_spec_gpu.py
+  step pytest_mla_qs2 60 $PYT tests/gpu/test_mla_attention_gpu.py -k "qs2"
 fi
 if [[ $PART == final8b ]]; then
   step pytest_graph 250 $PYT tests/gpu/test_graph_round_gpu.py tests/spec/test_spec_gpu.py

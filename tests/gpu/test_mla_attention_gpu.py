@@ -246,6 +246,13 @@ def check_decode_rows(q_lat, q_pe, kv, S, full, rows, cfg, what):
         assert torch.equal(one_dev[0], full[i]), f"device-length decode row {i} at S = {S}, {what}"
 
 
+def _qk_split(N: int, qs: int) -> MLAConfig:
+    """The default config with the score chains in qs MMA chains (2: the verify tiles on the chunk kernel, which
+    has the split; the queries-on-M warpgroup kernel has not)."""
+    cfg = default_config(N)
+    return cfg if qs == cfg.QK_SPLIT else replace(cfg, QK_SPLIT=qs, VERIFY_WG=0)
+
+
 WG = {"wg2": dict(DECODE_WG=2), "wg3": dict(DECODE_WG=3), "wg2slices": dict(DECODE_WG=2, DECODE_MIN_PROGRAMS=128),
       "wg2qs2": dict(DECODE_WG=2, QK_SPLIT=2), "wg3qs2": dict(DECODE_WG=3, QK_SPLIT=2),
       "wg2qs2slices": dict(DECODE_WG=2, QK_SPLIT=2, DECODE_WG_MIN_PROGRAMS=128),
@@ -265,7 +272,7 @@ def test_decode_warpgroup_bit_equal_bf16(N, wg):
     from kdtree_engine.kernels.mla_attention import _decode_wg
     from kdtree_engine.kernels.mla_decode_wg import unsupported
 
-    base = replace(default_config(N), QK_SPLIT=WG[wg].get("QK_SPLIT", 1))   # the chunk kernel's arithmetic
+    base = _qk_split(N, WG[wg].get("QK_SPLIT", 1))   # the chunk kernel's arithmetic
     cfg = replace(base, **WG[wg])
     assert unsupported(N, C, R, torch.bfloat16, cfg.BLOCK_N, 1, cfg.DECODE_WG) is None
     for S, T in ((100, 8), (512 - 3, 6), (32768 + 5, 40)):
@@ -316,7 +323,7 @@ def test_small_trees_on_decode_tiles_bit_equal_bf16(N, tiles):
     against the verify tiles' QK_SPLIT 2)."""
     S, Tt = 4096 + 37, 64
     seed = int(torch.randint(1 << 30, (1,)))
-    base = replace(default_config(N), QK_SPLIT=SMALL_TILES[tiles].get("QK_SPLIT", 1))
+    base = _qk_split(N, SMALL_TILES[tiles].get("QK_SPLIT", 1))
     cfg = replace(base, **{"DECODE_MAX_T": 8, **SMALL_TILES[tiles]})
     q_lat, q_pe, kv = inputs(Tt, N, S, seed)
     mask = random_tree_mask(Tt, torch.Generator().manual_seed(seed)).cuda()
