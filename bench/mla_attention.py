@@ -205,11 +205,12 @@ WG_SHAPES = [(8, 4096, 1), (8, 32768, 1), (8, 131072, 1), (8, 4096, 4), (8, 4096
              (8, 32768, 16), (64, 4096, 1), (64, 32768, 1), (64, 4096, 2), (64, 4096, 4), (64, 4096, 8),
              (64, 32768, 4)]
 # A tree's whole prefix chunks on the queries-on-M warpgroup kernel (VERIFY_WG: 64 rows per program of two
-# warpgroups, 2 or 1 TMA key slots) against the chunk kernel's verify tiles; at N = 8 trees of up to 16 nodes stay
-# decode launches. `--sweep-verify`
+# warpgroups, 2 or 1 TMA key slots; the default, 2) against the chunk kernel's verify tiles (VERIFY_WG 0); at N = 8
+# trees whose verify tiles would leave SMs idle stay decode launches. `--sweep-verify` (bench/results/
+# mla_attention-verify-sweep-h200.md was measured while the default was still 0)
 VERIFY_FOR_N: dict[int, list[MLAConfig]] = {
-    8: [_D8, replace(_D8, VERIFY_WG=2)],
-    64: [_D64, replace(_D64, VERIFY_WG=2), replace(_D64, VERIFY_WG=1)]}
+    8: [_D8, replace(_D8, VERIFY_WG=0)],
+    64: [_D64, replace(_D64, VERIFY_WG=0), replace(_D64, VERIFY_WG=1)]}
 VERIFY_SWEEP: list[MLAConfig] = [c for cs in VERIFY_FOR_N.values() for c in cs]
 VERIFY_SHAPES = [(64, 4096, 16), (64, 4096, 32), (64, 4096, 64), (64, 4096, 128), (64, 32768, 16),
                  (64, 32768, 64), (64, 131072, 16), (8, 4096, 64), (8, 32768, 32), (8, 32768, 64), (8, 131072, 64)]
