@@ -94,6 +94,36 @@ if HAVE_GLUON:
         return lo * qk_scale + hi * qk_scale
 
     @gluon.jit
+    def key_ring(lat_desc, pe_desc, STAGES: gl.constexpr, BN: gl.constexpr, C: gl.constexpr, R: gl.constexpr):
+        """A ring of STAGES key slots (latent [BN, C] and rope [BN, R] tiles in the TMA descriptors' layouts) and
+        their mbarriers, initialised and visible to every warp."""
+        kl = gl.allocate_shared_memory(lat_desc.dtype, [STAGES, BN, C], lat_desc.layout)
+        kp = gl.allocate_shared_memory(pe_desc.dtype, [STAGES, BN, R], pe_desc.layout)
+        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(bars.index(i), count=1)
+        fence_async_shared()
+        cta_barrier()
+        return kl, kp, bars
+
+    @gluon.jit
+    def load_q_rows(ql_ptr, qp_ptr, row0, T, N, stride_qlt, stride_qln, stride_qpt, stride_qpn,
+                    ROWS: gl.constexpr, C: gl.constexpr, R: gl.constexpr, QL: gl.constexpr):
+        """(query, head) rows row0 .. row0 + ROWS of q (t-major: row = t * N + h) as [ROWS, C] / [ROWS, R] in QL,
+        rows past T * N zero."""
+        rw = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, QL))
+        cq = gl.arange(0, C, layout=gl.SliceLayout(0, QL))
+        rq = gl.arange(0, R, layout=gl.SliceLayout(0, QL))
+        r_ok = rw < T * N
+        tq = (rw // N).to(gl.int64)
+        hq = (rw % N).to(gl.int64)
+        q_lat = gl.load(ql_ptr + (tq * stride_qlt + hq * stride_qln)[:, None] + cq[None, :], mask=r_ok[:, None],
+                        other=0.0)
+        q_pe = gl.load(qp_ptr + (tq * stride_qpt + hq * stride_qpn)[:, None] + rq[None, :], mask=r_ok[:, None],
+                       other=0.0)
+        return q_lat, q_pe
+
+    @gluon.jit
     def _probs(s, m_i, pos, L, p_s):
         """One online-softmax step on the scaled s^T [BN, NP] (keys at positions pos, -inf from L on): P^T into
         p_s, every warp's part in before it returns; (alpha, the new running max)."""
@@ -164,13 +194,7 @@ if HAVE_GLUON:
         DT: gl.constexpr = lat_desc.dtype
 
         # the first key tiles in flight before q is read (its load latency overlaps theirs)
-        kl = gl.allocate_shared_memory(DT, [STAGES, BN, C], lat_desc.layout)
-        kp = gl.allocate_shared_memory(DT, [STAGES, BN, R], pe_desc.layout)
-        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(STAGES):
-            mbarrier.init(bars.index(i), count=1)
-        fence_async_shared()
-        cta_barrier()
+        kl, kp, bars = key_ring(lat_desc, pe_desc, STAGES, BN, C, R)
         NBYTES: gl.constexpr = BN * (C + R) * 2
         for i in gl.static_range(STAGES):
             ok = i < n_blk
@@ -180,16 +204,8 @@ if HAVE_GLUON:
 
         # this group's NP (query, head) rows of q [NP, C] / [NP, R] (rows past T * N zero) into shared memory:
         # the MMAs' B operand (K-major, transposed)
-        rw = pid_g * NP + gl.arange(0, NP, layout=gl.SliceLayout(1, QL))
-        cq = gl.arange(0, C, layout=gl.SliceLayout(0, QL))
-        rq = gl.arange(0, R, layout=gl.SliceLayout(0, QL))
-        r_ok = rw < T * N
-        tq = (rw // N).to(gl.int64)
-        hq = (rw % N).to(gl.int64)
-        q_lat = gl.load(ql_ptr + (tq * stride_qlt + hq * stride_qln)[:, None] + cq[None, :], mask=r_ok[:, None],
-                        other=0.0)
-        q_pe = gl.load(qp_ptr + (tq * stride_qpt + hq * stride_qpn)[:, None] + rq[None, :], mask=r_ok[:, None],
-                       other=0.0)
+        q_lat, q_pe = load_q_rows(ql_ptr, qp_ptr, pid_g * NP, T, N, stride_qlt, stride_qln, stride_qpt, stride_qpn,
+                                  NP, C, R, QL)
         ql_s = gl.allocate_shared_memory(DT, [NP, C], Q_SL, q_lat)
         qp_s = gl.allocate_shared_memory(DT, [NP, R], Q_SL, q_pe)
         p_s = gl.allocate_shared_memory(DT, [NP, BN], Q_SL)
@@ -266,4 +282,4 @@ def launch(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, rows: int,
         **pdl)
 
 
-__all__ = ["BLOCK_N", "HAVE_GLUON", "launch", "rows_per_program", "unsupported"]
+__all__ = ["BLOCK_N", "HAVE_GLUON", "key_ring", "kv_descriptors", "launch", "load_q_rows", "rows_per_program", "unsupported"]

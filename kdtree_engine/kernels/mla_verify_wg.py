@@ -32,6 +32,7 @@ from kdtree_engine.kernels.mla_decode_wg import BLOCK_N, HAVE_GLUON, kv_descript
 from kdtree_engine.kernels.pdl import PDL_ASM
 
 if HAVE_GLUON:
+    from kdtree_engine.kernels.mla_decode_wg import key_ring, load_q_rows
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
@@ -146,13 +147,7 @@ if HAVE_GLUON:
         Q_SL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         DT: gl.constexpr = lat_desc.dtype
 
-        kl = gl.allocate_shared_memory(DT, [STAGES, BN, C], lat_desc.layout)
-        kp = gl.allocate_shared_memory(DT, [STAGES, BN, R], pe_desc.layout)
-        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(STAGES):
-            mbarrier.init(bars.index(i), count=1)
-        fence_async_shared()
-        cta_barrier()
+        kl, kp, bars = key_ring(lat_desc, pe_desc, STAGES, BN, C, R)
         NBYTES: gl.constexpr = BN * (C + R) * 2
         if not tail:   # the first key tiles in flight before q is read (its load latency overlaps theirs)
             for i in gl.static_range(STAGES):
@@ -162,16 +157,8 @@ if HAVE_GLUON:
                     tma_load(pe_desc, [p0 + i * BN, 0], bars.index(i), kp.index(i))
 
         # this tile's 64 (query, head) rows of q (rows past T * N zero) into shared memory: the A operand
-        rw = pid_m * M + gl.arange(0, M, layout=gl.SliceLayout(1, QL))
-        cq = gl.arange(0, C, layout=gl.SliceLayout(0, QL))
-        rq = gl.arange(0, R, layout=gl.SliceLayout(0, QL))
-        r_ok = rw < T * N
-        tq = (rw // N).to(gl.int64)
-        hq = (rw % N).to(gl.int64)
-        q_lat = gl.load(ql_ptr + (tq * stride_qlt + hq * stride_qln)[:, None] + cq[None, :], mask=r_ok[:, None],
-                        other=0.0)
-        q_pe = gl.load(qp_ptr + (tq * stride_qpt + hq * stride_qpn)[:, None] + rq[None, :], mask=r_ok[:, None],
-                       other=0.0)
+        q_lat, q_pe = load_q_rows(ql_ptr, qp_ptr, pid_m * M, T, N, stride_qlt, stride_qln, stride_qpt, stride_qpn,
+                                  M, C, R, QL)
         ql_s = gl.allocate_shared_memory(DT, [M, C], Q_SL, q_lat)
         qp_s = gl.allocate_shared_memory(DT, [M, R], Q_SL, q_pe)
         p_s = gl.allocate_shared_memory(DT, [M, BN], Q_SL)
