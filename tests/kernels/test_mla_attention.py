@@ -533,3 +533,40 @@ def test_decode_wg_config_and_fit(caplog, monkeypatch):
     said = [r.getMessage() for r in caplog.records if "warpgroup kernel" in r.getMessage()]
     assert len(said) == 1 and "not on a CUDA device" in said[0], said
     assert not _decode_wg(ok, False, q, kv, 64, 1)  # not a decode launch
+
+
+def test_verify_wg_config_and_fit(caplog, monkeypatch):
+    """VERIFY_WG needs the chunk kernel arithmetic it reproduces (one score chain); a launch it cannot take says why
+    (logged once) and runs on the chunk kernel; decode launches never take it; a tail chunk needs whole 64-row tiles
+    per query."""
+    from kdtree_engine.kernels import mla_attention as M
+    from kdtree_engine.kernels import mla_verify_wg as V
+    from kdtree_engine.kernels.mla_attention import _verify_wg, default_config
+
+    monkeypatch.setattr(M, "_LOGGED", set())
+    ok = MLAConfig(BLOCK_N=64, L_BY_DOT=True, VERIFY_WG=2)
+    for bad in (dict(L_BY_DOT=False), dict(KEYS_ON_M=True), dict(VERIFY_WG=3), dict(QK_SPLIT=2)):
+        with pytest.raises(ValueError, match="VERIFY_WG"):
+            MLAConfig(**{**ok.as_dict(), **bad})
+    assert MLAConfig(**ok.as_dict()) == ok
+    assert all(default_config(n).VERIFY_WG == 2 for n in (8, 64))
+    if V.HAVE_GLUON:
+        assert V.unsupported(512, 64, torch.bfloat16, 64, 2) is None
+        assert "dtype" in V.unsupported(512, 64, torch.float32, 64, 2)
+        assert "BLOCK_N" in V.unsupported(512, 64, torch.bfloat16, 32, 2)
+        assert "C = 256" in V.unsupported(256, 64, torch.bfloat16, 64, 2)
+        assert "shared memory" in V.unsupported(512, 64, torch.bfloat16, 64, 3)
+    else:
+        assert "Gluon" in V.unsupported(512, 64, torch.bfloat16, 64, 2)
+    q = torch.zeros(16, 8, 512, dtype=torch.bfloat16)
+    kv = torch.zeros(40, 576, dtype=torch.bfloat16)
+    assert not _verify_wg(MLAConfig(BLOCK_N=64, L_BY_DOT=True), False, q, kv, 64)   # not asked for
+    assert not _verify_wg(ok, True, q, kv, 64)                                       # a decode launch
+    with caplog.at_level("INFO", logger="kdtree_engine.kernels.mla_attention"):
+        assert not _verify_wg(ok, False, q, kv, 64)      # asked for, but not here
+        assert not _verify_wg(ok, False, q, kv, 64)
+    said = [r.getMessage() for r in caplog.records if "tree prefix launches" in r.getMessage()]
+    assert len(said) == 1 and ("CUDA" in said[0] or "Gluon" in said[0]), said
+    with pytest.raises(ValueError, match="64-row tiles"):
+        V.launch(q, q[..., :64], kv, 40, kv, kv, kv, 8, (0, 0, 0), 1.0, 512, 1, 2, False, {},
+                 tail=(kv, kv, 1))
