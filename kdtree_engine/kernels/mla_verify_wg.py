@@ -43,7 +43,6 @@ if HAVE_GLUON:
 
 ROWS = 64          # (query, head) rows per program: one wgmma M tile
 WARPS = 8          # two warpgroups
-SCORES_AHEAD = True   # prefix chunks: block j + 1's scores issued before block j's softmax (the same MMAs)
 
 
 def unsupported(C: int, R: int, dtype: torch.dtype, block_n: int, stages: int) -> str | None:
@@ -66,17 +65,13 @@ if HAVE_GLUON:
     WAIT_ASM = gl.constexpr(PDL_ASM)
 
     @gluon.jit
-    def _scores(kl_st, kp_st, ql_s, qp_s, zs):
-        """Issue one key block's scores (the latent, then the rope MMA chain); not waited for."""
+    def _step(kl_st, kp_st, ql_s, qp_s, p_s, ones_t, zs, zl, acc, m_i, l_i, pos, L, qk_scale,
+              ROW_S: gl.constexpr, ROW_O: gl.constexpr):
+        """One key block of the online softmax (keys at positions pos [BN], -inf from L on): the scores' chain,
+        P through shared memory, the row sums and P @ V issued together, one wait."""
         s = warpgroup_mma(ql_s, kl_st.permute((1, 0)), zs, use_acc=False, is_async=True)
-        return warpgroup_mma(qp_s, kp_st.permute((1, 0)), s, is_async=True)
-
-    @gluon.jit
-    def _softmax_pv(s, kl_st, p_s, ones_t, zl, acc, m_i, l_i, pos, L, qk_scale,
-                    ROW_S: gl.constexpr, ROW_O: gl.constexpr):
-        """One key block of the online softmax on its raw scores s (keys at positions pos [BN], -inf from L on): P
-        through shared memory, the row sums and P @ V issued together, one wait."""
-        s = s * qk_scale
+        s = warpgroup_mma(qp_s, kp_st.permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=[s]) * qk_scale
         s = gl.where((pos < L)[None, :], s, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, 1))
         alpha = gl.exp2(m_i - m_new)
@@ -113,8 +108,7 @@ if HAVE_GLUON:
                               S, T, N, stride_qlt, stride_qln, stride_qpt, stride_qpn, stride_kv, stride_idx,
                               stride_pom, stride_poc, stride_plm, qk_scale,
                               C: gl.constexpr, R: gl.constexpr, CHUNK: gl.constexpr, BN: gl.constexpr,
-                              STAGES: gl.constexpr, S_DEV: gl.constexpr, N_TAIL: gl.constexpr, AHEAD: gl.constexpr,
-                              PDL: gl.constexpr):
+                              STAGES: gl.constexpr, S_DEV: gl.constexpr, N_TAIL: gl.constexpr, PDL: gl.constexpr):
         # grid (row tiles, N_TAIL + prefix chunks): program_id(1) < N_TAIL is the tree tail's chunk
         # S // CHUNK + program_id(1) (N a multiple of 64: a tile is one query's heads, its keys gathered through
         # idx; first in the grid, so that they take SMs before the prefix programs), the others the whole prefix
@@ -183,28 +177,15 @@ if HAVE_GLUON:
                 pos = p0 + j * BN + offs_n
                 _gather_block(kv_ptr, stride_kv, idx_ptr, t_q, stride_idx, pos, S, p_end, kl.index(0), kp.index(0),
                               C, R, BN, GL)
-                sc = warpgroup_mma_wait(num_outstanding=0, deps=[_scores(kl.index(0), kp.index(0), ql_s, qp_s, zs)])
-                acc, m_i, l_i = _softmax_pv(sc, kl.index(0), p_s, ones_t, zl, acc, m_i, l_i, pos, L, qk_scale,
-                                            ROW_S, ROW_O)
+                acc, m_i, l_i = _step(kl.index(0), kp.index(0), ql_s, qp_s, p_s, ones_t, zs, zl, acc, m_i, l_i, pos,
+                                      L, qk_scale, ROW_S, ROW_O)
                 cta_barrier()   # every warp is done with the slot and with P before they are rewritten
         else:
-            if AHEAD:   # block j + 1's scores issued before block j's softmax: the MMAs run under it
-                mbarrier.wait(bars.index(0), 0)
-                sa = _scores(kl.index(0), kp.index(0), ql_s, qp_s, zs)
             for j in range(CHUNK // BN):
                 st = j % STAGES
-                if AHEAD:
-                    sc = warpgroup_mma_wait(num_outstanding=0, deps=[sa])
-                    if j + 1 < CHUNK // BN:
-                        nst = (j + 1) % STAGES
-                        mbarrier.wait(bars.index(nst), ((j + 1) // STAGES) & 1)
-                        sa = _scores(kl.index(nst), kp.index(nst), ql_s, qp_s, zs)
-                else:
-                    mbarrier.wait(bars.index(st), (j // STAGES) & 1)
-                    sc = warpgroup_mma_wait(num_outstanding=0, deps=[_scores(kl.index(st), kp.index(st), ql_s, qp_s,
-                                                                             zs)])
-                acc, m_i, l_i = _softmax_pv(sc, kl.index(st), p_s, ones_t, zl, acc, m_i, l_i, p0 + j * BN + offs_n, L,
-                                            qk_scale, ROW_S, ROW_O)
+                mbarrier.wait(bars.index(st), (j // STAGES) & 1)
+                acc, m_i, l_i = _step(kl.index(st), kp.index(st), ql_s, qp_s, p_s, ones_t, zs, zl, acc, m_i, l_i,
+                                      p0 + j * BN + offs_n, L, qk_scale, ROW_S, ROW_O)
                 cta_barrier()   # every warp is done with this slot and with P before they are rewritten
                 if j + STAGES < CHUNK // BN:
                     mbarrier.expect(bars.index(st), NBYTES)
@@ -238,7 +219,7 @@ def launch(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, rows: int,
     _mla_verify_wg_kernel[(triton.cdiv(T * N, ROWS), n_tail + n_ch)](
         q_lat, q_pe, lat, pe, kv, idx, nvis, po, pl, s_ptr, S, T, N, q_lat.stride(0), q_lat.stride(1), q_pe.stride(0),
         q_pe.stride(1), kv.stride(0), idx.stride(0) if n_tail else 0, *strides, qk_scale, C=C, R=R, CHUNK=chunk,
-        BN=BLOCK_N, STAGES=stages, S_DEV=s_dev, N_TAIL=n_tail, AHEAD=SCORES_AHEAD, num_warps=WARPS, **pdl)
+        BN=BLOCK_N, STAGES=stages, S_DEV=s_dev, N_TAIL=n_tail, num_warps=WARPS, **pdl)
 
 
 __all__ = ["ROWS", "launch", "unsupported"]
