@@ -1045,6 +1045,10 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, sta
     else:
         c_split = S // cfg.CHUNK  # chunks [0, c_split) lie wholly in the committed prefix
 
+        def verify(tail: tuple | None) -> None:   # the verify warpgroup launch (its prefix chunks; tail: its own too)
+            verify_wg(q_lat, q_pe, kv, S + T, po, pl, nvis, S, (spom, spoc, splm), qk_scale, cfg.CHUNK, c_split,
+                      cfg.VERIFY_WG, False, pdl, tail=tail)
+
         def prefix() -> None:
             if wg:   # the whole prefix chunks of a small tree: no mask in them
                 decode_wg(q_lat, q_pe, kv, S + T, po, pl, out, nvis, S, (spom, spoc, splm), qk_scale, cfg.CHUNK,
@@ -1052,8 +1056,7 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, sta
                           **_wg_opts(cfg))
                 return
             if vwg:  # the whole prefix chunks of a larger tree: 64 rows per program, queries on the M side
-                verify_wg(q_lat, q_pe, kv, S + T, po, pl, nvis, S, (spom, spoc, splm), qk_scale, cfg.CHUNK, c_split,
-                          cfg.VERIFY_WG, False, pdl)
+                verify(None)
                 return
             _mla_chunk_kernel[(n_tiles * VS, c_split)](q_lat, q_pe, kv, idx, nvis, po, pl, out, nvis, T, S, N, 0,
                                                        *args_tail, GATHER=False, **common, **descs)
@@ -1063,8 +1066,7 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, sta
                 q_lat, q_pe, kv, idx, nvis, po, pl, out, nvis, T, S, N, c_split, *args_tail, GATHER=True, **common)
 
         if vwg and N % VWG_ROWS == 0 and not direct:   # one launch: the tree's own chunks first, then the prefix's
-            verify_wg(q_lat, q_pe, kv, S + T, po, pl, nvis, S, (spom, spoc, splm), qk_scale, cfg.CHUNK, c_split,
-                      cfg.VERIFY_WG, False, pdl, tail=(idx, nvis, n_ch - c_split))
+            verify((idx, nvis, n_ch - c_split))
         else:
             # the packed (prefix) and gather (tree tail) launches write disjoint chunks: side by side, the
             # gather launch (a few programs, one chunk each) need not wait for the prefix launch to drain
@@ -1139,6 +1141,10 @@ def mla_attention_device(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tens
             _merge(po, pl, nvis, out, s_dev, 0, N, n_ch, (spom, spoc, splm), C, cfg.CHUNK, True, True)
         return out
 
+    def verify(tail: tuple | None) -> None:   # the verify warpgroup launch (its prefix chunks; tail: its own too)
+        verify_wg(q_lat, q_pe, kv, cap, po, pl, s_dev, 0, (spom, spoc, splm), args_tail[-1], cfg.CHUNK, n_ch,
+                  cfg.VERIFY_WG, True, pdl, tail=tail)
+
     def prefix() -> None:   # the two launches keep to disjoint chunks (S_DEV): side by side
         if wg:   # the whole prefix chunks of a small tree (no mask in them); the others exit at once
             decode_wg(q_lat, q_pe, kv, cap, po, pl, out, s_dev, 0, (spom, spoc, splm), args_tail[-1], cfg.CHUNK,
@@ -1146,8 +1152,7 @@ def mla_attention_device(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tens
                       **_wg_opts(cfg))
             return
         if vwg:  # the whole prefix chunks of a larger tree (the others exit at once)
-            verify_wg(q_lat, q_pe, kv, cap, po, pl, s_dev, 0, (spom, spoc, splm), args_tail[-1], cfg.CHUNK, n_ch,
-                      cfg.VERIFY_WG, True, pdl)
+            verify(None)
             return
         _mla_chunk_kernel[(n_tiles * VS, n_ch)](q_lat, q_pe, kv, idx, nvis, po, pl, out, s_dev, T, 0, N, 0,
                                                 *args_tail, GATHER=False, **common, **descs)
@@ -1157,8 +1162,7 @@ def mla_attention_device(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tens
             q_lat, q_pe, kv, idx, nvis, po, pl, out, s_dev, T, 0, N, 0, *args_tail, GATHER=True, **common)
 
     if vwg and N % VWG_ROWS == 0 and not direct:   # one launch, the tree's own chunks first (1 + cdiv(T - 1, CHUNK))
-        verify_wg(q_lat, q_pe, kv, cap, po, pl, s_dev, 0, (spom, spoc, splm), args_tail[-1], cfg.CHUNK, n_ch,
-                  cfg.VERIFY_WG, True, pdl, tail=(idx, nvis, 1 + triton.cdiv(T - 1, cfg.CHUNK)))
+        verify((idx, nvis, 1 + triton.cdiv(T - 1, cfg.CHUNK)))
     else:
         # disjoint chunks, as above. The prefix launch (on the side stream) is issued first: the tail launch first
         # was slower at 4 and 32 nodes (N = 64 over 4K: the merge done 14 / 12 us later), equal at 8 / 16, 3 us

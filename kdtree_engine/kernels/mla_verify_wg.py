@@ -55,7 +55,7 @@ def unsupported(C: int, R: int, dtype: torch.dtype, block_n: int, stages: int) -
         return f"BLOCK_N {block_n} (the warpgroup tile is {BLOCK_N} keys)"
     if C != 512 or R != 64:
         return f"C = {C}, R = {R} (C = 512, R = 64)"
-    smem = (stages + 1) * BLOCK_N * (C + R) * 2 + ROWS * BLOCK_N * 2 + 16 * BLOCK_N * 2
+    smem = (ROWS + stages * BLOCK_N) * (C + R) * 2 + ROWS * BLOCK_N * 2 + 16 * BLOCK_N * 2   # q, keys, P, ones
     if stages < 1 or smem > 227 * 1024:
         return f"{stages} key slots need {smem // 1024} KB of shared memory"
     return None
@@ -63,6 +63,7 @@ def unsupported(C: int, R: int, dtype: torch.dtype, block_n: int, stages: int) -
 
 if HAVE_GLUON:
     WAIT_ASM = gl.constexpr(PDL_ASM)
+    ROWS_C = gl.constexpr(ROWS)
 
     @gluon.jit
     def _step(kl_st, kp_st, ql_s, qp_s, p_s, ones_t, zs, zl, acc, m_i, l_i, pos, L, qk_scale,
@@ -119,7 +120,7 @@ if HAVE_GLUON:
         jc = gl.program_id(1)
         if S_DEV:
             S = gl.load(s_ptr).to(gl.int32)
-        M: gl.constexpr = 64
+        M: gl.constexpr = ROWS_C
         tail = jc < N_TAIL
         t_q = (pid_m * M) // N
         if tail:
