@@ -8,7 +8,7 @@ cudaProfilerStart/Stop, so `--profile-from-start off` profiles exactly the launc
 the range it prints each Triton kernel's registers, spills and shared memory per compiled variant.
 Cases: mla_decode_{4k,32k,128k} (N=8, T=1), mla_verify16_32k (N=8, T=16, random tree), mla_tree4_4k (N=8, 4 nodes),
 mla_tree{2,4}_4k_n64 / mla_decode_4k_n64 (N=64: 2 / 4 nodes, one query), moe_t{1,16}
-(384 experts top-8; moe_frag_t{1,4,16}: the fragment kernels on the engine's word order), dense_m1 (36864 x 7168 W4A16, M=1; dense_frag_m{4,16}: the engine's fragment kernel), plane_m1 (the same by the nibble-plane kernel).
+(384 experts top-8; moe_frag_t{1,4,16,64}: the fragment kernels on the engine's word order), dense_m1 (36864 x 7168 W4A16, M=1; dense_frag_m{4,16}: the engine's fragment kernel), plane_m1 (the same by the nibble-plane kernel).
 """
 
 from __future__ import annotations
@@ -87,6 +87,7 @@ CASES = {
     "moe_frag_t1": lambda: _moe_frag(1),
     "moe_frag_t4": lambda: _moe_frag(4),
     "moe_frag_t16": lambda: _moe_frag(16),
+    "moe_frag_t64": lambda: _moe_frag(64),
     "dense_m1": lambda: _dense(1),
     "dense_frag_m4": lambda: _dense_frag(4),
     "dense_frag_m16": lambda: _dense_frag(16),

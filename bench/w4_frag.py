@@ -20,6 +20,7 @@ import argparse
 from dataclasses import fields
 import math
 import sys
+from unittest import mock
 from pathlib import Path
 
 import torch
@@ -30,8 +31,9 @@ if str(ROOT) not in sys.path:
 
 from bench.common import command_line, copy_bandwidth, device_info, gpu_stem, l2_bytes, md_table, time_calls, write_results  # noqa: E402
 from bench.kernels import DENSE, E, G, H, I, TOPK, rand_w4, rel, route, w4_bytes  # noqa: E402
+from kdtree_engine.kernels import moe_frag as moe_frag_mod  # noqa: E402
 from kdtree_engine.kernels.moe_frag import FragMoEConfig, frag_moe_config, fused_moe_frag  # noqa: E402
-from kdtree_engine.kernels.moe_w4a16 import fused_moe_reference, fused_moe_w4a16  # noqa: E402
+from kdtree_engine.kernels.moe_w4a16 import fused_moe_reference, fused_moe_w4a16, moe_align  # noqa: E402
 from kdtree_engine.kernels.w4_frag import _w4_frag_kernel, dense_plan, frag_gpb, frag_linear, frag_repack, frag_tile, partition_rows, token_mma, token_mt, token_tile, token_warps, FRAG_TILE  # noqa: E402
 from kdtree_engine.kernels.w4a16 import w4a16_linear  # noqa: E402
 from kdtree_engine.quant import dequantize  # noqa: E402
@@ -60,7 +62,9 @@ MOE_CANDIDATES = [  # the engine's table first (None), then programs per expert 
     FragMoEConfig(BLOCK_M=8, P13=98, MAXNREG2=96),
     FragMoEConfig(BLOCK_M=8, XLOAD="smem", XLOAD2="smem-ahead", MAXNREG2=96),
     FragMoEConfig(BLOCK_M=16),
+    FragMoEConfig(BLOCK_M=8, ORDER="programs"),
 ]
+COMPACT = "compact"   # --only text of the engine table's launches over only the align's used blocks (_compact_aligns)
 MOE_TS = [1, 4, 16, 64, 256, 1024]
 
 
@@ -187,7 +191,30 @@ def bench_moe(ts, bw, reps, only: str | None = None) -> list[dict]:
                  lambda: fused_moe_frag(x, q13, w13s, q2, w2s, ids0, tw0, G, cfg, tile=tile), ref,
                  [lambda i=i, w=w: fused_moe_frag(x, q13, w13s, q2, w2s, i, w, G, cfg, tile=tile) for i, w in sets],
                  nbytes, bw, reps)
+        if only is not None and COMPACT in only.lower().split(","):
+            cfg = frag_moe_config(T * TOPK, E)
+            cut = _compact_aligns(sets, cfg.BLOCK_M)
+            q13, q2 = tiled
+            with mock.patch.object(moe_frag_mod, "moe_align", lambda ids, *a, **k: cut[ids.data_ptr()]):
+                _row(rows, {**base, "kernel": f"frag (engine table) bm{cfg.BLOCK_M} over the used blocks only "
+                                              f"(host-synced align, a measurement aid)"},
+                     lambda: fused_moe_frag(x, q13, w13s, q2, w2s, ids0, tw0, G, cfg, tile=FRAG_TILE), ref,
+                     [lambda i=i, w=w: fused_moe_frag(x, q13, w13s, q2, w2s, i, w, G, cfg, tile=FRAG_TILE)
+                      for i, w in sets], nbytes, bw, reps)
     return rows
+
+
+def _compact_aligns(sets, bm: int) -> dict:
+    """A measurement aid: per routing set (keyed by its ids' storage), the align's outputs cut to the blocks that
+    hold pairs (found with a host sync before timing). The engine's launches keep every block the routing could
+    need (moe_align's max_blocks); their difference is what the unused blocks' programs cost."""
+    out = {}
+    for ids, _ in sets:
+        sp, be, br = moe_align(ids.reshape(-1), E, bm)
+        keep = (br > 0).nonzero().flatten()
+        out[ids.data_ptr()] = (sp.view(-1, bm)[keep].reshape(-1).contiguous(), be[keep].contiguous(),
+                               br[keep].contiguous())
+    return out
 
 
 def main(argv=None) -> int:
