@@ -34,7 +34,7 @@ from bench.kernels import DENSE, E, G, H, I, TOPK, rand_w4, rel, route, w4_bytes
 from kdtree_engine.kernels import moe_frag as moe_frag_mod  # noqa: E402
 from kdtree_engine.kernels.moe_frag import FragMoEConfig, frag_moe_config, fused_moe_frag  # noqa: E402
 from kdtree_engine.kernels.moe_w4a16 import fused_moe_reference, fused_moe_w4a16, moe_align  # noqa: E402
-from kdtree_engine.kernels.w4_frag import _w4_frag_kernel, dense_plan, frag_gpb, frag_linear, frag_repack, frag_tile, partition_rows, token_mma, token_mt, token_tile, token_warps, FRAG_TILE  # noqa: E402
+from kdtree_engine.kernels.w4_frag import _w4_frag_kernel, dense_plan, frag_gpb, frag_linear, frag_repack, frag_tile, partition_rows, scale_tile, token_mma, token_mt, token_tile, token_warps, FRAG_TILE  # noqa: E402
 from kdtree_engine.kernels.w4a16 import w4a16_linear  # noqa: E402
 from kdtree_engine.quant import dequantize  # noqa: E402
 
@@ -51,6 +51,7 @@ DENSE_CANDIDATES = [  # the engine's plan first (None), then overrides of it (th
     dict(pt=128), dict(pt=128, per_sm=3), dict(pt=128, per_sm=4), dict(tile=0), dict(mma="sync", tok=16),
     dict(mma="wgmma", tok=16), dict(mma="wgmma", tok=32), dict(pt=128, mma="wgmma", tok=16),
     dict(pt=128, mma="wgmma", tok=32), dict(tok=8), dict(tok=8, pt=128),
+    dict(stile=FRAG_TILE),   # the scales in scale_tile's order of FRAG_TILE rows
 ]
 MOE_CANDIDATES = [  # the engine's table first (None), then programs per expert block (P13 gate/up, P2 down: the
     # stream partition's; 64 / 112 = the tile-aligned K splits before it: gate/up 2 K ranges per tile, down 1),
@@ -64,6 +65,7 @@ MOE_CANDIDATES = [  # the engine's table first (None), then programs per expert 
     FragMoEConfig(BLOCK_M=16),
     FragMoEConfig(BLOCK_M=8, ORDER="programs"),
 ]
+STILE = "stile"       # --only text of the engine table's launches on scales in scale_tile's order (FRAG_TILE rows)
 COMPACT = "compact"   # --only text of the engine table's launches over only the align's used blocks (_compact_aligns)
 MOE_TS = [1, 4, 16, 64, 256, 1024]
 
@@ -128,6 +130,9 @@ def bench_dense(ms, bw, reps, only: str | None = None) -> list[dict]:
         plan = dense_plan(N, K, sms)
         reps_by_gpb = {(plan[0], 0): [(frag_repack(p, plan[0]), s) for p, s in ws]}
         reps_by_gpb[(plan[0], FRAG_TILE)] = [(frag_tile(q, plan[0], FRAG_TILE), s) for q, s in reps_by_gpb[(plan[0], 0)]]
+        if any(c and c.get("stile") and _wanted(c, only) for c in DENSE_CANDIDATES):
+            reps_by_gpb[(plan[0], FRAG_TILE, FRAG_TILE)] = [(q, scale_tile(s, plan[0], FRAG_TILE))
+                                                            for q, s in reps_by_gpb[(plan[0], FRAG_TILE)]]
         for M in ms:
             x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
             ref = x.double() @ wd.double().T
@@ -139,12 +144,14 @@ def bench_dense(ms, bw, reps, only: str | None = None) -> list[dict]:
             for cand in [c for c in DENSE_CANDIDATES if _wanted(c, only)]:
                 kw = _dense_kwargs(N, K, M, sms, cand)
                 tag = "frag (engine plan)" if cand is None else "frag"
-                wr = reps_by_gpb[(kw["gpb"], kw.get("tile", 0))]
+                wr = reps_by_gpb[(kw["gpb"], kw.get("tile", 0), kw["stile"]) if kw.get("stile")
+                                 else (kw["gpb"], kw.get("tile", 0))]
                 part = f"split{kw['split']}" if "split" in kw else f"programs{kw['programs']}"
                 label = (f"{tag} gpb{kw['gpb']} mt{kw['mt']} w{kw['num_warps']} {part}"
                          f" pt{kw['pt']} tok{kw['tok']}"
                          f" x {kw['xload']}{'' if kw.get('pdl', True) else ' no-pdl'}"
                          f"{' tiled ' + str(kw['tile']) if kw.get('tile') else ''}"
+                         f"{' scales tiled ' + str(kw['stile']) if kw.get('stile') else ''}"
                          f" {kw.get('mma') or token_mma(kw['tok'])}"
                          f"{'' if kw.get('pairs') is None else (' pairs' if kw['pairs'] else ' no-pairs')}")
                 before = _compiled_regs(_w4_frag_kernel)
@@ -166,6 +173,8 @@ def bench_moe(ts, bw, reps, only: str | None = None) -> list[dict]:
     w2p, w2s = rand_w4(E, H, I)
     frag = (frag_repack(w13p, frag_gpb(H)), frag_repack(w2p, frag_gpb(I)))
     tiled = (frag_tile(frag[0], frag_gpb(H), FRAG_TILE), frag_tile(frag[1], frag_gpb(I), FRAG_TILE))
+    stiled = ((scale_tile(w13s, frag_gpb(H), FRAG_TILE), scale_tile(w2s, frag_gpb(I), FRAG_TILE))
+              if only is not None and STILE in only.lower().split(",") else None)
     expert_bytes = w4_bytes(2 * I, H) + w4_bytes(H, I)
     gen = torch.Generator(device="cuda").manual_seed(0)
     for T in ts:
@@ -191,6 +200,15 @@ def bench_moe(ts, bw, reps, only: str | None = None) -> list[dict]:
                  lambda: fused_moe_frag(x, q13, w13s, q2, w2s, ids0, tw0, G, cfg, tile=tile), ref,
                  [lambda i=i, w=w: fused_moe_frag(x, q13, w13s, q2, w2s, i, w, G, cfg, tile=tile) for i, w in sets],
                  nbytes, bw, reps)
+        if only is not None and STILE in only.lower().split(","):
+            cfg = frag_moe_config(T * TOPK, E)
+            q13, q2 = tiled
+            s13, s2 = stiled
+            _row(rows, {**base, "kernel": f"frag (engine table) bm{cfg.BLOCK_M} tiled {FRAG_TILE} scales tiled "
+                                          f"{FRAG_TILE}"},
+                 lambda: fused_moe_frag(x, q13, s13, q2, s2, ids0, tw0, G, cfg, tile=FRAG_TILE, stile=FRAG_TILE), ref,
+                 [lambda i=i, w=w: fused_moe_frag(x, q13, s13, q2, s2, i, w, G, cfg, tile=FRAG_TILE, stile=FRAG_TILE)
+                  for i, w in sets], nbytes, bw, reps)
         if only is not None and COMPACT in only.lower().split(","):
             cfg = frag_moe_config(T * TOPK, E)
             cut = _compact_aligns(sets, cfg.BLOCK_M)

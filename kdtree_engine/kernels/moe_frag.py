@@ -258,7 +258,7 @@ if HAVE_GLUON:
                          X_SMEM: gl.constexpr, X_AHEAD: gl.constexpr, PDL: gl.constexpr, TILE: gl.constexpr,
                          SEGS: gl.constexpr, WHOLE: gl.constexpr, num_warps: gl.constexpr, WG: gl.constexpr = False,
                          FUSE: gl.constexpr = False, SLOTS: gl.constexpr = 1, TOPK_C: gl.constexpr = 8,
-                         ADD: gl.constexpr = False, PFIRST: gl.constexpr = False):
+                         ADD: gl.constexpr = False, PFIRST: gl.constexpr = False, STILE: gl.constexpr = 0):
         """grid (blocks, programs), PFIRST (programs, blocks): one expert block's pairs over program p's range of
         the stream partition of (N / BN) row tiles x iters K blocks, row tile major (moe_plan): global blocks [p * work // programs,
         (p + 1) * work // programs), each run of them within one tile (a segment, unrolled: SEGS) one partial,
@@ -315,9 +315,9 @@ if HAVE_GLUON:
                     nb = gl.minimum(iters - b0, end - g)
                     slot = p - _stream_program(t * iters, work, programs)
                     n0 = t * BN
-                w0, s0 = _word_ptrs(we, se, n0, stride_wn, stride_sn, b0, WL, BN, GPB, TILE)
+                w0, s0 = _word_ptrs(we, se, n0, stride_wn, stride_sn, b0, WL, BN, GPB, TILE, STILE)
                 if GATE_UP:
-                    w1, s1 = _word_ptrs(we, se, UP_ROW + n0, stride_wn, stride_sn, b0, WL, BN, GPB, TILE)
+                    w1, s1 = _word_ptrs(we, se, UP_ROW + n0, stride_wn, stride_sn, b0, WL, BN, GPB, TILE, STILE)
                 else:
                     w1, s1 = w0, s0
                 acc0 = gl.zeros([BN, TOK], gl.float32, layout=MMA)
@@ -333,7 +333,7 @@ if HAVE_GLUON:
                     cta_barrier()   # the buffers' last reader (the previous segment's MMA) is done
                     acc0, acc1 = _frag_loop_wg(acc0, acc1, w0, s0, w1, s1, x_ptrs, gl.expand_dims(ok, 1), nb, xs,
                                                GATE_UP, wg_a_layout(TOK, num_warps), BN, GPB, PDL and not GATE_UP,
-                                               TILE)
+                                               TILE, STILE)
                 else:
                     AL: gl.constexpr = operand_layout(0, num_warps)
                     BL: gl.constexpr = operand_layout(1, num_warps)
@@ -344,7 +344,7 @@ if HAVE_GLUON:
                     # the block offset added last: folded into the tensor first it cost the 16-token down 39 registers
                     x_ptrs = x_ptr + gl.expand_dims(xr, 0) * stride_xt + gl.expand_dims(rk, 1) + b0 * BK
                     acc0, acc1 = _frag_loop(acc0, acc1, w0, s0, w1, s1, x_ptrs, gl.expand_dims(ok, 0), nb, GATE_UP,
-                                            X_AHEAD, AL, BL, BN, GPB, PDL and not GATE_UP, TILE)
+                                            X_AHEAD, AL, BL, BN, GPB, PDL and not GATE_UP, TILE, STILE=STILE)
                 # the output pointers after the K loop (not live through it)
                 pair_o, ok_o = _block_pairs(sorted_ptr, pid_b, rows, TOK, gl.SliceLayout(0, MMA))
                 if not GATE_UP:
@@ -380,10 +380,11 @@ if HAVE_GLUON:
 def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor, w2_q: torch.Tensor,
                    w2_scale: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                    group_size: int, config: FragMoEConfig | None = None, tile: int = 0,
-                   add: torch.Tensor | None = None) -> torch.Tensor:
+                   add: torch.Tensor | None = None, stile: int = 0) -> torch.Tensor:
     """x [T, H] bf16 -> [T, H] bf16: routed experts only; w13_q / w2_q in fragment order (frag_repack with
     frag_gpb of each matrix's input width, or config.GPB), row-major (tile 0) or each matrix in frag_tile's
-    order of `tile` rows (the same bits). add [T, H] bf16 (e.g. the shared expert's output): added in the top-k
+    order of `tile` rows (the same bits); the scales row-major (stile 0) or in scale_tile's order of `stile` rows
+    (the same bits). add [T, H] bf16 (e.g. the shared expert's output): added in the top-k
     sum, the bits of `fused_moe_frag(...) + add`."""
     if not HAVE_GLUON:
         raise RuntimeError("fused_moe_frag needs triton.experimental.gluon (triton >= 3.5)")
@@ -407,7 +408,8 @@ def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor
                              f"{tuple(sc.shape)} {sc.dtype}")
     g13, g2 = (cfg.GPB, cfg.GPB) if cfg.GPB else (frag_gpb(H), frag_gpb(I))
     bn = MOE_PARTITION_ROWS
-    why = tile_unsupported(2 * I, tile, bn) or tile_unsupported(H, tile, bn)
+    why = (tile_unsupported(2 * I, tile, bn) or tile_unsupported(H, tile, bn) or tile_unsupported(2 * I, stile, bn)
+           or tile_unsupported(H, stile, bn))
     if why:
         raise ValueError(f"fused_moe_frag: {why}")
     if H % (32 * g13) or I % (32 * g2):
@@ -450,7 +452,7 @@ def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor
         GATE_UP=True, TOK=cfg.BLOCK_M, GPB=g13, WL=word_layout(MOE_WARPS, 1, g13),
         X_SMEM=X_LOADS[cfg.XLOAD][0], X_AHEAD=X_LOADS[cfg.XLOAD][1], TILE=tile, SEGS=segs13,
         WHOLE=part13.programs == part13.tiles, num_warps=MOE_WARPS,
-        WG=cfg.wgmma, PFIRST=pfirst, **pdl, **({"maxnreg": cfg.MAXNREG13} if cfg.MAXNREG13 else {}))
+        WG=cfg.wgmma, PFIRST=pfirst, STILE=stile, **pdl, **({"maxnreg": cfg.MAXNREG13} if cfg.MAXNREG13 else {}))
     if not fuse:
         moe_swiglu(part, inter, ids, E, slots13, part13, DEQ_FLOAT, min(cfg.EPI_BLOCK, triton.next_power_of_2(I)),
                    on)
@@ -465,7 +467,7 @@ def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor
         GATE_UP=False, TOK=cfg.BLOCK_M, GPB=g2, WL=word_layout(MOE_WARPS, 1, g2),
         X_SMEM=X_LOADS[xload2][0], X_AHEAD=X_LOADS[xload2][1], TILE=tile, SEGS=segs2,
         WHOLE=part2.programs == part2.tiles, num_warps=MOE_WARPS,
-        WG=cfg.wgmma, PFIRST=pfirst, **pdl, **({"maxnreg": cfg.MAXNREG2} if cfg.MAXNREG2 else {}))
+        WG=cfg.wgmma, PFIRST=pfirst, STILE=stile, **pdl, **({"maxnreg": cfg.MAXNREG2} if cfg.MAXNREG2 else {}))
     if not fuse2:
         moe_topk_sum(y, out, ids, E, topk, slots2, part2, cfg.EPI_BLOCK, on, add=add)
     return out

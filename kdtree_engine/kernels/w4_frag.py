@@ -112,6 +112,20 @@ def frag_tile(words: torch.Tensor, gpb: int, tile: int, inverse: bool = False) -
     return out.reshape(*lead, N, kw)
 
 
+def scale_tile(scales: torch.Tensor, gpb: int, tile: int, inverse: bool = False) -> torch.Tensor:
+    """Row-major group scales [.., N, K/32] -> the same scales with each block (gpb groups) of each `tile` rows
+    stored contiguously ([.., N/tile, blocks, tile, gpb]; same shape): the scales a program reads for one block
+    are then one run of tile * gpb values instead of `tile` runs of gpb (one 32-byte sector request per row).
+    inverse: back to row-major."""
+    N, kg = scales.shape[-2:]
+    if tile <= 0 or N % tile or kg % gpb:
+        raise ValueError(f"scale_tile: scales {tuple(scales.shape)} do not tile by {tile} rows and blocks of {gpb} "
+                         "groups")
+    lead, nblk = scales.shape[:-2], kg // gpb
+    src = (N // tile, nblk, tile) if inverse else (N // tile, tile, nblk)
+    return scales.reshape(*lead, *src, gpb).transpose(-3, -2).contiguous().reshape(*lead, N, kg)
+
+
 def frag_chunks(words: torch.Tensor, gpb: int, inverse: bool = False) -> torch.Tensor:
     """[.., 4*gpb] words of one row's block, thread-major ([4 threads t, gpb words g]) -> chunk-major
     ([gpb/4 chunks, t, 4 words]: word (t, g) at (g // 4) * 16 + t * 4 + g % 4) where gpb > FRAG_CHUNK; else
@@ -245,17 +259,23 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _word_ptrs(w_ptr, s_ptr, row0, stride_wn, stride_sn, kb0,
-                   WL: gl.constexpr, BN: gl.constexpr, GPB: gl.constexpr, TILE: gl.constexpr):
+                   WL: gl.constexpr, BN: gl.constexpr, GPB: gl.constexpr, TILE: gl.constexpr,
+                   STILE: gl.constexpr = 0):
         """Pointers of block kb0 of rows row0 .. row0+BN: words [BN, 4, GPB], scales (same for the 4 t).
-        Scales row-major [N, K/32]; words row-major [N, K/8] (TILE 0) or in frag_tile's order (each block of
-        TILE rows contiguous, a row's words of a block chunk-major where GPB > 4)."""
+        Words row-major [N, K/8] (TILE 0) or in frag_tile's order (each block of TILE rows contiguous, a row's
+        words of a block chunk-major where GPB > 4); scales row-major [N, K/32] (STILE 0) or in scale_tile's
+        order (each block of STILE rows contiguous, [STILE, GPB])."""
         rn = gl.arange(0, BN, layout=gl.SliceLayout(1, gl.SliceLayout(2, WL)))
         rt = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, WL)))
         rg = gl.arange(0, GPB, layout=gl.SliceLayout(0, gl.SliceLayout(1, WL)))
         n3 = gl.expand_dims(gl.expand_dims(rn, 1), 2) + row0
         t3 = gl.expand_dims(gl.expand_dims(rt, 0), 2)
         g3 = gl.expand_dims(gl.expand_dims(rg, 0), 1)
-        s_ptrs = s_ptr + n3 * stride_sn + g3 + t3 * 0 + kb0 * GPB
+        if STILE == 0:
+            s_ptrs = s_ptr + n3 * stride_sn + g3 + t3 * 0 + kb0 * GPB
+        else:
+            s_ptrs = (s_ptr + (n3 // STILE) * (STILE * stride_sn) + (n3 % STILE) * GPB + g3 + t3 * 0
+                      + kb0 * (STILE * GPB))
         if TILE == 0:
             w_ptrs = w_ptr + n3 * stride_wn + t3 * GPB + g3 + kb0 * (4 * GPB)
         else:
@@ -289,7 +309,7 @@ if HAVE_GLUON:
     def _frag_loop(acc0, acc1, w0, s0, w1, s1, x_ptrs, x_mask, nblk,
                    TWO: gl.constexpr, X_AHEAD: gl.constexpr, AL: gl.constexpr, BL: gl.constexpr,
                    BN: gl.constexpr, GPB: gl.constexpr, WAIT: gl.constexpr, TILE: gl.constexpr,
-                   PAIRS: gl.constexpr = False):
+                   PAIRS: gl.constexpr = False, STILE: gl.constexpr = 0):
         """acc0 (+ acc1 with TWO) += A0 (A1) @ x over nblk blocks of 32*GPB k, in k order. One block of
         words and scales is in flight ahead of the one in use; with X_AHEAD one block of activations too
         (its load issued after the current block's relabel into BL), else they are loaded at use. x_ptrs /
@@ -301,7 +321,7 @@ if HAVE_GLUON:
         against 108 registers; 16-token programs would need 156 and spill at 128)."""
         BK: gl.constexpr = 32 * GPB
         WSTEP: gl.constexpr = 4 * GPB * (TILE if TILE else 1)   # words from one block to the next
-        SSTEP: gl.constexpr = GPB                               # scales (row-major)
+        SSTEP: gl.constexpr = GPB * (STILE if STILE else 1)     # scales (_word_ptrs)
         a0, c0, a1, c1 = _load_words(w0, s0, w1, s1, TWO)
         if WAIT:
             pdl_wait_gl()
@@ -365,7 +385,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _frag_loop_wg(acc0, acc1, w0, s0, w1, s1, x_ptrs, x_mask, nblk, xs,
                       TWO: gl.constexpr, AL: gl.constexpr, BN: gl.constexpr, GPB: gl.constexpr,
-                      WAIT: gl.constexpr, TILE: gl.constexpr):
+                      WAIT: gl.constexpr, TILE: gl.constexpr, STILE: gl.constexpr = 0):
         """acc0 (+ acc1 with TWO) [64, TOK] += A0 (A1) @ x over nblk blocks, by wgmma: the dequantized weights
         are the register A operand (the same fragments as mma.sync's), the activation block [TOK, BK] the
         shared-memory B operand (xs: two buffers), read by the tensor cores for the whole warpgroup. One block
@@ -374,6 +394,7 @@ if HAVE_GLUON:
         (bench/results/w4-frag-h200-wgmma-async2.md)."""
         BK: gl.constexpr = 32 * GPB
         WSTEP: gl.constexpr = 4 * GPB * (TILE if TILE else 1)
+        SSTEP: gl.constexpr = GPB * (STILE if STILE else 1)
         a0, c0, a1, c1 = _load_words(w0, s0, w1, s1, TWO)
         if WAIT:
             pdl_wait_gl()
@@ -382,9 +403,9 @@ if HAVE_GLUON:
             buf = xs.index(i % 2)
             buf.store(xr)
             w0 += WSTEP
-            s0 += GPB
+            s0 += SSTEP
             w1 += WSTEP
-            s1 += GPB
+            s1 += SSTEP
             x_ptrs += BK
             n_a0, n_c0, n_a1, n_c1 = _load_words(w0, s0, w1, s1, TWO)
             xr = gl.load(x_ptrs, mask=x_mask, other=0.0)
@@ -417,7 +438,7 @@ if HAVE_GLUON:
                         TOK: gl.constexpr, MT: gl.constexpr, GPB: gl.constexpr, WL: gl.constexpr,
                         X_SMEM: gl.constexpr, X_AHEAD: gl.constexpr, PDL: gl.constexpr, TILE: gl.constexpr,
                         PT: gl.constexpr, SEGS: gl.constexpr, num_warps: gl.constexpr,
-                        WG: gl.constexpr = False, PAIRS: gl.constexpr = False):
+                        WG: gl.constexpr = False, PAIRS: gl.constexpr = False, STILE: gl.constexpr = 0):
         """grid (cdiv(M, TOK), programs): the stream partition of the work = (N / PT) x iters K blocks, row
         tile major (dense_partition), each PT-row tile in passes of BN rows. Program p takes global blocks
         [p * work // programs, (p + 1) * work // programs); each run of them within one row tile (a segment) is
@@ -447,7 +468,8 @@ if HAVE_GLUON:
                 slot = p - _stream_program(t * iters, work, programs)
                 for h in gl.static_range(PT // BN):   # the partition's row tile in passes of BN rows
                     row0 = t * PT + h * BN
-                    w_ptrs, s_ptrs = _word_ptrs(w_ptr, s_ptr, row0, stride_wn, stride_sn, b0, WL, BN, GPB, TILE)
+                    w_ptrs, s_ptrs = _word_ptrs(w_ptr, s_ptr, row0, stride_wn, stride_sn, b0, WL, BN, GPB, TILE,
+                                                STILE)
                     acc = gl.zeros([BN, TOK], gl.float32, layout=MMA)
                     if WG:
                         # activations [TOK, BK] (k contiguous) into shared memory, the wgmma B operand as its
@@ -458,7 +480,7 @@ if HAVE_GLUON:
                         cta_barrier()   # the buffers' last reader (another warpgroup's MMA) is done
                         acc, unused = _frag_loop_wg(acc, acc, w_ptrs, s_ptrs, w_ptrs, s_ptrs, x_ptrs,
                                                     gl.expand_dims(rm, 1) < M, nb, xs, False,
-                                                    wg_a_layout(TOK, num_warps), BN, GPB, PDL, TILE)
+                                                    wg_a_layout(TOK, num_warps), BN, GPB, PDL, TILE, STILE)
                     else:
                         # activations as the B operand [BK, TOK] (x^T), tokens >= M read as 0
                         rk = gl.arange(0, BK, layout=gl.SliceLayout(1, XL))
@@ -466,7 +488,7 @@ if HAVE_GLUON:
                         x_ptrs = x_ptr + gl.expand_dims(rm, 0) * stride_xm + gl.expand_dims(rk, 1) + b0 * BK
                         acc, unused = _frag_loop(acc, acc, w_ptrs, s_ptrs, w_ptrs, s_ptrs, x_ptrs,
                                                  gl.expand_dims(rm, 0) < M, nb, False, X_AHEAD, AL, BL, BN, GPB,
-                                                 PDL, TILE, PAIRS)
+                                                 PDL, TILE, PAIRS, STILE)
                     # y[m, n] = acc[n, m]
                     on = gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
                     om = m0 + gl.arange(0, TOK, layout=gl.SliceLayout(0, MMA))
@@ -614,7 +636,7 @@ def frag_linear(x: torch.Tensor, wq: torch.Tensor, s: torch.Tensor, *, gpb: int 
                 mt: int | None = None, num_warps: int | None = None, split: int | None = None,
                 programs: int | None = None, pt: int | None = None, tok: int | None = None,
                 xload: str = "smem-ahead", pdl: bool = True, tile: int = 0, mma: str | None = None,
-                pairs: bool | None = None) -> torch.Tensor:
+                pairs: bool | None = None, stile: int = 0) -> torch.Tensor:
     """y [M, N] = x [M, K] @ W^T, W the fragment-repacked int4 words wq [N, K/8] (frag_repack with
     frag_gpb(K) unless gpb is given) and bf16 scales s [N, K/32]; x bfloat16. Unset knobs follow dense_plan,
     token_tile, token_mt, token_mma and token_warps; programs: the stream partition's program
@@ -622,7 +644,8 @@ def frag_linear(x: torch.Tensor, wq: torch.Tensor, s: torch.Tensor, *, gpb: int 
     the partition's rows per tile (partition_rows, a multiple of the program's rows); xload:
     how activations are loaded (X_LOADS); pdl: programmatic dependent launches of the GEMM and its partial sum
     (pdl.py; the same bits); tile: 0 for row-major words, else the rows per tile of frag_tile's order (the
-    same bits); mma: "sync" (mma.sync, 8 / 16-token tiles) or "wgmma" (the dequantized weights the register A
+    same bits); stile: 0 for row-major scales, else the rows per tile of scale_tile's order (the same bits);
+    mma: "sync" (mma.sync, 8 / 16-token tiles) or "wgmma" (the dequantized weights the register A
     operand of a warpgroup MMA, the activations its shared-memory B operand; 4 or 8 warps: one or two
     warpgroups, 1 tile per warp; the same bits); pairs: the mma.sync loop's two blocks per trip (None:
     token_pairs; the same bits). The bits depend on the partition alone: any token tile, MMA, warps, loads and
@@ -655,7 +678,7 @@ def frag_linear(x: torch.Tensor, wq: torch.Tensor, s: torch.Tensor, *, gpb: int 
                          f"got {num_warps} warps, mt {mt}, tok {tok}")
     if xload not in X_LOADS:
         raise ValueError(f"frag_linear: xload must be one of {sorted(X_LOADS)}, got {xload!r}")
-    why = tile_unsupported(N, tile, bn)
+    why = tile_unsupported(N, tile, bn) or tile_unsupported(N, stile, bn)
     if why:
         raise ValueError(f"frag_linear: {why}")
     if N % bn or K % bk or wq.shape[1] * 8 != K or s.shape != (N, K // GROUP):
@@ -681,7 +704,7 @@ def frag_linear(x: torch.Tensor, wq: torch.Tensor, s: torch.Tensor, *, gpb: int 
         x, wq, s, part, M, N, x.stride(0), wq.stride(0), s.stride(0), N, M * N, iters, tiles * iters, programs,
         TOK=tok, MT=mt, GPB=gpb, WL=word_layout(num_warps, mt, gpb), X_SMEM=X_LOADS[xload][0],
         X_AHEAD=X_LOADS[xload][1], TILE=tile, PT=pt, SEGS=segs, num_warps=num_warps, WG=mma == "wgmma",
-        PAIRS=token_pairs(tok, mt) if pairs is None else pairs,
+        PAIRS=token_pairs(tok, mt) if pairs is None else pairs, STILE=stile,
         **pdl_launch(pdl))
     if slots > 1:
         stream_sum(part, y, slots, Partition(pt, tiles, iters, programs), pdl=pdl)

@@ -21,7 +21,7 @@ pytestmark = [
 
 from kdtree_engine.kernels.moe_frag import FragMoEConfig, fused_moe_frag  # noqa: E402
 from kdtree_engine.kernels.moe_w4a16 import fused_moe_reference  # noqa: E402
-from kdtree_engine.kernels.w4_frag import HAVE_GLUON, frag_gpb, frag_linear, frag_repack, frag_tile  # noqa: E402
+from kdtree_engine.kernels.w4_frag import HAVE_GLUON, frag_gpb, frag_linear, frag_repack, frag_tile, scale_tile  # noqa: E402
 from kdtree_engine.quant import dequantize  # noqa: E402
 
 from tests.gpu.test_kernels_gpu import _check, poisoned, rand_w4, rel  # noqa: E402,F401
@@ -417,3 +417,36 @@ def test_moe_frag_grid_order_same_bits(poisoned, T):
         _check(base, ref, TOL, f"moe frag T={T} bm{bm}")
         other = fused_moe_frag(x, *tiled, ids, tw, G, FragMoEConfig(BLOCK_M=bm, ORDER="programs"), tile=64)
         assert torch.equal(base, other), f"T={T} bm{bm}: {int((base != other).sum())} elements differ"
+
+
+@pytest.mark.parametrize("N,K,split", [(2048, 7168, 4), (192, 2048, 1), (128, 256, 1)])
+def test_frag_linear_tiled_scales_same_bits(poisoned, N, K, split):
+    """Scales in scale_tile's order (each block of 64 rows contiguous) read through STILE: the same bits as
+    row-major scales, on mma.sync (8 / 16 tokens, 1 / 2 MMA tiles per warp) and wgmma programs."""
+    p, s = rand_w4(N, K)
+    q = frag_tile(frag_repack(p, 8), 8, 64)
+    st = scale_tile(s, 8, 64)
+    assert not torch.equal(st, s)
+    for M in (1, 13, 37):
+        x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
+        for tok, mt, mma in ((8, 1, "sync"), (8, 2, "sync"), (16, 1, "sync"), (32, 1, "wgmma")):
+            if N % (64 * mt):
+                continue
+            kw = dict(gpb=8, split=split, mt=mt, tok=tok, tile=64, pt=64 * mt, mma=mma)
+            rows = frag_linear(x, q, s, **kw)
+            assert torch.equal(rows, frag_linear(x, q, st, stile=64, **kw)), f"tiled scales: other bits ({kw} M {M})"
+
+
+@pytest.mark.parametrize("T", [1, 9, 64])
+def test_moe_frag_tiled_scales_same_bits(poisoned, T):
+    """Expert scales in scale_tile's order read through STILE: the same bits as row-major scales with the table's
+    configs (fused epilogues at T = 1, mma.sync and wgmma blocks), at K2 shapes on the tiled words."""
+    x, w, ids, tw, ref = _moe_case(E=16, H=7168, I=2048, T=T, topk=8, unowned=T == 9)
+    q13, s13, q2, s2 = w
+    q13, q2 = frag_tile(q13, frag_gpb(7168), 64), frag_tile(q2, frag_gpb(2048), 64)
+    st13, st2 = scale_tile(s13, frag_gpb(7168), 64), scale_tile(s2, frag_gpb(2048), 64)
+    for cfg in (None, FragMoEConfig(BLOCK_M=16), FragMoEConfig(BLOCK_M=32)):
+        rows = fused_moe_frag(x, q13, s13, q2, s2, ids, tw, G, cfg, tile=64)
+        _check(rows, ref, TOL, f"moe frag T={T} {cfg}")
+        other = fused_moe_frag(x, q13, st13, q2, st2, ids, tw, G, cfg, tile=64, stile=64)
+        assert torch.equal(rows, other), f"T={T} {cfg}: {int((rows != other).sum())} elements differ"

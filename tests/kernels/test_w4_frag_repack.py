@@ -83,3 +83,22 @@ def test_engine_order_round_trip_and_tile_checks():
     assert tile_unsupported(4096, 0, 64) is None
     for rows, tile, bn in ((4096, 96, 64), (4160, 128, 64), (4096, -1, 64), (4096, 48, 64)):
         assert "tile" in (tile_unsupported(rows, tile, bn) or ""), (rows, tile, bn)
+
+
+@pytest.mark.parametrize("gpb", [2, 8])
+def test_scale_tile_puts_each_block_of_a_tile_together(gpb):
+    """scale_tile: scale (row n, group b * gpb + g) lands at [n // T, b, n % T, g] of the tiled order (one run of
+    T * gpb values per block of a tile); the inverse restores row-major; bad shapes are refused by name."""
+    from kdtree_engine.kernels.w4_frag import scale_tile
+    N, K, T = 128, 1024, 64
+    s = torch.randn(3, N, K // 32).to(torch.bfloat16)
+    st = scale_tile(s, gpb, T)
+    nblk = K // (32 * gpb)
+    flat = st[2].reshape(-1)
+    for n in (0, 9, 63, 64, 127):
+        for b in range(nblk):
+            for g in range(gpb):
+                assert torch.equal(flat[(((n // T) * nblk + b) * T + n % T) * gpb + g], s[2, n, b * gpb + g])
+    assert torch.equal(scale_tile(st, gpb, T, inverse=True), s)
+    with pytest.raises(ValueError, match="scale_tile"):
+        scale_tile(s[:, :100], gpb, T)
