@@ -34,7 +34,7 @@ if __package__ in (None, ""):
 from bench.common import (Clock, bf16_matmul_rate, command_line, copy_bandwidth, device_info, gpu_stem,  # noqa: E402
                           l2_bytes, md_table, time_calls, write_results)
 from kdtree_engine.kernels.moe_frag import frag_moe_config, fused_moe_frag  # noqa: E402
-from kdtree_engine.kernels.w4_frag import FRAG_TILE, HAVE_GLUON, dense_plan, frag_gpb, frag_linear, to_engine_order  # noqa: E402
+from kdtree_engine.kernels.w4_frag import ENGINE_ORDER, HAVE_GLUON, dense_plan, frag_gpb, frag_linear, to_engine_order, to_engine_scales  # noqa: E402
 from kdtree_engine.kernels.moe_w4a16 import (MOE_CONFIGS, MoEConfig, fused_moe_reference, fused_moe_w4a16,  # noqa: E402
                                              moe_align, moe_config)
 from kdtree_engine.kernels.w4a16 import (DENSE_CONFIGS, W4Config, dense_config, w4a16_linear,  # noqa: E402
@@ -88,7 +88,7 @@ def bench_dense(copy_bw, reps, log):
         r16 = max(1, math.ceil(3 * l2 / (N * K * 2)))
         ws = [rand_w4(N, K) for _ in range(r4)]
         wb = [dequantize(p, s, G, torch.bfloat16) for p, s in ws[:r16]]
-        wf = [(to_engine_order(p, frag_gpb(K)), s) for p, s in ws] if HAVE_GLUON else None
+        wf = [(to_engine_order(p, frag_gpb(K)), to_engine_scales(s, frag_gpb(K))) for p, s in ws] if HAVE_GLUON else None
         tg, tg_err = None, None
         try:
             tg = [tinygemm_pack(p, s) for p, s in ws]
@@ -108,11 +108,11 @@ def bench_dense(copy_bw, reps, log):
                 row["ours_error"] = _err(exc)
             if wf is not None:
                 try:
-                    row["frag_rel_err"] = rel(frag_linear(x, *wf[0], tile=FRAG_TILE), ref)
-                    row["frag_us"] = time_calls([lambda p=p, s=s: frag_linear(x, p, s, tile=FRAG_TILE) for p, s in wf],
+                    row["frag_rel_err"] = rel(frag_linear(x, *wf[0], **ENGINE_ORDER), ref)
+                    row["frag_us"] = time_calls([lambda p=p, s=s: frag_linear(x, p, s, **ENGINE_ORDER) for p, s in wf],
                                                 reps=reps)["us"]
                     row["frag_plan"] = {**dict(zip(("gpb", "mt", "programs"), dense_plan(
-                        N, K, torch.cuda.get_device_properties(0).multi_processor_count))), "tile": FRAG_TILE}
+                        N, K, torch.cuda.get_device_properties(0).multi_processor_count))), **ENGINE_ORDER}
                 except Exception as exc:  # noqa: BLE001
                     row["frag_us"], row["frag_error"] = None, _err(exc)
             row["bf16_us"] = time_calls([lambda w=w: F.linear(x, w) for w in wb], reps=reps)["us"]
@@ -154,7 +154,8 @@ def route(T, sets, gen):
 
 def bench_moe(layer, copy_bw, reps, log):
     w13p, w13s, w2p, w2s = layer
-    frag = (to_engine_order(w13p, frag_gpb(H)), w13s, to_engine_order(w2p, frag_gpb(I)), w2s) if HAVE_GLUON else None
+    frag = ((to_engine_order(w13p, frag_gpb(H)), to_engine_scales(w13s, frag_gpb(H)), to_engine_order(w2p, frag_gpb(I)),
+             to_engine_scales(w2s, frag_gpb(I))) if HAVE_GLUON else None)
     expert_bytes = w4_bytes(2 * I, H) + w4_bytes(H, I)
     sh13 = torch.randn(2 * I, H, device="cuda").to(torch.bfloat16) * 0.02
     sh2 = torch.randn(H, I, device="cuda").to(torch.bfloat16) * 0.02
@@ -186,9 +187,9 @@ def bench_moe(layer, copy_bw, reps, log):
             try:
                 if T <= 64:
                     ids, tw = sets[0]
-                    row["frag_rel_err"] = rel(fused_moe_frag(x, *frag, ids, tw, G, tile=FRAG_TILE),
+                    row["frag_rel_err"] = rel(fused_moe_frag(x, *frag, ids, tw, G, **ENGINE_ORDER),
                                               fused_moe_reference(x, w13p, w13s, w2p, w2s, ids, tw, G))
-                row["frag_us"] = time_calls([lambda ids=ids, tw=tw: fused_moe_frag(x, *frag, ids, tw, G, tile=FRAG_TILE)
+                row["frag_us"] = time_calls([lambda ids=ids, tw=tw: fused_moe_frag(x, *frag, ids, tw, G, **ENGINE_ORDER)
                                              for ids, tw in sets], reps=reps)["us"]
                 row["frag_TBps"] = nbytes / (row["frag_us"] * 1e-6) / 1e12
                 row["frag_frac_copy"] = row["frag_TBps"] * 1e12 / copy_bw

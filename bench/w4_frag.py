@@ -34,7 +34,7 @@ from bench.kernels import DENSE, E, G, H, I, TOPK, rand_w4, rel, route, w4_bytes
 from kdtree_engine.kernels import moe_frag as moe_frag_mod  # noqa: E402
 from kdtree_engine.kernels.moe_frag import FragMoEConfig, frag_moe_config, fused_moe_frag  # noqa: E402
 from kdtree_engine.kernels.moe_w4a16 import fused_moe_reference, fused_moe_w4a16, moe_align  # noqa: E402
-from kdtree_engine.kernels.w4_frag import _w4_frag_kernel, dense_plan, frag_gpb, frag_linear, frag_repack, frag_tile, partition_rows, scale_tile, token_mma, token_mt, token_tile, token_warps, FRAG_TILE  # noqa: E402
+from kdtree_engine.kernels.w4_frag import _w4_frag_kernel, dense_plan, frag_gpb, frag_linear, frag_repack, frag_tile, partition_rows, scale_tile, ENGINE_ORDER, token_mma, token_mt, token_tile, token_warps, FRAG_TILE  # noqa: E402
 from kdtree_engine.kernels.w4a16 import w4a16_linear  # noqa: E402
 from kdtree_engine.quant import dequantize  # noqa: E402
 
@@ -51,7 +51,7 @@ DENSE_CANDIDATES = [  # the engine's plan first (None), then overrides of it (th
     dict(pt=128), dict(pt=128, per_sm=3), dict(pt=128, per_sm=4), dict(tile=0), dict(mma="sync", tok=16),
     dict(mma="wgmma", tok=16), dict(mma="wgmma", tok=32), dict(pt=128, mma="wgmma", tok=16),
     dict(pt=128, mma="wgmma", tok=32), dict(tok=8), dict(tok=8, pt=128),
-    dict(stile=FRAG_TILE),   # the scales in scale_tile's order of FRAG_TILE rows
+    dict(stile=0),   # row-major scales (the engine's: scale_tile's order of FRAG_TILE rows)
 ]
 MOE_CANDIDATES = [  # the engine's table first (None), then programs per expert block (P13 gate/up, P2 down: the
     # stream partition's; 64 / 112 = the tile-aligned K splits before it: gate/up 2 K ranges per tile, down 1),
@@ -65,7 +65,6 @@ MOE_CANDIDATES = [  # the engine's table first (None), then programs per expert 
     FragMoEConfig(BLOCK_M=16),
     FragMoEConfig(BLOCK_M=8, ORDER="programs"),
 ]
-STILE = "stile"       # --only text of the engine table's launches on scales in scale_tile's order (FRAG_TILE rows)
 COMPACT = "compact"   # --only text of the engine table's launches over only the align's used blocks (_compact_aligns)
 MOE_TS = [1, 4, 16, 64, 256, 1024]
 
@@ -110,7 +109,7 @@ def _dense_kwargs(N, K, M, sms, cand) -> dict:
     gpb, mt, programs = dense_plan(N, K, sms, pt)
     tok = cand.get("tok", token_tile(M))
     kw = dict(gpb=gpb, mt=token_mt(mt, tok), num_warps=token_warps(pt), xload="smem-ahead", tok=tok,
-              tile=FRAG_TILE, pt=pt)
+              tile=FRAG_TILE, stile=FRAG_TILE, pt=pt)
     if "per_sm" in cand:
         kw["programs"] = max(1, min(sms * cand.pop("per_sm"), (N // pt) * (K // (32 * gpb))))
     elif "split" not in cand:
@@ -128,11 +127,12 @@ def bench_dense(ms, bw, reps, only: str | None = None) -> list[dict]:
         ws = [rand_w4(N, K) for _ in range(max(1, math.ceil(3 * l2 / nbytes)))]
         wd = dequantize(*ws[0], G, torch.bfloat16)
         plan = dense_plan(N, K, sms)
-        reps_by_gpb = {(plan[0], 0): [(frag_repack(p, plan[0]), s) for p, s in ws]}
-        reps_by_gpb[(plan[0], FRAG_TILE)] = [(frag_tile(q, plan[0], FRAG_TILE), s) for q, s in reps_by_gpb[(plan[0], 0)]]
-        if any(c and c.get("stile") and _wanted(c, only) for c in DENSE_CANDIDATES):
-            reps_by_gpb[(plan[0], FRAG_TILE, FRAG_TILE)] = [(q, scale_tile(s, plan[0], FRAG_TILE))
-                                                            for q, s in reps_by_gpb[(plan[0], FRAG_TILE)]]
+        # (gpb, word tile, scale tile) -> the rotating copies in that order
+        reps_by_gpb = {(plan[0], 0, 0): [(frag_repack(p, plan[0]), s) for p, s in ws]}
+        reps_by_gpb[(plan[0], FRAG_TILE, 0)] = [(frag_tile(q, plan[0], FRAG_TILE), s)
+                                                for q, s in reps_by_gpb[(plan[0], 0, 0)]]
+        reps_by_gpb[(plan[0], FRAG_TILE, FRAG_TILE)] = [(q, scale_tile(s, plan[0], FRAG_TILE))
+                                                        for q, s in reps_by_gpb[(plan[0], FRAG_TILE, 0)]]
         for M in ms:
             x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
             ref = x.double() @ wd.double().T
@@ -144,14 +144,13 @@ def bench_dense(ms, bw, reps, only: str | None = None) -> list[dict]:
             for cand in [c for c in DENSE_CANDIDATES if _wanted(c, only)]:
                 kw = _dense_kwargs(N, K, M, sms, cand)
                 tag = "frag (engine plan)" if cand is None else "frag"
-                wr = reps_by_gpb[(kw["gpb"], kw.get("tile", 0), kw["stile"]) if kw.get("stile")
-                                 else (kw["gpb"], kw.get("tile", 0))]
+                wr = reps_by_gpb[(kw["gpb"], kw.get("tile", 0), kw.get("stile", 0))]
                 part = f"split{kw['split']}" if "split" in kw else f"programs{kw['programs']}"
                 label = (f"{tag} gpb{kw['gpb']} mt{kw['mt']} w{kw['num_warps']} {part}"
                          f" pt{kw['pt']} tok{kw['tok']}"
                          f" x {kw['xload']}{'' if kw.get('pdl', True) else ' no-pdl'}"
                          f"{' tiled ' + str(kw['tile']) if kw.get('tile') else ''}"
-                         f"{' scales tiled ' + str(kw['stile']) if kw.get('stile') else ''}"
+                         f"{' scales tiled ' + str(kw['stile']) if kw.get('stile') else ' row-major scales'}"
                          f" {kw.get('mma') or token_mma(kw['tok'])}"
                          f"{'' if kw.get('pairs') is None else (' pairs' if kw['pairs'] else ' no-pairs')}")
                 before = _compiled_regs(_w4_frag_kernel)
@@ -173,8 +172,7 @@ def bench_moe(ts, bw, reps, only: str | None = None) -> list[dict]:
     w2p, w2s = rand_w4(E, H, I)
     frag = (frag_repack(w13p, frag_gpb(H)), frag_repack(w2p, frag_gpb(I)))
     tiled = (frag_tile(frag[0], frag_gpb(H), FRAG_TILE), frag_tile(frag[1], frag_gpb(I), FRAG_TILE))
-    stiled = ((scale_tile(w13s, frag_gpb(H), FRAG_TILE), scale_tile(w2s, frag_gpb(I), FRAG_TILE))
-              if only is not None and STILE in only.lower().split(",") else None)
+    stiled = (scale_tile(w13s, frag_gpb(H), FRAG_TILE), scale_tile(w2s, frag_gpb(I), FRAG_TILE))
     expert_bytes = w4_bytes(2 * I, H) + w4_bytes(H, I)
     gen = torch.Generator(device="cuda").manual_seed(0)
     for T in ts:
@@ -188,36 +186,32 @@ def bench_moe(ts, bw, reps, only: str | None = None) -> list[dict]:
         _row(rows, {**base, "kernel": "default"}, lambda: fused_moe_w4a16(x, w13p, w13s, w2p, w2s, ids0, tw0, G),
              ref, [lambda i=i, w=w: fused_moe_w4a16(x, w13p, w13s, w2p, w2s, i, w, G) for i, w in sets],
              nbytes, bw, reps)
-        for cand, tile in [(c, FRAG_TILE) for c in MOE_CANDIDATES if _wanted(c, only)] + [(None, 0)]:
+        # the engine's order (tiled words and scales) for every candidate; then the engine's table on row-major
+        # scales beside tiled words, and on both row-major
+        for cand, tile, stile in ([(c, FRAG_TILE, FRAG_TILE) for c in MOE_CANDIDATES if _wanted(c, only)]
+                                  + [(None, FRAG_TILE, 0), (None, 0, 0)]):
             q13, q2 = tiled if tile else frag
+            s13, s2 = stiled if stile else (w13s, w2s)
             cfg = cand or frag_moe_config(T * TOPK, E)
             label = (f"frag{' (engine table)' if cand is None else ''} bm{cfg.BLOCK_M} "
                      f"programs {cfg.P13 or 'plan'}/{cfg.P2 or 'plan'} x {cfg.XLOAD}/{cfg.XLOAD2 or cfg.XLOAD}"
                      f"{f' maxnreg {cfg.MAXNREG13}/{cfg.MAXNREG2}' if cfg.MAXNREG13 or cfg.MAXNREG2 else ''}"
                      f" epi {cfg.EPI_BLOCK}{'' if cfg.PDL else ' no-pdl'}{f' tiled {tile}' if tile else ' row-major'}"
-                     f"{' wgmma' if cfg.wgmma else ''}")
+                     f"{f' scales tiled {stile}' if stile else ' row-major scales'}{' wgmma' if cfg.wgmma else ''}")
             _row(rows, {**base, "kernel": label},
-                 lambda: fused_moe_frag(x, q13, w13s, q2, w2s, ids0, tw0, G, cfg, tile=tile), ref,
-                 [lambda i=i, w=w: fused_moe_frag(x, q13, w13s, q2, w2s, i, w, G, cfg, tile=tile) for i, w in sets],
-                 nbytes, bw, reps)
-        if only is not None and STILE in only.lower().split(","):
-            cfg = frag_moe_config(T * TOPK, E)
-            q13, q2 = tiled
-            s13, s2 = stiled
-            _row(rows, {**base, "kernel": f"frag (engine table) bm{cfg.BLOCK_M} tiled {FRAG_TILE} scales tiled "
-                                          f"{FRAG_TILE}"},
-                 lambda: fused_moe_frag(x, q13, s13, q2, s2, ids0, tw0, G, cfg, tile=FRAG_TILE, stile=FRAG_TILE), ref,
-                 [lambda i=i, w=w: fused_moe_frag(x, q13, s13, q2, s2, i, w, G, cfg, tile=FRAG_TILE, stile=FRAG_TILE)
+                 lambda: fused_moe_frag(x, q13, s13, q2, s2, ids0, tw0, G, cfg, tile=tile, stile=stile), ref,
+                 [lambda i=i, w=w: fused_moe_frag(x, q13, s13, q2, s2, i, w, G, cfg, tile=tile, stile=stile)
                   for i, w in sets], nbytes, bw, reps)
         if only is not None and COMPACT in only.lower().split(","):
             cfg = frag_moe_config(T * TOPK, E)
             cut = _compact_aligns(sets, cfg.BLOCK_M)
             q13, q2 = tiled
+            s13, s2 = stiled
             with mock.patch.object(moe_frag_mod, "moe_align", lambda ids, *a, **k: cut[ids.data_ptr()]):
                 _row(rows, {**base, "kernel": f"frag (engine table) bm{cfg.BLOCK_M} over the used blocks only "
                                               f"(host-synced align, a measurement aid)"},
-                     lambda: fused_moe_frag(x, q13, w13s, q2, w2s, ids0, tw0, G, cfg, tile=FRAG_TILE), ref,
-                     [lambda i=i, w=w: fused_moe_frag(x, q13, w13s, q2, w2s, i, w, G, cfg, tile=FRAG_TILE)
+                     lambda: fused_moe_frag(x, q13, s13, q2, s2, ids0, tw0, G, cfg, **ENGINE_ORDER), ref,
+                     [lambda i=i, w=w: fused_moe_frag(x, q13, s13, q2, s2, i, w, G, cfg, **ENGINE_ORDER)
                       for i, w in sets], nbytes, bw, reps)
     return rows
 

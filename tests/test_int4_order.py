@@ -12,7 +12,7 @@ from kdtree_engine import reference
 from kdtree_engine.config import preset
 from kdtree_engine.engine import load_target
 from kdtree_engine.kernels import dispatch
-from kdtree_engine.model.int4_order import CHECKPOINT, FRAG, checkpoint_words, order_of, set_order
+from kdtree_engine.model.int4_order import CHECKPOINT, FRAG, checkpoint_scales, checkpoint_words, order_of, set_order
 from kdtree_engine.model.layers import Linear
 from kdtree_engine.model.moe import MoE
 from kdtree_engine.quant import k2_quantization_config
@@ -33,17 +33,21 @@ def _linear(n: int = 64, k: int = 96) -> Linear:
 
 @pytest.mark.parametrize("n,k", [(64, 96), (192, 512)])
 def test_linear_reorder_round_trip_and_checkpoint_view(n, k):
-    """Fragment order (nibbles permuted in each row's blocks, then blocks of 64 rows made contiguous) and back:
-    the checkpoint's words, and the same dense weight through checkpoint_words."""
+    """Fragment order (nibbles permuted in each row's blocks, then blocks of 64 rows made contiguous; the scales'
+    blocks of 64 rows made contiguous too) and back: the checkpoint's words and scales, and the same dense weight
+    through checkpoint_words / checkpoint_scales."""
     layer = _linear(n, k)
     words = layer.weight_packed.clone()
+    scales = layer.weight_scale.clone()
     dense = layer.dense_weight().clone()
     set_order(layer, FRAG)
     assert order_of(layer) == FRAG and not torch.equal(layer.weight_packed, words)
+    assert not torch.equal(layer.weight_scale, scales)   # more than one block per row: the tiles move them
     assert torch.equal(checkpoint_words(layer, "weight_packed"), words)
+    assert torch.equal(checkpoint_scales(layer, "weight_packed"), scales)
     assert torch.equal(layer.dense_weight(), dense)
     set_order(layer, CHECKPOINT)
-    assert torch.equal(layer.weight_packed, words)
+    assert torch.equal(layer.weight_packed, words) and torch.equal(layer.weight_scale, scales)
 
 
 def test_torch_path_on_a_reordered_module_gives_the_same_output():

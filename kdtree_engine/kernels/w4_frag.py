@@ -84,7 +84,9 @@ def frag_repack(packed: torch.Tensor, gpb: int) -> torch.Tensor:
     return _permute_codes(packed, gpb, frag_perm(gpb), "frag_repack")
 
 
-FRAG_TILE = 64      # rows per tile of the fragment kernels' words as the engine stores them (frag_tile)
+FRAG_TILE = 64      # rows per tile of the fragment kernels' words and scales as the engine stores them (frag_tile,
+#                     scale_tile); the tiled scales: dense 36864 x 7168 60.2 against 63.0 us at M = 16, 44.6 / 45.6 at
+#                     M = 4, the K2 MoE 699 / 722 at T = 16, 209 / 214 at T = 4 (bench/results/w4-frag-h200-stile.md)
 
 
 FRAG_CHUNK = 4      # words of one thread's 16-byte load
@@ -146,6 +148,21 @@ def to_engine_order(words: torch.Tensor, gpb: int) -> torch.Tensor:
 def from_engine_order(words: torch.Tensor, gpb: int) -> torch.Tensor:
     """Inverse of to_engine_order."""
     return frag_unrepack(frag_tile(words, gpb, FRAG_TILE, inverse=True), gpb)
+
+
+def to_engine_scales(scales: torch.Tensor, gpb: int) -> torch.Tensor:
+    """Checkpoint (row-major) group scales [.., N, K/32] -> the order the engine keeps beside engine-ordered
+    words: FRAG_TILE-row tiles (scale_tile)."""
+    return scale_tile(scales, gpb, FRAG_TILE)
+
+
+def from_engine_scales(scales: torch.Tensor, gpb: int) -> torch.Tensor:
+    """Inverse of to_engine_scales."""
+    return scale_tile(scales, gpb, FRAG_TILE, inverse=True)
+
+
+# the fragment kernels' keywords for words and scales in the engine's order (to_engine_order, to_engine_scales)
+ENGINE_ORDER = {"tile": FRAG_TILE, "stile": FRAG_TILE}
 
 
 def tile_unsupported(rows: int, tile: int, bn: int) -> str | None:

@@ -6,12 +6,12 @@ fragment order of the Gluon kernels (kernels/w4_frag.py), converted in place, on
   moe.Experts            w13_packed [E, 2I, H/8], w2_packed [E, H, I/8]   H, I
 
 Fragment order also stores each K block of FRAG_TILE rows contiguously (frag_tile, per matrix: a
-permutation of the rows' blocks, so that one program's loads of a block are one contiguous run). Scales
-are never moved.
+permutation of the rows' blocks, so that one program's loads of a block are one contiguous run), and the
+module's scales the same way (scale_tile: `<words>` -> `<scales>` is `*_packed` -> `*_scale`).
 
 A module starts in checkpoint order. The kernel dispatch (kernels/dispatch.int4_kernel) asks for the
 order its kernel reads (`set_order`); anything that needs the checkpoint's bytes (the torch paths,
-dequantized views) reads them through `checkpoint_words`, and loading restores the checkpoint order
+dequantized views) reads them through `checkpoint_words` / `checkpoint_scales`, and loading restores the checkpoint order
 first (the loader calls `set_order(module, CHECKPOINT)` before it writes). The conversion is a permutation inside each matrix (the nibbles
 of each row's blocks, then the rows' blocks; same shape), so it needs no second copy of the weights: one
 matrix at a time.
@@ -39,14 +39,20 @@ def int4_words(module: nn.Module) -> list[tuple[str, int]]:
     return []
 
 
+def scale_name(words: str) -> str:
+    """The scale buffer beside INT4 words `words` (weight_packed -> weight_scale, w13_packed -> w13_scale)."""
+    return words.replace("_packed", "_scale")
+
+
 def order_of(module: nn.Module) -> str:
     return module.__dict__.get(_ATTR, CHECKPOINT)
 
 
 @torch.no_grad()
 def set_order(module: nn.Module, order: str) -> None:
-    """Convert the module's INT4 words to `order` in place (no-op when already there)."""
-    from ..kernels.w4_frag import frag_gpb, from_engine_order, to_engine_order
+    """Convert the module's INT4 words and their scales to `order` in place (no-op when already there)."""
+    from ..kernels.w4_frag import (frag_gpb, from_engine_order, from_engine_scales, to_engine_order,
+                                   to_engine_scales)
 
     if order not in (CHECKPOINT, FRAG):
         raise ValueError(f"INT4 word order must be {CHECKPOINT!r} or {FRAG!r}, got {order!r}")
@@ -61,15 +67,16 @@ def set_order(module: nn.Module, order: str) -> None:
             raise RuntimeError(f"INT4 {name} would be reordered to {order} order inside a CUDA graph capture; "
                                "run one eager forward (or kernels.dispatch.prepare_int4) before capturing")
     convert = to_engine_order if order == FRAG else from_engine_order
+    convert_scales = to_engine_scales if order == FRAG else from_engine_scales
     for name, k in words:
-        buf = getattr(module, name)
         gpb = frag_gpb(k)
-        mats = buf.unbind(0) if buf.dim() == 3 else (buf,)
-        for m in mats:                       # one matrix at a time: the codes take 32x the words' memory
-            m.copy_(convert(m, gpb))
+        for buf, conv in ((getattr(module, name), convert), (getattr(module, scale_name(name)), convert_scales)):
+            mats = buf.unbind(0) if buf.dim() == 3 else (buf,)
+            for m in mats:                       # one matrix at a time: the codes take 32x the words' memory
+                m.copy_(conv(m, gpb))
     module.__dict__[_ATTR] = order
     log_once(f"int4-order:{order}:{buf.device.type}",
-             f"INT4 words reordered in place to {order} order on {buf.device.type} (once per module)")
+             f"INT4 words and scales reordered in place to {order} order on {buf.device.type} (once per module)")
 
 
 def checkpoint_words(module: nn.Module, name: str) -> torch.Tensor:
@@ -80,6 +87,16 @@ def checkpoint_words(module: nn.Module, name: str) -> torch.Tensor:
         return buf
     from ..kernels.w4_frag import frag_gpb, from_engine_order
     return from_engine_order(buf, frag_gpb(dict(int4_words(module))[name]))
+
+
+def checkpoint_scales(module: nn.Module, words: str) -> torch.Tensor:
+    """The scales of INT4 words `words` in checkpoint (row-major) order: the buffer itself, or an untiled copy when
+    the module holds them in fragment order."""
+    buf = getattr(module, scale_name(words))
+    if order_of(module) == CHECKPOINT:
+        return buf
+    from ..kernels.w4_frag import frag_gpb, from_engine_scales
+    return from_engine_scales(buf, frag_gpb(dict(int4_words(module))[words]))
 
 
 def prepare(module: nn.Module, dtype: torch.dtype, what: str, unsupported: str | None) -> str:

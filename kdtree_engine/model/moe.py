@@ -99,9 +99,9 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Expe
         kind = experts.int4_prepare(x.dtype)
         if kind == "frag":
             from ..kernels.moe_frag import fused_moe_frag
-            from ..kernels.w4_frag import FRAG_TILE
+            from ..kernels.w4_frag import ENGINE_ORDER
             return fused_moe_frag(x, experts.w13_packed, experts.w13_scale, experts.w2_packed,
-                                  experts.w2_scale, ids, weights, experts.group_size, tile=FRAG_TILE, add=add)
+                                  experts.w2_scale, ids, weights, experts.group_size, add=add, **ENGINE_ORDER)
         if kind == "triton":
             from ..kernels.moe_w4a16 import fused_moe_w4a16
             return fused_moe_w4a16(x, experts.w13_packed, experts.w13_scale, experts.w2_packed,
@@ -120,22 +120,22 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Expe
 def _expert_weights(experts: Experts, e: int) -> tuple[torch.Tensor, torch.Tensor]:
     if experts.group_size is None:
         return experts.w13[e], experts.w2[e]
-    from .int4_order import checkpoint_words
+    from .int4_order import checkpoint_scales, checkpoint_words
     if experts.w13_packed.device.type == "cpu":
         # The CPU path multiplies dense weights: dequantize once (same values every call) and keep them.
         dense = experts.__dict__.get("_dense_cpu")
         if dense is None:
             from ..quant import dequantize
             g = experts.group_size
-            dense = (dequantize(checkpoint_words(experts, "w13_packed"), experts.w13_scale, g),
-                     dequantize(checkpoint_words(experts, "w2_packed"), experts.w2_scale, g))
+            dense = (dequantize(checkpoint_words(experts, "w13_packed"), checkpoint_scales(experts, "w13_packed"), g),
+                     dequantize(checkpoint_words(experts, "w2_packed"), checkpoint_scales(experts, "w2_packed"), g))
             experts.__dict__["_dense_cpu"] = dense
             log_once("moe:cpu-dequant", "MoE on cpu: INT4 experts dequantized once and kept for the torch path")
         return dense[0][e], dense[1][e]
     from ..quant import dequantize
     g = experts.group_size
-    return (dequantize(checkpoint_words(experts, "w13_packed")[e], experts.w13_scale[e], g),
-            dequantize(checkpoint_words(experts, "w2_packed")[e], experts.w2_scale[e], g))
+    return (dequantize(checkpoint_words(experts, "w13_packed")[e], checkpoint_scales(experts, "w13_packed")[e], g),
+            dequantize(checkpoint_words(experts, "w2_packed")[e], checkpoint_scales(experts, "w2_packed")[e], g))
 
 
 def moe_reference(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Experts) -> torch.Tensor:

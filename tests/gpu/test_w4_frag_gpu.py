@@ -426,7 +426,7 @@ def test_frag_linear_tiled_scales_same_bits(poisoned, N, K, split):
     p, s = rand_w4(N, K)
     q = frag_tile(frag_repack(p, 8), 8, 64)
     st = scale_tile(s, 8, 64)
-    assert not torch.equal(st, s)
+    assert torch.equal(st, s) == (K == 256), "one block per row: nothing moves; more: the tiles move them"
     for M in (1, 13, 37):
         x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
         for tok, mt, mma in ((8, 1, "sync"), (8, 2, "sync"), (16, 1, "sync"), (32, 1, "wgmma")):
