@@ -88,7 +88,8 @@ def bench_dense(copy_bw, reps, log):
         r16 = max(1, math.ceil(3 * l2 / (N * K * 2)))
         ws = [rand_w4(N, K) for _ in range(r4)]
         wb = [dequantize(p, s, G, torch.bfloat16) for p, s in ws[:r16]]
-        wf = [(to_engine_order(p, frag_gpb(K)), to_engine_scales(s, frag_gpb(K))) for p, s in ws] if HAVE_GLUON else None
+        wf = ([(to_engine_order(p, frag_gpb(K)), to_engine_scales(s, frag_gpb(K))) for p, s in ws]
+              if HAVE_GLUON else None)
         tg, tg_err = None, None
         try:
             tg = [tinygemm_pack(p, s) for p, s in ws]

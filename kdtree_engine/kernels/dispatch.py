@@ -395,8 +395,8 @@ def w4a16_matmul(x: torch.Tensor, layer) -> torch.Tensor:
     if kind == "triton":
         from .w4a16 import w4a16_linear
         return w4a16_linear(x, layer.weight_packed, layer.weight_scale, layer.group_size)
-    return w4a16_matmul_reference(x, checkpoint_words(layer, "weight_packed"), checkpoint_scales(layer, "weight_packed"),
-                                  layer.group_size)
+    return w4a16_matmul_reference(x, checkpoint_words(layer, "weight_packed"),
+                                  checkpoint_scales(layer, "weight_packed"), layer.group_size)
 
 
 def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, start: int,

@@ -242,7 +242,8 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _down_arrival(y_ptr, cnt_ptr, ids_ptr, fin_ptr, add_ptr, tile, n_blocks, n_tok, n_experts, stride_ot,
-                      stride_ft, stride_at, TOPK: gl.constexpr, BN: gl.constexpr, num_warps: gl.constexpr, ADD: gl.constexpr):
+                      stride_ft, stride_at, TOPK: gl.constexpr, BN: gl.constexpr, num_warps: gl.constexpr,
+                      ADD: gl.constexpr):
         """A whole-tile down program (of any expert block, an empty one too) done with row tile `tile`: the last of
         the launch's blocks to get there writes the tile's top-k sum (_topk_sum_tile)."""
         if _last_arrival(cnt_ptr + tile, n_blocks):
@@ -260,11 +261,12 @@ if HAVE_GLUON:
                          FUSE: gl.constexpr = False, SLOTS: gl.constexpr = 1, TOPK_C: gl.constexpr = 8,
                          ADD: gl.constexpr = False, PFIRST: gl.constexpr = False, STILE: gl.constexpr = 0):
         """grid (blocks, programs), PFIRST (programs, blocks): one expert block's pairs over program p's range of
-        the stream partition of (N / BN) row tiles x iters K blocks, row tile major (moe_plan): global blocks [p * work // programs,
-        (p + 1) * work // programs), each run of them within one tile (a segment, unrolled: SEGS) one partial,
-        written to out[slot, pair, n] with slot its index among the tile's segments. WHOLE: one program per
-        row tile over all of K (programs = N / BN: program p is tile p, one partial; without the division the
-        8-token down program keeps 9 fewer registers).
+        the stream partition of (N / BN) row tiles x iters K blocks, row tile major (moe_plan): global blocks
+        [p * work // programs, (p + 1) * work // programs), each run of them within one tile (a segment,
+        unrolled: SEGS) one partial, written to out[slot, pair, n] with slot its index among the tile's segments.
+        STILE: the scales' order (w4_frag._word_ptrs). WHOLE: one program per row tile over all of K (programs =
+        N / BN: program p is tile p, one partial; without the division the 8-token down program keeps 9 fewer
+        registers).
         GATE_UP: x [T, H] rows pair // TOPK, weight rows n and UP_ROW + n -> out[slot, pair, n] and
         out[slot, pair, UP_ROW + n] (fp32 gate / up partials). Else (down): x = inter [P, I] rows pair ->
         out[slot, pair, n] = router weight x the partial down sum. PDL (pdl.py): launched dependent on the

@@ -11,10 +11,10 @@ module's scales the same way (scale_tile: `<words>` -> `<scales>` is `*_packed` 
 
 A module starts in checkpoint order. The kernel dispatch (kernels/dispatch.int4_kernel) asks for the
 order its kernel reads (`set_order`); anything that needs the checkpoint's bytes (the torch paths,
-dequantized views) reads them through `checkpoint_words` / `checkpoint_scales`, and loading restores the checkpoint order
-first (the loader calls `set_order(module, CHECKPOINT)` before it writes). The conversion is a permutation inside each matrix (the nibbles
-of each row's blocks, then the rows' blocks; same shape), so it needs no second copy of the weights: one
-matrix at a time.
+dequantized views) reads them through `checkpoint_words` / `checkpoint_scales`, and loading restores the
+checkpoint order first (the loader calls `set_order(module, CHECKPOINT)` before it writes). The conversion is
+a permutation inside each matrix (the nibbles of each row's blocks, then the rows' blocks; the scales' row
+blocks; same shapes), so it needs no second copy of the weights: one matrix at a time.
 """
 
 from __future__ import annotations
