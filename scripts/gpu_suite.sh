@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU tests and benchmarks, logs and results packed under $OUT; one device call runs one part.
-#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|next|chain|sample|rounds|decode|step|verify|resume|ncu|plane|merge|merge2|merge3|sample2|fork|last|plane2|rows|kload|lazy|rounds2|maxnreg|qsplit|stages|down|bm8|m64|merge4|merge5|final2|moerows|moe16|moe16b|router|router2|router3|final3|frag|frag2|frag3|frag4|frag5|frag7|frag8|xsm|xsm2|xsm3|xsm4|xsm5|xsm6|router4|arrive|tune2|direct|epi|pdl|pdl2|pdl3|rgemv|rgemv2|pdl4|pdl5|shared|final4|spec4|prof|round5|round6|round7|tiled|tiled2|tiled3|tiled4|tiled5|tiled6|tiled7|tiled8|wg|wg2|wide|wg3|wg4|wg5|ring|router5|wide64|wg8|wg8b|warps8|final5|moe8|small|small2|small3|small4|small5|take|chunk|wgdec|wgdec2|wgfin|wgfin2|wgprof|wgq|wgref|wground|ncuw4|tma|tma2|gsweep|wgtest|wgslice|wgslice2|slicefin|wgpipe|ncutree|wgqs2|wgfin3|wgbench|tailmerge|ltile|stream|stream2|stream3|streamfin|ncumoe|moestream|moestream2|chunks|chunks2|pairs|pairs2|pairs3|prefetch|bounds|fuse|fuse8|rside|rside2|final6|review2|ahead|stalls|heads|tline|tail|final7|final7b|stail|route|order|final8|final8b|rounds8|rstep|window|ctx|tailvs|vwg|vwg2|vwg3|vwg4|vwg5|vwg6|moegrid|stile|stile2|stile3|stile4]   (on the GPU machine, from the repository root)
+#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|next|chain|sample|rounds|decode|step|verify|resume|ncu|plane|merge|merge2|merge3|sample2|fork|last|plane2|rows|kload|lazy|rounds2|maxnreg|qsplit|stages|down|bm8|m64|merge4|merge5|final2|moerows|moe16|moe16b|router|router2|router3|final3|frag|frag2|frag3|frag4|frag5|frag7|frag8|xsm|xsm2|xsm3|xsm4|xsm5|xsm6|router4|arrive|tune2|direct|epi|pdl|pdl2|pdl3|rgemv|rgemv2|pdl4|pdl5|shared|final4|spec4|prof|round5|round6|round7|tiled|tiled2|tiled3|tiled4|tiled5|tiled6|tiled7|tiled8|wg|wg2|wide|wg3|wg4|wg5|ring|router5|wide64|wg8|wg8b|warps8|final5|moe8|small|small2|small3|small4|small5|take|chunk|wgdec|wgdec2|wgfin|wgfin2|wgprof|wgq|wgref|wground|ncuw4|tma|tma2|gsweep|wgtest|wgslice|wgslice2|slicefin|wgpipe|ncutree|wgqs2|wgfin3|wgbench|tailmerge|ltile|stream|stream2|stream3|streamfin|ncumoe|moestream|moestream2|chunks|chunks2|pairs|pairs2|pairs3|prefetch|bounds|fuse|fuse8|rside|rside2|final6|review2|ahead|stalls|heads|tline|tail|final7|final7b|stail|route|order|final8|final8b|rounds8|rstep|window|ctx|tailvs|vwg|vwg2|vwg3|vwg4|vwg5|vwg6|moegrid|stile|stile2|stile3|stile4|rwarps]   (on the GPU machine, from the repository root)
 #   tune   the W4A16 config sweep, the bitwise and CUDA-graph GPU tests, the demo's spec benchmark
 #   check  the remaining GPU tests (kernels, batch invariance, target, attention), kernel and round benches
 #   bench  the benchmarks with long runs (K2 step, attention, GEMM)
@@ -274,6 +274,8 @@
 #          the device-length bitwise and demo graph-replay tests, the K2 layer again
 #   stile4 on the final code: the dense and MoE fragment kernels on the engine's tiled scales beside row-major scales
 #          (bench/w4_frag.py), the K2 layer with its timeline
+#   rwarps the router GEMM's programs of several one-warp row blocks (RouterGemmConfig.ROW_WARPS, the K2 table's from
+#          16 tokens): the router GPU tests (the same bits as one warp), the router bench, the K2 layer
 #   bounds what leaving out one launch could gain (bench/launch_bounds.py): the MoE's SwiGLU / top-k sum, a small
 #          tree's tail launch beside its prefix launch
 #   prefetch weight / key lines asked of L2 before the dependent-launch waits (commit 549eb2a, reverted since: its
@@ -797,6 +799,11 @@ fi
 if [[ $PART == stile4 ]]; then
   step bench_stile 300 python3 bench/w4_frag.py --ms 1,4,16 --ts 1,4,16,64 --reps 20 --only stile --out "$RES"
   step bench_k2_step 110 python3 bench/k2_step.py --timeline --out "$RES"
+fi
+if [[ $PART == rwarps ]]; then
+  step pytest_router 150 $PYT tests/gpu/test_router_gemm_gpu.py
+  step bench_router 90 python3 bench/router.py --out "$RES"
+  step bench_k2_step 110 python3 bench/k2_step.py --out "$RES"
 fi
 if [[ $PART == final8b ]]; then
   step pytest_graph 250 $PYT tests/gpu/test_graph_round_gpu.py tests/spec/test_spec_gpu.py
