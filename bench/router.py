@@ -28,7 +28,7 @@ from kdtree_engine.kernels.gemm import bi_linear  # noqa: E402
 from kdtree_engine.kernels.router_gemm import RouterGemmConfig, router_config, router_logits  # noqa: E402
 
 N, K = 384, 7168
-MS = (1, 4, 16, 32, 64, 129)
+MS = (1, 4, 16, 64, 129)
 CANDIDATES = {  # name -> router kernel config (BN, KS, warps, TM)
     "b8_k512_w4": RouterGemmConfig(8, 512, 4, 16),
     "b8_k1024_w4": RouterGemmConfig(8, 1024, 4, 16),
@@ -39,11 +39,6 @@ CANDIDATES = {  # name -> router kernel config (BN, KS, warps, TM)
     "b2_k512_w1": RouterGemmConfig(2, 512, 1, 16),
     "b4_k512_w1_tm4": RouterGemmConfig(4, 512, 1, 4),
     "b4_k512_w1_tm64": RouterGemmConfig(4, 512, 1, 64),
-    # programs of 2 / 4 / 8 one-warp row blocks at every M (ROW_WARPS: the same bits as b4_k512_w1)
-    "b4_k512_w1_rw2": RouterGemmConfig(4, 512, 1, 16, ROW_WARPS=2, ROW_WARPS_FROM_M=1),
-    "b4_k512_w1_rw4": RouterGemmConfig(4, 512, 1, 16, ROW_WARPS=4, ROW_WARPS_FROM_M=1),
-    "b4_k512_w1_rw8": RouterGemmConfig(4, 512, 1, 16, ROW_WARPS=8, ROW_WARPS_FROM_M=1),
-    "b4_k512_w1_rw8_tm64": RouterGemmConfig(4, 512, 1, 64, ROW_WARPS=8, ROW_WARPS_FROM_M=1),
 }
 
 

@@ -275,7 +275,8 @@
 #   stile4 on the final code: the dense and MoE fragment kernels on the engine's tiled scales beside row-major scales
 #          (bench/w4_frag.py), the K2 layer with its timeline
 #   rwarps the router GEMM's programs of several one-warp row blocks (RouterGemmConfig.ROW_WARPS, the K2 table's from
-#          16 tokens): the router GPU tests (the same bits as one warp), the router bench, the K2 layer
+#          16 tokens): the router GPU tests, the router bench, the K2 layer; run at commit 3927eec (other bits than one
+#          warp, no faster: reverted since)
 #   bounds what leaving out one launch could gain (bench/launch_bounds.py): the MoE's SwiGLU / top-k sum, a small
 #          tree's tail launch beside its prefix launch
 #   prefetch weight / key lines asked of L2 before the dependent-launch waits (commit 549eb2a, reverted since: its

@@ -15,13 +15,6 @@ Layout (weights in registers, tokens looped):
     one warp per program (the table's K2 shape): the k sum stays inside the warp (shuffles, no barrier)
     splits > 1: part [splits, M, N] summed in split order (split_sum)
 
-Every program reads its tokens' activations once per BN rows: at M = 64 the K2 gate's 96 row blocks read
-176 MB of activations from L2 for 11 MB of weights (33 us). Launches of at least ROW_WARPS_FROM_M tokens
-therefore run programs of ROW_WARPS warps (_router_rows_kernel, Gluon, GPU only): warp w holds rows
-BN * w .. BN * w + BN - 1 of the program's block in the one-warp tile's layout (a row's k spread over the 32
-lanes the same way), so each row is summed by the same instructions in the same order (the same bits,
-GPU-tested), and the warps' loads of one token's activations are one line in L1.
-
 Batch invariance: BN, KS and the warps (which fix the per-row summation tree) come from (N, K) alone
 (``router_config``); every token runs the same loop body on the same weight registers, so a row's logits
 do not depend on M or on the other rows of its tile (TM, the tokens per program, only re-tiles). The bits
@@ -38,47 +31,26 @@ import triton
 import triton.language as tl
 
 from .common import DTYPES
-from .pdl import PDL_ASM, pdl_launch, pdl_supported, pdl_wait
+from .pdl import pdl_launch, pdl_supported, pdl_wait
 from .split_sum import split_sum
-
-try:  # Gluon exists in triton >= 3.5
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    HAVE_GLUON = True
-except ImportError:  # pragma: no cover - depends on the installed triton
-    HAVE_GLUON = False
 
 
 @dataclass(frozen=True)
 class RouterGemmConfig:
     """BN weight rows x KS k per program and the warps set a row's rounding (fixed by (N, K)); TM (tokens
-    per program) only re-tiles, and so do ROW_WARPS / ROW_WARPS_FROM_M: launches of at least ROW_WARPS_FROM_M
-    tokens (0: none) run programs of ROW_WARPS one-warp row blocks (one warp per program only; GPU, Gluon)."""
+    per program) only re-tiles."""
     BN: int = 4
     KS: int = 512
     num_warps: int = 1
     TM: int = 16
-    ROW_WARPS: int = 1
-    ROW_WARPS_FROM_M: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("BN", "KS", "num_warps", "ROW_WARPS"):
+        for name in ("BN", "KS", "num_warps"):
             v = getattr(self, name)
             if v < 1 or v & (v - 1):
                 raise ValueError(f"RouterGemmConfig.{name} must be a power of 2, got {v}")
         if self.TM < 1:
             raise ValueError(f"RouterGemmConfig.TM must be >= 1, got {self.TM}")
-        if self.ROW_WARPS_FROM_M < 0:
-            raise ValueError(f"RouterGemmConfig.ROW_WARPS_FROM_M must be >= 0, got {self.ROW_WARPS_FROM_M}")
-        if self.ROW_WARPS > 1 and self.num_warps != 1:
-            raise ValueError(f"RouterGemmConfig.ROW_WARPS {self.ROW_WARPS} stacks one-warp programs; num_warps must "
-                             f"be 1, got {self.num_warps}")
-
-    def row_warps(self, M: int, device: torch.device) -> int:
-        """Warps per program of a launch of M tokens on `device` (1: the one-warp Triton kernel)."""
-        wide = (self.ROW_WARPS > 1 and self.ROW_WARPS_FROM_M and M >= self.ROW_WARPS_FROM_M
-                and device.type == "cuda" and HAVE_GLUON)
-        return self.ROW_WARPS if wide else 1
 
 
 # (N, K) -> config, from bench/router.py on an H200 (bench/results/router-h200-candidates.md, us at
@@ -87,7 +59,7 @@ class RouterGemmConfig:
 #   4 rows x 1024 k, 1 warp    5.6 / 8.1 / 15.6 / 37.9 / 68.3      (shuffles), no barrier per token
 #   8 rows x 512 k, 4 warps    7.0 / 11.2 / 24.1 / 66.7 / 123     (warps split k: two barriers per token)
 ROUTER_CONFIGS: dict[tuple[int, int], RouterGemmConfig] = {
-    (384, 7168): RouterGemmConfig(BN=4, KS=512, num_warps=1, TM=16, ROW_WARPS=8, ROW_WARPS_FROM_M=16),
+    (384, 7168): RouterGemmConfig(BN=4, KS=512, num_warps=1, TM=16),
 }
 
 
@@ -129,40 +101,6 @@ def _router_gemm_kernel(x_ptr, w_ptr, out_ptr, M, N, K, TM, stride_xm, stride_wn
         x = x_next
 
 
-if HAVE_GLUON:
-    WAIT_ASM = gl.constexpr(PDL_ASM)
-
-    @gluon.jit
-    def _router_rows_kernel(x_ptr, w_ptr, out_ptr, M, N, K, TM, stride_xm, stride_wn, stride_os, stride_om,
-                            BN: gl.constexpr, KS: gl.constexpr, PDL: gl.constexpr, num_warps: gl.constexpr):
-        """grid (cdiv(N, BN * num_warps), splits, cdiv(M, TM)): _router_gemm_kernel with num_warps one-warp row
-        blocks per program, warp w on rows BN * w .. BN * w + BN - 1 of the block (the one-warp tile's layout)."""
-        L: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [num_warps, 1], [1, 0])
-        RB: gl.constexpr = BN * num_warps
-        pid_n = gl.program_id(0)
-        pid_s = gl.program_id(1)
-        m0 = gl.program_id(2) * TM
-        rn = pid_n * RB + gl.arange(0, RB, layout=gl.SliceLayout(1, L))
-        rk = pid_s * KS + gl.arange(0, KS, layout=gl.SliceLayout(0, L))
-        k_ok = rk < K
-        w = gl.load(w_ptr + rn.to(gl.int64)[:, None] * stride_wn + rk[None, :],
-                    mask=(rn < N)[:, None] & k_ok[None, :], other=0.0)           # [RB, KS] fp32
-        if PDL:
-            gl.inline_asm_elementwise(WAIT_ASM, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-        m_end = gl.minimum(m0 + TM, M)
-        x_ptrs = x_ptr + m0.to(gl.int64) * stride_xm + rk
-        o_ptrs = out_ptr + pid_s.to(gl.int64) * stride_os + m0.to(gl.int64) * stride_om + rn
-        x = gl.load(x_ptrs, mask=k_ok, other=0.0)                                 # [KS], token m0
-        left = m_end - m0
-        for _ in range(m0, m_end):
-            x_ptrs += stride_xm
-            left -= 1
-            x_next = gl.load(x_ptrs, mask=k_ok & ((rk * 0) < left), other=0.0)   # the next token
-            gl.store(o_ptrs, gl.sum(w * x.to(gl.float32)[None, :], axis=1), mask=rn < N)   # [RB]
-            o_ptrs += stride_om
-            x = x_next
-
-
 def router_logits_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ w [N, K].T in float32 (torch): the CPU path and the test oracle."""
     return x.float() @ w.float().T
@@ -194,11 +132,9 @@ def router_logits(x: torch.Tensor, w: torch.Tensor, *, config: RouterGemmConfig 
     splits = triton.cdiv(K, cfg.KS)
     pdl = pdl_supported(x.device)
     part = out if splits == 1 else torch.empty((splits, M, N), device=x.device, dtype=torch.float32)
-    rw = cfg.row_warps(M, x.device)
-    kernel = _router_gemm_kernel if rw == 1 else _router_rows_kernel
-    kernel[(triton.cdiv(N, cfg.BN * rw), splits, triton.cdiv(M, cfg.TM))](
+    _router_gemm_kernel[(triton.cdiv(N, cfg.BN), splits, triton.cdiv(M, cfg.TM))](
         x, w, part, M, N, K, cfg.TM, x.stride(0), w.stride(0), M * N, N, BN=cfg.BN, KS=cfg.KS,
-        num_warps=cfg.num_warps * rw, **pdl_launch(pdl))
+        num_warps=cfg.num_warps, **pdl_launch(pdl))
     if splits == 1:
         return out[None] if partials else out
     if partials:
@@ -207,5 +143,5 @@ def router_logits(x: torch.Tensor, w: torch.Tensor, *, config: RouterGemmConfig 
     return out
 
 
-__all__ = ["HAVE_GLUON", "ROUTER_CONFIGS", "RouterGemmConfig", "router_config", "router_logits",
+__all__ = ["ROUTER_CONFIGS", "RouterGemmConfig", "router_config", "router_logits",
            "router_logits_reference"]

@@ -98,22 +98,3 @@ def test_router_partials_route_like_the_logits(M):
     args = (bias, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor)
     a, b = route_triton(parts, *args), route_triton(logits, *args)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
-
-
-@pytest.mark.parametrize("row_warps", [2, 4, 8])
-def test_router_row_warps_same_bits(poisoned_empty, row_warps):
-    """Programs of several one-warp row blocks (RouterGemmConfig.ROW_WARPS, the Gluon kernel) give the one-warp
-    kernel's bits at the K2 gate, split partials included, for any token count and tokens per program: the
-    table's launches switch kernels by M and a row must not see it."""
-    w = _rand(N, K, scale=K ** -0.5)
-    x = _rand(129, K, dtype=torch.bfloat16)
-    base = router_config(N, K)
-    one = RouterGemmConfig(base.BN, base.KS, 1, base.TM)
-    for M in (1, 5, 16, 64, 129):
-        want = router_logits(x[:M], w, config=one, partials=True)
-        for tm in (1, 16, 64):
-            cfg = RouterGemmConfig(base.BN, base.KS, 1, tm, ROW_WARPS=row_warps, ROW_WARPS_FROM_M=1)
-            got = router_logits(x[:M], w, config=cfg, partials=True)
-            assert torch.equal(got, want), f"M={M} TM={tm}: {int((got != want).sum())} partials differ"
-    table = router_logits(x, w)                       # the table's launch at M = 129 (row blocks from 16 tokens)
-    assert torch.equal(table, router_logits(x, w, config=one))

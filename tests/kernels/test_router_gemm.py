@@ -34,21 +34,6 @@ def test_config_rules():
         RouterGemmConfig(BN=8, KS=500)
     with pytest.raises(ValueError, match="TM"):
         RouterGemmConfig(TM=0)
-    with pytest.raises(ValueError, match="ROW_WARPS"):
-        RouterGemmConfig(ROW_WARPS=3)
-    with pytest.raises(ValueError, match="num_warps must be 1"):
-        RouterGemmConfig(num_warps=4, ROW_WARPS=2, ROW_WARPS_FROM_M=16)
-
-
-def test_row_warps_rule():
-    """Launches of at least ROW_WARPS_FROM_M tokens on CUDA stack ROW_WARPS one-warp row blocks per program (where
-    Gluon exists); fewer tokens, the CPU, or ROW_WARPS_FROM_M 0 keep the one-warp kernel."""
-    from kdtree_engine.kernels.router_gemm import HAVE_GLUON
-    cfg = RouterGemmConfig(ROW_WARPS=8, ROW_WARPS_FROM_M=16)
-    cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert cfg.row_warps(15, cuda) == 1 and cfg.row_warps(64, cpu) == 1
-    assert cfg.row_warps(16, cuda) == (8 if HAVE_GLUON else 1)
-    assert RouterGemmConfig(ROW_WARPS=8).row_warps(64, cuda) == 1
 
 
 def test_rejects_bad_inputs():
