@@ -63,7 +63,6 @@ MOE_CANDIDATES = [  # the engine's table first (None), then programs per expert 
     FragMoEConfig(BLOCK_M=8, P13=98, MAXNREG2=96),
     FragMoEConfig(BLOCK_M=8, XLOAD="smem", XLOAD2="smem-ahead", MAXNREG2=96),
     FragMoEConfig(BLOCK_M=16),
-    FragMoEConfig(BLOCK_M=8, ORDER="programs"),
 ]
 COMPACT = "compact"   # --only text of the engine table's launches over only the align's used blocks (_compact_aligns)
 MOE_TS = [1, 4, 16, 64, 256, 1024]

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU tests and benchmarks, logs and results packed under $OUT; one device call runs one part.
-#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|next|chain|sample|rounds|decode|step|verify|resume|ncu|plane|merge|merge2|merge3|sample2|fork|last|plane2|rows|kload|lazy|rounds2|maxnreg|qsplit|stages|down|bm8|m64|merge4|merge5|final2|moerows|moe16|moe16b|router|router2|router3|final3|frag|frag2|frag3|frag4|frag5|frag7|frag8|xsm|xsm2|xsm3|xsm4|xsm5|xsm6|router4|arrive|tune2|direct|epi|pdl|pdl2|pdl3|rgemv|rgemv2|pdl4|pdl5|shared|final4|spec4|prof|round5|round6|round7|tiled|tiled2|tiled3|tiled4|tiled5|tiled6|tiled7|tiled8|wg|wg2|wide|wg3|wg4|wg5|ring|router5|wide64|wg8|wg8b|warps8|final5|moe8|small|small2|small3|small4|small5|take|chunk|wgdec|wgdec2|wgfin|wgfin2|wgprof|wgq|wgref|wground|ncuw4|tma|tma2|gsweep|wgtest|wgslice|wgslice2|slicefin|wgpipe|ncutree|wgqs2|wgfin3|wgbench|tailmerge|ltile|stream|stream2|stream3|streamfin|ncumoe|moestream|moestream2|chunks|chunks2|pairs|pairs2|pairs3|prefetch|bounds|fuse|fuse8|rside|rside2|final6|review2|ahead|stalls|heads|tline|tail|final7|final7b|stail|route|order|final8|final8b|rounds8|rstep|window|ctx|tailvs|vwg|vwg2|vwg3|vwg4|vwg5|vwg6|moegrid|stile|stile2|stile3|stile4|rwarps]   (on the GPU machine, from the repository root)
+#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|next|chain|sample|rounds|decode|step|verify|resume|ncu|plane|merge|merge2|merge3|sample2|fork|last|plane2|rows|kload|lazy|rounds2|maxnreg|qsplit|stages|down|bm8|m64|merge4|merge5|final2|moerows|moe16|moe16b|router|router2|router3|final3|frag|frag2|frag3|frag4|frag5|frag7|frag8|xsm|xsm2|xsm3|xsm4|xsm5|xsm6|router4|arrive|tune2|direct|epi|pdl|pdl2|pdl3|rgemv|rgemv2|pdl4|pdl5|shared|final4|spec4|prof|round5|round6|round7|tiled|tiled2|tiled3|tiled4|tiled5|tiled6|tiled7|tiled8|wg|wg2|wide|wg3|wg4|wg5|ring|router5|wide64|wg8|wg8b|warps8|final5|moe8|small|small2|small3|small4|small5|take|chunk|wgdec|wgdec2|wgfin|wgfin2|wgprof|wgq|wgref|wground|ncuw4|tma|tma2|gsweep|wgtest|wgslice|wgslice2|slicefin|wgpipe|ncutree|wgqs2|wgfin3|wgbench|tailmerge|ltile|stream|stream2|stream3|streamfin|ncumoe|moestream|moestream2|chunks|chunks2|pairs|pairs2|pairs3|prefetch|bounds|fuse|fuse8|rside|rside2|final6|review2|ahead|stalls|heads|tline|tail|final7|final7b|stail|route|order|final8|final8b|rounds8|rstep|window|ctx|tailvs|vwg|vwg2|vwg3|vwg4|vwg5|vwg6|moegrid|stile|stile2|stile3|stile4|rwarps|review]   (on the GPU machine, from the repository root)
 #   tune   the W4A16 config sweep, the bitwise and CUDA-graph GPU tests, the demo's spec benchmark
 #   check  the remaining GPU tests (kernels, batch invariance, target, attention), kernel and round benches
 #   bench  the benchmarks with long runs (K2 step, attention, GEMM)
@@ -265,7 +265,10 @@
 #   vwg6   the verify kernel's bit-equality GPU tests, the verify sweep, the K2 layer at 16 / 32 / 64 nodes; run at commit
 #          8581e26 (block j + 1's scores issued before block j's softmax, mla_verify_wg.SCORES_AHEAD: reverted since)
 #   moegrid the MoE GEMM grids in the other launch order (FragMoEConfig.ORDER): its bit-equality GPU test, the MoE
-#          candidates at T = 16 / 64 / 256 beside the launches over only the used blocks, Nsight Compute at T = 64
+#          candidates at T = 16 / 64 / 256 beside the launches over only the used blocks, Nsight Compute at T = 64;
+#          run at commit f5c1d7d (ORDER removed since)
+#   review after the review (the MoE kernel back on its one grid order, the tiles' reshape shared): the MoE fragment
+#          GPU tests and the kernel bench
 #   stile  the fragment kernels on scales in 64-row tiles (scale_tile, STILE): their bit-equality GPU tests, the dense
 #          and MoE candidates beside the engine's row-major scales
 #   stile2 the engine keeping its fragment-ordered INT4 scales in 64-row tiles too (int4_order, ENGINE_ORDER): the
@@ -805,6 +808,10 @@ if [[ $PART == rwarps ]]; then
   step pytest_router 150 $PYT tests/gpu/test_router_gemm_gpu.py
   step bench_router 90 python3 bench/router.py --out "$RES"
   step bench_k2_step 110 python3 bench/k2_step.py --out "$RES"
+fi
+if [[ $PART == review ]]; then
+  step pytest_moe_frag 240 $PYT tests/gpu/test_w4_frag_gpu.py -k "moe or tiled_scales"
+  step bench_kernels 70 python3 bench/kernels.py --no-sweep --out "$RES"
 fi
 if [[ $PART == final8b ]]; then
   step pytest_graph 250 $PYT tests/gpu/test_graph_round_gpu.py tests/spec/test_spec_gpu.py

@@ -63,9 +63,6 @@ class FragMoEConfig:
     #                        T = 1: 71.4 against 72.6 us with 1024 (bench/results/w4-frag-h200-direct.md)
     PDL: bool = True       # every launch a programmatic dependent (pdl.py; the same bits): T = 1 67.8 against
     #                        70.1 us, T = 16 742 against 753 (bench/results/w4-frag-h200-pdl.md)
-    ORDER: str = "blocks"  # the GEMM grids' launch order (the same bits): "blocks", grid (blocks, programs), the
-    #                        blocks of one K range launched together; "programs", grid (programs, blocks), one
-    #                        block's K ranges together and the align's unused blocks last
 
     @property
     def wgmma(self) -> bool:
@@ -83,8 +80,6 @@ class FragMoEConfig:
             v = getattr(self, name)
             if v not in X_LOADS and not (name == "XLOAD2" and v is None):
                 raise ValueError(f"FragMoEConfig.{name} must be one of {sorted(X_LOADS)}, got {v!r}")
-        if self.ORDER not in ("blocks", "programs"):
-            raise ValueError(f"FragMoEConfig.ORDER must be 'blocks' or 'programs', got {self.ORDER!r}")
         if self.EPI_BLOCK < 128 or self.EPI_BLOCK & (self.EPI_BLOCK - 1):
             raise ValueError(f"FragMoEConfig.EPI_BLOCK must be a power of 2 >= 128, got {self.EPI_BLOCK}")
         for name in ("MAXNREG13", "MAXNREG2"):
@@ -241,12 +236,11 @@ if HAVE_GLUON:
             gl.store(fin_ptr + t.to(gl.int64) * stride_ft + n, res)
 
     @gluon.jit
-    def _down_arrival(y_ptr, cnt_ptr, ids_ptr, fin_ptr, add_ptr, tile, n_blocks, n_tok, n_experts, stride_ot,
-                      stride_ft, stride_at, TOPK: gl.constexpr, BN: gl.constexpr, num_warps: gl.constexpr,
-                      ADD: gl.constexpr):
+    def _down_arrival(y_ptr, cnt_ptr, ids_ptr, fin_ptr, add_ptr, tile, n_tok, n_experts, stride_ot, stride_ft,
+                      stride_at, TOPK: gl.constexpr, BN: gl.constexpr, num_warps: gl.constexpr, ADD: gl.constexpr):
         """A whole-tile down program (of any expert block, an empty one too) done with row tile `tile`: the last of
         the launch's blocks to get there writes the tile's top-k sum (_topk_sum_tile)."""
-        if _last_arrival(cnt_ptr + tile, n_blocks):
+        if _last_arrival(cnt_ptr + tile, gl.num_programs(0)):
             _topk_sum_tile(y_ptr, ids_ptr, fin_ptr, add_ptr, tile * BN, n_tok, n_experts, stride_ot, stride_ft,
                            stride_at, TOPK, BN, num_warps, ADD)
 
@@ -259,9 +253,9 @@ if HAVE_GLUON:
                          X_SMEM: gl.constexpr, X_AHEAD: gl.constexpr, PDL: gl.constexpr, TILE: gl.constexpr,
                          SEGS: gl.constexpr, WHOLE: gl.constexpr, num_warps: gl.constexpr, WG: gl.constexpr = False,
                          FUSE: gl.constexpr = False, SLOTS: gl.constexpr = 1, TOPK_C: gl.constexpr = 8,
-                         ADD: gl.constexpr = False, PFIRST: gl.constexpr = False, STILE: gl.constexpr = 0):
-        """grid (blocks, programs), PFIRST (programs, blocks): one expert block's pairs over program p's range of
-        the stream partition of (N / BN) row tiles x iters K blocks, row tile major (moe_plan): global blocks
+                         ADD: gl.constexpr = False, STILE: gl.constexpr = 0):
+        """grid (blocks, programs): one expert block's pairs over program p's range of the stream partition of
+        (N / BN) row tiles x iters K blocks, row tile major (moe_plan): global blocks
         [p * work // programs, (p + 1) * work // programs), each run of them within one tile (a segment,
         unrolled: SEGS) one partial, written to out[slot, pair, n] with slot its index among the tile's segments.
         STILE: the scales' order (w4_frag._word_ptrs). WHOLE: one program per row tile over all of K (programs =
@@ -281,23 +275,17 @@ if HAVE_GLUON:
         BN: gl.constexpr = 16 * num_warps
         BK: gl.constexpr = 32 * GPB
         MMA: gl.constexpr = wg_layout(TOK, num_warps) if WG else mma_layout(num_warps)
-        if PFIRST:   # grid (programs, blocks)
-            pid_b = gl.program_id(1)
-            p = gl.program_id(0)
-            n_blocks = gl.num_programs(1)
-        else:
-            pid_b = gl.program_id(0)
-            p = gl.program_id(1)
-            n_blocks = gl.num_programs(0)
+        pid_b = gl.program_id(0)
         if GATE_UP and PDL:
             pdl_wait_gl()
         rows = gl.load(blk_rows_ptr + pid_b)
         if rows == 0:
             if FUSE and not GATE_UP:   # an empty block still counts towards its row tile's sum
-                _down_arrival(out_ptr, cnt_ptr, ids_ptr, fin_ptr, add_ptr, p, n_blocks, n_tok, n_experts,
+                _down_arrival(out_ptr, cnt_ptr, ids_ptr, fin_ptr, add_ptr, gl.program_id(1), n_tok, n_experts,
                               stride_ot, stride_ft, stride_at, TOPK_C, BN, num_warps, ADD)
             return
         e = gl.load(blk_expert_ptr + pid_b).to(gl.int64)
+        p = gl.program_id(1)
         g = p * work // programs
         end = (p + 1) * work // programs
         we = w_ptr + e * stride_we
@@ -374,8 +362,8 @@ if HAVE_GLUON:
                             _swiglu_tile(out_ptr, fin_ptr, o_ptrs - slot * stride_os, i_ptrs, o_mask, UP_ROW,
                                          stride_os, n_slots, SLOTS, BN, TOK, MMA)
                     else:   # whole tiles: program p is row tile p
-                        _down_arrival(out_ptr, cnt_ptr, ids_ptr, fin_ptr, add_ptr, p, n_blocks, n_tok, n_experts,
-                                      stride_ot, stride_ft, stride_at, TOPK_C, BN, num_warps, ADD)
+                        _down_arrival(out_ptr, cnt_ptr, ids_ptr, fin_ptr, add_ptr, p, n_tok, n_experts, stride_ot,
+                                      stride_ft, stride_at, TOPK_C, BN, num_warps, ADD)
                 g += nb
 
 
@@ -441,12 +429,7 @@ def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor
     fuse = fused_epilogues(P, cfg)
     fuse2 = fuse and part2.programs == part2.tiles
     cnt13, cnt2 = _counters(x.device, blocks * part13.tiles, part2.tiles) if fuse else (blk_rows, blk_rows)
-    pfirst = cfg.ORDER == "programs"
-
-    def grid(programs: int) -> tuple[int, int]:
-        return (programs, blocks) if pfirst else (blocks, programs)
-
-    _moe_frag_kernel[grid(part13.programs)](
+    _moe_frag_kernel[(blocks, part13.programs)](
         x, w13_q, w13_scale, part, tw, sorted_pairs, blk_expert, blk_rows, I, topk,
         x.stride(0), w13_q.stride(0), w13_q.stride(1), w13_scale.stride(0), w13_scale.stride(1),
         part.stride(0), part.stride(1), part13.iters, part13.work, part13.programs,
@@ -454,13 +437,13 @@ def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor
         GATE_UP=True, TOK=cfg.BLOCK_M, GPB=g13, WL=word_layout(MOE_WARPS, 1, g13),
         X_SMEM=X_LOADS[cfg.XLOAD][0], X_AHEAD=X_LOADS[cfg.XLOAD][1], TILE=tile, SEGS=segs13,
         WHOLE=part13.programs == part13.tiles, num_warps=MOE_WARPS,
-        WG=cfg.wgmma, PFIRST=pfirst, STILE=stile, **pdl, **({"maxnreg": cfg.MAXNREG13} if cfg.MAXNREG13 else {}))
+        WG=cfg.wgmma, STILE=stile, **pdl, **({"maxnreg": cfg.MAXNREG13} if cfg.MAXNREG13 else {}))
     if not fuse:
         moe_swiglu(part, inter, ids, E, slots13, part13, DEQ_FLOAT, min(cfg.EPI_BLOCK, triton.next_power_of_2(I)),
                    on)
     y = torch.empty((slots2, P, H), device=x.device, dtype=torch.float32)
     xload2 = cfg.XLOAD2 or cfg.XLOAD
-    _moe_frag_kernel[grid(part2.programs)](
+    _moe_frag_kernel[(blocks, part2.programs)](
         inter, w2_q, w2_scale, y, tw, sorted_pairs, blk_expert, blk_rows, 0, 1,
         inter.stride(0), w2_q.stride(0), w2_q.stride(1), w2_scale.stride(0), w2_scale.stride(1),
         y.stride(0), y.stride(1), part2.iters, part2.work, part2.programs,
@@ -469,7 +452,7 @@ def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor
         GATE_UP=False, TOK=cfg.BLOCK_M, GPB=g2, WL=word_layout(MOE_WARPS, 1, g2),
         X_SMEM=X_LOADS[xload2][0], X_AHEAD=X_LOADS[xload2][1], TILE=tile, SEGS=segs2,
         WHOLE=part2.programs == part2.tiles, num_warps=MOE_WARPS,
-        WG=cfg.wgmma, PFIRST=pfirst, STILE=stile, **pdl, **({"maxnreg": cfg.MAXNREG2} if cfg.MAXNREG2 else {}))
+        WG=cfg.wgmma, STILE=stile, **pdl, **({"maxnreg": cfg.MAXNREG2} if cfg.MAXNREG2 else {}))
     if not fuse2:
         moe_topk_sum(y, out, ids, E, topk, slots2, part2, cfg.EPI_BLOCK, on, add=add)
     return out

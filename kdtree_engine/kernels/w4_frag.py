@@ -98,20 +98,27 @@ def frag_tile(words: torch.Tensor, gpb: int, tile: int, inverse: bool = False) -
     then one contiguous run instead of `tile` runs of 16*gpb bytes. Within a row's 4*gpb words of a block,
     gpb > FRAG_CHUNK stores them chunk-major ([gpb/4 chunks, 4 threads t, 4 words]: `frag_chunks`), so that one
     16-byte load of the 4 threads of a row reads 64 contiguous bytes (whole 32-byte sectors) instead of every
-    other 16 bytes of 128. inverse: back to row-major. Scales stay row-major."""
+    other 16 bytes of 128. inverse: back to row-major. The scales' tiles: scale_tile."""
     N, kw = words.shape[-2:]
-    if tile <= 0 or N % tile or kw % (4 * gpb):
-        raise ValueError(f"frag_tile: words {tuple(words.shape)} do not tile by {tile} rows and blocks of {gpb} "
-                         "groups")
-    nblk = kw // (4 * gpb)
-    lead = words.shape[:-2]
+    lead, width = words.shape[:-2], 4 * gpb
+
+    def chunks(w: torch.Tensor, inv: bool) -> torch.Tensor:   # each block's words, chunk-major or back
+        return frag_chunks(w.reshape(*lead, N, kw // width, width), gpb, inverse=inv).reshape(*lead, N, kw)
+
     if inverse:
-        words = frag_chunks(words.reshape(*lead, N, nblk, 4 * gpb), gpb, inverse=True)
+        return _tile_rows(chunks(words, True), tile, width, True, "frag_tile: words")
+    return chunks(_tile_rows(words, tile, width, False, "frag_tile: words"), False)
+
+
+def _tile_rows(t: torch.Tensor, tile: int, width: int, inverse: bool, what: str) -> torch.Tensor:
+    """[.., N, C] -> the same values with each block of `width` columns of each `tile` rows stored contiguously
+    ([.., N/tile, C/width, tile, width]; same shape); inverse: back to row-major. `what` names the tensor in errors."""
+    N, C = t.shape[-2:]
+    if tile <= 0 or N % tile or C % width:
+        raise ValueError(f"{what} {tuple(t.shape)} do not tile by {tile} rows and blocks of {width} columns")
+    lead, nblk = t.shape[:-2], C // width
     src = (N // tile, nblk, tile) if inverse else (N // tile, tile, nblk)
-    out = words.reshape(*lead, *src, 4 * gpb).transpose(-3, -2).contiguous()
-    if not inverse:
-        out = frag_chunks(out, gpb)
-    return out.reshape(*lead, N, kw)
+    return t.reshape(*lead, *src, width).transpose(-3, -2).contiguous().reshape(*lead, N, C)
 
 
 def scale_tile(scales: torch.Tensor, gpb: int, tile: int, inverse: bool = False) -> torch.Tensor:
@@ -119,13 +126,7 @@ def scale_tile(scales: torch.Tensor, gpb: int, tile: int, inverse: bool = False)
     stored contiguously ([.., N/tile, blocks, tile, gpb]; same shape): the scales a program reads for one block
     are then one run of tile * gpb values instead of `tile` runs of gpb (one 32-byte sector request per row).
     inverse: back to row-major."""
-    N, kg = scales.shape[-2:]
-    if tile <= 0 or N % tile or kg % gpb:
-        raise ValueError(f"scale_tile: scales {tuple(scales.shape)} do not tile by {tile} rows and blocks of {gpb} "
-                         "groups")
-    lead, nblk = scales.shape[:-2], kg // gpb
-    src = (N // tile, nblk, tile) if inverse else (N // tile, tile, nblk)
-    return scales.reshape(*lead, *src, gpb).transpose(-3, -2).contiguous().reshape(*lead, N, kg)
+    return _tile_rows(scales, tile, gpb, inverse, "scale_tile: scales")
 
 
 def frag_chunks(words: torch.Tensor, gpb: int, inverse: bool = False) -> torch.Tensor:

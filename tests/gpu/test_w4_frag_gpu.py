@@ -404,21 +404,6 @@ def test_dependent_launches_in_graphs_read_fresh_inputs():
             assert torch.equal(moe, fused_moe_frag(xe, *w, sids.clone(), stw, G)), f"T={T} replay {r}: MoE differs"
 
 
-@pytest.mark.parametrize("T", [1, 9, 64])
-def test_moe_frag_grid_order_same_bits(poisoned, T):
-    """The GEMMs' grids in the other launch order (FragMoEConfig.ORDER "programs": one block's K ranges together,
-    the align's unused blocks last): the same bits as the default order, with the fused epilogues (T = 1) and the
-    epilogue launches, pairs on other ranks' experts, at K2 widths on the tiled words."""
-    x, w, ids, tw, ref = _moe_case(E=16, H=7168, I=2048, T=T, topk=8, unowned=T == 9)
-    q13, s13, q2, s2 = w
-    tiled = (frag_tile(q13, frag_gpb(7168), 64), s13, frag_tile(q2, frag_gpb(2048), 64), s2)
-    for bm in (8, 16, 32):
-        base = fused_moe_frag(x, *tiled, ids, tw, G, FragMoEConfig(BLOCK_M=bm), tile=64)
-        _check(base, ref, TOL, f"moe frag T={T} bm{bm}")
-        other = fused_moe_frag(x, *tiled, ids, tw, G, FragMoEConfig(BLOCK_M=bm, ORDER="programs"), tile=64)
-        assert torch.equal(base, other), f"T={T} bm{bm}: {int((base != other).sum())} elements differ"
-
-
 @pytest.mark.parametrize("N,K,split", [(2048, 7168, 4), (192, 2048, 1), (128, 256, 1)])
 def test_frag_linear_tiled_scales_same_bits(poisoned, N, K, split):
     """Scales in scale_tile's order (each block of 64 rows contiguous) read through STILE: the same bits as
