@@ -53,7 +53,7 @@ DENSE_CANDIDATES = [  # the engine's plan first (None), then overrides of it (th
     dict(pt=128, mma="wgmma", tok=32), dict(tok=8), dict(tok=8, pt=128),
     dict(stile=0),   # row-major scales (the engine's: scale_tile's order of FRAG_TILE rows)
     # pf: K blocks asked of L2 ahead of the one in use (the same bits)
-    dict(pf=2), dict(pf=3), dict(pf=4), dict(pf=6), dict(pf=8),
+    dict(pf=2), dict(pf=4), dict(pf=8),
 ]
 MOE_CANDIDATES = [  # the engine's table first (None), then programs per expert block (P13 gate/up, P2 down: the
     # stream partition's; 64 / 112 = the tile-aligned K splits before it: gate/up 2 K ranges per tile, down 1),
@@ -66,8 +66,7 @@ MOE_CANDIDATES = [  # the engine's table first (None), then programs per expert 
     FragMoEConfig(BLOCK_M=8, XLOAD="smem", XLOAD2="smem-ahead", MAXNREG2=96),
     FragMoEConfig(BLOCK_M=16),
     # dicts: fields replaced in the engine table's config of each T. PF13 / PF2: K blocks asked of L2 ahead
-    dict(PF13=2, PF2=2), dict(PF13=3, PF2=3), dict(PF13=4, PF2=4), dict(PF13=6, PF2=6), dict(PF13=4),
-    dict(PF2=4),
+    dict(PF13=2, PF2=2), dict(PF13=4, PF2=4), dict(PF2=4),
 ]
 COMPACT = "compact"   # --only text of the engine table's launches over only the align's used blocks (_compact_aligns)
 MOE_TS = [1, 4, 16, 64, 256, 1024]

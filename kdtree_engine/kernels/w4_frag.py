@@ -39,7 +39,7 @@ import functools
 import torch
 import triton
 
-from kdtree_engine.kernels.pdl import PDL_ASM, PREFETCH_ASM, pdl_launch, pdl_supported
+from kdtree_engine.kernels.pdl import PDL_ASM, pdl_launch, pdl_supported
 from kdtree_engine.kernels.w4_dequant import BF16X2_PTX
 from kdtree_engine.quant import pack_int4, unpack_int4
 
@@ -199,7 +199,9 @@ if HAVE_GLUON:
     # the two activation buffers [2, TOK, BK] bf16 of _frag_loop_wg (the wgmma B operand, 128-byte swizzle)
     WG_X_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
     WAIT_ASM = gl.constexpr(PDL_ASM)
-    PF_ASM = gl.constexpr(PREFETCH_ASM)
+    # one run of $2 bytes from $1 asked of L2 by thread 0 (the TMA unit's bulk prefetch, sm_90)
+    BULK_PF_ASM = gl.constexpr("{ .reg .pred p; .reg .b32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
+                               "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }")
 
     @constexpr_function
     def mma_layout(num_warps):
@@ -324,19 +326,22 @@ if HAVE_GLUON:
     @gluon.jit
     def _pf_block(pw0, ps0, pw1, ps1, q, pf_n, TWO: gl.constexpr, BN: gl.constexpr, GPB: gl.constexpr,
                   num_warps: gl.constexpr):
-        """Ask L2 for block q's 128-byte lines (from the bases of _pf_base: words and scales of A0 and, with TWO,
-        of A1) where q < pf_n: a hint that changes no value. One line per thread (threads past the lines repeat
-        them); the addresses are made here from the bases, so nothing but the bases and q stays live."""
+        """Ask L2 for block q (from the bases of _pf_base: words and scales of A0 and, with TWO, of A1) where
+        q < pf_n: one bulk prefetch per run (cp.async.bulk.prefetch.L2, issued by thread 0), a hint that changes
+        no value."""
         if q < pf_n:
             PL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32],
                                                 warps_per_cta=[num_warps], order=[0])
-            lw = q * (BN * 4 * GPB) + gl.arange(0, BN * 4 * GPB // 32, layout=PL) * 32
-            ls = q * (BN * GPB) + gl.arange(0, BN * GPB // 64, layout=PL) * 64
-            gl.inline_asm_elementwise(PF_ASM, "=r,l", [pw0 + lw], dtype=gl.int32, is_pure=False, pack=1)
-            gl.inline_asm_elementwise(PF_ASM, "=r,l", [ps0 + ls], dtype=gl.int32, is_pure=False, pack=1)
+            one = gl.zeros([1], gl.int32, layout=PL)
+            gl.inline_asm_elementwise(BULK_PF_ASM, "=r,l,r", [pw0 + q * (BN * 4 * GPB) + one, one + BN * 16 * GPB],
+                                      dtype=gl.int32, is_pure=False, pack=1)
+            gl.inline_asm_elementwise(BULK_PF_ASM, "=r,l,r", [ps0 + q * (BN * GPB) + one, one + BN * 2 * GPB],
+                                      dtype=gl.int32, is_pure=False, pack=1)
             if TWO:
-                gl.inline_asm_elementwise(PF_ASM, "=r,l", [pw1 + lw], dtype=gl.int32, is_pure=False, pack=1)
-                gl.inline_asm_elementwise(PF_ASM, "=r,l", [ps1 + ls], dtype=gl.int32, is_pure=False, pack=1)
+                gl.inline_asm_elementwise(BULK_PF_ASM, "=r,l,r", [pw1 + q * (BN * 4 * GPB) + one, one + BN * 16 * GPB],
+                                          dtype=gl.int32, is_pure=False, pack=1)
+                gl.inline_asm_elementwise(BULK_PF_ASM, "=r,l,r", [ps1 + q * (BN * GPB) + one, one + BN * 2 * GPB],
+                                          dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
     def pdl_wait_gl():

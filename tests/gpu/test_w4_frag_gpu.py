@@ -449,7 +449,8 @@ def test_frag_linear_prefetch_same_bits(poisoned, N, K, split):
         for tok, mma in ((8, "sync"), (16, "sync"), (32, "wgmma")):
             kw = dict(gpb=8, split=split, tok=tok, tile=64, stile=64, pt=64, mma=mma)
             rows = frag_linear(x, q, st, **kw)
-            _check(rows, x.float() @ dequantize(p, s, G, torch.bfloat16).float().T, TOL, f"frag {kw} M {M}")
+            _check(rows, (x.float() @ dequantize(p, s, G, torch.bfloat16).float().T).to(torch.bfloat16), TOL,
+                   f"frag {kw} M {M}")
             for pf in (2, 3, 8):
                 other = frag_linear(x, q, st, pf=pf, **kw)
                 assert torch.equal(rows, other), f"pf {pf} {kw} M {M}: {int((rows != other).sum())} elements differ"
