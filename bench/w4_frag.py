@@ -17,7 +17,7 @@ the experts touched over the copy bandwidth, and the error against `fused_moe_re
 from __future__ import annotations
 
 import argparse
-from dataclasses import fields, replace
+from dataclasses import fields
 import math
 import sys
 from unittest import mock
@@ -52,8 +52,6 @@ DENSE_CANDIDATES = [  # the engine's plan first (None), then overrides of it (th
     dict(mma="wgmma", tok=16), dict(mma="wgmma", tok=32), dict(pt=128, mma="wgmma", tok=16),
     dict(pt=128, mma="wgmma", tok=32), dict(tok=8), dict(tok=8, pt=128),
     dict(stile=0),   # row-major scales (the engine's: scale_tile's order of FRAG_TILE rows)
-    # pf: K blocks asked of L2 ahead of the one in use (the same bits)
-    dict(pf=2), dict(pf=4), dict(pf=8),
 ]
 MOE_CANDIDATES = [  # the engine's table first (None), then programs per expert block (P13 gate/up, P2 down: the
     # stream partition's; 64 / 112 = the tile-aligned K splits before it: gate/up 2 K ranges per tile, down 1),
@@ -65,8 +63,6 @@ MOE_CANDIDATES = [  # the engine's table first (None), then programs per expert 
     FragMoEConfig(BLOCK_M=8, P13=98, MAXNREG2=96),
     FragMoEConfig(BLOCK_M=8, XLOAD="smem", XLOAD2="smem-ahead", MAXNREG2=96),
     FragMoEConfig(BLOCK_M=16),
-    # dicts: fields replaced in the engine table's config of each T. PF13 / PF2: K blocks asked of L2 ahead
-    dict(PF13=2, PF2=2), dict(PF13=4, PF2=4), dict(PF2=4),
 ]
 COMPACT = "compact"   # --only text of the engine table's launches over only the align's used blocks (_compact_aligns)
 MOE_TS = [1, 4, 16, 64, 256, 1024]
@@ -155,8 +151,7 @@ def bench_dense(ms, bw, reps, only: str | None = None) -> list[dict]:
                          f"{' tiled ' + str(kw['tile']) if kw.get('tile') else ''}"
                          f"{' scales tiled ' + str(kw['stile']) if kw.get('stile') else ' row-major scales'}"
                          f" {kw.get('mma') or token_mma(kw['tok'])}"
-                         f"{'' if kw.get('pairs') is None else (' pairs' if kw['pairs'] else ' no-pairs')}"
-                         f"{' pf ' + str(kw['pf']) if kw.get('pf') else ''}")
+                         f"{'' if kw.get('pairs') is None else (' pairs' if kw['pairs'] else ' no-pairs')}")
                 before = _compiled_regs(_w4_frag_kernel)
                 _row(rows, {**base, "kernel": label},
                      lambda: frag_linear(x, *wr[0], **kw), ref,
@@ -196,14 +191,12 @@ def bench_moe(ts, bw, reps, only: str | None = None) -> list[dict]:
                                   + [(None, FRAG_TILE, 0), (None, 0, 0)]):
             q13, q2 = tiled if tile else frag
             s13, s2 = stiled if stile else (w13s, w2s)
-            cfg = (replace(frag_moe_config(T * TOPK, E), **cand) if isinstance(cand, dict)
-                   else cand or frag_moe_config(T * TOPK, E))
+            cfg = cand or frag_moe_config(T * TOPK, E)
             label = (f"frag{' (engine table)' if cand is None else ''} bm{cfg.BLOCK_M} "
                      f"programs {cfg.P13 or 'plan'}/{cfg.P2 or 'plan'} x {cfg.XLOAD}/{cfg.XLOAD2 or cfg.XLOAD}"
                      f"{f' maxnreg {cfg.MAXNREG13}/{cfg.MAXNREG2}' if cfg.MAXNREG13 or cfg.MAXNREG2 else ''}"
                      f" epi {cfg.EPI_BLOCK}{'' if cfg.PDL else ' no-pdl'}{f' tiled {tile}' if tile else ' row-major'}"
-                     f"{f' scales tiled {stile}' if stile else ' row-major scales'}{' wgmma' if cfg.wgmma else ''}"
-                     f"{f' pf {cfg.PF13}/{cfg.PF2}' if cfg.PF13 or cfg.PF2 else ''}")
+                     f"{f' scales tiled {stile}' if stile else ' row-major scales'}{' wgmma' if cfg.wgmma else ''}")
             _row(rows, {**base, "kernel": label},
                  lambda: fused_moe_frag(x, q13, s13, q2, s2, ids0, tw0, G, cfg, tile=tile, stile=stile), ref,
                  [lambda i=i, w=w: fused_moe_frag(x, q13, s13, q2, s2, i, w, G, cfg, tile=tile, stile=stile)

@@ -276,7 +276,8 @@
 #   stile3 the rest of stile2's fragment GPU tests (its file ran into the step cap), the demo's greedy spec == plain,
 #          the device-length bitwise and demo graph-replay tests, the K2 layer again
 #   pf     blocks of the fragment kernels' words and scales asked of L2 ahead of the one in use: candidates beside the
-#          engine's plan / table (dense M = 1 / 4 / 16, MoE T = 1 / 4 / 16 / 64), then the same-bits GPU tests
+#          engine's plan / table (dense M = 1 / 4 / 16, MoE T = 1 / 4 / 16 / 64), then the same-bits GPU tests; run at
+#          commits 28257c5 (a line per thread) and 0a4281b (one bulk prefetch per run), slower: reverted since
 #   stile4 on the final code: the dense and MoE fragment kernels on the engine's tiled scales beside row-major scales
 #          (bench/w4_frag.py), the K2 layer with its timeline
 #   rwarps the router GEMM's programs of several one-warp row blocks (RouterGemmConfig.ROW_WARPS, the K2 table's from

@@ -33,16 +33,16 @@ from kdtree_engine.kernels.split_sum import Partition
 from kdtree_engine.kernels.w4_dequant import DEQ_FLOAT
 from kdtree_engine.kernels.common import bucket
 from kdtree_engine.kernels.pdl import pdl_launch, pdl_supported
-from kdtree_engine.kernels.w4_frag import (HAVE_GLUON, X_LOADS, check_pf, dense_partition, frag_gpb,
-                                           frag_unsupported, stream_programs, tile_unsupported, word_layout)
+from kdtree_engine.kernels.w4_frag import (HAVE_GLUON, X_LOADS, dense_partition, frag_gpb, frag_unsupported,
+                                           stream_programs, tile_unsupported, word_layout)
 
 if HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
 
-    from kdtree_engine.kernels.w4_frag import (_frag_loop, _frag_loop_wg, _pf_base, _stream_program, _word_ptrs,
-                                               cta_barrier, mma_layout, operand_layout, pdl_wait_gl, wg_a_layout,
-                                               wg_layout, wg_x_layout, WG_X_SMEM, x_layout)
+    from kdtree_engine.kernels.w4_frag import (_frag_loop, _frag_loop_wg, _stream_program, _word_ptrs, cta_barrier,
+                                               mma_layout, operand_layout, pdl_wait_gl, wg_a_layout, wg_layout,
+                                               wg_x_layout, WG_X_SMEM, x_layout)
 
 
 @dataclass(frozen=True)
@@ -63,8 +63,6 @@ class FragMoEConfig:
     #                        T = 1: 71.4 against 72.6 us with 1024 (bench/results/w4-frag-h200-direct.md)
     PDL: bool = True       # every launch a programmatic dependent (pdl.py; the same bits): T = 1 67.8 against
     #                        70.1 us, T = 16 742 against 753 (bench/results/w4-frag-h200-pdl.md)
-    PF13: int = 0          # K blocks of words and scales asked of L2 ahead of the one in use (0: none, else 2..8;
-    PF2: int = 0           # w4_frag._frag_loop): gate/up and down; tiled words and scales only. No value changes
 
     @property
     def wgmma(self) -> bool:
@@ -84,8 +82,6 @@ class FragMoEConfig:
                 raise ValueError(f"FragMoEConfig.{name} must be one of {sorted(X_LOADS)}, got {v!r}")
         if self.EPI_BLOCK < 128 or self.EPI_BLOCK & (self.EPI_BLOCK - 1):
             raise ValueError(f"FragMoEConfig.EPI_BLOCK must be a power of 2 >= 128, got {self.EPI_BLOCK}")
-        for name in ("PF13", "PF2"):
-            check_pf(getattr(self, name), f"FragMoEConfig.{name}")
         for name in ("MAXNREG13", "MAXNREG2"):
             v = getattr(self, name)
             if v and not 24 <= v <= 255:
@@ -257,7 +253,7 @@ if HAVE_GLUON:
                          X_SMEM: gl.constexpr, X_AHEAD: gl.constexpr, PDL: gl.constexpr, TILE: gl.constexpr,
                          SEGS: gl.constexpr, WHOLE: gl.constexpr, num_warps: gl.constexpr, WG: gl.constexpr = False,
                          FUSE: gl.constexpr = False, SLOTS: gl.constexpr = 1, TOPK_C: gl.constexpr = 8,
-                         ADD: gl.constexpr = False, STILE: gl.constexpr = 0, PF: gl.constexpr = 0):
+                         ADD: gl.constexpr = False, STILE: gl.constexpr = 0):
         """grid (blocks, programs): one expert block's pairs over program p's range of the stream partition of
         (N / BN) row tiles x iters K blocks, row tile major (moe_plan): global blocks
         [p * work // programs, (p + 1) * work // programs), each run of them within one tile (a segment,
@@ -275,8 +271,7 @@ if HAVE_GLUON:
         (_last_arrival on cnt_ptr): gate/up, the SwiGLU of the tile's partials (at most SLOTS) into fin = inter
         [P, I]; down (whole tiles), the top-k sum of the row tile over all blocks into fin = out [n_tok, H] (ids:
         the pairs' experts, TOPK_C per token), plus add [n_tok, H] where ADD. The same operations in the same order
-        as those launches. PF: blocks of the expert's words and scales asked of L2 ahead of the one in use
-        (w4_frag._frag_loop; tiled order of BN rows)."""
+        as those launches."""
         BN: gl.constexpr = 16 * num_warps
         BK: gl.constexpr = 32 * GPB
         MMA: gl.constexpr = wg_layout(TOK, num_warps) if WG else mma_layout(num_warps)
@@ -315,16 +310,6 @@ if HAVE_GLUON:
                     w1, s1 = _word_ptrs(we, se, UP_ROW + n0, stride_wn, stride_sn, b0, WL, BN, GPB, TILE, STILE)
                 else:
                     w1, s1 = w0, s0
-                if PF:   # the expert's blocks from this one on, in the tiled order (one run over its row tiles)
-                    pw0, ps0 = _pf_base(we, se, n0, stride_wn, stride_sn, b0, BN, GPB)
-                    if GATE_UP:
-                        pw1, ps1 = _pf_base(we, se, UP_ROW + n0, stride_wn, stride_sn, b0, BN, GPB)
-                        pf_n = (2 * UP_ROW // BN - (UP_ROW + n0) // BN) * iters - b0   # the up rows end first
-                    else:
-                        pw1, ps1 = pw0, ps0
-                        pf_n = (stride_we // (BN * stride_wn) - n0 // BN) * iters - b0
-                else:
-                    pw0, ps0, pw1, ps1, pf_n = we, se, we, se, 0
                 acc0 = gl.zeros([BN, TOK], gl.float32, layout=MMA)
                 acc1 = gl.zeros([BN, TOK], gl.float32, layout=MMA)
                 # the activation pointers per segment (a pointer tensor kept across segments costs registers)
@@ -337,8 +322,8 @@ if HAVE_GLUON:
                     x_ptrs = x_ptr + gl.expand_dims(xr, 1) * stride_xt + gl.expand_dims(rk, 0) + b0 * BK
                     cta_barrier()   # the buffers' last reader (the previous segment's MMA) is done
                     acc0, acc1 = _frag_loop_wg(acc0, acc1, w0, s0, w1, s1, x_ptrs, gl.expand_dims(ok, 1), nb, xs,
-                                               pw0, ps0, pw1, ps1, pf_n, GATE_UP, wg_a_layout(TOK, num_warps), BN,
-                                               GPB, PDL and not GATE_UP, TILE, STILE, PF)
+                                               GATE_UP, wg_a_layout(TOK, num_warps), BN, GPB, PDL and not GATE_UP,
+                                               TILE, STILE)
                 else:
                     AL: gl.constexpr = operand_layout(0, num_warps)
                     BL: gl.constexpr = operand_layout(1, num_warps)
@@ -348,9 +333,8 @@ if HAVE_GLUON:
                     xr = (pair // TOPK).to(gl.int64) if GATE_UP else pair.to(gl.int64)
                     # the block offset added last: folded into the tensor first it cost the 16-token down 39 registers
                     x_ptrs = x_ptr + gl.expand_dims(xr, 0) * stride_xt + gl.expand_dims(rk, 1) + b0 * BK
-                    acc0, acc1 = _frag_loop(acc0, acc1, w0, s0, w1, s1, x_ptrs, gl.expand_dims(ok, 0), nb, pw0, ps0,
-                                            pw1, ps1, pf_n, GATE_UP, X_AHEAD, AL, BL, BN, GPB, PDL and not GATE_UP,
-                                            TILE, STILE=STILE, PF=PF)
+                    acc0, acc1 = _frag_loop(acc0, acc1, w0, s0, w1, s1, x_ptrs, gl.expand_dims(ok, 0), nb, GATE_UP,
+                                            X_AHEAD, AL, BL, BN, GPB, PDL and not GATE_UP, TILE, STILE=STILE)
                 # the output pointers after the K loop (not live through it)
                 pair_o, ok_o = _block_pairs(sorted_ptr, pid_b, rows, TOK, gl.SliceLayout(0, MMA))
                 if not GATE_UP:
@@ -418,9 +402,6 @@ def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor
            or tile_unsupported(H, stile, bn))
     if why:
         raise ValueError(f"fused_moe_frag: {why}")
-    if (cfg.PF13 or cfg.PF2) and not tile == stile == bn:
-        raise ValueError(f"fused_moe_frag: prefetch (PF13 {cfg.PF13}, PF2 {cfg.PF2}) needs words and scales in "
-                         f"{bn}-row tiles; got tile {tile}, stile {stile}")
     if H % (32 * g13) or I % (32 * g2):
         raise ValueError(f"fused_moe_frag: H={H} / I={I} are not whole K blocks of {32 * g13} / {32 * g2}")
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
@@ -456,7 +437,7 @@ def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor
         GATE_UP=True, TOK=cfg.BLOCK_M, GPB=g13, WL=word_layout(MOE_WARPS, 1, g13),
         X_SMEM=X_LOADS[cfg.XLOAD][0], X_AHEAD=X_LOADS[cfg.XLOAD][1], TILE=tile, SEGS=segs13,
         WHOLE=part13.programs == part13.tiles, num_warps=MOE_WARPS,
-        WG=cfg.wgmma, STILE=stile, PF=cfg.PF13, **pdl, **({"maxnreg": cfg.MAXNREG13} if cfg.MAXNREG13 else {}))
+        WG=cfg.wgmma, STILE=stile, **pdl, **({"maxnreg": cfg.MAXNREG13} if cfg.MAXNREG13 else {}))
     if not fuse:
         moe_swiglu(part, inter, ids, E, slots13, part13, DEQ_FLOAT, min(cfg.EPI_BLOCK, triton.next_power_of_2(I)),
                    on)
@@ -471,7 +452,7 @@ def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor
         GATE_UP=False, TOK=cfg.BLOCK_M, GPB=g2, WL=word_layout(MOE_WARPS, 1, g2),
         X_SMEM=X_LOADS[xload2][0], X_AHEAD=X_LOADS[xload2][1], TILE=tile, SEGS=segs2,
         WHOLE=part2.programs == part2.tiles, num_warps=MOE_WARPS,
-        WG=cfg.wgmma, STILE=stile, PF=cfg.PF2, **pdl, **({"maxnreg": cfg.MAXNREG2} if cfg.MAXNREG2 else {}))
+        WG=cfg.wgmma, STILE=stile, **pdl, **({"maxnreg": cfg.MAXNREG2} if cfg.MAXNREG2 else {}))
     if not fuse2:
         moe_topk_sum(y, out, ids, E, topk, slots2, part2, cfg.EPI_BLOCK, on, add=add)
     return out

@@ -34,7 +34,6 @@ log = logging.getLogger(__name__)
 
 PDL_ASM = "griddepcontrol.wait; griddepcontrol.launch_dependents; // $0"
 _ASM = tl.constexpr(PDL_ASM)
-PREFETCH_ASM = "prefetch.global.L2 [$1]; // $0"   # one 128-byte line asked of L2 (a hint; nothing waits on it)
 
 
 @triton.jit
@@ -63,4 +62,4 @@ def pdl_launch(on: bool) -> dict:
     return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
 
 
-__all__ = ["PDL_ASM", "PREFETCH_ASM", "pdl_launch", "pdl_supported", "pdl_wait"]
+__all__ = ["PDL_ASM", "pdl_launch", "pdl_supported", "pdl_wait"]

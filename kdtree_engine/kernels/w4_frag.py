@@ -199,9 +199,6 @@ if HAVE_GLUON:
     # the two activation buffers [2, TOK, BK] bf16 of _frag_loop_wg (the wgmma B operand, 128-byte swizzle)
     WG_X_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
     WAIT_ASM = gl.constexpr(PDL_ASM)
-    # one run of $2 bytes from $1 asked of L2 by thread 0 (the TMA unit's bulk prefetch, sm_90)
-    BULK_PF_ASM = gl.constexpr("{ .reg .pred p; .reg .b32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
-                               "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }")
 
     @constexpr_function
     def mma_layout(num_warps):
@@ -243,13 +240,6 @@ if HAVE_GLUON:
         lanes_k = max(1, min(32, bk // 8))
         return gl.BlockedLayout(size_per_thread=[8, 1], threads_per_warp=[lanes_k, 32 // lanes_k],
                                 warps_per_cta=[1, num_warps], order=[0, 1])
-
-
-def check_pf(pf: int, what: str) -> None:
-    """A prefetch distance (K blocks asked of L2 ahead of the one in use): 0 (none) or 2..8 (block 1 is in
-    registers already)."""
-    if pf != 0 and not 2 <= pf <= 8:
-        raise ValueError(f"{what}: the prefetch distance must be 0 or 2..8 K blocks, got {pf}")
 
 
 def _log2(v: int) -> int:
@@ -316,34 +306,6 @@ if HAVE_GLUON:
         return w_ptrs, s_ptrs
 
     @gluon.jit
-    def _pf_base(w_ptr, s_ptr, row0, stride_wn, stride_sn, kb, BN: gl.constexpr, GPB: gl.constexpr):
-        """Where block kb of the BN-row tile at row0 starts, words and scales in the engine's tiled order
-        (frag_tile / scale_tile of BN rows: one block of a tile is one run of BN * 4 * GPB words and one of
-        BN * GPB scales; a tile's blocks, then the next tile's)."""
-        return (w_ptr + (row0 // BN) * (BN * stride_wn) + kb * (BN * 4 * GPB),
-                s_ptr + (row0 // BN) * (BN * stride_sn) + kb * (BN * GPB))
-
-    @gluon.jit
-    def _pf_block(pw0, ps0, pw1, ps1, q, pf_n, TWO: gl.constexpr, BN: gl.constexpr, GPB: gl.constexpr,
-                  num_warps: gl.constexpr):
-        """Ask L2 for block q (from the bases of _pf_base: words and scales of A0 and, with TWO, of A1) where
-        q < pf_n: one bulk prefetch per run (cp.async.bulk.prefetch.L2, issued by thread 0), a hint that changes
-        no value."""
-        if q < pf_n:
-            PL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32],
-                                                warps_per_cta=[num_warps], order=[0])
-            one = gl.zeros([1], gl.int32, layout=PL)
-            gl.inline_asm_elementwise(BULK_PF_ASM, "=r,l,r", [pw0 + q * (BN * 4 * GPB) + one, one + BN * 16 * GPB],
-                                      dtype=gl.int32, is_pure=False, pack=1)
-            gl.inline_asm_elementwise(BULK_PF_ASM, "=r,l,r", [ps0 + q * (BN * GPB) + one, one + BN * 2 * GPB],
-                                      dtype=gl.int32, is_pure=False, pack=1)
-            if TWO:
-                gl.inline_asm_elementwise(BULK_PF_ASM, "=r,l,r", [pw1 + q * (BN * 4 * GPB) + one, one + BN * 16 * GPB],
-                                          dtype=gl.int32, is_pure=False, pack=1)
-                gl.inline_asm_elementwise(BULK_PF_ASM, "=r,l,r", [ps1 + q * (BN * GPB) + one, one + BN * 2 * GPB],
-                                          dtype=gl.int32, is_pure=False, pack=1)
-
-    @gluon.jit
     def pdl_wait_gl():
         """pdl.pdl_wait in Gluon kernels: wait for the previous launch, release the next one."""
         gl.inline_asm_elementwise(WAIT_ASM, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
@@ -362,10 +324,10 @@ if HAVE_GLUON:
         return a0, c0, a1, c1
 
     @gluon.jit
-    def _frag_loop(acc0, acc1, w0, s0, w1, s1, x_ptrs, x_mask, nblk, pw0, ps0, pw1, ps1, pf_n,
+    def _frag_loop(acc0, acc1, w0, s0, w1, s1, x_ptrs, x_mask, nblk,
                    TWO: gl.constexpr, X_AHEAD: gl.constexpr, AL: gl.constexpr, BL: gl.constexpr,
                    BN: gl.constexpr, GPB: gl.constexpr, WAIT: gl.constexpr, TILE: gl.constexpr,
-                   PAIRS: gl.constexpr = False, STILE: gl.constexpr = 0, PF: gl.constexpr = 0):
+                   PAIRS: gl.constexpr = False, STILE: gl.constexpr = 0):
         """acc0 (+ acc1 with TWO) += A0 (A1) @ x over nblk blocks of 32*GPB k, in k order. One block of
         words and scales is in flight ahead of the one in use; with X_AHEAD one block of activations too
         (its load issued after the current block's relabel into BL), else they are loaded at use. x_ptrs /
@@ -374,17 +336,11 @@ if HAVE_GLUON:
         order (_word_ptrs), which sets the step from one block to the next. PAIRS: two blocks per trip, the
         words in flight alternating between two named register sets instead of being moved into place after
         every block (8-token dense programs: 304 against 349 instructions per block and warp offline, 122
-        against 108 registers; 16-token programs would need 156 and spill at 128). PF (> 1; 0: off): block i + PF
-        asked of L2 at block i (_pf_block from the bases pw0 / ps0 / pw1 / ps1 of _pf_base at the loop's first
-        block, while under pf_n blocks of that one), so the register loads find it there; no value changes."""
+        against 108 registers; 16-token programs would need 156 and spill at 128)."""
         BK: gl.constexpr = 32 * GPB
-        NW: gl.constexpr = BN // 16   # warps (one 16-row MMA tile each: the fragment programs)
         WSTEP: gl.constexpr = 4 * GPB * (TILE if TILE else 1)   # words from one block to the next
         SSTEP: gl.constexpr = GPB * (STILE if STILE else 1)     # scales (_word_ptrs)
         a0, c0, a1, c1 = _load_words(w0, s0, w1, s1, TWO)
-        q = PF   # the next block asked of L2 (PF): blocks 2 .. PF-1 first (0 and 1: loaded on entry)
-        for d in gl.static_range(2, PF):
-            _pf_block(pw0, ps0, pw1, ps1, d, pf_n, TWO, BN, GPB, NW)
         if WAIT:
             pdl_wait_gl()
         if X_AHEAD:
@@ -393,10 +349,6 @@ if HAVE_GLUON:
             xr = x_mask   # unused (the activations are loaded at use): carried through _x_step unchanged
         if PAIRS:
             for _ in range((nblk - 1) // 2):
-                if PF:
-                    _pf_block(pw0, ps0, pw1, ps1, q, pf_n, TWO, BN, GPB, NW)
-                    _pf_block(pw0, ps0, pw1, ps1, q + 1, pf_n, TWO, BN, GPB, NW)
-                    q += 2
                 b0, d0, b1, d1 = _load_words(w0 + WSTEP, s0 + SSTEP, w1 + WSTEP, s1 + SSTEP, TWO)
                 xb, xr, x_ptrs = _x_step(xr, x_ptrs, x_mask, BK, X_AHEAD, BL)
                 acc0, acc1 = _mma_block(acc0, acc1, a0, c0, a1, c1, xb, TWO, AL, BN, BK)
@@ -408,9 +360,6 @@ if HAVE_GLUON:
                 xb, xr, x_ptrs = _x_step(xr, x_ptrs, x_mask, BK, X_AHEAD, BL)
                 acc0, acc1 = _mma_block(acc0, acc1, b0, d0, b1, d1, xb, TWO, AL, BN, BK)
         for _ in range((nblk - 1) % 2 if PAIRS else nblk - 1):   # one block per trip (PAIRS: an odd one left)
-            if PF:
-                _pf_block(pw0, ps0, pw1, ps1, q, pf_n, TWO, BN, GPB, NW)
-                q += 1
             w0 += WSTEP
             s0 += SSTEP
             w1 += WSTEP
@@ -452,30 +401,23 @@ if HAVE_GLUON:
         return acc0, acc1
 
     @gluon.jit
-    def _frag_loop_wg(acc0, acc1, w0, s0, w1, s1, x_ptrs, x_mask, nblk, xs, pw0, ps0, pw1, ps1, pf_n,
+    def _frag_loop_wg(acc0, acc1, w0, s0, w1, s1, x_ptrs, x_mask, nblk, xs,
                       TWO: gl.constexpr, AL: gl.constexpr, BN: gl.constexpr, GPB: gl.constexpr,
-                      WAIT: gl.constexpr, TILE: gl.constexpr, STILE: gl.constexpr = 0, PF: gl.constexpr = 0):
+                      WAIT: gl.constexpr, TILE: gl.constexpr, STILE: gl.constexpr = 0):
         """acc0 (+ acc1 with TWO) [64, TOK] += A0 (A1) @ x over nblk blocks, by wgmma: the dequantized weights
         are the register A operand (the same fragments as mma.sync's), the activation block [TOK, BK] the
         shared-memory B operand (xs: two buffers), read by the tensor cores for the whole warpgroup. One block
         of words, scales and activations in flight ahead of the one in use. The MMA is synchronous: the
         asynchronous forms measured wrong from three blocks on and no faster
-        (bench/results/w4-frag-h200-wgmma-async2.md). PF: as in _frag_loop."""
+        (bench/results/w4-frag-h200-wgmma-async2.md)."""
         BK: gl.constexpr = 32 * GPB
-        NW: gl.constexpr = BN // 16
         WSTEP: gl.constexpr = 4 * GPB * (TILE if TILE else 1)
         SSTEP: gl.constexpr = GPB * (STILE if STILE else 1)
         a0, c0, a1, c1 = _load_words(w0, s0, w1, s1, TWO)
-        q = PF
-        for d in gl.static_range(2, PF):
-            _pf_block(pw0, ps0, pw1, ps1, d, pf_n, TWO, BN, GPB, NW)
         if WAIT:
             pdl_wait_gl()
         xr = gl.load(x_ptrs, mask=x_mask, other=0.0)
         for i in range(nblk - 1):
-            if PF:
-                _pf_block(pw0, ps0, pw1, ps1, q, pf_n, TWO, BN, GPB, NW)
-                q += 1
             buf = xs.index(i % 2)
             buf.store(xr)
             w0 += WSTEP
@@ -514,8 +456,7 @@ if HAVE_GLUON:
                         TOK: gl.constexpr, MT: gl.constexpr, GPB: gl.constexpr, WL: gl.constexpr,
                         X_SMEM: gl.constexpr, X_AHEAD: gl.constexpr, PDL: gl.constexpr, TILE: gl.constexpr,
                         PT: gl.constexpr, SEGS: gl.constexpr, num_warps: gl.constexpr,
-                        WG: gl.constexpr = False, PAIRS: gl.constexpr = False, STILE: gl.constexpr = 0,
-                        PF: gl.constexpr = 0):
+                        WG: gl.constexpr = False, PAIRS: gl.constexpr = False, STILE: gl.constexpr = 0):
         """grid (cdiv(M, TOK), programs): the stream partition of the work = (N / PT) x iters K blocks, row
         tile major (dense_partition), each PT-row tile in passes of BN rows. Program p takes global blocks
         [p * work // programs, (p + 1) * work // programs); each run of them within one row tile (a segment) is
@@ -523,8 +464,7 @@ if HAVE_GLUON:
         a tile's slots alone). The partition is fixed by the shape, never by M. The token tiles of one weight
         range are adjacent program ids: they run together and the weights are read from DRAM about once.
         PDL: launched dependent on the kernel that wrote x (pdl.py). PAIRS: _frag_loop's two blocks per trip
-        (mma.sync). PF: blocks asked of L2 ahead of the one in use (_frag_loop; tiled words and scales of BN = PT
-        rows)."""
+        (mma.sync)."""
         BN: gl.constexpr = 16 * num_warps * MT
         BK: gl.constexpr = 32 * GPB
         MMA: gl.constexpr = wg_layout(TOK, num_warps) if WG else mma_layout(num_warps)
@@ -548,11 +488,6 @@ if HAVE_GLUON:
                     row0 = t * PT + h * BN
                     w_ptrs, s_ptrs = _word_ptrs(w_ptr, s_ptr, row0, stride_wn, stride_sn, b0, WL, BN, GPB, TILE,
                                                 STILE)
-                    if PF:   # the matrix's blocks from this one on, in the tiled order (one run over row tiles)
-                        pw, ps = _pf_base(w_ptr, s_ptr, row0, stride_wn, stride_sn, b0, BN, GPB)
-                        pf_n = (N // BN - row0 // BN) * iters - b0
-                    else:
-                        pw, ps, pf_n = w_ptr, s_ptr, 0
                     acc = gl.zeros([BN, TOK], gl.float32, layout=MMA)
                     if WG:
                         # activations [TOK, BK] (k contiguous) into shared memory, the wgmma B operand as its
@@ -562,16 +497,16 @@ if HAVE_GLUON:
                         x_ptrs = x_ptr + gl.expand_dims(rm, 1) * stride_xm + gl.expand_dims(rk, 0) + b0 * BK
                         cta_barrier()   # the buffers' last reader (another warpgroup's MMA) is done
                         acc, unused = _frag_loop_wg(acc, acc, w_ptrs, s_ptrs, w_ptrs, s_ptrs, x_ptrs,
-                                                    gl.expand_dims(rm, 1) < M, nb, xs, pw, ps, pw, ps, pf_n, False,
-                                                    wg_a_layout(TOK, num_warps), BN, GPB, PDL, TILE, STILE, PF)
+                                                    gl.expand_dims(rm, 1) < M, nb, xs, False,
+                                                    wg_a_layout(TOK, num_warps), BN, GPB, PDL, TILE, STILE)
                     else:
                         # activations as the B operand [BK, TOK] (x^T), tokens >= M read as 0
                         rk = gl.arange(0, BK, layout=gl.SliceLayout(1, XL))
                         rm = m0 + gl.arange(0, TOK, layout=gl.SliceLayout(0, XL))
                         x_ptrs = x_ptr + gl.expand_dims(rm, 0) * stride_xm + gl.expand_dims(rk, 1) + b0 * BK
                         acc, unused = _frag_loop(acc, acc, w_ptrs, s_ptrs, w_ptrs, s_ptrs, x_ptrs,
-                                                 gl.expand_dims(rm, 0) < M, nb, pw, ps, pw, ps, pf_n, False,
-                                                 X_AHEAD, AL, BL, BN, GPB, PDL, TILE, PAIRS, STILE, PF)
+                                                 gl.expand_dims(rm, 0) < M, nb, False, X_AHEAD, AL, BL, BN, GPB,
+                                                 PDL, TILE, PAIRS, STILE)
                     # y[m, n] = acc[n, m]
                     on = gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
                     om = m0 + gl.arange(0, TOK, layout=gl.SliceLayout(0, MMA))
@@ -719,7 +654,7 @@ def frag_linear(x: torch.Tensor, wq: torch.Tensor, s: torch.Tensor, *, gpb: int 
                 mt: int | None = None, num_warps: int | None = None, split: int | None = None,
                 programs: int | None = None, pt: int | None = None, tok: int | None = None,
                 xload: str = "smem-ahead", pdl: bool = True, tile: int = 0, mma: str | None = None,
-                pairs: bool | None = None, stile: int = 0, pf: int = 0) -> torch.Tensor:
+                pairs: bool | None = None, stile: int = 0) -> torch.Tensor:
     """y [M, N] = x [M, K] @ W^T, W the fragment-repacked int4 words wq [N, K/8] (frag_repack with
     frag_gpb(K) unless gpb is given) and bf16 scales s [N, K/32]; x bfloat16. Unset knobs follow dense_plan,
     token_tile, token_mt, token_mma and token_warps; programs: the stream partition's program
@@ -731,9 +666,8 @@ def frag_linear(x: torch.Tensor, wq: torch.Tensor, s: torch.Tensor, *, gpb: int 
     mma: "sync" (mma.sync, 8 / 16-token tiles) or "wgmma" (the dequantized weights the register A
     operand of a warpgroup MMA, the activations its shared-memory B operand; 4 or 8 warps: one or two
     warpgroups, 1 tile per warp; the same bits); pairs: the mma.sync loop's two blocks per trip (None:
-    token_pairs; the same bits); pf: K blocks of words and scales asked of L2 ahead of the one in use (0: none;
-    tile and stile equal to the partition's rows; the same bits). The bits depend on the partition alone: any
-    token tile, MMA, warps, loads, prefetch and word order give them."""
+    token_pairs; the same bits). The bits depend on the partition alone: any token tile, MMA, warps, loads and
+    word order give them."""
     if not HAVE_GLUON:
         raise RuntimeError("the fragment-ordered W4A16 kernels need triton.experimental.gluon (triton >= 3.5)")
     from kdtree_engine.kernels.split_sum import Partition, stream_sum
@@ -768,10 +702,6 @@ def frag_linear(x: torch.Tensor, wq: torch.Tensor, s: torch.Tensor, *, gpb: int 
     if N % bn or K % bk or wq.shape[1] * 8 != K or s.shape != (N, K // GROUP):
         raise ValueError(f"frag_linear: N={N} must be a multiple of {bn}, K={K} of {bk}; words "
                          f"{tuple(wq.shape)}, scales {tuple(s.shape)}")
-    check_pf(pf, "frag_linear")
-    if pf and not tile == stile == pt == bn:
-        raise ValueError(f"frag_linear: prefetch (pf {pf}) needs words and scales in tiles of the {bn}-row programs "
-                         f"and partition; got tile {tile}, stile {stile}, partition rows {pt}")
     if pt % bn or N % pt:
         raise ValueError(f"frag_linear: the partition's {pt}-row tiles must divide N={N} and be a multiple "
                          f"of the {bn}-row programs")
@@ -792,7 +722,7 @@ def frag_linear(x: torch.Tensor, wq: torch.Tensor, s: torch.Tensor, *, gpb: int 
         x, wq, s, part, M, N, x.stride(0), wq.stride(0), s.stride(0), N, M * N, iters, tiles * iters, programs,
         TOK=tok, MT=mt, GPB=gpb, WL=word_layout(num_warps, mt, gpb), X_SMEM=X_LOADS[xload][0],
         X_AHEAD=X_LOADS[xload][1], TILE=tile, PT=pt, SEGS=segs, num_warps=num_warps, WG=mma == "wgmma",
-        PAIRS=token_pairs(tok, mt) if pairs is None else pairs, STILE=stile, PF=pf,
+        PAIRS=token_pairs(tok, mt) if pairs is None else pairs, STILE=stile,
         **pdl_launch(pdl))
     if slots > 1:
         stream_sum(part, y, slots, Partition(pt, tiles, iters, programs), pdl=pdl)

@@ -435,39 +435,3 @@ def test_moe_frag_tiled_scales_same_bits(poisoned, T):
         _check(rows, ref, TOL, f"moe frag T={T} {cfg}")
         other = fused_moe_frag(x, q13, st13, q2, st2, ids, tw, G, cfg, tile=64, stile=64)
         assert torch.equal(rows, other), f"T={T} {cfg}: {int((rows != other).sum())} elements differ"
-
-
-@pytest.mark.parametrize("N,K,split", [(192, 768, 1), (256, 7168, 2), (4096, 7168, None)])
-def test_frag_linear_prefetch_same_bits(poisoned, N, K, split):
-    """Blocks asked of L2 ahead (pf, a hint): the same bits as without, on mma.sync (8 / 16 tokens) and wgmma
-    programs, with distances past a program's range and past the matrix's last block (those are not asked)."""
-    p, s = rand_w4(N, K)
-    q = frag_tile(frag_repack(p, 8), 8, 64)
-    st = scale_tile(s, 8, 64)
-    for M in (1, 13, 37):
-        x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
-        for tok, mma in ((8, "sync"), (16, "sync"), (32, "wgmma")):
-            kw = dict(gpb=8, split=split, tok=tok, tile=64, stile=64, pt=64, mma=mma)
-            rows = frag_linear(x, q, st, **kw)
-            _check(rows, (x.float() @ dequantize(p, s, G, torch.bfloat16).float().T).to(torch.bfloat16), TOL,
-                   f"frag {kw} M {M}")
-            for pf in (2, 3, 8):
-                other = frag_linear(x, q, st, pf=pf, **kw)
-                assert torch.equal(rows, other), f"pf {pf} {kw} M {M}: {int((rows != other).sum())} elements differ"
-
-
-@pytest.mark.parametrize("T", [1, 9, 64])
-def test_moe_frag_prefetch_same_bits(poisoned, T):
-    """Expert blocks asked of L2 ahead (PF13 / PF2): the same bits as without, with the table's configs (fused
-    epilogues at T = 1, mma.sync and wgmma blocks) at K2 shapes on the engine's tiled words and scales."""
-    x, w, ids, tw, ref = _moe_case(E=16, H=7168, I=2048, T=T, topk=8, unowned=T == 9)
-    q13, s13, q2, s2 = w
-    q13, q2 = frag_tile(q13, frag_gpb(7168), 64), frag_tile(q2, frag_gpb(2048), 64)
-    s13, s2 = scale_tile(s13, frag_gpb(7168), 64), scale_tile(s2, frag_gpb(2048), 64)
-    for cfg in (FragMoEConfig(), FragMoEConfig(BLOCK_M=16), FragMoEConfig(BLOCK_M=32)):
-        rows = fused_moe_frag(x, q13, s13, q2, s2, ids, tw, G, cfg, tile=64, stile=64)
-        _check(rows, ref, TOL, f"moe frag T={T} {cfg}")
-        for pf13, pf2 in ((2, 2), (4, 0), (0, 6), (8, 8)):
-            other = fused_moe_frag(x, q13, s13, q2, s2, ids, tw, G, replace(cfg, PF13=pf13, PF2=pf2), tile=64,
-                                   stile=64)
-            assert torch.equal(rows, other), f"T={T} {cfg} pf {pf13}/{pf2}: {int((rows != other).sum())} differ"
