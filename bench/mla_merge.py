@@ -34,8 +34,10 @@ SHAPES = [("decode N=8 32K", 1, 8, 32768), ("decode N=8 128K", 1, 8, 131072), ("
           ("decode N=64 128K", 1, 64, 131072), ("verify N=8 T=16 32K", 16, 8, 32768),
           ("verify N=8 T=16 128K", 16, 8, 131072), ("tree N=64 T=4 4K", 4, 64, 4096), ("tree N=8 T=4 4K", 4, 8, 4096),
           ("decode N=64 4K", 1, 64, 4096), ("tree N=64 T=16 4K", 16, 64, 4096), ("tree N=64 T=64 4K", 64, 64, 4096)]
-# (BLOCK_D, num_warps, PREFETCH); None: the engine's launch (merge_tiles), timed first
-VARIANTS = [None, (32, 2, False), (32, 2, True), (128, 2, False), (16, 2, False), (16, 2, True), (16, 1, True),
+# (BLOCK_D, num_warps, PREFETCH); None: the engine's launch (merge_tiles), timed first; EARLY: the engine's launch
+# with the first blocks' loads issued beside the row's length loads (_mla_merge_kernel's EARLY)
+EARLY = "early"
+VARIANTS = [None, EARLY, (32, 2, False), (32, 2, True), (128, 2, False), (16, 2, False), (16, 2, True), (16, 1, True),
             (8, 1, True), (32, 4, True), (64, 4, True), (128, 4, False), (256, 4, False), (256, 4, True), (512, 4, False),
             (512, 8, False)]
 
@@ -51,21 +53,23 @@ def run_shape(T: int, N: int, S: int, reps: int) -> list[dict]:
     block_c, lse_block = mt.block_c, mt.lse_block
     recs, ref = [], None
     for variant in VARIANTS:
-        bd, warps, pre = variant or (mt.block_d, mt.warps, mt.prefetch)
+        early = variant == EARLY
+        bd, warps, pre = (mt.block_d, mt.warps, mt.prefetch) if variant in (None, EARLY) else variant
+        early = early or (variant is None and mt.early)
         out = torch.empty(T, N, C, device="cuda", dtype=torch.bfloat16)
 
-        def launch(out=out, bd=bd, warps=warps, pre=pre) -> None:
+        def launch(out=out, bd=bd, warps=warps, pre=pre, early=early) -> None:
             _mla_merge_kernel[(rows, triton.cdiv(C, bd))](
                 po, pl, nvis, out, nvis, S, N, n_ch, po.stride(0), po.stride(1), pl.stride(0),
                 out.stride(0), out.stride(1), C=C, BLOCK_D=bd, BLOCK_C=block_c, CHUNK=CHUNK, CAUSAL=True,
-                S_DEV=False, LSE_BLOCK=lse_block, PREFETCH=pre, num_warps=warps)
+                S_DEV=False, LSE_BLOCK=lse_block, PREFETCH=pre, EARLY=early, num_warps=warps)
 
         launch()
         torch.cuda.synchronize()
         if ref is None:
             ref = out.clone()
         t = time_calls([launch] * PER_GRAPH, reps=reps, warmup=2)
-        recs.append({"engine": variant is None, "BLOCK_D": bd, "num_warps": warps, "PREFETCH": pre, "programs": rows * triton.cdiv(C, bd),
+        recs.append({"engine": variant is None, "BLOCK_D": bd, "num_warps": warps, "PREFETCH": pre, "EARLY": early, "programs": rows * triton.cdiv(C, bd),
                      "us": t["us"], "graph": t["graph"], "same_bits": bool(torch.equal(out, ref))})
     return recs
 
@@ -83,14 +87,16 @@ def main(argv: list[str] | None = None) -> int:
         for rec in run_shape(T, N, S, args.reps):
             rec = {"shape": label, "T": T, "N": N, "S": S, **rec}
             cases.append(rec)
-            table.append([label, "engine" if rec["engine"] else "", rec["BLOCK_D"], rec["num_warps"], rec["PREFETCH"], rec["programs"], rec["us"],
+            table.append([label, "engine" if rec["engine"] else "", rec["BLOCK_D"], rec["num_warps"], rec["PREFETCH"],
+                          rec["EARLY"], rec["programs"], rec["us"],
                           rec["same_bits"]])
             print(label, rec, flush=True)
     info = device_info()
     gpu = gpu_stem(info["gpu"])
     md = [f"# MLA attention chunk merge on {info['gpu']}", "", f"Command: `{command_line()}`", "",
           "The first row of each shape is the engine's launch; same bits = equal to it.", ""]
-    md += md_table(["shape", "launch", "BLOCK_D", "warps", "PREFETCH", "programs", "us", "same bits"], table)
+    md += md_table(["shape", "launch", "BLOCK_D", "warps", "PREFETCH", "EARLY", "programs", "us", "same bits"],
+                   table)
     write_results(args.out, f"mla_merge-{gpu}", {"command": command_line(), "device": info, "cases": cases}, md)
     return 0 if all(r["same_bits"] for r in cases) else 1
 

@@ -454,6 +454,7 @@ class MergeTiles(NamedTuple):
     lse_block: int   # chunks per step of the max pass
     warps: int
     prefetch: bool   # the next block's loads issued before the current block's sums
+    early: bool = False   # the first blocks' loads issued beside the row's length loads (_mla_merge_kernel EARLY)
 
 
 def merge_tiles(rows: int, n_ch: int, C: int) -> MergeTiles:
@@ -753,7 +754,7 @@ def _mla_merge_kernel(po_ptr, pl_ptr, nvis_ptr, out_ptr, s_ptr, S, N, NC,
                       stride_pom, stride_poc, stride_plm, stride_ot, stride_on,
                       C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, CHUNK: tl.constexpr,
                       CAUSAL: tl.constexpr, S_DEV: tl.constexpr = False, LSE_BLOCK: tl.constexpr = 256,
-                      PREFETCH: tl.constexpr = False, PDL: tl.constexpr = False):
+                      PREFETCH: tl.constexpr = False, PDL: tl.constexpr = False, EARLY: tl.constexpr = False):
     """grid (rows, C / BLOCK_D): merge a row's chunks. PDL: a dependent launch (pdl.py), waiting first.
 
     Summation order (per output element, the same for any BLOCK_D, layout or warps): chunks in blocks of
@@ -761,11 +762,24 @@ def _mla_merge_kernel(po_ptr, pl_ptr, nvis_ptr, out_ptr, s_ptr, S, N, NC,
     weights' sum likewise. It depends on the chunk count only. Chunks past the row's count weigh exactly
     0, so one chunk merges to its own value bit for bit (as the direct write). BLOCK_C chunks per step
     are loaded at once, so a long context keeps many loads in flight (the partials are in L2). PREFETCH
-    issues the next block's loads before the current block's sums (a load method: same bits)."""
+    issues the next block's loads before the current block's sums (a load method: same bits). EARLY issues the
+    first max block's and the first chunk block's loads (bounded by the launch's NC chunks) together with the
+    row's length loads and masks them once n_ch is known (where: the same values as the masked loads), so their
+    latencies overlap instead of following each other (a load method: same bits)."""
     if PDL:
         pdl_wait()
     r = tl.program_id(0)
     d0 = tl.program_id(1) * BLOCK_D
+    r64 = r.to(tl.int64)
+    offs_l = tl.arange(0, LSE_BLOCK)   # the max is exact in any order
+    offs_c = tl.arange(0, BLOCK_C)
+    offs_d = d0 + tl.arange(0, BLOCK_D)
+    d_ok = offs_d < C
+    pl_row = pl_ptr + r64 * stride_plm
+    po_row = po_ptr + r64 * stride_pom + offs_d[None, :]
+    if EARLY:
+        lse_e = tl.load(pl_row + offs_l, mask=offs_l < NC, other=float("-inf"))
+        lse_b, o_b = _merge_block(pl_row, po_row, offs_c, NC, d_ok, stride_poc)
     if S_DEV:
         S = tl.load(s_ptr).to(tl.int32)
     t = r // N
@@ -775,23 +789,31 @@ def _mla_merge_kernel(po_ptr, pl_ptr, nvis_ptr, out_ptr, s_ptr, S, N, NC,
     else:
         L = S + tl.load(nvis_ptr + t)
     n_ch = tl.minimum(tl.cdiv(L, CHUNK), NC)
-    r64 = r.to(tl.int64)
-    offs_l = tl.arange(0, LSE_BLOCK)   # the max is exact in any order
     m = tl.full((LSE_BLOCK,), float("-inf"), dtype=tl.float32)
-    for c0 in range(0, n_ch, LSE_BLOCK):
+    l0 = 0
+    if EARLY:
+        m = tl.where(offs_l < n_ch, lse_e, float("-inf"))
+        l0 = LSE_BLOCK
+    for c0 in range(l0, n_ch, LSE_BLOCK):
         cc = c0 + offs_l
-        m = tl.maximum(m, tl.load(pl_ptr + r64 * stride_plm + cc, mask=cc < n_ch, other=float("-inf")))
+        m = tl.maximum(m, tl.load(pl_row + cc, mask=cc < n_ch, other=float("-inf")))
     m_all = tl.max(m, 0)
-    offs_c = tl.arange(0, BLOCK_C)
-    offs_d = d0 + tl.arange(0, BLOCK_D)
-    d_ok = offs_d < C
     acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
     den = tl.zeros((1,), dtype=tl.float32)
-    pl_row = pl_ptr + r64 * stride_plm
-    po_row = po_ptr + r64 * stride_pom + offs_d[None, :]
+    if EARLY:   # the first block as the masked loads would give it
+        c_ok = offs_c < n_ch
+        lse_b = tl.where(c_ok, lse_b, float("-inf"))
+        o_b = tl.where(c_ok[:, None] & d_ok[None, :], o_b, 0.0)
     if PREFETCH:
-        lse_n, o_n = _merge_block(pl_row, po_row, offs_c, n_ch, d_ok, stride_poc)
-    for c0 in range(0, n_ch, BLOCK_C):
+        if EARLY:
+            lse_n, o_n = lse_b, o_b
+        else:
+            lse_n, o_n = _merge_block(pl_row, po_row, offs_c, n_ch, d_ok, stride_poc)
+    elif EARLY:
+        w = tl.exp2(lse_b - m_all)
+        acc += _pair_tree(w[:, None] * o_b, BLOCK_C, BLOCK_D)
+        den += _pair_tree(w[:, None], BLOCK_C, 1)
+    for c0 in range(BLOCK_C if EARLY and not PREFETCH else 0, n_ch, BLOCK_C):
         if PREFETCH:   # this block's loads were issued a step ahead; issue the next block's
             lse, o = lse_n, o_n
             lse_n, o_n = _merge_block(pl_row, po_row, c0 + BLOCK_C + offs_c, n_ch, d_ok, stride_poc)
@@ -890,7 +912,8 @@ def _merge(po, pl, nvis, out, s_ptr, S: int, N: int, n_ch: int, strides: tuple[i
     _mla_merge_kernel[(T * N, triton.cdiv(C, mt.block_d))](
         po, pl, nvis, out, s_ptr, S, N, n_ch, *strides, out.stride(0), out.stride(1),
         C=C, BLOCK_D=mt.block_d, BLOCK_C=mt.block_c, CHUNK=chunk, CAUSAL=causal, S_DEV=s_dev,
-        LSE_BLOCK=mt.lse_block, PREFETCH=mt.prefetch, num_warps=mt.warps, **pdl_launch(pdl_supported(out.device)))
+        LSE_BLOCK=mt.lse_block, PREFETCH=mt.prefetch, EARLY=mt.early, num_warps=mt.warps,
+        **pdl_launch(pdl_supported(out.device)))
 
 
 def _log_once(msg: str) -> None:

@@ -199,6 +199,8 @@ def _run_merge(N, S, T, mask_kind, cfg_name, variant, gen):
     rows, n_ch, chunk, CC = 6, 40, 4, 24
     po = torch.randn(rows, n_ch, CC, generator=gen)
     pl = 3 * torch.randn(rows, n_ch, generator=gen)
+    po[:, 28:] = float("nan")   # chunks no row reaches (at most 27): read only by EARLY's first blocks, masked by where
+    pl[:, 28:] = float("nan")
     nvis = torch.zeros(1, dtype=torch.int32)
     # causal rows t = 0..5 with S = 3 and CHUNK 4: L = 4..9 keys -> 1..3 chunks (small); a second launch
     # with S = 100: L = 101..106 -> 26..27 chunks (only the 32- and 64-chunk trees cover them)
@@ -206,23 +208,25 @@ def _run_merge(N, S, T, mask_kind, cfg_name, variant, gen):
     for S_, blocks in ((3, (4, 8, 16, 32, 64)), (100, (32, 64))):
         for bc in blocks:
             for bd in (8, 16, 32):
-                for pre in (False, True):   # the next block's loads issued early: same bits
-                    if pre and bd != 16:
+                # the next block's loads issued early (pre), the first blocks' loads beside the row's length
+                # loads (early): same bits
+                for pre, early in ((False, False), (True, False), (False, True), (True, True)):
+                    if (pre or early) and bd != 16:
                         continue
                     out = torch.empty(rows, 1, CC)
                     _mla_merge_kernel[(rows, triton.cdiv(CC, bd))](
                         po, pl, nvis, out, nvis, S_, 1, n_ch, po.stride(0), po.stride(1), pl.stride(0),
                         out.stride(0), out.stride(1), C=CC, BLOCK_D=bd, BLOCK_C=bc, CHUNK=chunk, CAUSAL=True,
-                        LSE_BLOCK=16, PREFETCH=pre, num_warps=1)
-                    outs[(S_, bc, bd, pre)] = out[:, 0]
-    equal = all(torch.equal(v, outs[(k[0], 64, 32, False)]) for k, v in outs.items())
+                        LSE_BLOCK=16, PREFETCH=pre, EARLY=early, num_warps=1)
+                    outs[(S_, bc, bd, pre, early)] = out[:, 0]
+    equal = all(torch.equal(v, outs[(k[0], 64, 32, False, False)]) for k, v in outs.items())
     worst = 0.0
     for S_ in (3, 100):
         for r in range(rows):
             k = -(-(S_ + r + 1) // chunk)
             w = torch.exp2(pl[r, :k].double() - pl[r, :k].double().max())
             ref = (w[:, None] * po[r, :k].double()).sum(0) / w.sum()
-            worst = max(worst, float((outs[(S_, 64, 32, False)][r].double() - ref).abs().max()))
+            worst = max(worst, float((outs[(S_, 64, 32, False, False)][r].double() - ref).abs().max()))
     return {"equal": equal, "worst": worst, "nonfinite": sum(int((~torch.isfinite(v)).sum()) for v in outs.values())}
 
 
