@@ -454,7 +454,7 @@ class MergeTiles(NamedTuple):
     lse_block: int   # chunks per step of the max pass
     warps: int
     prefetch: bool   # the next block's loads issued before the current block's sums
-    early: bool = False   # the first blocks' loads issued beside the row's length loads (_mla_merge_kernel EARLY)
+    early: bool      # the first blocks' loads issued beside the row's length loads (_mla_merge_kernel EARLY)
 
 
 def merge_tiles(rows: int, n_ch: int, C: int) -> MergeTiles:
@@ -468,13 +468,19 @@ def merge_tiles(rows: int, n_ch: int, C: int) -> MergeTiles:
     N <= 16) 16 columns in one warp with prefetch (N = 8 at 32K / 128K / 256K: 2.82 / 4.09 / 5.87
     against 3.00 / 4.74 / 6.97 for 32 columns in two warps); up to 64 rows 32 columns in two warps (N = 64
     decode at 128K: 11.1, 10.4 for 64 columns in four warps with prefetch); more rows 128 columns in two
-    warps (a 16-node verify at N = 8: 7.7 / 22.2 us at 32K / 128K, every other variant slower)."""
+    warps (a 16-node verify at N = 8: 7.7 / 22.2 us at 32K / 128K, every other variant slower). The first
+    blocks' loads go beside the row's length loads (EARLY; bench/results/mla_merge-h200-early.md, the same bits
+    at every shape) except in launches of more than 64 rows and 64 chunks: N = 8 decode 2.49 / 3.82 / 5.60 us at
+    32K / 128K / 256K against 2.69 / 4.00 / 5.78, N = 64 decode at 4K / 128K 2.41 / 11.0 against 2.72 / 11.2, a
+    4-node tree at N = 64 over 4K 3.26 against 3.48, 16 / 64 nodes at N = 64 over 4K 7.70 / 27.8 against 7.84 /
+    27.6, a 16-node verify at N = 8 over 32K 7.54 against 7.71 but over 128K 22.7 against 22.0 (the exception)."""
     block_c = min(MERGE_BLOCK_C, max(2, triton.next_power_of_2(n_ch)))
     lse_block = min(256, max(16, triton.next_power_of_2(n_ch)))
     cp = triton.next_power_of_2(C)
+    early = rows <= 64 or n_ch <= 64
     if rows <= 16:
-        return MergeTiles(block_c, min(cp, 16), lse_block, 1, True)
-    return MergeTiles(block_c, min(cp, 32 if rows <= 64 else 128), lse_block, 2, False)
+        return MergeTiles(block_c, min(cp, 16), lse_block, 1, True, early)
+    return MergeTiles(block_c, min(cp, 32 if rows <= 64 else 128), lse_block, 2, False, early)
 
 
 def default_config(n_heads: int) -> MLAConfig:

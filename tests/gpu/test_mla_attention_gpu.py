@@ -362,3 +362,32 @@ def test_verify_warpgroup_bit_equal_bf16(N, stages):
         poison_allocator()
         dev = mla_attention_device(q_lat, q_pe, buf, torch.tensor(S, device="cuda"), mask, SCALE, C, config=cfg)
         assert torch.equal(dev, ref), f"device-length S = {S}, T = {T} (seed {seed})"
+
+
+@pytest.mark.parametrize("N", [64, 8])
+def test_merge_early_loads_bit_equal_bf16(N, monkeypatch):
+    """The merge's first blocks loaded beside the row's length loads (MergeTiles.early, the engine's choice) give
+    the bits of the merge without it: decodes and trees, host- and device-length (the length read on the device,
+    the tree's visible counts), on and off the chunk grid, short and long contexts."""
+    import kdtree_engine.kernels.mla_attention as mla
+
+    tiles = mla.merge_tiles
+    for S, T in ((4096, 1), (4096, 4), (4096, 64), (4000, 16), (32768, 1), (32768 + 5, 16), (131072, 1)):
+        seed = int(torch.randint(1 << 30, (1,)))
+        q_lat, q_pe, kv = inputs(T, N, S, seed)
+        mask = None if T == 1 else random_tree_mask(T, torch.Generator().manual_seed(seed)).cuda()
+        buf = torch.cat([kv, torch.randn(700, C + R, device="cuda").bfloat16()])
+        outs = {}
+        for early in (False, None):   # None: the engine's merge_tiles
+            monkeypatch.setattr(mla, "merge_tiles", tiles if early is None else
+                                (lambda *a: tiles(*a)._replace(early=False)))
+            poison_allocator()
+            host = mla_attention(q_lat, q_pe, kv, S, mask, SCALE, C)
+            poison_allocator()
+            dev = mla_attention_device(q_lat, q_pe, buf, torch.tensor(S, device="cuda"), mask, SCALE, C)
+            outs[early] = (host, dev)
+        for i, what in enumerate(("host", "device")):
+            a, b = outs[None][i], outs[False][i]
+            assert torch.isfinite(a).all(), f"{what}-length S = {S}, T = {T}: unwritten outputs (seed {seed})"
+            assert torch.equal(a, b), f"{what}-length S = {S}, T = {T}: {int((a != b).sum())} differ (seed {seed})"
+    assert tiles(8, 65, 512).early and tiles(4096, 9, 512).early and not tiles(128, 257, 512).early
