@@ -384,7 +384,9 @@ def test_merge_early_loads_bit_equal_bf16(N, monkeypatch):
             poison_allocator()
             host = mla_attention(q_lat, q_pe, kv, S, mask, SCALE, C)
             poison_allocator()
-            dev = mla_attention_device(q_lat, q_pe, buf, torch.tensor(S, device="cuda"), mask, SCALE, C)
+            dev = mla_attention_device(q_lat, q_pe, buf, torch.tensor(S, device="cuda"),
+                                       torch.ones(1, 1, dtype=torch.bool, device="cuda") if mask is None else mask,
+                                       SCALE, C)
             outs[early] = (host, dev)
         for i, what in enumerate(("host", "device")):
             a, b = outs[None][i], outs[False][i]
