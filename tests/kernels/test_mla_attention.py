@@ -574,3 +574,15 @@ def test_verify_wg_config_and_fit(caplog, monkeypatch):
     with pytest.raises(ValueError, match="64-row tiles"):
         V.launch(q, q[..., :64], kv, 40, kv, kv, kv, 8, (0, 0, 0), 1.0, 512, 1, 2, False, {},
                  tail=(kv, kv, 1))
+
+
+def test_merge_tiles_early_loads_rule():
+    """The merge launches issue their first blocks' loads early (EARLY) except those of more than 64 rows and 64
+    chunks (long verifies, where it measured slower); the other fields keep their rule."""
+    from kdtree_engine.kernels.mla_attention import merge_tiles
+
+    assert merge_tiles(8, 257, 512).early and merge_tiles(64, 257, 512).early      # decodes at N = 8 / 64, 128K
+    assert merge_tiles(4096, 9, 512).early and merge_tiles(128, 64, 512).early     # trees over 4K, a verify at 32K
+    assert not merge_tiles(128, 257, 512).early and not merge_tiles(65, 65, 512).early
+    t = merge_tiles(8, 65, 512)
+    assert (t.block_d, t.warps, t.prefetch) == (16, 1, True)
