@@ -83,6 +83,7 @@ CASES = {
     "mla_tree4_4k_n64": lambda: _mla(4096, 4, 64),
     "mla_tree2_4k_n64": lambda: _mla(4096, 2, 64),
     "mla_decode_4k_n64": lambda: _mla(4096, 1, 64),
+    "mla_tree64_4k_n64": lambda: _mla(4096, 64, 64),
     "moe_t1": lambda: _moe(1),
     "moe_t16": lambda: _moe(16),
     "moe_frag_t1": lambda: _moe_frag(1),
