@@ -34,10 +34,10 @@ SHAPES = [("decode N=8 32K", 1, 8, 32768), ("decode N=8 128K", 1, 8, 131072), ("
           ("decode N=64 128K", 1, 64, 131072), ("verify N=8 T=16 32K", 16, 8, 32768),
           ("verify N=8 T=16 128K", 16, 8, 131072), ("tree N=64 T=4 4K", 4, 64, 4096), ("tree N=8 T=4 4K", 4, 8, 4096),
           ("decode N=64 4K", 1, 64, 4096), ("tree N=64 T=16 4K", 16, 64, 4096), ("tree N=64 T=64 4K", 64, 64, 4096)]
-# (BLOCK_D, num_warps, PREFETCH); None: the engine's launch (merge_tiles), timed first; EARLY: the engine's launch
-# with the first blocks' loads issued beside the row's length loads (_mla_merge_kernel's EARLY)
-EARLY = "early"
-VARIANTS = [None, EARLY, (32, 2, False), (32, 2, True), (128, 2, False), (16, 2, False), (16, 2, True), (16, 1, True),
+# (BLOCK_D, num_warps, PREFETCH) without EARLY; None: the engine's launch (merge_tiles), timed first; FLIP_EARLY: the
+# engine's launch with the first blocks' loads beside the row's length loads (_mla_merge_kernel's EARLY) the other way
+FLIP_EARLY = "flip-early"
+VARIANTS = [None, FLIP_EARLY, (32, 2, False), (32, 2, True), (128, 2, False), (16, 2, False), (16, 2, True), (16, 1, True),
             (8, 1, True), (32, 4, True), (64, 4, True), (128, 4, False), (256, 4, False), (256, 4, True), (512, 4, False),
             (512, 8, False)]
 
@@ -53,9 +53,10 @@ def run_shape(T: int, N: int, S: int, reps: int) -> list[dict]:
     block_c, lse_block = mt.block_c, mt.lse_block
     recs, ref = [], None
     for variant in VARIANTS:
-        early = variant == EARLY
-        bd, warps, pre = (mt.block_d, mt.warps, mt.prefetch) if variant in (None, EARLY) else variant
-        early = early or (variant is None and mt.early)
+        if variant in (None, FLIP_EARLY):
+            bd, warps, pre, early = mt.block_d, mt.warps, mt.prefetch, mt.early != (variant == FLIP_EARLY)
+        else:
+            (bd, warps, pre), early = variant, False
         out = torch.empty(T, N, C, device="cuda", dtype=torch.bfloat16)
 
         def launch(out=out, bd=bd, warps=warps, pre=pre, early=early) -> None:

@@ -12,7 +12,7 @@ from kdtree_engine import reference
 from kdtree_engine.config import preset
 from kdtree_engine.engine import load_target
 from kdtree_engine.kernels import dispatch
-from kdtree_engine.model.int4_order import CHECKPOINT, FRAG, checkpoint_scales, checkpoint_words, order_of, set_order
+from kdtree_engine.model.int4_order import CHECKPOINT, FRAG, checkpoint_int4, order_of, set_order
 from kdtree_engine.model.layers import Linear
 from kdtree_engine.model.moe import MoE
 from kdtree_engine.quant import k2_quantization_config
@@ -35,7 +35,7 @@ def _linear(n: int = 64, k: int = 96) -> Linear:
 def test_linear_reorder_round_trip_and_checkpoint_view(n, k):
     """Fragment order (nibbles permuted in each row's blocks, then blocks of 64 rows made contiguous; the scales'
     blocks of 64 rows made contiguous too) and back: the checkpoint's words and scales, and the same dense weight
-    through checkpoint_words / checkpoint_scales."""
+    through checkpoint_int4."""
     layer = _linear(n, k)
     words = layer.weight_packed.clone()
     scales = layer.weight_scale.clone()
@@ -43,11 +43,31 @@ def test_linear_reorder_round_trip_and_checkpoint_view(n, k):
     set_order(layer, FRAG)
     assert order_of(layer) == FRAG and not torch.equal(layer.weight_packed, words)
     assert not torch.equal(layer.weight_scale, scales)   # more than one block per row: the tiles move them
-    assert torch.equal(checkpoint_words(layer, "weight_packed"), words)
-    assert torch.equal(checkpoint_scales(layer, "weight_packed"), scales)
+    view_words, view_scales = checkpoint_int4(layer, "weight_packed")
+    assert torch.equal(view_words, words)
+    assert torch.equal(view_scales, scales)
     assert torch.equal(layer.dense_weight(), dense)
     set_order(layer, CHECKPOINT)
     assert torch.equal(layer.weight_packed, words) and torch.equal(layer.weight_scale, scales)
+
+
+def test_expert_checkpoint_view_is_the_experts_own():
+    """An Experts module in fragment order: one expert's checkpoint view (converted alone) equals that expert's
+    words and scales as loaded, for both matrices."""
+    from kdtree_engine.model.moe import Experts
+    ex = Experts(CFG, dtype=torch.float32, group_size=32)
+    g = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 30)))
+    for name in ("w13", "w2"):
+        w, s = getattr(ex, f"{name}_packed"), getattr(ex, f"{name}_scale")
+        w.copy_(torch.randint(-2**31, 2**31 - 1, w.shape, generator=g, dtype=torch.int32))
+        s.copy_(torch.rand(s.shape, generator=g) * 0.1 + 0.01)
+    want = {n: (getattr(ex, f"{n}_packed").clone(), getattr(ex, f"{n}_scale").clone()) for n in ("w13", "w2")}
+    set_order(ex, FRAG)
+    for name, (w, s) in want.items():
+        assert not torch.equal(getattr(ex, f"{name}_packed"), w)
+        for e in (0, w.shape[0] - 1):
+            view_w, view_s = checkpoint_int4(ex, f"{name}_packed", e)
+            assert torch.equal(view_w, w[e]) and torch.equal(view_s, s[e]), f"{name} expert {e}"
 
 
 def test_torch_path_on_a_reordered_module_gives_the_same_output():

@@ -387,7 +387,7 @@ def w4a16_matmul_reference(x: torch.Tensor, packed: torch.Tensor, scale: torch.T
 
 def w4a16_matmul(x: torch.Tensor, layer) -> torch.Tensor:
     """x [M, K] @ the INT4 weight of ``layer`` (model.layers.Linear) -> [M, N]."""
-    from ..model.int4_order import checkpoint_scales, checkpoint_words
+    from ..model.int4_order import checkpoint_int4
     kind = layer.int4_prepare(x.dtype)
     if kind == "frag":
         from .w4_frag import ENGINE_ORDER, frag_linear
@@ -395,8 +395,7 @@ def w4a16_matmul(x: torch.Tensor, layer) -> torch.Tensor:
     if kind == "triton":
         from .w4a16 import w4a16_linear
         return w4a16_linear(x, layer.weight_packed, layer.weight_scale, layer.group_size)
-    return w4a16_matmul_reference(x, checkpoint_words(layer, "weight_packed"),
-                                  checkpoint_scales(layer, "weight_packed"), layer.group_size)
+    return w4a16_matmul_reference(x, *checkpoint_int4(layer, "weight_packed"), layer.group_size)
 
 
 def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, start: int,

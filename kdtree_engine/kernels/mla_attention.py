@@ -756,6 +756,13 @@ def _merge_block(pl_row, po_row, cc, n_ch, d_ok, stride_poc):
 
 
 @triton.jit
+def _merge_add(acc, den, lse, o, m_all, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One block of chunks added to the weighted sums: weights 2^(lse - max), each sum a fixed pairwise tree."""
+    w = tl.exp2(lse - m_all)
+    return acc + _pair_tree(w[:, None] * o, BLOCK_C, BLOCK_D), den + _pair_tree(w[:, None], BLOCK_C, 1)
+
+
+@triton.jit
 def _mla_merge_kernel(po_ptr, pl_ptr, nvis_ptr, out_ptr, s_ptr, S, N, NC,
                       stride_pom, stride_poc, stride_plm, stride_ot, stride_on,
                       C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, CHUNK: tl.constexpr,
@@ -816,18 +823,14 @@ def _mla_merge_kernel(po_ptr, pl_ptr, nvis_ptr, out_ptr, s_ptr, S, N, NC,
         else:
             lse_n, o_n = _merge_block(pl_row, po_row, offs_c, n_ch, d_ok, stride_poc)
     elif EARLY:
-        w = tl.exp2(lse_b - m_all)
-        acc += _pair_tree(w[:, None] * o_b, BLOCK_C, BLOCK_D)
-        den += _pair_tree(w[:, None], BLOCK_C, 1)
+        acc, den = _merge_add(acc, den, lse_b, o_b, m_all, BLOCK_C, BLOCK_D)
     for c0 in range(BLOCK_C if EARLY and not PREFETCH else 0, n_ch, BLOCK_C):
         if PREFETCH:   # this block's loads were issued a step ahead; issue the next block's
             lse, o = lse_n, o_n
             lse_n, o_n = _merge_block(pl_row, po_row, c0 + BLOCK_C + offs_c, n_ch, d_ok, stride_poc)
         else:
             lse, o = _merge_block(pl_row, po_row, c0 + offs_c, n_ch, d_ok, stride_poc)
-        w = tl.exp2(lse - m_all)
-        acc += _pair_tree(w[:, None] * o, BLOCK_C, BLOCK_D)
-        den += _pair_tree(w[:, None], BLOCK_C, 1)
+        acc, den = _merge_add(acc, den, lse, o, m_all, BLOCK_C, BLOCK_D)
     o = acc / den
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + h.to(tl.int64) * stride_on + offs_d,
              o.to(out_ptr.dtype.element_ty), mask=d_ok)

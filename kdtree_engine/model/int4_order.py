@@ -11,7 +11,7 @@ module's scales the same way (scale_tile: `<words>` -> `<scales>` is `*_packed` 
 
 A module starts in checkpoint order. The kernel dispatch (kernels/dispatch.int4_kernel) asks for the
 order its kernel reads (`set_order`); anything that needs the checkpoint's bytes (the torch paths,
-dequantized views) reads them through `checkpoint_words` / `checkpoint_scales`, and loading restores the
+dequantized views) reads them through `checkpoint_int4`, and loading restores the
 checkpoint order first (the loader calls `set_order(module, CHECKPOINT)` before it writes). The conversion is
 a permutation inside each matrix (the nibbles of each row's blocks, then the rows' blocks; the scales' row
 blocks; same shapes), so it needs no second copy of the weights: one matrix at a time.
@@ -79,24 +79,18 @@ def set_order(module: nn.Module, order: str) -> None:
              f"INT4 words and scales reordered in place to {order} order on {buf.device.type} (once per module)")
 
 
-def checkpoint_words(module: nn.Module, name: str) -> torch.Tensor:
-    """The buffer `name` in checkpoint order: the buffer itself, or an unrepacked copy when the module
-    holds it in fragment order (for the torch paths and dequantized views)."""
-    buf = getattr(module, name)
+def checkpoint_int4(module: nn.Module, words: str, expert: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """INT4 words `words` and their scales in checkpoint order (for the torch paths and dequantized views): the
+    buffers themselves, or unrepacked / untiled copies when the module holds them in fragment order. expert:
+    only that matrix of [E, ..] buffers (converted alone)."""
+    w, s = getattr(module, words), getattr(module, scale_name(words))
+    if expert is not None:
+        w, s = w[expert], s[expert]
     if order_of(module) == CHECKPOINT:
-        return buf
-    from ..kernels.w4_frag import frag_gpb, from_engine_order
-    return from_engine_order(buf, frag_gpb(dict(int4_words(module))[name]))
-
-
-def checkpoint_scales(module: nn.Module, words: str) -> torch.Tensor:
-    """The scales of INT4 words `words` in checkpoint (row-major) order: the buffer itself, or an untiled copy when
-    the module holds them in fragment order."""
-    buf = getattr(module, scale_name(words))
-    if order_of(module) == CHECKPOINT:
-        return buf
-    from ..kernels.w4_frag import frag_gpb, from_engine_scales
-    return from_engine_scales(buf, frag_gpb(dict(int4_words(module))[words]))
+        return w, s
+    from ..kernels.w4_frag import frag_gpb, from_engine_order, from_engine_scales
+    gpb = frag_gpb(dict(int4_words(module))[words])
+    return from_engine_order(w, gpb), from_engine_scales(s, gpb)
 
 
 def prepare(module: nn.Module, dtype: torch.dtype, what: str, unsupported: str | None) -> str:

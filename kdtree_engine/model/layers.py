@@ -92,9 +92,8 @@ class Linear(nn.Module):
         if self.group_size is None:
             return self.weight
         from ..quant import dequantize
-        from .int4_order import checkpoint_scales, checkpoint_words
-        return dequantize(checkpoint_words(self, "weight_packed"), checkpoint_scales(self, "weight_packed"),
-                          self.group_size)
+        from .int4_order import checkpoint_int4
+        return dequantize(*checkpoint_int4(self, "weight_packed"), self.group_size)
 
     def int4_prepare(self, dtype: torch.dtype) -> str:
         """The INT4 kernel family for activations of `dtype`, the words in its order (model/int4_order.py)."""

@@ -120,22 +120,22 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Expe
 def _expert_weights(experts: Experts, e: int) -> tuple[torch.Tensor, torch.Tensor]:
     if experts.group_size is None:
         return experts.w13[e], experts.w2[e]
-    from .int4_order import checkpoint_scales, checkpoint_words
+    from .int4_order import checkpoint_int4
     if experts.w13_packed.device.type == "cpu":
         # The CPU path multiplies dense weights: dequantize once (same values every call) and keep them.
         dense = experts.__dict__.get("_dense_cpu")
         if dense is None:
             from ..quant import dequantize
             g = experts.group_size
-            dense = (dequantize(checkpoint_words(experts, "w13_packed"), checkpoint_scales(experts, "w13_packed"), g),
-                     dequantize(checkpoint_words(experts, "w2_packed"), checkpoint_scales(experts, "w2_packed"), g))
+            dense = (dequantize(*checkpoint_int4(experts, "w13_packed"), g),
+                     dequantize(*checkpoint_int4(experts, "w2_packed"), g))
             experts.__dict__["_dense_cpu"] = dense
             log_once("moe:cpu-dequant", "MoE on cpu: INT4 experts dequantized once and kept for the torch path")
         return dense[0][e], dense[1][e]
     from ..quant import dequantize
     g = experts.group_size
-    return (dequantize(checkpoint_words(experts, "w13_packed")[e], checkpoint_scales(experts, "w13_packed")[e], g),
-            dequantize(checkpoint_words(experts, "w2_packed")[e], checkpoint_scales(experts, "w2_packed")[e], g))
+    return (dequantize(*checkpoint_int4(experts, "w13_packed", e), g),
+            dequantize(*checkpoint_int4(experts, "w2_packed", e), g))
 
 
 def moe_reference(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Experts) -> torch.Tensor:
