@@ -209,9 +209,8 @@ WG_SHAPES = [(8, 4096, 1), (8, 32768, 1), (8, 131072, 1), (8, 4096, 4), (8, 4096
 # trees whose verify tiles would leave SMs idle stay decode launches. `--sweep-verify` (bench/results/
 # mla_attention-verify-sweep-h200.md was measured while the default was still 0)
 VERIFY_FOR_N: dict[int, list[MLAConfig]] = {
-    8: [_D8, replace(_D8, VERIFY_WG=0), replace(_D8, VERIFY_WS=not _D8.VERIFY_WS)],
-    64: [_D64, replace(_D64, VERIFY_WG=0, VERIFY_WS=False), replace(_D64, VERIFY_WG=1),
-         replace(_D64, VERIFY_WS=not _D64.VERIFY_WS)]}
+    8: [_D8, replace(_D8, VERIFY_WG=0)],
+    64: [_D64, replace(_D64, VERIFY_WG=0), replace(_D64, VERIFY_WG=1)]}
 VERIFY_SWEEP: list[MLAConfig] = [c for cs in VERIFY_FOR_N.values() for c in cs]
 VERIFY_SHAPES = [(64, 4096, 16), (64, 4096, 32), (64, 4096, 64), (64, 4096, 128), (64, 32768, 16),
                  (64, 32768, 64), (64, 131072, 16), (8, 4096, 64), (8, 32768, 32), (8, 32768, 64), (8, 131072, 64)]

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU tests and benchmarks, logs and results packed under $OUT; one device call runs one part.
-#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|next|chain|sample|rounds|decode|step|verify|resume|ncu|plane|merge|merge2|merge3|sample2|fork|last|plane2|rows|kload|lazy|rounds2|maxnreg|qsplit|stages|down|bm8|m64|merge4|merge5|final2|moerows|moe16|moe16b|router|router2|router3|final3|frag|frag2|frag3|frag4|frag5|frag7|frag8|xsm|xsm2|xsm3|xsm4|xsm5|xsm6|router4|arrive|tune2|direct|epi|pdl|pdl2|pdl3|rgemv|rgemv2|pdl4|pdl5|shared|final4|spec4|prof|round5|round6|round7|tiled|tiled2|tiled3|tiled4|tiled5|tiled6|tiled7|tiled8|wg|wg2|wide|wg3|wg4|wg5|ring|router5|wide64|wg8|wg8b|warps8|final5|moe8|small|small2|small3|small4|small5|take|chunk|wgdec|wgdec2|wgfin|wgfin2|wgprof|wgq|wgref|wground|ncuw4|tma|tma2|gsweep|wgtest|wgslice|wgslice2|slicefin|wgpipe|ncutree|wgqs2|wgfin3|wgbench|tailmerge|ltile|stream|stream2|stream3|streamfin|ncumoe|moestream|moestream2|chunks|chunks2|pairs|pairs2|pairs3|prefetch|bounds|fuse|fuse8|rside|rside2|final6|review2|ahead|stalls|heads|tline|tail|final7|final7b|stail|route|order|final8|final8b|rounds8|rstep|window|ctx|tailvs|vwg|vwg2|vwg3|vwg4|vwg5|vwg6|moegrid|stile|stile2|stile3|stile4|rwarps|review|pf|early|early2|srcstall|ws]   (on the GPU machine, from the repository root)
+#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|next|chain|sample|rounds|decode|step|verify|resume|ncu|plane|merge|merge2|merge3|sample2|fork|last|plane2|rows|kload|lazy|rounds2|maxnreg|qsplit|stages|down|bm8|m64|merge4|merge5|final2|moerows|moe16|moe16b|router|router2|router3|final3|frag|frag2|frag3|frag4|frag5|frag7|frag8|xsm|xsm2|xsm3|xsm4|xsm5|xsm6|router4|arrive|tune2|direct|epi|pdl|pdl2|pdl3|rgemv|rgemv2|pdl4|pdl5|shared|final4|spec4|prof|round5|round6|round7|tiled|tiled2|tiled3|tiled4|tiled5|tiled6|tiled7|tiled8|wg|wg2|wide|wg3|wg4|wg5|ring|router5|wide64|wg8|wg8b|warps8|final5|moe8|small|small2|small3|small4|small5|take|chunk|wgdec|wgdec2|wgfin|wgfin2|wgprof|wgq|wgref|wground|ncuw4|tma|tma2|gsweep|wgtest|wgslice|wgslice2|slicefin|wgpipe|ncutree|wgqs2|wgfin3|wgbench|tailmerge|ltile|stream|stream2|stream3|streamfin|ncumoe|moestream|moestream2|chunks|chunks2|pairs|pairs2|pairs3|prefetch|bounds|fuse|fuse8|rside|rside2|final6|review2|ahead|stalls|heads|tline|tail|final7|final7b|stail|route|order|final8|final8b|rounds8|rstep|window|ctx|tailvs|vwg|vwg2|vwg3|vwg4|vwg5|vwg6|moegrid|stile|stile2|stile3|stile4|rwarps|review|pf|early|early2|srcstall]   (on the GPU machine, from the repository root)
 #   tune   the W4A16 config sweep, the bitwise and CUDA-graph GPU tests, the demo's spec benchmark
 #   check  the remaining GPU tests (kernels, batch invariance, target, attention), kernel and round benches
 #   bench  the benchmarks with long runs (K2 step, attention, GEMM)
@@ -279,8 +279,9 @@
 #          variants (same-bits column), then the K2 layer's timeline with the engine's merge and with EARLY on
 #   srcstall where the N = 8 decode at 32K, the 64-node tree at N = 64 over 4K and the 16-token dense fragment GEMM
 #          stall, by instruction (Nsight Compute's source counters: the top stall locations of each kernel)
-#   ws     the verify warpgroup launches warp-specialized (MLAConfig.VERIFY_WS): the verify kernels' bit-equality GPU
-#          tests, the verify sweep, the K2 layer at 16 / 32 / 64 nodes with VERIFY_WS set in both buckets (runpy) and as it is
+#   (ws, at commit 454de55 only: the verify warpgroup launches warp-specialized, MLAConfig.VERIFY_WS: the verify kernels'
+#          bit-equality GPU tests, the verify sweep, the K2 layer at 16 / 32 / 64 nodes with and without it; bit-equal,
+#          no faster: the part went with the kernel)
 #   early2 the merge's EARLY loads in the engine's launches (merge_tiles): their bit-equality GPU test against EARLY off,
 #          the attention decode / tree tests, the demo's greedy spec == plain and device-length bitwise tests, the
 #          attention bench and the K2 layer
@@ -786,16 +787,6 @@ if [[ $PART == vwg6 ]]; then
   step pytest_vwg 120 $PYT tests/gpu/test_mla_attention_gpu.py -k "verify_warpgroup"
   step bench_mla_verify 100 python3 bench/mla_attention.py --sweep-only --sweep-verify --no-peers --budget-s 60 \
     --out "$RES"
-  step bench_k2_step 80 python3 bench/k2_step.py --nodes 16,32,64 --out "$RES"
-fi
-if [[ $PART == ws ]]; then
-  step pytest_vws 240 $PYT tests/gpu/test_mla_attention_gpu.py -k "verify_warpgroup"
-  step bench_mla_verify 150 python3 bench/mla_attention.py --sweep-only --sweep-verify --no-peers --budget-s 100 \
-    --out "$RES"
-  step bench_k2_ws 100 python3 -c "import runpy, sys, dataclasses; import kdtree_engine.kernels.mla_attention as m; \
-m.DEFAULT_CONFIGS[:] = [(n, dataclasses.replace(c, VERIFY_WS=True)) for n, c in m.DEFAULT_CONFIGS]; \
-sys.argv = ['bench/k2_step.py', '--nodes', '16,32,64', '--timeline', '--out', '$RES/ws']; \
-runpy.run_path('bench/k2_step.py', run_name='__main__')"
   step bench_k2_step 80 python3 bench/k2_step.py --nodes 16,32,64 --out "$RES"
 fi
 if [[ $PART == moegrid ]]; then

@@ -89,8 +89,7 @@ import triton.language as tl
 
 from .common import DTYPES, bucket, interpreting
 from .mla_decode_wg import launch as decode_wg, rows_per_program as wg_rows, unsupported as wg_unsupported
-from . import mla_verify_wg, mla_verify_ws
-from .mla_verify_wg import ROWS as VWG_ROWS
+from .mla_verify_wg import ROWS as VWG_ROWS, launch as verify_wg, unsupported as vwg_unsupported
 from .pdl import pdl_launch, pdl_supported, pdl_wait
 from .streams import side_by_side
 
@@ -244,10 +243,6 @@ class MLAConfig:
     # (GPU-tested bit for bit against it), so a method, not a rounding choice; CUDA sm_90 only (elsewhere the
     # chunk kernel, logged)
     VERIFY_WG: int = 0
-    # the VERIFY_WG launches on the warp-specialized kernel (mla_verify_ws.py: a producer warpgroup refilling the
-    # key ring, two consumer warpgroups that each compute the whole score tile and own half of the output columns;
-    # no CTA barrier in the key loop); the same programs and bits (GPU-tested), a method
-    VERIFY_WS: bool = False
 
     def __post_init__(self) -> None:
         if self.DECODE_MAX_T < 1:
@@ -280,8 +275,6 @@ class MLAConfig:
                                    and self.VERIFY_WG in (1, 2)):
             raise ValueError("MLAConfig.VERIFY_WG (1 or 2 key slots) needs L_BY_DOT, KEYS_ON_M off and QK_SPLIT 1 "
                              f"(the chunk kernel's arithmetic it reproduces); got {self}")
-        if self.VERIFY_WS and not self.VERIFY_WG:
-            raise ValueError(f"MLAConfig.VERIFY_WS needs VERIFY_WG (its key slots); got {self}")
         if self.DECODE_WG_ROWS not in (8, 16, 32):
             raise ValueError(f"MLAConfig.DECODE_WG_ROWS must be 8, 16 or 32; got {self.DECODE_WG_ROWS}")
         if self.LAZY_RESCALE not in ("off", "decode", "all"):
@@ -355,7 +348,7 @@ class MLAConfig:
         if self.DECODE_MIN_PROGRAMS:
             d["DECODE_MIN_PROGRAMS"] = self.DECODE_MIN_PROGRAMS
         for k in ("L_BY_DOT", "DECODE_BLOCK_M", "DECODE_STAGES", "DECODE_WARPS", "DECODE_ROWS", "K_DESC",
-                  "SMALL_BLOCK_M", "SMALL_WARPS", "DECODE_WG", "DECODE_WG_MIN_PROGRAMS", "VERIFY_WG", "VERIFY_WS"):
+                  "SMALL_BLOCK_M", "SMALL_WARPS", "DECODE_WG", "DECODE_WG_MIN_PROGRAMS", "VERIFY_WG"):
             if getattr(self, k):
                 d[k] = getattr(self, k)
         if self.DECODE_WG_ROWS != 32:
@@ -1003,16 +996,11 @@ def _verify_wg(cfg: MLAConfig, dec: bool, q_lat: torch.Tensor, kv: torch.Tensor,
     if not cfg.VERIFY_WG or dec:
         return False
     C = q_lat.shape[2]
-    why = _verify_kernel(cfg).unsupported(C, R, q_lat.dtype, cfg.BLOCK_N, cfg.VERIFY_WG) or _wg_device(q_lat, kv, C)
+    why = vwg_unsupported(C, R, q_lat.dtype, cfg.BLOCK_N, cfg.VERIFY_WG) or _wg_device(q_lat, kv, C)
     if why is not None:
         _log_once(f"MLA attention: tree prefix launches on the chunk kernel, not the warpgroup kernel: {why}")
         return False
     return True
-
-
-def _verify_kernel(cfg: MLAConfig):
-    """The module of a config's verify warpgroup launches: warp-specialized (VERIFY_WS) or not."""
-    return mla_verify_ws if cfg.VERIFY_WS else mla_verify_wg
 
 
 def _wg_slices(cfg: MLAConfig, rows: int, n_ch: int, C: int, VS: int) -> int:
@@ -1090,8 +1078,8 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, sta
         c_split = S // cfg.CHUNK  # chunks [0, c_split) lie wholly in the committed prefix
 
         def verify(tail: tuple | None) -> None:   # the verify warpgroup launch (its prefix chunks; tail: its own too)
-            _verify_kernel(cfg).launch(q_lat, q_pe, kv, S + T, po, pl, nvis, S, (spom, spoc, splm), qk_scale,
-                                       cfg.CHUNK, c_split, cfg.VERIFY_WG, False, pdl, tail=tail)
+            verify_wg(q_lat, q_pe, kv, S + T, po, pl, nvis, S, (spom, spoc, splm), qk_scale, cfg.CHUNK, c_split,
+                      cfg.VERIFY_WG, False, pdl, tail=tail)
 
         def prefix() -> None:
             if wg:   # the whole prefix chunks of a small tree: no mask in them
@@ -1186,8 +1174,8 @@ def mla_attention_device(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tens
         return out
 
     def verify(tail: tuple | None) -> None:   # the verify warpgroup launch (its prefix chunks; tail: its own too)
-        _verify_kernel(cfg).launch(q_lat, q_pe, kv, cap, po, pl, s_dev, 0, (spom, spoc, splm), args_tail[-1],
-                                   cfg.CHUNK, n_ch, cfg.VERIFY_WG, True, pdl, tail=tail)
+        verify_wg(q_lat, q_pe, kv, cap, po, pl, s_dev, 0, (spom, spoc, splm), args_tail[-1], cfg.CHUNK, n_ch,
+                  cfg.VERIFY_WG, True, pdl, tail=tail)
 
     def prefix() -> None:   # the two launches keep to disjoint chunks (S_DEV): side by side
         if wg:   # the whole prefix chunks of a small tree (no mask in them); the others exit at once

@@ -339,18 +339,16 @@ def test_small_trees_on_decode_tiles_bit_equal_bf16(N, tiles):
         assert torch.equal(dev, full[:T]), f"device-length T = {T} (seed {seed})"
 
 
-@pytest.mark.parametrize("N,stages,ws", [(64, 2, False), (64, 1, False), (8, 2, False), (16, 2, False),
-                                         (64, 2, True), (64, 1, True), (8, 2, True), (16, 2, True)])
-def test_verify_warpgroup_bit_equal_bf16(N, stages, ws):
+@pytest.mark.parametrize("N,stages", [(64, 2), (64, 1), (8, 2), (16, 2)])
+def test_verify_warpgroup_bit_equal_bf16(N, stages):
     """The queries-on-M warpgroup kernel for a tree's whole prefix chunks (VERIFY_WG; at N = 64 also the tree's
-    own chunks, keys gathered, in the same launch), plain or warp-specialized (VERIFY_WS), is the chunk kernel's
-    arithmetic: a tree launch equals the chunk kernel's (VERIFY_WG 0) bit for bit, host- and device-length, on and
-    off the chunk grid, over no whole prefix chunk, one and many, a tree whose paths cross a chunk edge, rows past
-    T * N in the last tile."""
+    own chunks, keys gathered, in the same launch) is the chunk kernel's arithmetic: a tree launch equals the chunk
+    kernel's (VERIFY_WG 0) bit for bit, host- and device-length, on and off the chunk grid, over no whole prefix
+    chunk, one and many, a tree whose paths cross a chunk edge, rows past T * N in the last tile."""
     from kdtree_engine.kernels.mla_attention import _verify_wg
 
-    base = replace(default_config(N), VERIFY_WG=0, VERIFY_WS=False, DECODE_MAX_T=1)
-    cfg = replace(base, VERIFY_WG=stages, VERIFY_WS=ws)
+    base = replace(default_config(N), VERIFY_WG=0, DECODE_MAX_T=1)
+    cfg = replace(base, VERIFY_WG=stages)
     for S, T in ((4096, 64), (4096 - 96, 16), (512 + 3, 24), (1024 - 6, 40), (300, 20), (32768 + 5, 33)):
         seed = int(torch.randint(1 << 30, (1,)))
         q_lat, q_pe, kv = inputs(T, N, S, seed)
