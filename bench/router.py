@@ -25,7 +25,6 @@ if __package__ in (None, ""):
 from bench.common import (command_line, copy_bandwidth, device_info, gpu_stem, kernel_profile, md_table,  # noqa: E402
                           time_calls, write_results)
 from kdtree_engine.kernels.gemm import bi_linear  # noqa: E402
-from kdtree_engine.kernels.router_fma import router_logits_fma, unsupported as fma_unsupported  # noqa: E402
 from kdtree_engine.kernels.router_gemm import RouterGemmConfig, router_config, router_logits  # noqa: E402
 
 N, K = 384, 7168
@@ -77,10 +76,6 @@ def main(argv: list[str] | None = None) -> int:
                "router_us": time_calls([lambda c=c: router_logits(x, c) for c in ws], reps=args.reps)["us"],
                "rel_err": float((y.double() - ref).norm() / ref.norm()),
                "invariant": bool(torch.equal(alone, y))}
-        if fma_unsupported(x, w) is None:   # the FMA kernel: the generic GEMM's bits (same bits: `fma == generic`)
-            row["fma_us"] = time_calls([lambda c=c: router_logits_fma(x, c, partials=True) for c in ws],
-                                       reps=args.reps)["us"]
-            row["fma_same_as_generic"] = bool(torch.equal(router_logits_fma(x, w), bi_linear(x.float(), w)))
         for name, c in CANDIDATES.items():
             try:
                 yc = router_logits(x, w, config=c)
@@ -94,8 +89,7 @@ def main(argv: list[str] | None = None) -> int:
             print("  " + "; ".join(f"{k['name'][:40]} x{k['calls']:g} {k['us']:.1f} us" for k in row["profile"]))
         rows.append(row)
         print(f"M={M}: cuBLAS {row['cublas_us']:.1f} us, generic {row['generic_us']:.1f} us, router "
-              f"{row['router_us']:.1f} us (invariant {row['invariant']}), fma {row.get('fma_us', float('nan')):.1f} us "
-              f"(== generic {row.get('fma_same_as_generic')}); "
+              f"{row['router_us']:.1f} us (invariant {row['invariant']}); "
               + ", ".join(f"{n} {_cell(row[n])}" for n in CANDIDATES), flush=True)
     payload = {"command": command_line(), "device": info, "copy_TBps": copy_bw / 1e12, "N": N, "K": K,
                "router_config": str(cfg), "rows": rows}
@@ -103,15 +97,12 @@ def main(argv: list[str] | None = None) -> int:
     md = [f"# Router GEMM (float32, {N} x {K}) on {info['gpu']}", "", f"Command: `{payload['command']}`", "",
           f"Copy bandwidth {copy_bw / 1e12:.2f} TB/s ({gb / copy_bw * 1e6:.1f} us for the weight). bf16 activations; "
           "cuBLAS (TF32 off) and the generic batch-invariant GEMM on x.float() (the copy included); the router kernel "
-          f"upcasts in its load, table config {cfg}; fma: kernels/router_fma.py (the generic GEMM's bits; its split "
-          "partials, as the router tail takes them). us per call (CUDA-graph replays over 8 weight copies); "
+          f"upcasts in its load, table config {cfg}. us per call (CUDA-graph replays over 8 weight copies); "
           "invariant: rows computed alone == the rows of the M-row call, bit for bit; rel err against float64.", ""]
     md += md_table(["M", "cuBLAS us", "generic us", "router us", "router TB/s", "invariant", "rel err",
-                    "fma us (partials)", "fma == generic", *CANDIDATES],
+                    *CANDIDATES],
                    [[r["M"], r["cublas_us"], r["generic_us"], r["router_us"], gb / (r["router_us"] * 1e-6) / 1e12,
-                     "yes" if r["invariant"] else "NO", r["rel_err"], r.get("fma_us", "n/a"),
-                     {True: "yes", False: "NO"}.get(r.get("fma_same_as_generic"), "n/a"),
-                     *[_cell(r[n]) for n in CANDIDATES]]
+                     "yes" if r["invariant"] else "NO", r["rel_err"], *[_cell(r[n]) for n in CANDIDATES]]
                     for r in rows])
     jp, mp = write_results(args.out, f"router-{gpu_stem(info['gpu'])}", payload, md)
     print(f"wrote {jp} and {mp}")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU tests and benchmarks, logs and results packed under $OUT; one device call runs one part.
-#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|next|chain|sample|rounds|decode|step|verify|resume|ncu|plane|merge|merge2|merge3|sample2|fork|last|plane2|rows|kload|lazy|rounds2|maxnreg|qsplit|stages|down|bm8|m64|merge4|merge5|final2|moerows|moe16|moe16b|router|router2|router3|final3|frag|frag2|frag3|frag4|frag5|frag7|frag8|xsm|xsm2|xsm3|xsm4|xsm5|xsm6|router4|arrive|tune2|direct|epi|pdl|pdl2|pdl3|rgemv|rgemv2|pdl4|pdl5|shared|final4|spec4|prof|round5|round6|round7|tiled|tiled2|tiled3|tiled4|tiled5|tiled6|tiled7|tiled8|wg|wg2|wide|wg3|wg4|wg5|ring|router5|wide64|wg8|wg8b|warps8|final5|moe8|small|small2|small3|small4|small5|take|chunk|wgdec|wgdec2|wgfin|wgfin2|wgprof|wgq|wgref|wground|ncuw4|tma|tma2|gsweep|wgtest|wgslice|wgslice2|slicefin|wgpipe|ncutree|wgqs2|wgfin3|wgbench|tailmerge|ltile|stream|stream2|stream3|streamfin|ncumoe|moestream|moestream2|chunks|chunks2|pairs|pairs2|pairs3|prefetch|bounds|fuse|fuse8|rside|rside2|final6|review2|ahead|stalls|heads|tline|tail|final7|final7b|stail|route|order|final8|final8b|rounds8|rstep|window|ctx|tailvs|vwg|vwg2|vwg3|vwg4|vwg5|vwg6|moegrid|stile|stile2|stile3|stile4|rwarps|review|pf|early|early2|srcstall|rfma]   (on the GPU machine, from the repository root)
+#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|next|chain|sample|rounds|decode|step|verify|resume|ncu|plane|merge|merge2|merge3|sample2|fork|last|plane2|rows|kload|lazy|rounds2|maxnreg|qsplit|stages|down|bm8|m64|merge4|merge5|final2|moerows|moe16|moe16b|router|router2|router3|final3|frag|frag2|frag3|frag4|frag5|frag7|frag8|xsm|xsm2|xsm3|xsm4|xsm5|xsm6|router4|arrive|tune2|direct|epi|pdl|pdl2|pdl3|rgemv|rgemv2|pdl4|pdl5|shared|final4|spec4|prof|round5|round6|round7|tiled|tiled2|tiled3|tiled4|tiled5|tiled6|tiled7|tiled8|wg|wg2|wide|wg3|wg4|wg5|ring|router5|wide64|wg8|wg8b|warps8|final5|moe8|small|small2|small3|small4|small5|take|chunk|wgdec|wgdec2|wgfin|wgfin2|wgprof|wgq|wgref|wground|ncuw4|tma|tma2|gsweep|wgtest|wgslice|wgslice2|slicefin|wgpipe|ncutree|wgqs2|wgfin3|wgbench|tailmerge|ltile|stream|stream2|stream3|streamfin|ncumoe|moestream|moestream2|chunks|chunks2|pairs|pairs2|pairs3|prefetch|bounds|fuse|fuse8|rside|rside2|final6|review2|ahead|stalls|heads|tline|tail|final7|final7b|stail|route|order|final8|final8b|rounds8|rstep|window|ctx|tailvs|vwg|vwg2|vwg3|vwg4|vwg5|vwg6|moegrid|stile|stile2|stile3|stile4|rwarps|review|pf|early|early2|srcstall]   (on the GPU machine, from the repository root)
 #   tune   the W4A16 config sweep, the bitwise and CUDA-graph GPU tests, the demo's spec benchmark
 #   check  the remaining GPU tests (kernels, batch invariance, target, attention), kernel and round benches
 #   bench  the benchmarks with long runs (K2 step, attention, GEMM)
@@ -282,8 +282,9 @@
 #   (ws, at commit 454de55 only: the verify warpgroup launches warp-specialized, MLAConfig.VERIFY_WS: the verify kernels'
 #          bit-equality GPU tests, the verify sweep, the K2 layer at 16 / 32 / 64 nodes with and without it; bit-equal,
 #          no faster: the part went with the kernel)
-#   rfma   the router GEMM on the FMA kernel with the generic GEMM's bits (kernels/router_fma.py): its GPU tests, the
-#          router bench, the K2 layer with KDTREE_ROUTER_GEMM=fma (with its timeline) and as it is
+#   (rfma, at commit a0df80e only: the router GEMM on the FMA kernel with the generic GEMM's bits, kernels/router_fma.py: its
+#          GPU tests, the router bench, the K2 layer with KDTREE_ROUTER_GEMM=fma and as it is; slower than the router
+#          kernel: the part went with the kernel)
 #   early2 the merge's EARLY loads in the engine's launches (merge_tiles): their bit-equality GPU test against EARLY off,
 #          the attention decode / tree tests, the demo's greedy spec == plain and device-length bitwise tests, the
 #          attention bench and the K2 layer
@@ -790,12 +791,6 @@ if [[ $PART == vwg6 ]]; then
   step bench_mla_verify 100 python3 bench/mla_attention.py --sweep-only --sweep-verify --no-peers --budget-s 60 \
     --out "$RES"
   step bench_k2_step 80 python3 bench/k2_step.py --nodes 16,32,64 --out "$RES"
-fi
-if [[ $PART == rfma ]]; then
-  step pytest_rfma 200 $PYT tests/gpu/test_router_fma_gpu.py
-  step bench_router 150 python3 bench/router.py --out "$RES"
-  step bench_k2_fma 120 env KDTREE_ROUTER_GEMM=fma python3 bench/k2_step.py --timeline --out "$RES/fma"
-  step bench_k2_step 100 python3 bench/k2_step.py --out "$RES"
 fi
 if [[ $PART == moegrid ]]; then
   step pytest_order 200 $PYT tests/gpu/test_w4_frag_gpu.py -k "grid_order"

@@ -121,10 +121,9 @@ _TREE_FORCED = _forced("KDTREE_TREE_BACKEND")
 _ATTN_FORCED = _forced("KDTREE_ATTN_BACKEND")
 _DENSE_FORCED = _forced("KDTREE_DENSE_BACKEND")
 _BATCH_INVARIANT = True
-# the router GEMM on CUDA with batch invariance on: "router" (kernels/router_gemm.py), "fma" (kernels/router_fma.py:
-# the generic GEMM's bits on sm_90, its split partials to the router tail) or "generic" (the batch-invariant GEMM on
-# x.float())
-_ROUTER_GEMM = _forced("KDTREE_ROUTER_GEMM", ("router", "generic", "fma")) or "router"
+# the router GEMM on CUDA with batch invariance on: "router" (kernels/router_gemm.py) or "generic" (the
+# batch-invariant GEMM on x.float(), its own bits; a measurement knob)
+_ROUTER_GEMM = _forced("KDTREE_ROUTER_GEMM", ("router", "generic")) or "router"
 
 
 def set_batch_invariant(on: bool) -> None:
@@ -272,18 +271,9 @@ def router_matmul(x: torch.Tensor, w: torch.Tensor, partials: bool = False) -> t
     kernel's split-K partials [S, M, N] where it runs (their sum in split order is the logits; `route` takes
     either), else the logits."""
     if _use_triton(x, w):
-        if _ROUTER_GEMM == "fma":
-            from .router_fma import router_logits_fma, unsupported
-            why = unsupported(x, w)
-            if why is None:
-                log_once("router-gemm:fma", "router GEMM: the FMA kernel with the generic GEMM's bits, its split "
-                         "partials to the router tail (KDTREE_ROUTER_GEMM=fma)")
-                return router_logits_fma(x, w, partials=partials)
-            log_once("router-gemm:fma-generic", f"router GEMM: the generic GEMM on x.float() (the FMA kernel's bits), "
-                     f"not the FMA kernel: {why}")
-        if _ROUTER_GEMM in ("generic", "fma"):
+        if _ROUTER_GEMM == "generic":
             log_once("router-gemm:generic", "router GEMM: the generic batch-invariant GEMM on x.float() "
-                     f"(KDTREE_ROUTER_GEMM={_ROUTER_GEMM})")
+                     "(KDTREE_ROUTER_GEMM=generic)")
             from .gemm import bi_linear
             return bi_linear(x.float(), w)
         from .router_gemm import router_logits
