@@ -128,12 +128,17 @@ ROWS_SWEEP: list[MLAConfig] = [c for cs in ROWS_FOR_N.values() for c in cs]
 # column slices (DECODE_MIN_PROGRAMS), so less recomputed q K^T; longer ones fewer partials to merge.
 # `--sweep-chunk` times each N's default beside its CHUNK = 256 twin (measured before at N = 8 on an older
 # default, bench/results/mla_attention-chunk-sweep-h200.md: no length won everywhere; 1024 there too).
-CHUNK_FOR_N: dict[int, list[MLAConfig]] = {8: [_D8, replace(_D8, CHUNK=256)],
-                                           64: [_D64, replace(_D64, CHUNK=256)]}
+# Now also consecutive chunks grouped per program (DECODE_WG_MAX_PROGRAMS, about one wave of programs at long
+# contexts; a re-tiling) with each length.
+CHUNK_FOR_N: dict[int, list[MLAConfig]] = {
+    8: [_D8, replace(_D8, DECODE_WG_MAX_PROGRAMS=132), replace(_D8, CHUNK=256),
+        replace(_D8, CHUNK=256, DECODE_WG_MAX_PROGRAMS=132)],
+    64: [_D64, replace(_D64, DECODE_WG_MAX_PROGRAMS=132)]}
 CHUNK_SWEEP: list[MLAConfig] = [c for cs in CHUNK_FOR_N.values() for c in cs]
-CHUNK_SHAPES = [(64, 4096, 1), (64, 4096, 4), (64, 4096, 8), (64, 4096, 16), (64, 4096, 64), (64, 32768, 1),
-                (64, 32768, 8), (64, 32768, 64), (64, 131072, 1), (64, 131072, 16), (8, 4096, 1), (8, 32768, 1),
-                (8, 131072, 1), (8, 4096, 16), (8, 32768, 16), (8, 32768, 64)]
+CHUNK_SHAPES = [(8, 32768, 1), (8, 131072, 1), (8, 4096, 1), (8, 65536, 1), (8, 262144, 1), (8, 4096, 4),
+                (8, 32768, 4), (8, 4096, 16), (8, 32768, 16), (8, 4096, 64), (8, 32768, 64), (8, 131072, 16),
+                (64, 4096, 1), (64, 4096, 4), (64, 4096, 8), (64, 4096, 16), (64, 4096, 64), (64, 32768, 1),
+                (64, 32768, 8), (64, 32768, 64), (64, 131072, 1), (64, 131072, 16)]
 # Output-column slices of small verify launches (V_SPLIT_BY_T: a re-tiling, the same bits; tested by
 # tests/gpu/test_mla_attention_gpu.py::test_v_split_by_t_bit_equal_bf16): at N = 8 a 4..16-node tree over
 # a 4K prefix is 8 prefix programs (one 32-row tile per chunk) for 132 SMs. `--sweep-vsplit` times them.
