@@ -128,12 +128,11 @@ ROWS_SWEEP: list[MLAConfig] = [c for cs in ROWS_FOR_N.values() for c in cs]
 # column slices (DECODE_MIN_PROGRAMS), so less recomputed q K^T; longer ones fewer partials to merge.
 # `--sweep-chunk` times each N's default beside its CHUNK = 256 twin (measured before at N = 8 on an older
 # default, bench/results/mla_attention-chunk-sweep-h200.md: no length won everywhere; 1024 there too).
-# Now also consecutive chunks grouped per program (DECODE_WG_MAX_PROGRAMS, about one wave of programs at long
-# contexts; a re-tiling) with each length.
-CHUNK_FOR_N: dict[int, list[MLAConfig]] = {
-    8: [_D8, replace(_D8, DECODE_WG_MAX_PROGRAMS=132), replace(_D8, CHUNK=256),
-        replace(_D8, CHUNK=256, DECODE_WG_MAX_PROGRAMS=132)],
-    64: [_D64, replace(_D64, DECODE_WG_MAX_PROGRAMS=132)]}
+# Measured on the warpgroup decode kernel since (bench/results/mla_attention-chunk-sweep-h200-group.md): CHUNK 256
+# at N = 8 no faster at 32K, slower from 64K; consecutive chunks grouped per program (one wave at long contexts;
+# commit 0e8507b) the same bits, no faster.
+CHUNK_FOR_N: dict[int, list[MLAConfig]] = {8: [_D8, replace(_D8, CHUNK=256)],
+                                           64: [_D64, replace(_D64, CHUNK=256)]}
 CHUNK_SWEEP: list[MLAConfig] = [c for cs in CHUNK_FOR_N.values() for c in cs]
 CHUNK_SHAPES = [(8, 32768, 1), (8, 131072, 1), (8, 4096, 1), (8, 65536, 1), (8, 262144, 1), (8, 4096, 4),
                 (8, 32768, 4), (8, 4096, 16), (8, 32768, 16), (8, 4096, 64), (8, 32768, 64), (8, 131072, 16),

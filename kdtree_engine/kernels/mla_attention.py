@@ -232,11 +232,6 @@ class MLAConfig:
     # their slices may differ. Each slice recomputes the same scores (the same bits, GPU-tested); N = 8 at 4K / 32K
     # 13.6 / 18.8 against 15.9 / 19.8 us, equal from 64K (bench/results/mla_attention-wg-sweep-h200-slices.md)
     DECODE_WG_MIN_PROGRAMS: int = 0
-    # warpgroup launches that would make more programs than this (row groups x slices x chunks): consecutive chunks
-    # grouped per program, one key stream through its ring, each chunk's partial from a fresh softmax state as if
-    # alone (a re-tiling, the same bits, GPU-tested); a long context then runs in about one wave of programs, each
-    # with one prologue (0: one chunk per program)
-    DECODE_WG_MAX_PROGRAMS: int = 0
     # warpgroup launches: at most this many (query, head) rows per program (the wgmma's N: 8, 16 or 32; fewer rows
     # make more programs, each re-reading the chunk's key tiles); a re-tiling, the same bits (GPU-tested)
     DECODE_WG_ROWS: int = 32
@@ -280,8 +275,6 @@ class MLAConfig:
                                    and self.VERIFY_WG in (1, 2)):
             raise ValueError("MLAConfig.VERIFY_WG (1 or 2 key slots) needs L_BY_DOT, KEYS_ON_M off and QK_SPLIT 1 "
                              f"(the chunk kernel's arithmetic it reproduces); got {self}")
-        if self.DECODE_WG_MAX_PROGRAMS < 0:
-            raise ValueError(f"MLAConfig.DECODE_WG_MAX_PROGRAMS must be >= 0; got {self.DECODE_WG_MAX_PROGRAMS}")
         if self.DECODE_WG_ROWS not in (8, 16, 32):
             raise ValueError(f"MLAConfig.DECODE_WG_ROWS must be 8, 16 or 32; got {self.DECODE_WG_ROWS}")
         if self.LAZY_RESCALE not in ("off", "decode", "all"):
@@ -355,8 +348,7 @@ class MLAConfig:
         if self.DECODE_MIN_PROGRAMS:
             d["DECODE_MIN_PROGRAMS"] = self.DECODE_MIN_PROGRAMS
         for k in ("L_BY_DOT", "DECODE_BLOCK_M", "DECODE_STAGES", "DECODE_WARPS", "DECODE_ROWS", "K_DESC",
-                  "SMALL_BLOCK_M", "SMALL_WARPS", "DECODE_WG", "DECODE_WG_MIN_PROGRAMS", "DECODE_WG_MAX_PROGRAMS",
-                  "VERIFY_WG"):
+                  "SMALL_BLOCK_M", "SMALL_WARPS", "DECODE_WG", "DECODE_WG_MIN_PROGRAMS", "VERIFY_WG"):
             if getattr(self, k):
                 d[k] = getattr(self, k)
         if self.DECODE_WG_ROWS != 32:
@@ -1019,9 +1011,8 @@ def _wg_slices(cfg: MLAConfig, rows: int, n_ch: int, C: int, VS: int) -> int:
 
 
 def _wg_opts(cfg: MLAConfig) -> dict:
-    """The warpgroup launch's rows per program, score chains and chunk grouping (MLAConfig.DECODE_WG_ROWS /
-    QK_SPLIT / DECODE_WG_MAX_PROGRAMS)."""
-    return dict(most_rows=cfg.DECODE_WG_ROWS, qk_split=cfg.QK_SPLIT, max_programs=cfg.DECODE_WG_MAX_PROGRAMS)
+    """The warpgroup launch's rows per program and score chains (MLAConfig.DECODE_WG_ROWS / QK_SPLIT)."""
+    return dict(most_rows=cfg.DECODE_WG_ROWS, qk_split=cfg.QK_SPLIT)
 
 
 def _partials(out: torch.Tensor, n_ch: int) -> tuple[torch.Tensor, torch.Tensor, int, int, int]:

@@ -164,12 +164,10 @@ if HAVE_GLUON:
                               C: gl.constexpr, R: gl.constexpr, NP: gl.constexpr, DV: gl.constexpr,
                               VS: gl.constexpr, CHUNK: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
                               CAUSAL: gl.constexpr, DIRECT: gl.constexpr, S_DEV: gl.constexpr, QS: gl.constexpr,
-                              PDL: gl.constexpr, GROUPED: gl.constexpr):
-        # grid (row groups x V_SPLIT, chunk programs): the slices of one group adjacent (their key tiles hit L2).
+                              PDL: gl.constexpr):
+        # grid (row groups x V_SPLIT, chunks): the slices of one group adjacent (their key tiles hit L2).
         # CAUSAL: one query (T = 1) over [0, S] (itself included); else the whole prefix chunks of a tree's
-        # T queries over [0, S) (the tree's own keys are the chunk kernel's gather launch).
-        # GROUPED: program c takes the consecutive chunks [c * per, (c + 1) * per) of the n_ch the length makes
-        # (per = cdiv(n_ch, grid's chunk programs)), one key stream, each chunk's partial from a fresh state
+        # T queries over [0, S) (the tree's own keys are the chunk kernel's gather launch)
         if PDL:
             gl.inline_asm_elementwise(WAIT_ASM, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
         pid_g = gl.program_id(0) // VS
@@ -177,26 +175,15 @@ if HAVE_GLUON:
         c = gl.program_id(1)
         if S_DEV:
             S = gl.load(s_ptr).to(gl.int32)
-            if not CAUSAL and not GROUPED:
+            if not CAUSAL:
                 if (c + 1) * CHUNK > S:
                     return
         L = S + 1 if CAUSAL else S
-        if GROUPED:
-            n_ch = (L + CHUNK - 1) // CHUNK if CAUSAL else L // CHUNK
-            per = (n_ch + gl.num_programs(1) - 1) // gl.num_programs(1)
-            c_lo = c * per
-            if c_lo >= n_ch:
-                return
-            p0 = c_lo * CHUNK
-            p_end = gl.minimum(gl.minimum(c_lo + per, n_ch) * CHUNK, L)
-        else:
-            c_lo = c
-            p0 = c * CHUNK
-            if p0 >= L:
-                return
-            p_end = gl.minimum(p0 + CHUNK, L)
+        p0 = c * CHUNK
+        if p0 >= L:
+            return
+        p_end = gl.minimum(p0 + CHUNK, L)
         n_blk = (p_end - p0 + BN - 1) // BN
-        BPC: gl.constexpr = CHUNK // BN     # key blocks per chunk
 
         ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NP, 16])
         ROW: gl.constexpr = gl.SliceLayout(0, ACC)     # [NP]: per head
@@ -246,27 +233,11 @@ if HAVE_GLUON:
             lsum, acc = warpgroup_mma_wait(num_outstanding=0, deps=[lsum, pv])
             l_t = l_t * alpha[None, :] + lsum
             m_i = m_new
-            if GROUPED:
-                if ((j + 1) % BPC == 0) | (j == n_blk - 1):   # the chunk's last block: its partial, a fresh state
-                    _emit(acc, l_t, m_i, c_lo + j // BPC, pid_g, pid_v, po_ptr, pl_ptr, out_ptr, T, N, stride_pom,
-                          stride_poc, stride_plm, stride_ot, stride_on, C, NP, DV, DIRECT, ROW, KEY)
-                    m_i = gl.full([NP], float("-inf"), gl.float32, layout=ROW)
-                    l_t = gl.zeros([64, NP], gl.float32, layout=ACC)
-                    acc = gl.zeros([DV, NP], gl.float32, layout=ACC)
             cta_barrier()           # every warp is done with this slot and with P before they are rewritten
             _refill(lat_desc, pe_desc, kl, kp, bars, st, p0, j + STAGES, n_blk, BN, NBYTES)
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(i))
-        if not GROUPED:
-            _emit(acc, l_t, m_i, c, pid_g, pid_v, po_ptr, pl_ptr, out_ptr, T, N, stride_pom, stride_poc, stride_plm,
-                  stride_ot, stride_on, C, NP, DV, DIRECT, ROW, KEY)
 
-    @gluon.jit
-    def _emit(acc, l_t, m_i, c, pid_g, pid_v, po_ptr, pl_ptr, out_ptr, T, N, stride_pom, stride_poc, stride_plm,
-              stride_ot, stride_on, C: gl.constexpr, NP: gl.constexpr, DV: gl.constexpr, DIRECT: gl.constexpr,
-              ROW: gl.constexpr, KEY: gl.constexpr):
-        """Chunk c's partial of this program's rows and columns (o = acc / l, lse = m + log2 l), or the output
-        itself (DIRECT: one chunk)."""
         l_i = gl.max(l_t, 0)                            # every row the same: the max picks one
         o = acc / l_i[None, :]                          # [DV, NP]
         r = pid_g * NP + gl.arange(0, NP, layout=ROW)
@@ -294,34 +265,21 @@ def kv_descriptors(kv: torch.Tensor, rows: int, C: int, R: int) -> tuple:
 
 def launch(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, rows: int, po, pl, out, s_ptr, S: int,
            strides: tuple[int, int, int], qk_scale: float, chunk: int, n_ch: int, v_split: int, stages: int,
-           causal: bool, direct: bool, s_dev: bool, pdl: dict, most_rows: int = 32, qk_split: int = 1,
-           max_programs: int = 0) -> None:
+           causal: bool, direct: bool, s_dev: bool, pdl: dict, most_rows: int = 32, qk_split: int = 1) -> None:
     """One launch over chunks [0, n_ch) of the first `rows` slots of kv: q_lat [T, N, C], q_pe [T, N, R] (causal:
     T = 1 over [0, S]; else a tree's T queries over the whole chunks of [0, S)); partials (po, pl with
     `strides` = (row, chunk, lse row)) or, direct, out [T, N, C]. Programs of up to `most_rows` (query, head) rows;
-    qk_split: the score chains (MLAConfig.QK_SPLIT); max_programs: consecutive chunks grouped per program where the
-    launch would make more programs (chunk_programs; 0: one chunk per program)."""
+    qk_split: the score chains (MLAConfig.QK_SPLIT)."""
     T, N, C = q_lat.shape
     R = q_pe.shape[2]
     np_ = rows_per_program(T * N, most_rows)
     lat, pe = kv_descriptors(kv, rows, C, R)
-    groups = triton.cdiv(T * N, np_) * v_split
-    _mla_decode_wg_kernel[(groups, chunk_programs(n_ch, groups, max_programs) if max_programs else n_ch)](
+    _mla_decode_wg_kernel[(triton.cdiv(T * N, np_) * v_split, n_ch)](
         q_lat, q_pe, lat, pe, po, pl, out, s_ptr, S, T, N, q_lat.stride(0), q_lat.stride(1), q_pe.stride(0),
         q_pe.stride(1), *strides, out.stride(0), out.stride(1), qk_scale, C=C, R=R, NP=np_, DV=C // v_split,
         VS=v_split, CHUNK=chunk, BN=BLOCK_N, STAGES=stages, CAUSAL=causal, DIRECT=direct, S_DEV=s_dev, QS=qk_split,
-        GROUPED=bool(max_programs), num_warps=4,
+        num_warps=4,
         **pdl)
 
 
-def chunk_programs(n_ch: int, groups: int, max_programs: int) -> int:
-    """Chunk programs of a launch of `groups` (row group, slice) programs per chunk over n_ch chunks with at most
-    about max_programs programs: n_ch (one chunk each) where groups x n_ch fits, else cdiv(n_ch, per) with
-    per = cdiv(groups x n_ch, max_programs) consecutive chunks each (the kernel takes per from the length it
-    reads, so a device-length launch sized for the cache's capacity spreads a shorter length over all of them)."""
-    if groups * n_ch <= max_programs:
-        return n_ch
-    return triton.cdiv(n_ch, triton.cdiv(groups * n_ch, max_programs))
-
-
-__all__ = ["BLOCK_N", "HAVE_GLUON", "chunk_programs", "key_ring", "kv_descriptors", "launch", "load_q_rows", "rows_per_program", "unsupported"]
+__all__ = ["BLOCK_N", "HAVE_GLUON", "key_ring", "kv_descriptors", "launch", "load_q_rows", "rows_per_program", "unsupported"]

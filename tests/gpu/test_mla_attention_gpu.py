@@ -257,29 +257,22 @@ WG = {"wg2": dict(DECODE_WG=2), "wg3": dict(DECODE_WG=3), "wg2slices": dict(DECO
       "wg2qs2": dict(DECODE_WG=2, QK_SPLIT=2), "wg3qs2": dict(DECODE_WG=3, QK_SPLIT=2),
       "wg2qs2slices": dict(DECODE_WG=2, QK_SPLIT=2, DECODE_WG_MIN_PROGRAMS=128),
       "wg2rows16": dict(DECODE_WG=2, DECODE_WG_ROWS=16),
-      "wg2rows8": dict(DECODE_WG=2, DECODE_WG_ROWS=8, DECODE_WG_MIN_PROGRAMS=128),
-      # consecutive chunks grouped per program (DECODE_WG_MAX_PROGRAMS): few programs force groups of many chunks
-      "wg2group": dict(DECODE_WG=2, DECODE_WG_MAX_PROGRAMS=3),
-      "wg2slicesgroup": dict(DECODE_WG=2, DECODE_WG_MIN_PROGRAMS=128, DECODE_WG_MAX_PROGRAMS=20),
-      "c256wg2group": dict(CHUNK=256, DECODE_WG=2, DECODE_WG_MIN_PROGRAMS=128, DECODE_WG_MAX_PROGRAMS=7)}
+      "wg2rows8": dict(DECODE_WG=2, DECODE_WG_ROWS=8, DECODE_WG_MIN_PROGRAMS=128)}
 
 
 @pytest.mark.parametrize("N,wg", [(8, "wg2"), (8, "wg3"), (8, "wg2slices"), (16, "wg2"), (16, "wg2slices"),
                                   (5, "wg3"), (64, "wg2"), (8, "wg2qs2"), (8, "wg3qs2"), (8, "wg2qs2slices"),
-                                  (5, "wg2qs2"), (64, "wg2qs2"), (64, "wg2rows16"), (16, "wg2rows8"),
-                                  (8, "wg2group"), (8, "wg2slicesgroup"), (64, "wg2group"), (8, "c256wg2group")])
+                                  (5, "wg2qs2"), (64, "wg2qs2"), (64, "wg2rows16"), (16, "wg2rows8")])
 def test_decode_warpgroup_bit_equal_bf16(N, wg):
     """The warpgroup decode kernel (keys on the wgmma's M side, TMA key tiles; DECODE_WG) is the chunk kernel's
     arithmetic: a decode row equals the default config's decode and its row in a causal block, bit for bit,
     host- and device-length, over one chunk (direct write), chunk edges and a long prefix, with column slices,
-    at N = 64 in two programs of 32 rows per chunk (or four of 16), with the scores in two chains
-    (QK_SPLIT 2, against the chunk kernel's), and with consecutive chunks grouped per program (also at CHUNK 256,
-    against the chunk kernel at CHUNK 256)."""
+    at N = 64 in two programs of 32 rows per chunk (or four of 16), and with the scores in two chains
+    (QK_SPLIT 2, against the chunk kernel's)."""
     from kdtree_engine.kernels.mla_attention import _decode_wg
     from kdtree_engine.kernels.mla_decode_wg import unsupported
 
     base = _qk_split(N, WG[wg].get("QK_SPLIT", 1))   # the chunk kernel's arithmetic
-    base = replace(base, CHUNK=WG[wg].get("CHUNK", base.CHUNK))
     cfg = replace(base, **WG[wg])
     assert unsupported(N, C, R, torch.bfloat16, cfg.BLOCK_N, 1, cfg.DECODE_WG) is None
     for S, T in ((100, 8), (512 - 3, 6), (32768 + 5, 40)):
@@ -316,9 +309,7 @@ SMALL_TILES = {"default": {}, "w8": dict(SMALL_WARPS=8), "bm16w8": dict(SMALL_BL
                "wg2qs2slices": dict(DECODE_WG=2, QK_SPLIT=2, DECODE_WG_MIN_PROGRAMS=128),
                "t16wg2rows16": dict(DECODE_MAX_T=16, SMALL_WARPS=8, DECODE_WG=2, DECODE_WG_ROWS=16,
                                     DECODE_WG_MIN_PROGRAMS=128),
-               "wg2rows8": dict(DECODE_WG=2, DECODE_WG_ROWS=8),
-               "t16wg2rows16group": dict(DECODE_MAX_T=16, SMALL_WARPS=8, DECODE_WG=2, DECODE_WG_ROWS=16,
-                                         DECODE_WG_MIN_PROGRAMS=128, DECODE_WG_MAX_PROGRAMS=2)}
+               "wg2rows8": dict(DECODE_WG=2, DECODE_WG_ROWS=8)}
 
 
 @pytest.mark.parametrize("tiles", list(SMALL_TILES))

@@ -485,35 +485,6 @@ def test_decode_wg_column_slices():
     assert _wg_slices(replace(cfg, DECODE_WG_ROWS=16), 16 * 8, 8, 512, 1) == 2
 
 
-def test_decode_wg_chunk_groups():
-    """DECODE_WG_MAX_PROGRAMS: a warpgroup launch that would make more programs groups consecutive chunks per
-    program; the kernel's own split (per = cdiv(chunks of the length, chunk programs)) covers every chunk of any
-    length up to the launch's exactly once, in order, so a device-length launch sized for the capacity serves
-    every shorter length. Negative values are refused, naming the field; the field round-trips through as_dict."""
-    import random
-
-    from kdtree_engine.kernels.mla_decode_wg import chunk_programs
-
-    assert chunk_programs(65, 2, 132) == 65            # fits: one chunk per program
-    assert chunk_programs(513, 1, 132) == 129          # 128K + 1 keys at CHUNK 256: 4 chunks per program
-    assert chunk_programs(257, 1, 132) == 129          # at CHUNK 512: 2 per program
-    assert chunk_programs(9, 16, 132) == 5             # 16 slices: groups of 2 chunks
-    rng = random.Random(0)
-    for _ in range(300):
-        n_ch, groups, most = rng.randint(1, 600), rng.choice([1, 2, 4, 8, 16]), rng.randint(1, 300)
-        grid = chunk_programs(n_ch, groups, most)
-        assert 1 <= grid <= n_ch
-        assert grid == n_ch if groups * n_ch <= most else groups * grid <= most + groups   # about one wave
-        for n_rt in {n_ch, rng.randint(1, n_ch)}:
-            per = -(-n_rt // grid)
-            got = [c for p in range(grid) for c in range(p * per, min(p * per + per, n_rt))]
-            assert got == list(range(n_rt)), (n_ch, groups, most, n_rt)
-    with pytest.raises(ValueError, match="DECODE_WG_MAX_PROGRAMS"):
-        MLAConfig(BLOCK_N=64, L_BY_DOT=True, DECODE_WG=2, DECODE_WG_MAX_PROGRAMS=-1)
-    cfg = MLAConfig(BLOCK_N=64, L_BY_DOT=True, DECODE_WG=2, DECODE_WG_MAX_PROGRAMS=132)
-    assert MLAConfig(**cfg.as_dict()) == cfg
-
-
 def test_decode_wg_rows_field_and_qk_split():
     """DECODE_WG_ROWS caps the warpgroup program's rows at 8, 16 or 32 (anything else refused, naming the field) and
     round-trips through as_dict (the benchmarks' config records); the warpgroup kernel takes QK_SPLIT 2."""
