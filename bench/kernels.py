@@ -34,7 +34,7 @@ if __package__ in (None, ""):
 from bench.common import (Clock, bf16_matmul_rate, command_line, copy_bandwidth, device_info, gpu_stem,  # noqa: E402
                           l2_bytes, md_table, time_calls, write_results)
 from kdtree_engine.kernels.moe_frag import frag_moe_config, fused_moe_frag  # noqa: E402
-from kdtree_engine.kernels.w4_frag import ENGINE_ORDER, HAVE_GLUON, dense_plan, frag_gpb, frag_linear, to_engine_order, to_engine_scales  # noqa: E402
+from kdtree_engine.kernels.w4_frag import ENGINE_ORDER, HAVE_GLUON, dense_plan, frag_linear, to_engine_int4  # noqa: E402
 from kdtree_engine.kernels.moe_w4a16 import (MOE_CONFIGS, MoEConfig, fused_moe_reference, fused_moe_w4a16,  # noqa: E402
                                              moe_align, moe_config)
 from kdtree_engine.kernels.w4a16 import (DENSE_CONFIGS, W4Config, dense_config, w4a16_linear,  # noqa: E402
@@ -88,7 +88,7 @@ def bench_dense(copy_bw, reps, log):
         r16 = max(1, math.ceil(3 * l2 / (N * K * 2)))
         ws = [rand_w4(N, K) for _ in range(r4)]
         wb = [dequantize(p, s, G, torch.bfloat16) for p, s in ws[:r16]]
-        wf = ([(to_engine_order(p, frag_gpb(K)), to_engine_scales(s, frag_gpb(K))) for p, s in ws]
+        wf = ([to_engine_int4(p, s, K) for p, s in ws]
               if HAVE_GLUON else None)
         tg, tg_err = None, None
         try:
@@ -155,8 +155,7 @@ def route(T, sets, gen):
 
 def bench_moe(layer, copy_bw, reps, log):
     w13p, w13s, w2p, w2s = layer
-    frag = ((to_engine_order(w13p, frag_gpb(H)), to_engine_scales(w13s, frag_gpb(H)), to_engine_order(w2p, frag_gpb(I)),
-             to_engine_scales(w2s, frag_gpb(I))) if HAVE_GLUON else None)
+    frag = ((*to_engine_int4(w13p, w13s, H), *to_engine_int4(w2p, w2s, I)) if HAVE_GLUON else None)
     expert_bytes = w4_bytes(2 * I, H) + w4_bytes(H, I)
     sh13 = torch.randn(2 * I, H, device="cuda").to(torch.bfloat16) * 0.02
     sh2 = torch.randn(H, I, device="cuda").to(torch.bfloat16) * 0.02

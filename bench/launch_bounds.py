@@ -29,7 +29,7 @@ from bench.common import command_line, device_info, md_table, time_calls, write_
 from bench.kernels import E, G, H, I, TOPK, rand_w4, route  # noqa: E402
 from kdtree_engine.kernels import mla_attention as mla  # noqa: E402
 from kdtree_engine.kernels import moe_frag  # noqa: E402
-from kdtree_engine.kernels.w4_frag import ENGINE_ORDER, frag_gpb, to_engine_order, to_engine_scales  # noqa: E402
+from kdtree_engine.kernels.w4_frag import ENGINE_ORDER, to_engine_int4  # noqa: E402
 
 
 def patched(mod, **attrs):
@@ -43,8 +43,7 @@ def _skip(*_a, **_k) -> None:
 
 def moe_rows(reps: int) -> list[dict]:
     w13p, w13s, w2p, w2s = (*rand_w4(E, 2 * I, H), *rand_w4(E, H, I))
-    frag = (to_engine_order(w13p, frag_gpb(H)), to_engine_scales(w13s, frag_gpb(H)), to_engine_order(w2p, frag_gpb(I)),
-            to_engine_scales(w2s, frag_gpb(I)))
+    frag = (*to_engine_int4(w13p, w13s, H), *to_engine_int4(w2p, w2s, I))
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     unfused = {"FUSE_MAX_PAIRS": 0}   # the epilogues in their own launches (moe_frag.fused_epilogues off)

@@ -43,11 +43,9 @@ def _moe(T: int):
 
 def _moe_frag(T: int, cfg=None):
     from kdtree_engine.kernels.moe_frag import fused_moe_frag
-    from kdtree_engine.kernels.w4_frag import ENGINE_ORDER, frag_gpb, to_engine_order, to_engine_scales
-    w13p, w13s = rand_w4(E, 2 * I, H, g=G)
-    w2p, w2s = rand_w4(E, H, I, g=G)
-    w13p, w2p = to_engine_order(w13p, frag_gpb(H)), to_engine_order(w2p, frag_gpb(I))   # as the engine keeps them
-    w13s, w2s = to_engine_scales(w13s, frag_gpb(H)), to_engine_scales(w2s, frag_gpb(I))
+    from kdtree_engine.kernels.w4_frag import ENGINE_ORDER, to_engine_int4
+    w13p, w13s = to_engine_int4(*rand_w4(E, 2 * I, H, g=G), H)   # as the engine keeps them
+    w2p, w2s = to_engine_int4(*rand_w4(E, H, I, g=G), I)
     x = torch.randn(T, H, device="cuda").to(torch.bfloat16)
     ids, tw = route(T, 1, torch.Generator(device="cuda").manual_seed(0))[0]
     return lambda: fused_moe_frag(x, w13p, w13s, w2p, w2s, ids, tw, G, cfg, **ENGINE_ORDER)
@@ -60,9 +58,8 @@ def _dense(M: int):
 
 
 def _dense_frag(M: int):
-    from kdtree_engine.kernels.w4_frag import ENGINE_ORDER, frag_linear, to_engine_order, to_engine_scales, frag_gpb
-    p, s = rand_w4(36864, 7168, g=G)
-    p, s = to_engine_order(p, frag_gpb(7168)), to_engine_scales(s, frag_gpb(7168))
+    from kdtree_engine.kernels.w4_frag import ENGINE_ORDER, frag_linear, to_engine_int4
+    p, s = to_engine_int4(*rand_w4(36864, 7168, g=G), 7168)
     x = torch.randn(M, 7168, device="cuda").to(torch.bfloat16)
     return lambda: frag_linear(x, p, s, **ENGINE_ORDER)
 

@@ -162,6 +162,19 @@ def from_engine_scales(scales: torch.Tensor, gpb: int) -> torch.Tensor:
     return scale_tile(scales, gpb, FRAG_TILE, inverse=True)
 
 
+def to_engine_int4(words: torch.Tensor, scales: torch.Tensor, K: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Checkpoint-ordered words [.., N, K/8] and scales [.., N, K/32] of input width K -> both in the engine's order
+    (to_engine_order, to_engine_scales at frag_gpb(K))."""
+    gpb = frag_gpb(K)
+    return to_engine_order(words, gpb), to_engine_scales(scales, gpb)
+
+
+def from_engine_int4(words: torch.Tensor, scales: torch.Tensor, K: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of to_engine_int4."""
+    gpb = frag_gpb(K)
+    return from_engine_order(words, gpb), from_engine_scales(scales, gpb)
+
+
 # the fragment kernels' keywords for words and scales in the engine's order (to_engine_order, to_engine_scales)
 ENGINE_ORDER = {"tile": FRAG_TILE, "stile": FRAG_TILE}
 

@@ -88,9 +88,8 @@ def checkpoint_int4(module: nn.Module, words: str, expert: int | None = None) ->
         w, s = w[expert], s[expert]
     if order_of(module) == CHECKPOINT:
         return w, s
-    from ..kernels.w4_frag import frag_gpb, from_engine_order, from_engine_scales
-    gpb = frag_gpb(dict(int4_words(module))[words])
-    return from_engine_order(w, gpb), from_engine_scales(s, gpb)
+    from ..kernels.w4_frag import from_engine_int4
+    return from_engine_int4(w, s, dict(int4_words(module))[words])
 
 
 def prepare(module: nn.Module, dtype: torch.dtype, what: str, unsupported: str | None) -> str:

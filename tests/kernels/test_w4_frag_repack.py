@@ -102,3 +102,19 @@ def test_scale_tile_puts_each_block_of_a_tile_together(gpb):
     assert torch.equal(scale_tile(st, gpb, T, inverse=True), s)
     with pytest.raises(ValueError, match="scale_tile"):
         scale_tile(s[:, :100], gpb, T)
+
+
+def test_engine_int4_pair_round_trip():
+    """to_engine_int4 / from_engine_int4: words and scales of input width K into the engine's order at
+    frag_gpb(K) and back to the checkpoint's, on fresh random codes."""
+    from kdtree_engine.kernels.w4_frag import (frag_gpb, from_engine_int4, to_engine_int4, to_engine_order,
+                                               to_engine_scales)
+    g = torch.Generator().manual_seed(int(torch.randint(1 << 30, (1,))))
+    N, K = 128, 768
+    w = torch.randint(-2**31, 2**31 - 1, (2, N, K // 8), generator=g, dtype=torch.int32)
+    s = torch.rand(2, N, K // 32, generator=g).to(torch.bfloat16)
+    ew, es = to_engine_int4(w, s, K)
+    assert torch.equal(ew, to_engine_order(w, frag_gpb(K))) and torch.equal(es, to_engine_scales(s, frag_gpb(K)))
+    assert not torch.equal(ew, w) and not torch.equal(es, s)
+    bw, bs = from_engine_int4(ew, es, K)
+    assert torch.equal(bw, w) and torch.equal(bs, s)
