@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU tests and benchmarks, logs and results packed under $OUT; one device call runs one part.
-#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|next|chain|sample|rounds|decode|step|verify|resume|ncu|plane|merge|merge2|merge3|sample2|fork|last|plane2|rows|kload|lazy|rounds2|maxnreg|qsplit|stages|down|bm8|m64|merge4|merge5|final2|moerows|moe16|moe16b|router|router2|router3|final3|frag|frag2|frag3|frag4|frag5|frag7|frag8|xsm|xsm2|xsm3|xsm4|xsm5|xsm6|router4|arrive|tune2|direct|epi|pdl|pdl2|pdl3|rgemv|rgemv2|pdl4|pdl5|shared|final4|spec4|prof|round5|round6|round7|tiled|tiled2|tiled3|tiled4|tiled5|tiled6|tiled7|tiled8|wg|wg2|wide|wg3|wg4|wg5|ring|router5|wide64|wg8|wg8b|warps8|final5|moe8|small|small2|small3|small4|small5|take|chunk|wgdec|wgdec2|wgfin|wgfin2|wgprof|wgq|wgref|wground|ncuw4|tma|tma2|gsweep|wgtest|wgslice|wgslice2|slicefin|wgpipe|ncutree|wgqs2|wgfin3|wgbench|tailmerge|ltile|stream|stream2|stream3|streamfin|ncumoe|moestream|moestream2|chunks|chunks2|pairs|pairs2|pairs3|prefetch|bounds|fuse|fuse8|rside|rside2|final6|review2|ahead|stalls|heads|tline|tail|final7|final7b|stail|route|order|final8|final8b|rounds8|rstep|window|ctx|tailvs|vwg|vwg2|vwg3|vwg4|vwg5|vwg6|moegrid|stile|stile2|stile3|stile4|rwarps|review|pf|early|early2|srcstall|again|l2|clocks|pairs13]   (on the GPU machine, from the repository root)
+#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|next|chain|sample|rounds|decode|step|verify|resume|ncu|plane|merge|merge2|merge3|sample2|fork|last|plane2|rows|kload|lazy|rounds2|maxnreg|qsplit|stages|down|bm8|m64|merge4|merge5|final2|moerows|moe16|moe16b|router|router2|router3|final3|frag|frag2|frag3|frag4|frag5|frag7|frag8|xsm|xsm2|xsm3|xsm4|xsm5|xsm6|router4|arrive|tune2|direct|epi|pdl|pdl2|pdl3|rgemv|rgemv2|pdl4|pdl5|shared|final4|spec4|prof|round5|round6|round7|tiled|tiled2|tiled3|tiled4|tiled5|tiled6|tiled7|tiled8|wg|wg2|wide|wg3|wg4|wg5|ring|router5|wide64|wg8|wg8b|warps8|final5|moe8|small|small2|small3|small4|small5|take|chunk|wgdec|wgdec2|wgfin|wgfin2|wgprof|wgq|wgref|wground|ncuw4|tma|tma2|gsweep|wgtest|wgslice|wgslice2|slicefin|wgpipe|ncutree|wgqs2|wgfin3|wgbench|tailmerge|ltile|stream|stream2|stream3|streamfin|ncumoe|moestream|moestream2|chunks|chunks2|pairs|pairs2|pairs3|prefetch|bounds|fuse|fuse8|rside|rside2|final6|review2|ahead|stalls|heads|tline|tail|final7|final7b|stail|route|order|final8|final8b|rounds8|rstep|window|ctx|tailvs|vwg|vwg2|vwg3|vwg4|vwg5|vwg6|moegrid|stile|stile2|stile3|stile4|rwarps|review|pf|early|early2|srcstall|again|l2|clocks]   (on the GPU machine, from the repository root)
 #   tune   the W4A16 config sweep, the bitwise and CUDA-graph GPU tests, the demo's spec benchmark
 #   check  the remaining GPU tests (kernels, batch invariance, target, attention), kernel and round benches
 #   bench  the benchmarks with long runs (K2 step, attention, GEMM)
@@ -296,8 +296,7 @@
 #          and operation, the memory tables), the question being why an expert costs more time at 64 tokens
 #   clocks the SM / memory clocks, power and throttle reasons sampled every 50 ms (nvidia-smi) while the kernel bench and
 #          the K2 layer at 16 / 64 nodes run
-#   pairs13 the MoE K loops two blocks per trip (FragMoEConfig.PAIRS13 / PAIRS2): the MoE candidates at T = 1 / 4 /
-#          16 / 64, the K2 layer with the table as it is and with PAIRS13 (alternating), the MoE GPU tests
+#   (pairs13, at commit 177f263 only: the MoE K loops two blocks per trip, FragMoEConfig.PAIRS13 / PAIRS2)
 #   pf     blocks of the fragment kernels' words and scales asked of L2 ahead of the one in use: candidates beside the
 #          engine's plan / table (dense M = 1 / 4 / 16, MoE T = 1 / 4 / 16 / 64), then the same-bits GPU tests; run at
 #          commits 28257c5 (a line per thread) and 0a4281b (one bulk prefetch per run), slower: reverted since
@@ -896,19 +895,6 @@ if [[ $PART == clocks ]]; then
   step bench_k2_step 120 python3 bench/k2_step.py --nodes 16,64 --out "$RES/k2"
   kill $CLK1 $CLK2 2>/dev/null
   wait $CLK1 $CLK2 2>/dev/null
-fi
-if [[ $PART == pairs13 ]]; then
-  step bench_w4_frag_pairs 150 python3 bench/w4_frag.py --no-dense --ts 1,4,16,64 --reps 20 --only pairs --out "$RES"
-  for i in 1 2; do
-    mkdir -p "$RES/k2_base_$i" "$RES/k2_pairs_$i"
-    step "bench_k2_base_$i" 70 python3 bench/k2_step.py --nodes 1,16,64 --out "$RES/k2_base_$i"
-    step "bench_k2_pairs_$i" 70 python3 -c "import runpy, sys; from dataclasses import replace
-from kdtree_engine.kernels import moe_frag as m
-m.FRAG_MOE_CONFIGS[:] = [(k, c if c.wgmma else replace(c, PAIRS13=True)) for k, c in m.FRAG_MOE_CONFIGS]
-sys.argv = ['bench/k2_step.py', '--nodes', '1,16,64', '--out', '$RES/k2_pairs_$i']
-runpy.run_path('bench/k2_step.py', run_name='__main__')"
-  done
-  step pytest_moe_pairs 150 $PYT tests/gpu/test_w4_frag_gpu.py -k "moe_frag_matches_reference_small or moe_frag_batch_invariant"
 fi
 if [[ $PART == final8b ]]; then
   step pytest_graph 250 $PYT tests/gpu/test_graph_round_gpu.py tests/spec/test_spec_gpu.py

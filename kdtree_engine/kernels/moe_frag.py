@@ -63,12 +63,6 @@ class FragMoEConfig:
     #                        T = 1: 71.4 against 72.6 us with 1024 (bench/results/w4-frag-h200-direct.md)
     PDL: bool = True       # every launch a programmatic dependent (pdl.py; the same bits): T = 1 67.8 against
     #                        70.1 us, T = 16 742 against 753 (bench/results/w4-frag-h200-pdl.md)
-    PAIRS13: bool = False  # mma.sync blocks: the gate/up / down K loop two blocks per trip (w4_frag._frag_loop PAIRS:
-    PAIRS2: bool = False   # the words in flight alternate between two register sets instead of being moved into place
-    #                        after every block; the same bits). Offline (sm_90, 8-token blocks): gate/up 584 against 660
-    #                        instructions per block and warp, 168 registers + 24 bytes of stack against 163 (3 programs
-    #                        per SM either way); down 300 against 348, 114 registers against 93 (4 programs per SM
-    #                        instead of 5)
 
     @property
     def wgmma(self) -> bool:
@@ -88,9 +82,6 @@ class FragMoEConfig:
                 raise ValueError(f"FragMoEConfig.{name} must be one of {sorted(X_LOADS)}, got {v!r}")
         if self.EPI_BLOCK < 128 or self.EPI_BLOCK & (self.EPI_BLOCK - 1):
             raise ValueError(f"FragMoEConfig.EPI_BLOCK must be a power of 2 >= 128, got {self.EPI_BLOCK}")
-        if self.wgmma and (self.PAIRS13 or self.PAIRS2):
-            raise ValueError(f"FragMoEConfig.PAIRS13 / PAIRS2 are mma.sync loops (BLOCK_M <= 16), got BLOCK_M "
-                             f"{self.BLOCK_M} with PAIRS13 {self.PAIRS13}, PAIRS2 {self.PAIRS2}")
         for name in ("MAXNREG13", "MAXNREG2"):
             v = getattr(self, name)
             if v and not 24 <= v <= 255:
@@ -262,12 +253,12 @@ if HAVE_GLUON:
                          X_SMEM: gl.constexpr, X_AHEAD: gl.constexpr, PDL: gl.constexpr, TILE: gl.constexpr,
                          SEGS: gl.constexpr, WHOLE: gl.constexpr, num_warps: gl.constexpr, WG: gl.constexpr = False,
                          FUSE: gl.constexpr = False, SLOTS: gl.constexpr = 1, TOPK_C: gl.constexpr = 8,
-                         ADD: gl.constexpr = False, STILE: gl.constexpr = 0, PAIRS: gl.constexpr = False):
+                         ADD: gl.constexpr = False, STILE: gl.constexpr = 0):
         """grid (blocks, programs): one expert block's pairs over program p's range of the stream partition of
         (N / BN) row tiles x iters K blocks, row tile major (moe_plan): global blocks
         [p * work // programs, (p + 1) * work // programs), each run of them within one tile (a segment,
         unrolled: SEGS) one partial, written to out[slot, pair, n] with slot its index among the tile's segments.
-        STILE: the scales' order (w4_frag._word_ptrs). PAIRS: the mma.sync loop two blocks per trip (_frag_loop). WHOLE: one program per row tile over all of K (programs =
+        STILE: the scales' order (w4_frag._word_ptrs). WHOLE: one program per row tile over all of K (programs =
         N / BN: program p is tile p, one partial; without the division the 8-token down program keeps 9 fewer
         registers).
         GATE_UP: x [T, H] rows pair // TOPK, weight rows n and UP_ROW + n -> out[slot, pair, n] and
@@ -343,7 +334,7 @@ if HAVE_GLUON:
                     # the block offset added last: folded into the tensor first it cost the 16-token down 39 registers
                     x_ptrs = x_ptr + gl.expand_dims(xr, 0) * stride_xt + gl.expand_dims(rk, 1) + b0 * BK
                     acc0, acc1 = _frag_loop(acc0, acc1, w0, s0, w1, s1, x_ptrs, gl.expand_dims(ok, 0), nb, GATE_UP,
-                                            X_AHEAD, AL, BL, BN, GPB, PDL and not GATE_UP, TILE, PAIRS, STILE)
+                                            X_AHEAD, AL, BL, BN, GPB, PDL and not GATE_UP, TILE, STILE=STILE)
                 # the output pointers after the K loop (not live through it)
                 pair_o, ok_o = _block_pairs(sorted_ptr, pid_b, rows, TOK, gl.SliceLayout(0, MMA))
                 if not GATE_UP:
@@ -446,7 +437,7 @@ def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor
         GATE_UP=True, TOK=cfg.BLOCK_M, GPB=g13, WL=word_layout(MOE_WARPS, 1, g13),
         X_SMEM=X_LOADS[cfg.XLOAD][0], X_AHEAD=X_LOADS[cfg.XLOAD][1], TILE=tile, SEGS=segs13,
         WHOLE=part13.programs == part13.tiles, num_warps=MOE_WARPS,
-        WG=cfg.wgmma, STILE=stile, PAIRS=cfg.PAIRS13, **pdl, **({"maxnreg": cfg.MAXNREG13} if cfg.MAXNREG13 else {}))
+        WG=cfg.wgmma, STILE=stile, **pdl, **({"maxnreg": cfg.MAXNREG13} if cfg.MAXNREG13 else {}))
     if not fuse:
         moe_swiglu(part, inter, ids, E, slots13, part13, DEQ_FLOAT, min(cfg.EPI_BLOCK, triton.next_power_of_2(I)),
                    on)
@@ -461,7 +452,7 @@ def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor
         GATE_UP=False, TOK=cfg.BLOCK_M, GPB=g2, WL=word_layout(MOE_WARPS, 1, g2),
         X_SMEM=X_LOADS[xload2][0], X_AHEAD=X_LOADS[xload2][1], TILE=tile, SEGS=segs2,
         WHOLE=part2.programs == part2.tiles, num_warps=MOE_WARPS,
-        WG=cfg.wgmma, STILE=stile, PAIRS=cfg.PAIRS2, **pdl, **({"maxnreg": cfg.MAXNREG2} if cfg.MAXNREG2 else {}))
+        WG=cfg.wgmma, STILE=stile, **pdl, **({"maxnreg": cfg.MAXNREG2} if cfg.MAXNREG2 else {}))
     if not fuse2:
         moe_topk_sum(y, out, ids, E, topk, slots2, part2, cfg.EPI_BLOCK, on, add=add)
     return out

@@ -16,15 +16,6 @@ def test_bad_fields_are_refused_by_name(field, value):
         FragMoEConfig(**{field: value})
 
 
-@pytest.mark.parametrize("bm", [32, 64])
-@pytest.mark.parametrize("pairs", [dict(PAIRS13=True), dict(PAIRS2=True)])
-def test_pairs_only_on_mma_sync_blocks(bm, pairs):
-    """Two blocks per trip is an mma.sync loop: asked of wgmma blocks it is refused by name, not ignored."""
-    with pytest.raises(ValueError, match="PAIRS13 / PAIRS2"):
-        FragMoEConfig(BLOCK_M=bm, **pairs)
-    assert FragMoEConfig(BLOCK_M=16, **pairs)
-
-
 def test_wgmma_blocks():
     assert FragMoEConfig(BLOCK_M=32).wgmma and FragMoEConfig(BLOCK_M=64).wgmma and not FragMoEConfig(BLOCK_M=16).wgmma
 
