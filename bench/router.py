@@ -1,6 +1,7 @@
 """Benchmark: the MoE router's float32 GEMM (x [M, 7168] bf16 @ gate [384, 7168].T, as K2 computes router
-logits): the router kernel (kernels/router_gemm.py, its table config and candidates) beside the generic
-batch-invariant GEMM on x.float() (the path before it) and cuBLAS on x.float().
+logits): the engine's tensor-core router for bf16 activations (router_logits_bf16x3: the gate as three bf16
+parts, one launch of partials for the router tail), the float32 FMA router kernel (kernels/router_gemm.py, its
+table config and candidates), the generic batch-invariant GEMM on x.float() and cuBLAS on x.float().
 
     python bench/router.py --out bench/results        # writes router-<gpu>.json and .md
 
@@ -25,7 +26,8 @@ if __package__ in (None, ""):
 from bench.common import (command_line, copy_bandwidth, device_info, gpu_stem, kernel_profile, md_table,  # noqa: E402
                           time_calls, write_results)
 from kdtree_engine.kernels.gemm import bi_linear  # noqa: E402
-from kdtree_engine.kernels.router_gemm import RouterGemmConfig, router_config, router_logits  # noqa: E402
+from kdtree_engine.kernels.router_gemm import (RouterGemmConfig, router_config, router_logits,  # noqa: E402
+                                                router_logits_bf16x3, split_bf16x3)
 
 N, K = 384, 7168
 MS = (1, 4, 16, 64, 129)
@@ -40,6 +42,14 @@ CANDIDATES = {  # name -> router kernel config (BN, KS, warps, TM)
     "b4_k512_w1_tm4": RouterGemmConfig(4, 512, 1, 4),
     "b4_k512_w1_tm64": RouterGemmConfig(4, 512, 1, 64),
 }
+
+
+def _in_order(parts: torch.Tensor) -> torch.Tensor:
+    """The logits of partials [S, M, N]: added in index order, as the router tail does."""
+    out = parts[0].clone()
+    for p in parts[1:]:
+        out += p
+    return out
 
 
 def _cell(c: dict) -> str:
@@ -70,7 +80,14 @@ def main(argv: list[str] | None = None) -> int:
         ref = x.double() @ w.double().T
         y = router_logits(x, w)
         alone = torch.cat([router_logits(x[i:i + 1], w) for i in range(M)])
+        parts = [split_bf16x3(c) for c in ws]
+        p3 = router_logits_bf16x3(x, parts[0])
+        y3 = _in_order(p3)
+        alone3 = torch.cat([router_logits_bf16x3(x[i:i + 1], parts[0]) for i in range(M)], 1)
         row = {"M": M,
+               "bf16x3_us": time_calls([lambda p=p: router_logits_bf16x3(x, p) for p in parts], reps=args.reps)["us"],
+               "bf16x3_rel_err": float((y3.double() - ref).norm() / ref.norm()),
+               "bf16x3_invariant": bool(torch.equal(alone3, p3)),
                "cublas_us": time_calls([lambda c=c: F.linear(x.float(), c) for c in ws], reps=args.reps)["us"],
                "generic_us": time_calls([lambda c=c: bi_linear(x.float(), c) for c in ws], reps=args.reps)["us"],
                "router_us": time_calls([lambda c=c: router_logits(x, c) for c in ws], reps=args.reps)["us"],
@@ -88,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
             row["profile"] = kernel_profile(lambda: router_logits(x, w))["kernels"]
             print("  " + "; ".join(f"{k['name'][:40]} x{k['calls']:g} {k['us']:.1f} us" for k in row["profile"]))
         rows.append(row)
-        print(f"M={M}: cuBLAS {row['cublas_us']:.1f} us, generic {row['generic_us']:.1f} us, router "
+        print(f"M={M}: bf16x3 {row['bf16x3_us']:.1f} us (invariant {row['bf16x3_invariant']}, rel err "
+              f"{row['bf16x3_rel_err']:.1e}), cuBLAS {row['cublas_us']:.1f} us, generic {row['generic_us']:.1f} us, router "
               f"{row['router_us']:.1f} us (invariant {row['invariant']}); "
               + ", ".join(f"{n} {_cell(row[n])}" for n in CANDIDATES), flush=True)
     payload = {"command": command_line(), "device": info, "copy_TBps": copy_bw / 1e12, "N": N, "K": K,
@@ -96,12 +114,15 @@ def main(argv: list[str] | None = None) -> int:
     gb = N * K * 4
     md = [f"# Router GEMM (float32, {N} x {K}) on {info['gpu']}", "", f"Command: `{payload['command']}`", "",
           f"Copy bandwidth {copy_bw / 1e12:.2f} TB/s ({gb / copy_bw * 1e6:.1f} us for the weight). bf16 activations; "
-          "cuBLAS (TF32 off) and the generic batch-invariant GEMM on x.float() (the copy included); the router kernel "
+          "bf16x3: the engine's tensor-core router (three bf16 parts of the gate, 16.5 MB; its partials, which the "
+          "router tail adds); cuBLAS (TF32 off) and the generic batch-invariant GEMM on x.float() (the copy included); "
+          "the FMA router kernel "
           f"upcasts in its load, table config {cfg}. us per call (CUDA-graph replays over 8 weight copies); "
           "invariant: rows computed alone == the rows of the M-row call, bit for bit; rel err against float64.", ""]
-    md += md_table(["M", "cuBLAS us", "generic us", "router us", "router TB/s", "invariant", "rel err",
-                    *CANDIDATES],
-                   [[r["M"], r["cublas_us"], r["generic_us"], r["router_us"], gb / (r["router_us"] * 1e-6) / 1e12,
+    md += md_table(["M", "bf16x3 us", "bf16x3 invariant", "bf16x3 rel err", "cuBLAS us", "generic us", "router us",
+                    "router TB/s", "invariant", "rel err", *CANDIDATES],
+                   [[r["M"], r["bf16x3_us"], "yes" if r["bf16x3_invariant"] else "NO", r["bf16x3_rel_err"],
+                     r["cublas_us"], r["generic_us"], r["router_us"], gb / (r["router_us"] * 1e-6) / 1e12,
                      "yes" if r["invariant"] else "NO", r["rel_err"], *[_cell(r[n]) for n in CANDIDATES]]
                     for r in rows])
     jp, mp = write_results(args.out, f"router-{gpu_stem(info['gpu'])}", payload, md)

@@ -94,7 +94,7 @@ from __future__ import annotations
 
 import os
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -121,9 +121,11 @@ _TREE_FORCED = _forced("KDTREE_TREE_BACKEND")
 _ATTN_FORCED = _forced("KDTREE_ATTN_BACKEND")
 _DENSE_FORCED = _forced("KDTREE_DENSE_BACKEND")
 _BATCH_INVARIANT = True
-# the router GEMM on CUDA with batch invariance on: "router" (kernels/router_gemm.py) or "generic" (the
-# batch-invariant GEMM on x.float(), its own bits; a measurement knob)
-_ROUTER_GEMM = _forced("KDTREE_ROUTER_GEMM", ("router", "generic")) or "router"
+# the router GEMM on CUDA with batch invariance on (router_matmul): unset, "bf16x3" for bfloat16 activations (the
+# float32 gate as three bf16 parts on the tensor cores, kernels/router_gemm.router_logits_bf16x3) and "router" for
+# others (the float32 FMA kernel, kernels/router_gemm.router_logits); "generic" (the batch-invariant GEMM on
+# x.float()) is a measurement knob. Each has its own bits.
+_ROUTER_GEMM = _forced("KDTREE_ROUTER_GEMM", ("bf16x3", "router", "generic"))
 
 
 def set_batch_invariant(on: bool) -> None:
@@ -266,19 +268,36 @@ def shared_placement(shared_bytes: int, tokens: int) -> str:
     return place
 
 
-def router_matmul(x: torch.Tensor, w: torch.Tensor, partials: bool = False) -> torch.Tensor:
-    """Router logits: x [M, K] (any float dtype) @ w [N, K].T (float32) -> [M, N] float32. partials: the router
-    kernel's split-K partials [S, M, N] where it runs (their sum in split order is the logits; `route` takes
-    either), else the logits."""
-    if _use_triton(x, w):
-        if _ROUTER_GEMM == "generic":
-            log_once("router-gemm:generic", "router GEMM: the generic batch-invariant GEMM on x.float() "
-                     "(KDTREE_ROUTER_GEMM=generic)")
-            from .gemm import bi_linear
-            return bi_linear(x.float(), w)
-        from .router_gemm import router_logits
-        return router_logits(x, w, partials=partials)
-    return F.linear(x.float(), w)
+def router_matmul(x: torch.Tensor, w: torch.Tensor, partials: bool = False,
+                  bf16x3: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:
+    """Router logits: x [M, K] (any float dtype) @ w [N, K].T (float32) -> [M, N] float32. partials: split
+    partials [S, M, N] where a kernel makes them (their sum in split order is the logits; `route` takes either),
+    else the logits. bf16x3: returns the gate's bf16 parts [3, N, K] (router_gemm.split_bf16x3, built once by
+    the owner), the operand of the tensor-core router for bfloat16 activations (_ROUTER_GEMM)."""
+    if not _use_triton(x, w):
+        return F.linear(x.float(), w)
+    kind = _ROUTER_GEMM or ("bf16x3" if x.dtype == torch.bfloat16 and bf16x3 is not None else "router")
+    how = {"bf16x3": "the float32 gate as three bf16 parts on the tensor cores",
+           "router": "the float32 FMA router kernel", "generic": "the generic batch-invariant GEMM on x.float()"}
+    log_once(f"router-gemm:{kind}:{x.dtype}", f"router GEMM for {x.dtype} activations: {how[kind]} "
+             f"({'KDTREE_ROUTER_GEMM' if _ROUTER_GEMM else 'automatic: bf16x3 for bfloat16, else the FMA kernel'})")
+    if kind == "generic":
+        from .gemm import bi_linear
+        return bi_linear(x.float(), w)
+    if kind == "bf16x3":
+        if x.dtype != torch.bfloat16 or bf16x3 is None:
+            raise ValueError(f"KDTREE_ROUTER_GEMM=bf16x3 needs bfloat16 activations and the gate's bf16 parts; got "
+                             f"{x.dtype} activations{'' if bf16x3 is not None else ', no parts'}")
+        from .router_gemm import router_logits_bf16x3
+        parts = router_logits_bf16x3(x, bf16x3())
+        if partials:
+            return parts
+        logits = parts[0].clone()
+        for p in parts[1:]:   # in index order, as the router tail adds them
+            logits += p
+        return logits
+    from .router_gemm import router_logits
+    return router_logits(x, w, partials=partials)
 
 
 def head_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -101,6 +101,65 @@ def _router_gemm_kernel(x_ptr, w_ptr, out_ptr, M, N, K, TM, stride_xm, stride_wn
         x = x_next
 
 
+# The bf16x3 router (router_logits_bf16x3): the float32 gate as three bf16 parts, one launch of the batch-invariant
+# tensor-core GEMM (kernels/gemm.py's kernel, a part per head) of bf16 activations against the three, K in
+# BF16X3_SPLITS splits of BF16X3_BLOCK_K-k MMA steps, every (part, split) partial handed to the router tail, which
+# adds them part-major (lo's splits, then mid's, then hi's: the small terms first). Fixed by (N, K) alone (K2
+# [384 x 7168]: 3 parts x 6 row tiles x 8 splits = 144 programs at any M); the tile (by M) only re-tiles.
+BF16X3_BLOCK_K = 128
+BF16X3_SPLITS = 8
+
+
+def split_bf16x3(w: torch.Tensor) -> torch.Tensor:
+    """float32 w [N, K] -> bf16 [3, N, K] = (lo, mid, hi): hi = bf16(w), mid = bf16(w - hi), lo = bf16(w - hi - mid),
+    each difference exact in float32, so hi + mid + lo == w for every normal float32 (24 significant bits, 8 per
+    part; tests/kernels/test_router_bf16x3.py)."""
+    if w.dim() != 2 or w.dtype != torch.float32:
+        raise ValueError(f"split_bf16x3: a float32 [N, K] weight, got {tuple(w.shape)} {w.dtype}")
+    hi = w.to(torch.bfloat16)
+    r = w - hi.float()
+    mid = r.to(torch.bfloat16)
+    lo = (r - mid.float()).to(torch.bfloat16)
+    return torch.stack([lo, mid, hi])
+
+
+def router_logits_bf16x3(x: torch.Tensor, parts: torch.Tensor) -> torch.Tensor:
+    """x [M, K] bfloat16, parts [3, N, K] bfloat16 (split_bf16x3 of the float32 gate) -> partials [3 * S, M, N]
+    float32, S = the splits that hold k: partial p * S + s = x @ parts[p].T over split s's k (fp32 accumulation in
+    BF16X3_BLOCK_K steps). Their sum in index order (route's split partials) is the logits. The bf16 products of x
+    and each part are exact, so the error is the float32 accumulation's alone (about a float32 GEMM's).
+    Batch-invariant: a row's partials do not depend on M."""
+    from .gemm import Reduction, _bi_gemm_kernel, _interp_mode, interpreting, tile_for
+    if x.dim() != 2 or parts.dim() != 3 or parts.shape[0] != 3 or x.shape[1] != parts.shape[2]:
+        raise ValueError(f"router_logits_bf16x3: x [M, K] and parts [3, N, K] with the same K, got "
+                         f"{tuple(x.shape)} and {tuple(parts.shape)}")
+    if x.dtype != torch.bfloat16 or parts.dtype != torch.bfloat16:
+        raise TypeError(f"router_logits_bf16x3: bfloat16 activations and parts, got x {x.dtype}, parts {parts.dtype}")
+    if x.device != parts.device:
+        raise ValueError(f"router_logits_bf16x3: x on {x.device}, parts on {parts.device}")
+    M, K = x.shape
+    N = parts.shape[1]
+    red = Reduction(BLOCK_K=BF16X3_BLOCK_K, split_k=BF16X3_SPLITS)
+    S = red.n_splits(K) if K else 1
+    out = torch.empty((3 * S, M, N), device=x.device, dtype=torch.float32)
+    if M == 0 or N == 0:
+        return out
+    if K == 0:
+        return out.zero_()
+    x = x if x.stride(1) == 1 else x.contiguous()
+    parts = parts.contiguous()
+    t = tile_for(M, x.dtype)
+    interp = interpreting()
+    pdl = pdl_supported(x.device)
+    # partial (part b, split k) at out[b * S + k]: the kernel's head stride S * M * N, split stride M * N
+    _bi_gemm_kernel[(triton.cdiv(M, t.BLOCK_M), triton.cdiv(N, t.BLOCK_N), 3 * S)](
+        x, parts, out, M, N, K, red.k_per_split(K), S, 0, x.stride(0), 1, N * K, K, 1, S * M * N, N, 1, M * N,
+        BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N, BLOCK_K=red.BLOCK_K, UPCAST=interp,
+        INTERP_SUM=interp and _interp_mode() == "sum", PREC="ieee" if interp else "tf32", OUT_F32=True,
+        num_warps=t.num_warps, num_stages=t.num_stages, **pdl_launch(pdl))
+    return out
+
+
 def router_logits_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ w [N, K].T in float32 (torch): the CPU path and the test oracle."""
     return x.float() @ w.float().T
@@ -143,5 +202,5 @@ def router_logits(x: torch.Tensor, w: torch.Tensor, *, config: RouterGemmConfig 
     return out
 
 
-__all__ = ["ROUTER_CONFIGS", "RouterGemmConfig", "router_config", "router_logits",
-           "router_logits_reference"]
+__all__ = ["BF16X3_BLOCK_K", "BF16X3_SPLITS", "ROUTER_CONFIGS", "RouterGemmConfig", "router_config", "router_logits",
+           "router_logits_bf16x3", "router_logits_reference", "split_bf16x3"]

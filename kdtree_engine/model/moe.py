@@ -28,8 +28,26 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (topk_ids int64 [T, k], topk_weights float32 [T, k])."""
         from ..kernels.dispatch import route, router_matmul
-        logits = router_matmul(x, self.weight, partials=True)  # [T, E] or [S, T, E] split partials, float32
+        # [T, E] or [S, T, E] split partials, float32
+        logits = router_matmul(x, self.weight, partials=True, bf16x3=self.bf16x3_parts)
         return route(logits, self.e_score_correction_bias, self.cfg)
+
+    def bf16x3_parts(self) -> torch.Tensor:
+        """The gate as three bf16 parts [3, E, H] (router_gemm.split_bf16x3) for the tensor-core router: built on
+        first use, again when the weight is replaced or written in place (its version), dropped by reset_parts."""
+        w = self.weight
+        key = (w.data_ptr(), w._version, w.device)
+        cached = self.__dict__.get("_bf16x3")
+        if cached is None or cached[0] != key:
+            from ..kernels.router_gemm import split_bf16x3
+            with torch.no_grad():
+                cached = (key, split_bf16x3(w.detach()))
+            self.__dict__["_bf16x3"] = cached
+        return cached[1]
+
+    def reset_parts(self) -> None:
+        """Drop the derived bf16 parts (after loading new weights)."""
+        self.__dict__.pop("_bf16x3", None)
 
 
 def route_torch(logits: torch.Tensor, bias: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:

@@ -213,6 +213,7 @@ class Target(nn.Module):
             layer.self_attn.reset_absorbed()
             if isinstance(layer.mlp, MoE):
                 layer.mlp.experts.__dict__.pop("_dense_cpu", None)  # derived from the old weights
+                layer.mlp.gate.reset_parts()
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> "Target":
         for name, t in tensors:

@@ -77,13 +77,16 @@ class GraphRunner:
 
     def _watched(self) -> tuple:
         """Addresses of tensors the graph reads that live outside the round and may be replaced
-        (rope tables grown by an eager step, absorbed attention weights and stacked linears rebuilt after a
-        reload)."""
+        (rope tables grown by an eager step, absorbed attention weights, the routers' bf16 parts and stacked
+        linears rebuilt after a reload)."""
         t = self.rnd.target
         ptrs = [t.rope.cos.data_ptr(), t.rope.sin.data_ptr()]
         for layer in t.layers:
             a = layer.self_attn._absorbed
             ptrs.append(None if a is None else a[0].data_ptr())
+            gate = getattr(layer.mlp, "gate", None)   # MoE layers: the router's bf16 parts (Router.bf16x3_parts)
+            parts = None if gate is None else gate.__dict__.get("_bf16x3")
+            ptrs.append(None if parts is None else parts[1].data_ptr())
         for m, key in self._stacked:
             lin = m.__dict__.get(key)
             ptrs.append(None if lin is None else lin.weight.data_ptr())

@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kdtree_engine.kernels.router_gemm import RouterGemmConfig, router_config, router_logits
+from kdtree_engine.kernels.router_gemm import (RouterGemmConfig, router_config, router_logits, router_logits_bf16x3,
+                                                split_bf16x3)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -98,3 +99,59 @@ def test_router_partials_route_like_the_logits(M):
     args = (bias, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor)
     a, b = route_triton(parts, *args), route_triton(logits, *args)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_bf16x3_router_k2_accurate_and_batch_invariant(poisoned_empty):
+    """The tensor-core router (router_logits_bf16x3, the engine's for bf16 activations) at the K2 gate: its partials
+    added in index order within float32 accuracy of float64, every partial written, and a row computed alone equal
+    to the same row inside calls of M = 2..129 and 192 (tiles of 16 / 32 / 64 / 128 rows)."""
+    w = _rand(N, K, scale=K ** -0.5)
+    parts = split_bf16x3(w)
+    assert torch.equal((parts[2].float() + parts[1].float()) + parts[0].float(), w)
+    x = _rand(256, K, dtype=torch.bfloat16)
+    full = router_logits_bf16x3(x, parts)
+    assert torch.isfinite(full).all(), "unwritten (NaN-poisoned) partials"
+    logits = full[0].clone()
+    for p in full[1:]:
+        logits += p
+    ref = x.double() @ w.double().T
+    assert float((logits.double() - ref).norm() / ref.norm()) < 2e-6
+    rows = (0, 1, 15, 16, 63, 64, 128)
+    alone = {i: router_logits_bf16x3(x[i:i + 1], parts)[:, 0] for i in rows}
+    bad = []
+    for m in list(range(2, 130)) + [192]:
+        y = router_logits_bf16x3(x[:m], parts)
+        if not torch.equal(y, full[:, :m]):
+            bad.append(f"M={m} differs from M=256")
+        bad += [f"M={m}: row {i} differs from M=1" for i in rows if i < m and not torch.equal(y[:, i], alone[i])]
+    assert not bad, "\n".join(bad[:20])
+
+
+def test_bf16x3_router_in_graphs_and_through_the_tail():
+    """Captured after a kernel writing its input and replayed with new values, the bf16x3 router equals eager launches
+    bit for bit; its partials through the router tail give the experts and weights of their summed logits."""
+    from kdtree_engine.config import preset
+    from kdtree_engine.kernels.router import route_triton
+    cfg = preset("k2")
+    w = _rand(N, K, scale=K ** -0.5)
+    parts = split_bf16x3(w)
+    bias = _rand(N, scale=0.05)
+    args = (bias, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor)
+    for M in (1, 5, 64):
+        src = _rand(M, K, dtype=torch.bfloat16)
+        xb = torch.empty_like(src)
+        torch.mul(src, 1.0, out=xb)
+        router_logits_bf16x3(xb, parts)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            torch.mul(src, 1.0, out=xb)
+            y = router_logits_bf16x3(xb, parts)
+        for r in range(4):
+            src.copy_(_rand(M, K, dtype=torch.bfloat16))
+            graph.replay()
+            assert torch.equal(y, router_logits_bf16x3(src.clone(), parts)), f"M={M} replay {r} differs from eager"
+        logits = y[0].clone()
+        for p in y[1:]:
+            logits += p
+        a, b = route_triton(y, *args), route_triton(logits, *args)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), f"M={M}: the tail on the partials differs"
