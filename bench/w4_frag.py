@@ -63,9 +63,6 @@ MOE_CANDIDATES = [  # the engine's table first (None), then programs per expert 
     FragMoEConfig(BLOCK_M=8, P13=98, MAXNREG2=96),
     FragMoEConfig(BLOCK_M=8, XLOAD="smem", XLOAD2="smem-ahead", MAXNREG2=96),
     FragMoEConfig(BLOCK_M=16),
-    # the gate/up programs asking L2 for the down GEMM's first K blocks as they finish
-    FragMoEConfig(BLOCK_M=8, PF2=1), FragMoEConfig(BLOCK_M=8, PF2=2), FragMoEConfig(BLOCK_M=8, PF2=4),
-    FragMoEConfig(BLOCK_M=8, PF2=8),
 ]
 COMPACT = "compact"   # --only text of the engine table's launches over only the align's used blocks (_compact_aligns)
 MOE_TS = [1, 4, 16, 64, 256, 1024]
@@ -198,7 +195,6 @@ def bench_moe(ts, bw, reps, only: str | None = None) -> list[dict]:
             label = (f"frag{' (engine table)' if cand is None else ''} bm{cfg.BLOCK_M} "
                      f"programs {cfg.P13 or 'plan'}/{cfg.P2 or 'plan'} x {cfg.XLOAD}/{cfg.XLOAD2 or cfg.XLOAD}"
                      f"{f' maxnreg {cfg.MAXNREG13}/{cfg.MAXNREG2}' if cfg.MAXNREG13 or cfg.MAXNREG2 else ''}"
-                     f"{f' pf2 {cfg.PF2}' if cfg.PF2 else ''}"
                      f" epi {cfg.EPI_BLOCK}{'' if cfg.PDL else ' no-pdl'}{f' tiled {tile}' if tile else ' row-major'}"
                      f"{f' scales tiled {stile}' if stile else ' row-major scales'}{' wgmma' if cfg.wgmma else ''}")
             _row(rows, {**base, "kernel": label},

@@ -63,10 +63,6 @@ class FragMoEConfig:
     #                        T = 1: 71.4 against 72.6 us with 1024 (bench/results/w4-frag-h200-direct.md)
     PDL: bool = True       # every launch a programmatic dependent (pdl.py; the same bits): T = 1 67.8 against
     #                        70.1 us, T = 16 742 against 753 (bench/results/w4-frag-h200-pdl.md)
-    PF2: int = 0           # K blocks of each down row tile that the gate/up programs ask L2 for as they finish
-    #                        (cp.async.bulk.prefetch.L2, a tile's blocks being one run of the tiled words and scales):
-    #                        the down GEMM's first reads come from L2 while the gate/up tail and the launch gap
-    #                        leave DRAM idle. A hint: the same bits. Needs tiled words and scales (tile, stile)
 
     @property
     def wgmma(self) -> bool:
@@ -84,8 +80,6 @@ class FragMoEConfig:
             v = getattr(self, name)
             if v not in X_LOADS and not (name == "XLOAD2" and v is None):
                 raise ValueError(f"FragMoEConfig.{name} must be one of {sorted(X_LOADS)}, got {v!r}")
-        if self.PF2 < 0:
-            raise ValueError(f"FragMoEConfig.PF2 must be >= 0 K blocks, got {self.PF2}")
         if self.EPI_BLOCK < 128 or self.EPI_BLOCK & (self.EPI_BLOCK - 1):
             raise ValueError(f"FragMoEConfig.EPI_BLOCK must be a power of 2 >= 128, got {self.EPI_BLOCK}")
         for name in ("MAXNREG13", "MAXNREG2"):
@@ -190,32 +184,6 @@ def frag_moe_unsupported(H: int, I: int, group_size: int) -> str | None:
 
 
 if HAVE_GLUON:
-    # one run of $2 bytes from $1 asked of L2 by thread 0 (the TMA unit's bulk prefetch, sm_90)
-    BULK_PF_ASM = gl.constexpr("{ .reg .pred p; .reg .b32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
-                               "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }")
-
-    @gluon.jit
-    def _bulk_prefetch(ptr, nbytes, num_warps: gl.constexpr):
-        """Ask L2 for nbytes (a multiple of 16, 16-byte aligned) from ptr: one instruction, thread 0."""
-        PL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[num_warps],
-                                            order=[0])
-        one = gl.zeros([1], gl.int32, layout=PL)
-        gl.inline_asm_elementwise(BULK_PF_ASM, "=r,l,r", [ptr + one, one + nbytes], dtype=gl.int32, is_pure=False,
-                                  pack=1)
-
-    @gluon.jit
-    def _prefetch_down(pf_w_ptr, pf_s_ptr, e, p, programs, pf_stride_we, pf_stride_se, pf_tile_w, pf_tile_s,
-                       pf_tiles, PF_W: gl.constexpr, PF_S: gl.constexpr, num_warps: gl.constexpr):
-        """Gate/up program p of `programs` on expert e: the first blocks of its share of the expert's down row tiles
-        ([p * tiles // programs, (p + 1) * tiles // programs)), PF_W bytes of words and PF_S of scales each."""
-        t0 = p * pf_tiles // programs
-        t1 = (p + 1) * pf_tiles // programs
-        wb = pf_w_ptr + e * pf_stride_we
-        sb = pf_s_ptr + e * pf_stride_se
-        for t in range(t0, t1):
-            _bulk_prefetch(wb + t * pf_tile_w, PF_W, num_warps)
-            _bulk_prefetch(sb + t * pf_tile_s, PF_S, num_warps)
-
     @gluon.jit
     def _block_pairs(sorted_ptr, pid_b, rows, TOK: gl.constexpr, layout: gl.constexpr):
         r = gl.arange(0, TOK, layout=layout)
@@ -285,16 +253,12 @@ if HAVE_GLUON:
                          X_SMEM: gl.constexpr, X_AHEAD: gl.constexpr, PDL: gl.constexpr, TILE: gl.constexpr,
                          SEGS: gl.constexpr, WHOLE: gl.constexpr, num_warps: gl.constexpr, WG: gl.constexpr = False,
                          FUSE: gl.constexpr = False, SLOTS: gl.constexpr = 1, TOPK_C: gl.constexpr = 8,
-                         ADD: gl.constexpr = False, STILE: gl.constexpr = 0,
-                         pf_w_ptr=None, pf_s_ptr=None, pf_stride_we=0, pf_stride_se=0, pf_tile_w=0, pf_tile_s=0,
-                         pf_tiles=0, PF_W: gl.constexpr = 0, PF_S: gl.constexpr = 0):
+                         ADD: gl.constexpr = False, STILE: gl.constexpr = 0):
         """grid (blocks, programs): one expert block's pairs over program p's range of the stream partition of
         (N / BN) row tiles x iters K blocks, row tile major (moe_plan): global blocks
         [p * work // programs, (p + 1) * work // programs), each run of them within one tile (a segment,
         unrolled: SEGS) one partial, written to out[slot, pair, n] with slot its index among the tile's segments.
-        STILE: the scales' order (w4_frag._word_ptrs). PF_W / PF_S (gate/up, FragMoEConfig.PF2): as it finishes, the
-        program asks L2 for the first PF_W bytes of words and PF_S of scales of its share of the down GEMM's row tiles
-        (pf_*: the down weights, their expert strides, the strides between row tiles, the tiles per expert). WHOLE: one program per row tile over all of K (programs =
+        STILE: the scales' order (w4_frag._word_ptrs). WHOLE: one program per row tile over all of K (programs =
         N / BN: program p is tile p, one partial; without the division the 8-token down program keeps 9 fewer
         registers).
         GATE_UP: x [T, H] rows pair // TOPK, weight rows n and UP_ROW + n -> out[slot, pair, n] and
@@ -401,9 +365,6 @@ if HAVE_GLUON:
                         _down_arrival(out_ptr, cnt_ptr, ids_ptr, fin_ptr, add_ptr, p, n_tok, n_experts, stride_ot,
                                       stride_ft, stride_at, TOPK_C, BN, num_warps, ADD)
                 g += nb
-        if GATE_UP and PF_W > 0:
-            _prefetch_down(pf_w_ptr, pf_s_ptr, e, p, programs, pf_stride_we, pf_stride_se, pf_tile_w, pf_tile_s,
-                           pf_tiles, PF_W, PF_S, num_warps)
 
 
 def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor, w2_q: torch.Tensor,
@@ -468,15 +429,6 @@ def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor
     fuse = fused_epilogues(P, cfg)
     fuse2 = fuse and part2.programs == part2.tiles
     cnt13, cnt2 = _counters(x.device, blocks * part13.tiles, part2.tiles) if fuse else (blk_rows, blk_rows)
-    pf = {}
-    if cfg.PF2:
-        if tile != bn or stile != bn:
-            raise ValueError(f"fused_moe_frag: PF2 prefetches whole {bn}-row tiles of the down weights (tile and stile "
-                             f"{bn}), got tile {tile}, stile {stile}")
-        nb2 = min(cfg.PF2, part2.iters)
-        pf = dict(pf_w_ptr=w2_q, pf_s_ptr=w2_scale, pf_stride_we=w2_q.stride(0), pf_stride_se=w2_scale.stride(0),
-                  pf_tile_w=bn * w2_q.stride(1), pf_tile_s=bn * w2_scale.stride(1), pf_tiles=part2.tiles,
-                  PF_W=nb2 * bn * 16 * g2, PF_S=nb2 * bn * 2 * g2)
     _moe_frag_kernel[(blocks, part13.programs)](
         x, w13_q, w13_scale, part, tw, sorted_pairs, blk_expert, blk_rows, I, topk,
         x.stride(0), w13_q.stride(0), w13_q.stride(1), w13_scale.stride(0), w13_scale.stride(1),
@@ -485,7 +437,7 @@ def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor
         GATE_UP=True, TOK=cfg.BLOCK_M, GPB=g13, WL=word_layout(MOE_WARPS, 1, g13),
         X_SMEM=X_LOADS[cfg.XLOAD][0], X_AHEAD=X_LOADS[cfg.XLOAD][1], TILE=tile, SEGS=segs13,
         WHOLE=part13.programs == part13.tiles, num_warps=MOE_WARPS,
-        WG=cfg.wgmma, STILE=stile, **pf, **pdl, **({"maxnreg": cfg.MAXNREG13} if cfg.MAXNREG13 else {}))
+        WG=cfg.wgmma, STILE=stile, **pdl, **({"maxnreg": cfg.MAXNREG13} if cfg.MAXNREG13 else {}))
     if not fuse:
         moe_swiglu(part, inter, ids, E, slots13, part13, DEQ_FLOAT, min(cfg.EPI_BLOCK, triton.next_power_of_2(I)),
                    on)

@@ -435,22 +435,3 @@ def test_moe_frag_tiled_scales_same_bits(poisoned, T):
         _check(rows, ref, TOL, f"moe frag T={T} {cfg}")
         other = fused_moe_frag(x, q13, st13, q2, st2, ids, tw, G, cfg, tile=64, stile=64)
         assert torch.equal(rows, other), f"T={T} {cfg}: {int((rows != other).sum())} elements differ"
-
-
-@pytest.mark.parametrize("T", [1, 9, 64])
-def test_moe_frag_down_prefetch_same_bits(poisoned, T):
-    """The gate/up programs asking L2 for the down GEMM's first blocks as they finish (FragMoEConfig.PF2, a hint) leave
-    every bit as it is, whatever the blocks asked (one, some, more than a tile holds), at K2 shapes on the engine's
-    tiled words and scales, with unowned experts at T = 9; without tiled words it is refused by name."""
-    x, w, ids, tw, ref = _moe_case(E=16, H=7168, I=2048, T=T, topk=8, unowned=T == 9)
-    q13, s13, q2, s2 = w
-    q13, q2 = frag_tile(q13, frag_gpb(7168), 64), frag_tile(q2, frag_gpb(2048), 64)
-    s13, s2 = scale_tile(s13, frag_gpb(7168), 64), scale_tile(s2, frag_gpb(2048), 64)
-    base = fused_moe_frag(x, q13, s13, q2, s2, ids, tw, G, None, tile=64, stile=64)
-    _check(base, ref, TOL, f"moe frag T={T}")
-    table = FragMoEConfig(BLOCK_M=8) if T <= 9 else FragMoEConfig(BLOCK_M=16)
-    for pf in (1, 3, 8, 20):
-        got = fused_moe_frag(x, q13, s13, q2, s2, ids, tw, G, replace(table, PF2=pf), tile=64, stile=64)
-        assert torch.equal(got, base), f"T={T} PF2={pf}: {int((got != base).sum())} elements differ"
-    with pytest.raises(ValueError, match="PF2"):
-        fused_moe_frag(x, *w, ids, tw, G, replace(table, PF2=2))

@@ -10,8 +10,7 @@ from kdtree_engine.kernels.w4_frag import X_LOADS
 
 @pytest.mark.parametrize("field,value", [("XLOAD", "registers"), ("XLOAD2", "shared"), ("XLOAD", None),
                                          ("BLOCK_M", 24), ("EPI_BLOCK", 100), ("EPI_BLOCK", 64),
-                                         ("MAXNREG13", 8), ("MAXNREG2", 300), ("P13", 0), ("P2", -3),
-                                         ("PF2", -1)])
+                                         ("MAXNREG13", 8), ("MAXNREG2", 300), ("P13", 0), ("P2", -3)])
 def test_bad_fields_are_refused_by_name(field, value):
     with pytest.raises(ValueError, match=field):
         FragMoEConfig(**{field: value})
