@@ -116,8 +116,8 @@ BF16X3_SPLITS = 8
 
 def split_bf16x3(w: torch.Tensor) -> torch.Tensor:
     """float32 w [N, K] -> bf16 [3, N, K] = (lo, mid, hi): hi = bf16(w), mid = bf16(w - hi), lo = bf16(w - hi - mid),
-    each difference exact in float32, so hi + mid + lo == w for every normal float32 (24 significant bits, 8 per
-    part; tests/kernels/test_router_bf16x3.py)."""
+    each difference exact in float32, so hi + mid + lo == w wherever lo stays a normal number, i.e. for |w| >= 2^-100
+    (24 significant bits, 8 per part; tests/kernels/test_router_bf16x3.py); below that lo loses its last bits."""
     if w.dim() != 2 or w.dtype != torch.float32:
         raise ValueError(f"split_bf16x3: a float32 [N, K] weight, got {tuple(w.shape)} {w.dtype}")
     hi = w.to(torch.bfloat16)

@@ -31,8 +31,11 @@ def _fresh(seed: int | None = None) -> torch.Generator:
 
 
 def test_split_is_exact_over_the_float32_range():
+    """hi + mid + lo == w for magnitudes from 2^-100 to 2^100 (fresh values each run: signs, exponents, mantissas)."""
     g = _fresh()
-    w = torch.randn(64, 257, generator=g) * torch.pow(2.0, torch.randint(-100, 100, (64, 257), generator=g).float())
+    mant = 1.0 + torch.rand(64, 257, generator=g)                       # [1, 2)
+    sign = torch.where(torch.rand(64, 257, generator=g) < 0.5, -1.0, 1.0)
+    w = sign * mant * torch.pow(2.0, torch.randint(-100, 100, (64, 257), generator=g).float())
     p = split_bf16x3(w)
     assert p.shape == (3, 64, 257) and p.dtype == torch.bfloat16
     assert torch.equal((p[2].float() + p[1].float()) + p[0].float(), w)
