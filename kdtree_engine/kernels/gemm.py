@@ -329,6 +329,39 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, M: int, N: int,
     return out
 
 
+def bi_shared_x_partials(x: torch.Tensor, w: torch.Tensor, reduction: Reduction) -> torch.Tensor:
+    """Split partials of one activation against B weights: x [M, K], w [B, N, K] (16-bit, the same dtype) -> float32
+    [B * S, M, N], partial b * S + s = x @ w[b].T over split s's k (S = reduction.n_splits(K)), left unsummed for the
+    caller to add in its own order. Batch-invariant like bi_linear: a row's partials do not depend on M."""
+    if x.dim() != 2 or w.dim() != 3 or x.shape[1] != w.shape[2]:
+        raise ValueError(f"bi_shared_x_partials: x [M, K] and w [B, N, K] with the same K, got {tuple(x.shape)} and "
+                         f"{tuple(w.shape)}")
+    if x.dtype not in (torch.bfloat16, torch.float16) or w.dtype != x.dtype:
+        raise TypeError(f"bi_shared_x_partials: 16-bit activations and weights of one dtype, got x {x.dtype}, "
+                        f"w {w.dtype}")
+    if x.device != w.device:
+        raise ValueError(f"bi_shared_x_partials: x on {x.device}, w on {w.device}")
+    M, K = x.shape
+    B, N = w.shape[0], w.shape[1]
+    S = reduction.n_splits(K) if K else 1
+    out = torch.empty((B * S, M, N), device=x.device, dtype=torch.float32)
+    if M == 0 or N == 0 or B == 0:
+        return out
+    if K == 0:
+        return out.zero_()
+    x = x if x.stride(1) == 1 else x.contiguous()
+    w = w.contiguous()
+    t = tile_for(M, x.dtype)
+    interp = interpreting()
+    # partial (b, s) at out[b * S + s]: head stride S * M * N, split stride M * N
+    _bi_gemm_kernel[(triton.cdiv(M, t.BLOCK_M), triton.cdiv(N, t.BLOCK_N), B * S)](
+        x, w, out, M, N, K, reduction.k_per_split(K), S, 0, x.stride(0), 1, N * K, K, 1, S * M * N, N, 1, M * N,
+        BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N, BLOCK_K=reduction.BLOCK_K, UPCAST=interp,
+        INTERP_SUM=interp and _interp_mode() == "sum", PREC="ieee" if interp else "tf32", OUT_F32=True,
+        num_warps=t.num_warps, num_stages=t.num_stages, **pdl_launch(pdl_supported(x.device)))
+    return out
+
+
 def head_tile_for(M: int, dtype: torch.dtype, N: int, K: int) -> Tile:
     """Output tiling of a per-head GEMM of M rows over [N, K] heads (HEAD_TILES, else tile_for's)."""
     own = _bucket(HEAD_TILES.get((N, K), []), M) if dtype != torch.float32 else None
@@ -376,4 +409,4 @@ def bi_head_linear(x: torch.Tensor, w: torch.Tensor, *, tile: Tile | None = None
 
 __all__ = ["Reduction", "Tile", "K2_CONFIGS", "TILES_16BIT", "TILES_FP32", "reduction_for", "tile_for",
            "HEAD_TILES", "head_tile_for", "head_reduction_for", "bi_linear", "bi_linear_reference", "bi_head_linear",
-           "bi_head_linear_reference", "interpreting"]
+           "bi_head_linear_reference", "bi_shared_x_partials", "interpreting"]

@@ -133,35 +133,13 @@ def router_logits_bf16x3(x: torch.Tensor, parts: torch.Tensor) -> torch.Tensor:
     BF16X3_BLOCK_K steps). Their sum in index order (route's split partials) is the logits. The bf16 products of x
     and each part are exact, so the error is the float32 accumulation's alone (about a float32 GEMM's).
     Batch-invariant: a row's partials do not depend on M."""
-    from .gemm import Reduction, _bi_gemm_kernel, _interp_mode, interpreting, tile_for
+    from .gemm import Reduction, bi_shared_x_partials
     if x.dim() != 2 or parts.dim() != 3 or parts.shape[0] != 3 or x.shape[1] != parts.shape[2]:
         raise ValueError(f"router_logits_bf16x3: x [M, K] and parts [3, N, K] with the same K, got "
                          f"{tuple(x.shape)} and {tuple(parts.shape)}")
     if x.dtype != torch.bfloat16 or parts.dtype != torch.bfloat16:
         raise TypeError(f"router_logits_bf16x3: bfloat16 activations and parts, got x {x.dtype}, parts {parts.dtype}")
-    if x.device != parts.device:
-        raise ValueError(f"router_logits_bf16x3: x on {x.device}, parts on {parts.device}")
-    M, K = x.shape
-    N = parts.shape[1]
-    red = Reduction(BLOCK_K=BF16X3_BLOCK_K, split_k=BF16X3_SPLITS)
-    S = red.n_splits(K) if K else 1
-    out = torch.empty((3 * S, M, N), device=x.device, dtype=torch.float32)
-    if M == 0 or N == 0:
-        return out
-    if K == 0:
-        return out.zero_()
-    x = x if x.stride(1) == 1 else x.contiguous()
-    parts = parts.contiguous()
-    t = tile_for(M, x.dtype)
-    interp = interpreting()
-    pdl = pdl_supported(x.device)
-    # partial (part b, split k) at out[b * S + k]: the kernel's head stride S * M * N, split stride M * N
-    _bi_gemm_kernel[(triton.cdiv(M, t.BLOCK_M), triton.cdiv(N, t.BLOCK_N), 3 * S)](
-        x, parts, out, M, N, K, red.k_per_split(K), S, 0, x.stride(0), 1, N * K, K, 1, S * M * N, N, 1, M * N,
-        BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N, BLOCK_K=red.BLOCK_K, UPCAST=interp,
-        INTERP_SUM=interp and _interp_mode() == "sum", PREC="ieee" if interp else "tf32", OUT_F32=True,
-        num_warps=t.num_warps, num_stages=t.num_stages, **pdl_launch(pdl))
-    return out
+    return bi_shared_x_partials(x, parts, Reduction(BLOCK_K=BF16X3_BLOCK_K, split_k=BF16X3_SPLITS))
 
 
 def router_logits_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
