@@ -292,9 +292,11 @@ def router_matmul(x: torch.Tensor, w: torch.Tensor, partials: bool = False,
         parts = router_logits_bf16x3(x, bf16x3())
         if partials:
             return parts
-        logits = parts[0].clone()
-        for p in parts[1:]:   # in index order, as the router tail adds them
-            logits += p
+        from .pdl import pdl_supported
+        from .split_sum import split_sum
+        logits = torch.empty(parts.shape[1:], device=x.device, dtype=torch.float32)
+        if logits.numel():   # the partials in index order, as the router tail adds them
+            split_sum(parts, logits, parts.shape[0], pdl=pdl_supported(x.device))
         return logits
     from .router_gemm import router_logits
     return router_logits(x, w, partials=partials)

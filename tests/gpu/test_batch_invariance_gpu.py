@@ -12,6 +12,7 @@ import torch
 
 from kdtree_engine.kernels.gemm import Tile, bi_linear, reduction_for, tile_for
 from kdtree_engine.kernels.rmsnorm import bi_rmsnorm, rmsnorm_reference
+from tests.gpu.graph_replay import replays_match_eager
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -176,15 +177,4 @@ def test_bi_linear_dependent_launch_reads_fresh_input_in_graphs(name):
     N, K = K2_SHAPES[name]
     w = _rand(N, K, dtype=torch.bfloat16, scale=0.02)
     for M in (1, 5):
-        src = _rand(M, K, dtype=torch.bfloat16)
-        xb = torch.empty_like(src)
-        torch.mul(src, 1.0, out=xb)
-        bi_linear(xb, w)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            torch.mul(src, 1.0, out=xb)     # a kernel writing the GEMM's input
-            y = bi_linear(xb, w)
-        for r in range(6):
-            src.copy_(_rand(M, K, dtype=torch.bfloat16))
-            graph.replay()
-            assert torch.equal(y, bi_linear(src.clone(), w)), f"{name} M={M} replay {r} differs from eager"
+        replays_match_eager(lambda x: bi_linear(x, w), M, K, 6, name)

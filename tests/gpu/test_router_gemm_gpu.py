@@ -13,6 +13,7 @@ import torch
 
 from kdtree_engine.kernels.router_gemm import (RouterGemmConfig, router_config, router_logits, router_logits_bf16x3,
                                                 split_bf16x3)
+from tests.gpu.graph_replay import replays_match_eager
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -69,18 +70,7 @@ def test_router_logits_dependent_launch_reads_fresh_input_in_graphs(name):
     w = _rand(N, K, scale=K ** -0.5)
     cfg = CONFIGS[name] or router_config(N, K)
     for M in (1, 5, 40):
-        src = _rand(M, K, dtype=torch.bfloat16)
-        xb = torch.empty_like(src)
-        torch.mul(src, 1.0, out=xb)
-        router_logits(xb, w, config=cfg)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            torch.mul(src, 1.0, out=xb)     # a kernel writing the router's input
-            y = router_logits(xb, w, config=cfg)
-        for r in range(6):
-            src.copy_(_rand(M, K, dtype=torch.bfloat16))
-            graph.replay()
-            assert torch.equal(y, router_logits(src.clone(), w, config=cfg)), f"M={M} replay {r} differs from eager"
+        replays_match_eager(lambda x: router_logits(x, w, config=cfg), M, K, 6, name)
 
 
 @pytest.mark.parametrize("M", [1, 5, 64])
@@ -138,18 +128,7 @@ def test_bf16x3_router_in_graphs_and_through_the_tail():
     bias = _rand(N, scale=0.05)
     args = (bias, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor)
     for M in (1, 5, 64):
-        src = _rand(M, K, dtype=torch.bfloat16)
-        xb = torch.empty_like(src)
-        torch.mul(src, 1.0, out=xb)
-        router_logits_bf16x3(xb, parts)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            torch.mul(src, 1.0, out=xb)
-            y = router_logits_bf16x3(xb, parts)
-        for r in range(4):
-            src.copy_(_rand(M, K, dtype=torch.bfloat16))
-            graph.replay()
-            assert torch.equal(y, router_logits_bf16x3(src.clone(), parts)), f"M={M} replay {r} differs from eager"
+        y = replays_match_eager(lambda x: router_logits_bf16x3(x, parts), M, K, 4, "bf16x3")
         logits = y[0].clone()
         for p in y[1:]:
             logits += p
