@@ -14,9 +14,10 @@ Each round's choice is
   moving averages over rounds (:class:`AcceptanceCalibration`). An over-confident drafter gets
   ``c < 1`` and smaller trees.
 * ``t_verify(n)`` is the verify cost curve of this model on this device and dtype, measured once
-  per process over a small grid of node counts with a dummy cache of about the request's length,
-  interpolated piecewise linearly (:class:`VerifyCostModel`), and rescaled by the running ratio of
-  observed to predicted verify times (the dummy run cannot see the real routing or context).
+  per process over a small grid of node counts with a dummy cache of about the request's length
+  (interleaved passes over the grid, the fastest run of each size: robust to other work on the
+  machine), interpolated piecewise linearly (:class:`VerifyCostModel`), and rescaled by the running
+  ratio of observed to predicted verify times (the dummy run cannot see the real routing or context).
 * ``t_draft`` and ``t_overhead`` (tree build + commit) are running averages of the stage timers.
 
 The choice only changes which tree is verified, never how tokens are accepted, so greedy output
@@ -28,7 +29,6 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-import statistics
 import time
 import weakref
 from collections import Counter
@@ -196,11 +196,20 @@ class VerifyCostModel:
     def measure(cls, target: Any, *, context: int, max_nodes: int, grid: Sequence[int] | None = None,
                 warmup: int = 1, repeats: int = 5, seed: int = 0) -> "VerifyCostModel":
         """Time ``target`` verifying n random tokens (a chain, ancestor-only mask) after ``context``
-        cached tokens, for each n in ``grid`` (default :func:`default_grid`): ``warmup`` untimed
-        runs, then the median of ``repeats``, the device synchronized around each. The curve is
-        made non-decreasing (a running maximum): more nodes never cost less, a dip is noise."""
+        cached tokens, for each n in ``grid`` (default :func:`default_grid`), the device synchronized
+        around each call: ``warmup`` untimed passes over the grid, then ``repeats`` timed passes.
+
+        Robust to other work on the machine (a shared CPU, another process on the GPU), whose
+        interference only ever adds time: each pass visits every n (forward, then backward on the
+        next pass), so a slow phase lands on all sizes instead of on one; each n keeps the fastest of
+        its runs; and the curve is made non-decreasing from the right (t(n) = the least time at n or
+        above), since more nodes never cost less and a point above a larger one carries noise. (A
+        running maximum from the left would spread one slow small-n point over the whole curve, which
+        then reads as flat and sends the chooser to the largest tree.)"""
         cfg, dev = target.cfg, target.device
         grid = sorted(set(int(n) for n in (grid or default_grid(max_nodes))))
+        if warmup < 0 or repeats < 1:
+            raise ValueError(f"verify cost measure: warmup must be >= 0 and repeats >= 1, got {warmup}, {repeats}")
         top = grid[-1]
         context = max(1, min(int(context), cfg.max_position_embeddings - top - 1))
         g = torch.Generator().manual_seed(seed)
@@ -210,21 +219,28 @@ class VerifyCostModel:
             cache.commit_all()
         else:
             target(torch.randint(0, cfg.vocab_size, (context,), generator=g).to(dev), cache)
-        pts: dict[int, float] = {}
+        calls = {}
         for n in grid:
             ids = torch.randint(0, cfg.vocab_size, (n,), generator=g).to(dev)
             pos = torch.arange(context, context + n, device=dev)
             mask = torch.ones((n, n), dtype=torch.bool, device=dev).tril()
-            times = []
-            for i in range(warmup + repeats):
+            calls[n] = (ids, pos, mask)
+        best = {n: math.inf for n in grid}
+        for p in range(warmup + repeats):
+            for n in (grid if p % 2 == 0 else grid[::-1]):
+                ids, pos, mask = calls[n]
                 _sync(dev)
                 t0 = time.perf_counter()
                 target(ids, cache, positions=pos, tree_mask=mask)
                 _sync(dev)
-                if i >= warmup:
-                    times.append(time.perf_counter() - t0)
+                if p >= warmup:
+                    best[n] = min(best[n], time.perf_counter() - t0)
                 cache.crop(context)  # drop the pending tree entries
-            pts[n] = max(statistics.median(times), max(pts.values(), default=0.0))
+        pts: dict[int, float] = {}
+        floor = math.inf
+        for n in reversed(grid):
+            floor = min(floor, best[n])
+            pts[n] = floor
         return cls(pts, source="measured", context=context)
 
 

@@ -192,6 +192,100 @@ def test_measured_curve_is_cached_per_model_device_dtype():
     assert VerifyCostModel.measure(toy, context=4, max_nodes=4, repeats=1).max_nodes == 4
 
 
+class _Clock:
+    """A fake time.perf_counter: seconds pass only when the timed target runs."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+class _TimedCache:
+    def __init__(self) -> None:
+        self.length = 0
+
+    def reserve(self, n: int) -> None:
+        self.length += n
+
+    def commit_all(self) -> None:
+        pass
+
+    def crop(self, n: int) -> None:
+        self.length = n
+
+
+class _TimedTarget:
+    """A target whose verify of n tokens takes cost(n) seconds of the fake clock, plus what ``extra`` (call
+    index -> seconds) adds: the interference of other work on the machine, which only ever adds time."""
+
+    def __init__(self, clock: _Clock, cost, extra) -> None:
+        self.cfg = preset("k2-tiny")
+        self.device = torch.device("cpu")
+        self.clock, self.cost, self.extra = clock, cost, extra
+        self.sizes: list[int] = []
+
+    def new_cache(self, capacity: int) -> _TimedCache:
+        return _TimedCache()
+
+    def __call__(self, ids, cache, positions=None, tree_mask=None):
+        n = len(ids)
+        assert tree_mask.shape == (n, n) and positions[0].item() == cache.length
+        self.clock.now += self.cost(n) + self.extra(len(self.sizes))
+        self.sizes.append(n)
+
+
+def _measure_timed(monkeypatch, cost, extra, repeats=5, max_nodes=257):
+    from kdtree_engine.spec import budget
+    clock = _Clock()
+    monkeypatch.setattr(budget, "time", clock)
+    target = _TimedTarget(clock, cost, extra)
+    return VerifyCostModel.measure(target, context=40, max_nodes=max_nodes, warmup=1, repeats=repeats), target
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_measured_curve_survives_a_slow_phase(monkeypatch, seed):
+    """A slow phase of the machine (fresh random start, length and size) covering up to a whole pass of the grid,
+    plus random spikes that leave each size at least one clean run, costs the curve nothing: each size keeps its
+    fastest run of interleaved passes. Under the earlier estimator (all repeats of one size in a row, their median,
+    then a running maximum) the same phase over the small sizes made the curve flat and the chooser took the
+    largest tree."""
+    g = torch.Generator().manual_seed(seed)
+    grid = default_candidates(257)
+    cost = lambda n: 5e-3 + 2e-4 * n  # noqa: E731  seconds: steep, so the best budget is small
+    calls = (1 + 5) * len(grid)
+    start = int(torch.randint(len(grid), calls - 2 * len(grid), (1,), generator=g))   # within the timed passes
+    slow = set(range(start, start + int(torch.randint(1, len(grid) + 1, (1,), generator=g))))
+    spikes = set(torch.randint(0, calls, (4,), generator=g).tolist())
+    level = float(torch.empty(()).uniform_(0.5, 5.0, generator=g))   # seconds: far above every true cost
+
+    def extra(i):
+        return level if i in slow or i in spikes else 0.0
+
+    m, target = _measure_timed(monkeypatch, cost, extra)
+    assert sorted(Counter(target.sizes).items()) == [(n, 6) for n in grid]   # 1 warm-up + 5 timed passes each
+    assert target.sizes[:2 * len(grid)] == list(grid) + list(grid)[::-1]     # passes alternate direction
+    clean = {n for n in grid if any(extra(i) == 0.0 for i, s in enumerate(target.sizes) if s == n and
+                                    i >= len(grid))}
+    assert clean == set(grid)   # the setting leaves every size a clean timed run
+    assert [n for n, _ in m.points()] == list(grid)
+    assert [t for _, t in m.points()] == pytest.approx([cost(n) for n in grid], rel=1e-9)
+    true = AutoBudget(VerifyCostModel({n: cost(n) for n in grid}), 256)
+    assert AutoBudget(m, 256).choose(_peaked_lp()) == true.choose(_peaked_lp()) < 16
+
+
+def test_measured_curve_is_non_decreasing_from_the_right(monkeypatch):
+    """A size slowed in every one of its runs cannot cost more than a larger size: the curve takes the least
+    time at that size or above (the true cost never falls as the tree grows)."""
+    m, target = _measure_timed(monkeypatch, lambda n: 1e-3 * n + (1.0 if n == 2 else 0.0), lambda i: 0.0,
+                               repeats=3, max_nodes=8)
+    assert [n for n, _ in m.points()] == [1, 2, 4, 8]
+    assert [t for _, t in m.points()] == pytest.approx([1e-3, 4e-3, 4e-3, 8e-3], rel=1e-9)
+    with pytest.raises(ValueError, match="repeats"):
+        VerifyCostModel.measure(target, context=40, max_nodes=8, repeats=0)
+
+
 def test_spec_config_accepts_auto():
     assert SpecConfig(method="ddtree", budget="auto").budget == "auto"
     with pytest.raises(SpecError, match="'budget'"):
