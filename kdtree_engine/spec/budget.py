@@ -219,7 +219,7 @@ class VerifyCostModel:
             cache.commit_all()
         else:
             target(torch.randint(0, cfg.vocab_size, (context,), generator=g).to(dev), cache)
-        calls = {}
+        calls: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}   # n -> (ids, positions, mask)
         for n in grid:
             ids = torch.randint(0, cfg.vocab_size, (n,), generator=g).to(dev)
             pos = torch.arange(context, context + n, device=dev)
