@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU tests and benchmarks, logs and results packed under $OUT; one device call runs one part.
-#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|next|chain|sample|rounds|decode|step|verify|resume|ncu|plane|merge|merge2|merge3|sample2|fork|last|plane2|rows|kload|lazy|rounds2|maxnreg|qsplit|stages|down|bm8|m64|merge4|merge5|final2|moerows|moe16|moe16b|router|router2|router3|final3|frag|frag2|frag3|frag4|frag5|frag7|frag8|xsm|xsm2|xsm3|xsm4|xsm5|xsm6|router4|arrive|tune2|direct|epi|pdl|pdl2|pdl3|rgemv|rgemv2|pdl4|pdl5|shared|final4|spec4|prof|round5|round6|round7|tiled|tiled2|tiled3|tiled4|tiled5|tiled6|tiled7|tiled8|wg|wg2|wide|wg3|wg4|wg5|ring|router5|wide64|wg8|wg8b|warps8|final5|moe8|small|small2|small3|small4|small5|take|chunk|wgdec|wgdec2|wgfin|wgfin2|wgprof|wgq|wgref|wground|ncuw4|tma|tma2|gsweep|wgtest|wgslice|wgslice2|slicefin|wgpipe|ncutree|wgqs2|wgfin3|wgbench|tailmerge|ltile|stream|stream2|stream3|streamfin|ncumoe|moestream|moestream2|chunks|chunks2|pairs|pairs2|pairs3|prefetch|bounds|fuse|fuse8|rside|rside2|final6|review2|ahead|stalls|heads|tline|tail|final7|final7b|stail|route|order|final8|final8b|rounds8|rstep|window|ctx|tailvs|vwg|vwg2|vwg3|vwg4|vwg5|vwg6|moegrid|stile|stile2|stile3|stile4|rwarps|review|pf|early|early2|srcstall|again|l2|clocks|bf16x3|rside3|final9|final9b|before3]   (on the GPU machine, from the repository root)
+#   bash scripts/gpu_suite.sh [all|tune|check|bench|finish|w4|sweep|kcheck|final|probe|adopt|drafter|vsplit|close|next|chain|sample|rounds|decode|step|verify|resume|ncu|plane|merge|merge2|merge3|sample2|fork|last|plane2|rows|kload|lazy|rounds2|maxnreg|qsplit|stages|down|bm8|m64|merge4|merge5|final2|moerows|moe16|moe16b|router|router2|router3|final3|frag|frag2|frag3|frag4|frag5|frag7|frag8|xsm|xsm2|xsm3|xsm4|xsm5|xsm6|router4|arrive|tune2|direct|epi|pdl|pdl2|pdl3|rgemv|rgemv2|pdl4|pdl5|shared|final4|spec4|prof|round5|round6|round7|tiled|tiled2|tiled3|tiled4|tiled5|tiled6|tiled7|tiled8|wg|wg2|wide|wg3|wg4|wg5|ring|router5|wide64|wg8|wg8b|warps8|final5|moe8|small|small2|small3|small4|small5|take|chunk|wgdec|wgdec2|wgfin|wgfin2|wgprof|wgq|wgref|wground|ncuw4|tma|tma2|gsweep|wgtest|wgslice|wgslice2|slicefin|wgpipe|ncutree|wgqs2|wgfin3|wgbench|tailmerge|ltile|stream|stream2|stream3|streamfin|ncumoe|moestream|moestream2|chunks|chunks2|pairs|pairs2|pairs3|prefetch|bounds|fuse|fuse8|rside|rside2|final6|review2|ahead|stalls|heads|tline|tail|final7|final7b|stail|route|order|final8|final8b|rounds8|rstep|window|ctx|tailvs|vwg|vwg2|vwg3|vwg4|vwg5|vwg6|moegrid|stile|stile2|stile3|stile4|rwarps|review|pf|early|early2|srcstall|again|l2|clocks|bf16x3|rside3|final9|final9b|before3|wgasync]   (on the GPU machine, from the repository root)
 #   tune   the W4A16 config sweep, the bitwise and CUDA-graph GPU tests, the demo's spec benchmark
 #   check  the remaining GPU tests (kernels, batch invariance, target, attention), kernel and round benches
 #   bench  the benchmarks with long runs (K2 step, attention, GEMM)
@@ -306,6 +306,9 @@
 #   final9b the K2 layer with its timeline on this round's final code (the tensor-core router)
 #   before3 with the tensor-core router: the K2 layer at 1 / 4 / 8 nodes with the shared expert before the router
 #          (KDTREE_MOE_SHARED=before) and as it is (the router beside it up to 8 tokens), alternating
+#   wgasync the dense fragment kernel with one wgmma chain in flight (frag_linear mma 'wgmma-async', opt-in): its
+#          same-bits and reference GPU tests, its candidates beside the engine's plan (bench/w4_frag.py --only async,
+#          M = 1 .. 256), the offline compile report on the device's triton (bench/frag_aot.py)
 #   (pf2, at commit 7c9777c only: the gate/up programs asking L2 for the down GEMM's first K blocks, FragMoEConfig.PF2)
 #   (pairs13, at commit 177f263 only: the MoE K loops two blocks per trip, FragMoEConfig.PAIRS13 / PAIRS2)
 #   pf     blocks of the fragment kernels' words and scales asked of L2 ahead of the one in use: candidates beside the
@@ -939,6 +942,11 @@ if [[ $PART == before3 ]]; then
     step "bench_k2_before_$i" 50 env KDTREE_MOE_SHARED=before python3 bench/k2_step.py --nodes 1,4,8 \
       --out "$RES/k2_before_$i"
   done
+fi
+if [[ $PART == wgasync ]]; then
+  step pytest_wgasync 330 $PYT tests/gpu/test_w4_frag_gpu.py -k "stream_partition or wgmma"
+  step bench_wgasync 200 python3 bench/w4_frag.py --no-moe --ms 1,4,16,32,64,256 --only async --out "$RES"
+  step frag_aot 60 python3 bench/frag_aot.py --out "$RES"
 fi
 if [[ $PART == final8b ]]; then
   step pytest_graph 250 $PYT tests/gpu/test_graph_round_gpu.py tests/spec/test_spec_gpu.py

@@ -2,7 +2,9 @@
 registers of an mma.sync A operand, dequantized there, and never pass through shared memory.
 Programs of more than 16 tokens use the same registers as the A operand of a warpgroup MMA (wgmma; one or two
 warpgroups per program), with the activations its shared-memory B operand (_frag_loop_wg); wgmma and mma.sync
-give the same bits.
+give the same bits. frag_linear(mma="wgmma-async") runs that loop with one wgmma chain in flight while the next 64 k
+are dequantized (_frag_loop_wga; opt-in: compiled and checked offline, bench/frag_aot.py, its GPU tests and
+timings still to run).
 
 The default kernel (`kdtree_engine/kernels/w4a16.py`) dequantizes a tile in registers, stores it to shared
 memory and reloads it in the MMA's operand layout: ~5 bytes of shared-memory traffic per weight, the limit
@@ -50,6 +52,8 @@ LANES_T = 4          # threads of one MMA row group that share a row (lane % 4)
 #   smem        16 bytes per thread (x_layout), relabelled into the operand through shared memory, at use
 #   smem-ahead  the same, one block ahead like the weights
 X_LOADS = {"operand": (False, False), "smem": (True, False), "smem-ahead": (True, True)}
+# the MMAs of a dense program (frag_linear's mma): mma.sync, synchronous wgmma, wgmma with one chain in flight
+MMAS = ("sync", "wgmma", "wgmma-async")
 
 
 def frag_perm(gpb: int) -> torch.Tensor:
@@ -197,7 +201,8 @@ try:  # Gluon exists in triton >= 3.5; the kernels need it, the repack above doe
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
     from triton.runtime.jit import constexpr_function
     cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier   # renamed in triton 3.7
     HAVE_GLUON = True
@@ -459,6 +464,79 @@ if HAVE_GLUON:
         return acc0, acc1
 
     @gluon.jit
+    def _groups4(t, WSUB: gl.constexpr, BN: gl.constexpr):
+        """A block's words or scales [BN, 4, 8] -> the four [BN, 4, 2] of its groups (0, 1), (2, 3), (4, 5),
+        (6, 7), in WSUB (word_layout at 2 groups per block): the groups are register bits, so no data moves."""
+        t = gl.reshape(t, [BN, 4, 2, 2, 2])          # g = 4 j1 + 2 j0 + c; sub-block j = 2 j1 + j0
+        t = gl.permute(t, (0, 1, 4, 2, 3))            # [BN, 4, c, j1, j0]
+        e, o = gl.split(t)                            # j0 = 0 / 1: [BN, 4, c, j1]
+        g0, g2 = gl.split(e)
+        g1, g3 = gl.split(o)
+        return (gl.convert_layout(g0, WSUB, assert_trivial=True), gl.convert_layout(g1, WSUB, assert_trivial=True),
+                gl.convert_layout(g2, WSUB, assert_trivial=True), gl.convert_layout(g3, WSUB, assert_trivial=True))
+
+    @gluon.jit
+    def _wga_sub(acc, a_prev, w, s, buf, j: gl.constexpr, AL: gl.constexpr, BN: gl.constexpr):
+        """Sub-block j (k 64 j .. 64 j + 63 of the block): its weights dequantized while the chain before it
+        runs, its asynchronous wgmma chain (4 x k16) issued, then the chain before it waited for (a_prev, its
+        register A operand, kept alive until then). Returns (acc, this chain's A operand), this chain in flight."""
+        a = _dequant_frag(w, s, AL, BN, 64)
+        acc = warpgroup_mma(a, buf.slice(64 * j, 64, dim=1).permute((1, 0)), acc, is_async=True)
+        acc, a_prev = warpgroup_mma_wait(num_outstanding=1, deps=[acc, a_prev])
+        return acc, a
+
+    @gluon.jit
+    def _wga_block(acc, a_prev, w, s, buf, AL: gl.constexpr, WSUB: gl.constexpr, BN: gl.constexpr):
+        """One block of 8 groups in four sub-blocks (_wga_sub): one wgmma chain in flight while the next
+        sub-block is dequantized. Returns (acc, the last chain's A operand), the last chain in flight."""
+        w0, w1, w2, w3 = _groups4(w, WSUB, BN)
+        s0, s1, s2, s3 = _groups4(s, WSUB, BN)
+        acc, a_prev = _wga_sub(acc, a_prev, w0, s0, buf, 0, AL, BN)
+        acc, a_prev = _wga_sub(acc, a_prev, w1, s1, buf, 1, AL, BN)
+        acc, a_prev = _wga_sub(acc, a_prev, w2, s2, buf, 2, AL, BN)
+        acc, a_prev = _wga_sub(acc, a_prev, w3, s3, buf, 3, AL, BN)
+        return acc, a_prev
+
+    @gluon.jit
+    def _frag_loop_wga(acc, w0, s0, x_ptrs, x_mask, nblk, xs, AL: gl.constexpr, WSUB: gl.constexpr,
+                       BN: gl.constexpr, GPB: gl.constexpr, WAIT: gl.constexpr, TILE: gl.constexpr,
+                       STILE: gl.constexpr = 0):
+        """_frag_loop_wg with asynchronous MMAs (GPB 8): each block's MMAs in four sub-blocks of 64 k, one
+        wgmma chain in flight while the next sub-block is dequantized (_wga_block), so the tensor cores run
+        beside the dequantization. The same MMAs on the same values in the same k order as the synchronous
+        loop (the same bits). The activations of block i sit in xs[i % 2]; block i + 1's are stored into the
+        other buffer after block i's chains are issued, when the only chain in flight reads xs[i % 2] (every
+        chain of block i - 1 was waited for inside block i). One block of words, scales and activations in
+        flight ahead of the one in use."""
+        BK: gl.constexpr = 32 * GPB
+        WSTEP: gl.constexpr = 4 * GPB * (TILE if TILE else 1)
+        SSTEP: gl.constexpr = GPB * (STILE if STILE else 1)
+        cw = gl.load(w0)
+        cs = gl.load(s0)
+        if WAIT:
+            pdl_wait_gl()
+        xs.index(0).store(gl.load(x_ptrs, mask=x_mask, other=0.0))
+        fence_async_shared()
+        cta_barrier()
+        a_last = gl.zeros([BN, 64], gl.bfloat16, layout=AL)   # no chain before the first: its wait is a no-op
+        for i in range(nblk - 1):
+            w0 += WSTEP
+            s0 += SSTEP
+            x_ptrs += BK
+            nw = gl.load(w0)
+            ns = gl.load(s0)
+            nx = gl.load(x_ptrs, mask=x_mask, other=0.0)
+            acc, a_last = _wga_block(acc, a_last, cw, cs, xs.index(i % 2), AL, WSUB, BN)
+            xs.index((i + 1) % 2).store(nx)
+            fence_async_shared()
+            cta_barrier()
+            cw = nw
+            cs = ns
+        acc, a_last = _wga_block(acc, a_last, cw, cs, xs.index((nblk - 1) % 2), AL, WSUB, BN)
+        acc, a_last = warpgroup_mma_wait(num_outstanding=0, deps=[acc, a_last])
+        return acc
+
+    @gluon.jit
     def _stream_program(block, work, programs):
         """stream_program in the kernel: the program whose range holds global K block `block`."""
         return ((block + 1) * programs - 1) // work
@@ -469,7 +547,8 @@ if HAVE_GLUON:
                         TOK: gl.constexpr, MT: gl.constexpr, GPB: gl.constexpr, WL: gl.constexpr,
                         X_SMEM: gl.constexpr, X_AHEAD: gl.constexpr, PDL: gl.constexpr, TILE: gl.constexpr,
                         PT: gl.constexpr, SEGS: gl.constexpr, num_warps: gl.constexpr,
-                        WG: gl.constexpr = False, PAIRS: gl.constexpr = False, STILE: gl.constexpr = 0):
+                        WG: gl.constexpr = False, PAIRS: gl.constexpr = False, STILE: gl.constexpr = 0,
+                        ASYNC: gl.constexpr = False, WSUB: gl.constexpr = None):
         """grid (cdiv(M, TOK), programs): the stream partition of the work = (N / PT) x iters K blocks, row
         tile major (dense_partition), each PT-row tile in passes of BN rows. Program p takes global blocks
         [p * work // programs, (p + 1) * work // programs); each run of them within one row tile (a segment) is
@@ -509,9 +588,13 @@ if HAVE_GLUON:
                         rm = m0 + gl.arange(0, TOK, layout=gl.SliceLayout(1, XW))
                         x_ptrs = x_ptr + gl.expand_dims(rm, 1) * stride_xm + gl.expand_dims(rk, 0) + b0 * BK
                         cta_barrier()   # the buffers' last reader (another warpgroup's MMA) is done
-                        acc, unused = _frag_loop_wg(acc, acc, w_ptrs, s_ptrs, w_ptrs, s_ptrs, x_ptrs,
-                                                    gl.expand_dims(rm, 1) < M, nb, xs, False,
-                                                    wg_a_layout(TOK, num_warps), BN, GPB, PDL, TILE, STILE)
+                        if ASYNC:
+                            acc = _frag_loop_wga(acc, w_ptrs, s_ptrs, x_ptrs, gl.expand_dims(rm, 1) < M, nb, xs,
+                                                 wg_a_layout(TOK, num_warps), WSUB, BN, GPB, PDL, TILE, STILE)
+                        else:
+                            acc, unused = _frag_loop_wg(acc, acc, w_ptrs, s_ptrs, w_ptrs, s_ptrs, x_ptrs,
+                                                        gl.expand_dims(rm, 1) < M, nb, xs, False,
+                                                        wg_a_layout(TOK, num_warps), BN, GPB, PDL, TILE, STILE)
                     else:
                         # activations as the B operand [BK, TOK] (x^T), tokens >= M read as 0
                         rk = gl.arange(0, BK, layout=gl.SliceLayout(1, XL))
@@ -663,11 +746,30 @@ def token_mt(plan_mt: int, tok: int) -> int:
     return plan_mt if tok == 8 else 1
 
 
+def dense_constexprs(*, tok: int, mt: int, gpb: int, num_warps: int, xload: str, tile: int, pt: int, segs: int,
+                     mma: str, pairs: bool | None, stile: int) -> dict:
+    """The constexpr arguments of one _w4_frag_kernel launch (PDL aside), as frag_linear launches it
+    (bench/frag_aot.py compiles the same offline)."""
+    return dict(TOK=tok, MT=mt, GPB=gpb, WL=word_layout(num_warps, mt, gpb), X_SMEM=X_LOADS[xload][0],
+                X_AHEAD=X_LOADS[xload][1], TILE=tile, PT=pt, SEGS=segs, num_warps=num_warps, WG=mma != "sync",
+                PAIRS=token_pairs(tok, mt) if pairs is None else pairs, STILE=stile, ASYNC=mma == "wgmma-async",
+                WSUB=word_layout(num_warps, 1, 2) if mma == "wgmma-async" else None)
+
+
+def wgmma_async_maxnreg(tok: int) -> int | None:
+    """The register cap of 'wgmma-async' programs of `tok` tokens: up to 16 tokens, the registers that keep the
+    plan's DENSE_WARPS_PER_SM warps resident (128: 4 programs of 4 warps), which those programs fit without
+    spilling (offline, triton 3.6 / sm_90: 16 tokens 132 registers uncapped, 127 and no stack at 128; 8 tokens
+    114); wider programs none (32 tokens spill 80 bytes at 128; 64 tokens take 226 uncapped, against 255 and
+    144 bytes of stack for the synchronous loop)."""
+    return 65536 // (DENSE_WARPS_PER_SM * 32) if tok <= 16 else None
+
+
 def frag_linear(x: torch.Tensor, wq: torch.Tensor, s: torch.Tensor, *, gpb: int | None = None,
                 mt: int | None = None, num_warps: int | None = None, split: int | None = None,
                 programs: int | None = None, pt: int | None = None, tok: int | None = None,
                 xload: str = "smem-ahead", pdl: bool = True, tile: int = 0, mma: str | None = None,
-                pairs: bool | None = None, stile: int = 0) -> torch.Tensor:
+                pairs: bool | None = None, stile: int = 0, maxnreg: int | None = None) -> torch.Tensor:
     """y [M, N] = x [M, K] @ W^T, W the fragment-repacked int4 words wq [N, K/8] (frag_repack with
     frag_gpb(K) unless gpb is given) and bf16 scales s [N, K/32]; x bfloat16. Unset knobs follow dense_plan,
     token_tile, token_mt, token_mma and token_warps; programs: the stream partition's program
@@ -678,9 +780,12 @@ def frag_linear(x: torch.Tensor, wq: torch.Tensor, s: torch.Tensor, *, gpb: int 
     same bits); stile: 0 for row-major scales, else the rows per tile of scale_tile's order (the same bits);
     mma: "sync" (mma.sync, 8 / 16-token tiles) or "wgmma" (the dequantized weights the register A
     operand of a warpgroup MMA, the activations its shared-memory B operand; 4 or 8 warps: one or two
-    warpgroups, 1 tile per warp; the same bits); pairs: the mma.sync loop's two blocks per trip (None:
-    token_pairs; the same bits). The bits depend on the partition alone: any token tile, MMA, warps, loads and
-    word order give them."""
+    warpgroups, 1 tile per warp; the same bits) or "wgmma-async" (the same with one asynchronous MMA chain
+    in flight while the next 64 k are dequantized, _frag_loop_wga; GPB 8; the same bits); pairs: the mma.sync
+    loop's two blocks per trip (None:
+    token_pairs; the same bits); maxnreg: a register cap for the kernel (None: wgmma_async_maxnreg for
+    'wgmma-async', else the compiler's). The bits depend on the partition alone: any token tile, MMA, warps,
+    loads, word order and register cap give them."""
     if not HAVE_GLUON:
         raise RuntimeError("the fragment-ordered W4A16 kernels need triton.experimental.gluon (triton >= 3.5)")
     from kdtree_engine.kernels.split_sum import Partition, stream_sum
@@ -699,12 +804,15 @@ def frag_linear(x: torch.Tensor, wq: torch.Tensor, s: torch.Tensor, *, gpb: int 
     bn, bk = 16 * num_warps * mt, 32 * gpb
     if x.dtype != torch.bfloat16:
         raise TypeError(f"frag_linear: bfloat16 activations required, got {x.dtype}")
-    if mma not in ("sync", "wgmma"):
-        raise ValueError(f"frag_linear: mma must be 'sync' or 'wgmma', got {mma!r}")
-    if pairs and (mma == "wgmma" or mt != 1):
+    if mma not in MMAS:
+        raise ValueError(f"frag_linear: mma must be one of {MMAS}, got {mma!r}")
+    wg = mma != "sync"
+    if mma == "wgmma-async" and gpb != 8:
+        raise ValueError(f"frag_linear: mma 'wgmma-async' runs blocks of 8 groups (gpb 8), got gpb {gpb}")
+    if pairs and (wg or mt != 1):
         raise ValueError(f"frag_linear: pairs (two blocks per trip) is an mma.sync loop of one MMA tile per warp; got "
                          f"mma {mma}, mt {mt}")
-    if mma == "wgmma" and (num_warps not in (4, 8) or mt != 1 or tok not in (8, 16, 32, 64)):
+    if wg and (num_warps not in (4, 8) or mt != 1 or tok not in (8, 16, 32, 64)):
         raise ValueError(f"frag_linear: wgmma needs 4 or 8 warps, 1 tile per warp and 8/16/32/64 tokens per program; "
                          f"got {num_warps} warps, mt {mt}, tok {tok}")
     if xload not in X_LOADS:
@@ -718,6 +826,8 @@ def frag_linear(x: torch.Tensor, wq: torch.Tensor, s: torch.Tensor, *, gpb: int 
     if pt % bn or N % pt:
         raise ValueError(f"frag_linear: the partition's {pt}-row tiles must divide N={N} and be a multiple "
                          f"of the {bn}-row programs")
+    if maxnreg is None and mma == "wgmma-async":
+        maxnreg = wgmma_async_maxnreg(tok)
     tiles, iters = N // pt, K // bk
     if split is not None:
         if split < 1 or iters % split:
@@ -733,10 +843,9 @@ def frag_linear(x: torch.Tensor, wq: torch.Tensor, s: torch.Tensor, *, gpb: int 
     part = y if slots == 1 else torch.empty((slots, M, N), device=x.device, dtype=torch.float32)
     _w4_frag_kernel[(triton.cdiv(M, tok), programs)](
         x, wq, s, part, M, N, x.stride(0), wq.stride(0), s.stride(0), N, M * N, iters, tiles * iters, programs,
-        TOK=tok, MT=mt, GPB=gpb, WL=word_layout(num_warps, mt, gpb), X_SMEM=X_LOADS[xload][0],
-        X_AHEAD=X_LOADS[xload][1], TILE=tile, PT=pt, SEGS=segs, num_warps=num_warps, WG=mma == "wgmma",
-        PAIRS=token_pairs(tok, mt) if pairs is None else pairs, STILE=stile,
-        **pdl_launch(pdl))
+        **dense_constexprs(tok=tok, mt=mt, gpb=gpb, num_warps=num_warps, xload=xload, tile=tile, pt=pt, segs=segs,
+                           mma=mma, pairs=pairs, stile=stile),
+        **pdl_launch(pdl), **({"maxnreg": maxnreg} if maxnreg else {}))
     if slots > 1:
         stream_sum(part, y, slots, Partition(pt, tiles, iters, programs), pdl=pdl)
     return y

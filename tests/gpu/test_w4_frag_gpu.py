@@ -67,15 +67,17 @@ def test_frag_linear_stream_partition(poisoned, N, K, programs):
     bad = []
     for tok, warps, mma, pairs in ((8, 4, "sync", None), (8, 4, "sync", False), (16, 4, "sync", None),
                                    (16, 4, "sync", True), (32, 4, "wgmma", None), (64, 4, "wgmma", None),
-                                   (64, 8, "wgmma", None), (16, 8, "sync", None)):
+                                   (64, 8, "wgmma", None), (16, 8, "sync", None), (8, 4, "wgmma-async", None),
+                                   (16, 4, "wgmma-async", None), (32, 4, "wgmma-async", None),
+                                   (64, 4, "wgmma-async", None), (64, 8, "wgmma-async", None)):
         if 16 * warps > pt:
             continue
         for m in (1, 5, 16, 37):
             rows = frag_linear(x[:m], q, s, programs=programs, tile=64, pt=pt, tok=tok, num_warps=warps, mma=mma,
                                pairs=pairs)
             if not torch.equal(rows, full[:m]):
-                bad.append((tok, warps, pairs, m, int((rows != full[:m]).sum())))
-    assert not bad, f"rows differ from the M=37 launch (tok, warps, pairs, M, #elements): {bad}"
+                bad.append((tok, warps, mma, pairs, m, int((rows != full[:m]).sum())))
+    assert not bad, f"rows differ from the M=37 launch (tok, warps, mma, pairs, M, #elements): {bad}"
 
 
 def test_frag_linear_split_is_a_stream_partition():
@@ -147,8 +149,9 @@ def test_frag_linear_tiled_words_same_bits(poisoned, N, K, split):
                                             (128, 256, 1, 64)])
 @pytest.mark.parametrize("M", [1, 3, 16, 37, 64])
 def test_frag_linear_wgmma_matches_reference(poisoned, N, K, split, tile, M):
-    """wgmma programs (dequantized weights the register A operand, activations the shared-memory B operand)
-    against x @ W^T, at every token tile that fits M."""
+    """wgmma programs (dequantized weights the register A operand, activations the shared-memory B operand),
+    synchronous and with one MMA chain in flight, against x @ W^T, at every token tile that fits M (programs of
+    1, 2, 4 and 7 K blocks: the asynchronous loop's activation buffers are reused from the third block on)."""
     p, s = rand_w4(N, K)
     gpb = frag_gpb(K)
     q = frag_repack(p, gpb)
@@ -156,12 +159,13 @@ def test_frag_linear_wgmma_matches_reference(poisoned, N, K, split, tile, M):
         q = frag_tile(q, gpb, tile)
     x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
     ref = (x.float() @ dequantize(p, s, G, torch.bfloat16).float().T).to(torch.bfloat16)
-    for tok, warps in ((8, 4), (16, 4), (32, 4), (64, 4), (32, 8), (64, 8)):
-        if N % (16 * warps):
-            continue
-        out = frag_linear(x, q, s, gpb=gpb, split=split, tok=tok, tile=tile, mma="wgmma", num_warps=warps,
-                          pt=16 * warps)
-        _check(out, ref, TOL, f"frag wgmma N={N} K={K} M={M} tok={tok} warps={warps}")
+    for mma in ("wgmma", "wgmma-async"):
+        for tok, warps in ((8, 4), (16, 4), (32, 4), (64, 4), (32, 8), (64, 8)):
+            if N % (16 * warps):
+                continue
+            out = frag_linear(x, q, s, gpb=gpb, split=split, tok=tok, tile=tile, mma=mma, num_warps=warps,
+                              pt=16 * warps)
+            _check(out, ref, TOL, f"frag {mma} N={N} K={K} M={M} tok={tok} warps={warps}")
 
 
 @pytest.mark.parametrize("split", [1, 2])
@@ -173,13 +177,14 @@ def test_frag_linear_wgmma_batch_invariant(split):
     x = torch.randn(100, 7168, device="cuda").to(torch.bfloat16)
     full = frag_linear(x, q, s, gpb=8, split=split, tok=64, tile=64, mma="wgmma", num_warps=4, pt=128)
     bad = []
-    for tok, warps in ((8, 4), (16, 4), (32, 4), (64, 4), (16, 8), (64, 8)):   # 8 warps: two warpgroups
-        for m in (1, 5, 16, 17, 64, 100):
-            rows = frag_linear(x[:m], q, s, gpb=8, split=split, tok=tok, tile=64, mma="wgmma", num_warps=warps,
-                               pt=128)
-            if not torch.equal(rows, full[:m]):
-                bad.append((tok, warps, m, int((rows != full[:m]).sum())))
-    assert not bad, f"rows differ from the M=100 launch (tok, warps, M, #elements): {bad}"
+    for mma in ("wgmma", "wgmma-async"):
+        for tok, warps in ((8, 4), (16, 4), (32, 4), (64, 4), (16, 8), (64, 8)):   # 8 warps: two warpgroups
+            for m in (1, 5, 16, 17, 64, 100):
+                rows = frag_linear(x[:m], q, s, gpb=8, split=split, tok=tok, tile=64, mma=mma, num_warps=warps,
+                                   pt=128)
+                if not torch.equal(rows, full[:m]):
+                    bad.append((mma, tok, warps, m, int((rows != full[:m]).sum())))
+    assert not bad, f"rows differ from the M=100 launch (mma, tok, warps, M, #elements): {bad}"
     # mma.sync programs of 16 tokens: the same bits (the engine's plan takes either by the token count)
     sync = frag_linear(x, q, s, gpb=8, split=split, tok=16, tile=64, mma="sync", pt=128)
     assert torch.equal(sync, full), f"wgmma vs mma.sync: {int((sync != full).sum())} elements differ"
