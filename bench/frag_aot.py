@@ -2,7 +2,8 @@
 Triton's bundled ptxas, as frag_linear launches it (w4_frag.dense_constexprs), and report what the SASS says:
 registers, stack (spills), instructions per K block in the main loop and its instruction mix, and for the
 warpgroup-MMA forms whether the loop keeps a wgmma group in flight (a `WARPGROUP.DEPBAR.LE gsb0, 0x1` wait and
-no `0x0` wait inside the loop) or waits for each one.
+no `0x0` wait inside the loop) or waits for each one, and whether any instruction writes a register A operand of
+a group still in flight.
 
     python3 bench/frag_aot.py [--out bench/results]     # writes frag-aot-sm90.md
 
@@ -65,6 +66,52 @@ def main_loop(ops: list[tuple[int, str]]) -> list[tuple[int, str]]:
     return best
 
 
+_NO_DEST = ("ST", "BAR", "BRA", "WARPGROUP", "HGMMA", "MEMBAR", "FENCE", "RED", "EXIT", "NOP", "DEPBAR", "SYNCS",
+            "ISETP", "FSETP", "HSETP", "UISETP", "PLOP3")
+
+
+def _written(t: str) -> set[int]:
+    """General registers an instruction writes (its first operand, widened by a vector load's width)."""
+    op = opcode(t)
+    if op.startswith(_NO_DEST) or op.startswith("U"):
+        return set()
+    m = re.match(r"^(?:@!?U?P\w+\s+)?(\S+)\s+R(\d+)\b", t)
+    if m is None:
+        return set()
+    mods = m.group(1)
+    width = (4 if ".128" in mods or ".X4" in mods.upper() or op == "HMMA" else
+             2 if (".64" in mods and op.startswith("LD")) or ".X2" in mods.upper() or ".WIDE" in mods
+             or op == "CS2R" else 1)
+    return set(range(int(m.group(2)), int(m.group(2)) + width))
+
+
+def a_operand_hazards(loop: list[tuple[int, str]]) -> list[str]:
+    """Writes to a register A operand of a register-operand wgmma (HGMMA ..., R<a>, gdesc[...]: four registers
+    from R<a>) before the `WARPGROUP.DEPBAR.LE gsb0, N` that retires its group: undefined results (the hardware
+    reads A while the group runs). The loop body is walked twice, so groups in flight across the back edge count."""
+    out: list[str] = []
+    pending: list[set[int]] = []   # committed groups in flight, oldest first: their A registers
+    open_regs: set[int] = set()    # the group being issued
+    for a, t in loop + loop:
+        if "HGMMA" in t:
+            m = re.search(r"HGMMA\S*\s+R\d+,\s+R(\d+),", t)
+            if m:
+                open_regs |= set(range(int(m.group(1)), int(m.group(1)) + 4))
+            if "gsb0" in t:
+                pending.append(open_regs)
+                open_regs = set()
+            continue
+        m = re.search(r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s+0x([0-9a-f]+)", t)
+        if m:
+            while len(pending) > int(m.group(1), 16):
+                pending.pop(0)
+            continue
+        hit = _written(t) & set().union(open_regs, *pending)
+        if hit:
+            out.append(f"{a:#x} {t} writes R{sorted(hit)} of a wgmma group in flight")
+    return out
+
+
 def opcode(t: str) -> str:
     t = re.sub(r"^@!?U?P\w+\s+", "", t)   # predicate guard
     return t.split()[0].split(".")[0]
@@ -107,7 +154,7 @@ def compile_dense(tok: int, mma: str, *, gpb: int = 8, pt: int = 64, num_warps: 
             "per_block": len(loop) / blocks, "mix": collections.Counter(opcode(t) for _, t in loop),
             "mma": sum(opcode(t) in ("HMMA", "HGMMA") for _, t in loop) / blocks,
             "in_flight": any(w.endswith("0x1") for w in waits), "waits_all": any(w.endswith("0x0") for w in waits),
-            "maxnreg": maxnreg}
+            "hazards": a_operand_hazards(loop), "maxnreg": maxnreg}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,16 +168,17 @@ def main(argv: list[str] | None = None) -> int:
         wg = ("one group in flight" if r["in_flight"] and not r["waits_all"] else
               "waits for each" if r["waits_all"] else "n/a")
         rows.append(f"| {label} | {tok} | {mma} | {r['maxnreg'] or '-'} | {r['regs']} | {r['stack']} | "
-                    f"{r['per_block']:g} | {r['mma']:g} | {wg} | {mix} |")
+                    f"{r['per_block']:g} | {r['mma']:g} | {wg} | {len(r['hazards'])} | {mix} |")
         print(rows[-1], flush=True)
     md = ["# Dense fragment W4A16 kernel compiled offline for sm_90", "",
           f"Command: `python3 bench/frag_aot.py`; triton {triton.__version__} (its bundled ptxas), no GPU.", "",
           "The K2 dense launch (GPB 8, 64-row partition tiles, 4-warp programs, tiled words and scales). "
           "per block: instructions of the main loop per 256-k block and warp; MMA: its HMMA / HGMMA per block; "
-          "wgmma waits: whether the loop keeps one warpgroup-MMA group in flight or waits for each; the mix per "
-          "trip of the loop (8-token mma.sync programs: two blocks per trip).", "",
-          "| variant | tokens | MMA | maxnreg | registers | stack | per block | MMA | wgmma waits | loop mix |",
-          "|---|---|---|---|---|---|---|---|---|---|", *rows, ""]
+          "wgmma waits: whether the loop keeps one warpgroup-MMA group in flight or waits for each; A writes: "
+          "instructions writing a register A operand of a wgmma group still in flight (a_operand_hazards; must be "
+          "0); the mix per trip of the loop (8-token mma.sync programs: two blocks per trip).", "",
+          "| variant | tokens | MMA | maxnreg | registers | stack | per block | MMA | wgmma waits | A writes | loop mix |",
+          "|---|---|---|---|---|---|---|---|---|---|---|", *rows, ""]
     out = Path(args.out) / "frag-aot-sm90.md"
     out.write_text("\n".join(md))
     print(f"wrote {out}")
