@@ -505,9 +505,10 @@ if HAVE_GLUON:
         wgmma chain in flight while the next sub-block is dequantized (_wga_block), so the tensor cores run
         beside the dequantization. The same MMAs on the same values in the same k order as the synchronous
         loop (the same bits). The activations of block i sit in xs[i % 2]; block i + 1's are stored into the
-        other buffer after block i's chains are issued, when the only chain in flight reads xs[i % 2] (every
-        chain of block i - 1 was waited for inside block i). One block of words, scales and activations in
-        flight ahead of the one in use."""
+        other buffer after block i's chains are issued and a CTA barrier, when each warpgroup's only chain in
+        flight reads xs[i % 2] (every chain of block i - 1 was waited for inside block i; the barrier makes that
+        hold for both warpgroups of an 8-warp program). One block of words, scales and activations in flight
+        ahead of the one in use."""
         BK: gl.constexpr = 32 * GPB
         WSTEP: gl.constexpr = 4 * GPB * (TILE if TILE else 1)
         SSTEP: gl.constexpr = GPB * (STILE if STILE else 1)
@@ -527,6 +528,7 @@ if HAVE_GLUON:
             ns = gl.load(s0)
             nx = gl.load(x_ptrs, mask=x_mask, other=0.0)
             acc, a_last = _wga_block(acc, a_last, cw, cs, xs.index(i % 2), AL, WSUB, BN)
+            cta_barrier()   # every warpgroup has retired its chains of block i - 1, the last readers of that buffer
             xs.index((i + 1) % 2).store(nx)
             fence_async_shared()
             cta_barrier()
