@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections import Counter
 import json
 import logging
 import os
@@ -284,6 +285,11 @@ def summarize(method: str, budget: int | None, runs: list[dict[str, Any]], greed
     per_depth = [sum(col) for col in zip(*[r["accepted_per_depth"] for r in runs])] if runs else []
     drafted = sum(r["draft_tokens"] for r in runs)
     same = all(r["same_as_plain"] for r in runs)
+    chosen: Counter[int] = Counter()   # --budget auto: rounds per chosen budget, over all prompts
+    for r in runs:
+        chosen.update({int(b): n for b, n in (r.get("budget_chosen") or {}).items()})
+    auto = ({"budget_chosen": dict(sorted(chosen.items())),
+             "budget_mean": sum(b * n for b, n in chosen.items()) / sum(chosen.values())} if chosen else {})
     return {
         "setting": setting_name(method, budget), "method": method, "budget": budget,
         "prompts": len(runs), "generated_tokens": sum(r["generated_tokens"] for r in runs),
@@ -302,6 +308,7 @@ def summarize(method: str, budget: int | None, runs: list[dict[str, Any]], greed
         "ms_per_round": {k[:-2]: 1e3 * v / rounds if rounds else 0.0 for k, v in stages.items()},
         "same_as_plain": same,
         "lossless": same if greedy else None,
+        **auto,
         "runs": runs,
     }
 
@@ -386,6 +393,10 @@ def markdown(report: dict[str, Any]) -> str:
         dfl = whole_chain(recs)
         if dfl is not None:
             L.append(f"DFlash: {dfl['accept_len_hist']}")
+    for r in recs:
+        if "budget_chosen" in r:
+            L += ["", f"{r['setting']}: budgets chosen (rounds over all prompts) {r['budget_chosen']}, mean "
+                  f"{_f(r['budget_mean'], 1)}."]
     vs = tree_vs_chain(recs)
     if vs:
         L += ["", "DDTree against the DFlash chain (tau): the chain of the same width (the budget's first argmax "

@@ -71,6 +71,34 @@ def test_bench_spec_tiny(dirs, tmp_path, capsys) -> None:
     assert "--budgets 2,4" in report["command"] or report["options"]["budgets"] == [2, 4]
 
 
+def test_bench_spec_reports_the_auto_choices(dirs, tmp_path) -> None:
+    """--budgets auto: the record carries the budgets chosen per round over all prompts (the runs' own counts
+    summed) and their mean, and the markdown says them."""
+    model, draft = dirs
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps([[5, 7, 11, 13, 17], [3, 1, 4, 1, 5, 9, 2, 6]]))
+    out = tmp_path / "out"
+    threads = torch.get_num_threads()
+    try:
+        rc = bench_spec.main(["--model", str(model), "--draft", str(draft), "--prompts", str(prompts),
+                              "--budgets", "auto", "--methods", "ddtree", "--max-tokens", "12", "--device", "cpu",
+                              "--threads", "1", "--out", str(out)])
+    finally:
+        torch.set_num_threads(threads)
+    assert rc == 0
+    report = json.loads((out / "spec-cpu.json").read_text())
+    auto = next(r for r in report["results"] if r["budget"] == "auto")
+    summed: dict[int, int] = {}
+    for run in auto["runs"]:
+        for b, n in run["budget_chosen"].items():
+            summed[int(b)] = summed.get(int(b), 0) + n
+    assert {int(b): n for b, n in auto["budget_chosen"].items()} == summed
+    assert 0 < sum(summed.values()) <= auto["rounds"]   # a round with no draft left (the request's end) chooses none
+    assert auto["budget_mean"] == pytest.approx(sum(b * n for b, n in summed.items()) / sum(summed.values()))
+    assert "ddtree-auto: budgets chosen (rounds over all prompts) " in (out / "spec-cpu.md").read_text()
+    assert all("budget_chosen" not in r for r in report["results"] if r["budget"] != "auto")
+
+
 def test_bench_spec_registers_under_bench(dirs) -> None:
     parser = argparse.ArgumentParser(prog="kdtree")
     sub = parser.add_subparsers(dest="command")
