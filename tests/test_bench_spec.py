@@ -32,7 +32,8 @@ def dirs(tmp_path_factory) -> tuple[Path, Path]:
     return root / "model", root / "draft"
 
 
-def test_bench_spec_tiny(dirs, tmp_path, capsys) -> None:
+def _run_tiny(dirs, tmp_path, *args: str) -> Path:
+    """bench_spec on the tiny pair over two id prompts on the CPU (one thread, restored after); its output folder."""
     model, draft = dirs
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps([[5, 7, 11, 13, 17], [3, 1, 4, 1, 5, 9, 2, 6]]))
@@ -40,11 +41,15 @@ def test_bench_spec_tiny(dirs, tmp_path, capsys) -> None:
     threads = torch.get_num_threads()
     try:
         rc = bench_spec.main(["--model", str(model), "--draft", str(draft), "--prompts", str(prompts),
-                              "--budgets", "2,4", "--max-tokens", "16", "--device", "cpu", "--threads", "1",
-                              "--repeats", "2", "--out", str(out)])
+                              "--device", "cpu", "--threads", "1", "--out", str(out), *args])
     finally:
         torch.set_num_threads(threads)
     assert rc == 0
+    return out
+
+
+def test_bench_spec_tiny(dirs, tmp_path, capsys) -> None:
+    out = _run_tiny(dirs, tmp_path, "--budgets", "2,4", "--max-tokens", "16", "--repeats", "2")
     table = capsys.readouterr().out
     assert "ddtree-4" in table.splitlines()[-1]
     report = json.loads((out / "spec-cpu.json").read_text())
@@ -74,18 +79,7 @@ def test_bench_spec_tiny(dirs, tmp_path, capsys) -> None:
 def test_bench_spec_reports_the_auto_choices(dirs, tmp_path) -> None:
     """--budgets auto: the record carries the budgets chosen per round over all prompts (the runs' own counts
     summed) and their mean, and the markdown says them."""
-    model, draft = dirs
-    prompts = tmp_path / "prompts.json"
-    prompts.write_text(json.dumps([[5, 7, 11, 13, 17], [3, 1, 4, 1, 5, 9, 2, 6]]))
-    out = tmp_path / "out"
-    threads = torch.get_num_threads()
-    try:
-        rc = bench_spec.main(["--model", str(model), "--draft", str(draft), "--prompts", str(prompts),
-                              "--budgets", "auto", "--methods", "ddtree", "--max-tokens", "12", "--device", "cpu",
-                              "--threads", "1", "--out", str(out)])
-    finally:
-        torch.set_num_threads(threads)
-    assert rc == 0
+    out = _run_tiny(dirs, tmp_path, "--budgets", "auto", "--methods", "ddtree", "--max-tokens", "12")
     report = json.loads((out / "spec-cpu.json").read_text())
     auto = next(r for r in report["results"] if r["budget"] == "auto")
     summed: dict[int, int] = {}
