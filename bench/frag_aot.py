@@ -15,23 +15,18 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
 import re
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
 
+from bench.sass import TARGET, cubin_sass, main_loop, opcode  # noqa: E402
 from kdtree_engine.kernels import w4_frag  # noqa: E402
 
-TARGET = GPUTarget("cuda", 90, 32)
-BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 SIG = dict(x_ptr="*bf16", w_ptr="*i32", s_ptr="*bf16", out_ptr="*fp32", M="i32", N="i32", stride_xm="i32",
            stride_wn="i32", stride_sn="i32", stride_om="i32", stride_os="i32", iters="i32", work="i32",
            programs="i32")
@@ -43,27 +38,6 @@ VARIANTS = [("engine 8", 8, "sync"), ("engine 16", 16, "sync"), ("wgmma 16", 16,
             ("engine 32", 32, "wgmma"), ("engine 64", 64, "wgmma"), ("wgmma-async 8", 8, "wgmma-async"),
             ("wgmma-async 16", 16, "wgmma-async"), ("wgmma-async 32", 32, "wgmma-async"),
             ("wgmma-async 64", 64, "wgmma-async")]
-
-
-def _sass_ops(sass: str) -> list[tuple[int, str]]:
-    ops = []
-    for line in sass.splitlines():
-        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", line)
-        if m:
-            ops.append((int(m.group(1), 16), m.group(2).strip()))
-    return ops
-
-
-def main_loop(ops: list[tuple[int, str]]) -> list[tuple[int, str]]:
-    """The longest backward-branch region of the SASS (the K loop; every variant has one)."""
-    at = {a: i for i, (a, _) in enumerate(ops)}
-    best: list[tuple[int, str]] = []
-    for i, (a, t) in enumerate(ops):
-        m = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", t)
-        if m and int(m.group(1), 16) < a and int(m.group(1), 16) in at:
-            body = ops[at[int(m.group(1), 16)]:i + 1]
-            best = body if len(body) > len(best) else best
-    return best
 
 
 _NO_DEST = ("ST", "BAR", "BRA", "WARPGROUP", "HGMMA", "MEMBAR", "FENCE", "RED", "EXIT", "NOP", "DEPBAR", "SYNCS",
@@ -112,11 +86,6 @@ def a_operand_hazards(loop: list[tuple[int, str]]) -> list[str]:
     return out
 
 
-def opcode(t: str) -> str:
-    t = re.sub(r"^@!?U?P\w+\s+", "", t)   # predicate guard
-    return t.split()[0].split(".")[0]
-
-
 def compile_dense(tok: int, mma: str, *, gpb: int = 8, pt: int = 64, num_warps: int = 4, segs: int = 2,
                   maxnreg: int | None = None, pdl: bool = True) -> dict:
     """Compile one dense launch offline (maxnreg None: frag_linear's default for the MMA). Returns registers,
@@ -125,32 +94,20 @@ def compile_dense(tok: int, mma: str, *, gpb: int = 8, pt: int = 64, num_warps: 
                                       tile=w4_frag.FRAG_TILE, pt=pt, segs=segs, mma=mma, pairs=None,
                                       stile=w4_frag.FRAG_TILE)
     consts["PDL"] = pdl
-    if maxnreg is None and mma == "wgmma-async":
-        maxnreg = w4_frag.wgmma_async_maxnreg(tok)
+    maxnreg = w4_frag.dense_maxnreg(mma, tok) if maxnreg is None else maxnreg
     from triton.experimental.gluon._runtime import GluonASTSource
     sig = {**SIG, **{k: "constexpr" for k in consts}}
     names = list(sig)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in DIV16}
     opts = {"num_warps": num_warps, **({"maxnreg": maxnreg} if maxnreg else {})}
     k = triton.compile(GluonASTSource(w4_frag._w4_frag_kernel, sig, consts, attrs), target=TARGET, options=opts)
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(k.asm["cubin"])
-        path = f.name
-    try:
-        sass = subprocess.run([str(BIN / "cuobjdump"), "-sass", path], capture_output=True, text=True,
-                              check=True).stdout
-        res = subprocess.run([str(BIN / "cuobjdump"), "-res-usage", path], capture_output=True, text=True,
-                             check=True).stdout
-    finally:
-        os.unlink(path)
-    m = re.search(r"REG:(\d+).*?STACK:(\d+)", res)
-    if m is None:
-        raise RuntimeError(f"cuobjdump -res-usage printed no REG / STACK: {res[:300]}")
-    ops = _sass_ops(sass)
+    regs, stack, ops = cubin_sass(k)
+    if regs is None:
+        raise RuntimeError("cuobjdump -res-usage printed no REG / STACK for the dense fragment kernel")
     loop = main_loop(ops)
     blocks = 2 if consts["PAIRS"] and not consts["WG"] else 1   # mma.sync 8-token programs: two blocks per trip
     waits = [t for _, t in loop if "WARPGROUP.DEPBAR" in t]
-    return {"regs": int(m.group(1)), "stack": int(m.group(2)), "instructions": len(ops),
+    return {"regs": regs, "stack": stack, "instructions": len(ops),
             "per_block": len(loop) / blocks, "mix": collections.Counter(opcode(t) for _, t in loop),
             "mma": sum(opcode(t) in ("HMMA", "HGMMA") for _, t in loop) / blocks,
             "in_flight": any(w.endswith("0x1") for w in waits), "waits_all": any(w.endswith("0x0") for w in waits),

@@ -10,28 +10,22 @@ A candidate that fails here would fail in the GPU sweep too; shared memory over 
 from __future__ import annotations
 
 import collections
-import os
-import re
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from bench.sass import TARGET, cubin_sass, main_loop, opcode  # noqa: E402
 from bench.w4_sweep import DENSE_CANDIDATES, MOE_CANDIDATES, dense_at  # noqa: E402
 from kdtree_engine.kernels import moe_w4a16 as moe  # noqa: E402
 from kdtree_engine.kernels import w4a16 as dense  # noqa: E402
 from kdtree_engine.kernels import w4a16_fma as fma  # noqa: E402
 from kdtree_engine.kernels.w4_dequant import DEQUANTS  # noqa: E402
 
-TARGET = GPUTarget("cuda", 90, 32)
-BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 G = 32
 
 
@@ -42,28 +36,10 @@ def compile_report(fn, sig: dict, consts: dict, num_warps: int, num_stages: int,
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in div16}
     k = triton.compile(ASTSource(fn, sig, consts, attrs), target=TARGET,
                        options=dict(num_warps=num_warps, num_stages=num_stages))
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(k.asm["cubin"])
-        path = f.name
-    try:
-        sass = subprocess.run([str(BIN / "cuobjdump"), "-sass", path], capture_output=True, text=True).stdout
-        res = subprocess.run([str(BIN / "cuobjdump"), "-res-usage", path], capture_output=True, text=True).stdout
-    finally:
-        os.unlink(path)
-    m = re.search(r"REG:(\d+).*?STACK:(\d+)", res)
-    regs, stack = (m.group(1), m.group(2)) if m else ("?", "?")
-    ins = []
-    for line in sass.splitlines():
-        mm = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
-        if mm:
-            ins.append((int(mm.group(1), 16), mm.group(2).strip()))
-    body: list[str] = []
-    for addr, txt in ins:   # the largest backward branch = the K loop
-        b = re.search(r"BRA\s+(?:`\(.*?\)\s*)?0x([0-9a-f]+)", txt)
-        if b and int(b.group(1), 16) < addr:
-            cand = [t for a, t in ins if int(b.group(1), 16) <= a <= addr]
-            body = cand if len(cand) > len(body) else body
-    hist = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in body)
+    r, st, ins = cubin_sass(k)
+    regs, stack = ("?", "?") if r is None else (r, st)
+    body = [t for _, t in main_loop(ins)]   # the largest backward branch = the K loop
+    hist = collections.Counter(opcode(t) for t in body)
     per_thread = elems_per_iter / (num_warps * 32)
     top = " ".join(f"{op}:{n}" for op, n in hist.most_common(6))
     mem = " ".join(f"{op}:{hist[op]}" for op in ("LDG", "LDGSTS", "UTMALDG", "LDS", "LDSM", "STS", "HGMMA", "HMMA",

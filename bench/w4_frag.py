@@ -53,7 +53,7 @@ DENSE_CANDIDATES = [  # the engine's plan first (None), then overrides of it (th
     dict(pt=128, mma="wgmma", tok=32), dict(tok=8), dict(tok=8, pt=128),
     dict(stile=0),   # row-major scales (the engine's: scale_tile's order of FRAG_TILE rows)
     # one wgmma chain in flight while the next 64 k are dequantized (w4_frag._frag_loop_wga; registers capped by
-    # wgmma_async_maxnreg up to 16 tokens): at every token tile, and 8-warp programs on 128-row tiles
+    # dense_maxnreg up to 16 tokens): at every token tile, and 8-warp programs on 128-row tiles
     dict(mma="wgmma-async", tok=8), dict(mma="wgmma-async", tok=16), dict(mma="wgmma-async", tok=32),
     dict(mma="wgmma-async", tok=64), dict(pt=128, mma="wgmma-async", tok=64),
 ]

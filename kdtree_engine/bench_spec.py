@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from collections import Counter
 import json
 import logging
 import os
@@ -47,6 +46,7 @@ import statistics
 import sys
 import time
 import zlib
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence

@@ -758,13 +758,14 @@ def dense_constexprs(*, tok: int, mt: int, gpb: int, num_warps: int, xload: str,
                 WSUB=word_layout(num_warps, 1, 2) if mma == "wgmma-async" else None)
 
 
-def wgmma_async_maxnreg(tok: int) -> int | None:
-    """The register cap of 'wgmma-async' programs of `tok` tokens: up to 16 tokens, the registers that keep the
+def dense_maxnreg(mma: str, tok: int) -> int | None:
+    """frag_linear's default register cap (None: the compiler's). 'wgmma-async' programs of `tok` tokens: up to 16
+    tokens, the registers that keep the
     plan's DENSE_WARPS_PER_SM warps resident (128: 4 programs of 4 warps), which those programs fit without
     spilling (offline, triton 3.6 / sm_90: 16 tokens 132 registers uncapped, 127 and no stack at 128; 8 tokens
     114); wider programs none (32 tokens spill 80 bytes at 128; 64 tokens take 226 uncapped, against 255 and
     144 bytes of stack for the synchronous loop)."""
-    return 65536 // (DENSE_WARPS_PER_SM * 32) if tok <= 16 else None
+    return 65536 // (DENSE_WARPS_PER_SM * 32) if mma == "wgmma-async" and tok <= 16 else None
 
 
 def frag_linear(x: torch.Tensor, wq: torch.Tensor, s: torch.Tensor, *, gpb: int | None = None,
@@ -785,9 +786,8 @@ def frag_linear(x: torch.Tensor, wq: torch.Tensor, s: torch.Tensor, *, gpb: int 
     warpgroups, 1 tile per warp; the same bits) or "wgmma-async" (the same with one asynchronous MMA chain
     in flight while the next 64 k are dequantized, _frag_loop_wga; GPB 8; the same bits); pairs: the mma.sync
     loop's two blocks per trip (None:
-    token_pairs; the same bits); maxnreg: a register cap for the kernel (None: wgmma_async_maxnreg for
-    'wgmma-async', else the compiler's). The bits depend on the partition alone: any token tile, MMA, warps,
-    loads, word order and register cap give them."""
+    token_pairs; the same bits); maxnreg: a register cap for the kernel (None: dense_maxnreg). The bits depend
+    on the partition alone: any token tile, MMA, warps, loads, word order and register cap give them."""
     if not HAVE_GLUON:
         raise RuntimeError("the fragment-ordered W4A16 kernels need triton.experimental.gluon (triton >= 3.5)")
     from kdtree_engine.kernels.split_sum import Partition, stream_sum
@@ -828,8 +828,7 @@ def frag_linear(x: torch.Tensor, wq: torch.Tensor, s: torch.Tensor, *, gpb: int 
     if pt % bn or N % pt:
         raise ValueError(f"frag_linear: the partition's {pt}-row tiles must divide N={N} and be a multiple "
                          f"of the {bn}-row programs")
-    if maxnreg is None and mma == "wgmma-async":
-        maxnreg = wgmma_async_maxnreg(tok)
+    maxnreg = dense_maxnreg(mma, tok) if maxnreg is None else maxnreg
     tiles, iters = N // pt, K // bk
     if split is not None:
         if split < 1 or iters % split:

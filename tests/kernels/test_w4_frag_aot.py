@@ -10,13 +10,13 @@ import pytest
 pytest.importorskip("triton.experimental.gluon")
 
 from bench.frag_aot import a_operand_hazards, compile_dense  # noqa: E402
-from kdtree_engine.kernels.w4_frag import wgmma_async_maxnreg  # noqa: E402
+from kdtree_engine.kernels.w4_frag import dense_maxnreg  # noqa: E402
 
 
 @pytest.mark.parametrize("tok", [8, 16])
 def test_wgmma_async_keeps_a_group_in_flight_without_spills(tok):
     r = compile_dense(tok, "wgmma-async")
-    assert r["maxnreg"] == wgmma_async_maxnreg(tok) == 128
+    assert r["maxnreg"] == dense_maxnreg("wgmma-async", tok) == 128
     assert r["regs"] <= 128 and r["stack"] == 0, r
     assert r["mma"] == 16, r   # 256 k per block: 16 k16 steps of m64nTOK
     assert r["in_flight"] and not r["waits_all"], r
