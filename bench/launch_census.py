@@ -49,7 +49,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from kdtree_engine.engine import load_drafter, load_target  # noqa: E402
-from kdtree_engine.spec.device_round import DeviceRound  # noqa: E402
+from kdtree_engine.speculative.device_round import DeviceRound  # noqa: E402
 
 DEMO = ROOT / "kdtree_engine" / "assets" / "demo"
 PKG = str(ROOT / "kdtree_engine")

@@ -50,7 +50,7 @@ from kdtree_engine.bench_spec import Prompt, default_prompts, device_tag, enviro
 from kdtree_engine.engine import (load_drafter, load_target, load_tokenizer, resolve_device,  # noqa: E402
                                   resolve_dtype)
 from kdtree_engine.sampling import SamplingParams  # noqa: E402
-from kdtree_engine.spec.decode import generate  # noqa: E402
+from kdtree_engine.speculative.decode import generate  # noqa: E402
 
 DEMO = ROOT / "kdtree_engine" / "assets" / "demo"
 GRAPH_NA = "n/a: CUDA graphs need a CUDA device"
@@ -135,7 +135,7 @@ MODE_TEXT = {
 
 def _generator(mode: str, target: Any, method: str, drafter: Any, budget: int | None) -> Callable:
     if mode == "device":
-        from kdtree_engine.spec.device_decode import generate_device
+        from kdtree_engine.speculative.device_decode import generate_device
 
         def gen_device(p: Prompt, sp: SamplingParams):
             return generate_device(target, p.ids, sp, method=method, drafter=drafter, budget=budget, graph=False)

@@ -228,7 +228,7 @@ def run_bench(target: Any, drafter: Any, prompts: Sequence[Prompt], settings: Se
     passes differ only by interference from the rest of the machine, and spreading them over time
     keeps a burst of load from landing on one setting only. Warm-ups (one per setting) run first.
     """
-    from .spec.decode import generate
+    from .speculative.decode import generate
 
     say = progress or (lambda s: None)
     greedy = params.temperature == 0

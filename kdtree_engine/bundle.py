@@ -24,6 +24,7 @@ import numpy as np
 
 from kdtree_engine import reference
 from kdtree_engine.config import ConfigError, ModelConfig, preset
+from .errors import BundleError
 
 FORMAT = "kdtree-golden/1"
 PROMPT_KEY = "__prompt_ids__"
@@ -37,9 +38,6 @@ MIN_MARGIN = 0.5
 PERTURB = (0.01, 0.01)
 PROMPT_ATTEMPTS = 16
 
-
-class BundleError(Exception):
-    """A golden bundle is missing, unreadable or malformed."""
 
 
 @dataclass

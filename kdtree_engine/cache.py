@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import torch
 
+from .errors import CacheFullError
 from .config import ModelConfig
 from .kernels.common import take_rows
 
-
-class CacheFullError(RuntimeError):
-    """A step would write past the cache's capacity."""
 
 
 class LatentCache:

@@ -27,7 +27,7 @@ def _bad_input_types() -> tuple[type[BaseException], ...]:
     from .config import ConfigError
     from .quant import QuantError
     from .sampling import SamplingError
-    from .spec.decode import PromptError, SpecError
+    from .speculative.decode import PromptError, SpecError
     from .model.dflash import DraftLoadError, DraftMismatchError
     from .draft_config import DraftConfigError
     from .model.target import LoadError
@@ -115,7 +115,7 @@ DEMO_BUDGET = 16  # best tokens/s for the demo in `kdtree bench spec` on the CPU
 def cmd_generate(args: argparse.Namespace) -> int:
     from .engine import LLM
     from .sampling import SamplingParams
-    from .spec.decode import generate
+    from .speculative.decode import generate
 
     log = logging.getLogger("kdtree_engine")
     if (args.prompt is None) == (args.prompt_ids is None):

@@ -19,12 +19,10 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, TypeVar
+from .errors import ConfigError
 
 T = TypeVar("T")
 
-
-class ConfigError(ValueError):
-    """A config file is missing a field or holds an inconsistent value."""
 
 
 TEXT_MODEL_TYPES = ("deepseek_v3", "kimi_k2")

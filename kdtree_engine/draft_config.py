@@ -14,11 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from .errors import DraftConfigError
 from .config import ConfigError, read_config_json
 
-
-class DraftConfigError(ConfigError):
-    """A drafter config.json is missing a field or holds an unsupported value."""
 
 
 _REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")

@@ -15,11 +15,11 @@ from typing import Callable, Mapping, Sequence
 import torch
 
 from .config import ModelConfig
-from .model.layers import log_once
+from .logs import log_once
 from .model.target import Target
 from .quant import QuantError, k2_quantization_config, parse_quantization_config
 from .sampling import SamplingParams
-from .spec.decode import GenerationResult, generate
+from .speculative.decode import GenerationResult, generate
 
 log = logging.getLogger("kdtree_engine")
 
@@ -119,9 +119,9 @@ class LLM:
                  quantize: str | None = None, batch_invariant: bool = True, progress: bool = True,
                  eager: bool | None = None) -> None:
         """``eager``: True = rounds driven from the host; False = each round replayed from a CUDA graph
-        (CUDA, a fixed budget); None = graphs where they apply (see ``spec.decode.pick_round_mode``)."""
+        (CUDA, a fixed budget); None = graphs where they apply (see ``speculative.decode.pick_round_mode``)."""
         from .kernels.dispatch import set_batch_invariant
-        from .spec.decode import resolve_spec
+        from .speculative.decode import resolve_spec
 
         set_batch_invariant(batch_invariant)
         self.eager = eager

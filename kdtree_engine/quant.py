@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
+from .errors import QuantError
 
 PACK = 8  # int4 values per int32
 QMIN, QMAX = -8, 7  # signed int4 range; stored as u = q + 8
@@ -35,9 +36,6 @@ EXPERT_ONLY_IGNORE: tuple[str, ...] = (
     r"re:.*mlp\.(gate|up|gate_up|down)_proj.*",
 )
 
-
-class QuantError(ValueError):
-    """A quantization_config we cannot serve, or malformed quantized values."""
 
 
 # ---- pack / unpack / quantize ------------------------------------------------------------------

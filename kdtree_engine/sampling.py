@@ -10,10 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from .errors import SamplingError
 
-
-class SamplingError(ValueError):
-    """A sampling parameter is out of range."""
 
 
 @dataclass(frozen=True)

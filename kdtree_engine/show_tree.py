@@ -13,7 +13,7 @@ so siblings appear from the most to the least probable)::
 bonus token); the bonus token is the target's pick at the deepest accepted node.
 
 Wiring into the CLI: :func:`add_show_tree_argument` adds the flag to a parser and
-:func:`render_last_round` turns a finished :class:`~kdtree_engine.spec.decode.GenerationResult`
+:func:`render_last_round` turns a finished :class:`~kdtree_engine.speculative.decode.GenerationResult`
 into the text to print.
 """
 
@@ -45,7 +45,7 @@ def format_tree(tree: Any, accepted: Sequence[int], decode: Callable[[int], str]
                 max_text: int = MAX_TEXT) -> str:
     """The tree as ASCII, accepted nodes marked with ``*``.
 
-    ``tree`` is a :class:`~kdtree_engine.spec.tree.DraftTree` (``tokens``, ``parents``, ``depths``
+    ``tree`` is a :class:`~kdtree_engine.speculative.tree.DraftTree` (``tokens``, ``parents``, ``depths``
     tensors or lists); ``accepted`` the accepted node indices (root first); ``decode`` maps one token
     id to its text (None: ids only); ``logprobs`` the per-node draft log-probs (root None);
     ``bonus`` the target's bonus token, printed on a last line.

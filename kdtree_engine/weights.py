@@ -34,6 +34,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from .errors import WeightsError
 from .config import ModelConfig
 from .quant import QuantScheme, parse_quantization_config
 
@@ -61,9 +62,6 @@ _ST_DTYPES: dict[str, torch.dtype] = {
 
 _LAYER_RE = re.compile(r"^layers\.(\d+)\.")
 
-
-class WeightsError(ValueError):
-    """A checkpoint that does not match the config (or cannot be read); the message names the tensor or file."""
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ import time
 import torch
 
 from kdtree_engine.kernels.tree_ops import build_tree_triton
-from kdtree_engine.spec.tree import topk_logprobs
+from kdtree_engine.speculative.tree import topk_logprobs
 
 g = torch.Generator().manual_seed(0)
 for L, V, budget in ((15, 1000, 16), (15, 1000, 64), (7, 3, 200), (15, 32000, 256), (5, 20, 40), (6, 30, 24),

@@ -388,7 +388,7 @@ nvidia-smi > "$RES/nvidia-smi.txt" 2>&1
 if [[ $PART == tune || $PART == all ]]; then
   step bench_kernels_sweep 175 python3 bench/kernels.py --sweep-only --sweep-budget 150 --out "$RES"
   step pytest_bitwise 185 $PYT tests/gpu/test_bitwise_gpu.py
-  step pytest_graph 90 $PYT tests/gpu/test_graph_round_gpu.py tests/spec/test_spec_gpu.py
+  step pytest_graph 90 $PYT tests/gpu/test_graph_round_gpu.py tests/speculative/test_spec_gpu.py
   step bench_spec 110 python3 -m kdtree_engine.bench_spec --device cuda --num-prompts 8 --max-tokens 128 \
     --out "$RES" --plot "$RES/spec-h200.png"
 fi
@@ -422,7 +422,7 @@ if [[ $PART == final ]]; then
   step pytest_target 100 $PYT tests/gpu/test_fused_tails_gpu.py tests/gpu/test_target_gpu.py
   step pytest_bitwise 170 $PYT tests/gpu/test_bitwise_gpu.py
   step bench_round 100 python3 bench/round.py --prompts 2 --max-tokens 64 --budgets 32 --warmup-tokens 16 --batch-invariant off --out "$RES"
-  step pytest_graph 120 $PYT tests/gpu/test_graph_round_gpu.py tests/spec/test_spec_gpu.py
+  step pytest_graph 120 $PYT tests/gpu/test_graph_round_gpu.py tests/speculative/test_spec_gpu.py
   step bench_spec 95 python3 -m kdtree_engine.bench_spec --device cuda --num-prompts 8 --max-tokens 128 \
     --out "$RES" --plot "$RES/spec-h200.png"
 fi
@@ -464,7 +464,7 @@ if [[ $PART == next ]]; then
   step pytest_bitwise_demo_logits 230 $PYT tests/gpu/test_bitwise_gpu.py -k demo_logits_alone
 fi
 if [[ $PART == chain ]]; then
-  step pytest_spec 120 $PYT tests/spec/test_spec_gpu.py
+  step pytest_spec 120 $PYT tests/speculative/test_spec_gpu.py
   step bench_spec 110 python3 -m kdtree_engine.bench_spec --device cuda --num-prompts 8 --max-tokens 128 \
     --out "$RES" --plot "$RES/spec-h200.png"
   step bench_spec32 130 python3 -m kdtree_engine.bench_spec --device cuda --num-prompts 32 --max-tokens 128 \
@@ -473,14 +473,14 @@ if [[ $PART == chain ]]; then
     --eager --methods none,ddtree --budgets 8,16,32,64,auto --out "$RES/auto" --plot "$RES/auto/spec-h200.png"
 fi
 if [[ $PART == sample ]]; then
-  step pytest_sampled 200 $PYT tests/gpu/test_graph_round_gpu.py -k "sampled or default_mode" tests/spec/test_spec_gpu.py
+  step pytest_sampled 200 $PYT tests/gpu/test_graph_round_gpu.py -k "sampled or default_mode" tests/speculative/test_spec_gpu.py
   step bench_spec_sample 120 python3 -m kdtree_engine.bench_spec --device cuda --num-prompts 8 --max-tokens 128 \
     --temperature 0.7 --budgets 8,16,32 --out "$RES/sample" --plot "$RES/sample/spec-h200.png"
   step bench_spec_sample_eager 150 python3 -m kdtree_engine.bench_spec --device cuda --num-prompts 4 --max-tokens 128 \
     --temperature 0.7 --methods none,ddtree --budgets 16 --eager --out "$RES/sample-eager"
 fi
 if [[ $PART == rounds ]]; then
-  step pytest_graph_all 330 $PYT tests/gpu/test_graph_round_gpu.py tests/spec/test_spec_gpu.py
+  step pytest_graph_all 330 $PYT tests/gpu/test_graph_round_gpu.py tests/speculative/test_spec_gpu.py
   step pytest_bitwise_demo 230 $PYT tests/gpu/test_bitwise_gpu.py -k "greedy_spec_equals_plain_demo"
 fi
 if [[ $PART == decode ]]; then
@@ -664,7 +664,7 @@ if [[ $PART == rside2 ]]; then
   target_and_spec
 fi
 if [[ $PART == final6 ]]; then
-  step pytest_graph 280 $PYT tests/gpu/test_graph_round_gpu.py tests/spec/test_spec_gpu.py
+  step pytest_graph 280 $PYT tests/gpu/test_graph_round_gpu.py tests/speculative/test_spec_gpu.py
 fi
 if [[ $PART == review2 ]]; then
   step pytest_moe_fused 150 $PYT tests/gpu/test_w4_frag_gpu.py -k "fused_epilogues or dependent_launches"
@@ -696,7 +696,7 @@ if [[ $PART == tail ]]; then
 fi
 if [[ $PART == final7 ]]; then
   step pytest_mla_biteq 240 $PYT tests/gpu/test_mla_attention_gpu.py -k "$MLA_BITEQ or warpgroup or reference"
-  step pytest_graph 200 $PYT tests/gpu/test_graph_round_gpu.py tests/spec/test_spec_gpu.py
+  step pytest_graph 200 $PYT tests/gpu/test_graph_round_gpu.py tests/speculative/test_spec_gpu.py
   step pytest_spec_bitwise 120 $PYT $SPEC_BITWISE
   step bench_k2_step 150 python3 bench/k2_step.py --timeline --out "$RES"
   step bench_mla 100 python3 bench/mla_attention.py --no-peers --out "$RES"
@@ -704,7 +704,7 @@ fi
 if [[ $PART == final7b ]]; then
   step pytest_mla_rest 200 $PYT tests/gpu/test_mla_attention_gpu.py -k \
     "small_trees and 64 and (wg2qs2slices or t16wg2rows16 or wg2rows8)"
-  step pytest_spec 200 $PYT tests/spec/test_spec_gpu.py
+  step pytest_spec 200 $PYT tests/speculative/test_spec_gpu.py
 fi
 if [[ $PART == stail ]]; then
   step pytest_stail 150 $PYT tests/gpu/test_mla_attention_gpu.py -k "(small_trees and 64) or warpgroup_default"
@@ -736,7 +736,7 @@ if [[ $PART == final8 ]]; then
   step bench_k2_step 120 python3 bench/k2_step.py --timeline --out "$RES"
 fi
 if [[ $PART == rounds8 ]]; then
-  step pytest_graph 250 $PYT tests/gpu/test_graph_round_gpu.py tests/spec/test_spec_gpu.py
+  step pytest_graph 250 $PYT tests/gpu/test_graph_round_gpu.py tests/speculative/test_spec_gpu.py
   mkdir -p "$RES/r1" "$RES/r4"
   step bench_k2_r1 110 python3 bench/k2_step.py --nodes 1,4,8,16,64 --graph-rounds 1 --out "$RES/r1"
   step bench_k2_r4 130 python3 bench/k2_step.py --nodes 1,4,8,16,64 --graph-rounds 4 --out "$RES/r4"
@@ -799,7 +799,7 @@ fi
 if [[ $PART == vwg3 ]]; then
   step bench_k2_step 130 python3 bench/k2_step.py --timeline --out "$RES"
   step bench_mla 140 python3 bench/mla_attention.py --no-peers --out "$RES"
-  step pytest_graph 220 $PYT tests/gpu/test_graph_round_gpu.py tests/spec/test_spec_gpu.py
+  step pytest_graph 220 $PYT tests/gpu/test_graph_round_gpu.py tests/speculative/test_spec_gpu.py
   step pytest_mla_qs2 60 $PYT tests/gpu/test_mla_attention_gpu.py -k "qs2"
 fi
 if [[ $PART == vwg4 ]]; then
@@ -930,7 +930,7 @@ if [[ $PART == rside3 ]]; then
 fi
 if [[ $PART == final9 ]]; then
   step pytest_bitwise 240 $PYT tests/gpu/test_bitwise_gpu.py tests/test_moe_placement.py -k "not demo_logits_alone"
-  step pytest_graph 300 $PYT tests/gpu/test_graph_round_gpu.py tests/spec/test_spec_gpu.py
+  step pytest_graph 300 $PYT tests/gpu/test_graph_round_gpu.py tests/speculative/test_spec_gpu.py
 fi
 if [[ $PART == final9b ]]; then
   step bench_k2_step 150 python3 bench/k2_step.py --timeline --out "$RES"
@@ -950,7 +950,7 @@ if [[ $PART == wgasync ]]; then
   step frag_aot 40 python3 bench/frag_aot.py --out "$RES"
 fi
 if [[ $PART == final8b ]]; then
-  step pytest_graph 250 $PYT tests/gpu/test_graph_round_gpu.py tests/spec/test_spec_gpu.py
+  step pytest_graph 250 $PYT tests/gpu/test_graph_round_gpu.py tests/speculative/test_spec_gpu.py
 fi
 if [[ $PART == bounds ]]; then
   step bench_bounds 200 python3 bench/launch_bounds.py --out "$RES"
@@ -1043,7 +1043,7 @@ fi
 if [[ $PART == moe16b ]]; then
   step pytest_bitwise_demo 200 $PYT tests/gpu/test_bitwise_gpu.py -k "spec_equals_plain_demo"
   step bench_round 140 python3 bench/round.py --out "$RES"
-  step pytest_graph 200 $PYT tests/gpu/test_graph_round_gpu.py tests/spec/test_spec_gpu.py
+  step pytest_graph 200 $PYT tests/gpu/test_graph_round_gpu.py tests/speculative/test_spec_gpu.py
 fi
 if [[ $PART == router ]]; then
   step bench_router 90 python3 bench/router.py --out "$RES"
@@ -1105,7 +1105,7 @@ if [[ $PART == fork ]]; then
 fi
 if [[ $PART == last ]]; then
   step bench_round 110 python3 bench/round.py --out "$RES"
-  step pytest_graph_rest 170 $PYT tests/gpu/test_graph_round_gpu.py tests/spec/test_spec_gpu.py \
+  step pytest_graph_rest 170 $PYT tests/gpu/test_graph_round_gpu.py tests/speculative/test_spec_gpu.py \
     --deselect tests/gpu/test_graph_round_gpu.py::test_device_round_has_no_host_sync \
     --deselect tests/gpu/test_graph_round_gpu.py::test_graph_rounds_equal_plain_tiny_fp32 \
     --deselect tests/gpu/test_graph_round_gpu.py::test_graph_rounds_equal_plain_demo_fp32 \
@@ -1114,7 +1114,7 @@ if [[ $PART == last ]]; then
 fi
 if [[ $PART == finish ]]; then
   step pytest_bitwise_demo 170 $PYT tests/gpu/test_bitwise_gpu.py -k demo
-  step pytest_graph 150 $PYT tests/gpu/test_graph_round_gpu.py tests/spec/test_spec_gpu.py
+  step pytest_graph 150 $PYT tests/gpu/test_graph_round_gpu.py tests/speculative/test_spec_gpu.py
   step pytest_target 60 $PYT tests/gpu/test_target_gpu.py
   step pytest_kernels 110 $PYT tests/gpu/test_kernels_gpu.py -k "k2 or batch_invariant or odd_shapes or graph or unowned"
   step bench_round 45 python3 bench/round.py --out "$RES"
@@ -1137,14 +1137,14 @@ fi
 if [[ $PART == frag4 ]]; then
   step pytest_frag 120 $PYT tests/gpu/test_w4_frag_gpu.py
   step pytest_spec_bitwise 150 $PYT $SPEC_BITWISE
-  step pytest_graph 170 $PYT tests/gpu/test_graph_round_gpu.py tests/spec/test_spec_gpu.py \
+  step pytest_graph 170 $PYT tests/gpu/test_graph_round_gpu.py tests/speculative/test_spec_gpu.py \
     --deselect tests/gpu/test_graph_round_gpu.py::test_device_length_attention_bitwise_gpu
   step bench_kernels 60 python3 bench/kernels.py --no-sweep --out "$RES"
   step pytest_moe 90 $PYT tests/gpu/test_kernels_gpu.py -k "moe"
 fi
 if [[ $PART == frag5 ]]; then
   step pytest_graph_rest 220 $PYT tests/gpu/test_graph_round_gpu.py::test_sampled_graph_rounds_equal_device_eager_and_follow_the_target \
-    tests/spec/test_spec_gpu.py
+    tests/speculative/test_spec_gpu.py
   step bench_spec 200 python3 -m kdtree_engine.bench_spec --device cuda --num-prompts 8 --max-tokens 128 \
     --out "$RES/spec" --plot "$RES/spec/spec-h200.png"
 fi
@@ -1183,7 +1183,7 @@ fi
 if [[ $PART == xsm5 ]]; then
   step bench_spec 200 python3 -m kdtree_engine.bench_spec --device cuda --num-prompts 8 --max-tokens 128 \
     --out "$RES/spec" --plot "$RES/spec/spec-h200.png"
-  step pytest_graph 200 $PYT tests/gpu/test_graph_round_gpu.py tests/spec/test_spec_gpu.py \
+  step pytest_graph 200 $PYT tests/gpu/test_graph_round_gpu.py tests/speculative/test_spec_gpu.py \
     --deselect tests/gpu/test_graph_round_gpu.py::test_device_length_attention_bitwise_gpu
 fi
 if [[ $PART == xsm6 ]]; then
@@ -1296,13 +1296,13 @@ if [[ $PART == round5 ]]; then
   step pytest_spec_bitwise 110 $PYT $SPEC_BITWISE
 fi
 if [[ $PART == round6 ]]; then
-  step pytest_graph 230 $PYT tests/gpu/test_graph_round_gpu.py tests/spec/test_spec_gpu.py
+  step pytest_graph 230 $PYT tests/gpu/test_graph_round_gpu.py tests/speculative/test_spec_gpu.py
   step bench_spec32 170 python3 -m kdtree_engine.bench_spec --device cuda --num-prompts 32 --max-tokens 128 \
     --out "$RES/spec32" --plot "$RES/spec32/spec-h200-32prompts.png"
 fi
 if [[ $PART == round7 ]]; then
   step diag_tree 90 python3 scripts/diag_tree_gpu.py
-  step pytest_graph_rest 150 $PYT tests/gpu/test_graph_round_gpu.py tests/spec/test_spec_gpu.py \
+  step pytest_graph_rest 150 $PYT tests/gpu/test_graph_round_gpu.py tests/speculative/test_spec_gpu.py \
     -k "tree_builder or round_bench or sampled or spec"
 fi
 if [[ $PART == tiled ]]; then
@@ -1330,7 +1330,7 @@ if [[ $PART == tiled5 ]]; then
   step pytest_frag 200 $PYT tests/gpu/test_w4_frag_gpu.py
   step pytest_target 120 $PYT tests/gpu/test_target_gpu.py
   step pytest_spec_bitwise 110 $PYT $SPEC_BITWISE
-  step pytest_graph 200 $PYT tests/gpu/test_graph_round_gpu.py tests/spec/test_spec_gpu.py
+  step pytest_graph 200 $PYT tests/gpu/test_graph_round_gpu.py tests/speculative/test_spec_gpu.py
 fi
 if [[ $PART == tiled6 ]]; then
   step bench_kernels 150 python3 bench/kernels.py --no-sweep --out "$RES"
@@ -1340,7 +1340,7 @@ if [[ $PART == tiled6 ]]; then
   step bench_round 90 python3 bench/round.py --budgets 16 --prompts 2 --out "$RES"
 fi
 if [[ $PART == tiled7 ]]; then
-  step pytest_graph_rest 280 $PYT tests/gpu/test_graph_round_gpu.py tests/spec/test_spec_gpu.py \
+  step pytest_graph_rest 280 $PYT tests/gpu/test_graph_round_gpu.py tests/speculative/test_spec_gpu.py \
     -k "sampled or vectorized or greedy_spec"
 fi
 if [[ $PART == tiled8 ]]; then
@@ -1442,7 +1442,7 @@ fi
 if [[ $PART == take ]]; then
   step bench_round 150 python3 bench/round.py --budgets 16 --prompts 2 --out "$RES"
   step pytest_spec_bitwise 150 $PYT $SPEC_BITWISE
-  step pytest_graph 120 $PYT tests/gpu/test_graph_round_gpu.py tests/spec/test_spec_gpu.py
+  step pytest_graph 120 $PYT tests/gpu/test_graph_round_gpu.py tests/speculative/test_spec_gpu.py
 fi
 if [[ $PART == chunk ]]; then
   step bench_mla_chunk 240 python3 bench/mla_attention.py --sweep-only --sweep-chunk --no-peers --budget-s 190 \
@@ -1483,7 +1483,7 @@ if [[ $PART == wgref ]]; then
 fi
 if [[ $PART == wground ]]; then
   step bench_round 130 python3 bench/round.py --budgets 16 --prompts 2 --out "$RES"
-  step pytest_graph 130 $PYT tests/gpu/test_graph_round_gpu.py tests/spec/test_spec_gpu.py
+  step pytest_graph 130 $PYT tests/gpu/test_graph_round_gpu.py tests/speculative/test_spec_gpu.py
 fi
 if [[ $PART == prof ]]; then
   step bench_round 150 python3 bench/round.py --budgets 16 --prompts 2 --out "$RES"

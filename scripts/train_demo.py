@@ -272,7 +272,7 @@ def engine_check(out: Path, target, held_stream: torch.Tensor, tok, log, tiny: b
     from kdtree_engine.engine import load_target
     from kdtree_engine.model.dflash import DFlashDrafter
     from kdtree_engine.sampling import SamplingParams
-    from kdtree_engine.spec.decode import generate
+    from kdtree_engine.speculative.decode import generate
 
     cpu = torch.device("cpu")
     eng = load_target(out, device=cpu, dtype=torch.float32, progress=False)

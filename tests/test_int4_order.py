@@ -17,7 +17,7 @@ from kdtree_engine.model.layers import Linear
 from kdtree_engine.model.moe import MoE
 from kdtree_engine.quant import k2_quantization_config
 from kdtree_engine.sampling import SamplingParams
-from kdtree_engine.spec.decode import generate
+from kdtree_engine.speculative.decode import generate
 from kdtree_engine.weights import save_checkpoint
 
 CFG = preset("k2-tiny")

@@ -14,9 +14,9 @@ from kdtree_engine.model.dflash import DFlashDrafter
 from kdtree_engine.model.target import Target
 from kdtree_engine.sampling import SamplingParams
 from kdtree_engine.show_tree import format_tree, render_last_round
-from kdtree_engine.spec.accept import accept_reference
-from kdtree_engine.spec.decode import generate
-from kdtree_engine.spec.tree import build_tree_heap, chain_tree, topk_logprobs
+from kdtree_engine.speculative.accept import accept_reference
+from kdtree_engine.speculative.decode import generate
+from kdtree_engine.speculative.tree import build_tree_heap, chain_tree, topk_logprobs
 
 CFG = preset("k2-tiny")
 NODE = re.compile(r"\[(\d+)\]")

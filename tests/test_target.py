@@ -11,7 +11,7 @@ from kdtree_engine.config import preset
 from kdtree_engine.engine import load_target, target_from_weights
 from kdtree_engine.model.target import Target
 from kdtree_engine.sampling import SamplingParams
-from kdtree_engine.spec.decode import generate
+from kdtree_engine.speculative.decode import generate
 from kdtree_engine.weights import save_checkpoint
 
 from hf_oracle import hf_model

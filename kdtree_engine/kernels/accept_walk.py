@@ -9,7 +9,7 @@
 
 The walk starts at the root and moves to the child whose token is the target's pick at the current node,
 while one exists (siblings carry distinct tokens, so at most one matches); each step is a compare over
-the nodes in registers. It is the rule of spec/accept.py: ``accept_path_mask`` + ``accepted_order`` +
+the nodes in registers. It is the rule of speculative/accept.py: ``accept_path_mask`` + ``accepted_order`` +
 ``emitted_tokens`` (the torch path of the CPU and the oracle: tests/kernels/test_accept_walk.py), which
 take ~25 launches on CUDA. ``M`` = min(block size, N1) bounds A.
 """

@@ -64,7 +64,7 @@
                  torch (concatenation, GQA repeat, masked sdpa). Only proposes: time, not bits.
 
   DDTree builder  (device-resident rounds) CUDA: one Triton program (kernels/tree_ops.py); CPU: the
-                 vectorized torch builder (spec/tree.py); the same tree.
+                 vectorized torch builder (speculative/tree.py); the same tree.
   row select     greedy picks (argmax over the vocabulary, ties to the lowest id) and the drafter's top-k
                  log-probs. CUDA: one Triton program per row (kernels/row_select.py; the top-k up to
                  TOPK_MAX_K of TOPK_MAX_V columns, torch beyond, logged); CPU: torch.argmax / torch.topk +
@@ -72,7 +72,7 @@
 
   accept walk    (device-resident rounds) the walk, the accepted order, the emitted tokens, the count and
                  the bonus. CUDA: one Triton program (kernels/accept_walk.py); CPU: the vectorized torch walk
-                 (spec/accept.py + spec/device_round.py); the same results.
+                 (speculative/accept.py + speculative/device_round.py); the same results.
 
 ``KDTREE_INT4_BACKEND`` (also ``frag``: the fragment kernels, an error where they do not apply) /
 ``KDTREE_ATTN_BACKEND`` / ``KDTREE_TREE_BACKEND`` (DDTree builder and accept walk) / ``KDTREE_DENSE_BACKEND`` (dense and
@@ -99,7 +99,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 import torch
 import torch.nn.functional as F
 
-from ..model.layers import log, log_once
+from ..logs import log, log_once
 from ..quant import dequantize
 
 if TYPE_CHECKING:
@@ -483,11 +483,11 @@ def attention_gather_index(tree_mask: torch.Tensor) -> tuple[torch.Tensor, torch
 def build_draft_tree(lp: torch.Tensor, ids: torch.Tensor, budget: int, root_token: torch.Tensor,
                      start: torch.Tensor):
     """The DDTree of a device-resident round (no host read): CUDA: one Triton program
-    (kernels/tree_ops.py); CPU: the vectorized torch builder (spec/tree.py). Identical trees."""
+    (kernels/tree_ops.py); CPU: the vectorized torch builder (speculative/tree.py). Identical trees."""
     if _backend("DDTree builder (device rounds)", _TREE_FORCED, lp.device) == "triton":
         from .tree_ops import build_tree_triton
         return build_tree_triton(lp, ids, budget, root_token, start)
-    from ..spec.tree import build_tree
+    from ..speculative.tree import build_tree
     return build_tree(lp, ids, budget, root_token, start)
 
 
@@ -506,7 +506,7 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:
 def draft_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The drafter's per-position top-k log-probs: logits [L, V] -> (lp [L, k'] float32 descending, ids
     [L, k'] long), k' = min(k, V). CUDA with V <= TOPK_MAX_V and k' <= TOPK_MAX_K: one Triton program per row
-    (kernels/row_select.py, ties to the lower id); otherwise torch (spec/tree.py: topk + logsumexp), logged."""
+    (kernels/row_select.py, ties to the lower id); otherwise torch (speculative/tree.py: topk + logsumexp), logged."""
     from .common import DTYPES
     from .row_select import TOPK_MAX_K, TOPK_MAX_V
     V = logits.shape[-1]
@@ -517,13 +517,13 @@ def draft_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
             return topk_logprobs_rows(logits if logits.stride(-1) == 1 else logits.contiguous(), min(k, V))
         log_once(f"topk:wide:{V}:{k}", f"drafter top-k log-probs: torch for {k} of {V} (the Triton kernel "
                  f"takes k <= {TOPK_MAX_K} of V <= {TOPK_MAX_V})")
-    from ..spec.tree import topk_logprobs_torch
+    from ..speculative.tree import topk_logprobs_torch
     return topk_logprobs_torch(logits, k)
 
 
 def accept_backend(device: torch.device) -> str:
     """The accept walk and its bookkeeping in a device-resident round: CUDA: one Triton program
-    (kernels/accept_walk.py); CPU: the vectorized torch walk (spec/accept.py, spec/device_round.py).
+    (kernels/accept_walk.py); CPU: the vectorized torch walk (speculative/accept.py, speculative/device_round.py).
     The same accepted nodes, emitted tokens and bonus."""
     return _backend("accept walk (device rounds)", _TREE_FORCED, device)
 

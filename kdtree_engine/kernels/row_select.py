@@ -174,7 +174,7 @@ def _topk_config(V: int, k: int) -> dict:
 
 def topk_logprobs_rows(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton: x [L, V] logits float32 / bf16 / fp16 (unit last stride), 1 <= k <= V <= TOPK_MAX_V ->
-    (lp [L, k] float32 descending, ids [L, k] int64): spec/tree.py's topk_logprobs, ties to the lower id."""
+    (lp [L, k] float32 descending, ids [L, k] int64): speculative/tree.py's topk_logprobs, ties to the lower id."""
     _check_rows("topk_logprobs_rows", x)
     L, V = x.shape
     if V > TOPK_MAX_V:

@@ -1,6 +1,6 @@
 """The DDTree best-first builder as one Triton program (the whole tree in one launch).
 
-Same algorithm, tie-break and float32 arithmetic as ``spec.tree.build_tree`` (its torch reference and
+Same algorithm, tie-break and float32 arithmetic as ``speculative.tree.build_tree`` (its torch reference and
 the CPU path) and ``build_tree_heap`` (the host heap): a candidate pool of 2n + 1 slots in push order,
 n pops; each pop takes the first maximum (``tl.argmax`` breaks ties to the left = the earliest push),
 then pushes its next sibling (slot 2i+1, score parent score + lp[d-1, r+1]) and its first child
@@ -9,7 +9,7 @@ so the trees are identical, not just close.
 
 The pool, the node arrays and, for trees of at most MAX_MASK_NODES nodes, the ancestor-or-self mask
 live in registers of the one program (the mask by pointer chasing: max depth + 1 steps, each a
-compare-and-sum gather over the node arrays). Larger trees get the mask from ``spec.tree.ancestor_mask``.
+compare-and-sum gather over the node arrays). Larger trees get the mask from ``speculative.tree.ancestor_mask``.
 Why: the torch builder is ~25 tiny launches per node; even replayed from a CUDA graph a 64-node tree
 costs milliseconds, while one program does it in microseconds.
 """
@@ -93,8 +93,8 @@ def _tree_warps(nb: int) -> int:
 
 def build_tree_triton(lp: torch.Tensor, ids: torch.Tensor, budget: int, root_token: torch.Tensor,
                       start: torch.Tensor | int):
-    """The tree of ``spec.tree.build_tree`` from one launch. lp [L, K], ids [L, K], root_token [] long."""
-    from ..spec.tree import LP_FLOOR, DraftTree, ancestor_mask, tree_size
+    """The tree of ``speculative.tree.build_tree`` from one launch. lp [L, K], ids [L, K], root_token [] long."""
+    from ..speculative.tree import LP_FLOOR, DraftTree, ancestor_mask, tree_size
 
     if budget < 0:
         raise ValueError(f"budget must be >= 0, got {budget}")

@@ -699,7 +699,7 @@ def dense_partition(tiles: int, iters: int, programs: int) -> tuple[int, int]:
     if segments > DENSE_MAX_SEGMENTS:
         raise ValueError(f"dense_partition: {programs} programs over {tiles} tiles x {iters} blocks touch up to "
                          f"{segments} tiles each (at most {DENSE_MAX_SEGMENTS}: the kernel unrolls them)")
-    from kdtree_engine.model.layers import log_once   # once per partition (this function is cached)
+    from ..logs import log_once   # once per partition (this function is cached)
     log_once(f"stream-partition:{tiles}:{iters}:{programs}", f"fragment W4A16 stream partition: {tiles} row tiles x "
              f"{iters} K blocks over {programs} programs (partials per tile: {slots}, segments per program: "
              f"{segments})")

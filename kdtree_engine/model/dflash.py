@@ -29,18 +29,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import DraftMismatchError, DraftLoadError
 from ..config import ModelConfig
 from ..draft_config import DraftConfig
 from ..kernels.common import take_rows
 from .layers import MLP, Linear, RMSNorm, stacked_linear
 
 
-class DraftMismatchError(ValueError):
-    """The drafter does not fit the target (hidden size, vocabulary or target layer ids)."""
-
-
-class DraftLoadError(ValueError):
-    """A drafter checkpoint is missing a tensor or holds one that does not fit."""
 
 
 class TargetLike(Protocol):

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .layers import log_once
+from ..logs import log_once
 
 CHECKPOINT, FRAG = "checkpoint", "frag"
 _ATTR = "_int4_order"

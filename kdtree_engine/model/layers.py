@@ -6,7 +6,6 @@ there from the weight's format (dense / W4A16) and the device, never in model co
 
 from __future__ import annotations
 
-import logging
 import math
 from typing import Callable, Literal
 
@@ -14,9 +13,8 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig, yarn_mscale
+from ..logs import log_once
 from ..kernels.common import take_rows
-
-log = logging.getLogger("kdtree_engine")
 
 Parallel = Literal["column", "row", "replicated"]
 GroupOf = Callable[[str], "int | None"]  # leaf module name -> INT4 group size, or None for dense
@@ -24,16 +22,6 @@ GroupOf = Callable[[str], "int | None"]  # leaf module name -> INT4 group size, 
 
 def dense_only(_: str) -> None:
     return None
-
-_LOGGED: set[str] = set()
-
-
-def log_once(key: str, msg: str) -> None:
-    """Log an automatic choice the first time it is made."""
-    if key not in _LOGGED:
-        _LOGGED.add(key)
-        log.info(msg)
-
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
-from .layers import MLP, GroupOf, dense_only, log_once
+from ..logs import log_once
+from .layers import MLP, GroupOf, dense_only
 
 class Router(nn.Module):
     """gate.weight [E, H] and e_score_correction_bias [E], both kept in float32."""

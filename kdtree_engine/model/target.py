@@ -14,6 +14,7 @@ from typing import Callable, Iterable, Protocol
 import torch
 from torch import nn
 
+from ..errors import LoadError
 from ..cache import LatentCache
 from ..config import ModelConfig
 from ..kernels.common import take_rows
@@ -32,9 +33,6 @@ class QuantPolicy(Protocol):
 
     def is_quantized(self, module_name: str) -> bool: ...
 
-
-class LoadError(ValueError):
-    """A tensor does not fit the model (name, expected and found value in the message)."""
 
 
 @dataclass

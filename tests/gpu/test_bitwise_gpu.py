@@ -34,7 +34,7 @@ from kdtree_engine.engine import load_drafter, load_target, load_tokenizer, targ
 from kdtree_engine.kernels import dispatch
 from kdtree_engine.quant import k2_quantization_config
 from kdtree_engine.sampling import SamplingParams
-from kdtree_engine.spec.decode import generate
+from kdtree_engine.speculative.decode import generate
 
 from bitwise_checks import check_target
 

@@ -50,7 +50,7 @@ def _demo_prompts(n: int) -> list[list[int]]:
 
 def _check_equal(target, drafter, prompts, max_tokens=64):
     from kdtree_engine.sampling import SamplingParams
-    from kdtree_engine.spec.decode import generate
+    from kdtree_engine.speculative.decode import generate
 
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     for prompt in prompts:
@@ -67,7 +67,7 @@ def _check_equal(target, drafter, prompts, max_tokens=64):
 
 
 def test_device_round_has_no_host_sync():
-    from kdtree_engine.spec.device_round import DeviceRound
+    from kdtree_engine.speculative.device_round import DeviceRound
 
     target, drafter = _tiny_pair()
     for method, budget in (("none", None), ("dflash", None), ("ddtree", 16)):
@@ -101,7 +101,7 @@ def test_graph_rounds_equal_plain_demo_fp32():
 @pytest.mark.skipif(not (DEMO / "config.json").exists(), reason="embedded demo missing")
 def test_graph_replay_equals_device_eager_demo_bf16():
     from kdtree_engine.sampling import SamplingParams
-    from kdtree_engine.spec.device_decode import generate_device
+    from kdtree_engine.speculative.device_decode import generate_device
 
     target, drafter = _demo_pair(torch.bfloat16)
     params = SamplingParams(max_tokens=64, ignore_eos=True)
@@ -115,7 +115,7 @@ def test_graph_replay_equals_device_eager_demo_bf16():
 
 def test_default_mode_on_cuda_is_graph_and_stop_rules_cut_mid_round():
     from kdtree_engine.sampling import SamplingParams
-    from kdtree_engine.spec.decode import generate
+    from kdtree_engine.speculative.decode import generate
 
     target, drafter = _tiny_pair()
     prompt = [9, 8, 7, 6]
@@ -206,7 +206,7 @@ def test_device_length_attention_graph_replay_bitwise_gpu(warpgroup_launches, T,
 def test_triton_tree_builder_equals_heap_gpu():
     """The one-program DDTree builder (compiled) returns the heap's tree, ties and -inf included."""
     from kdtree_engine.kernels.tree_ops import build_tree_triton
-    from kdtree_engine.spec.tree import build_tree_heap, topk_logprobs
+    from kdtree_engine.speculative.tree import build_tree_heap, topk_logprobs
 
     g = torch.Generator().manual_seed(0)
     for L, V, budget, kind in ((15, 1000, 16, ""), (15, 1000, 64, ""), (7, 3, 200, ""), (15, 32000, 256, ""),
@@ -249,8 +249,8 @@ def test_sampled_graph_rounds_equal_device_eager_and_follow_the_target():
     (same noise, same kernels); the default on CUDA is the graph; and the first tokens have the target's
     distribution (chi-square against the joint enumerated from plain forwards)."""
     from kdtree_engine.sampling import SamplingParams
-    from kdtree_engine.spec.decode import generate
-    from kdtree_engine.spec.device_decode import generate_device
+    from kdtree_engine.speculative.decode import generate
+    from kdtree_engine.speculative.device_decode import generate_device
     from spec.spec_toys import chi_square_pvalue, first_tokens_distribution
 
     target, drafter = _tiny_pair()

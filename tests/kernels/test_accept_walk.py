@@ -1,5 +1,5 @@
 """The one-program accept walk (kernels/accept_walk.py, under the interpreter in a child process) against the
-torch walk of device rounds (spec/accept.py accept_path_mask, spec/device_round.py accepted_order and
+torch walk of device rounds (speculative/accept.py accept_path_mask, speculative/device_round.py accepted_order and
 emitted_tokens) and the literal host walk (accept_reference): random DDTrees and chains, the target's picks
 drawn to follow a random root path to a random depth (then an off-tree token) or fully random, the root
 alone; accepted nodes, emitted tokens, count and bonus must be identical. Also device-resident rounds with
@@ -18,9 +18,9 @@ HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parent))
 
 from kdtree_engine.kernels.accept_walk import accept_walk  # noqa: E402
-from kdtree_engine.spec.accept import accept_path_mask, accept_reference  # noqa: E402
-from kdtree_engine.spec.device_round import accepted_order, emitted_tokens  # noqa: E402
-from kdtree_engine.spec.tree import build_tree, chain_tree, topk_logprobs  # noqa: E402
+from kdtree_engine.speculative.accept import accept_path_mask, accept_reference  # noqa: E402
+from kdtree_engine.speculative.device_round import accepted_order, emitted_tokens  # noqa: E402
+from kdtree_engine.speculative.tree import build_tree, chain_tree, topk_logprobs  # noqa: E402
 
 # name: (L = max depth, V, budget (None: a chain of L drafts), trials)
 CASES = {
@@ -51,8 +51,8 @@ def _picks(tree, V: int, gen: torch.Generator) -> torch.Tensor:
 def _rounds() -> dict:
     from kdtree_engine.kernels import dispatch
     from kdtree_engine.sampling import SamplingParams
-    from kdtree_engine.spec.decode import generate
-    from kdtree_engine.spec.device_decode import generate_device
+    from kdtree_engine.speculative.decode import generate
+    from kdtree_engine.speculative.device_decode import generate_device
     sys.path.insert(0, str(HERE.parents[1] / "spec"))
     from test_device_round import _tiny_pair
 

@@ -51,7 +51,7 @@ def _run_dispatch(L: int, V: int, dt: torch.dtype, ks: tuple, gen: torch.Generat
     oracle) and torch's topk beyond (k = 200 here: its exact result)."""
     from kdtree_engine.kernels import dispatch
     from kdtree_engine.sampling import greedy
-    from kdtree_engine.spec.tree import topk_logprobs, topk_logprobs_torch as tree_topk_torch
+    from kdtree_engine.speculative.tree import topk_logprobs, topk_logprobs_torch as tree_topk_torch
     dispatch._DENSE_FORCED = "triton"
     x = (torch.randn(2, L, V, generator=gen) * 3).to(dt)
     for logits in (x[0, 0], x):

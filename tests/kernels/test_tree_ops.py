@@ -15,7 +15,7 @@ HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parent))
 
 from kdtree_engine.kernels.tree_ops import build_tree_triton  # noqa: E402
-from kdtree_engine.spec.tree import build_tree_heap, topk_logprobs  # noqa: E402
+from kdtree_engine.speculative.tree import build_tree_heap, topk_logprobs  # noqa: E402
 
 # name: (L, V, budget, kind)
 CASES = {
@@ -28,7 +28,7 @@ CASES = {
     "L1_V9_b4": (1, 9, 4, "rand"),
     "L4_V10_b1": (4, 10, 1, "rand"),
     "L4_V10_b0": (4, 10, 0, "rand"),
-    "L15_V40_b150_torchmask": (15, 40, 150, "rand"),  # > 128 nodes: mask from spec.tree.ancestor_mask
+    "L15_V40_b150_torchmask": (15, 40, 150, "rand"),  # > 128 nodes: mask from speculative.tree.ancestor_mask
     "round_demo_ddtree16": (0, 0, 16, "round"),  # device-resident rounds with this builder == plain decoding
 }
 DEMO = HERE.parents[2] / "kdtree_engine" / "assets" / "demo"
@@ -38,8 +38,8 @@ def _run_round(budget):
     from kdtree_engine.engine import load_drafter, load_target, load_tokenizer
     from kdtree_engine.kernels import dispatch
     from kdtree_engine.sampling import SamplingParams
-    from kdtree_engine.spec.decode import generate
-    from kdtree_engine.spec.device_decode import generate_device
+    from kdtree_engine.speculative.decode import generate
+    from kdtree_engine.speculative.device_decode import generate_device
 
     if not (DEMO / "config.json").exists():
         return {"bad": [], "skipped": "no demo"}

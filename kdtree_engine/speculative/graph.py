@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ..model.layers import log
+from ..logs import log
 from ..model.target import Target
 from ..sampling import SamplingParams
 from .device_round import DeviceRound

@@ -4,8 +4,8 @@ the heap's tree; greedy speculative decoding equals plain decoding on the GPU.""
 import pytest
 import torch
 
-from kdtree_engine.spec.accept import accept_path_mask
-from kdtree_engine.spec.tree import GraphTreeBuilder, build_tree, build_tree_heap, topk_logprobs
+from kdtree_engine.speculative.accept import accept_path_mask
+from kdtree_engine.speculative.tree import GraphTreeBuilder, build_tree, build_tree_heap, topk_logprobs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -41,7 +41,7 @@ def test_greedy_spec_equals_plain_cuda():
     from kdtree_engine.model.dflash import DFlashDrafter
     from kdtree_engine.model.target import Target
     from kdtree_engine.sampling import SamplingParams
-    from kdtree_engine.spec.decode import generate
+    from kdtree_engine.speculative.decode import generate
 
     cfg = preset("k2-tiny")
     target = Target.random(cfg, seed=0, device="cuda")

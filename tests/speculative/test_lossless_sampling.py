@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from kdtree_engine.sampling import SamplingParams
-from kdtree_engine.spec import decode
-from kdtree_engine.spec.accept import AcceptResult
-from kdtree_engine.spec.decode import generate
+from kdtree_engine.speculative import decode
+from kdtree_engine.speculative.accept import AcceptResult
+from kdtree_engine.speculative.decode import generate
 
 from spec_toys import PrefixTarget, ToyDrafter, chi_square_pvalue, random_proposals, target_chain_proposals
 

@@ -1,8 +1,8 @@
 import torch
 
 from kdtree_engine.sampling import SamplingParams
-from kdtree_engine.spec.accept import accept, accept_reference, target_picks
-from kdtree_engine.spec.tree import build_tree, chain_tree, topk_logprobs
+from kdtree_engine.speculative.accept import accept, accept_reference, target_picks
+from kdtree_engine.speculative.tree import build_tree, chain_tree, topk_logprobs
 
 
 def test_accept_matches_reference_walk():

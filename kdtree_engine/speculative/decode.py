@@ -40,7 +40,8 @@ from typing import Any, Callable, Literal
 
 import torch
 
-from ..model.layers import log, log_once
+from ..errors import PromptError, SpecError
+from ..logs import log, log_once
 from ..model.target import Target
 from ..sampling import SamplingParams, greedy, make_generator, sample
 from .accept import accept, target_picks
@@ -51,12 +52,6 @@ SpecMethod = Literal["none", "dflash", "ddtree"]
 SPEC_METHODS: tuple[str, ...] = ("none", "dflash", "ddtree")
 
 
-class PromptError(ValueError):
-    """The prompt cannot be run (empty, too long, ids outside the vocabulary)."""
-
-
-class SpecError(ValueError):
-    """The speculative decoding settings are inconsistent (method, drafter, budget)."""
 
 
 @dataclass(frozen=True)
@@ -64,7 +59,7 @@ class SpecConfig:
     """How to decode: ``method`` none | dflash | ddtree; ``budget`` = non-root tree nodes.
 
     ddtree: ``budget`` None means block size - 1 (the chain's node count); ``"auto"`` picks it per
-    round (see :mod:`kdtree_engine.spec.budget`). dflash: ``budget`` is the chain's length (the first
+    round (see :mod:`kdtree_engine.speculative.budget`). dflash: ``budget`` is the chain's length (the first
     ``budget`` argmax drafts, at most block size - 1; None: all of them), the chain at the same verify
     width as a tree of that budget.
     """

@@ -3,7 +3,7 @@ import itertools
 import pytest
 import torch
 
-from kdtree_engine.spec.tree import (build_tree, build_tree_heap, chain_tree, topk_logprobs,
+from kdtree_engine.speculative.tree import (build_tree, build_tree_heap, chain_tree, topk_logprobs,
                                      tree_size)
 
 

@@ -2,7 +2,7 @@
 CUDA graph (``graph=True``) or the same round run eagerly (``graph=False``, any device), and the host
 reads only the round's emitted tokens and their count.
 
-Same contract as :func:`kdtree_engine.spec.decode.generate` (tokens, finish reason, stop rule applied
+Same contract as :func:`kdtree_engine.speculative.decode.generate` (tokens, finish reason, stop rule applied
 on the host to the emitted tokens, cutting mid-round).
 
 Rounds ahead (``ahead=True``, the default on CUDA): round k+1 is queued before the host reads round k's
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from ..model.layers import log_once
+from ..logs import log_once
 from ..model.target import Target
 from ..sampling import SamplingParams, make_generator
 from .graph import ROUNDS

@@ -13,11 +13,11 @@ from kdtree_engine.draft_config import DraftConfig
 from kdtree_engine.model.dflash import DFlashDrafter
 from kdtree_engine.model.target import Target
 from kdtree_engine.sampling import SamplingParams
-from kdtree_engine.spec.budget import (AcceptanceCalibration, AutoBudget, VerifyCostModel, auto_max_budget,
+from kdtree_engine.speculative.budget import (AcceptanceCalibration, AutoBudget, VerifyCostModel, auto_max_budget,
                                        default_candidates, expected_accepted_by_budget, set_verify_cost,
                                        verify_cost_for)
-from kdtree_engine.spec.decode import SpecConfig, SpecError, generate
-from kdtree_engine.spec.tree import build_tree_heap, topk_logprobs
+from kdtree_engine.speculative.decode import SpecConfig, SpecError, generate
+from kdtree_engine.speculative.tree import build_tree_heap, topk_logprobs
 
 from spec_toys import (PrefixTarget, ToyDrafter, chi_square_pvalue, oracle_proposals, random_proposals,
                        target_chain_proposals)
@@ -237,7 +237,7 @@ class _TimedTarget:
 
 
 def _measure_timed(monkeypatch, cost, extra, repeats=5, max_nodes=257):
-    from kdtree_engine.spec import budget
+    from kdtree_engine.speculative import budget
     clock = _Clock()
     monkeypatch.setattr(budget, "time", clock)
     target = _TimedTarget(clock, cost, extra)

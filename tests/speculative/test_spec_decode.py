@@ -8,8 +8,8 @@ from kdtree_engine.draft_config import DraftConfig
 from kdtree_engine.model.dflash import DFlashDrafter, DraftMismatchError
 from kdtree_engine.model.target import Target
 from kdtree_engine.sampling import SamplingParams
-from kdtree_engine.spec.decode import SpecConfig, SpecError, generate
-from kdtree_engine.spec.tree import build_tree, topk_logprobs
+from kdtree_engine.speculative.decode import SpecConfig, SpecError, generate
+from kdtree_engine.speculative.tree import build_tree, topk_logprobs
 
 from spec_toys import ToyDrafter, oracle_proposals
 

@@ -14,11 +14,11 @@ from kdtree_engine.model.dflash import DFlashDrafter
 from kdtree_engine.model.mla import mla_attention_masked, mla_attention_reference
 from kdtree_engine.model.target import Target, static_visibility
 from kdtree_engine.sampling import SamplingParams
-from kdtree_engine.spec.accept import accept_path_mask, accept_reference
-from kdtree_engine.spec.decode import SpecConfig, SpecError, generate, pick_round_mode
-from kdtree_engine.spec.device_decode import generate_device
-from kdtree_engine.spec.device_round import accepted_order, emitted_tokens, tree_nodes
-from kdtree_engine.spec.tree import build_tree, topk_logprobs
+from kdtree_engine.speculative.accept import accept_path_mask, accept_reference
+from kdtree_engine.speculative.decode import SpecConfig, SpecError, generate, pick_round_mode
+from kdtree_engine.speculative.device_decode import generate_device
+from kdtree_engine.speculative.device_round import accepted_order, emitted_tokens, tree_nodes
+from kdtree_engine.speculative.tree import build_tree, topk_logprobs
 
 DEMO = Path(__file__).resolve().parents[2] / "kdtree_engine" / "assets" / "demo"
 
@@ -180,7 +180,7 @@ def test_tree_nodes():
 def test_warmup_rounds_then_restore_change_nothing():
     """What graph capture does before capturing (two rounds run, the state restored) leaves the
     following rounds exactly as without it: warm-up writes land past the committed length only."""
-    from kdtree_engine.spec.device_round import DeviceRound
+    from kdtree_engine.speculative.device_round import DeviceRound
 
     if (DEMO / "config.json").exists():  # a trained drafter: rounds accept drafts (compaction, context rows)
         from kdtree_engine.engine import load_drafter, load_target
@@ -212,8 +212,8 @@ def test_warmup_rounds_then_restore_change_nothing():
 
 
 def test_graph_runner_needs_cuda_and_capacity_buckets():
-    from kdtree_engine.spec.device_round import DeviceRound
-    from kdtree_engine.spec.graph import ROUNDS, GraphRunner, capacity_bucket
+    from kdtree_engine.speculative.device_round import DeviceRound
+    from kdtree_engine.speculative.graph import ROUNDS, GraphRunner, capacity_bucket
 
     assert [capacity_bucket(n) for n in (1, 512, 513, 3000)] == [512, 512, 1024, 4096]
     target, drafter = _tiny_pair()
@@ -278,7 +278,7 @@ def test_device_rounds_sampled_distribution_equals_target():
 def test_sampled_rounds_share_a_round_across_temperatures():
     """Temperature and top-p are per-request values of one round (no new round, no new graph, per value);
     top-k and nucleus on/off select the round."""
-    from kdtree_engine.spec.graph import ROUNDS
+    from kdtree_engine.speculative.graph import ROUNDS
 
     target, drafter = _tiny_pair(block=4)
     prompt = [5, 6, 7, 8]

@@ -37,7 +37,7 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 import numpy as np
 import torch
 
-from ..model.layers import log_once
+from ..logs import log_once
 from .tree import clamped_logprobs, heap_order, tree_size
 
 log = logging.getLogger("kdtree_engine")
@@ -74,7 +74,7 @@ def auto_max_budget(block_size: int, vocab_size: int, cap: int = AUTO_MAX_BUDGET
 def heap_probabilities(logprobs_topk: torch.Tensor) -> Iterator[float]:
     """Path probabilities of the DDTree heap's nodes in pop order (non-increasing), lazily.
 
-    Same float32 scores and tie-break as :func:`~kdtree_engine.spec.tree.build_tree_heap`, so the
+    Same float32 scores and tie-break as :func:`~kdtree_engine.speculative.tree.build_tree_heap`, so the
     first b values belong to exactly the nodes of the budget-b tree.
     """
     for _, _, _, score in heap_order(clamped_logprobs(logprobs_topk)):
@@ -85,8 +85,8 @@ def expected_accepted_by_budget(logprobs_topk: torch.Tensor, max_budget: int) ->
     """E[accepted drafts] under the drafter's factorized distribution, for every budget 1..max_budget.
 
     ``logprobs_topk`` [L, K] are per-depth top-K log-probabilities, descending per row (as from
-    :func:`~kdtree_engine.spec.tree.topk_logprobs`). Runs the DDTree best-first heap (the same
-    float32 scores and tie-break as :func:`~kdtree_engine.spec.tree.build_tree_heap`) and returns
+    :func:`~kdtree_engine.speculative.tree.topk_logprobs`). Runs the DDTree best-first heap (the same
+    float32 scores and tie-break as :func:`~kdtree_engine.speculative.tree.build_tree_heap`) and returns
     float64 [max_budget]: entry b-1 = sum of the path probabilities of the first b popped nodes,
     i.e. the surrogate objective of the budget-b tree. When fewer than ``max_budget`` prefixes
     exist the tail repeats the last value (a bigger budget adds nothing).
