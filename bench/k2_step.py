@@ -468,34 +468,31 @@ def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
 
 
 class StepInputs:
-    """What a step's layers share: the tree mask and, on the static path (the engine's device round, as
-    captured in its CUDA graph), the device-side length, the new slots and the attention's per-step index
-    (built once per step for all layers, timed on its own: ``index_us``)."""
+    """What a step's layers share: its StepContext. On the static path (the engine's device round, as captured
+    in its CUDA graph) the length is on the device and the attention's per-step index is built once per step
+    for all layers (timed on its own: ``index_us``)."""
 
     def __init__(self, T: int, S: int, mask: torch.Tensor | None, kv_capacity: int, path: str,
-                 dev: torch.device) -> None:
+                 positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dev: torch.device) -> None:
         from kdtree_engine.kernels.dispatch import attention_gather_index
-        from kdtree_engine.model.target import static_visibility
+        from kdtree_engine.model.context import StepContext, static_visibility
         self.S, self.path = S, path
-        self.mask = mask if path == "host" or mask is not None else torch.ones(T, T, dtype=torch.bool, device=dev).tril()
-        if path == "static":
-            self.start = torch.tensor(S, device=dev)
-            self.slots = self.start + torch.arange(T, device=dev)
-            self.index = lambda: attention_gather_index(self.mask)
-            self.gather = self.index()
-            self.visible = (static_visibility(self.start, self.mask, kv_capacity) if self.gather is None
-                            else None)
+        positions = positions.to(dev)
+        if path == "host":
+            self.ctx = StepContext(positions, cos, sin, torch.arange(S, S + T, device=dev), S, mask)
+            return
+        mask = mask if mask is not None else torch.ones(T, T, dtype=torch.bool, device=dev).tril()
+        start = torch.tensor(S, device=dev)
+        self.index = lambda: attention_gather_index(mask)
+        gather = self.index()
+        visible = static_visibility(start, mask, kv_capacity) if gather is None else None
+        self.ctx = StepContext(positions, cos, sin, start + torch.arange(T, device=dev), start, mask, visible, gather)
 
-    def attn(self, attn: MLA, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor):
-        if self.path == "host":
-            return attn(x, cos, sin, kv, self.S, self.mask)
-        return attn.forward_static(x, cos, sin, kv, self.slots, self.start, self.mask, self.visible, self.gather)
+    def attn(self, attn: MLA, x: torch.Tensor, kv: torch.Tensor):
+        return attn(x, self.ctx, kv)
 
-    def layer(self, layer: DecoderLayer, h, pending, cos, sin, kv):
-        if self.path == "host":
-            return layer(h, pending, cos, sin, kv, self.S, self.mask)
-        return layer.forward_static(h, pending, cos, sin, kv, self.slots, self.start, self.mask, self.visible,
-                                    self.gather)
+    def layer(self, layer: DecoderLayer, h, pending, kv):
+        return layer(h, pending, self.ctx, kv)
 
 
 def bench_step(T, S, cfg, layers, kv, rope, rank_attn, shared_r, dense_r, head_r, final_norm, dev, dtype, gen,
@@ -512,11 +509,11 @@ def bench_step(T, S, cfg, layers, kv, rope, rank_attn, shared_r, dense_r, head_r
     cos, sin = rope.tables(positions)
     cos, sin = cos.to(dev), sin.to(dev)
     xs = [torch.randn(T, H, generator=gen, device=dev).to(dtype) for _ in range(L)]
-    step = StepInputs(T, S, mask, kv[0].shape[0], path, dev)
+    step = StepInputs(T, S, mask, kv[0].shape[0], path, positions, cos, sin, dev)
 
     def attn_call(l):
         layer = layers[l]
-        return xs[l] + step.attn(layer.self_attn, layer.input_layernorm(xs[l]), cos, sin, kv[l])
+        return xs[l] + step.attn(layer.self_attn, layer.input_layernorm(xs[l]), kv[l])
 
     def moe_call(l, h):
         layer = layers[l]
@@ -526,7 +523,7 @@ def bench_step(T, S, cfg, layers, kv, rope, rank_attn, shared_r, dense_r, head_r
     pend = [torch.randn(T, H, generator=gen, device=dev).to(dtype) for _ in range(L)]
 
     def layer_call(l):
-        return step.layer(layers[l], xs[l], pend[l], cos, sin, kv[l])
+        return step.layer(layers[l], xs[l], pend[l], kv[l])
 
     out: dict = {"path": path}
     with torch.no_grad():
@@ -575,7 +572,7 @@ def bench_step(T, S, cfg, layers, kv, rope, rank_attn, shared_r, dense_r, head_r
         def rank_attn_call(i):
             m = rank_attn[i]
             l = i % L
-            return xs[l] + step.attn(m.self_attn, m.input_layernorm(xs[l]), cos, sin, kv[l])
+            return xs[l] + step.attn(m.self_attn, m.input_layernorm(xs[l]), kv[l])
 
         rank["attn_us"] = time_us([lambda i=i: rank_attn_call(i) for i in range(len(rank_attn))], reps)["us"]
 

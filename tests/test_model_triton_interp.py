@@ -39,12 +39,10 @@ CHILD = textwrap.dedent('''
     tree = torch.randint(0, cfg.vocab_size, (T,), generator=g)
     depth = mask.sum(1) - 1
     out = model(tree, cache, positions=5 + depth, tree_mask=mask).logits
-    from kdtree_engine.kernels.dispatch import static_shapes
     cache2 = model.new_cache(40)  # the device-resident step: whole buffer, length on the device
     model(ids[:5], cache2)
     model.rope.ensure(64)
-    with static_shapes():
-        st = model.forward_static(tree, cache2, torch.tensor(5), 5 + depth, mask).logits
+    st = model(tree, cache2, 5 + depth, mask, start=torch.tensor(5)).logits
     print(json.dumps({"first": first.tolist(), "tree": out.tolist(), "static": st.tolist()}))
 ''')
 
@@ -66,7 +64,7 @@ DRAFT_CHILD = textwrap.dedent('''
     c2 = drafter.new_cache(32)
     drafter.append_context(ctx[: S - 3], c2)
     rows = torch.cat([ctx[S - 3:], torch.randn(3, F, generator=g)])
-    st = drafter.forward_static(rows, torch.tensor(3), block, c2, torch.tensor(S))
+    st = drafter(rows, block, c2, torch.tensor(S), torch.tensor(3))
     print(json.dumps({"first": eager.tolist(), "tree": eager.tolist(), "static": st.tolist()}))
 ''')
 

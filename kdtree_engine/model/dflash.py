@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Protocol
 
@@ -33,6 +34,7 @@ from ..errors import DraftMismatchError, DraftLoadError
 from ..config import ModelConfig
 from ..draft_config import DraftConfig
 from ..kernels.common import take_rows
+from ..kernels.dispatch import draft_attention_backend
 from .layers import MLP, Linear, RMSNorm, stacked_linear
 
 
@@ -85,6 +87,31 @@ class DraftCache:
         if not 0 <= n <= self.length:
             raise ValueError(f"crop({n}) outside [0, {self.length}]")
         self.length = n
+
+
+@dataclass(frozen=True)
+class DraftStep:
+    """The data of one draft pass, built once per pass (:meth:`DFlashDrafter.context`).
+
+    q_pos [B] block positions and their rope tables cos_b / sin_b [B, d]; c_pos [R] the cache slots (= positions)
+    of the new context rows and their tables (None: no new rows); kv_len: the cache slots the attention reads
+    (eager: the committed length; device-resident: the whole buffer); k_pos [kv_len + B] key positions and
+    visible [B, kv_len + B] for the torch attention (None where the kernel takes ``start``); start [] long:
+    the committed length on the device, for the one-launch kernel (None: the torch path); host_length: the
+    cache's new host-side length after an eager pass (None: device-resident).
+    """
+
+    q_pos: torch.Tensor
+    cos_b: torch.Tensor
+    sin_b: torch.Tensor
+    c_pos: torch.Tensor | None
+    cos_c: torch.Tensor | None
+    sin_c: torch.Tensor | None
+    kv_len: int
+    k_pos: torch.Tensor | None
+    visible: torch.Tensor | None
+    start: torch.Tensor | None
+    host_length: int | None
 
 
 # ---- modules -------------------------------------------------------------------------------------
@@ -204,47 +231,75 @@ class DFlashDrafter(nn.Module):
     def new_cache(self, max_tokens: int) -> DraftCache:
         return DraftCache(self.cfg, max_tokens, dtype=self.dtype, device=self.device)
 
-    @torch.no_grad()
-    def forward(self, ctx_features: torch.Tensor | None, block_embeds: torch.Tensor, cache: DraftCache,
-                start: int) -> torch.Tensor:
-        """One draft pass.
+    def context(self, cache: DraftCache, rows: int, start: int | torch.Tensor,
+                n_ctx: torch.Tensor | None = None) -> DraftStep:
+        """The data of one draft pass over the block at positions start .. start+B-1 (see :class:`DraftStep`).
 
-        ctx_features [C, K*D]: target features of the tokens at positions cache.length .. start-1
-        (committed since the last call); block_embeds [B, D]: target embeddings of the block at
-        positions start .. start+B-1. Returns the final-normed hidden states [B, D]. Afterwards
-        cache.length == start.
+        start an int: an eager pass; the ``rows`` context rows are the tokens at cache.length .. start-1. start a
+        [] long device tensor: a device-resident pass (no host read, shapes fixed by the block size and the
+        capacity); the first ``n_ctx`` of the ``rows`` rows are the tokens at start - n_ctx .. start-1, the
+        others land past the committed length where no query looks; capacity >= start + rows.
         """
-        C = 0 if ctx_features is None else ctx_features.shape[0]
-        L0 = cache.length
-        if L0 + C != start:
-            raise ValueError(f"draft context ends at {L0 + C} (cache {L0} + {C} new), block starts at {start}")
-        if start > cache.capacity:
-            raise ValueError(f"draft cache holds {cache.capacity} tokens; {start} needed")
-        B = block_embeds.shape[0]
-        dev, dt, cfg = self.device, self.dtype, self.cfg
-        q_pos = torch.arange(start, start + B, device=dev)  # [B]
-        k_pos = torch.arange(0, start + B, device=dev)  # [start+B]
-        cos_b, sin_b = rope_tables(q_pos, cfg.head_dim, cfg.rope_theta, dt)
-        if C:
-            ctx = self.hidden_norm(self.fc(ctx_features.to(device=dev, dtype=dt)))  # [C, D]
-            cos_c, sin_c = rope_tables(torch.arange(L0, start, device=dev), cfg.head_dim, cfg.rope_theta, dt)
+        B, dev, dt, cfg = self.cfg.block_size, self.device, self.dtype, self.cfg
+        if not isinstance(start, torch.Tensor):
+            L0 = cache.length
+            if L0 + rows != start:
+                raise ValueError(f"draft context ends at {L0 + rows} (cache {L0} + {rows} new), block starts at {start}")
+            if start > cache.capacity:
+                raise ValueError(f"draft cache holds {cache.capacity} tokens; {start} needed")
+            q_pos = torch.arange(start, start + B, device=dev)  # [B]
+            c_pos = torch.arange(L0, start, device=dev) if rows else None  # [rows] cache slots = positions
+            cos_b, sin_b = rope_tables(q_pos, cfg.head_dim, cfg.rope_theta, dt)
+            cos_c, sin_c = (rope_tables(c_pos, cfg.head_dim, cfg.rope_theta, dt) if rows else (None, None))
+            # the context length as a device scalar, read by the one-launch attention kernel (the torch path masks)
+            start_t = torch.tensor(start, device=dev) if draft_attention_backend(cache.k, cache.k) == "triton" else None
+            return DraftStep(q_pos, cos_b, sin_b, c_pos, cos_c, sin_c, start, torch.arange(0, start + B, device=dev),
+                             None, start_t, start)
+        if n_ctx is None:
+            raise ValueError("a device-resident draft pass needs n_ctx, the valid context rows")
+        q_pos = start + torch.arange(B, device=dev)  # [B]
+        c_pos = start - n_ctx + torch.arange(rows, device=dev)  # [rows] cache slots = positions
+        k_pos = visible = None  # the kernel reads the committed length itself; the torch path masks
+        if draft_attention_backend(cache.k, cache.k) == "torch":
+            slot_pos = torch.arange(cache.capacity, device=dev)  # [S_cap]
+            k_pos = torch.cat([slot_pos, q_pos])  # [S_cap + B]
+            visible = torch.cat([slot_pos < start, torch.ones(B, dtype=torch.bool, device=dev)])  # [S_cap + B]
+            visible = visible.unsqueeze(0).expand(B, -1)  # [B, S_cap + B]
+        cos_t, sin_t = self._rope_table(cache, cache.capacity + B)
+        return DraftStep(q_pos, take_rows(cos_t, q_pos), take_rows(sin_t, q_pos), c_pos, take_rows(cos_t, c_pos),
+                         take_rows(sin_t, c_pos), cache.capacity, k_pos, visible, start, None)
+
+    @torch.no_grad()
+    def forward(self, ctx_rows: torch.Tensor | None, block_embeds: torch.Tensor, cache: DraftCache,
+                start: int | torch.Tensor, n_ctx: torch.Tensor | None = None) -> torch.Tensor:
+        """One draft pass; what differs between an eager and a device-resident pass is its context
+        (:meth:`context`).
+
+        ctx_rows [R, K*D]: target features of the tokens committed since the last pass (eager: all R rows, at
+        positions cache.length .. start-1; device-resident: the first n_ctx rows); block_embeds [B, D]: target
+        embeddings of the block at positions start .. start+B-1. Returns the final-normed hidden states [B, D].
+        Afterwards an eager pass leaves cache.length == start; a device-resident one leaves the host-side
+        length alone.
+        """
+        rows = 0 if ctx_rows is None else ctx_rows.shape[0]
+        step = self.context(cache, rows, start, n_ctx)
+        dev, dt = self.device, self.dtype
+        ctx = self.hidden_norm(self.fc(ctx_rows.to(device=dev, dtype=dt))) if rows else None  # [R, D]
         h = block_embeds.to(device=dev, dtype=dt)  # [B, D]
-        from ..kernels.dispatch import draft_attention_backend
-        # the context length as a device scalar, read by the one-launch attention kernel (the torch path masks)
-        start_t = (torch.tensor(start, device=dev) if draft_attention_backend(h, cache.k) == "triton"
-                   else None)
         pending: torch.Tensor | None = None  # a layer's MLP output, added by the next norm (one dispatch)
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
-            if C:
-                k_c, v_c = attn.context_kv(ctx, cos_c, sin_c)  # [Hkv, C, d]
-                cache.k[i, :, L0:start] = k_c
-                cache.v[i, :, L0:start] = v_c
+            if ctx is not None:
+                k_c, v_c = attn.context_kv(ctx, step.cos_c, step.sin_c)  # [Hkv, R, d]
+                cache.k[i].index_copy_(1, step.c_pos, k_c)
+                cache.v[i].index_copy_(1, step.c_pos, v_c)
             h, x = layer.input_layernorm.residual(h, pending)
-            a = attn(x, cos_b, sin_b, cache.k[i, :, :start], cache.v[i, :, :start], q_pos, k_pos, None, start_t)
+            a = attn(x, step.cos_b, step.sin_b, cache.k[i, :, :step.kv_len], cache.v[i, :, :step.kv_len], step.q_pos,
+                     step.k_pos, step.visible, step.start)
             h, x = layer.post_attention_layernorm.residual(h, a)
             pending = layer.mlp(x)
-        cache.length = start
+        if step.host_length is not None:
+            cache.length = step.host_length
         return self.norm.residual(h, pending)[1]
 
     @torch.no_grad()
@@ -264,47 +319,6 @@ class DFlashDrafter(nn.Module):
             cache.k[i, :, L0:L0 + C] = k_c
             cache.v[i, :, L0:L0 + C] = v_c
         cache.length = L0 + C
-
-    @torch.no_grad()
-    def forward_static(self, ctx_rows: torch.Tensor, n_ctx: torch.Tensor, block_embeds: torch.Tensor,
-                       cache: DraftCache, start: torch.Tensor) -> torch.Tensor:
-        """:meth:`forward` with device-side bookkeeping (no host read; shapes fixed by the block size
-        and the cache capacity): capturable in a CUDA graph.
-
-        ctx_rows [R, K*D]: the first ``n_ctx`` ([] long) rows are the features of the tokens at
-        positions start - n_ctx .. start - 1 (committed since the last call); rows past n_ctx are
-        ignored (they are written past the committed length, where no query looks and the next call
-        overwrites them). start [] long: the bonus position. The cache's host-side length is not used.
-        Needs capacity >= start + R. Returns the final-normed hidden states [B, D].
-        """
-        R = ctx_rows.shape[0]
-        B = block_embeds.shape[0]
-        dev, dt, cfg = self.device, self.dtype, self.cfg
-        q_pos = start + torch.arange(B, device=dev)  # [B]
-        c_pos = start - n_ctx + torch.arange(R, device=dev)  # [R] cache slots = positions
-        from ..kernels.dispatch import draft_attention_backend
-        k_pos = visible = None  # the kernel reads the committed length itself; the torch path masks
-        if draft_attention_backend(block_embeds, cache.k) == "torch":
-            slot_pos = torch.arange(cache.capacity, device=dev)  # [S_cap]
-            k_pos = torch.cat([slot_pos, q_pos])  # [S_cap + B]
-            visible = torch.cat([slot_pos < start, torch.ones(B, dtype=torch.bool, device=dev)])  # [S_cap + B]
-            visible = visible.unsqueeze(0).expand(B, -1)  # [B, S_cap + B]
-        cos_t, sin_t = self._rope_table(cache, cache.capacity + B)
-        cos_b, sin_b = take_rows(cos_t, q_pos), take_rows(sin_t, q_pos)
-        cos_c, sin_c = take_rows(cos_t, c_pos), take_rows(sin_t, c_pos)
-        ctx = self.hidden_norm(self.fc(ctx_rows.to(dtype=dt)))  # [R, D]
-        h = block_embeds.to(device=dev, dtype=dt)  # [B, D]
-        pending: torch.Tensor | None = None  # as in forward
-        for i, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            k_c, v_c = attn.context_kv(ctx, cos_c, sin_c)  # [Hkv, R, d]
-            cache.k[i].index_copy_(1, c_pos, k_c)
-            cache.v[i].index_copy_(1, c_pos, v_c)
-            h, x = layer.input_layernorm.residual(h, pending)
-            h, x = layer.post_attention_layernorm.residual(h, attn(x, cos_b, sin_b, cache.k[i], cache.v[i], q_pos,
-                                                                   k_pos, visible, start))
-            pending = layer.mlp(x)
-        return self.norm.residual(h, pending)[1]
 
     def _rope_table(self, cache: DraftCache, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """rope_tables of positions 0..n-1, built once per cache (a captured round reads it in place); a

@@ -14,6 +14,8 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
+from ..kernels.dispatch import head_matmul, latent_write, mla_attention, mla_attention_static, rope_heads
+from .context import StepContext
 from .layers import GroupOf, Linear, RMSNorm, dense_only, stacked_linear
 
 
@@ -49,29 +51,38 @@ class MLA(nn.Module):
         self._absorbed = None
         self.__dict__.pop("_down", None)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
-                start: int, tree_mask: torch.Tensor | None) -> torch.Tensor:
-        """x [T, H]; cos/sin [T, R/2]; kv_cache [S_max, C+R] of this layer, committed [0, start).
-
-        Writes the T new latents to slots start..start+T-1. tree_mask [T, T] bool (ancestor-or-self)
-        or None for causal. Returns [T, H].
-        """
+    def forward(self, x: torch.Tensor, ctx: StepContext, kv_cache: torch.Tensor) -> torch.Tensor:
+        """x [T, H]; kv_cache [S_cap, C+R] of this layer. Writes the T new latents to ctx.slots; a prompt step
+        attends in the naive form, every other step in the absorbed form over the committed prefix and the
+        block (ctx.tree_mask: ancestor-or-self, None for causal). Returns [T, H]."""
         T = x.shape[0]
         C = self.cfg.kv_lora_rank
-        q_nope, q_pe = self._project(x, cos, sin, kv_cache, torch.arange(start, start + T, device=x.device))
-        if start == 0 and tree_mask is None:
-            new = kv_cache[start:start + T]
+        q_nope, q_pe = self._project(x, ctx, kv_cache)
+        if ctx.prompt:
+            new = kv_cache[:T]
             o = self._naive(q_nope, q_pe, new[:, :C], new[:, C:])
         else:
-            o = self._absorbed_attn(q_nope, q_pe, kv_cache[: start + T], start, tree_mask)
+            w_uk, w_uv = self.absorbed_weights()
+            q_lat = head_matmul(q_nope, w_uk.transpose(1, 2))  # [T, N, P] x [N, C, P] -> [T, N, C]
+            o_lat = self._attend(q_lat, q_pe, kv_cache, ctx)  # [T, N, C]
+            o = head_matmul(o_lat, w_uv)  # [T, N, C] x [N, V, C] -> [T, N, V]
         return self.o_proj(o.reshape(T, -1))
 
-    def _project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
-                 slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _attend(self, q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
+                ctx: StepContext) -> torch.Tensor:
+        """Absorbed attention: an eager step sizes the launch by its host length over the slots in use, a
+        device-resident one reads the length on the device over the whole buffer."""
+        C = self.cfg.kv_lora_rank
+        if ctx.device_resident:
+            return mla_attention_static(q_lat, q_pe, kv_cache, ctx.start, ctx.tree_mask, ctx.visible, self.scale,
+                                        C, ctx.gather_index)
+        return mla_attention(q_lat, q_pe, kv_cache[: ctx.start + ctx.num_tokens], ctx.start, ctx.tree_mask,
+                             self.scale, C)
+
+    def _project(self, x: torch.Tensor, ctx: StepContext, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> q_nope [T, N, P] (a view), q_pe [T, N, R] (rotated); writes the T new latents
-        (normed c_kv | rotated k_pe) to kv_cache[slots]. The two down-projections of x (q_a or q, and
+        (normed c_kv | rotated k_pe) to kv_cache[ctx.slots]. The two down-projections of x (q_a or q, and
         kv_a) run as one GEMM when both are dense."""
-        from ..kernels.dispatch import latent_write, rope_heads
         cfg = self.cfg
         T = x.shape[0]
         N, P, R, C = self.n_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
@@ -84,30 +95,8 @@ class MLA(nn.Module):
         q = qa if cfg.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(qa))
         q = q.view(T, N, P + R)
         norm = self.kv_a_layernorm
-        latent_write(kva, norm.weight, norm.eps, cos, sin, kv_cache, slots)
-        return q[..., :P], rope_heads(q, P, cos, sin)
-
-    def forward_static(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
-                       slots: torch.Tensor, start: torch.Tensor, tree_mask: torch.Tensor,
-                       visible: torch.Tensor | None,
-                       gather_index: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """The same step with device-side bookkeeping (no host read, shapes fixed by T and the capacity).
-
-        x [T, H]; kv_cache [S_cap, C+R]; slots [T] long = start + arange(T): where the new latents go;
-        start [] long: committed length; tree_mask [T, T]; visible [T, S_cap] bool: which cache slots
-        each query attends to (its committed prefix and its tree ancestors), from the same two, for the
-        torch attention; gather_index: the Triton attention's per-query index of the same (see
-        dispatch.attention_gather_index; None: built here). Always the absorbed form. Returns [T, H].
-        """
-        from ..kernels.dispatch import head_matmul, mla_attention_static
-        T = x.shape[0]
-        q_nope, q_pe = self._project(x, cos, sin, kv_cache, slots)
-        w_uk, w_uv = self.absorbed_weights()
-        q_lat = head_matmul(q_nope, w_uk.transpose(1, 2))  # [T, N, C]
-        o_lat = mla_attention_static(q_lat, q_pe, kv_cache, start, tree_mask, visible, self.scale,
-                                     self.cfg.kv_lora_rank, gather_index)
-        o = head_matmul(o_lat, w_uv)  # [T, N, V]
-        return self.o_proj(o.reshape(T, -1))
+        latent_write(kva, norm.weight, norm.eps, ctx.cos, ctx.sin, kv_cache, ctx.slots)
+        return q[..., :P], rope_heads(q, P, ctx.cos, ctx.sin)
 
     def _naive(self, q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
@@ -120,15 +109,6 @@ class MLA(nn.Module):
         scores = scores.masked_fill(~causal, float("-inf"))
         p = scores.softmax(-1)
         return torch.einsum("nts,snv->tnv", p, v.float()).to(q_nope.dtype)  # [T, N, V]
-
-    def _absorbed_attn(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, start: int,
-                       tree_mask: torch.Tensor | None) -> torch.Tensor:
-        from ..kernels.dispatch import head_matmul, mla_attention
-        w_uk, w_uv = self.absorbed_weights()
-        q_lat = head_matmul(q_nope, w_uk.transpose(1, 2))  # [T, N, P] x [N, C, P] -> [T, N, C]
-        o_lat = mla_attention(q_lat, q_pe, kv, start, tree_mask, self.scale, self.cfg.kv_lora_rank)  # [T, N, C]
-        return head_matmul(o_lat, w_uv)  # [T, N, C] x [N, V, C] -> [T, N, V]
-
 
 def mla_attention_reference(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, start: int,
                             tree_mask: torch.Tensor | None, scale: float, kv_lora_rank: int) -> torch.Tensor:

@@ -98,8 +98,8 @@ class Experts(nn.Module):
                 self.register_buffer(f"{name}_scale", torch.zeros(E, n, k // group_size, dtype=dtype))
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                add: torch.Tensor | None = None) -> torch.Tensor:
-        return moe(x, ids, weights, self, add)
+                add: torch.Tensor | None = None, host_reads: bool = True) -> torch.Tensor:
+        return moe(x, ids, weights, self, add, host_reads)
 
     def int4_prepare(self, dtype: torch.dtype) -> str:
         """The INT4 kernel family for activations of `dtype`, the words in its order (model/int4_order.py)."""
@@ -110,10 +110,11 @@ class Experts(nn.Module):
 
 
 def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Experts,
-        add: torch.Tensor | None = None) -> torch.Tensor:
+        add: torch.Tensor | None = None, host_reads: bool = True) -> torch.Tensor:
     """The single MoE entry: x [T, H], ids [T, k], weights [T, k] -> sum_k w * expert(x) [T, H], plus add [T, H]
     (x's dtype: the shared expert's output) where given: the bits of `moe(...) + add` on every path (the GPU
-    kernels add it in their top-k sum, saving a launch)."""
+    kernels add it in their top-k sum, saving a launch). host_reads False (a device-resident step): the torch
+    path runs every expert instead of reading which ones are hit."""
     if experts.group_size is not None:
         kind = experts.int4_prepare(x.dtype)
         if kind == "frag":
@@ -125,8 +126,7 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Expe
             from ..kernels.moe_w4a16 import fused_moe_w4a16
             return fused_moe_w4a16(x, experts.w13_packed, experts.w13_scale, experts.w2_packed,
                                    experts.w2_scale, ids, weights, experts.group_size, add=add)
-    from ..kernels.dispatch import static_active
-    if static_active():
+    if not host_reads:
         log_once(f"moe-static:{x.device.type}:{experts.group_size}",
                  f"MoE in device-resident rounds on {x.device.type}: torch, every expert, zero weight if not routed")
         out = moe_static(x, ids, weights, experts)
@@ -199,16 +199,16 @@ class MoE(nn.Module):
                                    group_of=shared_group_of) if cfg.n_shared_experts > 0 else None)
         self._shared_bytes: int | None = None   # the shared expert's weight bytes (its CUDA placement)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, host_reads: bool = True) -> torch.Tensor:
         """Router + routed experts and the shared expert are independent until their sum; on CUDA they run
-        side by side or one after the other (shared_placement)."""
+        side by side or one after the other (shared_placement). host_reads: see :func:`moe`."""
         part: dict[str, torch.Tensor] = {}
 
         def route() -> None:
             part["ids"], part["w"] = self.gate(x)
 
         def experts(add: torch.Tensor | None = None) -> None:
-            part["routed"] = self.experts(x, part["ids"], part["w"], add)
+            part["routed"] = self.experts(x, part["ids"], part["w"], add, host_reads)
 
         def routed() -> None:
             route()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Callable, Iterable, Protocol
+from typing import Iterable, Protocol
 
 import torch
 from torch import nn
@@ -18,6 +18,8 @@ from ..errors import LoadError
 from ..cache import LatentCache
 from ..config import ModelConfig
 from ..kernels.common import take_rows
+from ..kernels.dispatch import attention_gather_index
+from .context import StepContext, static_visibility
 from .int4_order import CHECKPOINT, set_order
 from .layers import MLP, GroupOf, Linear, RMSNorm, Rope
 from .mla import MLA
@@ -60,32 +62,24 @@ class DecoderLayer(nn.Module):
             sizes = {experts(p) for p in ("gate_proj", "up_proj", "down_proj")}
             if len(sizes) != 1:
                 raise LoadError(f"layer {idx}: routed experts must be all INT4 or all dense (gate/up/down differ)")
+            self.routed = True
             self.mlp: nn.Module = MoE(cfg, dtype=dtype, group_size=sizes.pop(),
                                       shared_group_of=group_of(quant, f"layers.{idx}.mlp.shared_experts"))
         else:
+            self.routed = False
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype,
                            group_of=group_of(quant, f"layers.{idx}.mlp"))
 
     # The residual stream is carried as (h, pending): the MLP output of a layer is added by the next
     # layer's input norm (or the final norm), so every "add then norm" is one dispatch (one launch on CUDA).
-    def forward(self, h: torch.Tensor, pending: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                kv: torch.Tensor, start: int, tree_mask: torch.Tensor | None
+    def forward(self, h: torch.Tensor, pending: torch.Tensor | None, ctx: StepContext, kv: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """h [T, H] + pending [T, H] (None: nothing pending) -> (h_in, h, mlp_out): h_in = h + pending is the
-        stream entering this layer (the previous layer's output), h = h_in + attention, mlp_out pending."""
+        stream entering this layer (the previous layer's output), h = h_in + attention, mlp_out pending.
+        kv: this layer's latent cache [S_cap, C+R]."""
         h_in, x = self.input_layernorm.residual(h, pending)
-        h, x = self.post_attention_layernorm.residual(h_in, self.self_attn(x, cos, sin, kv, start, tree_mask))
-        return h_in, h, self.mlp(x)
-
-    def forward_static(self, h: torch.Tensor, pending: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                       kv: torch.Tensor, slots: torch.Tensor, start: torch.Tensor, tree_mask: torch.Tensor,
-                       visible: torch.Tensor | None, gather_index: tuple[torch.Tensor, torch.Tensor] | None = None
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """:meth:`forward` of a device-resident step (see Target.forward_static)."""
-        h_in, x = self.input_layernorm.residual(h, pending)
-        a = self.self_attn.forward_static(x, cos, sin, kv, slots, start, tree_mask, visible, gather_index)
-        h, x = self.post_attention_layernorm.residual(h_in, a)
-        return h_in, h, self.mlp(x)
+        h, x = self.post_attention_layernorm.residual(h_in, self.self_attn(x, ctx, kv))
+        return h_in, h, (self.mlp(x, host_reads=not ctx.device_resident) if self.routed else self.mlp(x))
 
 
 class Target(nn.Module):
@@ -238,65 +232,65 @@ class Target(nn.Module):
     def lm_head(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head_proj(h).float()  # [T, V]
 
-    @torch.no_grad()
-    def forward(self, ids: torch.Tensor, cache: LatentCache, positions: torch.Tensor | None = None,
-                tree_mask: torch.Tensor | None = None, aux_layers: tuple[int, ...] = ()) -> TargetOutput:
-        """ids [T] -> logits [T, V] (float32) and the requested aux hidden states.
+    def context(self, cache: LatentCache, T: int, positions: torch.Tensor | None = None,
+                tree_mask: torch.Tensor | None = None, start: torch.Tensor | None = None) -> StepContext:
+        """The step context of T new tokens (see :class:`StepContext`).
 
-        positions default to cache.length + arange(T). With tree_mask None the step is causal and
-        committed; with a tree mask [T, T] (ancestor-or-self) the entries stay pending until
-        ``cache.commit(keep)``.
+        start None: an eager step; the T entries are reserved after the cache's committed length, positions
+        default to the slots. start [] long: a device-resident step (no host read, shapes fixed by T and the
+        capacity); the cache's host-side length is not used, positions and tree_mask are required and the
+        rope tables must cover the positions (``self.rope.ensure``).
         """
-        T = ids.shape[0]
-        start = cache.reserve(T)
-        if positions is None:
-            positions = torch.arange(start, start + T, device=self.device)
         if tree_mask is not None and tuple(tree_mask.shape) != (T, T):
             raise ValueError(f"tree_mask must be [{T}, {T}], got {tuple(tree_mask.shape)}")
-        cos, sin = self.rope.tables(positions)
-        h = self.embed(ids.to(self.device))
+        dev = self.device
+        if start is None:
+            first = cache.reserve(T)
+            slots = torch.arange(first, first + T, device=dev)  # [T]
+            positions = slots if positions is None else positions
+            cos, sin = self.rope.tables(positions)
+            return StepContext(positions, cos, sin, slots, first, tree_mask)
+        if positions is None or tree_mask is None:
+            raise ValueError("a device-resident step needs its positions and tree mask")
+        cos, sin = self.rope.gather(positions)
+        # what attention derives from (start, tree_mask) is the same in every layer: built once here
+        gather_index = attention_gather_index(tree_mask)
+        visible = static_visibility(start, tree_mask, cache.capacity) if gather_index is None else None
+        return StepContext(positions, cos, sin, start + torch.arange(T, device=dev), start, tree_mask,
+                           visible, gather_index)
+
+    @torch.no_grad()
+    def forward(self, ids: torch.Tensor, cache: LatentCache, positions: torch.Tensor | None = None,
+                tree_mask: torch.Tensor | None = None, aux_layers: tuple[int, ...] = (),
+                start: torch.Tensor | None = None) -> TargetOutput:
+        """ids [T] -> logits [T, V] (float32) and the requested aux hidden states.
+
+        One forward for every kind of step; what differs is its context (:meth:`context`). With start None
+        the step's bookkeeping is on the host: positions default to cache.length + arange(T); with tree_mask
+        None the step is causal and committed, with a tree mask [T, T] (ancestor-or-self) the entries stay
+        pending until ``cache.commit(keep)``. With start a [] long device tensor (the committed length) the
+        step reads nothing back to the host and can be captured in a CUDA graph: the new entries go to slots
+        start..start+T-1, the cache's host-side length is neither read nor changed (the caller compacts with
+        :meth:`LatentCache.compact_static`).
+        """
         wanted = set(aux_layers)
         if len(wanted) != len(aux_layers) or any(not 0 <= l < len(self.layers) for l in wanted):
             raise ValueError(f"aux_layers {aux_layers} must be distinct layer ids < {len(self.layers)}")
-        out = self._layers_and_head(h, aux_layers, lambda i, layer, h, pending: layer(
-            h, pending, cos, sin, cache.layer(i), start, tree_mask))
-        if tree_mask is None:
+        ctx = self.context(cache, ids.shape[0], positions, tree_mask, start)
+        out = self._layers_and_head(self.embed(ids.to(self.device)), ctx, cache, aux_layers)
+        if start is None and tree_mask is None:
             cache.commit_all()
         return out
 
-    @torch.no_grad()
-    def forward_static(self, ids: torch.Tensor, cache: LatentCache, start: torch.Tensor, positions: torch.Tensor,
-                       tree_mask: torch.Tensor, aux_layers: tuple[int, ...] = ()) -> TargetOutput:
-        """A tree (or causal) step whose bookkeeping stays on the device: no host read, shapes fixed by
-        T and the cache capacity (capturable in a CUDA graph).
-
-        ids [T]; start [] long = committed length (the new entries go to slots start..start+T-1);
-        positions [T] long; tree_mask [T, T] bool (ancestor-or-self; tril for a causal block). The
-        cache's host-side length is not used or changed: the caller keeps the length on the device and
-        compacts with :meth:`LatentCache.compact_static`. The rope tables must cover the positions
-        (``self.rope.ensure``).
-        """
-        T = ids.shape[0]
-        dev = self.device
-        cos, sin = self.rope.gather(positions)
-        slots = start + torch.arange(T, device=dev)  # [T]
-        # what attention derives from (start, tree_mask) is the same in every layer: built once here
-        from ..kernels.dispatch import attention_gather_index
-        gather_index = attention_gather_index(tree_mask)
-        visible = static_visibility(start, tree_mask, cache.capacity) if gather_index is None else None
-        return self._layers_and_head(self.embed(ids), aux_layers, lambda i, layer, h, pending: layer.forward_static(
-            h, pending, cos, sin, cache.layer(i), slots, start, tree_mask, visible, gather_index))
-
-    def _layers_and_head(self, h: torch.Tensor, aux_layers: tuple[int, ...],
-                         step: Callable[[int, "DecoderLayer", torch.Tensor, torch.Tensor | None],
-                                        tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> TargetOutput:
-        """The decoder layers (``step(i, layer, h, pending)`` runs one), the final norm (which adds the
-        last MLP output) and lm_head; aux = the requested layers' outputs, concatenated."""
+    def _layers_and_head(self, h: torch.Tensor, ctx: StepContext, cache: LatentCache,
+                         aux_layers: tuple[int, ...]) -> TargetOutput:
+        """The decoder layers, the final norm (which adds the last MLP output) and lm_head; aux = the
+        requested layers' outputs, concatenated."""
         wanted = set(aux_layers)
         saved: dict[int, torch.Tensor] = {}
         pending: torch.Tensor | None = None
         for i, layer in enumerate(self.layers):
-            h_in, h, pending = step(i, layer, h, pending)
+            h_in, h, pending = layer(h, pending, ctx, cache.layer(i))
             if i - 1 in wanted:
                 saved[i - 1] = h_in  # layer i-1's output
         h, x = self.norm.residual(h, pending)
@@ -305,12 +299,3 @@ class Target(nn.Module):
         aux_out = torch.cat([saved[l] for l in aux_layers], dim=-1) if aux_layers else None
         return TargetOutput(logits=self.lm_head(x), aux=aux_out)
 
-
-def static_visibility(start: torch.Tensor, tree_mask: torch.Tensor, capacity: int) -> torch.Tensor:
-    """visible [T, S_cap]: slot s is seen by query i when s < start (committed) or s = start + j with
-    tree_mask[i, j] (its own block entries). Built on the device from the device-side ``start``."""
-    T = tree_mask.shape[0]
-    rel = torch.arange(capacity, device=tree_mask.device) - start  # [S_cap]
-    in_block = (rel >= 0) & (rel < T)
-    cols = tree_mask.index_select(1, rel.clamp(0, T - 1))  # [T, S_cap]
-    return (rel < 0).unsqueeze(0) | (in_block.unsqueeze(0) & cols)

@@ -188,7 +188,7 @@ class DeviceRound:
         if self.drafter is None:
             return self.chain  # the root alone: views of bonus and start
         self.block[:1].copy_(self.bonus.reshape(1))  # [bonus, MASK x (B-1)]
-        h = self.drafter.forward_static(self.ctx, self.n_ctx, self.target.embed(self.block), self.dcache, self.start)
+        h = self.drafter(self.ctx, self.target.embed(self.block), self.dcache, self.start, self.n_ctx)
         draft_logits = self.target.lm_head(h[1:])  # [B-1, V]
         if self.method == "dflash":
             chain = self.chain
@@ -203,20 +203,17 @@ class DeviceRound:
     @torch.no_grad()
     def step(self) -> None:
         """One round, in place. Host-read free; capturable."""
-        from ..kernels.dispatch import static_shapes
-        with static_shapes():
-            tree = self.make_tree()
-            vout = self.target.forward_static(tree.tokens, self.cache, self.start, tree.positions, tree.mask,
-                                              self.aux_layers)
-            picks = (race(rule_probs(vout.logits, self.temperature, self.top_k, self.top_p), self.noise)
-                     if self.sampling else greedy(vout.logits))  # [N1]
-            acc, count = self.accept(tree, picks)  # [M], [] = A; result and bonus written
-            if self.n1 > 1:  # a lone root keeps its slot
-                self.cache.compact_static(self.start, acc)
-            if self.drafter is not None:
-                self.ctx[: self.m].copy_(take_rows(vout.aux, acc))
-                self.n_ctx.copy_(count)
-            self.start.add_(count)
+        tree = self.make_tree()
+        vout = self.target(tree.tokens, self.cache, tree.positions, tree.mask, self.aux_layers, start=self.start)
+        picks = (race(rule_probs(vout.logits, self.temperature, self.top_k, self.top_p), self.noise)
+                 if self.sampling else greedy(vout.logits))  # [N1]
+        acc, count = self.accept(tree, picks)  # [M], [] = A; result and bonus written
+        if self.n1 > 1:  # a lone root keeps its slot
+            self.cache.compact_static(self.start, acc)
+        if self.drafter is not None:
+            self.ctx[: self.m].copy_(take_rows(vout.aux, acc))
+            self.n_ctx.copy_(count)
+        self.start.add_(count)
 
     def accept(self, tree: DraftTree, picks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The walk: writes ``result`` (emitted tokens + count) and ``bonus``; returns (accepted nodes [M],

@@ -12,7 +12,8 @@ from kdtree_engine.config import preset
 from kdtree_engine.draft_config import DraftConfig
 from kdtree_engine.model.dflash import DFlashDrafter
 from kdtree_engine.model.mla import mla_attention_masked, mla_attention_reference
-from kdtree_engine.model.target import Target, static_visibility
+from kdtree_engine.model.context import static_visibility
+from kdtree_engine.model.target import Target
 from kdtree_engine.sampling import SamplingParams
 from kdtree_engine.speculative.accept import accept_path_mask, accept_reference
 from kdtree_engine.speculative.decode import SpecConfig, SpecError, generate, pick_round_mode
@@ -117,7 +118,7 @@ def test_drafter_static_pass_equals_eager():
     c2 = drafter.new_cache(32)
     drafter.append_context(ctx[: S - 3], c2)  # the rest comes through the static pass: 3 rows + junk
     rows = torch.cat([ctx[S - 3:], torch.randn(3, F, generator=g)])
-    got = drafter.forward_static(rows, torch.tensor(3), block, c2, torch.tensor(S))
+    got = drafter(rows, block, c2, torch.tensor(S), torch.tensor(3))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(c2.k[:, :, :S], c1.k[:, :, :S], rtol=1e-6, atol=1e-6)
 

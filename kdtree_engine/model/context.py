@@ -1,0 +1,59 @@
+"""The per-step data of one target forward, built once per step and read by every layer.
+
+What differs between a prompt step, an eager decode or tree-verify step and a device-resident step
+(replayed from a CUDA graph) is data, not code: where the new latents go, what each query may see, and
+whether the committed length lives on the host or on the device. The layers have one ``forward`` that
+reads this object.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """T new tokens of one request over its latent cache.
+
+    positions [T] long; cos / sin [T, R/2] rope tables at those positions; slots [T] long: the cache slots
+    of the new latents (start + arange(T)); start: the committed length, a host int (eager step: the
+    attention launch is sized on the host) or a [] long device tensor (device-resident step: no host
+    read, shapes fixed by T and the cache capacity); tree_mask [T, T] bool ancestor-or-self, None for a
+    causal step. A device-resident step also carries what its attention derives from (start, tree_mask)
+    in every layer: ``visible`` [T, S_cap] for the torch attention or ``gather_index`` for the Triton one.
+    """
+
+    positions: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    slots: torch.Tensor
+    start: int | torch.Tensor
+    tree_mask: torch.Tensor | None
+    visible: torch.Tensor | None = None
+    gather_index: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def device_resident(self) -> bool:
+        """The committed length is on the device: nothing in the step may read it back to the host."""
+        return isinstance(self.start, torch.Tensor)
+
+    @property
+    def prompt(self) -> bool:
+        """A causal step over an empty cache: MLA's naive form (the latents up-projected once)."""
+        return not self.device_resident and self.start == 0 and self.tree_mask is None
+
+    @property
+    def num_tokens(self) -> int:
+        return self.positions.shape[0]
+
+
+def static_visibility(start: torch.Tensor, tree_mask: torch.Tensor, capacity: int) -> torch.Tensor:
+    """visible [T, S_cap]: slot s is seen by query i when s < start (committed) or s = start + j with
+    tree_mask[i, j] (its own block entries). Built on the device from the device-side ``start``."""
+    T = tree_mask.shape[0]
+    rel = torch.arange(capacity, device=tree_mask.device) - start  # [S_cap]
+    in_block = (rel >= 0) & (rel < T)
+    cols = tree_mask.index_select(1, rel.clamp(0, T - 1))  # [T, S_cap]
+    return (rel < 0).unsqueeze(0) | (in_block.unsqueeze(0) & cols)
