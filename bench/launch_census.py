@@ -49,6 +49,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from kdtree_engine.engine import load_drafter, load_target  # noqa: E402
+from kdtree_engine.speculative.config import SpecConfig  # noqa: E402
 from kdtree_engine.speculative.device_round import DeviceRound  # noqa: E402
 
 DEMO = ROOT / "kdtree_engine" / "assets" / "demo"
@@ -229,7 +230,9 @@ def main(argv: list[str] | None = None) -> dict:
     prompt = list(range(2, 26))
     report = {"mode": "triton-interpreter" if args.triton else "torch (cpu backends)", "methods": {}}
     for method in args.methods.split(","):
-        rnd = DeviceRound(target, drafter, method, args.budget if method == "ddtree" else None, args.capacity)
+        shape = SpecConfig(method, args.budget if method == "ddtree" else None).resolve(drafter.block_size,
+                                                                                       target.cfg.vocab_size)
+        rnd = DeviceRound(target, drafter, shape, args.capacity)
         s = summarize(census_round(rnd, prompt, args.triton), kinds)
         name = f"ddtree-{args.budget}" if method == "ddtree" else method
         report["methods"][name] = s

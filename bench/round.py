@@ -135,7 +135,7 @@ MODE_TEXT = {
 
 def _generator(mode: str, target: Any, method: str, drafter: Any, budget: int | None) -> Callable:
     if mode == "device":
-        from kdtree_engine.speculative.device_decode import generate_device
+        from kdtree_engine.speculative.decode import generate_device
 
         def gen_device(p: Prompt, sp: SamplingParams):
             return generate_device(target, p.ids, sp, method=method, drafter=drafter, budget=budget, graph=False)

@@ -42,19 +42,10 @@ from ..kernels.common import take_rows
 from ..model.target import Target
 from ..sampling import SamplingParams, greedy, race, rule_probs, sample
 from .accept import accept_path_mask
-from .tree import DraftTree, chain_tree, topk_logprobs, tree_size
+from .config import RoundShape
+from .tree import DraftTree, chain_tree, topk_logprobs
 
 DEVICE_ROUND_METHODS = ("none", "dflash", "ddtree")
-
-
-def tree_nodes(method: str, block_size: int, budget: int | None, vocab: int) -> int:
-    """N1 = verify width of a round (root included) for a full-depth tree."""
-    if method == "none":
-        return 1
-    if method == "dflash":  # the argmax chain, ``budget`` drafts long (None: all B - 1)
-        return 1 + (budget or block_size - 1)
-    b = budget or block_size - 1
-    return tree_size(b, block_size - 1, min(b, vocab)) + 1
 
 
 def accepted_order(on_path: torch.Tensor, depths: torch.Tensor, m: int) -> torch.Tensor:
@@ -82,22 +73,23 @@ def emitted_tokens(tree_tokens: torch.Tensor, acc: torch.Tensor, count: torch.Te
 
 
 class DeviceRound:
-    """State and step of device-resident rounds for one (target, drafter, method, budget, capacity)."""
+    """State and step of device-resident rounds for one (target, drafter, round shape, capacity)."""
 
-    def __init__(self, target: Target, drafter: Any, method: str, budget: int | None, capacity: int,
+    def __init__(self, target: Target, drafter: Any, shape: RoundShape, capacity: int,
                  sampling: SamplingParams | None = None) -> None:
+        method = shape.method
         if method not in DEVICE_ROUND_METHODS:
             raise ValueError(f"method must be one of {DEVICE_ROUND_METHODS}, got {method!r}")
+        if shape.auto:
+            raise ValueError("device-resident rounds take a fixed budget, not 'auto'")
         if method != "none" and drafter is None:
             raise ValueError(f"method {method!r} needs a drafter")
-        self.target, self.method = target, method
+        self.target, self.method, self.shape = target, method, shape
         self.drafter = drafter if method != "none" else None
         dev = target.device
-        self.B = self.drafter.block_size if self.drafter is not None else 1
-        self.budget = (budget or self.B - 1) if method != "none" else None  # dflash: the chain's length
-        if method == "dflash" and self.budget > self.B - 1:
-            raise ValueError(f"dflash chain of {self.budget} drafts is longer than block size {self.B} allows")
-        self.n1 = tree_nodes(method, self.B, self.budget, target.cfg.vocab_size)
+        self.B = shape.block_size
+        self.budget = shape.budget  # ddtree: the tree's budget; dflash: the chain's length
+        self.n1 = shape.full_nodes
         self.m = min(self.B, self.n1)
         self.capacity = capacity
         self.aux_layers = tuple(self.drafter.target_layer_ids) if self.drafter is not None else ()

@@ -9,7 +9,7 @@ the round's state restored, then one capture into a private memory pool. Warm-up
 past the committed length of the caches (and re-write the drafter's pending context rows with the
 same values), so restoring (start, bonus, context rows, count) undoes them.
 
-Rounds are cached per (target, drafter, method, budget, capacity, shape of the sampling rule: top-k and
+Rounds are cached per (target, drafter, round shape, capacity, shape of the sampling rule: top-k and
 nucleus on/off): a later request with the same settings reuses the captured graph (its prompt is
 prefilled into the same buffers; temperature and top-p are set per request). Capacities are rounded up
 to a power of two (at least :data:`MIN_CAPACITY`) so requests of similar length share one.
@@ -24,6 +24,7 @@ import torch
 from ..logs import log
 from ..model.target import Target
 from ..sampling import SamplingParams
+from .config import RoundShape
 from .device_round import DeviceRound
 
 MIN_CAPACITY = 512
@@ -107,18 +108,16 @@ class _Registry:
 
     ATTR = "_device_rounds"
 
-    def get(self, target: Target, drafter: Any, method: str, budget: int | None, tokens: int,
-            graph: bool, sampling: SamplingParams | None = None) -> tuple[DeviceRound, GraphRunner | None]:
+    def get(self, target: Target, drafter: Any, shape: RoundShape, tokens: int, graph: bool,
+            sampling: SamplingParams | None = None) -> tuple[DeviceRound, GraphRunner | None]:
         rounds = target.__dict__.setdefault(self.ATTR, {})
-        n1 = _width(target, drafter, method, budget)
-        B = drafter.block_size if (drafter is not None and method != "none") else 1
-        cap = capacity_bucket(tokens + max(n1, B))
+        cap = capacity_bucket(tokens + max(shape.full_nodes, shape.block_size))
         # the shape of the sampling rule (top-k, nucleus on/off); temperature / top-p values are round inputs
         rule = None if sampling is None or sampling.greedy else (sampling.top_k, sampling.top_p < 1.0)
-        key = (id(drafter) if method != "none" else None, method, budget, cap, graph, rule)
+        key = (id(drafter) if shape.drafts else None, shape, cap, graph, rule)
         entry = rounds.get(key)
         if entry is None or (entry[0].drafter is not None and entry[0].drafter is not drafter):
-            rnd = DeviceRound(target, drafter, method, budget, cap, sampling)
+            rnd = DeviceRound(target, drafter, shape, cap, sampling)
             entry = (rnd, GraphRunner(rnd) if graph else None)
             rounds[key] = entry
         return entry
@@ -126,12 +125,6 @@ class _Registry:
     def clear(self, target: Target) -> None:
         """Free a target's round buffers and graphs."""
         target.__dict__.pop(self.ATTR, None)
-
-
-def _width(target: Target, drafter: Any, method: str, budget: int | None) -> int:
-    from .device_round import tree_nodes
-    B = drafter.block_size if (drafter is not None and method != "none") else 1
-    return tree_nodes(method, B, budget if method != "none" else None, target.cfg.vocab_size)
 
 
 ROUNDS = _Registry()

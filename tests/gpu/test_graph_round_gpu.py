@@ -67,11 +67,13 @@ def _check_equal(target, drafter, prompts, max_tokens=64):
 
 
 def test_device_round_has_no_host_sync():
+    from kdtree_engine.speculative.config import SpecConfig
     from kdtree_engine.speculative.device_round import DeviceRound
 
     target, drafter = _tiny_pair()
     for method, budget in (("none", None), ("dflash", None), ("ddtree", 16)):
-        rnd = DeviceRound(target, drafter if method != "none" else None, method, budget, 512)
+        shape = SpecConfig(method, budget).resolve(drafter.block_size, target.cfg.vocab_size)
+        rnd = DeviceRound(target, drafter if method != "none" else None, shape, 512)
         rnd.prefill([5, 6, 7, 8, 9])
         rnd.step()  # first call: lazy initialisation (cuBLAS handles, kernel caches) may sync
         torch.cuda.synchronize()
@@ -101,7 +103,7 @@ def test_graph_rounds_equal_plain_demo_fp32():
 @pytest.mark.skipif(not (DEMO / "config.json").exists(), reason="embedded demo missing")
 def test_graph_replay_equals_device_eager_demo_bf16():
     from kdtree_engine.sampling import SamplingParams
-    from kdtree_engine.speculative.device_decode import generate_device
+    from kdtree_engine.speculative.decode import generate_device
 
     target, drafter = _demo_pair(torch.bfloat16)
     params = SamplingParams(max_tokens=64, ignore_eos=True)
@@ -250,7 +252,7 @@ def test_sampled_graph_rounds_equal_device_eager_and_follow_the_target():
     distribution (chi-square against the joint enumerated from plain forwards)."""
     from kdtree_engine.sampling import SamplingParams
     from kdtree_engine.speculative.decode import generate
-    from kdtree_engine.speculative.device_decode import generate_device
+    from kdtree_engine.speculative.decode import generate_device
     from spec.spec_toys import chi_square_pvalue, first_tokens_distribution
 
     target, drafter = _tiny_pair()

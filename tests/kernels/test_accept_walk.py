@@ -52,8 +52,8 @@ def _rounds() -> dict:
     from kdtree_engine.kernels import dispatch
     from kdtree_engine.sampling import SamplingParams
     from kdtree_engine.speculative.decode import generate
-    from kdtree_engine.speculative.device_decode import generate_device
-    sys.path.insert(0, str(HERE.parents[1] / "spec"))
+    from kdtree_engine.speculative.decode import generate_device
+    sys.path.insert(0, str(HERE.parents[1] / "speculative"))
     from test_device_round import _tiny_pair
 
     dispatch._TREE_FORCED = "triton"

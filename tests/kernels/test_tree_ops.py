@@ -39,7 +39,7 @@ def _run_round(budget):
     from kdtree_engine.kernels import dispatch
     from kdtree_engine.sampling import SamplingParams
     from kdtree_engine.speculative.decode import generate
-    from kdtree_engine.speculative.device_decode import generate_device
+    from kdtree_engine.speculative.decode import generate_device
 
     if not (DEMO / "config.json").exists():
         return {"bad": [], "skipped": "no demo"}

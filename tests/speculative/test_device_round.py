@@ -17,8 +17,8 @@ from kdtree_engine.model.target import Target
 from kdtree_engine.sampling import SamplingParams
 from kdtree_engine.speculative.accept import accept_path_mask, accept_reference
 from kdtree_engine.speculative.decode import SpecConfig, SpecError, generate, pick_round_mode
-from kdtree_engine.speculative.device_decode import generate_device
-from kdtree_engine.speculative.device_round import accepted_order, emitted_tokens, tree_nodes
+from kdtree_engine.speculative.decode import generate_device
+from kdtree_engine.speculative.device_round import accepted_order, emitted_tokens
 from kdtree_engine.speculative.tree import build_tree, topk_logprobs
 
 DEMO = Path(__file__).resolve().parents[2] / "kdtree_engine" / "assets" / "demo"
@@ -171,11 +171,16 @@ def test_round_mode_choice():
         generate(target, [5, 6], greedy, spec="dflash", drafter=drafter, eager=False)
 
 
-def test_tree_nodes():
-    assert tree_nodes("none", 1, None, 100) == 1
-    assert tree_nodes("dflash", 6, None, 100) == 6
-    assert tree_nodes("ddtree", 6, 4, 100) == 5
-    assert tree_nodes("ddtree", 3, 64, 3) == 1 + 3 + 9  # only 12 prefixes of depth <= 2 over 3 tokens
+def test_round_shape_widths():
+    assert SpecConfig("none").resolve(6, 100).full_nodes == 1
+    assert SpecConfig("dflash").resolve(6, 100).full_nodes == 6
+    assert SpecConfig("dflash", 2).resolve(6, 100).full_nodes == 3
+    assert SpecConfig("ddtree", 4).resolve(6, 100).full_nodes == 5
+    assert SpecConfig("ddtree").resolve(6, 100).budget == 5   # no budget: the drafter's whole chain
+    assert SpecConfig("ddtree", 64).resolve(3, 3).full_nodes == 1 + 3 + 9  # only 12 prefixes of depth <= 2 over 3 tokens
+    assert SpecConfig("ddtree", "auto").resolve(6, 100).auto
+    with pytest.raises(SpecError, match="longer than the drafter's chain"):
+        SpecConfig("dflash", 6).resolve(6, 100)
 
 
 def test_warmup_rounds_then_restore_change_nothing():
@@ -194,7 +199,7 @@ def test_warmup_rounds_then_restore_change_nothing():
         prompt = [3, 200, 17, 99, 41]
     outs = []
     for warm in (False, True):
-        rnd = DeviceRound(target, drafter, "ddtree", 8, 256)
+        rnd = DeviceRound(target, drafter, SpecConfig("ddtree", 8).resolve(drafter.block_size, target.cfg.vocab_size), 256)
         rnd.prefill(prompt)
         toks = []
         for r in range(12):
@@ -219,12 +224,13 @@ def test_graph_runner_needs_cuda_and_capacity_buckets():
     assert [capacity_bucket(n) for n in (1, 512, 513, 3000)] == [512, 512, 1024, 4096]
     target, drafter = _tiny_pair()
     with pytest.raises(ValueError, match="CUDA"):
-        GraphRunner(DeviceRound(target, drafter, "dflash", None, 64))
-    a, _ = ROUNDS.get(target, drafter, "ddtree", 4, 40, graph=False)
-    b, _ = ROUNDS.get(target, drafter, "ddtree", 4, 300, graph=False)
+        GraphRunner(DeviceRound(target, drafter, SpecConfig("dflash").resolve(drafter.block_size, 256), 64))
+    shape = SpecConfig("ddtree", 4).resolve(drafter.block_size, target.cfg.vocab_size)
+    a, _ = ROUNDS.get(target, drafter, shape, 40, graph=False)
+    b, _ = ROUNDS.get(target, drafter, shape, 300, graph=False)
     assert a is b and a.capacity == 512  # one buffer (and graph) for requests of similar length
     ROUNDS.clear(target)
-    assert ROUNDS.get(target, drafter, "ddtree", 4, 40, graph=False)[0] is not a
+    assert ROUNDS.get(target, drafter, shape, 40, graph=False)[0] is not a
 
 
 def test_rounds_ahead_up_to_the_position_limit():

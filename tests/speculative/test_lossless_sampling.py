@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kdtree_engine.sampling import SamplingParams
-from kdtree_engine.speculative import decode
+from kdtree_engine.speculative import host_rounds
 from kdtree_engine.speculative.accept import AcceptResult
 from kdtree_engine.speculative.decode import generate
 
@@ -72,7 +72,7 @@ def _biased_accept(tree, picks):
 
 
 def test_biased_rule_is_detected(monkeypatch):
-    monkeypatch.setattr(decode, "accept", _biased_accept)
+    monkeypatch.setattr(host_rounds, "accept", _biased_accept)
     spec, budget, params, _ = CASES[0]
     target = PrefixTarget(V, seed=11, scale=1.2)
     drafter = ToyDrafter(4, target_chain_proposals(target), decode_ctx=True)
