@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import shlex
 import math
 import statistics
 import sys
@@ -784,8 +783,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> dict:
     args = parse_args(argv)
-    args.command = (common.command_line() if argv is None
-                    else " ".join(["python", "bench/k2_step.py"] + [shlex.quote(a) for a in argv]))
+    args.command = common.command_line(argv, "python3 bench/k2_step.py")
 
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
@@ -800,7 +798,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
         torch.set_num_threads(threads)
     tag = device_tag(dev)
     label = rep["device"].get("gpu") or rep["device"].get("cpu") or tag
-    jp, mp = common.write_results(args.out, f"k2_step-{tag}", rep, markdown(rep, label))
+    jp, mp = common.write_results(args.out, f"k2_step-{tag}", rep, markdown(rep, label), command=args.command,
+                                  device=dev)
     print(f"wrote {jp} and {mp}")
     print(short_table(rep))
     return rep
