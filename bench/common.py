@@ -20,7 +20,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from kdtree_engine.records import command_line, run_metadata, with_metadata  # noqa: F401 (command_line: for the scripts)
+from kdtree_engine.records import command_line, cpu_model, run_metadata, with_metadata  # noqa: F401 (for the scripts)
 
 
 def device_info() -> dict:

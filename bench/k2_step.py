@@ -281,8 +281,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
         env = common.device_info()
     else:
         copy_bw, mm_rate = cpu_copy_bandwidth(), cpu_matmul_rate()
-        from kdtree_engine.bench_spec import cpu_name
-        env = {"gpu": None, "cpu": cpu_name(), "torch": torch.__version__}
+        env = {"gpu": None, "cpu": common.cpu_model(), "torch": torch.__version__}
     log(f"copy {copy_bw / 1e12:.3f} TB/s, matmul {mm_rate / 1e12:.1f} TFLOP/s ({clock():.1f} s)")
 
     # Fit the layers into free memory (about 9.8 GB each at K2 size), leaving room for the rest.

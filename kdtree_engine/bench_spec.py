@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from .records import run_metadata, with_metadata
+from .records import device_name, run_metadata, with_metadata
 
 log = logging.getLogger("kdtree_engine.bench_spec")
 
@@ -165,22 +165,12 @@ def gpu_tag(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "", pick) or "gpu"
 
 
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def environment(device: Any, dtype: Any) -> dict[str, Any]:
     import torch
 
     dev = torch.device(device)
     env = {"torch": torch.__version__, "python": platform.python_version(), "device": str(dev),
-           "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu_name(),
+           "device_name": device_name(dev),
            "dtype": str(dtype).replace("torch.", ""), "threads": torch.get_num_threads(), "cpus": os.cpu_count()}
     if hasattr(os, "getloadavg"):
         env["loadavg_start"] = [round(x, 2) for x in os.getloadavg()]
