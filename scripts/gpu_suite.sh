@@ -96,8 +96,8 @@ kernel_tails() {  # RMSNorm, SwiGLU, head norm + rope, the router tail: tests on
 # ---- the benchmarks the README cites ----
 bench() {
   spec_bench bench-spec 180 "$RES" --budgets 4,8,16,32,auto
-  step bench-k2-step 190 python3 bench/k2_step.py --time-budget 160 --out "$RES"
-  step bench-round 120 python3 bench/round.py --out "$RES"
+  step bench-k2-step 190 python3 bench/k2_step.py --timeline --time-budget 160 --out "$RES"
+  step bench-round 120 python3 bench/round.py --budgets 16 --prompts 2 --out "$RES"
   step bench-kernels 80 python3 bench/kernels.py --no-sweep --out "$RES"
 }
 
