@@ -1,5 +1,6 @@
 """Benchmark helpers: rooflines measured in the same run, graph-replay timing with rotating inputs,
-JSON + Markdown writers.
+JSON + Markdown writers (every record carries kdtree_engine.records.run_metadata: commit, versions, device,
+command, UTC time).
 
 Timing (`time_calls`): the calls (one per rotating input set) are captured once into a CUDA graph and
 the graph is replayed; per-call time = median replay time / number of calls. Graph replay removes
@@ -11,15 +12,15 @@ same loop is timed eagerly with CUDA events (reported as graph=False).
 from __future__ import annotations
 
 import json
-import os
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
+
+from kdtree_engine.records import command_line, cpu_model, run_metadata, with_metadata  # noqa: F401 (for the scripts)
 
 
 def device_info() -> dict:
@@ -206,17 +207,18 @@ def bf16_matmul_rate(n: int = 8192, reps: int = 20) -> float:
     return 2 * n**3 / (t * 1e-6)
 
 
-def command_line() -> str:
-    return " ".join([os.path.basename(sys.executable)] + sys.argv) if sys.argv else "python"
-
-
-def write_results(out_dir: str | Path, stem: str, payload: dict, md_lines: list[str]) -> tuple[Path, Path]:
+def write_results(out_dir: str | Path, stem: str, payload: dict, md_lines: list[str], *,
+                  command: str | None = None, device: object = None) -> tuple[Path, Path]:
+    """<out_dir>/<stem>.json and .md, both with the run's metadata (`run_metadata(command, device)`: the JSON
+    under "meta", the Markdown as a line under its title). ``command`` defaults to this process's command line,
+    ``device`` to the current CUDA device (the CPU without one)."""
+    meta = run_metadata(command, device)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     jp = out / f"{stem}.json"
     mp = out / f"{stem}.md"
-    jp.write_text(json.dumps(payload, indent=1, default=str) + "\n")
-    mp.write_text("\n".join(md_lines) + "\n")
+    jp.write_text(json.dumps({"meta": meta, **payload}, indent=1, default=str) + "\n")
+    mp.write_text(with_metadata("\n".join(md_lines), meta) + "\n")
     return jp, mp
 
 

@@ -25,6 +25,7 @@ if __package__ in (None, ""):
 import triton  # noqa: E402
 
 from bench.sass import TARGET, cubin_sass, main_loop, opcode  # noqa: E402
+from kdtree_engine.records import command_line, run_metadata, with_metadata  # noqa: E402
 from kdtree_engine.kernels import w4_frag  # noqa: E402
 
 SIG = dict(x_ptr="*bf16", w_ptr="*i32", s_ptr="*bf16", out_ptr="*fp32", M="i32", N="i32", stride_xm="i32",
@@ -137,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
           "| variant | tokens | MMA | maxnreg | registers | stack | per block | MMA | wgmma waits | A writes | loop mix |",
           "|---|---|---|---|---|---|---|---|---|---|---|", *rows, ""]
     out = Path(args.out) / "frag-aot-sm90.md"
-    out.write_text("\n".join(md))
+    out.write_text(with_metadata("\n".join(md), run_metadata(command_line(argv, "python3 bench/frag_aot.py"))))
     print(f"wrote {out}")
     return 0
 

@@ -15,7 +15,6 @@ run: device-to-device copy bandwidth (bytes read + written) and the bf16 matmul 
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
 import time
@@ -27,7 +26,7 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import gpu_stem  # noqa: E402
+from bench.common import gpu_stem, write_results  # noqa: E402
 
 SHAPES = [  # name, N (out), K (in)
     ("q_a+kv_a", 2112, 7168),
@@ -312,7 +311,7 @@ def sweep_heads(ms) -> list[dict]:
     return out
 
 
-def write_md(path: Path, res: dict) -> None:
+def markdown(res: dict) -> list[str]:
     c = res["ceilings"]
     lines = [f"# Batch-invariant GEMM vs cuBLAS — {res['gpu']}", "",
              f"torch {res['torch']}, triton {res['triton']}. Ceilings measured in the same run: copy "
@@ -345,7 +344,7 @@ def write_md(path: Path, res: dict) -> None:
                          f"{r['bi_us']:.1f} | {r['speed_vs_torch']:.3f} | {r['torch_eager_us']:.1f} / "
                          f"{r['bi_eager_us']:.1f} | {'yes' if r['torch_invariant'] else 'NO'} | "
                          f"{'yes' if r['bi_invariant'] else 'NO'} |")
-    path.write_text("\n".join(lines) + "\n")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -382,16 +381,12 @@ def main(argv: list[str] | None = None) -> dict:
     if args.sweep_heads:
         res["sweep_heads"] = sweep_heads([m for m in ms if m <= 16] or [1])
     res["wall_s"] = time.time() - t0
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    tag = gpu_stem(torch.cuda.get_device_name())
-    (out / f"gemm-{tag}.json").write_text(json.dumps(res, indent=1))
-    write_md(out / f"gemm-{tag}.md", res)
+    jp, mp = write_results(args.out, f"gemm-{gpu_stem(torch.cuda.get_device_name())}", res, markdown(res))
     print(f"\n(CUDA-graph times) {'shape':11s} {'M':>4s} {'cuBLAS us':>9s} {'bi us':>8s} {'ratio':>6s} {'TB/s':>5s} inv(cb,bi)")
     for r in res["gemm"]:
         print(f"{r['shape']:11s} {r['M']:4d} {r['cublas_us']:9.1f} {r['bi_us']:8.1f} {r['speed_vs_cublas']:6.3f} "
               f"{r['bi_TBps']:5.2f} {int(r['cublas_invariant'])}{int(r['bi_invariant'])}")
-    print(f"wrote {out / f'gemm-{tag}.json'} and .md in {res['wall_s']:.0f} s")
+    print(f"wrote {jp} and {mp} in {res['wall_s']:.0f} s")
     return res
 
 

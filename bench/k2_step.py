@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import shlex
 import math
 import statistics
 import sys
@@ -282,8 +281,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
         env = common.device_info()
     else:
         copy_bw, mm_rate = cpu_copy_bandwidth(), cpu_matmul_rate()
-        from kdtree_engine.bench_spec import cpu_name
-        env = {"gpu": None, "cpu": cpu_name(), "torch": torch.__version__}
+        env = {"gpu": None, "cpu": common.cpu_model(), "torch": torch.__version__}
     log(f"copy {copy_bw / 1e12:.3f} TB/s, matmul {mm_rate / 1e12:.1f} TFLOP/s ({clock():.1f} s)")
 
     # Fit the layers into free memory (about 9.8 GB each at K2 size), leaving room for the rest.
@@ -781,8 +779,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> dict:
     args = parse_args(argv)
-    args.command = (common.command_line() if argv is None
-                    else " ".join(["python", "bench/k2_step.py"] + [shlex.quote(a) for a in argv]))
+    args.command = common.command_line(argv, "python3 bench/k2_step.py")
 
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
@@ -797,7 +794,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
         torch.set_num_threads(threads)
     tag = device_tag(dev)
     label = rep["device"].get("gpu") or rep["device"].get("cpu") or tag
-    jp, mp = common.write_results(args.out, f"k2_step-{tag}", rep, markdown(rep, label))
+    jp, mp = common.write_results(args.out, f"k2_step-{tag}", rep, markdown(rep, label), command=args.command,
+                                  device=dev)
     print(f"wrote {jp} and {mp}")
     print(short_table(rep))
     return rep

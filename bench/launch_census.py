@@ -49,6 +49,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from kdtree_engine.engine import load_drafter, load_target  # noqa: E402
+from kdtree_engine.records import command_line, run_metadata  # noqa: E402
 from kdtree_engine.speculative.config import SpecConfig  # noqa: E402
 from kdtree_engine.speculative.device_round import DeviceRound  # noqa: E402
 
@@ -242,7 +243,8 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"   per {kind}: " + ", ".join(f"{p} {n:g}" for p, n in parts.items()))
         print("   top ops: " + ", ".join(f"{o} {n}" for o, n in s["top_ops"][: args.top]))
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1))
+        meta = run_metadata(command_line(argv, "python3 bench/launch_census.py"), device="cpu")
+        Path(args.json).write_text(json.dumps({"meta": meta, **report}, indent=1))
     return report
 
 

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import shlex
 import statistics
 import sys
 import time
@@ -382,8 +381,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> dict:
     args = parse_args(argv)
-    args.command = (common.command_line() if argv is None
-                    else " ".join(["python", "bench/round.py"] + [shlex.quote(a) for a in argv]))
+    args.command = common.command_line(argv, "python3 bench/round.py")
 
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
@@ -397,7 +395,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     finally:
         torch.set_num_threads(threads)
     tag = device_tag(dev)
-    jp, mp = common.write_results(args.out, f"round-{tag}", rep, markdown(rep, tag))
+    jp, mp = common.write_results(args.out, f"round-{tag}", rep, markdown(rep, tag), command=args.command,
+                                  device=dev)
     print(f"wrote {jp} and {mp}")
     print(short_table(rep))
     return rep

@@ -51,6 +51,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from .records import device_name, run_metadata, with_metadata
+
 log = logging.getLogger("kdtree_engine.bench_spec")
 
 DEMO_DIR = Path(__file__).resolve().parent / "assets" / "demo"
@@ -163,22 +165,12 @@ def gpu_tag(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "", pick) or "gpu"
 
 
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def environment(device: Any, dtype: Any) -> dict[str, Any]:
     import torch
 
     dev = torch.device(device)
     env = {"torch": torch.__version__, "python": platform.python_version(), "device": str(dev),
-           "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu_name(),
+           "device_name": device_name(dev),
            "dtype": str(dtype).replace("torch.", ""), "threads": torch.get_num_threads(), "cpus": os.cpu_count()}
     if hasattr(os, "getloadavg"):
         env["loadavg_start"] = [round(x, 2) for x in os.getloadavg()]
@@ -608,8 +600,10 @@ def cmd_bench_spec(args: argparse.Namespace) -> int:
     if "loadavg_start" in env:
         env["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     tag = device_tag(device)
+    meta = run_metadata(_command_line(), device)
     report = {
-        "command": _command_line(),
+        "meta": meta,
+        "command": meta["command"],
         "options": {k: v for k, v in vars(args).items() if k != "func"},
         "device_tag": tag, "env": env, "wall_s": time.perf_counter() - t0,
         "config": {"model": _shown(model), "draft": _shown(draft) if needs_draft else None,
@@ -624,7 +618,7 @@ def cmd_bench_spec(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"spec-{tag}.json").write_text(json.dumps(report, indent=1))
-    (out / f"spec-{tag}.md").write_text(markdown(report))
+    (out / f"spec-{tag}.md").write_text(with_metadata(markdown(report), meta))
     log.info("wrote %s and %s", out / f"spec-{tag}.json", out / f"spec-{tag}.md")
     if args.plot:
         plot(report, args.plot)

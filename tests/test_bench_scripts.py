@@ -1,16 +1,19 @@
 """CPU smoke tests of bench/k2_step.py and bench/round.py at tiny sizes (they run, write their JSON and
-Markdown, and the numbers are finite) and of bench/launch_census.py on the demo. No timing is asserted."""
+Markdown with the run's metadata, and the numbers are finite) and of bench/launch_census.py on the demo. No timing
+is asserted."""
 
 from __future__ import annotations
 
 import json
 import math
+import shlex
 import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from record_checks import check_run_metadata
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -23,11 +26,13 @@ def finite(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
+K2_ARGS = ["--tiny", "--device", "cpu", "--nodes", "1,4,8", "--reps", "2", "--tau", "3"]
+
+
 @pytest.fixture(scope="module")
 def k2_report(tmp_path_factory):
     out = tmp_path_factory.mktemp("k2_step")
-    rep = k2_step.main(["--tiny", "--device", "cpu", "--out", str(out), "--nodes", "1,4,8", "--reps", "2",
-                        "--tau", "3"])
+    rep = k2_step.main([*K2_ARGS, "--out", str(out)])
     return out, rep
 
 
@@ -41,6 +46,7 @@ def test_k2_step_writes_files(k2_report):
         assert key in data
     assert finite(data["copy_Bps"]) and data["copy_Bps"] > 0
     assert "Projection" in md and "all-reduce" in md
+    check_run_metadata(data["meta"], shlex.join(["python3", "bench/k2_step.py", *K2_ARGS, "--out", str(out)]), md)
 
 
 def test_k2_step_fields_finite(k2_report):
@@ -83,18 +89,21 @@ def test_k2_step_random_tree():
     assert torch.equal(mask.sum(1) - 1, depth)  # ancestors (self excluded) = depth
 
 
+ROUND_ARGS = ["--tiny", "--device", "cpu", "--budgets", "4,8", "--modes", "eager,device,graph"]
+
+
 @pytest.fixture(scope="module")
 def round_report(tmp_path_factory):
     out = tmp_path_factory.mktemp("round")
-    rep = round_bench.main(["--tiny", "--device", "cpu", "--out", str(out), "--budgets", "4,8", "--modes",
-                            "eager,device,graph"])
+    rep = round_bench.main([*ROUND_ARGS, "--out", str(out)])
     return out, rep
 
 
 def test_round_writes_files(round_report):
     out, rep = round_report
     data = json.loads((out / "round-cpu.json").read_text())
-    assert (out / "round-cpu.md").exists()
+    check_run_metadata(data["meta"], shlex.join(["python3", "bench/round.py", *ROUND_ARGS, "--out", str(out)]),
+                       (out / "round-cpu.md").read_text())
     assert [r["setting"] for r in data["results"]] == ["none", "dflash", "ddtree-4", "ddtree-8"]
     assert data["modes"]["graph"].startswith("n/a")
 
@@ -150,8 +159,11 @@ def test_launch_census_counts_every_part(tmp_path):
     from bench import launch_census
 
     out = tmp_path / "census.json"
-    rep = launch_census.main(["--methods", "none,ddtree", "--budget", "8", "--top", "3", "--json", str(out)])
-    assert json.loads(out.read_text()) == json.loads(json.dumps(rep))
+    args = ["--methods", "none,ddtree", "--budget", "8", "--top", "3", "--json", str(out)]
+    rep = launch_census.main(args)
+    written = json.loads(out.read_text())
+    check_run_metadata(written.pop("meta"), shlex.join(["python3", "bench/launch_census.py", *args]))
+    assert written == json.loads(json.dumps(rep))
     plain, tree = rep["methods"]["none"], rep["methods"]["ddtree-8"]
     for s in (plain, tree):
         assert s["total"] > 0 and sum(s["parts"].values()) == s["total"]

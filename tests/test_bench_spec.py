@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from record_checks import check_run_metadata
 
 from kdtree_engine import bench_spec, reference
 from kdtree_engine.config import preset
@@ -74,6 +75,7 @@ def test_bench_spec_tiny(dirs, tmp_path, capsys) -> None:
     for key in ("torch", "device", "threads"):
         assert key in report["env"]
     assert "--budgets 2,4" in report["command"] or report["options"]["budgets"] == [2, 4]
+    check_run_metadata(report["meta"], report["command"], (out / "spec-cpu.md").read_text())
 
 
 def test_bench_spec_reports_the_auto_choices(dirs, tmp_path) -> None:

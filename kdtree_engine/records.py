@@ -1,0 +1,106 @@
+"""What every benchmark record carries about the run that wrote it: the git commit (``-dirty`` when tracked files
+differ from it), Python / torch / triton versions, the device name, the exact command and the UTC time.
+
+`run_metadata` builds the dict once per record; `metadata_line` is its one-line Markdown form and `with_metadata`
+puts that line under a record's title. Used by ``kdtree bench spec`` and by bench/common.py (bench/ cannot be
+imported by the package, so the helper lives here). torch and triton are imported when a record is built, as in
+bench_spec: importing this module (the CLI does) loads neither."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+# The checkout this package runs from: its commit is the code that produced the record.
+REPO_ROOT = Path(__file__).resolve().parents[1]
+UNKNOWN = "unknown"
+
+
+def git_commit(root: str | Path = REPO_ROOT) -> str:
+    """The commit checked out at ``root`` with "-dirty" when tracked files differ from it; "unknown" when git is
+    absent, fails, or ``root`` is not the top of a git work tree (an installed copy inside some other repository
+    must not report that repository's commit)."""
+    root = Path(root).resolve()
+
+    def git(*args: str) -> str:
+        done = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=30,
+                              check=True)
+        return done.stdout.strip()
+
+    try:
+        top, commit = git("rev-parse", "--show-toplevel", "HEAD").splitlines()
+        if Path(top).resolve() != root:
+            return UNKNOWN
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return UNKNOWN
+    return commit + ("-dirty" if dirty else "")
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or UNKNOWN
+
+
+def device_name(device: Any = None) -> str:
+    """The GPU's name for a CUDA device (the current one when ``device`` is None and CUDA is available), else the
+    CPU model."""
+    import torch
+
+    dev = torch.device(device) if device is not None else torch.device(
+        "cuda" if torch.cuda.is_available() else "cpu")
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    return cpu_model()
+
+
+def command_line(argv: Sequence[str] | None = None, program: str | None = None) -> str:
+    """The command, shell-quoted: this process's own (the interpreter's name and ``sys.argv``) when ``argv`` is
+    None, else ``program`` followed by ``argv`` (a script's ``main(argv)`` called in-process, as tests do)."""
+    here = [os.path.basename(sys.executable) or "python3", sys.argv[0] if sys.argv and sys.argv[0] else "-c"]
+    if argv is None:
+        return shlex.join(here + sys.argv[1:])
+    return shlex.join((shlex.split(program) if program is not None else here) + [str(a) for a in argv])
+
+
+def run_metadata(command: str | None = None, device: Any = None) -> dict[str, str]:
+    """The run's provenance: commit, versions, device name, ``command`` (default `command_line()`) and UTC time."""
+    import torch
+    import triton
+
+    return {
+        "commit": git_commit(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "device": device_name(device),
+        "command": command if command is not None else command_line(),
+        "utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    }
+
+
+def metadata_line(meta: dict[str, str]) -> str:
+    return (f"Run: commit `{meta['commit']}`, Python {meta['python']}, torch {meta['torch']}, "
+            f"triton {meta['triton']}, {meta['device']}, {meta['utc']}; command `{meta['command']}`")
+
+
+def with_metadata(markdown: str, meta: dict[str, str]) -> str:
+    """``markdown`` with the run line after its title (its first line when that is a heading), else on top."""
+    lines = markdown.split("\n")
+    if not (lines and lines[0].startswith("#")):
+        return "\n".join([metadata_line(meta), ""] + lines)
+    rest = lines[1:]
+    if rest and not rest[0].strip():
+        rest = rest[1:]
+    return "\n".join([lines[0], "", metadata_line(meta), ""] + rest)

@@ -1,0 +1,57 @@
+"""kdtree_engine/records.py: the commit of a checkout (with -dirty, "unknown" without git or off a checkout's
+top), the command line, and the run line under a record's title."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from kdtree_engine import records
+
+
+def _git(root: Path, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(root), "-c", "user.name=t", "-c", "user.email=t@t", *args],
+                          capture_output=True, text=True, check=True).stdout.strip()
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_git_commit_of_a_checkout_clean_dirty_and_below_its_top(tmp_path) -> None:
+    _git(tmp_path, "init", "-q")
+    (tmp_path / "a.txt").write_text("one\n")
+    _git(tmp_path, "add", "a.txt")
+    _git(tmp_path, "commit", "-q", "-m", "one")
+    head = _git(tmp_path, "rev-parse", "HEAD")
+    assert records.git_commit(tmp_path) == head
+    (tmp_path / "new.txt").write_text("untracked files are not the code that ran\n")
+    assert records.git_commit(tmp_path) == head
+    (tmp_path / "a.txt").write_text("two\n")
+    assert records.git_commit(tmp_path) == head + "-dirty"
+    (tmp_path / "pkg").mkdir()
+    assert records.git_commit(tmp_path / "pkg") == records.UNKNOWN  # a copy inside another repository
+
+
+def test_git_commit_unknown_without_git_or_repository(tmp_path, monkeypatch) -> None:
+    assert records.git_commit(tmp_path) == records.UNKNOWN
+    monkeypatch.setenv("PATH", str(tmp_path))  # no git executable on the path
+    assert records.git_commit(records.REPO_ROOT) == records.UNKNOWN
+
+
+def test_command_line_in_process_and_as_typed(monkeypatch) -> None:
+    assert records.command_line(["--out", "a b"], "python3 bench/round.py") == "python3 bench/round.py --out 'a b'"
+    monkeypatch.setattr("sys.argv", ["bench/k2_step.py", "--tiny"])
+    monkeypatch.setattr("sys.executable", "/usr/bin/python3")
+    assert records.command_line() == "python3 bench/k2_step.py --tiny"
+
+
+def test_run_line_goes_under_the_title() -> None:
+    meta = {"commit": "abc", "python": "3.12", "torch": "2.11", "triton": "3.6", "device": "NVIDIA H200",
+            "command": "kdtree bench spec", "utc": "2026-01-01T00:00:00Z"}
+    line = records.metadata_line(meta)
+    assert line == ("Run: commit `abc`, Python 3.12, torch 2.11, triton 3.6, NVIDIA H200, 2026-01-01T00:00:00Z; "
+                    "command `kdtree bench spec`")
+    assert records.with_metadata("# Title\n\nbody\n", meta) == f"# Title\n\n{line}\n\nbody\n"
+    assert records.with_metadata("# Title\nbody", meta) == f"# Title\n\n{line}\n\nbody"
+    assert records.with_metadata("| a |", meta) == f"{line}\n\n| a |"
