@@ -54,6 +54,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import torch
+
+from .engine import load_drafter, load_target, load_tokenizer, resolve_device, resolve_dtype
+from .errors import BadInput
+from .exit_codes import BAD_INPUT_ERRORS, EXIT_BAD_INPUT
+from .sampling import SamplingParams
+from .speculative.decode import generate
 from .train.data import is_heldout, is_test_path, list_sources, read_source, split_paths, stdlib_root
 from .train.near_dup import Match, NearDupRule, ShingleIndex, is_near_duplicate, train_index
 
@@ -169,8 +176,6 @@ def encode_prompts(items: Sequence[str | list[int]], tokenizer: Any, source: str
 
 def device_tag(device: Any) -> str:
     """``cpu``, or a short lowercase GPU name: "NVIDIA H200" -> "h200", "NVIDIA A100-SXM4-80GB" -> "a100"."""
-    import torch
-
     dev = torch.device(device)
     if dev.type != "cuda":
         return dev.type
@@ -196,8 +201,6 @@ def cpu_name() -> str:
 
 
 def environment(device: Any, dtype: Any) -> dict[str, Any]:
-    import torch
-
     dev = torch.device(device)
     env = {"torch": torch.__version__, "python": platform.python_version(), "device": str(dev),
            "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu_name(),
@@ -250,8 +253,6 @@ def run_bench(target: Any, drafter: Any, prompts: Sequence[Prompt], settings: Se
     passes differ only by interference from the rest of the machine, and spreading them over time
     keeps a burst of load from landing on one setting only. Warm-ups (one per setting) run first.
     """
-    from .speculative.decode import generate
-
     say = progress or (lambda s: None)
     greedy = params.temperature == 0
     if warmup:
@@ -437,7 +438,7 @@ def markdown(report: dict[str, Any]) -> str:
 
 def plot(report: dict[str, Any], path: str | Path) -> None:
     """tau and speedup against budget (DFlash as a horizontal line) + accepted-length histogram."""
-    try:
+    try:  # optional, --plot only: not a dependency of the package
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
@@ -571,15 +572,9 @@ def _command_line() -> str:
 
 
 def cmd_bench_spec(args: argparse.Namespace) -> int:
-    import torch
-
-    from .cli import BadInput
-    from .engine import load_drafter, load_target, load_tokenizer, resolve_device, resolve_dtype
-    from .sampling import SamplingParams
-
     if args.plot:
         try:
-            import matplotlib  # noqa: F401
+            import matplotlib  # noqa: F401  (optional, --plot only: not a dependency of the package)
         except ImportError:
             raise BadInput("--plot needs matplotlib, which is not installed (pip install matplotlib)") from None
     for flag, v in (("--max-tokens", args.max_tokens), ("--prompt-tokens", args.prompt_tokens),
@@ -663,14 +658,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from .cli import EXIT_BAD_INPUT, _bad_input_types
-
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, stream=sys.stderr,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         return int(args.func(args) or 0)
-    except _bad_input_types() as e:
+    except BAD_INPUT_ERRORS as e:
         print(f"kdtree bench spec: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
 
