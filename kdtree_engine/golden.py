@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
