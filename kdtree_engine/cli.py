@@ -14,7 +14,7 @@ import logging
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 from .bench_spec import add_bench_spec_parser
 from .engine import LLM
@@ -170,7 +170,7 @@ def plain_decode(llm: LLM, ids: list[int], params: SamplingParams) -> Generation
     return generate(llm.target, ids, params, eager=llm.eager)
 
 
-def warm_up(llm: Any, ids: list[int], params: SamplingParams) -> bool:
+def warm_up(llm: LLM, ids: list[int], params: SamplingParams) -> bool:
     """Before the timed comparison on CUDA: one untimed run of the speculative request and one of plain decoding.
 
     Kernel compilation and the CUDA-graph capture of the rounds then fall outside the timed runs. The warm-up
