@@ -156,3 +156,14 @@ def test_real_utf_32_be_is_excluded(stdlib_index, tokenizer) -> None:
     # deterministic: the same prompts on a second call (a fresh index)
     again = [p.source for p in bench_spec.default_prompts(tokenizer, 8, 64)]
     assert again == with_check
+
+
+def test_report_command_lists_the_near_copy(tiny_stdlib, capsys) -> None:
+    from kdtree_engine.train.near_dup import main
+
+    root, near, other = tiny_stdlib
+    assert main(["--root", str(root)]) == 0
+    out = capsys.readouterr().out
+    lines = {line.split(" -> ")[0].split()[-1]: line for line in out.splitlines() if " -> " in line}
+    assert lines[near].endswith("EXCLUDED") and not lines[other].endswith("EXCLUDED")
+    assert "# 1 of 2 held-out files are near-duplicates" in out
