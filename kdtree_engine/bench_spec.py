@@ -24,9 +24,12 @@ Plain decoding is always run (it is the reference for speedup and losslessness).
 EOS by default so that every prompt produces ``--max-tokens`` tokens (``--stop-at-eos`` to stop).
 
 Default prompts come from held-out standard-library files (the split rule of
-:mod:`kdtree_engine.train.data`, never a training file): files in a fixed order (non-test files
-first, each group by crc32 of the path), one prompt per file, starting at the file's first top-level
-``def`` / ``class`` line (else the file's start), ``--prompt-tokens`` tokens long.
+:mod:`kdtree_engine.train.data`, never a training file) that are not near-copies of a training file
+(:mod:`kdtree_engine.train.near_dup`: at least half of their 8-token shingles in one training file):
+files in a fixed order (non-test files first, each group by crc32 of the path), one prompt per file,
+starting at the file's first top-level ``def`` / ``class`` line (else the file's start),
+``--prompt-tokens`` tokens long. The choice is a function of the stdlib's files alone (no random
+draw), so a machine picks the same prompts on every run; another Python version may ship other files.
 
 Output: ``<out>/spec-<device>.json`` and ``.md`` (device ``cpu`` or a short GPU name such as
 ``h200``), optionally a plot, and a short table printed last on stdout.
@@ -51,7 +54,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import torch
+
+from .engine import load_drafter, load_target, load_tokenizer, resolve_device, resolve_dtype
+from .errors import BadInput
+from .exit_codes import BAD_INPUT_ERRORS, EXIT_BAD_INPUT
 from .records import device_name, run_metadata, with_metadata
+from .sampling import SamplingParams
+from .speculative.decode import generate
+from .train.data import is_heldout, is_test_path, list_sources, read_source, split_paths, stdlib_root
+from .train.near_dup import Match, NearDupRule, ShingleIndex, is_near_duplicate, train_index
 
 log = logging.getLogger("kdtree_engine.bench_spec")
 
@@ -73,22 +85,32 @@ class Prompt:
 
 # ---- prompts ---------------------------------------------------------------------------------
 
-def default_prompts(tokenizer: Any, num: int, tokens: int, root: str | Path | None = None) -> list[Prompt]:
-    """``num`` prompts of ``tokens`` tokens from held-out stdlib files (see the module docstring)."""
-    from .train.data import is_heldout, is_test_path, list_sources, split_paths, stdlib_root
+def default_prompts(tokenizer: Any, num: int, tokens: int, root: str | Path | None = None, *,
+                    near_dup: NearDupRule | None = NearDupRule(), index: ShingleIndex | None = None) -> list[Prompt]:
+    """``num`` prompts of ``tokens`` tokens from held-out stdlib files (see the module docstring).
 
+    ``near_dup``: the rule that leaves out held-out files copied from a training file (None: keep them);
+    ``index``: the training files' shingles when the caller already built them (else built here).
+    """
     root = Path(root) if root is not None else stdlib_root()
-    _, held = split_paths(list_sources(root))
-    assert all(is_heldout(p) for p in held)
+    train, held = split_paths(list_sources(root))
+    assert all(is_heldout(p) for p in held) and not any(is_heldout(p) for p in train)
     order = sorted(held, key=lambda p: (is_test_path(p), zlib.crc32(p.encode("utf-8")), p))
+    if near_dup is not None and index is None:
+        index = train_index(root, near_dup)
     out: list[Prompt] = []
+    left_out: list[tuple[str, Match]] = []
     for rel in order:
         if len(out) >= num:
             break
-        try:
-            text = (root / rel).read_bytes().decode("utf-8")
-        except (OSError, UnicodeDecodeError):
+        text = read_source(root, rel)
+        if text is None:
             continue
+        if near_dup is not None:
+            match = index.closest(text)
+            if is_near_duplicate(match, near_dup):
+                left_out.append((rel, match))
+                continue
         m = _DEF_LINE.search(text)
         body = text[m.start():] if m else text
         ids = tokenizer.encode(body[: 16 * tokens]).ids  # a prefix is enough (~3.5 bytes a token)
@@ -98,6 +120,12 @@ def default_prompts(tokenizer: Any, num: int, tokens: int, root: str | Path | No
             continue
         ids = ids[:tokens]
         out.append(Prompt(ids=ids, text=tokenizer.decode(ids), source=rel))
+    if near_dup is None:
+        log.info("default prompts: held-out files kept even where they near-copy a training file (no check)")
+    elif left_out:
+        log.info("default prompts: left out %d held-out file(s) that near-copy a training file (containment >= "
+                 "%.2f of %d-token shingles): %s", len(left_out), near_dup.max_containment, near_dup.shingle_tokens,
+                 ", ".join(f"{r} ({m.containment:.2f} in {m.train_path})" for r, m in left_out))
     if not out:
         raise ValueError(f"no held-out file under {root} gives a prompt of {tokens} tokens")
     if len(out) < num:
@@ -149,8 +177,6 @@ def encode_prompts(items: Sequence[str | list[int]], tokenizer: Any, source: str
 
 def device_tag(device: Any) -> str:
     """``cpu``, or a short lowercase GPU name: "NVIDIA H200" -> "h200", "NVIDIA A100-SXM4-80GB" -> "a100"."""
-    import torch
-
     dev = torch.device(device)
     if dev.type != "cuda":
         return dev.type
@@ -166,8 +192,6 @@ def gpu_tag(name: str) -> str:
 
 
 def environment(device: Any, dtype: Any) -> dict[str, Any]:
-    import torch
-
     dev = torch.device(device)
     env = {"torch": torch.__version__, "python": platform.python_version(), "device": str(dev),
            "device_name": device_name(dev),
@@ -220,8 +244,6 @@ def run_bench(target: Any, drafter: Any, prompts: Sequence[Prompt], settings: Se
     passes differ only by interference from the rest of the machine, and spreading them over time
     keeps a burst of load from landing on one setting only. Warm-ups (one per setting) run first.
     """
-    from .speculative.decode import generate
-
     say = progress or (lambda s: None)
     greedy = params.temperature == 0
     if warmup:
@@ -407,7 +429,7 @@ def markdown(report: dict[str, Any]) -> str:
 
 def plot(report: dict[str, Any], path: str | Path) -> None:
     """tau and speedup against budget (DFlash as a horizontal line) + accepted-length histogram."""
-    try:
+    try:  # optional, --plot only: not a dependency of the package
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
@@ -541,15 +563,9 @@ def _command_line() -> str:
 
 
 def cmd_bench_spec(args: argparse.Namespace) -> int:
-    import torch
-
-    from .cli import BadInput
-    from .engine import load_drafter, load_target, load_tokenizer, resolve_device, resolve_dtype
-    from .sampling import SamplingParams
-
     if args.plot:
         try:
-            import matplotlib  # noqa: F401
+            import matplotlib  # noqa: F401  (optional, --plot only: not a dependency of the package)
         except ImportError:
             raise BadInput("--plot needs matplotlib, which is not installed (pip install matplotlib)") from None
     for flag, v in (("--max-tokens", args.max_tokens), ("--prompt-tokens", args.prompt_tokens),
@@ -586,7 +602,8 @@ def cmd_bench_spec(args: argparse.Namespace) -> int:
             prompts = default_prompts(tokenizer, args.num_prompts or DEFAULT_NUM_PROMPTS, args.prompt_tokens)
         except ValueError as e:
             raise BadInput(str(e)) from None
-        source = f"held-out stdlib files, {args.prompt_tokens} tokens from the first top-level def/class line"
+        source = (f"held-out stdlib files that near-copy no training file, {args.prompt_tokens} tokens from the "
+                  "first top-level def/class line")
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
                             ignore_eos=not args.stop_at_eos)
     env = environment(device, dtype)
@@ -634,14 +651,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from .cli import EXIT_BAD_INPUT, _bad_input_types
-
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, stream=sys.stderr,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         return int(args.func(args) or 0)
-    except _bad_input_types() as e:
+    except BAD_INPUT_ERRORS as e:
         print(f"kdtree bench spec: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
 

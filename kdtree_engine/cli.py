@@ -1,13 +1,14 @@
-"""``kdtree`` command line: generate | golden make / check | selfcheck.
+"""``kdtree`` command line: generate | golden make / check | selfcheck | bench (docs/cli.md is the reference).
 
-Exit codes: 0 success; 1 a check found a mismatch; 2 bad input (missing or unreadable model,
-bad flag value, prompt too long, corrupt bundle). Logs go to stderr; ``--json`` prints exactly one
-JSON object on stdout.
+Exit codes (:mod:`kdtree_engine.exit_codes`): 0 success; 1 a check found a mismatch; 2 bad input (missing or
+unreadable model, bad flag value, prompt too long, corrupt bundle). Logs go to stderr; ``--json`` prints exactly
+one JSON object on stdout.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import sys
@@ -15,36 +16,17 @@ import tempfile
 from pathlib import Path
 from typing import Sequence
 
-EXIT_MISMATCH = 1
-EXIT_BAD_INPUT = 2
+from .bench_spec import add_bench_spec_parser
+from .engine import LLM
+from .errors import BadInput
+from .exit_codes import BAD_INPUT_ERRORS, EXIT_BAD_INPUT
+from .golden import add_golden_parser
+from .golden import main as golden_main
+from .sampling import SamplingParams
+from .show_tree import add_show_tree_argument, render_last_round
+from .speculative.decode import GenerationResult, generate
 
-
-class BadInput(Exception):
-    """Input the user can fix; printed without a traceback, exit 2."""
-
-
-def _bad_input_types() -> tuple[type[BaseException], ...]:
-    from .config import ConfigError
-    from .quant import QuantError
-    from .sampling import SamplingError
-    from .speculative.decode import PromptError, SpecError
-    from .model.dflash import DraftLoadError, DraftMismatchError
-    from .draft_config import DraftConfigError
-    from .model.target import LoadError
-    types: list[type[BaseException]] = [BadInput, ConfigError, QuantError, SamplingError, PromptError, LoadError,
-                                         FileNotFoundError, SpecError, DraftLoadError, DraftMismatchError,
-                                         DraftConfigError]
-    try:
-        from .weights import WeightsError
-        types.append(WeightsError)
-    except ImportError:
-        pass
-    try:
-        from .bundle import BundleError
-        types.append(BundleError)
-    except ImportError:
-        pass
-    return tuple(types)
+log = logging.getLogger("kdtree_engine")
 
 
 def _ids(text: str) -> list[int]:
@@ -101,23 +83,18 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
                    help="run each decoding round from the host (stage timers, --show-tree, sampling) instead of "
                         "replaying it from a CUDA graph (the default on CUDA with a fixed budget)")
     p.add_argument("--compare", action=argparse.BooleanOptionalAction, default=None,
-                   help="also run plain decoding and report the speedup (default: on for the embedded demo)")
+                   help="also run plain decoding and report the speedup of this one run (on CUDA both are warmed "
+                        "up first, untimed; default: on for the embedded demo)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
-    from .show_tree import add_show_tree_argument
     add_show_tree_argument(p)
     p.set_defaults(func=cmd_generate)
 
 
 DEMO_DIR = Path(__file__).parent / "assets" / "demo"
-DEMO_BUDGET = 16  # best tokens/s for the demo in `kdtree bench spec` on the CPU (bench/results/spec-cpu.md; 2.62x of the best 2.69x on the H200)
+DEMO_BUDGET = 16  # the demo's best DDTree budget by tokens/s in `kdtree bench spec` (docs/performance_history.md)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from .engine import LLM
-    from .sampling import SamplingParams
-    from .speculative.decode import generate
-
-    log = logging.getLogger("kdtree_engine")
     if (args.prompt is None) == (args.prompt_ids is None):
         raise BadInput("give exactly one of PROMPT or --prompt-ids")
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -164,11 +141,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 printed[0] = text
         sys.stdout.flush()
 
+    compare = bool(compare) and spec != "none"
+    warmed = warm_up(llm, llm.encode(prompt), params) if compare else False
     res = llm.generate(prompt, params, on_tokens=None if args.json else on_tokens)[0]
     stats = dict(res.stats)
-    if compare and spec != "none":
+    if compare:
         # Plain decoding of the same request, in the same process, for the speedup figure.
-        base = generate(llm.target, llm.encode(prompt), params, eager=llm.eager)
+        base = plain_decode(llm, llm.encode(prompt), params)
+        stats["compare_warmed_up"] = warmed
         stats["baseline_tokens_per_s"] = base.stats["tokens_per_s"]
         stats["speedup"] = (stats["tokens_per_s"] / base.stats["tokens_per_s"]
                             if base.stats["tokens_per_s"] > 0 else 0.0)
@@ -181,9 +161,32 @@ def cmd_generate(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
         print(format_stats(res.finish_reason, stats), file=sys.stderr)
     if args.show_tree:
-        from .show_tree import render_last_round
         print(render_last_round(res, llm.decode), file=sys.stderr if args.json else sys.stdout)
     return 0
+
+
+def plain_decode(llm: LLM, ids: list[int], params: SamplingParams) -> GenerationResult:
+    """Plain decoding of the request on the loaded target: the reference of ``--compare``."""
+    return generate(llm.target, ids, params, eager=llm.eager)
+
+
+def warm_up(llm: LLM, ids: list[int], params: SamplingParams) -> bool:
+    """Before the timed comparison on CUDA: one untimed run of the speculative request and one of plain decoding.
+
+    Kernel compilation and the CUDA-graph capture of the rounds then fall outside the timed runs. The warm-up
+    is the same request (prompt, settings, length): round graphs are kept per cache capacity, which the
+    request's length sets. On the CPU nothing is compiled or captured, so there is no warm-up.
+    Returns whether it warmed up.
+    """
+    if llm.device.type != "cuda":
+        log.info("--compare: no warm-up on %s (nothing is compiled or captured there); the timed runs are the "
+                 "first ones", llm.device.type)
+        return False
+    log.info("--compare: warming up on %s: one untimed run of the speculative request and one of plain decoding "
+             "(kernel compilation, CUDA-graph capture)", llm.device.type)
+    llm.generate(ids, params)
+    plain_decode(llm, ids, params)
+    return True
 
 
 def _same(same: bool | None) -> str:
@@ -203,7 +206,9 @@ def format_stats(finish_reason: str, s: dict) -> str:
             line += (f", draft {s['draft_s']:.3f}s tree {s['tree_s']:.3f}s verify {s['verify_s']:.3f}s"
                      f" commit {s['commit_s']:.3f}s")
     if "speedup" in s:
+        warm = "after an untimed warm-up of each" if s.get("compare_warmed_up") else "no warm-up"
         line += (f", plain decoding {s['baseline_tokens_per_s']:.1f} tok/s, speedup {s['speedup']:.2f}x"
+                 f" (a single run of each, {warm}; `kdtree bench spec` gives measured figures)"
                  f", same tokens as plain: {_same(s['same_tokens_as_plain'])}")
     return line + "]"
 
@@ -218,8 +223,6 @@ def add_selfcheck_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_selfcheck(args: argparse.Namespace) -> int:
-    from .golden import main as golden_main
-
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "k2-tiny.golden.safetensors")
         rc = golden_main(["make", "--preset", "k2-tiny", "--seed", str(args.seed), "--tokens", str(args.tokens),
@@ -237,7 +240,6 @@ SOURCE_BENCHES = {"kernels": "W4A16 linear and fused MoE at K2 shapes", "mla_att
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmarks (results in bench/results/)")
     bsub = p.add_subparsers(dest="bench", required=True)
-    from .bench_spec import add_bench_spec_parser
     add_bench_spec_parser(bsub)
     for name, what in SOURCE_BENCHES.items():
         # Listed for --help; main() hands the arguments to bench/<name>.py before parsing.
@@ -246,8 +248,6 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
 
 def cmd_source_bench(name: str, argv: list[str]) -> int:
     """Runs bench/<name>.py's main(argv) from the source checkout this package was installed from."""
-    import importlib
-
     root = Path(__file__).resolve().parents[1]
     if not (root / "bench" / f"{name}.py").exists():
         raise BadInput(f"kdtree bench {name.replace('_', '-')} runs bench/{name}.py of the source checkout; "
@@ -261,7 +261,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
     add_generate_parser(sub)
-    from .golden import add_golden_parser
     add_golden_parser(sub)
     add_selfcheck_parser(sub)
     add_bench_parser(sub)
@@ -284,7 +283,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         return int(args.func(args) or 0)
-    except _bad_input_types() as e:
+    except BAD_INPUT_ERRORS as e:
         print(f"kdtree: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
 

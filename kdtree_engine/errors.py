@@ -50,3 +50,7 @@ class BundleError(Exception):
 class DraftConfigError(ConfigError):
     """A drafter config.json is missing a field or holds an unsupported value."""
 
+
+
+class BadInput(Exception):
+    """Input the user can fix (a flag, a path, a prompt): the commands print it without a traceback, exit 2."""

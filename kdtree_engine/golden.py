@@ -13,15 +13,18 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
+import torch
 
-from kdtree_engine.bundle import BundleError, Bundle, QUANT_MODES, load_bundle, make_bundle, save_bundle
-from kdtree_engine.config import PRESETS, ConfigError, preset
+from .bundle import QUANT_MODES, Bundle, load_bundle, make_bundle, save_bundle
+from .config import PRESETS, preset
+from .engine import greedy_from_weights
+from .errors import BundleError, ConfigError
+from .exit_codes import EXIT_BAD_INPUT, EXIT_MISMATCH, EXIT_OK
 
-EXIT_MATCH, EXIT_MISMATCH, EXIT_BAD_BUNDLE = 0, 1, 2
+EXIT_MATCH, EXIT_BAD_BUNDLE = EXIT_OK, EXIT_BAD_INPUT
 
 
 def add_golden_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -59,14 +62,14 @@ def cmd_make(args: argparse.Namespace) -> int:
         cfg = preset(args.preset)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_BUNDLE
     t0 = time.perf_counter()
     try:
         bundle = make_bundle(cfg, args.seed, args.tokens, args.prompt_len, quant=args.quant,
                              group_size=args.group_size)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_BUNDLE
     path = save_bundle(bundle, args.out)
     size_mb = path.stat().st_size / 2**20
     quant = bundle.quant + (f" (group {args.group_size})" if bundle.quant == "w4a16" else "")
@@ -90,14 +93,10 @@ def compare(golden: Sequence[int], got: Sequence[int]) -> tuple[bool, str]:
 
 def run_engine(bundle: Bundle, device: str, dtype_name: str) -> list[int]:
     """The engine's greedy tokens for the bundle's prompt (torch model, not the reference)."""
-    import torch
-
-    from kdtree_engine import engine
-
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype_name]
     weights = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in bundle.weights.items()}
-    return engine.greedy_from_weights(bundle.cfg, weights, [int(t) for t in bundle.prompt_ids],
-                                      len(bundle.golden_tokens), device=device, dtype=dtype)
+    return greedy_from_weights(bundle.cfg, weights, [int(t) for t in bundle.prompt_ids],
+                               len(bundle.golden_tokens), device=device, dtype=dtype)
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -107,8 +106,6 @@ def cmd_check(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_BUNDLE
     if args.device == "cuda":
-        import torch
-
         if not torch.cuda.is_available():
             print("error: --device cuda requested but CUDA is not available", file=sys.stderr)
             return EXIT_BAD_BUNDLE

@@ -153,3 +153,75 @@ def test_sampled_compare_reports_no_token_comparison(capsys) -> None:
     assert obj["stats"]["same_tokens_as_plain"] is None and obj["stats"]["speedup"] > 0
     assert main(argv) == 0
     assert "same tokens as plain: n/a" in capsys.readouterr().err
+
+
+class FakeLLM:
+    """Records the generations the warm-up asks for (no model)."""
+
+    def __init__(self, device: str) -> None:
+        self.device = torch.device(device)
+        self.target, self.eager, self.calls = object(), None, []
+
+    def generate(self, ids, params, on_tokens=None):
+        self.calls.append(("spec", list(ids), params))
+        return []
+
+
+def test_warm_up_runs_both_paths_untimed_on_cuda(monkeypatch, caplog) -> None:
+    from kdtree_engine import cli
+    from kdtree_engine.sampling import SamplingParams
+
+    llm = FakeLLM("cuda")
+    monkeypatch.setattr(cli, "plain_decode", lambda l, ids, p: l.calls.append(("plain", list(ids), p)))
+    params = SamplingParams(max_tokens=40, temperature=0.5, seed=3)
+    with caplog.at_level("INFO", logger="kdtree_engine"):
+        assert cli.warm_up(llm, [4, 5, 6], params) is True
+    # the same request (prompt and settings) once each: speculative, then plain decoding
+    assert llm.calls == [("spec", [4, 5, 6], params), ("plain", [4, 5, 6], params)]
+    assert "warming up" in caplog.text
+
+
+def test_no_warm_up_on_the_cpu_and_it_says_so(monkeypatch, caplog) -> None:
+    from kdtree_engine import cli
+    from kdtree_engine.sampling import SamplingParams
+
+    llm = FakeLLM("cpu")
+    monkeypatch.setattr(cli, "plain_decode", lambda *a: pytest.fail("no plain run to warm on the CPU"))
+    with caplog.at_level("INFO", logger="kdtree_engine"):
+        assert cli.warm_up(llm, [1, 2], SamplingParams(max_tokens=8)) is False
+    assert llm.calls == [] and "no warm-up on cpu" in caplog.text
+
+
+def test_compare_summary_says_single_run_and_points_to_bench(capsys, model_dir, draft_dir, monkeypatch) -> None:
+    """--compare on the CPU: the summary names the single run and the bench; the warm-up is asked for once,
+    before the timed runs (JSON: compare_warmed_up false on the CPU)."""
+    from kdtree_engine import cli
+
+    asked = []
+    real = cli.warm_up
+    monkeypatch.setattr(cli, "warm_up", lambda *a: asked.append(a[1]) or real(*a))
+    argv = ["generate", "--model", str(model_dir), "--draft", str(draft_dir), "--spec", "ddtree", "--budget", "3",
+            "--prompt-ids", "2,7,1,8", "--max-tokens", "6", "--ignore-eos", "--compare"]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "a single run of each, no warm-up; `kdtree bench spec` gives measured figures" in err
+    assert "same tokens as plain: yes" in err and asked == [[2, 7, 1, 8]]
+    obj = run_json(capsys, argv + ["--json"])
+    assert obj["stats"]["compare_warmed_up"] is False and obj["stats"]["same_tokens_as_plain"] is True
+
+
+def test_summary_of_a_warmed_comparison() -> None:
+    from kdtree_engine.cli import format_stats
+
+    s = {"generated_tokens": 8, "prefill_s": 0.01, "decode_s": 0.02, "tokens_per_s": 350.0, "spec": "none",
+         "baseline_tokens_per_s": 175.0, "speedup": 2.0, "same_tokens_as_plain": True, "compare_warmed_up": True}
+    line = format_stats("length", s)
+    assert ("plain decoding 175.0 tok/s, speedup 2.00x (a single run of each, after an untimed warm-up of each; "
+            "`kdtree bench spec` gives measured figures), same tokens as plain: yes") in line
+
+
+def test_no_circle_between_cli_and_bench_spec() -> None:
+    """bench_spec and golden stand without the CLI module (the CLI imports them, not the other way)."""
+    code = ("import sys, kdtree_engine.bench_spec, kdtree_engine.golden, kdtree_engine.show_tree; "
+            "sys.exit('kdtree_engine.cli' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0

@@ -16,6 +16,8 @@ windows of that stream; held-out evaluation uses consecutive non-overlapping win
 
 from __future__ import annotations
 
+import multiprocessing as mp
+import os
 import sysconfig
 import zlib
 from dataclasses import dataclass, field
@@ -23,6 +25,7 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 HELDOUT_MODULUS = 20
 EOS_TOKEN = "<|endoftext|>"
@@ -84,7 +87,8 @@ class Corpus:
                 "skipped_not_utf8": len(self.skipped)}
 
 
-def _read(root: Path, rel: str) -> str | None:
+def read_source(root: Path, rel: str) -> str | None:
+    """The file's text, or None when it cannot be read or is not UTF-8 (the corpus skips it)."""
     try:
         return (root / rel).read_bytes().decode("utf-8")
     except (UnicodeDecodeError, OSError):
@@ -96,7 +100,7 @@ def _capped(paths: list[str], root: Path, max_bytes: int | None) -> tuple[list[t
     order = paths if max_bytes is None else sorted(paths, key=lambda p: (zlib.crc32(p.encode("utf-8")), p))
     docs, skipped, total = [], [], 0
     for rel in order:
-        text = _read(root, rel)
+        text = read_source(root, rel)
         if text is None:
             skipped.append(rel)
             continue
@@ -120,13 +124,12 @@ def load_corpus(root: str | Path | None = None, *, include_tests: bool = True,
 
 # ---- tokenizer ---------------------------------------------------------------------------------
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int = 4096, *, max_bytes: int | None = 24_000_000):
+def train_tokenizer(texts: Iterable[str], vocab_size: int = 4096, *,
+                    max_bytes: int | None = 24_000_000) -> Tokenizer:
     """Byte-level BPE (GPT-2 style pre-tokenizer, no normalizer); ids 0/1 = <|endoftext|>/<|mask|>.
 
     Trained on the texts in the given order until ``max_bytes`` (None: all).
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
@@ -149,20 +152,17 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 4096, *, max_bytes: 
 
 
 def _encode_worker(args: tuple[str, list[str]]) -> list[list[int]]:
-    from tokenizers import Tokenizer
     tok_json, texts = args
     tok = Tokenizer.from_str(tok_json)
     return [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)]
 
 
-def encode_docs(tok, docs: Sequence[tuple[str, str]], workers: int | None = None) -> torch.Tensor:
+def encode_docs(tok: Tokenizer, docs: Sequence[tuple[str, str]], workers: int | None = None) -> torch.Tensor:
     """One int64 stream: each document's ids then <|endoftext|> (documents in the given order).
 
     Large inputs are encoded by ``workers`` forked processes (the tokenizer's own encoding, so ids are
     identical to ``tok.encode``); ``workers`` None = one per CPU, at most 16.
     """
-    import os
-
     eos = tok.token_to_id(EOS_TOKEN)
     texts = [t for _, t in docs]
     if workers is None:
@@ -171,8 +171,6 @@ def encode_docs(tok, docs: Sequence[tuple[str, str]], workers: int | None = None
     if workers <= 1 or total < 2_000_000:
         seqs = [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)]
     else:
-        import multiprocessing as mp
-
         # Size-balanced contiguous chunks, several per worker, concatenated back in order.
         n_chunks = workers * 4
         bounds, acc, target = [0], 0, total / n_chunks
