@@ -5,7 +5,8 @@
 #   bash scripts/gpu_suite.sh [--dry-run] SUITE [ARG]
 #
 #   tests PART     the GPU tests (pytest -m gpu) of one part: bitwise | rounds | kernels
-#   tests          every part in turn (longer than one 10-minute device call: give each part its own call)
+#   tests          every GPU test of the three parts in one pytest run, spread over worker processes (pytest-xdist:
+#                  the tests are compile-bound, the device has the cores), so the whole set fits one device call
 #   bench          the benchmarks the README cites: the demo's spec bench (held-out prompts, budgets 4..32 and
 #                  auto, a plot), the K2 layer step, the decoding rounds, the W4A16 / MoE kernels
 #   kernel FAMILY  one kernel family's GPU tests and bench: w4a16 | moe | mla | gemm | router | tails
@@ -107,11 +108,19 @@ quick() {
   spec_bench bench-spec-quick 150 "$RES/quick" --num-prompts 2 --max-tokens 64 --budgets 8,auto
 }
 
+tests_all() {  # the files of every part in one run; timings are never asserted, so workers may share the GPU
+  local files
+  files=$(DRY=1; PYT=(python3 -m pytest); { tests_bitwise; tests_rounds; tests_kernels; } | sed -n 's/^== [^:]*: //p' \
+    | tr ' ' '\n' | grep '^tests/.*\.py$' | sort -u | tr '\n' ' ')
+  # shellcheck disable=SC2086
+  pytest_step pytest-gpu 560 -n "${GPU_TEST_WORKERS:-8}" $files
+}
+
 run_suite() {
   case $SUITE in
     tests)
       case $ARG in
-        "") tests_bitwise; tests_rounds; tests_kernels ;;
+        "") tests_all ;;
         bitwise | rounds | kernels) "tests_$ARG" ;;
         *) die "unknown tests part '$ARG' (parts: bitwise, rounds, kernels)" ;;
       esac ;;

@@ -16,7 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SUITE = ROOT / "scripts" / "gpu_suite.sh"
 DEVICE_CALL_S = 570  # a 600-s device call, less the start and the packing of the results
-ONE_CALL = [["tests", "bitwise"], ["tests", "rounds"], ["tests", "kernels"], ["bench"], ["quick"]] + [
+ONE_CALL = [["tests"], ["tests", "bitwise"], ["tests", "rounds"], ["tests", "kernels"], ["bench"], ["quick"]] + [
     ["kernel", f] for f in ("w4a16", "moe", "mla", "gemm", "router", "tails")]
 STEP = re.compile(r"^== (\S+) \(cap (\d+)s\): (.*)$")
 
@@ -42,7 +42,7 @@ def pytest_steps(tmp_path: Path, *args: str) -> list[tuple[list[str], str | None
             continue
         files, k, marks, i = [], None, [], 3
         while i < len(cmd):
-            if cmd[i] in ("-k", "-m", "-p"):
+            if cmd[i] in ("-k", "-m", "-p", "-n"):
                 k = cmd[i + 1] if cmd[i] == "-k" else k
                 marks += [cmd[i + 1]] if cmd[i] == "-m" else []
                 i += 2
@@ -74,9 +74,10 @@ def test_a_wrong_name_fails_with_one_line(tmp_path, args) -> None:
         assert not (tmp_path / "out").exists()  # nothing ran, no results folder
 
 
-def test_tests_without_a_part_runs_every_part(tmp_path) -> None:
-    every = steps(tmp_path, "tests")
-    assert every == [s for part in ("bitwise", "rounds", "kernels") for s in steps(tmp_path, "tests", part)]
+def test_tests_without_a_part_runs_every_part_in_one_run(tmp_path) -> None:
+    (one,) = pytest_steps(tmp_path, "tests")
+    parts = [s for part in ("bitwise", "rounds", "kernels") for s in pytest_steps(tmp_path, "tests", part)]
+    assert sorted(one[0]) == sorted({f for files, _, _ in parts for f in files}) and one[1] is None
 
 
 def test_every_gpu_test_file_is_in_a_part_of_tests(tmp_path) -> None:
