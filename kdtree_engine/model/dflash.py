@@ -33,6 +33,9 @@ from ..errors import DraftMismatchError, DraftLoadError
 from ..config import ModelConfig
 from ..draft_config import DraftConfig
 from ..kernels.common import take_rows
+from ..kernels.dispatch import draft_attention_backend, head_norm_rope
+from ..kernels.draft_attention import draft_attention
+from ..kernels.policy import KernelPolicy, policy_or_env
 from .layers import MLP, Linear, RMSNorm, stacked_linear
 
 
@@ -54,17 +57,6 @@ def rope_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype: tor
     freqs = positions.float().unsqueeze(-1) * inv.unsqueeze(0)  # [T, d/2]
     emb = torch.cat([freqs, freqs], dim=-1)  # [T, d]
     return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    h = x.shape[-1] // 2
-    return torch.cat([-x[..., h:], x[..., :h]], dim=-1)
-
-
-def apply_rope_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, d]; cos/sin [T, d]."""
-    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
-    return x * c + _rotate_half(x) * s
 
 
 # ---- context cache -------------------------------------------------------------------------------
@@ -90,16 +82,18 @@ class DraftCache:
 # ---- modules -------------------------------------------------------------------------------------
 
 class DraftAttention(nn.Module):
-    def __init__(self, cfg: DraftConfig, window: int | None, *, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: DraftConfig, window: int | None, *, dtype: torch.dtype,
+                 policy: KernelPolicy | None = None) -> None:
         super().__init__()
+        self.policy = policy = policy_or_env(policy)
         D, H, Hkv, d = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.heads, self.kv_heads, self.head_dim, self.window = H, Hkv, d, window
-        self.q_proj = Linear(D, H * d, parallel="column", dtype=dtype)
-        self.k_proj = Linear(D, Hkv * d, parallel="column", dtype=dtype)
-        self.v_proj = Linear(D, Hkv * d, parallel="column", dtype=dtype)
-        self.o_proj = Linear(H * d, D, parallel="row", dtype=dtype)
-        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.q_proj = Linear(D, H * d, parallel="column", dtype=dtype, policy=policy)
+        self.k_proj = Linear(D, Hkv * d, parallel="column", dtype=dtype, policy=policy)
+        self.v_proj = Linear(D, Hkv * d, parallel="column", dtype=dtype, policy=policy)
+        self.o_proj = Linear(H * d, D, parallel="row", dtype=dtype, policy=policy)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps, policy=policy)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps, policy=policy)
 
     def _kv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, D] -> k, v [T, Hkv, d] before norm and rope (one GEMM when k_proj and v_proj are dense)."""
@@ -117,8 +111,7 @@ class DraftAttention(nn.Module):
     @staticmethod
     def _norm_rope(norm: RMSNorm, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """rope(norm(x)) per head: x [T, heads, d] -> [T, heads, d] (one launch on CUDA)."""
-        from ..kernels.dispatch import head_norm_rope
-        return head_norm_rope(x, norm.weight, norm.eps, cos, sin)
+        return head_norm_rope(norm.policy, x, norm.weight, norm.eps, cos, sin)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_ctx: torch.Tensor,
                 v_ctx: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor | None,
@@ -133,9 +126,7 @@ class DraftAttention(nn.Module):
         q = self._norm_rope(self.q_norm, self.q_proj(x).view(B, self.heads, self.head_dim), cos, sin)
         kb, vb = self._kv(x)
         kb = self._norm_rope(self.k_norm, kb, cos, sin)
-        from ..kernels.dispatch import draft_attention_backend
-        if start is not None and draft_attention_backend(q, k_ctx) == "triton":
-            from ..kernels.draft_attention import draft_attention
+        if start is not None and draft_attention_backend(self.policy, q, k_ctx) == "triton":
             o = draft_attention(q, k_ctx, v_ctx, kb, vb, start, self.window)  # [B, H, d]
             return self.o_proj(o.reshape(B, self.heads * self.head_dim))
         k = torch.cat([k_ctx, kb.transpose(0, 1)], dim=1)  # [Hkv, S+B, d]
@@ -156,12 +147,14 @@ class DraftAttention(nn.Module):
 
 
 class DraftLayer(nn.Module):
-    def __init__(self, cfg: DraftConfig, window: int | None, *, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: DraftConfig, window: int | None, *, dtype: torch.dtype,
+                 policy: KernelPolicy | None = None) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = DraftAttention(cfg, window, dtype=dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype)
+        policy = policy_or_env(policy)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, policy=policy)
+        self.self_attn = DraftAttention(cfg, window, dtype=dtype, policy=policy)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, policy=policy)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, policy=policy)
 
 
 _RENAMES = ((re.compile(r"^model\."), ""), (re.compile(r"^midlayer\."), "layers.0."),
@@ -169,19 +162,23 @@ _RENAMES = ((re.compile(r"^model\."), ""), (re.compile(r"^midlayer\."), "layers.
 
 
 class DFlashDrafter(nn.Module):
+    """``policy``: the kernel policy every layer runs with (None: the environment's, KernelPolicy.from_env)."""
+
     def __init__(self, cfg: DraftConfig, *, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu") -> None:
+                 device: str | torch.device = "cpu", policy: KernelPolicy | None = None) -> None:
         super().__init__()
         self.cfg = cfg
+        self.policy = policy = policy_or_env(policy)
         self.dtype = dtype
         self.device = torch.device(device)
         D = cfg.hidden_size
         windows = cfg.sliding_windows or (None,) * cfg.num_hidden_layers
         with self.device:
-            self.fc = Linear(cfg.num_context_features * D, D, parallel="replicated", dtype=dtype)
-            self.hidden_norm = RMSNorm(D, cfg.rms_norm_eps)
-            self.layers = nn.ModuleList(DraftLayer(cfg, windows[i], dtype=dtype) for i in range(cfg.num_hidden_layers))
-            self.norm = RMSNorm(D, cfg.rms_norm_eps)
+            self.fc = Linear(cfg.num_context_features * D, D, parallel="replicated", dtype=dtype, policy=policy)
+            self.hidden_norm = RMSNorm(D, cfg.rms_norm_eps, policy=policy)
+            self.layers = nn.ModuleList(DraftLayer(cfg, windows[i], dtype=dtype, policy=policy)
+                                        for i in range(cfg.num_hidden_layers))
+            self.norm = RMSNorm(D, cfg.rms_norm_eps, policy=policy)
         for m in self.modules():
             if isinstance(m, RMSNorm):
                 m.weight.data = m.weight.data.to(dtype)
@@ -229,9 +226,8 @@ class DFlashDrafter(nn.Module):
             ctx = self.hidden_norm(self.fc(ctx_features.to(device=dev, dtype=dt)))  # [C, D]
             cos_c, sin_c = rope_tables(torch.arange(L0, start, device=dev), cfg.head_dim, cfg.rope_theta, dt)
         h = block_embeds.to(device=dev, dtype=dt)  # [B, D]
-        from ..kernels.dispatch import draft_attention_backend
         # the context length as a device scalar, read by the one-launch attention kernel (the torch path masks)
-        start_t = (torch.tensor(start, device=dev) if draft_attention_backend(h, cache.k) == "triton"
+        start_t = (torch.tensor(start, device=dev) if draft_attention_backend(self.policy, h, cache.k) == "triton"
                    else None)
         pending: torch.Tensor | None = None  # a layer's MLP output, added by the next norm (one dispatch)
         for i, layer in enumerate(self.layers):
@@ -282,9 +278,8 @@ class DFlashDrafter(nn.Module):
         dev, dt, cfg = self.device, self.dtype, self.cfg
         q_pos = start + torch.arange(B, device=dev)  # [B]
         c_pos = start - n_ctx + torch.arange(R, device=dev)  # [R] cache slots = positions
-        from ..kernels.dispatch import draft_attention_backend
         k_pos = visible = None  # the kernel reads the committed length itself; the torch path masks
-        if draft_attention_backend(block_embeds, cache.k) == "torch":
+        if draft_attention_backend(self.policy, block_embeds, cache.k) == "torch":
             slot_pos = torch.arange(cache.capacity, device=dev)  # [S_cap]
             k_pos = torch.cat([slot_pos, q_pos])  # [S_cap + B]
             visible = torch.cat([slot_pos < start, torch.ones(B, dtype=torch.bool, device=dev)])  # [S_cap + B]
@@ -333,9 +328,10 @@ class DFlashDrafter(nn.Module):
     # ---- construction ------------------------------------------------------------------------
     @classmethod
     def random(cls, cfg: DraftConfig, seed: int = 0, *, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu", scale: float = 1.0) -> "DFlashDrafter":
+               device: str | torch.device = "cpu", scale: float = 1.0,
+               policy: KernelPolicy | None = None) -> "DFlashDrafter":
         """Random weights (fan-in scaled normal; norm weights near 1), deterministic in ``seed``."""
-        model = cls(cfg, dtype=dtype, device=device)
+        model = cls(cfg, dtype=dtype, device=device, policy=policy)
         g = torch.Generator().manual_seed(seed)
         tensors = {}
         for name, p in model.state_dict().items():
@@ -373,7 +369,8 @@ class DFlashDrafter(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str | Path, target_cfg: ModelConfig | None = None, *,
-                        dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> "DFlashDrafter":
+                        dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                        policy: KernelPolicy | None = None) -> "DFlashDrafter":
         """Load a drafter directory (config.json + model.safetensors, or sharded with an index).
 
         With ``target_cfg`` the fit is checked before any weight is read (DraftMismatchError).
@@ -397,7 +394,7 @@ class DFlashDrafter(nn.Module):
                     for k in sf.keys():
                         yield k, sf.get_tensor(k)
 
-        return cls(cfg, dtype=dtype, device=device).load_weights(stream())
+        return cls(cfg, dtype=dtype, device=device, policy=policy).load_weights(stream())
 
 
 def check_draft_fits(cfg: DraftConfig, tcfg: ModelConfig) -> None:

@@ -43,10 +43,11 @@ import torch
 from ..errors import PromptError, SpecError
 from ..logs import log, log_once
 from ..model.target import Target
-from ..sampling import SamplingParams, greedy, make_generator, sample
+from ..kernels.policy import KernelPolicy
+from ..sampling import SamplingParams, greedy, make_generator, sample, topk_logprobs
 from .accept import accept, target_picks
 from .budget import AUTO, AutoBudget, auto_budget_for, auto_max_budget
-from .tree import DraftTree, GraphTreeBuilder, build_tree, build_tree_heap, chain_tree, topk_logprobs
+from .tree import DraftTree, build_tree, build_tree_heap, chain_tree
 
 SpecMethod = Literal["none", "dflash", "ddtree"]
 SPEC_METHODS: tuple[str, ...] = ("none", "dflash", "ddtree")
@@ -240,7 +241,7 @@ def generate(target: Target, prompt_ids: list[int], params: SamplingParams, *,
     t0 = time.perf_counter()
     ids = torch.tensor(prompt_ids, dtype=torch.long, device=dev)
     out = target(ids, cache, aux_layers=aux_layers)
-    bonus = sample(out.logits[-1], params, gen)  # [] the newest token, not yet fed to the target
+    bonus = sample(out.logits[-1], params, gen, policy=target.policy)  # [] the newest token, not yet fed to the target
     tok = int(bonus)
     _sync(dev)
     t1 = time.perf_counter()
@@ -250,7 +251,7 @@ def generate(target: Target, prompt_ids: list[int], params: SamplingParams, *,
         while not done:
             timer.start()
             logits = target(bonus.reshape(1), cache).logits[-1]
-            bonus = sample(logits, params, gen)
+            bonus = sample(logits, params, gen, policy=target.policy)
             tok = int(bonus)
             timer.lap("verify_s")
             rounds += 1
@@ -268,10 +269,10 @@ def generate(target: Target, prompt_ids: list[int], params: SamplingParams, *,
             if depth > 0:
                 draft_logits = drafter.propose(target, ctx, bonus, dcache, start)[:depth]  # [depth, V]
             timer.lap("draft_s")
-            tree = _make_tree(sc, draft_logits if depth > 0 else None, bonus, start, B, impl, chooser)
+            tree = _make_tree(sc, target.policy, draft_logits if depth > 0 else None, bonus, start, B, impl, chooser)
             timer.lap("tree_s")
             vout = target(tree.tokens, cache, positions=tree.positions, tree_mask=tree.mask, aux_layers=aux_layers)
-            picks = target_picks(vout.logits, params, gen)  # [N1]
+            picks = target_picks(vout.logits, params, gen, policy=target.policy)  # [N1]
             res = accept(tree, picks)
             timer.lap("verify_s")
             cache.commit(res.accepted)
@@ -321,7 +322,7 @@ def pick_round_mode(sc: SpecConfig, params: SamplingParams, drafter: Any, target
     """"graph" (each round replayed from a CUDA graph) or "eager" (the host-driven loop).
 
     Graphs need a CUDA target with ``forward_static``, a fixed budget, a drafter with
-    ``forward_static`` (dflash / ddtree) and the builder left to the round (tree_impl auto / graph /
+    ``forward_static`` (dflash / ddtree) and the builder left to the round (tree_impl auto /
     vectorized). ``eager=False`` when one of these fails raises SpecError; ``eager=None`` takes graphs
     when all hold, else the eager loop, and logs the choice once.
     """
@@ -349,44 +350,38 @@ def pick_round_mode(sc: SpecConfig, params: SamplingParams, drafter: Any, target
     return "graph"
 
 
-TREE_IMPLS = ("auto", "graph", "vectorized", "heap")
-_GRAPH_BUILDER = GraphTreeBuilder()
+TREE_IMPLS = ("auto", "vectorized", "heap")
 
 
 def pick_tree_impl(impl: str, device: torch.device) -> str:
     """Which DDTree builder runs; all return the identical tree.
 
-    "auto" = "heap": one device-to-host copy of the top-K log-probs, then a host heap. Measured on
-    an H200 (L=15, V=163840, topk included): budget 16/64/256/1024 -> heap 0.6/1.0/1.3/5.3 ms,
-    "graph" (the sync-free builder replayed from a CUDA graph) 1.4/3.6/14/56 ms, "vectorized"
-    (the same, eager) 9.5/37/140/557 ms: the sync-free builder is launch-bound (~25 tiny kernels a
-    node). It is kept for capturing a whole round in one graph; a single-kernel builder would be
-    needed before it can win on its own.
+    "auto" = "heap": one device-to-host copy of the top-K log-probs, then a host heap; "vectorized"
+    (the sync-free builder, eager) is launch-bound (~25 tiny kernels a node): it is kept for capturing a
+    whole round in one graph (docs/performance_history.md has the timings).
     """
     if impl not in TREE_IMPLS:
         raise SpecError(f"tree builder must be one of {', '.join(TREE_IMPLS)}; got {impl!r}")
-    if impl == "graph" and device.type != "cuda":
-        raise SpecError(f"tree builder 'graph' needs a CUDA device, the target is on {device.type}")
     chosen = "heap" if impl == "auto" else impl
     log_once(f"tree:{device.type}:{chosen}", f"DDTree builder on {device.type}: {chosen}")
     return chosen
 
 
-def _make_tree(sc: SpecConfig, draft_logits: torch.Tensor | None, bonus: torch.Tensor, start: int,
-               B: int, tree_impl: str = "vectorized", chooser: AutoBudget | None = None) -> DraftTree:
+def _make_tree(sc: SpecConfig, policy: KernelPolicy, draft_logits: torch.Tensor | None, bonus: torch.Tensor,
+               start: int, B: int, tree_impl: str = "vectorized", chooser: AutoBudget | None = None) -> DraftTree:
     dev = bonus.device
     if draft_logits is None:  # no room for drafts: the root alone (a plain step)
         return chain_tree(bonus, torch.empty(0, dtype=torch.long, device=dev), start)
     if sc.method == "dflash":
-        return chain_tree(bonus, greedy(draft_logits), start)
-    builder = {"vectorized": build_tree, "heap": build_tree_heap, "graph": _GRAPH_BUILDER}[tree_impl]
+        return chain_tree(bonus, greedy(draft_logits, policy=policy), start)
+    builder = {"vectorized": build_tree, "heap": build_tree_heap}[tree_impl]
     if chooser is not None:
         # one top-K for the largest budget; the budget-b tree only ever uses ranks < b
-        lp, ids = topk_logprobs(draft_logits, chooser.max_budget)  # [depth, K]
+        lp, ids = topk_logprobs(draft_logits, chooser.max_budget, policy=policy)  # [depth, K]
         budget = chooser.choose(lp)
         return builder(lp[:, :budget], ids[:, :budget], budget, bonus, start)
     budget = sc.budget or B - 1
-    lp, ids = topk_logprobs(draft_logits, budget)  # [depth, K]
+    lp, ids = topk_logprobs(draft_logits, budget, policy=policy)  # [depth, K]
     return builder(lp, ids, budget, bonus, start)
 
 

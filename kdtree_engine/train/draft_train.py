@@ -31,7 +31,8 @@ import torch.nn.functional as F
 
 from ..config import ModelConfig
 from ..draft_config import DraftConfig
-from ..model.dflash import DFlashDrafter, _rotate_half, rope_tables
+from ..kernels.reference import rotate_half
+from ..model.dflash import DFlashDrafter, rope_tables
 from .target_train import TrainModel, autocast, generate, lr_at, make_optimizer
 
 
@@ -78,7 +79,7 @@ def new_drafter(cfg: DraftConfig, seed: int, device: torch.device, std: float = 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [B, T, heads, d]; cos/sin [B, T, d] or [T, d] (rotate-half, as the drafter)."""
     c, s = cos.unsqueeze(-2), sin.unsqueeze(-2)
-    return x * c + _rotate_half(x) * s
+    return x * c + rotate_half(x) * s
 
 
 def draft_hidden(drafter: DFlashDrafter, feats: torch.Tensor, block_embeds: torch.Tensor,
