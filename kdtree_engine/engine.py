@@ -18,10 +18,12 @@ from .config import ModelConfig
 from .kernels.dispatch import log_choices, prepare_int4
 from .kernels.policy import KernelPolicy
 from .logs import log_once
+from .model.dflash import DFlashDrafter
 from .model.target import Target
 from .quant import QuantError, k2_quantization_config, parse_quantization_config
 from .sampling import SamplingParams
-from .speculative.decode import GenerationResult, generate
+from .speculative.decode import GenerationResult, generate, resolve_spec
+from .weights import iter_checkpoint
 
 log = logging.getLogger("kdtree_engine")
 
@@ -54,8 +56,6 @@ def load_target(path: str | Path, *, device: torch.device, dtype: torch.dtype,
                 quantize: str | None = None, progress: bool = True, policy: KernelPolicy | None = None) -> Target:
     """Load an HF-format K2-family checkpoint directory, streaming shard by shard. ``policy``: the kernel
     policy (None: the environment's)."""
-    from .weights import iter_checkpoint
-
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"model directory {str(path)!r} does not exist")
@@ -96,8 +96,6 @@ def greedy_from_weights(cfg: ModelConfig, weights: Mapping[str, torch.Tensor], p
 
 def load_drafter(path: str | Path, target: Target):
     """A DFlash drafter directory, checked against the target (DraftMismatchError when it does not fit)."""
-    from .model.dflash import DFlashDrafter
-
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"drafter directory {str(path)!r} does not exist")
@@ -124,8 +122,6 @@ class LLM:
         """``eager``: True = rounds driven from the host; False = each round replayed from a CUDA graph
         (CUDA, a fixed budget); None = graphs where they apply (see ``speculative.decode.pick_round_mode``).
         ``batch_invariant`` and the ``KDTREE_*_BACKEND`` variables make the kernel policy of target and drafter."""
-        from .speculative.decode import resolve_spec
-
         self.policy = KernelPolicy.from_env(batch_invariant=batch_invariant)
         self.eager = eager
         self.device = resolve_device(device)

@@ -17,7 +17,9 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
+import torch
 
+from kdtree_engine import engine
 from kdtree_engine.bundle import BundleError, Bundle, QUANT_MODES, load_bundle, make_bundle, save_bundle
 from kdtree_engine.config import PRESETS, ConfigError, preset
 
@@ -90,10 +92,6 @@ def compare(golden: Sequence[int], got: Sequence[int]) -> tuple[bool, str]:
 
 def run_engine(bundle: Bundle, device: str, dtype_name: str) -> list[int]:
     """The engine's greedy tokens for the bundle's prompt (torch model, not the reference)."""
-    import torch
-
-    from kdtree_engine import engine
-
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype_name]
     weights = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in bundle.weights.items()}
     return engine.greedy_from_weights(bundle.cfg, weights, [int(t) for t in bundle.prompt_ids],
@@ -107,8 +105,6 @@ def cmd_check(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_BUNDLE
     if args.device == "cuda":
-        import torch
-
         if not torch.cuda.is_available():
             print("error: --device cuda requested but CUDA is not available", file=sys.stderr)
             return EXIT_BAD_BUNDLE

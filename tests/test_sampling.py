@@ -57,7 +57,7 @@ def test_race_has_the_rule_distribution():
     """The exponential race over drawn noise samples each row from the rule's probabilities (chi-square
     per row against probs_from_logits; filtered tokens never win, zero noise included), and the rule
     with tensor temperature / top-p (what a CUDA graph reads) gives the same probabilities."""
-    from spec.spec_toys import chi_square_pvalue
+    from speculative.spec_toys import chi_square_pvalue
 
     g = torch.Generator().manual_seed(3)
     rows, V, n = 3, 7, 20000

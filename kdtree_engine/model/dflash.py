@@ -27,6 +27,8 @@ from typing import Iterable, Protocol
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import nn
 
 from ..errors import DraftMismatchError, DraftLoadError
@@ -36,6 +38,7 @@ from ..kernels.common import take_rows
 from ..kernels.dispatch import draft_attention_backend, head_norm_rope
 from ..kernels.draft_attention import draft_attention
 from ..kernels.policy import KernelPolicy, policy_or_env
+from ..weights import storable
 from .layers import MLP, Linear, RMSNorm, stacked_linear
 
 
@@ -375,8 +378,6 @@ class DFlashDrafter(nn.Module):
 
         With ``target_cfg`` the fit is checked before any weight is read (DraftMismatchError).
         """
-        from safetensors import safe_open
-
         path = Path(path)
         cfg = DraftConfig.from_pretrained(path)
         if target_cfg is not None:
@@ -420,11 +421,9 @@ def check_draft_fits(cfg: DraftConfig, tcfg: ModelConfig) -> None:
 
 def save_drafter(path: str | Path, drafter: DFlashDrafter) -> Path:
     """Write config.json + model.safetensors in the released layout."""
-    from safetensors.torch import save_file
-
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(drafter.cfg.to_dict(), indent=2))
-    from ..weights import _storable   # k/v may be views of one stacked weight (layers.stacked_linear)
-    save_file(_storable(drafter.state_dict()), str(path / "model.safetensors"), metadata={"format": "pt"})
+    # k/v may be views of one stacked weight (layers.stacked_linear): storable copies them apart
+    save_file(storable(drafter.state_dict()), str(path / "model.safetensors"), metadata={"format": "pt"})
     return path

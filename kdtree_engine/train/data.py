@@ -16,6 +16,8 @@ windows of that stream; held-out evaluation uses consecutive non-overlapping win
 
 from __future__ import annotations
 
+import multiprocessing as mp
+import os
 import sysconfig
 import zlib
 from dataclasses import dataclass, field
@@ -161,8 +163,6 @@ def encode_docs(tok, docs: Sequence[tuple[str, str]], workers: int | None = None
     Large inputs are encoded by ``workers`` forked processes (the tokenizer's own encoding, so ids are
     identical to ``tok.encode``); ``workers`` None = one per CPU, at most 16.
     """
-    import os
-
     eos = tok.token_to_id(EOS_TOKEN)
     texts = [t for _, t in docs]
     if workers is None:
@@ -171,8 +171,6 @@ def encode_docs(tok, docs: Sequence[tuple[str, str]], workers: int | None = None
     if workers <= 1 or total < 2_000_000:
         seqs = [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)]
     else:
-        import multiprocessing as mp
-
         # Size-balanced contiguous chunks, several per worker, concatenated back in order.
         n_chunks = workers * 4
         bounds, acc, target = [0], 0, total / n_chunks

@@ -33,6 +33,7 @@ from ..config import ModelConfig
 from ..draft_config import DraftConfig
 from ..kernels.reference import rotate_half
 from ..model.dflash import DFlashDrafter, rope_tables
+from .data import random_windows
 from .target_train import TrainModel, autocast, generate, lr_at, make_optimizer
 
 
@@ -240,8 +241,6 @@ def continuation_pool(target: TrainModel, stream: torch.Tensor, n_seqs: int, seq
     i % sample_every == sample_every - 1, else greedy. ``extra_prompts`` [m, prefix_lens[0]] ride along
     in the first (greedy) batch; their continuations are returned separately.
     """
-    from .data import random_windows
-
     g = torch.Generator(device=device).manual_seed(seed)
     dg = torch.Generator(device=device).manual_seed(seed + 1)
     stream = stream.to(device)
@@ -281,8 +280,6 @@ def train_drafter(target: TrainModel, dcfg: DraftConfig, train_stream: torch.Ten
                   device: torch.device, log: Callable[[str], None] = print,
                   eval_prompts: torch.Tensor | None = None) -> DraftResult:
     """Continuation pool, then drafter steps until ``s.minutes`` (whole phase) or ``s.max_steps``."""
-    from .data import random_windows
-
     t0 = time.perf_counter()
     budget = s.minutes * 60.0
     timed = s.max_steps is None

@@ -253,7 +253,7 @@ def test_sampled_graph_rounds_equal_device_eager_and_follow_the_target():
     from kdtree_engine.sampling import SamplingParams
     from kdtree_engine.speculative.decode import generate
     from kdtree_engine.speculative.device_decode import generate_device
-    from spec.spec_toys import chi_square_pvalue, first_tokens_distribution
+    from speculative.spec_toys import chi_square_pvalue, first_tokens_distribution
 
     target, drafter = _tiny_pair()
     prompt = [9, 8, 7, 6]
