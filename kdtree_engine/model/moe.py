@@ -83,6 +83,10 @@ class Experts(nn.Module):
                 add: torch.Tensor | None = None) -> torch.Tensor:
         return moe(x, ids, weights, self, add)
 
+    def reset_dense(self) -> None:
+        """Drop the CPU path's dequantized experts (after loading new weights)."""
+        self.__dict__.pop("_dense_cpu", None)
+
     def int4_prepare(self, dtype: torch.dtype) -> str:
         """The INT4 kernel family for activations of `dtype`, the words in its order (model/int4_order.py)."""
         return int4_prepare(self.policy, self, dtype, f"MoE experts [{self.num_experts} x (H {self.hidden}, I {self.inter})]",

@@ -220,7 +220,7 @@ class Target(nn.Module):
         for layer in self.layers:
             layer.self_attn.reset_absorbed()
             if isinstance(layer.mlp, MoE):
-                layer.mlp.experts.__dict__.pop("_dense_cpu", None)  # derived from the old weights
+                layer.mlp.experts.reset_dense()  # derived from the old weights
                 layer.mlp.gate.reset_parts()
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> "Target":
