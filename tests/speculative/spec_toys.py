@@ -16,9 +16,9 @@ import math
 import torch
 
 from kdtree_engine.config import preset
+from kdtree_engine.kernels.policy import KernelPolicy
 from kdtree_engine.model.target import TargetOutput
 from kdtree_engine.sampling import SamplingParams, probs_from_logits
-from kdtree_engine.kernels.policy import KernelPolicy  # noqa: E402
 
 POLICY = KernelPolicy()  # the default policy (batch invariance on, nothing forced)
 
@@ -54,6 +54,7 @@ class PrefixTarget:
         self.vocab, self.seed, self.scale, self.hidden = vocab, seed, scale, hidden
         self.device = torch.device("cpu")
         self.dtype = torch.float32
+        self.policy = POLICY   # the kernel policy a target holds (its greedy / sampling picks)
         self._memo: dict[tuple[int, ...], torch.Tensor] = {}
         g = torch.Generator().manual_seed(seed + 1)
         self.embed_table = torch.randn(vocab, hidden, generator=g)
