@@ -1,7 +1,8 @@
 """The one reader of the engine's ``KDTREE_*`` environment variables (docs/environment.md lists them).
 
 Read when :func:`read_env` is called, never at import, so a process may change them between engines; a
-value outside its set is a ``ValueError`` that names the variable.
+value outside its set is a ``ValueError`` that names the variable. A ``KDTREE_*`` variable the engine does not
+read (a removed knob, a typo) is logged as a warning, once, rather than silently ignored.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from typing import Mapping
+
+from .logs import log
 
 BACKENDS = ("torch", "triton")
 INT4_BACKENDS = BACKENDS + ("frag",)
@@ -20,6 +23,10 @@ VARIABLES: dict[str, tuple[str, ...]] = {
     "KDTREE_ATTN_BACKEND": BACKENDS,
     "KDTREE_TREE_BACKEND": BACKENDS,
 }
+
+
+# unknown variables already warned about: logging only
+_WARNED: set[str] = set()
 
 
 @dataclass(frozen=True)
@@ -43,6 +50,11 @@ def _choice(environ: Mapping[str, str], var: str) -> str | None:
 def read_env(environ: Mapping[str, str] | None = None) -> Env:
     """The ``KDTREE_*`` variables of ``environ`` (default: ``os.environ``, read now)."""
     environ = os.environ if environ is None else environ
+    for var in sorted(v for v in environ if v.startswith("KDTREE_") and v not in VARIABLES):
+        if var not in _WARNED:
+            _WARNED.add(var)
+            log.warning(f"{var} is set but the engine does not read it (docs/environment.md lists the variables "
+                        "it reads)")
     return Env(int4_backend=_choice(environ, "KDTREE_INT4_BACKEND"),
                dense_backend=_choice(environ, "KDTREE_DENSE_BACKEND"),
                attn_backend=_choice(environ, "KDTREE_ATTN_BACKEND"),
