@@ -335,7 +335,8 @@ def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
     shared_r = copies(lambda: MLP(H, cfg.moe_intermediate_size * cfg.n_shared_experts // W, dtype=dtype,
                                       policy=_POLICY),
                       3 * H * cfg.moe_intermediate_size * 2 // W)
-    dense_r = copies(lambda: MLP(H, cfg.intermediate_size // W, dtype=dtype, policy=_POLICY), 3 * H * cfg.intermediate_size * 2 // W)
+    dense_r = copies(lambda: MLP(H, cfg.intermediate_size // W, dtype=dtype, policy=_POLICY),
+                     3 * H * cfg.intermediate_size * 2 // W)
     head_r = copies(lambda: torch.nn.Linear(H, cfg.vocab_size // W, bias=False, dtype=dtype),
                     H * cfg.vocab_size * 2 // W)
     final_norm = RMSNorm(H, cfg.rms_norm_eps, policy=_POLICY).to(dev, dtype)

@@ -420,9 +420,9 @@ def mla_attention_static(policy: KernelPolicy, q_lat: torch.Tensor, q_pe: torch.
                          ) -> torch.Tensor:
     """Absorbed MLA attention over the whole cache buffer kv [S_cap, C+R] with the committed length
     ``start`` on the device: the Triton kernel's device-length launch (same reduction as the host-length
-    one), or the torch reference with the visibility mask ``visible`` [T, S_cap] (None: the Triton path). ``gather_index``: the
-    Triton kernel's :func:`attention_gather_index` of ``tree_mask``, computed once for all layers (else
-    per call)."""
+    one), or the torch reference with the visibility mask ``visible`` [T, S_cap] (None: the Triton path).
+    ``gather_index``: the Triton kernel's :func:`attention_gather_index` of ``tree_mask``, computed once for all
+    layers (else per call)."""
     if attn_backend(policy, kv.device) == "triton":
         return mla_attention_device(q_lat, q_pe, kv, start, tree_mask, scale, kv_lora_rank,
                                     gather_index=gather_index)

@@ -111,7 +111,8 @@ def stable_top(x: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def topk_logprobs_torch(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The drafter's top-k log-probs (kernels/dispatch.py draft_topk) in torch: topk of the float32 logits minus their logsumexp."""
+    """The drafter's top-k log-probs (kernels/dispatch.py draft_topk) in torch: topk of the float32 logits minus
+    their logsumexp. logits [L, V] -> (lp [L, k'] float32 descending, ids [L, k'] long), k' = min(k, V)."""
     x = logits.float()
     k = min(k, x.shape[-1])
     vals, ids = torch.topk(x, k, dim=-1)  # [L, k]
