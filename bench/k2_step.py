@@ -60,6 +60,8 @@ if str(ROOT) not in sys.path:
 from bench import common  # noqa: E402
 from kdtree_engine.bench_spec import device_tag  # noqa: E402
 from kdtree_engine.config import ModelConfig, preset  # noqa: E402
+from kdtree_engine.kernels.dispatch import attention_gather_index  # noqa: E402
+from kdtree_engine.kernels.policy import KernelPolicy  # noqa: E402
 from kdtree_engine.model.layers import MLP, RMSNorm, Rope  # noqa: E402
 from kdtree_engine.model.mla import MLA  # noqa: E402
 from kdtree_engine.model.target import DecoderLayer  # noqa: E402
@@ -184,6 +186,7 @@ _DEVICE = torch.device("cpu")
 # rounds of the layers' calls in one timed CUDA graph (--graph-rounds): the graph's own launch is paid once per
 # replay, as one step's graph (61 layers) pays it once per step
 _GRAPH_ROUNDS = 1
+_POLICY = KernelPolicy()   # set by run() from --batch-invariant and the environment
 
 
 # ---- tree ------------------------------------------------------------------------------------
@@ -239,7 +242,7 @@ def build_layers(cfg: ModelConfig, n: int, dtype, dev, gen, quant) -> list[Decod
     layers = []
     for i in range(n):
         with dev:
-            layer = DecoderLayer(cfg, i, dtype=dtype, quant=quant)
+            layer = DecoderLayer(cfg, i, dtype=dtype, quant=quant, policy=_POLICY)
         for m in layer.modules():
             if isinstance(m, RMSNorm):
                 m.weight.data = m.weight.data.to(dtype)
@@ -251,7 +254,7 @@ def build_layers(cfg: ModelConfig, n: int, dtype, dev, gen, quant) -> list[Decod
 
 
 def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
-    global _DEVICE, _GRAPH_ROUNDS
+    global _DEVICE, _GRAPH_ROUNDS, _POLICY
     _GRAPH_ROUNDS = args.graph_rounds
     clock = common.Clock()
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -261,8 +264,8 @@ def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
     reps = args.reps
     A = Assumptions(world=args.world, ar_latency_us=args.ar_latency_us, ar_busbw_GBps=args.ar_busbw_GBps,
                     gather_latency_us=args.gather_latency_us, draft_ms=args.draft_ms, tau=args.tau)
-    from kdtree_engine.kernels.dispatch import set_batch_invariant
-    set_batch_invariant(args.batch_invariant == "on")  # on: the engine's default (Triton attention, GEMM, norms)
+    # on: the engine's default (Triton attention, GEMM, norms)
+    _POLICY = KernelPolicy.from_env(batch_invariant=args.batch_invariant == "on")
 
     cfg = tiny_config(args.layers) if args.tiny else k2_config(args.layers)
     H, N, E, K = cfg.hidden_size, cfg.num_attention_heads, cfg.n_routed_experts, cfg.num_experts_per_tok
@@ -287,7 +290,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
     # Fit the layers into free memory (about 9.8 GB each at K2 size), leaving room for the rest.
     n_layers = args.layers
     with torch.device("meta"):
-        probe = DecoderLayer(cfg, 0, dtype=dtype, quant=quant)
+        probe = DecoderLayer(cfg, 0, dtype=dtype, quant=quant, policy=_POLICY)
     layer_bytes = sum(nbytes(t) for t in list(probe.parameters()) + list(probe.buffers()))
     del probe
     if cuda:
@@ -320,19 +323,21 @@ def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
     class RankAttn(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.input_layernorm = RMSNorm(H, cfg.rms_norm_eps)
-            self.self_attn = MLA(cfg_r, dtype=dtype)
+            self.input_layernorm = RMSNorm(H, cfg.rms_norm_eps, policy=_POLICY)
+            self.self_attn = MLA(cfg_r, dtype=dtype, policy=_POLICY)
 
     with torch.device("meta"):
-        probe_attn = MLA(cfg_r, dtype=dtype)
+        probe_attn = MLA(cfg_r, dtype=dtype, policy=_POLICY)
     ra_bytes = sum(nbytes(p) for p in probe_attn.parameters())
     rank_attn = copies(RankAttn, ra_bytes)
-    shared_r = copies(lambda: MLP(H, cfg.moe_intermediate_size * cfg.n_shared_experts // W, dtype=dtype),
+    shared_r = copies(lambda: MLP(H, cfg.moe_intermediate_size * cfg.n_shared_experts // W, dtype=dtype,
+                                      policy=_POLICY),
                       3 * H * cfg.moe_intermediate_size * 2 // W)
-    dense_r = copies(lambda: MLP(H, cfg.intermediate_size // W, dtype=dtype), 3 * H * cfg.intermediate_size * 2 // W)
+    dense_r = copies(lambda: MLP(H, cfg.intermediate_size // W, dtype=dtype, policy=_POLICY),
+                     3 * H * cfg.intermediate_size * 2 // W)
     head_r = copies(lambda: torch.nn.Linear(H, cfg.vocab_size // W, bias=False, dtype=dtype),
                     H * cfg.vocab_size * 2 // W)
-    final_norm = RMSNorm(H, cfg.rms_norm_eps).to(dev, dtype)
+    final_norm = RMSNorm(H, cfg.rms_norm_eps, policy=_POLICY).to(dev, dtype)
     for ra in rank_attn:
         ra.self_attn.reset_absorbed()
     log(f"built rank pieces ({clock():.1f} s)")
@@ -481,7 +486,7 @@ class StepInputs:
             return
         mask = mask if mask is not None else torch.ones(T, T, dtype=torch.bool, device=dev).tril()
         start = torch.tensor(S, device=dev)
-        self.index = lambda: attention_gather_index(mask)
+        self.index = lambda: attention_gather_index(_POLICY, mask)
         gather = self.index()
         visible = static_visibility(start, mask, kv_capacity) if gather is None else None
         self.ctx = StepContext(positions, cos, sin, start + torch.arange(T, device=dev), start, mask, visible, gather)

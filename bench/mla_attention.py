@@ -56,7 +56,7 @@ if str(ROOT) not in sys.path:
 from bench.common import (Clock, bf16_matmul_rate, command_line, copy_bandwidth, device_info,  # noqa: E402
                           gpu_stem, l2_bytes, md_table, time_calls, write_results)
 from kdtree_engine.kernels.mla_attention import MLAConfig, default_config, mla_attention  # noqa: E402
-from kdtree_engine.model.mla import mla_attention_reference  # noqa: E402
+from kdtree_engine.kernels.reference import mla_attention_reference  # noqa: E402
 
 C, R = 512, 64
 SCALE = 0.1352

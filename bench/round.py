@@ -48,6 +48,7 @@ from bench import common  # noqa: E402
 from kdtree_engine.bench_spec import Prompt, default_prompts, device_tag, environment, setting_name  # noqa: E402
 from kdtree_engine.engine import (load_drafter, load_target, load_tokenizer, resolve_device,  # noqa: E402
                                   resolve_dtype)
+from kdtree_engine.kernels.policy import KernelPolicy  # noqa: E402
 from kdtree_engine.sampling import SamplingParams  # noqa: E402
 from kdtree_engine.speculative.decode import generate  # noqa: E402
 
@@ -174,11 +175,10 @@ def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
     dev = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, dev)
     cuda = dev.type == "cuda"
-    from kdtree_engine.kernels.dispatch import set_batch_invariant
-    set_batch_invariant(args.batch_invariant == "on")  # on: the engine's default
+    policy = KernelPolicy.from_env(batch_invariant=args.batch_invariant == "on")  # on: the engine's default
     model = Path(args.model)
     draft = Path(args.draft) if args.draft else (model / "draft" if (model / "draft").is_dir() else None)
-    target = load_target(model, device=dev, dtype=dtype, progress=False)
+    target = load_target(model, device=dev, dtype=dtype, progress=False, policy=policy)
     drafter = load_drafter(draft, target) if draft is not None else None
     tok = load_tokenizer(model)
     prompts, source = make_prompts(tok, target.cfg.vocab_size, args.prompts, args.prompt_tokens)

@@ -21,10 +21,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from safetensors import SafetensorError
+from safetensors.numpy import load_file, save_file
 
 from kdtree_engine import reference
 from kdtree_engine.config import ConfigError, ModelConfig, preset
 from .errors import BundleError
+from .quant import k2_quantization_config
 
 FORMAT = "kdtree-golden/1"
 PROMPT_KEY = "__prompt_ids__"
@@ -117,8 +120,6 @@ def make_bundle(cfg: ModelConfig | str, seed: int, n_tokens: int, prompt_len: in
         raise ValueError(f"prompt_len + n_tokens exceeds max_position_embeddings ({cfg.max_position_embeddings})")
     if quant == "w4a16":
         # The engine learns which linears are INT4 from the config, as from a real checkpoint.
-        from kdtree_engine.quant import k2_quantization_config
-
         cfg = cfg.replace(quantization=k2_quantization_config(group_size))
     weights = reference.random_weights(
         cfg, seed, quantize_experts_group=group_size if quant == "w4a16" else None)
@@ -154,8 +155,6 @@ def make_bundle(cfg: ModelConfig | str, seed: int, n_tokens: int, prompt_len: in
 
 def save_bundle(bundle: Bundle, path: str | os.PathLike) -> Path:
     """Write atomically: a temporary file in the target directory, then rename over ``path``."""
-    from safetensors.numpy import save_file
-
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tensors = {k: np.ascontiguousarray(v) for k, v in bundle.weights.items()}
@@ -208,9 +207,6 @@ def _read_header(path: Path) -> dict[str, Any]:
 
 def load_bundle(path: str | os.PathLike) -> Bundle:
     """Read and validate a golden bundle; any problem raises :class:`BundleError`."""
-    from safetensors import SafetensorError
-    from safetensors.numpy import load_file
-
     path = Path(path)
     if not path.is_file():
         raise BundleError(f"golden bundle not found: {path}")

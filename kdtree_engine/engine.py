@@ -15,11 +15,15 @@ from typing import Callable, Mapping, Sequence
 import torch
 
 from .config import ModelConfig
+from .kernels.dispatch import log_choices, prepare_int4
+from .kernels.policy import KernelPolicy
 from .logs import log_once
+from .model.dflash import DFlashDrafter
 from .model.target import Target
 from .quant import QuantError, k2_quantization_config, parse_quantization_config
 from .sampling import SamplingParams
-from .speculative.decode import GenerationResult, generate
+from .speculative.decode import GenerationResult, generate, resolve_spec
+from .weights import iter_checkpoint
 
 log = logging.getLogger("kdtree_engine")
 
@@ -49,10 +53,9 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
 
 
 def load_target(path: str | Path, *, device: torch.device, dtype: torch.dtype,
-                quantize: str | None = None, progress: bool = True) -> Target:
-    """Load an HF-format K2-family checkpoint directory, streaming shard by shard."""
-    from .weights import iter_checkpoint
-
+                quantize: str | None = None, progress: bool = True, policy: KernelPolicy | None = None) -> Target:
+    """Load an HF-format K2-family checkpoint directory, streaming shard by shard. ``policy``: the kernel
+    policy (None: the environment's)."""
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"model directory {str(path)!r} does not exist")
@@ -67,11 +70,10 @@ def load_target(path: str | Path, *, device: torch.device, dtype: torch.dtype,
         scheme = parse_quantization_config(k2_quantization_config(32))
         on_load = True
         log.info("quantizing routed experts to W4A16 (group 32) while loading")
-    target = Target(cfg, dtype=dtype, device=device, quant=scheme, quantize_on_load=on_load)
+    target = Target(cfg, dtype=dtype, device=device, quant=scheme, quantize_on_load=on_load, policy=policy)
     for name, tensor in iter_checkpoint(path, cfg, progress=progress):
         target.load_tensor(name, tensor)
     target.finish_loading()
-    from .kernels.dispatch import prepare_int4
     prepare_int4(target, dtype)   # INT4 words in the order of their kernels, before any capture
     return target
 
@@ -94,12 +96,11 @@ def greedy_from_weights(cfg: ModelConfig, weights: Mapping[str, torch.Tensor], p
 
 def load_drafter(path: str | Path, target: Target):
     """A DFlash drafter directory, checked against the target (DraftMismatchError when it does not fit)."""
-    from .model.dflash import DFlashDrafter
-
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"drafter directory {str(path)!r} does not exist")
-    return DFlashDrafter.from_pretrained(path, target.cfg, dtype=target.dtype, device=target.device)
+    return DFlashDrafter.from_pretrained(path, target.cfg, dtype=target.dtype, device=target.device,
+                                         policy=target.policy)
 
 
 def load_tokenizer(path: str | Path):
@@ -119,22 +120,20 @@ class LLM:
                  quantize: str | None = None, batch_invariant: bool = True, progress: bool = True,
                  eager: bool | None = None) -> None:
         """``eager``: True = rounds driven from the host; False = each round replayed from a CUDA graph
-        (CUDA, a fixed budget); None = graphs where they apply (see ``speculative.decode.pick_round_mode``)."""
-        from .kernels.dispatch import set_batch_invariant
-        from .speculative.decode import resolve_spec
-
-        set_batch_invariant(batch_invariant)
+        (CUDA, a fixed budget); None = graphs where they apply (see ``speculative.decode.pick_round_mode``).
+        ``batch_invariant`` and the ``KDTREE_*_BACKEND`` variables make the kernel policy of target and drafter."""
+        self.policy = KernelPolicy.from_env(batch_invariant=batch_invariant)
         self.eager = eager
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         if spec != "none" and draft is None:
             resolve_spec(spec, None, budget)  # raises the error that names --draft
-        self.target = load_target(model, device=self.device, dtype=self.dtype, quantize=quantize, progress=progress)
+        self.target = load_target(model, device=self.device, dtype=self.dtype, quantize=quantize, progress=progress,
+                                  policy=self.policy)
         self.drafter = None if draft is None else load_drafter(draft, self.target)
         self.spec = resolve_spec(spec, self.drafter, budget)
         self.tokenizer = load_tokenizer(model)
-        from .kernels.dispatch import log_choices
-        log_choices(self.device)
+        log_choices(self.policy, self.device)
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):

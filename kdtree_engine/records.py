@@ -3,8 +3,7 @@ differ from it), Python / torch / triton versions, the device name, the exact co
 
 `run_metadata` builds the dict once per record; `metadata_line` is its one-line Markdown form and `with_metadata`
 puts that line under a record's title. Used by ``kdtree bench spec`` and by bench/common.py (bench/ cannot be
-imported by the package, so the helper lives here). torch and triton are imported when a record is built, as in
-bench_spec: importing this module (the CLI does) loads neither."""
+imported by the package, so the helper lives here)."""
 
 from __future__ import annotations
 
@@ -16,6 +15,9 @@ import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Sequence
+
+import torch
+import triton
 
 # The checkout this package runs from: its commit is the code that produced the record.
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -56,8 +58,6 @@ def cpu_model() -> str:
 def device_name(device: Any = None) -> str:
     """The GPU's name for a CUDA device (the current one when ``device`` is None and CUDA is available), else the
     CPU model."""
-    import torch
-
     dev = torch.device(device) if device is not None else torch.device(
         "cuda" if torch.cuda.is_available() else "cpu")
     if dev.type == "cuda":
@@ -76,9 +76,6 @@ def command_line(argv: Sequence[str] | None = None, program: str | None = None) 
 
 def run_metadata(command: str | None = None, device: Any = None) -> dict[str, str]:
     """The run's provenance: commit, versions, device name, ``command`` (default `command_line()`) and UTC time."""
-    import torch
-    import triton
-
     return {
         "commit": git_commit(),
         "python": platform.python_version(),

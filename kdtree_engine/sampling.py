@@ -3,6 +3,8 @@
 The one place where a distribution over the vocabulary is formed from logits. The accept walk of
 speculative decoding samples the target through :func:`sample` at every tree node, so plain decoding
 and speculative decoding share the same rule and, for greedy, the same tie-breaking (lowest id).
+The drafter's top-k log-probs (:func:`topk_logprobs`) are formed here too. ``policy``: the model's kernel
+policy (``target.policy``), which picks the row kernels (kernels/dispatch.py).
 """
 
 from __future__ import annotations
@@ -10,8 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from .errors import SamplingError
 
+from .errors import SamplingError
+from .kernels.dispatch import draft_topk, row_argmax
+from .kernels.policy import KernelPolicy
 
 
 @dataclass(frozen=True)
@@ -65,15 +69,23 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
     return g
 
 
-def greedy(logits: torch.Tensor) -> torch.Tensor:
+def greedy(logits: torch.Tensor, *, policy: KernelPolicy) -> torch.Tensor:
     """Argmax over the last axis; ties go to the lowest token id.  [..., V] -> [...]"""
     # torch.argmax returns the first maximal index on every backend (documented); on CUDA the dispatch's
     # one-program-per-row kernel returns the same index
-    from .kernels.dispatch import row_argmax
-    return row_argmax(logits)
+    return row_argmax(policy, logits)
 
 
-def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+def topk_logprobs(logits: torch.Tensor, k: int, *, policy: KernelPolicy) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-position top-k log-probabilities of raw drafter logits (no temperature).
+
+    logits [L, V] -> (lp [L, k] float32, descending; ids [L, k] long), k capped at V. The kernel choice is
+    the dispatch's (kernels/dispatch.py draft_topk); kernels/reference.py topk_logprobs_torch is the torch path.
+    """
+    return draft_topk(policy, logits, k)
+
+
+def probs_from_logits(logits: torch.Tensor, params: SamplingParams, *, policy: KernelPolicy) -> torch.Tensor:
     """float32 probabilities [..., V] of the token the rule would emit.
 
     Greedy gives a one-hot at the argmax. Otherwise softmax(logits / temperature) restricted to the
@@ -81,7 +93,7 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
     """
     if params.greedy:
         out = torch.zeros_like(logits, dtype=torch.float32)
-        return out.scatter_(-1, greedy(logits).unsqueeze(-1), 1.0)
+        return out.scatter_(-1, greedy(logits, policy=policy).unsqueeze(-1), 1.0)
     return rule_probs(logits, float(params.temperature), params.top_k,
                       float(params.top_p) if params.top_p < 1.0 else None)
 
@@ -107,11 +119,12 @@ def rule_probs(logits: torch.Tensor, temperature: float | torch.Tensor, top_k: i
     return probs
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None, *,
+           policy: KernelPolicy) -> torch.Tensor:
     """One token per row: logits [V] -> LongTensor [] ; [T, V] -> LongTensor [T]. No host sync."""
     if params.greedy:
-        return greedy(logits)
-    probs = probs_from_logits(logits, params)
+        return greedy(logits, policy=policy)
+    probs = probs_from_logits(logits, params, policy=policy)
     flat = probs.reshape(-1, probs.shape[-1])  # [R, V]
     tok = torch.multinomial(flat, 1, generator=generator).squeeze(-1)  # [R]
     return tok.reshape(probs.shape[:-1])

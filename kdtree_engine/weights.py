@@ -466,7 +466,7 @@ def _split(named: dict[str, torch.Tensor], shard_bytes: int | None) -> list[dict
     return shards
 
 
-def _storable(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def storable(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """CPU, contiguous, and no two tensors sharing storage (safetensors refuses views and aliases)."""
     out: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
@@ -490,7 +490,7 @@ def _write_all(directory: Path, files: Mapping[str, Any]) -> None:
             if isinstance(payload, str):
                 Path(tmp).write_text(payload)
             else:
-                save_file(_storable(payload), tmp, metadata={"format": "pt"})
+                save_file(storable(payload), tmp, metadata={"format": "pt"})
     except BaseException:
         for tmp in temps.values():
             tmp.unlink(missing_ok=True)

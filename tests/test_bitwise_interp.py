@@ -35,7 +35,8 @@ CHILD = textwrap.dedent('''
     model = target_from_weights(cfg, {k: torch.from_numpy(v) for k, v in w.items()}, device="cpu",
                                 dtype=torch.bfloat16)
     dev = torch.device("cpu")
-    used = [dispatch.dense_backend(dev), dispatch.attn_backend(dev), dispatch.int4_backend(dev)]
+    p = model.policy
+    used = [dispatch.dense_backend(p, dev), dispatch.attn_backend(p, dev), dispatch.int4_backend(p, dev)]
     g = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, cfg.vocab_size, (7,), generator=g).tolist()
     bad = check_target(model, prompt, [1, 5], seed)

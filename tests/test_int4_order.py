@@ -12,6 +12,7 @@ from kdtree_engine import reference
 from kdtree_engine.config import preset
 from kdtree_engine.engine import load_target
 from kdtree_engine.kernels import dispatch
+from kdtree_engine.kernels.policy import KernelPolicy
 from kdtree_engine.model.int4_order import CHECKPOINT, FRAG, checkpoint_int4, order_of, set_order
 from kdtree_engine.model.layers import Linear
 from kdtree_engine.model.moe import MoE
@@ -79,14 +80,12 @@ def test_torch_path_on_a_reordered_module_gives_the_same_output():
     assert order_of(layer) == CHECKPOINT
 
 
-def test_int4_kernel_reasons(monkeypatch):
+def test_int4_kernel_reasons():
     cpu = torch.device("cpu")
-    assert dispatch.int4_kernel(cpu, torch.bfloat16, "linear [64 x 96]", None) == "torch"
-    monkeypatch.setattr(dispatch, "_INT4_FORCED", "triton")
-    assert dispatch.int4_kernel(cpu, torch.bfloat16, "linear [64 x 96]", None) == "triton"
-    monkeypatch.setattr(dispatch, "_INT4_FORCED", "frag")
+    assert dispatch.int4_kernel(KernelPolicy(), cpu, torch.bfloat16, "linear [64 x 96]", None) == "torch"
+    assert dispatch.int4_kernel(KernelPolicy(int4="triton"), cpu, torch.bfloat16, "linear [64 x 96]", None) == "triton"
     with pytest.raises(ValueError, match="not on cuda"):
-        dispatch.int4_kernel(cpu, torch.bfloat16, "linear [64 x 96]", None)
+        dispatch.int4_kernel(KernelPolicy(int4="frag"), cpu, torch.bfloat16, "linear [64 x 96]", None)
 
 
 def test_frag_shape_reasons():
@@ -121,9 +120,8 @@ def test_loading_restores_checkpoint_order_and_model_matches_reference(tmp_path)
     assert generate(model, prompt, SamplingParams(max_tokens=12, ignore_eos=True)).token_ids == want
 
 
-def test_forced_frag_error_names_the_linear(monkeypatch):
+def test_forced_frag_error_names_the_linear():
     """Forcing the fragment kernels where they cannot run is an error that names the weight and the reason."""
     cpu = torch.device("cpu")
-    monkeypatch.setattr(dispatch, "_INT4_FORCED", "frag")
     with pytest.raises(ValueError, match="KDTREE_INT4_BACKEND=frag.*linear \\[64 x 96\\].*not on cuda"):
-        dispatch.int4_kernel(cpu, torch.bfloat16, "linear [64 x 96]", None)
+        dispatch.int4_kernel(KernelPolicy(int4="frag"), cpu, torch.bfloat16, "linear [64 x 96]", None)

@@ -3,6 +3,9 @@ import torch
 
 from kdtree_engine.sampling import (SamplingError, SamplingParams, greedy, make_generator,
                                     probs_from_logits, race, rule_probs, sample)
+from kdtree_engine.kernels.policy import KernelPolicy  # noqa: E402
+
+POLICY = KernelPolicy()  # the default policy (batch invariance on, nothing forced)
 
 
 def test_params_validation_names_field():
@@ -16,24 +19,24 @@ def test_params_validation_names_field():
 
 def test_greedy_ties_lowest_id():
     logits = torch.tensor([[0.0, 2.0, 2.0, 1.0], [5.0, 5.0, 5.0, 5.0]])
-    assert greedy(logits).tolist() == [1, 0]
-    assert sample(logits, SamplingParams()).tolist() == [1, 0]
-    p = probs_from_logits(logits, SamplingParams())
+    assert greedy(logits, policy=POLICY).tolist() == [1, 0]
+    assert sample(logits, SamplingParams(), policy=POLICY).tolist() == [1, 0]
+    p = probs_from_logits(logits, SamplingParams(), policy=POLICY)
     assert p.tolist() == [[0, 1, 0, 0], [1, 0, 0, 0]]
 
 
 def test_temperature_topk_topp_probs():
     logits = torch.log(torch.tensor([0.1, 0.4, 0.2, 0.3]))
-    p = probs_from_logits(logits, SamplingParams(temperature=1.0))
+    p = probs_from_logits(logits, SamplingParams(temperature=1.0), policy=POLICY)
     torch.testing.assert_close(p, torch.tensor([0.1, 0.4, 0.2, 0.3]))
-    p = probs_from_logits(logits, SamplingParams(temperature=1.0, top_k=2))
+    p = probs_from_logits(logits, SamplingParams(temperature=1.0, top_k=2), policy=POLICY)
     torch.testing.assert_close(p, torch.tensor([0.0, 4 / 7, 0.0, 3 / 7]))
     # nucleus 0.6: 0.4 then 0.3 (mass before 0.3 is 0.4 < 0.6) -> keep {1, 3}
-    p = probs_from_logits(logits, SamplingParams(temperature=1.0, top_p=0.6))
+    p = probs_from_logits(logits, SamplingParams(temperature=1.0, top_p=0.6), policy=POLICY)
     torch.testing.assert_close(p, torch.tensor([0.0, 4 / 7, 0.0, 3 / 7]))
-    p = probs_from_logits(logits, SamplingParams(temperature=1.0, top_p=0.3))
+    p = probs_from_logits(logits, SamplingParams(temperature=1.0, top_p=0.3), policy=POLICY)
     torch.testing.assert_close(p, torch.tensor([0.0, 1.0, 0.0, 0.0]))
-    p = probs_from_logits(logits, SamplingParams(temperature=2.0))
+    p = probs_from_logits(logits, SamplingParams(temperature=2.0), policy=POLICY)
     q = torch.sqrt(torch.tensor([0.1, 0.4, 0.2, 0.3]))
     torch.testing.assert_close(p, q / q.sum())
 
@@ -41,12 +44,12 @@ def test_temperature_topk_topp_probs():
 def test_sample_seeded_and_distribution():
     logits = torch.log(torch.tensor([0.1, 0.4, 0.2, 0.3])).expand(20000, 4)
     params = SamplingParams(temperature=1.0, seed=7)
-    a = sample(logits, params, make_generator(7))
-    b = sample(logits, params, make_generator(7))
+    a = sample(logits, params, make_generator(7), policy=POLICY)
+    b = sample(logits, params, make_generator(7), policy=POLICY)
     assert torch.equal(a, b) and a.shape == (20000,)
     freq = torch.bincount(a, minlength=4).float() / a.numel()
     assert (freq - torch.tensor([0.1, 0.4, 0.2, 0.3])).abs().max() < 0.02
-    one = sample(logits[0], params, make_generator(1))
+    one = sample(logits[0], params, make_generator(1), policy=POLICY)
     assert one.shape == () and one.dtype == torch.long
 
 
@@ -54,13 +57,13 @@ def test_race_has_the_rule_distribution():
     """The exponential race over drawn noise samples each row from the rule's probabilities (chi-square
     per row against probs_from_logits; filtered tokens never win, zero noise included), and the rule
     with tensor temperature / top-p (what a CUDA graph reads) gives the same probabilities."""
-    from spec.spec_toys import chi_square_pvalue
+    from speculative.spec_toys import chi_square_pvalue
 
     g = torch.Generator().manual_seed(3)
     rows, V, n = 3, 7, 20000
     logits = torch.randn(rows, V, generator=g) * 1.5
     params = SamplingParams(temperature=0.8, top_k=5, top_p=0.9)
-    probs = probs_from_logits(logits, params)  # [rows, V], zeros outside top-k / top-p
+    probs = probs_from_logits(logits, params, policy=POLICY)  # [rows, V], zeros outside top-k / top-p
     as_tensors = rule_probs(logits, torch.tensor(0.8), 5, torch.tensor(0.9))
     torch.testing.assert_close(as_tensors, probs, rtol=1e-6, atol=1e-7)
     assert torch.equal(as_tensors > 0, probs > 0)

@@ -16,7 +16,11 @@ from kdtree_engine.sampling import SamplingParams
 from kdtree_engine.show_tree import format_tree, render_last_round
 from kdtree_engine.speculative.accept import accept_reference
 from kdtree_engine.speculative.decode import generate
-from kdtree_engine.speculative.tree import build_tree_heap, chain_tree, topk_logprobs
+from kdtree_engine.speculative.tree import build_tree_heap, chain_tree
+from kdtree_engine.sampling import topk_logprobs
+from kdtree_engine.kernels.policy import KernelPolicy  # noqa: E402
+
+POLICY = KernelPolicy()  # the default policy (batch invariance on, nothing forced)
 
 CFG = preset("k2-tiny")
 NODE = re.compile(r"\[(\d+)\]")
@@ -33,7 +37,7 @@ def node_lines(text: str) -> list[str]:
 def small_tree():
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(4, 12, generator=g) * 2
-    lp, ids = topk_logprobs(logits, 10)
+    lp, ids = topk_logprobs(logits, 10, policy=POLICY)
     return build_tree_heap(lp, ids, 10, root_token=3, start=7)
 
 

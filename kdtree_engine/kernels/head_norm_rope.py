@@ -81,8 +81,7 @@ def head_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch
 
 def head_norm_rope_torch(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
                          sin: torch.Tensor) -> torch.Tensor:
-    from ..model.dflash import apply_rope_half
-    from ..model.layers import rms_norm_torch
+    from .reference import apply_rope_half, rms_norm_torch
     return apply_rope_half(rms_norm_torch(x, weight, eps), cos, sin)
 
 

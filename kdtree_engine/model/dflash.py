@@ -28,14 +28,19 @@ from typing import Iterable, Protocol
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import nn
 
 from ..errors import DraftMismatchError, DraftLoadError
 from ..config import ModelConfig
 from ..draft_config import DraftConfig
 from ..kernels.common import take_rows
-from ..kernels.dispatch import draft_attention_backend
-from .layers import MLP, Linear, RMSNorm, stacked_linear
+from ..kernels.dispatch import draft_attention_backend, head_norm_rope
+from ..kernels.draft_attention import draft_attention
+from ..kernels.policy import KernelPolicy, policy_or_env
+from ..weights import storable
+from .layers import MLP, Linear, RMSNorm, stacked_linear, stacked_weights
 
 
 
@@ -56,17 +61,6 @@ def rope_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype: tor
     freqs = positions.float().unsqueeze(-1) * inv.unsqueeze(0)  # [T, d/2]
     emb = torch.cat([freqs, freqs], dim=-1)  # [T, d]
     return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    h = x.shape[-1] // 2
-    return torch.cat([-x[..., h:], x[..., :h]], dim=-1)
-
-
-def apply_rope_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, d]; cos/sin [T, d]."""
-    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
-    return x * c + _rotate_half(x) * s
 
 
 # ---- context cache -------------------------------------------------------------------------------
@@ -117,16 +111,18 @@ class DraftStep:
 # ---- modules -------------------------------------------------------------------------------------
 
 class DraftAttention(nn.Module):
-    def __init__(self, cfg: DraftConfig, window: int | None, *, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: DraftConfig, window: int | None, *, dtype: torch.dtype,
+                 policy: KernelPolicy | None = None) -> None:
         super().__init__()
+        self.policy = policy = policy_or_env(policy)
         D, H, Hkv, d = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.heads, self.kv_heads, self.head_dim, self.window = H, Hkv, d, window
-        self.q_proj = Linear(D, H * d, parallel="column", dtype=dtype)
-        self.k_proj = Linear(D, Hkv * d, parallel="column", dtype=dtype)
-        self.v_proj = Linear(D, Hkv * d, parallel="column", dtype=dtype)
-        self.o_proj = Linear(H * d, D, parallel="row", dtype=dtype)
-        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.q_proj = Linear(D, H * d, parallel="column", dtype=dtype, policy=policy)
+        self.k_proj = Linear(D, Hkv * d, parallel="column", dtype=dtype, policy=policy)
+        self.v_proj = Linear(D, Hkv * d, parallel="column", dtype=dtype, policy=policy)
+        self.o_proj = Linear(H * d, D, parallel="row", dtype=dtype, policy=policy)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps, policy=policy)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps, policy=policy)
 
     def _kv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, D] -> k, v [T, Hkv, d] before norm and rope (one GEMM when k_proj and v_proj are dense)."""
@@ -134,6 +130,10 @@ class DraftAttention(nn.Module):
         kv = stacked_linear(self, "_kv_stack", (self.k_proj, self.v_proj))
         k, v = (self.k_proj(x), self.v_proj(x)) if kv is None else kv(x).chunk(2, dim=-1)
         return k.view(T, self.kv_heads, self.head_dim), v.view(T, self.kv_heads, self.head_dim)
+
+    def derived_weights(self) -> list[torch.Tensor]:
+        """The stacked k / v projection, when built (see layers.stacked_weights)."""
+        return stacked_weights(self)
 
     def context_kv(self, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Projected context features [C, D] -> k, v [Hkv, C, d] (k normed and rotated)."""
@@ -144,8 +144,7 @@ class DraftAttention(nn.Module):
     @staticmethod
     def _norm_rope(norm: RMSNorm, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """rope(norm(x)) per head: x [T, heads, d] -> [T, heads, d] (one launch on CUDA)."""
-        from ..kernels.dispatch import head_norm_rope
-        return head_norm_rope(x, norm.weight, norm.eps, cos, sin)
+        return head_norm_rope(norm.policy, x, norm.weight, norm.eps, cos, sin)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_ctx: torch.Tensor,
                 v_ctx: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor | None,
@@ -160,9 +159,7 @@ class DraftAttention(nn.Module):
         q = self._norm_rope(self.q_norm, self.q_proj(x).view(B, self.heads, self.head_dim), cos, sin)
         kb, vb = self._kv(x)
         kb = self._norm_rope(self.k_norm, kb, cos, sin)
-        from ..kernels.dispatch import draft_attention_backend
-        if start is not None and draft_attention_backend(q, k_ctx) == "triton":
-            from ..kernels.draft_attention import draft_attention
+        if start is not None and draft_attention_backend(self.policy, q, k_ctx) == "triton":
             o = draft_attention(q, k_ctx, v_ctx, kb, vb, start, self.window)  # [B, H, d]
             return self.o_proj(o.reshape(B, self.heads * self.head_dim))
         k = torch.cat([k_ctx, kb.transpose(0, 1)], dim=1)  # [Hkv, S+B, d]
@@ -183,12 +180,14 @@ class DraftAttention(nn.Module):
 
 
 class DraftLayer(nn.Module):
-    def __init__(self, cfg: DraftConfig, window: int | None, *, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: DraftConfig, window: int | None, *, dtype: torch.dtype,
+                 policy: KernelPolicy | None = None) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = DraftAttention(cfg, window, dtype=dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype)
+        policy = policy_or_env(policy)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, policy=policy)
+        self.self_attn = DraftAttention(cfg, window, dtype=dtype, policy=policy)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, policy=policy)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, policy=policy)
 
 
 _RENAMES = ((re.compile(r"^model\."), ""), (re.compile(r"^midlayer\."), "layers.0."),
@@ -196,19 +195,23 @@ _RENAMES = ((re.compile(r"^model\."), ""), (re.compile(r"^midlayer\."), "layers.
 
 
 class DFlashDrafter(nn.Module):
+    """``policy``: the kernel policy every layer runs with (None: the environment's, KernelPolicy.from_env)."""
+
     def __init__(self, cfg: DraftConfig, *, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu") -> None:
+                 device: str | torch.device = "cpu", policy: KernelPolicy | None = None) -> None:
         super().__init__()
         self.cfg = cfg
+        self.policy = policy = policy_or_env(policy)
         self.dtype = dtype
         self.device = torch.device(device)
         D = cfg.hidden_size
         windows = cfg.sliding_windows or (None,) * cfg.num_hidden_layers
         with self.device:
-            self.fc = Linear(cfg.num_context_features * D, D, parallel="replicated", dtype=dtype)
-            self.hidden_norm = RMSNorm(D, cfg.rms_norm_eps)
-            self.layers = nn.ModuleList(DraftLayer(cfg, windows[i], dtype=dtype) for i in range(cfg.num_hidden_layers))
-            self.norm = RMSNorm(D, cfg.rms_norm_eps)
+            self.fc = Linear(cfg.num_context_features * D, D, parallel="replicated", dtype=dtype, policy=policy)
+            self.hidden_norm = RMSNorm(D, cfg.rms_norm_eps, policy=policy)
+            self.layers = nn.ModuleList(DraftLayer(cfg, windows[i], dtype=dtype, policy=policy)
+                                        for i in range(cfg.num_hidden_layers))
+            self.norm = RMSNorm(D, cfg.rms_norm_eps, policy=policy)
         for m in self.modules():
             if isinstance(m, RMSNorm):
                 m.weight.data = m.weight.data.to(dtype)
@@ -252,7 +255,7 @@ class DFlashDrafter(nn.Module):
             cos_b, sin_b = rope_tables(q_pos, cfg.head_dim, cfg.rope_theta, dt)
             cos_c, sin_c = (rope_tables(c_pos, cfg.head_dim, cfg.rope_theta, dt) if rows else (None, None))
             # the context length as a device scalar, read by the one-launch attention kernel (the torch path masks)
-            start_t = torch.tensor(start, device=dev) if draft_attention_backend(cache.k, cache.k) == "triton" else None
+            start_t = torch.tensor(start, device=dev) if draft_attention_backend(self.policy, cache.k, cache.k) == "triton" else None
             return DraftStep(q_pos, cos_b, sin_b, c_pos, cos_c, sin_c, start, torch.arange(0, start + B, device=dev),
                              None, start_t, start)
         if n_ctx is None:
@@ -260,7 +263,7 @@ class DFlashDrafter(nn.Module):
         q_pos = start + torch.arange(B, device=dev)  # [B]
         c_pos = start - n_ctx + torch.arange(rows, device=dev)  # [rows] cache slots = positions
         k_pos = visible = None  # the kernel reads the committed length itself; the torch path masks
-        if draft_attention_backend(cache.k, cache.k) == "torch":
+        if draft_attention_backend(self.policy, cache.k, cache.k) == "torch":
             slot_pos = torch.arange(cache.capacity, device=dev)  # [S_cap]
             k_pos = torch.cat([slot_pos, q_pos])  # [S_cap + B]
             visible = torch.cat([slot_pos < start, torch.ones(B, dtype=torch.bool, device=dev)])  # [S_cap + B]
@@ -347,9 +350,10 @@ class DFlashDrafter(nn.Module):
     # ---- construction ------------------------------------------------------------------------
     @classmethod
     def random(cls, cfg: DraftConfig, seed: int = 0, *, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu", scale: float = 1.0) -> "DFlashDrafter":
+               device: str | torch.device = "cpu", scale: float = 1.0,
+               policy: KernelPolicy | None = None) -> "DFlashDrafter":
         """Random weights (fan-in scaled normal; norm weights near 1), deterministic in ``seed``."""
-        model = cls(cfg, dtype=dtype, device=device)
+        model = cls(cfg, dtype=dtype, device=device, policy=policy)
         g = torch.Generator().manual_seed(seed)
         tensors = {}
         for name, p in model.state_dict().items():
@@ -387,13 +391,12 @@ class DFlashDrafter(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str | Path, target_cfg: ModelConfig | None = None, *,
-                        dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> "DFlashDrafter":
+                        dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                        policy: KernelPolicy | None = None) -> "DFlashDrafter":
         """Load a drafter directory (config.json + model.safetensors, or sharded with an index).
 
         With ``target_cfg`` the fit is checked before any weight is read (DraftMismatchError).
         """
-        from safetensors import safe_open
-
         path = Path(path)
         cfg = DraftConfig.from_pretrained(path)
         if target_cfg is not None:
@@ -411,7 +414,7 @@ class DFlashDrafter(nn.Module):
                     for k in sf.keys():
                         yield k, sf.get_tensor(k)
 
-        return cls(cfg, dtype=dtype, device=device).load_weights(stream())
+        return cls(cfg, dtype=dtype, device=device, policy=policy).load_weights(stream())
 
 
 def check_draft_fits(cfg: DraftConfig, tcfg: ModelConfig) -> None:
@@ -437,11 +440,9 @@ def check_draft_fits(cfg: DraftConfig, tcfg: ModelConfig) -> None:
 
 def save_drafter(path: str | Path, drafter: DFlashDrafter) -> Path:
     """Write config.json + model.safetensors in the released layout."""
-    from safetensors.torch import save_file
-
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(drafter.cfg.to_dict(), indent=2))
-    from ..weights import _storable   # k/v may be views of one stacked weight (layers.stacked_linear)
-    save_file(_storable(drafter.state_dict()), str(path / "model.safetensors"), metadata={"format": "pt"})
+    # k/v may be views of one stacked weight (layers.stacked_linear): storable copies them apart
+    save_file(storable(drafter.state_dict()), str(path / "model.safetensors"), metadata={"format": "pt"})
     return path

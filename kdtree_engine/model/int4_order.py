@@ -9,7 +9,7 @@ Fragment order also stores each K block of FRAG_TILE rows contiguously (frag_til
 permutation of the rows' blocks, so that one program's loads of a block are one contiguous run), and the
 module's scales the same way (scale_tile: `<words>` -> `<scales>` is `*_packed` -> `*_scale`).
 
-A module starts in checkpoint order. The kernel dispatch (kernels/dispatch.int4_kernel) asks for the
+A module starts in checkpoint order. The kernel dispatch (kernels/dispatch.int4_prepare) asks for the
 order its kernel reads (`set_order`); anything that needs the checkpoint's bytes (the torch paths,
 dequantized views) reads them through `checkpoint_int4`, and loading restores the
 checkpoint order first (the loader calls `set_order(module, CHECKPOINT)` before it writes). The conversion is
@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..kernels.w4_frag import (frag_gpb, from_engine_int4, from_engine_order, from_engine_scales, to_engine_order,
+                               to_engine_scales)
 from ..logs import log_once
 
 CHECKPOINT, FRAG = "checkpoint", "frag"
@@ -51,9 +53,6 @@ def order_of(module: nn.Module) -> str:
 @torch.no_grad()
 def set_order(module: nn.Module, order: str) -> None:
     """Convert the module's INT4 words and their scales to `order` in place (no-op when already there)."""
-    from ..kernels.w4_frag import (frag_gpb, from_engine_order, from_engine_scales, to_engine_order,
-                                   to_engine_scales)
-
     if order not in (CHECKPOINT, FRAG):
         raise ValueError(f"INT4 word order must be {CHECKPOINT!r} or {FRAG!r}, got {order!r}")
     if order_of(module) == order:
@@ -88,20 +87,4 @@ def checkpoint_int4(module: nn.Module, words: str, expert: int | None = None) ->
         w, s = w[expert], s[expert]
     if order_of(module) == CHECKPOINT:
         return w, s
-    from ..kernels.w4_frag import from_engine_int4
     return from_engine_int4(w, s, dict(int4_words(module))[words])
-
-
-def prepare(module: nn.Module, dtype: torch.dtype, what: str, unsupported: str | None) -> str:
-    """The module's INT4 kernel family for activations of `dtype` (kernels.dispatch.int4_kernel), with its
-    words put in the order that family reads; remembered per (dtype, device, forced backend)."""
-    from ..kernels import dispatch
-    device = getattr(module, int4_words(module)[0][0]).device
-    key = (dtype, device, dispatch._INT4_FORCED)
-    cached = module.__dict__.get("_int4_kind")
-    if cached is not None and cached[0] == key and order_of(module) == (FRAG if cached[1] == "frag" else CHECKPOINT):
-        return cached[1]
-    kind = dispatch.int4_kernel(device, dtype, what, unsupported)
-    set_order(module, FRAG if kind == "frag" else CHECKPOINT)
-    module.__dict__["_int4_kind"] = (key, kind)
-    return kind

@@ -13,8 +13,13 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig, yarn_mscale
-from ..logs import log_once
 from ..kernels.common import take_rows
+from ..kernels.dispatch import add_rms_norm, dense_matmul, int4_prepare, rms_norm, silu_mul, w4a16_matmul
+from ..kernels.policy import KernelPolicy, policy_or_env
+from ..kernels.w4_frag import frag_unsupported
+from ..logs import log_once
+from ..quant import dequantize
+from .int4_order import checkpoint_int4
 
 Parallel = Literal["column", "row", "replicated"]
 GroupOf = Callable[[str], "int | None"]  # leaf module name -> INT4 group size, or None for dense
@@ -23,42 +28,40 @@ GroupOf = Callable[[str], "int | None"]  # leaf module name -> INT4 group size, 
 def dense_only(_: str) -> None:
     return None
 
+
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    """``policy``: the model's kernel policy (None: the environment's, kernels/policy.py policy_or_env)."""
+
+    def __init__(self, dim: int, eps: float, *, policy: KernelPolicy | None = None) -> None:
         super().__init__()
         self.eps = eps
+        self.policy = policy_or_env(policy)
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from ..kernels.dispatch import rms_norm
-        return rms_norm(x, self.weight, self.eps)
+        return rms_norm(self.policy, x, self.weight, self.eps)
 
     def residual(self, h: torch.Tensor, d: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(s, norm(s)) with s = h + d, the residual add and this norm in one dispatch (one launch on
         CUDA); d None: (h, norm(h))."""
         if d is None:
             return h, self(h)
-        from ..kernels.dispatch import add_rms_norm
-        return add_rms_norm(h, d, self.weight, self.eps)
-
-
-def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm in torch (HF convention: normalize in float32, round to x.dtype, times the weight)."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+        return add_rms_norm(self.policy, h, d, self.weight, self.eps)
 
 
 class Linear(nn.Module):
     """A weight of shape [out, in]: dense ``weight`` or INT4 ``weight_packed`` + ``weight_scale``.
 
     ``parallel`` records how the weight would be split under tensor parallelism (column: by output,
-    row: by input) so the seams are in place; this engine runs it unsplit.
+    row: by input) so the seams are in place; this engine runs it unsplit. ``policy``: the model's kernel
+    policy (None: the environment's).
     """
 
     def __init__(self, in_features: int, out_features: int, *, parallel: Parallel = "replicated",
-                 group_size: int | None = None, dtype: torch.dtype = torch.float32) -> None:
+                 group_size: int | None = None, dtype: torch.dtype = torch.float32,
+                 policy: KernelPolicy | None = None) -> None:
         super().__init__()
+        self.policy = policy_or_env(policy)
         self.in_features = in_features
         self.out_features = out_features
         self.parallel = parallel
@@ -79,15 +82,11 @@ class Linear(nn.Module):
         """The weight as a dense [out, in] tensor (dequantized if INT4)."""
         if self.group_size is None:
             return self.weight
-        from ..quant import dequantize
-        from .int4_order import checkpoint_int4
         return dequantize(*checkpoint_int4(self, "weight_packed"), self.group_size)
 
     def int4_prepare(self, dtype: torch.dtype) -> str:
         """The INT4 kernel family for activations of `dtype`, the words in its order (model/int4_order.py)."""
-        from ..kernels.w4_frag import frag_unsupported
-        from .int4_order import prepare
-        return prepare(self, dtype, f"linear [{self.out_features} x {self.in_features}]",
+        return int4_prepare(self.policy, self, dtype, f"linear [{self.out_features} x {self.in_features}]",
                        frag_unsupported(self.out_features, self.in_features, self.group_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -100,14 +99,19 @@ class Linear(nn.Module):
 
 def linear(x: torch.Tensor, layer: Linear) -> torch.Tensor:
     """The single dispatch point for weight matmuls. x: [..., in] -> [..., out]."""
-    from ..kernels.dispatch import dense_matmul, w4a16_matmul
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if layer.group_size is None:
-        out = dense_matmul(x2, layer.weight)
+        out = dense_matmul(layer.policy, x2, layer.weight)
     else:
-        out = w4a16_matmul(x2, layer)
+        out = w4a16_matmul(layer.policy, x2, layer)
     return out.reshape(*shape[:-1], layer.out_features)
+
+
+def stacked_weights(owner: nn.Module) -> list[torch.Tensor]:
+    """The weights of the stacked linears cached on ``owner`` (by :func:`stacked_linear`): tensors a captured
+    graph reads that a reload may replace."""
+    return [lin.weight for lin in owner.__dict__.values() if isinstance(lin, Linear)]
 
 
 def stacked_linear(owner: nn.Module, key: str, parts: tuple[Linear, ...]) -> Linear | None:
@@ -130,7 +134,8 @@ def stacked_linear(owner: nn.Module, key: str, parts: tuple[Linear, ...]) -> Lin
         with torch.no_grad():
             w = torch.cat([p.weight for p in parts])  # [sum out, in]
             with torch.device("meta"):
-                lin = Linear(parts[0].in_features, w.shape[0], parallel=parts[0].parallel, dtype=w.dtype)
+                lin = Linear(parts[0].in_features, w.shape[0], parallel=parts[0].parallel, dtype=w.dtype,
+                             policy=parts[0].policy)
             lin.weight = nn.Parameter(w, requires_grad=False)
             row = 0
             for p in parts:
@@ -157,11 +162,20 @@ class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)). Used by dense layers and the shared expert; dense gate and up
     run as one GEMM (:func:`stacked_linear`)."""
 
-    def __init__(self, hidden: int, inter: int, *, dtype: torch.dtype, group_of: GroupOf = dense_only) -> None:
+    def __init__(self, hidden: int, inter: int, *, dtype: torch.dtype, group_of: GroupOf = dense_only,
+                 policy: KernelPolicy | None = None) -> None:
         super().__init__()
-        self.gate_proj = Linear(hidden, inter, parallel="column", group_size=group_of("gate_proj"), dtype=dtype)
-        self.up_proj = Linear(hidden, inter, parallel="column", group_size=group_of("up_proj"), dtype=dtype)
-        self.down_proj = Linear(inter, hidden, parallel="row", group_size=group_of("down_proj"), dtype=dtype)
+        self.policy = policy = policy_or_env(policy)
+        self.gate_proj = Linear(hidden, inter, parallel="column", group_size=group_of("gate_proj"), dtype=dtype,
+                                policy=policy)
+        self.up_proj = Linear(hidden, inter, parallel="column", group_size=group_of("up_proj"), dtype=dtype,
+                              policy=policy)
+        self.down_proj = Linear(inter, hidden, parallel="row", group_size=group_of("down_proj"), dtype=dtype,
+                                policy=policy)
+
+    def derived_weights(self) -> list[torch.Tensor]:
+        """Tensors derived from the weights and cached (see :func:`stacked_weights`)."""
+        return stacked_weights(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = stacked_linear(self, "_gate_up", (self.gate_proj, self.up_proj))
@@ -169,8 +183,7 @@ class MLP(nn.Module):
             gate, up = self.gate_proj(x), self.up_proj(x)
         else:
             gate, up = gate_up(x).chunk(2, dim=-1)
-        from ..kernels.dispatch import silu_mul
-        return self.down_proj(silu_mul(gate, up))
+        return self.down_proj(silu_mul(self.policy, gate, up))
 
 
 # ---- rope ------------------------------------------------------------------------------------
@@ -241,18 +254,3 @@ class Rope(nn.Module):
     def gather(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin [T, R/2] at device positions, no host read: the caller has called :meth:`ensure`."""
         return take_rows(self.cos, positions), take_rows(self.sin, positions)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved pairs (x0,x1),(x2,x3),... of the last dim.
-
-    x: [T, ..., R]; cos/sin: [T, R/2]. The output is written de-interleaved ([rotated evens,
-    rotated odds]); q and k get the same treatment, so their dot products are those of the
-    interleaved rotation.
-    """
-    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
-    c = cos.view(shape)
-    s = sin.view(shape)
-    xf = x.float()
-    x1, x2 = xf[..., 0::2], xf[..., 1::2]
-    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)

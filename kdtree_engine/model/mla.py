@@ -16,26 +16,31 @@ from torch import nn
 from ..config import ModelConfig
 from ..kernels.dispatch import head_matmul, latent_write, mla_attention, mla_attention_static, rope_heads
 from .context import StepContext
-from .layers import GroupOf, Linear, RMSNorm, dense_only, stacked_linear
+from ..kernels.policy import KernelPolicy, policy_or_env
+from .layers import GroupOf, Linear, RMSNorm, dense_only, stacked_linear, stacked_weights
 
 
 class MLA(nn.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype, group_of: GroupOf = dense_only) -> None:
+    def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype, group_of: GroupOf = dense_only,
+                 policy: KernelPolicy | None = None) -> None:
         super().__init__()
         self.cfg = cfg
+        self.policy = policy = policy_or_env(policy)
         self.n_heads = cfg.num_attention_heads  # per rank under TP (one place to split)
         N, P, R, V, C = self.n_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
         H = cfg.hidden_size
+        lin = dict(dtype=dtype, policy=policy)
         if cfg.q_lora_rank is None:
-            self.q_proj = Linear(H, N * (P + R), parallel="column", dtype=dtype, group_size=group_of("q_proj"))
+            self.q_proj = Linear(H, N * (P + R), parallel="column", group_size=group_of("q_proj"), **lin)
         else:
-            self.q_a_proj = Linear(H, cfg.q_lora_rank, dtype=dtype, group_size=group_of("q_a_proj"))
-            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
-            self.q_b_proj = Linear(cfg.q_lora_rank, N * (P + R), parallel="column", dtype=dtype, group_size=group_of("q_b_proj"))
-        self.kv_a_proj_with_mqa = Linear(H, C + R, dtype=dtype, group_size=group_of("kv_a_proj_with_mqa"))
-        self.kv_a_layernorm = RMSNorm(C, cfg.rms_norm_eps)
-        self.kv_b_proj = Linear(C, N * (P + V), parallel="column", dtype=dtype, group_size=group_of("kv_b_proj"))
-        self.o_proj = Linear(N * V, H, parallel="row", dtype=dtype, group_size=group_of("o_proj"))
+            self.q_a_proj = Linear(H, cfg.q_lora_rank, group_size=group_of("q_a_proj"), **lin)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, policy=policy)
+            self.q_b_proj = Linear(cfg.q_lora_rank, N * (P + R), parallel="column", group_size=group_of("q_b_proj"),
+                                   **lin)
+        self.kv_a_proj_with_mqa = Linear(H, C + R, group_size=group_of("kv_a_proj_with_mqa"), **lin)
+        self.kv_a_layernorm = RMSNorm(C, cfg.rms_norm_eps, policy=policy)
+        self.kv_b_proj = Linear(C, N * (P + V), parallel="column", group_size=group_of("kv_b_proj"), **lin)
+        self.o_proj = Linear(N * V, H, parallel="row", group_size=group_of("o_proj"), **lin)
         self.scale = cfg.softmax_scale
         self._absorbed: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -46,6 +51,11 @@ class MLA(nn.Module):
             w = self.kv_b_proj.dense_weight().view(self.n_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
             self._absorbed = (w[:, : cfg.qk_nope_head_dim].contiguous(), w[:, cfg.qk_nope_head_dim:].contiguous())
         return self._absorbed
+
+    def derived_weights(self) -> list[torch.Tensor]:
+        """Tensors derived from the weights and cached: the absorbed W_UK / W_UV and the stacked down-projections
+        (a captured graph reads them; a reload replaces them)."""
+        return stacked_weights(self) + ([] if self._absorbed is None else [self._absorbed[0]])
 
     def reset_absorbed(self) -> None:
         self._absorbed = None
@@ -63,9 +73,9 @@ class MLA(nn.Module):
             o = self._naive(q_nope, q_pe, new[:, :C], new[:, C:])
         else:
             w_uk, w_uv = self.absorbed_weights()
-            q_lat = head_matmul(q_nope, w_uk.transpose(1, 2))  # [T, N, P] x [N, C, P] -> [T, N, C]
+            q_lat = head_matmul(self.policy, q_nope, w_uk.transpose(1, 2))  # [T, N, P] x [N, C, P] -> [T, N, C]
             o_lat = self._attend(q_lat, q_pe, kv_cache, ctx)  # [T, N, C]
-            o = head_matmul(o_lat, w_uv)  # [T, N, C] x [N, V, C] -> [T, N, V]
+            o = head_matmul(self.policy, o_lat, w_uv)  # [T, N, C] x [N, V, C] -> [T, N, V]
         return self.o_proj(o.reshape(T, -1))
 
     def _attend(self, q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
@@ -74,9 +84,9 @@ class MLA(nn.Module):
         device-resident one reads the length on the device over the whole buffer."""
         C = self.cfg.kv_lora_rank
         if ctx.device_resident:
-            return mla_attention_static(q_lat, q_pe, kv_cache, ctx.start, ctx.tree_mask, ctx.visible, self.scale,
+            return mla_attention_static(self.policy, q_lat, q_pe, kv_cache, ctx.start, ctx.tree_mask, ctx.visible, self.scale,
                                         C, ctx.gather_index)
-        return mla_attention(q_lat, q_pe, kv_cache[: ctx.start + ctx.num_tokens], ctx.start, ctx.tree_mask,
+        return mla_attention(self.policy, q_lat, q_pe, kv_cache[: ctx.start + ctx.num_tokens], ctx.start, ctx.tree_mask,
                              self.scale, C)
 
     def _project(self, x: torch.Tensor, ctx: StepContext, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,8 +105,8 @@ class MLA(nn.Module):
         q = qa if cfg.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(qa))
         q = q.view(T, N, P + R)
         norm = self.kv_a_layernorm
-        latent_write(kva, norm.weight, norm.eps, ctx.cos, ctx.sin, kv_cache, ctx.slots)
-        return q[..., :P], rope_heads(q, P, ctx.cos, ctx.sin)
+        latent_write(self.policy, kva, norm.weight, norm.eps, ctx.cos, ctx.sin, kv_cache, ctx.slots)
+        return q[..., :P], rope_heads(self.policy, q, P, ctx.cos, ctx.sin)
 
     def _naive(self, q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
@@ -109,39 +119,3 @@ class MLA(nn.Module):
         scores = scores.masked_fill(~causal, float("-inf"))
         p = scores.softmax(-1)
         return torch.einsum("nts,snv->tnv", p, v.float()).to(q_nope.dtype)  # [T, N, V]
-
-def mla_attention_reference(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, start: int,
-                            tree_mask: torch.Tensor | None, scale: float, kv_lora_rank: int) -> torch.Tensor:
-    """Absorbed attention in torch. q_lat [T, N, C], q_pe [T, N, R], kv [start+T, C+R] -> [T, N, C].
-
-    Query i sees every committed slot [0, start) and new slot start+j where tree_mask[i, j]
-    (causal when tree_mask is None). Softmax in float32.
-    """
-    T = q_lat.shape[0]
-    C = kv_lora_rank
-    c_kv, k_pe = kv[:, :C].float(), kv[:, C:].float()  # [S, C], [S, R]
-    scores = (torch.einsum("tnc,sc->nts", q_lat.float(), c_kv)
-              + torch.einsum("tnr,sr->nts", q_pe.float(), k_pe)) * scale  # [N, T, S]
-    if tree_mask is None:
-        tree_mask = torch.ones(T, T, dtype=torch.bool, device=kv.device).tril()
-    visible = torch.cat([torch.ones(T, start, dtype=torch.bool, device=kv.device), tree_mask.to(kv.device)], dim=1)
-    scores = scores.masked_fill(~visible, float("-inf"))
-    p = scores.softmax(-1)
-    return torch.einsum("nts,sc->tnc", p, c_kv).to(q_lat.dtype)
-
-
-def mla_attention_masked(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, visible: torch.Tensor,
-                         scale: float, kv_lora_rank: int) -> torch.Tensor:
-    """Absorbed attention over a whole cache buffer with a device-side visibility mask.
-
-    q_lat [T, N, C], q_pe [T, N, R], kv [S_cap, C+R], visible [T, S_cap] bool (every row has at least
-    one visible slot) -> [T, N, C]. The same math as :func:`mla_attention_reference`; slots that are not
-    visible get probability exactly 0.
-    """
-    C = kv_lora_rank
-    c_kv, k_pe = kv[:, :C].float(), kv[:, C:].float()  # [S, C], [S, R]
-    scores = (torch.einsum("tnc,sc->nts", q_lat.float(), c_kv)
-              + torch.einsum("tnr,sr->nts", q_pe.float(), k_pe)) * scale  # [N, T, S]
-    scores = scores.masked_fill(~visible.unsqueeze(0), float("-inf"))
-    p = scores.softmax(-1)
-    return torch.einsum("nts,sc->tnc", p, c_kv).to(q_lat.dtype)

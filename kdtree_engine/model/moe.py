@@ -13,25 +13,36 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from ..kernels.dispatch import dense_matmul, int4_prepare, route, router_matmul, shared_placement
+from ..kernels.moe_frag import frag_moe_unsupported, fused_moe_frag
+from ..kernels.moe_w4a16 import fused_moe_w4a16
+from ..kernels.policy import KernelPolicy, policy_or_env
+from ..kernels.router_gemm import split_bf16x3
+from ..kernels.streams import side_by_side
+from ..kernels.w4_frag import ENGINE_ORDER
 from ..logs import log_once
+from ..quant import dequantize
+from .int4_order import checkpoint_int4
 from .layers import MLP, GroupOf, dense_only
 
-class Router(nn.Module):
-    """gate.weight [E, H] and e_score_correction_bias [E], both kept in float32."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+class Router(nn.Module):
+    """gate.weight [E, H] and e_score_correction_bias [E], both kept in float32. ``policy``: the model's kernel
+    policy (None: the environment's)."""
+
+    def __init__(self, cfg: ModelConfig, *, policy: KernelPolicy | None = None) -> None:
         super().__init__()
         self.cfg = cfg
+        self.policy = policy_or_env(policy)
         E = cfg.n_routed_experts
         self.weight = nn.Parameter(torch.zeros(E, cfg.hidden_size, dtype=torch.float32), requires_grad=False)
         self.e_score_correction_bias = nn.Parameter(torch.zeros(E, dtype=torch.float32), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (topk_ids int64 [T, k], topk_weights float32 [T, k])."""
-        from ..kernels.dispatch import route, router_matmul
         # [T, E] or [S, T, E] split partials, float32
-        logits = router_matmul(x, self.weight, partials=True, bf16x3=self.bf16x3_parts)
-        return route(logits, self.e_score_correction_bias, self.cfg)
+        logits = router_matmul(self.policy, x, self.weight, partials=True, bf16x3=self.bf16x3_parts)
+        return route(self.policy, logits, self.e_score_correction_bias, self.cfg)
 
     def bf16x3_parts(self) -> torch.Tensor:
         """The gate as three bf16 parts [3, E, H] (router_gemm.split_bf16x3) for the tensor-core router: built on
@@ -40,50 +51,26 @@ class Router(nn.Module):
         key = (w.data_ptr(), w._version, w.device)
         cached = self.__dict__.get("_bf16x3")
         if cached is None or cached[0] != key:
-            from ..kernels.router_gemm import split_bf16x3
             with torch.no_grad():
                 cached = (key, split_bf16x3(w.detach()))
             self.__dict__["_bf16x3"] = cached
         return cached[1]
+
+    def derived_weights(self) -> list[torch.Tensor]:
+        """The cached bf16 parts of the gate (a captured graph reads them; a reload replaces them)."""
+        cached = self.__dict__.get("_bf16x3")
+        return [] if cached is None else [cached[1]]
 
     def reset_parts(self) -> None:
         """Drop the derived bf16 parts (after loading new weights)."""
         self.__dict__.pop("_bf16x3", None)
 
 
-def route_torch(logits: torch.Tensor, bias: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router tail in torch (the CPU path and the oracle of kernels/router.py): logits [T, E] float32, or split-K
-    partials [S, T, E] added in split order first -> (ids int64 [T, k], weights float32 [T, k]). Stable
-    descending sorts, so among equal scores the lower index wins (groups and experts), as in the numpy
-    reference; torch.topk does not promise an order among ties."""
-    if logits.dim() == 3:
-        parts, logits = logits, logits[0]
-        for p in parts[1:]:
-            logits = logits + p
-    scores = logits.sigmoid()  # [T, E]
-    choice = scores + bias  # bias only chooses experts
-    if cfg.n_group > 1:
-        T = logits.shape[0]
-        grouped = choice.view(T, cfg.n_group, -1)  # [T, G, E/G]
-        group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # [T, G]; values only: ties do not matter
-        keep = _stable_top(group_scores, cfg.topk_group)  # [T, topk_group]
-        mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
-        choice = grouped.masked_fill(~mask.unsqueeze(-1), float("-inf")).view(T, -1)
-    ids = _stable_top(choice, cfg.num_experts_per_tok)  # [T, k]
-    w = scores.gather(1, ids)
-    if cfg.norm_topk_prob:
-        w = w / (w.sum(-1, keepdim=True) + 1e-20)
-    return ids, w * cfg.routed_scaling_factor
-
-
-def _stable_top(x: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the k largest entries per row, best first, lower index first among equals."""
-    return torch.sort(x, dim=-1, descending=True, stable=True).indices[:, :k]
-
-
 class Experts(nn.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype, group_size: int | None) -> None:
+    def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype, group_size: int | None,
+                 policy: KernelPolicy | None = None) -> None:
         super().__init__()
+        self.policy = policy_or_env(policy)
         E, H, I = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.num_experts, self.hidden, self.inter = E, H, I
         self.group_size = group_size
@@ -101,11 +88,13 @@ class Experts(nn.Module):
                 add: torch.Tensor | None = None, host_reads: bool = True) -> torch.Tensor:
         return moe(x, ids, weights, self, add, host_reads)
 
+    def reset_dense(self) -> None:
+        """Drop the CPU path's dequantized experts (after loading new weights)."""
+        self.__dict__.pop("_dense_cpu", None)
+
     def int4_prepare(self, dtype: torch.dtype) -> str:
         """The INT4 kernel family for activations of `dtype`, the words in its order (model/int4_order.py)."""
-        from ..kernels.moe_frag import frag_moe_unsupported
-        from .int4_order import prepare
-        return prepare(self, dtype, f"MoE experts [{self.num_experts} x (H {self.hidden}, I {self.inter})]",
+        return int4_prepare(self.policy, self, dtype, f"MoE experts [{self.num_experts} x (H {self.hidden}, I {self.inter})]",
                        frag_moe_unsupported(self.hidden, self.inter, self.group_size))
 
 
@@ -118,12 +107,9 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Expe
     if experts.group_size is not None:
         kind = experts.int4_prepare(x.dtype)
         if kind == "frag":
-            from ..kernels.moe_frag import fused_moe_frag
-            from ..kernels.w4_frag import ENGINE_ORDER
             return fused_moe_frag(x, experts.w13_packed, experts.w13_scale, experts.w2_packed,
                                   experts.w2_scale, ids, weights, experts.group_size, add=add, **ENGINE_ORDER)
         if kind == "triton":
-            from ..kernels.moe_w4a16 import fused_moe_w4a16
             return fused_moe_w4a16(x, experts.w13_packed, experts.w13_scale, experts.w2_packed,
                                    experts.w2_scale, ids, weights, experts.group_size, add=add)
     if not host_reads:
@@ -139,19 +125,16 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Expe
 def _expert_weights(experts: Experts, e: int) -> tuple[torch.Tensor, torch.Tensor]:
     if experts.group_size is None:
         return experts.w13[e], experts.w2[e]
-    from .int4_order import checkpoint_int4
     if experts.w13_packed.device.type == "cpu":
         # The CPU path multiplies dense weights: dequantize once (same values every call) and keep them.
         dense = experts.__dict__.get("_dense_cpu")
         if dense is None:
-            from ..quant import dequantize
             g = experts.group_size
             dense = (dequantize(*checkpoint_int4(experts, "w13_packed"), g),
                      dequantize(*checkpoint_int4(experts, "w2_packed"), g))
             experts.__dict__["_dense_cpu"] = dense
             log_once("moe:cpu-dequant", "MoE on cpu: INT4 experts dequantized once and kept for the torch path")
         return dense[0][e], dense[1][e]
-    from ..quant import dequantize
     g = experts.group_size
     return (dequantize(*checkpoint_int4(experts, "w13_packed", e), g),
             dequantize(*checkpoint_int4(experts, "w2_packed", e), g))
@@ -159,7 +142,6 @@ def _expert_weights(experts: Experts, e: int) -> tuple[torch.Tensor, torch.Tenso
 
 def moe_reference(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Experts) -> torch.Tensor:
     """Loop over the experts that are hit; float32 accumulation of the weighted sum."""
-    from ..kernels.dispatch import dense_matmul
     T, k = ids.shape
     out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
     flat = ids.reshape(-1)
@@ -167,9 +149,9 @@ def moe_reference(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, exp
         pos = (flat == e).nonzero().squeeze(1)  # [n] indices into T*k
         tok = pos // k
         w13, w2 = _expert_weights(experts, e)
-        h = dense_matmul(x[tok], w13)  # [n, 2I]
+        h = dense_matmul(experts.policy, x[tok], w13)  # [n, 2I]
         gate, up = h.chunk(2, dim=-1)
-        y = dense_matmul(F.silu(gate) * up, w2)  # [n, H]
+        y = dense_matmul(experts.policy, F.silu(gate) * up, w2)  # [n, H]
         out.index_add_(0, tok, y.float() * weights.reshape(-1)[pos].unsqueeze(1))
     return out.to(x.dtype)
 
@@ -178,25 +160,25 @@ def moe_static(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, expert
     """:func:`moe_reference` without host reads: every expert runs on every token, weighted by the
     token's routing weight for it (exactly 0 when not routed), added in expert order in float32 as the
     reference adds the experts it hits. Costs E expert passes: for small models and captured rounds."""
-    from ..kernels.dispatch import dense_matmul
     out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
     for e in range(experts.num_experts):
         w_e = torch.where(ids == e, weights, torch.zeros_like(weights)).sum(-1)  # [T]; one route per expert
         w13, w2 = _expert_weights(experts, e)
-        gate, up = dense_matmul(x, w13).chunk(2, dim=-1)
-        y = dense_matmul(F.silu(gate) * up, w2)  # [T, H]
+        gate, up = dense_matmul(experts.policy, x, w13).chunk(2, dim=-1)
+        y = dense_matmul(experts.policy, F.silu(gate) * up, w2)  # [T, H]
         out += y.float() * w_e.float().unsqueeze(1)
     return out.to(x.dtype)
 
 
 class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype, group_size: int | None,
-                 shared_group_of: GroupOf = dense_only) -> None:
+                 shared_group_of: GroupOf = dense_only, policy: KernelPolicy | None = None) -> None:
         super().__init__()
-        self.gate = Router(cfg)
-        self.experts = Experts(cfg, dtype=dtype, group_size=group_size)
+        self.policy = policy = policy_or_env(policy)
+        self.gate = Router(cfg, policy=policy)
+        self.experts = Experts(cfg, dtype=dtype, group_size=group_size, policy=policy)
         self.shared_experts = (MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, dtype=dtype,
-                                   group_of=shared_group_of) if cfg.n_shared_experts > 0 else None)
+                                   group_of=shared_group_of, policy=policy) if cfg.n_shared_experts > 0 else None)
         self._shared_bytes: int | None = None   # the shared expert's weight bytes (its CUDA placement)
 
     def forward(self, x: torch.Tensor, host_reads: bool = True) -> torch.Tensor:
@@ -217,7 +199,6 @@ class MoE(nn.Module):
         if self.shared_experts is None:
             routed()
             return part["routed"]
-        from ..kernels.streams import side_by_side
 
         def shared() -> None:
             part["shared"] = self.shared_experts(x)
@@ -226,8 +207,7 @@ class MoE(nn.Module):
         if x.device.type == "cuda":
             if self._shared_bytes is None:
                 self._shared_bytes = sum(t.numel() * t.element_size() for t in self.shared_experts.state_dict().values())
-            from ..kernels.dispatch import shared_placement
-            place = shared_placement(self._shared_bytes, x.shape[0])
+            place = shared_placement(self.policy, self._shared_bytes, x.shape[0])
         if place == "side":
             side_by_side(x.device, shared, routed)   # off CUDA: one after the other
         elif place == "after":

@@ -20,6 +20,9 @@ from ..config import ModelConfig
 from ..kernels.common import take_rows
 from ..kernels.dispatch import attention_gather_index
 from .context import StepContext, static_visibility
+from ..kernels.policy import KernelPolicy, policy_or_env
+from ..quant import quantize
+from ..reference import random_weights
 from .int4_order import CHECKPOINT, set_order
 from .layers import MLP, GroupOf, Linear, RMSNorm, Rope
 from .mla import MLA
@@ -52,11 +55,13 @@ def group_of(quant: QuantPolicy | None, prefix: str) -> GroupOf:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, idx: int, *, dtype: torch.dtype, quant: QuantPolicy | None) -> None:
+    def __init__(self, cfg: ModelConfig, idx: int, *, dtype: torch.dtype, quant: QuantPolicy | None,
+                 policy: KernelPolicy | None = None) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = MLA(cfg, dtype=dtype, group_of=group_of(quant, f"layers.{idx}.self_attn"))
+        self.policy = policy = policy_or_env(policy)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, policy=policy)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, policy=policy)
+        self.self_attn = MLA(cfg, dtype=dtype, group_of=group_of(quant, f"layers.{idx}.self_attn"), policy=policy)
         if cfg.is_moe_layer(idx):
             experts = group_of(quant, f"layers.{idx}.mlp.experts.0")
             sizes = {experts(p) for p in ("gate_proj", "up_proj", "down_proj")}
@@ -64,11 +69,12 @@ class DecoderLayer(nn.Module):
                 raise LoadError(f"layer {idx}: routed experts must be all INT4 or all dense (gate/up/down differ)")
             self.routed = True
             self.mlp: nn.Module = MoE(cfg, dtype=dtype, group_size=sizes.pop(),
-                                      shared_group_of=group_of(quant, f"layers.{idx}.mlp.shared_experts"))
+                                      shared_group_of=group_of(quant, f"layers.{idx}.mlp.shared_experts"),
+                                      policy=policy)
         else:
             self.routed = False
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype,
-                           group_of=group_of(quant, f"layers.{idx}.mlp"))
+                           group_of=group_of(quant, f"layers.{idx}.mlp"), policy=policy)
 
     # The residual stream is carried as (h, pending): the MLP output of a layer is added by the next
     # layer's input norm (or the final norm), so every "add then norm" is one dispatch (one launch on CUDA).
@@ -83,10 +89,14 @@ class DecoderLayer(nn.Module):
 
 
 class Target(nn.Module):
+    """``policy``: the kernel policy every layer runs with (None: the environment's, KernelPolicy.from_env)."""
+
     def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 quant: QuantPolicy | None = None, quantize_on_load: bool = False) -> None:
+                 quant: QuantPolicy | None = None, quantize_on_load: bool = False,
+                 policy: KernelPolicy | None = None) -> None:
         super().__init__()
         self.cfg = cfg
+        self.policy = policy = policy_or_env(policy)
         self.dtype = dtype
         self.device = torch.device(device)
         self.quant = quant
@@ -94,11 +104,11 @@ class Target(nn.Module):
         with self.device:
             self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
             self.embed_tokens.weight.requires_grad_(False)
-            self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype=dtype, quant=quant)
+            self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype=dtype, quant=quant, policy=policy)
                                         for i in range(cfg.num_hidden_layers))
-            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, policy=policy)
             self.lm_head_proj = Linear(cfg.hidden_size, cfg.vocab_size, parallel="column", dtype=dtype,
-                                       group_size=group_of(quant, "")("lm_head"))
+                                       group_size=group_of(quant, "")("lm_head"), policy=policy)
             self.rope = Rope(cfg)
         # Norm weights follow the model dtype (HF multiplies in the activation dtype).
         for m in self.modules():
@@ -173,7 +183,6 @@ class Target(nn.Module):
             if not self.quantize_on_load:
                 raise LoadError(f"tensor '{name}': experts of layer {layer} are INT4 (weight_packed/weight_scale), "
                                 f"found a dense weight")
-            from ..quant import quantize
             packed, scale = quantize(tensor.to(self.device, torch.float32), ex.group_size, dtype=self.dtype)
             self._copy(name + "(packed)", getattr(ex, f"{base}_packed")[e, rows], packed)
             self._copy(name + "(scale)", getattr(ex, f"{base}_scale")[e, rows], scale)
@@ -204,7 +213,7 @@ class Target(nn.Module):
         for layer in self.layers:
             layer.self_attn.reset_absorbed()
             if isinstance(layer.mlp, MoE):
-                layer.mlp.experts.__dict__.pop("_dense_cpu", None)  # derived from the old weights
+                layer.mlp.experts.reset_dense()  # derived from the old weights
                 layer.mlp.gate.reset_parts()
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> "Target":
@@ -215,10 +224,9 @@ class Target(nn.Module):
 
     @classmethod
     def random(cls, cfg: ModelConfig, seed: int = 0, *, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu") -> "Target":
+               device: str | torch.device = "cpu", policy: KernelPolicy | None = None) -> "Target":
         """A target with the well-conditioned random weights of the numpy reference generator."""
-        from ..reference import random_weights
-        model = cls(cfg, dtype=dtype, device=device)
+        model = cls(cfg, dtype=dtype, device=device, policy=policy)
         return model.load_weights((k, torch.from_numpy(v)) for k, v in random_weights(cfg, seed).items())
 
     # ---- compute -----------------------------------------------------------------------------
@@ -254,7 +262,7 @@ class Target(nn.Module):
             raise ValueError("a device-resident step needs its positions and tree mask")
         cos, sin = self.rope.gather(positions)
         # what attention derives from (start, tree_mask) is the same in every layer: built once here
-        gather_index = attention_gather_index(tree_mask)
+        gather_index = attention_gather_index(self.policy, tree_mask)
         visible = static_visibility(start, tree_mask, cache.capacity) if gather_index is None else None
         return StepContext(positions, cos, sin, start + torch.arange(T, device=dev), start, tree_mask,
                            visible, gather_index)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels.policy import KernelPolicy
 from ..sampling import SamplingParams, sample
 from .tree import DraftTree
 
@@ -30,10 +31,10 @@ class AcceptResult:
         return int(self.accepted.shape[0])
 
 
-def target_picks(logits: torch.Tensor, params: SamplingParams,
-                 generator: torch.Generator | None = None) -> torch.Tensor:
+def target_picks(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None, *,
+                 policy: KernelPolicy) -> torch.Tensor:
     """One target token per node: logits [N1, V] -> [N1] (argmax for greedy, else a sample)."""
-    return sample(logits, params, generator)
+    return sample(logits, params, generator, policy=policy)
 
 
 def accept_path_mask(tree: DraftTree, picks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -38,12 +38,14 @@ from typing import Any
 
 import torch
 
+from ..kernels.accept_walk import accept_walk
 from ..kernels.common import take_rows
+from ..kernels.dispatch import accept_backend, build_draft_tree
 from ..model.target import Target
-from ..sampling import SamplingParams, greedy, race, rule_probs, sample
+from ..sampling import SamplingParams, greedy, race, rule_probs, sample, topk_logprobs
 from .accept import accept_path_mask
 from .config import RoundShape
-from .tree import DraftTree, chain_tree, topk_logprobs
+from .tree import DraftTree, chain_tree
 
 DEVICE_ROUND_METHODS = ("none", "dflash", "ddtree")
 
@@ -156,9 +158,9 @@ class DeviceRound:
             self.temperature.fill_(float(params.temperature))
             if self.top_p is not None:
                 self.top_p.fill_(float(params.top_p))
-            first = sample(out.logits[-1], params, generator)
+            first = sample(out.logits[-1], params, generator, policy=target.policy)
         else:
-            first = greedy(out.logits[-1])
+            first = greedy(out.logits[-1], policy=target.policy)
         self.start.fill_(S)
         self.bonus.copy_(first)
         if self.drafter is not None:
@@ -185,12 +187,11 @@ class DeviceRound:
         if self.method == "dflash":
             chain = self.chain
             chain.tokens[:1].copy_(self.bonus.reshape(1))
-            chain.tokens[1:].copy_(greedy(draft_logits[: self.budget]))
+            chain.tokens[1:].copy_(greedy(draft_logits[: self.budget], policy=self.target.policy))
             torch.add(chain.depths, self.start, out=chain.positions)
             return chain
-        from ..kernels.dispatch import build_draft_tree
-        lp, ids = topk_logprobs(draft_logits, self.budget)  # [B-1, K]
-        return build_draft_tree(lp, ids, self.budget, self.bonus, self.start)
+        lp, ids = topk_logprobs(draft_logits, self.budget, policy=self.target.policy)  # [B-1, K]
+        return build_draft_tree(self.target.policy, lp, ids, self.budget, self.bonus, self.start)
 
     @torch.no_grad()
     def step(self) -> None:
@@ -198,7 +199,7 @@ class DeviceRound:
         tree = self.make_tree()
         vout = self.target(tree.tokens, self.cache, tree.positions, tree.mask, self.aux_layers, start=self.start)
         picks = (race(rule_probs(vout.logits, self.temperature, self.top_k, self.top_p), self.noise)
-                 if self.sampling else greedy(vout.logits))  # [N1]
+                 if self.sampling else greedy(vout.logits, policy=self.target.policy))  # [N1]
         acc, count = self.accept(tree, picks)  # [M], [] = A; result and bonus written
         if self.n1 > 1:  # a lone root keeps its slot
             self.cache.compact_static(self.start, acc)
@@ -210,9 +211,7 @@ class DeviceRound:
     def accept(self, tree: DraftTree, picks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The walk: writes ``result`` (emitted tokens + count) and ``bonus``; returns (accepted nodes [M],
         count []). CUDA: one launch (kernels/accept_walk.py); CPU: the vectorized torch walk."""
-        from ..kernels.dispatch import accept_backend
-        if accept_backend(picks.device) == "triton":
-            from ..kernels.accept_walk import accept_walk
+        if accept_backend(self.target.policy, picks.device) == "triton":
             accept_walk(tree.tokens, tree.parents, picks, self.m, self.B - 1, self.acc, self.result, self.bonus)
             return self.acc, self.result[self.m]
         on_path, bonus = accept_path_mask(tree, picks)

@@ -28,7 +28,6 @@ from .config import RoundShape
 from .device_round import DeviceRound
 
 MIN_CAPACITY = 512
-STACKED_KEYS = ("_down", "_gate_up", "_kv_stack")  # layers.stacked_linear results (mla.py, layers.py, dflash.py)
 WARMUP_ROUNDS = 2
 
 
@@ -50,7 +49,7 @@ class GraphRunner:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.pool = None
         self._inputs: tuple = ()
-        self._stacked: list[tuple[torch.nn.Module, str]] = []   # (module, key) of its stacked linears
+        self._owners: list[torch.nn.Module] = []   # modules that cache tensors derived from their weights
 
     def capture(self) -> None:
         rnd = self.rnd
@@ -69,28 +68,20 @@ class GraphRunner:
         with torch.cuda.graph(graph, pool=self.pool):
             rnd.step()
         self.graph = graph
-        # the modules holding stacked linears, found once (walking every module costs ~0.3 ms a round)
+        # the modules caching derived weights, found once (walking every module costs time each round)
         models = [rnd.target] if rnd.drafter is None else [rnd.target, rnd.drafter]
-        self._stacked = [(m, key) for model in models for m in model.modules() for key in STACKED_KEYS
-                         if m.__dict__.get(key) is not None]
+        self._owners = [m for model in models for m in model.modules() if hasattr(m, "derived_weights")]
         self._inputs = self._watched()
         log.debug("captured a %s round (budget %s, capacity %d)", rnd.method, rnd.budget, rnd.capacity)
 
     def _watched(self) -> tuple:
         """Addresses of tensors the graph reads that live outside the round and may be replaced
-        (rope tables grown by an eager step, absorbed attention weights, the routers' bf16 parts and stacked
+        (rope tables grown by an eager step; absorbed attention weights, the routers' bf16 parts and stacked
         linears rebuilt after a reload)."""
         t = self.rnd.target
         ptrs = [t.rope.cos.data_ptr(), t.rope.sin.data_ptr()]
-        for layer in t.layers:
-            a = layer.self_attn._absorbed
-            ptrs.append(None if a is None else a[0].data_ptr())
-            gate = getattr(layer.mlp, "gate", None)   # MoE layers: the router's bf16 parts (Router.bf16x3_parts)
-            parts = None if gate is None else gate.__dict__.get("_bf16x3")
-            ptrs.append(None if parts is None else parts[1].data_ptr())
-        for m, key in self._stacked:
-            lin = m.__dict__.get(key)
-            ptrs.append(None if lin is None else lin.weight.data_ptr())
+        for m in self._owners:
+            ptrs += [w.data_ptr() for w in m.derived_weights()] + [None]   # None: where one owner's list ends
         return tuple(ptrs)
 
     def step(self) -> None:

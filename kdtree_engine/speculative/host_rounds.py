@@ -22,13 +22,13 @@ import torch
 
 from ..logs import log, log_once
 from ..model.target import Target
-from ..sampling import SamplingParams, greedy, make_generator, sample
+from ..sampling import SamplingParams, greedy, make_generator, sample, topk_logprobs
 from ..errors import SpecError
 from .accept import accept, target_picks
 from .budget import AutoBudget, auto_budget_for
 from .config import RoundShape
 from .stats import RoundStats, Timer
-from .tree import DraftTree, build_tree, build_tree_heap, chain_tree, topk_logprobs
+from .tree import DraftTree, build_tree, build_tree_heap, chain_tree
 
 TREE_IMPLS = ("auto", "vectorized", "heap")
 
@@ -72,7 +72,7 @@ class HostRounds:
         target = self.target
         ids = torch.tensor(prompt_ids, dtype=torch.long, device=target.device)
         out = target(ids, self.cache, aux_layers=self.aux_layers)
-        self.bonus = sample(out.logits[-1], self.params, self.gen)  # [] the newest token, not yet fed to the target
+        self.bonus = sample(out.logits[-1], self.params, self.gen, policy=target.policy)  # [] the newest token, not yet fed to the target
         if self.drafter is not None:
             S = len(prompt_ids)
             self.dcache = self.drafter.new_cache(S + self.limit + 1)
@@ -94,7 +94,7 @@ class HostRounds:
         timer = self.timer
         timer.start()
         logits = self.target(self.bonus.reshape(1), self.cache).logits[-1]
-        self.bonus = sample(logits, self.params, self.gen)
+        self.bonus = sample(logits, self.params, self.gen, policy=self.target.policy)
         self._out = [int(self.bonus)]
         timer.lap("verify_s")
         self.stats.record(1, 0)
@@ -113,7 +113,7 @@ class HostRounds:
         timer.lap("tree_s")
         vout = target(tree.tokens, self.cache, positions=tree.positions, tree_mask=tree.mask,
                       aux_layers=self.aux_layers)
-        picks = target_picks(vout.logits, self.params, self.gen)  # [N1]
+        picks = target_picks(vout.logits, self.params, self.gen, policy=target.policy)  # [N1]
         res = accept(tree, picks)
         timer.lap("verify_s")
         self.cache.commit(res.accepted)
@@ -135,14 +135,14 @@ class HostRounds:
         if draft_logits is None:  # no room for drafts: the root alone (a plain step)
             return chain_tree(bonus, torch.empty(0, dtype=torch.long, device=bonus.device), start)
         if shape.method == "dflash":
-            return chain_tree(bonus, greedy(draft_logits), start)
+            return chain_tree(bonus, greedy(draft_logits, policy=self.target.policy), start)
         builder = build_tree_heap if self.impl == "heap" else build_tree
         if self.chooser is not None:
             # one top-K for the largest budget; the budget-b tree only ever uses ranks < b
-            lp, ids = topk_logprobs(draft_logits, self.chooser.max_budget)  # [depth, K]
+            lp, ids = topk_logprobs(draft_logits, self.chooser.max_budget, policy=self.target.policy)  # [depth, K]
             budget = self.chooser.choose(lp)
             return builder(lp[:, :budget], ids[:, :budget], budget, bonus, start)
-        lp, ids = topk_logprobs(draft_logits, shape.budget)  # [depth, K]
+        lp, ids = topk_logprobs(draft_logits, shape.budget, policy=self.target.policy)  # [depth, K]
         return builder(lp, ids, shape.budget, bonus, start)
 
     def finish(self, stats: dict[str, Any], decode_s: float) -> None:

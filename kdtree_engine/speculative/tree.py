@@ -8,12 +8,13 @@ best-first: every candidate prefix has exactly one generator (its previous sibli
 parent), scores never increase along a generator edge, so the pops come out in non-increasing score
 order and parents are popped before their children.
 
-Tie-break (shared by every builder here, so they return the identical tree): among equal scores the
-candidate pushed first wins. A pop pushes its next sibling first, then its first child. Scores are
+Tie-break (shared by every builder here and kernels/tree_ops.py, so they return the identical tree): among
+equal scores the candidate pushed first wins. A pop pushes its next sibling first, then its first child. Scores are
 accumulated along the path, ``score(child) = score(parent) + lp[depth, rank]``, in float32 in both
 builders, so equal inputs give bit-identical scores.
 
-Node order is pop order: node 0 is the root (the bonus token, depth 0), parents precede children.
+Node order is pop order: node 0 is the root (the bonus token, depth 0), parents precede children. The
+drafter's top-k log-probs that the builders take come from sampling.topk_logprobs.
 """
 
 from __future__ import annotations
@@ -44,25 +45,6 @@ class DraftTree:
     def num_nodes(self) -> int:
         """Nodes including the root (the verify width)."""
         return int(self.tokens.shape[0])
-
-
-def topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-position top-k log-probabilities of raw drafter logits (no temperature).
-
-    logits [L, V] -> (lp [L, k] float32, descending; ids [L, k] long), k capped at V. The kernel choice is
-    the dispatch's (kernels/dispatch.py draft_topk); :func:`topk_logprobs_torch` is the torch path.
-    """
-    from ..kernels.dispatch import draft_topk
-    return draft_topk(logits, k)
-
-
-def topk_logprobs_torch(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`topk_logprobs` in torch: topk of the float32 logits minus their logsumexp."""
-    x = logits.float()
-    k = min(k, x.shape[-1])
-    vals, ids = torch.topk(x, k, dim=-1)  # [L, k]
-    lp = vals - torch.logsumexp(x, dim=-1, keepdim=True)
-    return lp, ids
 
 
 def tree_size(budget: int, depth: int, k: int) -> int:
@@ -230,40 +212,3 @@ def chain_tree(root_token: torch.Tensor | int, draft_tokens: torch.Tensor, start
     dep = torch.arange(L + 1, device=device)
     return DraftTree(tokens=tokens, parents=dep - 1, depths=dep, positions=dep + start,
                      mask=torch.ones((L + 1, L + 1), dtype=torch.bool, device=device).tril())
-
-
-class GraphTreeBuilder:
-    """:func:`build_tree` captured in a CUDA graph per (depth, K, budget): one replay instead of
-    ~25 kernel launches per node. Inputs are copied into static buffers, outputs cloned out (the
-    next replay overwrites them). CUDA only; same tree as :func:`build_tree`."""
-
-    def __init__(self) -> None:
-        self._graphs: dict[tuple, tuple] = {}
-
-    def __call__(self, lp: torch.Tensor, ids: torch.Tensor, budget: int, root_token: torch.Tensor | int,
-                 start: torch.Tensor | int) -> DraftTree:
-        dev = lp.device
-        key = (tuple(lp.shape), lp.dtype, ids.dtype, budget, dev)
-        if key not in self._graphs:
-            s_lp, s_ids = lp.detach().clone(), ids.clone()
-            s_root = torch.zeros((), dtype=torch.long, device=dev)
-            side = torch.cuda.Stream(dev)
-            side.wait_stream(torch.cuda.current_stream(dev))
-            with torch.cuda.stream(side):  # warm-up outside capture (allocator, lazy init)
-                build_tree(s_lp, s_ids, budget, s_root, 0)
-            torch.cuda.current_stream(dev).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                out = build_tree(s_lp, s_ids, budget, s_root, 0)
-            self._graphs[key] = (graph, s_lp, s_ids, s_root, out)
-        graph, s_lp, s_ids, s_root, out = self._graphs[key]
-        s_lp.copy_(lp)
-        s_ids.copy_(ids)
-        if isinstance(root_token, torch.Tensor):
-            s_root.copy_(root_token.reshape(()))
-        else:
-            s_root.fill_(int(root_token))
-        graph.replay()
-        dep = out.depths.clone()
-        return DraftTree(tokens=out.tokens.clone(), parents=out.parents.clone(), depths=dep,
-                         positions=dep + start, mask=out.mask.clone())

@@ -31,7 +31,9 @@ import torch.nn.functional as F
 
 from ..config import ModelConfig
 from ..draft_config import DraftConfig
-from ..model.dflash import DFlashDrafter, _rotate_half, rope_tables
+from ..kernels.reference import rotate_half
+from ..model.dflash import DFlashDrafter, rope_tables
+from .data import random_windows
 from .target_train import TrainModel, autocast, generate, lr_at, make_optimizer
 
 
@@ -78,7 +80,7 @@ def new_drafter(cfg: DraftConfig, seed: int, device: torch.device, std: float = 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [B, T, heads, d]; cos/sin [B, T, d] or [T, d] (rotate-half, as the drafter)."""
     c, s = cos.unsqueeze(-2), sin.unsqueeze(-2)
-    return x * c + _rotate_half(x) * s
+    return x * c + rotate_half(x) * s
 
 
 def draft_hidden(drafter: DFlashDrafter, feats: torch.Tensor, block_embeds: torch.Tensor,
@@ -239,8 +241,6 @@ def continuation_pool(target: TrainModel, stream: torch.Tensor, n_seqs: int, seq
     i % sample_every == sample_every - 1, else greedy. ``extra_prompts`` [m, prefix_lens[0]] ride along
     in the first (greedy) batch; their continuations are returned separately.
     """
-    from .data import random_windows
-
     g = torch.Generator(device=device).manual_seed(seed)
     dg = torch.Generator(device=device).manual_seed(seed + 1)
     stream = stream.to(device)
@@ -280,8 +280,6 @@ def train_drafter(target: TrainModel, dcfg: DraftConfig, train_stream: torch.Ten
                   device: torch.device, log: Callable[[str], None] = print,
                   eval_prompts: torch.Tensor | None = None) -> DraftResult:
     """Continuation pool, then drafter steps until ``s.minutes`` (whole phase) or ``s.max_steps``."""
-    from .data import random_windows
-
     t0 = time.perf_counter()
     budget = s.minutes * 60.0
     timed = s.max_steps is None

@@ -29,6 +29,7 @@ from torch import nn
 from ..config import ModelConfig, YarnConfig
 from ..model import layers
 from ..model.layers import rope_inv_freq, rope_multiplier
+from .data import random_windows
 
 
 # ---- configuration ------------------------------------------------------------------------------
@@ -442,8 +443,6 @@ def train_target(cfg: ModelConfig, train_stream: torch.Tensor, eval_windows: tor
     Time-boxed runs measure the step time (steps 20..60, again 60..150) and fix the step count that
     fits, so the cosine schedule ends with the time box; the loop also stops at the time box.
     """
-    from .data import random_windows
-
     torch.manual_seed(s.seed)
     stream = train_stream.to(device)
     gen = torch.Generator(device=device).manual_seed(s.seed + 1)

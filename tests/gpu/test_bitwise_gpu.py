@@ -32,6 +32,7 @@ from kdtree_engine import reference
 from kdtree_engine.config import preset
 from kdtree_engine.engine import load_drafter, load_target, load_tokenizer, target_from_weights
 from kdtree_engine.kernels import dispatch
+from kdtree_engine.kernels.policy import KernelPolicy
 from kdtree_engine.quant import k2_quantization_config
 from kdtree_engine.sampling import SamplingParams
 from kdtree_engine.speculative.decode import generate
@@ -51,14 +52,13 @@ DTYPE = torch.bfloat16
 
 @pytest.fixture(scope="module", autouse=True)
 def batch_invariance_on():
-    prev = dispatch.batch_invariant()
-    dispatch.set_batch_invariant(True)
+    """The models here take the environment's policy (batch invariance on): no variable may force a torch path."""
+    policy = KernelPolicy.from_env()
     dev = torch.device("cuda")
-    used = {"dense": dispatch.dense_backend(dev), "attention": dispatch.attn_backend(dev),
-            "int4": dispatch.int4_backend(dev)}
-    assert set(used.values()) == {"triton"}, f"a KDTREE_*_BACKEND variable forces a torch path: {used}"
-    yield
-    dispatch.set_batch_invariant(prev)
+    used = {"dense": dispatch.dense_backend(policy, dev), "attention": dispatch.attn_backend(policy, dev),
+            "int4": dispatch.int4_backend(policy, dev)}
+    assert policy.batch_invariant and set(used.values()) == {"triton"}, \
+        f"a KDTREE_*_BACKEND variable forces a torch path: {used}"
 
 
 def tiny_target(quant: bool, seed: int):

@@ -19,7 +19,7 @@ from kdtree_engine.kernels.rmsnorm import bi_add_rmsnorm, bi_rmsnorm
 from kdtree_engine.kernels.router import route_triton
 from kdtree_engine.kernels.swiglu import silu_mul
 from kdtree_engine.model.dflash import rope_tables
-from kdtree_engine.model.moe import route_torch
+from kdtree_engine.kernels.reference import route_torch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 DEV = torch.device("cuda")

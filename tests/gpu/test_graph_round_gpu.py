@@ -14,24 +14,28 @@ from pathlib import Path
 import pytest
 import torch
 
+from kdtree_engine.kernels.policy import KernelPolicy
+
+POLICY = KernelPolicy()  # the default policy (batch invariance on, nothing forced)
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 DEMO = Path(__file__).resolve().parents[2] / "kdtree_engine" / "assets" / "demo"
 SETTINGS = (("none", None), ("dflash", None), ("ddtree", 4), ("ddtree", 16), ("ddtree", 64))
 
 
-def _tiny_pair(dtype=torch.float32):
+def _tiny_pair(dtype=torch.float32, policy: KernelPolicy = POLICY):
     from kdtree_engine.config import preset
     from kdtree_engine.draft_config import DraftConfig
     from kdtree_engine.model.dflash import DFlashDrafter
     from kdtree_engine.model.target import Target
 
     cfg = preset("k2-tiny")
-    target = Target.random(cfg, seed=0, dtype=dtype, device="cuda")
+    target = Target.random(cfg, seed=0, dtype=dtype, device="cuda", policy=policy)
     dcfg = DraftConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                        num_key_value_heads=2, head_dim=16, block_size=8, mask_token_id=255, target_layer_ids=(0, 3),
                        num_target_layers=4, vocab_size=256, sliding_windows=(4, None))
-    return target, DFlashDrafter.random(dcfg, seed=0, dtype=dtype, device="cuda")
+    return target, DFlashDrafter.random(dcfg, seed=0, dtype=dtype, device="cuda", policy=policy)
 
 
 def _demo_pair(dtype):
@@ -133,13 +137,10 @@ def test_default_mode_on_cuda_is_graph_and_stop_rules_cut_mid_round():
         assert generate(target, prompt, p, spec="dflash", drafter=drafter).token_ids == plain.token_ids[:n]
 
 
-def test_graph_rounds_with_triton_attention(monkeypatch):
+def test_graph_rounds_with_triton_attention():
     """KDTREE_ATTN_BACKEND=triton: eager steps use the host-length launch, graph rounds the device-length
     launch of the same kernel (same reduction): tokens equal plain decoding with the same backend."""
-    from kdtree_engine.kernels import dispatch
-
-    monkeypatch.setattr(dispatch, "_ATTN_FORCED", "triton")
-    target, drafter = _tiny_pair()
+    target, drafter = _tiny_pair(policy=KernelPolicy(attn="triton"))
     g = torch.Generator().manual_seed(1)
     _check_equal(target, drafter, [torch.randint(2, 255, (n,), generator=g).tolist() for n in (6, 19)])
 
@@ -208,7 +209,8 @@ def test_device_length_attention_graph_replay_bitwise_gpu(warpgroup_launches, T,
 def test_triton_tree_builder_equals_heap_gpu():
     """The one-program DDTree builder (compiled) returns the heap's tree, ties and -inf included."""
     from kdtree_engine.kernels.tree_ops import build_tree_triton
-    from kdtree_engine.speculative.tree import build_tree_heap, topk_logprobs
+    from kdtree_engine.speculative.tree import build_tree_heap
+    from kdtree_engine.sampling import topk_logprobs
 
     g = torch.Generator().manual_seed(0)
     for L, V, budget, kind in ((15, 1000, 16, ""), (15, 1000, 64, ""), (7, 3, 200, ""), (15, 32000, 256, ""),
@@ -218,7 +220,7 @@ def test_triton_tree_builder_equals_heap_gpu():
             logits = (logits * 2).round() / 2
         if kind == "neginf":
             logits[:, V // 2:] = float("-inf")
-        lp, ids = topk_logprobs(logits.cuda(), budget)
+        lp, ids = topk_logprobs(logits.cuda(), budget, policy=POLICY)
         ref = build_tree_heap(lp.cpu(), ids.cpu(), budget, 5, 100)
         got = build_tree_triton(lp, ids, budget, torch.tensor(5, device="cuda"), torch.tensor(100, device="cuda"))
         for name in ("tokens", "parents", "depths", "positions", "mask"):
@@ -253,7 +255,7 @@ def test_sampled_graph_rounds_equal_device_eager_and_follow_the_target():
     from kdtree_engine.sampling import SamplingParams
     from kdtree_engine.speculative.decode import generate
     from kdtree_engine.speculative.decode import generate_device
-    from spec.spec_toys import chi_square_pvalue, first_tokens_distribution
+    from speculative.spec_toys import chi_square_pvalue, first_tokens_distribution
 
     target, drafter = _tiny_pair()
     prompt = [9, 8, 7, 6]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kdtree_engine.kernels.mla_attention import MLAConfig, default_config, mla_attention, mla_attention_device
-from kdtree_engine.model.mla import mla_attention_reference
+from kdtree_engine.kernels.reference import mla_attention_reference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

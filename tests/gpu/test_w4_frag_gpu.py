@@ -355,14 +355,14 @@ def test_frag_linear_plan_token_tiles(poisoned, M):
     assert torch.equal(frag_linear(x[:M], q, s), full[:M])
 
 
-def test_demo_runs_on_fragment_kernels_close_to_triton(monkeypatch):
+def test_demo_runs_on_fragment_kernels_close_to_triton():
     """The embedded demo on CUDA in bfloat16: its experts take the fragment kernels (words reordered at
     load), and its logits agree with the Triton kernels' (checkpoint order) to bf16 rounding."""
     import importlib
     from pathlib import Path
 
     from kdtree_engine.engine import load_target
-    from kdtree_engine.kernels import dispatch
+    from kdtree_engine.kernels.policy import KernelPolicy
     from kdtree_engine.model.int4_order import CHECKPOINT, FRAG, order_of
     from kdtree_engine.model.moe import MoE
 
@@ -372,7 +372,10 @@ def test_demo_runs_on_fragment_kernels_close_to_triton(monkeypatch):
     assert experts and all(order_of(ex) == FRAG for ex in experts)
     ids = torch.randint(3, target.cfg.vocab_size, (40,), device="cuda")
     frag = target(ids, target.new_cache(64)).logits
-    monkeypatch.setattr(dispatch, "_INT4_FORCED", "triton")
+    triton_policy = KernelPolicy(int4="triton")
+    for m in target.modules():   # the same modules under the Triton kernels: their words go back in place
+        if hasattr(m, "policy"):
+            m.policy = triton_policy
     triton_logits = target(ids, target.new_cache(64)).logits
     assert all(order_of(ex) == CHECKPOINT for ex in experts)
     assert rel(frag, triton_logits) < 2e-2

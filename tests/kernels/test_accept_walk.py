@@ -20,7 +20,8 @@ sys.path.insert(0, str(HERE.parent))
 from kdtree_engine.kernels.accept_walk import accept_walk  # noqa: E402
 from kdtree_engine.speculative.accept import accept_path_mask, accept_reference  # noqa: E402
 from kdtree_engine.speculative.device_round import accepted_order, emitted_tokens  # noqa: E402
-from kdtree_engine.speculative.tree import build_tree, chain_tree, topk_logprobs  # noqa: E402
+from kdtree_engine.speculative.tree import build_tree, chain_tree  # noqa: E402
+from kdtree_engine.sampling import topk_logprobs  # noqa: E402
 
 # name: (L = max depth, V, budget (None: a chain of L drafts), trials)
 CASES = {
@@ -49,15 +50,13 @@ def _picks(tree, V: int, gen: torch.Generator) -> torch.Tensor:
 
 
 def _rounds() -> dict:
-    from kdtree_engine.kernels import dispatch
     from kdtree_engine.sampling import SamplingParams
     from kdtree_engine.speculative.decode import generate
     from kdtree_engine.speculative.decode import generate_device
     sys.path.insert(0, str(HERE.parents[1] / "speculative"))
     from test_device_round import _tiny_pair
 
-    dispatch._TREE_FORCED = "triton"
-    target, drafter = _tiny_pair()
+    target, drafter = _tiny_pair(policy=KernelPolicy(tree="triton"))
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     bad = []
     for prompt in ([5, 6, 7, 8], [3, 200, 17, 99, 41, 2, 250]):
@@ -75,7 +74,7 @@ def random_tree(L: int, V: int, budget: int | None, gen: torch.Generator):
     logits = torch.randn(L, V, generator=gen) * 3
     if budget is None:
         return chain_tree(torch.tensor(V + 1), logits.argmax(-1), torch.tensor(12))
-    lp, ids = topk_logprobs(logits, budget)
+    lp, ids = topk_logprobs(logits, budget, policy=POLICY)
     return build_tree(lp, ids, budget, torch.tensor(V + 1), torch.tensor(12))
 
 
@@ -124,6 +123,9 @@ def test_rejects_bad_inputs():
 
 
 import _interp  # noqa: E402
+from kdtree_engine.kernels.policy import KernelPolicy  # noqa: E402
+
+POLICY = KernelPolicy()  # the default policy (batch invariance on, nothing forced)
 
 interp_results = _interp.results_fixture(HERE, list(CASES))
 

@@ -69,24 +69,22 @@ def _inputs(B, H, Hkv, d, S, dt, strided, gen):
 
 def _run_module(B, H, Hkv, d, S, start, dt, gen, seed):
     from kdtree_engine.draft_config import DraftConfig
-    from kdtree_engine.kernels import dispatch
+    from kdtree_engine.kernels.policy import KernelPolicy
     from kdtree_engine.model.dflash import DFlashDrafter, rope_tables
     dcfg = DraftConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=H,
                        num_key_value_heads=Hkv, head_dim=d, block_size=B, mask_token_id=255,
                        target_layer_ids=(0, 3), num_target_layers=4, vocab_size=256, sliding_windows=(3, None))
-    drafter = DFlashDrafter.random(dcfg, seed=seed % 1000)
+    # the same weights under the torch paths and under the Triton kernels
+    drafters = {b: DFlashDrafter.random(dcfg, seed=seed % 1000, policy=KernelPolicy(dense=b)) for b in ("torch", "triton")}
     x = torch.randn(B, 64, generator=gen)
     k_ctx, v_ctx = torch.randn(Hkv, S, d, generator=gen), torch.randn(Hkv, S, d, generator=gen)
     q_pos = start + torch.arange(B)
     k_pos = torch.arange(start + B)
     cos, sin = rope_tables(q_pos, d, 10000.0, dt)
     rels = []
-    for layer in drafter.layers:   # layer 0 has a sliding window of 3, layer 1 none
-        attn = layer.self_attn
-        dispatch._DENSE_FORCED = "torch"
-        want = attn(x, cos, sin, k_ctx[:, :start], v_ctx[:, :start], q_pos, k_pos)
-        dispatch._DENSE_FORCED = "triton"
-        got = attn(x, cos, sin, k_ctx, v_ctx, q_pos, k_pos, None, torch.tensor(start))
+    for ref, tri in zip(drafters["torch"].layers, drafters["triton"].layers):   # layer 0: a window of 3; 1: none
+        want = ref.self_attn(x, cos, sin, k_ctx[:, :start], v_ctx[:, :start], q_pos, k_pos)
+        got = tri.self_attn(x, cos, sin, k_ctx, v_ctx, q_pos, k_pos, None, torch.tensor(start))
         rels.append(float((got.double() - want.double()).norm() / want.double().norm()))
     return {"ok_meta": True, "nonfinite": int((~got.isfinite()).sum()), "rel": max(rels), "seed": seed}
 

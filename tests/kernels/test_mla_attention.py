@@ -18,7 +18,7 @@ sys.path.insert(0, str(HERE.parent))
 
 from kdtree_engine.kernels.mla_attention import (MLAConfig, mla_attention, mla_attention_device,  # noqa: E402
                                                  tree_gather_index)
-from kdtree_engine.model.mla import mla_attention_reference  # noqa: E402
+from kdtree_engine.kernels.reference import mla_attention_reference  # noqa: E402
 
 C, R = 32, 16
 

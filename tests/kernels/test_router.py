@@ -19,7 +19,8 @@ sys.path.insert(0, str(HERE.parent))
 from kdtree_engine import reference  # noqa: E402
 from kdtree_engine.config import preset  # noqa: E402
 from kdtree_engine.kernels import dispatch  # noqa: E402
-from kdtree_engine.model.moe import route_torch  # noqa: E402
+from kdtree_engine.kernels.policy import KernelPolicy  # noqa: E402
+from kdtree_engine.kernels.reference import route_torch  # noqa: E402
 
 
 def _cfg(E: int, k: int, G: int, tg: int, norm: bool = True, scale: float = 2.5):
@@ -72,7 +73,7 @@ def test_dispatch_cpu_is_torch_path() -> None:
     gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
     cfg = _cfg(16, 4, 4, 2)
     logits, bias = torch.randn(5, 16, generator=gen), torch.randn(16, generator=gen) * 0.1
-    a, b = dispatch.route(logits, bias, cfg), route_torch(logits, bias, cfg)
+    a, b = dispatch.route(KernelPolicy(), logits, bias, cfg), route_torch(logits, bias, cfg)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 

@@ -81,17 +81,6 @@ def test_router_parts_are_cached_and_follow_the_weight():
     assert r.bf16x3_parts() is not b
 
 
-def test_forced_bf16x3_refuses_other_activations(monkeypatch):
-    from kdtree_engine.kernels import dispatch
-    monkeypatch.setattr(dispatch, "_DENSE_FORCED", "triton")
-    monkeypatch.setattr(dispatch, "_ROUTER_GEMM", "bf16x3")
-    w = torch.randn(8, 32)
-    with pytest.raises(ValueError, match="KDTREE_ROUTER_GEMM=bf16x3 needs bfloat16"):
-        dispatch.router_matmul(torch.randn(2, 32), w, bf16x3=lambda: split_bf16x3(w))
-    with pytest.raises(ValueError, match="no parts"):
-        dispatch.router_matmul(torch.randn(2, 32).bfloat16(), w)
-
-
 # ---------------------------------------------------------------------------------- interpreter
 
 # name: (M, N, K, options)
@@ -132,10 +121,11 @@ def _run_one(name, spec):
         rec["bad"] = rec["bad"][:10]
     if opt.get("dispatch"):
         from kdtree_engine.kernels import dispatch
-        dispatch._DENSE_FORCED = "triton"   # KDTREE_DENSE_BACKEND=triton, as the CPU tests force it
-        got = dispatch.router_matmul(x, w, partials=True, bf16x3=lambda: parts)
+        from kdtree_engine.kernels.policy import KernelPolicy
+        policy = KernelPolicy(dense="triton")   # KDTREE_DENSE_BACKEND=triton, as the CPU tests force it
+        got = dispatch.router_matmul(policy, x, w, partials=True, bf16x3=lambda: parts)
         rec["dispatch_same"] = bool(torch.equal(got, y))
-        rec["dispatch_logits"] = bool(torch.equal(dispatch.router_matmul(x, w, bf16x3=lambda: parts), logits))
+        rec["dispatch_logits"] = bool(torch.equal(dispatch.router_matmul(policy, x, w, bf16x3=lambda: parts), logits))
     return rec
 
 

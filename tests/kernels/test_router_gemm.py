@@ -109,10 +109,11 @@ def _run_one(name, spec):
 def _run_dispatch(name, spec):
     """The MoE router through the dispatch with the Triton backend forced: the router kernel's bits."""
     from kdtree_engine.kernels import dispatch
-    dispatch._DENSE_FORCED = "triton"   # KDTREE_DENSE_BACKEND=triton, as the CPU tests force it
+    from kdtree_engine.kernels.policy import KernelPolicy
+    policy = KernelPolicy(dense="triton")   # KDTREE_DENSE_BACKEND=triton, as the CPU tests force it
     gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
     x, w = torch.randn(3, 200, generator=gen).bfloat16(), torch.randn(16, 200, generator=gen)
-    return {"same": bool(torch.equal(dispatch.router_matmul(x, w), router_logits(x, w)))}
+    return {"same": bool(torch.equal(dispatch.router_matmul(policy, x, w), router_logits(x, w)))}
 
 
 CASES["dispatch_forced_triton"] = (0, 0, 0, "bf16", {"dispatch": True})

@@ -49,17 +49,17 @@ def _run_dispatch(L: int, V: int, dt: torch.dtype, ks: tuple, gen: torch.Generat
     """The engine's entry points with the Triton row kernels forced (as on CUDA): greedy() of 1-D and 3-D
     logits is torch.argmax's; topk_logprobs takes the kernel up to TOPK_MAX_K (ids of the stable-sort
     oracle) and torch's topk beyond (k = 200 here: its exact result)."""
-    from kdtree_engine.kernels import dispatch
-    from kdtree_engine.sampling import greedy
-    from kdtree_engine.speculative.tree import topk_logprobs, topk_logprobs_torch as tree_topk_torch
-    dispatch._DENSE_FORCED = "triton"
+    from kdtree_engine.kernels.policy import KernelPolicy
+    from kdtree_engine.kernels.reference import topk_logprobs_torch as reference_topk_torch
+    from kdtree_engine.sampling import greedy, topk_logprobs
+    policy = KernelPolicy(dense="triton")
     x = (torch.randn(2, L, V, generator=gen) * 3).to(dt)
     for logits in (x[0, 0], x):
-        if not torch.equal(greedy(logits), torch.argmax(logits, dim=-1)):
+        if not torch.equal(greedy(logits, policy=policy), torch.argmax(logits, dim=-1)):
             rec["bad"].append(f"greedy of {tuple(logits.shape)}")
     for k in ks:
-        lp, ids = topk_logprobs(x[0], k)
-        want_lp, want_ids = (topk_logprobs_torch if k <= TOPK_MAX_K else tree_topk_torch)(x[0], k)
+        lp, ids = topk_logprobs(x[0], k, policy=policy)
+        want_lp, want_ids = (topk_logprobs_torch if k <= TOPK_MAX_K else reference_topk_torch)(x[0], k)
         if not torch.equal(ids, want_ids) or (lp - want_lp).abs().max() > LP_TOL * max(1.0, float(want_lp.abs().max())):
             rec["bad"].append(f"topk_logprobs k={k}")
     return rec

@@ -17,6 +17,7 @@ HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parent))
 
 from kdtree_engine.kernels import dispatch  # noqa: E402
+from kdtree_engine.kernels.policy import KernelPolicy  # noqa: E402
 
 DT = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 ULPS = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -26,7 +27,7 @@ def test_dispatch_cpu_is_torch() -> None:
     g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
     gu = torch.randn(5, 2 * 37, generator=g).to(torch.bfloat16)
     gate, up = gu.chunk(2, dim=-1)
-    assert torch.equal(dispatch.silu_mul(gate, up), F.silu(gate) * up)
+    assert torch.equal(dispatch.silu_mul(KernelPolicy(), gate, up), F.silu(gate) * up)
 
 
 def test_rejects_bad_inputs() -> None:

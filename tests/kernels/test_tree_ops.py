@@ -15,7 +15,8 @@ HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parent))
 
 from kdtree_engine.kernels.tree_ops import build_tree_triton  # noqa: E402
-from kdtree_engine.speculative.tree import build_tree_heap, topk_logprobs  # noqa: E402
+from kdtree_engine.speculative.tree import build_tree_heap  # noqa: E402
+from kdtree_engine.sampling import topk_logprobs  # noqa: E402
 
 # name: (L, V, budget, kind)
 CASES = {
@@ -36,15 +37,14 @@ DEMO = HERE.parents[2] / "kdtree_engine" / "assets" / "demo"
 
 def _run_round(budget):
     from kdtree_engine.engine import load_drafter, load_target, load_tokenizer
-    from kdtree_engine.kernels import dispatch
     from kdtree_engine.sampling import SamplingParams
     from kdtree_engine.speculative.decode import generate
     from kdtree_engine.speculative.decode import generate_device
 
     if not (DEMO / "config.json").exists():
         return {"bad": [], "skipped": "no demo"}
-    dispatch._TREE_FORCED = "triton"
-    target = load_target(DEMO, device=torch.device("cpu"), dtype=torch.float32, progress=False)
+    target = load_target(DEMO, device=torch.device("cpu"), dtype=torch.float32, progress=False,
+                         policy=KernelPolicy(tree="triton"))
     drafter = load_drafter(DEMO / "draft", target)
     prompt = load_tokenizer(DEMO).encode("def add(a, b):\n    return").ids
     params = SamplingParams(max_tokens=24, ignore_eos=True)
@@ -66,7 +66,7 @@ def _run_one(name, spec):
         logits = (logits * 2).round() / 2  # many equal log-probs
     if kind == "neginf":
         logits[:, V // 2:] = float("-inf")
-    lp, ids = topk_logprobs(logits, max(budget, 1))
+    lp, ids = topk_logprobs(logits, max(budget, 1), policy=POLICY)
     lp, ids = lp[:, :max(budget, 1)], ids[:, :max(budget, 1)]
     ref = build_tree_heap(lp, ids, budget, 7, 30)
     got = build_tree_triton(lp, ids, budget, torch.tensor(7), torch.tensor(30))
@@ -76,6 +76,9 @@ def _run_one(name, spec):
 
 
 import _interp  # noqa: E402
+from kdtree_engine.kernels.policy import KernelPolicy  # noqa: E402
+
+POLICY = KernelPolicy()  # the default policy (batch invariance on, nothing forced)
 
 interp_results = _interp.results_fixture(HERE, list(CASES))
 

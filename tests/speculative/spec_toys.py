@@ -16,8 +16,11 @@ import math
 import torch
 
 from kdtree_engine.config import preset
+from kdtree_engine.kernels.policy import KernelPolicy
 from kdtree_engine.model.target import TargetOutput
 from kdtree_engine.sampling import SamplingParams, probs_from_logits
+
+POLICY = KernelPolicy()  # the default policy (batch invariance on, nothing forced)
 
 
 def _seed_of(*parts) -> int:
@@ -51,6 +54,7 @@ class PrefixTarget:
         self.vocab, self.seed, self.scale, self.hidden = vocab, seed, scale, hidden
         self.device = torch.device("cpu")
         self.dtype = torch.float32
+        self.policy = POLICY   # the kernel policy a target holds (its greedy / sampling picks)
         self._memo: dict[tuple[int, ...], torch.Tensor] = {}
         g = torch.Generator().manual_seed(seed + 1)
         self.embed_table = torch.randn(vocab, hidden, generator=g)
@@ -105,7 +109,7 @@ class PrefixTarget:
         for seq in itertools.product(range(self.vocab), repeat=n):
             p = 1.0
             for i in range(n):
-                p *= float(probs_from_logits(self.logits_of(tuple(prompt) + seq[:i]), params)[seq[i]])
+                p *= float(probs_from_logits(self.logits_of(tuple(prompt) + seq[:i]), params, policy=POLICY)[seq[i]])
                 if p == 0.0:
                     break
             if p > 0:
@@ -206,7 +210,7 @@ def first_tokens_distribution(target, prompt: list[int], params: SamplingParams,
         for seq, pr in out.items():
             ids = prompt + list(seq)
             logits = target(torch.tensor(ids, device=target.device), target.new_cache(len(ids) + 1)).logits[-1]
-            probs = probs_from_logits(logits, params)
+            probs = probs_from_logits(logits, params, policy=POLICY)
             for tok in torch.nonzero(probs).flatten().tolist():
                 nxt[seq + (tok,)] = pr * float(probs[tok])
         out = nxt

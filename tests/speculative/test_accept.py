@@ -2,7 +2,11 @@ import torch
 
 from kdtree_engine.sampling import SamplingParams
 from kdtree_engine.speculative.accept import accept, accept_reference, target_picks
-from kdtree_engine.speculative.tree import build_tree, chain_tree, topk_logprobs
+from kdtree_engine.speculative.tree import build_tree, chain_tree
+from kdtree_engine.sampling import topk_logprobs
+from kdtree_engine.kernels.policy import KernelPolicy  # noqa: E402
+
+POLICY = KernelPolicy()  # the default policy (batch invariance on, nothing forced)
 
 
 def test_accept_matches_reference_walk():
@@ -10,7 +14,7 @@ def test_accept_matches_reference_walk():
     for case in range(200):
         L, V = int(torch.randint(1, 6, (1,), generator=gen)), int(torch.randint(2, 6, (1,), generator=gen))
         budget = int(torch.randint(0, 25, (1,), generator=gen))
-        lp, ids = topk_logprobs(torch.randn(L, V, generator=gen), max(budget, 1))
+        lp, ids = topk_logprobs(torch.randn(L, V, generator=gen), max(budget, 1), policy=POLICY)
         tree = build_tree(lp, ids, budget, root_token=0, start=3)
         # picks mostly follow the drafter's top-2 at the next depth, so that long paths happen
         nxt = tree.depths.clamp(max=L - 1)  # [N1]
@@ -35,4 +39,4 @@ def test_chain_accept_prefix():
 
 def test_target_picks_greedy():
     logits = torch.tensor([[0.0, 1.0, 1.0], [3.0, 0.0, 0.0]])
-    assert target_picks(logits, SamplingParams()).tolist() == [1, 0]
+    assert target_picks(logits, SamplingParams(), policy=POLICY).tolist() == [1, 0]

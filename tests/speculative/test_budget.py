@@ -17,10 +17,14 @@ from kdtree_engine.speculative.budget import (AcceptanceCalibration, AutoBudget,
                                        default_candidates, expected_accepted_by_budget, set_verify_cost,
                                        verify_cost_for)
 from kdtree_engine.speculative.decode import SpecConfig, SpecError, generate
-from kdtree_engine.speculative.tree import build_tree_heap, topk_logprobs
+from kdtree_engine.speculative.tree import build_tree_heap
+from kdtree_engine.sampling import topk_logprobs
 
 from spec_toys import (PrefixTarget, ToyDrafter, chi_square_pvalue, oracle_proposals, random_proposals,
                        target_chain_proposals)
+from kdtree_engine.kernels.policy import KernelPolicy  # noqa: E402
+
+POLICY = KernelPolicy()  # the default policy (batch invariance on, nothing forced)
 
 
 def _brute_force(lp: torch.Tensor) -> list[float]:
@@ -38,7 +42,7 @@ def test_prefix_sums_match_brute_force(seed):
     g = torch.Generator().manual_seed(seed)
     L, V = int(torch.randint(1, 5, (1,), generator=g)), int(torch.randint(2, 6, (1,), generator=g))
     K = int(torch.randint(1, V + 1, (1,), generator=g))
-    lp, ids = topk_logprobs(torch.randn(L, V, generator=g) * 2, K)
+    lp, ids = topk_logprobs(torch.randn(L, V, generator=g) * 2, K, policy=POLICY)
     probs = _brute_force(lp)
     max_budget = len(probs) + 3  # past the number of prefixes: the tail stays flat
     e = expected_accepted_by_budget(lp, max_budget)
@@ -118,7 +122,7 @@ def test_early_stopping_choice_equals_full_argmax(seed):
     g = torch.Generator().manual_seed(seed)
     L, V = int(torch.randint(1, 8, (1,), generator=g)), int(torch.randint(2, 300, (1,), generator=g))
     max_budget = auto_max_budget(L + 1, V, cap=int(torch.randint(1, 200, (1,), generator=g)))
-    lp, _ = topk_logprobs(torch.randn(L, V, generator=g) * float(torch.rand(1, generator=g) * 6), max_budget)
+    lp, _ = topk_logprobs(torch.randn(L, V, generator=g) * float(torch.rand(1, generator=g) * 6), max_budget, policy=POLICY)
     ns = sorted({1, *torch.randint(2, 300, (4,), generator=g).tolist()})
     secs = torch.rand(len(ns), generator=g).sort().values * 1e-2 * float(torch.rand(1, generator=g) * 4)
     ab = AutoBudget(VerifyCostModel(dict(zip(ns, secs.tolist()))), max_budget)

@@ -11,22 +11,24 @@ from kdtree_engine.cache import LatentCache
 from kdtree_engine.config import preset
 from kdtree_engine.draft_config import DraftConfig
 from kdtree_engine.model.dflash import DFlashDrafter
-from kdtree_engine.model.mla import mla_attention_masked, mla_attention_reference
+from kdtree_engine.kernels.policy import KernelPolicy
+from kdtree_engine.kernels.reference import mla_attention_masked, mla_attention_reference
 from kdtree_engine.model.context import static_visibility
 from kdtree_engine.model.target import Target
-from kdtree_engine.sampling import SamplingParams
+from kdtree_engine.sampling import SamplingParams, topk_logprobs
 from kdtree_engine.speculative.accept import accept_path_mask, accept_reference
-from kdtree_engine.speculative.decode import SpecConfig, SpecError, generate, pick_round_mode
-from kdtree_engine.speculative.decode import generate_device
+from kdtree_engine.speculative.decode import SpecConfig, SpecError, generate, generate_device, pick_round_mode
 from kdtree_engine.speculative.device_round import accepted_order, emitted_tokens
-from kdtree_engine.speculative.tree import build_tree, topk_logprobs
+from kdtree_engine.speculative.tree import build_tree
+
+POLICY = KernelPolicy()  # the default policy (batch invariance on, nothing forced)
 
 DEMO = Path(__file__).resolve().parents[2] / "kdtree_engine" / "assets" / "demo"
 
 
 def _random_tree(g: torch.Generator, depth: int, vocab: int, budget: int):
     logits = torch.randn(depth, vocab, generator=g) * 3
-    lp, ids = topk_logprobs(logits, budget)
+    lp, ids = topk_logprobs(logits, budget, policy=POLICY)
     return build_tree(lp, ids, budget, torch.tensor(7), torch.tensor(30))
 
 
@@ -98,13 +100,13 @@ def test_static_visibility_and_masked_attention():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
-def _tiny_pair(block: int = 6):
+def _tiny_pair(block: int = 6, policy: KernelPolicy = POLICY):
     cfg = preset("k2-tiny")
-    target = Target.random(cfg, seed=0)
+    target = Target.random(cfg, seed=0, policy=policy)
     dcfg = DraftConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                        num_key_value_heads=2, head_dim=16, block_size=block, mask_token_id=255,
                        target_layer_ids=(0, 3), num_target_layers=4, vocab_size=256, sliding_windows=(3, None))
-    return target, DFlashDrafter.random(dcfg, seed=0)
+    return target, DFlashDrafter.random(dcfg, seed=0, policy=policy)
 
 
 def test_drafter_static_pass_equals_eager():

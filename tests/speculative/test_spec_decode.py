@@ -9,9 +9,13 @@ from kdtree_engine.model.dflash import DFlashDrafter, DraftMismatchError
 from kdtree_engine.model.target import Target
 from kdtree_engine.sampling import SamplingParams
 from kdtree_engine.speculative.decode import SpecConfig, SpecError, generate
-from kdtree_engine.speculative.tree import build_tree, topk_logprobs
+from kdtree_engine.speculative.tree import build_tree
+from kdtree_engine.sampling import topk_logprobs
 
 from spec_toys import ToyDrafter, oracle_proposals
+from kdtree_engine.kernels.policy import KernelPolicy  # noqa: E402
+
+POLICY = KernelPolicy()  # the default policy (batch invariance on, nothing forced)
 
 STATS = ("prompt_tokens", "generated_tokens", "prefill_s", "decode_s", "tokens_per_s", "rounds", "tau",
          "draft_tokens", "accepted_tokens", "accepted_per_depth", "draft_s", "tree_s", "verify_s", "commit_s")
@@ -154,7 +158,7 @@ def test_tree_verify_logits_match_plain_forward():
     target = Target.random(cfg, seed=9)
     prompt = [4, 8, 15, 16, 23]
     g = torch.Generator().manual_seed(0)
-    lp, ids = topk_logprobs(torch.randn(4, cfg.vocab_size, generator=g) * 3, 3)
+    lp, ids = topk_logprobs(torch.randn(4, cfg.vocab_size, generator=g) * 3, 3, policy=POLICY)
     tree = build_tree(lp, ids, 12, root_token=42, start=len(prompt))
     cache = target.new_cache(64)
     target(torch.tensor(prompt), cache)

@@ -3,8 +3,11 @@ import itertools
 import pytest
 import torch
 
-from kdtree_engine.speculative.tree import (build_tree, build_tree_heap, chain_tree, topk_logprobs,
-                                     tree_size)
+from kdtree_engine.speculative.tree import build_tree, build_tree_heap, chain_tree, tree_size
+from kdtree_engine.sampling import topk_logprobs
+from kdtree_engine.kernels.policy import KernelPolicy  # noqa: E402
+
+POLICY = KernelPolicy()  # the default policy (batch invariance on, nothing forced)
 
 
 def _random_logits(L, V, gen, ties=False):
@@ -71,7 +74,7 @@ def test_heap_matches_brute_force(ties):
         V = int(torch.randint(1, 5, (1,), generator=gen))
         budget = int(torch.randint(0, 30, (1,), generator=gen))
         logits = _random_logits(L, V, gen, ties)
-        lp, ids = topk_logprobs(logits, min(max(budget, 1), V))
+        lp, ids = topk_logprobs(logits, min(max(budget, 1), V), policy=POLICY)
         tree = build_tree_heap(lp, ids, budget, root_token=7, start=5)
         _check_structure(tree, 5, L)
         n = tree_size(budget, L, lp.shape[1])
@@ -105,7 +108,7 @@ def test_vectorized_identical_to_heap(ties):
         logits = _random_logits(L, V, gen, ties)
         if case % 7 == 0:
             logits[0, 0] = float("-inf")
-        lp, ids = topk_logprobs(logits, max(budget, 1))
+        lp, ids = topk_logprobs(logits, max(budget, 1), policy=POLICY)
         start = int(torch.randint(0, 100, (1,), generator=gen))
         ref = build_tree_heap(lp, ids, budget, root_token=3, start=start)
         vec = build_tree(lp, ids, budget, root_token=torch.tensor(3), start=torch.tensor(start))
@@ -116,7 +119,7 @@ def test_vectorized_identical_to_heap(ties):
 
 def test_budget_one_and_zero():
     logits = torch.tensor([[0.0, 3.0, 1.0], [5.0, 0.0, 0.0]])
-    lp, ids = topk_logprobs(logits, 1)
+    lp, ids = topk_logprobs(logits, 1, policy=POLICY)
     t = build_tree(lp, ids, 1, root_token=2, start=10)
     assert t.tokens.tolist() == [2, 1] and t.positions.tolist() == [10, 11]
     t0 = build_tree(lp, ids, 0, root_token=2, start=10)
@@ -126,7 +129,7 @@ def test_budget_one_and_zero():
 def test_heap_prefers_sibling_over_deep_chain():
     # depth-1 distribution is flat over 2 tokens, depth 2 is uncertain: the 2nd root child beats depth 2
     logits = torch.log(torch.tensor([[0.5, 0.5, 1e-6], [0.4, 0.3, 0.3]]))
-    lp, ids = topk_logprobs(logits, 2)
+    lp, ids = topk_logprobs(logits, 2, policy=POLICY)
     t = build_tree_heap(lp, ids, 2, root_token=9, start=0)
     assert t.depths.tolist() == [0, 1, 1]
 
