@@ -79,11 +79,4 @@ def head_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch
     return out
 
 
-def head_norm_rope_torch(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
-                         sin: torch.Tensor) -> torch.Tensor:
-    from ..model.dflash import apply_rope_half
-    from ..model.layers import rms_norm_torch
-    return apply_rope_half(rms_norm_torch(x, weight, eps), cos, sin)
-
-
-__all__ = ["head_norm_rope", "head_norm_rope_torch"]
+__all__ = ["head_norm_rope"]

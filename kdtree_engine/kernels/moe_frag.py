@@ -40,7 +40,7 @@ if HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
 
-    from kdtree_engine.kernels.w4_frag import (_frag_loop, _frag_loop_wg, _stream_program, _word_ptrs, cta_barrier,
+    from kdtree_engine.kernels.w4_frag import (frag_loop, frag_loop_wg, stream_program_gl, word_ptrs, cta_barrier,
                                                mma_layout, operand_layout, pdl_wait_gl, wg_a_layout, wg_layout,
                                                wg_x_layout, WG_X_SMEM, x_layout)
 
@@ -49,7 +49,7 @@ if HAVE_GLUON:
 class FragMoEConfig:
     BLOCK_M: int = 8       # token rows per expert block = the MMA's token columns (re-tiles only): 8 or 16 on
     #                        mma.sync (32 / 64 would hold a [256 x 32 / 64] activation operand per thread: spills),
-    #                        32 or 64 on wgmma (w4_frag._frag_loop_wg: activations in shared memory; one
+    #                        32 or 64 on wgmma (w4_frag.frag_loop_wg: activations in shared memory; one
     #                        warpgroup; the same bits as mma.sync, GPU-tested). Programs are 4 warps of one
     #                        16-row MMA tile each: one 64-row partition tile (MOE_PARTITION_ROWS)
     P13: int | None = None   # gate/up programs per expert block (part of the reduction; None: moe_plan)
@@ -258,14 +258,14 @@ if HAVE_GLUON:
         (N / BN) row tiles x iters K blocks, row tile major (moe_plan): global blocks
         [p * work // programs, (p + 1) * work // programs), each run of them within one tile (a segment,
         unrolled: SEGS) one partial, written to out[slot, pair, n] with slot its index among the tile's segments.
-        STILE: the scales' order (w4_frag._word_ptrs). WHOLE: one program per row tile over all of K (programs =
+        STILE: the scales' order (w4_frag.word_ptrs). WHOLE: one program per row tile over all of K (programs =
         N / BN: program p is tile p, one partial; without the division the 8-token down program keeps 9 fewer
         registers).
         GATE_UP: x [T, H] rows pair // TOPK, weight rows n and UP_ROW + n -> out[slot, pair, n] and
         out[slot, pair, UP_ROW + n] (fp32 gate / up partials). Else (down): x = inter [P, I] rows pair ->
         out[slot, pair, n] = router weight x the partial down sum. PDL (pdl.py): launched dependent on the
         align launch (gate/up: waits first) or the SwiGLU launch (down: waits after its first weight loads;
-        the blocks are two launches back, complete). WG: wgmma programs (w4_frag._frag_loop_wg, one
+        the blocks are two launches back, complete). WG: wgmma programs (w4_frag.frag_loop_wg, one
         warpgroup).
         FUSE (fused_moe_frag's small launches): the epilogue launches' work done by the last program of each tile
         (_last_arrival on cnt_ptr): gate/up, the SwiGLU of the tile's partials (at most SLOTS) into fin = inter
@@ -303,11 +303,11 @@ if HAVE_GLUON:
                     t = g // iters
                     b0 = g - t * iters
                     nb = gl.minimum(iters - b0, end - g)
-                    slot = p - _stream_program(t * iters, work, programs)
+                    slot = p - stream_program_gl(t * iters, work, programs)
                     n0 = t * BN
-                w0, s0 = _word_ptrs(we, se, n0, stride_wn, stride_sn, b0, WL, BN, GPB, TILE, STILE)
+                w0, s0 = word_ptrs(we, se, n0, stride_wn, stride_sn, b0, WL, BN, GPB, TILE, STILE)
                 if GATE_UP:
-                    w1, s1 = _word_ptrs(we, se, UP_ROW + n0, stride_wn, stride_sn, b0, WL, BN, GPB, TILE, STILE)
+                    w1, s1 = word_ptrs(we, se, UP_ROW + n0, stride_wn, stride_sn, b0, WL, BN, GPB, TILE, STILE)
                 else:
                     w1, s1 = w0, s0
                 acc0 = gl.zeros([BN, TOK], gl.float32, layout=MMA)
@@ -321,7 +321,7 @@ if HAVE_GLUON:
                     xr = (pair // TOPK).to(gl.int64) if GATE_UP else pair.to(gl.int64)
                     x_ptrs = x_ptr + gl.expand_dims(xr, 1) * stride_xt + gl.expand_dims(rk, 0) + b0 * BK
                     cta_barrier()   # the buffers' last reader (the previous segment's MMA) is done
-                    acc0, acc1 = _frag_loop_wg(acc0, acc1, w0, s0, w1, s1, x_ptrs, gl.expand_dims(ok, 1), nb, xs,
+                    acc0, acc1 = frag_loop_wg(acc0, acc1, w0, s0, w1, s1, x_ptrs, gl.expand_dims(ok, 1), nb, xs,
                                                GATE_UP, wg_a_layout(TOK, num_warps), BN, GPB, PDL and not GATE_UP,
                                                TILE, STILE)
                 else:
@@ -333,7 +333,7 @@ if HAVE_GLUON:
                     xr = (pair // TOPK).to(gl.int64) if GATE_UP else pair.to(gl.int64)
                     # the block offset added last: folded into the tensor first it cost the 16-token down 39 registers
                     x_ptrs = x_ptr + gl.expand_dims(xr, 0) * stride_xt + gl.expand_dims(rk, 1) + b0 * BK
-                    acc0, acc1 = _frag_loop(acc0, acc1, w0, s0, w1, s1, x_ptrs, gl.expand_dims(ok, 0), nb, GATE_UP,
+                    acc0, acc1 = frag_loop(acc0, acc1, w0, s0, w1, s1, x_ptrs, gl.expand_dims(ok, 0), nb, GATE_UP,
                                             X_AHEAD, AL, BL, BN, GPB, PDL and not GATE_UP, TILE, STILE=STILE)
                 # the output pointers after the K loop (not live through it)
                 pair_o, ok_o = _block_pairs(sorted_ptr, pid_b, rows, TOK, gl.SliceLayout(0, MMA))
@@ -353,8 +353,8 @@ if HAVE_GLUON:
                             n_slots = 1
                             last = True
                         else:
-                            n_slots = (_stream_program(t * iters + iters - 1, work, programs)
-                                       - _stream_program(t * iters, work, programs) + 1)
+                            n_slots = (stream_program_gl(t * iters + iters - 1, work, programs)
+                                       - stream_program_gl(t * iters, work, programs) + 1)
                             last = _last_arrival(cnt_ptr + pid_b * (work // iters) + t, n_slots)
                         if last:
                             i_ptrs = (fin_ptr + gl.expand_dims(pair_o.to(gl.int64), 0) * stride_ft + n0

@@ -22,7 +22,7 @@ import triton.language as tl
 
 from .common import DTYPES
 from .pdl import pdl_launch, pdl_supported, pdl_wait
-from .rmsnorm import _warps
+from .rmsnorm import row_warps
 
 
 @triton.jit
@@ -129,23 +129,8 @@ def latent_write(kva: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: 
     block_c = triton.next_power_of_2(C)
     _latent_write_kernel[(T,)](kva, norm_weight.contiguous(), cos, sin, kv, slots.contiguous(), C, R // 2,
                                float(eps), kva.stride(0), cos.stride(0), kv.stride(0), BLOCK_C=block_c,
-                               BLOCK_R2=triton.next_power_of_2(R // 2), num_warps=_warps(block_c),
+                               BLOCK_R2=triton.next_power_of_2(R // 2), num_warps=row_warps(block_c),
                                enable_fp_fusion=False, **pdl_launch(pdl_supported(kva.device)))
 
 
-# ---- torch (CPU path, oracle) ------------------------------------------------------------------
-
-def rope_heads_torch(q: torch.Tensor, nope: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    from ..model.layers import apply_rope
-    return apply_rope(q[..., nope:], cos, sin)
-
-
-def latent_write_torch(kva: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: torch.Tensor,
-                       sin: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor) -> None:
-    from ..model.layers import apply_rope, rms_norm_torch
-    C = norm_weight.shape[0]
-    row = torch.cat([rms_norm_torch(kva[:, :C], norm_weight, eps), apply_rope(kva[:, C:], cos, sin)], dim=-1)
-    kv.index_copy_(0, slots, row.to(kv.dtype))
-
-
-__all__ = ["rope_heads", "latent_write", "rope_heads_torch", "latent_write_torch"]
+__all__ = ["rope_heads", "latent_write"]

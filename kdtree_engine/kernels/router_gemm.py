@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from .common import DTYPES
+from .gemm import Reduction, bi_shared_x_partials
 from .pdl import pdl_launch, pdl_supported, pdl_wait
 from .split_sum import split_sum
 
@@ -133,7 +134,6 @@ def router_logits_bf16x3(x: torch.Tensor, parts: torch.Tensor) -> torch.Tensor:
     BF16X3_BLOCK_K steps). Their sum in index order (route's split partials) is the logits. The bf16 products of x
     and each part are exact, so the error is the float32 accumulation's alone (about a float32 GEMM's).
     Batch-invariant: a row's partials do not depend on M."""
-    from .gemm import Reduction, bi_shared_x_partials
     if x.dim() != 2 or parts.dim() != 3 or parts.shape[0] != 3 or x.shape[1] != parts.shape[2]:
         raise ValueError(f"router_logits_bf16x3: x [M, K] and parts [3, N, K] with the same K, got "
                          f"{tuple(x.shape)} and {tuple(parts.shape)}")

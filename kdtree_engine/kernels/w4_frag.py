@@ -1,7 +1,7 @@
 """Fragment-ordered W4A16 GEMM (GPU only): the packed weights are loaded straight into the
 registers of an mma.sync A operand, dequantized there, and never pass through shared memory.
 Programs of more than 16 tokens use the same registers as the A operand of a warpgroup MMA (wgmma; one or two
-warpgroups per program), with the activations its shared-memory B operand (_frag_loop_wg); wgmma and mma.sync
+warpgroups per program), with the activations its shared-memory B operand (frag_loop_wg); wgmma and mma.sync
 give the same bits. frag_linear(mma="wgmma-async") runs that loop with one wgmma chain in flight while the next 64 k
 are dequantized (_frag_loop_wga; opt-in: compiled and checked offline, bench/frag_aot.py, its GPU tests and
 timings still to run).
@@ -42,12 +42,14 @@ import torch
 import triton
 
 from kdtree_engine.kernels.pdl import PDL_ASM, pdl_launch, pdl_supported
+from kdtree_engine.kernels.split_sum import Partition, stream_sum
 from kdtree_engine.kernels.w4_dequant import BF16X2_PTX
+from kdtree_engine.logs import log_once
 from kdtree_engine.quant import pack_int4, unpack_int4
 
 LANES_T = 4          # threads of one MMA row group that share a row (lane % 4)
 
-# activation loads of _frag_loop -> (X_SMEM, X_AHEAD); the same values reach the same MMAs (the same bits):
+# activation loads of frag_loop -> (X_SMEM, X_AHEAD); the same values reach the same MMAs (the same bits):
 #   operand     in the MMA operand layout, at use (4-byte loads; every warp loads the whole block)
 #   smem        16 bytes per thread (x_layout), relabelled into the operand through shared memory, at use
 #   smem-ahead  the same, one block ahead like the weights
@@ -214,7 +216,7 @@ except ImportError:  # pragma: no cover - depends on the installed triton
 
 if HAVE_GLUON:
     DEQ_ASM = gl.constexpr(BF16X2_PTX)   # output j = nibble j (w4_dequant.py)
-    # the two activation buffers [2, TOK, BK] bf16 of _frag_loop_wg (the wgmma B operand, 128-byte swizzle)
+    # the two activation buffers [2, TOK, BK] bf16 of frag_loop_wg (the wgmma B operand, 128-byte swizzle)
     WG_X_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
     WAIT_ASM = gl.constexpr(PDL_ASM)
 
@@ -294,7 +296,7 @@ if HAVE_GLUON:
         return gl.convert_layout(a, AL, assert_trivial=True)   # a relabelling: no data moves
 
     @gluon.jit
-    def _word_ptrs(w_ptr, s_ptr, row0, stride_wn, stride_sn, kb0,
+    def word_ptrs(w_ptr, s_ptr, row0, stride_wn, stride_sn, kb0,
                    WL: gl.constexpr, BN: gl.constexpr, GPB: gl.constexpr, TILE: gl.constexpr,
                    STILE: gl.constexpr = 0):
         """Pointers of block kb0 of rows row0 .. row0+BN: words [BN, 4, GPB], scales (same for the 4 t).
@@ -342,7 +344,7 @@ if HAVE_GLUON:
         return a0, c0, a1, c1
 
     @gluon.jit
-    def _frag_loop(acc0, acc1, w0, s0, w1, s1, x_ptrs, x_mask, nblk,
+    def frag_loop(acc0, acc1, w0, s0, w1, s1, x_ptrs, x_mask, nblk,
                    TWO: gl.constexpr, X_AHEAD: gl.constexpr, AL: gl.constexpr, BL: gl.constexpr,
                    BN: gl.constexpr, GPB: gl.constexpr, WAIT: gl.constexpr, TILE: gl.constexpr,
                    PAIRS: gl.constexpr = False, STILE: gl.constexpr = 0):
@@ -351,13 +353,13 @@ if HAVE_GLUON:
         (its load issued after the current block's relabel into BL), else they are loaded at use. x_ptrs /
         x_mask: in x_layout (relabelled through shared memory) or in BL (the relabel is a no-op). WAIT: the
         first block's weights are requested before pdl_wait, the activations after it. TILE: the words'
-        order (_word_ptrs), which sets the step from one block to the next. PAIRS: two blocks per trip, the
+        order (word_ptrs), which sets the step from one block to the next. PAIRS: two blocks per trip, the
         words in flight alternating between two named register sets instead of being moved into place after
         every block (8-token dense programs: 304 against 349 instructions per block and warp offline, 122
         against 108 registers; 16-token programs would need 156 and spill at 128)."""
         BK: gl.constexpr = 32 * GPB
         WSTEP: gl.constexpr = 4 * GPB * (TILE if TILE else 1)   # words from one block to the next
-        SSTEP: gl.constexpr = GPB * (STILE if STILE else 1)     # scales (_word_ptrs)
+        SSTEP: gl.constexpr = GPB * (STILE if STILE else 1)     # scales (word_ptrs)
         a0, c0, a1, c1 = _load_words(w0, s0, w1, s1, TWO)
         if WAIT:
             pdl_wait_gl()
@@ -419,7 +421,7 @@ if HAVE_GLUON:
         return acc0, acc1
 
     @gluon.jit
-    def _frag_loop_wg(acc0, acc1, w0, s0, w1, s1, x_ptrs, x_mask, nblk, xs,
+    def frag_loop_wg(acc0, acc1, w0, s0, w1, s1, x_ptrs, x_mask, nblk, xs,
                       TWO: gl.constexpr, AL: gl.constexpr, BN: gl.constexpr, GPB: gl.constexpr,
                       WAIT: gl.constexpr, TILE: gl.constexpr, STILE: gl.constexpr = 0):
         """acc0 (+ acc1 with TWO) [64, TOK] += A0 (A1) @ x over nblk blocks, by wgmma: the dequantized weights
@@ -501,7 +503,7 @@ if HAVE_GLUON:
     def _frag_loop_wga(acc, w0, s0, x_ptrs, x_mask, nblk, xs, AL: gl.constexpr, WSUB: gl.constexpr,
                        BN: gl.constexpr, GPB: gl.constexpr, WAIT: gl.constexpr, TILE: gl.constexpr,
                        STILE: gl.constexpr = 0):
-        """_frag_loop_wg with asynchronous MMAs (GPB 8): each block's MMAs in four sub-blocks of 64 k, one
+        """frag_loop_wg with asynchronous MMAs (GPB 8): each block's MMAs in four sub-blocks of 64 k, one
         wgmma chain in flight while the next sub-block is dequantized (_wga_block), so the tensor cores run
         beside the dequantization. The same MMAs on the same values in the same k order as the synchronous
         loop (the same bits). The activations of block i sit in xs[i % 2]; block i + 1's are stored into the
@@ -539,7 +541,7 @@ if HAVE_GLUON:
         return acc
 
     @gluon.jit
-    def _stream_program(block, work, programs):
+    def stream_program_gl(block, work, programs):
         """stream_program in the kernel: the program whose range holds global K block `block`."""
         return ((block + 1) * programs - 1) // work
 
@@ -557,7 +559,7 @@ if HAVE_GLUON:
         one partial, written to out[slot, m, n] with slot its index among the tile's segments (stream_sum adds
         a tile's slots alone). The partition is fixed by the shape, never by M. The token tiles of one weight
         range are adjacent program ids: they run together and the weights are read from DRAM about once.
-        PDL: launched dependent on the kernel that wrote x (pdl.py). PAIRS: _frag_loop's two blocks per trip
+        PDL: launched dependent on the kernel that wrote x (pdl.py). PAIRS: frag_loop's two blocks per trip
         (mma.sync)."""
         BN: gl.constexpr = 16 * num_warps * MT
         BK: gl.constexpr = 32 * GPB
@@ -577,10 +579,10 @@ if HAVE_GLUON:
                 t = g // iters
                 b0 = g - t * iters
                 nb = gl.minimum(iters - b0, end - g)
-                slot = p - _stream_program(t * iters, work, programs)
+                slot = p - stream_program_gl(t * iters, work, programs)
                 for h in gl.static_range(PT // BN):   # the partition's row tile in passes of BN rows
                     row0 = t * PT + h * BN
-                    w_ptrs, s_ptrs = _word_ptrs(w_ptr, s_ptr, row0, stride_wn, stride_sn, b0, WL, BN, GPB, TILE,
+                    w_ptrs, s_ptrs = word_ptrs(w_ptr, s_ptr, row0, stride_wn, stride_sn, b0, WL, BN, GPB, TILE,
                                                 STILE)
                     acc = gl.zeros([BN, TOK], gl.float32, layout=MMA)
                     if WG:
@@ -594,7 +596,7 @@ if HAVE_GLUON:
                             acc = _frag_loop_wga(acc, w_ptrs, s_ptrs, x_ptrs, gl.expand_dims(rm, 1) < M, nb, xs,
                                                  wg_a_layout(TOK, num_warps), WSUB, BN, GPB, PDL, TILE, STILE)
                         else:
-                            acc, unused = _frag_loop_wg(acc, acc, w_ptrs, s_ptrs, w_ptrs, s_ptrs, x_ptrs,
+                            acc, unused = frag_loop_wg(acc, acc, w_ptrs, s_ptrs, w_ptrs, s_ptrs, x_ptrs,
                                                         gl.expand_dims(rm, 1) < M, nb, xs, False,
                                                         wg_a_layout(TOK, num_warps), BN, GPB, PDL, TILE, STILE)
                     else:
@@ -602,7 +604,7 @@ if HAVE_GLUON:
                         rk = gl.arange(0, BK, layout=gl.SliceLayout(1, XL))
                         rm = m0 + gl.arange(0, TOK, layout=gl.SliceLayout(0, XL))
                         x_ptrs = x_ptr + gl.expand_dims(rm, 0) * stride_xm + gl.expand_dims(rk, 1) + b0 * BK
-                        acc, unused = _frag_loop(acc, acc, w_ptrs, s_ptrs, w_ptrs, s_ptrs, x_ptrs,
+                        acc, unused = frag_loop(acc, acc, w_ptrs, s_ptrs, w_ptrs, s_ptrs, x_ptrs,
                                                  gl.expand_dims(rm, 0) < M, nb, False, X_AHEAD, AL, BL, BN, GPB,
                                                  PDL, TILE, PAIRS, STILE)
                     # y[m, n] = acc[n, m]
@@ -676,7 +678,7 @@ def stream_programs(tiles: int, iters: int, wanted: int) -> int:
 
 def stream_program(block: int, work: int, programs: int) -> int:
     """The program whose range [p * work // programs, (p + 1) * work // programs) holds global K block `block`
-    (the kernels' _stream_program)."""
+    (the kernels' stream_program_gl)."""
     return ((block + 1) * programs - 1) // work
 
 
@@ -699,7 +701,6 @@ def dense_partition(tiles: int, iters: int, programs: int) -> tuple[int, int]:
     if segments > DENSE_MAX_SEGMENTS:
         raise ValueError(f"dense_partition: {programs} programs over {tiles} tiles x {iters} blocks touch up to "
                          f"{segments} tiles each (at most {DENSE_MAX_SEGMENTS}: the kernel unrolls them)")
-    from ..logs import log_once   # once per partition (this function is cached)
     log_once(f"stream-partition:{tiles}:{iters}:{programs}", f"fragment W4A16 stream partition: {tiles} row tiles x "
              f"{iters} K blocks over {programs} programs (partials per tile: {slots}, segments per program: "
              f"{segments})")
@@ -727,7 +728,7 @@ def token_mma(tok: int) -> str:
 
 
 def token_pairs(tok: int, mt: int = 1) -> bool:
-    """Whether the mma.sync loop of a token tile runs two blocks per trip (_frag_loop PAIRS): 8-token programs of
+    """Whether the mma.sync loop of a token tile runs two blocks per trip (frag_loop PAIRS): 8-token programs of
     one MMA tile per warp (122 registers, 4 per SM as before; 36864 x 7168 at M = 1: 43.6 against 46.3 us,
     bench/results/w4-frag-h200-pairs.md); 16-token ones need 156 (69.0 against 61.7 us at M = 16), and 2 tiles
     per warp crash triton 3.6's LLVM lowering."""
@@ -790,7 +791,6 @@ def frag_linear(x: torch.Tensor, wq: torch.Tensor, s: torch.Tensor, *, gpb: int 
     on the partition alone: any token tile, MMA, warps, loads, word order and register cap give them."""
     if not HAVE_GLUON:
         raise RuntimeError("the fragment-ordered W4A16 kernels need triton.experimental.gluon (triton >= 3.5)")
-    from kdtree_engine.kernels.split_sum import Partition, stream_sum
 
     M, K = x.shape
     N = wq.shape[0]
