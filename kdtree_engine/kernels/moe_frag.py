@@ -33,10 +33,10 @@ from kdtree_engine.kernels.split_sum import Partition
 from kdtree_engine.kernels.w4_dequant import DEQ_FLOAT
 from kdtree_engine.kernels.common import bucket
 from kdtree_engine.kernels.pdl import pdl_launch, pdl_supported
-from kdtree_engine.kernels.w4_frag import (HAVE_GLUON, X_LOADS, dense_partition, frag_gpb, frag_unsupported,
-                                           stream_programs, tile_unsupported, word_layout)
+from kdtree_engine.kernels.w4_frag import (HAVE_GLUON, dense_partition, frag_gpb, frag_unsupported, stream_programs,
+                                           tile_unsupported, word_layout)
 
-if HAVE_GLUON:
+if HAVE_GLUON:   # optional: the Gluon kernels exist only on a triton with gluon (w4_frag.HAVE_GLUON)
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
 
@@ -55,14 +55,8 @@ class FragMoEConfig:
     P13: int | None = None   # gate/up programs per expert block (part of the reduction; None: moe_plan)
     P2: int | None = None    # down programs per expert block (part of the reduction; None: moe_plan)
     GPB: int | None = None       # groups per K block of both matrices (None: frag_gpb(K) of each)
-    XLOAD: str = "smem-ahead"    # how the gate/up GEMM loads activations (X_LOADS; the same bits)
-    XLOAD2: str | None = None    # the down GEMM's (None: XLOAD)
-    MAXNREG13: int = 0     # register caps of the gate/up and down kernels (0: the compiler's); the same code.
-    MAXNREG2: int = 0      # MAXNREG2 72 / 80 (5-6 programs per SM) measured slower (bench/results/w4-frag-h200-tune2.md)
-    EPI_BLOCK: int = 256   # elements per program of the SwiGLU and top-k sum launches (elementwise: same bits);
-    #                        T = 1: 71.4 against 72.6 us with 1024 (bench/results/w4-frag-h200-direct.md)
-    PDL: bool = True       # every launch a programmatic dependent (pdl.py; the same bits): T = 1 67.8 against
-    #                        70.1 us, T = 16 742 against 753 (bench/results/w4-frag-h200-pdl.md)
+    EPI_BLOCK: int = 256   # elements per program of the SwiGLU and top-k sum launches (elementwise: same bits)
+    PDL: bool = True       # every launch a programmatic dependent (pdl.py; the same bits)
 
     @property
     def wgmma(self) -> bool:
@@ -76,16 +70,8 @@ class FragMoEConfig:
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise ValueError(f"FragMoEConfig.{name} must be None or >= 1 programs per expert block, got {v}")
-        for name in ("XLOAD", "XLOAD2"):
-            v = getattr(self, name)
-            if v not in X_LOADS and not (name == "XLOAD2" and v is None):
-                raise ValueError(f"FragMoEConfig.{name} must be one of {sorted(X_LOADS)}, got {v!r}")
         if self.EPI_BLOCK < 128 or self.EPI_BLOCK & (self.EPI_BLOCK - 1):
             raise ValueError(f"FragMoEConfig.EPI_BLOCK must be a power of 2 >= 128, got {self.EPI_BLOCK}")
-        for name in ("MAXNREG13", "MAXNREG2"):
-            v = getattr(self, name)
-            if v and not 24 <= v <= 255:
-                raise ValueError(f"FragMoEConfig.{name} must be 0 or 24..255, got {v}")
 
 
 MOE_PARTITION_ROWS = 64   # rows of a partition tile = a program's rows (MOE_WARPS warps x one 16-row MMA tile)
@@ -250,7 +236,7 @@ if HAVE_GLUON:
                          stride_os, stride_ot, iters, work, programs,
                          fin_ptr, stride_ft, cnt_ptr, ids_ptr, n_tok, n_experts, add_ptr, stride_at,
                          GATE_UP: gl.constexpr, TOK: gl.constexpr, GPB: gl.constexpr, WL: gl.constexpr,
-                         X_SMEM: gl.constexpr, X_AHEAD: gl.constexpr, PDL: gl.constexpr, TILE: gl.constexpr,
+                         PDL: gl.constexpr, TILE: gl.constexpr,
                          SEGS: gl.constexpr, WHOLE: gl.constexpr, num_warps: gl.constexpr, WG: gl.constexpr = False,
                          FUSE: gl.constexpr = False, SLOTS: gl.constexpr = 1, TOPK_C: gl.constexpr = 8,
                          ADD: gl.constexpr = False, STILE: gl.constexpr = 0):
@@ -327,14 +313,14 @@ if HAVE_GLUON:
                 else:
                     AL: gl.constexpr = operand_layout(0, num_warps)
                     BL: gl.constexpr = operand_layout(1, num_warps)
-                    XL: gl.constexpr = x_layout(BK, TOK, num_warps, X_SMEM)
+                    XL: gl.constexpr = x_layout(BK, num_warps)
                     pair, ok = _block_pairs(sorted_ptr, pid_b, rows, TOK, gl.SliceLayout(0, XL))
                     rk = gl.arange(0, BK, layout=gl.SliceLayout(1, XL))
                     xr = (pair // TOPK).to(gl.int64) if GATE_UP else pair.to(gl.int64)
                     # the block offset added last: folded into the tensor first it cost the 16-token down 39 registers
                     x_ptrs = x_ptr + gl.expand_dims(xr, 0) * stride_xt + gl.expand_dims(rk, 1) + b0 * BK
                     acc0, acc1 = frag_loop(acc0, acc1, w0, s0, w1, s1, x_ptrs, gl.expand_dims(ok, 0), nb, GATE_UP,
-                                            X_AHEAD, AL, BL, BN, GPB, PDL and not GATE_UP, TILE, STILE=STILE)
+                                           AL, BL, BN, GPB, PDL and not GATE_UP, TILE, STILE=STILE)
                 # the output pointers after the K loop (not live through it)
                 pair_o, ok_o = _block_pairs(sorted_ptr, pid_b, rows, TOK, gl.SliceLayout(0, MMA))
                 if not GATE_UP:
@@ -434,25 +420,22 @@ def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor
         x.stride(0), w13_q.stride(0), w13_q.stride(1), w13_scale.stride(0), w13_scale.stride(1),
         part.stride(0), part.stride(1), part13.iters, part13.work, part13.programs,
         inter, inter.stride(0), cnt13, ids, T, E, inter, 0, FUSE=fuse, SLOTS=slots13, TOPK_C=topk,
-        GATE_UP=True, TOK=cfg.BLOCK_M, GPB=g13, WL=word_layout(MOE_WARPS, 1, g13),
-        X_SMEM=X_LOADS[cfg.XLOAD][0], X_AHEAD=X_LOADS[cfg.XLOAD][1], TILE=tile, SEGS=segs13,
+        GATE_UP=True, TOK=cfg.BLOCK_M, GPB=g13, WL=word_layout(MOE_WARPS, g13), TILE=tile, SEGS=segs13,
         WHOLE=part13.programs == part13.tiles, num_warps=MOE_WARPS,
-        WG=cfg.wgmma, STILE=stile, **pdl, **({"maxnreg": cfg.MAXNREG13} if cfg.MAXNREG13 else {}))
+        WG=cfg.wgmma, STILE=stile, **pdl)
     if not fuse:
         moe_swiglu(part, inter, ids, E, slots13, part13, DEQ_FLOAT, min(cfg.EPI_BLOCK, triton.next_power_of_2(I)),
                    on)
     y = torch.empty((slots2, P, H), device=x.device, dtype=torch.float32)
-    xload2 = cfg.XLOAD2 or cfg.XLOAD
     _moe_frag_kernel[(blocks, part2.programs)](
         inter, w2_q, w2_scale, y, tw, sorted_pairs, blk_expert, blk_rows, 0, 1,
         inter.stride(0), w2_q.stride(0), w2_q.stride(1), w2_scale.stride(0), w2_scale.stride(1),
         y.stride(0), y.stride(1), part2.iters, part2.work, part2.programs,
         out, out.stride(0), cnt2, ids, T, E, out if add is None else add, 0 if add is None else add.stride(0),
         FUSE=fuse2, SLOTS=slots2, TOPK_C=topk, ADD=fuse2 and add is not None,
-        GATE_UP=False, TOK=cfg.BLOCK_M, GPB=g2, WL=word_layout(MOE_WARPS, 1, g2),
-        X_SMEM=X_LOADS[xload2][0], X_AHEAD=X_LOADS[xload2][1], TILE=tile, SEGS=segs2,
+        GATE_UP=False, TOK=cfg.BLOCK_M, GPB=g2, WL=word_layout(MOE_WARPS, g2), TILE=tile, SEGS=segs2,
         WHOLE=part2.programs == part2.tiles, num_warps=MOE_WARPS,
-        WG=cfg.wgmma, STILE=stile, **pdl, **({"maxnreg": cfg.MAXNREG2} if cfg.MAXNREG2 else {}))
+        WG=cfg.wgmma, STILE=stile, **pdl)
     if not fuse2:
         moe_topk_sum(y, out, ids, E, topk, slots2, part2, cfg.EPI_BLOCK, on, add=add)
     return out
