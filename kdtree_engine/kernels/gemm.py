@@ -112,8 +112,7 @@ K2_CONFIGS: dict[tuple[int, int], tuple[Reduction, list[tuple[int, Tile]] | None
 }
 
 # Per-shape M-bucket tiles of float32 weights (the FMA dot: a tile never changes the bits): the K2 router
-# [384 x 7168], 96 programs of 16 x 64 at 2 stages ran 34 us at M = 1..16 (0.32 TB/s; cuBLAS 8-24 us);
-# these tiles 24 / 27 / 59 / 141 us at M = 1-4 / 16 / 64 / 129 (bench/results/router-h200-tiles.md).
+# [384 x 7168] on more, smaller programs than the default tiles (measured: docs/performance_history.md).
 FP32_TILES: dict[tuple[int, int], list[tuple[int, Tile]]] = {
     (384, 7168): [(4, Tile(16, 16, 1, 8)), (16, Tile(16, 32, 2, 6)), (64, Tile(32, 32, 4, 4)),
                   (1 << 62, Tile(16, 64, 4, 4))],
@@ -121,9 +120,8 @@ FP32_TILES: dict[tuple[int, int], list[tuple[int, Tile]]] = {
 
 # Per-head (the MLA absorption, bi_head_linear) M-bucket tiles by (N, K), the default buckets beyond the last
 # (tiles never change the bits). q_nope x W_UK ([512 x 128] per head, a transposed view of kv_b_proj's rows) is
-# one K step per program: the default 6-stage tile holds one program per SM; 2 stages give 3.9 / 3.9 / 4.0 us
-# at M = 1 / 4 / 16 against 6.4 / 6.5 / 6.5 over 64 heads (1.5 against 1.7 over 8), where o_lat x W_UV keeps the
-# default (python3 bench/gemm.py --sweep-heads, bench/results/gemm-heads-h200-sweep.log).
+# one K step per program: the default 6-stage tile holds one program per SM, 2 stages several (faster; o_lat x
+# W_UV keeps the default: python3 bench/gemm.py --sweep-heads, docs/performance_history.md).
 HEAD_TILES: dict[tuple[int, int], list[tuple[int, Tile]]] = {
     (512, 128): [(16, Tile(16, 64, 4, 2))],
 }

@@ -286,10 +286,9 @@ DEFAULT_CONFIGS: list[tuple[int, MLAConfig]] = [
 ]
 
 
-# Merge summation order: pairwise trees of MERGE_BLOCK_C chunks, added in chunk order. A decode merge
-# is latency-bound (the partials sit in L2): [16-chunk x 128-column] tiles in 32 programs took 37 us of
-# an 88 us decode at 128K (Nsight Compute, bench/ncu_probe.py mla_decode_128k), 64-chunk trees over
-# 32 columns in 128 programs 7.7 us; 128-chunk trees were no faster there and slowed the verify merges.
+# Merge summation order: pairwise trees of MERGE_BLOCK_C chunks, added in chunk order. A decode merge is
+# latency-bound (the partials sit in L2): wide chunk trees over narrow column tiles keep many loads in flight;
+# 128-chunk trees were no faster and slowed the verify merges (docs/performance_history.md).
 MERGE_BLOCK_C = 64   # a power of 2, at most 128 (_pair_tree)
 
 
@@ -308,17 +307,11 @@ def merge_tiles(rows: int, n_ch: int, C: int) -> MergeTiles:
     Bit-neutral: a row's chunks past its own count weigh exactly 0, so a pairwise tree over any power of
     2 >= n_ch gives the same sum as the canonical MERGE_BLOCK_C tree (the padded pairs add exact zeros);
     a launch whose chunks fit in fewer takes a smaller tree (a 4K-context verify: 9 chunks, 16). The
-    column tile, warps, prefetch and the max's block do not touch the order. From bench/mla_merge.py on
-    the H200 (bench/results/mla_merge-h200.md, us per merge back to back): up to 16 rows (a decode at
-    N <= 16) 16 columns in one warp with prefetch (N = 8 at 32K / 128K / 256K: 2.82 / 4.09 / 5.87
-    against 3.00 / 4.74 / 6.97 for 32 columns in two warps); up to 64 rows 32 columns in two warps (N = 64
-    decode at 128K: 11.1, 10.4 for 64 columns in four warps with prefetch); more rows 128 columns in two
-    warps (a 16-node verify at N = 8: 7.7 / 22.2 us at 32K / 128K, every other variant slower). The first
-    blocks' loads go beside the row's length loads (EARLY; bench/results/mla_merge-h200-early.md, the same bits
-    at every shape) except in launches of more than 64 rows and 64 chunks: N = 8 decode 2.49 / 3.82 / 5.60 us at
-    32K / 128K / 256K against 2.69 / 4.00 / 5.78, N = 64 decode at 4K / 128K 2.41 / 11.0 against 2.72 / 11.2, a
-    4-node tree at N = 64 over 4K 3.26 against 3.48, 16 / 64 nodes at N = 64 over 4K 7.70 / 27.8 against 7.84 /
-    27.6, a 16-node verify at N = 8 over 32K 7.54 against 7.71 but over 128K 22.7 against 22.0 (the exception)."""
+    column tile, warps, prefetch and the max's block do not touch the order. From bench/mla_merge.py on an
+    H200: up to 16 rows (a decode at N <= 16) 16 columns in one warp with prefetch; up to 64 rows 32 columns in
+    two warps; more rows 128 columns in two warps. The first blocks' loads go beside the row's length loads
+    (EARLY) except in launches of more than 64 rows and 64 chunks, where that was slower
+    (docs/performance_history.md)."""
     block_c = min(MERGE_BLOCK_C, max(2, triton.next_power_of_2(n_ch)))
     lse_block = min(256, max(16, triton.next_power_of_2(n_ch)))
     cp = triton.next_power_of_2(C)
@@ -833,7 +826,6 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, sta
         else:
             # the packed (prefix) and gather (tree tail) launches write disjoint chunks: side by side, the
             # gather launch (a few programs, one chunk each) need not wait for the prefix launch to drain
-            # (Nsight Compute, 32K / 16 nodes: 50 us + 15 us back to back)
             side_by_side(dev, prefix if c_split > 0 else None, tail)
     if not direct:
         _merge(po, pl, nvis, out, nvis, S, N, n_ch, (spom, spoc, splm), C, cfg.CHUNK, causal, False)
@@ -926,9 +918,7 @@ def mla_attention_device(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tens
         verify((idx, nvis, 1 + triton.cdiv(T - 1, cfg.CHUNK)))
     else:
         # disjoint chunks, as above. The prefix launch (on the side stream) is issued first: the tail launch first
-        # was slower at 4 and 32 nodes (N = 64 over 4K: the merge done 14 / 12 us later), equal at 8 / 16, 3 us
-        # faster at 64 (bench/results/k2_step-h200-tailfirst.md against k2_step-h200-prefixfirst.md, the layers'
-        # timelines)
+        # was slower for most tree sizes (docs/performance_history.md)
         side_by_side(dev, prefix, tail)
     if not direct:
         _merge(po, pl, nvis, out, s_dev, 0, N, n_ch, (spom, spoc, splm), C, cfg.CHUNK, False, True)

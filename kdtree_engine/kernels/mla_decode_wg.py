@@ -4,7 +4,7 @@ with TMA key tiles (Gluon, sm_90, GPU only).
 The Triton chunk kernel (mla_attention.py) runs a decode launch of N = 8 heads on 16-row mma.sync tiles:
 half of every tile is padding, each warp walks a 36-MMA score chain one dependent MMA at a time, and its
 key copies issue an address and a predicate per 16 bytes; one warp per scheduler at ~4 cycles an
-instruction is what bounds it (bench/results/ncu-h200-notes.md). Here the keys sit on the MMA's M side:
+instruction is what bounds it (Nsight Compute). Here the keys sit on the MMA's M side:
 
     s^T [BN keys, NP] = K_lat [BN, C] @ q_lat^T [C, NP]  then  += K_pe [BN, R] @ q_pe^T [R, NP]
     l   [NP]          = l * alpha + (ones [64, BN] @ P^T [BN, NP])[0]

@@ -76,67 +76,35 @@ class FragMoEConfig:
 
 MOE_PARTITION_ROWS = 64   # rows of a partition tile = a program's rows (MOE_WARPS warps x one 16-row MMA tile)
 MOE_WARPS = 4
-MOE_GATE_UP_PER_SM = 3    # programs per SM the 8-token gate/up kernel holds (163 registers, smem-ahead loads):
-#                           its stream partition fills one wave with a token's top-k expert blocks
-MOE_DOWN_PER_SM = None    # the down GEMM (K = I: 8 blocks at K2) runs whole row tiles (one partial; 92 registers, 5
-#                           programs per SM): on the stream partition of 5 programs per SM (103 registers capped at 96)
-#                           it gained 0.9 us at T = 1 and lost 2.4 us at T = 4, its top-k sum 1.1 more
-#                           (bench/results/ncu-h200-moe-frag-t{1,4}-stream.txt)
+MOE_GATE_UP_PER_SM = 3    # programs per SM the 8-token gate/up kernel holds: its stream partition fills one wave
+#                           with a token's top-k expert blocks
+MOE_DOWN_PER_SM = None    # the down GEMM (few K blocks) runs whole row tiles (one partial): its stream partition
+#                           measured no faster (docs/performance_history.md)
 
 
 def moe_plan(rows: int, K: int, gpb: int, sms: int, top_k: int, per_sm: int | None) -> Partition:
     """The partition of one expert block's GEMM over `rows` output rows (64-row tiles) x K (blocks of 32 * gpb):
     per_sm None: one program per row tile over the whole of K; else the stream partition whose programs let a
     token's top_k expert blocks fill one wave of per_sm programs per SM (w4_frag.stream_programs). Fixed by the
-    shape, top_k and the device, never by T: it is part of the reduction. The gate/up GEMM's 2 tile-aligned K
-    splits left a partial wave at T = 1 (K2: 512 programs at 3 per SM, 1.29 waves, 47.4 us; on the stream
-    partition 392 programs, 41.2 us: ncu-h200-moe-frag-t1-split.txt, -stream.txt)."""
+    shape, top_k and the device, never by T: it is part of the reduction. Tile-aligned K splits left a partial
+    wave at T = 1, which the stream partition fills."""
     tiles, iters = rows // MOE_PARTITION_ROWS, K // (32 * gpb)
     programs = tiles if per_sm is None else stream_programs(tiles, iters, sms * per_sm // max(top_k, 1))
     return Partition(MOE_PARTITION_ROWS, tiles, iters, programs)
 
 
 # (max pairs per expert = cdiv(T * top_k, E), config); first match wins; all share the reduction (partitions,
-# GPB): only BLOCK_M / the activation loads differ. bench/results/w4-frag-h200-xsmem.md, K2 layer:
-# 8-row blocks from T = 4 to 256 (up to 5.3 pairs per expert; 3138 us at T = 256 against 3740 for 16-row
-# blocks), 16-row blocks with 1 MMA tile per warp at T = 1024 (21 pairs per expert: 7212 us against 8174;
-# 2 tiles per warp spill once the activations pass through shared memory). bench/results/w4-frag-h200-moe-
-# wgmma.md: 32-row wgmma blocks from 17 pairs per expert (T = 1024 / 2048: 5227 / 9283 us against 7092 /
-# 12044 for 16-row blocks; at T = 64 / 256 they lose: 2763 / 3919 against 2003 / 3045 for 8-row blocks;
-# 64-row blocks spill: 16161 us at T = 1024). Up to 16 pairs 16-row blocks stay (one block per expert either
-# way, and a 32-column wgmma doubles the MMA work: dense M = 16 91 against 65 us). The 32-row blocks run two
-# warpgroups (128 weight rows per program sharing one activation buffer; the same bits, GPU-tested): T = 1024 /
-# 2048 5020 / 9052 us against 5083 / 9402 with one (bench/results/w4-frag-h200-moe8.md; 64-row blocks in two
-# warpgroups spill: 11548 at T = 1024). Those two-warpgroup (and 2-tiles-per-warp) programs were dropped with
-# the stream partition, whose 64-row tiles every program covers whatever T picks.
+# GPB): only BLOCK_M differs (a re-tiling). 8-row blocks up to 8 pairs per expert, 16-row blocks up to 16 (one
+# block per expert either way; a 32-column wgmma doubles the MMA work), 32-row wgmma blocks beyond (measured on
+# the K2 layer: docs/performance_history.md).
 FRAG_MOE_CONFIGS: list[tuple[int, FragMoEConfig]] = [
     (8, FragMoEConfig(BLOCK_M=8)),
     (16, FragMoEConfig(BLOCK_M=16)),
     (1 << 62, FragMoEConfig(BLOCK_M=32)),
 ]
-# Launches of at most 8 pairs (T = 1 at top-8) had their own config until the words were tiled: the gate/up
-# GEMM loaded the activations in the MMA operand layout, at use: the relabel through shared memory cost it
-# 35 registers (163 against 128: 3 programs per SM instead of 4), which a one-wave launch feels; the down
-# GEMM gains from it. T = 1: 71.8 us
-# against 74.7 with operand loads in both, 83.1 with smem-ahead in both. Measured and dropped there: SwiGLU
-# applied in the down GEMM's activation loads instead of its own launch (every down program recomputing its
-# block's SwiGLU from the fp32 partials), 85.4 against 71.6 us at T = 1 and slower at every T
-# (bench/results/w4-frag-h200-swiglu-down.md). Also dropped: two blocks of the down GEMM's words in flight
-# (121 registers, 4 programs per SM): 74.0 against 71.9 us at T = 1, slower at every T
-# (bench/results/w4-frag-h200-depth2.md). Also dropped: one token's blocks read straight from the ids instead
-# of the align launch (block j = pair j; the same bits): 71.2 against 71.4 us at T = 1, the gate/up kernel
-# then needing 139 registers (capped at 128 with spills) (bench/results/w4-frag-h200-direct.md, commit 00d5eb9).
-# On the tiled expert words (model/int4_order.py, FRAG_TILE) the operand loads lost that edge: T = 1 78.0 us
-# against 71.1 with smem-ahead in both (row-major words with operand loads: 69.1;
-# bench/results/w4-frag-h200-tiled4.md), so those launches take the table like the others.
-
-
 # Launches of up to this many (token, expert) pairs do the SwiGLU and the top-k sum in the GEMMs' last programs
-# (_moe_frag_kernel FUSE) instead of their own launches. Those two launches cost 4.2 us of a 67.2 us T = 1 MoE and
-# 5.0 of 213 at T = 4, nothing at T = 16 (bench/results/launch-bounds-h200.md: the launches left out). Fused, T = 1
-# took 65.8 against 69.3 us, but T = 4 219.9 against 210.2: every program then waits on its arrival atomic before
-# it frees its slot, which a launch of 4-5 waves pays in every wave (bench/results/launch-bounds-h200-fuse64.md,
-# up to 64 pairs). So one token at top-8 only.
+# (_moe_frag_kernel FUSE) instead of their own launches: it saves two launches for one token, but in launches of
+# several waves every program waits on its arrival atomic before it frees its slot (docs/performance_history.md).
 FUSE_MAX_PAIRS = 8
 
 

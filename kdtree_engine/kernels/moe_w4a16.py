@@ -54,9 +54,8 @@ from kdtree_engine.quant import dequantize
 class MoEConfig:
     # token rows per expert block (a power of 2 >= 8). With SWAP_AB the tokens are the MMA's N side: on
     # sm_90 8 rows compile to mma.sync (128 registers on gate/up, no wgmma waits), 16 and more to wgmma,
-    # which round differently (60 of 7168 outputs differ at T = 1), so 8 is part of the reduction key.
-    # Measured slower: 190 / 661 / 2221 against 132 / 439 / 1454 us at T = 1 / 4 / 16 (the operand reads
-    # become scalar shared loads; bench/results/kernels-h200-sweep-bm8.md)
+    # which round differently, so 8 is part of the reduction key. Measured slower (the operand reads become
+    # scalar shared loads; docs/performance_history.md)
     BLOCK_M: int = 16
     BLOCK_N: int = 64    # weight rows per program (w13: gate rows; up rows come with them)
     BLOCK_K: int = 256
@@ -91,11 +90,8 @@ class MoEConfig:
 # (max pairs per expert = cdiv(T * top_k, E), config); first match wins. BLOCK_K and SWAP_AB are shared
 # (batch invariance); BLOCK_M only re-tiles (tests/gpu: test_moe_block_rows_same_bits).
 MOE_CONFIGS: list[tuple[int, MoEConfig]] = [
-    # bench/results/kernels-h200-sweep-splitk.md (K2 layer, 384 experts top-8): bf16x2 with pipelined
-    # scales and the gate/up GEMM split in two over H, T = 1 / 4 / 16: 136 / 443 / 1463 us (147 / 468 /
-    # 1568 unsplit; 162 / 582 / 1936 for the "float" dequant, bench/results/kernels-h200-sweep.md).
-    # 16-row expert blocks are also the fastest at T = 32 .. 512 (up to 10.7 pairs per expert): 32-row
-    # blocks 1.26-1.33x and 64-row blocks 1.66-1.81x slower (bench/results/kernels-h200-sweep-moerows.md)
+    # the K2 layer's fastest (bench/kernels.py sweeps; docs/performance_history.md): bf16x2 with pipelined scales
+    # and the gate/up GEMM split in two over H; 16-row expert blocks also the fastest up to 12 pairs per expert
     (12, MoEConfig(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=3, DEQUANT="bf16x2", SPLIT_K=2)),
     # longer expert lists (prefill): larger blocks read an expert's weights fewer times; not measured
     (48, MoEConfig(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=3, DEQUANT="bf16x2", SPLIT_K=2)),
@@ -410,7 +406,7 @@ def check_add(add: torch.Tensor | None, x: torch.Tensor, who: str) -> None:
 
 
 # Up to this many pairs the align is one program (_moe_align_one_kernel: [P x P] and [blocks x P] masks)
-# instead of one per expert (384 programs at K2, 3.6 us at T = 1: bench/results/k2_step-h200.md).
+# instead of one per expert (hundreds of programs at K2 for a handful of pairs).
 ALIGN_ONE_PROGRAM = 64
 
 

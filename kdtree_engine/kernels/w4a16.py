@@ -97,11 +97,11 @@ def check_table(table: list[tuple[int, W4Config]] | list, what: str) -> None:
 
 
 # (max M, config): the first bucket with M <= max M is used. Edit here to change the defaults; the
-# bench's sweep (bench/kernels.py) prints candidates by name, see bench/w4_candidates.py.
+# bench's sweep (bench/kernels.py, bench/w4_sweep.py) prints candidates by name.
 DENSE_CONFIGS: list[tuple[int, W4Config]] = [
-    # bench/results/kernels-h200-sweep.md: bf16x2 with pipelined scales and split-K 2 (the split comes
-    # from _split_k) is the fastest at M = 1..16 on the dense 36864 x 7168 matrix (87 us against 122 us
-    # for "float"); fp16 / fp32 activations dequantize as "float" with the same tiles
+    # bf16x2 with pipelined scales and split-K 2 (the split comes from _split_k) is the fastest at M = 1..16 on
+    # the dense 36864 x 7168 matrix (docs/performance_history.md); fp16 / fp32 activations dequantize as "float"
+    # with the same tiles
     (16, W4Config(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=3, DEQUANT="bf16x2")),
     (32, W4Config(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=3, DEQUANT="bf16x2")),
     (64, W4Config(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, DEQUANT="bf16x2")),
