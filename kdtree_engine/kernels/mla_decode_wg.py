@@ -29,7 +29,7 @@ import triton
 
 from kdtree_engine.kernels.pdl import PDL_ASM
 
-try:  # Gluon exists in triton >= 3.5
+try:  # optional: Gluon exists in triton >= 3.5 (the kernels below need it; the launch checks do not)
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
