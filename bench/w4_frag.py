@@ -179,7 +179,7 @@ def bench_moe(ts, bw, reps, only: str | None = None) -> list[dict]:
             cfg = cand or frag_moe_config(T * TOPK, E)
             label = (f"frag{' (engine table)' if cand is None else ''} bm{cfg.BLOCK_M} "
                      f"programs {cfg.P13 or 'plan'}/{cfg.P2 or 'plan'}"
-                     f" epi {cfg.EPI_BLOCK}{'' if cfg.PDL else ' no-pdl'}{f' tiled {tile}' if tile else ' row-major'}"
+                     f"{f' tiled {tile}' if tile else ' row-major'}"
                      f"{f' scales tiled {stile}' if stile else ' row-major scales'}{' wgmma' if cfg.wgmma else ''}")
             _row(rows, {**base, "kernel": label},
                  lambda: fused_moe_frag(x, q13, s13, q2, s2, ids0, tw0, G, cfg, tile=tile, stile=stile), ref,

@@ -55,8 +55,6 @@ class FragMoEConfig:
     P13: int | None = None   # gate/up programs per expert block (part of the reduction; None: moe_plan)
     P2: int | None = None    # down programs per expert block (part of the reduction; None: moe_plan)
     GPB: int | None = None       # groups per K block of both matrices (None: frag_gpb(K) of each)
-    EPI_BLOCK: int = 256   # elements per program of the SwiGLU and top-k sum launches (elementwise: same bits)
-    PDL: bool = True       # every launch a programmatic dependent (pdl.py; the same bits)
 
     @property
     def wgmma(self) -> bool:
@@ -70,10 +68,9 @@ class FragMoEConfig:
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise ValueError(f"FragMoEConfig.{name} must be None or >= 1 programs per expert block, got {v}")
-        if self.EPI_BLOCK < 128 or self.EPI_BLOCK & (self.EPI_BLOCK - 1):
-            raise ValueError(f"FragMoEConfig.EPI_BLOCK must be a power of 2 >= 128, got {self.EPI_BLOCK}")
 
 
+EPI_BLOCK = 256           # elements per program of the SwiGLU and top-k sum launches (elementwise: any size, the same bits)
 MOE_PARTITION_ROWS = 64   # rows of a partition tile = a program's rows (MOE_WARPS warps x one 16-row MMA tile)
 MOE_WARPS = 4
 MOE_GATE_UP_PER_SM = 3    # programs per SM the 8-token gate/up kernel holds: its stream partition fills one wave
@@ -373,7 +370,7 @@ def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor
     x = x.contiguous()
     ids = topk_ids.reshape(-1).contiguous()
     tw = topk_weights.reshape(-1).contiguous()
-    on = cfg.PDL and pdl_supported(x.device)
+    on = pdl_supported(x.device)   # every launch a programmatic dependent where the device has them (the same bits)
     sorted_pairs, blk_expert, blk_rows = moe_align(ids, E, cfg.BLOCK_M, pdl=on)
     blocks = blk_rows.numel()
     pdl = pdl_launch(on)
@@ -392,7 +389,7 @@ def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor
         WHOLE=part13.programs == part13.tiles, num_warps=MOE_WARPS,
         WG=cfg.wgmma, STILE=stile, **pdl)
     if not fuse:
-        moe_swiglu(part, inter, ids, E, slots13, part13, DEQ_FLOAT, min(cfg.EPI_BLOCK, triton.next_power_of_2(I)),
+        moe_swiglu(part, inter, ids, E, slots13, part13, DEQ_FLOAT, min(EPI_BLOCK, triton.next_power_of_2(I)),
                    on)
     y = torch.empty((slots2, P, H), device=x.device, dtype=torch.float32)
     _moe_frag_kernel[(blocks, part2.programs)](
@@ -405,7 +402,7 @@ def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor
         WHOLE=part2.programs == part2.tiles, num_warps=MOE_WARPS,
         WG=cfg.wgmma, STILE=stile, **pdl)
     if not fuse2:
-        moe_topk_sum(y, out, ids, E, topk, slots2, part2, cfg.EPI_BLOCK, on, add=add)
+        moe_topk_sum(y, out, ids, E, topk, slots2, part2, EPI_BLOCK, on, add=add)
     return out
 
 

@@ -283,16 +283,13 @@ def test_moe_frag_fused_epilogues_same_bits(poisoned, case, monkeypatch):
 @pytest.mark.parametrize("cfg", [None, FragMoEConfig(BLOCK_M=16), FragMoEConfig(BLOCK_M=32)])
 def test_moe_frag_batch_invariant(cfg):
     """A token's output is the same, bit for bit, alone and in batches of 4 / 17 / 64 (T = 1 takes the
-    few-pairs config), with every block size of the table (each pair is its own MMA column), every way of
-    launching the epilogues: at K2 widths, on the engine's partitions (gate/up 3
-    partials per tile) and a down stream partition (2)."""
+    few-pairs config), with every block size of the table (each pair is its own MMA column): at K2 widths, on
+    the engine's partitions (gate/up 3 partials per tile) and a down stream partition (2)."""
     x, w, ids, tw, _ = _moe_case(E=32, H=7168, I=2048, T=64, topk=8)
     full = fused_moe_frag(x, *w, ids, tw, G, cfg)
     for bm in (8, 16, 32, 64):   # 32 / 64: wgmma programs
         other = fused_moe_frag(x, *w, ids, tw, G, FragMoEConfig(BLOCK_M=bm))
         assert torch.equal(full, other), f"block rows {bm} give other bits"
-    for c in (FragMoEConfig(EPI_BLOCK=1024), FragMoEConfig(PDL=False)):
-        assert torch.equal(full, fused_moe_frag(x, *w, ids, tw, G, c)), f"{c} gives other bits"
     stream2 = FragMoEConfig(P2=82)
     full2 = fused_moe_frag(x, *w, ids, tw, G, stream2)
     for bm in (8, 16, 32):
@@ -304,9 +301,6 @@ def test_moe_frag_batch_invariant(cfg):
         part = fused_moe_frag(x[:m], *w, ids[:m], tw[:m], G, cfg)
         if not torch.equal(part, full[:m]):
             bad.append((m, int((part != full[:m]).sum())))
-    plain = fused_moe_frag(x[:1], *w, ids[:1], tw[:1], G, FragMoEConfig(BLOCK_M=8, PDL=False))
-    if not torch.equal(plain, full[:1]):
-        bad.append(("T=1 without dependent launches", int((plain != full[:1]).sum())))
     assert not bad, f"tokens differ from the T=64 launch (T, #elements): {bad}"
 
 
