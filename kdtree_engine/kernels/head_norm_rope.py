@@ -8,9 +8,8 @@ rounding where torch rounds: the norm as kernels/rmsnorm.py (fp32 statistics, x 
 times the weight rounded again), then each product and the sum rounded to the dtype (compiled with
 ``enable_fp_fusion=False``: no FMA). One program per (t, h) row.
 
-CPU: the drafter's own torch arithmetic (model/layers.py rms_norm_torch, then model/dflash.py apply_rope_half) is
-the CPU path and the tests' oracle; under TRITON_INTERPRET=1 the kernel runs on CPU tensors
-(tests/kernels/test_head_norm_rope.py).
+CPU: :func:`head_norm_rope_torch` is the drafter's own arithmetic (the CPU path and the oracle); under
+TRITON_INTERPRET=1 the kernel runs on CPU tensors (tests/kernels/test_head_norm_rope.py).
 """
 
 from __future__ import annotations
@@ -80,4 +79,11 @@ def head_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch
     return out
 
 
-__all__ = ["head_norm_rope"]
+def head_norm_rope_torch(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
+                         sin: torch.Tensor) -> torch.Tensor:
+    from ..model.dflash import apply_rope_half
+    from ..model.layers import rms_norm_torch
+    return apply_rope_half(rms_norm_torch(x, weight, eps), cos, sin)
+
+
+__all__ = ["head_norm_rope", "head_norm_rope_torch"]

@@ -925,5 +925,13 @@ def mla_attention_device(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tens
     return out
 
 
+def mla_attention_reference(q_lat, q_pe, kv, start, tree_mask, scale, kv_lora_rank=None):
+    """The torch oracle (kdtree_engine.model.mla.mla_attention_reference)."""
+    from kdtree_engine.model.mla import mla_attention_reference as ref
+    return ref(q_lat, q_pe, kv, start, tree_mask, scale, kv_lora_rank if kv_lora_rank is not None
+               else q_lat.shape[-1])
+
+
 __all__ = ["MLAConfig", "DEFAULT_CONFIGS", "default_config", "mla_attention", "mla_attention_device",
-           "tree_gather_index", "LOG2E"]
+           "mla_attention_reference",
+           "tree_gather_index", "interpreting", "LOG2E"]

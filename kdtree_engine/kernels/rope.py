@@ -133,4 +133,19 @@ def latent_write(kva: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: 
                                enable_fp_fusion=False, **pdl_launch(pdl_supported(kva.device)))
 
 
-__all__ = ["rope_heads", "latent_write"]
+# ---- torch (CPU path, oracle) ------------------------------------------------------------------
+
+def rope_heads_torch(q: torch.Tensor, nope: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    from ..model.layers import apply_rope
+    return apply_rope(q[..., nope:], cos, sin)
+
+
+def latent_write_torch(kva: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: torch.Tensor,
+                       sin: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor) -> None:
+    from ..model.layers import apply_rope, rms_norm_torch
+    C = norm_weight.shape[0]
+    row = torch.cat([rms_norm_torch(kva[:, :C], norm_weight, eps), apply_rope(kva[:, C:], cos, sin)], dim=-1)
+    kv.index_copy_(0, slots, row.to(kv.dtype))
+
+
+__all__ = ["rope_heads", "latent_write", "rope_heads_torch", "latent_write_torch"]

@@ -14,22 +14,15 @@ import torch
 import torch.nn.functional as F
 
 from kdtree_engine.config import preset
-from kdtree_engine.kernels.head_norm_rope import head_norm_rope
+from kdtree_engine.kernels.head_norm_rope import head_norm_rope, head_norm_rope_torch
 from kdtree_engine.kernels.rmsnorm import bi_add_rmsnorm, bi_rmsnorm
 from kdtree_engine.kernels.router import route_triton
 from kdtree_engine.kernels.swiglu import silu_mul
-from kdtree_engine.model.dflash import apply_rope_half, rope_tables
-from kdtree_engine.model.layers import rms_norm_torch
+from kdtree_engine.model.dflash import rope_tables
 from kdtree_engine.model.moe import route_torch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 DEV = torch.device("cuda")
-
-
-def head_norm_rope_torch(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
-                         sin: torch.Tensor) -> torch.Tensor:
-    """The drafter's torch arithmetic (the CPU path) of head_norm_rope."""
-    return apply_rope_half(rms_norm_torch(x, weight, eps), cos, sin)
 
 
 @pytest.mark.parametrize("H", [256, 7168, 1000])

@@ -15,15 +15,8 @@ import torch
 HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parent))
 
-from kdtree_engine.kernels.head_norm_rope import head_norm_rope  # noqa: E402
-from kdtree_engine.model.dflash import apply_rope_half, rope_tables  # noqa: E402
-from kdtree_engine.model.layers import rms_norm_torch  # noqa: E402
-
-
-def head_norm_rope_torch(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
-                         sin: torch.Tensor) -> torch.Tensor:
-    """The drafter's torch arithmetic (the CPU path) of head_norm_rope."""
-    return apply_rope_half(rms_norm_torch(x, weight, eps), cos, sin)
+from kdtree_engine.kernels.head_norm_rope import head_norm_rope, head_norm_rope_torch  # noqa: E402
+from kdtree_engine.model.dflash import rope_tables  # noqa: E402
 
 DT = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # max |kernel - torch| in ulps of the output dtype at the row's largest |value|: the norm's mean is summed

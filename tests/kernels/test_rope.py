@@ -16,21 +16,8 @@ import torch
 HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parent))
 
-from kdtree_engine.kernels.rope import latent_write, rope_heads  # noqa: E402
-from kdtree_engine.model.layers import apply_rope, rms_norm_torch  # noqa: E402
-
-
-def rope_heads_torch(q: torch.Tensor, nope: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """The model's query rope (the CPU path) of rope_heads."""
-    return apply_rope(q[..., nope:], cos, sin)
-
-
-def latent_write_torch(kva: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: torch.Tensor,
-                       sin: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor) -> None:
-    """The model's latent cache write (the CPU path) of latent_write."""
-    C = norm_weight.shape[0]
-    row = torch.cat([rms_norm_torch(kva[:, :C], norm_weight, eps), apply_rope(kva[:, C:], cos, sin)], dim=-1)
-    kv.index_copy_(0, slots, row.to(kv.dtype))
+from kdtree_engine.kernels.rope import (latent_write, latent_write_torch, rope_heads,  # noqa: E402
+                                        rope_heads_torch)
 
 DT = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # max |kernel - torch| in ulps of the output dtype at the element: fp32 rope is exact; the interpreter
