@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kdtree_engine.kernels.mla_attention import default_config, mla_attention, mla_attention_device
+from kdtree_engine.kernels.mla_attention import MLAConfig, default_config, mla_attention, mla_attention_device
 from kdtree_engine.model.mla import mla_attention_reference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -155,7 +155,7 @@ def test_v_split_bit_equal_bf16(N):
     S, T = 5000, 40
     seed = int(torch.randint(1 << 30, (1,)))
     # (small trees on the verify tiles: 2 slices of a 16-row 3-stage decode tile need 233 KB)
-    base = replace(default_config(N), V_SPLIT=1, DECODE_MIN_PROGRAMS=0, DECODE_MAX_T=1, SMALL_WARPS=0)
+    base: MLAConfig = replace(default_config(N), V_SPLIT=1, DECODE_MIN_PROGRAMS=0, DECODE_MAX_T=1, SMALL_WARPS=0)
     if base.BLOCK_M >= 64:   # 64-row row tiles take no slices (MLAConfig): the 32-row tiles they replaced, which do
         base = replace(base, BLOCK_M=32, num_warps=4)
     v2, v4 = replace(base, V_SPLIT=2), replace(base, V_SPLIT=4)
