@@ -112,7 +112,7 @@ def bench_dense(copy_bw, reps, log):
                     row["frag_rel_err"] = rel(frag_linear(x, *wf[0], **ENGINE_ORDER), ref)
                     row["frag_us"] = time_calls([lambda p=p, s=s: frag_linear(x, p, s, **ENGINE_ORDER) for p, s in wf],
                                                 reps=reps)["us"]
-                    row["frag_plan"] = {**dict(zip(("gpb", "mt", "programs"), dense_plan(
+                    row["frag_plan"] = {**dict(zip(("gpb", "programs"), dense_plan(
                         N, K, torch.cuda.get_device_properties(0).multi_processor_count))), **ENGINE_ORDER}
                 except Exception as exc:  # noqa: BLE001
                     row["frag_us"], row["frag_error"] = None, _err(exc)

@@ -68,30 +68,16 @@ def _c(**kw) -> MLAConfig:
     return MLAConfig(**{"CHUNK": 512, "num_warps": 8, **kw})
 
 
-# Candidates, most informative first (the sweep stops at its time budget). Register use on sm_90 from
-# compiling without a GPU (triton 3.9, ptxas): the current default (BM=32, 4 warps) spills ~550 B per
-# thread (q in registers, replicated over the warps of a 16-row mma.sync tile: 16 x 576 bf16 each);
-# the 8-warp / Q_IN_LOOP / KEYS_ON_M variants below compile to 128..250 registers with no spill.
-# CHUNK / BLOCK_M / BLOCK_N / warps / stages / KEYS_ON_M / Q_IN_LOOP set a row's arithmetic: a winner
-# is fixed per N (heads per rank); V_SPLIT only re-tiles and may go into V_SPLIT_BY_T per T bucket.
+# Candidates, most informative first (the sweep stops at its time budget). CHUNK / BLOCK_M / BLOCK_N / warps /
+# stages set a row's arithmetic: a winner is fixed per N (heads per rank); V_SPLIT only re-tiles.
 SWEEP: list[MLAConfig] = [
-    MLAConfig(CHUNK=512, BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=2),     # the current default
-    MLAConfig(CHUNK=512, BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=3),     # best T=1 before
-    # N <= 16: 16-row tiles
-    _c(BLOCK_M=16, BLOCK_N=32, num_stages=3, KEYS_ON_M=True),                    # wgmma, 161 regs
-    _c(BLOCK_M=16, BLOCK_N=32, num_stages=3, KEYS_ON_M=True, V_SPLIT=2),         # 128 regs
-    _c(BLOCK_M=16, BLOCK_N=32, num_stages=3, KEYS_ON_M=True, V_SPLIT=4),
-    _c(BLOCK_M=16, BLOCK_N=32, num_stages=4, KEYS_ON_M=True),
-    _c(BLOCK_M=16, BLOCK_N=64, num_stages=2, Q_IN_LOOP=True),                    # mma.sync, 142 regs
-    _c(BLOCK_M=16, BLOCK_N=64, num_stages=2, Q_IN_LOOP=True, V_SPLIT=2),
-    _c(BLOCK_M=16, BLOCK_N=32, num_stages=3, Q_IN_LOOP=True),                    # 176 regs
-    _c(CHUNK=256, BLOCK_M=16, BLOCK_N=32, num_stages=3, KEYS_ON_M=True),         # 2x the programs
-    _c(CHUNK=256, BLOCK_M=16, BLOCK_N=64, num_stages=2, Q_IN_LOOP=True),
-    _c(BLOCK_M=16, BLOCK_N=32, num_stages=3, num_warps=4, KEYS_ON_M=True),       # 250 regs
-    # N = 64: wider tiles
-    _c(BLOCK_M=32, BLOCK_N=64, num_stages=2, Q_IN_LOOP=True),                    # mma.sync, 245 regs
-    _c(BLOCK_M=32, BLOCK_N=32, num_stages=3, KEYS_ON_M=True),                    # wgmma, 252 regs
-    _c(BLOCK_M=64, BLOCK_N=32, num_stages=2, KEYS_ON_M=True, V_SPLIT=2),         # wgmma n=64
+    MLAConfig(CHUNK=512, BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=2),     # the verify tiles of N <= 16
+    MLAConfig(CHUNK=512, BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=3),     # the decode tiles of N <= 16
+    _c(BLOCK_M=16, BLOCK_N=64, num_stages=2),
+    _c(BLOCK_M=16, BLOCK_N=64, num_stages=2, V_SPLIT=2),
+    _c(CHUNK=256, BLOCK_M=16, BLOCK_N=64, num_stages=2),
+    _c(BLOCK_M=32, BLOCK_N=64, num_stages=2),
+    _c(BLOCK_M=64, BLOCK_N=64, num_stages=2),                                    # the verify tiles of N > 16
 ]
 # Decode (T = 1) re-tilings: the fields that may follow T (they leave a row's arithmetic as it is):
 # V_SPLIT (by T, or sized by DECODE_MIN_PROGRAMS), and with L_BY_DOT (row sums by the MMA) the decode
@@ -105,23 +91,13 @@ DECODE_SWEEP: list[MLAConfig] = [
     MLAConfig(**{**_DEC, "DECODE_MIN_PROGRAMS": 0}, L_BY_DOT=True, DECODE_BLOCK_M=16, DECODE_STAGES=3),
 ]
 DECODE_SHAPES = [(8, 4096, 1), (8, 32768, 1), (8, 131072, 1), (64, 4096, 1), (64, 32768, 1), (64, 131072, 1)]
-# Re-tilings of the defaults (they leave a row's arithmetic as it is): decode rows per program
-# (DECODE_ROWS: the rest of the 16-row tile masked; at N = 8 a 32K decode is 65 programs for 132 SMs),
-# decode warps (DECODE_WARPS: 2 warps per scheduler instead of 1), the packed launches' key tiles by
-# TMA (K_DESC), the rescale skipped where no row's max moved (LAZY_RESCALE). `--sweep-rows` times the
-# ones not measured yet.
+# Re-tilings of the defaults (they leave a row's arithmetic as it is): decode warps (DECODE_WARPS), the warpgroup
+# decode kernel's column slices (DECODE_WG_MIN_PROGRAMS). `--sweep-rows` times the ones not measured yet.
 _D8, _D64 = default_config(8), default_config(64)
 ROWS_FOR_N: dict[int, list[MLAConfig]] = {
     8: [_D8, replace(_D8, DECODE_WG_MIN_PROGRAMS=0)],
     64: [_D64]}
-# measured before (bench/results/mla_attention-rows-sweep-h200.md, part kload): replace(_D8, DECODE_WARPS=8),
-# replace(_D8, DECODE_WARPS=2), replace(_D8, K_DESC=True), replace(_D8, DECODE_ROWS=1),
-# replace(_D64, DECODE_WARPS=8): all slower than the default; LAZY_RESCALE "decode" / "all"
-# (bench/results/mla_attention-lazy-sweep-h200.md): slower. then QK_SPLIT 2 against one chain
-# (bench/results/mla_attention-qsplit-sweep-h200.md, with 2 as the default then), decode stages (2: two
-# programs per SM; slower at 4K-256K: bench/results/mla_attention-stages-sweep-h200.md). Now: the warpgroup
-# decode kernel (DECODE_WG: 2 / 3 key slots, and with column slices up to 128 programs; bench/results/mla_attention-
-# wg-sweep-h200-qfirst.md). Now: the default's one-query column slices (DECODE_WG_MIN_PROGRAMS) against none
+# (what was measured before: docs/performance_history.md)
 ROWS_SWEEP: list[MLAConfig] = [c for cs in ROWS_FOR_N.values() for c in cs]
 # Chunk length (a reduction field: decode and verify share it; fixed per N). Shorter chunks give a launch
 # more programs where it has few (a decode or a small tree over a short prefix), and the decode launches fewer
@@ -138,13 +114,14 @@ CHUNK_SHAPES = [(8, 32768, 1), (8, 131072, 1), (8, 4096, 1), (8, 65536, 1), (8, 
                 (8, 32768, 4), (8, 4096, 16), (8, 32768, 16), (8, 4096, 64), (8, 32768, 64), (8, 131072, 16),
                 (64, 4096, 1), (64, 4096, 4), (64, 4096, 8), (64, 4096, 16), (64, 4096, 64), (64, 32768, 1),
                 (64, 32768, 8), (64, 32768, 64), (64, 131072, 1), (64, 131072, 16)]
-# Output-column slices of small verify launches (V_SPLIT_BY_T: a re-tiling, the same bits; tested by
-# tests/gpu/test_mla_attention_gpu.py::test_v_split_by_t_bit_equal_bf16): at N = 8 a 4..16-node tree over
-# a 4K prefix is 8 prefix programs (one 32-row tile per chunk) for 132 SMs. `--sweep-vsplit` times them.
+# Output-column slices (V_SPLIT: a re-tiling, the same bits; tested by
+# tests/gpu/test_mla_attention_gpu.py::test_v_split_bit_equal_bf16): at N = 8 a 4..16-node tree over a 4K prefix is
+# 8 prefix programs (one 32-row tile per chunk) for 132 SMs. `--sweep-vsplit` times them (a candidate whose tiles
+# do not fit in shared memory is reported, not fatal).
 VSPLIT_FOR_N: dict[int, list[MLAConfig]] = {
-    8: [_D8] + [replace(_D8, V_SPLIT_BY_T=((16, v),)) for v in (2, 4, 8)],
+    8: [_D8] + [replace(_D8, V_SPLIT=v) for v in (2, 4, 8)],
     # N = 64: the slices on the 32-row verify tiles (the default's 64-row tiles take none: MLAConfig)
-    64: [_D64] + [replace(_D64, BLOCK_M=32, num_warps=4, V_SPLIT_BY_T=((16, v),)) for v in (2, 4)]}
+    64: [_D64] + [replace(_D64, BLOCK_M=32, num_warps=4, V_SPLIT=v) for v in (2, 4)]}
 VSPLIT_SWEEP: list[MLAConfig] = [c for cs in VSPLIT_FOR_N.values() for c in cs]
 VSPLIT_SHAPES = [(8, 4096, 4), (8, 4096, 16), (8, 32768, 4), (8, 32768, 16), (8, 131072, 16), (64, 4096, 4),
                  (64, 4096, 16), (64, 32768, 16)]
@@ -192,17 +169,11 @@ SMALL_FOR_N: dict[int, list[MLAConfig]] = {
 SMALL_SWEEP: list[MLAConfig] = [c for cs in SMALL_FOR_N.values() for c in cs]
 SMALL_SHAPES = [(64, 4096, 2), (64, 4096, 4), (64, 4096, 8), (64, 4096, 16), (64, 32768, 4), (8, 4096, 4),
                 (8, 4096, 8), (8, 4096, 16), (8, 32768, 4), (8, 32768, 8), (8, 32768, 16), (8, 131072, 16)]
-# The warpgroup launches' score chains and tiling (QK_SPLIT 2: the latent scores in two MMA chains, in the chunk
-# kernel too; DECODE_WG_ROWS: 8- or 16-row programs; without DECODE_WG_MIN_PROGRAMS: no slices for small trees'
-# prefix launches; at N = 64 DECODE_MIN_PROGRAMS 64: one slice at 4 nodes). Measured before (part wgpipe,
-# bench/results/mla_attention-wg-sweep-h200-pipe.md): the next block's scores issued behind this block's P @ V,
-# slower everywhere; (part ahead, bench/results/mla_attention-wg-sweep-h200-ahead.md) the next block's scores issued
-# before this block's softmax, with 2 or 3 key slots: the same bits, slower everywhere (N = 8 decode 17.7 / 25.7 / 57.0
-# us at 4K / 32K / 128K against 12.2 / 18.4 / 50.9; N = 64 4-node trees over 4K 47.1 against 42.8). `--sweep-wg`
+# The warpgroup launches' tiling (DECODE_WG_ROWS: 8- or 16-row programs; without DECODE_WG_MIN_PROGRAMS: no slices
+# for small trees' prefix launches; at N = 64 DECODE_MIN_PROGRAMS 64: one slice at 4 nodes). `--sweep-wg`
 WG_FOR_N: dict[int, list[MLAConfig]] = {
-    8: [_D8, replace(_D8, QK_SPLIT=2, VERIFY_WG=0), replace(_D8, DECODE_WG_MIN_PROGRAMS=0), replace(_D8, DECODE_WG_ROWS=8),
-        replace(_D8, DECODE_WG_ROWS=16)],
-    64: [_D64, replace(_D64, QK_SPLIT=2, VERIFY_WG=0), replace(_D64, DECODE_MIN_PROGRAMS=64),
+    8: [_D8, replace(_D8, DECODE_WG_MIN_PROGRAMS=0), replace(_D8, DECODE_WG_ROWS=8), replace(_D8, DECODE_WG_ROWS=16)],
+    64: [_D64, replace(_D64, DECODE_MIN_PROGRAMS=64),
          replace(_D64, DECODE_WG_ROWS=16, DECODE_MIN_PROGRAMS=64)]}
 WG_SWEEP: list[MLAConfig] = [c for cs in WG_FOR_N.values() for c in cs]
 WG_SHAPES = [(8, 4096, 1), (8, 32768, 1), (8, 131072, 1), (8, 4096, 4), (8, 4096, 8), (8, 4096, 16), (8, 32768, 4),

@@ -20,10 +20,9 @@ import triton  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from bench.sass import TARGET, cubin_sass, main_loop, opcode  # noqa: E402
-from bench.w4_sweep import DENSE_CANDIDATES, MOE_CANDIDATES, dense_at  # noqa: E402
+from bench.w4_sweep import DENSE_CANDIDATES, MOE_CANDIDATES  # noqa: E402
 from kdtree_engine.kernels import moe_w4a16 as moe  # noqa: E402
 from kdtree_engine.kernels import w4a16 as dense  # noqa: E402
-from kdtree_engine.kernels import w4a16_fma as fma  # noqa: E402
 from kdtree_engine.kernels.w4_dequant import DEQUANTS  # noqa: E402
 
 G = 32
@@ -49,17 +48,6 @@ def compile_report(fn, sig: dict, consts: dict, num_warps: int, num_stages: int,
 
 
 def _dense(cfg) -> str:
-    if cfg.KERNEL == "fma":
-        sig = {"xp_ptr": "*fp32", "w_ptr": "*i32", "s_ptr": "*bf16", "out_ptr": "*bf16", "M": "i32", "N": "i32",
-               "K8": "i32", "c_per_split": "i32", "stride_pm": "i32", "stride_wn": "i32", "stride_sn": "i32",
-               "stride_om": "i32", "stride_os": "i32", "G8_LOG": "constexpr", "BLOCK_M": "constexpr",
-               "BLOCK_N": "constexpr", "BLOCK_C": "constexpr", "EVEN": "constexpr", "OUT_F32": "constexpr"}
-        consts = dict(G8_LOG=2, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_C=cfg.BLOCK_K // 8, EVEN=True,
-                      OUT_F32=False)
-        div = ("xp_ptr", "w_ptr", "s_ptr", "out_ptr", "N", "K8", "c_per_split", "stride_pm", "stride_wn",
-               "stride_om", "stride_os")
-        return compile_report(fma._w4a16_fma_kernel, sig, consts, cfg.num_warps, cfg.num_stages, div,
-                              cfg.BLOCK_N * cfg.BLOCK_K)
     sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "out_ptr": "*bf16", "M": "i32", "N": "i32",
            "K": "i32", "k_per_split": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_sn": "i32",
            "stride_om": "i32", "stride_os": "i32", "G": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
@@ -106,13 +94,11 @@ def main(argv: list[str] | None = None) -> int:
     for name, fam in DENSE_CANDIDATES:
         if pick and not any(p in name for p in pick):
             continue
-        for M in ((1, 4) if fam.KERNEL == "fma" else (16,)):
-            cfg = dense_at(fam, M)
-            try:
-                print(f"dense {name} BLOCK_M={cfg.BLOCK_M}: {_dense(cfg)}", flush=True)
-            except Exception as exc:  # noqa: BLE001 - report every candidate
-                bad += 1
-                print(f"dense {name}: FAIL {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+        try:
+            print(f"dense {name} BLOCK_M={fam.BLOCK_M}: {_dense(fam)}", flush=True)
+        except Exception as exc:  # noqa: BLE001 - report every candidate
+            bad += 1
+            print(f"dense {name}: FAIL {type(exc).__name__}: {str(exc)[:300]}", flush=True)
     for name, cfg in MOE_CANDIDATES:
         if pick and not any(p in name for p in pick):
             continue

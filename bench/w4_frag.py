@@ -4,8 +4,8 @@
 
 Dense: one expert's w13 4096 x 7168 and w2 7168 x 2048, the dense layer's w13 36864 x 7168 at
 M = 1 / 4 / 8 / 16: the default `w4a16_linear`, torch bf16 matmul on the dequantized weights and each
-fragment candidate (the engine's plan, then MT MMA tiles per warp, K splits, token tile, activation
-prefetch), median us over
+fragment candidate (the engine's launch, then other stream partitions, token tiles, MMAs and word / scale
+orders: w4_frag.DenseLaunch), median us over
 CUDA-graph replays of rotating weight copies (> L2), effective TB/s (int4 + scale bytes / time), the ratio
 to the copy bandwidth measured in the same run, and the error against x @ W^T in float64 (W the
 bf16-rounded dequantized weights).
@@ -17,7 +17,7 @@ the experts touched over the copy bandwidth, and the error against `fused_moe_re
 from __future__ import annotations
 
 import argparse
-from dataclasses import fields
+from dataclasses import fields, replace
 import math
 import sys
 from unittest import mock
@@ -34,38 +34,27 @@ from bench.kernels import DENSE, E, G, H, I, TOPK, rand_w4, rel, route, w4_bytes
 from kdtree_engine.kernels import moe_frag as moe_frag_mod  # noqa: E402
 from kdtree_engine.kernels.moe_frag import FragMoEConfig, frag_moe_config, fused_moe_frag  # noqa: E402
 from kdtree_engine.kernels.moe_w4a16 import fused_moe_reference, fused_moe_w4a16, moe_align  # noqa: E402
-from kdtree_engine.kernels.w4_frag import _w4_frag_kernel, dense_plan, frag_gpb, frag_linear, frag_repack, frag_tile, partition_rows, scale_tile, ENGINE_ORDER, token_mma, token_mt, token_tile, token_warps, FRAG_TILE  # noqa: E402
+from kdtree_engine.kernels.w4_frag import (DENSE_PARTITION_ROWS, ENGINE_ORDER, FRAG_TILE, DenseLaunch,  # noqa: E402
+                                           _w4_frag_kernel, dense_launch, dense_plan, frag_gpb, frag_linear,
+                                           frag_repack, frag_tile, scale_tile)
 from kdtree_engine.kernels.w4a16 import w4a16_linear  # noqa: E402
 from kdtree_engine.quant import dequantize  # noqa: E402
 
-DENSE_CANDIDATES = [  # the engine's plan first (None), then overrides of it (the plan's partition unless given);
-    # split: tile-aligned K splits (programs = row tiles x split; 2 was the plan of 36864 x 7168 and 7168 x 2048
-    # before the stream partition, 7 that of 4096 x 7168); per_sm: the stream partition over per_sm programs
-    # per SM; pt: the partition's rows per tile (partition_rows; programs of pt / 16 warps at every token tile)
-    # tile: 0 for row-major words (the engine's plan: frag_tile's 64-row tiles)
-    # mma: the instruction (token_mma: mma.sync up to 16 tokens per program, wgmma beyond)
-    # pairs: the mma.sync loop's two blocks per trip (token_pairs: 8-token programs)
-    # tok: tokens per program (16 tokens as two 8-token programs side by side: the second reads the weights from L2)
-    None, dict(pairs=False), dict(pairs=True, tok=16), dict(split=2), dict(split=7), dict(per_sm=3), dict(per_sm=5),
-    dict(per_sm=6), dict(per_sm=8),
-    dict(pt=128), dict(pt=128, per_sm=3), dict(pt=128, per_sm=4), dict(tile=0), dict(mma="sync", tok=16),
-    dict(mma="wgmma", tok=16), dict(mma="wgmma", tok=32), dict(pt=128, mma="wgmma", tok=16),
-    dict(pt=128, mma="wgmma", tok=32), dict(tok=8), dict(tok=8, pt=128),
-    dict(stile=0),   # row-major scales (the engine's: scale_tile's order of FRAG_TILE rows)
-    # one wgmma chain in flight while the next 64 k are dequantized (w4_frag._frag_loop_wga; registers capped by
-    # dense_maxnreg up to 16 tokens): at every token tile, and 8-warp programs on 128-row tiles
-    dict(mma="wgmma-async", tok=8), dict(mma="wgmma-async", tok=16), dict(mma="wgmma-async", tok=32),
-    dict(mma="wgmma-async", tok=64), dict(pt=128, mma="wgmma-async", tok=64),
+DENSE_CANDIDATES = [  # the engine's launch first (None), then DenseLaunch fields replaced (its partition unless given);
+    # split: tile-aligned K splits (programs = row tiles x split); per_sm: the stream partition over per_sm programs
+    # per SM; tile / stile: 0 for row-major words / scales (the engine's: FRAG_TILE-row tiles);
+    # mma / tok: the instruction and tokens per program (the engine's: mma.sync up to 16 tokens, wgmma beyond)
+    None, dict(split=2), dict(split=7), dict(per_sm=3), dict(per_sm=5), dict(per_sm=6), dict(per_sm=8),
+    dict(tile=0), dict(stile=0), dict(mma="sync", tok=16), dict(mma="wgmma", tok=16), dict(mma="wgmma", tok=32),
+    dict(tok=8),
 ]
 MOE_CANDIDATES = [  # the engine's table first (None), then programs per expert block (P13 gate/up, P2 down: the
-    # stream partition's; 64 / 112 = the tile-aligned K splits before it: gate/up 2 K ranges per tile, down 1),
-    # register caps and activation loads, all on the engine's tiled words; the engine's table on row-major words last
+    # stream partition's), all on the engine's tiled words; the engine's table on row-major words last
     None,
     FragMoEConfig(BLOCK_M=8, P13=64),
-    FragMoEConfig(BLOCK_M=8, P2=82, MAXNREG2=96),
+    FragMoEConfig(BLOCK_M=8, P2=82),
     FragMoEConfig(BLOCK_M=8),
-    FragMoEConfig(BLOCK_M=8, P13=98, MAXNREG2=96),
-    FragMoEConfig(BLOCK_M=8, XLOAD="smem", XLOAD2="smem-ahead", MAXNREG2=96),
+    FragMoEConfig(BLOCK_M=8, P13=98),
     FragMoEConfig(BLOCK_M=16),
 ]
 COMPACT = "compact"   # --only text of the engine table's launches over only the align's used blocks (_compact_aligns)
@@ -105,20 +94,17 @@ def _compiled_regs(fn) -> dict:
     return out
 
 
-def _dense_kwargs(N, K, M, sms, cand) -> dict:
-    """frag_linear's knobs for one dense candidate: the engine's plan with the candidate's overrides."""
+def _dense_launch(N, K, M, sms, cand) -> DenseLaunch:
+    """One dense candidate's launch: the engine's (on its FRAG_TILE-ordered words and scales) with the candidate's
+    fields replaced."""
     cand = dict(cand or {})
-    pt = cand.pop("pt", partition_rows(N))
-    gpb, mt, programs = dense_plan(N, K, sms, pt)
-    tok = cand.get("tok", token_tile(M))
-    kw = dict(gpb=gpb, mt=token_mt(mt, tok), num_warps=token_warps(pt), xload="smem-ahead", tok=tok,
-              tile=FRAG_TILE, stile=FRAG_TILE, pt=pt)
+    launch = dense_launch(M, N, K, sms, FRAG_TILE, FRAG_TILE)
+    tiles, iters = N // DENSE_PARTITION_ROWS, K // (32 * launch.gpb)
     if "per_sm" in cand:
-        kw["programs"] = max(1, min(sms * cand.pop("per_sm"), (N // pt) * (K // (32 * gpb))))
-    elif "split" not in cand:
-        kw["programs"] = programs
-    kw.update(cand)
-    return kw
+        cand["programs"] = max(1, min(sms * cand.pop("per_sm"), tiles * iters))
+    if "split" in cand:
+        cand["programs"] = tiles * cand.pop("split")
+    return replace(launch, **cand)
 
 
 def bench_dense(ms, bw, reps, only: str | None = None) -> list[dict]:
@@ -145,21 +131,16 @@ def bench_dense(ms, bw, reps, only: str | None = None) -> list[dict]:
             _row(rows, {**base, "kernel": "torch bf16 (dequantized)"}, lambda: x @ wd.T, ref,
                  [lambda: x @ wd.T], None, bw, reps)
             for cand in [c for c in DENSE_CANDIDATES if _wanted(c, only)]:
-                kw = _dense_kwargs(N, K, M, sms, cand)
+                launch = _dense_launch(N, K, M, sms, cand)
                 tag = "frag (engine plan)" if cand is None else "frag"
-                wr = reps_by_gpb[(kw["gpb"], kw.get("tile", 0), kw.get("stile", 0))]
-                part = f"split{kw['split']}" if "split" in kw else f"programs{kw['programs']}"
-                label = (f"{tag} gpb{kw['gpb']} mt{kw['mt']} w{kw['num_warps']} {part}"
-                         f" pt{kw['pt']} tok{kw['tok']}"
-                         f" x {kw['xload']}{'' if kw.get('pdl', True) else ' no-pdl'}"
-                         f"{' tiled ' + str(kw['tile']) if kw.get('tile') else ''}"
-                         f"{' scales tiled ' + str(kw['stile']) if kw.get('stile') else ' row-major scales'}"
-                         f" {kw.get('mma') or token_mma(kw['tok'])}"
-                         f"{'' if kw.get('pairs') is None else (' pairs' if kw['pairs'] else ' no-pairs')}")
+                wr = reps_by_gpb[(launch.gpb, launch.tile, launch.stile)]
+                label = (f"{tag} gpb{launch.gpb} programs{launch.programs} tok{launch.tok} {launch.mma}"
+                         f"{' tiled ' + str(launch.tile) if launch.tile else ''}"
+                         f"{' scales tiled ' + str(launch.stile) if launch.stile else ' row-major scales'}")
                 before = _compiled_regs(_w4_frag_kernel)
                 _row(rows, {**base, "kernel": label},
-                     lambda: frag_linear(x, *wr[0], **kw), ref,
-                     [lambda p=p, s=s: frag_linear(x, p, s, **kw) for p, s in wr], nbytes, bw, reps)
+                     lambda: frag_linear(x, *wr[0], launch=launch), ref,
+                     [lambda p=p, s=s: frag_linear(x, p, s, launch=launch) for p, s in wr], nbytes, bw, reps)
                 new = [v for k, v in _compiled_regs(_w4_frag_kernel).items() if k not in before]
                 if new:
                     rows[-1]["regs"] = new
@@ -197,9 +178,8 @@ def bench_moe(ts, bw, reps, only: str | None = None) -> list[dict]:
             s13, s2 = stiled if stile else (w13s, w2s)
             cfg = cand or frag_moe_config(T * TOPK, E)
             label = (f"frag{' (engine table)' if cand is None else ''} bm{cfg.BLOCK_M} "
-                     f"programs {cfg.P13 or 'plan'}/{cfg.P2 or 'plan'} x {cfg.XLOAD}/{cfg.XLOAD2 or cfg.XLOAD}"
-                     f"{f' maxnreg {cfg.MAXNREG13}/{cfg.MAXNREG2}' if cfg.MAXNREG13 or cfg.MAXNREG2 else ''}"
-                     f" epi {cfg.EPI_BLOCK}{'' if cfg.PDL else ' no-pdl'}{f' tiled {tile}' if tile else ' row-major'}"
+                     f"programs {cfg.P13 or 'plan'}/{cfg.P2 or 'plan'}"
+                     f"{f' tiled {tile}' if tile else ' row-major'}"
                      f"{f' scales tiled {stile}' if stile else ' row-major scales'}{' wgmma' if cfg.wgmma else ''}")
             _row(rows, {**base, "kernel": label},
                  lambda: fused_moe_frag(x, q13, s13, q2, s2, ids0, tw0, G, cfg, tile=tile, stile=stile), ref,
@@ -241,7 +221,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-dense", action="store_true")
     ap.add_argument("--no-moe", action="store_true")
     ap.add_argument("--only", default=None, help="besides the engine's plan / table, only the candidates whose "
-                    "repr contains this text or one of these comma-separated texts (e.g. 'wgmma', 'maxnreg,wgmma')")
+                    "repr contains this text or one of these comma-separated texts (e.g. 'wgmma', 'per_sm,wgmma')")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench/w4_frag.py needs a CUDA GPU", file=sys.stderr)

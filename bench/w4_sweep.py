@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -31,7 +31,7 @@ def _d(**kw) -> W4Config:
 
 
 X2 = dict(DEQUANT="bf16x2")
-# name -> the family's config at M = 16 (fma: BLOCK_M follows M, see fma_block_m)
+# name -> the candidate's config at M = 16
 DENSE_CANDIDATES: list[tuple[str, W4Config]] = [
     # The K loop's three tiles (packed weights, scales, activations) are all asynchronous copies since
     # the scale tile got its alignment hints (before, a synchronous 2-byte load stalled every K step; for
@@ -69,16 +69,6 @@ MOE_ROWS_CANDIDATES: list[tuple[str, MoEConfig]] = [
 # (BLOCK_N 64 / 128, 3 / 4 stages) 215-234 against 134 us at T = 1: bench/results/kernels-h200-sweep-m64.md
 # measured in bench/results/kernels-h200-sweep-splitk.md: split 4, 8 warps, 32-row tiles, BLOCK_K 128,
 # BLOCK_N 32, BLOCK_N2 32 (all slower than the default)
-
-
-def fma_block_m(M: int) -> int:
-    """Tokens per program of the fma family at M rows (4 spills registers on sm_90: bench/w4_aot.py)."""
-    return 1 if M <= 1 else 2
-
-
-def dense_at(cfg: W4Config, M: int) -> W4Config:
-    """The family's config for M rows (what its M-bucket table would hold)."""
-    return replace(cfg, BLOCK_M=fma_block_m(M)) if cfg.KERNEL == "fma" else cfg
 
 
 def w4_bytes(n: int, k: int, g: int) -> int:
@@ -138,7 +128,7 @@ def sweep_dense(ctx: Ctx, l2: int, deadline: float) -> list[dict]:
     rows = []
     for name, fam in DENSE_CANDIDATES:
         for M in ctx.sizes:
-            cfg, x = dense_at(fam, M), xs[M]
+            cfg, x = fam, xs[M]
             row = {"kernel": "dense", "shape": f"dense {N}x{K}", "size": M, "candidate": name,
                    "config": cfg.as_dict(), "bf16_us": bf16_us[M]}
             _measure(ctx, row, deadline, lambda: w4a16_linear(x, *ws[0], G, config=cfg),
@@ -253,9 +243,6 @@ def apply_line(kernel: str, cfg) -> str:
         if not cfg.SWAP_AB:
             line += " (SWAP_AB=False: keep BLOCK_M=16 in every bucket unless test_moe_batch_invariant passes)"
         return line
-    if cfg.KERNEL == "fma":
-        return (f"DENSE_CONFIGS (w4a16.py) = [(1, {replace(cfg, BLOCK_M=1)!r}), "
-                f"(1 << 62, {replace(cfg, BLOCK_M=2)!r})]")
     line = (f"DENSE_CONFIGS (w4a16.py): (16, {cfg!r}); the larger buckets take its DEQUANT, BLOCK_K, "
             f"SWAP_AB, split_k")
     if not cfg.SWAP_AB:
@@ -265,4 +252,4 @@ def apply_line(kernel: str, cfg) -> str:
 
 
 __all__ = ["DENSE_CANDIDATES", "MOE_CANDIDATES", "MOE_ROWS_CANDIDATES", "MOE_ROWS_SIZES", "SIZES", "Ctx",
-           "sweep_dense", "sweep_moe", "report", "dense_at"]
+           "sweep_dense", "sweep_moe", "report"]

@@ -29,8 +29,8 @@ def bucket(table: Sequence[tuple[int, C]], size: int) -> C:
 def take_rows(x: torch.Tensor, idx: torch.Tensor, dim: int = 0) -> torch.Tensor:
     """x.index_select(dim, idx), copied by torch's elementwise index kernel (advanced indexing): for up to 16
     indices index_select runs its small-index kernel, which walks the indices one after another, each a
-    dependent load (6.9 us for 16 rows of a rope table on an H200, bench/results/round-h200-index-select.md), where the
-    elementwise kernel copies every element at once. The same values (a copy)."""
+    dependent load (measured on an H200: docs/performance_history.md), where the elementwise kernel copies every
+    element at once. The same values (a copy)."""
     if dim == 0:
         return x[idx]
     return x[(slice(None),) * dim + (idx,)]

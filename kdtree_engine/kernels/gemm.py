@@ -30,13 +30,12 @@ CPU: ``bi_linear_reference`` (fp32 matmul) is the CPU path and the test oracle. 
 the Triton kernel runs on CPU tensors. There tl.dot is numpy's matmul, whose summation order follows the
 tile shape, so by default the interpreted kernel replaces the dot by a k-ordered fp32 sum (products
 rounded to fp32, then summed in k order), which keeps the interpreted kernel batch-invariant too;
-KDTREE_GEMM_INTERP=dot keeps tl.dot (operands upcast to fp32: triton 3.9's interpreter computes bf16
-tl.dot wrongly).
+``bi_linear(interp_dot=True)`` (tests only) keeps tl.dot there, operands upcast to fp32 (triton 3.9's
+interpreter computes bf16 tl.dot wrongly), so the GPU's code line also runs on the CPU.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -48,17 +47,6 @@ from .split_sum import split_sum
 from .common import DTYPES, interpreting
 
 _DTYPES = DTYPES
-
-
-
-
-def _interp_mode() -> str:
-    """Under the interpreter: "sum" (default, k-ordered, batch-invariant) or "dot" (tl.dot through
-    numpy's matmul; used by one test so the GPU's code line also runs on the CPU)."""
-    mode = os.environ.get("KDTREE_GEMM_INTERP", "sum")
-    if mode not in ("sum", "dot"):
-        raise ValueError(f"KDTREE_GEMM_INTERP must be 'sum' or 'dot', got {mode!r}")
-    return mode
 
 
 # ----------------------------------------------------------------------------------------------
@@ -124,8 +112,7 @@ K2_CONFIGS: dict[tuple[int, int], tuple[Reduction, list[tuple[int, Tile]] | None
 }
 
 # Per-shape M-bucket tiles of float32 weights (the FMA dot: a tile never changes the bits): the K2 router
-# [384 x 7168], 96 programs of 16 x 64 at 2 stages ran 34 us at M = 1..16 (0.32 TB/s; cuBLAS 8-24 us);
-# these tiles 24 / 27 / 59 / 141 us at M = 1-4 / 16 / 64 / 129 (bench/results/router-h200-tiles.md).
+# [384 x 7168] on more, smaller programs than the default tiles (measured: docs/performance_history.md).
 FP32_TILES: dict[tuple[int, int], list[tuple[int, Tile]]] = {
     (384, 7168): [(4, Tile(16, 16, 1, 8)), (16, Tile(16, 32, 2, 6)), (64, Tile(32, 32, 4, 4)),
                   (1 << 62, Tile(16, 64, 4, 4))],
@@ -133,9 +120,8 @@ FP32_TILES: dict[tuple[int, int], list[tuple[int, Tile]]] = {
 
 # Per-head (the MLA absorption, bi_head_linear) M-bucket tiles by (N, K), the default buckets beyond the last
 # (tiles never change the bits). q_nope x W_UK ([512 x 128] per head, a transposed view of kv_b_proj's rows) is
-# one K step per program: the default 6-stage tile holds one program per SM; 2 stages give 3.9 / 3.9 / 4.0 us
-# at M = 1 / 4 / 16 against 6.4 / 6.5 / 6.5 over 64 heads (1.5 against 1.7 over 8), where o_lat x W_UV keeps the
-# default (python3 bench/gemm.py --sweep-heads, bench/results/gemm-heads-h200-sweep.log).
+# one K step per program: the default 6-stage tile holds one program per SM, 2 stages several (faster; o_lat x
+# W_UV keeps the default: python3 bench/gemm.py --sweep-heads, docs/performance_history.md).
 HEAD_TILES: dict[tuple[int, int], list[tuple[int, Tile]]] = {
     (512, 128): [(16, Tile(16, 64, 4, 2))],
 }
@@ -285,12 +271,13 @@ def _check(x: torch.Tensor, w: torch.Tensor) -> None:
 
 
 def bi_linear(x: torch.Tensor, w: torch.Tensor, *, tile: Tile | None = None,
-              reduction: Reduction | None = None) -> torch.Tensor:
+              reduction: Reduction | None = None, interp_dot: bool = False) -> torch.Tensor:
     """Batch-invariant x [M, K] @ w [N, K].T -> [M, N] in x.dtype (Triton; fp32 accumulation).
 
     Row m of the result is bit-identical whatever M is (for a given device, N, K, dtype). ``tile``
     overrides the M-bucket tiling (benchmarks / sweeps; any tile keeps the invariance);
-    ``reduction`` overrides the (N, K) reduction (sweeps only: it changes the rounding)."""
+    ``reduction`` overrides the (N, K) reduction (sweeps only: it changes the rounding); ``interp_dot``
+    (tests only) keeps tl.dot under the interpreter instead of the k-ordered sum (no effect on a GPU)."""
     _check(x, w)
     M, K = x.shape
     N = w.shape[0]
@@ -302,14 +289,15 @@ def bi_linear(x: torch.Tensor, w: torch.Tensor, *, tile: Tile | None = None,
     t = tile or tile_for(M, x.dtype, N, K)
     red = reduction or reduction_for(N, K, x.dtype)
     return _launch(x, w, out, M, N, K, 1, (0, x.stride(0), x.stride(1)), (0, w.stride(0), w.stride(1)),
-                   (0, N, 1), t, red)
+                   (0, N, 1), t, red, interp_dot)
 
 
 def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, M: int, N: int, K: int, heads: int,
             x_strides: tuple[int, int, int], w_strides: tuple[int, int, int], out_strides: tuple[int, int, int],
-            t: Tile, red: Reduction) -> torch.Tensor:
+            t: Tile, red: Reduction, interp_dot: bool = False) -> torch.Tensor:
     """One launch of _bi_gemm_kernel over (M tiles, N tiles, heads x splits); strides are (head, row, k)
-    for x, (head, n, k) for w and (head, row, n) for out; splits summed in order by split_sum."""
+    for x, (head, n, k) for w and (head, row, n) for out; splits summed in order by split_sum. interp_dot:
+    tl.dot under the interpreter (bi_linear)."""
     interp = interpreting()
     kps = red.k_per_split(K)
     split = red.n_splits(K)
@@ -322,7 +310,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, M: int, N: int,
     _bi_gemm_kernel[grid](
         x, w, target, M, N, K, kps, split, *x_strides, *w_strides, *out_strides, out.numel(),
         BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N, BLOCK_K=red.BLOCK_K,
-        UPCAST=interp, INTERP_SUM=interp and _interp_mode() == "sum", PREC=prec, OUT_F32=split > 1,
+        UPCAST=interp, INTERP_SUM=interp and not interp_dot, PREC=prec, OUT_F32=split > 1,
         num_warps=t.num_warps, num_stages=t.num_stages, **pdl_launch(pdl))
     if split > 1:
         split_sum(target, out, split, pdl=pdl)
@@ -357,7 +345,7 @@ def bi_shared_x_partials(x: torch.Tensor, w: torch.Tensor, reduction: Reduction)
     _bi_gemm_kernel[(triton.cdiv(M, t.BLOCK_M), triton.cdiv(N, t.BLOCK_N), B * S)](
         x, w, out, M, N, K, reduction.k_per_split(K), S, 0, x.stride(0), 1, N * K, K, 1, S * M * N, N, 1, M * N,
         BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N, BLOCK_K=reduction.BLOCK_K, UPCAST=interp,
-        INTERP_SUM=interp and _interp_mode() == "sum", PREC="ieee" if interp else "tf32", OUT_F32=True,
+        INTERP_SUM=interp, PREC="ieee" if interp else "tf32", OUT_F32=True,
         num_warps=t.num_warps, num_stages=t.num_stages, **pdl_launch(pdl_supported(x.device)))
     return out
 
@@ -409,4 +397,4 @@ def bi_head_linear(x: torch.Tensor, w: torch.Tensor, *, tile: Tile | None = None
 
 __all__ = ["Reduction", "Tile", "K2_CONFIGS", "TILES_16BIT", "TILES_FP32", "reduction_for", "tile_for",
            "HEAD_TILES", "head_tile_for", "head_reduction_for", "bi_linear", "bi_linear_reference", "bi_head_linear",
-           "bi_head_linear_reference", "bi_shared_x_partials", "interpreting"]
+           "bi_head_linear_reference", "bi_shared_x_partials"]

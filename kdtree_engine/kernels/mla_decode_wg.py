@@ -4,7 +4,7 @@ with TMA key tiles (Gluon, sm_90, GPU only).
 The Triton chunk kernel (mla_attention.py) runs a decode launch of N = 8 heads on 16-row mma.sync tiles:
 half of every tile is padding, each warp walks a 36-MMA score chain one dependent MMA at a time, and its
 key copies issue an address and a predicate per 16 bytes; one warp per scheduler at ~4 cycles an
-instruction is what bounds it (bench/results/ncu-h200-notes.md). Here the keys sit on the MMA's M side:
+instruction is what bounds it (Nsight Compute). Here the keys sit on the MMA's M side:
 
     s^T [BN keys, NP] = K_lat [BN, C] @ q_lat^T [C, NP]  then  += K_pe [BN, R] @ q_pe^T [R, NP]
     l   [NP]          = l * alpha + (ones [64, BN] @ P^T [BN, NP])[0]
@@ -29,7 +29,7 @@ import triton
 
 from kdtree_engine.kernels.pdl import PDL_ASM
 
-try:  # Gluon exists in triton >= 3.5
+try:  # optional: Gluon exists in triton >= 3.5 (the kernels below need it; the launch checks do not)
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
@@ -76,22 +76,11 @@ if HAVE_GLUON:
     WAIT_ASM = gl.constexpr(PDL_ASM)
 
     @gluon.jit
-    def _scores(kl_st, kp_st, ql_s, qp_s, zs, qk_scale, C: gl.constexpr, QS: gl.constexpr):
-        """Scaled s^T [BN, NP] of one key slot: the latent then the rope MMA chain; QS = 2: the latent's lower
-        half then the rope, beside the upper half as its own chain, each scaled before the add (the chunk
-        kernel's QK_SPLIT arithmetic)."""
-        if QS == 1:
-            s = warpgroup_mma(kl_st, ql_s.permute((1, 0)), zs, use_acc=False, is_async=True)
-            s = warpgroup_mma(kp_st, qp_s.permute((1, 0)), s, is_async=True)
-            return warpgroup_mma_wait(num_outstanding=0, deps=[s]) * qk_scale
-        HC: gl.constexpr = C // 2
-        lo = warpgroup_mma(kl_st.slice(0, HC, dim=1), ql_s.slice(0, HC, dim=1).permute((1, 0)), zs, use_acc=False,
-                           is_async=True)
-        lo = warpgroup_mma(kp_st, qp_s.permute((1, 0)), lo, is_async=True)
-        hi = warpgroup_mma(kl_st.slice(HC, HC, dim=1), ql_s.slice(HC, HC, dim=1).permute((1, 0)), zs,
-                           use_acc=False, is_async=True)
-        lo, hi = warpgroup_mma_wait(num_outstanding=0, deps=[lo, hi])
-        return lo * qk_scale + hi * qk_scale
+    def _scores(kl_st, kp_st, ql_s, qp_s, zs, qk_scale):
+        """Scaled s^T [BN, NP] of one key slot: the latent then the rope MMA chain (the chunk kernel's order)."""
+        s = warpgroup_mma(kl_st, ql_s.permute((1, 0)), zs, use_acc=False, is_async=True)
+        s = warpgroup_mma(kp_st, qp_s.permute((1, 0)), s, is_async=True)
+        return warpgroup_mma_wait(num_outstanding=0, deps=[s]) * qk_scale
 
     @gluon.jit
     def key_ring(lat_desc, pe_desc, STAGES: gl.constexpr, BN: gl.constexpr, C: gl.constexpr, R: gl.constexpr):
@@ -163,7 +152,7 @@ if HAVE_GLUON:
                               stride_plm, stride_ot, stride_on, qk_scale,
                               C: gl.constexpr, R: gl.constexpr, NP: gl.constexpr, DV: gl.constexpr,
                               VS: gl.constexpr, CHUNK: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
-                              CAUSAL: gl.constexpr, DIRECT: gl.constexpr, S_DEV: gl.constexpr, QS: gl.constexpr,
+                              CAUSAL: gl.constexpr, DIRECT: gl.constexpr, S_DEV: gl.constexpr,
                               PDL: gl.constexpr):
         # grid (row groups x V_SPLIT, chunks): the slices of one group adjacent (their key tiles hit L2).
         # CAUSAL: one query (T = 1) over [0, S] (itself included); else the whole prefix chunks of a tree's
@@ -225,7 +214,7 @@ if HAVE_GLUON:
         for j in range(n_blk):
             st = j % STAGES
             mbarrier.wait(bars.index(st), (j // STAGES) & 1)
-            s = _scores(kl.index(st), kp.index(st), ql_s, qp_s, zs, qk_scale, C, QS)
+            s = _scores(kl.index(st), kp.index(st), ql_s, qp_s, zs, qk_scale)
             alpha, m_new = _probs(s, m_i, p0 + j * BN + offs_n, L, p_s)
             # the row sums and P @ V issued together, one wait (their results as before: l = l * alpha + rowsum)
             lsum = warpgroup_mma(ones, p_s.permute((1, 0)), zl, use_acc=False, is_async=True)
@@ -265,11 +254,11 @@ def kv_descriptors(kv: torch.Tensor, rows: int, C: int, R: int) -> tuple:
 
 def launch(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, rows: int, po, pl, out, s_ptr, S: int,
            strides: tuple[int, int, int], qk_scale: float, chunk: int, n_ch: int, v_split: int, stages: int,
-           causal: bool, direct: bool, s_dev: bool, pdl: dict, most_rows: int = 32, qk_split: int = 1) -> None:
+           causal: bool, direct: bool, s_dev: bool, pdl: dict, most_rows: int = 32) -> None:
     """One launch over chunks [0, n_ch) of the first `rows` slots of kv: q_lat [T, N, C], q_pe [T, N, R] (causal:
     T = 1 over [0, S]; else a tree's T queries over the whole chunks of [0, S)); partials (po, pl with
-    `strides` = (row, chunk, lse row)) or, direct, out [T, N, C]. Programs of up to `most_rows` (query, head) rows;
-    qk_split: the score chains (MLAConfig.QK_SPLIT)."""
+    `strides` = (row, chunk, lse row)) or, direct, out [T, N, C]. Programs of up to `most_rows` (query, head)
+    rows."""
     T, N, C = q_lat.shape
     R = q_pe.shape[2]
     np_ = rows_per_program(T * N, most_rows)
@@ -277,8 +266,7 @@ def launch(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, rows: int,
     _mla_decode_wg_kernel[(triton.cdiv(T * N, np_) * v_split, n_ch)](
         q_lat, q_pe, lat, pe, po, pl, out, s_ptr, S, T, N, q_lat.stride(0), q_lat.stride(1), q_pe.stride(0),
         q_pe.stride(1), *strides, out.stride(0), out.stride(1), qk_scale, C=C, R=R, NP=np_, DV=C // v_split,
-        VS=v_split, CHUNK=chunk, BN=BLOCK_N, STAGES=stages, CAUSAL=causal, DIRECT=direct, S_DEV=s_dev, QS=qk_split,
-        num_warps=4,
+        VS=v_split, CHUNK=chunk, BN=BLOCK_N, STAGES=stages, CAUSAL=causal, DIRECT=direct, S_DEV=s_dev, num_warps=4,
         **pdl)
 
 

@@ -31,7 +31,7 @@ import triton
 from kdtree_engine.kernels.mla_decode_wg import BLOCK_N, HAVE_GLUON, kv_descriptors
 from kdtree_engine.kernels.pdl import PDL_ASM
 
-if HAVE_GLUON:
+if HAVE_GLUON:   # optional: the Gluon kernels exist only on a triton with gluon (mla_decode_wg.HAVE_GLUON)
     from kdtree_engine.kernels.mla_decode_wg import key_ring, load_q_rows
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl

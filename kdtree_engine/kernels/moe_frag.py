@@ -33,14 +33,14 @@ from kdtree_engine.kernels.split_sum import Partition
 from kdtree_engine.kernels.w4_dequant import DEQ_FLOAT
 from kdtree_engine.kernels.common import bucket
 from kdtree_engine.kernels.pdl import pdl_launch, pdl_supported
-from kdtree_engine.kernels.w4_frag import (HAVE_GLUON, X_LOADS, dense_partition, frag_gpb, frag_unsupported,
-                                           stream_programs, tile_unsupported, word_layout)
+from kdtree_engine.kernels.w4_frag import (HAVE_GLUON, dense_partition, frag_gpb, frag_unsupported, stream_programs,
+                                           tile_unsupported, word_layout)
 
-if HAVE_GLUON:
+if HAVE_GLUON:   # optional: the Gluon kernels exist only on a triton with gluon (w4_frag.HAVE_GLUON)
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
 
-    from kdtree_engine.kernels.w4_frag import (_frag_loop, _frag_loop_wg, _stream_program, _word_ptrs, cta_barrier,
+    from kdtree_engine.kernels.w4_frag import (frag_loop, frag_loop_wg, stream_program_gl, word_ptrs, cta_barrier,
                                                mma_layout, operand_layout, pdl_wait_gl, wg_a_layout, wg_layout,
                                                wg_x_layout, WG_X_SMEM, x_layout)
 
@@ -49,20 +49,12 @@ if HAVE_GLUON:
 class FragMoEConfig:
     BLOCK_M: int = 8       # token rows per expert block = the MMA's token columns (re-tiles only): 8 or 16 on
     #                        mma.sync (32 / 64 would hold a [256 x 32 / 64] activation operand per thread: spills),
-    #                        32 or 64 on wgmma (w4_frag._frag_loop_wg: activations in shared memory; one
+    #                        32 or 64 on wgmma (w4_frag.frag_loop_wg: activations in shared memory; one
     #                        warpgroup; the same bits as mma.sync, GPU-tested). Programs are 4 warps of one
     #                        16-row MMA tile each: one 64-row partition tile (MOE_PARTITION_ROWS)
     P13: int | None = None   # gate/up programs per expert block (part of the reduction; None: moe_plan)
     P2: int | None = None    # down programs per expert block (part of the reduction; None: moe_plan)
     GPB: int | None = None       # groups per K block of both matrices (None: frag_gpb(K) of each)
-    XLOAD: str = "smem-ahead"    # how the gate/up GEMM loads activations (X_LOADS; the same bits)
-    XLOAD2: str | None = None    # the down GEMM's (None: XLOAD)
-    MAXNREG13: int = 0     # register caps of the gate/up and down kernels (0: the compiler's); the same code.
-    MAXNREG2: int = 0      # MAXNREG2 72 / 80 (5-6 programs per SM) measured slower (bench/results/w4-frag-h200-tune2.md)
-    EPI_BLOCK: int = 256   # elements per program of the SwiGLU and top-k sum launches (elementwise: same bits);
-    #                        T = 1: 71.4 against 72.6 us with 1024 (bench/results/w4-frag-h200-direct.md)
-    PDL: bool = True       # every launch a programmatic dependent (pdl.py; the same bits): T = 1 67.8 against
-    #                        70.1 us, T = 16 742 against 753 (bench/results/w4-frag-h200-pdl.md)
 
     @property
     def wgmma(self) -> bool:
@@ -76,81 +68,40 @@ class FragMoEConfig:
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise ValueError(f"FragMoEConfig.{name} must be None or >= 1 programs per expert block, got {v}")
-        for name in ("XLOAD", "XLOAD2"):
-            v = getattr(self, name)
-            if v not in X_LOADS and not (name == "XLOAD2" and v is None):
-                raise ValueError(f"FragMoEConfig.{name} must be one of {sorted(X_LOADS)}, got {v!r}")
-        if self.EPI_BLOCK < 128 or self.EPI_BLOCK & (self.EPI_BLOCK - 1):
-            raise ValueError(f"FragMoEConfig.EPI_BLOCK must be a power of 2 >= 128, got {self.EPI_BLOCK}")
-        for name in ("MAXNREG13", "MAXNREG2"):
-            v = getattr(self, name)
-            if v and not 24 <= v <= 255:
-                raise ValueError(f"FragMoEConfig.{name} must be 0 or 24..255, got {v}")
 
 
+EPI_BLOCK = 256           # elements per program of the SwiGLU and top-k sum launches (elementwise: any size, the same bits)
 MOE_PARTITION_ROWS = 64   # rows of a partition tile = a program's rows (MOE_WARPS warps x one 16-row MMA tile)
 MOE_WARPS = 4
-MOE_GATE_UP_PER_SM = 3    # programs per SM the 8-token gate/up kernel holds (163 registers, smem-ahead loads):
-#                           its stream partition fills one wave with a token's top-k expert blocks
-MOE_DOWN_PER_SM = None    # the down GEMM (K = I: 8 blocks at K2) runs whole row tiles (one partial; 92 registers, 5
-#                           programs per SM): on the stream partition of 5 programs per SM (103 registers capped at 96)
-#                           it gained 0.9 us at T = 1 and lost 2.4 us at T = 4, its top-k sum 1.1 more
-#                           (bench/results/ncu-h200-moe-frag-t{1,4}-stream.txt)
+MOE_GATE_UP_PER_SM = 3    # programs per SM the 8-token gate/up kernel holds: its stream partition fills one wave
+#                           with a token's top-k expert blocks
+MOE_DOWN_PER_SM = None    # the down GEMM (few K blocks) runs whole row tiles (one partial): its stream partition
+#                           measured no faster (docs/performance_history.md)
 
 
 def moe_plan(rows: int, K: int, gpb: int, sms: int, top_k: int, per_sm: int | None) -> Partition:
     """The partition of one expert block's GEMM over `rows` output rows (64-row tiles) x K (blocks of 32 * gpb):
     per_sm None: one program per row tile over the whole of K; else the stream partition whose programs let a
     token's top_k expert blocks fill one wave of per_sm programs per SM (w4_frag.stream_programs). Fixed by the
-    shape, top_k and the device, never by T: it is part of the reduction. The gate/up GEMM's 2 tile-aligned K
-    splits left a partial wave at T = 1 (K2: 512 programs at 3 per SM, 1.29 waves, 47.4 us; on the stream
-    partition 392 programs, 41.2 us: ncu-h200-moe-frag-t1-split.txt, -stream.txt)."""
+    shape, top_k and the device, never by T: it is part of the reduction. Tile-aligned K splits left a partial
+    wave at T = 1, which the stream partition fills."""
     tiles, iters = rows // MOE_PARTITION_ROWS, K // (32 * gpb)
     programs = tiles if per_sm is None else stream_programs(tiles, iters, sms * per_sm // max(top_k, 1))
     return Partition(MOE_PARTITION_ROWS, tiles, iters, programs)
 
 
 # (max pairs per expert = cdiv(T * top_k, E), config); first match wins; all share the reduction (partitions,
-# GPB): only BLOCK_M / the activation loads differ. bench/results/w4-frag-h200-xsmem.md, K2 layer:
-# 8-row blocks from T = 4 to 256 (up to 5.3 pairs per expert; 3138 us at T = 256 against 3740 for 16-row
-# blocks), 16-row blocks with 1 MMA tile per warp at T = 1024 (21 pairs per expert: 7212 us against 8174;
-# 2 tiles per warp spill once the activations pass through shared memory). bench/results/w4-frag-h200-moe-
-# wgmma.md: 32-row wgmma blocks from 17 pairs per expert (T = 1024 / 2048: 5227 / 9283 us against 7092 /
-# 12044 for 16-row blocks; at T = 64 / 256 they lose: 2763 / 3919 against 2003 / 3045 for 8-row blocks;
-# 64-row blocks spill: 16161 us at T = 1024). Up to 16 pairs 16-row blocks stay (one block per expert either
-# way, and a 32-column wgmma doubles the MMA work: dense M = 16 91 against 65 us). The 32-row blocks run two
-# warpgroups (128 weight rows per program sharing one activation buffer; the same bits, GPU-tested): T = 1024 /
-# 2048 5020 / 9052 us against 5083 / 9402 with one (bench/results/w4-frag-h200-moe8.md; 64-row blocks in two
-# warpgroups spill: 11548 at T = 1024). Those two-warpgroup (and 2-tiles-per-warp) programs were dropped with
-# the stream partition, whose 64-row tiles every program covers whatever T picks.
+# GPB): only BLOCK_M differs (a re-tiling). 8-row blocks up to 8 pairs per expert, 16-row blocks up to 16 (one
+# block per expert either way; a 32-column wgmma doubles the MMA work), 32-row wgmma blocks beyond (measured on
+# the K2 layer: docs/performance_history.md).
 FRAG_MOE_CONFIGS: list[tuple[int, FragMoEConfig]] = [
     (8, FragMoEConfig(BLOCK_M=8)),
     (16, FragMoEConfig(BLOCK_M=16)),
     (1 << 62, FragMoEConfig(BLOCK_M=32)),
 ]
-# Launches of at most 8 pairs (T = 1 at top-8) had their own config until the words were tiled: the gate/up
-# GEMM loaded the activations in the MMA operand layout, at use: the relabel through shared memory cost it
-# 35 registers (163 against 128: 3 programs per SM instead of 4), which a one-wave launch feels; the down
-# GEMM gains from it. T = 1: 71.8 us
-# against 74.7 with operand loads in both, 83.1 with smem-ahead in both. Measured and dropped there: SwiGLU
-# applied in the down GEMM's activation loads instead of its own launch (every down program recomputing its
-# block's SwiGLU from the fp32 partials), 85.4 against 71.6 us at T = 1 and slower at every T
-# (bench/results/w4-frag-h200-swiglu-down.md). Also dropped: two blocks of the down GEMM's words in flight
-# (121 registers, 4 programs per SM): 74.0 against 71.9 us at T = 1, slower at every T
-# (bench/results/w4-frag-h200-depth2.md). Also dropped: one token's blocks read straight from the ids instead
-# of the align launch (block j = pair j; the same bits): 71.2 against 71.4 us at T = 1, the gate/up kernel
-# then needing 139 registers (capped at 128 with spills) (bench/results/w4-frag-h200-direct.md, commit 00d5eb9).
-# On the tiled expert words (model/int4_order.py, FRAG_TILE) the operand loads lost that edge: T = 1 78.0 us
-# against 71.1 with smem-ahead in both (row-major words with operand loads: 69.1;
-# bench/results/w4-frag-h200-tiled4.md), so those launches take the table like the others.
-
-
 # Launches of up to this many (token, expert) pairs do the SwiGLU and the top-k sum in the GEMMs' last programs
-# (_moe_frag_kernel FUSE) instead of their own launches. Those two launches cost 4.2 us of a 67.2 us T = 1 MoE and
-# 5.0 of 213 at T = 4, nothing at T = 16 (bench/results/launch-bounds-h200.md: the launches left out). Fused, T = 1
-# took 65.8 against 69.3 us, but T = 4 219.9 against 210.2: every program then waits on its arrival atomic before
-# it frees its slot, which a launch of 4-5 waves pays in every wave (bench/results/launch-bounds-h200-fuse64.md,
-# up to 64 pairs). So one token at top-8 only.
+# (_moe_frag_kernel FUSE) instead of their own launches: it saves two launches for one token, but in launches of
+# several waves every program waits on its arrival atomic before it frees its slot (docs/performance_history.md).
 FUSE_MAX_PAIRS = 8
 
 
@@ -250,7 +201,7 @@ if HAVE_GLUON:
                          stride_os, stride_ot, iters, work, programs,
                          fin_ptr, stride_ft, cnt_ptr, ids_ptr, n_tok, n_experts, add_ptr, stride_at,
                          GATE_UP: gl.constexpr, TOK: gl.constexpr, GPB: gl.constexpr, WL: gl.constexpr,
-                         X_SMEM: gl.constexpr, X_AHEAD: gl.constexpr, PDL: gl.constexpr, TILE: gl.constexpr,
+                         PDL: gl.constexpr, TILE: gl.constexpr,
                          SEGS: gl.constexpr, WHOLE: gl.constexpr, num_warps: gl.constexpr, WG: gl.constexpr = False,
                          FUSE: gl.constexpr = False, SLOTS: gl.constexpr = 1, TOPK_C: gl.constexpr = 8,
                          ADD: gl.constexpr = False, STILE: gl.constexpr = 0):
@@ -258,14 +209,14 @@ if HAVE_GLUON:
         (N / BN) row tiles x iters K blocks, row tile major (moe_plan): global blocks
         [p * work // programs, (p + 1) * work // programs), each run of them within one tile (a segment,
         unrolled: SEGS) one partial, written to out[slot, pair, n] with slot its index among the tile's segments.
-        STILE: the scales' order (w4_frag._word_ptrs). WHOLE: one program per row tile over all of K (programs =
+        STILE: the scales' order (w4_frag.word_ptrs). WHOLE: one program per row tile over all of K (programs =
         N / BN: program p is tile p, one partial; without the division the 8-token down program keeps 9 fewer
         registers).
         GATE_UP: x [T, H] rows pair // TOPK, weight rows n and UP_ROW + n -> out[slot, pair, n] and
         out[slot, pair, UP_ROW + n] (fp32 gate / up partials). Else (down): x = inter [P, I] rows pair ->
         out[slot, pair, n] = router weight x the partial down sum. PDL (pdl.py): launched dependent on the
         align launch (gate/up: waits first) or the SwiGLU launch (down: waits after its first weight loads;
-        the blocks are two launches back, complete). WG: wgmma programs (w4_frag._frag_loop_wg, one
+        the blocks are two launches back, complete). WG: wgmma programs (w4_frag.frag_loop_wg, one
         warpgroup).
         FUSE (fused_moe_frag's small launches): the epilogue launches' work done by the last program of each tile
         (_last_arrival on cnt_ptr): gate/up, the SwiGLU of the tile's partials (at most SLOTS) into fin = inter
@@ -303,11 +254,11 @@ if HAVE_GLUON:
                     t = g // iters
                     b0 = g - t * iters
                     nb = gl.minimum(iters - b0, end - g)
-                    slot = p - _stream_program(t * iters, work, programs)
+                    slot = p - stream_program_gl(t * iters, work, programs)
                     n0 = t * BN
-                w0, s0 = _word_ptrs(we, se, n0, stride_wn, stride_sn, b0, WL, BN, GPB, TILE, STILE)
+                w0, s0 = word_ptrs(we, se, n0, stride_wn, stride_sn, b0, WL, BN, GPB, TILE, STILE)
                 if GATE_UP:
-                    w1, s1 = _word_ptrs(we, se, UP_ROW + n0, stride_wn, stride_sn, b0, WL, BN, GPB, TILE, STILE)
+                    w1, s1 = word_ptrs(we, se, UP_ROW + n0, stride_wn, stride_sn, b0, WL, BN, GPB, TILE, STILE)
                 else:
                     w1, s1 = w0, s0
                 acc0 = gl.zeros([BN, TOK], gl.float32, layout=MMA)
@@ -321,20 +272,20 @@ if HAVE_GLUON:
                     xr = (pair // TOPK).to(gl.int64) if GATE_UP else pair.to(gl.int64)
                     x_ptrs = x_ptr + gl.expand_dims(xr, 1) * stride_xt + gl.expand_dims(rk, 0) + b0 * BK
                     cta_barrier()   # the buffers' last reader (the previous segment's MMA) is done
-                    acc0, acc1 = _frag_loop_wg(acc0, acc1, w0, s0, w1, s1, x_ptrs, gl.expand_dims(ok, 1), nb, xs,
+                    acc0, acc1 = frag_loop_wg(acc0, acc1, w0, s0, w1, s1, x_ptrs, gl.expand_dims(ok, 1), nb, xs,
                                                GATE_UP, wg_a_layout(TOK, num_warps), BN, GPB, PDL and not GATE_UP,
                                                TILE, STILE)
                 else:
                     AL: gl.constexpr = operand_layout(0, num_warps)
                     BL: gl.constexpr = operand_layout(1, num_warps)
-                    XL: gl.constexpr = x_layout(BK, TOK, num_warps, X_SMEM)
+                    XL: gl.constexpr = x_layout(BK, num_warps)
                     pair, ok = _block_pairs(sorted_ptr, pid_b, rows, TOK, gl.SliceLayout(0, XL))
                     rk = gl.arange(0, BK, layout=gl.SliceLayout(1, XL))
                     xr = (pair // TOPK).to(gl.int64) if GATE_UP else pair.to(gl.int64)
                     # the block offset added last: folded into the tensor first it cost the 16-token down 39 registers
                     x_ptrs = x_ptr + gl.expand_dims(xr, 0) * stride_xt + gl.expand_dims(rk, 1) + b0 * BK
-                    acc0, acc1 = _frag_loop(acc0, acc1, w0, s0, w1, s1, x_ptrs, gl.expand_dims(ok, 0), nb, GATE_UP,
-                                            X_AHEAD, AL, BL, BN, GPB, PDL and not GATE_UP, TILE, STILE=STILE)
+                    acc0, acc1 = frag_loop(acc0, acc1, w0, s0, w1, s1, x_ptrs, gl.expand_dims(ok, 0), nb, GATE_UP,
+                                           AL, BL, BN, GPB, PDL and not GATE_UP, TILE, STILE=STILE)
                 # the output pointers after the K loop (not live through it)
                 pair_o, ok_o = _block_pairs(sorted_ptr, pid_b, rows, TOK, gl.SliceLayout(0, MMA))
                 if not GATE_UP:
@@ -353,8 +304,8 @@ if HAVE_GLUON:
                             n_slots = 1
                             last = True
                         else:
-                            n_slots = (_stream_program(t * iters + iters - 1, work, programs)
-                                       - _stream_program(t * iters, work, programs) + 1)
+                            n_slots = (stream_program_gl(t * iters + iters - 1, work, programs)
+                                       - stream_program_gl(t * iters, work, programs) + 1)
                             last = _last_arrival(cnt_ptr + pid_b * (work // iters) + t, n_slots)
                         if last:
                             i_ptrs = (fin_ptr + gl.expand_dims(pair_o.to(gl.int64), 0) * stride_ft + n0
@@ -419,7 +370,7 @@ def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor
     x = x.contiguous()
     ids = topk_ids.reshape(-1).contiguous()
     tw = topk_weights.reshape(-1).contiguous()
-    on = cfg.PDL and pdl_supported(x.device)
+    on = pdl_supported(x.device)   # every launch a programmatic dependent where the device has them (the same bits)
     sorted_pairs, blk_expert, blk_rows = moe_align(ids, E, cfg.BLOCK_M, pdl=on)
     blocks = blk_rows.numel()
     pdl = pdl_launch(on)
@@ -434,27 +385,24 @@ def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor
         x.stride(0), w13_q.stride(0), w13_q.stride(1), w13_scale.stride(0), w13_scale.stride(1),
         part.stride(0), part.stride(1), part13.iters, part13.work, part13.programs,
         inter, inter.stride(0), cnt13, ids, T, E, inter, 0, FUSE=fuse, SLOTS=slots13, TOPK_C=topk,
-        GATE_UP=True, TOK=cfg.BLOCK_M, GPB=g13, WL=word_layout(MOE_WARPS, 1, g13),
-        X_SMEM=X_LOADS[cfg.XLOAD][0], X_AHEAD=X_LOADS[cfg.XLOAD][1], TILE=tile, SEGS=segs13,
+        GATE_UP=True, TOK=cfg.BLOCK_M, GPB=g13, WL=word_layout(MOE_WARPS, g13), TILE=tile, SEGS=segs13,
         WHOLE=part13.programs == part13.tiles, num_warps=MOE_WARPS,
-        WG=cfg.wgmma, STILE=stile, **pdl, **({"maxnreg": cfg.MAXNREG13} if cfg.MAXNREG13 else {}))
+        WG=cfg.wgmma, STILE=stile, **pdl)
     if not fuse:
-        moe_swiglu(part, inter, ids, E, slots13, part13, DEQ_FLOAT, min(cfg.EPI_BLOCK, triton.next_power_of_2(I)),
+        moe_swiglu(part, inter, ids, E, slots13, part13, DEQ_FLOAT, min(EPI_BLOCK, triton.next_power_of_2(I)),
                    on)
     y = torch.empty((slots2, P, H), device=x.device, dtype=torch.float32)
-    xload2 = cfg.XLOAD2 or cfg.XLOAD
     _moe_frag_kernel[(blocks, part2.programs)](
         inter, w2_q, w2_scale, y, tw, sorted_pairs, blk_expert, blk_rows, 0, 1,
         inter.stride(0), w2_q.stride(0), w2_q.stride(1), w2_scale.stride(0), w2_scale.stride(1),
         y.stride(0), y.stride(1), part2.iters, part2.work, part2.programs,
         out, out.stride(0), cnt2, ids, T, E, out if add is None else add, 0 if add is None else add.stride(0),
         FUSE=fuse2, SLOTS=slots2, TOPK_C=topk, ADD=fuse2 and add is not None,
-        GATE_UP=False, TOK=cfg.BLOCK_M, GPB=g2, WL=word_layout(MOE_WARPS, 1, g2),
-        X_SMEM=X_LOADS[xload2][0], X_AHEAD=X_LOADS[xload2][1], TILE=tile, SEGS=segs2,
+        GATE_UP=False, TOK=cfg.BLOCK_M, GPB=g2, WL=word_layout(MOE_WARPS, g2), TILE=tile, SEGS=segs2,
         WHOLE=part2.programs == part2.tiles, num_warps=MOE_WARPS,
-        WG=cfg.wgmma, STILE=stile, **pdl, **({"maxnreg": cfg.MAXNREG2} if cfg.MAXNREG2 else {}))
+        WG=cfg.wgmma, STILE=stile, **pdl)
     if not fuse2:
-        moe_topk_sum(y, out, ids, E, topk, slots2, part2, cfg.EPI_BLOCK, on, add=add)
+        moe_topk_sum(y, out, ids, E, topk, slots2, part2, EPI_BLOCK, on, add=add)
     return out
 
 

@@ -41,9 +41,9 @@ import triton.language as tl
 
 from kdtree_engine.kernels.common import bucket, interpreting
 from kdtree_engine.kernels.pdl import pdl_launch, pdl_wait
-from kdtree_engine.kernels.split_sum import Partition, _stream_slots
-from kdtree_engine.kernels.w4_dequant import DEQ_BF16X2, DEQ_BF16X2_EMU, DEQUANTS, _pair_pos, pair_order
-from kdtree_engine.kernels.w4a16 import _load_dequant, _mma, check_w4, deq_code, fp32_stages, k_splits
+from kdtree_engine.kernels.split_sum import Partition, stream_slots
+from kdtree_engine.kernels.w4_dequant import DEQ_BF16X2, DEQ_BF16X2_EMU, DEQUANTS, load_dequant, pair_order, pair_pos
+from kdtree_engine.kernels.w4a16 import check_w4, deq_code, fp32_stages, k_splits, mma_tile
 from kdtree_engine.quant import dequantize
 
 # ----------------------------------------------------------------------------------------------
@@ -54,9 +54,8 @@ from kdtree_engine.quant import dequantize
 class MoEConfig:
     # token rows per expert block (a power of 2 >= 8). With SWAP_AB the tokens are the MMA's N side: on
     # sm_90 8 rows compile to mma.sync (128 registers on gate/up, no wgmma waits), 16 and more to wgmma,
-    # which round differently (60 of 7168 outputs differ at T = 1), so 8 is part of the reduction key.
-    # Measured slower: 190 / 661 / 2221 against 132 / 439 / 1454 us at T = 1 / 4 / 16 (the operand reads
-    # become scalar shared loads; bench/results/kernels-h200-sweep-bm8.md)
+    # which round differently, so 8 is part of the reduction key. Measured slower (the operand reads become
+    # scalar shared loads; docs/performance_history.md)
     BLOCK_M: int = 16
     BLOCK_N: int = 64    # weight rows per program (w13: gate rows; up rows come with them)
     BLOCK_K: int = 256
@@ -67,16 +66,8 @@ class MoEConfig:
     DEQUANT: str = "float"  # "float" or "bf16x2" (PTX, bf16 activations only), see w4_dequant.py
     SPLIT_K: int = 1     # gate/up GEMM split over H: fp32 partials, then a SwiGLU pass sums them in order
     # down GEMM split over I: each split writes its router-weighted fp32 partial, the top-k sum adds them
-    # (per pair in split order). At T = 1 the K2 down GEMM is 8 x 112 programs for 3 per SM on 132 SMs:
-    # 2.26 waves, the last a quarter full; splits make the waves finer. Measured slower on the H200
-    # (2 / 4 splits: 135 / 143 against 132 us at T = 1, 1494 / 1607 against 1454 at T = 16;
-    # bench/results/kernels-h200-sweep-down.md): off (1) in the defaults
+    # (per pair in split order); 1 in the defaults (measured slower, docs/performance_history.md)
     SPLIT_K2: int = 1
-    # register caps of the gate/up and down kernels (0: the compiler's choice): fewer registers, more
-    # programs per SM; the code and its arithmetic are the same (not part of the reduction key). Measured
-    # slower on the H200 (168 on gate/up: 152 against 133 us at T = 1; bench/results/kernels-h200-sweep-maxnreg.md)
-    MAXNREG13: int = 0
-    MAXNREG2: int = 0
 
     def __post_init__(self) -> None:
         if self.DEQUANT not in DEQUANTS:
@@ -85,10 +76,6 @@ class MoEConfig:
             raise ValueError(f"MoEConfig.BLOCK_M must be a power of 2 >= 8, got {self.BLOCK_M}")
         if self.SPLIT_K < 1 or self.SPLIT_K2 < 1:
             raise ValueError(f"MoEConfig.SPLIT_K and SPLIT_K2 must be >= 1, got {self.SPLIT_K} / {self.SPLIT_K2}")
-        for name in ("MAXNREG13", "MAXNREG2"):
-            v = getattr(self, name)
-            if v and not (24 <= v <= 255 and v % 8 == 0):
-                raise ValueError(f"MoEConfig.{name} must be 0 or a multiple of 8 in [24, 255], got {v}")
 
     def reduction_key(self) -> tuple:
         """The fields that fix how one output element is summed (must be equal across T buckets)."""
@@ -97,18 +84,14 @@ class MoEConfig:
     def as_dict(self) -> dict:
         return dict(DEQUANT=self.DEQUANT, BLOCK_M=self.BLOCK_M, BLOCK_N=self.BLOCK_N, BLOCK_K=self.BLOCK_K,
                     SWAP_AB=self.SWAP_AB, num_warps=self.num_warps, num_stages=self.num_stages,
-                    BLOCK_N2=self.BLOCK_N2, SPLIT_K=self.SPLIT_K, SPLIT_K2=self.SPLIT_K2,
-                    MAXNREG13=self.MAXNREG13, MAXNREG2=self.MAXNREG2)
+                    BLOCK_N2=self.BLOCK_N2, SPLIT_K=self.SPLIT_K, SPLIT_K2=self.SPLIT_K2)
 
 
 # (max pairs per expert = cdiv(T * top_k, E), config); first match wins. BLOCK_K and SWAP_AB are shared
 # (batch invariance); BLOCK_M only re-tiles (tests/gpu: test_moe_block_rows_same_bits).
 MOE_CONFIGS: list[tuple[int, MoEConfig]] = [
-    # bench/results/kernels-h200-sweep-splitk.md (K2 layer, 384 experts top-8): bf16x2 with pipelined
-    # scales and the gate/up GEMM split in two over H, T = 1 / 4 / 16: 136 / 443 / 1463 us (147 / 468 /
-    # 1568 unsplit; 162 / 582 / 1936 for the "float" dequant, bench/results/kernels-h200-sweep.md).
-    # 16-row expert blocks are also the fastest at T = 32 .. 512 (up to 10.7 pairs per expert): 32-row
-    # blocks 1.26-1.33x and 64-row blocks 1.66-1.81x slower (bench/results/kernels-h200-sweep-moerows.md)
+    # the K2 layer's fastest (bench/kernels.py sweeps; docs/performance_history.md): bf16x2 with pipelined scales
+    # and the gate/up GEMM split in two over H; 16-row expert blocks also the fastest up to 12 pairs per expert
     (12, MoEConfig(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=3, DEQUANT="bf16x2", SPLIT_K=2)),
     # longer expert lists (prefill): larger blocks read an expert's weights fewer times; not measured
     (48, MoEConfig(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=3, DEQUANT="bf16x2", SPLIT_K=2)),
@@ -250,19 +233,19 @@ def _moe_w13_kernel(x_ptr, w_ptr, s_ptr, inter_ptr, sorted_ptr, blk_expert_ptr, 
             xt = tl.load(x_rows + kk[None, :], mask=r_mask[:, None], other=0.0)
         else:
             xt = tl.load(x_rows + kk[None, :], mask=r_mask[:, None] & (kk[None, :] < k_hi), other=0.0)
-        wg = _load_dequant(wg_ptr, sg_ptr, offs_n, n_mask, stride_wn, stride_sn, k0, k_hi,
+        wg = load_dequant(wg_ptr, sg_ptr, offs_n, n_mask, stride_wn, stride_sn, k0, k_hi,
                            G, BLOCK_N, BLOCK_K, DTYPE, DEQ, EVEN)
-        wu = _load_dequant(wu_ptr, su_ptr, offs_n, n_mask, stride_wn, stride_sn, k0, k_hi,
+        wu = load_dequant(wu_ptr, su_ptr, offs_n, n_mask, stride_wn, stride_sn, k0, k_hi,
                            G, BLOCK_N, BLOCK_K, DTYPE, DEQ, EVEN)
-        acc_g = _mma(acc_g, wg, xt, SWAP_AB, UPCAST, PREC)
-        acc_u = _mma(acc_u, wu, xt, SWAP_AB, UPCAST, PREC)
+        acc_g = mma_tile(acc_g, wg, xt, SWAP_AB, UPCAST, PREC)
+        acc_u = mma_tile(acc_u, wu, xt, SWAP_AB, UPCAST, PREC)
     if SWAP_AB:
         acc_g = tl.trans(acc_g)
         acc_u = tl.trans(acc_u)
     if SPLIT == 1:
         h = _swiglu(acc_g, acc_u)
         # inter is the down GEMM's activation: its columns in that GEMM's tile order (w4_dequant.py)
-        o_ptrs = inter_ptr + pair[:, None].to(tl.int64) * stride_it + _pair_pos(offs_n, DEQ)[None, :]
+        o_ptrs = inter_ptr + pair[:, None].to(tl.int64) * stride_it + pair_pos(offs_n, DEQ)[None, :]
         tl.store(o_ptrs, h.to(inter_ptr.dtype.element_ty), mask=r_mask[:, None] & n_mask[None, :])
     else:
         p_ptrs = part_ptr + pid_k * stride_ps + pair[:, None].to(tl.int64) * stride_pp + offs_n[None, :]
@@ -291,7 +274,7 @@ def _moe_swiglu_kernel(part_ptr, inter_ptr, ids_ptr, I, E, stride_ps, stride_pp,
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     eid = tl.load(ids_ptr + p + tl.zeros_like(offs))
     mask = (offs < I) & (eid >= 0) & (eid < E)
-    used = _stream_slots(offs, rows, iters, work, programs)
+    used = stream_slots(offs, rows, iters, work, programs)
     row = part_ptr + p.to(tl.int64) * stride_pp + offs
     g = tl.zeros((BLOCK,), dtype=tl.float32)
     u = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -300,7 +283,7 @@ def _moe_swiglu_kernel(part_ptr, inter_ptr, ids_ptr, I, E, stride_ps, stride_pp,
         g = tl.where(more, g + tl.load(row + sp * stride_ps, mask=more, other=0.0), g)
         u = tl.where(more, u + tl.load(row + sp * stride_ps + I, mask=more, other=0.0), u)
     h = _swiglu(g, u)
-    tl.store(inter_ptr + p.to(tl.int64) * stride_it + _pair_pos(offs, DEQ), h.to(inter_ptr.dtype.element_ty),
+    tl.store(inter_ptr + p.to(tl.int64) * stride_it + pair_pos(offs, DEQ), h.to(inter_ptr.dtype.element_ty),
              mask=mask)
 
 
@@ -340,9 +323,9 @@ def _moe_w2_kernel(a_ptr, w_ptr, s_ptr, y_ptr, tw_ptr, sorted_ptr, blk_expert_pt
             at = tl.load(a_rows + kk[None, :], mask=r_mask[:, None], other=0.0)
         else:
             at = tl.load(a_rows + kk[None, :], mask=r_mask[:, None] & (kk[None, :] < I), other=0.0)
-        wt = _load_dequant(we_ptr, se_ptr, offs_n, n_mask, stride_wn, stride_sn, k0, I,
+        wt = load_dequant(we_ptr, se_ptr, offs_n, n_mask, stride_wn, stride_sn, k0, I,
                            G, BLOCK_N, BLOCK_K, DTYPE, DEQ, EVEN)
-        acc = _mma(acc, wt, at, SWAP_AB, UPCAST, PREC)
+        acc = mma_tile(acc, wt, at, SWAP_AB, UPCAST, PREC)
     if SWAP_AB:
         acc = tl.trans(acc)
     tw = tl.load(tw_ptr + pair, mask=r_mask, other=0.0).to(tl.float32)
@@ -370,7 +353,7 @@ def _moe_topk_sum_kernel(y_ptr, ids_ptr, out_ptr, add_ptr, H, E, stride_yt, stri
     t = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = offs < H
-    used = _stream_slots(offs, rows, iters, work, programs)
+    used = stream_slots(offs, rows, iters, work, programs)
     acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
     for j in tl.static_range(TOPK):
         p = t * TOPK + j
@@ -423,7 +406,7 @@ def check_add(add: torch.Tensor | None, x: torch.Tensor, who: str) -> None:
 
 
 # Up to this many pairs the align is one program (_moe_align_one_kernel: [P x P] and [blocks x P] masks)
-# instead of one per expert (384 programs at K2, 3.6 us at T = 1: bench/results/k2_step-h200.md).
+# instead of one per expert (hundreds of programs at K2 for a handful of pairs).
 ALIGN_ONE_PROGRAM = 64
 
 
@@ -515,7 +498,7 @@ def fused_moe_w4a16(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.
         UPCAST=upcast, PREC=prec, DEQ=deq, EVEN=H % block_k == 0 and I % cfg.BLOCK_N == 0,
         part_ptr=part, stride_ps=0 if part is None else part.stride(0),
         stride_pp=0 if part is None else part.stride(1), k_per_split=k_per_split, SPLIT=split,
-        num_warps=cfg.num_warps, num_stages=stages, maxnreg=cfg.MAXNREG13 or None)
+        num_warps=cfg.num_warps, num_stages=stages)
     if part is not None:
         moe_swiglu(part, inter, ids, E, split, Partition.split(I, split), deq, min(1024, triton.next_power_of_2(I)))
     _moe_w2_kernel[(max_blocks, triton.cdiv(H, bn2), split2)](
@@ -524,7 +507,7 @@ def fused_moe_w4a16(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.
         y.stride(1), y.stride(0), k_per_split2,
         G=group_size, BLOCK_M=cfg.BLOCK_M, BLOCK_N=bn2, BLOCK_K=block_k, SWAP_AB=cfg.SWAP_AB,
         UPCAST=upcast, PREC=prec, DEQ=deq, EVEN=I % block_k == 0 and H % bn2 == 0,
-        num_warps=cfg.num_warps, num_stages=stages, maxnreg=cfg.MAXNREG2 or None)
+        num_warps=cfg.num_warps, num_stages=stages)
     moe_topk_sum(y, out, ids, E, topk, split2, Partition.split(H, split2), 1024, add=add)
     return out
 

@@ -12,11 +12,8 @@ Both instructions are no-ops in a kernel launched without the attribute; they ex
 arithmetic are unchanged: the same bits with or without (GPU-tested); CUDA-graph capture keeps the
 programmatic edges.
 
-Measured and dropped: asking L2 (prefetch.global.L2) for each program's first weight lines before the wait (the
-batch-invariant GEMMs 64 KB a program, the MoE gate/up from the router's ids and the down, the warpgroup
-attention's key chunks; the same bits, GPU-tested) gained nothing: the K2 layer 202 / 366 / 570 us at 1 / 4 / 8
-nodes against 199 / 364 / 564 without, the MoE 68.5 / 219 / 758 us at T = 1 / 4 / 16 against 67.9 / 216 / 721
-(bench/results/k2_step-h200-prefetch-{on,off}.md, kernels-h200-prefetch-{on,off}.md; commit 549eb2a).
+Asking L2 for each program's first weight lines before the wait gained nothing and was dropped
+(docs/performance_history.md).
 """
 
 from __future__ import annotations

@@ -87,7 +87,7 @@ def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torc
     return weight * xf.to(x.dtype)
 
 
-def _warps(block_h: int) -> int:
+def row_warps(block_h: int) -> int:
     return max(1, min(16, block_h // 512))
 
 
@@ -124,7 +124,7 @@ def bi_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tenso
     if M and H:
         BLOCK_H = triton.next_power_of_2(H)
         _rmsnorm_kernel[(M,)](x2, weight, out, H, x2.stride(0), out.stride(0), float(eps),
-                              BLOCK_H=BLOCK_H, num_warps=_warps(BLOCK_H), **pdl_launch(pdl_supported(x.device)))
+                              BLOCK_H=BLOCK_H, num_warps=row_warps(BLOCK_H), **pdl_launch(pdl_supported(x.device)))
     return out.reshape(*lead, H)
 
 
@@ -146,7 +146,7 @@ def bi_add_rmsnorm(h: torch.Tensor, d: torch.Tensor, weight: torch.Tensor,
     if M and H:
         BLOCK_H = triton.next_power_of_2(H)
         _add_rmsnorm_kernel[(M,)](h2, d2, weight, s, out, H, h2.stride(0), d2.stride(0), s.stride(0), out.stride(0),
-                                  float(eps), BLOCK_H=BLOCK_H, num_warps=_warps(BLOCK_H),
+                                  float(eps), BLOCK_H=BLOCK_H, num_warps=row_warps(BLOCK_H),
                                   **pdl_launch(pdl_supported(h.device)))
     return s.reshape(*lead, H), out.reshape(*lead, H)
 

@@ -22,7 +22,7 @@ import triton.language as tl
 
 from .common import DTYPES
 from .pdl import pdl_launch, pdl_supported, pdl_wait
-from .rmsnorm import _warps
+from .rmsnorm import row_warps
 
 
 @triton.jit
@@ -129,7 +129,7 @@ def latent_write(kva: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: 
     block_c = triton.next_power_of_2(C)
     _latent_write_kernel[(T,)](kva, norm_weight.contiguous(), cos, sin, kv, slots.contiguous(), C, R // 2,
                                float(eps), kva.stride(0), cos.stride(0), kv.stride(0), BLOCK_C=block_c,
-                               BLOCK_R2=triton.next_power_of_2(R // 2), num_warps=_warps(block_c),
+                               BLOCK_R2=triton.next_power_of_2(R // 2), num_warps=row_warps(block_c),
                                enable_fp_fusion=False, **pdl_launch(pdl_supported(kva.device)))
 
 

@@ -8,7 +8,7 @@ Other activations (router_logits below, KDTREE_ROUTER_GEMM=router for bf16 too):
 
 The K2 router is a small float32 matrix ([384 x 7168], 11 MB) read at every layer and step. Through the
 generic batch-invariant GEMM (gemm.py: an FMA dot over 16-token tiles, plus a separate x.float() copy)
-it took 24-27 us at M = 1..16 against 2.6 us of bytes at copy bandwidth.
+it took about ten times its bytes' time at copy bandwidth.
 
 Layout (weights in registers, tokens looped):
 
@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from .common import DTYPES
+from .gemm import Reduction, bi_shared_x_partials
 from .pdl import pdl_launch, pdl_supported, pdl_wait
 from .split_sum import split_sum
 
@@ -57,11 +58,8 @@ class RouterGemmConfig:
             raise ValueError(f"RouterGemmConfig.TM must be >= 1, got {self.TM}")
 
 
-# (N, K) -> config, from bench/router.py on an H200 (bench/results/router-h200-candidates.md, us at
-# M = 1 / 4 / 16 / 64 / 129; the generic GEMM on x.float(): 25 / 25.6 / 28.2 / 61.3 / 144):
-#   4 rows x 512 k, 1 warp     7.3 / 8.9 / 14.5 / 32.5 / 53.5   <- one warp: the k sum stays in the warp
-#   4 rows x 1024 k, 1 warp    5.6 / 8.1 / 15.6 / 37.9 / 68.3      (shuffles), no barrier per token
-#   8 rows x 512 k, 4 warps    7.0 / 11.2 / 24.1 / 66.7 / 123     (warps split k: two barriers per token)
+# (N, K) -> config, from bench/router.py on an H200 (docs/performance_history.md): one warp of 4 rows x 512 k keeps
+# the k sum in the warp (shuffles, no barrier per token), where warps that split k need two barriers a token.
 ROUTER_CONFIGS: dict[tuple[int, int], RouterGemmConfig] = {
     (384, 7168): RouterGemmConfig(BN=4, KS=512, num_warps=1, TM=16),
 }
@@ -133,7 +131,6 @@ def router_logits_bf16x3(x: torch.Tensor, parts: torch.Tensor) -> torch.Tensor:
     BF16X3_BLOCK_K steps). Their sum in index order (route's split partials) is the logits. The bf16 products of x
     and each part are exact, so the error is the float32 accumulation's alone (about a float32 GEMM's).
     Batch-invariant: a row's partials do not depend on M."""
-    from .gemm import Reduction, bi_shared_x_partials
     if x.dim() != 2 or parts.dim() != 3 or parts.shape[0] != 3 or x.shape[1] != parts.shape[2]:
         raise ValueError(f"router_logits_bf16x3: x [M, K] and parts [3, N, K] with the same K, got "
                          f"{tuple(x.shape)} and {tuple(parts.shape)}")

@@ -16,8 +16,8 @@ so all its log-probs are NaN (as torch's).
 argmax: the row in chunks of BLOCK columns, four chunks an iteration (their loads issued together), each
 lane keeping its running (max, column) (strictly greater replaces, so a lane keeps its first column among
 ties), then the lane with the largest value and, among equal ones, the lowest column. BLOCK / warps:
-up to 1024 / 8 for V <= 16384, 2048 / 16 beyond. H200, bf16: 17 x 4096 in 1.3 us (torch.argmax 14 us);
-17 x 163840 in 11.6 us (torch 12 us: one program per row reads a K2 row alone).
+up to 1024 / 8 for V <= 16384, 2048 / 16 beyond (faster than torch.argmax on an H200 at both the
+demo's and K2's vocabularies: docs/performance_history.md).
 
 top-k: the row held whole in registers (V <= ``TOPK_MAX_V``; the caller keeps torch beyond), its
 logsumexp in float32 (max, then the sum of exp2 of the shifted values), then each element as one int64
@@ -28,8 +28,7 @@ exactly, and the log-prob is value - logsumexp. The k best keys by one of two se
          max reduction each (a runtime loop; the tile is never rewritten), scalar stores;
   sort   (otherwise): Triton's bitonic tl.topk for the next power of 2 >= k, the first k stored; its cost
          hardly grows with k.
-H200, L = 15, V = 4096, bf16: k = 4 / 16 / 32 / 128 in 3.4 / 9.0 / 12.8 / 20.5 us (torch.topk + logsumexp
-about 60 us in a graph).
+Both are several times faster than torch.topk + logsumexp in a graph on an H200 (docs/performance_history.md).
 
 Arithmetic against the torch oracle: the values are x's own (exact in float32); the logsumexp sums in
 another order, with Triton's exp2 / log2 (approximate on CUDA), so log-probs agree within a few fp32 ulps
@@ -97,7 +96,7 @@ def _argmax_rows_kernel(x_ptr, out_ptr, V, stride_x, BLOCK: tl.constexpr, PDL: t
 
 
 def _argmax_config(V: int) -> tuple[int, int]:
-    """(BLOCK columns per chunk, num_warps), measured on an H200 (17 x 4096: 1.3 us; 17 x 163840: 11.6 us)."""
+    """(BLOCK columns per chunk, num_warps), measured on an H200."""
     if V > 16384:
         return 2048, 16
     block = min(max(triton.next_power_of_2(triton.cdiv(V, 4)), 32), 1024)
@@ -163,8 +162,7 @@ def _topk_logprobs_kernel(x_ptr, lp_ptr, ids_ptr, V, K, stride_x, BLOCK_V: tl.co
 
 def _topk_config(V: int, k: int) -> dict:
     """BLOCK_V (the whole row), the selection (k rounds for k <= 16 on rows of 2048 columns and more, else
-    the bitonic top-k) and num_warps, measured on an H200 at L = 15: 4096 columns, bf16, k = 4 / 16 / 32 /
-    128: 3.4 / 9.0 / 12.8 / 20.5 us (torch.topk + logsumexp ~60 us)."""
+    the bitonic top-k) and num_warps, measured on an H200."""
     block = max(triton.next_power_of_2(V), 32)
     if k == 1 or (k <= 16 and block >= 2048):
         return {"BLOCK_V": block, "SORT": False, "KP": 1, "num_warps": 4 if block <= 4096 else 8}

@@ -42,7 +42,7 @@ def _stream_program(block, work, programs):
 
 
 @triton.jit
-def _stream_slots(n, rows, iters, work, programs):
+def stream_slots(n, rows, iters, work, programs):
     """The partials (slots) that output row n's tile n // rows has in the stream partition of row tiles of
     `rows` rows x iters K blocks over `programs` programs (w4_frag.dense_partition; the tile's other slots
     are never written). 32-bit arithmetic: dense_partition keeps (work + 1) * programs below 2^31."""
@@ -77,12 +77,12 @@ class Partition:
 def _stream_sum_kernel(part_ptr, out_ptr, MN, N, rows, iters, work, programs, SPLIT: tl.constexpr,
                        BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """grid (M, cdiv(N, BLOCK)): out[m, n] = part[0, m, n] + part[1, m, n] + ... over the slots that row tile
-    n // rows has in the stream partition (_stream_slots), in slot order."""
+    n // rows has in the stream partition (stream_slots), in slot order."""
     if PDL:
         pdl_wait()
     n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = n < N
-    used = _stream_slots(n, rows, iters, work, programs)
+    used = stream_slots(n, rows, iters, work, programs)
     offs = tl.program_id(0).to(tl.int64) * N + n
     acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
     for s in tl.static_range(1, SPLIT):

@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..speculative.tree import LP_FLOOR, DraftTree, ancestor_mask, tree_size
+
 MAX_MASK_NODES = 128  # in-kernel mask: [NB, NB] in registers
 
 
@@ -94,8 +96,6 @@ def _tree_warps(nb: int) -> int:
 def build_tree_triton(lp: torch.Tensor, ids: torch.Tensor, budget: int, root_token: torch.Tensor,
                       start: torch.Tensor | int):
     """The tree of ``speculative.tree.build_tree`` from one launch. lp [L, K], ids [L, K], root_token [] long."""
-    from ..speculative.tree import LP_FLOOR, DraftTree, ancestor_mask, tree_size
-
     if budget < 0:
         raise ValueError(f"budget must be >= 0, got {budget}")
     L, K = lp.shape

@@ -1,6 +1,6 @@
 """Tile dequantization for the tensor-core W4A16 kernels (w4a16.py, moe_w4a16.py).
 
-`_load_dequant` returns the weight tile [BLOCK_N, BLOCK_K] in k order, ready for tl.dot. How the
+`load_dequant` returns the weight tile [BLOCK_N, BLOCK_K] in k order, ready for tl.dot. How the
 nibbles become numbers is the constexpr DEQ (W4Config.DEQUANT / MoEConfig.DEQUANT):
 
   DEQ_FLOAT  per element, fp32: 0x4B000000 | u read as float32 is 2^23 + u, so one OR and one FADD
@@ -18,7 +18,7 @@ Tile column order. DEQ_FLOAT re-interleaves the 8 nibble planes of a packed colu
 three levels of tl.join (register-only). The bf16x2 variants keep the PTX's register pairs (plane p,
 plane p+4) adjacent instead, so packing the tile for the MMA needs no byte permutes: within each 8
 columns the tile holds k = 0 4 1 5 2 6 3 7, and the caller passes its activations with columns in that
-same order (`pair_order` on the host, once per call; `_pair_pos` for an epilogue that writes the next
+same order (`pair_order` on the host, once per call; `pair_pos` for an epilogue that writes the next
 GEMM's input), so the activation loads stay contiguous. The dot is a sum over k, so the order only
 changes the (fixed, M-independent) reduction order: DEQUANT is part of a config's reduction key.
 """
@@ -81,7 +81,7 @@ def pair_order(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _pair_pos(k, DEQ: tl.constexpr):
+def pair_pos(k, DEQ: tl.constexpr):
     """Where column k lands in `pair_order` (identity for DEQ_FLOAT)."""
     if DEQ == 0:
         return k
@@ -112,7 +112,7 @@ def _plane_bf16(w, s, J: tl.constexpr):
 
 
 @triton.jit
-def _load_dequant(w_ptr, s_ptr, offs_n, n_mask, stride_wn, stride_sn, k0, k_end,
+def load_dequant(w_ptr, s_ptr, offs_n, n_mask, stride_wn, stride_sn, k0, k_end,
                   G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr,
                   DEQ: tl.constexpr = 0, EVEN: tl.constexpr = False):
     """Dequantized weight tile [BLOCK_N, BLOCK_K] (DTYPE) for rows offs_n, k in [k0, k0+BLOCK_K).
@@ -161,5 +161,4 @@ def _load_dequant(w_ptr, s_ptr, offs_n, n_mask, stride_wn, stride_sn, k0, k_end,
                           _plane_bf16(w, sf, 6), _plane_bf16(w, sf, 7), BLOCK_N, BK8)
 
 
-__all__ = ["DEQ_FLOAT", "DEQ_BF16X2", "DEQ_BF16X2_EMU", "DEQUANTS", "_join8", "_pair8", "_pair_pos", "pair_order",
-           "_unpack8", "_load_dequant"]
+__all__ = ["DEQ_FLOAT", "DEQ_BF16X2", "DEQ_BF16X2_EMU", "DEQUANTS", "pair_pos", "pair_order", "load_dequant"]

@@ -1,14 +1,12 @@
 """Fragment-ordered W4A16 GEMM (GPU only): the packed weights are loaded straight into the
 registers of an mma.sync A operand, dequantized there, and never pass through shared memory.
-Programs of more than 16 tokens use the same registers as the A operand of a warpgroup MMA (wgmma; one or two
-warpgroups per program), with the activations its shared-memory B operand (_frag_loop_wg); wgmma and mma.sync
-give the same bits. frag_linear(mma="wgmma-async") runs that loop with one wgmma chain in flight while the next 64 k
-are dequantized (_frag_loop_wga; opt-in: compiled and checked offline, bench/frag_aot.py, its GPU tests and
-timings still to run).
+Programs of more than 16 tokens use the same registers as the A operand of a warpgroup MMA (wgmma, one
+warpgroup per program), with the activations its shared-memory B operand (frag_loop_wg); wgmma and mma.sync
+give the same bits.
 
 The default kernel (`kdtree_engine/kernels/w4a16.py`) dequantizes a tile in registers, stores it to shared
 memory and reloads it in the MMA's operand layout: ~5 bytes of shared-memory traffic per weight, the limit
-Nsight Compute shows (L1/shared pipe 81% busy, DRAM 39%). Here the weights are the MMA's A operand
+Nsight Compute shows (the L1/shared pipe, not DRAM, is the limit). Here the weights are the MMA's A operand
 (y^T = W x^T: 16 weight rows per m16n8k16 tile, the tokens are the 8 or 16 columns) and a one-off repack
 (`frag_repack`) orders each row's nibbles so that one 32-bit word holds exactly the 8 codes that one
 thread's A fragments need for one quantization group:
@@ -21,11 +19,9 @@ so that `(w >> 4j) & 0x000F000F` is the bf16x2 pair (k, k+1) of one A register. 
 block are contiguous (one 16-byte load for GPB = 4). Dequantization is 2 instructions per weight pair
 (lop3 into bf16 128 + code, sub 136, mul by the group scale: the same bf16 rounding as q * s).
 
-Activations (the B operand, [32*GPB, 8 or 16 tokens] per block) read in the mma.sync B layout cost every
-warp one 4-byte load per pair of values: at GPB 8 32 loads per thread per block against 6 16-byte loads of
-words and scales, which capped the down GEMM and the 16-token tiles. They are loaded 16 bytes per thread
-instead (x_layout) and relabelled into the B layout through shared memory (4 KB per block, LDSM reads);
-X_LOADS names the choices, all with the same bits.
+Activations (the B operand, [32*GPB, 8 or 16 tokens] per block) read in the mma.sync B layout would cost every
+warp one 4-byte load per pair of values; they are loaded 16 bytes per thread instead (x_layout), one block
+ahead like the weights, and relabelled into the B layout through shared memory (LDSM reads).
 
 Written in Gluon (triton.experimental.gluon), whose explicit layouts let the dequantized tensor be
 relabelled into the MMA operand layout without data movement (checked at compile time:
@@ -37,23 +33,20 @@ is tested on the CPU (tests/kernels/test_w4_frag_repack.py), the kernels on the 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
 
 from kdtree_engine.kernels.pdl import PDL_ASM, pdl_launch, pdl_supported
+from kdtree_engine.kernels.split_sum import Partition, stream_sum
 from kdtree_engine.kernels.w4_dequant import BF16X2_PTX
+from kdtree_engine.logs import log_once
 from kdtree_engine.quant import pack_int4, unpack_int4
 
 LANES_T = 4          # threads of one MMA row group that share a row (lane % 4)
-
-# activation loads of _frag_loop -> (X_SMEM, X_AHEAD); the same values reach the same MMAs (the same bits):
-#   operand     in the MMA operand layout, at use (4-byte loads; every warp loads the whole block)
-#   smem        16 bytes per thread (x_layout), relabelled into the operand through shared memory, at use
-#   smem-ahead  the same, one block ahead like the weights
-X_LOADS = {"operand": (False, False), "smem": (True, False), "smem-ahead": (True, True)}
-# the MMAs of a dense program (frag_linear's mma): mma.sync, synchronous wgmma, wgmma with one chain in flight
-MMAS = ("sync", "wgmma", "wgmma-async")
+# the MMAs of a dense program (DenseLaunch.mma): mma.sync, or wgmma with the activations in shared memory
+MMAS = ("sync", "wgmma")
 
 
 def frag_perm(gpb: int) -> torch.Tensor:
@@ -89,8 +82,7 @@ def frag_repack(packed: torch.Tensor, gpb: int) -> torch.Tensor:
 
 
 FRAG_TILE = 64      # rows per tile of the fragment kernels' words and scales as the engine stores them (frag_tile,
-#                     scale_tile); the tiled scales: dense 36864 x 7168 60.2 against 63.0 us at M = 16, 44.6 / 45.6 at
-#                     M = 4, the K2 MoE 699 / 722 at T = 16, 209 / 214 at T = 4 (bench/results/w4-frag-h200-stile.md)
+#                     scale_tile): a program's loads of one block are one contiguous run
 
 
 FRAG_CHUNK = 4      # words of one thread's 16-byte load
@@ -197,12 +189,11 @@ def frag_unrepack(packed: torch.Tensor, gpb: int) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------- kernel
-try:  # Gluon exists in triton >= 3.5; the kernels need it, the repack above does not
+try:  # optional: Gluon exists in triton >= 3.5; the kernels need it, the repack above does not
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
-    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma,
-                                                                  warpgroup_mma_wait)
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
     from triton.runtime.jit import constexpr_function
     cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier   # renamed in triton 3.7
     HAVE_GLUON = True
@@ -214,7 +205,7 @@ except ImportError:  # pragma: no cover - depends on the installed triton
 
 if HAVE_GLUON:
     DEQ_ASM = gl.constexpr(BF16X2_PTX)   # output j = nibble j (w4_dequant.py)
-    # the two activation buffers [2, TOK, BK] bf16 of _frag_loop_wg (the wgmma B operand, 128-byte swizzle)
+    # the two activation buffers [2, TOK, BK] bf16 of frag_loop_wg (the wgmma B operand, 128-byte swizzle)
     WG_X_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
     WAIT_ASM = gl.constexpr(PDL_ASM)
 
@@ -248,13 +239,10 @@ if HAVE_GLUON:
                                 warps_per_cta=[num_warps, 1], order=[1, 0])
 
     @constexpr_function
-    def x_layout(bk, tok, num_warps, smem):
-        """Load layout of an activation block [BK, TOK]. smem: 8 consecutive k (16 bytes) per thread, a warp's
-        lanes along k first, relabelled into the B operand through shared memory (one 16-byte load per 8
-        values; read in the B layout directly, every warp issues one 4-byte load per pair of values: ~5x the
-        load instructions of the weights). Else the B operand layout itself (the relabel is a no-op)."""
-        if not smem:
-            return operand_layout(1, num_warps)
+    def x_layout(bk, num_warps):
+        """Load layout of an activation block [BK, TOK]: 8 consecutive k (16 bytes) per thread, a warp's lanes
+        along k first, relabelled into the B operand through shared memory (read in the B layout directly,
+        every warp would issue one 4-byte load per pair of values)."""
         lanes_k = max(1, min(32, bk // 8))
         return gl.BlockedLayout(size_per_thread=[8, 1], threads_per_warp=[lanes_k, 32 // lanes_k],
                                 warps_per_cta=[1, num_warps], order=[0, 1])
@@ -265,11 +253,11 @@ def _log2(v: int) -> int:
     return v.bit_length() - 1
 
 
-def word_layout(num_warps: int, mt: int, gpb: int):
-    """Linear layout of the [BN, 4, GPB] word tensor: the rows and lanes of the mma.sync A operand."""
-    bn = 16 * num_warps * mt
+def word_layout(num_warps: int, gpb: int):
+    """Linear layout of the [BN, 4, GPB] word tensor: the rows and lanes of the mma.sync A operand (one 16-row
+    MMA tile per warp)."""
+    bn = 16 * num_warps
     regs = [[0, 0, 1 << i] for i in range(_log2(gpb))] + [[8, 0, 0]]
-    regs += [[16 * num_warps << i, 0, 0] for i in range(_log2(mt))]
     lanes = [[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]]
     warps = [[16 << i, 0, 0] for i in range(_log2(num_warps))]
     return gl.DistributedLinearLayout(regs, lanes, warps, [], [bn, LANES_T, gpb])
@@ -294,7 +282,7 @@ if HAVE_GLUON:
         return gl.convert_layout(a, AL, assert_trivial=True)   # a relabelling: no data moves
 
     @gluon.jit
-    def _word_ptrs(w_ptr, s_ptr, row0, stride_wn, stride_sn, kb0,
+    def word_ptrs(w_ptr, s_ptr, row0, stride_wn, stride_sn, kb0,
                    WL: gl.constexpr, BN: gl.constexpr, GPB: gl.constexpr, TILE: gl.constexpr,
                    STILE: gl.constexpr = 0):
         """Pointers of block kb0 of rows row0 .. row0+BN: words [BN, 4, GPB], scales (same for the 4 t).
@@ -342,40 +330,35 @@ if HAVE_GLUON:
         return a0, c0, a1, c1
 
     @gluon.jit
-    def _frag_loop(acc0, acc1, w0, s0, w1, s1, x_ptrs, x_mask, nblk,
-                   TWO: gl.constexpr, X_AHEAD: gl.constexpr, AL: gl.constexpr, BL: gl.constexpr,
-                   BN: gl.constexpr, GPB: gl.constexpr, WAIT: gl.constexpr, TILE: gl.constexpr,
-                   PAIRS: gl.constexpr = False, STILE: gl.constexpr = 0):
+    def frag_loop(acc0, acc1, w0, s0, w1, s1, x_ptrs, x_mask, nblk,
+                  TWO: gl.constexpr, AL: gl.constexpr, BL: gl.constexpr,
+                  BN: gl.constexpr, GPB: gl.constexpr, WAIT: gl.constexpr, TILE: gl.constexpr,
+                  PAIRS: gl.constexpr = False, STILE: gl.constexpr = 0):
         """acc0 (+ acc1 with TWO) += A0 (A1) @ x over nblk blocks of 32*GPB k, in k order. One block of
-        words and scales is in flight ahead of the one in use; with X_AHEAD one block of activations too
-        (its load issued after the current block's relabel into BL), else they are loaded at use. x_ptrs /
-        x_mask: in x_layout (relabelled through shared memory) or in BL (the relabel is a no-op). WAIT: the
-        first block's weights are requested before pdl_wait, the activations after it. TILE: the words'
-        order (_word_ptrs), which sets the step from one block to the next. PAIRS: two blocks per trip, the
-        words in flight alternating between two named register sets instead of being moved into place after
-        every block (8-token dense programs: 304 against 349 instructions per block and warp offline, 122
-        against 108 registers; 16-token programs would need 156 and spill at 128)."""
+        words, scales and activations is in flight ahead of the one in use (the activations' load issued after
+        the current block's relabel into BL). x_ptrs / x_mask: in x_layout (relabelled through shared memory).
+        WAIT: the first block's weights are requested before pdl_wait, the activations after it. TILE: the
+        words' order (word_ptrs), which sets the step from one block to the next. PAIRS: two blocks per trip,
+        the words in flight alternating between two named register sets instead of being moved into place
+        after every block (fewer instructions per block for 8-token programs; 16-token ones would spill)."""
         BK: gl.constexpr = 32 * GPB
         WSTEP: gl.constexpr = 4 * GPB * (TILE if TILE else 1)   # words from one block to the next
-        SSTEP: gl.constexpr = GPB * (STILE if STILE else 1)     # scales (_word_ptrs)
+        SSTEP: gl.constexpr = GPB * (STILE if STILE else 1)     # scales (word_ptrs)
         a0, c0, a1, c1 = _load_words(w0, s0, w1, s1, TWO)
         if WAIT:
             pdl_wait_gl()
-        if X_AHEAD:
-            xr = gl.load(x_ptrs, mask=x_mask, other=0.0)
-        else:
-            xr = x_mask   # unused (the activations are loaded at use): carried through _x_step unchanged
+        xr = gl.load(x_ptrs, mask=x_mask, other=0.0)
         if PAIRS:
             for _ in range((nblk - 1) // 2):
                 b0, d0, b1, d1 = _load_words(w0 + WSTEP, s0 + SSTEP, w1 + WSTEP, s1 + SSTEP, TWO)
-                xb, xr, x_ptrs = _x_step(xr, x_ptrs, x_mask, BK, X_AHEAD, BL)
+                xb, xr, x_ptrs = _x_step(xr, x_ptrs, x_mask, BK, BL)
                 acc0, acc1 = _mma_block(acc0, acc1, a0, c0, a1, c1, xb, TWO, AL, BN, BK)
                 w0 += 2 * WSTEP
                 s0 += 2 * SSTEP
                 w1 += 2 * WSTEP
                 s1 += 2 * SSTEP
                 a0, c0, a1, c1 = _load_words(w0, s0, w1, s1, TWO)
-                xb, xr, x_ptrs = _x_step(xr, x_ptrs, x_mask, BK, X_AHEAD, BL)
+                xb, xr, x_ptrs = _x_step(xr, x_ptrs, x_mask, BK, BL)
                 acc0, acc1 = _mma_block(acc0, acc1, b0, d0, b1, d1, xb, TWO, AL, BN, BK)
         for _ in range((nblk - 1) % 2 if PAIRS else nblk - 1):   # one block per trip (PAIRS: an odd one left)
             w0 += WSTEP
@@ -383,30 +366,23 @@ if HAVE_GLUON:
             w1 += WSTEP
             s1 += SSTEP
             n_a0, n_c0, n_a1, n_c1 = _load_words(w0, s0, w1, s1, TWO)
-            xb, xr, x_ptrs = _x_step(xr, x_ptrs, x_mask, BK, X_AHEAD, BL)
+            xb, xr, x_ptrs = _x_step(xr, x_ptrs, x_mask, BK, BL)
             acc0, acc1 = _mma_block(acc0, acc1, a0, c0, a1, c1, xb, TWO, AL, BN, BK)
             a0 = n_a0
             c0 = n_c0
             a1 = n_a1
             c1 = n_c1
-        if X_AHEAD:
-            xb = gl.convert_layout(xr, BL)
-        else:
-            xb = gl.convert_layout(gl.load(x_ptrs, mask=x_mask, other=0.0), BL)
+        xb = gl.convert_layout(xr, BL)
         acc0, acc1 = _mma_block(acc0, acc1, a0, c0, a1, c1, xb, TWO, AL, BN, BK)
         return acc0, acc1
 
     @gluon.jit
-    def _x_step(xr, x_ptrs, x_mask, BK: gl.constexpr, X_AHEAD: gl.constexpr, BL: gl.constexpr):
-        """The activations of the block in use, in BL, and the pointers moved on a block; X_AHEAD: xr held
-        them and the next block's load is issued (else they are loaded here)."""
-        if X_AHEAD:
-            xb = gl.convert_layout(xr, BL)
-            x_ptrs += BK
-            xr = gl.load(x_ptrs, mask=x_mask, other=0.0)
-        else:
-            xb = gl.convert_layout(gl.load(x_ptrs, mask=x_mask, other=0.0), BL)
-            x_ptrs += BK
+    def _x_step(xr, x_ptrs, x_mask, BK: gl.constexpr, BL: gl.constexpr):
+        """The activations of the block in use (xr held them), in BL, the pointers moved on a block and the
+        next block's load issued."""
+        xb = gl.convert_layout(xr, BL)
+        x_ptrs += BK
+        xr = gl.load(x_ptrs, mask=x_mask, other=0.0)
         return xb, xr, x_ptrs
 
     @gluon.jit
@@ -419,15 +395,14 @@ if HAVE_GLUON:
         return acc0, acc1
 
     @gluon.jit
-    def _frag_loop_wg(acc0, acc1, w0, s0, w1, s1, x_ptrs, x_mask, nblk, xs,
+    def frag_loop_wg(acc0, acc1, w0, s0, w1, s1, x_ptrs, x_mask, nblk, xs,
                       TWO: gl.constexpr, AL: gl.constexpr, BN: gl.constexpr, GPB: gl.constexpr,
                       WAIT: gl.constexpr, TILE: gl.constexpr, STILE: gl.constexpr = 0):
         """acc0 (+ acc1 with TWO) [64, TOK] += A0 (A1) @ x over nblk blocks, by wgmma: the dequantized weights
         are the register A operand (the same fragments as mma.sync's), the activation block [TOK, BK] the
         shared-memory B operand (xs: two buffers), read by the tensor cores for the whole warpgroup. One block
-        of words, scales and activations in flight ahead of the one in use. The MMA is synchronous: the
-        asynchronous forms measured wrong from three blocks on and no faster
-        (bench/results/w4-frag-h200-wgmma-async2.md)."""
+        of words, scales and activations in flight ahead of the one in use. The MMA is synchronous (the
+        asynchronous forms measured no faster: docs/performance_history.md)."""
         BK: gl.constexpr = 32 * GPB
         WSTEP: gl.constexpr = 4 * GPB * (TILE if TILE else 1)
         SSTEP: gl.constexpr = GPB * (STILE if STILE else 1)
@@ -464,108 +439,32 @@ if HAVE_GLUON:
         return acc0, acc1
 
     @gluon.jit
-    def _groups4(t, WSUB: gl.constexpr, BN: gl.constexpr):
-        """A block's words or scales [BN, 4, 8] -> the four [BN, 4, 2] of its groups (0, 1), (2, 3), (4, 5),
-        (6, 7), in WSUB (word_layout at 2 groups per block): the groups are register bits, so no data moves."""
-        t = gl.reshape(t, [BN, 4, 2, 2, 2])          # g = 4 j1 + 2 j0 + c; sub-block j = 2 j1 + j0
-        t = gl.permute(t, (0, 1, 4, 2, 3))            # [BN, 4, c, j1, j0]
-        e, o = gl.split(t)                            # j0 = 0 / 1: [BN, 4, c, j1]
-        g0, g2 = gl.split(e)
-        g1, g3 = gl.split(o)
-        return (gl.convert_layout(g0, WSUB, assert_trivial=True), gl.convert_layout(g1, WSUB, assert_trivial=True),
-                gl.convert_layout(g2, WSUB, assert_trivial=True), gl.convert_layout(g3, WSUB, assert_trivial=True))
-
-    @gluon.jit
-    def _wga_sub(acc, a_prev, w, s, buf, j: gl.constexpr, AL: gl.constexpr, BN: gl.constexpr):
-        """Sub-block j (k 64 j .. 64 j + 63 of the block): its weights dequantized while the chain before it
-        runs, its asynchronous wgmma chain (4 x k16) issued, then the chain before it waited for (a_prev, its
-        register A operand, kept alive until then). Returns (acc, this chain's A operand), this chain in flight."""
-        a = _dequant_frag(w, s, AL, BN, 64)
-        acc = warpgroup_mma(a, buf.slice(64 * j, 64, dim=1).permute((1, 0)), acc, is_async=True)
-        acc, a_prev = warpgroup_mma_wait(num_outstanding=1, deps=[acc, a_prev])
-        return acc, a
-
-    @gluon.jit
-    def _wga_block(acc, a_prev, w, s, buf, AL: gl.constexpr, WSUB: gl.constexpr, BN: gl.constexpr):
-        """One block of 8 groups in four sub-blocks (_wga_sub): one wgmma chain in flight while the next
-        sub-block is dequantized. Returns (acc, the last chain's A operand), the last chain in flight."""
-        w0, w1, w2, w3 = _groups4(w, WSUB, BN)
-        s0, s1, s2, s3 = _groups4(s, WSUB, BN)
-        acc, a_prev = _wga_sub(acc, a_prev, w0, s0, buf, 0, AL, BN)
-        acc, a_prev = _wga_sub(acc, a_prev, w1, s1, buf, 1, AL, BN)
-        acc, a_prev = _wga_sub(acc, a_prev, w2, s2, buf, 2, AL, BN)
-        acc, a_prev = _wga_sub(acc, a_prev, w3, s3, buf, 3, AL, BN)
-        return acc, a_prev
-
-    @gluon.jit
-    def _frag_loop_wga(acc, w0, s0, x_ptrs, x_mask, nblk, xs, AL: gl.constexpr, WSUB: gl.constexpr,
-                       BN: gl.constexpr, GPB: gl.constexpr, WAIT: gl.constexpr, TILE: gl.constexpr,
-                       STILE: gl.constexpr = 0):
-        """_frag_loop_wg with asynchronous MMAs (GPB 8): each block's MMAs in four sub-blocks of 64 k, one
-        wgmma chain in flight while the next sub-block is dequantized (_wga_block), so the tensor cores run
-        beside the dequantization. The same MMAs on the same values in the same k order as the synchronous
-        loop (the same bits). The activations of block i sit in xs[i % 2]; block i + 1's are stored into the
-        other buffer after block i's chains are issued and a CTA barrier, when each warpgroup's only chain in
-        flight reads xs[i % 2] (every chain of block i - 1 was waited for inside block i; the barrier makes that
-        hold for both warpgroups of an 8-warp program). One block of words, scales and activations in flight
-        ahead of the one in use."""
-        BK: gl.constexpr = 32 * GPB
-        WSTEP: gl.constexpr = 4 * GPB * (TILE if TILE else 1)
-        SSTEP: gl.constexpr = GPB * (STILE if STILE else 1)
-        cw = gl.load(w0)
-        cs = gl.load(s0)
-        if WAIT:
-            pdl_wait_gl()
-        xs.index(0).store(gl.load(x_ptrs, mask=x_mask, other=0.0))
-        fence_async_shared()
-        cta_barrier()
-        a_last = gl.zeros([BN, 64], gl.bfloat16, layout=AL)   # no chain before the first: its wait is a no-op
-        for i in range(nblk - 1):
-            w0 += WSTEP
-            s0 += SSTEP
-            x_ptrs += BK
-            nw = gl.load(w0)
-            ns = gl.load(s0)
-            nx = gl.load(x_ptrs, mask=x_mask, other=0.0)
-            acc, a_last = _wga_block(acc, a_last, cw, cs, xs.index(i % 2), AL, WSUB, BN)
-            cta_barrier()   # every warpgroup has retired its chains of block i - 1, the last readers of that buffer
-            xs.index((i + 1) % 2).store(nx)
-            fence_async_shared()
-            cta_barrier()
-            cw = nw
-            cs = ns
-        acc, a_last = _wga_block(acc, a_last, cw, cs, xs.index((nblk - 1) % 2), AL, WSUB, BN)
-        acc, a_last = warpgroup_mma_wait(num_outstanding=0, deps=[acc, a_last])
-        return acc
-
-    @gluon.jit
-    def _stream_program(block, work, programs):
+    def stream_program_gl(block, work, programs):
         """stream_program in the kernel: the program whose range holds global K block `block`."""
         return ((block + 1) * programs - 1) // work
 
     @gluon.jit
     def _w4_frag_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, stride_xm, stride_wn, stride_sn,
                         stride_om, stride_os, iters, work, programs,
-                        TOK: gl.constexpr, MT: gl.constexpr, GPB: gl.constexpr, WL: gl.constexpr,
-                        X_SMEM: gl.constexpr, X_AHEAD: gl.constexpr, PDL: gl.constexpr, TILE: gl.constexpr,
+                        TOK: gl.constexpr, GPB: gl.constexpr, WL: gl.constexpr,
+                        PDL: gl.constexpr, TILE: gl.constexpr,
                         PT: gl.constexpr, SEGS: gl.constexpr, num_warps: gl.constexpr,
-                        WG: gl.constexpr = False, PAIRS: gl.constexpr = False, STILE: gl.constexpr = 0,
-                        ASYNC: gl.constexpr = False, WSUB: gl.constexpr = None):
+                        WG: gl.constexpr = False, PAIRS: gl.constexpr = False, STILE: gl.constexpr = 0):
         """grid (cdiv(M, TOK), programs): the stream partition of the work = (N / PT) x iters K blocks, row
         tile major (dense_partition), each PT-row tile in passes of BN rows. Program p takes global blocks
         [p * work // programs, (p + 1) * work // programs); each run of them within one row tile (a segment) is
         one partial, written to out[slot, m, n] with slot its index among the tile's segments (stream_sum adds
         a tile's slots alone). The partition is fixed by the shape, never by M. The token tiles of one weight
         range are adjacent program ids: they run together and the weights are read from DRAM about once.
-        PDL: launched dependent on the kernel that wrote x (pdl.py). PAIRS: _frag_loop's two blocks per trip
+        PDL: launched dependent on the kernel that wrote x (pdl.py). PAIRS: frag_loop's two blocks per trip
         (mma.sync)."""
-        BN: gl.constexpr = 16 * num_warps * MT
+        BN: gl.constexpr = 16 * num_warps
         BK: gl.constexpr = 32 * GPB
         MMA: gl.constexpr = wg_layout(TOK, num_warps) if WG else mma_layout(num_warps)
         XW: gl.constexpr = wg_x_layout(BK, num_warps)                # wgmma: activations [TOK, BK] to smem
         AL: gl.constexpr = operand_layout(0, num_warps)              # mma.sync: the A / B operands
         BL: gl.constexpr = operand_layout(1, num_warps)
-        XL: gl.constexpr = x_layout(BK, TOK, num_warps, X_SMEM)      # mma.sync: activations [BK, TOK]
+        XL: gl.constexpr = x_layout(BK, num_warps)                   # mma.sync: activations [BK, TOK]
         m0 = gl.program_id(0) * TOK
         p = gl.program_id(1)
         g = p * work // programs
@@ -577,10 +476,10 @@ if HAVE_GLUON:
                 t = g // iters
                 b0 = g - t * iters
                 nb = gl.minimum(iters - b0, end - g)
-                slot = p - _stream_program(t * iters, work, programs)
+                slot = p - stream_program_gl(t * iters, work, programs)
                 for h in gl.static_range(PT // BN):   # the partition's row tile in passes of BN rows
                     row0 = t * PT + h * BN
-                    w_ptrs, s_ptrs = _word_ptrs(w_ptr, s_ptr, row0, stride_wn, stride_sn, b0, WL, BN, GPB, TILE,
+                    w_ptrs, s_ptrs = word_ptrs(w_ptr, s_ptr, row0, stride_wn, stride_sn, b0, WL, BN, GPB, TILE,
                                                 STILE)
                     acc = gl.zeros([BN, TOK], gl.float32, layout=MMA)
                     if WG:
@@ -590,20 +489,16 @@ if HAVE_GLUON:
                         rm = m0 + gl.arange(0, TOK, layout=gl.SliceLayout(1, XW))
                         x_ptrs = x_ptr + gl.expand_dims(rm, 1) * stride_xm + gl.expand_dims(rk, 0) + b0 * BK
                         cta_barrier()   # the buffers' last reader (another warpgroup's MMA) is done
-                        if ASYNC:
-                            acc = _frag_loop_wga(acc, w_ptrs, s_ptrs, x_ptrs, gl.expand_dims(rm, 1) < M, nb, xs,
-                                                 wg_a_layout(TOK, num_warps), WSUB, BN, GPB, PDL, TILE, STILE)
-                        else:
-                            acc, unused = _frag_loop_wg(acc, acc, w_ptrs, s_ptrs, w_ptrs, s_ptrs, x_ptrs,
-                                                        gl.expand_dims(rm, 1) < M, nb, xs, False,
-                                                        wg_a_layout(TOK, num_warps), BN, GPB, PDL, TILE, STILE)
+                        acc, unused = frag_loop_wg(acc, acc, w_ptrs, s_ptrs, w_ptrs, s_ptrs, x_ptrs,
+                                                   gl.expand_dims(rm, 1) < M, nb, xs, False,
+                                                   wg_a_layout(TOK, num_warps), BN, GPB, PDL, TILE, STILE)
                     else:
                         # activations as the B operand [BK, TOK] (x^T), tokens >= M read as 0
                         rk = gl.arange(0, BK, layout=gl.SliceLayout(1, XL))
                         rm = m0 + gl.arange(0, TOK, layout=gl.SliceLayout(0, XL))
                         x_ptrs = x_ptr + gl.expand_dims(rm, 0) * stride_xm + gl.expand_dims(rk, 1) + b0 * BK
-                        acc, unused = _frag_loop(acc, acc, w_ptrs, s_ptrs, w_ptrs, s_ptrs, x_ptrs,
-                                                 gl.expand_dims(rm, 0) < M, nb, False, X_AHEAD, AL, BL, BN, GPB,
+                        acc, unused = frag_loop(acc, acc, w_ptrs, s_ptrs, w_ptrs, s_ptrs, x_ptrs,
+                                                 gl.expand_dims(rm, 0) < M, nb, False, AL, BL, BN, GPB,
                                                  PDL, TILE, PAIRS, STILE)
                     # y[m, n] = acc[n, m]
                     on = gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
@@ -615,11 +510,12 @@ if HAVE_GLUON:
 
 
 GROUP = 32           # the only group size of the fragment order (one word = one group of one lane)
-MAX_GPB = 8          # groups per K block: 8 (256 k) measured fastest at K2 shapes (bench/results/w4-frag-h200.md)
+MAX_GPB = 8          # groups per K block: 8 (256 k) measured fastest at K2 shapes (docs/performance_history.md)
+DENSE_PARTITION_ROWS = 64      # rows of a partition tile = a program's rows (DENSE_WARPS warps of one 16-row MMA tile)
+DENSE_WARPS = DENSE_PARTITION_ROWS // 16
 DENSE_WARPS_PER_SM = 16        # stream partition of a dense matrix: one wave of 16 warps per SM (4 programs of the
                                # 16-token tile's 128 registers) ...
 DENSE_MIN_BLOCKS = 4           # ... and at least this many 64-row K blocks per program
-DENSE_PARTITION_ROWS = 64      # rows of a partition tile where they divide N (partition_rows)
 DENSE_MAX_SEGMENTS = 4         # row tiles one program may touch (its segments are unrolled)
 
 
@@ -645,26 +541,13 @@ def frag_unsupported(N: int, K: int, group_size: int, bn: int = 64) -> str | Non
     return None
 
 
-def partition_rows(N: int) -> int:
-    """Rows of one tile of the dense stream partition: DENSE_PARTITION_ROWS where they divide N, else 64. A
-    program covers one tile (pt / 16 warps of one MMA tile each; token_warps) or, given fewer rows, takes the
-    tile in passes over the same K ranges (the same bits)."""
-    return DENSE_PARTITION_ROWS if N % DENSE_PARTITION_ROWS == 0 else 64
-
-
-def dense_plan(N: int, K: int, sms: int, pt: int | None = None) -> tuple[int, int, int]:
-    """(gpb, mt, programs) of the dense kernel for an [N, K] weight on a device of `sms` SMs: fixed by the
-    shape and the device, never by M (the partition is part of the reduction). One MMA tile per warp and a
-    stream partition (dense_partition) over one wave of DENSE_WARPS_PER_SM warps per SM with at least
-    DENSE_MIN_BLOCKS 64-row K blocks per program: tile-aligned K splits left a partial wave (36864 x 7168:
-    1152 programs, 2.18 waves of 16-token programs; 62.6 against 67.0 us at M = 16, 127 against 136 at M = 64,
-    equal at M = 1 / 4 / 256: bench/results/w4-frag-h200-stream.md); 128-row tiles (8-warp programs) were
-    faster from 64 tokens but slower at M <= 4 (50.6 against 46.4 us at M = 1); a matrix of more than two
-    row tiles per program takes more programs (the kernel unrolls a program's segments). pt: the partition's
-    rows (partition_rows unless given). MT only re-tiles."""
+def dense_plan(N: int, K: int, sms: int) -> tuple[int, int]:
+    """(gpb, programs) of the dense kernel for an [N, K] weight on a device of `sms` SMs: fixed by the shape and
+    the device, never by M (the partition is part of the reduction). A stream partition (dense_partition) of
+    DENSE_PARTITION_ROWS-row tiles over one wave of DENSE_WARPS_PER_SM warps per SM with at least
+    DENSE_MIN_BLOCKS K blocks per program: tile-aligned K splits left a partial wave (docs/performance_history.md)."""
     gpb = frag_gpb(K)
-    pt = partition_rows(N) if pt is None else pt
-    return gpb, 1, stream_programs(N // pt, K // (32 * gpb), sms * DENSE_WARPS_PER_SM // token_warps(pt))
+    return gpb, stream_programs(N // DENSE_PARTITION_ROWS, K // (32 * gpb), sms * DENSE_WARPS_PER_SM // DENSE_WARPS)
 
 
 def stream_programs(tiles: int, iters: int, wanted: int) -> int:
@@ -676,7 +559,7 @@ def stream_programs(tiles: int, iters: int, wanted: int) -> int:
 
 def stream_program(block: int, work: int, programs: int) -> int:
     """The program whose range [p * work // programs, (p + 1) * work // programs) holds global K block `block`
-    (the kernels' _stream_program)."""
+    (the kernels' stream_program_gl)."""
     return ((block + 1) * programs - 1) // work
 
 
@@ -699,154 +582,106 @@ def dense_partition(tiles: int, iters: int, programs: int) -> tuple[int, int]:
     if segments > DENSE_MAX_SEGMENTS:
         raise ValueError(f"dense_partition: {programs} programs over {tiles} tiles x {iters} blocks touch up to "
                          f"{segments} tiles each (at most {DENSE_MAX_SEGMENTS}: the kernel unrolls them)")
-    from ..logs import log_once   # once per partition (this function is cached)
+    # logged once per partition (this function is cached)
     log_once(f"stream-partition:{tiles}:{iters}:{programs}", f"fragment W4A16 stream partition: {tiles} row tiles x "
              f"{iters} K blocks over {programs} programs (partials per tile: {slots}, segments per program: "
              f"{segments})")
     return slots, segments
 
 
-def token_tile(M: int, wide: bool = True) -> int:
+def token_tile(M: int) -> int:
     """Token columns per program: 8 or 16 on mma.sync (each warp holds its [32*GPB x tile] activation operand in
-    registers: 32 columns spill at GPB 8), 32 or 64 on wgmma (wide: the launch can take wgmma programs, the
-    activations then a shared-memory operand of the warpgroup); more tokens take more programs, each reading the
-    weights. A column's sum does not depend on the tile or the instruction (tests/gpu/test_w4_frag_gpu.py:
-    wgmma and mma.sync give the same bits)."""
-    for tok in (8, 16, 32) if wide else (8,):
+    registers: 32 columns spill at GPB 8), 32 or 64 on wgmma (the activations a shared-memory operand of the
+    warpgroup); more tokens take more programs, each reading the weights. A column's sum does not depend on the
+    tile or the instruction (tests/gpu/test_w4_frag_gpu.py: wgmma and mma.sync give the same bits)."""
+    for tok in (8, 16, 32):
         if M <= tok:
             return tok
-    return 64 if wide else 16
+    return 64
 
 
 def token_mma(tok: int) -> str:
-    """The MMA instruction of a token tile: mma.sync up to 16 tokens, wgmma beyond. Dense 36864 x 7168
-    (bench/results/w4-frag-h200-wgmma.md): at M = 1 / 16 mma.sync 43.9 / 66.8 us against wgmma 53.9 / 63.7
-    (its synchronous MMA does not overlap the dequantization); at M = 64 64-token wgmma programs 138 us against
-    217 for 16-token mma.sync programs, which dequantize each weight 4 times."""
+    """The MMA instruction of a token tile: mma.sync up to 16 tokens (synchronous wgmma does not overlap the
+    dequantization), wgmma beyond (16-token mma.sync programs would dequantize each weight once per 16 tokens)."""
     return "sync" if tok <= 16 else "wgmma"
 
 
-def token_pairs(tok: int, mt: int = 1) -> bool:
-    """Whether the mma.sync loop of a token tile runs two blocks per trip (_frag_loop PAIRS): 8-token programs of
-    one MMA tile per warp (122 registers, 4 per SM as before; 36864 x 7168 at M = 1: 43.6 against 46.3 us,
-    bench/results/w4-frag-h200-pairs.md); 16-token ones need 156 (69.0 against 61.7 us at M = 16), and 2 tiles
-    per warp crash triton 3.6's LLVM lowering."""
-    return tok == 8 and mt == 1
+def token_pairs(tok: int) -> bool:
+    """Whether the mma.sync loop of a token tile runs two blocks per trip (frag_loop PAIRS): 8-token programs
+    (fewer instructions per block; 16-token ones would spill)."""
+    return tok == 8
 
 
-def token_warps(pt: int, mt: int = 1) -> int:
-    """Warps of a dense program: the rows of one partition tile (pt, partition_rows) at mt 16-row MMA tiles
-    per warp, for every token tile and instruction (wgmma: one or two warpgroups), so that no token tile
-    changes the partition. The default 64-row tiles give 4 warps everywhere; 128-row tiles (8 warps) were
-    faster from 64 tokens and slower at M <= 4 (bench/results/w4-frag-h200-stream.md)."""
-    return max(1, pt // (16 * mt))
+@dataclass(frozen=True)
+class DenseLaunch:
+    """One launch of the dense fragment kernel: the stream partition (gpb, programs: part of the reduction), the
+    token tile and its MMA instruction (re-tiling only: the same bits), and the order of the words / scales
+    (tile / stile: 0 row-major, else the rows per tile of frag_tile / scale_tile; the same bits)."""
+    gpb: int
+    programs: int
+    tok: int
+    mma: str
+    tile: int = 0
+    stile: int = 0
+
+    def __post_init__(self) -> None:
+        if self.mma not in MMAS:
+            raise ValueError(f"DenseLaunch.mma must be one of {MMAS}, got {self.mma!r}")
+        if self.tok not in (8, 16, 32, 64) or (self.mma == "sync" and self.tok > 16):
+            raise ValueError(f"DenseLaunch: {self.tok} tokens per program on {self.mma} (mma.sync: 8 or 16; wgmma: "
+                             "8 / 16 / 32 / 64)")
 
 
-def token_mt(plan_mt: int, tok: int) -> int:
-    """MMA tiles per warp for a token tile: 16-token tiles with 2 tiles per warp spill (255 registers; 97.8
-    against 64.8 us with 1 tile at M = 16, bench/results/w4-frag-h200-xsmem.md); wgmma programs have one."""
-    return plan_mt if tok == 8 else 1
+def dense_launch(M: int, N: int, K: int, sms: int, tile: int = 0, stile: int = 0) -> DenseLaunch:
+    """The engine's launch of an [M, K] x [N, K]^T product on a device of `sms` SMs (dense_plan, token_tile,
+    token_mma)."""
+    gpb, programs = dense_plan(N, K, sms)
+    tok = token_tile(M)
+    return DenseLaunch(gpb=gpb, programs=programs, tok=tok, mma=token_mma(tok), tile=tile, stile=stile)
 
 
-def dense_constexprs(*, tok: int, mt: int, gpb: int, num_warps: int, xload: str, tile: int, pt: int, segs: int,
-                     mma: str, pairs: bool | None, stile: int) -> dict:
+def dense_constexprs(launch: DenseLaunch, segs: int) -> dict:
     """The constexpr arguments of one _w4_frag_kernel launch (PDL aside), as frag_linear launches it
     (bench/frag_aot.py compiles the same offline)."""
-    return dict(TOK=tok, MT=mt, GPB=gpb, WL=word_layout(num_warps, mt, gpb), X_SMEM=X_LOADS[xload][0],
-                X_AHEAD=X_LOADS[xload][1], TILE=tile, PT=pt, SEGS=segs, num_warps=num_warps, WG=mma != "sync",
-                PAIRS=token_pairs(tok, mt) if pairs is None else pairs, STILE=stile, ASYNC=mma == "wgmma-async",
-                WSUB=word_layout(num_warps, 1, 2) if mma == "wgmma-async" else None)
+    return dict(TOK=launch.tok, GPB=launch.gpb, WL=word_layout(DENSE_WARPS, launch.gpb), TILE=launch.tile,
+                PT=DENSE_PARTITION_ROWS, SEGS=segs, num_warps=DENSE_WARPS, WG=launch.mma != "sync",
+                PAIRS=token_pairs(launch.tok), STILE=launch.stile)
 
 
-def dense_maxnreg(mma: str, tok: int) -> int | None:
-    """frag_linear's default register cap (None: the compiler's). 'wgmma-async' programs of `tok` tokens: up to 16
-    tokens, the registers that keep the
-    plan's DENSE_WARPS_PER_SM warps resident (128: 4 programs of 4 warps), which those programs fit without
-    spilling (offline, triton 3.6 / sm_90: 16 tokens 132 registers uncapped, 127 and no stack at 128; 8 tokens
-    114); wider programs none (32 tokens spill 80 bytes at 128; 64 tokens take 226 uncapped, against 255 and
-    144 bytes of stack for the synchronous loop)."""
-    return 65536 // (DENSE_WARPS_PER_SM * 32) if mma == "wgmma-async" and tok <= 16 else None
-
-
-def frag_linear(x: torch.Tensor, wq: torch.Tensor, s: torch.Tensor, *, gpb: int | None = None,
-                mt: int | None = None, num_warps: int | None = None, split: int | None = None,
-                programs: int | None = None, pt: int | None = None, tok: int | None = None,
-                xload: str = "smem-ahead", pdl: bool = True, tile: int = 0, mma: str | None = None,
-                pairs: bool | None = None, stile: int = 0, maxnreg: int | None = None) -> torch.Tensor:
-    """y [M, N] = x [M, K] @ W^T, W the fragment-repacked int4 words wq [N, K/8] (frag_repack with
-    frag_gpb(K) unless gpb is given) and bf16 scales s [N, K/32]; x bfloat16. Unset knobs follow dense_plan,
-    token_tile, token_mt, token_mma and token_warps; programs: the stream partition's program
-    count (dense_partition), or split: s tile-aligned K ranges per row tile (programs = row tiles x s); pt:
-    the partition's rows per tile (partition_rows, a multiple of the program's rows); xload:
-    how activations are loaded (X_LOADS); pdl: programmatic dependent launches of the GEMM and its partial sum
-    (pdl.py; the same bits); tile: 0 for row-major words, else the rows per tile of frag_tile's order (the
-    same bits); stile: 0 for row-major scales, else the rows per tile of scale_tile's order (the same bits);
-    mma: "sync" (mma.sync, 8 / 16-token tiles) or "wgmma" (the dequantized weights the register A
-    operand of a warpgroup MMA, the activations its shared-memory B operand; 4 or 8 warps: one or two
-    warpgroups, 1 tile per warp; the same bits) or "wgmma-async" (the same with one asynchronous MMA chain
-    in flight while the next 64 k are dequantized, _frag_loop_wga; GPB 8; the same bits); pairs: the mma.sync
-    loop's two blocks per trip (None:
-    token_pairs; the same bits); maxnreg: a register cap for the kernel (None: dense_maxnreg). The bits depend
-    on the partition alone: any token tile, MMA, warps, loads, word order and register cap give them."""
+def frag_linear(x: torch.Tensor, wq: torch.Tensor, s: torch.Tensor, *, tile: int = 0, stile: int = 0,
+                launch: DenseLaunch | None = None) -> torch.Tensor:
+    """y [M, N] = x [M, K] @ W^T, W the fragment-repacked int4 words wq [N, K/8] (frag_repack at frag_gpb(K)) and
+    bf16 scales s [N, K/32]; x bfloat16. tile / stile: the words' / scales' order (0 row-major, else the rows per
+    tile of frag_tile / scale_tile; the engine's ENGINE_ORDER). launch: instead of the engine's (dense_launch),
+    e.g. another partition or token tile in the tests (tile / stile then come from it). Dependent launches of
+    the GEMM and its partial sum where the device has them (pdl.py). The bits depend on the partition alone."""
     if not HAVE_GLUON:
         raise RuntimeError("the fragment-ordered W4A16 kernels need triton.experimental.gluon (triton >= 3.5)")
-    from kdtree_engine.kernels.split_sum import Partition, stream_sum
-
     M, K = x.shape
     N = wq.shape[0]
-    if split is not None and programs is not None:
-        raise ValueError(f"frag_linear: give split ({split}) or programs ({programs}), not both")
-    pt = partition_rows(N) if pt is None else pt
-    plan = dense_plan(N, K, torch.cuda.get_device_properties(x.device).multi_processor_count, pt)
-    tok = token_tile(M, wide=mma != "sync" and num_warps in (None, 4, 8) and mt in (None, 1)) if tok is None else tok
-    gpb = plan[0] if gpb is None else gpb
-    mt = token_mt(plan[1], tok) if mt is None else mt
-    mma = token_mma(tok) if mma is None else mma
-    num_warps = token_warps(pt, mt) if num_warps is None else num_warps
-    bn, bk = 16 * num_warps * mt, 32 * gpb
     if x.dtype != torch.bfloat16:
         raise TypeError(f"frag_linear: bfloat16 activations required, got {x.dtype}")
-    if mma not in MMAS:
-        raise ValueError(f"frag_linear: mma must be one of {MMAS}, got {mma!r}")
-    wg = mma != "sync"
-    if mma == "wgmma-async" and gpb != 8:
-        raise ValueError(f"frag_linear: mma 'wgmma-async' runs blocks of 8 groups (gpb 8), got gpb {gpb}")
-    if pairs and (wg or mt != 1):
-        raise ValueError(f"frag_linear: pairs (two blocks per trip) is an mma.sync loop of one MMA tile per warp; got "
-                         f"mma {mma}, mt {mt}")
-    if wg and (num_warps not in (4, 8) or mt != 1 or tok not in (8, 16, 32, 64)):
-        raise ValueError(f"frag_linear: wgmma needs 4 or 8 warps, 1 tile per warp and 8/16/32/64 tokens per program; "
-                         f"got {num_warps} warps, mt {mt}, tok {tok}")
-    if xload not in X_LOADS:
-        raise ValueError(f"frag_linear: xload must be one of {sorted(X_LOADS)}, got {xload!r}")
-    why = tile_unsupported(N, tile, bn) or tile_unsupported(N, stile, bn)
+    if launch is None:
+        launch = dense_launch(M, N, K, torch.cuda.get_device_properties(x.device).multi_processor_count, tile, stile)
+    pt = bn = DENSE_PARTITION_ROWS
+    bk = 32 * launch.gpb
+    why = tile_unsupported(N, launch.tile, bn) or tile_unsupported(N, launch.stile, bn)
     if why:
         raise ValueError(f"frag_linear: {why}")
     if N % bn or K % bk or wq.shape[1] * 8 != K or s.shape != (N, K // GROUP):
         raise ValueError(f"frag_linear: N={N} must be a multiple of {bn}, K={K} of {bk}; words "
                          f"{tuple(wq.shape)}, scales {tuple(s.shape)}")
-    if pt % bn or N % pt:
-        raise ValueError(f"frag_linear: the partition's {pt}-row tiles must divide N={N} and be a multiple "
-                         f"of the {bn}-row programs")
-    maxnreg = dense_maxnreg(mma, tok) if maxnreg is None else maxnreg
     tiles, iters = N // pt, K // bk
-    if split is not None:
-        if split < 1 or iters % split:
-            raise ValueError(f"frag_linear: split {split} must divide the {iters} K blocks of {bk}")
-        programs = tiles * split
-    programs = min(plan[2], tiles * iters) if programs is None else programs
-    slots, segs = dense_partition(tiles, iters, programs)
+    slots, segs = dense_partition(tiles, iters, launch.programs)
     y = torch.empty((M, N), device=x.device, dtype=x.dtype)
     if M == 0:
         return y
     x = x.contiguous()
-    pdl = pdl and pdl_supported(x.device)
+    pdl = pdl_supported(x.device)
     part = y if slots == 1 else torch.empty((slots, M, N), device=x.device, dtype=torch.float32)
-    _w4_frag_kernel[(triton.cdiv(M, tok), programs)](
-        x, wq, s, part, M, N, x.stride(0), wq.stride(0), s.stride(0), N, M * N, iters, tiles * iters, programs,
-        **dense_constexprs(tok=tok, mt=mt, gpb=gpb, num_warps=num_warps, xload=xload, tile=tile, pt=pt, segs=segs,
-                           mma=mma, pairs=pairs, stile=stile),
-        **pdl_launch(pdl), **({"maxnreg": maxnreg} if maxnreg else {}))
+    _w4_frag_kernel[(triton.cdiv(M, launch.tok), launch.programs)](
+        x, wq, s, part, M, N, x.stride(0), wq.stride(0), s.stride(0), N, M * N, iters, tiles * iters,
+        launch.programs, **dense_constexprs(launch, segs), **pdl_launch(pdl))
     if slots > 1:
-        stream_sum(part, y, slots, Partition(pt, tiles, iters, programs), pdl=pdl)
+        stream_sum(part, y, slots, Partition(pt, tiles, iters, launch.programs), pdl=pdl)
     return y

@@ -16,19 +16,14 @@ Kernel design (memory-bound at small M, so everything is about streaming the pac
 - split-K for small N (one expert's w2, etc.) writes fp32 partials and a second small kernel sums them
   in a fixed order (no atomics).
 
-Kernel families and dequantization (selected per config, so bench/w4_sweep.py can compare them):
-- W4Config.KERNEL = "dot" (this file, tensor cores) or "fma" (w4a16_fma.py: CUDA cores, 1-4 tokens per
-  program, ~5 instructions per weight element instead of ~7 here with DEQUANT="float");
-- W4Config.DEQUANT = "float" (below) or "bf16x2" (w4_dequant.py: inline PTX, two elements per
-  instruction, ~4 instructions per weight element; bf16 activations, permuted once per call).
-Instruction counts are from sm_90 builds (bench/w4_aot.py); which is fastest is measured by the sweep.
+Dequantization (selected per config): W4Config.DEQUANT = "float" (below) or "bf16x2" (w4_dequant.py:
+inline PTX, two elements per instruction; bf16 activations, permuted once per call).
 
 Batch invariance: a row's result does not depend on M. The reduction order of an output element is
 fixed by BLOCK_K and SPLIT_K only, both chosen from (N, K) alone (see `_split_k`, `REDUCTION_BLOCK_K`);
 M selects only BLOCK_M / BLOCK_N / warps / stages, which change how the output is tiled, not how one
 element is summed. Partials of a split are summed in split order. The M-bucket configs below must share
-`W4Config.reduction_key()` (family, DEQUANT, BLOCK_K, SWAP_AB, split_k; for "fma" also BLOCK_N and
-num_warps): `check_table` enforces it at import; tests/gpu/test_kernels_gpu.py checks the bits.
+`W4Config.reduction_key()` (DEQUANT, BLOCK_K, SWAP_AB, split_k): `check_table` enforces it at import; tests/gpu/test_kernels_gpu.py checks the bits.
 
 CPU: `w4a16_linear_reference` (dequantize, fp32 matmul) is the CPU path and the test oracle. Under
 TRITON_INTERPRET=1 the Triton kernel runs on CPU tensors; the interpreter of triton 3.9 computes bf16
@@ -45,9 +40,7 @@ import triton.language as tl
 
 from .split_sum import split_sum
 from .common import DTYPES, bucket, interpreting
-from .w4_dequant import (DEQ_BF16X2, DEQ_BF16X2_EMU, DEQ_FLOAT, DEQUANTS, _load_dequant,  # noqa: F401
-                         _unpack8, pair_order)
-from .w4a16_fma import FMA_BLOCK_M, _w4a16_fma_kernel, _x_planes_kernel
+from .w4_dequant import DEQ_BF16X2, DEQ_BF16X2_EMU, DEQ_FLOAT, DEQUANTS, load_dequant, pair_order
 
 from kdtree_engine.quant import dequantize
 
@@ -55,43 +48,34 @@ from kdtree_engine.quant import dequantize
 # configuration
 
 
-KERNELS = ("dot", "fma")
-
 
 @dataclass(frozen=True)
 class W4Config:
-    BLOCK_M: int = 16   # tokens per program (dot: >= 16, tl.dot minimum; fma: 1, 2 or 4)
+    BLOCK_M: int = 16   # tokens per program (>= 16, tl.dot minimum)
     BLOCK_N: int = 64   # weight rows per program
     BLOCK_K: int = 256  # k per step (multiple of the group size and of 8)
     SWAP_AB: bool = True
     num_warps: int = 4
     num_stages: int = 4
     split_k: int | None = None  # None: chosen from (N, K) by _split_k
-    KERNEL: str = "dot"  # "dot": tensor cores (this file); "fma": CUDA-core small-M path (w4a16_fma.py)
-    DEQUANT: str = "float"  # dot only: "float" or "bf16x2" (PTX, bf16 x only; same tile bits), w4_dequant.py
+    DEQUANT: str = "float"  # "float" or "bf16x2" (PTX, bf16 x only; same tile bits), w4_dequant.py
 
     def __post_init__(self) -> None:
-        if self.KERNEL not in KERNELS:
-            raise ValueError(f"W4Config.KERNEL must be one of {KERNELS}, got {self.KERNEL!r}")
-        if self.KERNEL == "fma" and self.BLOCK_M not in FMA_BLOCK_M:
-            raise ValueError(f"W4Config.BLOCK_M must be one of {FMA_BLOCK_M} for KERNEL='fma', got {self.BLOCK_M}")
-        if self.KERNEL == "dot" and self.BLOCK_M < 16:
-            raise ValueError(f"W4Config.BLOCK_M must be >= 16 for KERNEL='dot', got {self.BLOCK_M}")
+        if self.BLOCK_M < 16:
+            raise ValueError(f"W4Config.BLOCK_M must be >= 16 (tl.dot), got {self.BLOCK_M}")
         if self.DEQUANT not in DEQUANTS:
             raise ValueError(f"W4Config.DEQUANT must be one of {tuple(DEQUANTS)}, got {self.DEQUANT!r}")
 
     def reduction_key(self) -> tuple:
         """The fields that fix how one output element is summed (must be equal across M buckets)."""
-        if self.KERNEL == "fma":
-            return (self.KERNEL, self.BLOCK_N, self.BLOCK_K, self.num_warps, self.split_k)
         if not self.SWAP_AB:
             # tokens are the MMA's M side: BLOCK_M 16 compiles to mma.sync, 64 to wgmma, and on the H200
             # the two sum a row's products differently (tests/gpu/test_kernels_gpu.py, measured)
-            return (self.KERNEL, self.DEQUANT, self.BLOCK_K, self.SWAP_AB, self.split_k, self.BLOCK_M)
-        return (self.KERNEL, self.DEQUANT, self.BLOCK_K, self.SWAP_AB, self.split_k)
+            return (self.DEQUANT, self.BLOCK_K, self.SWAP_AB, self.split_k, self.BLOCK_M)
+        return (self.DEQUANT, self.BLOCK_K, self.SWAP_AB, self.split_k)
 
     def as_dict(self) -> dict:
-        return dict(KERNEL=self.KERNEL, DEQUANT=self.DEQUANT, BLOCK_M=self.BLOCK_M, BLOCK_N=self.BLOCK_N,
+        return dict(DEQUANT=self.DEQUANT, BLOCK_M=self.BLOCK_M, BLOCK_N=self.BLOCK_N,
                     BLOCK_K=self.BLOCK_K, SWAP_AB=self.SWAP_AB, num_warps=self.num_warps,
                     num_stages=self.num_stages, split_k=self.split_k)
 
@@ -102,7 +86,7 @@ REDUCTION_BLOCK_K = 256
 
 def check_table(table: list[tuple[int, W4Config]] | list, what: str) -> None:
     """Every bucket of an M-bucket table must sum an output element the same way (batch invariance):
-    one kernel family and equal `reduction_key()`; buckets sorted by max M."""
+    equal `reduction_key()`; buckets sorted by max M."""
     keys = {cfg.reduction_key() for _, cfg in table}
     if len(keys) != 1:
         raise ValueError(f"{what}: all M buckets must share the reduction fields (batch invariance), "
@@ -113,11 +97,11 @@ def check_table(table: list[tuple[int, W4Config]] | list, what: str) -> None:
 
 
 # (max M, config): the first bucket with M <= max M is used. Edit here to change the defaults; the
-# bench's sweep (bench/kernels.py) prints candidates by name, see bench/w4_candidates.py.
+# bench's sweep (bench/kernels.py, bench/w4_sweep.py) prints candidates by name.
 DENSE_CONFIGS: list[tuple[int, W4Config]] = [
-    # bench/results/kernels-h200-sweep.md: bf16x2 with pipelined scales and split-K 2 (the split comes
-    # from _split_k) is the fastest at M = 1..16 on the dense 36864 x 7168 matrix (87 us against 122 us
-    # for "float"); fp16 / fp32 activations dequantize as "float" with the same tiles
+    # bf16x2 with pipelined scales and split-K 2 (the split comes from _split_k) is the fastest at M = 1..16 on
+    # the dense 36864 x 7168 matrix (docs/performance_history.md); fp16 / fp32 activations dequantize as "float"
+    # with the same tiles
     (16, W4Config(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=3, DEQUANT="bf16x2")),
     (32, W4Config(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=3, DEQUANT="bf16x2")),
     (64, W4Config(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, DEQUANT="bf16x2")),
@@ -171,7 +155,7 @@ _DTYPES = DTYPES
 
 
 @triton.jit
-def _mma(acc, w, x, SWAP_AB: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
+def mma_tile(acc, w, x, SWAP_AB: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
     """acc += w @ x.T ([BN, BM], SWAP_AB) or x @ w.T ([BM, BN])."""
     if UPCAST:
         w = w.to(tl.float32)
@@ -214,14 +198,14 @@ def _w4a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr,
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
     for k0 in range(k_start, k_end, BLOCK_K):
-        wt = _load_dequant(w_ptr, s_ptr, offs_n, n_mask, stride_wn, stride_sn, k0, k_end,
+        wt = load_dequant(w_ptr, s_ptr, offs_n, n_mask, stride_wn, stride_sn, k0, k_end,
                            G, BLOCK_N, BLOCK_K, DTYPE, DEQ, EVEN)
         kk = k0 + offs_k
         if EVEN:
             xt = tl.load(x_rows + kk[None, :], mask=m_mask[:, None], other=0.0)
         else:
             xt = tl.load(x_rows + kk[None, :], mask=m_mask[:, None] & (kk[None, :] < k_end), other=0.0)
-        acc = _mma(acc, wt, xt, SWAP_AB, UPCAST, PREC)
+        acc = mma_tile(acc, wt, xt, SWAP_AB, UPCAST, PREC)
 
     if SWAP_AB:
         acc = tl.trans(acc)
@@ -260,37 +244,6 @@ def deq_code(dequant: str, dtype: torch.dtype) -> int:
     return DEQ_FLOAT
 
 
-def x_planes(x: torch.Tensor) -> torch.Tensor:
-    """x [M, K] -> fp32 [M, 8, K/8] in nibble-plane order, xp[m, j, c] = x[m, 8c + j] * 16^-(j % 4)."""
-    M, K = x.shape
-    k8 = K // 8
-    xp = torch.empty((M, 8, k8), device=x.device, dtype=torch.float32)
-    block_c = min(256, triton.next_power_of_2(k8))
-    _x_planes_kernel[(M, triton.cdiv(k8, block_c))](x, xp, k8, x.stride(0), xp.stride(0),
-                                                    BLOCK_C=block_c, num_warps=4)
-    return xp
-
-
-def _fma_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, group_size: int,
-                cfg: W4Config, block_k: int, k_per_split: int, split: int, out: torch.Tensor) -> torch.Tensor:
-    """The CUDA-core small-M family (w4a16_fma.py); same split-K and fixed-order sum as the dot path."""
-    M, K = x.shape
-    N = packed.shape[0]
-    xp = x_planes(x)
-    block_c = block_k // 8
-    even = N % cfg.BLOCK_N == 0 and (K // 8) % block_c == 0
-    target = out if split == 1 else torch.empty((split, M, N), device=x.device, dtype=torch.float32)
-    grid = (triton.cdiv(M, cfg.BLOCK_M), triton.cdiv(N, cfg.BLOCK_N), split)
-    _w4a16_fma_kernel[grid](
-        xp, packed, scale, target, M, N, K // 8, k_per_split // 8,
-        xp.stride(0), packed.stride(0), scale.stride(0), N, M * N,
-        G8_LOG=(group_size // 8).bit_length() - 1, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_C=block_c, EVEN=even,
-        OUT_F32=split > 1, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if split > 1:
-        split_sum(target, out, split)
-    return out
-
-
 def w4a16_linear_reference(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                            group_size: int) -> torch.Tensor:
     """Dequantize then x @ W.T with fp32 accumulation; [M, K] -> [M, N] in x.dtype."""
@@ -318,8 +271,6 @@ def w4a16_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, gro
     out = torch.empty((M, N), device=x.device, dtype=x.dtype)
     if M == 0:
         return out
-    if cfg.KERNEL == "fma":
-        return _fma_linear(x, packed, scale, group_size, cfg, block_k, k_per_split, split, out)
     interp = interpreting()
     upcast = interp
     prec = "ieee" if (x.dtype == torch.float32 or upcast) else "tf32"
@@ -341,5 +292,5 @@ def w4a16_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, gro
     return out
 
 
-__all__ = ["W4Config", "KERNELS", "check_table", "deq_code", "x_planes", "DENSE_CONFIGS", "REDUCTION_BLOCK_K",
+__all__ = ["W4Config", "check_table", "deq_code", "DENSE_CONFIGS", "REDUCTION_BLOCK_K",
            "dense_config", "w4a16_linear", "w4a16_linear_reference", "check_w4", "interpreting", "fp32_stages"]

@@ -135,92 +135,72 @@ def test_causal_batch_invariant_bf16(N):
         assert torch.equal(one[0], full[i]), f"row {i} (seed {seed})"
 
 
-# Candidate families of bench/mla_attention.py's sweep (any may become a default for some N).
-CANDIDATES = {
-    "default": None,
-    "kom16": MLAConfig(CHUNK=512, BLOCK_M=16, BLOCK_N=32, num_warps=8, num_stages=3, KEYS_ON_M=True),
-    "qil16": MLAConfig(CHUNK=512, BLOCK_M=16, BLOCK_N=64, num_warps=8, num_stages=2, Q_IN_LOOP=True),
-    "kom16_c256": MLAConfig(CHUNK=256, BLOCK_M=16, BLOCK_N=32, num_warps=8, num_stages=3, KEYS_ON_M=True),
-    "qil32": MLAConfig(CHUNK=512, BLOCK_M=32, BLOCK_N=64, num_warps=8, num_stages=2, Q_IN_LOOP=True),
-    "kom64": MLAConfig(CHUNK=512, BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2, KEYS_ON_M=True),
-}
-
-
-def _cfg(name: str, N: int) -> MLAConfig:
-    return CANDIDATES[name] or default_config(N)
-
-
-@pytest.mark.parametrize("name", list(CANDIDATES))
 @pytest.mark.parametrize("N,S,T", [(8, 32768 + 5, 1), (8, 4096 - 3, 16), (64, 32768 + 5, 1), (64, 4096 - 3, 16)])
-def test_bf16_candidates_vs_reference(name, N, S, T):
+def test_bf16_default_vs_reference(N, S, T):
     seed = int(torch.randint(1 << 30, (1,)))
     q_lat, q_pe, kv = inputs(T, N, S, seed)
     mask = None if T == 1 else random_tree_mask(T, torch.Generator().manual_seed(seed)).cuda()
     poison_allocator()
-    out = mla_attention(q_lat, q_pe, kv, S, mask, SCALE, C, config=_cfg(name, N))
+    out = mla_attention(q_lat, q_pe, kv, S, mask, SCALE, C, config=default_config(N))
     ref = mla_attention_reference(q_lat.float(), q_pe.float(), kv.float(), S, mask, SCALE, C)
     assert torch.isfinite(out).all(), "unwritten (NaN-poisoned) or non-finite outputs"
     assert rel(out, ref) < 1e-2, f"seed {seed}"
 
 
-@pytest.mark.parametrize("name", list(CANDIDATES))
 @pytest.mark.parametrize("N", [8, 64])
-def test_v_split_by_t_bit_equal_bf16(name, N):
-    """V_SPLIT per T bucket only re-tiles: with V_SPLIT_BY_T = ((1, 4), (16, 2)) (V_SPLIT 1 beyond) a row
-    is the same bits in a decode launch (4 slices; 8 under DECODE_MIN_PROGRAMS), a 16-row block (2), a
-    40-row block and a 64-node tree (1), through the host-length and the device-length launch, and equal
-    to the config without buckets."""
+def test_v_split_bit_equal_bf16(N):
+    """Output-column slices only re-tile: a row is the same bits in a decode launch (4 slices; 8 under
+    DECODE_MIN_PROGRAMS), a 16-row block (2), a 40-row block and a 64-node tree (1 and 2), through the host-length
+    and the device-length launch."""
     S, T = 5000, 40
     seed = int(torch.randint(1 << 30, (1,)))
-    # (small trees on the verify tiles: the T = 16 bucket's 2 slices of a 16-row 3-stage decode tile need 233 KB)
-    base = replace(_cfg(name, N), V_SPLIT=1, V_SPLIT_BY_T=(), DECODE_MIN_PROGRAMS=0, DECODE_MAX_T=1, SMALL_WARPS=0)
-    if base.BLOCK_M >= 64 and not base.KEYS_ON_M:   # 64-row row tiles take no slices (MLAConfig): the 32-row
-        base = replace(base, BLOCK_M=32, num_warps=4)  # tiles they replaced, which do
-    cfg = replace(base, V_SPLIT_BY_T=((1, 4), (16, 2)))
+    # (small trees on the verify tiles: 2 slices of a 16-row 3-stage decode tile need 233 KB)
+    base: MLAConfig = replace(default_config(N), V_SPLIT=1, DECODE_MIN_PROGRAMS=0, DECODE_MAX_T=1, SMALL_WARPS=0)
+    if base.BLOCK_M >= 64:   # 64-row row tiles take no slices (MLAConfig): the 32-row tiles they replaced, which do
+        base = replace(base, BLOCK_M=32, num_warps=4)
+    v2, v4 = replace(base, V_SPLIT=2), replace(base, V_SPLIT=4)
     auto = replace(base, DECODE_MIN_PROGRAMS=128)  # decode launches here: 10 chunks x 1-2 tiles -> 8 slices
     q_lat, q_pe, kv = inputs(T, N, S, seed)
-    full = mla_attention(q_lat, q_pe, kv, S, None, SCALE, C, config=cfg)  # 1 slice
-    assert torch.equal(full, mla_attention(q_lat, q_pe, kv, S, None, SCALE, C, config=base))
-    part = mla_attention(q_lat[:16], q_pe[:16], kv[: S + 16], S, None, SCALE, C, config=cfg)  # 2 slices
+    full = mla_attention(q_lat, q_pe, kv, S, None, SCALE, C, config=base)  # 1 slice
+    assert torch.equal(full, mla_attention(q_lat, q_pe, kv, S, None, SCALE, C, config=v2))
+    part = mla_attention(q_lat[:16], q_pe[:16], kv[: S + 16], S, None, SCALE, C, config=v2)  # 2 slices
     assert torch.equal(part, full[:16]), f"T=16 block (seed {seed})"
     cap = torch.cat([kv, torch.randn(300, C + R, device="cuda").bfloat16()])
     tril = torch.ones(16, 16, dtype=torch.bool, device="cuda").tril()
-    dev16 = mla_attention_device(q_lat[:16], q_pe[:16], cap, torch.tensor(S), tril, SCALE, C, config=cfg)
+    dev16 = mla_attention_device(q_lat[:16], q_pe[:16], cap, torch.tensor(S), tril, SCALE, C, config=v2)
     assert torch.equal(dev16, full[:16]), f"device-length T=16 (seed {seed})"
     for i in (0, 7, 15, 39):  # 4 slices
-        one = mla_attention(q_lat[i:i + 1], q_pe[i:i + 1], kv[: S + i + 1], S + i, None, SCALE, C, config=cfg)
+        one = mla_attention(q_lat[i:i + 1], q_pe[i:i + 1], kv[: S + i + 1], S + i, None, SCALE, C, config=v4)
         assert torch.equal(one[0], full[i]), f"decode row {i} (seed {seed})"
         one8 = mla_attention(q_lat[i:i + 1], q_pe[i:i + 1], kv[: S + i + 1], S + i, None, SCALE, C, config=auto)
         assert torch.equal(one8[0], full[i]), f"decode row {i}, 8 slices (seed {seed})"
         buf = torch.cat([kv[: S + i], kv[S + i:S + i + 1], cap[S + T:]])  # slot S + i at its place, junk after
         one_dev = mla_attention_device(q_lat[i:i + 1], q_pe[i:i + 1], buf, torch.tensor(S + i),
-                                       torch.ones(1, 1, dtype=torch.bool, device="cuda"), SCALE, C, config=cfg)
+                                       torch.ones(1, 1, dtype=torch.bool, device="cuda"), SCALE, C, config=v4)
         assert torch.equal(one_dev[0], full[i]), f"device-length decode row {i} (seed {seed})"
-    # a 64-node tree (1 slice) vs each node alone (4 slices)
+    # a 64-node tree (1 and 2 slices) vs each node alone (4 slices)
     Tt = 64
     q_lat, q_pe, kv = inputs(Tt, N, S, seed + 1)
     mask = random_tree_mask(Tt, torch.Generator().manual_seed(seed))
-    tree = mla_attention(q_lat, q_pe, kv, S, mask.cuda(), SCALE, C, config=cfg)
+    tree = mla_attention(q_lat, q_pe, kv, S, mask.cuda(), SCALE, C, config=base)
+    assert torch.equal(tree, mla_attention(q_lat, q_pe, kv, S, mask.cuda(), SCALE, C, config=v2))
     for i in (0, 5, 31, 63):
         path = torch.nonzero(mask[i]).flatten().cuda()
         kv_i = torch.cat([kv[:S], kv[S + path]])
-        one = mla_attention(q_lat[i:i + 1], q_pe[i:i + 1], kv_i, S + len(path) - 1, None, SCALE, C, config=cfg)
+        one = mla_attention(q_lat[i:i + 1], q_pe[i:i + 1], kv_i, S + len(path) - 1, None, SCALE, C, config=v4)
         assert torch.equal(one[0], tree[i]), f"tree node {i} alone vs in the tree (seed {seed})"
 
 
-RETILES = {"rows8": dict(DECODE_ROWS=8), "rows4": dict(DECODE_ROWS=4), "rows2": dict(DECODE_ROWS=2),
-           "rows1": dict(DECODE_ROWS=1), "warps8": dict(DECODE_WARPS=8), "warps2": dict(DECODE_WARPS=2),
-           "kdesc": dict(K_DESC=True), "lazy": dict(LAZY_RESCALE="all"), "stages2": dict(DECODE_STAGES=2),
+RETILES = {"warps8": dict(DECODE_WARPS=8), "warps2": dict(DECODE_WARPS=2), "stages2": dict(DECODE_STAGES=2),
            "stages3": dict(DECODE_STAGES=3)}
 
 
 @pytest.mark.parametrize("retile", list(RETILES))
 @pytest.mark.parametrize("N", [8, 64])
-def test_decode_rows_bit_equal_bf16(N, retile):
-    """DECODE_ROWS / DECODE_WARPS / K_DESC / LAZY_RESCALE / DECODE_STAGES leave a row's bits: a decode row
-    split over programs of fewer rows, run by another warp count or pipeline depth, with its key tiles
-    copied by TMA or with the rescales of unmoved maxima skipped is the same bits as the default config's decode and as its row in
-    a causal block (default config), host- and device-length."""
+def test_decode_retiles_bit_equal_bf16(N, retile):
+    """DECODE_WARPS / DECODE_STAGES leave a row's bits: a decode row run by another warp count or pipeline depth
+    is the same bits as the default config's decode and as its row in a causal block (default config), host- and
+    device-length."""
     S, T = 32768 + 5, 40
     seed = int(torch.randint(1 << 30, (1,)))
     base = default_config(N)
@@ -246,33 +226,23 @@ def check_decode_rows(q_lat, q_pe, kv, S, full, rows, cfg, what):
         assert torch.equal(one_dev[0], full[i]), f"device-length decode row {i} at S = {S}, {what}"
 
 
-def _qk_split(N: int, qs: int) -> MLAConfig:
-    """The default config with the score chains in qs MMA chains (2: the verify tiles on the chunk kernel, which
-    has the split; the queries-on-M warpgroup kernel has not)."""
-    cfg = default_config(N)
-    return cfg if qs == cfg.QK_SPLIT else replace(cfg, QK_SPLIT=qs, VERIFY_WG=0)
-
-
 WG = {"wg2": dict(DECODE_WG=2), "wg3": dict(DECODE_WG=3), "wg2slices": dict(DECODE_WG=2, DECODE_MIN_PROGRAMS=128),
-      "wg2qs2": dict(DECODE_WG=2, QK_SPLIT=2), "wg3qs2": dict(DECODE_WG=3, QK_SPLIT=2),
-      "wg2qs2slices": dict(DECODE_WG=2, QK_SPLIT=2, DECODE_WG_MIN_PROGRAMS=128),
+      "wg2wgslices": dict(DECODE_WG=2, DECODE_WG_MIN_PROGRAMS=128),
       "wg2rows16": dict(DECODE_WG=2, DECODE_WG_ROWS=16),
       "wg2rows8": dict(DECODE_WG=2, DECODE_WG_ROWS=8, DECODE_WG_MIN_PROGRAMS=128)}
 
 
 @pytest.mark.parametrize("N,wg", [(8, "wg2"), (8, "wg3"), (8, "wg2slices"), (16, "wg2"), (16, "wg2slices"),
-                                  (5, "wg3"), (64, "wg2"), (8, "wg2qs2"), (8, "wg3qs2"), (8, "wg2qs2slices"),
-                                  (5, "wg2qs2"), (64, "wg2qs2"), (64, "wg2rows16"), (16, "wg2rows8")])
+                                  (5, "wg3"), (64, "wg2"), (8, "wg2wgslices"), (64, "wg2rows16"), (16, "wg2rows8")])
 def test_decode_warpgroup_bit_equal_bf16(N, wg):
     """The warpgroup decode kernel (keys on the wgmma's M side, TMA key tiles; DECODE_WG) is the chunk kernel's
     arithmetic: a decode row equals the default config's decode and its row in a causal block, bit for bit,
     host- and device-length, over one chunk (direct write), chunk edges and a long prefix, with column slices,
-    at N = 64 in two programs of 32 rows per chunk (or four of 16), and with the scores in two chains
-    (QK_SPLIT 2, against the chunk kernel's)."""
+    at N = 64 in two programs of 32 rows per chunk (or four of 16)."""
     from kdtree_engine.kernels.mla_attention import _decode_wg
     from kdtree_engine.kernels.mla_decode_wg import unsupported
 
-    base = _qk_split(N, WG[wg].get("QK_SPLIT", 1))   # the chunk kernel's arithmetic
+    base = default_config(N)   # the chunk kernel's arithmetic
     cfg = replace(base, **WG[wg])
     assert unsupported(N, C, R, torch.bfloat16, cfg.BLOCK_N, 1, cfg.DECODE_WG) is None
     for S, T in ((100, 8), (512 - 3, 6), (32768 + 5, 40)):
@@ -283,30 +253,10 @@ def test_decode_warpgroup_bit_equal_bf16(N, wg):
         check_decode_rows(q_lat, q_pe, kv, S, full, (0, T // 2 + 1, T - 1), cfg, f"{wg} (seed {seed})")
 
 
-@pytest.mark.parametrize("name", [n for n in CANDIDATES if n != "default"])
-@pytest.mark.parametrize("N", [8, 64])
-def test_candidate_tree_batch_invariant_bf16(name, N):
-    """The candidates' own batch invariance: each tree node alone == its rows in the tree launch."""
-    S, T = 4096 + 100, 64
-    seed = int(torch.randint(1 << 30, (1,)))
-    cfg = _cfg(name, N)
-    q_lat, q_pe, kv = inputs(T, N, S, seed)
-    mask = random_tree_mask(T, torch.Generator().manual_seed(seed))
-    full = mla_attention(q_lat, q_pe, kv, S, mask.cuda(), SCALE, C, config=cfg)
-    bad = []
-    for i in range(0, T, 3):
-        path = torch.nonzero(mask[i]).flatten().cuda()
-        kv_i = torch.cat([kv[:S], kv[S + path]])
-        one = mla_attention(q_lat[i:i + 1], q_pe[i:i + 1], kv_i, S + len(path) - 1, None, SCALE, C, config=cfg)
-        if not torch.equal(one[0], full[i]):
-            bad.append(i)
-    assert not bad, f"nodes {bad[:8]} differ alone vs in the tree (seed {seed}, {cfg})"
-
-
 SMALL_TILES = {"default": {}, "w8": dict(SMALL_WARPS=8), "bm16w8": dict(SMALL_BLOCK_M=16, SMALL_WARPS=8),
                "t16w8": dict(DECODE_MAX_T=16, SMALL_WARPS=8), "wg2": dict(DECODE_WG=2),
                "t16wg2": dict(DECODE_MAX_T=16, SMALL_WARPS=8, DECODE_WG=2),
-               "wg2qs2slices": dict(DECODE_WG=2, QK_SPLIT=2, DECODE_WG_MIN_PROGRAMS=128),
+               "wg2slices": dict(DECODE_WG=2, DECODE_WG_MIN_PROGRAMS=128),
                "t16wg2rows16": dict(DECODE_MAX_T=16, SMALL_WARPS=8, DECODE_WG=2, DECODE_WG_ROWS=16,
                                     DECODE_WG_MIN_PROGRAMS=128),
                "wg2rows8": dict(DECODE_WG=2, DECODE_WG_ROWS=8)}
@@ -319,11 +269,10 @@ def test_small_trees_on_decode_tiles_bit_equal_bf16(N, tiles):
     bits: the first T nodes of a 64-node tree (a tree themselves: parent[i] < i) give the rows of the default
     config's 64-node launch, host- and device-length, at T = 2, 4, 8, 16; also on the small trees' own tiles
     (SMALL_BLOCK_M / SMALL_WARPS), with DECODE_MAX_T = 16 and with the prefix chunks on the warpgroup kernel
-    (DECODE_WG), also in column slices, in 8- or 16-row programs and with the scores in two chains (QK_SPLIT 2,
-    against the verify tiles' QK_SPLIT 2)."""
+    (DECODE_WG), also in column slices and in 8- or 16-row programs."""
     S, Tt = 4096 + 37, 64
     seed = int(torch.randint(1 << 30, (1,)))
-    base = _qk_split(N, SMALL_TILES[tiles].get("QK_SPLIT", 1))
+    base = default_config(N)
     cfg = replace(base, **{"DECODE_MAX_T": 8, **SMALL_TILES[tiles]})
     q_lat, q_pe, kv = inputs(Tt, N, S, seed)
     mask = random_tree_mask(Tt, torch.Generator().manual_seed(seed)).cuda()

@@ -5,12 +5,9 @@ the token count changes (the kernels themselves are GPU-tested)."""
 import pytest
 
 from kdtree_engine.kernels.moe_frag import FragMoEConfig, frag_moe_config
-from kdtree_engine.kernels.w4_frag import X_LOADS
 
 
-@pytest.mark.parametrize("field,value", [("XLOAD", "registers"), ("XLOAD2", "shared"), ("XLOAD", None),
-                                         ("BLOCK_M", 24), ("EPI_BLOCK", 100), ("EPI_BLOCK", 64),
-                                         ("MAXNREG13", 8), ("MAXNREG2", 300), ("P13", 0), ("P2", -3)])
+@pytest.mark.parametrize("field,value", [("BLOCK_M", 24), ("P13", 0), ("P2", -3)])
 def test_bad_fields_are_refused_by_name(field, value):
     with pytest.raises(ValueError, match=field):
         FragMoEConfig(**{field: value})
@@ -56,33 +53,33 @@ def test_moe_plan_refuses_nothing_the_engine_reaches():
 
 
 def test_dense_token_tiles_and_instructions():
-    """The dense plan's token tile follows M (8 / 16 on mma.sync, 32 / 64 on wgmma); launches that cannot take
-    wgmma programs stay at 16."""
+    """The dense launch's token tile follows M (8 / 16 on mma.sync, 32 / 64 on wgmma)."""
     from kdtree_engine.kernels.w4_frag import token_mma, token_tile
     assert [token_tile(m) for m in (1, 8, 9, 16, 17, 32, 33, 64, 1000)] == [8, 8, 16, 16, 32, 32, 64, 64, 64]
-    assert [token_tile(m, wide=False) for m in (1, 9, 17, 1000)] == [8, 16, 16, 16]
     assert [token_mma(t) for t in (8, 16, 32, 64)] == ["sync", "sync", "wgmma", "wgmma"]
 
 
-def test_two_blocks_per_trip_only_for_8_token_single_tile_programs():
-    """The mma.sync loop runs two blocks per trip for 8-token programs of one MMA tile per warp only (16-token ones
-    would need 156 registers; 2 tiles per warp crash triton 3.6's lowering)."""
+def test_two_blocks_per_trip_only_for_8_token_programs():
+    """The mma.sync loop runs two blocks per trip for 8-token programs only (16-token ones would spill)."""
     from kdtree_engine.kernels.w4_frag import token_pairs
-    assert token_pairs(8) and token_pairs(8, 1)
-    assert not token_pairs(16) and not token_pairs(8, 2) and not token_pairs(32)
+    assert token_pairs(8)
+    assert not token_pairs(16) and not token_pairs(32)
 
 
-def test_dense_programs_cover_one_partition_tile():
-    """A dense program's warps hold the rows of one partition tile at every token tile (wgmma: 64 rows one
-    warpgroup, 128 two)."""
-    from kdtree_engine.kernels.w4_frag import token_warps
-    assert token_warps(64) == 4 and token_warps(128) == 8 and token_warps(128, 2) == 4 and token_warps(64, 2) == 2
+def test_dense_launch_follows_the_plan_and_refuses_bad_tiles():
+    """The engine's launch: the plan's partition whatever M, the token tile and MMA by M; mma.sync takes at most
+    16 tokens per program, and an unknown MMA is refused."""
+    from dataclasses import replace
 
-
-def test_every_activation_load_is_accepted_for_both_gemms():
-    for a in X_LOADS:
-        for b in (None, *X_LOADS):
-            FragMoEConfig(XLOAD=a, XLOAD2=b)
+    from kdtree_engine.kernels.w4_frag import DenseLaunch, dense_launch, dense_plan
+    for M, tok, mma in ((1, 8, "sync"), (16, 16, "sync"), (17, 32, "wgmma"), (300, 64, "wgmma")):
+        launch = dense_launch(M, 36864, 7168, 132, 64, 64)
+        assert (launch.gpb, launch.programs) == dense_plan(36864, 7168, 132)
+        assert (launch.tok, launch.mma, launch.tile, launch.stile) == (tok, mma, 64, 64)
+    with pytest.raises(ValueError, match="mma.sync"):
+        replace(dense_launch(1, 4096, 7168, 132), tok=32)
+    with pytest.raises(ValueError, match="mma"):
+        DenseLaunch(gpb=8, programs=4, tok=8, mma="wgmma-async")
 
 
 @pytest.mark.parametrize("E", [8, 384])

@@ -212,41 +212,37 @@ def _run_one(name, spec):
     seed = int.from_bytes(os.urandom(4), "little")  # fresh inputs each run; reported on failure
     gen = torch.Generator().manual_seed(seed)
     red = Reduction(*opt["reduction"]) if "reduction" in opt else None
-    if "interp" in opt:
-        os.environ["KDTREE_GEMM_INTERP"] = opt["interp"]
-    try:
-        if "heads" in opt:
-            return _run_head(M, N, K, dt, opt, gen, red) | {"seed": seed}
-        if "shared" in opt:
-            return _run_shared(M, N, K, dt, opt, gen, red) | {"seed": seed}
-        x, w = _inputs(M, N, K, dt, gen, opt.get("noncontig", False))
-        if not opt.get("invariance"):
-            y = bi_linear(x, w, reduction=red)
-            rec = _interp.output_record(y, x.double() @ w.double().T, y.dtype == x.dtype and tuple(y.shape) == (M, N))
-            rec["split"] = (red or reduction_for(N, K, x.dtype)).n_splits(K)
-            return rec | {"seed": seed}
-        # invariance: each sampled row alone, then every launch size; all launches also agree with
-        # the largest one on every row they share
-        tiles = [None]
-        if opt.get("tiles"):
-            tiles = [Tile(16, 64, 4, 2), Tile(32, 32, 2, 3), Tile(64, 64, 4, 4), Tile(128, 128, 8, 2)]
-        alone = {}
+    dot = opt.get("interp") == "dot"
+    if "heads" in opt:
+        return _run_head(M, N, K, dt, opt, gen, red) | {"seed": seed}
+    if "shared" in opt:
+        return _run_shared(M, N, K, dt, opt, gen, red) | {"seed": seed}
+    x, w = _inputs(M, N, K, dt, gen, opt.get("noncontig", False))
+    if not opt.get("invariance"):
+        y = bi_linear(x, w, reduction=red, interp_dot=dot)
+        rec = _interp.output_record(y, x.double() @ w.double().T, y.dtype == x.dtype and tuple(y.shape) == (M, N))
+        rec["split"] = (red or reduction_for(N, K, x.dtype)).n_splits(K)
+        return rec | {"seed": seed}
+    # invariance: each sampled row alone, then every launch size; all launches also agree with
+    # the largest one on every row they share
+    tiles = [None]
+    if opt.get("tiles"):
+        tiles = [Tile(16, 64, 4, 2), Tile(32, 32, 2, 3), Tile(64, 64, 4, 4), Tile(128, 128, 8, 2)]
+    alone = {}
+    for i in _INV_ROWS:
+        alone[i] = bi_linear(x[i:i + 1], w, reduction=red, tile=tiles[i % len(tiles)])
+    big = bi_linear(x, w, reduction=red)
+    bad = []
+    for j, m in enumerate(_INV_M):
+        y = bi_linear(x[:m], w, reduction=red, tile=tiles[j % len(tiles)])
+        if not torch.equal(y, big[:m]):
+            bad.append(f"M={m} differs from M={M} on shared rows")
         for i in _INV_ROWS:
-            alone[i] = bi_linear(x[i:i + 1], w, reduction=red, tile=tiles[i % len(tiles)])
-        big = bi_linear(x, w, reduction=red)
-        bad = []
-        for j, m in enumerate(_INV_M):
-            y = bi_linear(x[:m], w, reduction=red, tile=tiles[j % len(tiles)])
-            if not torch.equal(y, big[:m]):
-                bad.append(f"M={m} differs from M={M} on shared rows")
-            for i in _INV_ROWS:
-                if i < m and not torch.equal(y[i], alone[i][0]):
-                    bad.append(f"row {i}: M={m} != M=1")
-        ref = x.double() @ w.double().T
-        return {"ok_meta": True, "nonfinite": int((~torch.isfinite(big)).sum()), "bad": bad[:10],
-                "rel": float((big.double() - ref).norm() / ref.norm()), "seed": seed}
-    finally:
-        os.environ.pop("KDTREE_GEMM_INTERP", None)
+            if i < m and not torch.equal(y[i], alone[i][0]):
+                bad.append(f"row {i}: M={m} != M=1")
+    ref = x.double() @ w.double().T
+    return {"ok_meta": True, "nonfinite": int((~torch.isfinite(big)).sum()), "bad": bad[:10],
+            "rel": float((big.double() - ref).norm() / ref.norm()), "seed": seed}
 
 
 # one activation against B weights, split partials unsummed (bi_shared_x_partials: the bf16x3 router's launch)

@@ -87,28 +87,10 @@ CONFIGS = {
     "c128": MLAConfig(CHUNK=128, BLOCK_M=16, BLOCK_N=64, num_stages=1),
     "vsplit": MLAConfig(CHUNK=64, BLOCK_M=16, BLOCK_N=32, V_SPLIT=2, num_stages=1),
     "default": None,
-    # keys on the MMA's M side, q re-read per key step, V_SPLIT per T bucket (T <= 4: 2 slices)
-    "kom": MLAConfig(CHUNK=32, BLOCK_M=16, BLOCK_N=16, KEYS_ON_M=True, num_stages=1),
-    "komvs": MLAConfig(CHUNK=64, BLOCK_M=16, BLOCK_N=32, V_SPLIT=2, KEYS_ON_M=True, Q_IN_LOOP=True, num_stages=1),
-    "qil": MLAConfig(CHUNK=32, BLOCK_M=16, BLOCK_N=16, Q_IN_LOOP=True, num_stages=1),
-    "vsbyt": MLAConfig(CHUNK=32, BLOCK_M=16, BLOCK_N=16, V_SPLIT_BY_T=((4, 2),), num_stages=1),
-    "kombyt": MLAConfig(CHUNK=32, BLOCK_M=16, BLOCK_N=16, KEYS_ON_M=True, V_SPLIT_BY_T=((4, 2),), num_stages=1),
     # decode launches re-tiled: 16-row tiles for T = 1, 32-row tiles otherwise (row sums by the MMA)
     "decbm": MLAConfig(CHUNK=32, BLOCK_M=32, BLOCK_N=16, L_BY_DOT=True, DECODE_BLOCK_M=16, num_stages=1),
-    # ... and split over programs of 4 / 1 rows (the rest of the tile masked)
-    "decrows": MLAConfig(CHUNK=32, BLOCK_M=32, BLOCK_N=16, L_BY_DOT=True, DECODE_BLOCK_M=16, DECODE_ROWS=4,
-                         num_stages=1),
-    "rows1": MLAConfig(CHUNK=32, BLOCK_M=16, BLOCK_N=16, DECODE_ROWS=1, num_stages=1),
-    # key tiles of packed launches by tensor descriptors (the gather launch keeps pointers)
-    "desc": MLAConfig(CHUNK=32, BLOCK_M=16, BLOCK_N=16, K_DESC=True, num_stages=1),
-    # the latent part of q K^T in two MMA chains (and P @ V in two column halves; V_SPLIT 2: one slice each)
-    "qs2": MLAConfig(CHUNK=32, BLOCK_M=16, BLOCK_N=16, QK_SPLIT=2, num_stages=1),
-    "qs2bm": MLAConfig(CHUNK=64, BLOCK_M=32, BLOCK_N=32, L_BY_DOT=True, DECODE_BLOCK_M=16, QK_SPLIT=2,
-                       V_SPLIT_BY_T=((1, 2),), num_stages=1),
     "decw": MLAConfig(CHUNK=32, BLOCK_M=32, BLOCK_N=16, L_BY_DOT=True, DECODE_BLOCK_M=16, DECODE_WARPS=2,
                       num_stages=1),
-    "descbm": MLAConfig(CHUNK=64, BLOCK_M=32, BLOCK_N=32, L_BY_DOT=True, DECODE_BLOCK_M=16, K_DESC=True,
-                        num_stages=1),
     # launches of up to 4 queries on the decode tiles (16 rows), column slices sized by DECODE_MIN_PROGRAMS
     "decmaxt": MLAConfig(CHUNK=32, BLOCK_M=32, BLOCK_N=16, L_BY_DOT=True, DECODE_BLOCK_M=16, DECODE_MAX_T=4,
                          DECODE_MIN_PROGRAMS=64, num_stages=1),
@@ -131,39 +113,14 @@ for _T, _mask, _cfg in ((1, "causal", "c128"), (5, "tree", "c128"), (17, "causal
 CASES["N4_S37_T5_tree_c64"] = ("ref", 4, 37, 5, "tree", "c64", "")
 CASES["N4_S100_T9_tree_vsplit"] = ("ref", 4, 100, 9, "tree", "vsplit", "")
 CASES["N3_S100_T9_causal_vsplit"] = ("ref", 3, 100, 9, "causal", "vsplit", "")
-for _name, _spec in (("N3_S37_T5_tree_kom", (3, 37, 5, "tree", "kom", "")),
-                     ("N3_S37_T1_causal_kom", (3, 37, 1, "causal", "kom", "")),
-                     ("N5_S70_T9_causal_komvs", (5, 70, 9, "causal", "komvs", "")),
-                     ("N4_S70_T7_tree_komvs", (4, 70, 7, "tree", "komvs", "")),
-                     ("N3_S37_T5_tree_qil", (3, 37, 5, "tree", "qil", "")),
-                     ("N3_S45_T3_tree_vsbyt", (3, 45, 3, "tree", "vsbyt", "")),
-                     ("N3_S37_T5_tree_kom_bf16", (3, 37, 5, "tree", "kom", "bf16"))):
-    CASES[_name] = ("ref", *_spec)
 CASES["N3_S37_T5_tree_noncontig"] = ("ref", 3, 37, 5, "tree", "c32", "noncontig")
 CASES["N3_S37_T5_tree_bf16"] = ("ref", 3, 37, 5, "tree", "c32", "bf16")
 CASES["inv_N4_S70_T13_tree"] = ("inv", 4, 70, 13, "tree", "c32", "")
 CASES["inv_N3_S45_T11_tree"] = ("inv", 3, 45, 11, "tree", "c32", "")
 CASES["inv_N4_S61_T7_causal"] = ("inv", 4, 61, 7, "causal", "c32", "")
 CASES["inv_N20_S50_T6_tree_vsplit"] = ("inv", 20, 50, 6, "tree", "vsplit", "")
-CASES["inv_N4_S70_T9_tree_kom"] = ("inv", 4, 70, 9, "tree", "kom", "")
-CASES["inv_N3_S45_T5_tree_vsbyt"] = ("inv", 3, 45, 5, "tree", "vsbyt", "")  # alone: 2 slices, batched: 1
-CASES["inv_N3_S61_T5_causal_kombyt"] = ("inv", 3, 61, 5, "causal", "kombyt", "")
 CASES["inv_N20_S45_T5_tree_decbm"] = ("inv", 20, 45, 5, "tree", "decbm", "")  # alone: 16-row tiles
-CASES["inv_N6_S45_T5_tree_decrows"] = ("inv", 6, 45, 5, "tree", "decrows", "")  # alone: 4 rows a program
-CASES["inv_N3_S40_T4_causal_rows1"] = ("inv", 3, 40, 4, "causal", "rows1", "")  # alone: 1 row a program
-CASES["N6_S45_T1_causal_decrows"] = ("ref", 6, 45, 1, "causal", "decrows", "")
-CASES["N3_S37_T1_causal_desc"] = ("ref", 3, 37, 1, "causal", "desc", "")
-CASES["N3_S45_T9_causal_desc"] = ("ref", 3, 45, 9, "causal", "desc", "")
-CASES["N3_S70_T5_tree_desc_bf16"] = ("ref", 3, 70, 5, "tree", "desc", "bf16")
-CASES["N4_S37_T5_tree_desc_noncontig"] = ("ref", 4, 37, 5, "tree", "desc", "noncontig")
-CASES["inv_N4_S70_T9_tree_desc"] = ("inv", 4, 70, 9, "tree", "desc", "")
-CASES["inv_N5_S61_T7_causal_descbm"] = ("inv", 5, 61, 7, "causal", "descbm", "")
 CASES["inv_N6_S45_T5_tree_decw"] = ("inv", 6, 45, 5, "tree", "decw", "")
-CASES["N3_S37_T5_tree_qs2"] = ("ref", 3, 37, 5, "tree", "qs2", "")
-CASES["N3_S45_T1_causal_qs2_bf16"] = ("ref", 3, 45, 1, "causal", "qs2", "bf16")
-CASES["N4_S70_T9_causal_qs2bm"] = ("ref", 4, 70, 9, "causal", "qs2bm", "")
-CASES["inv_N4_S70_T9_tree_qs2"] = ("inv", 4, 70, 9, "tree", "qs2", "")
-CASES["inv_N5_S61_T7_causal_qs2bm"] = ("inv", 5, 61, 7, "causal", "qs2bm", "")  # alone: V_SPLIT 2
 CASES["inv_N20_S45_T7_tree_decmaxt"] = ("inv", 20, 45, 7, "tree", "decmaxt", "")  # alone / first 4: decode tiles
 CASES["N20_S45_T4_tree_decmaxt"] = ("ref", 20, 45, 4, "tree", "decmaxt", "")
 CASES["inv_N20_S45_T7_tree_smallbm"] = ("inv", 20, 45, 7, "tree", "smallbm", "")
@@ -174,12 +131,6 @@ CASES["dev_N4_S64_T9_tree_c32"] = ("dev", 4, 64, 9, "tree", "c32", "")
 CASES["dev_N3_S0_T5_tree_c32"] = ("dev", 3, 0, 5, "tree", "c32", "")
 CASES["dev_N3_S20_T1_causal_c32"] = ("dev", 3, 20, 1, "causal", "c32", "")
 CASES["dev_N4_S100_T9_tree_vsplit"] = ("dev", 4, 100, 9, "tree", "vsplit", "")
-CASES["dev_N3_S64_T5_tree_kom"] = ("dev", 3, 64, 5, "tree", "kom", "")
-CASES["dev_N3_S20_T3_tree_kombyt"] = ("dev", 3, 20, 3, "tree", "kombyt", "")
-CASES["dev_N6_S50_T1_causal_decrows"] = ("dev", 6, 50, 1, "causal", "decrows", "")
-CASES["dev_N3_S64_T5_tree_desc"] = ("dev", 3, 64, 5, "tree", "desc", "")
-CASES["dev_N4_S90_T1_causal_descbm"] = ("dev", 4, 90, 1, "causal", "descbm", "")
-CASES["dev_N3_S64_T5_tree_qs2"] = ("dev", 3, 64, 5, "tree", "qs2", "")
 CASES["dev_N20_S50_T3_tree_decmaxt"] = ("dev", 20, 50, 3, "tree", "decmaxt", "")
 # T = 1 (the root alone) runs the causal launch on the device; the host-length tree launch is the oracle
 CASES["dev_N3_S37_T1_tree_c32"] = ("dev", 3, 37, 1, "tree", "c32", "")
@@ -338,11 +289,11 @@ if __name__ == "__main__" and "--interp-cases" in sys.argv:
 
 def test_decode_min_programs_sizes_v_split():
     """DECODE_MIN_PROGRAMS doubles V_SPLIT (to 8 at most) for T = 1 launches with too few programs, on top
-    of V_SPLIT_BY_T; launches of several queries keep their bucket's V_SPLIT."""
+    of the config's V_SPLIT; launches of several queries keep their V_SPLIT."""
     cfg = MLAConfig(DECODE_MIN_PROGRAMS=128)
     assert [cfg.v_split(1, p, 512) for p in (8, 16, 33, 64, 100, 128, 4096)] == [8, 8, 4, 2, 2, 1, 1]
     assert cfg.v_split(16, 8, 512) == 1 and cfg.v_split(2, 8, 512) == 1
-    assert MLAConfig(DECODE_MIN_PROGRAMS=128, V_SPLIT_BY_T=((1, 4),)).v_split(1, 64, 512) == 4
+    assert MLAConfig(DECODE_MIN_PROGRAMS=128, V_SPLIT=4).v_split(1, 64, 512) == 4
     assert MLAConfig().v_split(1, 8) == 1
 
 
@@ -358,8 +309,8 @@ def test_decode_block_m_is_a_decode_retiling():
     assert _plan(512, 64, 8, 1, torch.float32, cfg, 8 * 512)[0].BLOCK_M == 16
     assert _plan(512, 64, 8, 2, torch.float32, cfg, 8 * 512)[0].BLOCK_M == 32
     # the decode rule counts the re-tiled launch's programs: N = 64 -> 4 row tiles x 2 chunks x 8 slices
-    assert _plan(512, 64, 64, 1, torch.float32, cfg, 2 * 512)[5] == 8
-    for bad in (dict(L_BY_DOT=False), dict(KEYS_ON_M=True), dict(BLOCK_M=128), dict(DECODE_BLOCK_M=64)):
+    assert _plan(512, 64, 64, 1, torch.float32, cfg, 2 * 512)[4] == 8
+    for bad in (dict(L_BY_DOT=False), dict(BLOCK_M=128), dict(DECODE_BLOCK_M=64)):
         with pytest.raises(ValueError, match="DECODE_BLOCK_M"):
             MLAConfig(**{**dict(BLOCK_M=32, L_BY_DOT=True, DECODE_BLOCK_M=16), **bad})
 
@@ -373,9 +324,8 @@ def test_wide_verify_tiles_keep_narrow_decode_tiles_without_slices():
     assert (cfg.BLOCK_M, cfg.num_warps) == (64, 8)
     assert (cfg.for_launch(1).BLOCK_M, cfg.for_launch(1).num_warps, cfg.for_launch(9).BLOCK_M) == (32, 4, 64)
     wide = dict(BLOCK_M=64, num_warps=8, L_BY_DOT=True, DECODE_BLOCK_M=32, DECODE_WARPS=4)
-    MLAConfig(**wide, DECODE_MIN_PROGRAMS=128, V_SPLIT_BY_T=((1, 4),))      # slices on the decode tiles only
-    for bad in (dict(V_SPLIT=2), dict(V_SPLIT_BY_T=((16, 2),)), dict(DECODE_BLOCK_M=0, DECODE_WARPS=0,
-                                                                     DECODE_MIN_PROGRAMS=128)):
+    MLAConfig(**wide, DECODE_MIN_PROGRAMS=128)      # slices on the decode tiles only
+    for bad in (dict(V_SPLIT=2), dict(DECODE_BLOCK_M=0, DECODE_WARPS=0, DECODE_MIN_PROGRAMS=128)):
         with pytest.raises(ValueError, match="column slices"):
             MLAConfig(**{**wide, **bad})
 
@@ -387,36 +337,11 @@ def test_decode_rule_keeps_slices_of_64_columns():
     from kdtree_engine.kernels.mla_attention import _plan
 
     cfg = MLAConfig(DECODE_MIN_PROGRAMS=128)
-    assert _plan(64, 32, 4, 1, torch.float32, cfg, 2 * 512)[5] == 1
-    assert _plan(256, 64, 8, 1, torch.float32, cfg, 2 * 512)[5] == 4
-    assert _plan(512, 64, 8, 1, torch.float32, cfg, 8 * 512)[5] == 8
-    assert _plan(512, 64, 8, 16, torch.float32, cfg, 8 * 512)[5] == 1
-    assert _plan(64, 32, 4, 1, torch.float32, MLAConfig(DECODE_MIN_PROGRAMS=128, V_SPLIT_BY_T=((1, 2),)),
-                 2 * 512)[5] == 2
-
-
-def test_decode_rows_is_a_decode_retiling():
-    """DECODE_ROWS sets the rows per program of T = 1 launches only (a power of 2 within the decode tile),
-    and the decode V_SPLIT rule counts the programs it makes; anything else is refused, field named."""
-    import torch
-    from kdtree_engine.kernels.mla_attention import _plan
-
-    cfg = MLAConfig(BLOCK_M=32, L_BY_DOT=True, DECODE_BLOCK_M=16, DECODE_ROWS=4)
-    assert (cfg.rows(1), cfg.rows(2), cfg.rows(64)) == (4, 32, 32)
-    assert MLAConfig(BLOCK_M=16).rows(1) == 16
-    assert _plan(512, 64, 8, 1, torch.float32, cfg, 8 * 512)[:2] == (cfg.for_launch(1), 4)
-    assert [MLAConfig(LAZY_RESCALE=m).lazy(t) for m in ('off', 'decode', 'all') for t in (1, 9)] == [
-        False, False, True, False, True, True]
-    with pytest.raises(ValueError, match='LAZY_RESCALE'):
-        MLAConfig(LAZY_RESCALE='yes')
-    # 8 heads in 4-row programs: 2 x 8 chunks = 16 programs -> V_SPLIT 8 to reach 128
-    assert _plan(512, 64, 8, 1, torch.float32, MLAConfig(DECODE_ROWS=4, DECODE_MIN_PROGRAMS=128),
-                 8 * 512)[5] == 8
-    assert _plan(512, 64, 8, 1, torch.float32, MLAConfig(DECODE_ROWS=1, DECODE_MIN_PROGRAMS=128),
-                 16 * 512)[5] == 1
-    for bad in (3, 32, -2):
-        with pytest.raises(ValueError, match="DECODE_ROWS"):
-            MLAConfig(BLOCK_M=32, L_BY_DOT=True, DECODE_BLOCK_M=16, DECODE_ROWS=bad)
+    assert _plan(64, 32, 4, 1, torch.float32, cfg, 2 * 512)[4] == 1
+    assert _plan(256, 64, 8, 1, torch.float32, cfg, 2 * 512)[4] == 4
+    assert _plan(512, 64, 8, 1, torch.float32, cfg, 8 * 512)[4] == 8
+    assert _plan(512, 64, 8, 16, torch.float32, cfg, 8 * 512)[4] == 1
+    assert _plan(64, 32, 4, 1, torch.float32, MLAConfig(DECODE_MIN_PROGRAMS=128, V_SPLIT=2), 2 * 512)[4] == 2
 
 
 def test_decode_warps_is_a_decode_retiling():
@@ -424,38 +349,37 @@ def test_decode_warps_is_a_decode_retiling():
     row's arithmetic (row sums by the MMA, mma.sync tiles); anything else is refused, field named."""
     cfg = MLAConfig(BLOCK_M=32, L_BY_DOT=True, DECODE_BLOCK_M=16, DECODE_STAGES=3, DECODE_WARPS=8)
     assert (cfg.for_launch(1).num_warps, cfg.for_launch(1).BLOCK_M, cfg.for_launch(5).num_warps) == (8, 16, 4)
-    for bad in (dict(L_BY_DOT=False), dict(KEYS_ON_M=True), dict(BLOCK_M=64, DECODE_BLOCK_M=0), dict(DECODE_WARPS=3)):
+    for bad in (dict(L_BY_DOT=False), dict(BLOCK_M=64, DECODE_BLOCK_M=0), dict(DECODE_WARPS=3)):
         with pytest.raises(ValueError, match="DECODE_WARPS"):
             MLAConfig(**{**dict(BLOCK_M=32, L_BY_DOT=True, DECODE_WARPS=8), **bad})
 
 
 def test_decode_max_t_widens_the_decode_launch():
     """DECODE_MAX_T: launches of up to that many queries take the decode tiles and the DECODE_MIN_PROGRAMS
-    column slices; larger ones the verify tiles; DECODE_ROWS stays T = 1 only; below 1 is refused by name."""
+    column slices; larger ones the verify tiles; below 1 is refused by name."""
     import torch
     from kdtree_engine.kernels.mla_attention import _plan
 
     cfg = MLAConfig(BLOCK_M=64, num_warps=8, L_BY_DOT=True, DECODE_BLOCK_M=32, DECODE_WARPS=4,
                     DECODE_MIN_PROGRAMS=128, DECODE_MAX_T=8)
-    assert [(cfg.for_launch(t).BLOCK_M, cfg.for_launch(t).num_warps, cfg.rows(t)) for t in (1, 4, 8, 9)] == [
-        (32, 4, 32), (32, 4, 32), (32, 4, 32), (64, 8, 64)]
+    assert [(cfg.for_launch(t).BLOCK_M, cfg.for_launch(t).num_warps) for t in (1, 4, 8, 9)] == [
+        (32, 4), (32, 4), (32, 4), (64, 8)]
     # N = 64, T = 4 over 4 chunks: 8 row tiles x 4 chunks = 32 programs -> 4 slices; T = 9 keeps one
     assert _plan(512, 64, 64, 4, torch.float32, cfg, 4 * 512)[:2] == (cfg.for_launch(4), 32)
-    assert _plan(512, 64, 64, 4, torch.float32, cfg, 4 * 512)[5] == 4
-    assert _plan(512, 64, 64, 9, torch.float32, cfg, 4 * 512)[5] == 1
+    assert _plan(512, 64, 64, 4, torch.float32, cfg, 4 * 512)[4] == 4
+    assert _plan(512, 64, 64, 9, torch.float32, cfg, 4 * 512)[4] == 1
     # ... but where the verify tiles already make >= DECODE_MAX_T_PROGRAMS programs (4 tiles x 33 chunks), they
     # stay; decode (T = 1) launches are not bounded
     assert _plan(512, 64, 64, 4, torch.float32, cfg, 33 * 512)[:2] == (cfg, 64)
     assert _plan(512, 64, 64, 4, torch.float32, cfg, 32 * 512)[:2] == (cfg.for_launch(4), 32)
     assert _plan(512, 64, 64, 1, torch.float32, cfg, 1000 * 512)[1] == 32
-    assert MLAConfig(BLOCK_M=32, L_BY_DOT=True, DECODE_BLOCK_M=16, DECODE_ROWS=4, DECODE_MAX_T=4).rows(2) == 16
     assert cfg.as_dict()["DECODE_MAX_T"] == 8 and "DECODE_MAX_T" not in MLAConfig().as_dict()
     with pytest.raises(ValueError, match="DECODE_MAX_T"):
         MLAConfig(DECODE_MAX_T=0)
     small = MLAConfig(BLOCK_M=64, num_warps=8, L_BY_DOT=True, DECODE_BLOCK_M=32, DECODE_WARPS=4, DECODE_MAX_T=8,
                       SMALL_BLOCK_M=16, SMALL_WARPS=8)
-    assert [(small.for_launch(t).BLOCK_M, small.for_launch(t).num_warps, small.rows(t)) for t in (1, 4, 9)] == [
-        (32, 4, 32), (16, 8, 16), (64, 8, 64)]
+    assert [(small.for_launch(t).BLOCK_M, small.for_launch(t).num_warps) for t in (1, 4, 9)] == [
+        (32, 4), (16, 8), (64, 8)]
     for bad in (dict(L_BY_DOT=False), dict(SMALL_BLOCK_M=64), dict(SMALL_WARPS=3)):
         with pytest.raises(ValueError, match="SMALL_BLOCK_M"):
             MLAConfig(**{**dict(BLOCK_M=32, L_BY_DOT=True, SMALL_BLOCK_M=16), **bad})
@@ -485,9 +409,9 @@ def test_decode_wg_column_slices():
     assert _wg_slices(replace(cfg, DECODE_WG_ROWS=16), 16 * 8, 8, 512, 1) == 2
 
 
-def test_decode_wg_rows_field_and_qk_split():
+def test_decode_wg_rows_field():
     """DECODE_WG_ROWS caps the warpgroup program's rows at 8, 16 or 32 (anything else refused, naming the field) and
-    round-trips through as_dict (the benchmarks' config records); the warpgroup kernel takes QK_SPLIT 2."""
+    round-trips through as_dict (the benchmarks' config records)."""
     from kdtree_engine.kernels import mla_decode_wg as W
 
     assert [W.rows_per_program(r, 16) for r in (4, 8, 9, 16, 17, 512)] == [8, 8, 16, 16, 16, 16]
@@ -495,7 +419,7 @@ def test_decode_wg_rows_field_and_qk_split():
     for bad in (0, 4, 64):
         with pytest.raises(ValueError, match="DECODE_WG_ROWS"):
             MLAConfig(BLOCK_N=64, L_BY_DOT=True, DECODE_WG=2, DECODE_WG_ROWS=bad)
-    cfg = MLAConfig(BLOCK_N=64, L_BY_DOT=True, DECODE_WG=2, DECODE_WG_ROWS=16, QK_SPLIT=2)
+    cfg = MLAConfig(BLOCK_N=64, L_BY_DOT=True, DECODE_WG=2, DECODE_WG_ROWS=16)
     assert MLAConfig(**cfg.as_dict()) == cfg
     assert "DECODE_WG_ROWS" not in MLAConfig(BLOCK_N=64, L_BY_DOT=True, DECODE_WG=2).as_dict()
     if W.HAVE_GLUON:
@@ -512,8 +436,7 @@ def test_decode_wg_config_and_fit(caplog, monkeypatch):
     monkeypatch.setattr(M, "_LOGGED", set())   # nothing logged yet in this test's eyes
 
     ok = MLAConfig(BLOCK_N=64, L_BY_DOT=True, DECODE_WG=2)
-    for bad in (dict(L_BY_DOT=False), dict(KEYS_ON_M=True), dict(DECODE_WG=4),
-                dict(LAZY_RESCALE="all"), dict(DECODE_ROWS=4, BLOCK_M=32, DECODE_BLOCK_M=16)):
+    for bad in (dict(L_BY_DOT=False), dict(DECODE_WG=4)):
         with pytest.raises(ValueError, match="DECODE_WG"):
             MLAConfig(**{**ok.as_dict(), **bad})
     assert W.rows_per_program(8) == 8 and W.rows_per_program(9) == 16 and W.rows_per_program(512) == 32
@@ -540,7 +463,7 @@ def test_decode_wg_config_and_fit(caplog, monkeypatch):
 
 
 def test_verify_wg_config_and_fit(caplog, monkeypatch):
-    """VERIFY_WG needs the chunk kernel arithmetic it reproduces (one score chain); a launch it cannot take says why
+    """VERIFY_WG needs the chunk kernel arithmetic it reproduces; a launch it cannot take says why
     (logged once) and runs on the chunk kernel; decode launches never take it; a tail chunk needs whole 64-row tiles
     per query."""
     from kdtree_engine.kernels import mla_attention as M
@@ -549,7 +472,7 @@ def test_verify_wg_config_and_fit(caplog, monkeypatch):
 
     monkeypatch.setattr(M, "_LOGGED", set())
     ok = MLAConfig(BLOCK_N=64, L_BY_DOT=True, VERIFY_WG=2)
-    for bad in (dict(L_BY_DOT=False), dict(KEYS_ON_M=True), dict(VERIFY_WG=3), dict(QK_SPLIT=2)):
+    for bad in (dict(L_BY_DOT=False), dict(VERIFY_WG=3)):
         with pytest.raises(ValueError, match="VERIFY_WG"):
             MLAConfig(**{**ok.as_dict(), **bad})
     assert MLAConfig(**ok.as_dict()) == ok

@@ -141,16 +141,6 @@ if __name__ == "__main__" and "--interp-cases" in sys.argv:
     child_main(CASES, _run_one, sys.argv[sys.argv.index("--interp-cases") + 1:])
 
 
-def test_register_caps_are_checked():
-    """MAXNREG13 / MAXNREG2: 0 or a multiple of 8 in [24, 255]; named when refused; not in the reduction key."""
-    from kdtree_engine.kernels.moe_w4a16 import MoEConfig
-
-    assert MoEConfig(MAXNREG13=168, MAXNREG2=128).reduction_key() == MoEConfig().reduction_key()
-    for name, bad in (("MAXNREG13", 100), ("MAXNREG2", 16), ("MAXNREG2", 256)):
-        with pytest.raises(ValueError, match=name):
-            MoEConfig(**{name: bad})
-
-
 def test_down_split_is_checked_and_part_of_the_reduction_key():
     """SPLIT_K2 >= 1 (named when refused) and, as it changes how an output is summed, in the reduction key."""
     from kdtree_engine.kernels.moe_w4a16 import MoEConfig

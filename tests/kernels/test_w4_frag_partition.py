@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from kdtree_engine.kernels.w4_frag import (DENSE_MAX_SEGMENTS, DENSE_MIN_BLOCKS, dense_partition, dense_plan,
-                                           partition_rows, stream_program)
+from kdtree_engine.kernels.w4_frag import (DENSE_MAX_SEGMENTS, DENSE_MIN_BLOCKS, DENSE_PARTITION_ROWS,
+                                           dense_partition, dense_plan, stream_program)
 
 
 def _walk(tiles: int, iters: int, programs: int) -> dict[int, list[tuple[int, int, int]]]:
@@ -78,14 +78,13 @@ def test_partition_refuses_bad_counts():
 def test_dense_plan_k2_shapes():
     """One wave of 4 programs per SM where the matrix has the blocks (132 SMs), else >= 4 blocks each."""
     blocks = lambda n, k: (n // 64) * (k // 256)  # noqa: E731 - 64-row K blocks of 256
-    assert dense_plan(36864, 7168, 132) == (8, 1, 4 * 132)
-    assert dense_plan(4096, 7168, 132) == (8, 1, blocks(4096, 7168) // DENSE_MIN_BLOCKS)
-    assert dense_plan(7168, 2048, 132) == (8, 1, blocks(7168, 2048) // DENSE_MIN_BLOCKS)
-    assert dense_plan(36864, 7168, 78) == (8, 1, 4 * 78)
-    assert dense_plan(36864, 7168, 132, pt=128) == (8, 1, 2 * 132)   # 8-warp programs
-    assert dense_plan(64, 256, 132) == (8, 1, 1)
-    assert partition_rows(36864) == 64 and partition_rows(192) == 64
-    assert dense_plan(131072, 256, 132) == (8, 1, 1024)   # 2048 row tiles of one block: at most 2 per program
+    assert dense_plan(36864, 7168, 132) == (8, 4 * 132)
+    assert dense_plan(4096, 7168, 132) == (8, blocks(4096, 7168) // DENSE_MIN_BLOCKS)
+    assert dense_plan(7168, 2048, 132) == (8, blocks(7168, 2048) // DENSE_MIN_BLOCKS)
+    assert dense_plan(36864, 7168, 78) == (8, 4 * 78)
+    assert dense_plan(64, 256, 132) == (8, 1)
+    assert DENSE_PARTITION_ROWS == 64
+    assert dense_plan(131072, 256, 132) == (8, 1024)   # 2048 row tiles of one block: at most 2 per program
     for n, k, sms in ((36864, 7168, 132), (4096, 7168, 132), (7168, 2048, 132), (131072, 256, 132), (192, 512, 8)):
-        pt = partition_rows(n)
-        assert dense_partition(n // pt, k // 256, dense_plan(n, k, sms)[2])[1] <= 3
+        pt = DENSE_PARTITION_ROWS
+        assert dense_partition(n // pt, k // 256, dense_plan(n, k, sms)[1])[1] <= 3

@@ -70,21 +70,13 @@ def test_split_k_depends_on_shape_only():
 def test_config_validation_and_tables():
     from kdtree_engine.kernels.w4a16 import check_table
     with pytest.raises(ValueError):
-        W4Config(KERNEL="fma", BLOCK_M=16)
-    with pytest.raises(ValueError):
-        W4Config(BLOCK_M=4)                        # dot needs >= 16 rows per tile
+        W4Config(BLOCK_M=4)                        # tl.dot needs >= 16 rows per tile
     with pytest.raises(ValueError):
         W4Config(DEQUANT="int8")
     dot, x2 = W4Config(), W4Config(DEQUANT="bf16x2")
     check_table([(16, dot), (1 << 62, W4Config(BLOCK_M=64, BLOCK_N=128, num_warps=8))], "ok")
     with pytest.raises(ValueError):                # DEQUANT changes the k order of the dot
         check_table([(16, x2), (1 << 62, dot)], "mixed")
-    with pytest.raises(ValueError):
-        check_table([(4, W4Config(KERNEL="fma", BLOCK_M=4)), (1 << 62, dot)], "families")
-    fma = W4Config(KERNEL="fma", BLOCK_M=1)
-    check_table([(1, fma), (1 << 62, W4Config(KERNEL="fma", BLOCK_M=4))], "fma tokens per program")
-    with pytest.raises(ValueError):                # num_warps sets the fma family's final sum
-        check_table([(1, fma), (1 << 62, W4Config(KERNEL="fma", BLOCK_M=4, num_warps=8))], "fma warps")
     noswap = W4Config(SWAP_AB=False)
     check_table([(16, noswap), (1 << 62, W4Config(SWAP_AB=False, BLOCK_N=128, num_warps=8))], "noswap")
     with pytest.raises(ValueError):                # tokens on the MMA's M side: mma.sync vs wgmma
@@ -126,13 +118,6 @@ CASES = {
     "m17_bf16_x2_even_g64_splitk": (17, 64, 2048, 64, "bf16", {"DEQUANT": "bf16x2"}),
     "m2_fp32_x2_is_float": (2, 40, 256, 32, "fp32", {"DEQUANT": "bf16x2"}),
     "m4_bf16_x2_noswap_bn32": (4, 100, 320, 32, "bf16", {"DEQUANT": "bf16x2", "SWAP_AB": False, "BLOCK_N": 32}),
-    # the CUDA-core family: tokens per program 1/2/4, masked and EVEN tiles, split-K, clamped token rows
-    "m1_bf16_fma_bn32": (1, 96, 256, 32, "bf16", {"KERNEL": "fma", "BLOCK_M": 1, "BLOCK_N": 32}),
-    "m3_fp32_fma_bm4_uneven": (3, 80, 320, 32, "fp32", {"KERNEL": "fma", "BLOCK_M": 4, "BLOCK_N": 32,
-                                                        "BLOCK_K": 128}),
-    "m6_fp16_fma_g128_split3": (6, 64, 1536, 128, "fp16", {"KERNEL": "fma", "BLOCK_M": 2, "BLOCK_N": 32,
-                                                           "split_k": 3}),
-    "m5_fp32_fma_g64_even": (5, 64, 512, 64, "fp32", {"KERNEL": "fma", "BLOCK_M": 4, "BLOCK_N": 64}),
 }
 
 
