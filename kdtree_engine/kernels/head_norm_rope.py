@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from .common import DTYPES
+from .reference import apply_rope_half, rms_norm_torch
 
 
 @triton.jit
@@ -81,7 +82,6 @@ def head_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch
 
 def head_norm_rope_torch(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
                          sin: torch.Tensor) -> torch.Tensor:
-    from .reference import apply_rope_half, rms_norm_torch
     return apply_rope_half(rms_norm_torch(x, weight, eps), cos, sin)
 
 

@@ -5,7 +5,7 @@
 
 Query t sees every committed slot [0, S) and new slot S + j where tree_mask[t, j] (causal when
 tree_mask is None). The torch reference (and CPU path, and test oracle) is
-`kdtree_engine.model.mla.mla_attention_reference`.
+`kdtree_engine.kernels.reference.mla_attention_reference`.
 
 Design
 ------
@@ -925,13 +925,5 @@ def mla_attention_device(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tens
     return out
 
 
-def mla_attention_reference(q_lat, q_pe, kv, start, tree_mask, scale, kv_lora_rank=None):
-    """The torch oracle (kdtree_engine.kernels.reference.mla_attention_reference)."""
-    from .reference import mla_attention_reference as ref
-    return ref(q_lat, q_pe, kv, start, tree_mask, scale, kv_lora_rank if kv_lora_rank is not None
-               else q_lat.shape[-1])
-
-
 __all__ = ["MLAConfig", "DEFAULT_CONFIGS", "default_config", "mla_attention", "mla_attention_device",
-           "mla_attention_reference",
            "tree_gather_index", "interpreting", "LOG2E"]

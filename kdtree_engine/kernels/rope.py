@@ -23,6 +23,7 @@ import triton.language as tl
 from .common import DTYPES
 from .pdl import pdl_launch, pdl_supported, pdl_wait
 from .rmsnorm import row_warps
+from .reference import apply_rope, rms_norm_torch
 
 
 @triton.jit
@@ -136,13 +137,11 @@ def latent_write(kva: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: 
 # ---- torch (CPU path, oracle) ------------------------------------------------------------------
 
 def rope_heads_torch(q: torch.Tensor, nope: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    from .reference import apply_rope
     return apply_rope(q[..., nope:], cos, sin)
 
 
 def latent_write_torch(kva: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: torch.Tensor,
                        sin: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor) -> None:
-    from .reference import apply_rope, rms_norm_torch
     C = norm_weight.shape[0]
     row = torch.cat([rms_norm_torch(kva[:, :C], norm_weight, eps), apply_rope(kva[:, C:], cos, sin)], dim=-1)
     kv.index_copy_(0, slots, row.to(kv.dtype))
