@@ -513,6 +513,9 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--num-prompts", type=int, default=None,
                    help=f"prompts to run (default {DEFAULT_NUM_PROMPTS}; all of a --prompts file)")
     p.add_argument("--prompt-tokens", type=int, default=64, help="length of the default prompts")
+    p.add_argument("--near-copies", choices=["drop", "keep"], default="drop",
+                   help="default prompts: leave out held-out files that near-copy a training file (drop, the default)"
+                        " or keep them (the selection of records made before the rule, for comparisons)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--budgets", type=_budget_list, default=list(DEFAULT_BUDGETS),
                    help="DDTree budgets, e.g. 4,8,16,auto ('auto': chosen per round from the measured cost)")
@@ -599,11 +602,12 @@ def cmd_bench_spec(args: argparse.Namespace) -> int:
         if tokenizer is None:
             raise BadInput(f"{model} has no tokenizer.json: the default prompts need one; pass --prompts")
         try:
-            prompts = default_prompts(tokenizer, args.num_prompts or DEFAULT_NUM_PROMPTS, args.prompt_tokens)
+            prompts = default_prompts(tokenizer, args.num_prompts or DEFAULT_NUM_PROMPTS, args.prompt_tokens,
+                                      near_dup=NearDupRule() if args.near_copies == "drop" else None)
         except ValueError as e:
             raise BadInput(str(e)) from None
-        source = (f"held-out stdlib files that near-copy no training file, {args.prompt_tokens} tokens from the "
-                  "first top-level def/class line")
+        which = "that near-copy no training file" if args.near_copies == "drop" else "near-copies of training files kept"
+        source = f"held-out stdlib files {which}, {args.prompt_tokens} tokens from the first top-level def/class line"
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
                             ignore_eos=not args.stop_at_eos)
     env = environment(device, dtype)

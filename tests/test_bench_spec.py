@@ -168,3 +168,19 @@ def test_default_prompts_come_from_heldout_files_only() -> None:
         text = (root / p.source).read_text(encoding="utf-8")
         at = text.find(p.text)
         assert at >= 0 and (at == 0 or text[at - 1] == "\n"), p.source  # starts at a line boundary
+
+
+def test_near_copies_flag_sets_the_prompt_rule(monkeypatch, tmp_path, capsys) -> None:
+    """--near-copies drop (the default) selects prompts under the near-copy rule, keep without it."""
+    from kdtree_engine.train.near_dup import NearDupRule
+    seen = []
+
+    def stop(tokenizer, num, tokens, root=None, *, near_dup=NearDupRule(), index=None):
+        seen.append(near_dup)
+        raise ValueError("prompts chosen")   # ends the run before any generation (exit 2)
+
+    monkeypatch.setattr(bench_spec, "default_prompts", stop)
+    for flag in ([], ["--near-copies", "keep"], ["--near-copies", "drop"]):
+        assert bench_spec.main(["--device", "cpu", "--out", str(tmp_path), *flag]) == 2
+        assert "prompts chosen" in capsys.readouterr().err
+    assert seen == [NearDupRule(), None, NearDupRule()]
