@@ -2,13 +2,12 @@
 
 bf16 activations (the engine's CUDA path, router_logits_bf16x3): the gate split exactly into three bf16 parts
 (split_bf16x3), one tensor-core GEMM launch against the three, its (part, split) partials added by the router tail.
-Other activations (router_logits below, KDTREE_ROUTER_GEMM=router for bf16 too): the FMA kernel,
+Other activations (router_logits below): the FMA kernel,
 
     logits[m, n] = sum over splits s (in order) of  tree_sum_k( x[m, k] * w[n, k] )  over the split's KS keys
 
-The K2 router is a small float32 matrix ([384 x 7168], 11 MB) read at every layer and step. Through the
-generic batch-invariant GEMM (gemm.py: an FMA dot over 16-token tiles, plus a separate x.float() copy)
-it took about ten times its bytes' time at copy bandwidth.
+The K2 router is a small float32 matrix read at every layer and step; the generic batch-invariant GEMM
+(gemm.py, plus a separate x.float() copy) was far from its bytes' time (docs/performance_history.md).
 
 Layout (weights in registers, tokens looped):
 
