@@ -195,6 +195,9 @@ _RENAMES = ((re.compile(r"^model\."), ""), (re.compile(r"^midlayer\."), "layers.
 
 
 class DFlashDrafter(nn.Module):
+    # its forward also runs device-resident passes, so the rounds it drafts for may live on the device
+    DEVICE_RESIDENT = True
+
     """``policy``: the kernel policy every layer runs with (None: the environment's, KernelPolicy.from_env)."""
 
     def __init__(self, cfg: DraftConfig, *, dtype: torch.dtype = torch.float32,

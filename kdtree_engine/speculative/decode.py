@@ -218,8 +218,8 @@ def pick_round_mode(sc: SpecConfig, params: SamplingParams, drafter: Any, target
                     tree_impl: str = "auto") -> str:
     """"graph" (each round replayed from a CUDA graph) or "eager" (host-driven rounds).
 
-    Graphs need a CUDA target, a fixed budget and the tree builder left to the round (tree_impl auto /
-    vectorized). ``eager=False`` when one of these fails raises SpecError; ``eager=None`` takes graphs when
+    Graphs need a CUDA target, a fixed budget, the tree builder left to the round (tree_impl auto /
+    vectorized) and, to draft, a drafter with device-resident passes (``DEVICE_RESIDENT``, as DFlashDrafter). ``eager=False`` when one of these fails raises SpecError; ``eager=None`` takes graphs when
     all hold, else host-driven rounds, and logs the choice once.
     """
     if eager is True:
@@ -232,6 +232,8 @@ def pick_round_mode(sc: SpecConfig, params: SamplingParams, drafter: Any, target
         why = "budget auto times each stage on the host"
     elif tree_impl == "heap":
         why = "tree builder 'heap' runs on the host"
+    elif sc.method != "none" and not getattr(drafter, "DEVICE_RESIDENT", False):
+        why = "the drafter only proposes from the host (no device-resident pass)"
     if why is not None:
         if eager is False:
             raise SpecError(f"CUDA-graph rounds (eager=False) are not possible here: {why}")

@@ -3,6 +3,7 @@ KV compaction, visibility mask, masked attention, the drafter's static pass), an
 against plain decoding (the independent oracle), stop rules included."""
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -171,6 +172,20 @@ def test_round_mode_choice():
         pick_round_mode(SpecConfig("ddtree", 4), greedy, drafter, target, False)
     with pytest.raises(SpecError, match="eager=False"):
         generate(target, [5, 6], greedy, spec="dflash", drafter=drafter, eager=False)
+
+
+def test_round_mode_needs_a_device_resident_drafter_for_graphs():
+    """On CUDA, graphs take a drafter with device-resident passes; one that only proposes from the host
+    (the drafter protocol of host-driven rounds) gets host-driven rounds. No GPU needed: only the choice."""
+    target, drafter = _tiny_pair()
+    on_cuda = SimpleNamespace(device=torch.device("cuda"))
+    greedy = SamplingParams(max_tokens=4)
+    proposer = SimpleNamespace(block_size=drafter.block_size, target_layer_ids=drafter.target_layer_ids)
+    assert pick_round_mode(SpecConfig("ddtree", 4), greedy, drafter, on_cuda, None) == "graph"
+    assert pick_round_mode(SpecConfig("ddtree", 4), greedy, proposer, on_cuda, None) == "eager"
+    assert pick_round_mode(SpecConfig("none"), greedy, None, on_cuda, None) == "graph"
+    with pytest.raises(SpecError, match="device-resident pass"):
+        pick_round_mode(SpecConfig("dflash"), greedy, proposer, on_cuda, False)
 
 
 def test_round_shape_widths():
