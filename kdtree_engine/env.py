@@ -8,6 +8,7 @@ read (a removed knob, a typo) is logged as a warning, once, rather than silently
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -23,6 +24,9 @@ VARIABLES: dict[str, tuple[str, ...]] = {
     "KDTREE_ATTN_BACKEND": BACKENDS,
     "KDTREE_TREE_BACKEND": BACKENDS,
 }
+# the commit a benchmark record names where the checkout's git metadata is not the code's (a copy of a work tree)
+RECORD_COMMIT = "KDTREE_RECORD_COMMIT"
+_COMMIT = re.compile(r"[0-9a-f]{7,40}(-dirty)?")
 
 
 # unknown variables already warned about: logging only
@@ -37,6 +41,7 @@ class Env:
     dense_backend: str | None = None   # KDTREE_DENSE_BACKEND: dense / per-head GEMMs, norms, tails, row select
     attn_backend: str | None = None    # KDTREE_ATTN_BACKEND: MLA attention
     tree_backend: str | None = None    # KDTREE_TREE_BACKEND: DDTree builder and accept walk of device rounds
+    record_commit: str | None = None   # KDTREE_RECORD_COMMIT: the commit benchmark records name
 
 
 def _choice(environ: Mapping[str, str], var: str) -> str | None:
@@ -50,7 +55,7 @@ def _choice(environ: Mapping[str, str], var: str) -> str | None:
 def read_env(environ: Mapping[str, str] | None = None) -> Env:
     """The ``KDTREE_*`` variables of ``environ`` (default: ``os.environ``, read now)."""
     environ = os.environ if environ is None else environ
-    for var in sorted(v for v in environ if v.startswith("KDTREE_") and v not in VARIABLES):
+    for var in sorted(v for v in environ if v.startswith("KDTREE_") and v not in VARIABLES and v != RECORD_COMMIT):
         if var not in _WARNED:
             _WARNED.add(var)
             log.warning(f"{var} is set but the engine does not read it (docs/environment.md lists the variables "
@@ -58,4 +63,12 @@ def read_env(environ: Mapping[str, str] | None = None) -> Env:
     return Env(int4_backend=_choice(environ, "KDTREE_INT4_BACKEND"),
                dense_backend=_choice(environ, "KDTREE_DENSE_BACKEND"),
                attn_backend=_choice(environ, "KDTREE_ATTN_BACKEND"),
-               tree_backend=_choice(environ, "KDTREE_TREE_BACKEND"))
+               tree_backend=_choice(environ, "KDTREE_TREE_BACKEND"),
+               record_commit=_commit(environ))
+
+
+def _commit(environ: Mapping[str, str]) -> str | None:
+    value = environ.get(RECORD_COMMIT) or None
+    if value is not None and not _COMMIT.fullmatch(value):
+        raise ValueError(f"{RECORD_COMMIT} must be a git commit (7 to 40 hex digits, optionally -dirty), got {value!r}")
+    return value

@@ -19,6 +19,8 @@ from typing import Any, Sequence
 import torch
 import triton
 
+from .env import read_env
+
 # The checkout this package runs from: its commit is the code that produced the record.
 REPO_ROOT = Path(__file__).resolve().parents[1]
 UNKNOWN = "unknown"
@@ -75,9 +77,13 @@ def command_line(argv: Sequence[str] | None = None, program: str | None = None) 
 
 
 def run_metadata(command: str | None = None, device: Any = None) -> dict[str, str]:
-    """The run's provenance: commit, versions, device name, ``command`` (default `command_line()`) and UTC time."""
+    """The run's provenance: commit, versions, device name, ``command`` (default `command_line()`) and UTC time.
+    The commit is git's, or KDTREE_RECORD_COMMIT's where set (a run on a copy of the work tree whose git metadata
+    is not the code's); ``commit_from`` says which."""
+    given = read_env().record_commit
     return {
-        "commit": git_commit(),
+        "commit": given or git_commit(),
+        "commit_from": "KDTREE_RECORD_COMMIT" if given else "git",
         "python": platform.python_version(),
         "torch": torch.__version__,
         "triton": triton.__version__,

@@ -8,13 +8,15 @@
 #   tests          every GPU test of the three parts in one pytest run, spread over worker processes (pytest-xdist:
 #                  the tests are compile-bound, the device has the cores), so the whole set fits one device call
 #   bench          the benchmarks the README cites: the demo's spec bench (held-out prompts, budgets 4..64, a
-#                  plot; again on the selection before the near-copy rule), the K2 layer step, the decoding rounds
+#                  plot; again on the selection before the near-copy rule), the K2 layer step, the decoding rounds,
+#                  the W4A16 / MoE kernels
 #   kernel FAMILY  one kernel family's GPU tests and bench: w4a16 | moe | mla | gemm | router | tails
 #   quick          a first look: the small kernels' and the speculative GPU tests, a short demo spec bench
 #
 # Every step runs under a cap (seconds); the caps of one suite (one part of `tests`) sum to at most 570 s, so a
 # suite fits one 10-minute device call. A capped pytest run gets SIGINT first, so it still writes its summary and
-# junit xml. --dry-run prints the steps without running them.
+# junit xml. --dry-run prints the steps without running them. On a copy of the work tree whose git metadata is not
+# the code's, set KDTREE_RECORD_COMMIT to the code's commit: the records name it (docs/environment.md).
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 OUT=${OUT:-out/gpu}
@@ -96,11 +98,12 @@ kernel_tails() {  # RMSNorm, SwiGLU, head norm + rope, the router tail: tests on
 
 # ---- the benchmarks the README cites ----
 bench() {
-  spec_bench bench-spec 180 "$RES" --budgets 4,8,16,32,64
+  spec_bench bench-spec 150 "$RES" --budgets 4,8,16,32,64
   # the selection of the records made before the near-copy rule, beside them in the history
-  spec_bench bench-spec-near-copies-kept 80 "$RES/near-copies-kept" --near-copies keep --methods none,ddtree --budgets 16
-  step bench-k2-step 190 python3 bench/k2_step.py --timeline --time-budget 160 --out "$RES"
+  spec_bench bench-spec-near-copies-kept 60 "$RES/near-copies-kept" --near-copies keep --methods none,ddtree --budgets 16
+  step bench-k2-step 130 python3 bench/k2_step.py --timeline --time-budget 100 --out "$RES"
   step bench-round 120 python3 bench/round.py --budgets 16 --prompts 2 --out "$RES"
+  step bench-kernels 100 python3 bench/kernels.py --no-sweep --out "$RES"
 }
 
 quick() {

@@ -55,3 +55,17 @@ def test_run_line_goes_under_the_title() -> None:
     assert records.with_metadata("# Title\n\nbody\n", meta) == f"# Title\n\n{line}\n\nbody\n"
     assert records.with_metadata("# Title\nbody", meta) == f"# Title\n\n{line}\n\nbody"
     assert records.with_metadata("| a |", meta) == f"{line}\n\n| a |"
+
+
+def test_record_commit_from_the_environment(monkeypatch) -> None:
+    """KDTREE_RECORD_COMMIT names the commit of a run on a copy whose git metadata is stale; a bad value is an error
+    that names the variable; unset, the commit is git's."""
+    monkeypatch.setenv("KDTREE_RECORD_COMMIT", "6671e3b")
+    meta = records.run_metadata(command="x")
+    assert meta["commit"] == "6671e3b" and meta["commit_from"] == "KDTREE_RECORD_COMMIT"
+    monkeypatch.setenv("KDTREE_RECORD_COMMIT", "not a commit")
+    with pytest.raises(ValueError, match="KDTREE_RECORD_COMMIT"):
+        records.run_metadata(command="x")
+    monkeypatch.delenv("KDTREE_RECORD_COMMIT")
+    meta = records.run_metadata(command="x")
+    assert meta["commit_from"] == "git" and meta["commit"] == records.git_commit()
