@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
@@ -50,9 +52,12 @@ def _run_tiny(dirs, tmp_path, *args: str) -> Path:
 
 
 def test_bench_spec_tiny(dirs, tmp_path, capsys) -> None:
-    out = _run_tiny(dirs, tmp_path, "--budgets", "2,4", "--max-tokens", "16", "--repeats", "2")
+    png = tmp_path / "spec.png"
+    out = _run_tiny(dirs, tmp_path, "--budgets", "2,4", "--max-tokens", "16", "--repeats", "2", "--plot", str(png))
     table = capsys.readouterr().out
     assert "ddtree-4" in table.splitlines()[-1]
+    assert f"wrote {out / 'spec-cpu.json'}, {out / 'spec-cpu.md'}, {png}" in table.splitlines()
+    assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")  # matplotlib: the [plot] extra, in the test extra
     report = json.loads((out / "spec-cpu.json").read_text())
     assert (out / "spec-cpu.md").read_text().startswith("# Speculative decoding benchmark (cpu)")
     names = [r["setting"] for r in report["results"]]
@@ -132,7 +137,45 @@ def test_plot_without_matplotlib_is_a_clear_error(dirs, tmp_path, capsys, monkey
     model, draft = dirs
     assert bench_spec.main(["--model", str(model), "--draft", str(draft), "--plot", str(tmp_path / "x.png"),
                             "--out", str(tmp_path)]) == 2
-    assert "matplotlib" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("kdtree bench spec: error: --plot needs matplotlib"), err
+    assert 'pip install "kdtree-engine[plot]"' in err and 'pip install -e ".[plot]"' in err, err
+    assert not (tmp_path / "x.png").exists() and not list(tmp_path.glob("spec-*"))  # refused before the run
+    with pytest.raises(RuntimeError, match=re.escape("[plot] extra")):
+        bench_spec.plot({}, tmp_path / "y.png")
+
+
+def test_default_out_is_a_fresh_run_folder(dirs, tmp_path, monkeypatch, capsys) -> None:
+    """Without --out the records go to ./kdtree-bench/<UTC start time>/ (printed), nothing under ./bench/results."""
+    model, draft = dirs
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps([[5, 7, 11, 13, 17]]))
+    monkeypatch.chdir(tmp_path)
+    threads = torch.get_num_threads()
+    before = datetime.now(timezone.utc).replace(microsecond=0)
+    try:
+        assert bench_spec.main(["--model", str(model), "--draft", str(draft), "--prompts", str(prompts),
+                                "--device", "cpu", "--threads", "1", "--methods", "none,ddtree", "--budgets", "2",
+                                "--max-tokens", "4", "--no-warmup"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    after = datetime.now(timezone.utc)
+    (run,) = (tmp_path / "kdtree-bench").iterdir()
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d{6}Z", run.name), run.name
+    started = datetime.strptime(run.name, "%Y-%m-%dT%H%M%SZ").replace(tzinfo=timezone.utc)
+    assert before <= started <= after
+    assert sorted(p.name for p in run.iterdir()) == ["spec-cpu.json", "spec-cpu.md"]
+    rel = Path("kdtree-bench") / run.name
+    assert f"wrote {rel / 'spec-cpu.json'}, {rel / 'spec-cpu.md'}" in capsys.readouterr().out.splitlines()
+    assert json.loads((run / "spec-cpu.json").read_text())["results"][0]["setting"] == "none"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kdtree-bench", "prompts.json"]  # no ./bench/results
+
+
+def test_fresh_run_dir_never_reuses_a_folder(tmp_path) -> None:
+    t = datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc)
+    made = [bench_spec.fresh_run_dir(tmp_path / "runs", t) for _ in range(3)]
+    assert [p.name for p in made] == ["2026-01-02T030405Z", "2026-01-02T030405Z-2", "2026-01-02T030405Z-3"]
+    assert all(p.is_dir() and not any(p.iterdir()) for p in made)
 
 
 def test_text_prompts_file_split_on_dashes(tmp_path) -> None:
