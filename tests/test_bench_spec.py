@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
+import subprocess
+import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -145,30 +148,57 @@ def test_plot_without_matplotlib_is_a_clear_error(dirs, tmp_path, capsys, monkey
         bench_spec.plot({}, tmp_path / "y.png")
 
 
-def test_default_out_is_a_fresh_run_folder(dirs, tmp_path, monkeypatch, capsys) -> None:
-    """Without --out the records go to ./kdtree-bench/<UTC start time>/ (printed), nothing under ./bench/results."""
+ROOT = Path(__file__).resolve().parents[1]
+# a meta-path finder that refuses matplotlib, as where the [plot] extra is not installed
+NO_MATPLOTLIB = ("import importlib.abc, sys\n"
+                 "class NoMpl(importlib.abc.MetaPathFinder):\n"
+                 "    def find_spec(self, name, path, target=None):\n"
+                 "        if name.split('.')[0] == 'matplotlib':\n"
+                 "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+                 "sys.meta_path.insert(0, NoMpl())\n")
+
+
+def _kdtree(cwd: Path, *args: str, prelude: str = "") -> subprocess.CompletedProcess:
+    """`kdtree ARGS` in a subprocess from ``cwd``, on this checkout's package."""
+    code = prelude + "import sys\nfrom kdtree_engine.cli import main\nsys.exit(main(sys.argv[1:]))\n"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-c", code, *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=600)
+
+
+def test_default_out_is_a_fresh_run_folder(dirs, tmp_path) -> None:
+    """`kdtree bench spec` without --out: the records go to ./kdtree-bench/<UTC start time>/, the paths are printed,
+    nothing lands under ./bench/results."""
     model, draft = dirs
-    prompts = tmp_path / "prompts.json"
-    prompts.write_text(json.dumps([[5, 7, 11, 13, 17]]))
-    monkeypatch.chdir(tmp_path)
-    threads = torch.get_num_threads()
+    (tmp_path / "prompts.json").write_text(json.dumps([[5, 7, 11, 13, 17]]))
     before = datetime.now(timezone.utc).replace(microsecond=0)
-    try:
-        assert bench_spec.main(["--model", str(model), "--draft", str(draft), "--prompts", str(prompts),
-                                "--device", "cpu", "--threads", "1", "--methods", "none,ddtree", "--budgets", "2",
-                                "--max-tokens", "4", "--no-warmup"]) == 0
-    finally:
-        torch.set_num_threads(threads)
+    done = _kdtree(tmp_path, "bench", "spec", "--model", str(model), "--draft", str(draft), "--prompts",
+                   "prompts.json", "--device", "cpu", "--threads", "1", "--methods", "none,ddtree", "--budgets", "2",
+                   "--max-tokens", "4", "--no-warmup")
     after = datetime.now(timezone.utc)
+    assert done.returncode == 0, done.stderr[-3000:]
     (run,) = (tmp_path / "kdtree-bench").iterdir()
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d{6}Z", run.name), run.name
     started = datetime.strptime(run.name, "%Y-%m-%dT%H%M%SZ").replace(tzinfo=timezone.utc)
     assert before <= started <= after
     assert sorted(p.name for p in run.iterdir()) == ["spec-cpu.json", "spec-cpu.md"]
     rel = Path("kdtree-bench") / run.name
-    assert f"wrote {rel / 'spec-cpu.json'}, {rel / 'spec-cpu.md'}" in capsys.readouterr().out.splitlines()
+    assert f"wrote {rel / 'spec-cpu.json'}, {rel / 'spec-cpu.md'}" in done.stdout.splitlines(), done.stdout
     assert json.loads((run / "spec-cpu.json").read_text())["results"][0]["setting"] == "none"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["kdtree-bench", "prompts.json"]  # no ./bench/results
+
+
+def test_plot_without_the_extra_names_it(dirs, tmp_path) -> None:
+    """`kdtree bench spec --plot` where matplotlib is missing: one error line naming the [plot] extra, exit 2,
+    before any run (nothing written)."""
+    model, draft = dirs
+    done = _kdtree(tmp_path, "bench", "spec", "--model", str(model), "--draft", str(draft), "--device", "cpu",
+                   "--plot", "x.png", prelude=NO_MATPLOTLIB)
+    assert done.returncode == 2, done.stderr[-3000:]
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1 and "error: --plot needs matplotlib" in lines[0], lines
+    assert 'pip install "kdtree-engine[plot]"' in lines[0], lines
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_fresh_run_dir_never_reuses_a_folder(tmp_path) -> None:
