@@ -32,7 +32,8 @@ starting at the file's first top-level ``def`` / ``class`` line (else the file's
 draw), so a machine picks the same prompts on every run; another Python version may ship other files.
 
 Output: ``<out>/spec-<device>.json`` and ``.md`` (device ``cpu`` or a short GPU name such as
-``h200``), optionally a plot, and a short table printed last on stdout.
+``h200``), optionally a plot, the paths written and a short table printed last on stdout. Without ``--out`` the
+run gets a fresh folder ``./kdtree-bench/<UTC start time>/`` (a run never overwrites an earlier one's records).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ import time
 import zlib
 from collections import Counter
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -71,6 +73,8 @@ DEMO_DIR = Path(__file__).resolve().parent / "assets" / "demo"
 DEFAULT_BUDGETS = (4, 8, 16, 32, 64, 128)
 DEFAULT_METHODS = ("none", "dflash", "ddtree")
 DEFAULT_NUM_PROMPTS = 8
+RUNS_DIR = "kdtree-bench"   # the default --out: a fresh folder per run under ./kdtree-bench/
+PLOT_INSTALL = 'pip install "kdtree-engine[plot]" (in a checkout: pip install -e ".[plot]")'
 WARMUP_TOKENS = 32
 _DEF_LINE = re.compile(r"^(?:(?:async\s+)?def\s+\w+\s*\(|class\s+\w+\s*[(:])", re.MULTILINE)
 _SEPARATOR = re.compile(r"^---[ \t]*\r?$\n?", re.MULTILINE)
@@ -434,7 +438,7 @@ def plot(report: dict[str, Any], path: str | Path) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise RuntimeError("--plot needs matplotlib (pip install matplotlib)") from None
+        raise RuntimeError(f"--plot needs matplotlib, the [plot] extra: {PLOT_INSTALL}") from None
     recs = report["results"]
     trees = [r for r in recs if r["method"] == "ddtree" and r["budget"] != "auto"]
     chains = [r for r in recs if r["method"] == "dflash" and r["budget"] is not None]
@@ -534,8 +538,10 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "replay a CUDA graph, and their stage times read 0 with the whole round under verify)")
     p.add_argument("--repeats", type=int, default=1,
                    help="generate each prompt this many times per setting and keep the fastest run")
-    p.add_argument("--out", default="bench/results", help="directory for spec-<device>.json and .md")
-    p.add_argument("--plot", default=None, metavar="FILE.png", help="plot tau / speedup vs budget (matplotlib)")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help=f"directory for spec-<device>.json and .md (default: a fresh ./{RUNS_DIR}/<UTC time>/)")
+    p.add_argument("--plot", default=None, metavar="FILE.png",
+                   help="plot tau / speedup vs budget (matplotlib: the [plot] extra)")
     p.set_defaults(func=cmd_bench_spec)
     return p
 
@@ -555,6 +561,21 @@ def _shown(path: Path) -> str:
         return str(path)
 
 
+def fresh_run_dir(root: str | Path, started: datetime) -> Path:
+    """A new folder under ``root`` named by the UTC time ``started`` (``-2``, ``-3``... when the name is taken),
+    created here so that two runs never share one."""
+    name = started.astimezone(timezone.utc).strftime("%Y-%m-%dT%H%M%SZ")
+    Path(root).mkdir(parents=True, exist_ok=True)
+    for n in range(1, 1000):
+        path = Path(root) / (name if n == 1 else f"{name}-{n}")
+        try:
+            path.mkdir()
+        except FileExistsError:
+            continue
+        return path
+    raise FileExistsError(f"{root}: no free run folder named {name}-N")
+
+
 def _command_line() -> str:
     argv = list(sys.argv)
     name = Path(argv[0]).name if argv else ""
@@ -570,12 +591,14 @@ def cmd_bench_spec(args: argparse.Namespace) -> int:
         try:
             import matplotlib  # noqa: F401  (optional, --plot only: not a dependency of the package)
         except ImportError:
-            raise BadInput("--plot needs matplotlib, which is not installed (pip install matplotlib)") from None
+            raise BadInput(f"--plot needs matplotlib, which is not installed: the [plot] extra, "
+                           f"{PLOT_INSTALL}") from None
     for flag, v in (("--max-tokens", args.max_tokens), ("--prompt-tokens", args.prompt_tokens),
                     ("--num-prompts", args.num_prompts), ("--threads", args.threads),
                     ("--repeats", args.repeats)):
         if v is not None and v < 1:
             raise BadInput(f"{flag} must be a positive integer, got {v}")
+    started = datetime.now(timezone.utc)
     if args.threads:
         torch.set_num_threads(args.threads)
     model = Path(args.model) if args.model else DEMO_DIR
@@ -636,14 +659,18 @@ def cmd_bench_spec(args: argparse.Namespace) -> int:
         "results": records,
         "tree_vs_chain": tree_vs_chain(records),
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"spec-{tag}.json").write_text(json.dumps(report, indent=1))
-    (out / f"spec-{tag}.md").write_text(with_metadata(markdown(report), meta))
-    log.info("wrote %s and %s", out / f"spec-{tag}.json", out / f"spec-{tag}.md")
+    if args.out is None:
+        out = fresh_run_dir(RUNS_DIR, started)
+    else:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+    written = [out / f"spec-{tag}.json", out / f"spec-{tag}.md"]
+    written[0].write_text(json.dumps(report, indent=1))
+    written[1].write_text(with_metadata(markdown(report), meta))
     if args.plot:
         plot(report, args.plot)
-        log.info("wrote %s", args.plot)
+        written.append(Path(args.plot))
+    print("wrote " + ", ".join(_shown(w) for w in written))
     print(short_table(records))
     return 0
 

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
+import subprocess
+import sys
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
@@ -50,9 +55,12 @@ def _run_tiny(dirs, tmp_path, *args: str) -> Path:
 
 
 def test_bench_spec_tiny(dirs, tmp_path, capsys) -> None:
-    out = _run_tiny(dirs, tmp_path, "--budgets", "2,4", "--max-tokens", "16", "--repeats", "2")
+    png = tmp_path / "spec.png"
+    out = _run_tiny(dirs, tmp_path, "--budgets", "2,4", "--max-tokens", "16", "--repeats", "2", "--plot", str(png))
     table = capsys.readouterr().out
     assert "ddtree-4" in table.splitlines()[-1]
+    assert f"wrote {out / 'spec-cpu.json'}, {out / 'spec-cpu.md'}, {png}" in table.splitlines()
+    assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")  # matplotlib: the [plot] extra, in the test extra
     report = json.loads((out / "spec-cpu.json").read_text())
     assert (out / "spec-cpu.md").read_text().startswith("# Speculative decoding benchmark (cpu)")
     names = [r["setting"] for r in report["results"]]
@@ -132,7 +140,72 @@ def test_plot_without_matplotlib_is_a_clear_error(dirs, tmp_path, capsys, monkey
     model, draft = dirs
     assert bench_spec.main(["--model", str(model), "--draft", str(draft), "--plot", str(tmp_path / "x.png"),
                             "--out", str(tmp_path)]) == 2
-    assert "matplotlib" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("kdtree bench spec: error: --plot needs matplotlib"), err
+    assert 'pip install "kdtree-engine[plot]"' in err and 'pip install -e ".[plot]"' in err, err
+    assert not (tmp_path / "x.png").exists() and not list(tmp_path.glob("spec-*"))  # refused before the run
+    with pytest.raises(RuntimeError, match=re.escape("[plot] extra")):
+        bench_spec.plot({}, tmp_path / "y.png")
+
+
+ROOT = Path(__file__).resolve().parents[1]
+# a meta-path finder that refuses matplotlib, as where the [plot] extra is not installed
+NO_MATPLOTLIB = ("import importlib.abc, sys\n"
+                 "class NoMpl(importlib.abc.MetaPathFinder):\n"
+                 "    def find_spec(self, name, path, target=None):\n"
+                 "        if name.split('.')[0] == 'matplotlib':\n"
+                 "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+                 "sys.meta_path.insert(0, NoMpl())\n")
+
+
+def _kdtree(cwd: Path, *args: str, prelude: str = "") -> subprocess.CompletedProcess:
+    """`kdtree ARGS` in a subprocess from ``cwd``, on this checkout's package."""
+    code = prelude + "import sys\nfrom kdtree_engine.cli import main\nsys.exit(main(sys.argv[1:]))\n"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-c", code, *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=600)
+
+
+def test_default_out_is_a_fresh_run_folder(dirs, tmp_path) -> None:
+    """`kdtree bench spec` without --out: the records go to ./kdtree-bench/<UTC start time>/, the paths are printed,
+    nothing lands under ./bench/results."""
+    model, draft = dirs
+    (tmp_path / "prompts.json").write_text(json.dumps([[5, 7, 11, 13, 17]]))
+    before = datetime.now(timezone.utc).replace(microsecond=0)
+    done = _kdtree(tmp_path, "bench", "spec", "--model", str(model), "--draft", str(draft), "--prompts",
+                   "prompts.json", "--device", "cpu", "--threads", "1", "--methods", "none,ddtree", "--budgets", "2",
+                   "--max-tokens", "4", "--no-warmup")
+    after = datetime.now(timezone.utc)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (run,) = (tmp_path / "kdtree-bench").iterdir()
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d{6}Z", run.name), run.name
+    started = datetime.strptime(run.name, "%Y-%m-%dT%H%M%SZ").replace(tzinfo=timezone.utc)
+    assert before <= started <= after
+    assert sorted(p.name for p in run.iterdir()) == ["spec-cpu.json", "spec-cpu.md"]
+    rel = Path("kdtree-bench") / run.name
+    assert f"wrote {rel / 'spec-cpu.json'}, {rel / 'spec-cpu.md'}" in done.stdout.splitlines(), done.stdout
+    assert json.loads((run / "spec-cpu.json").read_text())["results"][0]["setting"] == "none"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kdtree-bench", "prompts.json"]  # no ./bench/results
+
+
+def test_plot_without_the_extra_names_it(dirs, tmp_path) -> None:
+    """`kdtree bench spec --plot` where matplotlib is missing: one error line naming the [plot] extra, exit 2,
+    before any run (nothing written)."""
+    model, draft = dirs
+    done = _kdtree(tmp_path, "bench", "spec", "--model", str(model), "--draft", str(draft), "--device", "cpu",
+                   "--plot", "x.png", prelude=NO_MATPLOTLIB)
+    assert done.returncode == 2, done.stderr[-3000:]
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1 and "error: --plot needs matplotlib" in lines[0], lines
+    assert 'pip install "kdtree-engine[plot]"' in lines[0], lines
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_fresh_run_dir_never_reuses_a_folder(tmp_path) -> None:
+    t = datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc)
+    made = [bench_spec.fresh_run_dir(tmp_path / "runs", t) for _ in range(3)]
+    assert [p.name for p in made] == ["2026-01-02T030405Z", "2026-01-02T030405Z-2", "2026-01-02T030405Z-3"]
+    assert all(p.is_dir() and not any(p.iterdir()) for p in made)
 
 
 def test_text_prompts_file_split_on_dashes(tmp_path) -> None:

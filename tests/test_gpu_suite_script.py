@@ -130,3 +130,16 @@ def test_bench_options_exist(tmp_path) -> None:
             source = script.read_text()
             for opt in (a.split("=")[0] for a in cmd if a.startswith("--")):
                 assert f'"{opt}"' in source, (name, opt)
+
+
+def test_spec_bench_steps_write_their_records_under_the_results(tmp_path) -> None:
+    """`kdtree bench spec` writes a fresh ./kdtree-bench/<time>/ without --out: every spec step names its folder
+    under $OUT/results, so the records travel in results.tar."""
+    results = tmp_path / "out" / "results"
+    spec_steps = [(name, cmd) for args in ONE_CALL for name, _, cmd in steps(tmp_path, *args)
+                  if cmd[1:3] == ["-m", "kdtree_engine.bench_spec"]]
+    assert spec_steps
+    for name, cmd in spec_steps:
+        assert "--out" in cmd, (name, cmd)
+        out = Path(cmd[cmd.index("--out") + 1])
+        assert out == results or results in out.parents, (name, out)
