@@ -333,7 +333,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         except BadInput as e:
             print(error_line(e), file=sys.stderr)
             return EXIT_BAD_INPUT
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # name the subcommand whose --help lists the arguments
+        words = [w for w in (args.command, getattr(args, "bench", None)) if w]
+        Parser(prog=" ".join(["kdtree", *words])).error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, stream=sys.stderr,
                         format="%(levelname)s %(name)s: %(message)s")
     try:

@@ -203,8 +203,8 @@ class LLM:
         self.threads = torch.get_num_threads()
         what = "the embedded demo" if demo else str(model)
         spec_text = self.spec.method + (f" budget {self.spec.budget}" if self.spec.budget is not None else "")
-        thread_text = (f"{self.threads} torch threads ({chosen[1]})" if chosen is not None
-                       else f"{self.threads} torch threads (torch's setting)")
+        why_threads = chosen[1] if chosen is not None else "torch's setting"
+        thread_text = f"torch threads {self.threads} ({why_threads})"
         log.info("loaded %s: %.1fM parameters, %s %s, spec %s%s%s", what, n_params / 1e6, self.device.type,
                  str(self.dtype).replace("torch.", ""), spec_text,
                  "" if self.drafter is None else f" (drafter {draft})",
