@@ -1,4 +1,11 @@
-"""kdtree-engine: Kimi K2 family inference with INT4 experts and DFlash + DDTree speculative decoding."""
+"""kdtree-engine: Kimi K2 family inference with INT4 experts and DFlash + DDTree speculative decoding.
+
+    from kdtree_engine import LLM, SamplingParams
+    out = LLM().generate("def quicksort(items):", SamplingParams(max_tokens=64))[0]   # the embedded demo
+    print(out.text)   # the generated text only, without the prompt
+
+See :class:`kdtree_engine.engine.LLM` and docs/cli.md.
+"""
 
 from __future__ import annotations
 

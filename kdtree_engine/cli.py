@@ -1,8 +1,9 @@
 """``kdtree`` command line: generate | golden make / check | selfcheck | bench (docs/cli.md is the reference).
 
 Exit codes (:mod:`kdtree_engine.exit_codes`): 0 success; 1 a check found a mismatch; 2 bad input (missing or
-unreadable model, bad flag value, prompt too long, corrupt bundle). Logs go to stderr; ``--json`` prints exactly
-one JSON object on stdout.
+unreadable model, bad flag value, prompt too long, corrupt bundle, a GPU benchmark without a GPU), printed as one
+line ``kdtree: error: ...``. Logs go to stderr (automatic choices at DEBUG: ``-v``); ``--json`` prints exactly one
+JSON object on stdout.
 """
 
 from __future__ import annotations
@@ -11,13 +12,16 @@ import argparse
 import importlib
 import json
 import logging
+import re
 import sys
 import tempfile
 from pathlib import Path
-from typing import Sequence
+from typing import NoReturn, Sequence
+
+import torch
 
 from .bench_spec import add_bench_spec_parser
-from .engine import LLM
+from .engine import DEMO_DIR, LLM
 from .errors import BadInput
 from .exit_codes import BAD_INPUT_ERRORS, EXIT_BAD_INPUT
 from .golden import add_golden_parser
@@ -51,13 +55,46 @@ def _budget(text: str) -> int | str:
     return value
 
 
+def _threads(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"--threads must be a positive integer, got {text!r}")
+    return value
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with the CLI's error convention: one line ``kdtree: error: ...`` pointing to ``--help``, exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_BAD_INPUT, f"kdtree: error: {message} (`{self.prog} --help` lists the arguments)\n")
+
+
+# API messages name arguments as ``name=value`` (kdtree_engine.engine, speculative.config); the CLI shows them
+# as its flags, ``--name value``.
+ARG_FLAGS = ("spec", "draft", "budget", "device", "dtype", "quantize", "threads")
+ARG_IN_MESSAGE = re.compile(r"\b(" + "|".join(ARG_FLAGS) + r")=(?:'([^']*)'|([^\s,;:()]+))")
+
+
+def as_flags(message: str) -> str:
+    """An API error message with its ``name=value`` arguments written as the CLI's ``--name value``."""
+    return ARG_IN_MESSAGE.sub(lambda m: f"--{m[1]} {m[2] if m[2] is not None else m[3]}", message)
+
+
+def error_line(e: BaseException) -> str:
+    return f"kdtree: error: {as_flags(str(e))}"
+
+
 def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text or token ids from a prompt")
     p.add_argument("prompt", nargs="?", help="prompt text (needs the model's tokenizer.json)")
     p.add_argument("--model", default=None,
                    help="HF-format checkpoint directory (default: the embedded demo model, with its drafter)")
     p.add_argument("--prompt-ids", type=_ids, help="prompt as comma-separated token ids")
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=64,
+                   help="tokens to generate (at most what the model's context leaves after the prompt)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
@@ -83,15 +120,18 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
                    help="run each decoding round from the host (stage timers, --show-tree, sampling) instead of "
                         "replaying it from a CUDA graph (the default on CUDA with a fixed budget)")
     p.add_argument("--compare", action=argparse.BooleanOptionalAction, default=None,
-                   help="also run plain decoding and report the speedup of this one run (on CUDA both are warmed "
-                        "up first, untimed; default: on for the embedded demo)")
+                   help=f"also run plain decoding and report the speedup: after an untimed warm-up of each, "
+                        f"{COMPARE_RUNS} timed runs of each, interleaved, the fastest of each compared "
+                        f"(default: on for the embedded demo)")
+    p.add_argument("--threads", type=_threads, default=None,
+                   help="torch CPU threads (default: chosen by the model's size on the CPU, logged; one for the "
+                        "demo)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     add_show_tree_argument(p)
     p.set_defaults(func=cmd_generate)
 
 
-DEMO_DIR = Path(__file__).parent / "assets" / "demo"
-DEMO_BUDGET = 16  # the demo's best DDTree budget by tokens/s in `kdtree bench spec` (docs/performance_history.md)
+COMPARE_RUNS = 3  # timed runs of each decoding for --compare, interleaved (the fastest of each is compared)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -100,31 +140,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
     demo = args.model is None
-    model, draft, budget, compare = args.model, args.draft, args.budget, args.compare
-    if demo:
-        if not (DEMO_DIR / "config.json").exists():
-            raise BadInput(f"no --model given and the embedded demo model is missing ({DEMO_DIR})")
-        model = str(DEMO_DIR)
-        draft = draft or str(DEMO_DIR / "draft")
-        compare = True if compare is None else compare
-        log.info("no --model: the embedded demo (K2-architecture model trained on Python code, DFlash drafter)")
-    if not Path(model).is_dir():
-        raise BadInput(f"--model {model!r} is not a directory")
-    spec = args.spec or ("ddtree" if draft else "none")
-    if budget is None and demo and spec == "ddtree":
-        budget = DEMO_BUDGET
-    if budget is not None and spec == "none":
-        raise BadInput("--budget applies to --spec ddtree / dflash only (spec is none)")
-    if budget == "auto" and spec != "ddtree":
-        raise BadInput(f"--budget auto applies to --spec ddtree only (spec is {spec})")
-    llm = LLM(model, draft=draft, spec=spec, budget=budget, device=args.device, dtype=args.dtype,
-              quantize=args.quantize, batch_invariant=args.batch_invariant == "on", progress=True,
-              eager=True if (args.eager or args.show_tree) else None)
+    if demo and not (DEMO_DIR / "config.json").exists():
+        raise BadInput(f"no --model given and the embedded demo model is missing ({DEMO_DIR})")
+    if not demo and not Path(args.model).is_dir():
+        raise BadInput(f"--model {args.model!r} is not a directory")
+    compare = demo if args.compare is None else args.compare
+    llm = LLM(args.model, draft=args.draft, spec=args.spec, budget=args.budget, device=args.device,
+              dtype=args.dtype, quantize=args.quantize, batch_invariant=args.batch_invariant == "on", progress=True,
+              eager=True if (args.eager or args.show_tree) else None,
+              threads=args.threads if args.threads is not None else "auto")
     if args.show_tree and not args.eager:
-        log.info("--show-tree: rounds run eagerly (a replayed round records no tree)")
+        log.debug("--show-tree: rounds run eagerly (a replayed round records no tree)")
     prompt = args.prompt if args.prompt_ids is None else args.prompt_ids
     if isinstance(prompt, str) and llm.tokenizer is None:
-        raise BadInput(f"{model} has no tokenizer.json; pass the prompt as --prompt-ids")
+        raise BadInput(f"{args.model} has no tokenizer.json; pass the prompt as --prompt-ids")
     streamed: list[int] = []
     printed = [""]
 
@@ -141,19 +170,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 printed[0] = text
         sys.stdout.flush()
 
-    compare = bool(compare) and spec != "none"
-    warmed = warm_up(llm, llm.encode(prompt), params) if compare else False
+    compare = bool(compare) and llm.spec.method != "none"
     res = llm.generate(prompt, params, on_tokens=None if args.json else on_tokens)[0]
     stats = dict(res.stats)
     if compare:
-        # Plain decoding of the same request, in the same process, for the speedup figure.
-        base = plain_decode(llm, llm.encode(prompt), params)
-        stats["compare_warmed_up"] = warmed
-        stats["baseline_tokens_per_s"] = base.stats["tokens_per_s"]
-        stats["speedup"] = (stats["tokens_per_s"] / base.stats["tokens_per_s"]
-                            if base.stats["tokens_per_s"] > 0 else 0.0)
-        # sampled text is equal to plain decoding's in distribution only: no token comparison then
-        stats["same_tokens_as_plain"] = base.token_ids == res.token_ids if params.greedy else None
+        # the run above (streamed) was the speculative warm-up; the timed runs follow
+        res, stats = compare_with_plain(llm, llm.encode(prompt), params, COMPARE_RUNS)
     if args.json:
         print(json.dumps({"token_ids": res.token_ids, "text": res.text, "finish_reason": res.finish_reason,
                           "stats": stats}))
@@ -170,23 +192,46 @@ def plain_decode(llm: LLM, ids: list[int], params: SamplingParams) -> Generation
     return generate(llm.target, ids, params, eager=llm.eager)
 
 
-def warm_up(llm: LLM, ids: list[int], params: SamplingParams) -> bool:
-    """Before the timed comparison on CUDA: one untimed run of the speculative request and one of plain decoding.
+def compare_with_plain(llm: LLM, ids: list[int], params: SamplingParams,
+                       runs: int) -> tuple[GenerationResult, dict]:
+    """``--compare``: after the speculative request has run once (the caller's, untimed), one untimed plain run,
+    then ``runs`` timed runs of each, interleaved (plain first in even pairs, speculative first in odd ones, so
+    neither always follows the other). Returns the fastest speculative run and its stats with the comparison:
+    the fastest of each compared, and the min-max of the per-pair speedups.
 
-    Kernel compilation and the CUDA-graph capture of the rounds then fall outside the timed runs. The warm-up
-    is the same request (prompt, settings, length): round graphs are kept per cache capacity, which the
-    request's length sets. On the CPU nothing is compiled or captured, so there is no warm-up.
-    Returns whether it warmed up.
+    The warm-up keeps one-time work out of the timed runs (CUDA: kernel compilation and the capture of the round
+    graphs, kept per cache capacity, which the request's length sets; the CPU: first-touch allocation).
     """
-    if llm.device.type != "cuda":
-        log.info("--compare: no warm-up on %s (nothing is compiled or captured there); the timed runs are the "
-                 "first ones", llm.device.type)
-        return False
-    log.info("--compare: warming up on %s: one untimed run of the speculative request and one of plain decoding "
-             "(kernel compilation, CUDA-graph capture)", llm.device.type)
-    llm.generate(ids, params)
+    log.debug("--compare: warm-up (the speculative request above and one plain run, untimed), then %d timed runs "
+              "of each, interleaved", runs)
     plain_decode(llm, ids, params)
-    return True
+    spec_runs: list[GenerationResult] = []
+    plain_runs: list[GenerationResult] = []
+    for i in range(runs):
+        order = ("plain", "spec") if i % 2 == 0 else ("spec", "plain")
+        for which in order:
+            if which == "plain":
+                plain_runs.append(plain_decode(llm, ids, params))
+            else:
+                spec_runs.append(llm.generate(ids, params)[0])
+    best = max(spec_runs, key=lambda r: r.stats["tokens_per_s"])
+    base = max(plain_runs, key=lambda r: r.stats["tokens_per_s"])
+    stats = dict(best.stats)
+    stats["compare_warmed_up"] = True
+    stats["compare_runs"] = runs
+    stats["baseline_tokens_per_s"] = base.stats["tokens_per_s"]
+    pairs = [s.stats["tokens_per_s"] / p.stats["tokens_per_s"] for s, p in zip(spec_runs, plain_runs)
+             if p.stats["tokens_per_s"] > 0 and s.stats["tokens_per_s"] > 0]
+    if len(pairs) == runs:
+        stats["speedup"] = best.stats["tokens_per_s"] / base.stats["tokens_per_s"]
+        stats["speedup_min"], stats["speedup_max"] = min(pairs), max(pairs)
+    else:
+        # fewer than two tokens: the first comes from the prefill, so no decode step was timed
+        stats["speedup"] = stats["speedup_min"] = stats["speedup_max"] = None
+    # sampled text is equal to plain decoding's in distribution only: no token comparison then
+    stats["same_tokens_as_plain"] = (all(r.token_ids == p.token_ids for r in spec_runs for p in plain_runs)
+                                     if params.greedy else None)
+    return best, stats
 
 
 def _same(same: bool | None) -> str:
@@ -205,10 +250,15 @@ def format_stats(finish_reason: str, s: dict) -> str:
         else:
             line += (f", draft {s['draft_s']:.3f}s tree {s['tree_s']:.3f}s verify {s['verify_s']:.3f}s"
                      f" commit {s['commit_s']:.3f}s")
-    if "speedup" in s:
-        warm = "after an untimed warm-up of each" if s.get("compare_warmed_up") else "no warm-up"
+    if "speedup" in s and s["speedup"] is None:
+        line += (f", no speedup: nothing to compare ({s['generated_tokens']} tokens generated; decode speed needs "
+                 "at least 2, the first comes from the prefill)")
+    elif "speedup" in s:
+        n = s["compare_runs"]
         line += (f", plain decoding {s['baseline_tokens_per_s']:.1f} tok/s, speedup {s['speedup']:.2f}x"
-                 f" (a single run of each, {warm}; `kdtree bench spec` gives measured figures)"
+                 f" (fastest of {n} timed runs of each, interleaved, after an untimed warm-up of each; "
+                 f"per-pair speedups {s['speedup_min']:.2f}-{s['speedup_max']:.2f}x; one prompt: "
+                 "`kdtree bench spec` measures several)"
                  f", same tokens as plain: {_same(s['same_tokens_as_plain'])}")
     return line + "]"
 
@@ -238,7 +288,7 @@ SOURCE_BENCHES = {"kernels": "W4A16 linear and fused MoE at K2 shapes", "mla_att
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="benchmarks (results in bench/results/)")
+    p = sub.add_parser("bench", help="benchmarks")
     bsub = p.add_subparsers(dest="bench", required=True)
     add_bench_spec_parser(bsub)
     for name, what in SOURCE_BENCHES.items():
@@ -247,17 +297,22 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_source_bench(name: str, argv: list[str]) -> int:
-    """Runs bench/<name>.py's main(argv) from the source checkout this package was installed from."""
+    """Runs bench/<name>.py's main(argv) from the source checkout this package was installed from.
+
+    These benchmarks time GPU kernels: without a CUDA device they stop before running (bad input, exit 2)."""
     root = Path(__file__).resolve().parents[1]
+    cmd = f"kdtree bench {name.replace('_', '-')}"
     if not (root / "bench" / f"{name}.py").exists():
-        raise BadInput(f"kdtree bench {name.replace('_', '-')} runs bench/{name}.py of the source checkout; "
-                       f"it is not beside this installation ({root})")
+        raise BadInput(f"{cmd} runs bench/{name}.py of the source checkout; it is not beside this installation "
+                       f"({root})")
+    if not torch.cuda.is_available() and not {"-h", "--help"} & set(argv):
+        raise BadInput(f"{cmd} times GPU kernels and needs a CUDA device; none is available")
     sys.path.insert(0, str(root))
     return int(importlib.import_module(f"bench.{name}").main(argv) or 0)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kdtree", description="Kimi K2 inference with DFlash + DDTree speculative decoding")
+    parser = Parser(prog="kdtree", description="Kimi K2 inference with DFlash + DDTree speculative decoding")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
     add_generate_parser(sub)
@@ -276,15 +331,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             return cmd_source_bench(argv[1].replace("-", "_"), argv[2:])
         except BadInput as e:
-            print(f"kdtree: error: {e}", file=sys.stderr)
+            print(error_line(e), file=sys.stderr)
             return EXIT_BAD_INPUT
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # name the subcommand whose --help lists the arguments
+        words = [w for w in (args.command, getattr(args, "bench", None)) if w]
+        Parser(prog=" ".join(["kdtree", *words])).error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, stream=sys.stderr,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         return int(args.func(args) or 0)
     except BAD_INPUT_ERRORS as e:
-        print(f"kdtree: error: {e}", file=sys.stderr)
+        print(error_line(e), file=sys.stderr)
         return EXIT_BAD_INPUT
 
 

@@ -1,20 +1,26 @@
-"""Python API: load a target (and later a drafter) and a tokenizer; generate.
+"""Python API: load a target, a drafter and a tokenizer; generate.
 
     from kdtree_engine import LLM, SamplingParams
-    llm = LLM("path/to/checkpoint")
-    out = llm.generate(["def quicksort(items):"], SamplingParams(max_tokens=64))[0]
-    print(out.text, out.stats["tokens_per_s"])
+    llm = LLM()                       # the embedded demo, with its drafter and DDTree budget 16 (as the CLI)
+    out = llm.generate("def quicksort(items):", SamplingParams(max_tokens=64))[0]
+    print("def quicksort(items):" + out.text, out.stats["tokens_per_s"])
+
+``out.text`` is the generated text only, without the prompt (the CLI prints the prompt before it).
+Errors name the call's arguments (``spec``, ``draft``, ``budget``, ``device``, ...) in the form
+``name=value``; the CLI shows them as its flags (``--name value``).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 import torch
 
 from .config import ModelConfig
+from .errors import BadInput, PromptError
 from .kernels.dispatch import log_choices, prepare_int4
 from .kernels.policy import KernelPolicy
 from .logs import log_once
@@ -22,6 +28,7 @@ from .model.dflash import DFlashDrafter
 from .model.target import Target
 from .quant import QuantError, k2_quantization_config, parse_quantization_config
 from .sampling import SamplingParams
+from .speculative.config import SpecConfig
 from .speculative.decode import GenerationResult, generate, resolve_spec
 from .weights import iter_checkpoint
 
@@ -30,14 +37,24 @@ log = logging.getLogger("kdtree_engine")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+DEMO = "demo"
+DEMO_DIR = Path(__file__).parent / "assets" / "demo"
+DEMO_BUDGET = 16  # the demo's best DDTree budget by tokens/s in `kdtree bench spec` (docs/performance_history.md)
+
+# Torch's intra-op threads pay a synchronisation per operator; decoding runs many small operators per token, so
+# below about this many parameters per thread the split work does not pay for it (one thread for the demo).
+PARAMS_PER_THREAD = 100_000_000
+
+
 def resolve_device(device: str | None) -> torch.device:
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
         log_once("device", f"device: {device} (automatic)")
     if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
-        raise ValueError(f"--device must be cpu or cuda, got {device!r}")
+        raise BadInput(f"device={device!r} is not a device: use device='cpu' or device='cuda'")
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError("--device cuda was asked for but no CUDA device is available")
+        raise BadInput(f"device={device!r} was asked for but no CUDA device is available (device='cpu' runs on "
+                       "the CPU)")
     return torch.device(device)
 
 
@@ -48,8 +65,32 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
         dtype = "bfloat16" if device.type == "cuda" else "float32"
         log_once("dtype", f"dtype: {dtype} (automatic for {device.type})")
     if dtype not in DTYPES:
-        raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        raise BadInput(f"dtype={dtype!r} is not one of {', '.join(sorted(DTYPES))}")
     return DTYPES[dtype]
+
+
+def available_cpus() -> int:
+    """CPUs this process may run on (its affinity where the OS reports one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def resolve_threads(threads: int | str | None, n_params: int, device: torch.device) -> tuple[int, str] | None:
+    """Torch's CPU thread count for a model of ``n_params`` parameters: (threads, why), or None to leave torch's.
+
+    ``threads``: an int sets it; ``"auto"`` picks one thread per ``PARAMS_PER_THREAD`` parameters, at least one
+    and at most the CPUs available; None leaves torch's setting. On CUDA the host threads only launch kernels,
+    so ``"auto"`` leaves torch's setting there.
+    """
+    if threads is None or (threads == "auto" and device.type != "cpu"):
+        return None
+    if threads == "auto":
+        cpus = available_cpus()
+        n = max(1, min(cpus, n_params // PARAMS_PER_THREAD))
+        return n, (f"automatic: {n_params / 1e6:.1f}M parameters, one thread per {PARAMS_PER_THREAD // 10**6}M, "
+                   f"{cpus} CPUs available; threads=N sets it")
+    if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
+        raise BadInput(f"threads={threads!r} must be a positive integer or 'auto'")
+    return threads, "asked for"
 
 
 def load_target(path: str | Path, *, device: torch.device, dtype: torch.dtype,
@@ -63,10 +104,10 @@ def load_target(path: str | Path, *, device: torch.device, dtype: torch.dtype,
     scheme = parse_quantization_config(cfg.quantization)
     on_load = False
     if quantize not in (None, "none", "w4a16"):
-        raise ValueError(f"--quantize must be none or w4a16, got {quantize!r}")
+        raise BadInput(f"quantize={quantize!r} must be 'none' or 'w4a16'")
     if quantize == "w4a16":
         if scheme is not None:
-            raise QuantError(f"{path}: the checkpoint is already quantized; drop --quantize w4a16")
+            raise QuantError(f"{path}: the checkpoint is already quantized; drop quantize='w4a16'")
         scheme = parse_quantization_config(k2_quantization_config(32))
         on_load = True
         log.info("quantizing routed experts to W4A16 (group 32) while loading")
@@ -113,32 +154,66 @@ def load_tokenizer(path: str | Path):
 
 
 class LLM:
-    """A loaded model ready to generate."""
+    """A loaded model ready to generate.
 
-    def __init__(self, model: str | Path, *, draft: str | Path | None = None, spec: str = "none",
-                 budget: int | str | None = None, device: str | None = None, dtype: str | torch.dtype | None = None,
-                 quantize: str | None = None, batch_invariant: bool = True, progress: bool = True,
-                 eager: bool | None = None) -> None:
-        """``eager``: True = rounds driven from the host; False = each round replayed from a CUDA graph
-        (CUDA, a fixed budget); None = graphs where they apply (see ``speculative.decode.pick_round_mode``).
-        ``batch_invariant`` and the ``KDTREE_*_BACKEND`` variables make the kernel policy of target and drafter."""
+    ``LLM()`` or ``LLM("demo")``: the embedded demo (``kdtree_engine/assets/demo/``, a 10M-parameter K2-architecture
+    model trained on Python code) with its DFlash drafter and a DDTree budget of 16, the CLI's defaults.
+    ``generate`` returns :class:`GenerationResult` objects whose ``text`` is the generated text only (the prompt
+    is not included; ``token_ids`` likewise holds the generated ids only).
+    """
+
+    def __init__(self, model: str | Path | None = None, *, draft: str | Path | None = None,
+                 spec: str | SpecConfig | None = None, budget: int | str | None = None, device: str | None = None,
+                 dtype: str | torch.dtype | None = None, quantize: str | None = None, batch_invariant: bool = True,
+                 progress: bool = True, eager: bool | None = None, threads: int | str | None = None) -> None:
+        """``model``: a checkpoint directory, or None / ``"demo"`` for the embedded demo (its drafter and budget
+        16 unless ``draft`` / ``budget`` say otherwise). ``spec``: none | dflash | ddtree; None = ddtree with a
+        drafter, else none. ``eager``: True = rounds driven from the host; False = each round replayed from a CUDA
+        graph (CUDA, a fixed budget); None = graphs where they apply (see ``speculative.decode.pick_round_mode``).
+        ``batch_invariant`` and the ``KDTREE_*_BACKEND`` variables make the kernel policy of target and drafter.
+        ``threads``: torch's CPU threads (process-wide): an int, ``"auto"`` (by the model's size on the CPU, as
+        the CLI does) or None (torch's setting is left alone); see :func:`resolve_threads`."""
+        demo = model is None or str(model) == DEMO
+        if demo:
+            if not (DEMO_DIR / "config.json").exists():
+                raise BadInput(f"the embedded demo model is missing ({DEMO_DIR})")
+            model = DEMO_DIR
+            draft = DEMO_DIR / "draft" if draft is None else draft
+        method = spec.method if isinstance(spec, SpecConfig) else (spec or ("ddtree" if draft is not None else "none"))
+        if demo and budget is None and method == "ddtree" and not isinstance(spec, SpecConfig):
+            budget = DEMO_BUDGET
+        # the settings are checked before anything loads (a drafting method without a drafter included)
+        spec_config = resolve_spec(spec if isinstance(spec, SpecConfig) else method, draft, budget)
         self.policy = KernelPolicy.from_env(batch_invariant=batch_invariant)
         self.eager = eager
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
-        if spec != "none" and draft is None:
-            resolve_spec(spec, None, budget)  # raises the error that names --draft
         self.target = load_target(model, device=self.device, dtype=self.dtype, quantize=quantize, progress=progress,
                                   policy=self.policy)
         self.drafter = None if draft is None else load_drafter(draft, self.target)
-        self.spec = resolve_spec(spec, self.drafter, budget)
+        self.spec = resolve_spec(spec_config, self.drafter, None)
+        if self.drafter is not None and self.spec.method != "none":
+            self.spec.resolve(self.drafter.block_size, self.target.cfg.vocab_size)  # the budget's bound, now
         self.tokenizer = load_tokenizer(model)
         log_choices(self.policy, self.device)
+        n_params = sum(t.numel() for t in self.target.parameters()) + sum(t.numel() for t in self.target.buffers())
+        chosen = resolve_threads(threads, n_params, self.device)
+        if chosen is not None:
+            torch.set_num_threads(chosen[0])
+        self.threads = torch.get_num_threads()
+        what = "the embedded demo" if demo else str(model)
+        spec_text = self.spec.method + (f" budget {self.spec.budget}" if self.spec.budget is not None else "")
+        why_threads = chosen[1] if chosen is not None else "torch's setting"
+        thread_text = f"torch threads {self.threads} ({why_threads})"
+        log.info("loaded %s: %.1fM parameters, %s %s, spec %s%s%s", what, n_params / 1e6, self.device.type,
+                 str(self.dtype).replace("torch.", ""), spec_text,
+                 "" if self.drafter is None else f" (drafter {draft})",
+                 f", {thread_text}" if self.device.type == "cpu" else "")
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("this model directory has no tokenizer.json; pass token ids (--prompt-ids)")
+                raise PromptError("this model directory has no tokenizer.json; pass the prompt as token ids")
             return self.tokenizer.encode(prompt).ids
         return [int(t) for t in prompt]
 

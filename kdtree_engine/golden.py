@@ -61,14 +61,14 @@ def cmd_make(args: argparse.Namespace) -> int:
     try:
         cfg = preset(args.preset)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"kdtree: error: {e}", file=sys.stderr)
         return EXIT_BAD_BUNDLE
     t0 = time.perf_counter()
     try:
         bundle = make_bundle(cfg, args.seed, args.tokens, args.prompt_len, quant=args.quant,
                              group_size=args.group_size)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"kdtree: error: {e}", file=sys.stderr)
         return EXIT_BAD_BUNDLE
     path = save_bundle(bundle, args.out)
     size_mb = path.stat().st_size / 2**20
@@ -103,11 +103,11 @@ def cmd_check(args: argparse.Namespace) -> int:
     try:
         bundle = load_bundle(args.bundle)
     except BundleError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"kdtree: error: {e}", file=sys.stderr)
         return EXIT_BAD_BUNDLE
     if args.device == "cuda":
         if not torch.cuda.is_available():
-            print("error: --device cuda requested but CUDA is not available", file=sys.stderr)
+            print("kdtree: error: --device cuda requested but CUDA is not available", file=sys.stderr)
             return EXIT_BAD_BUNDLE
     tokens = run_engine(bundle, args.device, args.dtype)
     ok, message = compare(bundle.golden_tokens, tokens)

@@ -156,68 +156,85 @@ def test_sampled_compare_reports_no_token_comparison(capsys) -> None:
 
 
 class FakeLLM:
-    """Records the generations the warm-up asks for (no model)."""
+    """Records the generations --compare asks for (no model); the speculative runs get faster each time."""
 
-    def __init__(self, device: str) -> None:
+    def __init__(self, device: str, tokens_per_s=(100.0, 200.0, 150.0), plain_tokens_per_s=(80.0, 100.0, 90.0),
+                 n_tokens: int = 8) -> None:
         self.device = torch.device(device)
         self.target, self.eager, self.calls = object(), None, []
+        self.spec_speeds, self.plain_speeds, self.n_tokens = list(tokens_per_s), list(plain_tokens_per_s), n_tokens
+
+    def result(self, speed: float):
+        from kdtree_engine.speculative.decode import GenerationResult
+
+        return GenerationResult(list(range(self.n_tokens)), "length",
+                                {"tokens_per_s": speed, "generated_tokens": self.n_tokens})
 
     def generate(self, ids, params, on_tokens=None):
         self.calls.append(("spec", list(ids), params))
-        return []
+        return [self.result(self.spec_speeds.pop(0))]
+
+    def plain(self, ids, params):
+        self.calls.append(("plain", list(ids), params))
+        return self.result(self.plain_speeds.pop(0) if len(self.calls) > 1 else 1.0)
 
 
-def test_warm_up_runs_both_paths_untimed_on_cuda(monkeypatch, caplog) -> None:
-    from kdtree_engine import cli
-    from kdtree_engine.sampling import SamplingParams
-
-    llm = FakeLLM("cuda")
-    monkeypatch.setattr(cli, "plain_decode", lambda l, ids, p: l.calls.append(("plain", list(ids), p)))
-    params = SamplingParams(max_tokens=40, temperature=0.5, seed=3)
-    with caplog.at_level("INFO", logger="kdtree_engine"):
-        assert cli.warm_up(llm, [4, 5, 6], params) is True
-    # the same request (prompt and settings) once each: speculative, then plain decoding
-    assert llm.calls == [("spec", [4, 5, 6], params), ("plain", [4, 5, 6], params)]
-    assert "warming up" in caplog.text
-
-
-def test_no_warm_up_on_the_cpu_and_it_says_so(monkeypatch, caplog) -> None:
+def test_compare_warms_up_then_interleaves_timed_runs(monkeypatch) -> None:
+    """After the caller's untimed speculative run: one untimed plain run, then the timed runs alternate (plain
+    first, then speculative first, ...); the fastest of each is compared, the per-pair speedups give the spread."""
     from kdtree_engine import cli
     from kdtree_engine.sampling import SamplingParams
 
     llm = FakeLLM("cpu")
-    monkeypatch.setattr(cli, "plain_decode", lambda *a: pytest.fail("no plain run to warm on the CPU"))
-    with caplog.at_level("INFO", logger="kdtree_engine"):
-        assert cli.warm_up(llm, [1, 2], SamplingParams(max_tokens=8)) is False
-    assert llm.calls == [] and "no warm-up on cpu" in caplog.text
+    monkeypatch.setattr(cli, "plain_decode", lambda l, ids, p: l.plain(ids, p))
+    params = SamplingParams(max_tokens=8)
+    best, stats = cli.compare_with_plain(llm, [4, 5, 6], params, 3)
+    assert [c[0] for c in llm.calls] == ["plain", "plain", "spec", "spec", "plain", "plain", "spec"]
+    assert all(c[1] == [4, 5, 6] and c[2] == params for c in llm.calls)
+    assert best.stats["tokens_per_s"] == 200.0 and stats["baseline_tokens_per_s"] == 100.0
+    assert stats["speedup"] == pytest.approx(2.0) and stats["compare_runs"] == 3
+    # pairs (spec, plain) in run order: 100/80, 200/100, 150/90
+    assert stats["speedup_min"] == pytest.approx(1.25) and stats["speedup_max"] == pytest.approx(2.0)
+    assert stats["same_tokens_as_plain"] is True and stats["compare_warmed_up"] is True
 
 
-def test_compare_summary_says_single_run_and_points_to_bench(capsys, model_dir, draft_dir, monkeypatch) -> None:
-    """--compare on the CPU: the summary names the single run and the bench; the warm-up is asked for once,
-    before the timed runs (JSON: compare_warmed_up false on the CPU)."""
+def test_compare_of_a_request_without_decode_steps_has_no_speedup(monkeypatch) -> None:
     from kdtree_engine import cli
+    from kdtree_engine.sampling import SamplingParams
 
-    asked = []
-    real = cli.warm_up
-    monkeypatch.setattr(cli, "warm_up", lambda *a: asked.append(a[1]) or real(*a))
+    llm = FakeLLM("cpu", tokens_per_s=(0.0,) * 3, plain_tokens_per_s=(0.0,) * 3, n_tokens=0)
+    monkeypatch.setattr(cli, "plain_decode", lambda l, ids, p: l.plain(ids, p))
+    _, stats = cli.compare_with_plain(llm, [1], SamplingParams(max_tokens=0), 3)
+    assert stats["speedup"] is None and stats["speedup_min"] is None
+    line = cli.format_stats("length", {**stats, "prefill_s": 0.0, "decode_s": 0.0})
+    assert "nothing to compare" in line and "speedup 0.00x" not in line
+
+
+def test_compare_summary_names_runs_and_spread(capsys, model_dir, draft_dir) -> None:
+    """--compare: the summary names the timed runs, the warm-up and the spread (JSON: the same fields)."""
     argv = ["generate", "--model", str(model_dir), "--draft", str(draft_dir), "--spec", "ddtree", "--budget", "3",
             "--prompt-ids", "2,7,1,8", "--max-tokens", "6", "--ignore-eos", "--compare"]
     assert main(argv) == 0
     err = capsys.readouterr().err
-    assert "a single run of each, no warm-up; `kdtree bench spec` gives measured figures" in err
-    assert "same tokens as plain: yes" in err and asked == [[2, 7, 1, 8]]
+    assert "fastest of 3 timed runs of each, interleaved, after an untimed warm-up of each" in err
+    assert "per-pair speedups" in err and "same tokens as plain: yes" in err
     obj = run_json(capsys, argv + ["--json"])
-    assert obj["stats"]["compare_warmed_up"] is False and obj["stats"]["same_tokens_as_plain"] is True
+    s = obj["stats"]
+    assert s["compare_warmed_up"] is True and s["same_tokens_as_plain"] is True and s["compare_runs"] == 3
+    assert s["speedup_min"] <= s["speedup_max"]
+    assert s["speedup"] == pytest.approx(s["tokens_per_s"] / s["baseline_tokens_per_s"])
 
 
-def test_summary_of_a_warmed_comparison() -> None:
+def test_summary_of_a_comparison() -> None:
     from kdtree_engine.cli import format_stats
 
     s = {"generated_tokens": 8, "prefill_s": 0.01, "decode_s": 0.02, "tokens_per_s": 350.0, "spec": "none",
-         "baseline_tokens_per_s": 175.0, "speedup": 2.0, "same_tokens_as_plain": True, "compare_warmed_up": True}
+         "baseline_tokens_per_s": 175.0, "speedup": 2.0, "speedup_min": 1.5, "speedup_max": 2.25,
+         "same_tokens_as_plain": True, "compare_warmed_up": True, "compare_runs": 3}
     line = format_stats("length", s)
-    assert ("plain decoding 175.0 tok/s, speedup 2.00x (a single run of each, after an untimed warm-up of each; "
-            "`kdtree bench spec` gives measured figures), same tokens as plain: yes") in line
+    assert ("plain decoding 175.0 tok/s, speedup 2.00x (fastest of 3 timed runs of each, interleaved, after an "
+            "untimed warm-up of each; per-pair speedups 1.50-2.25x; one prompt: `kdtree bench spec` measures "
+            "several), same tokens as plain: yes") in line
 
 
 def test_no_circle_between_cli_and_bench_spec() -> None:

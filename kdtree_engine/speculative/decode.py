@@ -9,7 +9,8 @@ run eagerly, greedy or sampled, a fixed budget, the host reads only the emitted 
 
 Stop rule: a round's tokens are emitted in order; the first EOS (unless ``ignore_eos``) or stop
 token ends the request and is itself included in ``token_ids`` (finish_reason "stop"); reaching
-``max_tokens`` or the context limit ends it with finish_reason "length". Nothing after the stop
+``max_tokens`` or the context limit ends it with finish_reason "length" (a ``max_tokens`` beyond the context
+limit is cut to it, with a warning). Nothing after the stop
 point is emitted.
 
 Timing: ``prefill_s`` covers the prompt forward that yields the first token; ``decode_s`` the rest;
@@ -27,7 +28,7 @@ from typing import Any, Callable, Protocol
 import torch
 
 from ..errors import PromptError, SpecError
-from ..logs import log_once
+from ..logs import log_once, warn_once
 from ..model.target import Target
 from ..sampling import SamplingParams
 from .config import SPEC_METHODS, RoundShape, SpecConfig, resolve_spec
@@ -171,6 +172,10 @@ def run_rounds(target: Target, prompt_ids: list[int], params: SamplingParams, sh
     dev = target.device
     S = len(prompt_ids)
     limit = min(params.max_tokens, target.cfg.max_position_embeddings - S)
+    if limit < params.max_tokens:
+        warn_once(f"length-cap:{params.max_tokens}:{S}:{target.cfg.max_position_embeddings}",
+                  f"max_tokens={params.max_tokens} is cut to {limit}: the {S}-token prompt leaves {limit} positions "
+                  f"of the model's context (max_position_embeddings {target.cfg.max_position_embeddings})")
     emit = Emitter(target, params, limit, on_tokens)
     stats: dict[str, Any] = {"prompt_tokens": S, "spec": shape.method, **shape.stats()}
     if mode != "eager":

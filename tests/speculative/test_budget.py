@@ -292,11 +292,11 @@ def test_measured_curve_is_non_decreasing_from_the_right(monkeypatch):
 
 def test_spec_config_accepts_auto():
     assert SpecConfig(method="ddtree", budget="auto").budget == "auto"
-    with pytest.raises(SpecError, match="'budget'"):
+    with pytest.raises(SpecError, match="budget="):
         SpecConfig(method="ddtree", budget="fast")
-    with pytest.raises(SpecError, match="'budget'"):
+    with pytest.raises(SpecError, match="budget="):
         SpecConfig(method="dflash", budget="auto")
-    with pytest.raises(SpecError, match="'budget'"):
+    with pytest.raises(SpecError, match="budget="):
         SpecConfig(method="ddtree", budget=1.5)
 
 
