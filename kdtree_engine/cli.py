@@ -16,7 +16,7 @@ import re
 import sys
 import tempfile
 from pathlib import Path
-from typing import NoReturn, Sequence
+from typing import Callable, NoReturn, Sequence
 
 import torch
 
@@ -43,26 +43,20 @@ def _ids(text: str) -> list[int]:
     return ids
 
 
-def _budget(text: str) -> int | str:
-    if text == "auto":
-        return "auto"
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"--budget must be a positive integer or 'auto', got {text!r}")
-    return value
-
-
-def _threads(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"--threads must be a positive integer, got {text!r}")
-    return value
+def _positive(flag: str, auto: bool = False) -> Callable[[str], int | str]:
+    """argparse type of a positive integer flag (and, with ``auto``, the word 'auto')."""
+    def parse(text: str) -> int | str:
+        if auto and text == "auto":
+            return "auto"
+        try:
+            value = int(text)
+        except ValueError:
+            value = 0
+        if value < 1:
+            also = " or 'auto'" if auto else ""
+            raise argparse.ArgumentTypeError(f"{flag} must be a positive integer{also}, got {text!r}")
+        return value
+    return parse
 
 
 class Parser(argparse.ArgumentParser):
@@ -108,7 +102,7 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--draft", default=None, help="DFlash drafter directory")
     p.add_argument("--spec", choices=["none", "dflash", "ddtree"], default=None,
                    help="decoding strategy (default: ddtree with --draft, else none)")
-    p.add_argument("--budget", type=_budget, default=None,
+    p.add_argument("--budget", type=_positive("--budget", auto=True), default=None,
                    help="ddtree: non-root tree nodes, or 'auto': chosen each round from the measured verify cost "
                         "and the drafter's running acceptance (default block size - 1); dflash: the chain's "
                         "length (default block size - 1)")
@@ -123,7 +117,7 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
                    help=f"also run plain decoding and report the speedup: after an untimed warm-up of each, "
                         f"{COMPARE_RUNS} timed runs of each, interleaved, the fastest of each compared "
                         f"(default: on for the embedded demo)")
-    p.add_argument("--threads", type=_threads, default=None,
+    p.add_argument("--threads", type=_positive("--threads"), default=None,
                    help="torch CPU threads (default: chosen by the model's size on the CPU, logged; one for the "
                         "demo)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
