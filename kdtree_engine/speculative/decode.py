@@ -34,7 +34,7 @@ from ..sampling import SamplingParams
 from .config import SPEC_METHODS, RoundShape, SpecConfig, resolve_spec
 from .device_rounds import DeviceRounds
 from .host_rounds import TREE_IMPLS, HostRounds
-from .stats import RoundStats, sync
+from .stats import STAGES, RoundStats, sync
 from .tree import DraftTree
 
 __all__ = ["GenerationResult", "PromptError", "Rounds", "SPEC_METHODS", "SpecConfig", "SpecError", "check_prompt",
@@ -184,7 +184,7 @@ def run_rounds(target: Target, prompt_ids: list[int], params: SamplingParams, sh
         stats["budget_chosen"] = {}
     if limit == 0:
         stats.update(RoundStats(shape.block_size).summary(0, 0.0, 0.0))
-        stats.update({"draft_s": 0.0, "tree_s": 0.0, "verify_s": 0.0, "commit_s": 0.0})
+        stats.update(dict.fromkeys(STAGES, 0.0))
         return GenerationResult([], "length", stats)
     rounds = make_rounds(limit)
     sync(dev)
