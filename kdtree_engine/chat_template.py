@@ -144,7 +144,7 @@ def plain_data(value: Any, where: str) -> Any:
         return {str(k): plain_data(v, f"{where}.{k}") for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [plain_data(v, f"{where}[{i}]") for i, v in enumerate(value)]
-    raise ChatTemplateError(f"{where} holds a {type(value).__name__}, not JSON data")
+    raise ChatTemplateError(f"{where} is not JSON data (a {type(value).__name__})")
 
 
 def chat_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:

@@ -180,7 +180,7 @@ def test_the_demo_template_renders() -> None:
     ([{"role": "user", "content": "a"}, {"role": "assistant"}], r"messages\[1\] \(assistant\) has no content"),
     ([{"role": 3, "content": "x"}], r"messages\[0\] has no role"),
     (["user: hi"], r"messages\[0\] is a str"),
-    ([{"role": "user", "content": object()}], r"messages\[0\].content holds a object"),
+    ([{"role": "user", "content": object()}], r"messages\[0\].content is not JSON data \(a object\)"),
 ])
 def test_bad_messages_are_one_line_errors(tmp_path, messages, expect) -> None:
     tok = load_tokenizer(model_dir(tmp_path, WITH_SYSTEM))
