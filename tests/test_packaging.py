@@ -67,7 +67,7 @@ def test_readme_states_both_install_routes_and_the_plot_extra() -> None:
 def test_readme_says_where_triton_comes_from() -> None:
     """torch's CUDA wheels bring it on Linux GPU hosts (the gpu extra otherwise), a CPU-only host does not need it,
     the test extra brings it for the interpreter tests."""
-    setup = _setup_section()
+    setup = " ".join(_setup_section().split())   # the prose, its line breaks as spaces
     assert '".[gpu]"' in setup and "not needed on a CPU-only host" in setup, setup
     assert "the test extra brings it" in setup and "interpreter" in setup, setup
 
