@@ -71,7 +71,7 @@ class FragMoEConfig:
 
 
 EPI_BLOCK = 256           # elements per program of the SwiGLU and top-k sum launches (elementwise: any size, the same bits)
-MOE_WARPS = 4
+MOE_WARPS = 4             # one 16-row MMA tile each: the MOE_PARTITION_ROWS rows of a program (layouts.py)
 MOE_GATE_UP_PER_SM = 3    # programs per SM the 8-token gate/up kernel holds: its stream partition fills one wave
 #                           with a token's top-k expert blocks
 MOE_DOWN_PER_SM = None    # the down GEMM (few K blocks) runs whole row tiles (one partial): its stream partition

@@ -1,7 +1,8 @@
 """Router logits in float32: x [M, K] @ gate [N, K].T (float32), two batch-invariant kernels.
 
 bf16 activations (the engine's CUDA path, router_logits_bf16x3): the gate split exactly into three bf16 parts
-(split_bf16x3, kernels/bf16x3.py), one tensor-core GEMM launch against the three, its (part, split) partials added by the router tail.
+(split_bf16x3, kernels/bf16x3.py), one tensor-core GEMM launch against the three, its (part, split) partials added by
+the router tail.
 Other activations (router_logits below): the FMA kernel,
 
     logits[m, n] = sum over splits s (in order) of  tree_sum_k( x[m, k] * w[n, k] )  over the split's KS keys
