@@ -21,16 +21,15 @@ from typing import Callable, Sequence
 import torch
 
 from kdtree_engine.records import command_line, cpu_model, run_metadata, with_metadata  # noqa: F401 (for the scripts)
+from kdtree_engine.records import package_version
 
 
 def device_info() -> dict:
-    import triton
-
     p = torch.cuda.get_device_properties(0)
     return {
         "gpu": p.name, "sm_count": p.multi_processor_count,
         "l2_bytes": getattr(p, "L2_cache_size", None), "mem_bytes": p.total_memory,
-        "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
+        "torch": torch.__version__, "triton": package_version("triton"), "cuda": torch.version.cuda,
         "python": platform.python_version(),
     }
 

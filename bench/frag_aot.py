@@ -25,6 +25,7 @@ from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 from bench.sass import TARGET, cubin_sass, main_loop, opcode  # noqa: E402
 from kdtree_engine.records import command_line, run_metadata, with_metadata  # noqa: E402
 from kdtree_engine.kernels import w4_frag  # noqa: E402
+from kdtree_engine.kernels.layouts import FRAG_TILE  # noqa: E402
 
 SIG = dict(x_ptr="*bf16", w_ptr="*i32", s_ptr="*bf16", out_ptr="*fp32", M="i32", N="i32", stride_xm="i32",
            stride_wn="i32", stride_sn="i32", stride_om="i32", stride_os="i32", iters="i32", work="i32",
@@ -40,8 +41,7 @@ VARIANTS = [("engine 8", 8, "sync"), ("engine 16", 16, "sync"), ("wgmma 16", 16,
 def compile_dense(tok: int, mma: str, *, gpb: int = 8, segs: int = 2, pdl: bool = True) -> dict:
     """Compile one dense launch offline as frag_linear launches it (tiled words and scales). Returns registers,
     stack bytes, instructions, the main loop's instructions per K block and opcode mix, and its wgmma waits."""
-    launch = w4_frag.DenseLaunch(gpb=gpb, programs=1, tok=tok, mma=mma, tile=w4_frag.FRAG_TILE,
-                                 stile=w4_frag.FRAG_TILE)
+    launch = w4_frag.DenseLaunch(gpb=gpb, programs=1, tok=tok, mma=mma, tile=FRAG_TILE, stile=FRAG_TILE)
     consts = {**w4_frag.dense_constexprs(launch, segs), "PDL": pdl}
     sig = {**SIG, **{k: "constexpr" for k in consts}}
     names = list(sig)

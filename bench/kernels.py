@@ -34,7 +34,8 @@ if __package__ in (None, ""):
 from bench.common import (Clock, bf16_matmul_rate, command_line, copy_bandwidth, device_info, gpu_stem,  # noqa: E402
                           l2_bytes, md_table, time_calls, write_results)
 from kdtree_engine.kernels.moe_frag import frag_moe_config, fused_moe_frag  # noqa: E402
-from kdtree_engine.kernels.w4_frag import ENGINE_ORDER, HAVE_GLUON, dense_plan, frag_linear, to_engine_int4  # noqa: E402
+from kdtree_engine.kernels.layouts import ENGINE_ORDER, to_engine_int4  # noqa: E402
+from kdtree_engine.kernels.w4_frag import HAVE_GLUON, dense_plan, frag_linear  # noqa: E402
 from kdtree_engine.kernels.moe_w4a16 import (MOE_CONFIGS, MoEConfig, fused_moe_reference, fused_moe_w4a16,  # noqa: E402
                                              moe_align, moe_config)
 from kdtree_engine.kernels.w4a16 import (DENSE_CONFIGS, W4Config, dense_config, w4a16_linear,  # noqa: E402

@@ -29,7 +29,7 @@ from bench.common import command_line, device_info, md_table, time_calls, write_
 from bench.kernels import E, G, H, I, TOPK, rand_w4, route  # noqa: E402
 from kdtree_engine.kernels import mla_attention as mla  # noqa: E402
 from kdtree_engine.kernels import moe_frag  # noqa: E402
-from kdtree_engine.kernels.w4_frag import ENGINE_ORDER, to_engine_int4  # noqa: E402
+from kdtree_engine.kernels.layouts import ENGINE_ORDER, to_engine_int4  # noqa: E402
 
 
 def patched(mod, **attrs):

@@ -43,7 +43,7 @@ def _moe(T: int):
 
 def _moe_frag(T: int, cfg=None):
     from kdtree_engine.kernels.moe_frag import fused_moe_frag
-    from kdtree_engine.kernels.w4_frag import ENGINE_ORDER, to_engine_int4
+    from kdtree_engine.kernels.layouts import ENGINE_ORDER, to_engine_int4
     w13p, w13s = to_engine_int4(*rand_w4(E, 2 * I, H, g=G), H)   # as the engine keeps them
     w2p, w2s = to_engine_int4(*rand_w4(E, H, I, g=G), I)
     x = torch.randn(T, H, device="cuda").to(torch.bfloat16)
@@ -58,7 +58,8 @@ def _dense(M: int):
 
 
 def _dense_frag(M: int):
-    from kdtree_engine.kernels.w4_frag import ENGINE_ORDER, frag_linear, to_engine_int4
+    from kdtree_engine.kernels.layouts import ENGINE_ORDER, to_engine_int4
+    from kdtree_engine.kernels.w4_frag import frag_linear
     p, s = to_engine_int4(*rand_w4(36864, 7168, g=G), 7168)
     x = torch.randn(M, 7168, device="cuda").to(torch.bfloat16)
     return lambda: frag_linear(x, p, s, **ENGINE_ORDER)

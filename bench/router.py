@@ -26,8 +26,9 @@ if __package__ in (None, ""):
 from bench.common import (command_line, copy_bandwidth, device_info, gpu_stem, kernel_profile, md_table,  # noqa: E402
                           time_calls, write_results)
 from kdtree_engine.kernels.gemm import bi_linear  # noqa: E402
+from kdtree_engine.kernels.bf16x3 import split_bf16x3  # noqa: E402
 from kdtree_engine.kernels.router_gemm import (RouterGemmConfig, router_config, router_logits,  # noqa: E402
-                                                router_logits_bf16x3, split_bf16x3)
+                                                router_logits_bf16x3)
 
 N, K = 384, 7168
 MS = (1, 4, 16, 64, 129)

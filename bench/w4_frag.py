@@ -34,9 +34,10 @@ from bench.kernels import DENSE, E, G, H, I, TOPK, rand_w4, rel, route, w4_bytes
 from kdtree_engine.kernels import moe_frag as moe_frag_mod  # noqa: E402
 from kdtree_engine.kernels.moe_frag import FragMoEConfig, frag_moe_config, fused_moe_frag  # noqa: E402
 from kdtree_engine.kernels.moe_w4a16 import fused_moe_reference, fused_moe_w4a16, moe_align  # noqa: E402
-from kdtree_engine.kernels.w4_frag import (DENSE_PARTITION_ROWS, ENGINE_ORDER, FRAG_TILE, DenseLaunch,  # noqa: E402
-                                           _w4_frag_kernel, dense_launch, dense_plan, frag_gpb, frag_linear,
-                                           frag_repack, frag_tile, scale_tile)
+from kdtree_engine.kernels.layouts import (ENGINE_ORDER, FRAG_TILE, frag_gpb, frag_repack, frag_tile,  # noqa: E402
+                                           scale_tile)
+from kdtree_engine.kernels.w4_frag import (DENSE_PARTITION_ROWS, DenseLaunch, _w4_frag_kernel, dense_launch,  # noqa
+                                           dense_plan, frag_linear)
 from kdtree_engine.kernels.w4a16 import w4a16_linear  # noqa: E402
 from kdtree_engine.quant import dequantize  # noqa: E402
 

@@ -1,5 +1,6 @@
 """What every benchmark record carries about the run that wrote it: the git commit (``-dirty`` when tracked files
-differ from it), Python / torch / triton versions, the device name, the exact command and the UTC time.
+differ from it), Python / torch / triton versions (triton's read from its package metadata, "not installed" where
+absent: the CPU runs without it), the device name, the exact command and the UTC time.
 
 `run_metadata` builds the dict once per record; `metadata_line` is its one-line Markdown form and `with_metadata`
 puts that line under a record's title. Used by ``kdtree bench spec`` and by bench/common.py (bench/ cannot be
@@ -8,6 +9,7 @@ imported by the package, so the helper lives here)."""
 from __future__ import annotations
 
 import datetime
+import importlib.metadata
 import os
 import platform
 import shlex
@@ -17,13 +19,13 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import torch
-import triton
 
 from .env import read_env
 
 # The checkout this package runs from: its commit is the code that produced the record.
 REPO_ROOT = Path(__file__).resolve().parents[1]
 UNKNOWN = "unknown"
+NOT_INSTALLED = "not installed"
 
 
 def git_commit(root: str | Path = REPO_ROOT) -> str:
@@ -76,6 +78,15 @@ def command_line(argv: Sequence[str] | None = None, program: str | None = None) 
     return shlex.join((shlex.split(program) if program is not None else here) + [str(a) for a in argv])
 
 
+def package_version(name: str) -> str:
+    """The installed version of distribution ``name`` from its metadata (the package is not imported: triton is
+    optional on the CPU), or "not installed"."""
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return NOT_INSTALLED
+
+
 def run_metadata(command: str | None = None, device: Any = None) -> dict[str, str]:
     """The run's provenance: commit, versions, device name, ``command`` (default `command_line()`) and UTC time.
     The commit is git's, or KDTREE_RECORD_COMMIT's where set (a run on a copy of the work tree whose git metadata
@@ -86,7 +97,7 @@ def run_metadata(command: str | None = None, device: Any = None) -> dict[str, st
         "commit_from": "KDTREE_RECORD_COMMIT" if given else "git",
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "triton": triton.__version__,
+        "triton": package_version("triton"),
         "device": device_name(device),
         "command": command if command is not None else command_line(),
         "utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),

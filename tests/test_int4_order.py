@@ -89,8 +89,7 @@ def test_int4_kernel_reasons():
 
 
 def test_frag_shape_reasons():
-    from kdtree_engine.kernels.moe_frag import frag_moe_unsupported
-    from kdtree_engine.kernels.w4_frag import frag_gpb, frag_unsupported
+    from kdtree_engine.kernels.layouts import frag_gpb, frag_moe_unsupported, frag_unsupported
     assert frag_unsupported(4096, 7168, 32) is None
     assert "group size 64" in frag_unsupported(4096, 7168, 64)
     assert "not a multiple of 64" in frag_unsupported(100, 7168, 32)

@@ -1,6 +1,6 @@
 """pyproject.toml's requirements and the README's set-up routes: the [plot] extra (matplotlib, inside the test
-extra), triton bounded to the releases tested, the two install routes (GPU: the default wheels; CPU-only: PyTorch's
-CPU wheel index) and CI on the CPU route."""
+extra), triton optional (the gpu and test extras) and bounded to the releases tested, the two install routes (GPU:
+the default wheels; CPU-only: PyTorch's CPU wheel index) and CI on the CPU route."""
 
 from __future__ import annotations
 
@@ -34,12 +34,18 @@ def test_plot_extra_is_matplotlib_and_inside_the_test_extra() -> None:
         assert name in test and test[name].specifier == req.specifier, (name, extras["test"])
 
 
-def test_triton_is_bounded_to_the_tested_releases() -> None:
-    triton = _by_name(_project()["dependencies"])["triton"]
-    assert all(triton.specifier.contains(v) for v in TESTED_TRITON), triton
-    assert not triton.specifier.contains("3.5.0") and not triton.specifier.contains("3.10.0"), triton
+def test_triton_is_optional_and_bounded_to_the_tested_releases() -> None:
+    """Not a runtime requirement (the CPU path runs without it: tests/test_no_triton.py); the gpu extra and the test
+    extra (the interpreter tests) name it, with the same bounds: the releases tested."""
+    project = _project()
+    assert "triton" not in _by_name(project["dependencies"]), project["dependencies"]
+    extras = project["optional-dependencies"]
+    gpu, test = _by_name(extras["gpu"])["triton"], _by_name(extras["test"])["triton"]
+    assert set(_by_name(extras["gpu"])) == {"triton"} and test.specifier == gpu.specifier, (gpu, test)
+    assert all(gpu.specifier.contains(v) for v in TESTED_TRITON), gpu
+    assert not gpu.specifier.contains("3.5.0") and not gpu.specifier.contains("3.10.0"), gpu
     installed = metadata.version("triton")
-    assert triton.specifier.contains(Version(installed).base_version), (installed, triton)
+    assert gpu.specifier.contains(Version(installed).base_version), (installed, gpu)
 
 
 def _setup_section() -> str:
@@ -56,6 +62,14 @@ def test_readme_states_both_install_routes_and_the_plot_extra() -> None:
     cpu = "pip install torch --index-url https://download.pytorch.org/whl/cpu && pip install -e \".[test]\""
     assert cpu in lines, setup                                          # CPU-only host: PyTorch's CPU index first
     assert '".[plot]"' in setup and "--plot" in setup, setup
+
+
+def test_readme_says_where_triton_comes_from() -> None:
+    """torch's CUDA wheels bring it on Linux GPU hosts (the gpu extra otherwise), a CPU-only host does not need it,
+    the test extra brings it for the interpreter tests."""
+    setup = " ".join(_setup_section().split())   # the prose, its line breaks as spaces
+    assert '".[gpu]"' in setup and "not needed on a CPU-only host" in setup, setup
+    assert "the test extra brings it" in setup and "interpreter" in setup, setup
 
 
 def test_ci_installs_the_cpu_build_first() -> None:

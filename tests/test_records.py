@@ -1,8 +1,9 @@
 """kdtree_engine/records.py: the commit of a checkout (with -dirty, "unknown" without git or off a checkout's
-top), the command line, and the run line under a record's title."""
+top), the command line, the run line under a record's title, and triton's version from its package metadata."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import shutil
 import subprocess
 from pathlib import Path
@@ -69,3 +70,22 @@ def test_record_commit_from_the_environment(monkeypatch) -> None:
     monkeypatch.delenv("KDTREE_RECORD_COMMIT")
     meta = records.run_metadata(command="x")
     assert meta["commit_from"] == "git" and meta["commit"] == records.git_commit()
+
+
+def test_triton_version_from_the_package_metadata(monkeypatch) -> None:
+    """The triton version is read without importing triton (optional on the CPU): the installed one where it is
+    (its module's own __version__ as the oracle), "not installed" where its distribution is absent."""
+    triton = pytest.importorskip("triton")
+    assert records.package_version("triton") == triton.__version__
+    assert records.run_metadata(command="x")["triton"] == triton.__version__
+    assert records.package_version("kdtree-engine-no-such-distribution") == records.NOT_INSTALLED == "not installed"
+    real = importlib.metadata.version
+
+    def version(name: str) -> str:
+        if name == "triton":
+            raise importlib.metadata.PackageNotFoundError(name)
+        return real(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    meta = records.run_metadata(command="x")
+    assert meta["triton"] == "not installed" and "triton not installed," in records.metadata_line(meta)

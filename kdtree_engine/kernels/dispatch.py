@@ -84,6 +84,11 @@ and residual+norm, MLA tails, router tail, SwiGLU, drafter q / k and attention, 
 with batch invariance on is obeyed and logged as a warning (bitwise equality of speculative and plain
 decoding then no longer holds).
 
+Every kernel launch from outside kernels/ goes through a function here. The Triton kernel modules are imported
+when a choice first names a Triton backend (kernels/loader.py ``triton_kernels``), never on the torch paths: the
+CPU runs without triton installed; CUDA (or a forced ``triton``) without it stops at that choice with a one-line
+error naming the install (bad input, exit 2).
+
 Everything else in the target forward is per row already: the embedding is a gather, rope and the
 activations are elementwise, the router logits go through router_matmul (float32) and the router tail
 (selection and a sum over top_k <= 8 values in one row) is per row, the dense-expert MoE path
@@ -107,25 +112,11 @@ from ..model.int4_order import CHECKPOINT, FRAG, checkpoint_int4, int4_words, or
 from ..quant import dequantize
 from ..speculative.tree import DraftTree, build_tree
 from .common import DTYPES, interpreting
-from .gemm import bi_head_linear, bi_linear
-from .head_norm_rope import head_norm_rope as triton_head_norm_rope
-from .mla_attention import mla_attention as triton_mla
-from .mla_attention import mla_attention_device, tree_gather_index
-from .pdl import pdl_supported
+from .layouts import ENGINE_ORDER
+from .loader import triton_kernels
 from .policy import KernelPolicy
 from .reference import (apply_rope, apply_rope_half, mla_attention_masked, mla_attention_reference, rms_norm_torch,
                         route_torch, topk_logprobs_torch)
-from .rmsnorm import bi_add_rmsnorm, bi_rmsnorm
-from .rope import latent_write as triton_latent_write
-from .rope import rope_heads as triton_rope_heads
-from .router import route_triton
-from .router_gemm import router_logits, router_logits_bf16x3
-from .row_select import TOPK_MAX_K, TOPK_MAX_V, argmax_rows, topk_logprobs_rows
-from .split_sum import split_sum
-from .swiglu import silu_mul as triton_silu_mul
-from .tree_ops import build_tree_triton
-from .w4_frag import ENGINE_ORDER, HAVE_GLUON, frag_linear
-from .w4a16 import w4a16_linear
 
 # kinds already warned about (a forced torch path on CUDA with batch invariance on): logging only
 _WARNED: set[str] = set()
@@ -134,6 +125,8 @@ _WARNED: set[str] = set()
 def _backend(kind: str, forced: str | None, device: torch.device, cuda_default: str = "triton") -> str:
     backend = forced or (cuda_default if device.type == "cuda" else "torch")
     log_once(f"{kind}:{device.type}:{backend}", f"{kind} kernels on {device.type}: {backend}")
+    if backend == "triton":
+        triton_kernels()   # imported at the choice: where triton is missing, its one-line error here
     return backend
 
 
@@ -151,7 +144,7 @@ def int4_kernel(policy: KernelPolicy, device: torch.device, dtype: torch.dtype, 
     if policy.int4 == "triton":
         return "triton"
     why = ("not on cuda" if device.type != "cuda" else "the interpreter" if interpreting()
-           else "triton without gluon" if not HAVE_GLUON
+           else "triton without gluon" if not triton_kernels().w4_frag.HAVE_GLUON
            else f"{dtype} activations (bfloat16 needed)" if dtype != torch.bfloat16 else unsupported)
     if why:
         if policy.int4 == "frag":
@@ -222,7 +215,7 @@ def use_triton(policy: KernelPolicy, *tensors: torch.Tensor) -> bool:
 def dense_matmul(policy: KernelPolicy, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ w [N, K].T -> [M, N] for dense weights (same dtype)."""
     if use_triton(policy, x, w):
-        return bi_linear(x, w)
+        return triton_kernels().gemm.bi_linear(x, w)
     return F.linear(x, w)
 
 
@@ -259,37 +252,38 @@ def router_matmul(policy: KernelPolicy, x: torch.Tensor, w: torch.Tensor, partia
                   bf16x3: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:
     """Router logits: x [M, K] (any float dtype) @ w [N, K].T (float32) -> [M, N] float32. partials: split
     partials [S, M, N] where a kernel makes them (their sum in split order is the logits; `route` takes either),
-    else the logits. bf16x3: returns the gate's bf16 parts [3, N, K] (router_gemm.split_bf16x3, built once by
+    else the logits. bf16x3: returns the gate's bf16 parts [3, N, K] (bf16x3.split_bf16x3, built once by
     the owner), the operand of the tensor-core router, taken for bfloat16 activations; other activations take
     the float32 FMA router kernel (each its own bits)."""
     if not use_triton(policy, x, w):
         return F.linear(x.float(), w)
+    kernels = triton_kernels()
     if x.dtype != torch.bfloat16 or bf16x3 is None:
         log_once(f"router-gemm:router:{x.dtype}", f"router GEMM for {x.dtype} activations: the float32 FMA router "
                  "kernel (automatic: bf16x3 for bfloat16 with the gate's parts, else the FMA kernel)")
-        return router_logits(x, w, partials=partials)
+        return kernels.router_gemm.router_logits(x, w, partials=partials)
     log_once(f"router-gemm:bf16x3:{x.dtype}", f"router GEMM for {x.dtype} activations: the float32 gate as three "
              "bf16 parts on the tensor cores (automatic: bf16x3 for bfloat16, else the FMA kernel)")
-    parts = router_logits_bf16x3(x, bf16x3())
+    parts = kernels.router_gemm.router_logits_bf16x3(x, bf16x3())
     if partials:
         return parts
     logits = torch.empty(parts.shape[1:], device=x.device, dtype=torch.float32)
     if logits.numel():   # the partials in index order, as the router tail adds them
-        split_sum(parts, logits, parts.shape[0], pdl=pdl_supported(x.device))
+        kernels.split_sum.split_sum(parts, logits, parts.shape[0], pdl=kernels.pdl.pdl_supported(x.device))
     return logits
 
 
 def head_matmul(policy: KernelPolicy, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """Per-head product x [T, B, K], w [B, N, K] (any strides) -> [T, B, N]: out[t, b] = x[t, b] @ w[b].T."""
     if use_triton(policy, x, w):
-        return bi_head_linear(x, w)
+        return triton_kernels().gemm.bi_head_linear(x, w)
     return torch.einsum("tbk,bnk->tbn", x, w)
 
 
 def rms_norm(policy: KernelPolicy, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim, HF convention (reference.rms_norm_torch)."""
     if use_triton(policy, x, weight):
-        return bi_rmsnorm(x, weight, eps)
+        return triton_kernels().rmsnorm.bi_rmsnorm(x, weight, eps)
     return rms_norm_torch(x, weight, eps)
 
 
@@ -297,7 +291,7 @@ def add_rms_norm(policy: KernelPolicy, h: torch.Tensor, d: torch.Tensor, weight:
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(s, RMSNorm(s)) with s = h + d (the residual stream and the next sublayer's input)."""
     if use_triton(policy, h, d, weight):
-        return bi_add_rmsnorm(h, d, weight, eps)
+        return triton_kernels().rmsnorm.bi_add_rmsnorm(h, d, weight, eps)
     s = h + d
     return s, rms_norm(policy, s, weight, eps)
 
@@ -313,7 +307,7 @@ def route(policy: KernelPolicy, logits: torch.Tensor, bias: torch.Tensor,
     """Router tail: logits [T, E] float32, or split-K partials [S, T, E] (router_matmul partials=True: summed in
     split order, the bits of the logits) -> (expert ids int64 [T, k], weights float32 [T, k])."""
     if _elementwise_backend(policy, "router tail (sigmoid, group top-k, weights)", logits.device, logits):
-        return route_triton(logits, bias, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group,
+        return triton_kernels().router.route_triton(logits, bias, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group,
                             cfg.norm_topk_prob, cfg.routed_scaling_factor)
     return route_torch(logits, bias, cfg)
 
@@ -321,7 +315,7 @@ def route(policy: KernelPolicy, logits: torch.Tensor, bias: torch.Tensor,
 def silu_mul(policy: KernelPolicy, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up, elementwise (SwiGLU)."""
     if _elementwise_backend(policy, "SwiGLU (silu(gate) * up)", gate.device, gate, up):
-        return triton_silu_mul(gate, up)
+        return triton_kernels().swiglu.silu_mul(gate, up)
     return F.silu(gate) * up
 
 
@@ -329,7 +323,7 @@ def head_norm_rope(policy: KernelPolicy, x: torch.Tensor, weight: torch.Tensor, 
                    sin: torch.Tensor) -> torch.Tensor:
     """Per-head RMSNorm then rotate-half rope (the drafter's q / k): x [T, H, d], cos / sin [T, d]."""
     if _elementwise_backend(policy, "drafter head norm + rope", x.device, x, weight):
-        return triton_head_norm_rope(x, weight, eps, cos, sin)
+        return triton_kernels().head_norm_rope.head_norm_rope(x, weight, eps, cos, sin)
     return apply_rope_half(rms_norm(policy, x, weight, eps), cos, sin)
 
 
@@ -337,6 +331,12 @@ def draft_attention_backend(policy: KernelPolicy, q: torch.Tensor, k: torch.Tens
     """The drafter's attention (block queries over the cached context + the block): one Triton launch on
     CUDA (kernels/draft_attention.py), else torch (model/dflash.py: concatenation, GQA repeat, masked sdpa)."""
     return "triton" if _elementwise_backend(policy, "drafter attention", q.device, q, k) else "torch"
+
+
+def draft_attention(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor,
+                    start: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """The drafter attention's Triton launch (kernels/draft_attention.py), where draft_attention_backend chose it."""
+    return triton_kernels().draft_attention.draft_attention(q, k_ctx, v_ctx, kb, vb, start, window)
 
 
 def mla_tail_backend(policy: KernelPolicy, device: torch.device) -> str:
@@ -349,7 +349,7 @@ def rope_heads(policy: KernelPolicy, q: torch.Tensor, nope: int, cos: torch.Tens
                sin: torch.Tensor) -> torch.Tensor:
     """q [T, N, nope + R] -> rope(q[..., nope:]) [T, N, R] (reference.apply_rope)."""
     if mla_tail_backend(policy, q.device) == "triton" and not training(q):
-        return triton_rope_heads(q, nope, cos, sin)
+        return triton_kernels().rope.rope_heads(q, nope, cos, sin)
     return apply_rope(q[..., nope:], cos, sin)
 
 
@@ -357,7 +357,7 @@ def latent_write(policy: KernelPolicy, kva: torch.Tensor, norm_weight: torch.Ten
                  cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor) -> None:
     """kv[slots[t]] = [rmsnorm(kva[t, :C]) | rope(kva[t, C:])]: the T new latent cache rows of a layer."""
     if mla_tail_backend(policy, kv.device) == "triton" and not training(kva):
-        triton_latent_write(kva, norm_weight, eps, cos, sin, kv, slots)
+        triton_kernels().rope.latent_write(kva, norm_weight, eps, cos, sin, kv, slots)
         return
     C = norm_weight.shape[0]
     row = torch.cat([rms_norm(policy, kva[:, :C], norm_weight, eps), apply_rope(kva[:, C:], cos, sin)], dim=-1)
@@ -376,10 +376,29 @@ def w4a16_matmul(policy: KernelPolicy, x: torch.Tensor, layer: nn.Module) -> tor
     """x [M, K] @ the INT4 weight of ``layer`` (model.layers.Linear) -> [M, N]."""
     kind = layer.int4_prepare(x.dtype)
     if kind == "frag":
-        return frag_linear(x.to(torch.bfloat16), layer.weight_packed, layer.weight_scale, **ENGINE_ORDER)
+        return triton_kernels().w4_frag.frag_linear(x.to(torch.bfloat16), layer.weight_packed, layer.weight_scale,
+                                                    **ENGINE_ORDER)
     if kind == "triton":
-        return w4a16_linear(x, layer.weight_packed, layer.weight_scale, layer.group_size)
+        return triton_kernels().w4a16.w4a16_linear(x, layer.weight_packed, layer.weight_scale, layer.group_size)
     return w4a16_matmul_reference(policy, x, *checkpoint_int4(layer, "weight_packed"), layer.group_size)
+
+
+def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor, w2_q: torch.Tensor,
+                   w2_scale: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, group_size: int,
+                   *, add: torch.Tensor | None = None, tile: int = 0, stile: int = 0) -> torch.Tensor:
+    """The routed experts on the fragment-ordered Gluon kernels (kernels/moe_frag.py), where the experts'
+    int4_prepare chose "frag" (model/moe.py)."""
+    return triton_kernels().moe_frag.fused_moe_frag(x, w13_q, w13_scale, w2_q, w2_scale, topk_ids, topk_weights,
+                                                    group_size, add=add, tile=tile, stile=stile)
+
+
+def fused_moe_w4a16(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.Tensor, w2_packed: torch.Tensor,
+                    w2_scale: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, group_size: int,
+                    *, add: torch.Tensor | None = None) -> torch.Tensor:
+    """The routed experts on the Triton W4A16 kernels (kernels/moe_w4a16.py), where the experts' int4_prepare
+    chose "triton" (model/moe.py)."""
+    return triton_kernels().moe_w4a16.fused_moe_w4a16(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids,
+                                                      topk_weights, group_size, add=add)
 
 
 def attn_backend(policy: KernelPolicy, device: torch.device) -> str:
@@ -391,7 +410,7 @@ def mla_attention(policy: KernelPolicy, q_lat: torch.Tensor, q_pe: torch.Tensor,
                   tree_mask: torch.Tensor | None, scale: float, kv_lora_rank: int) -> torch.Tensor:
     """Absorbed MLA attention over the latent cache + the new block; see reference.mla_attention_reference."""
     if attn_backend(policy, kv.device) == "triton":
-        return triton_mla(q_lat, q_pe, kv, start, tree_mask, scale, kv_lora_rank)
+        return triton_kernels().mla_attention.mla_attention(q_lat, q_pe, kv, start, tree_mask, scale, kv_lora_rank)
     return mla_attention_reference(q_lat, q_pe, kv, start, tree_mask, scale, kv_lora_rank)
 
 
@@ -405,8 +424,8 @@ def mla_attention_static(policy: KernelPolicy, q_lat: torch.Tensor, q_pe: torch.
     ``gather_index``: the Triton kernel's :func:`attention_gather_index` of ``tree_mask``, computed once for all
     layers (else per call)."""
     if attn_backend(policy, kv.device) == "triton":
-        return mla_attention_device(q_lat, q_pe, kv, start, tree_mask, scale, kv_lora_rank,
-                                    gather_index=gather_index)
+        return triton_kernels().mla_attention.mla_attention_device(q_lat, q_pe, kv, start, tree_mask, scale,
+                                                                   kv_lora_rank, gather_index=gather_index)
     if visible is None:
         raise ValueError("the torch MLA attention of a static step needs the visibility mask")
     return mla_attention_masked(q_lat, q_pe, kv, visible, scale, kv_lora_rank)
@@ -417,7 +436,7 @@ def attention_gather_index(policy: KernelPolicy, tree_mask: torch.Tensor
     """What every layer's static attention derives from the step's tree mask (the Triton kernel's per-query
     visible-slot index), built once per forward; None for the torch path (it uses the visibility mask)."""
     if attn_backend(policy, tree_mask.device) == "triton":
-        return tree_gather_index(tree_mask)
+        return triton_kernels().mla_attention.tree_gather_index(tree_mask)
     return None
 
 
@@ -426,7 +445,7 @@ def build_draft_tree(policy: KernelPolicy, lp: torch.Tensor, ids: torch.Tensor, 
     """The DDTree of a device-resident round (no host read): CUDA: one Triton program
     (kernels/tree_ops.py); CPU: the vectorized torch builder (speculative/tree.py). Identical trees."""
     if _backend("DDTree builder (device rounds)", policy.tree, lp.device) == "triton":
-        return build_tree_triton(lp, ids, budget, root_token, start)
+        return triton_kernels().tree_ops.build_tree_triton(lp, ids, budget, root_token, start)
     return build_tree(lp, ids, budget, root_token, start)
 
 
@@ -436,6 +455,7 @@ def row_argmax(policy: KernelPolicy, x: torch.Tensor) -> torch.Tensor:
     if x.dim() >= 1 and x.numel() and x.dtype in DTYPES and _elementwise_backend(
             policy, "row argmax (greedy picks)", x.device, x):
         rows = x.reshape(-1, x.shape[-1])
+        argmax_rows = triton_kernels().row_select.argmax_rows
         return argmax_rows(rows if rows.stride(-1) == 1 else rows.contiguous()).reshape(x.shape[:-1])
     return torch.argmax(x, dim=-1)
 
@@ -448,10 +468,11 @@ def draft_topk(policy: KernelPolicy, logits: torch.Tensor, k: int) -> tuple[torc
     V = logits.shape[-1]
     if logits.dim() == 2 and V and logits.dtype in DTYPES and _elementwise_backend(
             policy, "drafter top-k log-probs", logits.device, logits):
-        if V <= TOPK_MAX_V and min(k, V) <= TOPK_MAX_K:
-            return topk_logprobs_rows(logits if logits.stride(-1) == 1 else logits.contiguous(), min(k, V))
+        rows = triton_kernels().row_select
+        if V <= rows.TOPK_MAX_V and min(k, V) <= rows.TOPK_MAX_K:
+            return rows.topk_logprobs_rows(logits if logits.stride(-1) == 1 else logits.contiguous(), min(k, V))
         log_once(f"topk:wide:{V}:{k}", f"drafter top-k log-probs: torch for {k} of {V} (the Triton kernel "
-                 f"takes k <= {TOPK_MAX_K} of V <= {TOPK_MAX_V})")
+                 f"takes k <= {rows.TOPK_MAX_K} of V <= {rows.TOPK_MAX_V})")
     return topk_logprobs_torch(logits, k)
 
 
@@ -460,6 +481,13 @@ def accept_backend(policy: KernelPolicy, device: torch.device) -> str:
     (kernels/accept_walk.py); CPU: the vectorized torch walk (speculative/accept.py, speculative/device_round.py).
     The same accepted nodes, emitted tokens and bonus."""
     return _backend("accept walk (device rounds)", policy.tree, device)
+
+
+def accept_walk(tokens: torch.Tensor, parents: torch.Tensor, picks: torch.Tensor, m: int, max_depth: int,
+                acc: torch.Tensor, result: torch.Tensor, bonus: torch.Tensor) -> None:
+    """The accept walk's Triton launch (kernels/accept_walk.py), where accept_backend chose it: writes acc,
+    result and bonus in place."""
+    triton_kernels().accept_walk.accept_walk(tokens, parents, picks, m, max_depth, acc, result, bonus)
 
 
 def log_choices(policy: KernelPolicy, device: torch.device) -> None:

@@ -33,8 +33,8 @@ from kdtree_engine.kernels.split_sum import Partition
 from kdtree_engine.kernels.w4_dequant import DEQ_FLOAT
 from kdtree_engine.kernels.common import bucket
 from kdtree_engine.kernels.pdl import pdl_launch, pdl_supported
-from kdtree_engine.kernels.w4_frag import (HAVE_GLUON, dense_partition, frag_gpb, frag_unsupported, stream_programs,
-                                           tile_unsupported, word_layout)
+from kdtree_engine.kernels.layouts import MOE_PARTITION_ROWS, frag_gpb, frag_moe_unsupported, tile_unsupported
+from kdtree_engine.kernels.w4_frag import HAVE_GLUON, dense_partition, stream_programs, word_layout
 
 if HAVE_GLUON:   # optional: the Gluon kernels exist only on a triton with gluon (w4_frag.HAVE_GLUON)
     from triton.experimental import gluon
@@ -71,8 +71,7 @@ class FragMoEConfig:
 
 
 EPI_BLOCK = 256           # elements per program of the SwiGLU and top-k sum launches (elementwise: any size, the same bits)
-MOE_PARTITION_ROWS = 64   # rows of a partition tile = a program's rows (MOE_WARPS warps x one 16-row MMA tile)
-MOE_WARPS = 4
+MOE_WARPS = 4             # one 16-row MMA tile each: the MOE_PARTITION_ROWS rows of a program (layouts.py)
 MOE_GATE_UP_PER_SM = 3    # programs per SM the 8-token gate/up kernel holds: its stream partition fills one wave
 #                           with a token's top-k expert blocks
 MOE_DOWN_PER_SM = None    # the down GEMM (few K blocks) runs whole row tiles (one partial): its stream partition
@@ -126,12 +125,6 @@ def _counters(device: torch.device, n13: int, n2: int) -> tuple[torch.Tensor, to
 
 def frag_moe_config(num_pairs: int, num_experts: int) -> FragMoEConfig:
     return bucket(FRAG_MOE_CONFIGS, -(-num_pairs // max(num_experts, 1)))
-
-
-def frag_moe_unsupported(H: int, I: int, group_size: int) -> str | None:
-    """Why experts with hidden H and intermediate I cannot take the fragment kernels (None: they can)."""
-    bn = MOE_PARTITION_ROWS
-    return frag_unsupported(I, H, group_size, bn) or frag_unsupported(H, I, group_size, bn)
 
 
 if HAVE_GLUON:
@@ -406,5 +399,5 @@ def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor
     return out
 
 
-__all__ = ["FUSE_MAX_PAIRS", "FragMoEConfig", "FRAG_MOE_CONFIGS", "fused_epilogues", "MOE_PARTITION_ROWS", "frag_moe_config", "frag_moe_unsupported",
+__all__ = ["FUSE_MAX_PAIRS", "FragMoEConfig", "FRAG_MOE_CONFIGS", "fused_epilogues", "frag_moe_config",
            "fused_moe_frag", "moe_plan"]

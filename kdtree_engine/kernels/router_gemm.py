@@ -1,7 +1,8 @@
 """Router logits in float32: x [M, K] @ gate [N, K].T (float32), two batch-invariant kernels.
 
 bf16 activations (the engine's CUDA path, router_logits_bf16x3): the gate split exactly into three bf16 parts
-(split_bf16x3), one tensor-core GEMM launch against the three, its (part, split) partials added by the router tail.
+(split_bf16x3, kernels/bf16x3.py), one tensor-core GEMM launch against the three, its (part, split) partials added by
+the router tail.
 Other activations (router_logits below): the FMA kernel,
 
     logits[m, n] = sum over splits s (in order) of  tree_sum_k( x[m, k] * w[n, k] )  over the split's KS keys
@@ -111,21 +112,8 @@ BF16X3_BLOCK_K = 128
 BF16X3_SPLITS = 8
 
 
-def split_bf16x3(w: torch.Tensor) -> torch.Tensor:
-    """float32 w [N, K] -> bf16 [3, N, K] = (lo, mid, hi): hi = bf16(w), mid = bf16(w - hi), lo = bf16(w - hi - mid),
-    each difference exact in float32, so hi + mid + lo == w wherever lo stays a normal number, i.e. for |w| >= 2^-100
-    (24 significant bits, 8 per part; tests/kernels/test_router_bf16x3.py); below that lo loses its last bits."""
-    if w.dim() != 2 or w.dtype != torch.float32:
-        raise ValueError(f"split_bf16x3: a float32 [N, K] weight, got {tuple(w.shape)} {w.dtype}")
-    hi = w.to(torch.bfloat16)
-    r = w - hi.float()
-    mid = r.to(torch.bfloat16)
-    lo = (r - mid.float()).to(torch.bfloat16)
-    return torch.stack([lo, mid, hi])
-
-
 def router_logits_bf16x3(x: torch.Tensor, parts: torch.Tensor) -> torch.Tensor:
-    """x [M, K] bfloat16, parts [3, N, K] bfloat16 (split_bf16x3 of the float32 gate) -> partials [3 * S, M, N]
+    """x [M, K] bfloat16, parts [3, N, K] bfloat16 (bf16x3.split_bf16x3 of the float32 gate) -> partials [3 * S, M, N]
     float32, S = the splits that hold k: partial p * S + s = x @ parts[p].T over split s's k (fp32 accumulation in
     BF16X3_BLOCK_K steps). Their sum in index order (route's split partials) is the logits. The bf16 products of x
     and each part are exact, so the error is the float32 accumulation's alone (about a float32 GEMM's).
@@ -181,4 +169,4 @@ def router_logits(x: torch.Tensor, w: torch.Tensor, *, config: RouterGemmConfig 
 
 
 __all__ = ["BF16X3_BLOCK_K", "BF16X3_SPLITS", "ROUTER_CONFIGS", "RouterGemmConfig", "router_config", "router_logits",
-           "router_logits_bf16x3", "router_logits_reference", "split_bf16x3"]
+           "router_logits_bf16x3", "router_logits_reference"]

@@ -8,8 +8,9 @@ The default kernel (`kdtree_engine/kernels/w4a16.py`) dequantizes a tile in regi
 memory and reloads it in the MMA's operand layout: ~5 bytes of shared-memory traffic per weight, the limit
 Nsight Compute shows (the L1/shared pipe, not DRAM, is the limit). Here the weights are the MMA's A operand
 (y^T = W x^T: 16 weight rows per m16n8k16 tile, the tokens are the 8 or 16 columns) and a one-off repack
-(`frag_repack`) orders each row's nibbles so that one 32-bit word holds exactly the 8 codes that one
-thread's A fragments need for one quantization group:
+(`frag_repack`, kernels/layouts.py with the rest of the word order, in plain torch) orders each row's
+nibbles so that one 32-bit word holds exactly the 8 codes that one thread's A fragments need for one
+quantization group:
 
     repacked word t*GPB + g of a block of GPB groups (32*GPB k), thread lane = 4*r + t:
       nibble j   (j = 0..3) <- k = 32*g + 16*(j >> 1) + 8*(j & 1) + 2*t
@@ -41,155 +42,15 @@ import triton
 from kdtree_engine.kernels.pdl import PDL_ASM, pdl_launch, pdl_supported
 from kdtree_engine.kernels.split_sum import Partition, stream_sum
 from kdtree_engine.kernels.w4_dequant import BF16X2_PTX
+from kdtree_engine.kernels.layouts import GROUP, LANES_T, frag_gpb, tile_unsupported
 from kdtree_engine.logs import log_once
-from kdtree_engine.quant import pack_int4, unpack_int4
 
-LANES_T = 4          # threads of one MMA row group that share a row (lane % 4)
 # the MMAs of a dense program (DenseLaunch.mma): mma.sync, or wgmma with the activations in shared memory
 MMAS = ("sync", "wgmma")
 
 
-def frag_perm(gpb: int) -> torch.Tensor:
-    """[32*gpb] int64: position p of a repacked block holds logical k = perm[p] of the same block."""
-    perm = torch.empty(32 * gpb, dtype=torch.int64)
-    for t in range(LANES_T):
-        for g in range(gpb):
-            base = (t * gpb + g) * 8
-            for j in range(4):
-                k = 32 * g + 16 * (j >> 1) + 8 * (j & 1) + 2 * t
-                perm[base + j] = k
-                perm[base + j + 4] = k + 1
-    return perm
-
-
-def _permute_codes(packed: torch.Tensor, gpb: int, perm: torch.Tensor, what: str) -> torch.Tensor:
-    K = packed.shape[-1] * 8
-    bk = 32 * gpb
-    if packed.dtype != torch.int32:
-        raise TypeError(f"{what}: int32 packed words required, got {packed.dtype}")
-    if K % bk:
-        raise ValueError(f"{what}: K={K} is not a multiple of the block {bk} (32 x gpb={gpb})")
-    if packed.dim() > 2:   # one matrix at a time: the unpacked codes take 32x the words' memory
-        return torch.stack([_permute_codes(p, gpb, perm, what) for p in packed.unbind(0)])
-    q = unpack_int4(packed)                                              # [N, K] int8
-    perm = perm.to(q.device)
-    return pack_int4(q.reshape(q.shape[0], K // bk, bk)[..., perm].reshape(q.shape[0], K))
-
-
-def frag_repack(packed: torch.Tensor, gpb: int) -> torch.Tensor:
-    """int32 [.., N, K/8] compressed-tensors words -> the same codes in fragment order (K % (32*gpb) == 0)."""
-    return _permute_codes(packed, gpb, frag_perm(gpb), "frag_repack")
-
-
-FRAG_TILE = 64      # rows per tile of the fragment kernels' words and scales as the engine stores them (frag_tile,
-#                     scale_tile): a program's loads of one block are one contiguous run
-
-
-FRAG_CHUNK = 4      # words of one thread's 16-byte load
-
-
-def frag_tile(words: torch.Tensor, gpb: int, tile: int, inverse: bool = False) -> torch.Tensor:
-    """Fragment-ordered words [.., N, K/8] -> the same words with each block (32*gpb k) of each `tile` rows
-    stored contiguously ([.., N/tile, blocks, tile, 4*gpb]; same shape): a program's loads of one block are
-    then one contiguous run instead of `tile` runs of 16*gpb bytes. Within a row's 4*gpb words of a block,
-    gpb > FRAG_CHUNK stores them chunk-major ([gpb/4 chunks, 4 threads t, 4 words]: `frag_chunks`), so that one
-    16-byte load of the 4 threads of a row reads 64 contiguous bytes (whole 32-byte sectors) instead of every
-    other 16 bytes of 128. inverse: back to row-major. The scales' tiles: scale_tile."""
-    N, kw = words.shape[-2:]
-    lead, width = words.shape[:-2], 4 * gpb
-
-    def chunks(w: torch.Tensor, inv: bool) -> torch.Tensor:   # each block's words, chunk-major or back
-        return frag_chunks(w.reshape(*lead, N, kw // width, width), gpb, inverse=inv).reshape(*lead, N, kw)
-
-    if inverse:
-        return _tile_rows(chunks(words, True), tile, width, True, "frag_tile: words")
-    return chunks(_tile_rows(words, tile, width, False, "frag_tile: words"), False)
-
-
-def _tile_rows(t: torch.Tensor, tile: int, width: int, inverse: bool, what: str) -> torch.Tensor:
-    """[.., N, C] -> the same values with each block of `width` columns of each `tile` rows stored contiguously
-    ([.., N/tile, C/width, tile, width]; same shape); inverse: back to row-major. `what` names the tensor in errors."""
-    N, C = t.shape[-2:]
-    if tile <= 0 or N % tile or C % width:
-        raise ValueError(f"{what} {tuple(t.shape)} do not tile by {tile} rows and blocks of {width} columns")
-    lead, nblk = t.shape[:-2], C // width
-    src = (N // tile, nblk, tile) if inverse else (N // tile, tile, nblk)
-    return t.reshape(*lead, *src, width).transpose(-3, -2).contiguous().reshape(*lead, N, C)
-
-
-def scale_tile(scales: torch.Tensor, gpb: int, tile: int, inverse: bool = False) -> torch.Tensor:
-    """Row-major group scales [.., N, K/32] -> the same scales with each block (gpb groups) of each `tile` rows
-    stored contiguously ([.., N/tile, blocks, tile, gpb]; same shape): the scales a program reads for one block
-    are then one run of tile * gpb values instead of `tile` runs of gpb (one 32-byte sector request per row).
-    inverse: back to row-major."""
-    return _tile_rows(scales, tile, gpb, inverse, "scale_tile: scales")
-
-
-def frag_chunks(words: torch.Tensor, gpb: int, inverse: bool = False) -> torch.Tensor:
-    """[.., 4*gpb] words of one row's block, thread-major ([4 threads t, gpb words g]) -> chunk-major
-    ([gpb/4 chunks, t, 4 words]: word (t, g) at (g // 4) * 16 + t * 4 + g % 4) where gpb > FRAG_CHUNK; else
-    unchanged. inverse: back."""
-    if gpb <= FRAG_CHUNK:
-        return words
-    lead, chunks = words.shape[:-1], gpb // FRAG_CHUNK
-    shape = (chunks, LANES_T, FRAG_CHUNK) if inverse else (LANES_T, chunks, FRAG_CHUNK)
-    return words.reshape(*lead, *shape).transpose(-3, -2).contiguous().reshape(*lead, 4 * gpb)
-
-
-def to_engine_order(words: torch.Tensor, gpb: int) -> torch.Tensor:
-    """Checkpoint-ordered words [.., N, K/8] -> the order the engine keeps for the fragment kernels: the
-    fragment repack, then FRAG_TILE-row tiles."""
-    return frag_tile(frag_repack(words, gpb), gpb, FRAG_TILE)
-
-
-def from_engine_order(words: torch.Tensor, gpb: int) -> torch.Tensor:
-    """Inverse of to_engine_order."""
-    return frag_unrepack(frag_tile(words, gpb, FRAG_TILE, inverse=True), gpb)
-
-
-def to_engine_scales(scales: torch.Tensor, gpb: int) -> torch.Tensor:
-    """Checkpoint (row-major) group scales [.., N, K/32] -> the order the engine keeps beside engine-ordered
-    words: FRAG_TILE-row tiles (scale_tile)."""
-    return scale_tile(scales, gpb, FRAG_TILE)
-
-
-def from_engine_scales(scales: torch.Tensor, gpb: int) -> torch.Tensor:
-    """Inverse of to_engine_scales."""
-    return scale_tile(scales, gpb, FRAG_TILE, inverse=True)
-
-
-def to_engine_int4(words: torch.Tensor, scales: torch.Tensor, K: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Checkpoint-ordered words [.., N, K/8] and scales [.., N, K/32] of input width K -> both in the engine's order
-    (to_engine_order, to_engine_scales at frag_gpb(K))."""
-    gpb = frag_gpb(K)
-    return to_engine_order(words, gpb), to_engine_scales(scales, gpb)
-
-
-def from_engine_int4(words: torch.Tensor, scales: torch.Tensor, K: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inverse of to_engine_int4."""
-    gpb = frag_gpb(K)
-    return from_engine_order(words, gpb), from_engine_scales(scales, gpb)
-
-
-# the fragment kernels' keywords for words and scales in the engine's order (to_engine_order, to_engine_scales)
-ENGINE_ORDER = {"tile": FRAG_TILE, "stile": FRAG_TILE}
-
-
-def tile_unsupported(rows: int, tile: int, bn: int) -> str | None:
-    """Why words in `tile`-row tiles cannot feed programs of `bn` rows of an [rows, K] matrix (None: they can;
-    tile 0 is row-major)."""
-    if tile and (tile < 0 or rows % tile or (bn % tile and tile % bn)):
-        return f"tile {tile} must divide the {rows} rows and divide or be a multiple of {bn} rows per program"
-    return None
-
-
-def frag_unrepack(packed: torch.Tensor, gpb: int) -> torch.Tensor:
-    """Inverse of frag_repack."""
-    return _permute_codes(packed, gpb, torch.argsort(frag_perm(gpb)), "frag_unrepack")
-
-
 # ---------------------------------------------------------------------------------------------- kernel
-try:  # optional: Gluon exists in triton >= 3.5; the kernels need it, the repack above does not
+try:  # optional: Gluon exists in triton >= 3.5; the kernels need it, the word order (layouts.py) does not
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
@@ -509,36 +370,12 @@ if HAVE_GLUON:
                 g += nb
 
 
-GROUP = 32           # the only group size of the fragment order (one word = one group of one lane)
-MAX_GPB = 8          # groups per K block: 8 (256 k) measured fastest at K2 shapes (docs/performance_history.md)
 DENSE_PARTITION_ROWS = 64      # rows of a partition tile = a program's rows (DENSE_WARPS warps of one 16-row MMA tile)
 DENSE_WARPS = DENSE_PARTITION_ROWS // 16
 DENSE_WARPS_PER_SM = 16        # stream partition of a dense matrix: one wave of 16 warps per SM (4 programs of the
                                # 16-token tile's 128 registers) ...
 DENSE_MIN_BLOCKS = 4           # ... and at least this many 64-row K blocks per program
 DENSE_MAX_SEGMENTS = 4         # row tiles one program may touch (its segments are unrolled)
-
-
-def frag_gpb(K: int) -> int:
-    """Groups per K block for input width K: the largest power of 2 <= MAX_GPB dividing K / 32. A function
-    of K alone, so the repack at load and every launch agree."""
-    if K % GROUP:
-        raise ValueError(f"fragment order needs K % {GROUP} == 0, got K={K}")
-    g = MAX_GPB
-    while (K // GROUP) % g:
-        g //= 2
-    return g
-
-
-def frag_unsupported(N: int, K: int, group_size: int, bn: int = 64) -> str | None:
-    """Why an [N, K] INT4 weight cannot take the fragment kernels (None: it can)."""
-    if group_size != GROUP:
-        return f"group size {group_size} (the fragment order needs {GROUP})"
-    if K % GROUP:
-        return f"input width {K} not a multiple of {GROUP}"
-    if N % bn:
-        return f"{N} output rows not a multiple of {bn}"
-    return None
 
 
 def dense_plan(N: int, K: int, sms: int) -> tuple[int, int]:

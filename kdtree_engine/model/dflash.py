@@ -36,8 +36,7 @@ from ..errors import DraftMismatchError, DraftLoadError
 from ..config import ModelConfig
 from ..draft_config import DraftConfig
 from ..kernels.common import take_rows
-from ..kernels.dispatch import draft_attention_backend, head_norm_rope
-from ..kernels.draft_attention import draft_attention
+from ..kernels.dispatch import draft_attention, draft_attention_backend, head_norm_rope
 from ..kernels.policy import KernelPolicy, policy_or_env
 from ..weights import storable
 from .layers import MLP, Linear, RMSNorm, stacked_linear, stacked_weights

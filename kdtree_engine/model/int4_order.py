@@ -22,8 +22,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..kernels.w4_frag import (frag_gpb, from_engine_int4, from_engine_order, from_engine_scales, to_engine_order,
-                               to_engine_scales)
+from ..kernels.layouts import (frag_gpb, from_engine_int4, from_engine_order, from_engine_scales, to_engine_order,
+                                to_engine_scales)
 from ..logs import log_once
 
 CHECKPOINT, FRAG = "checkpoint", "frag"

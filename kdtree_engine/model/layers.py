@@ -16,7 +16,7 @@ from ..config import ModelConfig, yarn_mscale
 from ..kernels.common import take_rows
 from ..kernels.dispatch import add_rms_norm, dense_matmul, int4_prepare, rms_norm, silu_mul, w4a16_matmul
 from ..kernels.policy import KernelPolicy, policy_or_env
-from ..kernels.w4_frag import frag_unsupported
+from ..kernels.layouts import frag_unsupported
 from ..logs import log_once
 from ..quant import dequantize
 from .int4_order import checkpoint_int4

@@ -13,13 +13,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
-from ..kernels.dispatch import dense_matmul, int4_prepare, route, router_matmul, shared_placement
-from ..kernels.moe_frag import frag_moe_unsupported, fused_moe_frag
-from ..kernels.moe_w4a16 import fused_moe_w4a16
+from ..kernels.bf16x3 import split_bf16x3
+from ..kernels.dispatch import (dense_matmul, fused_moe_frag, fused_moe_w4a16, int4_prepare, route, router_matmul,
+                                shared_placement)
+from ..kernels.layouts import ENGINE_ORDER, frag_moe_unsupported
 from ..kernels.policy import KernelPolicy, policy_or_env
-from ..kernels.router_gemm import split_bf16x3
 from ..kernels.streams import side_by_side
-from ..kernels.w4_frag import ENGINE_ORDER
 from ..logs import log_once
 from ..quant import dequantize
 from .int4_order import checkpoint_int4
@@ -45,7 +44,7 @@ class Router(nn.Module):
         return route(self.policy, logits, self.e_score_correction_bias, self.cfg)
 
     def bf16x3_parts(self) -> torch.Tensor:
-        """The gate as three bf16 parts [3, E, H] (router_gemm.split_bf16x3) for the tensor-core router: built on
+        """The gate as three bf16 parts [3, E, H] (bf16x3.split_bf16x3) for the tensor-core router: built on
         first use, again when the weight is replaced or written in place (its version), dropped by reset_parts."""
         w = self.weight
         key = (w.data_ptr(), w._version, w.device)

@@ -38,9 +38,8 @@ from typing import Any
 
 import torch
 
-from ..kernels.accept_walk import accept_walk
 from ..kernels.common import take_rows
-from ..kernels.dispatch import accept_backend, build_draft_tree
+from ..kernels.dispatch import accept_backend, accept_walk, build_draft_tree
 from ..model.target import Target
 from ..sampling import SamplingParams, greedy, race, rule_probs, sample, topk_logprobs
 from .accept import accept_path_mask

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kdtree_engine.kernels.router_gemm import (RouterGemmConfig, router_config, router_logits, router_logits_bf16x3,
-                                                split_bf16x3)
+from kdtree_engine.kernels.bf16x3 import split_bf16x3
+from kdtree_engine.kernels.router_gemm import RouterGemmConfig, router_config, router_logits, router_logits_bf16x3
 from tests.gpu.graph_replay import replays_match_eager
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

@@ -21,8 +21,8 @@ pytestmark = [
 
 from kdtree_engine.kernels.moe_frag import FragMoEConfig, fused_moe_frag  # noqa: E402
 from kdtree_engine.kernels.moe_w4a16 import fused_moe_reference  # noqa: E402
-from kdtree_engine.kernels.w4_frag import (HAVE_GLUON, DenseLaunch, dense_launch, frag_gpb, frag_linear,  # noqa: E402
-                                           frag_repack, frag_tile, scale_tile)
+from kdtree_engine.kernels.layouts import frag_gpb, frag_repack, frag_tile, scale_tile  # noqa: E402
+from kdtree_engine.kernels.w4_frag import HAVE_GLUON, DenseLaunch, dense_launch, frag_linear  # noqa: E402
 from kdtree_engine.quant import dequantize  # noqa: E402
 
 from tests.gpu.test_kernels_gpu import _check, poisoned, rand_w4, rel  # noqa: E402,F401

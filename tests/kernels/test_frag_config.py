@@ -22,8 +22,9 @@ def test_moe_plans(sms):
     """The MoE partitions: at K2 widths a token's 8 gate/up expert blocks fill one wave of 3 programs per SM
     with at least 4 K blocks per program and at most 2 tiles of blocks each (fewer SMs: more programs than one
     wave); the down GEMM runs whole row tiles. They depend on the shape, top-k and SM count only."""
-    from kdtree_engine.kernels.moe_frag import MOE_DOWN_PER_SM, MOE_GATE_UP_PER_SM, MOE_PARTITION_ROWS, moe_plan
-    from kdtree_engine.kernels.w4_frag import dense_partition, frag_gpb
+    from kdtree_engine.kernels.layouts import MOE_PARTITION_ROWS, frag_gpb
+    from kdtree_engine.kernels.moe_frag import MOE_DOWN_PER_SM, MOE_GATE_UP_PER_SM, moe_plan
+    from kdtree_engine.kernels.w4_frag import dense_partition
     gu = moe_plan(2048, 7168, frag_gpb(7168), sms, 8, MOE_GATE_UP_PER_SM)
     down = moe_plan(7168, 2048, frag_gpb(2048), sms, 8, MOE_DOWN_PER_SM)
     assert (gu.rows, gu.tiles, gu.iters) == (MOE_PARTITION_ROWS, 32, 28)
@@ -41,8 +42,9 @@ def test_moe_plans(sms):
 def test_moe_plan_refuses_nothing_the_engine_reaches():
     """Every expert shape the fragment kernels accept gets a partition whose segments the kernel unrolls (the
     demo's H 256 / I 192 included)."""
-    from kdtree_engine.kernels.moe_frag import frag_moe_unsupported, moe_plan
-    from kdtree_engine.kernels.w4_frag import dense_partition, frag_gpb
+    from kdtree_engine.kernels.layouts import frag_gpb, frag_moe_unsupported
+    from kdtree_engine.kernels.moe_frag import moe_plan
+    from kdtree_engine.kernels.w4_frag import dense_partition
     for H, I in ((256, 192), (1024, 512), (2048, 1024), (7168, 2048), (7168, 64), (64, 7168)):
         assert frag_moe_unsupported(H, I, 32) is None
         for topk in (1, 2, 8):

@@ -17,8 +17,8 @@ HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parent))
 
 from kdtree_engine.kernels.gemm import Reduction  # noqa: E402
-from kdtree_engine.kernels.router_gemm import (  # noqa: E402
-    BF16X3_BLOCK_K, BF16X3_SPLITS, router_logits_bf16x3, split_bf16x3)
+from kdtree_engine.kernels.bf16x3 import split_bf16x3  # noqa: E402
+from kdtree_engine.kernels.router_gemm import BF16X3_BLOCK_K, BF16X3_SPLITS, router_logits_bf16x3  # noqa: E402
 
 TOL = 2e-6   # float32 accumulation of exact bf16 products, against float64 on the same inputs
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kdtree_engine.kernels.w4_frag import frag_perm, frag_repack, frag_unrepack
+from kdtree_engine.kernels.layouts import frag_perm, frag_repack, frag_unrepack
 from kdtree_engine.quant import pack_int4, unpack_int4
 
 
@@ -48,7 +48,7 @@ def test_frag_tile_puts_each_block_of_a_tile_together(gpb):
     name."""
     import torch
 
-    from kdtree_engine.kernels.w4_frag import frag_tile
+    from kdtree_engine.kernels.layouts import frag_tile
     N, K, T = 128, 1024, 64
     w = torch.randint(-2**31, 2**31 - 1, (2, N, K // 8), dtype=torch.int32)
     wt = frag_tile(w, gpb, T)
@@ -73,7 +73,7 @@ def test_engine_order_round_trip_and_tile_checks():
     not); tile_unsupported names a tile that does not fit the rows or the programs."""
     import torch
 
-    from kdtree_engine.kernels.w4_frag import (FRAG_TILE, frag_repack, frag_tile, from_engine_order,
+    from kdtree_engine.kernels.layouts import (FRAG_TILE, frag_repack, frag_tile, from_engine_order,
                                                tile_unsupported, to_engine_order)
     w = torch.randint(-2**31, 2**31 - 1, (3, 128, 64), dtype=torch.int32)
     e = to_engine_order(w, 8)
@@ -89,7 +89,7 @@ def test_engine_order_round_trip_and_tile_checks():
 def test_scale_tile_puts_each_block_of_a_tile_together(gpb):
     """scale_tile: scale (row n, group b * gpb + g) lands at [n // T, b, n % T, g] of the tiled order (one run of
     T * gpb values per block of a tile); the inverse restores row-major; bad shapes are refused by name."""
-    from kdtree_engine.kernels.w4_frag import scale_tile
+    from kdtree_engine.kernels.layouts import scale_tile
     N, K, T = 128, 1024, 64
     s = torch.randn(3, N, K // 32).to(torch.bfloat16)
     st = scale_tile(s, gpb, T)
@@ -107,7 +107,7 @@ def test_scale_tile_puts_each_block_of_a_tile_together(gpb):
 def test_engine_int4_pair_round_trip():
     """to_engine_int4 / from_engine_int4: words and scales of input width K into the engine's order at
     frag_gpb(K) and back to the checkpoint's, on fresh random codes."""
-    from kdtree_engine.kernels.w4_frag import (frag_gpb, from_engine_int4, to_engine_int4, to_engine_order,
+    from kdtree_engine.kernels.layouts import (frag_gpb, from_engine_int4, to_engine_int4, to_engine_order,
                                                to_engine_scales)
     g = torch.Generator().manual_seed(int(torch.randint(1 << 30, (1,))))
     N, K = 128, 768
