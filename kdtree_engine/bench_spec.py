@@ -117,13 +117,14 @@ def default_prompts(tokenizer: Any, num: int, tokens: int, root: str | Path | No
                 continue
         m = _DEF_LINE.search(text)
         body = text[m.start():] if m else text
-        ids = tokenizer.encode(body[: 16 * tokens]).ids  # a prefix is enough (~3.5 bytes a token)
+        # a prefix is enough (~3.5 bytes a token)
+        ids = tokenizer.encode(body[: 16 * tokens], special=True, add_special_tokens=True)
         if len(ids) < tokens + 1 and len(body) > 16 * tokens:
-            ids = tokenizer.encode(body).ids
+            ids = tokenizer.encode(body, special=True, add_special_tokens=True)
         if len(ids) < tokens:
             continue
         ids = ids[:tokens]
-        out.append(Prompt(ids=ids, text=tokenizer.decode(ids), source=rel))
+        out.append(Prompt(ids=ids, text=tokenizer.decode(ids, skip_special=True), source=rel))
     if near_dup is None:
         log.info("default prompts: held-out files kept even where they near-copy a training file (no check)")
     elif left_out:
@@ -170,7 +171,7 @@ def encode_prompts(items: Sequence[str | list[int]], tokenizer: Any, source: str
             if tokenizer is None:
                 raise ValueError(f"--prompts {source} holds text but the model has no tokenizer.json "
                                  "(give token id lists instead)")
-            ids = tokenizer.encode(x).ids
+            ids = tokenizer.encode(x, special=True, add_special_tokens=True)
             out.append(Prompt(ids=ids, text=x, source=source))
         else:
             out.append(Prompt(ids=[int(t) for t in x], text=None, source=source))

@@ -30,6 +30,8 @@ from .quant import QuantError, k2_quantization_config, parse_quantization_config
 from .sampling import SamplingParams
 from .speculative.config import SpecConfig
 from .speculative.decode import GenerationResult, generate, resolve_spec
+from .tokenizer import TextTokenizer
+from .tokenizer import load_tokenizer as load_text_tokenizer
 from .weights import iter_checkpoint
 
 log = logging.getLogger("kdtree_engine")
@@ -144,13 +146,9 @@ def load_drafter(path: str | Path, target: Target):
                                          policy=target.policy)
 
 
-def load_tokenizer(path: str | Path):
-    """The directory's tokenizer.json as a ``tokenizers.Tokenizer``, or None when there is none."""
-    file = Path(path) / "tokenizer.json"
-    if not file.exists():
-        return None
-    from tokenizers import Tokenizer
-    return Tokenizer.from_file(str(file))
+def load_tokenizer(path: str | Path) -> TextTokenizer | None:
+    """The directory's tokenizer (tokenizer.json or Kimi's tiktoken.model), or None when there is none."""
+    return load_text_tokenizer(path)
 
 
 class LLM:
@@ -213,12 +211,14 @@ class LLM:
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise PromptError("this model directory has no tokenizer.json; pass the prompt as token ids")
-            return self.tokenizer.encode(prompt).ids
+                raise PromptError("this model directory has no tokenizer (tokenizer.json or tiktoken.model); pass "
+                                  "the prompt as token ids")
+            # special tokens written in the text are their ids, and tokenizer.json's post-processor applies
+            return self.tokenizer.encode(prompt, special=True, add_special_tokens=True)
         return [int(t) for t in prompt]
 
     def decode(self, ids: Sequence[int]) -> str | None:
-        return None if self.tokenizer is None else self.tokenizer.decode(list(ids))
+        return None if self.tokenizer is None else self.tokenizer.decode(list(ids), skip_special=True)
 
     def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
                  params: SamplingParams | None = None, *,

@@ -54,3 +54,12 @@ class DraftConfigError(ConfigError):
 
 class BadInput(Exception):
     """Input the user can fix (a flag, a path, a prompt): the commands print it without a traceback, exit 2."""
+
+
+class TokenizerError(BadInput):
+    """A tokenizer file (tokenizer.json, tiktoken.model, tokenizer_config.json) that cannot be read; names the file."""
+
+
+class ChatTemplateError(BadInput):
+    """The chat template cannot render these messages (no template, no messages, a bad message, or the template
+    raised); the message is one line naming the problem."""

@@ -46,7 +46,7 @@ def _run_round(budget):
     target = load_target(DEMO, device=torch.device("cpu"), dtype=torch.float32, progress=False,
                          policy=KernelPolicy(tree="triton"))
     drafter = load_drafter(DEMO / "draft", target)
-    prompt = load_tokenizer(DEMO).encode("def add(a, b):\n    return").ids
+    prompt = load_tokenizer(DEMO).encode("def add(a, b):\n    return", special=True, add_special_tokens=True)
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     plain = generate(target, prompt, params, eager=True)
     got = generate_device(target, prompt, params, method="ddtree", drafter=drafter, budget=budget, graph=False)
