@@ -101,6 +101,28 @@ def test_stop_string_cuts_exactly_and_counts_the_tokens_up_to_it(client, llm, re
             assert usage.completion_tokens == needed
 
 
+MESSAGES = [{"role": "system", "content": "You write Python."},
+            {"role": "user", "content": [{"type": "text", "text": "A quicksort, "}, {"type": "text", "text": "please."}]}]
+
+
+def test_chat_equals_the_python_api_streamed_or_not(client, llm):
+    flat = [MESSAGES[0], {"role": "user", "content": "A quicksort, please."}]
+    ids = llm.tokenizer.encode(llm.tokenizer.render_chat(flat, add_generation_prompt=True), special=True)
+    ref = llm.generate(ids, SamplingParams(max_tokens=N_TOKENS))[0]
+    whole = client.chat.completions.create(model="demo", messages=MESSAGES, max_completion_tokens=N_TOKENS,
+                                           temperature=0)
+    msg = whole.choices[0].message
+    assert (msg.role, msg.content, whole.choices[0].finish_reason) == ("assistant", ref.text, ref.finish_reason)
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (len(ids), len(ref.token_ids))
+    chunks = list(client.chat.completions.create(model="demo", messages=MESSAGES, max_tokens=N_TOKENS,
+                                                 temperature=0, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == \
+        [ref.finish_reason]
+    assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (len(ids), len(ref.token_ids))
+
+
 def test_sampled_request_is_reproducible_with_a_seed(client):
     kw = dict(model="demo", prompt=PROMPT, max_tokens=12, temperature=0.8, top_p=0.9, seed=7,
               extra_body={"top_k": 50})
@@ -162,6 +184,10 @@ CHAT_BAD = [
     (json.dumps({"model": "demo", "messages": [{"role": "user", "content": "hi"}], "logprobs": True}), 400,
      "logprobs"),
     (json.dumps({"model": "demo", "messages": [{"role": "user", "content": "hi"}], "n": 3}), 400, "n"),
+    (json.dumps({"model": "demo", "messages": [{"role": "tool", "content": "hi"}]}), 400, "messages"),
+    (json.dumps({"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 9,
+                 "max_completion_tokens": 9}), 400, "max_completion_tokens"),
+    (json.dumps({"model": "demo", "messages": [{"role": "user", "content": 7}]}), 400, "messages[0].content"),
 ]
 
 
