@@ -146,9 +146,9 @@ def build_app(llm: Any, settings: ServeSettings) -> FastAPI:
         shape = Shape(chat=cls is Chat, model=name,
                       include_usage=bool(body.stream_options and body.stream_options.include_usage))
         if body.stream:
-            return StreamingResponse(stream(job, shape), media_type="text/event-stream",
+            return StreamingResponse(stream(job, shape, worker), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        return await whole(job, shape, request)
+        return await whole(job, shape, request, worker)
 
     async def guarded(request: Request, cls: type[Completion] | type[Chat]) -> Response:
         try:
@@ -191,7 +191,7 @@ def internal(e: Exception) -> ApiError:
                     type="server_error")
 
 
-async def stream(job: Job, shape: Shape) -> AsyncIterator[str]:
+async def stream(job: Job, shape: Shape, worker: Worker) -> AsyncIterator[str]:
     """Server-sent events: the chunks, a usage chunk when asked for, then ``[DONE]``. Torn down early (the client
     went away): the job is cancelled, the worker ends it at the next round."""
     ended = False
@@ -214,7 +214,7 @@ async def stream(job: Job, shape: Shape) -> AsyncIterator[str]:
         yield DONE
     finally:
         if not ended:
-            job.cancel()
+            worker.cancel(job)
 
 
 async def wait_disconnect(receive: Callable[[], Any]) -> None:
@@ -223,7 +223,7 @@ async def wait_disconnect(receive: Callable[[], Any]) -> None:
         pass
 
 
-async def whole(job: Job, shape: Shape, request: Request) -> Response:
+async def whole(job: Job, shape: Shape, request: Request, worker: Worker) -> Response:
     """The whole response once the job is done; a client gone before that cancels the job."""
     gone = asyncio.ensure_future(wait_disconnect(request.receive))
     text: list[str] = []
@@ -233,7 +233,7 @@ async def whole(job: Job, shape: Shape, request: Request) -> Response:
             await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
             if not get.done():
                 get.cancel()
-                job.cancel()
+                worker.cancel(job)
                 return Response(status_code=499)   # nobody reads it
             event = get.result()
             if isinstance(event, Delta):
@@ -245,4 +245,4 @@ async def whole(job: Job, shape: Shape, request: Request) -> Response:
                                                 event.completion_tokens))
     finally:
         gone.cancel()
-        job.cancel()   # a no-op once the job is done; ends it when this task was cancelled (shutdown)
+        worker.cancel(job)   # a no-op once the job is done; ends it when this task was cancelled (shutdown)

@@ -54,7 +54,7 @@ class Failed:
 Event = Delta | Done | Failed
 
 
-@dataclass
+@dataclass(eq=False)
 class Job:
     """One request: what to run, where its events go, and its cancel flag."""
 
@@ -107,12 +107,25 @@ class Worker:
             self.metrics.label(self.metrics.waiting).set(len(self.waiting))
             self.cond.notify()
 
+    def cancel(self, job: Job) -> None:
+        """End a job: one still waiting leaves the queue now (its slot is free), a running one ends at the next
+        round boundary; a finished one is left alone."""
+        with self.cond:
+            if not job.cancelled.is_set():
+                log.debug("request %d: cancelled (%s)", job.id, "running" if job is self.running else "waiting")
+            job.cancel()
+            if job in self.waiting:
+                self.waiting.remove(job)
+                self.metrics.label(self.metrics.waiting).set(len(self.waiting))
+                self.metrics.finished("abort")
+                job.send(Done("abort", len(job.prompt_ids), 0))
+
     def stop(self, timeout: float) -> bool:
         """Cancel what waits and what runs; True when the thread ended within ``timeout`` seconds."""
         with self.cond:
             self.stopping = True
             for job in list(self.waiting) + ([self.running] if self.running else []):
-                job.cancel()
+                self.cancel(job)
             self.cond.notify_all()
         self.thread.join(timeout)
         return not self.thread.is_alive()
@@ -146,10 +159,6 @@ class Worker:
         m = self.metrics
         start = time.perf_counter()
         m.label(m.queue_time).observe(start - job.arrived)
-        if job.cancelled.is_set():
-            m.finished("abort")
-            job.send(Done("abort", len(job.prompt_ids), 0))
-            return
         detok, matcher = Detokenizer(self.decode), StopMatcher(job.stops)
         counted = [0]            # tokens up to the one that completed a stop string
         rounds: list[int] = []   # emitted tokens per round after the prefill
@@ -190,4 +199,6 @@ class Worker:
         m.label(m.generation_tokens).inc(counted[0])
         m.label(m.e2e).observe(time.perf_counter() - job.arrived)
         m.finished(reason)
+        log.debug("request %d: %s, %d prompt and %d generated tokens", job.id, reason, len(job.prompt_ids),
+                  counted[0])
         job.send(Done(reason, len(job.prompt_ids), counted[0]))

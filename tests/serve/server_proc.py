@@ -61,5 +61,6 @@ class Server:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait(timeout=30)
+        print(f"--- server log (exit {self.proc.returncode}), last lines ---\n" + self.output()[-4000:])
         self.log.close()
         Path(self.log.name).unlink(missing_ok=True)
