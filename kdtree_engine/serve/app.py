@@ -175,7 +175,7 @@ def build_app(llm: Any, settings: ServeSettings) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        if worker.stopping:
+        if worker.closed or worker.stopping:
             return JSONResponse({"status": "shutting down"}, status_code=503)
         return JSONResponse({"status": "ok"})
 

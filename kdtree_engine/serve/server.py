@@ -1,7 +1,7 @@
 """Runs the app on uvicorn: binds the socket first (a port in use is bad input, before the model loads), serves,
 and shuts down gracefully on SIGTERM / SIGINT.
 
-Shutdown: uvicorn stops accepting, lets running responses finish for ``shutdown_timeout_s`` and then cancels
+Shutdown: the worker's queue closes (new requests: 503), uvicorn stops accepting, lets running responses finish for ``shutdown_timeout_s`` and then cancels
 them; the app's lifespan then stops the worker (what still waits or runs is cancelled at its next round).
 uvicorn re-raises the signal it caught once it is done; the handler installed here receives it, so the process
 exits with status 0 instead of dying by the signal.
@@ -19,6 +19,7 @@ import uvicorn
 
 from ..errors import BadInput
 from .app import ServeSettings, build_app
+from .worker import Worker
 
 log = logging.getLogger("kdtree_engine.serve")
 
@@ -41,6 +42,19 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+class Server(uvicorn.Server):
+    """uvicorn's server that also closes the worker's queue when the shutdown signal arrives: requests sent on
+    open connections during the grace period get 503, /health reports the shutdown."""
+
+    def __init__(self, config: uvicorn.Config, worker: Worker) -> None:
+        super().__init__(config)
+        self.worker = worker
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self.worker.close()
+        super().handle_exit(sig, frame)
+
+
 def after_shutdown(signum: int, frame: FrameType | None) -> None:
     log.info("signal %s: shut down", signal.Signals(signum).name)
 
@@ -51,7 +65,7 @@ def serve(llm: Any, settings: ServeSettings, sock: socket.socket) -> None:
     host, port = sock.getsockname()[:2]
     config = uvicorn.Config(app, log_config=None, timeout_graceful_shutdown=int(settings.shutdown_timeout_s),
                             lifespan="on")
-    server = uvicorn.Server(config)
+    server = Server(config, app.state.worker)
     previous = {s: signal.signal(s, after_shutdown) for s in SHUTDOWN_SIGNALS}
     # tests and scripts read the port from this line (--port 0 picks a free one)
     log.info("serving %r on http://%s:%d (OpenAI-compatible: /v1/completions, /v1/chat/completions, /v1/models; "

@@ -90,6 +90,7 @@ class Worker:
         self.running: Job | None = None
         self.cond = threading.Condition()
         self.stopping = False
+        self.closed = False      # no new requests (a shutdown began); those queued still run
         self.ids = itertools.count(1)
         self.thread = threading.Thread(target=self.loop, name="kdtree-engine", daemon=True)
 
@@ -98,7 +99,7 @@ class Worker:
 
     def submit(self, job: Job) -> None:
         with self.cond:
-            if self.stopping:
+            if self.stopping or self.closed:
                 raise QueueFull("the server is shutting down")
             if len(self.waiting) >= self.max_queue:
                 raise QueueFull(f"the queue is full ({self.max_queue} requests waiting)")
@@ -106,6 +107,10 @@ class Worker:
             self.waiting.append(job)
             self.metrics.label(self.metrics.waiting).set(len(self.waiting))
             self.cond.notify()
+
+    def close(self) -> None:
+        """Refuse new requests from now on (a plain flag: a signal handler calls it)."""
+        self.closed = True
 
     def cancel(self, job: Job) -> None:
         """End a job: one still waiting leaves the queue now (its slot is free), a running one ends at the next
