@@ -214,6 +214,7 @@ def main(argv: list[str] | None = None) -> dict:
     settings.update(model="demo (its drafter, DDTree budget 16)", temperature=0, ignore_eos=True,
                     max_queue=args.concurrency * 2)
 
+    load_before = os.getloadavg()   # the host's load: other work on its cores slows every phase
     proc, url, log = start_server(max_queue=args.concurrency * 2)
     try:
         asyncio.run(run_clients(url, make_specs(8, args.max_tokens, 0.5, 0.0, random.Random(1)), 4))  # warm-up
@@ -234,6 +235,7 @@ def main(argv: list[str] | None = None) -> dict:
             proc.wait()
         log.unlink(missing_ok=True)
     seq_api = python_api(done)
+    load_after = os.getloadavg()
 
     kinds: dict[str, int] = {}
     for o in outs:
@@ -247,6 +249,8 @@ def main(argv: list[str] | None = None) -> dict:
         "all_accounted": len(outs) == len(specs) and set(kinds) <= {"ok", "disconnected"},
         "hung": kinds.get("timeout", 0),
         "load_wall_s": load_s,
+        "host_load_average_1_5_15": {"before": load_before, "after": load_after},
+        "host_cpus": os.cpu_count(),
         "completed_tokens_per_s": sum(o.completion_tokens or 0 for o in ok) / load_s,
         "healthy_after": healthy,
         "sigterm_exit_status": exit_status,
@@ -288,7 +292,10 @@ def main(argv: list[str] | None = None) -> dict:
           f"{exit_status}.", "",
           f"Server RSS: {rss_before:.1f} MB after warm-up, {rss_after:.1f} MB after the load "
           f"({rss_after - rss_before:+.1f} MB). Load phase: {load_s:.1f} s, "
-          f"{payload['completed_tokens_per_s']:.1f} completed tokens/s.", "",
+          f"{payload['completed_tokens_per_s']:.1f} completed tokens/s. Host: {os.cpu_count()} CPUs, load average "
+          f"(1/5/15 min) {load_before[0]:.1f}/{load_before[1]:.1f}/{load_before[2]:.1f} before, "
+          f"{load_after[0]:.1f}/{load_after[1]:.1f}/{load_after[2]:.1f} after (other work on the host slows "
+          "every phase; the server and the client share its cores).", "",
           "TTFT from sending the request to the first text chunk (under load it includes the wait in the queue: "
           "one request runs at a time); ITL per request = (last chunk - first chunk) / (tokens - 1), in ms:", ""]
     md += md_table(["path", "requests", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99"], rows)
