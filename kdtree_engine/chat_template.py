@@ -2,9 +2,10 @@
 
 transformers compiles the template in an ``ImmutableSandboxedEnvironment`` (``trim_blocks``, ``lstrip_blocks``,
 the ``loopcontrols`` extension and a ``{% generation %}`` block), with a ``raise_exception`` global, a
-``strftime_now`` global and a ``tojson`` filter that keeps non-ASCII text; it renders with the variables
-``messages``, ``tools``, ``documents``, ``add_generation_prompt`` and the special tokens (``bos_token``,
-``eos_token``, ...). Messages are copied to plain dicts and lists first, keys whose value is None dropped.
+``strftime_now`` global, a ``namespace`` that refuses underscore names and a ``tojson`` filter that keeps
+non-ASCII text; it renders with the variables ``messages``, ``tools``, ``documents``, ``add_generation_prompt``
+and the special tokens (``bos_token``, ``eos_token``, ...). Messages are copied to plain dicts and lists first,
+keys whose value is None dropped.
 """
 
 from __future__ import annotations
@@ -49,6 +50,27 @@ class GenerationBlock(Extension):
         return caller()
 
 
+class GuardedNamespace(jinja2.utils.Namespace):
+    """``namespace()`` without underscore names: a template from a model repository is untrusted code, and the
+    sandbox guards attribute reads, not a namespace's stored names."""
+
+    def __init__(*args: Any, **kwargs: Any) -> None:   # Namespace's signature: ``self`` may be a stored name
+        self, rest = args[0], args[1:]
+        attrs = dict(*rest, **kwargs)
+        for name in attrs:
+            GuardedNamespace.check(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        GuardedNamespace.check(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def check(name: object) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(f"a namespace cannot hold the underscore name {name!r}")
+
+
 def raise_exception(message: str) -> None:
     raise TemplateRaised(message)
 
@@ -69,6 +91,7 @@ def make_environment() -> ImmutableSandboxedEnvironment:
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
+    env.globals["namespace"] = GuardedNamespace
     return env
 
 
@@ -121,7 +144,7 @@ def plain_data(value: Any, where: str) -> Any:
         return {str(k): plain_data(v, f"{where}.{k}") for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [plain_data(v, f"{where}[{i}]") for i, v in enumerate(value)]
-    raise ChatTemplateError(f"{where} holds a {type(value).__name__}, not JSON data")
+    raise ChatTemplateError(f"{where} is not JSON data (a {type(value).__name__})")
 
 
 def chat_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:

@@ -180,7 +180,7 @@ def test_the_demo_template_renders() -> None:
     ([{"role": "user", "content": "a"}, {"role": "assistant"}], r"messages\[1\] \(assistant\) has no content"),
     ([{"role": 3, "content": "x"}], r"messages\[0\] has no role"),
     (["user: hi"], r"messages\[0\] is a str"),
-    ([{"role": "user", "content": object()}], r"messages\[0\].content holds a object"),
+    ([{"role": "user", "content": object()}], r"messages\[0\].content is not JSON data \(a object\)"),
 ])
 def test_bad_messages_are_one_line_errors(tmp_path, messages, expect) -> None:
     tok = load_tokenizer(model_dir(tmp_path, WITH_SYSTEM))
@@ -204,3 +204,13 @@ def test_template_errors_are_one_line(tmp_path) -> None:
     assert "\n" not in str(e.value)
     with pytest.raises(TokenizerError, match=r"tokenizer_config.json: the chat template does not compile \(line 2"):
         load_tokenizer(model_dir(tmp_path / "syntax", "ok\n{% for m in messages %}"))
+
+
+@pytest.mark.parametrize("template", ["{% set ns = namespace(_x=1) %}{{ ns._x }}",
+                                      "{% set ns = namespace(x=1) %}{% set ns._y = 2 %}{{ ns.x }}"])
+def test_a_namespace_refuses_underscore_names_as_transformers_does(tmp_path, template) -> None:
+    messages = [{"role": "user", "content": "x"}]
+    with pytest.raises(jinja2.exceptions.SecurityError):
+        hf_oracle(template).apply_chat_template(messages, tokenize=False)
+    with pytest.raises(ChatTemplateError, match="SecurityError"):
+        load_tokenizer(model_dir(tmp_path, template)).render_chat(messages)
