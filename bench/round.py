@@ -68,7 +68,7 @@ def make_prompts(tokenizer: Any, vocab: int, num: int, tokens: int) -> tuple[lis
         try:
             return default_prompts(tokenizer, num, tokens), "held-out stdlib files"
         except Exception:  # noqa: BLE001 - any failure falls back to the fixed snippet
-            ids = tokenizer.encode(FALLBACK_TEXT).ids[:tokens]
+            ids = tokenizer.encode(FALLBACK_TEXT, special=True, add_special_tokens=True)[:tokens]
             return [Prompt(ids=ids, text=FALLBACK_TEXT)], "fixed snippet"
     g = torch.Generator().manual_seed(0)
     return ([Prompt(ids=torch.randint(2, vocab, (tokens,), generator=g).tolist()) for _ in range(num)],

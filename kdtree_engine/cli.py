@@ -1,4 +1,4 @@
-"""``kdtree`` command line: generate | golden make / check | selfcheck | bench (docs/cli.md is the reference).
+"""``kdtree`` command line: generate | serve | golden make / check | selfcheck | bench (docs/cli.md is the reference).
 
 Exit codes (:mod:`kdtree_engine.exit_codes`): 0 success; 1 a check found a mismatch; 2 bad input (missing or
 unreadable model, bad flag value, prompt too long, corrupt bundle, a GPU benchmark without a GPU), printed as one
@@ -81,19 +81,10 @@ def error_line(e: BaseException) -> str:
     return f"kdtree: error: {as_flags(str(e))}"
 
 
-def add_generate_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="generate text or token ids from a prompt")
-    p.add_argument("prompt", nargs="?", help="prompt text (needs the model's tokenizer.json)")
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags that choose and load the model (``generate`` and ``serve``)."""
     p.add_argument("--model", default=None,
                    help="HF-format checkpoint directory (default: the embedded demo model, with its drafter)")
-    p.add_argument("--prompt-ids", type=_ids, help="prompt as comma-separated token ids")
-    p.add_argument("--max-tokens", type=int, default=64,
-                   help="tokens to generate (at most what the model's context leaves after the prompt)")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                    help="default: bfloat16 on cuda, float32 on cpu")
@@ -113,13 +104,38 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--eager", action="store_true",
                    help="run each decoding round from the host (stage timers, --show-tree, sampling) instead of "
                         "replaying it from a CUDA graph (the default on CUDA with a fixed budget)")
+    p.add_argument("--threads", type=_positive("--threads"), default=None,
+                   help="torch CPU threads (default: chosen by the model's size on the CPU, logged; one for the "
+                        "demo)")
+
+
+def load_llm(args: argparse.Namespace, eager: bool) -> LLM:
+    """The model the flags of :func:`add_model_arguments` name (``eager``: host-driven rounds)."""
+    if args.model is None and not (DEMO_DIR / "config.json").exists():
+        raise BadInput(f"no --model given and the embedded demo model is missing ({DEMO_DIR})")
+    if args.model is not None and not Path(args.model).is_dir():
+        raise BadInput(f"--model {args.model!r} is not a directory")
+    return LLM(args.model, draft=args.draft, spec=args.spec, budget=args.budget, device=args.device,
+               dtype=args.dtype, quantize=args.quantize, batch_invariant=args.batch_invariant == "on", progress=True,
+               eager=True if eager else None, threads=args.threads if args.threads is not None else "auto")
+
+
+def add_generate_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate text or token ids from a prompt")
+    p.add_argument("prompt", nargs="?", help="prompt text (needs the model's tokenizer.json)")
+    p.add_argument("--prompt-ids", type=_ids, help="prompt as comma-separated token ids")
+    p.add_argument("--max-tokens", type=int, default=64,
+                   help="tokens to generate (at most what the model's context leaves after the prompt)")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
+    add_model_arguments(p)
     p.add_argument("--compare", action=argparse.BooleanOptionalAction, default=None,
                    help=f"also run plain decoding and report the speedup: after an untimed warm-up of each, "
                         f"{COMPARE_RUNS} timed runs of each, interleaved, the fastest of each compared "
                         f"(default: on for the embedded demo)")
-    p.add_argument("--threads", type=_positive("--threads"), default=None,
-                   help="torch CPU threads (default: chosen by the model's size on the CPU, logged; one for the "
-                        "demo)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     add_show_tree_argument(p)
     p.set_defaults(func=cmd_generate)
@@ -133,16 +149,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise BadInput("give exactly one of PROMPT or --prompt-ids")
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
-    demo = args.model is None
-    if demo and not (DEMO_DIR / "config.json").exists():
-        raise BadInput(f"no --model given and the embedded demo model is missing ({DEMO_DIR})")
-    if not demo and not Path(args.model).is_dir():
-        raise BadInput(f"--model {args.model!r} is not a directory")
-    compare = demo if args.compare is None else args.compare
-    llm = LLM(args.model, draft=args.draft, spec=args.spec, budget=args.budget, device=args.device,
-              dtype=args.dtype, quantize=args.quantize, batch_invariant=args.batch_invariant == "on", progress=True,
-              eager=True if (args.eager or args.show_tree) else None,
-              threads=args.threads if args.threads is not None else "auto")
+    compare = args.model is None if args.compare is None else args.compare
+    llm = load_llm(args, args.eager or args.show_tree)
     if args.show_tree and not args.eager:
         log.debug("--show-tree: rounds run eagerly (a replayed round records no tree)")
     prompt = args.prompt if args.prompt_ids is None else args.prompt_ids
@@ -257,6 +265,38 @@ def format_stats(finish_reason: str, s: dict) -> str:
     return line + "]"
 
 
+def add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API (docs/serve.md)")
+    add_model_arguments(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (0: a free one, printed at start)")
+    p.add_argument("--max-queue", type=_positive("--max-queue"), default=64,
+                   help="requests that may wait while one runs; past it: 503 with Retry-After")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: no key)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the name clients send as 'model' (default: 'demo', or the model directory's name)")
+    p.add_argument("--shutdown-timeout", type=_positive("--shutdown-timeout"), default=10,
+                   help="seconds running requests may take to finish after SIGTERM before they are cancelled")
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    if not 0 <= args.port < 2**16:
+        raise BadInput(f"--port must be in 0..65535, got {args.port}")
+    if args.api_key == "":
+        raise BadInput("--api-key is empty")
+    name = args.served_model_name or ("demo" if args.model is None else Path(args.model).resolve().name)
+    # the HTTP stack (fastapi, uvicorn, pydantic) is imported by this command alone: the others start without it
+    from .serve.app import ServeSettings
+    from .serve.server import bind, serve
+    sock = bind(args.host, args.port)   # before loading: a port in use fails at once
+    llm = load_llm(args, args.eager)
+    serve(llm, ServeSettings(served_model_name=name, max_queue=args.max_queue, api_key=args.api_key,
+                             shutdown_timeout_s=float(args.shutdown_timeout)), sock)
+    return 0
+
+
 def add_selfcheck_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("selfcheck", help="make a golden bundle from the numpy reference and check the engine on it")
     p.add_argument("--tokens", type=int, default=32)
@@ -310,6 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
     add_generate_parser(sub)
+    add_serve_parser(sub)
     add_golden_parser(sub)
     add_selfcheck_parser(sub)
     add_bench_parser(sub)

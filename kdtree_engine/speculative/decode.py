@@ -11,7 +11,9 @@ Stop rule: a round's tokens are emitted in order; the first EOS (unless ``ignore
 token ends the request and is itself included in ``token_ids`` (finish_reason "stop"); reaching
 ``max_tokens`` or the context limit ends it with finish_reason "length" (a ``max_tokens`` beyond the context
 limit is cut to it, with a warning). Nothing after the stop
-point is emitted.
+point is emitted. ``on_tokens`` receives each round's emitted tokens; when it returns True the request ends
+after that round with finish_reason "abort" unless the rule above ended it there too (the server stops a
+request this way: a stop string in the text, a client gone).
 
 Timing: ``prefill_s`` covers the prompt forward that yields the first token; ``decode_s`` the rest;
 ``tokens_per_s`` = tokens produced after the first / decode_s (decode speed, prefill excluded).
@@ -37,14 +39,18 @@ from .host_rounds import TREE_IMPLS, HostRounds
 from .stats import STAGES, RoundStats, sync
 from .tree import DraftTree
 
-__all__ = ["GenerationResult", "PromptError", "Rounds", "SPEC_METHODS", "SpecConfig", "SpecError", "check_prompt",
+__all__ = ["GenerationResult", "OnTokens", "PromptError", "Rounds", "SPEC_METHODS", "SpecConfig", "SpecError", "check_prompt",
            "generate", "generate_device", "pick_round_mode", "resolve_spec"]
+
+
+# Called with each round's emitted tokens; a True return ends the request after that round.
+OnTokens = Callable[[list[int]], "bool | None"]
 
 
 @dataclass
 class GenerationResult:
     token_ids: list[int]
-    finish_reason: str  # "length" | "stop"
+    finish_reason: str  # "length" | "stop" | "abort" (on_tokens ended it)
     stats: dict[str, Any] = field(default_factory=dict)
     text: str | None = None
     # The last round that drafted (host-driven dflash / ddtree; None otherwise): its tree, the accepted node
@@ -87,7 +93,7 @@ class Emitter:
     """Applies the stop rule to a round's tokens and forwards what is emitted."""
 
     def __init__(self, target: Target, params: SamplingParams, limit: int,
-                 on_tokens: Callable[[list[int]], None] | None) -> None:
+                 on_tokens: OnTokens | None) -> None:
         self.stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(target.cfg.eos_token_ids))
         self.limit = limit
         self.on_tokens = on_tokens
@@ -112,14 +118,14 @@ class Emitter:
         if len(self.tokens) + len(out) >= self.limit and self.finish_reason is None:
             self.finish_reason = "length"
         self.tokens.extend(out)
-        if out and self.on_tokens is not None:
-            self.on_tokens(out)
+        if out and self.on_tokens is not None and self.on_tokens(out) and self.finish_reason is None:
+            self.finish_reason = "abort"
         return self.finish_reason is not None
 
 
 def generate(target: Target, prompt_ids: list[int], params: SamplingParams, *,
              spec: str | SpecConfig = "none", drafter: Any = None, budget: int | str | None = None,
-             on_tokens: Callable[[list[int]], None] | None = None, tree_impl: str = "auto",
+             on_tokens: OnTokens | None = None, tree_impl: str = "auto",
              eager: bool | None = None) -> GenerationResult:
     """Decode one request with plain decoding, DFlash (chain) or DDTree (tree of ``budget`` nodes,
     or ``budget="auto"``: chosen per round).
@@ -146,7 +152,7 @@ def generate(target: Target, prompt_ids: list[int], params: SamplingParams, *,
 
 def generate_device(target: Target, prompt_ids: list[int], params: SamplingParams, *, method: str,
                     drafter: Any = None, budget: int | None = None, graph: bool,
-                    on_tokens: Callable[[list[int]], None] | None = None,
+                    on_tokens: OnTokens | None = None,
                     ahead: bool | None = None) -> GenerationResult:
     """:func:`generate` over device-resident rounds, replayed from a CUDA graph (``graph=True``) or run
     eagerly on any device; ``ahead``: None = the device's default order (tests set it to check both)."""
@@ -165,7 +171,7 @@ def _shape(sc: SpecConfig, target: Target, drafter: Any, prompt_ids: list[int]) 
 
 
 def run_rounds(target: Target, prompt_ids: list[int], params: SamplingParams, shape: RoundShape,
-               on_tokens: Callable[[list[int]], None] | None, make_rounds: Callable[[int], Rounds],
+               on_tokens: OnTokens | None, make_rounds: Callable[[int], Rounds],
                mode: str) -> GenerationResult:
     """The one generation loop: prefill, then rounds until the stop rule ends the request.
     ``make_rounds(limit)`` builds the request's rounds for at most ``limit`` new tokens."""

@@ -225,7 +225,7 @@ def demo_prompts(tokenizer, n: int) -> list[list[int]]:
         if not starts:
             continue
         i = starts[len(starts) // 2]
-        out.append(tokenizer.encode("\n".join(src[i:i + 8])[:400]).ids)
+        out.append(tokenizer.encode("\n".join(src[i:i + 8])[:400], special=True, add_special_tokens=True))
     assert len(out) == n, f"only {len(out)} standard-library snippets found"
     return out
 

@@ -49,7 +49,7 @@ def _demo_prompts(n: int) -> list[list[int]]:
     tok = load_tokenizer(DEMO)
     texts = ["def quicksort(items):\n    ", "class Stack:\n    def __init__(self):\n",
              "import os\n\ndef walk(path):\n", "for i in range(10):\n    print("]
-    return [tok.encode(t).ids for t in texts[:n]]
+    return [tok.encode(t, special=True, add_special_tokens=True) for t in texts[:n]]
 
 
 def _check_equal(target, drafter, prompts, max_tokens=64):

@@ -210,7 +210,7 @@ def test_warmup_rounds_then_restore_change_nothing():
         target = load_target(DEMO, device=torch.device("cpu"), dtype=torch.float32, progress=False)
         drafter = load_drafter(DEMO / "draft", target)
         from kdtree_engine.engine import load_tokenizer
-        prompt = load_tokenizer(DEMO).encode("def add(a, b):\n    return").ids
+        prompt = load_tokenizer(DEMO).encode("def add(a, b):\n    return")
     else:
         target, drafter = _tiny_pair()
         prompt = [3, 200, 17, 99, 41]
