@@ -1,10 +1,11 @@
 """Multi-head latent attention (MLA), DeepSeek-V3 / K2.
 
 Two forms with the same math:
-  naive     (a prompt step; each chunk of a long prompt, prefill.py): up-project the latents with kv_b_proj, ordinary
-            causal attention over [T, N, P+R] keys and [T, N, V] values.
+  naive     (a prompt step): up-project the latents with kv_b_proj, ordinary causal attention over
+            [T, N, P+R] keys and [T, N, V] values.
   absorbed  (decode, tree verify, chunks over a cached prefix): W_UK folded into the query, the
             576-wide latent cache read as keys and (its first 512) as values, W_UV after.
+The chunks of a prompt longer than one prefill chunk take either form by cost, over key blocks (prefill.py).
 Notation: N heads, P qk_nope, R qk_rope, V v_head, C kv_lora_rank, S cached tokens, T new tokens.
 """
 
