@@ -151,5 +151,5 @@ def test_prompt_past_the_context_is_refused_before_any_forward(monkeypatch, caps
     monkeypatch.undo()
     save_checkpoint(tmp_path / "m", cfg, {k: torch.from_numpy(v) for k, v in random_weights(cfg, 0).items()})
     assert main(["generate", "--model", str(tmp_path / "m"), "--prompt-ids", ",".join(["3"] * 40)]) == 2
-    err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("loading weights")]
+    err = [line for line in capsys.readouterr().err.splitlines() if line and not line.startswith("loading weights")]
     assert err == ["kdtree: error: prompt has 40 tokens; max_position_embeddings is 32"], err
