@@ -297,13 +297,15 @@ class Target(nn.Module):
 
     @torch.no_grad()
     def prefill(self, ids: torch.Tensor, cache: LatentCache, aux_layers: tuple[int, ...] = (),
-                chunk: int | None = None, form: str = "auto", all_logits: bool = False) -> PrefillOutput:
+                chunk: int | None = None, form: str = "auto", all_logits: bool = False,
+                positions: torch.Tensor | None = None) -> PrefillOutput:
         """The prompt's forward: ids [T] into ``cache`` -> the last token's logits [1, V] (all [T, V] with
         ``all_logits``) and the aux features of every prompt token (see :mod:`.prefill`).
 
         A prompt of at most ``chunk`` tokens (None: DEFAULT_PREFILL_CHUNK) is one ordinary causal forward;
         a longer one runs in chunks, each attending over the committed prefix and itself in key blocks, in the
-        form ``form`` ("auto": chosen per chunk by cost). Peak memory: on CUDA the allocator's peak above what
+        form ``form`` ("auto": chosen per chunk by cost). ``positions`` [T]: the rope positions (None: the cache
+        slots, as in :meth:`forward`). Peak memory: on CUDA the allocator's peak above what
         was allocated before, on the CPU the estimated largest attention transient."""
         size = resolve_chunk(chunk)
         self._check_aux(aux_layers)
@@ -315,7 +317,7 @@ class Target(nn.Module):
             torch.cuda.reset_peak_memory_stats(dev)
             base = torch.cuda.memory_allocated(dev)
         if T <= size:
-            out = self(ids, cache, aux_layers=aux_layers)
+            out = self(ids, cache, positions, aux_layers=aux_layers)
             logits, aux, chunks = (out.logits if all_logits else out.logits[-1:]), out.aux, 1
             estimate = transient_bytes(cfg, N, T, T, "naive", db)
         else:
@@ -323,7 +325,8 @@ class Target(nn.Module):
             plan = plan_chunks(T, size)
             for a, b in plan:
                 chosen = choose_form(cfg, N, b - a, cache.length, db, dev, form)
-                ctx = replace(self.context(cache, b - a), chunk=ChunkStep(chosen))
+                at = None if positions is None else positions[a:b].to(dev)
+                ctx = replace(self.context(cache, b - a, at), chunk=ChunkStep(chosen))
                 x, part_aux = self._layers(self.embed(ids[a:b]), ctx, cache, aux_layers)
                 cache.commit_all()
                 estimate = max(estimate, transient_bytes(cfg, N, b - a, min(KEY_BLOCK, b), chosen, db))
