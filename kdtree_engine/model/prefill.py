@@ -109,7 +109,7 @@ def choose_form(cfg: ModelConfig, n_heads: int, T: int, S: int, dtype_bytes: int
     if form != "auto":
         log_once(f"prefill-form:forced:{form}", f"prefill chunks: {form} form (forced)")
         return form
-    balance = FLOPS_PER_BYTE.get(device.type, FLOPS_PER_BYTE["cpu"])
+    balance = FLOPS_PER_BYTE["cuda" if device.type == "cuda" else "cpu"]  # the message below names it
     costs = form_costs(cfg, n_heads, T, S, dtype_bytes)
     chosen = min(costs, key=lambda f: (costs[f].time_units(balance), f))
     log_once(f"prefill-form:{chosen}:{T}", f"prefill chunk of {T} tokens over {S}: {chosen} form (cost in FLOP "

@@ -84,7 +84,10 @@ def cache_token_capacity(target: Target) -> int | None:
     if target.device.type != "cuda":
         return None
     per_token = target.cfg.num_hidden_layers * target.cfg.kv_cache_dim * target.dtype.itemsize
-    return torch.cuda.mem_get_info(target.device)[0] // per_token
+    dev = target.device
+    # memory the caching allocator holds but no tensor uses is free for the cache too
+    free = torch.cuda.mem_get_info(dev)[0] + torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
+    return free // per_token
 
 
 def context_limit(prompt_len: int, max_tokens: int, max_positions: int, cache_tokens: int | None,
@@ -203,8 +206,9 @@ def run_rounds(target: Target, prompt_ids: list[int], params: SamplingParams, sh
     max_pos, cache_tokens = target.cfg.max_position_embeddings, cache_token_capacity(target)
     limit = context_limit(S, params.max_tokens, max_pos, cache_tokens, shape.max_nodes)
     if limit < params.max_tokens:
-        held = "" if cache_tokens is None else f", latent cache {cache_tokens} tokens"
-        warn_once(f"length-cap:{params.max_tokens}:{S}:{max_pos}:{cache_tokens}",
+        by_cache = limit < min(params.max_tokens, max_pos - S)  # the free memory, not the positions, binds
+        held = f", latent cache {cache_tokens} tokens in free device memory" if by_cache else ""
+        warn_once(f"length-cap:{params.max_tokens}:{S}:{max_pos}:{by_cache}",
                   f"max_tokens={params.max_tokens} is cut to {limit}: the {S}-token prompt leaves {limit} positions "
                   f"of the model's context (max_position_embeddings {max_pos}{held})")
     emit = Emitter(target, params, limit, on_tokens)
