@@ -42,8 +42,8 @@ from .host_rounds import TREE_IMPLS, HostRounds
 from .stats import STAGES, RoundStats, sync
 from .tree import DraftTree
 
-__all__ = ["GenerationResult", "PromptError", "Rounds", "SPEC_METHODS", "SpecConfig", "SpecError", "cache_token_capacity",
-           "check_prompt", "context_limit", "generate", "generate_device", "pick_round_mode", "resolve_spec"]
+__all__ = ["GenerationResult", "PromptError", "Rounds", "SPEC_METHODS", "SpecConfig", "SpecError",
+           "cache_token_capacity", "check_prompt", "context_limit", "generate", "generate_device", "pick_round_mode", "resolve_spec"]
 
 
 @dataclass
