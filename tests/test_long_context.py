@@ -4,13 +4,15 @@ greedy decoding continued after it, and speculative decoding after it equal to p
 Models: random tiny K2-shaped targets (2 layers: one dense, one MoE; hidden 64, 2 heads) with YaRN and a
 16K-32K position window. Logits are compared as max |ours - HF| / max |HF| (relative to the logit scale):
 transformers computes the rope angles in float32, so at position p its cos / sin carry an error of order
-p * 2^-24 (ours are float64 tables rounded once), which a max-abs bound of 1e-4 would charge to the engine. The rope tables themselves are checked against the float64 numpy reference at
-every position of the window.
+p * 2^-24 (ours are float64 tables rounded once), which a max-abs bound of 1e-4 would charge to the
+engine. The rope tables themselves are checked against the float64 numpy reference at every position of
+the window.
 
 Sizes: one HF forward over 16K tokens does not fit the test budget on two cores (its [T, T] scores; see
-docs/long_context.md), so the prompt past the original window is 5K tokens long (positions up to 10x the original window, 5 chunks),
-and positions past 16K are reached by a 2K-token prompt placed at positions 16K-32K (HF's position_ids,
-our ``positions``): the same rope rows a 32K prompt would use, over a shorter causal span.
+docs/long_context.md), so the prompt past the original window is 5K tokens long (positions up to 10x the
+original window, 5 chunks), and positions past 16K are reached by a 2K-token prompt placed at positions
+16K-32K (HF's position_ids, our ``positions``): the same rope rows a 32K prompt would use, over a shorter
+causal span.
 """
 
 from __future__ import annotations
