@@ -29,7 +29,7 @@ from .model.target import Target
 from .quant import QuantError, k2_quantization_config, parse_quantization_config
 from .sampling import SamplingParams
 from .speculative.config import SpecConfig
-from .speculative.decode import GenerationResult, generate, resolve_spec
+from .speculative.decode import GenerationResult, OnTokens, generate, resolve_spec
 from .tokenizer import TextTokenizer
 from .tokenizer import load_tokenizer as load_text_tokenizer
 from .weights import iter_checkpoint
@@ -222,7 +222,7 @@ class LLM:
 
     def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
                  params: SamplingParams | None = None, *,
-                 on_tokens: Callable[[list[int]], None] | None = None) -> list[GenerationResult]:
+                 on_tokens: OnTokens | None = None) -> list[GenerationResult]:
         """Generate for one prompt or a list of prompts (text or token ids), one after another."""
         params = params or SamplingParams()
         single = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], int))

@@ -57,7 +57,8 @@ tests_bitwise() {  # spec == plain bit for bit (random targets, the demo, its lo
   pytest_step pytest-target 100 tests/gpu/test_target_gpu.py
 }
 tests_rounds() {  # device-resident and graph rounds, the speculative GPU tests, the round's own kernels
-  pytest_step pytest-rounds 420 tests/gpu/test_graph_round_gpu.py tests/speculative/test_spec_gpu.py
+  pytest_step pytest-rounds 420 tests/gpu/test_graph_round_gpu.py tests/speculative/test_spec_gpu.py \
+    tests/gpu/test_long_context_gpu.py
   pytest_step pytest-round-kernels 150 tests/gpu/test_accept_walk_gpu.py tests/gpu/test_row_select_gpu.py \
     tests/gpu/test_draft_attention_gpu.py
 }

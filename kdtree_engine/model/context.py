@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .prefill import ChunkStep
+
 
 @dataclass(frozen=True)
 class StepContext:
@@ -23,6 +25,7 @@ class StepContext:
     read, shapes fixed by T and the cache capacity); tree_mask [T, T] bool ancestor-or-self, None for a
     causal step. A device-resident step also carries what its attention derives from (start, tree_mask)
     in every layer: ``visible`` [T, S_cap] for the torch attention or ``gather_index`` for the Triton one.
+    ``chunk``: set on the chunks of a prompt longer than one chunk (:mod:`.prefill`): how MLA attends.
     """
 
     positions: torch.Tensor
@@ -33,6 +36,7 @@ class StepContext:
     tree_mask: torch.Tensor | None
     visible: torch.Tensor | None = None
     gather_index: tuple[torch.Tensor, torch.Tensor] | None = None
+    chunk: ChunkStep | None = None
 
     @property
     def device_resident(self) -> bool:

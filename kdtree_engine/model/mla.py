@@ -1,10 +1,11 @@
 """Multi-head latent attention (MLA), DeepSeek-V3 / K2.
 
 Two forms with the same math:
-  naive     (prefill with an empty prefix): up-project the latents with kv_b_proj, ordinary
-            causal attention over [T, N, P+R] keys and [T, N, V] values.
+  naive     (a prompt step): up-project the latents with kv_b_proj, ordinary causal attention over
+            [T, N, P+R] keys and [T, N, V] values.
   absorbed  (decode, tree verify, chunks over a cached prefix): W_UK folded into the query, the
             576-wide latent cache read as keys and (its first 512) as values, W_UV after.
+The chunks of a prompt longer than one prefill chunk take either form by cost, over key blocks (prefill.py).
 Notation: N heads, P qk_nope, R qk_rope, V v_head, C kv_lora_rank, S cached tokens, T new tokens.
 """
 
@@ -16,6 +17,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..kernels.dispatch import head_matmul, latent_write, mla_attention, mla_attention_static, rope_heads
 from .context import StepContext
+from .prefill import absorbed_chunk, naive_chunk
 from ..kernels.policy import KernelPolicy, policy_or_env
 from .layers import GroupOf, Linear, RMSNorm, dense_only, stacked_linear, stacked_weights
 
@@ -64,11 +66,14 @@ class MLA(nn.Module):
     def forward(self, x: torch.Tensor, ctx: StepContext, kv_cache: torch.Tensor) -> torch.Tensor:
         """x [T, H]; kv_cache [S_cap, C+R] of this layer. Writes the T new latents to ctx.slots; a prompt step
         attends in the naive form, every other step in the absorbed form over the committed prefix and the
-        block (ctx.tree_mask: ancestor-or-self, None for causal). Returns [T, H]."""
+        block (ctx.tree_mask: ancestor-or-self, None for causal); a chunk of a long prompt (ctx.chunk) attends
+        over its prefix and itself in key blocks, in the form the chunk plan chose (prefill.py). Returns [T, H]."""
         T = x.shape[0]
         C = self.cfg.kv_lora_rank
         q_nope, q_pe = self._project(x, ctx, kv_cache)
-        if ctx.prompt:
+        if ctx.chunk is not None:
+            o = self._chunk(q_nope, q_pe, kv_cache[: ctx.start + T], ctx)
+        elif ctx.prompt:
             new = kv_cache[:T]
             o = self._naive(q_nope, q_pe, new[:, :C], new[:, C:])
         else:
@@ -77,6 +82,17 @@ class MLA(nn.Module):
             o_lat = self._attend(q_lat, q_pe, kv_cache, ctx)  # [T, N, C]
             o = head_matmul(self.policy, o_lat, w_uv)  # [T, N, C] x [N, V, C] -> [T, N, V]
         return self.o_proj(o.reshape(T, -1))
+
+    def _chunk(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latents: torch.Tensor, ctx: StepContext
+               ) -> torch.Tensor:
+        """A prefill chunk over latents [start+T, C+R] (prefix + itself) -> [T, N, V]."""
+        C, step = self.cfg.kv_lora_rank, ctx.chunk
+        if step.form == "naive":
+            return naive_chunk(q_nope, q_pe, latents, ctx.start, self.scale, C, self.kv_b_proj, step.key_block)
+        w_uk, w_uv = self.absorbed_weights()
+        q_lat = head_matmul(self.policy, q_nope, w_uk.transpose(1, 2))  # [T, N, C]
+        o_lat = absorbed_chunk(q_lat, q_pe, latents, ctx.start, self.scale, C, step.key_block)
+        return head_matmul(self.policy, o_lat, w_uv)  # [T, N, V]
 
     def _attend(self, q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
                 ctx: StepContext) -> torch.Tensor:

@@ -8,7 +8,7 @@ layer L (HF ``hidden_states[L + 1]``; index 0 there is the embedding output).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterable, Protocol
 
 import torch
@@ -27,6 +27,8 @@ from .int4_order import CHECKPOINT, set_order
 from .layers import MLP, GroupOf, Linear, RMSNorm, Rope
 from .mla import MLA
 from .moe import MoE
+from .prefill import (KEY_BLOCK, ChunkStep, PrefillOutput, choose_form, plan_chunks, resolve_chunk,
+                      transient_bytes)
 
 _EXPERT = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.(weight|weight_packed|weight_scale)$")
 
@@ -281,19 +283,70 @@ class Target(nn.Module):
         start..start+T-1, the cache's host-side length is neither read nor changed (the caller compacts with
         :meth:`LatentCache.compact_static`).
         """
-        wanted = set(aux_layers)
-        if len(wanted) != len(aux_layers) or any(not 0 <= l < len(self.layers) for l in wanted):
-            raise ValueError(f"aux_layers {aux_layers} must be distinct layer ids < {len(self.layers)}")
+        self._check_aux(aux_layers)
         ctx = self.context(cache, ids.shape[0], positions, tree_mask, start)
         out = self._layers_and_head(self.embed(ids.to(self.device)), ctx, cache, aux_layers)
         if start is None and tree_mask is None:
             cache.commit_all()
         return out
 
+    def _check_aux(self, aux_layers: tuple[int, ...]) -> None:
+        wanted = set(aux_layers)
+        if len(wanted) != len(aux_layers) or any(not 0 <= l < len(self.layers) for l in wanted):
+            raise ValueError(f"aux_layers {aux_layers} must be distinct layer ids < {len(self.layers)}")
+
+    @torch.no_grad()
+    def prefill(self, ids: torch.Tensor, cache: LatentCache, aux_layers: tuple[int, ...] = (),
+                chunk: int | None = None, form: str = "auto", all_logits: bool = False,
+                positions: torch.Tensor | None = None) -> PrefillOutput:
+        """The prompt's forward: ids [T] into ``cache`` -> the last token's logits [1, V] (all [T, V] with
+        ``all_logits``) and the aux features of every prompt token (see :mod:`.prefill`).
+
+        A prompt of at most ``chunk`` tokens (None: DEFAULT_PREFILL_CHUNK) is one ordinary causal forward;
+        a longer one runs in chunks, each attending over the committed prefix and itself in key blocks, in the
+        form ``form`` ("auto": chosen per chunk by cost). ``positions`` [T]: the rope positions (None: the cache
+        slots, as in :meth:`forward`). Peak memory: on CUDA the allocator's peak above what
+        was allocated before, on the CPU the estimated largest attention transient."""
+        size = resolve_chunk(chunk)
+        self._check_aux(aux_layers)
+        T = ids.shape[0]
+        dev, cfg = self.device, self.cfg
+        N, db = self.layers[0].self_attn.n_heads, self.dtype.itemsize
+        ids = ids.to(dev)
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(dev)
+            base = torch.cuda.memory_allocated(dev)
+        if T <= size:
+            out = self(ids, cache, positions, aux_layers=aux_layers)
+            logits, aux, chunks = (out.logits if all_logits else out.logits[-1:]), out.aux, 1
+            estimate = transient_bytes(cfg, N, T, T, "naive", db)
+        else:
+            parts, auxes, estimate = [], [], 0
+            plan = plan_chunks(T, size)
+            for a, b in plan:
+                chosen = choose_form(cfg, N, b - a, cache.length, db, dev, form)
+                at = None if positions is None else positions[a:b].to(dev)
+                ctx = replace(self.context(cache, b - a, at), chunk=ChunkStep(chosen))
+                x, part_aux = self._layers(self.embed(ids[a:b]), ctx, cache, aux_layers)
+                cache.commit_all()
+                estimate = max(estimate, transient_bytes(cfg, N, b - a, min(KEY_BLOCK, b), chosen, db))
+                auxes.append(part_aux)
+                if all_logits or b == T:
+                    parts.append(self.lm_head(x if all_logits else x[-1:]))
+            logits, chunks = torch.cat(parts), len(plan)
+            aux = torch.cat(auxes) if aux_layers else None
+        peak = torch.cuda.max_memory_allocated(dev) - base if dev.type == "cuda" else estimate
+        return PrefillOutput(logits=logits, aux=aux, chunks=chunks, chunk=size, peak_bytes=int(peak))
+
     def _layers_and_head(self, h: torch.Tensor, ctx: StepContext, cache: LatentCache,
                          aux_layers: tuple[int, ...]) -> TargetOutput:
-        """The decoder layers, the final norm (which adds the last MLP output) and lm_head; aux = the
-        requested layers' outputs, concatenated."""
+        x, aux = self._layers(h, ctx, cache, aux_layers)
+        return TargetOutput(logits=self.lm_head(x), aux=aux)
+
+    def _layers(self, h: torch.Tensor, ctx: StepContext, cache: LatentCache, aux_layers: tuple[int, ...]
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The decoder layers and the final norm (which adds the last MLP output) -> (normed x [T, H],
+        aux = the requested layers' outputs, concatenated)."""
         wanted = set(aux_layers)
         saved: dict[int, torch.Tensor] = {}
         pending: torch.Tensor | None = None
@@ -304,6 +357,4 @@ class Target(nn.Module):
         h, x = self.norm.residual(h, pending)
         if len(self.layers) - 1 in wanted:
             saved[len(self.layers) - 1] = h
-        aux_out = torch.cat([saved[l] for l in aux_layers], dim=-1) if aux_layers else None
-        return TargetOutput(logits=self.lm_head(x), aux=aux_out)
-
+        return x, (torch.cat([saved[l] for l in aux_layers], dim=-1) if aux_layers else None)

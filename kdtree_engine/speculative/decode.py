@@ -14,6 +14,12 @@ limit is cut to it, with a warning). Nothing after the stop
 point is emitted. ``on_tokens`` receives each round's emitted tokens; when it returns True the request ends
 after that round with finish_reason "abort" unless the rule above ended it there too (the server stops a
 request this way: a stop string in the text, a client gone).
+The context limit is the model's ``max_position_embeddings`` and, on CUDA, the latent-cache
+tokens the free device memory holds (:func:`cache_token_capacity`); a prompt past either is refused
+(PromptError) before any work.
+
+Prefill: :meth:`Target.prefill` in chunks of ``prefill_chunk`` tokens (None: the default, model/prefill.py);
+stats carry ``prefill_chunks``, ``prefill_chunk`` and ``prefill_peak_bytes``.
 
 Timing: ``prefill_s`` covers the prompt forward that yields the first token; ``decode_s`` the rest;
 ``tokens_per_s`` = tokens produced after the first / decode_s (decode speed, prefill excluded).
@@ -39,8 +45,9 @@ from .host_rounds import TREE_IMPLS, HostRounds
 from .stats import STAGES, RoundStats, sync
 from .tree import DraftTree
 
-__all__ = ["GenerationResult", "OnTokens", "PromptError", "Rounds", "SPEC_METHODS", "SpecConfig", "SpecError", "check_prompt",
-           "generate", "generate_device", "pick_round_mode", "resolve_spec"]
+__all__ = ["GenerationResult", "OnTokens", "PromptError", "Rounds", "SPEC_METHODS", "SpecConfig", "SpecError",
+           "cache_token_capacity", "check_prompt", "context_limit", "generate", "generate_device", "pick_round_mode",
+           "resolve_spec"]
 
 
 # Called with each round's emitted tokens; a True return ends the request after that round.
@@ -67,6 +74,7 @@ class Rounds(Protocol):
     mode: str
     ahead: bool
     stats: RoundStats
+    prefill_stats: dict[str, int]  # set by prefill: chunks, chunk size, peak memory
 
     def prefill(self, prompt_ids: list[int]) -> int: ...
 
@@ -77,13 +85,38 @@ class Rounds(Protocol):
     def finish(self, stats: dict[str, Any], decode_s: float) -> None: ...
 
 
+def cache_token_capacity(target: Target) -> int | None:
+    """Tokens of target latent cache that the free CUDA memory holds now (the drafter's smaller cache and the
+    prefill's transients are not counted); None off CUDA (host memory is not accounted). The cache of a
+    request is contiguous, sized per request."""
+    if target.device.type != "cuda":
+        return None
+    per_token = target.cfg.num_hidden_layers * target.cfg.kv_cache_dim * target.dtype.itemsize
+    dev = target.device
+    # memory the caching allocator holds but no tensor uses is free for the cache too
+    free = torch.cuda.mem_get_info(dev)[0] + torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
+    return free // per_token
+
+
+def context_limit(prompt_len: int, max_tokens: int, max_positions: int, cache_tokens: int | None,
+                  reserve: int = 0) -> int:
+    """The tokens a request may generate: ``max_tokens`` cut to the positions and the cache tokens left after
+    the prompt (and ``reserve`` tokens a round writes past the request). A prompt that leaves no room is
+    refused with a PromptError naming its length and the limit, before any work."""
+    if prompt_len >= max_positions:
+        raise PromptError(f"prompt has {prompt_len} tokens; max_position_embeddings is {max_positions}")
+    if cache_tokens is not None and prompt_len + reserve >= cache_tokens:
+        raise PromptError(f"prompt has {prompt_len} tokens; the free device memory holds a latent cache of "
+                          f"{cache_tokens} tokens ({reserve} kept for a round)")
+    limit = min(max_tokens, max_positions - prompt_len)
+    return limit if cache_tokens is None else min(limit, cache_tokens - reserve - prompt_len)
+
+
 def check_prompt(target: Target, prompt_ids: list[int]) -> None:
     cfg = target.cfg
     if not prompt_ids:
         raise PromptError("the prompt is empty")
-    if len(prompt_ids) >= cfg.max_position_embeddings:
-        raise PromptError(f"prompt has {len(prompt_ids)} tokens; max_position_embeddings is "
-                          f"{cfg.max_position_embeddings}")
+    context_limit(len(prompt_ids), 0, cfg.max_position_embeddings, None)
     bad = [t for t in prompt_ids if not 0 <= t < cfg.vocab_size]
     if bad:
         raise PromptError(f"prompt token id {bad[0]} is outside the vocabulary (size {cfg.vocab_size})")
@@ -126,7 +159,7 @@ class Emitter:
 def generate(target: Target, prompt_ids: list[int], params: SamplingParams, *,
              spec: str | SpecConfig = "none", drafter: Any = None, budget: int | str | None = None,
              on_tokens: OnTokens | None = None, tree_impl: str = "auto",
-             eager: bool | None = None) -> GenerationResult:
+             eager: bool | None = None, prefill_chunk: int | None = None) -> GenerationResult:
     """Decode one request with plain decoding, DFlash (chain) or DDTree (tree of ``budget`` nodes,
     or ``budget="auto"``: chosen per round).
 
@@ -145,22 +178,23 @@ def generate(target: Target, prompt_ids: list[int], params: SamplingParams, *,
     mode = pick_round_mode(sc, params, drafter, target, eager, tree_impl)
     if mode == "graph":
         return run_rounds(target, prompt_ids, params, shape, on_tokens, lambda limit: DeviceRounds(
-            target, drafter, shape, params, limit, len(prompt_ids), graph=True), "graph")
+            target, drafter, shape, params, limit, len(prompt_ids), graph=True, prefill_chunk=prefill_chunk), "graph")
     return run_rounds(target, prompt_ids, params, shape, on_tokens, lambda limit: HostRounds(
-        target, drafter, shape, params, limit, len(prompt_ids), tree_impl), "eager")
+        target, drafter, shape, params, limit, len(prompt_ids), tree_impl, prefill_chunk), "eager")
 
 
 def generate_device(target: Target, prompt_ids: list[int], params: SamplingParams, *, method: str,
                     drafter: Any = None, budget: int | None = None, graph: bool,
                     on_tokens: OnTokens | None = None,
-                    ahead: bool | None = None) -> GenerationResult:
+                    ahead: bool | None = None, prefill_chunk: int | None = None) -> GenerationResult:
     """:func:`generate` over device-resident rounds, replayed from a CUDA graph (``graph=True``) or run
     eagerly on any device; ``ahead``: None = the device's default order (tests set it to check both)."""
     sc = resolve_spec(method, drafter, budget)
     shape = _shape(sc, target, drafter, prompt_ids)
     mode = "graph" if graph else "device-eager"
     return run_rounds(target, prompt_ids, params, shape, on_tokens, lambda limit: DeviceRounds(
-        target, drafter, shape, params, limit, len(prompt_ids), graph=graph, ahead=ahead), mode)
+        target, drafter, shape, params, limit, len(prompt_ids), graph=graph, ahead=ahead,
+        prefill_chunk=prefill_chunk), mode)
 
 
 def _shape(sc: SpecConfig, target: Target, drafter: Any, prompt_ids: list[int]) -> RoundShape:
@@ -177,11 +211,14 @@ def run_rounds(target: Target, prompt_ids: list[int], params: SamplingParams, sh
     ``make_rounds(limit)`` builds the request's rounds for at most ``limit`` new tokens."""
     dev = target.device
     S = len(prompt_ids)
-    limit = min(params.max_tokens, target.cfg.max_position_embeddings - S)
+    max_pos, cache_tokens = target.cfg.max_position_embeddings, cache_token_capacity(target)
+    limit = context_limit(S, params.max_tokens, max_pos, cache_tokens, shape.max_nodes)
     if limit < params.max_tokens:
-        warn_once(f"length-cap:{params.max_tokens}:{S}:{target.cfg.max_position_embeddings}",
+        by_cache = limit < min(params.max_tokens, max_pos - S)  # the free memory, not the positions, binds
+        held = f", latent cache {cache_tokens} tokens in free device memory" if by_cache else ""
+        warn_once(f"length-cap:{params.max_tokens}:{S}:{max_pos}:{by_cache}",
                   f"max_tokens={params.max_tokens} is cut to {limit}: the {S}-token prompt leaves {limit} positions "
-                  f"of the model's context (max_position_embeddings {target.cfg.max_position_embeddings})")
+                  f"of the model's context (max_position_embeddings {max_pos}{held})")
     emit = Emitter(target, params, limit, on_tokens)
     stats: dict[str, Any] = {"prompt_tokens": S, "spec": shape.method, **shape.stats()}
     if mode != "eager":
@@ -198,6 +235,7 @@ def run_rounds(target: Target, prompt_ids: list[int], params: SamplingParams, sh
     first = rounds.prefill(prompt_ids)
     sync(dev)
     t1 = time.perf_counter()
+    stats.update(rounds.prefill_stats)
     done = emit.push([first])
     if not done and rounds.ahead:
         rounds.launch(emit.remaining)

@@ -125,6 +125,7 @@ class DeviceRound:
                 self.chain = dataclasses.replace(self.chain, tokens=self.bonus.reshape(1),
                                                  positions=self.start.reshape(1))
         self.acc = torch.zeros((self.m,), dtype=torch.long, device=dev)  # accepted nodes, root first
+        self.prefill_stats: dict[str, int] = {}  # the last prefill's chunks and peak memory
 
     def draw(self, generator: torch.Generator | None) -> None:
         """Fresh Exp(1) noise for the next round's picks (sampling only; outside the captured step)."""
@@ -138,10 +139,10 @@ class DeviceRound:
 
     @torch.no_grad()
     def prefill(self, prompt_ids: list[int], params: SamplingParams | None = None,
-                generator: torch.Generator | None = None) -> torch.Tensor:
-        """Eager prompt forward into this round's caches; sets the state (and, when the round samples,
-        the rule's temperature / top-p from ``params``). Returns the first token [] (sampled with
-        ``generator`` when the round samples)."""
+                generator: torch.Generator | None = None, chunk: int | None = None) -> torch.Tensor:
+        """Eager prompt forward (:meth:`Target.prefill`, in chunks of ``chunk`` tokens) into this round's
+        caches; sets the state (and, when the round samples, the rule's temperature / top-p from ``params``)
+        and ``prefill_stats``. Returns the first token [] (sampled with ``generator`` when the round samples)."""
         S = len(prompt_ids)
         if S > self.max_length():
             raise ValueError(f"prompt of {S} tokens does not fit a round buffer of capacity {self.capacity}")
@@ -152,7 +153,8 @@ class DeviceRound:
         target = self.target
         self.cache.crop(0)
         ids = torch.tensor(prompt_ids, dtype=torch.long, device=target.device)
-        out = target(ids, self.cache, aux_layers=self.aux_layers)
+        out = target.prefill(ids, self.cache, self.aux_layers, chunk=chunk)
+        self.prefill_stats = out.stats()
         if self.sampling:
             self.temperature.fill_(float(params.temperature))
             if self.top_p is not None:

@@ -66,7 +66,7 @@ class DeviceRounds:
     :func:`rounds_ahead` of the target's device (tests set it to check both orders)."""
 
     def __init__(self, target: Target, drafter: Any, shape: RoundShape, params: SamplingParams, limit: int,
-                 prompt_len: int, graph: bool, ahead: bool | None = None) -> None:
+                 prompt_len: int, graph: bool, ahead: bool | None = None, prefill_chunk: int | None = None) -> None:
         self.mode = "graph" if graph else "device-eager"
         self.ahead = rounds_ahead(target.device) if ahead is None else ahead
         B = shape.block_size
@@ -78,9 +78,13 @@ class DeviceRounds:
         self.reader = ResultReader(self.rnd.result, pinned=self.ahead and target.device.type == "cuda")
         self.stats = RoundStats(B)
         self.launched = self.collected = 0
+        self.prefill_chunk = prefill_chunk
+        self.prefill_stats: dict[str, int] = {}
 
     def prefill(self, prompt_ids: list[int]) -> int:
-        return int(self.rnd.prefill(prompt_ids, self.params, self.gen))
+        first = int(self.rnd.prefill(prompt_ids, self.params, self.gen, chunk=self.prefill_chunk))
+        self.prefill_stats = self.rnd.prefill_stats
+        return first
 
     def launch(self, remaining: int) -> None:
         """Queue one round (the tree always has full depth; the host's stop rule cuts what is past the end)."""

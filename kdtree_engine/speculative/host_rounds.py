@@ -51,8 +51,10 @@ class HostRounds:
     ahead = False
 
     def __init__(self, target: Target, drafter: Any, shape: RoundShape, params: SamplingParams, limit: int,
-                 prompt_len: int, tree_impl: str = "auto") -> None:
+                 prompt_len: int, tree_impl: str = "auto", prefill_chunk: int | None = None) -> None:
         self.target, self.shape, self.params = target, shape, params
+        self.prefill_chunk = prefill_chunk  # None: the target's default chunk (model/prefill.py)
+        self.prefill_stats: dict[str, int] = {}
         self.drafter = drafter if shape.drafts else None
         self.impl = pick_tree_impl(tree_impl, target.device) if shape.method == "ddtree" else "vectorized"
         self.limit, self.prompt_len = limit, prompt_len
@@ -71,7 +73,8 @@ class HostRounds:
     def prefill(self, prompt_ids: list[int]) -> int:
         target = self.target
         ids = torch.tensor(prompt_ids, dtype=torch.long, device=target.device)
-        out = target(ids, self.cache, aux_layers=self.aux_layers)
+        out = target.prefill(ids, self.cache, self.aux_layers, chunk=self.prefill_chunk)
+        self.prefill_stats = out.stats()
         self.bonus = sample(out.logits[-1], self.params, self.gen, policy=target.policy)  # [] the newest token, not yet fed to the target
         if self.drafter is not None:
             S = len(prompt_ids)

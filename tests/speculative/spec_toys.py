@@ -17,6 +17,7 @@ import torch
 
 from kdtree_engine.config import preset
 from kdtree_engine.kernels.policy import KernelPolicy
+from kdtree_engine.model.prefill import PrefillOutput
 from kdtree_engine.model.target import TargetOutput
 from kdtree_engine.sampling import SamplingParams, probs_from_logits
 
@@ -102,6 +103,10 @@ class PrefixTarget:
         else:
             cache.pending = toks
         return TargetOutput(logits=torch.stack(rows), aux=torch.stack(aux) if aux_layers else None)
+
+    def prefill(self, ids, cache, aux_layers=(), chunk=None) -> PrefillOutput:
+        out = self.forward(ids, cache, aux_layers=aux_layers)
+        return PrefillOutput(out.logits[-1:], out.aux, chunks=1, chunk=len(ids), peak_bytes=0)
 
     def sequence_distribution(self, prompt: list[int], n: int, params: SamplingParams) -> dict[tuple[int, ...], float]:
         """Exact P(first n emitted tokens) under the target's own rule (ignore_eos assumed)."""
