@@ -26,6 +26,7 @@ from .kernels.policy import KernelPolicy
 from .logs import log_once
 from .model.dflash import DFlashDrafter
 from .model.target import Target
+from .parallel.comm import SINGLE, Communicator
 from .quant import QuantError, k2_quantization_config, parse_quantization_config
 from .sampling import SamplingParams
 from .speculative.config import SpecConfig
@@ -120,10 +121,11 @@ def load_target(path: str | Path, *, device: torch.device, dtype: torch.dtype,
 
 
 def target_from_weights(cfg: ModelConfig, weights: Mapping[str, torch.Tensor], *, device: torch.device | str,
-                        dtype: torch.dtype) -> Target:
-    """Build a target from canonical-name tensors (e.g. a golden bundle); INT4 per cfg.quantization."""
+                        dtype: torch.dtype, comm: Communicator = SINGLE) -> Target:
+    """Build a target from canonical-name tensors (e.g. a golden bundle); INT4 per cfg.quantization. ``comm``:
+    the tensor-parallel group (this rank keeps its parts of the tensors)."""
     scheme = parse_quantization_config(cfg.quantization)
-    target = Target(cfg, dtype=dtype, device=device, quant=scheme)
+    target = Target(cfg, dtype=dtype, device=device, quant=scheme, comm=comm)
     return target.load_weights(weights.items())
 
 

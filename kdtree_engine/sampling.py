@@ -166,3 +166,12 @@ def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     written into the same buffer each time.
     """
     return torch.argmax(probs / noise.clamp_min(1e-30), dim=-1)  # E = 0 (u = 0) must not give 0 / 0
+
+
+def race_rule(logits: torch.Tensor, temperature: float | torch.Tensor, top_k: int, top_p: float | torch.Tensor | None,
+              noise: torch.Tensor, vocab: VocabShard | None = None) -> torch.Tensor:
+    """The rule's pick per row by the race with the given noise [..., V] (no random number drawn here; see
+    :func:`race`); ``vocab``: this rank's vocabulary slice of the logits (the noise covers the whole vocabulary)."""
+    if vocab is None:
+        return race(rule_probs(logits, temperature, top_k, top_p), noise)
+    return vocab_race(vocab, rule_probs_shard(vocab, logits, temperature, top_k, top_p), noise)

@@ -87,8 +87,8 @@ def vocab_topk_logprobs(vocab: VocabShard, logits: torch.Tensor, k: int) -> tupl
     return top - log_normalizer(vocab, x), ids
 
 
-def rule_probs_shard(vocab: VocabShard, logits: torch.Tensor, temperature: float, top_k: int,
-                     top_p: float | None) -> torch.Tensor:
+def rule_probs_shard(vocab: VocabShard, logits: torch.Tensor, temperature: float | torch.Tensor, top_k: int,
+                     top_p: float | torch.Tensor | None) -> torch.Tensor:
     """sampling.rule_probs over the whole vocabulary, this rank's slice [R, size] of it: the k-th largest value
     and the nucleus cut from the ranks' candidates, the softmax normaliser from their max and sum."""
     x = logits.float() / temperature  # [R, size]
