@@ -22,8 +22,8 @@ import torch
 
 from .bench_spec import add_bench_spec_parser
 from .engine import DEMO_DIR, LLM
-from .errors import BadInput
-from .exit_codes import BAD_INPUT_ERRORS, EXIT_BAD_INPUT
+from .errors import BadInput, RankFailure
+from .exit_codes import BAD_INPUT_ERRORS, EXIT_BAD_INPUT, EXIT_RANK_FAILED
 from .golden import add_golden_parser
 from .golden import main as golden_main
 from .sampling import SamplingParams
@@ -346,6 +346,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BAD_INPUT_ERRORS as e:
         print(error_line(e), file=sys.stderr)
         return EXIT_BAD_INPUT
+    except RankFailure as e:
+        print(error_line(e), file=sys.stderr)
+        return EXIT_RANK_FAILED
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 
 from .config import ModelConfig
-from .errors import BadInput, PromptError
+from .errors import BadInput, PromptError, RankFailure
 from .exit_codes import BAD_INPUT_ERRORS
 from .kernels.dispatch import log_choices, prepare_int4
 from .kernels.policy import KernelPolicy
@@ -31,7 +31,7 @@ from .model.dflash import DFlashDrafter
 from .model.target import Target, row_parallel_groups
 from .parallel.comm import SINGLE, Communicator
 from .parallel.group import leave, rank_device
-from .parallel.launch import start_ranks
+from .parallel.launch import collective_error, start_ranks
 from .parallel.memory import log_rank_load
 from .parallel.shard import check_divisible
 from .parallel.serve import Request, recv_request, send_request, send_stop
@@ -265,10 +265,18 @@ class LLM:
             on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
         """One request of token ids (``plain``: plain decoding whatever ``spec``). Tensor parallel: rank 0 sends it
         to the other ranks first, then every rank runs it."""
-        if self.comm.world_size > 1:
-            check_prompt(self.target, ids)   # a request the ranks would refuse is refused before it is sent
+        if self.comm.world_size == 1:
+            return self._decode(ids, params, plain, on_tokens)
+        check_prompt(self.target, ids)   # a request the ranks would refuse is refused before it is sent
+        try:
             params = send_request(self.comm, Request(ids, params, plain), self.device).params
-        return self._decode(ids, params, plain, on_tokens)
+            return self._decode(ids, params, plain, on_tokens)
+        except RuntimeError as e:
+            if self.workers is not None:
+                self.workers.report_dead()   # a worker died: its one line, and this process ends
+            if not collective_error(e):
+                raise
+            raise RankFailure(f"a tensor-parallel collective failed ({str(e).splitlines()[0]})") from None
 
     def _decode(self, ids: list[int], params: SamplingParams, plain: bool,
                 on_tokens: Callable[[list[int]], None] | None) -> GenerationResult:
@@ -290,7 +298,10 @@ class LLM:
         comm, self.comm = self.comm, SINGLE
         if self.workers is not None:
             self.workers.closing = True
-        send_stop(comm, self.device)
+        try:
+            send_stop(comm, self.device)
+        except RuntimeError as e:   # a peer is gone already: nothing left to stop
+            log.warning("tensor-parallel ranks not stopped cleanly: %s", str(e).splitlines()[0])
         if self.workers is not None:
             self.workers.close()
         leave()

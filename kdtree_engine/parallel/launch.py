@@ -16,12 +16,12 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from ..exit_codes import EXIT_RANK_FAILED
 from .comm import Communicator, DistCommunicator
 from .group import DEFAULT_TIMEOUT_S, Rendezvous, free_port, join, leave, rank_device
 
-EXIT_RANK_DIED = 3  # rank 0's exit code when a worker died under it
+REPORT_WAIT_S = 10.0  # after a failed collective, how long rank 0 waits to see which worker died
 PARENT_POLL_S = 1.0
 
 
@@ -31,6 +31,7 @@ class Workers:
     def __init__(self, procs: list[std_mp.process.BaseProcess]) -> None:
         self.procs = procs
         self.closing = False
+        self.lock = threading.Lock()
         self.watcher = threading.Thread(target=self._watch, name="kdtree-tp-watch", daemon=True)
         self.watcher.start()
 
@@ -39,15 +40,29 @@ class Workers:
         while pending:
             for s in wait(list(pending)):
                 rank = pending.pop(s)
-                proc = self.procs[rank - 1]
-                proc.join()
-                if self.closing:
-                    continue
-                sys.stderr.write(f"kdtree: error: tensor-parallel rank {rank} exited with code {proc.exitcode}; "
-                                 "stopping every rank\n")
-                sys.stderr.flush()
-                self.kill()
-                os._exit(EXIT_RANK_DIED)
+                self.procs[rank - 1].join()
+                if not self.closing:
+                    self.stop_all(rank)
+
+    def stop_all(self, rank: int) -> None:
+        """Rank ``rank`` died: one line on stderr, the other workers killed, this process ends (first caller only:
+        the watcher and a failed collective may both get here)."""
+        with self.lock:
+            # os.write: no Python buffer or lock between this line and the exit
+            os.write(2, f"kdtree: error: tensor-parallel rank {rank} exited with code "
+                        f"{self.procs[rank - 1].exitcode}; stopping every rank\n".encode())
+            self.kill()
+            os._exit(EXIT_RANK_FAILED)
+
+    def report_dead(self, wait_s: float = REPORT_WAIT_S) -> None:
+        """After a failed collective: if a worker died (within ``wait_s``), stop everything with its line."""
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            for rank, p in enumerate(self.procs, start=1):
+                if not p.is_alive():
+                    p.join()
+                    self.stop_all(rank)
+            time.sleep(0.05)
 
     def kill(self) -> None:
         for p in self.procs:
@@ -73,7 +88,7 @@ def watch_parent() -> None:
         while True:
             time.sleep(PARENT_POLL_S)
             if os.getppid() != parent:
-                os._exit(EXIT_RANK_DIED)
+                os._exit(EXIT_RANK_FAILED)
 
     threading.Thread(target=poll, name="kdtree-tp-parent", daemon=True).start()
 
@@ -92,15 +107,21 @@ def worker_entry(index: int, rdv: Rendezvous, device: str, body: Callable[..., A
     comm = join(rdv, rank, rank_device(torch.device(device), rank))
     try:
         body(comm, *args)
-    finally:
-        leave()
+    except RuntimeError as e:
+        if collective_error(e):   # rank 0 or a peer is gone: rank 0 (or its watcher) says so
+            os._exit(EXIT_RANK_FAILED)
+        raise
+    leave()
 
 
 def spawn_workers(rdv: Rendezvous, device: torch.device, body: Callable[..., Any], args: tuple) -> Workers:
     """Start ranks 1..N-1 running ``body(comm, *args)`` (importable: it is pickled to the spawned process)."""
-    ctx = mp.start_processes(worker_entry, args=(rdv, device.type, body, args), nprocs=rdv.world_size - 1,
-                             join=False, start_method="spawn")
-    return Workers(list(ctx.processes))
+    ctx = std_mp.get_context("spawn")
+    procs = [ctx.Process(target=worker_entry, args=(i, rdv, device.type, body, args), name=f"kdtree-rank-{i + 1}",
+                         daemon=True) for i in range(rdv.world_size - 1)]   # daemon: ended with rank 0
+    for p in procs:
+        p.start()
+    return Workers(procs)
 
 
 def start_ranks(tp: int, device: torch.device, body: Callable[..., Any], args: tuple,
@@ -117,3 +138,8 @@ def start_ranks(tp: int, device: torch.device, body: Callable[..., Any], args: t
     workers = spawn_workers(rdv, device, body, args)
     dev = rank_device(device, 0)
     return join(rdv, 0, dev), workers, dev
+
+
+def collective_error(e: BaseException) -> bool:
+    """Whether an exception comes from a collective (a peer gone, a timeout) rather than from the model."""
+    return isinstance(e, dist.DistError) or any(w in str(e) for w in ("gloo", "NCCL", "Connection reset", "timed out"))
