@@ -34,3 +34,13 @@ def log_rank_load(what: str, rank: int, world: int, model: nn.Module, read_bytes
     log.info("rank %d of %d: %s: %.3f GB of weights held, %.3f GB read in %.1f s (%.2f GB/s), %s", rank, world, what,
              weight_bytes(model) / 1e9, read_bytes / 1e9, seconds, read_bytes / 1e9 / max(seconds, 1e-9),
              free_memory(device))
+
+
+def shard_bytes(model: nn.Module) -> int:
+    """Bytes of a model's parameters and buffers, counted from shapes (works on the meta device)."""
+    return sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+
+
+def latent_bytes_per_token(num_layers: int, kv_lora_rank: int, rope_dim: int, dtype: torch.dtype) -> int:
+    """The latent cache of one token on one rank: every rank holds the whole latent (all heads read it)."""
+    return num_layers * (kv_lora_rank + rope_dim) * dtype.itemsize
