@@ -19,7 +19,7 @@ from kdtree_engine.parallel.comm import Communicator
 from kdtree_engine.quant import k2_quantization_config
 from kdtree_engine.sampling import SamplingParams, sample
 from kdtree_engine.speculative import host_rounds
-from kdtree_engine.speculative.decode import generate
+from kdtree_engine.speculative.decode import generate, generate_device
 
 CFG = preset("k2-tiny")  # n_group 2 / topk_group 1, a dense first layer, YaRN; heads 4, experts 8, vocab 256
 GROUP = 32
@@ -134,6 +134,9 @@ def run(comm: Communicator, case: Case) -> dict[str, Any]:
             r = generate(target, prompt, short, spec=spec, drafter=oracle, budget=budget)
             out[f"oracle-{spec}-{budget}"] = (r.token_ids, r.stats["accepted_per_depth"], r.stats["rounds"],
                                               list(trees))
+        # device-resident rounds (the CUDA-graph round, run eagerly here): the same tokens
+        out["device-ddtree"] = generate_device(target, prompt, short, method="ddtree", drafter=drafter, budget=4,
+                                               graph=False).token_ids
         r = generate(target, prompt, SAMPLED, spec="ddtree", drafter=drafter, budget=8)
         out["sampled-ddtree"] = r.token_ids
     finally:

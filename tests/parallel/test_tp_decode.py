@@ -41,6 +41,7 @@ def test_tp2_greedy_equals_tp1_and_reference(one, two) -> None:
 
 def test_tp2_spec_equals_plain_with_the_same_trees_on_every_rank(one, two) -> None:
     assert two[0]["none"] == two[1]["none"] == one["none"], f"seed={SEED}"
+    assert two[0]["device-ddtree"] == two[1]["device-ddtree"] == one["none"], f"seed={SEED}"
     for key in ("dflash-None", "ddtree-4", "ddtree-16", "oracle-dflash-None", "oracle-ddtree-8"):
         tokens, per_depth, rounds, trees = two[0][key]
         assert tokens == one["none"], (key, f"seed={SEED}")
