@@ -10,9 +10,9 @@ from typing import Sequence
 
 from .cli import build_parser, error_line, llm_kwargs, main
 from .engine import LLM, resolve_device
-from .exit_codes import BAD_INPUT_ERRORS, EXIT_BAD_INPUT
+from .exit_codes import BAD_INPUT_ERRORS, EXIT_BAD_INPUT, EXIT_RANK_FAILED
 from .parallel.group import join, leave, rank_device, torchrun_env
-from .parallel.launch import quiet
+from .parallel.launch import collective_error, quiet
 
 
 def torchrun_main(argv: Sequence[str]) -> int:
@@ -36,7 +36,12 @@ def torchrun_main(argv: Sequence[str]) -> int:
     if rank == 0:
         return main(argv)
     quiet()
-    LLM(**{**llm_kwargs(args), "tp": rdv.world_size}, progress=False, comm=comm).serve()
+    try:
+        LLM(**{**llm_kwargs(args), "tp": rdv.world_size}, progress=False, comm=comm).serve()
+    except RuntimeError as e:
+        if collective_error(e):   # rank 0 is gone: it (or torchrun) reports why
+            return EXIT_RANK_FAILED
+        raise
     return 0
 
 

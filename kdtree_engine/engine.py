@@ -34,7 +34,7 @@ from .parallel.group import leave, rank_device
 from .parallel.launch import collective_error, start_ranks
 from .parallel.memory import log_rank_load
 from .parallel.shard import check_divisible
-from .parallel.serve import Request, recv_request, send_request, send_stop
+from .parallel.broadcast import Request, recv_request, send_request, send_stop
 from .quant import QuantError, k2_quantization_config, parse_quantization_config
 from .sampling import SamplingParams
 from .speculative.config import SpecConfig

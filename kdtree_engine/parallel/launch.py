@@ -1,6 +1,6 @@
 """Starting the ranks of a tensor-parallel engine from one process: the calling process is rank 0 (it talks to
 the user), ranks 1..N-1 are spawned workers that build the same engine shard by shard and then follow rank 0's
-requests (serve.py). A worker that dies takes the engine down: rank 0 watches its workers and exits with one
+requests (broadcast.py). A worker that dies takes the engine down: rank 0 watches its workers and exits with one
 line; a worker whose rank 0 is gone exits too; a collective that waits past the group's timeout fails."""
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..exit_codes import EXIT_RANK_FAILED
+from ..logs import log_once
 from .comm import Communicator, DistCommunicator
 from .group import DEFAULT_TIMEOUT_S, Rendezvous, free_port, join, leave, rank_device
 
@@ -133,11 +134,15 @@ def start_ranks(tp: int, device: torch.device, body: Callable[..., Any], args: t
         comm = DistCommunicator()
         if comm.world_size != tp or comm.rank != 0:
             raise ValueError(f"tp={tp} but this process is {comm.describe()} of the launcher's group")
+        log_once(f"tp:joined:{tp}", f"tensor parallel: {tp} ranks, the launcher's group ({comm.backend})")
         return comm, None, rank_device(device, int(os.environ.get("LOCAL_RANK", "0")))
     rdv = Rendezvous("127.0.0.1", free_port(), tp, timeout_s)
     workers = spawn_workers(rdv, device, body, args)
     dev = rank_device(device, 0)
-    return join(rdv, 0, dev), workers, dev
+    comm = join(rdv, 0, dev)
+    log_once(f"tp:spawned:{tp}", f"tensor parallel: {tp} ranks on this host, ranks 1..{tp - 1} spawned "
+             f"({comm.backend}, port {rdv.port}, collective timeout {rdv.timeout_s:.0f} s)")
+    return comm, workers, dev
 
 
 def collective_error(e: BaseException) -> bool:

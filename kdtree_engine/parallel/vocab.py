@@ -41,7 +41,7 @@ def first_best(vals: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, tor
     """Per-rank candidates vals / ids [N, ...] (rank order = global id order) -> (value, id) [...] of the largest
     value, ties to the first rank holding it (so to the lowest global id when each rank gives its lowest)."""
     best = vals.max(dim=0).values  # [...]
-    first = torch.argmax((vals == best.unsqueeze(0)).to(torch.int8), dim=0)  # the first maximal rank
+    first = torch.argmax((vals == best.unsqueeze(0)).to(torch.int32), dim=0)  # the first maximal rank
     return best, ids.gather(0, first.unsqueeze(0)).squeeze(0)
 
 

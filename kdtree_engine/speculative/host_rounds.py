@@ -73,7 +73,8 @@ class HostRounds:
         target = self.target
         ids = torch.tensor(prompt_ids, dtype=torch.long, device=target.device)
         out = target(ids, self.cache, aux_layers=self.aux_layers)
-        self.bonus = sample(out.logits[-1], self.params, self.gen, policy=target.policy, vocab=self.vocab)  # [] the newest token, not yet fed to the target
+        # [] the newest token, not yet fed to the target
+        self.bonus = sample(out.logits[-1], self.params, self.gen, policy=target.policy, vocab=self.vocab)
         if self.drafter is not None:
             S = len(prompt_ids)
             self.dcache = self.drafter.new_cache(S + self.limit + 1)
@@ -140,7 +141,8 @@ class HostRounds:
         builder = build_tree_heap if self.impl == "heap" else build_tree
         if self.chooser is not None:
             # one top-K for the largest budget; the budget-b tree only ever uses ranks < b
-            lp, ids = topk_logprobs(draft_logits, self.chooser.max_budget, policy=self.target.policy, vocab=self.vocab)  # [depth, K]
+            lp, ids = topk_logprobs(draft_logits, self.chooser.max_budget, policy=self.target.policy,
+                                    vocab=self.vocab)  # [depth, K]
             budget = self.chooser.choose(lp)
             return builder(lp[:, :budget], ids[:, :budget], budget, bonus, start)
         lp, ids = topk_logprobs(draft_logits, shape.budget, policy=self.target.policy, vocab=self.vocab)  # [depth, K]

@@ -46,7 +46,8 @@ def send_request(comm: Communicator, req: Request, device: torch.device) -> Requ
     p = with_seed(req.params)
     req = replace(req, params=p)
     head = [GENERATE, len(req.prompt_ids), p.max_tokens, p.top_k, -1 if p.seed is None else p.seed,
-            int(p.ignore_eos), len(p.stop_token_ids), int(req.plain), float_bits(float(p.temperature)), float_bits(float(p.top_p))]
+            int(p.ignore_eos), len(p.stop_token_ids), int(req.plain), float_bits(float(p.temperature)),
+            float_bits(float(p.top_p))]
     comm.broadcast(torch.tensor(head, dtype=torch.long, device=device))
     comm.broadcast(torch.tensor(req.prompt_ids + list(p.stop_token_ids), dtype=torch.long, device=device))
     return req
@@ -63,6 +64,7 @@ def recv_request(comm: Communicator, device: torch.device) -> Request | None:
         return None
     _, n, max_tokens, top_k, seed, ignore_eos, n_stop, plain, temp, top_p = head
     ids = comm.broadcast(torch.zeros(n + n_stop, dtype=torch.long, device=device)).tolist()
-    params = SamplingParams(max_tokens=max_tokens, temperature=bits_float(temp), top_p=bits_float(top_p), top_k=top_k,
-                            seed=None if seed < 0 else seed, stop_token_ids=tuple(ids[n:]), ignore_eos=bool(ignore_eos))
+    params = SamplingParams(max_tokens=max_tokens, temperature=bits_float(temp), top_p=bits_float(top_p),
+                            top_k=top_k, seed=None if seed < 0 else seed, stop_token_ids=tuple(ids[n:]),
+                            ignore_eos=bool(ignore_eos))
     return Request(ids[:n], params, bool(plain))
