@@ -29,12 +29,12 @@ from .kernels.policy import KernelPolicy
 from .logs import log_once
 from .model.dflash import DFlashDrafter
 from .model.target import Target, row_parallel_groups
+from .parallel.broadcast import Request, recv_request, send_request, send_stop
 from .parallel.comm import SINGLE, Communicator
 from .parallel.group import leave, rank_device
 from .parallel.launch import collective_error, start_ranks
-from .parallel.memory import log_rank_load
+from .parallel.memory import log_load
 from .parallel.shard import check_divisible
-from .parallel.broadcast import Request, recv_request, send_request, send_stop
 from .quant import QuantError, k2_quantization_config, parse_quantization_config
 from .sampling import SamplingParams
 from .speculative.config import SpecConfig
@@ -132,7 +132,7 @@ def load_target(path: str | Path, *, device: torch.device, dtype: torch.dtype,
         target.load_tensor(name, tensor)
     target.finish_loading()
     if tp:
-        log_rank_load(str(path), comm.rank, comm.world_size, target, read, time.perf_counter() - t0, device)
+        log_load(comm, str(path), target, read, time.perf_counter() - t0, device)
     prepare_int4(target, dtype)   # INT4 words in the order of their kernels, before any capture
     return target
 

@@ -1,4 +1,5 @@
-"""What a rank holds after loading: its weight bytes and the device's free memory, logged once per rank."""
+"""What a rank holds: its weight bytes and the device's free memory after loading (logged by rank 0 for every rank),
+and the bytes of a rank's shard counted from shapes."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import torch
 from torch import nn
 
 from ..logs import log
+from .comm import Communicator
 
 
 def weight_bytes(model: nn.Module) -> int:
@@ -21,19 +23,26 @@ def weight_bytes(model: nn.Module) -> int:
     return total
 
 
-def free_memory(device: torch.device) -> str:
-    """The device's free / total memory as text (CUDA), or 'host memory' on the CPU."""
+def free_memory(device: torch.device) -> tuple[float, float]:
+    """(free, total) bytes of a CUDA device's memory; (-1, -1) on the CPU (host memory is not reported)."""
     if device.type != "cuda":
-        return "host memory"
+        return -1.0, -1.0
     free, total = torch.cuda.mem_get_info(device)
-    return f"{free / 2**30:.1f} of {total / 2**30:.1f} GiB free"
+    return float(free), float(total)
 
 
-def log_rank_load(what: str, rank: int, world: int, model: nn.Module, read_bytes: int, seconds: float,
-                  device: torch.device) -> None:
-    log.info("rank %d of %d: %s: %.3f GB of weights held, %.3f GB read in %.1f s (%.2f GB/s), %s", rank, world, what,
-             weight_bytes(model) / 1e9, read_bytes / 1e9, seconds, read_bytes / 1e9 / max(seconds, 1e-9),
-             free_memory(device))
+def log_load(comm: Communicator, what: str, model: nn.Module, read_bytes: int, seconds: float,
+             device: torch.device) -> None:
+    """Every rank's weight bytes, bytes read, read rate and free memory, gathered to rank 0 and logged there one
+    line per rank (a collective: every rank calls it after loading)."""
+    mine = torch.tensor([weight_bytes(model), read_bytes, seconds, *free_memory(device)], dtype=torch.float64,
+                        device=device)
+    for r, (held, read, secs, free, total) in enumerate(comm.all_gather(mine).tolist()):
+        if comm.rank != 0:
+            return
+        mem = "host memory" if total < 0 else f"{free / 2**30:.1f} of {total / 2**30:.1f} GiB free"
+        log.info("rank %d of %d: %s: %.3f GB of weights held, %.3f GB read in %.1f s (%.2f GB/s), %s", r,
+                 comm.world_size, what, held / 1e9, read / 1e9, secs, read / 1e9 / max(secs, 1e-9), mem)
 
 
 def shard_bytes(model: nn.Module) -> int:
