@@ -11,7 +11,6 @@ import sys
 import textwrap
 import time
 
-
 from kdtree_engine.exit_codes import EXIT_RANK_FAILED
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
