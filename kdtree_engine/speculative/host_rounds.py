@@ -57,6 +57,9 @@ class HostRounds:
         self.impl = pick_tree_impl(tree_impl, target.device) if shape.method == "ddtree" else "vectorized"
         self.limit, self.prompt_len = limit, prompt_len
         self.vocab = getattr(target, "vocab_shard", None)  # tensor parallel: the target's vocabulary slice
+        if self.vocab is not None and shape.auto:
+            raise SpecError("budget 'auto' times each round on the host, which differs between tensor-parallel "
+                            "ranks: give a fixed budget")
         self.gen = make_generator(params.seed, target.device)
         self.timer = Timer(target.device)
         self.stats = RoundStats(shape.block_size)
