@@ -82,8 +82,7 @@ def vocab_topk_logprobs(vocab: VocabShard, logits: torch.Tensor, k: int) -> tupl
     """The drafter's per-position top-k log-probs over the whole vocabulary from this rank's slice logits
     [L, size] -> (lp [L, k'] float32 descending, global ids [L, k'] long), k' = min(k, total)."""
     x = logits.float()
-    vals, idx = torch.topk(x, min(k, vocab.size), dim=-1)  # [L, k'] this rank's best
-    top, ids = merge_top(vocab, vals, idx + vocab.start, k)
+    top, ids = merge_top(vocab, *local_top(vocab, x, k), k)
     return top - log_normalizer(vocab, x), ids
 
 
@@ -111,9 +110,11 @@ def rule_probs_shard(vocab: VocabShard, logits: torch.Tensor, temperature: float
 
 
 def local_top(vocab: VocabShard, x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's k best of x [R, size] (at most its size) with global ids."""
-    vals, idx = torch.topk(x, min(k, vocab.size), dim=-1)
-    return vals, idx + vocab.start
+    """This rank's k best of x [R, size] (at most its size) with global ids, ties to the lowest id (a stable sort:
+    torch.topk may return any of equal values, and the merge needs each rank's lowest)."""
+    vals, idx = torch.sort(x, dim=-1, descending=True, stable=True)
+    k = min(k, vocab.size)
+    return vals[..., :k], idx[..., :k] + vocab.start
 
 
 def vocab_race(vocab: VocabShard, probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:

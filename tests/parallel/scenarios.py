@@ -17,7 +17,8 @@ from kdtree_engine.model.dflash import DFlashDrafter
 from kdtree_engine.model.target import Target
 from kdtree_engine.parallel.comm import Communicator
 from kdtree_engine.quant import k2_quantization_config
-from kdtree_engine.sampling import SamplingParams, sample
+from kdtree_engine.sampling import SamplingParams, sample, topk_logprobs
+from kdtree_engine.sampling import greedy as greedy_pick
 from kdtree_engine.speculative import host_rounds
 from kdtree_engine.speculative.decode import generate, generate_device
 
@@ -142,6 +143,13 @@ def run(comm: Communicator, case: Case) -> dict[str, Any]:
     finally:
         host_rounds.build_tree_heap = saved
     out["sampled"] = generate(target, prompt, SAMPLED).token_ids
+    tie = torch.zeros(2, CFG.vocab_size)  # ties across the two halves of the vocabulary
+    tie[0, [200, 5, 130]] = 3.0
+    tie[1, [255, 128]] = 1.0
+    vs, pol = target.vocab_shard, target.policy
+    out["tie-greedy"] = greedy_pick(shard_of(target, tie), policy=pol, vocab=vs).tolist()
+    lp, ids = topk_logprobs(shard_of(target, tie), 4, policy=pol, vocab=vs)
+    out["tie-topk"] = (lp.tolist(), ids.tolist())
     g = torch.Generator().manual_seed(DIST_PARAMS.seed)
     rows = shard_of(target, dist_logits(case.seed)).expand(DIST_DRAWS, -1)
     out["draws"] = torch.bincount(sample(rows, DIST_PARAMS, g, policy=target.policy, vocab=target.vocab_shard),

@@ -69,3 +69,12 @@ def test_tp2_sampling_draws_tp1_tokens_and_the_rule_distribution(one, two) -> No
 def test_tp4_greedy_equals_tp1() -> None:
     want = run(SINGLE, Case(SEED + 1, full=False))["dense"]
     assert [r["dense"] for r in run_ranks(4, run, Case(SEED + 1, full=False))] == [want] * 4, f"seed={SEED + 1}"
+
+
+def test_tp2_ties_go_to_the_lowest_id_on_every_rank(one, two) -> None:
+    assert two[0]["tie-greedy"] == two[1]["tie-greedy"] == one["tie-greedy"] == [5, 128]
+    lp, ids = two[0]["tie-topk"]
+    assert two[1]["tie-topk"] == two[0]["tie-topk"]
+    assert ids == [[5, 130, 200, 0], [128, 255, 0, 1]]
+    want = torch.log_softmax(torch.tensor([[3.0, 3.0, 3.0, 0.0] + [0.0] * 252, [1.0, 1.0] + [0.0] * 254]), -1)
+    torch.testing.assert_close(torch.tensor(lp), want[:, :4], rtol=1e-6, atol=1e-6)
