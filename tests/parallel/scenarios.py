@@ -13,6 +13,7 @@ from kdtree_engine import reference
 from kdtree_engine.config import ModelConfig, preset
 from kdtree_engine.draft_config import DraftConfig
 from kdtree_engine.engine import target_from_weights
+from kdtree_engine.kernels.policy import KernelPolicy
 from kdtree_engine.model.dflash import DFlashDrafter
 from kdtree_engine.model.target import Target
 from kdtree_engine.parallel.comm import Communicator
@@ -37,6 +38,7 @@ DIST_PARAMS = SamplingParams(temperature=0.7, top_p=0.9, seed=5)
 class Case:
     seed: int
     full: bool = True  # False: greedy dense only (the 4-rank run)
+    tp_sum: str | None = None  # KernelPolicy.tp_sum (None: by batch invariance, gather)
 
 
 def prompt_of(seed: int, cfg: ModelConfig = CFG) -> list[int]:
@@ -108,7 +110,7 @@ def run(comm: Communicator, case: Case) -> dict[str, Any]:
     torch.manual_seed(0)
     out: dict[str, Any] = {}
     prompt = prompt_of(case.seed)
-    target = Target.random(CFG, seed=case.seed, comm=comm)
+    target = Target.random(CFG, seed=case.seed, comm=comm, policy=KernelPolicy(tp_sum=case.tp_sum))
     greedy = SamplingParams(max_tokens=STEPS, ignore_eos=True)
     out["dense"] = generate(target, prompt, greedy).token_ids
     if not case.full:

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from kdtree_engine import reference
-from kdtree_engine.parallel.comm import SINGLE
+from kdtree_engine.kernels.policy import KernelPolicy
+from kdtree_engine.parallel.comm import SINGLE, tp_sum, tp_sum_kind
 from kdtree_engine.sampling import rule_probs
 
 from ranks import run_ranks
@@ -66,9 +67,21 @@ def test_tp2_sampling_draws_tp1_tokens_and_the_rule_distribution(one, two) -> No
     assert two[0]["draws"] == two[1]["draws"]
 
 
-def test_tp4_greedy_equals_tp1() -> None:
+def test_tp4_greedy_equals_tp1_with_all_reduce_sums() -> None:
     want = run(SINGLE, Case(SEED + 1, full=False))["dense"]
-    assert [r["dense"] for r in run_ranks(4, run, Case(SEED + 1, full=False))] == [want] * 4, f"seed={SEED + 1}"
+    case = Case(SEED + 1, full=False, tp_sum="all_reduce")
+    assert [r["dense"] for r in run_ranks(4, run, case)] == [want] * 4, f"seed={SEED + 1}"
+
+
+def test_the_policy_picks_the_cross_rank_sum() -> None:
+    assert tp_sum_kind(KernelPolicy()) == "gather"
+    assert tp_sum_kind(KernelPolicy(batch_invariant=False)) == "all_reduce"
+    assert tp_sum_kind(KernelPolicy(tp_sum="all_reduce")) == "all_reduce"
+    assert tp_sum_kind(KernelPolicy(batch_invariant=False, tp_sum="gather")) == "gather"
+    with pytest.raises(ValueError, match="KernelPolicy.tp_sum"):
+        KernelPolicy(tp_sum="ring")
+    x = torch.randn(3, 5)
+    assert tp_sum(KernelPolicy(), SINGLE, x) is x  # one rank: no collective, the tensor itself
 
 
 def test_tp2_ties_go_to_the_lowest_id_on_every_rank(one, two) -> None:
