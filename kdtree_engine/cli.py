@@ -134,6 +134,9 @@ COMPARE_RUNS = 3  # timed runs of each decoding for --compare, interleaved (the 
 def cmd_generate(args: argparse.Namespace) -> int:
     if (args.prompt is None) == (args.prompt_ids is None):
         raise BadInput("give exactly one of PROMPT or --prompt-ids")
+    if args.show_tree and args.tp > 1:
+        raise BadInput("--show-tree is not available with --tp > 1 (the display reads the draft logits of the whole "
+                       "vocabulary, which no rank holds)")
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
     demo = args.model is None
