@@ -11,6 +11,7 @@ import sys
 import textwrap
 import time
 
+from kdtree_engine.cli import main
 from kdtree_engine.exit_codes import EXIT_RANK_FAILED
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -74,3 +75,11 @@ def test_a_dying_rank_stops_rank_0_with_one_line() -> None:
     assert [e for e in err if e.startswith("kdtree: error")] == [line], err
     assert not any("Traceback" in e for e in err), err
     print(f"rank 0 exited {took:.1f} s after its worker was killed")
+
+
+def test_what_the_ranks_cannot_do_is_refused_before_they_start(capsys) -> None:
+    assert main(["generate", "--prompt-ids", "1,2", "--tp", "2", "--show-tree", "--device", "cpu"]) == 2
+    assert main(["generate", "--prompt-ids", "1,2", "--tp", "2", "--budget", "auto", "--device", "cpu"]) == 2
+    err = [e for e in capsys.readouterr().err.splitlines() if e.startswith("kdtree: error")]
+    assert err[0].startswith("kdtree: error: --show-tree is not available with --tp > 1")
+    assert err[1].startswith("kdtree: error: --budget auto times each round on the host"), err
