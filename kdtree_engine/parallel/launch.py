@@ -17,10 +17,11 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from ..errors import BadInput
 from ..exit_codes import EXIT_RANK_FAILED
 from ..logs import log_once
 from .comm import Communicator, DistCommunicator
-from .group import DEFAULT_TIMEOUT_S, Rendezvous, free_port, join, leave, rank_device
+from .group import DEFAULT_TIMEOUT_S, Rendezvous, free_port, join, leave, rank_device, torchrun_env
 
 REPORT_WAIT_S = 10.0  # after a failed collective, how long rank 0 waits to see which worker died
 PARENT_POLL_S = 1.0
@@ -131,9 +132,11 @@ def start_ranks(tp: int, device: torch.device, body: Callable[..., Any], args: t
     already joined (torchrun: ``python -m kdtree_engine``) is used as it is; otherwise ranks 1..tp-1 are spawned
     on this host (``body(comm, *args)`` each) and meet this process at a free local port."""
     if dist.is_initialized():
+        if torchrun_env() is None:
+            raise BadInput("a tensor-parallel engine already runs in this process: close() it before starting another")
         comm = DistCommunicator()
         if comm.world_size != tp or comm.rank != 0:
-            raise ValueError(f"tp={tp} but this process is {comm.describe()} of the launcher's group")
+            raise BadInput(f"tp={tp} but this process is {comm.describe()} of the launcher's group")
         log_once(f"tp:joined:{tp}", f"tensor parallel: {tp} ranks, the launcher's group ({comm.backend})")
         return comm, None, rank_device(device, int(os.environ.get("LOCAL_RANK", "0")))
     rdv = Rendezvous("127.0.0.1", free_port(), tp, timeout_s)
