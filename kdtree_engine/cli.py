@@ -22,13 +22,13 @@ import torch
 
 from .bench_spec import add_bench_spec_parser
 from .engine import DEMO_DIR, LLM
-from .errors import BadInput
-from .exit_codes import BAD_INPUT_ERRORS, EXIT_BAD_INPUT
+from .errors import BadInput, RankFailure
+from .exit_codes import BAD_INPUT_ERRORS, EXIT_BAD_INPUT, EXIT_RANK_FAILED
 from .golden import add_golden_parser
 from .golden import main as golden_main
 from .sampling import SamplingParams
 from .show_tree import add_show_tree_argument, render_last_round
-from .speculative.decode import GenerationResult, generate
+from .speculative.decode import GenerationResult
 
 log = logging.getLogger("kdtree_engine")
 
@@ -68,7 +68,7 @@ class Parser(argparse.ArgumentParser):
 
 # API messages name arguments as ``name=value`` (kdtree_engine.engine, speculative.config); the CLI shows them
 # as its flags, ``--name value``.
-ARG_FLAGS = ("spec", "draft", "budget", "device", "dtype", "quantize", "threads")
+ARG_FLAGS = ("spec", "draft", "budget", "device", "dtype", "quantize", "threads", "tp")
 ARG_IN_MESSAGE = re.compile(r"\b(" + "|".join(ARG_FLAGS) + r")=(?:'([^']*)'|([^\s,;:()]+))")
 
 
@@ -107,6 +107,18 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=_positive("--threads"), default=None,
                    help="torch CPU threads (default: chosen by the model's size on the CPU, logged; one for the "
                         "demo)")
+    p.add_argument("--tp", type=_positive("--tp"), default=1,
+                   help="ranks of tensor + expert parallelism, one process per device (docs/parallel.md); this "
+                        "process is rank 0, the others are started and stopped with it")
+
+
+def llm_kwargs(args: argparse.Namespace, eager: bool) -> dict:
+    """The engine's arguments from the flags of :func:`add_model_arguments` (``eager``: host-driven rounds); every
+    rank of ``--tp`` builds the same engine from them."""
+    return dict(model=args.model, draft=args.draft, spec=args.spec, budget=args.budget, device=args.device,
+                dtype=args.dtype, quantize=args.quantize, batch_invariant=args.batch_invariant == "on",
+                eager=True if eager else None, threads=args.threads if args.threads is not None else "auto",
+                tp=args.tp)
 
 
 def load_llm(args: argparse.Namespace, eager: bool) -> LLM:
@@ -115,9 +127,7 @@ def load_llm(args: argparse.Namespace, eager: bool) -> LLM:
         raise BadInput(f"no --model given and the embedded demo model is missing ({DEMO_DIR})")
     if args.model is not None and not Path(args.model).is_dir():
         raise BadInput(f"--model {args.model!r} is not a directory")
-    return LLM(args.model, draft=args.draft, spec=args.spec, budget=args.budget, device=args.device,
-               dtype=args.dtype, quantize=args.quantize, batch_invariant=args.batch_invariant == "on", progress=True,
-               eager=True if eager else None, threads=args.threads if args.threads is not None else "auto")
+    return LLM(**llm_kwargs(args, eager), progress=True)
 
 
 def add_generate_parser(sub: argparse._SubParsersAction) -> None:
@@ -147,6 +157,9 @@ COMPARE_RUNS = 3  # timed runs of each decoding for --compare, interleaved (the 
 def cmd_generate(args: argparse.Namespace) -> int:
     if (args.prompt is None) == (args.prompt_ids is None):
         raise BadInput("give exactly one of PROMPT or --prompt-ids")
+    if args.show_tree and args.tp > 1:
+        raise BadInput("--show-tree is not available with --tp > 1 (the display reads the draft logits of the whole "
+                       "vocabulary, which no rank holds)")
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
     compare = args.model is None if args.compare is None else args.compare
@@ -191,7 +204,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def plain_decode(llm: LLM, ids: list[int], params: SamplingParams) -> GenerationResult:
     """Plain decoding of the request on the loaded target: the reference of ``--compare``."""
-    return generate(llm.target, ids, params, eager=llm.eager)
+    return llm.run(ids, params, plain=True)
 
 
 def compare_with_plain(llm: LLM, ids: list[int], params: SamplingParams,
@@ -286,6 +299,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise BadInput(f"--port must be in 0..65535, got {args.port}")
     if args.api_key == "":
         raise BadInput("--api-key is empty")
+    if args.tp > 1:   # a request ended by the server (stop string, client gone) must end on every rank in one round
+        raise BadInput("--tp > 1 is not served yet: the ranks would have to agree each round on a request the "
+                       "server ends early; `kdtree generate --tp N` runs on several ranks")
     name = args.served_model_name or ("demo" if args.model is None else Path(args.model).resolve().name)
     # the HTTP stack (fastapi, uvicorn, pydantic) is imported by this command alone: the others start without it
     from .serve.app import ServeSettings
@@ -379,6 +395,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BAD_INPUT_ERRORS as e:
         print(error_line(e), file=sys.stderr)
         return EXIT_BAD_INPUT
+    except RankFailure as e:
+        print(error_line(e), file=sys.stderr)
+        return EXIT_RANK_FAILED
 
 
 if __name__ == "__main__":

@@ -52,9 +52,9 @@ class RMSNorm(nn.Module):
 class Linear(nn.Module):
     """A weight of shape [out, in]: dense ``weight`` or INT4 ``weight_packed`` + ``weight_scale``.
 
-    ``parallel`` records how the weight would be split under tensor parallelism (column: by output,
-    row: by input) so the seams are in place; this engine runs it unsplit. ``policy``: the model's kernel
-    policy (None: the environment's).
+    ``parallel`` records how the weight is split under tensor parallelism (column: by output, row: by input);
+    a tensor-parallel model builds each rank's Linear at its local size (parallel/shard.py cuts the checkpoint
+    to it). ``policy``: the model's kernel policy (None: the environment's).
     """
 
     def __init__(self, in_features: int, out_features: int, *, parallel: Parallel = "replicated",
@@ -160,12 +160,14 @@ def _aliases(lin: Linear, parts: tuple[Linear, ...]) -> bool:
 
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)). Used by dense layers and the shared expert; dense gate and up
-    run as one GEMM (:func:`stacked_linear`)."""
+    run as one GEMM (:func:`stacked_linear`). ``parts`` > 1: this rank's share of a tensor-parallel MLP (inter /
+    parts of the intermediate width; the output is a partial sum over the ranks)."""
 
     def __init__(self, hidden: int, inter: int, *, dtype: torch.dtype, group_of: GroupOf = dense_only,
-                 policy: KernelPolicy | None = None) -> None:
+                 policy: KernelPolicy | None = None, parts: int = 1) -> None:
         super().__init__()
         self.policy = policy = policy_or_env(policy)
+        inter //= parts
         self.gate_proj = Linear(hidden, inter, parallel="column", group_size=group_of("gate_proj"), dtype=dtype,
                                 policy=policy)
         self.up_proj = Linear(hidden, inter, parallel="column", group_size=group_of("up_proj"), dtype=dtype,

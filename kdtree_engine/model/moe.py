@@ -21,6 +21,7 @@ from ..kernels.policy import KernelPolicy, policy_or_env
 from ..kernels.streams import side_by_side
 from ..logs import log_once
 from ..quant import dequantize
+from ..parallel.experts import owned_routes
 from .int4_order import checkpoint_int4
 from .layers import MLP, GroupOf, dense_only
 
@@ -66,11 +67,15 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
+    """The routed experts of a layer; ``owned`` (expert parallel): the global ids of the experts this rank holds
+    (None: all of them, no remapping)."""
+
     def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype, group_size: int | None,
-                 policy: KernelPolicy | None = None) -> None:
+                 policy: KernelPolicy | None = None, owned: range | None = None) -> None:
         super().__init__()
         self.policy = policy_or_env(policy)
-        E, H, I = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        E, H, I = cfg.n_routed_experts if owned is None else len(owned), cfg.hidden_size, cfg.moe_intermediate_size
+        self.owned = owned
         self.num_experts, self.hidden, self.inter = E, H, I
         self.group_size = group_size
         if group_size is None:
@@ -85,6 +90,8 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                 add: torch.Tensor | None = None, host_reads: bool = True) -> torch.Tensor:
+        if self.owned is not None:
+            ids, weights = owned_routes(ids, weights, self.owned)
         return moe(x, ids, weights, self, add, host_reads)
 
     def reset_dense(self) -> None:
@@ -170,14 +177,19 @@ def moe_static(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, expert
 
 
 class MoE(nn.Module):
+    """``owned`` / ``parts`` (a tensor-parallel rank): the routed experts it holds and the share of the shared
+    expert's width; every rank routes all tokens, the output is then a partial sum over the ranks."""
+
     def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype, group_size: int | None,
-                 shared_group_of: GroupOf = dense_only, policy: KernelPolicy | None = None) -> None:
+                 shared_group_of: GroupOf = dense_only, policy: KernelPolicy | None = None,
+                 owned: range | None = None, parts: int = 1) -> None:
         super().__init__()
         self.policy = policy = policy_or_env(policy)
         self.gate = Router(cfg, policy=policy)
-        self.experts = Experts(cfg, dtype=dtype, group_size=group_size, policy=policy)
+        self.experts = Experts(cfg, dtype=dtype, group_size=group_size, policy=policy, owned=owned)
         self.shared_experts = (MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, dtype=dtype,
-                                   group_of=shared_group_of, policy=policy) if cfg.n_shared_experts > 0 else None)
+                                   group_of=shared_group_of, policy=policy, parts=parts)
+                               if cfg.n_shared_experts > 0 else None)
         self._shared_bytes: int | None = None   # the shared expert's weight bytes (its CUDA placement)
 
     def forward(self, x: torch.Tensor, host_reads: bool = True) -> torch.Tensor:
