@@ -36,7 +36,8 @@ from tqdm import tqdm
 
 from .errors import WeightsError
 from .config import ModelConfig
-from .quant import QuantScheme, parse_quantization_config
+from .fp8 import FP8_DTYPE, SCALE_DTYPE
+from .quant import Fp8Scheme, QuantScheme, parse_quantization_config
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -44,6 +45,8 @@ INDEX_FILE = "model.safetensors.index.json"
 FLOAT_DTYPES = frozenset({torch.bfloat16, torch.float16, torch.float32})
 PACKED_DTYPES = frozenset({torch.int32})
 SHAPE_DTYPES = frozenset({torch.int32, torch.int64})
+FP8_DTYPES = frozenset({FP8_DTYPE})
+FP8_SCALE_DTYPES = frozenset({SCALE_DTYPE})
 
 # Prefixes of the text model in each layout; lm_head sits outside ``model.``.
 LAYOUTS: dict[str, tuple[str, str]] = {
@@ -107,8 +110,8 @@ def raw_name(canonical: str, layout: str = "k2") -> str:
     return model_prefix + canonical
 
 
-def quant_scheme(cfg: ModelConfig) -> QuantScheme | None:
-    """The config's W4A16 scheme (None when the checkpoint is not quantized); QuantError if unsupported."""
+def quant_scheme(cfg: ModelConfig) -> QuantScheme | Fp8Scheme | None:
+    """The config's W4A16 or FP8 scheme (None when the checkpoint is not quantized); QuantError if unsupported."""
     return parse_quantization_config(cfg.quantization)
 
 
@@ -145,11 +148,14 @@ def _swiglu(prefix: str, width: int, h: int) -> list[tuple[str, int, int]]:
 _NO_SCHEME: Any = object()
 
 
-def expected_tensors(cfg: ModelConfig, scheme: QuantScheme | None = _NO_SCHEME) -> dict[str, TensorSpec]:
+def expected_tensors(cfg: ModelConfig, scheme: QuantScheme | Fp8Scheme | None = _NO_SCHEME
+                     ) -> dict[str, TensorSpec]:
     """Canonical name -> :class:`TensorSpec` for every tensor of the text model.
 
     ``scheme`` defaults to the config's quantization_config; linears it marks INT4 expect
-    ``weight_packed`` int32 [N, K/8], ``weight_scale`` float [N, K/g], ``weight_shape`` int [2] = [N, K].
+    ``weight_packed`` int32 [N, K/8], ``weight_scale`` float [N, K/g], ``weight_shape`` int [2] = [N, K];
+    linears it marks FP8 expect ``weight`` float8_e4m3fn [N, K] and ``weight_scale_inv`` float32
+    [ceil(N/bn), ceil(K/bk)] (fp8.py).
     """
     if scheme is _NO_SCHEME:
         scheme = quant_scheme(cfg)
@@ -170,7 +176,10 @@ def expected_tensors(cfg: ModelConfig, scheme: QuantScheme | None = _NO_SCHEME) 
             specs[p + "mlp.gate.e_score_correction_bias"] = TensorSpec((cfg.n_routed_experts,), FLOAT_DTYPES)
     for module, n, k in linear_modules(cfg):
         optional = module == "lm_head" and cfg.tie_word_embeddings
-        if scheme is not None and scheme.is_quantized(module):
+        if isinstance(scheme, Fp8Scheme) and scheme.is_quantized(module):
+            specs[module + ".weight"] = TensorSpec((n, k), FP8_DTYPES, optional)
+            specs[module + ".weight_scale_inv"] = TensorSpec(scheme.block.scale_shape(n, k), FP8_SCALE_DTYPES, optional)
+        elif scheme is not None and scheme.is_quantized(module):
             g = scheme.group_size
             if k % g:
                 raise WeightsError(
@@ -192,7 +201,7 @@ def _dtype_str(d: torch.dtype | str) -> str:
 class _Checker:
     """Checks a stream of (raw name, shape, dtype) against the expected set; reports missing at the end."""
 
-    def __init__(self, cfg: ModelConfig, scheme: QuantScheme | None | Any = _NO_SCHEME) -> None:
+    def __init__(self, cfg: ModelConfig, scheme: QuantScheme | Fp8Scheme | None | Any = _NO_SCHEME) -> None:
         self.cfg = cfg
         self.specs = expected_tensors(cfg, scheme)
         self.seen: dict[str, tuple[str, str]] = {}  # canonical -> (raw name, file)
@@ -220,7 +229,11 @@ class _Checker:
             allowed = ", ".join(sorted(_dtype_str(d) for d in spec.dtypes))
             hint = ""
             if isinstance(dtype, torch.dtype) and dtype.is_floating_point and dtype.itemsize == 1:
-                hint = " (FP8 checkpoints are not supported; use a BF16 or INT4 W4A16 checkpoint)"
+                hint = (" (an FP8 weight where the quantization_config wants none: FP8 checkpoints need "
+                        "quantization_config.quant_method 'fp8' and this linear outside its ignore list)")
+            elif spec.dtypes == FP8_DTYPES:
+                hint = (" (the fp8 quantization_config makes this linear FP8; list it in ignored_layers to "
+                        "keep it unquantized)")
             raise WeightsError(f"{where}: tensor '{raw}' has dtype {_dtype_str(dtype)}, expected one of "
                                f"{allowed}{hint}")
         return canon
@@ -247,7 +260,7 @@ class _Checker:
     def _hint(self, canon: str) -> str:
         module, _, suffix = canon.rpartition(".")
         if suffix == "weight_scale_inv":
-            return "; an FP8 block scale: FP8 checkpoints are not supported"
+            return "; an FP8 block scale of a linear the quantization_config does not make FP8"
         if suffix == "weight" and module + ".weight_packed" in self.specs:
             return ("; the quantization_config makes this linear INT4 (expected weight_packed, "
                     "weight_scale, weight_shape)")
