@@ -1,0 +1,204 @@
+"""FP8 block-quantized checkpoints: the format (fp8.py) against HF transformers' fine-grained FP8
+dequantization and a numpy implementation of the block layout; quantization_config and checkpoint
+strictness (each refusal names the field / tensor); tiny FP8 and BF16 checkpoints against HF transformers
+(logits) and the numpy reference (greedy tokens) on the dequantized weights."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from helpers_ckpt import fp8_checkpoint, fp8_config, fp8_dequantize_np, fp8_quantize_np
+from hf_oracle import hf_model
+from kdtree_engine import reference
+from kdtree_engine.config import preset
+from kdtree_engine.engine import load_target
+from kdtree_engine.errors import QuantError, WeightsError
+from kdtree_engine.fp8 import FP8_DTYPE, Fp8Block, dequantize_fp8, quantize_fp8
+from kdtree_engine.model.moe import MoE
+from kdtree_engine.quant import Fp8Scheme, fp8_quantization_config, parse_quantization_config
+from kdtree_engine.sampling import SamplingParams
+from kdtree_engine.speculative.decode import generate
+from kdtree_engine.weights import load_checkpoint, save_checkpoint
+
+CFG = preset("k2-tiny")
+
+
+def new_seed() -> int:
+    seed = int(np.random.default_rng().integers(1 << 30))
+    print(f"seed={seed}")
+    return seed
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+# ---- the format ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("shape,block", [((256, 384), (128, 128)), ((576, 200), (128, 128)), ((48, 80), (32, 16))])
+def test_dequantize_matches_hf_and_numpy(shape, block) -> None:
+    seed = new_seed()
+    g = torch.Generator().manual_seed(seed)
+    n, k = shape
+    b = Fp8Block(*block)
+    q = (torch.randn(n, k, generator=g) * 100).clamp(-448, 448).to(FP8_DTYPE)
+    s = torch.rand(b.scale_shape(n, k), generator=g) * 0.01 + 1e-4
+    ours = dequantize_fp8(q, s, b)
+    want = fp8_dequantize_np(q, s.numpy(), *block)
+    assert torch.equal(ours, torch.from_numpy(want)), f"seed={seed}"
+    hf = pytest.importorskip("transformers.integrations.finegrained_fp8")
+    hf_deq = getattr(hf, "_dequantize_fp8_weight")   # the dequantization transformers' FP8 integration uses
+    assert torch.equal(hf_deq(q.clone(), s, list(block), torch.float32), ours), f"seed={seed}"
+
+
+def test_quantize_round_trip_and_numpy_layout() -> None:
+    seed = new_seed()
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(3, 100, 70, generator=g)
+    b = Fp8Block(32, 32)
+    q, s = quantize_fp8(w, b)
+    assert q.dtype == FP8_DTYPE and tuple(s.shape) == (3, 4, 3)
+    deq = dequantize_fp8(q, s, b)
+    # e4m3 keeps 3 mantissa bits: half an ulp is 1/16 of the value, and the block absmax maps to 448
+    assert (deq - w).abs().max() <= (w.abs().max() / 448) * 16 + 1e-6, f"seed={seed}"
+    q_np, s_np = fp8_quantize_np(w[1].numpy(), 32, 32)
+    assert np.allclose(s_np, s[1].numpy(), rtol=1e-6), f"seed={seed}"
+
+
+# ---- quantization_config -------------------------------------------------------------------------
+
+def test_parse_fp8_config() -> None:
+    scheme = parse_quantization_config(fp8_quantization_config())
+    assert isinstance(scheme, Fp8Scheme) and scheme.block == Fp8Block(128, 128)
+    assert scheme.is_quantized("layers.0.self_attn.kv_a_proj_with_mqa")
+    assert scheme.is_quantized("model.layers.3.mlp.experts.7.down_proj")
+    assert not scheme.is_quantized("lm_head")
+    ign = parse_quantization_config({**fp8_quantization_config((64, 64)),
+                                     "ignored_layers": ["model.layers.1.self_attn.o_proj", "re:.*shared_experts.*"],
+                                     "modules_to_not_convert": ["model.layers.2"]})
+    assert not ign.is_quantized("layers.1.self_attn.o_proj")
+    assert ign.is_quantized("layers.1.self_attn.q_a_proj")
+    assert not ign.is_quantized("layers.3.mlp.shared_experts.up_proj")
+    assert not ign.is_quantized("layers.2.mlp.experts.0.up_proj")
+    assert ign.is_quantized("layers.20.mlp.experts.0.up_proj")
+
+
+@pytest.mark.parametrize("change,field", [
+    ({"fmt": "e5m2"}, "fmt"),
+    ({"activation_scheme": "static"}, "activation_scheme"),
+    ({"weight_block_size": [128]}, "weight_block_size"),
+    ({"weight_block_size": [128, 0]}, "weight_block_size"),
+    ({"weight_block_size": [128, 100]}, "weight_block_size"),
+    ({"weight_block_size": None}, "weight_block_size"),
+    ({"ignored_layers": "lm_head"}, "ignored_layers"),
+    ({"modules_to_not_convert": ["re:(["]}, "modules_to_not_convert"),
+    ({"weight_scale_format": "ue8m0"}, "weight_scale_format"),
+    ({"dequantize": True}, "dequantize"),
+])
+def test_fp8_config_refusals_name_the_field(change, field) -> None:
+    with pytest.raises(QuantError, match=f"'{field}'"):
+        parse_quantization_config({**fp8_quantization_config(), **change})
+
+
+def test_unknown_quant_method_is_refused() -> None:
+    with pytest.raises(QuantError, match="'quant_method'"):
+        parse_quantization_config({"quant_method": "fp4"})
+
+
+# ---- checkpoints ---------------------------------------------------------------------------------
+
+def fp8_dir(tmp_path, block=(32, 32), ignored=(), seed=0, layout="k2", edit=None):
+    cfg = fp8_config(CFG, block, tuple("model." + m for m in ignored))
+    tensors, dense = fp8_checkpoint(CFG, reference.random_weights(CFG, seed), block, ignored)
+    if edit is not None:
+        edit(tensors)
+    save_checkpoint(tmp_path / "fp8", cfg, tensors, layout=layout)
+    return tmp_path / "fp8", dense
+
+
+def test_missing_scale_is_refused_by_name(tmp_path) -> None:
+    path, _ = fp8_dir(tmp_path, edit=lambda t: t.pop("layers.1.mlp.experts.3.up_proj.weight_scale_inv"))
+    with pytest.raises(WeightsError, match=r"missing: model\.layers\.1\.mlp\.experts\.3\.up_proj\.weight_scale_inv"):
+        load_checkpoint(path, fp8_config(CFG, (32, 32)))
+
+
+def test_wrong_scale_shape_is_refused_by_name(tmp_path) -> None:
+    def edit(t):
+        t["layers.0.self_attn.kv_a_proj_with_mqa.weight_scale_inv"] = torch.ones(1, 2)
+    path, _ = fp8_dir(tmp_path, edit=edit)
+    with pytest.raises(WeightsError, match=r"kv_a_proj_with_mqa\.weight_scale_inv' has shape \[1, 2\], expected \[2, 2\]"):
+        load_checkpoint(path, fp8_config(CFG, (32, 32)))
+
+
+def test_wrong_dtypes_are_refused_by_name(tmp_path) -> None:
+    def bf16_weight(t):
+        t["layers.2.self_attn.o_proj.weight"] = t["layers.2.self_attn.o_proj.weight"].float().to(torch.bfloat16)
+    path, _ = fp8_dir(tmp_path, edit=bf16_weight)
+    with pytest.raises(WeightsError, match=r"o_proj\.weight' has dtype bfloat16.*ignored_layers"):
+        load_checkpoint(path, fp8_config(CFG, (32, 32)))
+
+    def f16_scale(t):
+        t["layers.2.self_attn.o_proj.weight_scale_inv"] = t["layers.2.self_attn.o_proj.weight_scale_inv"].half()
+    path, _ = fp8_dir(tmp_path, edit=f16_scale)
+    with pytest.raises(WeightsError, match=r"o_proj\.weight_scale_inv' has dtype float16"):
+        load_checkpoint(path, fp8_config(CFG, (32, 32)))
+
+
+def test_fp8_weights_of_an_ignored_layer_are_refused(tmp_path) -> None:
+    path, _ = fp8_dir(tmp_path)
+    cfg = fp8_config(CFG, (32, 32), ("model.layers.0.self_attn.o_proj",))
+    with pytest.raises(WeightsError, match=r"self_attn\.o_proj\.weight(_scale_inv)?'.*(has dtype float8_e4m3fn|"
+                                           r"unexpected)"):
+        load_checkpoint(path, cfg)
+
+
+def test_fp8_model_in_a_non_fp8_config_is_refused(tmp_path) -> None:
+    path, _ = fp8_dir(tmp_path)
+    with pytest.raises(WeightsError, match=r"FP8 checkpoints need quantization_config\.quant_method 'fp8'"):
+        load_checkpoint(path, CFG)
+
+
+@pytest.mark.parametrize("block,layout,ignored", [
+    ((32, 32), "k2", ()),   # partial blocks: 48-row q_a / kv_a projections
+    ((16, 64), "k25", ("layers.0.self_attn.o_proj", "layers.1.mlp.shared_experts.down_proj")),
+])
+def test_fp8_checkpoint_matches_hf_and_reference(tmp_path, block, layout, ignored) -> None:
+    seed = new_seed()
+    path, dense = fp8_dir(tmp_path, block, ignored, seed, layout)
+    model = load_target(path, device=torch.device("cpu"), dtype=torch.float32, progress=False)
+    # FP8 where the checkpoint has scales, dense where the config ignores the module
+    attn0 = model.layers[0].self_attn
+    assert attn0.q_a_proj.weight.dtype == FP8_DTYPE and attn0.q_a_proj.fp8_block == Fp8Block(*block)
+    assert (attn0.o_proj.weight.dtype == FP8_DTYPE) == (not ignored)
+    moe = model.layers[1].mlp
+    assert isinstance(moe, MoE) and moe.experts.w13.dtype == FP8_DTYPE
+    assert model.lm_head_proj.weight.dtype == torch.float32
+    ids = torch.from_numpy(np.random.default_rng(seed).integers(0, CFG.vocab_size, 12))
+    hf = hf_model(CFG, dense)
+    with torch.no_grad():
+        want = hf(ids[None]).logits[0].float()
+    got = model(ids, model.new_cache(16)).logits
+    assert rel(got, want) < 1e-4, f"seed={seed}"
+    prompt = ids[:5].tolist()
+    tokens = generate(model, prompt, SamplingParams(max_tokens=20, ignore_eos=True)).token_ids
+    assert tokens == reference.greedy(CFG, dense, prompt, 20), f"seed={seed}"
+
+
+def test_bf16_checkpoint_matches_hf_and_reference(tmp_path) -> None:
+    seed = new_seed()
+    w = reference.random_weights(CFG, seed)
+    bf16 = {k: torch.from_numpy(v).to(torch.bfloat16) for k, v in w.items()}
+    save_checkpoint(tmp_path / "bf16", CFG, bf16)
+    rounded = {k: v.float().numpy() for k, v in bf16.items()}
+    model = load_target(tmp_path / "bf16", device=torch.device("cpu"), dtype=torch.bfloat16, progress=False)
+    ids = torch.from_numpy(np.random.default_rng(seed).integers(0, CFG.vocab_size, 12))
+    hf = hf_model(CFG, rounded)
+    with torch.no_grad():
+        want = hf(ids[None]).logits[0].float()
+    got = model(ids, model.new_cache(16)).logits
+    assert rel(got, want) < 3e-2, f"seed={seed}"   # bf16 activations against HF in float32
+    prompt = ids[:5].tolist()
+    tokens = generate(model, prompt, SamplingParams(max_tokens=20, ignore_eos=True)).token_ids
+    assert tokens == reference.greedy(CFG, rounded, prompt, 20), f"seed={seed}"
