@@ -26,7 +26,8 @@ from .kernels.policy import KernelPolicy
 from .logs import log_once
 from .model.dflash import DFlashDrafter
 from .model.target import Target
-from .quant import QuantError, k2_quantization_config, parse_quantization_config
+from .fp8 import dequantized_stream
+from .quant import Fp8Scheme, QuantError, k2_quantization_config, parse_quantization_config
 from .sampling import SamplingParams
 from .speculative.config import SpecConfig
 from .speculative.decode import GenerationResult, generate, resolve_spec
@@ -105,14 +106,20 @@ def load_target(path: str | Path, *, device: torch.device, dtype: torch.dtype,
     on_load = False
     if quantize not in (None, "none", "w4a16"):
         raise BadInput(f"quantize={quantize!r} must be 'none' or 'w4a16'")
+    stream = iter_checkpoint(path, cfg, progress=progress)
     if quantize == "w4a16":
-        if scheme is not None:
+        if isinstance(scheme, Fp8Scheme):
+            # FP8 weights dequantized as they stream in; the routed experts then quantized like BF16 ones
+            stream = dequantized_stream(stream, scheme.block, dtype)
+            log.info("dequantizing the FP8 checkpoint while loading (linears other than the routed experts "
+                     f"in {str(dtype).removeprefix('torch.')})")
+        elif scheme is not None:
             raise QuantError(f"{path}: the checkpoint is already quantized; drop quantize='w4a16'")
         scheme = parse_quantization_config(k2_quantization_config(32))
         on_load = True
         log.info("quantizing routed experts to W4A16 (group 32) while loading")
     target = Target(cfg, dtype=dtype, device=device, quant=scheme, quantize_on_load=on_load, policy=policy)
-    for name, tensor in iter_checkpoint(path, cfg, progress=progress):
+    for name, tensor in stream:
         target.load_tensor(name, tensor)
     target.finish_loading()
     prepare_int4(target, dtype)   # INT4 words in the order of their kernels, before any capture

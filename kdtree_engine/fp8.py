@@ -12,6 +12,7 @@ scale (lm_head, the router, those the release lists as ignored) stay in their fl
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterable, Iterator
 
 import torch
 
@@ -73,3 +74,27 @@ def quantize_fp8(w: torch.Tensor, block: Fp8Block) -> tuple[torch.Tensor, torch.
     q = (tiles / scale[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX)
     q = q.flatten(-2).flatten(-3, -2)[..., :n, :k].to(FP8_DTYPE)
     return q.contiguous(), scale.to(SCALE_DTYPE)
+
+
+def dequantized_stream(tensors: Iterable[tuple[str, torch.Tensor]], block: Fp8Block,
+                       dtype: torch.dtype = torch.bfloat16) -> Iterator[tuple[str, torch.Tensor]]:
+    """A checkpoint's (canonical name, tensor) stream with every FP8 ``<m>.weight`` and its
+    ``<m>.weight_scale_inv`` replaced by one dense ``<m>.weight`` in ``dtype`` (yielded once both have
+    arrived; the two sit side by side in the released files, so little is held back). Other tensors pass
+    through. A half without its partner at the end raises ValueError naming it."""
+    pending: dict[str, torch.Tensor] = {}
+    for name, t in tensors:
+        is_scale = name.endswith(".weight_scale_inv")
+        if not is_scale and not (name.endswith(".weight") and t.dtype == FP8_DTYPE):
+            yield name, t
+            continue
+        weight_name = name[: -len("_scale_inv")] if is_scale else name
+        partner = weight_name if is_scale else name + "_scale_inv"
+        other = pending.pop(partner, None)
+        if other is None:
+            pending[name] = t
+            continue
+        w, s = (other, t) if is_scale else (t, other)
+        yield weight_name, dequantize_fp8(w, s, block, dtype)
+    if pending:
+        raise ValueError(f"FP8 tensor '{next(iter(pending))}' has no partner (weight / weight_scale_inv)")
