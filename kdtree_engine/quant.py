@@ -297,7 +297,7 @@ def parse_fp8_config(d: Mapping[str, Any]) -> Fp8Scheme:
     value or field raises :class:`QuantError` naming it."""
     unknown = sorted(set(d) - FP8_FIELDS)
     if unknown:
-        raise _refuse(unknown[0], d[unknown[0]], "not a field of the fp8 block format")
+        raise _refuse(unknown[0], d[unknown[0]], "not a field of the fp8 block format that quant_method 'fp8' names")
     if d.get("fmt", "e4m3") != "e4m3":
         raise _refuse("fmt", d.get("fmt"), "only 'e4m3' (float8_e4m3fn weights)")
     if d.get("activation_scheme", "dynamic") != "dynamic":
