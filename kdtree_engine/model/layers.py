@@ -71,6 +71,7 @@ class Linear(nn.Module):
         self.fp8_block = group_size if isinstance(group_size, Fp8Block) else None
         self.group_size = None if self.fp8_block is not None else group_size
         if self.fp8_block is not None:
+            self.dense_dtype = dtype   # of the dequantized weight (dense_weight)
             self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8_DTYPE), requires_grad=False)
             self.register_buffer("weight_scale_inv", torch.ones(
                 self.fp8_block.scale_shape(out_features, in_features), dtype=SCALE_DTYPE))
@@ -86,10 +87,15 @@ class Linear(nn.Module):
     def quantized(self) -> bool:
         return self.group_size is not None or self.fp8_block is not None
 
+    @property
+    def device(self) -> torch.device:
+        """Where the weight lives (without dequantizing it)."""
+        return (self.weight if self.group_size is None else self.weight_packed).device
+
     def dense_weight(self) -> torch.Tensor:
-        """The weight as a dense [out, in] tensor (dequantized if INT4 or FP8; FP8 to float32)."""
+        """The weight as a dense [out, in] tensor (dequantized if INT4 or FP8; FP8 to the model dtype)."""
         if self.fp8_block is not None:
-            return dequantize_fp8(self.weight, self.weight_scale_inv, self.fp8_block)
+            return dequantize_fp8(self.weight, self.weight_scale_inv, self.fp8_block, self.dense_dtype)
         if self.group_size is None:
             return self.weight
         return dequantize(*checkpoint_int4(self, "weight_packed"), self.group_size)
