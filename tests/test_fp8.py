@@ -5,6 +5,8 @@ strictness (each refusal names the field / tensor); tiny FP8 and BF16 checkpoint
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -12,7 +14,9 @@ import torch
 from helpers_ckpt import fp8_checkpoint, fp8_config, fp8_dequantize_np, fp8_quantize_np
 from hf_oracle import hf_model
 from kdtree_engine import reference
+from kdtree_engine.bundle import load_bundle, make_bundle, reference_weights, save_bundle
 from kdtree_engine.config import preset
+from kdtree_engine.golden import main as golden_main
 from kdtree_engine.engine import load_target
 from kdtree_engine.errors import QuantError, WeightsError
 from kdtree_engine.fp8 import FP8_DTYPE, Fp8Block, dequantize_fp8, quantize_fp8
@@ -202,3 +206,34 @@ def test_bf16_checkpoint_matches_hf_and_reference(tmp_path) -> None:
     prompt = ids[:5].tolist()
     tokens = generate(model, prompt, SamplingParams(max_tokens=20, ignore_eos=True)).token_ids
     assert tokens == reference.greedy(CFG, rounded, prompt, 20), f"seed={seed}"
+
+
+# ---- golden bundles ----------------------------------------------------------------------------------
+
+GOLDEN_FP8 = Path(__file__).resolve().parent / "golden" / "k2-tiny-fp8.golden.safetensors"
+
+
+def test_committed_fp8_golden_bundle_checks(capsys) -> None:
+    """The committed bundle (``kdtree golden make --preset k2-tiny --seed 0 --tokens 32 --quant fp8``): the engine
+    on its FP8 weights gives the float64 reference's tokens, and making it again gives the same goldens."""
+    b = load_bundle(GOLDEN_FP8)
+    assert b.quant == "fp8" and isinstance(parse_quantization_config(b.cfg.quantization), Fp8Scheme)
+    assert b.weights["layers.1.mlp.experts.3.up_proj.weight"].dtype == np.uint8
+    assert golden_main(["check", str(GOLDEN_FP8)]) == 0
+    assert capsys.readouterr().out.strip() == "match 32/32"
+    again = make_bundle("k2-tiny", seed=0, n_tokens=32, prompt_len=8, quant="fp8")
+    assert again.golden_tokens.tolist() == b.golden_tokens.tolist()
+    assert again.prompt_ids.tolist() == b.prompt_ids.tolist()
+
+
+def test_fp8_golden_is_the_reference_on_dequantized_weights(tmp_path) -> None:
+    b = make_bundle(CFG, seed=5, n_tokens=12, prompt_len=6, quant="fp8")
+    loaded = load_bundle(save_bundle(b, tmp_path / "f.safetensors"))
+    assert loaded.meta["fp8_block"] == "32x32"
+    dense = reference_weights(loaded)
+    assert not any(k.endswith("weight_scale_inv") for k in dense)
+    # the dequantization of the numpy layout written in helpers_ckpt, from the stored bytes
+    q = torch.from_numpy(loaded.weights["layers.0.self_attn.kv_a_proj_with_mqa.weight"]).view(FP8_DTYPE)
+    s = loaded.weights["layers.0.self_attn.kv_a_proj_with_mqa.weight_scale_inv"]
+    assert np.array_equal(dense["layers.0.self_attn.kv_a_proj_with_mqa.weight"], fp8_dequantize_np(q, s, 32, 32))
+    assert reference.greedy(CFG, dense, loaded.prompt_ids, 12) == b.golden_tokens.tolist()
