@@ -28,7 +28,8 @@ from .config import ModelConfig
 from .errors import BadInput, QuantError
 from .fp8 import dequantized_stream
 from .quant import Fp8Scheme, QuantScheme, k2_quantization_config, parse_quantization_config, quantize
-from .weights import INDEX_FILE, config_dict, expected_tensors, iter_checkpoint, linear_modules, raw_name
+from .weights import (INDEX_FILE, checkpoint_scheme, config_dict, expected_tensors, iter_checkpoint, linear_modules,
+                      raw_name)
 
 SHARD_BYTES = 4 << 30
 SCALE_DTYPE = torch.bfloat16   # the INT4 releases' scale dtype
@@ -36,10 +37,10 @@ SCALE_DTYPE = torch.bfloat16   # the INT4 releases' scale dtype
 
 def int4_stream(src: Path, cfg: ModelConfig, group_size: int) -> Iterator[tuple[str, torch.Tensor]]:
     """The output tensors (canonical names) of the INT4 checkpoint made from ``src``, one at a time."""
-    scheme = parse_quantization_config(cfg.quantization)
+    scheme = checkpoint_scheme(src, cfg)
     if isinstance(scheme, QuantScheme):
         raise QuantError(f"{src}: the checkpoint is already INT4 (compressed-tensors); nothing to quantize")
-    stream = iter_checkpoint(src, cfg, progress=False)
+    stream = iter_checkpoint(src, cfg, progress=False, scheme=scheme)
     if isinstance(scheme, Fp8Scheme):
         stream = dequantized_stream(stream, scheme.block, torch.bfloat16)
     int4 = parse_quantization_config(k2_quantization_config(group_size))

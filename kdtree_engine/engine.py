@@ -31,7 +31,7 @@ from .quant import Fp8Scheme, QuantError, k2_quantization_config, parse_quantiza
 from .sampling import SamplingParams
 from .speculative.config import SpecConfig
 from .speculative.decode import GenerationResult, generate, resolve_spec
-from .weights import iter_checkpoint
+from .weights import checkpoint_scheme, iter_checkpoint
 
 log = logging.getLogger("kdtree_engine")
 
@@ -102,11 +102,11 @@ def load_target(path: str | Path, *, device: torch.device, dtype: torch.dtype,
     if not path.is_dir():
         raise FileNotFoundError(f"model directory {str(path)!r} does not exist")
     cfg = ModelConfig.from_pretrained(path)
-    scheme = parse_quantization_config(cfg.quantization)
+    scheme = checkpoint_scheme(path, cfg)
     on_load = False
     if quantize not in (None, "none", "w4a16"):
         raise BadInput(f"quantize={quantize!r} must be 'none' or 'w4a16'")
-    stream = iter_checkpoint(path, cfg, progress=progress)
+    stream = iter_checkpoint(path, cfg, progress=progress, scheme=scheme)
     if quantize == "w4a16":
         if isinstance(scheme, Fp8Scheme):
             # FP8 weights dequantized as they stream in; the routed experts then quantized like BF16 ones

@@ -280,6 +280,11 @@ class Fp8Scheme:
     def group_size(self) -> Fp8Block:
         return self.block
 
+    def keeping_dense(self, modules: tuple[str, ...]) -> "Fp8Scheme":
+        """This scheme with ``modules`` (names matched exactly) unquantized too: the linears a checkpoint stores
+        without a scale (weights.unscaled_linears)."""
+        return Fp8Scheme(block=self.block, ignore=tuple(dict.fromkeys(self.ignore + modules)))
+
     def is_quantized(self, module_name: str) -> bool:
         names = module_name_variants(module_name)
         if any(strip_module_prefix(n) == "lm_head" for n in names):

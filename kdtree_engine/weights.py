@@ -35,6 +35,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from .errors import WeightsError
+from .logs import log_once
 from .config import ModelConfig
 from .fp8 import FP8_DTYPE, SCALE_DTYPE
 from .quant import Fp8Scheme, QuantScheme, parse_quantization_config
@@ -357,7 +358,8 @@ def _get(f: Any, raw: str, file: Path) -> torch.Tensor:
 
 
 def iter_checkpoint(path: str | Path, cfg: ModelConfig, *, progress: bool = True,
-                    scheme: QuantScheme | None | Any = _NO_SCHEME) -> Iterator[tuple[str, torch.Tensor]]:
+                    scheme: QuantScheme | Fp8Scheme | None | Any = _NO_SCHEME
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
     """Streams (canonical name, tensor) one tensor at a time, shard by shard, after a full strict check.
 
     Tensors come in the file's dtype, on the CPU. INT4 linears yield ``<module>.weight_packed``
@@ -389,8 +391,40 @@ def iter_checkpoint(path: str | Path, cfg: ModelConfig, *, progress: bool = True
         raise WeightsError(f"{path}: read {yielded} tensors, the header pass found {count}")
 
 
+def unscaled_linears(path: str | Path, cfg: ModelConfig) -> tuple[str, ...]:
+    """Linears (canonical module names) whose ``weight`` a checkpoint stores in a float dtype without a
+    ``weight_scale_inv``: an FP8 release keeps these unquantized (fp8.py). Reads the headers only."""
+    dense: set[str] = set()
+    scaled: set[str] = set()
+    for file, _ in checkpoint_files(path):
+        with _open(file) as f:
+            for raw in f.keys():
+                canon = canonical_name(raw, cfg)
+                if canon is None:
+                    continue
+                if canon.endswith(".weight_scale_inv"):
+                    scaled.add(canon[: -len(".weight_scale_inv")])
+                elif canon.endswith(".weight") and _ST_DTYPES.get(f.get_slice(raw).get_dtype()) in FLOAT_DTYPES:
+                    dense.add(canon[: -len(".weight")])
+    return tuple(m for m, _, _ in linear_modules(cfg) if m in dense and m not in scaled)
+
+
+def checkpoint_scheme(path: str | Path, cfg: ModelConfig) -> QuantScheme | Fp8Scheme | None:
+    """The quantization scheme a checkpoint is read with: its config's; for FP8, with the linears it stores
+    without a scale kept unquantized (logged once)."""
+    scheme = quant_scheme(cfg)
+    if not isinstance(scheme, Fp8Scheme):
+        return scheme
+    dense = unscaled_linears(path, cfg)
+    if dense:
+        shown = ", ".join(dense[:4]) + (f" and {len(dense) - 4} more" if len(dense) > 4 else "")
+        log_once(f"fp8-dense:{path}", f"FP8 checkpoint {path}: {len(dense)} linear(s) stored without "
+                 f"weight_scale_inv stay unquantized: {shown}")
+    return scheme.keeping_dense(dense)
+
+
 def load_checkpoint(path: str | Path, cfg: ModelConfig, *, progress: bool = False,
-                    scheme: QuantScheme | None | Any = _NO_SCHEME) -> dict[str, torch.Tensor]:
+                    scheme: QuantScheme | Fp8Scheme | None | Any = _NO_SCHEME) -> dict[str, torch.Tensor]:
     """All of :func:`iter_checkpoint` in one dict (small models and tests)."""
     return dict(iter_checkpoint(path, cfg, progress=progress, scheme=scheme))
 

@@ -113,8 +113,9 @@ def test_unknown_quant_method_is_refused() -> None:
 
 # ---- checkpoints ---------------------------------------------------------------------------------
 
-def fp8_dir(tmp_path, block=(32, 32), ignored=(), seed=0, layout="k2", edit=None):
-    cfg = fp8_config(CFG, block, tuple("model." + m for m in ignored))
+def fp8_dir(tmp_path, block=(32, 32), ignored=(), seed=0, layout="k2", edit=None, listed=True):
+    """An FP8 checkpoint whose ``ignored`` linears are stored dense, listed in ignored_layers when ``listed``."""
+    cfg = fp8_config(CFG, block, tuple("model." + m for m in ignored) if listed else ())
     tensors, dense = fp8_checkpoint(CFG, reference.random_weights(CFG, seed), block, ignored)
     if edit is not None:
         edit(tensors)
@@ -137,6 +138,7 @@ def test_wrong_scale_shape_is_refused_by_name(tmp_path) -> None:
 
 
 def test_wrong_dtypes_are_refused_by_name(tmp_path) -> None:
+    # by the config alone (the loader first keeps linears stored without a scale dense, test below)
     def bf16_weight(t):
         t["layers.2.self_attn.o_proj.weight"] = t["layers.2.self_attn.o_proj.weight"].float().to(torch.bfloat16)
     path, _ = fp8_dir(tmp_path, edit=bf16_weight)
@@ -164,13 +166,14 @@ def test_fp8_model_in_a_non_fp8_config_is_refused(tmp_path) -> None:
         load_checkpoint(path, CFG)
 
 
-@pytest.mark.parametrize("block,layout,ignored", [
-    ((32, 32), "k2", ()),   # partial blocks: 48-row q_a / kv_a projections
-    ((16, 64), "k25", ("layers.0.self_attn.o_proj", "layers.1.mlp.shared_experts.down_proj")),
+@pytest.mark.parametrize("block,layout,ignored,listed", [
+    ((32, 32), "k2", (), True),   # partial blocks: 48-row q_a / kv_a projections
+    ((16, 64), "k25", ("layers.0.self_attn.o_proj", "layers.1.mlp.shared_experts.down_proj"), True),
+    ((32, 32), "k2", ("layers.0.self_attn.o_proj",), False),   # stored without a scale: stays dense unlisted
 ])
-def test_fp8_checkpoint_matches_hf_and_reference(tmp_path, block, layout, ignored) -> None:
+def test_fp8_checkpoint_matches_hf_and_reference(tmp_path, block, layout, ignored, listed) -> None:
     seed = new_seed()
-    path, dense = fp8_dir(tmp_path, block, ignored, seed, layout)
+    path, dense = fp8_dir(tmp_path, block, ignored, seed, layout, listed=listed)
     model = load_target(path, device=torch.device("cpu"), dtype=torch.float32, progress=False)
     # FP8 where the checkpoint has scales, dense where the config ignores the module
     attn0 = model.layers[0].self_attn

@@ -1,6 +1,7 @@
 """INT4 from BF16 and FP8 checkpoints: ``--quantize w4a16`` at load (FP8 dequantized, then the round-to-nearest
 group quantizer) against the numpy reference, and ``kdtree quantize`` (a compressed-tensors INT4 checkpoint)
-loaded by the engine and by transformers with compressed-tensors: the same logits; bad input in one line."""
+loaded by the engine and by transformers with compressed-tensors: the same experts (bit for bit after
+compressed-tensors' bf16 rounding) and, on the same weights, the same logits; bad input in one line."""
 
 from __future__ import annotations
 
@@ -14,12 +15,12 @@ from helpers_ckpt import fp8_checkpoint, fp8_config
 from kdtree_engine import reference
 from kdtree_engine.cli import main
 from kdtree_engine.config import preset
-from kdtree_engine.engine import load_target
+from kdtree_engine.engine import load_target, target_from_weights
 from kdtree_engine.model.moe import MoE
 from kdtree_engine.quant import dequantize
 from kdtree_engine.sampling import SamplingParams
 from kdtree_engine.speculative.decode import generate
-from kdtree_engine.weights import save_checkpoint
+from kdtree_engine.weights import load_checkpoint, save_checkpoint
 
 CFG = preset("k2-tiny")
 CPU = torch.device("cpu")
@@ -70,7 +71,12 @@ def hf_int4(path):
     pytest.importorskip("compressed_tensors")
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    # compressed-tensors leaves the decompressed experts in the scale's dtype (bf16): the model in float32 runs
+    # every product in float32, as the engine on the CPU does
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    for p in hf.parameters():   # (transformers refuses .float() on a quantized model)
+        p.data = p.data.float()
+    return hf
 
 
 def engine_experts(model, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,11 +112,23 @@ def test_quantize_command_engine_and_transformers_agree(tmp_path, source, capsys
         hf_ex = hf.model.layers[i].mlp.experts
         assert torch.equal(hf_ex.gate_up_proj, w13.to(torch.bfloat16).float()), f"layer {i} seed={seed}"
         assert torch.equal(hf_ex.down_proj, w2.to(torch.bfloat16).float()), f"layer {i} seed={seed}"
+    # the rest of the checkpoint: the engine on the same weights as transformers (the checkpoint's, with the experts
+    # as transformers decompressed them) gives its logits
+    same = {k: v for k, v in load_checkpoint(out, model.cfg).items() if ".mlp.experts." not in k}
+    for i in range(CFG.first_k_dense_replace, CFG.num_hidden_layers):
+        hf_ex = hf.model.layers[i].mlp.experts
+        for e in range(CFG.n_routed_experts):
+            p = f"layers.{i}.mlp.experts.{e}."
+            I = CFG.moe_intermediate_size
+            same[p + "gate_proj.weight"] = hf_ex.gate_up_proj[e, :I]
+            same[p + "up_proj.weight"] = hf_ex.gate_up_proj[e, I:]
+            same[p + "down_proj.weight"] = hf_ex.down_proj[e]
+    engine = target_from_weights(CFG, same, device="cpu", dtype=torch.float32)
     ids = torch.from_numpy(np.random.default_rng(seed).integers(0, CFG.vocab_size, 10))
-    got = model(ids, model.new_cache(16)).logits
+    got = engine(ids, engine.new_cache(16)).logits
     with torch.no_grad():
         want = hf(ids[None]).logits[0].float()
-    assert rel(got, want) < 1e-2, f"seed={seed}"   # only that bf16 rounding of the experts differs
+    assert rel(got, want) < 1e-4, f"seed={seed}"
 
 
 def test_quantize_command_bad_input_is_one_line(tmp_path, capsys) -> None:
