@@ -101,6 +101,16 @@ def env_info(device: torch.device) -> dict:
     return {"gpu": None, "cpu": common.cpu_model(), "torch": torch.__version__}
 
 
+def write(out: str, name: str, rep: dict, markdown: Callable[[dict, str], list[str]], device: torch.device) -> dict:
+    """<out>/<name>-<device tag>.json and .md with the run's metadata; returns rep."""
+    tag = device_tag(device)
+    label = rep["device"].get("gpu") or rep["device"].get("cpu") or tag
+    jp, mp = common.write_results(out, f"{name}-{tag}", rep, markdown(rep, label), command=rep["command"],
+                                  device=device)
+    print(f"wrote {jp} and {mp}")
+    return rep
+
+
 # ---- random weights on the device -------------------------------------------------------------------
 
 @torch.no_grad()
@@ -265,12 +275,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
            "moe_shape": f"{cfg.n_routed_experts} experts top-{cfg.num_experts_per_tok}, hidden {cfg.hidden_size}, "
                         f"moe inter {cfg.moe_intermediate_size}",
            "moe": moe_rows, "dense": dense_rows}
-    tag = device_tag(dev)
-    label = rep["device"].get("gpu") or rep["device"].get("cpu") or tag
-    jp, mp = common.write_results(args.out, f"moe_formats-{tag}", rep, markdown(rep, label), command=command,
-                                  device=dev)
-    print(f"wrote {jp} and {mp}")
-    return rep
+    return write(args.out, "moe_formats", rep, markdown, dev)
 
 
 if __name__ == "__main__":

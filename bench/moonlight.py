@@ -36,8 +36,7 @@ if str(ROOT) not in sys.path:
 
 from bench import common  # noqa: E402
 from bench.k2_step import random_tree, randomize_  # noqa: E402
-from bench.moe_formats import copy_bandwidth, env_info, time_us  # noqa: E402
-from kdtree_engine.bench_spec import device_tag  # noqa: E402
+from bench.moe_formats import copy_bandwidth, env_info, time_us, write  # noqa: E402
 from kdtree_engine.config import ModelConfig, preset  # noqa: E402
 from kdtree_engine.kernels.dispatch import prepare_int4  # noqa: E402
 from kdtree_engine.kernels.policy import KernelPolicy  # noqa: E402
@@ -205,11 +204,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
                                   args.seed, log)
     rep = {"command": command, "tiny": args.tiny, "device": env_info(dev), "dtype": str(dtype).removeprefix("torch."),
            "context": args.context, "copy_Bps": copy_bw, "config": cfg.to_dict(), "steps": steps}
-    tag = device_tag(dev)
-    label = rep["device"].get("gpu") or rep["device"].get("cpu") or tag
-    jp, mp = common.write_results(args.out, f"moonlight-{tag}", rep, markdown(rep, label), command=command, device=dev)
-    print(f"wrote {jp} and {mp}")
-    return rep
+    return write(args.out, "moonlight", rep, markdown, dev)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ Yield. (canonical name, CPU tensor in the file's dtype), in file order (shards s
 tensors in header order), so consumers must not assume any order. Dense tensors end in ``.weight``
 (router bias: ``.e_score_correction_bias``); INT4 linears yield ``.weight_packed`` int32 [N, K/8]
 and ``.weight_scale`` [N, K/g] (g = ``quant_scheme(cfg).group_size``), never ``.weight_shape``
-(checked, then dropped). A tied model may omit ``lm_head.weight``.
+(checked, then dropped); FP8 block-quantized linears (quant.py ``Fp8Scheme``) yield ``.weight`` float8_e4m3fn
+[N, K] and ``.weight_scale_inv`` float32 [ceil(N/bn), ceil(K/bk)]. A tied model may omit ``lm_head.weight``.
 """
 
 from __future__ import annotations

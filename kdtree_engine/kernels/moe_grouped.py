@@ -69,24 +69,30 @@ def _accumulate(acc, w, x, s_rows, n_mask, k0, BK_Q: tl.constexpr, FP8: tl.const
 
 
 @triton.jit
+def _block(sorted_ptr, blk_expert_ptr, pid_b, rows, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Expert block pid_b (of `rows` pairs) and this program's BLOCK_N output columns of N: (expert, row mask,
+    pair ids, column offsets, column mask)."""
+    e = tl.load(blk_expert_ptr + pid_b).to(tl.int64)
+    offs_r = tl.arange(0, BLOCK_M)
+    r_mask = offs_r < rows
+    pair = tl.load(sorted_ptr + pid_b * BLOCK_M + offs_r, mask=r_mask, other=0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return e, r_mask, pair, offs_n, offs_n < N
+
+
+@triton.jit
 def _grouped_w13_kernel(x_ptr, w_ptr, s_ptr, inter_ptr, sorted_ptr, blk_expert_ptr, blk_rows_ptr, H, I, TOPK,
                         up_blocks, stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_it,
                         FP8: tl.constexpr, BN_Q: tl.constexpr, BK_Q: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         UPCAST: tl.constexpr, PREC: tl.constexpr):
     pid_b = tl.program_id(0)
-    pid_n = tl.program_id(1)
     rows = tl.load(blk_rows_ptr + pid_b)
     if rows == 0:
         return
-    e = tl.load(blk_expert_ptr + pid_b).to(tl.int64)
     DTYPE: tl.constexpr = x_ptr.dtype.element_ty
-    offs_r = tl.arange(0, BLOCK_M)
-    r_mask = offs_r < rows
-    pair = tl.load(sorted_ptr + pid_b * BLOCK_M + offs_r, mask=r_mask, other=0)
+    e, r_mask, pair, offs_n, n_mask = _block(sorted_ptr, blk_expert_ptr, pid_b, rows, I, BLOCK_M, BLOCK_N)
     tok = pair // TOPK
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < I
     offs_k = tl.arange(0, BLOCK_K)
     wg_rows = w_ptr + e * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
     wu_rows = wg_rows + I * stride_wn
@@ -116,17 +122,11 @@ def _grouped_w2_kernel(a_ptr, w_ptr, s_ptr, y_ptr, tw_ptr, sorted_ptr, blk_exper
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        UPCAST: tl.constexpr, PREC: tl.constexpr):
     pid_b = tl.program_id(0)
-    pid_n = tl.program_id(1)
     rows = tl.load(blk_rows_ptr + pid_b)
     if rows == 0:
         return
-    e = tl.load(blk_expert_ptr + pid_b).to(tl.int64)
     DTYPE: tl.constexpr = a_ptr.dtype.element_ty
-    offs_r = tl.arange(0, BLOCK_M)
-    r_mask = offs_r < rows
-    pair = tl.load(sorted_ptr + pid_b * BLOCK_M + offs_r, mask=r_mask, other=0)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < H
+    e, r_mask, pair, offs_n, n_mask = _block(sorted_ptr, blk_expert_ptr, pid_b, rows, H, BLOCK_M, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + e * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
     s_rows = s_ptr + e * stride_se + (offs_n // BN_Q) * stride_sn
