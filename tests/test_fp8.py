@@ -5,6 +5,11 @@ strictness (each refusal names the field / tensor); tiny FP8 and BF16 checkpoint
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -240,3 +245,58 @@ def test_fp8_golden_is_the_reference_on_dequantized_weights(tmp_path) -> None:
     s = loaded.weights["layers.0.self_attn.kv_a_proj_with_mqa.weight_scale_inv"]
     assert np.array_equal(dense["layers.0.self_attn.kv_a_proj_with_mqa.weight"], fp8_dequantize_np(q, s, 32, 32))
     assert reference.greedy(CFG, dense, loaded.prompt_ids, 12) == b.golden_tokens.tolist()
+
+
+# ---- the CUDA dispatch of the formats, through the Triton interpreter ------------------------------------------
+
+MODEL_CHILD = textwrap.dedent('''
+    import json, sys, torch
+    sys.path.insert(0, "tests")
+    from helpers_ckpt import fp8_checkpoint, fp8_config
+    from kdtree_engine import reference
+    from kdtree_engine.config import preset
+    from kdtree_engine.engine import target_from_weights
+    seed, fmt = int(sys.argv[1]), sys.argv[2]
+    cfg = preset("k2-tiny").replace(num_hidden_layers=2)
+    w = reference.random_weights(cfg, seed)
+    if fmt == "fp8":
+        tensors, _ = fp8_checkpoint(cfg, w, (32, 32))
+        cfg = fp8_config(cfg, (32, 32))
+    else:
+        tensors = {k: torch.from_numpy(v) for k, v in w.items()}
+    model = target_from_weights(cfg, tensors, device="cpu", dtype=torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, cfg.vocab_size, (5,), generator=g)
+    first = model(ids, model.new_cache(32)).logits
+    mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    tree = torch.randint(0, cfg.vocab_size, (4,), generator=g)
+    cache = model.new_cache(32)   # the device-resident step: the whole buffer, the length on the device
+    model(ids, cache)
+    model.rope.ensure(32)
+    st = model(tree, cache, 5 + mask.sum(1) - 1, mask, start=torch.tensor(5)).logits
+    print(json.dumps({"first": first.tolist(), "static": st.tolist()}))
+''')
+
+
+def run_child(seed: int, fmt: str, triton: bool) -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TRITON_INTERPRET", "KDTREE_INT4_BACKEND", "KDTREE_DENSE_BACKEND", "KDTREE_ATTN_BACKEND")}
+    if triton:   # the quantized kernels' (W8A16, FP8 MoE) and the dense family's (grouped BF16 MoE) Triton paths
+        env.update(TRITON_INTERPRET="1", KDTREE_INT4_BACKEND="triton", KDTREE_DENSE_BACKEND="triton")
+    root = Path(__file__).resolve().parents[1]
+    env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run([sys.executable, "-c", MODEL_CHILD, str(seed), fmt], env=env, capture_output=True, text=True,
+                       timeout=600, cwd=root)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "bf16-experts"])
+def test_triton_dispatch_of_the_formats_matches_torch(fmt) -> None:
+    """FP8 linears through W8A16 and FP8 / dense experts through the grouped MoE, in the model (eager prefill and
+    the device-resident tree step), against the torch paths."""
+    seed = new_seed()
+    a, b = run_child(seed, fmt, False), run_child(seed, fmt, True)
+    for key in ("first", "static"):
+        x, y = torch.tensor(a[key]), torch.tensor(b[key])
+        assert torch.isfinite(y).all() and rel(y, x) < 1e-4, (key, seed)
