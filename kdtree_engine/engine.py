@@ -109,8 +109,9 @@ def load_target(path: str | Path, *, device: torch.device, dtype: torch.dtype,
     stream = iter_checkpoint(path, cfg, progress=progress, scheme=scheme)
     if quantize == "w4a16":
         if isinstance(scheme, Fp8Scheme):
-            # FP8 weights dequantized as they stream in; the routed experts then quantized like BF16 ones
-            stream = dequantized_stream(stream, scheme.block, dtype)
+            # FP8 weights dequantized (float32, on the device) as they stream in; the routed experts are then
+            # quantized from those values, the other linears kept dense in the model dtype
+            stream = dequantized_stream(stream, scheme.block, torch.float32, device)
             log.info("dequantizing the FP8 checkpoint while loading (linears other than the routed experts "
                      f"in {str(dtype).removeprefix('torch.')})")
         elif scheme is not None:

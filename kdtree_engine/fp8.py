@@ -77,11 +77,12 @@ def quantize_fp8(w: torch.Tensor, block: Fp8Block) -> tuple[torch.Tensor, torch.
 
 
 def dequantized_stream(tensors: Iterable[tuple[str, torch.Tensor]], block: Fp8Block,
-                       dtype: torch.dtype = torch.bfloat16) -> Iterator[tuple[str, torch.Tensor]]:
+                       dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu"
+                       ) -> Iterator[tuple[str, torch.Tensor]]:
     """A checkpoint's (canonical name, tensor) stream with every FP8 ``<m>.weight`` and its
-    ``<m>.weight_scale_inv`` replaced by one dense ``<m>.weight`` in ``dtype`` (yielded once both have
-    arrived; the two sit side by side in the released files, so little is held back). Other tensors pass
-    through. A half without its partner at the end raises ValueError naming it."""
+    ``<m>.weight_scale_inv`` replaced by one dense ``<m>.weight`` in ``dtype``, dequantized on ``device``
+    (yielded once both have arrived; the two sit side by side in the released files, so little is held back).
+    Other tensors pass through. A half without its partner at the end raises ValueError naming it."""
     pending: dict[str, torch.Tensor] = {}
     for name, t in tensors:
         is_scale = name.endswith(".weight_scale_inv")
@@ -95,6 +96,6 @@ def dequantized_stream(tensors: Iterable[tuple[str, torch.Tensor]], block: Fp8Bl
             pending[name] = t
             continue
         w, s = (other, t) if is_scale else (t, other)
-        yield weight_name, dequantize_fp8(w, s, block, dtype)
+        yield weight_name, dequantize_fp8(w.to(device), s.to(device), block, dtype)
     if pending:
         raise ValueError(f"FP8 tensor '{next(iter(pending))}' has no partner (weight / weight_scale_inv)")
