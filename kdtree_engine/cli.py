@@ -99,7 +99,7 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                    help="default: bfloat16 on cuda, float32 on cpu")
     p.add_argument("--quantize", choices=["none", "w4a16"], default="none",
-                   help="w4a16: quantize the routed experts of a dense checkpoint while loading")
+                   help="w4a16: quantize the routed experts of a BF16 or FP8 checkpoint while loading")
     p.add_argument("--draft", default=None, help="DFlash drafter directory")
     p.add_argument("--spec", choices=["none", "dflash", "ddtree"], default=None,
                    help="decoding strategy (default: ddtree with --draft, else none)")

@@ -145,3 +145,17 @@ def test_quantize_command_bad_input_is_one_line(tmp_path, capsys) -> None:
     assert main(["quantize", "--model", str(src), "--out", str(out)]) == 0
     assert main(["quantize", "--model", str(out), "--out", str(tmp_path / "again")]) == 2
     assert "already INT4" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("quantize", ["none", "w4a16"])
+def test_generate_on_an_fp8_checkpoint(tmp_path, capsys, quantize) -> None:
+    """The command line on an FP8 checkpoint, as shipped and quantized at load: the numpy reference's tokens."""
+    seed = new_seed()
+    path, dense = write_fp8(tmp_path, seed)
+    prompt = [5, 9, 14, 2]
+    rc = main(["generate", "--model", str(path), "--prompt-ids", ",".join(map(str, prompt)), "--max-tokens", "12",
+               "--ignore-eos", "--device", "cpu", "--quantize", quantize, "--json"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    weights = dense if quantize == "none" else expert_int4(dense, 32)
+    assert out["token_ids"] == reference.greedy(CFG, weights, prompt, 12), f"seed={seed}"
