@@ -9,7 +9,8 @@
    run) / time: 1.0 would be a copy of exactly those bytes. The FP8 bytes include the block scales.
 2. Dense linears of K2 (q_a, q_b, kv_a, kv_b, o, the dense MLP's gate and down) at M = 1, 2, 4, 8, 16 tokens: the
    engine's FP8 linear (kernels/w8a16.py on CUDA), BF16 ``F.linear`` (cuBLAS) and the engine's batch-invariant
-   BF16 GEMM (kernels/gemm.py), with speedup = F.linear time / W8A16 time and x copy of the FP8 weight bytes.
+   BF16 GEMM (kernels/gemm.py), with speedup = F.linear time / W8A16 time, x copy of the FP8 weight bytes, and the
+   W8A16 result's relative error against BF16 math on the dequantized weights.
 
 Timing (CUDA): bench/common.time_calls, CUDA-graph replays over rotating inputs (several routings, several
 weight copies for the small linears) so the weights come from HBM, not L2. CPU: host clock, a few repetitions.
@@ -36,7 +37,7 @@ if str(ROOT) not in sys.path:
 from bench import common  # noqa: E402
 from kdtree_engine.bench_spec import device_tag  # noqa: E402
 from kdtree_engine.config import ModelConfig, preset  # noqa: E402
-from kdtree_engine.fp8 import FP8_DTYPE, Fp8Block  # noqa: E402
+from kdtree_engine.fp8 import Fp8Block, dequantize_fp8  # noqa: E402
 from kdtree_engine.kernels.dispatch import dense_matmul, grouped_moe_backend, w8a16_backend  # noqa: E402
 from kdtree_engine.kernels.policy import KernelPolicy  # noqa: E402
 from kdtree_engine.model.layers import Linear  # noqa: E402
@@ -203,9 +204,14 @@ def bench_dense(shapes: dict[str, tuple[int, int]], block: Fp8Block, dtype: torc
             t_fp8 = time_us([lambda x=x, l=l: l(x) for x, l in zip(xs, lins)], device, reps)
             t_cublas = time_us([lambda x=x, d=d: F.linear(x, d) for x, d in zip(xs, dense)], device, reps)
             t_bi = time_us([lambda x=x, d=d: dense_matmul(policy, x, d) for x, d in zip(xs, dense)], device, reps)
+            # the W8A16 result against BF16 math on the same (dequantized) weights: the arithmetic's own error
+            deq = dequantize_fp8(lins[0].weight, lins[0].weight_scale_inv, block, dtype)
+            want = F.linear(xs[0], deq).double()
+            err = float((lins[0](xs[0]).double() - want).norm() / want.norm())
             row = {"linear": name, "N": n, "K": k, "M": M, "w8a16_us": t_fp8, "f_linear_us": t_cublas,
                    "bi_gemm_us": t_bi, "speedup_vs_f_linear": t_cublas / t_fp8,
-                   "x_copy": fp8_bytes / copy_bw * 1e6 / t_fp8, "backend": w8a16_backend(policy, xs[0])}
+                   "x_copy": fp8_bytes / copy_bw * 1e6 / t_fp8, "rel_err_vs_bf16": err,
+                   "backend": w8a16_backend(policy, xs[0])}
             out.append(row)
             log(f"{name} [{n} x {k}] M={M}: W8A16 {t_fp8:.1f} us, F.linear {t_cublas:.1f} us "
                 f"({row['speedup_vs_f_linear']:.2f}x), x copy {row['x_copy']:.2f}")
@@ -222,10 +228,11 @@ def markdown(rep: dict, label: str) -> list[str]:
                                r["TBps"], r["backend"]] for r in rep["moe"]])
     lines += ["", "## Dense linears: FP8 W8A16 vs BF16", ""]
     lines += common.md_table(["linear", "N x K", "M", "W8A16 us", "F.linear us", "BI GEMM us", "speedup vs F.linear",
-                              "x copy", "backend"],
+                              "x copy", "rel. error vs BF16", "backend"],
                              [[r["linear"], f"{r['N']} x {r['K']}", r["M"], r["w8a16_us"], r["f_linear_us"],
-                               r["bi_gemm_us"], r["speedup_vs_f_linear"], r["x_copy"], r["backend"]]
-                              for r in rep["dense"]])
+                               r["bi_gemm_us"], r["speedup_vs_f_linear"], r["x_copy"], r["rel_err_vs_bf16"],
+                               r["backend"]] for r in rep["dense"]])
+    lines += ["", "rel. error vs BF16: ||W8A16(x) - F.linear(x, dequantized W in the activation dtype)|| / ||F.linear||."]
     return lines
 
 

@@ -207,6 +207,7 @@ def test_moe_formats_bench_runs(tmp_path):
     for r in rep["dense"]:
         for key in ("w8a16_us", "f_linear_us", "bi_gemm_us", "speedup_vs_f_linear", "x_copy"):
             assert finite(r[key]) and r[key] > 0, key
+        assert 0 <= r["rel_err_vs_bf16"] < 1e-5   # float32 on the CPU: the same math
 
 
 MOONLIGHT_ARGS = ["--tiny", "--device", "cpu", "--nodes", "1,4", "--reps", "1"]
