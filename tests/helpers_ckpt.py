@@ -154,3 +154,17 @@ def fp8_checkpoint(cfg: ModelConfig, weights: dict[str, np.ndarray], block: tupl
             tensors[name] = torch.from_numpy(np.ascontiguousarray(w))
             dense[name] = np.asarray(w, np.float32)
     return tensors, dense
+
+
+# ---- small test utilities ------------------------------------------------------------------------
+
+def new_seed() -> int:
+    """A fresh random seed, printed (pytest shows it with a failure)."""
+    seed = int(np.random.default_rng().integers(1 << 30))
+    print(f"seed={seed}")
+    return seed
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| in float64."""
+    return float((a.double() - b.double()).norm() / b.double().norm())

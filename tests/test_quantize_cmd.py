@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers_ckpt import fp8_checkpoint, fp8_config
+from helpers_ckpt import fp8_checkpoint, fp8_config, new_seed, rel
 from kdtree_engine import reference
 from kdtree_engine.cli import main
 from kdtree_engine.config import preset
@@ -24,16 +24,6 @@ from kdtree_engine.weights import load_checkpoint, save_checkpoint
 
 CFG = preset("k2-tiny")
 CPU = torch.device("cpu")
-
-
-def new_seed() -> int:
-    seed = int(np.random.default_rng().integers(1 << 30))
-    print(f"seed={seed}")
-    return seed
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
 
 
 def expert_int4(dense: dict[str, np.ndarray], group: int) -> dict[str, np.ndarray]:
