@@ -1,4 +1,5 @@
-"""``kdtree`` command line: generate | serve | golden make / check | selfcheck | bench (docs/cli.md is the reference).
+"""``kdtree`` command line: generate | serve | quantize | golden make / check | selfcheck | bench (docs/cli.md is the
+reference).
 
 Exit codes (:mod:`kdtree_engine.exit_codes`): 0 success; 1 a check found a mismatch; 2 bad input (missing or
 unreadable model, bad flag value, prompt too long, corrupt bundle, a GPU benchmark without a GPU), printed as one
@@ -21,6 +22,7 @@ from typing import Callable, NoReturn, Sequence
 import torch
 
 from .bench_spec import add_bench_spec_parser
+from .convert import quantize_checkpoint
 from .engine import DEMO_DIR, LLM
 from .errors import BadInput, RankFailure
 from .exit_codes import BAD_INPUT_ERRORS, EXIT_BAD_INPUT, EXIT_RANK_FAILED
@@ -89,7 +91,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                    help="default: bfloat16 on cuda, float32 on cpu")
     p.add_argument("--quantize", choices=["none", "w4a16"], default="none",
-                   help="w4a16: quantize the routed experts of a dense checkpoint while loading")
+                   help="w4a16: quantize the routed experts of a BF16 or FP8 checkpoint while loading")
     p.add_argument("--draft", default=None, help="DFlash drafter directory")
     p.add_argument("--spec", choices=["none", "dflash", "ddtree"], default=None,
                    help="decoding strategy (default: ddtree with --draft, else none)")
@@ -361,6 +363,21 @@ def cmd_source_bench(name: str, argv: list[str]) -> int:
     return int(importlib.import_module(f"bench.{name}").main(argv) or 0)
 
 
+def add_quantize_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("quantize", help="write the INT4 (W4A16, compressed-tensors) checkpoint of a BF16 or FP8 one")
+    p.add_argument("--model", required=True, help="source checkpoint directory (BF16 / FP16 or FP8 block-quantized)")
+    p.add_argument("--out", required=True, help="output directory (new or empty)")
+    p.add_argument("--group-size", type=int, choices=[32, 64, 128], default=32,
+                   help="INT4 group size of the routed experts (default 32, as the K2 releases)")
+    p.set_defaults(func=cmd_quantize)
+
+
+def cmd_quantize(args: argparse.Namespace) -> int:
+    out = quantize_checkpoint(args.model, args.out, group_size=args.group_size, progress=True)
+    print(f"wrote {out} (routed experts W4A16, group {args.group_size})")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="kdtree", description="Kimi K2 inference with DFlash + DDTree speculative decoding")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -370,6 +387,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_golden_parser(sub)
     add_selfcheck_parser(sub)
     add_bench_parser(sub)
+    add_quantize_parser(sub)
     return parser
 
 

@@ -35,13 +35,14 @@ from .parallel.group import leave, rank_device
 from .parallel.launch import collective_error, start_ranks
 from .parallel.memory import log_load
 from .parallel.shard import check_divisible
-from .quant import QuantError, k2_quantization_config, parse_quantization_config
+from .fp8 import dequantized_stream
+from .quant import Fp8Scheme, QuantError, k2_quantization_config, parse_quantization_config
 from .sampling import SamplingParams
 from .speculative.config import SpecConfig
 from .speculative.decode import GenerationResult, OnTokens, check_prompt, generate, resolve_spec
 from .tokenizer import TextTokenizer
 from .tokenizer import load_tokenizer as load_text_tokenizer
-from .weights import iter_checkpoint
+from .weights import checkpoint_scheme, iter_checkpoint
 
 log = logging.getLogger("kdtree_engine")
 
@@ -114,22 +115,33 @@ def load_target(path: str | Path, *, device: torch.device, dtype: torch.dtype,
     if not path.is_dir():
         raise FileNotFoundError(f"model directory {str(path)!r} does not exist")
     cfg = ModelConfig.from_pretrained(path)
-    scheme = parse_quantization_config(cfg.quantization)
+    scheme = checkpoint = checkpoint_scheme(path, cfg)
     on_load = False
     if quantize not in (None, "none", "w4a16"):
         raise BadInput(f"quantize={quantize!r} must be 'none' or 'w4a16'")
+    tp = comm.world_size > 1
+    if tp and isinstance(checkpoint, Fp8Scheme):
+        raise BadInput(f"{path}: FP8 block-quantized checkpoints are not sharded yet (tp={comm.world_size}); "
+                       "run them with tp=1")
     if quantize == "w4a16":
-        if scheme is not None:
+        if isinstance(checkpoint, Fp8Scheme):
+            log.info("dequantizing the FP8 checkpoint while loading (linears other than the routed experts "
+                     f"in {str(dtype).removeprefix('torch.')})")
+        elif checkpoint is not None:
             raise QuantError(f"{path}: the checkpoint is already quantized; drop quantize='w4a16'")
         scheme = parse_quantization_config(k2_quantization_config(32))
         on_load = True
         log.info("quantizing routed experts to W4A16 (group 32) while loading")
     target = Target(cfg, dtype=dtype, device=device, quant=scheme, quantize_on_load=on_load, policy=policy,
                     comm=comm)
-    tp = comm.world_size > 1
     t0, read = time.perf_counter(), 0
-    for name, tensor in iter_checkpoint(path, cfg, progress=progress and comm.rank == 0,
-                                        select=target.shard_index if tp else None):
+    stream = iter_checkpoint(path, cfg, progress=progress and comm.rank == 0, scheme=checkpoint,
+                             select=target.shard_index if tp else None)
+    if on_load and isinstance(checkpoint, Fp8Scheme):
+        # FP8 weights dequantized (float32, on the device) as they stream in; the routed experts are then
+        # quantized from those values, the other linears kept dense in the model dtype
+        stream = dequantized_stream(stream, checkpoint.block, torch.float32, device)
+    for name, tensor in stream:
         read += tensor.nbytes
         target.load_tensor(name, tensor)
     target.finish_loading()

@@ -12,6 +12,8 @@
 #                  the W4A16 / MoE kernels
 #   kernel FAMILY  one kernel family's GPU tests and bench: w4a16 | moe | mla | gemm | router | tails
 #   quick          a first look: the small kernels' and the speculative GPU tests, a short demo spec bench
+#   formats        the BF16 / FP8 weight formats: their kernels' GPU tests, the fused MoE and W8A16 bench at K2
+#                  shapes (bench/moe_formats.py), Moonlight-16B's decoding and verify steps (bench/moonlight.py)
 #
 # Every step runs under a cap (seconds); the caps of one suite (one part of `tests`) sum to at most 570 s, so a
 # suite fits one 10-minute device call. A capped pytest run gets SIGINT first, so it still writes its summary and
@@ -25,7 +27,7 @@ DRY=0
 if [[ ${1:-} == --dry-run ]]; then DRY=1; shift; fi
 SUITE=${1:-}
 ARG=${2:-}
-SUITES="tests [bitwise|rounds|kernels], bench, kernel {w4a16|moe|mla|gemm|router|tails}, quick"
+SUITES="tests [bitwise|rounds|kernels], bench, kernel {w4a16|moe|mla|gemm|router|tails}, quick, formats"
 die() { echo "gpu_suite.sh: $*" >&2; exit 2; }
 
 PYT=(python3 -m pytest -m gpu -p no:cacheprovider -v -rf --durations=15)
@@ -65,7 +67,7 @@ tests_rounds() {  # device-resident and graph rounds, the speculative GPU tests,
 tests_kernels() {  # the layer kernels: W4A16 / MoE (Triton and fragment), attention, GEMM, router, tails
   pytest_step pytest-kernels-w4 300 tests/gpu/test_kernels_gpu.py tests/gpu/test_w4_frag_gpu.py
   pytest_step pytest-kernels-layers 270 tests/gpu/test_mla_attention_gpu.py tests/gpu/test_batch_invariance_gpu.py \
-    tests/gpu/test_router_gemm_gpu.py tests/gpu/test_fused_tails_gpu.py
+    tests/gpu/test_router_gemm_gpu.py tests/gpu/test_fused_tails_gpu.py tests/gpu/test_formats_gpu.py
 }
 
 # ---- one kernel family: its GPU tests, then its bench ----
@@ -113,6 +115,12 @@ quick() {
   spec_bench bench-spec-quick 150 "$RES/quick" --num-prompts 2 --max-tokens 64 --budgets 8,auto
 }
 
+formats() {  # the BF16 / FP8 formats (docs/formats.md): kernel tests, then the two benches the doc cites
+  pytest_step pytest-formats 220 tests/gpu/test_formats_gpu.py
+  step bench-moe-formats 150 python3 bench/moe_formats.py --out "$RES"
+  step bench-moonlight 200 python3 bench/moonlight.py --out "$RES"
+}
+
 tests_all() {  # the files of every part in one run; timings are never asserted, so workers may share the GPU
   local files
   files=$(DRY=1; PYT=(python3 -m pytest); { tests_bitwise; tests_rounds; tests_kernels; } | sed -n 's/^== [^:]*: //p' \
@@ -129,7 +137,7 @@ run_suite() {
         bitwise | rounds | kernels) "tests_$ARG" ;;
         *) die "unknown tests part '$ARG' (parts: bitwise, rounds, kernels)" ;;
       esac ;;
-    bench | quick)
+    bench | quick | formats)
       [[ -z $ARG ]] || die "suite '$SUITE' takes no argument (got '$ARG')"
       "$SUITE" ;;
     kernel)

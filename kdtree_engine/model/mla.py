@@ -49,7 +49,7 @@ class MLA(nn.Module):
 
     def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """W_UK [N, P, C] and W_UV [N, V, C] split from kv_b_proj (built once after loading)."""
-        if self._absorbed is None or self._absorbed[0].device != self.kv_b_proj.dense_weight().device:
+        if self._absorbed is None or self._absorbed[0].device != self.kv_b_proj.device:
             cfg = self.cfg
             w = self.kv_b_proj.dense_weight().view(self.n_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
             self._absorbed = (w[:, : cfg.qk_nope_head_dim].contiguous(), w[:, cfg.qk_nope_head_dim:].contiguous())

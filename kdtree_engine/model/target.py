@@ -33,7 +33,7 @@ from .moe import MoE
 from .prefill import (KEY_BLOCK, ChunkStep, PrefillOutput, choose_form, plan_chunks, resolve_chunk,
                       transient_bytes)
 
-_EXPERT = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.(weight|weight_packed|weight_scale)$")
+_EXPERT = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.(weight|weight_packed|weight_scale|weight_scale_inv)$")
 
 
 class QuantPolicy(Protocol):
@@ -179,7 +179,9 @@ class Target(nn.Module):
                 names.add(n)
         for i, layer in enumerate(self.layers):
             if isinstance(layer.mlp, MoE):
-                suffixes = ("weight",) if layer.mlp.experts.group_size is None else ("weight_packed", "weight_scale")
+                ex = layer.mlp.experts
+                suffixes = (("weight", "weight_scale_inv") if ex.fp8_block is not None else
+                            ("weight",) if ex.group_size is None else ("weight_packed", "weight_scale"))
                 for e in self.owned_experts():
                     for p in ("gate", "up", "down"):
                         for s in suffixes:
@@ -231,6 +233,13 @@ class Target(nn.Module):
         I = ex.inter
         rows = slice(0, I) if proj == "gate" else slice(I, 2 * I) if proj == "up" else slice(None)
         base = "w2" if proj == "down" else "w13"
+        if kind == "weight_scale_inv":   # FP8 block scales: gate's row blocks, then up's (moe.py)
+            if ex.fp8_block is None:
+                raise LoadError(f"tensor '{name}': experts of layer {layer} are not FP8, found a block scale")
+            half = ex.w13_scale_inv.shape[1] // 2
+            blocks = slice(0, half) if proj == "gate" else slice(half, 2 * half) if proj == "up" else slice(None)
+            self._copy(name, getattr(ex, f"{base}_scale_inv")[e, blocks], tensor)
+            return
         if ex.group_size is None:
             if kind != "weight":
                 raise LoadError(f"tensor '{name}': experts of layer {layer} are dense, found an INT4 tensor")
@@ -253,8 +262,8 @@ class Target(nn.Module):
     def _copy(name: str, dst: torch.Tensor, src: torch.Tensor) -> None:
         if tuple(dst.shape) != tuple(src.shape):
             raise LoadError(f"tensor '{name}': expected shape {tuple(dst.shape)}, found {tuple(src.shape)}")
-        if dst.dtype == torch.int32 and src.dtype != torch.int32:
-            raise LoadError(f"tensor '{name}': expected dtype int32, found {src.dtype}")
+        if dst.dtype in (torch.int32, torch.float8_e4m3fn) and src.dtype != dst.dtype:
+            raise LoadError(f"tensor '{name}': expected dtype {dst.dtype}, found {src.dtype}")
         dst.copy_(src)
 
     def finish_loading(self) -> None:
