@@ -28,7 +28,7 @@ from .golden import add_golden_parser
 from .golden import main as golden_main
 from .sampling import SamplingParams
 from .show_tree import add_show_tree_argument, render_last_round
-from .speculative.decode import GenerationResult, generate
+from .speculative.decode import GenerationResult
 
 log = logging.getLogger("kdtree_engine")
 
@@ -68,7 +68,7 @@ class Parser(argparse.ArgumentParser):
 
 # API messages name arguments as ``name=value`` (kdtree_engine.engine, speculative.config); the CLI shows them
 # as its flags, ``--name value``.
-ARG_FLAGS = ("spec", "draft", "budget", "device", "dtype", "quantize", "threads")
+ARG_FLAGS = ("spec", "draft", "budget", "device", "dtype", "quantize", "threads", "tp")
 ARG_IN_MESSAGE = re.compile(r"\b(" + "|".join(ARG_FLAGS) + r")=(?:'([^']*)'|([^\s,;:()]+))")
 
 
@@ -120,6 +120,9 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=_positive("--threads"), default=None,
                    help="torch CPU threads (default: chosen by the model's size on the CPU, logged; one for the "
                         "demo)")
+    p.add_argument("--tp", type=_positive("--tp"), default=1,
+                   help="ranks of tensor + expert parallelism, one process per device (docs/parallel.md); this "
+                        "process is rank 0 and prints, the others are started and stopped with it")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     add_show_tree_argument(p)
     p.set_defaults(func=cmd_generate)
@@ -139,10 +142,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not demo and not Path(args.model).is_dir():
         raise BadInput(f"--model {args.model!r} is not a directory")
     compare = demo if args.compare is None else args.compare
-    llm = LLM(args.model, draft=args.draft, spec=args.spec, budget=args.budget, device=args.device,
-              dtype=args.dtype, quantize=args.quantize, batch_invariant=args.batch_invariant == "on", progress=True,
-              eager=True if (args.eager or args.show_tree) else None,
-              threads=args.threads if args.threads is not None else "auto")
+    llm = LLM(**llm_kwargs(args), progress=True)
     if args.show_tree and not args.eager:
         log.debug("--show-tree: rounds run eagerly (a replayed round records no tree)")
     prompt = args.prompt if args.prompt_ids is None else args.prompt_ids
@@ -181,9 +181,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def llm_kwargs(args: argparse.Namespace) -> dict:
+    """The engine's arguments from ``generate``'s flags (every rank of ``--tp`` builds the same engine)."""
+    return dict(model=args.model, draft=args.draft, spec=args.spec, budget=args.budget, device=args.device,
+                dtype=args.dtype, quantize=args.quantize, batch_invariant=args.batch_invariant == "on",
+                eager=True if (args.eager or args.show_tree) else None,
+                threads=args.threads if args.threads is not None else "auto", tp=args.tp)
+
+
 def plain_decode(llm: LLM, ids: list[int], params: SamplingParams) -> GenerationResult:
     """Plain decoding of the request on the loaded target: the reference of ``--compare``."""
-    return generate(llm.target, ids, params, eager=llm.eager)
+    return llm.run(ids, params, plain=True)
 
 
 def compare_with_plain(llm: LLM, ids: list[int], params: SamplingParams,

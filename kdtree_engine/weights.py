@@ -36,6 +36,7 @@ from tqdm import tqdm
 
 from .errors import WeightsError
 from .config import ModelConfig
+from .parallel.shard import WHOLE, IndexFn, sliced_shape
 from .quant import QuantScheme, parse_quantization_config
 
 SINGLE_FILE = "model.safetensors"
@@ -307,8 +308,9 @@ def _open(file: Path) -> Any:
         raise WeightsError(f"{file}: not a readable safetensors file ({e})") from None
 
 
-def _scan(files: list[tuple[Path, set[str] | None]], checker: _Checker) -> tuple[int, int]:
-    """Header pass over every file; returns (tensors to yield, their bytes)."""
+def _scan(files: list[tuple[Path, set[str] | None]], checker: _Checker,
+          select: IndexFn | None = None) -> tuple[int, int]:
+    """Header pass over every file; returns (tensors to yield, their bytes); ``select``: see iter_checkpoint."""
     count = nbytes = 0
     for file, listed in files:
         with _open(file) as f:
@@ -328,6 +330,11 @@ def _scan(files: list[tuple[Path, set[str] | None]], checker: _Checker) -> tuple
                 if canon.endswith(".weight_shape"):
                     checker.check_value(raw, canon, _get(f, raw, file), str(file))
                     continue
+                if select is not None:
+                    idx = select(canon, shape)
+                    if idx is None:
+                        continue
+                    shape = sliced_shape(shape, idx)
                 count += 1
                 n = 1
                 for s in shape:
@@ -344,17 +351,20 @@ def _get(f: Any, raw: str, file: Path) -> torch.Tensor:
 
 
 def iter_checkpoint(path: str | Path, cfg: ModelConfig, *, progress: bool = True,
-                    scheme: QuantScheme | None | Any = _NO_SCHEME) -> Iterator[tuple[str, torch.Tensor]]:
+                    scheme: QuantScheme | None | Any = _NO_SCHEME,
+                    select: IndexFn | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Streams (canonical name, tensor) one tensor at a time, shard by shard, after a full strict check.
 
     Tensors come in the file's dtype, on the CPU. INT4 linears yield ``<module>.weight_packed``
     (int32 [N, K/8]) and ``<module>.weight_scale`` ([N, K/g]); their ``weight_shape`` is validated
     and not yielded. Skipped tensors (vision, rotary caches, MTP layers) are not yielded.
-    ``scheme`` overrides the config's quantization_config (default: the config's).
+    ``scheme`` overrides the config's quantization_config (default: the config's). ``select`` (a tensor-parallel
+    rank, parallel/shard.py): (canonical name, full shape) -> the index of the part to read, read alone from the
+    file (``get_slice``), or None to skip the tensor; the strict check still covers every tensor.
     """
     files = checkpoint_files(path)
     checker = _Checker(cfg, scheme)
-    count, nbytes = _scan(files, checker)
+    count, nbytes = _scan(files, checker, select)
     checker.finish(str(path))
     bar = tqdm(total=nbytes, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
                disable=not progress, desc="loading weights", dynamic_ncols=True)
@@ -366,7 +376,13 @@ def iter_checkpoint(path: str | Path, cfg: ModelConfig, *, progress: bool = True
                     canon = canonical_name(raw, cfg)
                     if canon is None or canon.endswith(".weight_shape"):
                         continue
-                    t = _get(f, raw, file)
+                    if select is None:
+                        t = _get(f, raw, file)
+                    else:
+                        idx = select(canon, tuple(f.get_slice(raw).get_shape()))
+                        if idx is None:
+                            continue
+                        t = _get(f, raw, file) if idx == WHOLE else read_slice(f, raw, idx, file)
                     bar.update(t.nbytes)
                     yielded += 1
                     yield canon, t
@@ -374,6 +390,14 @@ def iter_checkpoint(path: str | Path, cfg: ModelConfig, *, progress: bool = True
         bar.close()
     if yielded != count:  # the files changed under us
         raise WeightsError(f"{path}: read {yielded} tensors, the header pass found {count}")
+
+
+def read_slice(f: Any, raw: str, idx: tuple[slice, ...], file: Path) -> torch.Tensor:
+    """The part ``idx`` of a tensor, read from the file alone (not the whole tensor)."""
+    try:
+        return f.get_slice(raw)[idx]
+    except Exception as e:
+        raise WeightsError(f"{file}: cannot read tensor '{raw}' ({e})") from None
 
 
 def load_checkpoint(path: str | Path, cfg: ModelConfig, *, progress: bool = False,

@@ -97,6 +97,11 @@ def index_for(name: str, local: tuple[int, ...], full: tuple[int, ...], rank: in
     return (slice(None),) * d + (slice(rank * local[d], (rank + 1) * local[d]),)
 
 
+def sliced_shape(shape: tuple[int, ...], idx: tuple[slice, ...]) -> tuple[int, ...]:
+    """The shape of ``tensor[idx]`` for a tensor of ``shape`` (idx: slices with unit steps)."""
+    return tuple(len(range(*idx[d].indices(n))) if d < len(idx) else n for d, n in enumerate(shape))
+
+
 def owned_slices(items: Iterable[tuple[str, torch.Tensor]], index: IndexFn) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, this rank's part) of full tensors; tensors this rank does not hold are not yielded."""
     for name, t in items:
