@@ -8,7 +8,7 @@ What is built (random weights drawn on the device, no checkpoint): all 61 layers
 of ``--world`` ranks holds them, i.e. the engine's own Target over a ``LocalCommunicator(0, W)``
 (kdtree_engine/parallel/comm.py): 8 of the 64 attention heads (q_a / kv_a replicated, the full latent cache),
 experts 0..47 of 384 in every MoE layer (the router scores all 384 experts and picks 8 per token, so this rank
-sees its true share of the routes), the shared expert and layer 0's dense MLP split W ways, a vocabulary shard of
+sees its true share of the routes: by default each token's 8 experts are drawn uniformly, see --routing), the shared expert and layer 0's dense MLP split W ways, a vocabulary shard of
 the embedding and the lm_head; INT4 W4A16 routed experts, group 32; bf16 elsewhere. The drafter: a DFlash
 drafter of the published Kimi-K2.5-DFlash shape (6 layers, hidden 7168, 64 query / 8 KV heads of 128,
 intermediate 18432, block 8, target layers 1, 12, 24, 35, 47, 58), whole on every rank, as every rank runs it.
@@ -83,6 +83,23 @@ K2_DRAFT = dict(hidden_size=7168, intermediate_size=18432, num_hidden_layers=6, 
                 rope_theta=50000.0)
 
 
+class UniformRoutes(torch.nn.Module):
+    """The model's router (its matmul and top-k still run and cost what they cost), with the chosen experts replaced
+    by 8 distinct experts drawn uniformly per token: random weights make every token's hidden state alike, so
+    their own router sends all tokens to the same few experts, far fewer than a trained, load-balanced router
+    touches. Drawn on the device (capturable: each replay draws afresh)."""
+
+    def __init__(self, router: torch.nn.Module) -> None:
+        super().__init__()
+        self.router = router
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ids, weights = self.router(x)
+        E = self.router.weight.shape[0]
+        noise = torch.rand(ids.shape[0], E, device=x.device)
+        return noise.topk(ids.shape[1], dim=-1).indices.to(ids.dtype), weights
+
+
 class CountingCommunicator(LocalCommunicator):
     """Rank 0 of a pretended group that also lists the collectives it is asked for (kind, bytes a rank puts in)."""
 
@@ -147,7 +164,8 @@ def draft_config(cfg: ModelConfig, tiny: bool) -> DraftConfig:
 # ---- building --------------------------------------------------------------------------------
 
 def build(cfg: ModelConfig, dcfg: DraftConfig, comm: CountingCommunicator, policy: KernelPolicy,
-          dev: torch.device, dtype: torch.dtype, gen: torch.Generator) -> tuple[Target, DFlashDrafter]:
+          dev: torch.device, dtype: torch.dtype, gen: torch.Generator, uniform: bool
+          ) -> tuple[Target, DFlashDrafter]:
     quant = parse_quantization_config(k2_quantization_config(32))
     target = Target(cfg, dtype=dtype, device=dev, quant=quant, policy=policy, comm=comm)
     for m in target.modules():
@@ -160,6 +178,10 @@ def build(cfg: ModelConfig, dcfg: DraftConfig, comm: CountingCommunicator, polic
         for reset in ("reset_absorbed", "reset_parts", "reset_dense"):
             if hasattr(m, reset):
                 getattr(m, reset)()
+    if uniform:
+        for layer in target.layers:
+            if isinstance(layer.mlp, MoE):
+                layer.mlp.gate = UniformRoutes(layer.mlp.gate)
     target.eval()
     prepare_int4(target, dtype)
     drafter = DFlashDrafter(dcfg, dtype=dtype, device=dev, policy=policy)
@@ -198,7 +220,7 @@ def static_bytes(target: Target, drafter: DFlashDrafter) -> dict[str, int]:
     router = shared = dense = 0
     for layer in target.layers:
         if isinstance(layer.mlp, MoE):
-            router += nbytes(*layer.mlp.gate.parameters())
+            router += nbytes(*layer.mlp.gate.parameters())   # UniformRoutes holds the router
             if layer.mlp.shared_experts is not None:
                 shared += nbytes(*layer.mlp.shared_experts.parameters())
         else:
@@ -263,11 +285,8 @@ def time_round(rnd: DeviceRound, cuda: bool, reps: int, replays: int) -> dict[st
 def bench_one(target: Target, drafter: DFlashDrafter, comm: CountingCommunicator, T: int, S: int,
               args: argparse.Namespace, static: dict[str, int], copy_bw: float, links: Links,
               gen: torch.Generator, cuda: bool) -> dict[str, Any]:
-    method = "none" if T == 1 else "ddtree"
-    shape = SpecConfig(method, None if T == 1 else T - 1).resolve(
-        drafter.block_size if T > 1 else 1, target.cfg.vocab_size)
-    capacity = S + (args.reps * args.replays + 8) * max(shape.block_size, 1) + shape.full_nodes + 64
-    rnd = DeviceRound(target, drafter if T > 1 else None, shape, capacity)
+    rnd = make_round(target, drafter, T, S, args.reps * args.replays)
+    shape, method = rnd.shape, rnd.method
     fill_caches(rnd, S, gen)
     saved = rnd.snapshot()
     comm.calls.clear()
@@ -301,6 +320,25 @@ def bench_one(target: Target, drafter: DFlashDrafter, comm: CountingCommunicator
     return row
 
 
+def make_round(target: Target, drafter: DFlashDrafter, T: int, S: int, slack_rounds: int) -> DeviceRound:
+    shape = SpecConfig("none" if T == 1 else "ddtree", None if T == 1 else T - 1).resolve(
+        drafter.block_size if T > 1 else 1, target.cfg.vocab_size)
+    capacity = S + (slack_rounds + 8) * max(shape.block_size, 1) + shape.full_nodes + 64
+    return DeviceRound(target, drafter if T > 1 else None, shape, capacity)
+
+
+def profile_round(target: Target, drafter: DFlashDrafter, T: int, S: int, gen: torch.Generator) -> dict:
+    """Device time per kernel of one eager round (torch.profiler), the top kernels and the launch count."""
+    rnd = make_round(target, drafter, T, S, 16)
+    fill_caches(rnd, S, gen)
+    prof = common.kernel_profile(rnd.step, reps=3, top=25)
+    del rnd
+    torch.cuda.empty_cache()
+    return {"context": S, "kernels": prof["kernels"],
+            "launches": sum(k["calls"] for k in prof["kernels"]),
+            "kernel_us": sum(k["us"] for k in prof["kernels"])}
+
+
 def tokens_per_s(rows: list[dict]) -> list[dict]:
     out = []
     for r in rows:
@@ -330,7 +368,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
     torch.manual_seed(args.seed)
     copy_bw = common.copy_bandwidth() if cuda else cpu_copy_bandwidth()
     log(f"copy {copy_bw / 1e12:.3f} TB/s ({clock():.1f} s)")
-    target, drafter = build(cfg, dcfg, comm, policy, dev, dtype, gen)
+    target, drafter = build(cfg, dcfg, comm, policy, dev, dtype, gen, args.routing == "uniform")
     static = static_bytes(target, drafter)
     weights = sum(nbytes(t) for t in list(target.parameters()) + list(target.buffers()))
     mem = {"target_weight_bytes": weights, "drafter_weight_bytes": static["drafter"]}
@@ -340,6 +378,12 @@ def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
     log(f"built rank 0 of {args.world}: {weights / 1e9:.1f} GB target + {static['drafter'] / 1e9:.1f} GB drafter "
         f"({clock():.1f} s)")
     rows = []
+    profiles = {}
+    if args.profile and cuda:
+        mid = args.nodes[len(args.nodes) // 2]
+        for T in sorted({1, mid}):
+            profiles[str(T)] = profile_round(target, drafter, T, min(args.contexts), gen)
+            log(f"profiled T={T} ({clock():.0f} s)")
     for S in args.contexts:
         for T in args.nodes:
             try:
@@ -362,7 +406,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
         "rank_shard": {"heads": cfg.num_attention_heads // args.world,
                        "experts": cfg.n_routed_experts // args.world, "vocab": cfg.vocab_size // args.world},
         "drafter": {k: getattr(dcfg, k) for k in K2_DRAFT},
-        "memory": mem, "static_bytes": static, "rounds": rows, "tokens_per_s": tokens_per_s(rows),
+        "routing": args.routing, "memory": mem, "static_bytes": static, "profiles": profiles, "rounds": rows, "tokens_per_s": tokens_per_s(rows),
         "elapsed_s": clock(),
     }
 
@@ -374,7 +418,7 @@ def markdown(rep: dict, label: str) -> list[str]:
     out = [f"# Kimi K2, all {rep['config']['num_hidden_layers']} layers, one rank of {rep['world']} ({label})", "",
            f"Rank shard: {rep['rank_shard']['heads']} heads, {rep['rank_shard']['experts']} of "
            f"{rep['config']['n_routed_experts']} experts a layer, {rep['rank_shard']['vocab']} vocabulary rows; "
-           f"INT4 experts; {rep['memory']['target_weight_bytes'] / 1e9:.1f} GB of target weights + "
+           f"INT4 experts; routing {rep['routing']}; {rep['memory']['target_weight_bytes'] / 1e9:.1f} GB of target weights + "
            f"{rep['memory']['drafter_weight_bytes'] / 1e9:.1f} GB of drafter on this rank. Copy bandwidth "
            f"{rep['copy_Bps'] / 1e12:.2f} TB/s (measured).", "",
            "Whole rounds (draft + tree + verify of all layers + accept + commit), one CUDA graph each:", ""]
@@ -383,6 +427,11 @@ def markdown(rep: dict, label: str) -> list[str]:
             for r in rep["rounds"]]
     out += common.md_table(["context", "nodes", "ms/round", "roofline ms", "x roofline", "local experts/layer",
                             "+links ms (model)", "8-GPU ms", "note"], rows)
+    for T, p in rep.get("profiles", {}).items():
+        out += ["", f"Kernels of one eager round, {T} node(s), context {p['context']}: {p['launches']:.0f} launches, "
+                    f"{p['kernel_us'] / 1e3:.2f} ms of kernel time:", ""]
+        out += common.md_table(["kernel", "calls", "us"], [[k["name"][:90], k["calls"], k["us"]]
+                                                          for k in p["kernels"]])
     out += ["", f"Links (a model, not measured): {L['latency_us']:g} us + wire bytes / {L['GBps']:g} GB/s per "
                 "collective (published small all-reduce latency on 8 x H100 NVLink; NVLink 4 bus bandwidth).", "",
             "Tokens/s at batch 1 on 8 GPUs (projection: measured rank-0 round + link model; tau assumed):", ""]
@@ -418,6 +467,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--replays", type=int, default=None, help="rounds per timed batch (default 4; --tiny 1)")
     ap.add_argument("--link-latency-us", type=float, default=7.8, help="per collective (published, see above)")
     ap.add_argument("--link-GBps", type=float, default=350.0, help="bus bandwidth of the links (GB/s)")
+    ap.add_argument("--routing", choices=("uniform", "model"), default="uniform",
+                    help="uniform: 8 distinct experts drawn per token (a balanced router's load; the default); "
+                         "model: the random-weight router's own picks (few experts: unlike a trained model)")
+    ap.add_argument("--profile", action="store_true", help="also list the kernels of one round (CUDA; 4K context, "
+                    "plain and the middle tree size)")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
     a.nodes = a.nodes or ([1, 4] if a.tiny else list(DEFAULT_NODES))
