@@ -191,11 +191,13 @@ def _expert_weights(experts: Experts, e: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 def moe_reference(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Experts) -> torch.Tensor:
-    """Loop over the experts that are hit; float32 accumulation of the weighted sum."""
+    """Loop over the experts that are hit (ids outside [0, E) are not); float32 accumulation of the weighted sum."""
     T, k = ids.shape
     out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
     flat = ids.reshape(-1)
     for e in torch.unique(flat).tolist():
+        if e < 0:   # a route served by another rank (parallel/experts.py)
+            continue
         pos = (flat == e).nonzero().squeeze(1)  # [n] indices into T*k
         tok = pos // k
         w13, w2 = _expert_weights(experts, e)
