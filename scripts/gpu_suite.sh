@@ -14,6 +14,8 @@
 #   quick          a first look: the small kernels' and the speculative GPU tests, a short demo spec bench
 #   formats        the BF16 / FP8 weight formats: their kernels' GPU tests, the fused MoE and W8A16 bench at K2
 #                  shapes (bench/moe_formats.py), Moonlight-16B's decoding and verify steps (bench/moonlight.py)
+#   k2             all 61 K2 layers as one rank of TP8 / EP8 holds them: whole rounds from one CUDA graph at 4K and
+#                  64K context, their byte roofline and a round's kernels (bench/k2_model.py)
 #
 # Every step runs under a cap (seconds); the caps of one suite (one part of `tests`) sum to at most 570 s, so a
 # suite fits one 10-minute device call. A capped pytest run gets SIGINT first, so it still writes its summary and
@@ -27,7 +29,7 @@ DRY=0
 if [[ ${1:-} == --dry-run ]]; then DRY=1; shift; fi
 SUITE=${1:-}
 ARG=${2:-}
-SUITES="tests [bitwise|rounds|kernels], bench, kernel {w4a16|moe|mla|gemm|router|tails}, quick, formats"
+SUITES="tests [bitwise|rounds|kernels], bench, kernel {w4a16|moe|mla|gemm|router|tails}, quick, formats, k2"
 die() { echo "gpu_suite.sh: $*" >&2; exit 2; }
 
 PYT=(python3 -m pytest -m gpu -p no:cacheprovider -v -rf --durations=15)
@@ -121,6 +123,10 @@ formats() {  # the BF16 / FP8 formats (docs/formats.md): kernel tests, then the 
   step bench-moonlight 200 python3 bench/moonlight.py --out "$RES"
 }
 
+k2() {  # the whole K2 model at one rank's size (the parallelism issue's table)
+  step bench-k2-model 400 python3 bench/k2_model.py --profile --out "$RES"
+}
+
 tests_all() {  # the files of every part in one run; timings are never asserted, so workers may share the GPU
   local files
   files=$(DRY=1; PYT=(python3 -m pytest); { tests_bitwise; tests_rounds; tests_kernels; } | sed -n 's/^== [^:]*: //p' \
@@ -137,7 +143,7 @@ run_suite() {
         bitwise | rounds | kernels) "tests_$ARG" ;;
         *) die "unknown tests part '$ARG' (parts: bitwise, rounds, kernels)" ;;
       esac ;;
-    bench | quick | formats)
+    bench | quick | formats | k2)
       [[ -z $ARG ]] || die "suite '$SUITE' takes no argument (got '$ARG')"
       "$SUITE" ;;
     kernel)
