@@ -69,7 +69,8 @@ tests_rounds() {  # device-resident and graph rounds, the speculative GPU tests,
 tests_kernels() {  # the layer kernels: W4A16 / MoE (Triton and fragment), attention, GEMM, router, tails
   pytest_step pytest-kernels-w4 300 tests/gpu/test_kernels_gpu.py tests/gpu/test_w4_frag_gpu.py
   pytest_step pytest-kernels-layers 270 tests/gpu/test_mla_attention_gpu.py tests/gpu/test_batch_invariance_gpu.py \
-    tests/gpu/test_router_gemm_gpu.py tests/gpu/test_fused_tails_gpu.py tests/gpu/test_formats_gpu.py
+    tests/gpu/test_router_gemm_gpu.py tests/gpu/test_fused_tails_gpu.py tests/gpu/test_formats_gpu.py \
+    tests/gpu/test_ordered_sum_gpu.py
 }
 
 # ---- one kernel family: its GPU tests, then its bench ----

@@ -126,7 +126,7 @@ from .layouts import ENGINE_ORDER
 from .loader import triton_kernels
 from .policy import KernelPolicy
 from .reference import (apply_rope, apply_rope_half, mla_attention_masked, mla_attention_reference, rms_norm_torch,
-                        route_torch, topk_logprobs_torch, w8a16_linear_reference)
+                        route_torch, topk_logprobs_torch, w8a16_linear_reference, ordered_sum_torch)
 
 # kinds already warned about (a forced torch path on CUDA with batch invariance on): logging only
 _WARNED: set[str] = set()
@@ -310,6 +310,16 @@ def _elementwise_backend(policy: KernelPolicy, kind: str, device: torch.device, 
     """Per-row Triton kernels that replace several torch launches (router tail, SwiGLU): Triton on CUDA
     whether batch invariance is on or off (they are per row either way), torch on the CPU and in training."""
     return _backend(kind, policy.dense, device) == "triton" and not training(*tensors)
+
+
+def ordered_sum(policy: KernelPolicy, parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """parts [N, ...] added in index order in float32 -> [...] in ``dtype``: the cross-rank sum's fixed order
+    (parallel/comm.py). CUDA: one launch (kernels/split_sum.py); elsewhere the torch loop, the same additions."""
+    if _elementwise_backend(policy, "ordered sum (cross-rank partials)", parts.device, parts):
+        out = torch.empty(parts.shape[1:], dtype=dtype, device=parts.device)
+        triton_kernels().split_sum.split_sum(parts.contiguous(), out, parts.shape[0])
+        return out
+    return ordered_sum_torch(parts).to(dtype)
 
 
 def route(policy: KernelPolicy, logits: torch.Tensor, bias: torch.Tensor,

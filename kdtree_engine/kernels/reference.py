@@ -126,3 +126,11 @@ def w8a16_linear_reference(x: torch.Tensor, weight: torch.Tensor, scale_inv: tor
     """FP8 block-quantized linear in torch (the CPU path and the oracle of kernels/w8a16.py): dequantize to
     float32 (fp8.py), x.float() @ w.T, rounded to x's dtype. x [M, K] -> [M, N]."""
     return (x.float() @ dequantize_fp8(weight, scale_inv, block).T).to(x.dtype)
+
+
+def ordered_sum_torch(parts: torch.Tensor) -> torch.Tensor:
+    """parts [N, ...] added in index order in float32 -> [...] float32 (kernels/split_sum.py adds the same way)."""
+    out = parts[0].float()
+    for r in range(1, parts.shape[0]):
+        out = out + parts[r].float()
+    return out

@@ -20,14 +20,15 @@ def _split_sum_kernel(part_ptr, out_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.cons
         pdl_wait()
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < MN
-    acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
+    # float32 additions whatever the partials' dtype (a no-op for float32 ones: the split-K GEMMs')
+    acc = tl.load(part_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     for s in tl.static_range(1, SPLIT):
-        acc += tl.load(part_ptr + s * MN + offs, mask=mask, other=0.0)
+        acc += tl.load(part_ptr + s * MN + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def split_sum(parts: torch.Tensor, out: torch.Tensor, split: int, pdl: bool = False) -> None:
-    """out [M, N] = sum over s of parts [split, M, N] (float32), added in the order s = 0, 1, ...
+    """out [M, N] = sum over s of parts [split, M, N] (any float dtype, added in float32), in the order s = 0, 1, ...
     pdl: a programmatic dependent launch (pdl.py; CUDA sm_90+ only)."""
     mn = out.numel()
     block = 1024
