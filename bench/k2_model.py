@@ -307,7 +307,7 @@ def bench_one(target: Target, drafter: DFlashDrafter, comm: CountingCommunicator
     total = sum(parts.values())
     roof_ms = total / copy_bw * 1e3
     link_us = links.round_us(calls)
-    row = {"T": T, "context": S, "method": method, "budget": shape.budget, **timing,
+    row = {"T": T, "context": S, "method": method, "budget": shape.budget, "max_tau": shape.block_size, **timing,
            "bytes": parts, "bytes_total": total, "roofline_ms": roof_ms, "x_roofline": timing["ms"] / roof_ms,
            "touched_experts_per_layer": statistics.mean(counts) if counts else 0.0,
            "collectives": {"count": len(calls), "bytes": sum(b for _, b in calls),
@@ -348,6 +348,8 @@ def tokens_per_s(rows: list[dict]) -> list[dict]:
                         "tokens_per_s": 1e3 / r["round_8gpu_ms"]})
         else:
             for tau in TAUS:
+                if tau > min(r["T"], r["max_tau"]):   # a round emits at most a node per depth level, bonus included
+                    continue
                 out.append({"context": r["context"], "T": r["T"], "what": "ddtree", "tau": tau,
                             "tokens_per_s": tau * 1e3 / r["round_8gpu_ms"]})
     return out

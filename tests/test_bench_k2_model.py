@@ -61,7 +61,8 @@ def test_tokens_per_s(report):
     rows = {(t["T"], t["tau"]): t["tokens_per_s"] for t in rep["tokens_per_s"]}
     plain = next(r for r in rep["rounds"] if r["T"] == 1)
     assert math.isclose(rows[(1, 1.0)], 1e3 / plain["round_8gpu_ms"])
-    assert {tau for (T, tau) in rows if T == 4} == set(k2_model.TAUS)
+    # a 4-node tree of a block-4 drafter emits at most 4 tokens a round: only the taus it can reach
+    assert {tau for (T, tau) in rows if T == 4} == {t for t in k2_model.TAUS if t <= 4}
 
 
 def test_links_model():
