@@ -301,9 +301,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise BadInput(f"--port must be in 0..65535, got {args.port}")
     if args.api_key == "":
         raise BadInput("--api-key is empty")
-    if args.tp > 1:   # a request ended by the server (stop string, client gone) must end on every rank in one round
-        raise BadInput("--tp > 1 is not served yet: the ranks would have to agree each round on a request the "
-                       "server ends early; `kdtree generate --tp N` runs on several ranks")
     name = args.served_model_name or ("demo" if args.model is None else Path(args.model).resolve().name)
     # the HTTP stack (fastapi, uvicorn, pydantic) is imported by this command alone: the others start without it
     from .serve.app import ServeSettings

@@ -29,7 +29,8 @@ from .kernels.policy import KernelPolicy
 from .logs import log_once
 from .model.dflash import DFlashDrafter
 from .model.target import Target, row_parallel_groups
-from .parallel.broadcast import Request, recv_request, send_request, send_stop
+from .parallel.broadcast import (Request, recv_request, recv_round_verdict, send_request, send_round_verdict,
+                                 send_stop)
 from .parallel.comm import SINGLE, Communicator
 from .parallel.group import leave, rank_device
 from .parallel.launch import collective_error, start_ranks
@@ -272,21 +273,36 @@ class LLM:
             self.device = rank_device(self.device, int(os.environ.get("LOCAL_RANK", comm.rank)))
 
     def run(self, ids: list[int], params: SamplingParams, *, plain: bool = False,
-            on_tokens: OnTokens | None = None) -> GenerationResult:
-        """One request of token ids (``plain``: plain decoding whatever ``spec``). Tensor parallel: rank 0 sends it
-        to the other ranks first, then every rank runs it."""
+            on_tokens: OnTokens | None = None, stoppable: bool = False) -> GenerationResult:
+        """One request of token ids (``plain``: plain decoding whatever ``spec``). ``on_tokens`` gets each round's
+        tokens; with ``stoppable`` its True ends the request after that round (else its return is ignored at
+        tp > 1, and honoured at tp = 1 as the generation loop does). Tensor parallel: rank 0 sends the request to the
+        other ranks first, then every rank runs it; a stoppable request also sends rank 0's verdict after each
+        round (a small collective a round), so every rank leaves after the same one."""
         if self.comm.world_size == 1:
             return self._decode(ids, params, plain, on_tokens)
         check_prompt(self.target, ids)   # a request the ranks would refuse is refused before it is sent
         try:
-            params = send_request(self.comm, Request(ids, params, plain), self.device).params
-            return self._decode(ids, params, plain, on_tokens)
+            params = send_request(self.comm, Request(ids, params, plain, stoppable), self.device).params
+            return self._decode(ids, params, plain, self._rank0_rounds(on_tokens, stoppable))
         except RuntimeError as e:
             if self.workers is not None:
                 self.workers.report_dead()   # a worker died: its one line, and this process ends
             if not collective_error(e):
                 raise
             raise RankFailure(f"a tensor-parallel collective failed ({str(e).splitlines()[0]})") from None
+
+    def _rank0_rounds(self, on_tokens: OnTokens | None, stoppable: bool) -> OnTokens | None:
+        """Rank 0's per-round callback at tp > 1: the caller's, its verdict sent to the ranks when stoppable."""
+        if not stoppable:
+            if on_tokens is None:
+                return None
+            return lambda tokens: on_tokens(tokens) and None   # its verdict is not acted on: no rank could follow
+
+        def each_round(tokens: list[int]) -> bool:
+            return send_round_verdict(self.comm, bool(on_tokens(tokens)) if on_tokens is not None else False,
+                                      self.device)
+        return each_round
 
     def _decode(self, ids: list[int], params: SamplingParams, plain: bool,
                 on_tokens: OnTokens | None) -> GenerationResult:
@@ -296,8 +312,9 @@ class LLM:
     def serve(self) -> None:
         """A rank > 0: run rank 0's requests until it stops."""
         while (req := recv_request(self.comm, self.device)) is not None:
+            verdict = (lambda _tokens: recv_round_verdict(self.comm, self.device)) if req.stoppable else None
             try:
-                self._decode(req.prompt_ids, req.params, req.plain, None)
+                self._decode(req.prompt_ids, req.params, req.plain, verdict)
             except BAD_INPUT_ERRORS:
                 continue   # rank 0 meets the same error and reports it
 
@@ -330,14 +347,15 @@ class LLM:
 
     def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
                  params: SamplingParams | None = None, *,
-                 on_tokens: OnTokens | None = None) -> list[GenerationResult]:
-        """Generate for one prompt or a list of prompts (text or token ids), one after another."""
+                 on_tokens: OnTokens | None = None, stoppable: bool = False) -> list[GenerationResult]:
+        """Generate for one prompt or a list of prompts (text or token ids), one after another. ``on_tokens``:
+        called with each round's tokens; ``stoppable``: its True ends the request after that round (see :meth:`run`)."""
         params = params or SamplingParams()
         single = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], int))
         batch = [prompts] if single else list(prompts)
         results = []
         for p in batch:
-            res = self.run(self.encode(p), params, on_tokens=on_tokens)
+            res = self.run(self.encode(p), params, on_tokens=on_tokens, stoppable=stoppable)
             res.text = self.decode(res.token_ids)
             results.append(res)
         return results

@@ -15,7 +15,7 @@ from ..sampling import SamplingParams
 from .comm import Communicator
 
 STOP, GENERATE = 0, 1
-HEADER = 10  # op, prompt length, max_tokens, top_k, seed, ignore_eos, stop ids, plain, temperature, top_p
+HEADER = 11  # op, prompt length, max_tokens, top_k, seed, ignore_eos, stop ids, plain, stoppable, temperature, top_p
 
 
 @dataclass(frozen=True)
@@ -23,6 +23,7 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams
     plain: bool = False  # plain decoding whatever the engine's speculative method (the CLI's --compare)
+    stoppable: bool = False  # rank 0 may end it after any round (the server: a stop string, a client gone)
 
 
 def float_bits(x: float) -> int:
@@ -46,8 +47,8 @@ def send_request(comm: Communicator, req: Request, device: torch.device) -> Requ
     p = with_seed(req.params)
     req = replace(req, params=p)
     head = [GENERATE, len(req.prompt_ids), p.max_tokens, p.top_k, -1 if p.seed is None else p.seed,
-            int(p.ignore_eos), len(p.stop_token_ids), int(req.plain), float_bits(float(p.temperature)),
-            float_bits(float(p.top_p))]
+            int(p.ignore_eos), len(p.stop_token_ids), int(req.plain), int(req.stoppable),
+            float_bits(float(p.temperature)), float_bits(float(p.top_p))]
     comm.broadcast(torch.tensor(head, dtype=torch.long, device=device))
     comm.broadcast(torch.tensor(req.prompt_ids + list(p.stop_token_ids), dtype=torch.long, device=device))
     return req
@@ -62,9 +63,21 @@ def recv_request(comm: Communicator, device: torch.device) -> Request | None:
     head = comm.broadcast(torch.zeros(HEADER, dtype=torch.long, device=device)).tolist()
     if head[0] == STOP:
         return None
-    _, n, max_tokens, top_k, seed, ignore_eos, n_stop, plain, temp, top_p = head
+    _, n, max_tokens, top_k, seed, ignore_eos, n_stop, plain, stoppable, temp, top_p = head
     ids = comm.broadcast(torch.zeros(n + n_stop, dtype=torch.long, device=device)).tolist()
     params = SamplingParams(max_tokens=max_tokens, temperature=bits_float(temp), top_p=bits_float(top_p),
                             top_k=top_k, seed=None if seed < 0 else seed, stop_token_ids=tuple(ids[n:]),
                             ignore_eos=bool(ignore_eos))
-    return Request(ids[:n], params, bool(plain))
+    return Request(ids[:n], params, bool(plain), bool(stoppable))
+
+
+def send_round_verdict(comm: Communicator, stop: bool, device: torch.device) -> bool:
+    """Rank 0, after each round of a stoppable request: whether the request ends here, told to every rank (the
+    ranks then leave the generation loop after the same round)."""
+    comm.broadcast(torch.tensor([int(stop)], dtype=torch.long, device=device))
+    return stop
+
+
+def recv_round_verdict(comm: Communicator, device: torch.device) -> bool:
+    """Ranks > 0, after each round of a stoppable request: rank 0's verdict."""
+    return bool(comm.broadcast(torch.zeros(1, dtype=torch.long, device=device)).item())

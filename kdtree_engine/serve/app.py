@@ -48,7 +48,9 @@ def build_app(llm: Any, settings: ServeSettings) -> FastAPI:
     name = settings.served_model_name
     metrics = ServeMetrics(name)
     context = llm.target.cfg.max_position_embeddings
-    worker = Worker(lambda ids, params, on_tokens: llm.generate(ids, params, on_tokens=on_tokens)[0],
+    # stoppable: a stop string or a client gone ends the request after the round (on every rank at --tp > 1)
+    worker = Worker(lambda ids, params, on_tokens: llm.generate(ids, params, on_tokens=on_tokens,
+                                                                stoppable=True)[0],
                     llm.decode, metrics, settings.max_queue)
     created = int(time.time())
 
