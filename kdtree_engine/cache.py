@@ -1,40 +1,191 @@
-"""Target latent KV cache: one 576-wide entry (kv_lora_rank latent + rope key) per token per layer.
+"""Target latent KV cache: one 576-wide entry (kv_lora_rank latent + rope key) per token per layer, paged.
 
-Slots [0, length) hold committed tokens. A multi-token step writes its entries after them; a
-causal step commits them at once, a tree step leaves them *pending* until :meth:`commit` keeps the
-accepted nodes (compacted into contiguous slots) and drops the rest.
+:class:`CachePool` is one tensor [layers, num_blocks, BLOCK, D] allocated once per target, with a host-side free
+list. A request's :class:`LatentCache` holds the blocks of its capacity and a block table (a device tensor of
+block ids, fixed width, so a captured graph reads it in place): slot s lives at (table[s // BLOCK], s % BLOCK).
+
+Slots [0, length) hold committed tokens. A multi-token step writes its entries after them; a causal step commits
+them at once, a tree step leaves them *pending* until :meth:`LatentCache.commit` keeps the accepted nodes
+(compacted into the next slots, within the request's blocks) and drops the rest.
 """
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
-from .errors import CacheFullError
 from .config import ModelConfig
+from .errors import BadInput, CacheFullError, PoolFullError
 from .kernels.common import take_rows
+from .kernels.paged import gather_slots, page_rows
+from .logs import log
 
+BLOCK = 64  # tokens per block: one warpgroup key tile of the decode / verify kernels
+DEFAULT_MEMORY_FRACTION = 0.9  # of the free device memory after the weights, when neither size is given
+CPU_CONTEXTS = 2  # CPU default: this many requests of the model's whole context (max_position_embeddings)
+
+
+def blocks_for(tokens: int) -> int:
+    return -(-tokens // BLOCK)
+
+
+def bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    return cfg.num_hidden_layers * cfg.kv_cache_dim * dtype.itemsize
+
+
+def pool_tokens(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, tokens: int | None,
+                fraction: float | None) -> tuple[int, str]:
+    """The pool's size in tokens (a whole number of blocks) and how it was chosen: ``tokens`` when given, else
+    ``fraction`` (default :data:`DEFAULT_MEMORY_FRACTION` on CUDA) of the free device memory; on the CPU
+    :data:`CPU_CONTEXTS` x max_position_embeddings (host memory is not accounted)."""
+    if tokens is not None and fraction is not None:
+        raise BadInput(f"give cache_tokens={tokens} or memory_fraction={fraction}, not both")
+    if tokens is not None:
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < BLOCK:
+            raise BadInput(f"cache_tokens={tokens!r}: the cache pool needs an integer of at least {BLOCK} tokens")
+        return blocks_for(tokens) * BLOCK, f"{tokens} tokens asked"
+    if fraction is not None and not (isinstance(fraction, (int, float)) and 0.0 < fraction <= 1.0):
+        raise BadInput(f"memory_fraction={fraction!r}: a fraction of the free device memory in (0, 1]")
+    if device.type != "cuda":
+        if fraction is not None:
+            raise BadInput(f"memory_fraction={fraction}: sizes the cache from free CUDA memory; on the CPU give "
+                           f"cache_tokens")
+        return CPU_CONTEXTS * blocks_for(cfg.max_position_embeddings) * BLOCK, \
+            f"CPU default: {CPU_CONTEXTS} x max_position_embeddings"
+    frac = DEFAULT_MEMORY_FRACTION if fraction is None else fraction
+    # memory the caching allocator holds but no tensor uses is free for the pool too
+    free = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    n = int(free * frac) // (bytes_per_token(cfg, dtype) * BLOCK)
+    if n < 1:
+        raise PoolFullError(f"{frac:g} of the free device memory ({free / 2**20:.0f} MiB) holds no cache block")
+    return n * BLOCK, f"{frac:g} of {free / 2**30:.2f} GiB free after the weights" + (" (default)" if fraction is None else "")
+
+
+class CachePool:
+    """The latent cache of every request of one target: kv [layers, num_blocks, BLOCK, D] and the free blocks."""
+
+    def __init__(self, cfg: ModelConfig, num_blocks: int, *, dtype: torch.dtype, device: torch.device | str) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        self.cfg = cfg
+        self.num_blocks = num_blocks
+        # zero-initialised: a kernel reading a whole block past a request's length weighs those keys 0, so they
+        # must be finite, and the pool only ever holds written keys or zeros
+        self.kv = torch.zeros(cfg.num_hidden_layers, num_blocks, BLOCK, cfg.kv_cache_dim, dtype=dtype, device=device)
+        self._free = list(range(num_blocks - 1, -1, -1))  # popped from the end: low ids first
+
+    @classmethod
+    def sized(cls, cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device, tokens: int | None = None,
+              fraction: float | None = None) -> "CachePool":
+        """A pool sized by :func:`pool_tokens`, logged with the resulting maximum context."""
+        n, why = pool_tokens(cfg, dtype, device, tokens, fraction)
+        pool = cls(cfg, n // BLOCK, dtype=dtype, device=device)
+        log.info("latent cache pool: %d blocks of %d tokens = %d tokens, %.1f MiB (%s); maximum context %d tokens",
+                 pool.num_blocks, BLOCK, n, n * bytes_per_token(cfg, dtype) / 2**20, why, n)
+        return pool
+
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def free_tokens(self) -> int:
+        return len(self._free) * BLOCK
+
+    @property
+    def total_tokens(self) -> int:
+        return self.num_blocks * BLOCK
+
+    def take(self, tokens: int) -> list[int]:
+        """The blocks of ``tokens`` slots, or a PoolFullError naming the tokens asked and free."""
+        n = blocks_for(tokens)
+        if n > len(self._free):
+            raise PoolFullError(f"latent cache pool: {tokens} tokens asked, {self.free_tokens} free "
+                                f"(of {self.total_tokens})")
+        taken = self._free[len(self._free) - n:][::-1]
+        del self._free[len(self._free) - n:]
+        return taken
+
+    def give(self, blocks: list[int]) -> None:
+        """Return blocks taken by :meth:`take`."""
+        self._free.extend(reversed(blocks))
+
+    def layer(self, i: int) -> torch.Tensor:
+        return self.kv[i]  # [num_blocks, BLOCK, D]
+
+
+def give_back(pool: CachePool, blocks: list[int]) -> None:
+    """Return a request's blocks (if it still holds them) and mark them returned."""
+    pool.give(blocks)
+    blocks.clear()
 
 
 class LatentCache:
-    def __init__(self, cfg: ModelConfig, max_tokens: int, *, dtype: torch.dtype, device: torch.device | str) -> None:
+    """One request's slots in the pool: the blocks of ``max_tokens`` slots (taken now, refused with a PoolFullError
+    when the pool has too few free), the block table [ceil(max_tokens / BLOCK)] int32 on the device, the
+    committed length and the pending count. :meth:`release` returns the blocks (also when the cache is
+    collected); :meth:`acquire` takes blocks again into the same table tensor (a captured graph stays valid)."""
+
+    def __init__(self, pool: CachePool, max_tokens: int) -> None:
         if max_tokens <= 0:
             raise ValueError(f"max_tokens must be positive, got {max_tokens}")
-        self.cfg = cfg
+        self.pool = pool
+        self.cfg = pool.cfg
         self.capacity = max_tokens
-        # [layers, S, kv_lora_rank + rope]
-        self.kv = torch.zeros(cfg.num_hidden_layers, max_tokens, cfg.kv_cache_dim, dtype=dtype, device=device)
+        self.table = torch.zeros(blocks_for(max_tokens), dtype=torch.int32, device=pool.kv.device)
+        self.blocks: list[int] = []
         self.length = 0
         self.pending = 0
+        self._finalizer = weakref.finalize(self, give_back, pool, self.blocks)
+        self.acquire()
+
+    @property
+    def held(self) -> bool:
+        return bool(self.blocks)
+
+    def acquire(self) -> None:
+        """Take the blocks of the capacity (a no-op when held); the cache starts empty."""
+        if not self.blocks:
+            self.blocks.extend(self.pool.take(self.capacity))
+            self.table.copy_(torch.tensor(self.blocks, dtype=torch.int32))
+        self.length = self.pending = 0
+
+    def release(self) -> None:
+        """Return the blocks to the pool (a no-op when already returned)."""
+        give_back(self.pool, self.blocks)
+        self.length = self.pending = 0
+
+    def rows(self, slots: torch.Tensor) -> torch.Tensor:
+        """Pool rows (of a layer viewed as [num_blocks * BLOCK, D]) of this request's ``slots``."""
+        return page_rows(self.table, slots, BLOCK)
 
     def reserve(self, n: int) -> int:
         """Start a step of n new tokens; returns the first slot they go to."""
         if self.length + n > self.capacity:
             raise CacheFullError(f"cache holds {self.capacity} tokens; {self.length} used, {n} more asked")
+        if not self.blocks:
+            raise CacheFullError("the cache's blocks were returned to the pool")
         self.pending = n
         return self.length
 
     def layer(self, i: int) -> torch.Tensor:
-        return self.kv[i]  # [S, 576]
+        return self.pool.layer(i)  # [num_blocks, BLOCK, D], read through self.table
+
+    @property
+    def kv(self) -> torch.Tensor:
+        """The request's slots [layers, capacity, D] gathered through the table (a copy, for inspection)."""
+        return torch.stack([gather_slots(self.layer(i), self.table, self.capacity)
+                            for i in range(self.cfg.num_hidden_layers)])
+
+    def load_slots(self, values: torch.Tensor) -> None:
+        """Write values [layers, n, D] to slots [0, n) (tests and tools)."""
+        rows = self.rows(torch.arange(values.shape[1], device=self.table.device))
+        self._flat().index_copy_(1, rows, values.to(self.pool.kv.dtype))
+
+    def _flat(self) -> torch.Tensor:
+        kv = self.pool.kv
+        return kv.view(kv.shape[0], -1, kv.shape[-1])  # [layers, num_blocks * BLOCK, D]
 
     def commit_all(self) -> None:
         self.length += self.pending
@@ -46,8 +197,11 @@ class LatentCache:
         if n > self.pending:
             raise ValueError(f"commit keeps {n} of {self.pending} pending entries")
         start = self.length
-        src = self.kv[:, start:start + self.pending].index_select(1, keep.to(self.kv.device))  # [L, n, 576]
-        self.kv[:, start:start + n] = src
+        dev = self.table.device
+        src = self.rows(start + keep.to(dev))
+        dst = self.rows(torch.arange(start, start + n, device=dev))
+        flat = self._flat()
+        flat.index_copy_(1, dst, flat.index_select(1, src))  # [L, n, D]: a copy first, so overlaps are safe
         self.length += n
         self.pending = 0
 
@@ -66,5 +220,6 @@ class LatentCache:
         The host-side ``length`` is not changed (the caller keeps the length on the device).
         """
         M = keep.shape[0]
-        src = take_rows(self.kv, start + keep, dim=1)  # [layers, M, 576]
-        self.kv.index_copy_(1, start + torch.arange(M, device=self.kv.device), src)
+        flat = self._flat()
+        src = take_rows(flat, self.rows(start + keep), dim=1)  # [layers, M, D]
+        flat.index_copy_(1, self.rows(start + torch.arange(M, device=flat.device)), src)

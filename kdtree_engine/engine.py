@@ -163,14 +163,18 @@ class LLM:
     def __init__(self, model: str | Path | None = None, *, draft: str | Path | None = None,
                  spec: str | SpecConfig | None = None, budget: int | str | None = None, device: str | None = None,
                  dtype: str | torch.dtype | None = None, quantize: str | None = None, batch_invariant: bool = True,
-                 progress: bool = True, eager: bool | None = None, threads: int | str | None = None) -> None:
+                 progress: bool = True, eager: bool | None = None, threads: int | str | None = None,
+                 cache_tokens: int | None = None, memory_fraction: float | None = None) -> None:
         """``model``: a checkpoint directory, or None / ``"demo"`` for the embedded demo (its drafter and budget
         16 unless ``draft`` / ``budget`` say otherwise). ``spec``: none | dflash | ddtree; None = ddtree with a
         drafter, else none. ``eager``: True = rounds driven from the host; False = each round replayed from a CUDA
         graph (CUDA, a fixed budget); None = graphs where they apply (see ``speculative.decode.pick_round_mode``).
         ``batch_invariant`` and the ``KDTREE_*_BACKEND`` variables make the kernel policy of target and drafter.
         ``threads``: torch's CPU threads (process-wide): an int, ``"auto"`` (by the model's size on the CPU, as
-        the CLI does) or None (torch's setting is left alone); see :func:`resolve_threads`."""
+        the CLI does) or None (torch's setting is left alone); see :func:`resolve_threads`. ``cache_tokens`` /
+        ``memory_fraction``: the size of the target's latent cache pool, made once after the weights, in tokens or
+        as a fraction of the free device memory (default: 0.9 of it on CUDA, 2 x max_position_embeddings on the
+        CPU; logged with the maximum context; see kdtree_engine/cache.py)."""
         demo = model is None or str(model) == DEMO
         if demo:
             if not (DEMO_DIR / "config.json").exists():
@@ -189,6 +193,7 @@ class LLM:
         self.target = load_target(model, device=self.device, dtype=self.dtype, quantize=quantize, progress=progress,
                                   policy=self.policy)
         self.drafter = None if draft is None else load_drafter(draft, self.target)
+        self.target.init_cache_pool(tokens=cache_tokens, fraction=memory_fraction)  # after the drafter's weights
         self.spec = resolve_spec(spec_config, self.drafter, None)
         if self.drafter is not None and self.spec.method != "none":
             self.spec.resolve(self.drafter.block_size, self.target.cfg.vocab_size)  # the budget's bound, now

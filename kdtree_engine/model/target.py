@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ..errors import LoadError
-from ..cache import LatentCache
+from ..cache import CachePool, LatentCache
 from ..config import ModelConfig
 from ..kernels.common import take_rows
 from ..kernels.dispatch import attention_gather_index
@@ -118,6 +118,7 @@ class Target(nn.Module):
                 m.weight.data = m.weight.data.to(dtype)
                 m.weight.requires_grad_(False)
         self._loaded: set[str] = set()
+        self.cache_pool: CachePool | None = None  # made by init_cache_pool, or on the first new_cache
 
     # ---- weights ---------------------------------------------------------------------------
     def _slot(self, name: str) -> torch.Tensor:
@@ -232,8 +233,20 @@ class Target(nn.Module):
         return model.load_weights((k, torch.from_numpy(v)) for k, v in random_weights(cfg, seed).items())
 
     # ---- compute -----------------------------------------------------------------------------
+    def init_cache_pool(self, tokens: int | None = None, fraction: float | None = None) -> CachePool:
+        """The latent cache pool of every request on this target, made once after the weights: ``tokens`` slots,
+        or ``fraction`` of the free device memory (see cache.pool_tokens); logged with the maximum context."""
+        if self.cache_pool is not None:
+            raise ValueError("this target's latent cache pool is already made")
+        self.cache_pool = CachePool.sized(self.cfg, dtype=self.dtype, device=self.device, tokens=tokens,
+                                          fraction=fraction)
+        return self.cache_pool
+
     def new_cache(self, max_tokens: int) -> LatentCache:
-        return LatentCache(self.cfg, max_tokens, dtype=self.dtype, device=self.device)
+        """A request's cache of ``max_tokens`` slots from the pool (made with the defaults on first use); a
+        PoolFullError when the pool has too few free blocks."""
+        pool = self.cache_pool if self.cache_pool is not None else self.init_cache_pool()
+        return LatentCache(pool, max_tokens)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         # take_rows, not the module's index_select: a drafter block is up to 16 ids (kernels/common.py)
@@ -259,15 +272,16 @@ class Target(nn.Module):
             slots = torch.arange(first, first + T, device=dev)  # [T]
             positions = slots if positions is None else positions
             cos, sin = self.rope.tables(positions)
-            return StepContext(positions, cos, sin, slots, first, tree_mask)
+            return StepContext(positions, cos, sin, slots, first, tree_mask, cache.table, cache.rows(slots))
         if positions is None or tree_mask is None:
             raise ValueError("a device-resident step needs its positions and tree mask")
         cos, sin = self.rope.gather(positions)
         # what attention derives from (start, tree_mask) is the same in every layer: built once here
         gather_index = attention_gather_index(self.policy, tree_mask)
         visible = static_visibility(start, tree_mask, cache.capacity) if gather_index is None else None
-        return StepContext(positions, cos, sin, start + torch.arange(T, device=dev), start, tree_mask,
-                           visible, gather_index)
+        slots = start + torch.arange(T, device=dev)
+        return StepContext(positions, cos, sin, slots, start, tree_mask, cache.table, cache.rows(slots), visible,
+                           gather_index, capacity=cache.capacity)
 
     @torch.no_grad()
     def forward(self, ids: torch.Tensor, cache: LatentCache, positions: torch.Tensor | None = None,

@@ -148,6 +148,10 @@ class HostRounds:
         lp, ids = topk_logprobs(draft_logits, shape.budget, policy=self.target.policy)  # [depth, K]
         return builder(lp, ids, shape.budget, bonus, start)
 
+    def release(self) -> None:
+        """Return the request's latent cache blocks to the target's pool."""
+        self.cache.release()
+
     def finish(self, stats: dict[str, Any], decode_s: float) -> None:
         if self.drafter is not None:
             self.dcache.crop(min(self.dcache.length, self.start))
