@@ -23,7 +23,7 @@ from .logs import log
 
 BLOCK = 64  # tokens per block: one warpgroup key tile of the decode / verify kernels
 DEFAULT_MEMORY_FRACTION = 0.9  # of the free device memory after the weights, when neither size is given
-CPU_CONTEXTS = 2  # CPU default: this many requests of the model's whole context (max_position_embeddings)
+CONTEXTS = 2  # CPU default (and a target's pool made on first use): this many max_position_embeddings contexts
 
 
 def blocks_for(tokens: int) -> int:
@@ -34,11 +34,18 @@ def bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
     return cfg.num_hidden_layers * cfg.kv_cache_dim * dtype.itemsize
 
 
+def free_device_bytes(device: torch.device) -> int:
+    # memory the caching allocator holds but no tensor uses is free for the pool too
+    return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
 def pool_tokens(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, tokens: int | None,
-                fraction: float | None) -> tuple[int, str]:
+                fraction: float | None, first_use: bool = False) -> tuple[int, str]:
     """The pool's size in tokens (a whole number of blocks) and how it was chosen: ``tokens`` when given, else
     ``fraction`` (default :data:`DEFAULT_MEMORY_FRACTION` on CUDA) of the free device memory; on the CPU
-    :data:`CPU_CONTEXTS` x max_position_embeddings (host memory is not accounted)."""
+    :data:`CONTEXTS` x max_position_embeddings (host memory is not accounted). ``first_use``: a pool made by a
+    target's first new_cache without a size (tests, benchmarks): the CPU rule on every device, on CUDA at most
+    the default fraction of the free memory (several targets in one process each get a pool)."""
     if tokens is not None and fraction is not None:
         raise BadInput(f"give cache_tokens={tokens} or memory_fraction={fraction}, not both")
     if tokens is not None:
@@ -47,16 +54,17 @@ def pool_tokens(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, toke
         return blocks_for(tokens) * BLOCK, f"{tokens} tokens asked"
     if fraction is not None and not (isinstance(fraction, (int, float)) and 0.0 < fraction <= 1.0):
         raise BadInput(f"memory_fraction={fraction!r}: a fraction of the free device memory in (0, 1]")
+    contexts = CONTEXTS * blocks_for(cfg.max_position_embeddings)  # blocks
     if device.type != "cuda":
         if fraction is not None:
             raise BadInput(f"memory_fraction={fraction}: sizes the cache from free CUDA memory; on the CPU give "
                            f"cache_tokens")
-        return CPU_CONTEXTS * blocks_for(cfg.max_position_embeddings) * BLOCK, \
-            f"CPU default: {CPU_CONTEXTS} x max_position_embeddings"
+        return contexts * BLOCK, f"CPU default: {CONTEXTS} x max_position_embeddings"
     frac = DEFAULT_MEMORY_FRACTION if fraction is None else fraction
-    # memory the caching allocator holds but no tensor uses is free for the pool too
-    free = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    free = free_device_bytes(device)
     n = int(free * frac) // (bytes_per_token(cfg, dtype) * BLOCK)
+    if first_use and 0 < contexts <= n:
+        return contexts * BLOCK, f"made on first use: {CONTEXTS} x max_position_embeddings"
     if n < 1:
         raise PoolFullError(f"{frac:g} of the free device memory ({free / 2**20:.0f} MiB) holds no cache block")
     return n * BLOCK, f"{frac:g} of {free / 2**30:.2f} GiB free after the weights" + (" (default)" if fraction is None else "")
@@ -77,9 +85,9 @@ class CachePool:
 
     @classmethod
     def sized(cls, cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device, tokens: int | None = None,
-              fraction: float | None = None) -> "CachePool":
+              fraction: float | None = None, first_use: bool = False) -> "CachePool":
         """A pool sized by :func:`pool_tokens`, logged with the resulting maximum context."""
-        n, why = pool_tokens(cfg, dtype, device, tokens, fraction)
+        n, why = pool_tokens(cfg, dtype, device, tokens, fraction, first_use)
         pool = cls(cfg, n // BLOCK, dtype=dtype, device=device)
         log.info("latent cache pool: %d blocks of %d tokens = %d tokens, %.1f MiB (%s); maximum context %d tokens",
                  pool.num_blocks, BLOCK, n, n * bytes_per_token(cfg, dtype) / 2**20, why, n)

@@ -233,20 +233,24 @@ class Target(nn.Module):
         return model.load_weights((k, torch.from_numpy(v)) for k, v in random_weights(cfg, seed).items())
 
     # ---- compute -----------------------------------------------------------------------------
-    def init_cache_pool(self, tokens: int | None = None, fraction: float | None = None) -> CachePool:
+    def init_cache_pool(self, tokens: int | None = None, fraction: float | None = None,
+                        first_use: bool = False) -> CachePool:
         """The latent cache pool of every request on this target, made once after the weights: ``tokens`` slots,
         or ``fraction`` of the free device memory (see cache.pool_tokens); logged with the maximum context."""
         if self.cache_pool is not None:
             raise ValueError("this target's latent cache pool is already made")
         self.cache_pool = CachePool.sized(self.cfg, dtype=self.dtype, device=self.device, tokens=tokens,
-                                          fraction=fraction)
+                                          fraction=fraction, first_use=first_use)
         return self.cache_pool
+
+    def pool(self) -> CachePool:
+        """The cache pool (made on first use with the defaults for a target used without an LLM)."""
+        return self.cache_pool if self.cache_pool is not None else self.init_cache_pool(first_use=True)
 
     def new_cache(self, max_tokens: int) -> LatentCache:
         """A request's cache of ``max_tokens`` slots from the pool (made with the defaults on first use); a
         PoolFullError when the pool has too few free blocks."""
-        pool = self.cache_pool if self.cache_pool is not None else self.init_cache_pool()
-        return LatentCache(pool, max_tokens)
+        return LatentCache(self.pool(), max_tokens)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         # take_rows, not the module's index_select: a drafter block is up to 16 ids (kernels/common.py)

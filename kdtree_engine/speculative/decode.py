@@ -90,10 +90,7 @@ class Rounds(Protocol):
 def cache_token_capacity(target: Target) -> int | None:
     """Tokens of latent cache free in the target's cache pool (made with its defaults on first use: cache.py);
     None for a target without a pool (test doubles)."""
-    if not hasattr(target, "init_cache_pool"):
-        return None
-    pool = target.cache_pool if target.cache_pool is not None else target.init_cache_pool()
-    return pool.free_tokens
+    return target.pool().free_tokens if hasattr(target, "pool") else None
 
 
 def context_limit(prompt_len: int, max_tokens: int, max_positions: int, cache_tokens: int | None,
