@@ -23,6 +23,7 @@ from .logs import log
 
 BLOCK = 64  # tokens per block: one warpgroup key tile of the decode / verify kernels
 DEFAULT_MEMORY_FRACTION = 0.9  # of the free device memory after the weights, when neither size is given
+ADDRESSABLE = 2 ** 31  # elements of one layer's pool: the attention kernels address keys with 32-bit offsets
 CONTEXTS = 2  # CPU default (and a target's pool made on first use): this many max_position_embeddings contexts
 
 
@@ -88,6 +89,9 @@ class CachePool:
               fraction: float | None = None, first_use: bool = False) -> "CachePool":
         """A pool sized by :func:`pool_tokens`, logged with the resulting maximum context."""
         n, why = pool_tokens(cfg, dtype, device, tokens, fraction, first_use)
+        most = (ADDRESSABLE - 1) // cfg.kv_cache_dim // BLOCK * BLOCK
+        if n > most:
+            n, why = most, f"{why}, cut to the {most} tokens a layer's 32-bit key offsets address"
         pool = cls(cfg, n // BLOCK, dtype=dtype, device=device)
         log.info("latent cache pool: %d blocks of %d tokens = %d tokens, %.1f MiB (%s); maximum context %d tokens",
                  pool.num_blocks, BLOCK, n, n * bytes_per_token(cfg, dtype) / 2**20, why, n)
@@ -100,6 +104,10 @@ class CachePool:
     @property
     def free_tokens(self) -> int:
         return len(self._free) * BLOCK
+
+    def free_ids(self) -> list[int]:
+        """The free block ids (a copy; the next taken last)."""
+        return list(self._free)
 
     @property
     def total_tokens(self) -> int:

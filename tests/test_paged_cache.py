@@ -162,7 +162,7 @@ def test_pool_accounting_over_1000_random_requests() -> None:
     seed = seeded()
     rng = random.Random(seed)
     pool = CachePool(preset("k2-tiny"), 50, dtype=torch.float32, device="cpu")
-    start = sorted(pool._free)
+    start = sorted(pool.free_ids())
     live: list[LatentCache] = []
     for _ in range(1000):
         if live and rng.random() < 0.45:
@@ -181,7 +181,7 @@ def test_pool_accounting_over_1000_random_requests() -> None:
     for cache in live:
         cache.release()
         cache.release()  # twice: a no-op
-    assert sorted(pool._free) == start and pool.free_blocks == 50
+    assert sorted(pool.free_ids()) == start and pool.free_blocks == 50
 
 
 def test_generate_returns_the_blocks_at_the_end_and_on_error(target: Target) -> None:
