@@ -1,13 +1,16 @@
 """Golden bundles: one ``.safetensors`` file holding a random model, a prompt and its golden tokens.
 
 Tensors: the model weights under their canonical names (float32, or the W4A16 pair
-``weight_packed`` int32 / ``weight_scale`` float32 for routed experts), plus ``__prompt_ids__``
-(int64 [P]) and ``__golden_tokens__`` (int64 [N]). Metadata (strings):
-``format`` = ``kdtree-golden/1``, ``config`` (JSON of ``ModelConfig.to_dict()``),
-``dtype_reference`` (``float64``), ``quant`` (``none`` | ``w4a16``), ``group_size``, ``seed``, and
-informational ``min_margin`` (smallest top-1 minus top-2 reference logit over the golden steps).
+``weight_packed`` int32 / ``weight_scale`` float32 for routed experts, or for ``fp8`` every linear but
+lm_head as ``weight`` uint8 (the float8_e4m3fn bytes: numpy has no FP8 type) with ``weight_scale_inv``
+float32, fp8.py), plus ``__prompt_ids__`` (int64 [P]) and ``__golden_tokens__`` (int64 [N]). Metadata
+(strings): ``format`` = ``kdtree-golden/1``, ``config`` (JSON of ``ModelConfig.to_dict()``, with the
+quantization_config), ``dtype_reference`` (``float64``), ``quant`` (``none`` | ``w4a16`` | ``fp8``),
+``group_size``, ``seed``, and informational ``min_margin`` (smallest top-1 minus top-2 reference logit over the
+golden steps).
 
-Golden tokens are the greedy continuation computed by the numpy reference in float64.
+Golden tokens are the greedy continuation computed by the numpy reference in float64 (FP8 weights:
+on their dequantized values).
 """
 
 from __future__ import annotations
@@ -21,18 +24,22 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
 from kdtree_engine import reference
 from kdtree_engine.config import ConfigError, ModelConfig, preset
 from .errors import BundleError
-from .quant import k2_quantization_config
+from .fp8 import FP8_DTYPE, Fp8Block, dequantize_fp8, quantize_fp8
+from .quant import Fp8Scheme, fp8_quantization_config, k2_quantization_config, parse_quantization_config
 
 FORMAT = "kdtree-golden/1"
 PROMPT_KEY = "__prompt_ids__"
 GOLDEN_KEY = "__golden_tokens__"
-QUANT_MODES = ("none", "w4a16")
+QUANT_MODES = ("none", "w4a16", "fp8")
+FP8_BLOCK = (32, 32)   # the tiny models' FP8 block: several blocks per matrix, partial ones on 48-wide ones
+SCALE_INV = ".weight_scale_inv"
 
 # A bundle's prompt is redrawn (deterministically from the seed) until the golden tokens are robust:
 # every step's top-1 / top-2 gap in the float64 reference is at least MIN_MARGIN, and models with every
@@ -123,6 +130,10 @@ def make_bundle(cfg: ModelConfig | str, seed: int, n_tokens: int, prompt_len: in
         cfg = cfg.replace(quantization=k2_quantization_config(group_size))
     weights = reference.random_weights(
         cfg, seed, quantize_experts_group=group_size if quant == "w4a16" else None)
+    if quant == "fp8":
+        cfg = cfg.replace(quantization=fp8_quantization_config(FP8_BLOCK))
+        weights = fp8_weights(weights, Fp8Block(*FP8_BLOCK))
+    ref_weights = dequantized(weights, Fp8Block(*FP8_BLOCK) if quant == "fp8" else None)
     rng = np.random.default_rng([seed, 0x60])
     # Special ids (bos/eos) are kept out of the prompt; eos may still appear among the golden tokens.
     special = set(cfg.eos_token_ids) | ({cfg.bos_token_id} if cfg.bos_token_id is not None else set())
@@ -130,8 +141,8 @@ def make_bundle(cfg: ModelConfig | str, seed: int, n_tokens: int, prompt_len: in
     best: tuple[float, float, np.ndarray, list[int], int] | None = None
     for attempt in range(PROMPT_ATTEMPTS):
         prompt = rng.choice(allowed, size=prompt_len)
-        tokens, margin = greedy_with_margin(cfg, weights, prompt, n_tokens)
-        score = robustness(cfg, weights, prompt, tokens, margin)
+        tokens, margin = greedy_with_margin(cfg, ref_weights, prompt, n_tokens)
+        score = robustness(cfg, ref_weights, prompt, tokens, margin)
         if best is None or score > best[0]:
             best = (score, margin, prompt, tokens, attempt)
         if score >= 0:
@@ -144,6 +155,7 @@ def make_bundle(cfg: ModelConfig | str, seed: int, n_tokens: int, prompt_len: in
         "dtype_reference": "float64",
         "quant": quant,
         "group_size": str(group_size if quant == "w4a16" else 0),
+        **({"fp8_block": f"{FP8_BLOCK[0]}x{FP8_BLOCK[1]}"} if quant == "fp8" else {}),
         "seed": str(seed),
         "min_margin": f"{margin:.6g}",
         "robust": "yes" if score >= 0 else "no",
@@ -151,6 +163,52 @@ def make_bundle(cfg: ModelConfig | str, seed: int, n_tokens: int, prompt_len: in
     }
     return Bundle(cfg=cfg, weights=weights, prompt_ids=np.asarray(prompt, dtype=np.int64),
                   golden_tokens=np.asarray(tokens, dtype=np.int64), meta=meta)
+
+
+def fp8_weights(weights: dict[str, np.ndarray], block: Fp8Block) -> dict[str, np.ndarray]:
+    """Float weights -> the FP8 release's form: every linear weight but lm_head as float8_e4m3fn bytes (uint8) with
+    its ``weight_scale_inv``; norms, the embedding, the router and lm_head as given."""
+    out: dict[str, np.ndarray] = {}
+    for name, v in weights.items():
+        linear = name.endswith("_proj.weight") or name.endswith("kv_a_proj_with_mqa.weight")
+        if not linear:
+            out[name] = v
+            continue
+        q, s = quantize_fp8(torch.from_numpy(np.ascontiguousarray(v)), block)
+        out[name] = q.view(torch.uint8).numpy()
+        out[name[: -len(".weight")] + SCALE_INV] = s.numpy()
+    return out
+
+
+def dequantized(weights: dict[str, np.ndarray], block: Fp8Block | None) -> dict[str, np.ndarray]:
+    """The float32 values of a bundle's FP8 linears of ``block`` (``weight`` bytes times their block scales,
+    fp8.py); other tensors as stored (all of them when block is None). What the numpy reference runs on."""
+    if block is None:
+        return weights
+    out: dict[str, np.ndarray] = {}
+    for name, v in weights.items():
+        if name.endswith(SCALE_INV):
+            continue
+        scale = weights.get(name[: -len(".weight")] + SCALE_INV) if name.endswith(".weight") else None
+        out[name] = v if scale is None else dequantize_fp8(
+            torch.from_numpy(v).view(FP8_DTYPE), torch.from_numpy(scale), block).numpy()
+    return out
+
+
+def reference_weights(bundle: Bundle) -> dict[str, np.ndarray]:
+    """The weights the numpy reference runs a bundle on (FP8 linears dequantized)."""
+    scheme = parse_quantization_config(bundle.cfg.quantization)
+    return dequantized(bundle.weights, scheme.block if isinstance(scheme, Fp8Scheme) else None)
+
+
+def engine_tensors(bundle: Bundle) -> dict[str, torch.Tensor]:
+    """The bundle's weights as the engine loads them: FP8 bytes viewed as float8_e4m3fn."""
+    out = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in bundle.weights.items()}
+    for name in list(out):
+        if name.endswith(SCALE_INV):
+            w = name[: -len(SCALE_INV)] + ".weight"
+            out[w] = out[w].view(FP8_DTYPE)
+    return out
 
 
 def save_bundle(bundle: Bundle, path: str | os.PathLike) -> Path:

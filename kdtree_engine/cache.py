@@ -12,6 +12,7 @@ them at once, a tree step leaves them *pending* until :meth:`LatentCache.commit`
 from __future__ import annotations
 
 import weakref
+from typing import Callable
 
 import torch
 
@@ -86,9 +87,13 @@ class CachePool:
 
     @classmethod
     def sized(cls, cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device, tokens: int | None = None,
-              fraction: float | None = None, first_use: bool = False) -> "CachePool":
-        """A pool sized by :func:`pool_tokens`, logged with the resulting maximum context."""
+              fraction: float | None = None, first_use: bool = False,
+              agree: Callable[[int], int] | None = None) -> "CachePool":
+        """A pool sized by :func:`pool_tokens`, logged with the resulting maximum context. ``agree``: the size
+        every rank of a tensor-parallel group takes, from this rank's (their least: one admission rule)."""
         n, why = pool_tokens(cfg, dtype, device, tokens, fraction, first_use)
+        if agree is not None:
+            n, why = agree(n), f"{why}, the least over the ranks"
         most = (ADDRESSABLE - 1) // cfg.kv_cache_dim // BLOCK * BLOCK
         if n > most:
             n, why = most, f"{why}, cut to the {most} tokens a layer's 32-bit key offsets address"

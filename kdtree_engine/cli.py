@@ -1,4 +1,5 @@
-"""``kdtree`` command line: generate | serve | golden make / check | selfcheck | bench (docs/cli.md is the reference).
+"""``kdtree`` command line: generate | serve | quantize | golden make / check | selfcheck | bench (docs/cli.md is the
+reference).
 
 Exit codes (:mod:`kdtree_engine.exit_codes`): 0 success; 1 a check found a mismatch; 2 bad input (missing or
 unreadable model, bad flag value, prompt too long, corrupt bundle, a GPU benchmark without a GPU), printed as one
@@ -21,14 +22,15 @@ from typing import Callable, NoReturn, Sequence
 import torch
 
 from .bench_spec import add_bench_spec_parser
+from .convert import quantize_checkpoint
 from .engine import DEMO_DIR, LLM
-from .errors import BadInput
-from .exit_codes import BAD_INPUT_ERRORS, EXIT_BAD_INPUT
+from .errors import BadInput, RankFailure
+from .exit_codes import BAD_INPUT_ERRORS, EXIT_BAD_INPUT, EXIT_RANK_FAILED
 from .golden import add_golden_parser
 from .golden import main as golden_main
 from .sampling import SamplingParams
 from .show_tree import add_show_tree_argument, render_last_round
-from .speculative.decode import GenerationResult, generate
+from .speculative.decode import GenerationResult
 
 log = logging.getLogger("kdtree_engine")
 
@@ -79,7 +81,8 @@ class Parser(argparse.ArgumentParser):
 
 # API messages name arguments as ``name=value`` (kdtree_engine.engine, speculative.config); the CLI shows them
 # as its flags, ``--name value``.
-ARG_FLAGS = ("spec", "draft", "budget", "device", "dtype", "quantize", "threads", "cache_tokens", "memory_fraction")
+ARG_FLAGS = ("spec", "draft", "budget", "device", "dtype", "quantize", "threads", "tp", "cache_tokens",
+             "memory_fraction")
 FLAG_OF_ARG = {"cache_tokens": "cache-tokens", "memory_fraction": "gpu-memory-fraction"}  # where the names differ
 ARG_IN_MESSAGE = re.compile(r"\b(" + "|".join(ARG_FLAGS) + r")=(?:'([^']*)'|([^\s,;:()]+))")
 
@@ -102,7 +105,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                    help="default: bfloat16 on cuda, float32 on cpu")
     p.add_argument("--quantize", choices=["none", "w4a16"], default="none",
-                   help="w4a16: quantize the routed experts of a dense checkpoint while loading")
+                   help="w4a16: quantize the routed experts of a BF16 or FP8 checkpoint while loading")
     p.add_argument("--draft", default=None, help="DFlash drafter directory")
     p.add_argument("--spec", choices=["none", "dflash", "ddtree"], default=None,
                    help="decoding strategy (default: ddtree with --draft, else none)")
@@ -127,6 +130,18 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=_positive("--threads"), default=None,
                    help="torch CPU threads (default: chosen by the model's size on the CPU, logged; one for the "
                         "demo)")
+    p.add_argument("--tp", type=_positive("--tp"), default=1,
+                   help="ranks of tensor + expert parallelism, one process per device (docs/parallel.md); this "
+                        "process is rank 0, the others are started and stopped with it")
+
+
+def llm_kwargs(args: argparse.Namespace, eager: bool) -> dict:
+    """The engine's arguments from the flags of :func:`add_model_arguments` (``eager``: host-driven rounds); every
+    rank of ``--tp`` builds the same engine from them."""
+    return dict(model=args.model, draft=args.draft, spec=args.spec, budget=args.budget, device=args.device,
+                dtype=args.dtype, quantize=args.quantize, batch_invariant=args.batch_invariant == "on",
+                eager=True if eager else None, threads=args.threads if args.threads is not None else "auto",
+                tp=args.tp, cache_tokens=args.cache_tokens, memory_fraction=args.gpu_memory_fraction)
 
 
 def load_llm(args: argparse.Namespace, eager: bool) -> LLM:
@@ -135,10 +150,7 @@ def load_llm(args: argparse.Namespace, eager: bool) -> LLM:
         raise BadInput(f"no --model given and the embedded demo model is missing ({DEMO_DIR})")
     if args.model is not None and not Path(args.model).is_dir():
         raise BadInput(f"--model {args.model!r} is not a directory")
-    return LLM(args.model, draft=args.draft, spec=args.spec, budget=args.budget, device=args.device,
-               dtype=args.dtype, quantize=args.quantize, batch_invariant=args.batch_invariant == "on", progress=True,
-               eager=True if eager else None, threads=args.threads if args.threads is not None else "auto",
-               cache_tokens=args.cache_tokens, memory_fraction=args.gpu_memory_fraction)
+    return LLM(**llm_kwargs(args, eager), progress=True)
 
 
 def add_generate_parser(sub: argparse._SubParsersAction) -> None:
@@ -168,6 +180,9 @@ COMPARE_RUNS = 3  # timed runs of each decoding for --compare, interleaved (the 
 def cmd_generate(args: argparse.Namespace) -> int:
     if (args.prompt is None) == (args.prompt_ids is None):
         raise BadInput("give exactly one of PROMPT or --prompt-ids")
+    if args.show_tree and args.tp > 1:
+        raise BadInput("--show-tree is not available with --tp > 1 (the display reads the draft logits of the whole "
+                       "vocabulary, which no rank holds)")
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
     compare = args.model is None if args.compare is None else args.compare
@@ -212,7 +227,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def plain_decode(llm: LLM, ids: list[int], params: SamplingParams) -> GenerationResult:
     """Plain decoding of the request on the loaded target: the reference of ``--compare``."""
-    return generate(llm.target, ids, params, eager=llm.eager)
+    return llm.run(ids, params, plain=True)
 
 
 def compare_with_plain(llm: LLM, ids: list[int], params: SamplingParams,
@@ -307,6 +322,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise BadInput(f"--port must be in 0..65535, got {args.port}")
     if args.api_key == "":
         raise BadInput("--api-key is empty")
+    if args.tp > 1:   # a request ended by the server (stop string, client gone) must end on every rank in one round
+        raise BadInput("--tp > 1 is not served yet: the ranks would have to agree each round on a request the "
+                       "server ends early; `kdtree generate --tp N` runs on several ranks")
     name = args.served_model_name or ("demo" if args.model is None else Path(args.model).resolve().name)
     # the HTTP stack (fastapi, uvicorn, pydantic) is imported by this command alone: the others start without it
     from .serve.app import ServeSettings
@@ -366,6 +384,21 @@ def cmd_source_bench(name: str, argv: list[str]) -> int:
     return int(importlib.import_module(f"bench.{name}").main(argv) or 0)
 
 
+def add_quantize_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("quantize", help="write the INT4 (W4A16, compressed-tensors) checkpoint of a BF16 or FP8 one")
+    p.add_argument("--model", required=True, help="source checkpoint directory (BF16 / FP16 or FP8 block-quantized)")
+    p.add_argument("--out", required=True, help="output directory (new or empty)")
+    p.add_argument("--group-size", type=int, choices=[32, 64, 128], default=32,
+                   help="INT4 group size of the routed experts (default 32, as the K2 releases)")
+    p.set_defaults(func=cmd_quantize)
+
+
+def cmd_quantize(args: argparse.Namespace) -> int:
+    out = quantize_checkpoint(args.model, args.out, group_size=args.group_size, progress=True)
+    print(f"wrote {out} (routed experts W4A16, group {args.group_size})")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="kdtree", description="Kimi K2 inference with DFlash + DDTree speculative decoding")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -375,6 +408,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_golden_parser(sub)
     add_selfcheck_parser(sub)
     add_bench_parser(sub)
+    add_quantize_parser(sub)
     return parser
 
 
@@ -400,6 +434,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BAD_INPUT_ERRORS as e:
         print(error_line(e), file=sys.stderr)
         return EXIT_BAD_INPUT
+    except RankFailure as e:
+        print(error_line(e), file=sys.stderr)
+        return EXIT_RANK_FAILED
 
 
 if __name__ == "__main__":

@@ -379,7 +379,21 @@ def _k2_tiny() -> ModelConfig:
     )
 
 
-PRESETS = {"k2": _k2, "k2-tiny": _k2_tiny}
+def _moonlight_16b() -> ModelConfig:
+    """moonshotai/Moonlight-16B-A3B (its config.json): the DeepSeek-V3 architecture at 2048 hidden, 27 layers (the
+    first dense), 64 routed experts top-6 + 2 shared, no query LoRA, no rope scaling, Kimi's vocabulary; BF16."""
+    return ModelConfig(
+        vocab_size=163840, hidden_size=2048, num_hidden_layers=27, num_attention_heads=16,
+        intermediate_size=11264, moe_intermediate_size=1408, n_shared_experts=2, n_routed_experts=64,
+        routed_scaling_factor=2.446, kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64,
+        v_head_dim=128, qk_nope_head_dim=128, n_group=1, topk_group=1, num_experts_per_tok=6,
+        first_k_dense_replace=1, norm_topk_prob=True, max_position_embeddings=8192,
+        rms_norm_eps=1e-5, rope_theta=50000.0, rope_scaling=None,
+        bos_token_id=163584, eos_token_ids=(163586,),
+    )
+
+
+PRESETS = {"k2": _k2, "k2-tiny": _k2_tiny, "moonlight-16b": _moonlight_16b}
 
 
 def preset(name: str) -> ModelConfig:

@@ -12,27 +12,37 @@ Errors name the call's arguments (``spec``, ``draft``, ``budget``, ``device``, .
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Mapping, Sequence
 
 import torch
 
 from .config import ModelConfig
-from .errors import BadInput, PromptError
+from .errors import BadInput, PromptError, RankFailure
+from .exit_codes import BAD_INPUT_ERRORS
 from .kernels.dispatch import log_choices, prepare_int4
 from .kernels.policy import KernelPolicy
 from .logs import log_once
 from .model.dflash import DFlashDrafter
-from .model.target import Target
-from .quant import QuantError, k2_quantization_config, parse_quantization_config
+from .model.target import Target, row_parallel_groups
+from .parallel.broadcast import Request, recv_request, send_request, send_stop
+from .parallel.comm import SINGLE, Communicator
+from .parallel.group import leave, rank_device
+from .parallel.launch import collective_error, start_ranks
+from .parallel.memory import log_load
+from .parallel.shard import check_divisible
+from .fp8 import dequantized_stream
+from .quant import Fp8Scheme, QuantError, k2_quantization_config, parse_quantization_config
 from .sampling import SamplingParams
 from .speculative.config import SpecConfig
-from .speculative.decode import GenerationResult, OnTokens, generate, resolve_spec
+from .speculative.decode import GenerationResult, OnTokens, check_prompt, generate, resolve_spec
 from .tokenizer import TextTokenizer
 from .tokenizer import load_tokenizer as load_text_tokenizer
-from .weights import iter_checkpoint
+from .weights import checkpoint_scheme, iter_checkpoint
 
 log = logging.getLogger("kdtree_engine")
 
@@ -96,36 +106,57 @@ def resolve_threads(threads: int | str | None, n_params: int, device: torch.devi
 
 
 def load_target(path: str | Path, *, device: torch.device, dtype: torch.dtype,
-                quantize: str | None = None, progress: bool = True, policy: KernelPolicy | None = None) -> Target:
+                quantize: str | None = None, progress: bool = True, policy: KernelPolicy | None = None,
+                comm: Communicator = SINGLE) -> Target:
     """Load an HF-format K2-family checkpoint directory, streaming shard by shard. ``policy``: the kernel
-    policy (None: the environment's)."""
+    policy (None: the environment's). ``comm``: the tensor-parallel group; each rank reads only its parts
+    (parallel/shard.py), rank 0 shows the progress."""
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"model directory {str(path)!r} does not exist")
     cfg = ModelConfig.from_pretrained(path)
-    scheme = parse_quantization_config(cfg.quantization)
+    scheme = checkpoint = checkpoint_scheme(path, cfg)
     on_load = False
     if quantize not in (None, "none", "w4a16"):
         raise BadInput(f"quantize={quantize!r} must be 'none' or 'w4a16'")
+    tp = comm.world_size > 1
+    if tp and isinstance(checkpoint, Fp8Scheme):
+        raise BadInput(f"{path}: FP8 block-quantized checkpoints are not sharded yet (tp={comm.world_size}); "
+                       "run them with tp=1")
     if quantize == "w4a16":
-        if scheme is not None:
+        if isinstance(checkpoint, Fp8Scheme):
+            log.info("dequantizing the FP8 checkpoint while loading (linears other than the routed experts "
+                     f"in {str(dtype).removeprefix('torch.')})")
+        elif checkpoint is not None:
             raise QuantError(f"{path}: the checkpoint is already quantized; drop quantize='w4a16'")
         scheme = parse_quantization_config(k2_quantization_config(32))
         on_load = True
         log.info("quantizing routed experts to W4A16 (group 32) while loading")
-    target = Target(cfg, dtype=dtype, device=device, quant=scheme, quantize_on_load=on_load, policy=policy)
-    for name, tensor in iter_checkpoint(path, cfg, progress=progress):
+    target = Target(cfg, dtype=dtype, device=device, quant=scheme, quantize_on_load=on_load, policy=policy,
+                    comm=comm)
+    t0, read = time.perf_counter(), 0
+    stream = iter_checkpoint(path, cfg, progress=progress and comm.rank == 0, scheme=checkpoint,
+                             select=target.shard_index if tp else None)
+    if on_load and isinstance(checkpoint, Fp8Scheme):
+        # FP8 weights dequantized (float32, on the device) as they stream in; the routed experts are then
+        # quantized from those values, the other linears kept dense in the model dtype
+        stream = dequantized_stream(stream, checkpoint.block, torch.float32, device)
+    for name, tensor in stream:
+        read += tensor.nbytes
         target.load_tensor(name, tensor)
     target.finish_loading()
+    if tp:
+        log_load(comm, str(path), target, read, time.perf_counter() - t0, device)
     prepare_int4(target, dtype)   # INT4 words in the order of their kernels, before any capture
     return target
 
 
 def target_from_weights(cfg: ModelConfig, weights: Mapping[str, torch.Tensor], *, device: torch.device | str,
-                        dtype: torch.dtype) -> Target:
-    """Build a target from canonical-name tensors (e.g. a golden bundle); INT4 per cfg.quantization."""
+                        dtype: torch.dtype, comm: Communicator = SINGLE) -> Target:
+    """Build a target from canonical-name tensors (e.g. a golden bundle); INT4 per cfg.quantization. ``comm``:
+    the tensor-parallel group (this rank keeps its parts of the tensors)."""
     scheme = parse_quantization_config(cfg.quantization)
-    target = Target(cfg, dtype=dtype, device=device, quant=scheme)
+    target = Target(cfg, dtype=dtype, device=device, quant=scheme, comm=comm)
     return target.load_weights(weights.items())
 
 
@@ -146,6 +177,11 @@ def load_drafter(path: str | Path, target: Target):
                                          policy=target.policy)
 
 
+def serve_rank(comm: Communicator, args: dict) -> None:
+    """A spawned rank > 0: build the engine's shard and follow rank 0's requests."""
+    LLM(**args, comm=comm).serve()
+
+
 def load_tokenizer(path: str | Path) -> TextTokenizer | None:
     """The directory's tokenizer (tokenizer.json or Kimi's tiktoken.model), or None when there is none."""
     return load_text_tokenizer(path)
@@ -163,18 +199,24 @@ class LLM:
     def __init__(self, model: str | Path | None = None, *, draft: str | Path | None = None,
                  spec: str | SpecConfig | None = None, budget: int | str | None = None, device: str | None = None,
                  dtype: str | torch.dtype | None = None, quantize: str | None = None, batch_invariant: bool = True,
-                 progress: bool = True, eager: bool | None = None, threads: int | str | None = None,
-                 cache_tokens: int | None = None, memory_fraction: float | None = None) -> None:
+                 progress: bool = True, eager: bool | None = None, threads: int | str | None = None, tp: int = 1,
+                 comm: Communicator | None = None, cache_tokens: int | None = None,
+                 memory_fraction: float | None = None) -> None:
         """``model``: a checkpoint directory, or None / ``"demo"`` for the embedded demo (its drafter and budget
         16 unless ``draft`` / ``budget`` say otherwise). ``spec``: none | dflash | ddtree; None = ddtree with a
         drafter, else none. ``eager``: True = rounds driven from the host; False = each round replayed from a CUDA
         graph (CUDA, a fixed budget); None = graphs where they apply (see ``speculative.decode.pick_round_mode``).
         ``batch_invariant`` and the ``KDTREE_*_BACKEND`` variables make the kernel policy of target and drafter.
         ``threads``: torch's CPU threads (process-wide): an int, ``"auto"`` (by the model's size on the CPU, as
-        the CLI does) or None (torch's setting is left alone); see :func:`resolve_threads`. ``cache_tokens`` /
+        the CLI does) or None (torch's setting is left alone); see :func:`resolve_threads`. ``tp``: ranks of tensor +
+        expert parallelism (docs/parallel.md): this process is rank 0 and spawns ranks 1..tp-1 (or joins the group
+        torchrun started); ``comm``: the group of a rank > 0 (parallel/launch.py passes it). ``cache_tokens`` /
         ``memory_fraction``: the size of the target's latent cache pool, made once after the weights, in tokens or
         as a fraction of the free device memory (default: 0.9 of it on CUDA, 2 x max_position_embeddings on the
-        CPU; logged with the maximum context; see kdtree_engine/cache.py)."""
+        CPU; the least over the ranks under tp; logged with the maximum context; see kdtree_engine/cache.py)."""
+        args = dict(model=model, draft=draft, spec=spec, budget=budget, device=device, dtype=dtype, quantize=quantize,
+                    batch_invariant=batch_invariant, progress=False, eager=eager, threads=threads, tp=tp,
+                    cache_tokens=cache_tokens, memory_fraction=memory_fraction)
         demo = model is None or str(model) == DEMO
         if demo:
             if not (DEMO_DIR / "config.json").exists():
@@ -190,8 +232,11 @@ class LLM:
         self.eager = eager
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
+        self.comm, self.workers = SINGLE, None
+        if tp != 1 or comm is not None:
+            self._join(tp, comm, spec_config, Path(model), args)
         self.target = load_target(model, device=self.device, dtype=self.dtype, quantize=quantize, progress=progress,
-                                  policy=self.policy)
+                                  policy=self.policy, comm=self.comm)
         self.drafter = None if draft is None else load_drafter(draft, self.target)
         self.target.init_cache_pool(tokens=cache_tokens, fraction=memory_fraction)  # after the drafter's weights
         self.spec = resolve_spec(spec_config, self.drafter, None)
@@ -212,6 +257,70 @@ class LLM:
                  str(self.dtype).replace("torch.", ""), spec_text,
                  "" if self.drafter is None else f" (drafter {draft})",
                  f", {thread_text}" if self.device.type == "cpu" else "")
+
+    def _join(self, tp: int, comm: Communicator | None, spec: SpecConfig, model: Path, args: dict) -> None:
+        """Become a rank of a ``tp``-rank engine (rank 0: spawn or join the others; a worker: ``comm``). What the
+        ranks would refuse is refused here first: the budget, the model directory, sizes that do not divide."""
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise BadInput(f"tp={tp!r} must be a positive integer")
+        if spec.budget == "auto":
+            raise BadInput("budget='auto' times each round on the host, which differs between ranks: give a fixed "
+                           "budget with tp > 1")
+        if not model.is_dir():
+            raise FileNotFoundError(f"model directory {str(model)!r} does not exist")
+        cfg = ModelConfig.from_pretrained(model)
+        check_divisible(cfg, tp, row_parallel_groups(cfg, parse_quantization_config(cfg.quantization)))
+        if comm is None:
+            self.comm, self.workers, self.device = start_ranks(tp, self.device, serve_rank, (args,))
+            atexit.register(self.close)
+        else:
+            self.comm = comm
+            self.device = rank_device(self.device, int(os.environ.get("LOCAL_RANK", comm.rank)))
+
+    def run(self, ids: list[int], params: SamplingParams, *, plain: bool = False,
+            on_tokens: OnTokens | None = None) -> GenerationResult:
+        """One request of token ids (``plain``: plain decoding whatever ``spec``). Tensor parallel: rank 0 sends it
+        to the other ranks first, then every rank runs it."""
+        if self.comm.world_size == 1:
+            return self._decode(ids, params, plain, on_tokens)
+        check_prompt(self.target, ids)   # a request the ranks would refuse is refused before it is sent
+        try:
+            params = send_request(self.comm, Request(ids, params, plain), self.device).params
+            return self._decode(ids, params, plain, on_tokens)
+        except RuntimeError as e:
+            if self.workers is not None:
+                self.workers.report_dead()   # a worker died: its one line, and this process ends
+            if not collective_error(e):
+                raise
+            raise RankFailure(f"a tensor-parallel collective failed ({str(e).splitlines()[0]})") from None
+
+    def _decode(self, ids: list[int], params: SamplingParams, plain: bool,
+                on_tokens: OnTokens | None) -> GenerationResult:
+        return generate(self.target, ids, params, spec="none" if plain else self.spec,
+                        drafter=None if plain else self.drafter, on_tokens=on_tokens, eager=self.eager)
+
+    def serve(self) -> None:
+        """A rank > 0: run rank 0's requests until it stops."""
+        while (req := recv_request(self.comm, self.device)) is not None:
+            try:
+                self._decode(req.prompt_ids, req.params, req.plain, None)
+            except BAD_INPUT_ERRORS:
+                continue   # rank 0 meets the same error and reports it
+
+    def close(self) -> None:
+        """Rank 0 of a tensor-parallel engine: stop the other ranks and leave the group (idempotent)."""
+        if self.comm.world_size == 1 or self.comm.rank != 0:
+            return
+        comm, self.comm = self.comm, SINGLE
+        if self.workers is not None:
+            self.workers.closing = True
+        try:
+            send_stop(comm, self.device)
+        except RuntimeError as e:   # a peer is gone already: nothing left to stop
+            log.warning("tensor-parallel ranks not stopped cleanly: %s", str(e).splitlines()[0])
+        if self.workers is not None:
+            self.workers.close()
+        leave()
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -234,8 +343,7 @@ class LLM:
         batch = [prompts] if single else list(prompts)
         results = []
         for p in batch:
-            res = generate(self.target, self.encode(p), params, spec=self.spec, drafter=self.drafter,
-                           on_tokens=on_tokens, eager=self.eager)
+            res = self.run(self.encode(p), params, on_tokens=on_tokens)
             res.text = self.decode(res.token_ids)
             results.append(res)
         return results

@@ -52,6 +52,10 @@ class DraftConfigError(ConfigError):
 
 
 
+class RankFailure(RuntimeError):
+    """A rank of a tensor-parallel engine died or a collective failed (timed out, a peer gone)."""
+
+
 class BadInput(Exception):
     """Input the user can fix (a flag, a path, a prompt): the commands print it without a traceback, exit 2."""
 

@@ -15,10 +15,9 @@ import sys
 import time
 from typing import Any, Sequence
 
-import numpy as np
 import torch
 
-from .bundle import QUANT_MODES, Bundle, load_bundle, make_bundle, save_bundle
+from .bundle import QUANT_MODES, Bundle, engine_tensors, load_bundle, make_bundle, save_bundle
 from .config import PRESETS, preset
 from .engine import greedy_from_weights
 from .errors import BundleError, ConfigError
@@ -45,7 +44,8 @@ def _add_commands(parser: argparse.ArgumentParser) -> None:
     mk.add_argument("--seed", type=int, default=0, help="seed of the weights and the prompt")
     mk.add_argument("--tokens", type=int, default=64, help="number of golden tokens")
     mk.add_argument("--prompt-len", type=int, default=8, help="prompt length in tokens")
-    mk.add_argument("--quant", choices=QUANT_MODES, default="none", help="store routed experts as W4A16")
+    mk.add_argument("--quant", choices=QUANT_MODES, default="none",
+                    help="w4a16: routed experts INT4; fp8: every linear but lm_head FP8 block-quantized (32 x 32)")
     mk.add_argument("--group-size", type=int, default=32, help="W4A16 group size")
     mk.add_argument("--out", required=True, help="output .safetensors path")
     mk.set_defaults(func=cmd_make)
@@ -94,8 +94,7 @@ def compare(golden: Sequence[int], got: Sequence[int]) -> tuple[bool, str]:
 def run_engine(bundle: Bundle, device: str, dtype_name: str) -> list[int]:
     """The engine's greedy tokens for the bundle's prompt (torch model, not the reference)."""
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype_name]
-    weights = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in bundle.weights.items()}
-    return greedy_from_weights(bundle.cfg, weights, [int(t) for t in bundle.prompt_ids],
+    return greedy_from_weights(bundle.cfg, engine_tensors(bundle), [int(t) for t in bundle.prompt_ids],
                                len(bundle.golden_tokens), device=device, dtype=dtype)
 
 

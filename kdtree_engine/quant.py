@@ -19,6 +19,7 @@ from typing import Any, Mapping
 
 import torch
 from .errors import QuantError
+from .fp8 import Fp8Block
 
 PACK = 8  # int4 values per int32
 QMIN, QMAX = -8, 7  # signed int4 range; stored as u = q + 8
@@ -192,19 +193,23 @@ def _check_weights(path: str, w: Any) -> int:
     return int(g)
 
 
-def parse_quantization_config(d: Mapping[str, Any] | None) -> QuantScheme | None:
-    """A checkpoint's ``quantization_config`` -> :class:`QuantScheme` (None for an unquantized model).
+def parse_quantization_config(d: Mapping[str, Any] | None) -> QuantScheme | Fp8Scheme | None:
+    """A checkpoint's ``quantization_config`` -> :class:`QuantScheme` / :class:`Fp8Scheme` (None for an
+    unquantized model).
 
     Accepts compressed-tensors ``pack-quantized`` W4A16 (symmetric int4, group 32/64/128, no
-    act-order, no activation quantization); anything else raises :class:`QuantError` naming the field.
+    act-order, no activation quantization) and the FP8 block format (:func:`parse_fp8_config`); anything
+    else raises :class:`QuantError` naming the field.
     """
     if d is None:
         return None
     if not isinstance(d, Mapping):
         raise QuantError(f"quantization_config must be an object, got {type(d).__name__}")
     method = d.get("quant_method")
+    if method == "fp8":
+        return parse_fp8_config(d)
     if method != "compressed-tensors":
-        raise _refuse("quant_method", method, "only 'compressed-tensors'")
+        raise _refuse("quant_method", method, "only 'compressed-tensors' or 'fp8'")
     fmt = d.get("format")
     if fmt != "pack-quantized":
         raise _refuse("format", fmt, "only 'pack-quantized'")
@@ -251,6 +256,85 @@ def parse_quantization_config(d: Mapping[str, Any] | None) -> QuantScheme | None
                 raise _refuse("ignore", pat, f"bad regex: {e}") from None
     assert group_size is not None
     return QuantScheme(group_size=group_size, targets=tuple(dict.fromkeys(targets)), ignore=tuple(ignore))
+
+
+# ---- FP8 block format (fp8.py) ---------------------------------------------------------------------
+
+FP8_FIELDS = frozenset({"quant_method", "fmt", "activation_scheme", "weight_block_size", "ignored_layers",
+                        "modules_to_not_convert", "dequantize"})
+
+
+@dataclass(frozen=True)
+class Fp8Scheme:
+    """FP8 block-quantized linears (fp8.py): every linear but ``lm_head`` and the ``ignore`` list.
+
+    ``group_size`` is the :class:`Fp8Block` the model's Linear / Experts take in place of an INT4 group
+    (model/target.py ``group_of``); ``ignore`` entries match a module name exactly, as a ``re:`` regex, or
+    as a prefix of it (``model.layers.3`` keeps that whole layer in BF16, as transformers' list does).
+    """
+
+    block: Fp8Block
+    ignore: tuple[str, ...] = ()
+
+    @property
+    def group_size(self) -> Fp8Block:
+        return self.block
+
+    def keeping_dense(self, modules: tuple[str, ...]) -> "Fp8Scheme":
+        """This scheme with ``modules`` (names matched exactly) unquantized too: the linears a checkpoint stores
+        without a scale (weights.unscaled_linears)."""
+        return Fp8Scheme(block=self.block, ignore=tuple(dict.fromkeys(self.ignore + modules)))
+
+    def is_quantized(self, module_name: str) -> bool:
+        names = module_name_variants(module_name)
+        if any(strip_module_prefix(n) == "lm_head" for n in names):
+            return False
+        for pat in self.ignore:
+            for n in names:
+                if _matches(n, pat, linear=True) or (not pat.startswith("re:") and n.startswith(pat + ".")):
+                    return False
+        return True
+
+
+def parse_fp8_config(d: Mapping[str, Any]) -> Fp8Scheme:
+    """``{"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [bn, bk]}``
+    (plus an optional ``ignored_layers`` / ``modules_to_not_convert`` list) -> :class:`Fp8Scheme`; every other
+    value or field raises :class:`QuantError` naming it."""
+    unknown = sorted(set(d) - FP8_FIELDS)
+    if unknown:
+        raise _refuse(unknown[0], d[unknown[0]], "not a field of the fp8 block format that quant_method 'fp8' names")
+    if d.get("fmt", "e4m3") != "e4m3":
+        raise _refuse("fmt", d.get("fmt"), "only 'e4m3' (float8_e4m3fn weights)")
+    if d.get("activation_scheme", "dynamic") != "dynamic":
+        raise _refuse("activation_scheme", d.get("activation_scheme"),
+                      "only 'dynamic' (static activation scales are not read)")
+    if d.get("dequantize", False) not in (False, None):
+        raise _refuse("dequantize", d.get("dequantize"), "the checkpoint must hold the FP8 weights")
+    blk = d.get("weight_block_size")
+    if (not isinstance(blk, (list, tuple)) or len(blk) != 2
+            or any(isinstance(v, bool) or not isinstance(v, int) or v <= 0 for v in blk)):
+        raise _refuse("weight_block_size", blk, "need two positive integers [rows, columns]")
+    if any(v % 16 for v in blk):
+        raise _refuse("weight_block_size", list(blk), "each side must be a multiple of 16 (the kernels' tiles)")
+    ignore: list[str] = []
+    for field in ("ignored_layers", "modules_to_not_convert"):
+        lst = d.get(field) or []
+        if not isinstance(lst, (list, tuple)) or not all(isinstance(x, str) for x in lst):
+            raise _refuse(field, lst, "need a list of module names")
+        for pat in lst:
+            if pat.startswith("re:"):
+                try:
+                    re.compile(pat[3:])
+                except re.error as e:
+                    raise _refuse(field, pat, f"bad regex: {e}") from None
+        ignore.extend(lst)
+    return Fp8Scheme(block=Fp8Block(int(blk[0]), int(blk[1])), ignore=tuple(dict.fromkeys(ignore)))
+
+
+def fp8_quantization_config(block: tuple[int, int] = (128, 128)) -> dict[str, Any]:
+    """The ``quantization_config`` of the DeepSeek-V3 / Kimi-K2-Instruct FP8 releases."""
+    return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+            "weight_block_size": list(block)}
 
 
 def k2_quantization_config(group_size: int = 32) -> dict[str, Any]:

@@ -4,7 +4,9 @@ The one place where a distribution over the vocabulary is formed from logits. Th
 speculative decoding samples the target through :func:`sample` at every tree node, so plain decoding
 and speculative decoding share the same rule and, for greedy, the same tie-breaking (lowest id).
 The drafter's top-k log-probs (:func:`topk_logprobs`) are formed here too. ``policy``: the model's kernel
-policy (``target.policy``), which picks the row kernels (kernels/dispatch.py).
+policy (``target.policy``), which picks the row kernels (kernels/dispatch.py). ``vocab``: the target's
+vocabulary slice when it is tensor parallel (``target.vocab``; the logits are then that slice, parallel/vocab.py
+reduces across the ranks); None (one device) runs the code below unchanged.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 from .errors import SamplingError
 from .kernels.dispatch import draft_topk, row_argmax
 from .kernels.policy import KernelPolicy
+from .parallel.vocab import VocabShard, rule_probs_shard, vocab_argmax, vocab_race, vocab_topk_logprobs
 
 
 @dataclass(frozen=True)
@@ -69,19 +72,26 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
     return g
 
 
-def greedy(logits: torch.Tensor, *, policy: KernelPolicy) -> torch.Tensor:
+def greedy(logits: torch.Tensor, *, policy: KernelPolicy, vocab: VocabShard | None = None) -> torch.Tensor:
     """Argmax over the last axis; ties go to the lowest token id.  [..., V] -> [...]"""
+    if vocab is not None:
+        return vocab_argmax(policy, vocab, logits)
     # torch.argmax returns the first maximal index on every backend (documented); on CUDA the dispatch's
     # one-program-per-row kernel returns the same index
     return row_argmax(policy, logits)
 
 
-def topk_logprobs(logits: torch.Tensor, k: int, *, policy: KernelPolicy) -> tuple[torch.Tensor, torch.Tensor]:
+def topk_logprobs(logits: torch.Tensor, k: int, *, policy: KernelPolicy,
+                  vocab: VocabShard | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-position top-k log-probabilities of raw drafter logits (no temperature).
 
     logits [L, V] -> (lp [L, k] float32, descending; ids [L, k] long), k capped at V. The kernel choice is
     the dispatch's (kernels/dispatch.py draft_topk); kernels/reference.py topk_logprobs_torch is the torch path.
+    Tensor parallel (``vocab``): the ranks' candidates merged in a fixed order, ties to the lowest id, so every
+    rank builds the same tree.
     """
+    if vocab is not None:
+        return vocab_topk_logprobs(vocab, logits, k)
     return draft_topk(policy, logits, k)
 
 
@@ -120,14 +130,31 @@ def rule_probs(logits: torch.Tensor, temperature: float | torch.Tensor, top_k: i
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None, *,
-           policy: KernelPolicy) -> torch.Tensor:
+           policy: KernelPolicy, vocab: VocabShard | None = None) -> torch.Tensor:
     """One token per row: logits [V] -> LongTensor [] ; [T, V] -> LongTensor [T]. No host sync."""
     if params.greedy:
-        return greedy(logits, policy=policy)
+        return greedy(logits, policy=policy, vocab=vocab)
+    if vocab is not None:
+        return sample_shard(logits, params, generator, vocab)
     probs = probs_from_logits(logits, params, policy=policy)
     flat = probs.reshape(-1, probs.shape[-1])  # [R, V]
     tok = torch.multinomial(flat, 1, generator=generator).squeeze(-1)  # [R]
     return tok.reshape(probs.shape[:-1])
+
+
+def sample_shard(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+                 vocab: VocabShard) -> torch.Tensor:
+    """:func:`sample` from this rank's vocabulary slice [..., V / N]: the rule's probabilities over the whole
+    vocabulary (parallel/vocab.py), then the exponential race with noise drawn for the WHOLE vocabulary from
+    ``generator``, which every rank seeds alike, so every rank picks the same token. torch.multinomial draws
+    one sample by this race with the same noise, so the tokens are those of one device up to the rounding of
+    the softmax normaliser."""
+    flat = logits.reshape(-1, logits.shape[-1])  # [R, V / N]
+    probs = rule_probs_shard(vocab, flat, float(params.temperature), params.top_k,
+                             float(params.top_p) if params.top_p < 1.0 else None)
+    noise = torch.empty(flat.shape[0], vocab.total, dtype=torch.float32, device=flat.device)
+    tok = vocab_race(vocab, probs, noise.exponential_(generator=generator))  # [R]
+    return tok.reshape(logits.shape[:-1])
 
 
 def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
@@ -139,3 +166,12 @@ def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     written into the same buffer each time.
     """
     return torch.argmax(probs / noise.clamp_min(1e-30), dim=-1)  # E = 0 (u = 0) must not give 0 / 0
+
+
+def race_rule(logits: torch.Tensor, temperature: float | torch.Tensor, top_k: int, top_p: float | torch.Tensor | None,
+              noise: torch.Tensor, vocab: VocabShard | None = None) -> torch.Tensor:
+    """The rule's pick per row by the race with the given noise [..., V] (no random number drawn here; see
+    :func:`race`); ``vocab``: this rank's vocabulary slice of the logits (the noise covers the whole vocabulary)."""
+    if vocab is None:
+        return race(rule_probs(logits, temperature, top_k, top_p), noise)
+    return vocab_race(vocab, rule_probs_shard(vocab, logits, temperature, top_k, top_p), noise)

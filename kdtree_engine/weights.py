@@ -15,7 +15,8 @@ Yield. (canonical name, CPU tensor in the file's dtype), in file order (shards s
 tensors in header order), so consumers must not assume any order. Dense tensors end in ``.weight``
 (router bias: ``.e_score_correction_bias``); INT4 linears yield ``.weight_packed`` int32 [N, K/8]
 and ``.weight_scale`` [N, K/g] (g = ``quant_scheme(cfg).group_size``), never ``.weight_shape``
-(checked, then dropped). A tied model may omit ``lm_head.weight``.
+(checked, then dropped); FP8 block-quantized linears (quant.py ``Fp8Scheme``) yield ``.weight`` float8_e4m3fn
+[N, K] and ``.weight_scale_inv`` float32 [ceil(N/bn), ceil(K/bk)]. A tied model may omit ``lm_head.weight``.
 """
 
 from __future__ import annotations
@@ -35,8 +36,11 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from .errors import WeightsError
+from .logs import log_once
 from .config import ModelConfig
-from .quant import QuantScheme, parse_quantization_config
+from .fp8 import FP8_DTYPE, SCALE_DTYPE
+from .parallel.shard import WHOLE, IndexFn, sliced_shape
+from .quant import Fp8Scheme, QuantScheme, parse_quantization_config
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -44,6 +48,8 @@ INDEX_FILE = "model.safetensors.index.json"
 FLOAT_DTYPES = frozenset({torch.bfloat16, torch.float16, torch.float32})
 PACKED_DTYPES = frozenset({torch.int32})
 SHAPE_DTYPES = frozenset({torch.int32, torch.int64})
+FP8_DTYPES = frozenset({FP8_DTYPE})
+FP8_SCALE_DTYPES = frozenset({SCALE_DTYPE})
 
 # Prefixes of the text model in each layout; lm_head sits outside ``model.``.
 LAYOUTS: dict[str, tuple[str, str]] = {
@@ -107,8 +113,8 @@ def raw_name(canonical: str, layout: str = "k2") -> str:
     return model_prefix + canonical
 
 
-def quant_scheme(cfg: ModelConfig) -> QuantScheme | None:
-    """The config's W4A16 scheme (None when the checkpoint is not quantized); QuantError if unsupported."""
+def quant_scheme(cfg: ModelConfig) -> QuantScheme | Fp8Scheme | None:
+    """The config's W4A16 or FP8 scheme (None when the checkpoint is not quantized); QuantError if unsupported."""
     return parse_quantization_config(cfg.quantization)
 
 
@@ -145,11 +151,14 @@ def _swiglu(prefix: str, width: int, h: int) -> list[tuple[str, int, int]]:
 _NO_SCHEME: Any = object()
 
 
-def expected_tensors(cfg: ModelConfig, scheme: QuantScheme | None = _NO_SCHEME) -> dict[str, TensorSpec]:
+def expected_tensors(cfg: ModelConfig, scheme: QuantScheme | Fp8Scheme | None = _NO_SCHEME
+                     ) -> dict[str, TensorSpec]:
     """Canonical name -> :class:`TensorSpec` for every tensor of the text model.
 
     ``scheme`` defaults to the config's quantization_config; linears it marks INT4 expect
-    ``weight_packed`` int32 [N, K/8], ``weight_scale`` float [N, K/g], ``weight_shape`` int [2] = [N, K].
+    ``weight_packed`` int32 [N, K/8], ``weight_scale`` float [N, K/g], ``weight_shape`` int [2] = [N, K];
+    linears it marks FP8 expect ``weight`` float8_e4m3fn [N, K] and ``weight_scale_inv`` float32
+    [ceil(N/bn), ceil(K/bk)] (fp8.py).
     """
     if scheme is _NO_SCHEME:
         scheme = quant_scheme(cfg)
@@ -170,7 +179,10 @@ def expected_tensors(cfg: ModelConfig, scheme: QuantScheme | None = _NO_SCHEME) 
             specs[p + "mlp.gate.e_score_correction_bias"] = TensorSpec((cfg.n_routed_experts,), FLOAT_DTYPES)
     for module, n, k in linear_modules(cfg):
         optional = module == "lm_head" and cfg.tie_word_embeddings
-        if scheme is not None and scheme.is_quantized(module):
+        if isinstance(scheme, Fp8Scheme) and scheme.is_quantized(module):
+            specs[module + ".weight"] = TensorSpec((n, k), FP8_DTYPES, optional)
+            specs[module + ".weight_scale_inv"] = TensorSpec(scheme.block.scale_shape(n, k), FP8_SCALE_DTYPES, optional)
+        elif scheme is not None and scheme.is_quantized(module):
             g = scheme.group_size
             if k % g:
                 raise WeightsError(
@@ -192,7 +204,7 @@ def _dtype_str(d: torch.dtype | str) -> str:
 class _Checker:
     """Checks a stream of (raw name, shape, dtype) against the expected set; reports missing at the end."""
 
-    def __init__(self, cfg: ModelConfig, scheme: QuantScheme | None | Any = _NO_SCHEME) -> None:
+    def __init__(self, cfg: ModelConfig, scheme: QuantScheme | Fp8Scheme | None | Any = _NO_SCHEME) -> None:
         self.cfg = cfg
         self.specs = expected_tensors(cfg, scheme)
         self.seen: dict[str, tuple[str, str]] = {}  # canonical -> (raw name, file)
@@ -220,7 +232,11 @@ class _Checker:
             allowed = ", ".join(sorted(_dtype_str(d) for d in spec.dtypes))
             hint = ""
             if isinstance(dtype, torch.dtype) and dtype.is_floating_point and dtype.itemsize == 1:
-                hint = " (FP8 checkpoints are not supported; use a BF16 or INT4 W4A16 checkpoint)"
+                hint = (" (an FP8 weight where the quantization_config wants none: FP8 checkpoints need "
+                        "quantization_config.quant_method 'fp8' and this linear outside its ignore list)")
+            elif spec.dtypes == FP8_DTYPES:
+                hint = (" (the fp8 quantization_config makes this linear FP8; list it in ignored_layers to "
+                        "keep it unquantized)")
             raise WeightsError(f"{where}: tensor '{raw}' has dtype {_dtype_str(dtype)}, expected one of "
                                f"{allowed}{hint}")
         return canon
@@ -247,7 +263,7 @@ class _Checker:
     def _hint(self, canon: str) -> str:
         module, _, suffix = canon.rpartition(".")
         if suffix == "weight_scale_inv":
-            return "; an FP8 block scale: FP8 checkpoints are not supported"
+            return "; an FP8 block scale of a linear the quantization_config does not make FP8"
         if suffix == "weight" and module + ".weight_packed" in self.specs:
             return ("; the quantization_config makes this linear INT4 (expected weight_packed, "
                     "weight_scale, weight_shape)")
@@ -307,8 +323,9 @@ def _open(file: Path) -> Any:
         raise WeightsError(f"{file}: not a readable safetensors file ({e})") from None
 
 
-def _scan(files: list[tuple[Path, set[str] | None]], checker: _Checker) -> tuple[int, int]:
-    """Header pass over every file; returns (tensors to yield, their bytes)."""
+def _scan(files: list[tuple[Path, set[str] | None]], checker: _Checker,
+          select: IndexFn | None = None) -> tuple[int, int]:
+    """Header pass over every file; returns (tensors to yield, their bytes); ``select``: see iter_checkpoint."""
     count = nbytes = 0
     for file, listed in files:
         with _open(file) as f:
@@ -328,6 +345,11 @@ def _scan(files: list[tuple[Path, set[str] | None]], checker: _Checker) -> tuple
                 if canon.endswith(".weight_shape"):
                     checker.check_value(raw, canon, _get(f, raw, file), str(file))
                     continue
+                if select is not None:
+                    idx = select(canon, shape)
+                    if idx is None:
+                        continue
+                    shape = sliced_shape(shape, idx)
                 count += 1
                 n = 1
                 for s in shape:
@@ -344,17 +366,20 @@ def _get(f: Any, raw: str, file: Path) -> torch.Tensor:
 
 
 def iter_checkpoint(path: str | Path, cfg: ModelConfig, *, progress: bool = True,
-                    scheme: QuantScheme | None | Any = _NO_SCHEME) -> Iterator[tuple[str, torch.Tensor]]:
+                    scheme: QuantScheme | Fp8Scheme | None | Any = _NO_SCHEME,
+                    select: IndexFn | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Streams (canonical name, tensor) one tensor at a time, shard by shard, after a full strict check.
 
     Tensors come in the file's dtype, on the CPU. INT4 linears yield ``<module>.weight_packed``
     (int32 [N, K/8]) and ``<module>.weight_scale`` ([N, K/g]); their ``weight_shape`` is validated
     and not yielded. Skipped tensors (vision, rotary caches, MTP layers) are not yielded.
-    ``scheme`` overrides the config's quantization_config (default: the config's).
+    ``scheme`` overrides the config's quantization_config (default: the config's). ``select`` (a tensor-parallel
+    rank, parallel/shard.py): (canonical name, full shape) -> the index of the part to read, read alone from the
+    file (``get_slice``), or None to skip the tensor; the strict check still covers every tensor.
     """
     files = checkpoint_files(path)
     checker = _Checker(cfg, scheme)
-    count, nbytes = _scan(files, checker)
+    count, nbytes = _scan(files, checker, select)
     checker.finish(str(path))
     bar = tqdm(total=nbytes, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
                disable=not progress, desc="loading weights", dynamic_ncols=True)
@@ -366,7 +391,13 @@ def iter_checkpoint(path: str | Path, cfg: ModelConfig, *, progress: bool = True
                     canon = canonical_name(raw, cfg)
                     if canon is None or canon.endswith(".weight_shape"):
                         continue
-                    t = _get(f, raw, file)
+                    if select is None:
+                        t = _get(f, raw, file)
+                    else:
+                        idx = select(canon, tuple(f.get_slice(raw).get_shape()))
+                        if idx is None:
+                            continue
+                        t = _get(f, raw, file) if idx == WHOLE else read_slice(f, raw, idx, file)
                     bar.update(t.nbytes)
                     yielded += 1
                     yield canon, t
@@ -376,8 +407,48 @@ def iter_checkpoint(path: str | Path, cfg: ModelConfig, *, progress: bool = True
         raise WeightsError(f"{path}: read {yielded} tensors, the header pass found {count}")
 
 
+def read_slice(f: Any, raw: str, idx: tuple[slice, ...], file: Path) -> torch.Tensor:
+    """The part ``idx`` of a tensor, read from the file alone (not the whole tensor)."""
+    try:
+        return f.get_slice(raw)[idx]
+    except Exception as e:
+        raise WeightsError(f"{file}: cannot read tensor '{raw}' ({e})") from None
+
+
+def unscaled_linears(path: str | Path, cfg: ModelConfig) -> tuple[str, ...]:
+    """Linears (canonical module names) whose ``weight`` a checkpoint stores in a float dtype without a
+    ``weight_scale_inv``: an FP8 release keeps these unquantized (fp8.py). Reads the headers only."""
+    dense: set[str] = set()
+    scaled: set[str] = set()
+    for file, _ in checkpoint_files(path):
+        with _open(file) as f:
+            for raw in f.keys():
+                canon = canonical_name(raw, cfg)
+                if canon is None:
+                    continue
+                if canon.endswith(".weight_scale_inv"):
+                    scaled.add(canon[: -len(".weight_scale_inv")])
+                elif canon.endswith(".weight") and _ST_DTYPES.get(f.get_slice(raw).get_dtype()) in FLOAT_DTYPES:
+                    dense.add(canon[: -len(".weight")])
+    return tuple(m for m, _, _ in linear_modules(cfg) if m in dense and m not in scaled)
+
+
+def checkpoint_scheme(path: str | Path, cfg: ModelConfig) -> QuantScheme | Fp8Scheme | None:
+    """The quantization scheme a checkpoint is read with: its config's; for FP8, with the linears it stores
+    without a scale kept unquantized (logged once)."""
+    scheme = quant_scheme(cfg)
+    if not isinstance(scheme, Fp8Scheme):
+        return scheme
+    dense = unscaled_linears(path, cfg)
+    if dense:
+        shown = ", ".join(dense[:4]) + (f" and {len(dense) - 4} more" if len(dense) > 4 else "")
+        log_once(f"fp8-dense:{path}", f"FP8 checkpoint {path}: {len(dense)} linear(s) stored without "
+                 f"weight_scale_inv stay unquantized: {shown}")
+    return scheme.keeping_dense(dense)
+
+
 def load_checkpoint(path: str | Path, cfg: ModelConfig, *, progress: bool = False,
-                    scheme: QuantScheme | None | Any = _NO_SCHEME) -> dict[str, torch.Tensor]:
+                    scheme: QuantScheme | Fp8Scheme | None | Any = _NO_SCHEME) -> dict[str, torch.Tensor]:
     """All of :func:`iter_checkpoint` in one dict (small models and tests)."""
     return dict(iter_checkpoint(path, cfg, progress=progress, scheme=scheme))
 

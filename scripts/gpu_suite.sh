@@ -12,6 +12,10 @@
 #                  the W4A16 / MoE kernels
 #   kernel FAMILY  one kernel family's GPU tests and bench: w4a16 | moe | mla | gemm | router | tails
 #   quick          a first look: the small kernels' and the speculative GPU tests, a short demo spec bench
+#   formats        the BF16 / FP8 weight formats: their kernels' GPU tests, the fused MoE and W8A16 bench at K2
+#                  shapes (bench/moe_formats.py), Moonlight-16B's decoding and verify steps (bench/moonlight.py)
+#   k2             all 61 K2 layers as one rank of TP8 / EP8 holds them: whole rounds from one CUDA graph at 4K and
+#                  64K context, their byte roofline and a round's kernels (bench/k2_model.py)
 #
 # Every step runs under a cap (seconds); the caps of one suite (one part of `tests`) sum to at most 570 s, so a
 # suite fits one 10-minute device call. A capped pytest run gets SIGINT first, so it still writes its summary and
@@ -25,7 +29,7 @@ DRY=0
 if [[ ${1:-} == --dry-run ]]; then DRY=1; shift; fi
 SUITE=${1:-}
 ARG=${2:-}
-SUITES="tests [bitwise|rounds|kernels], bench, kernel {w4a16|moe|mla|gemm|router|tails}, quick"
+SUITES="tests [bitwise|rounds|kernels], bench, kernel {w4a16|moe|mla|gemm|router|tails}, quick, formats, k2"
 die() { echo "gpu_suite.sh: $*" >&2; exit 2; }
 
 PYT=(python3 -m pytest -m gpu -p no:cacheprovider -v -rf --durations=15)
@@ -65,7 +69,7 @@ tests_rounds() {  # device-resident and graph rounds, the speculative GPU tests,
 tests_kernels() {  # the layer kernels: W4A16 / MoE (Triton and fragment), attention, GEMM, router, tails
   pytest_step pytest-kernels-w4 300 tests/gpu/test_kernels_gpu.py tests/gpu/test_w4_frag_gpu.py
   pytest_step pytest-kernels-layers 270 tests/gpu/test_mla_attention_gpu.py tests/gpu/test_batch_invariance_gpu.py \
-    tests/gpu/test_router_gemm_gpu.py tests/gpu/test_fused_tails_gpu.py
+    tests/gpu/test_router_gemm_gpu.py tests/gpu/test_fused_tails_gpu.py tests/gpu/test_formats_gpu.py
 }
 
 # ---- one kernel family: its GPU tests, then its bench ----
@@ -113,6 +117,16 @@ quick() {
   spec_bench bench-spec-quick 150 "$RES/quick" --num-prompts 2 --max-tokens 64 --budgets 8,auto
 }
 
+formats() {  # the BF16 / FP8 formats (docs/formats.md): kernel tests, then the two benches the doc cites
+  pytest_step pytest-formats 220 tests/gpu/test_formats_gpu.py
+  step bench-moe-formats 150 python3 bench/moe_formats.py --out "$RES"
+  step bench-moonlight 200 python3 bench/moonlight.py --out "$RES"
+}
+
+k2() {  # the whole K2 model at one rank's size (the parallelism issue's table)
+  step bench-k2-model 400 python3 bench/k2_model.py --profile --out "$RES"
+}
+
 tests_all() {  # the files of every part in one run; timings are never asserted, so workers may share the GPU
   local files
   files=$(DRY=1; PYT=(python3 -m pytest); { tests_bitwise; tests_rounds; tests_kernels; } | sed -n 's/^== [^:]*: //p' \
@@ -129,7 +143,7 @@ run_suite() {
         bitwise | rounds | kernels) "tests_$ARG" ;;
         *) die "unknown tests part '$ARG' (parts: bitwise, rounds, kernels)" ;;
       esac ;;
-    bench | quick)
+    bench | quick | formats | k2)
       [[ -z $ARG ]] || die "suite '$SUITE' takes no argument (got '$ARG')"
       "$SUITE" ;;
     kernel)

@@ -2,11 +2,13 @@
 
 Tensor names are enumerated here independently of ``kdtree_engine.weights`` (from the HF layout
 described in the research notes), so comparing the two checks both. INT4 linears are packed by
-compressed-tensors itself, an independent implementation of the bit layout.
+compressed-tensors itself, an independent implementation of the bit layout; FP8 block linears by the numpy
+code at the end (``fp8_checkpoint``).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
@@ -90,3 +92,79 @@ def random_checkpoint_tensors(cfg: ModelConfig, seed: int, quantized: bool = Fal
         else:
             t[name + ".weight"] = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype)
     return t
+
+
+# ---- FP8 block format ----------------------------------------------------------------------------
+# Written from the published layout (weight float8_e4m3fn [N, K], weight_scale_inv float32
+# [ceil(N/bn), ceil(K/bk)], w = weight * scale_inv[n // bn, k // bk]), independently of kdtree_engine.fp8:
+# numpy block arithmetic, torch only for the e4m3 rounding of the cast.
+
+def fp8_config(cfg: ModelConfig, block: tuple[int, int] = (128, 128), ignored: tuple[str, ...] = ()) -> ModelConfig:
+    """``cfg`` with the DeepSeek-V3 / Kimi-K2-Instruct fp8 quantization_config (plus an ignore list)."""
+    q = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(block)}
+    if ignored:
+        q["ignored_layers"] = list(ignored)
+    return cfg.replace(quantization=q)
+
+
+def fp8_quantize_np(w: np.ndarray, bn: int, bk: int) -> tuple[torch.Tensor, np.ndarray]:
+    """w [N, K] -> (float8_e4m3fn [N, K], scale_inv float32 [ceil(N/bn), ceil(K/bk)]): absmax / 448 per block."""
+    n, k = w.shape
+    sn, sk = -(-n // bn), -(-k // bk)
+    scale = np.ones((sn, sk), dtype=np.float32)
+    for i in range(sn):
+        for j in range(sk):
+            amax = float(np.abs(w[i * bn:(i + 1) * bn, j * bk:(j + 1) * bk]).max())
+            if amax > 0:
+                scale[i, j] = np.float32(amax / 448.0)
+    q = w / fp8_scale_grid_np(scale, n, k, bn, bk)
+    return torch.from_numpy(np.clip(q, -448, 448).astype(np.float32)).to(torch.float8_e4m3fn), scale
+
+
+def fp8_scale_grid_np(scale: np.ndarray, n: int, k: int, bn: int, bk: int) -> np.ndarray:
+    """The [N, K] grid of scale[n // bn, k // bk]."""
+    rows = np.arange(n) // bn
+    cols = np.arange(k) // bk
+    return scale[rows[:, None], cols[None, :]]
+
+
+def fp8_dequantize_np(q: torch.Tensor, scale: np.ndarray, bn: int, bk: int) -> np.ndarray:
+    """float8_e4m3fn [N, K] and its block scales -> float32 [N, K]."""
+    n, k = q.shape
+    return (q.float().numpy() * fp8_scale_grid_np(np.asarray(scale, np.float32), n, k, bn, bk)).astype(np.float32)
+
+
+def fp8_checkpoint(cfg: ModelConfig, weights: dict[str, np.ndarray], block: tuple[int, int] = (128, 128),
+                   ignored: tuple[str, ...] = ()) -> tuple[dict[str, torch.Tensor], dict[str, np.ndarray]]:
+    """Dense canonical-name weights -> (the FP8 checkpoint's tensors: every linear but lm_head and the
+    ``ignored`` modules (canonical names) FP8 with its scale; the rest bf16 / float32 as given,
+    the dequantized float32 weights the oracles run on)."""
+    bn, bk = block
+    fp8_linears = {m for m in linear_shapes(cfg) if m != "lm_head" and m not in ignored}
+    tensors: dict[str, torch.Tensor] = {}
+    dense: dict[str, np.ndarray] = {}
+    for name, w in weights.items():
+        module = name[: -len(".weight")] if name.endswith(".weight") else None
+        if module in fp8_linears:
+            q, s = fp8_quantize_np(np.asarray(w, np.float32), bn, bk)
+            tensors[name] = q
+            tensors[module + ".weight_scale_inv"] = torch.from_numpy(s)
+            dense[name] = fp8_dequantize_np(q, s, bn, bk)
+        else:
+            tensors[name] = torch.from_numpy(np.ascontiguousarray(w))
+            dense[name] = np.asarray(w, np.float32)
+    return tensors, dense
+
+
+# ---- small test utilities ------------------------------------------------------------------------
+
+def new_seed() -> int:
+    """A fresh random seed, printed (pytest shows it with a failure)."""
+    seed = int(np.random.default_rng().integers(1 << 30))
+    print(f"seed={seed}")
+    return seed
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| in float64."""
+    return float((a.double() - b.double()).norm() / b.double().norm())

@@ -181,3 +181,70 @@ def test_attention_bench_candidates_are_valid_configs():
 
     lists = [mb.SWEEP, mb.DECODE_SWEEP, mb.CHUNK_SWEEP, mb.ROWS_SWEEP, mb.VSPLIT_SWEEP, mb.WIDE_SWEEP, mb.SMALL_SWEEP]
     assert all(isinstance(c, MLAConfig) for cs in lists for c in cs) and all(lists)
+
+
+# ---- the weight formats' benches (bench/moe_formats.py, bench/moonlight.py) at tiny sizes -------------------
+
+FORMATS_ARGS = ["--tiny", "--device", "cpu", "--tokens", "1,4", "--rows", "1,2", "--reps", "1"]
+
+
+def test_moe_formats_bench_runs(tmp_path):
+    from bench import moe_formats
+
+    rep = moe_formats.main([*FORMATS_ARGS, "--out", str(tmp_path)])
+    data = json.loads((tmp_path / "moe_formats-cpu.json").read_text())
+    check_run_metadata(data["meta"], shlex.join(["python3", "bench/moe_formats.py", *FORMATS_ARGS, "--out",
+                                                 str(tmp_path)]), (tmp_path / "moe_formats-cpu.md").read_text())
+    assert [(r["format"], r["T"]) for r in rep["moe"]] == [("float32", 1), ("float32", 4), ("fp8", 1), ("fp8", 4)]
+    k = rep["moe"][0]["touched_experts"]
+    for r in rep["moe"]:
+        assert finite(r["us"]) and finite(r["x_copy"]) and r["x_copy"] > 0 and r["backend"] == "torch"
+        assert k <= r["touched_experts"] <= 16
+    fp8 = {r["T"]: r["bytes"] / r["touched_experts"] for r in rep["moe"] if r["format"] == "fp8"}
+    dense = {r["T"]: r["bytes"] / r["touched_experts"] for r in rep["moe"] if r["format"] == "float32"}
+    assert all(fp8[t] < dense[t] / 3 for t in fp8)   # one byte a weight (plus scales) against four
+    assert {r["linear"] for r in rep["dense"]} >= {"q_a_proj", "kv_b_proj", "o_proj"}
+    for r in rep["dense"]:
+        for key in ("w8a16_us", "f_linear_us", "bi_gemm_us", "speedup_vs_f_linear", "x_copy"):
+            assert finite(r[key]) and r[key] > 0, key
+        assert 0 <= r["rel_err_vs_bf16"] < 1e-5   # float32 on the CPU: the same math
+
+
+MOONLIGHT_ARGS = ["--tiny", "--device", "cpu", "--nodes", "1,4", "--reps", "1"]
+
+
+def test_moonlight_bench_runs(tmp_path):
+    from bench import moonlight
+
+    rep = moonlight.main([*MOONLIGHT_ARGS, "--out", str(tmp_path)])
+    data = json.loads((tmp_path / "moonlight-cpu.json").read_text())
+    check_run_metadata(data["meta"], shlex.join(["python3", "bench/moonlight.py", *MOONLIGHT_ARGS, "--out",
+                                                 str(tmp_path)]), (tmp_path / "moonlight-cpu.md").read_text())
+    assert [(r["format"], r["T"], r["kind"]) for r in rep["steps"]] == [
+        ("bf16", 1, "decode"), ("bf16", 4, "verify"), ("int4", 1, "decode"), ("int4", 4, "verify")]
+    top_k = rep["config"]["num_experts_per_tok"]
+    for r in rep["steps"]:
+        for key in ("us", "bytes", "roofline_us", "x_roof"):
+            assert finite(r[key]) and r[key] > 0, key
+        assert top_k <= r["touched_experts_per_layer"] <= rep["config"]["n_routed_experts"]
+    b = {(r["format"], r["T"]): r["bytes"] for r in rep["steps"]}
+    assert b[("int4", 1)] < b[("bf16", 1)]   # INT4 experts read fewer bytes
+
+
+def test_moonlight_preset_is_the_published_config(tmp_path):
+    """The preset equals the engine's reading of Moonlight-16B-A3B's config.json (its fields as published)."""
+    from kdtree_engine.config import ModelConfig, preset
+
+    published = {
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "bos_token_id": 163584,
+        "eos_token_id": 163586, "first_k_dense_replace": 1, "hidden_act": "silu", "hidden_size": 2048,
+        "intermediate_size": 11264, "kv_lora_rank": 512, "max_position_embeddings": 8192,
+        "moe_intermediate_size": 1408, "moe_layer_freq": 1, "n_group": 1, "n_routed_experts": 64,
+        "n_shared_experts": 2, "norm_topk_prob": True, "num_attention_heads": 16, "num_experts_per_tok": 6,
+        "num_hidden_layers": 27, "num_key_value_heads": 16, "q_lora_rank": None, "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64, "rms_norm_eps": 1e-05, "rope_theta": 50000.0, "routed_scaling_factor": 2.446,
+        "scoring_func": "sigmoid", "tie_word_embeddings": False, "topk_group": 1, "topk_method": "noaux_tc",
+        "torch_dtype": "bfloat16", "v_head_dim": 128, "vocab_size": 163840,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(published))
+    assert ModelConfig.from_pretrained(tmp_path) == preset("moonlight-16b")

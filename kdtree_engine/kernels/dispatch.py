@@ -18,6 +18,15 @@
                  M = 1..256 of the K2 shapes, docs/performance_history.md); other CUDA cases: Triton
                  (kernels/w4a16.py). Every kernel keeps a row's reduction order independent of the number of
                  rows; each choice is logged once per shape with its reason.
+  W8A16 linear   (FP8 block-quantized weights, fp8.py) CPU: dequantize + float32 matmul
+                 (kernels/reference.py). CUDA, bf16 / fp16 activations: the Triton kernel (kernels/w8a16.py: the FP8
+                 tile converted in registers, tensor-core dot, the block scale applied per K tile; split along K
+                 from (N, K) only). KDTREE_INT4_BACKEND=torch|triton forces it, as for the INT4 weights.
+  grouped MoE    BF16 / FP16 and FP8 routed experts on CUDA: the fused grouped Triton kernels
+                 (kernels/moe_grouped.py: pairs sorted by expert, gate/up + SwiGLU in one launch, down with the
+                 routing weight in one, the top-k sum; no host read, so device-resident rounds use it too).
+                 CPU: the torch per-expert loop. BF16 experts follow KDTREE_DENSE_BACKEND, FP8 experts
+                 KDTREE_INT4_BACKEND.
   MLA attention  CUDA with batch invariance on: the Triton kernel (kernels/mla_attention.py, split-KV
                  flash decoding with split sizes fixed by position). Otherwise the torch reference
                  (kernels/reference.py), which is not batch-invariant on CUDA (cuBLAS batched GEMMs).
@@ -107,6 +116,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from ..fp8 import Fp8Block
 from ..logs import log, log_once
 from ..model.int4_order import CHECKPOINT, FRAG, checkpoint_int4, int4_words, order_of, set_order
 from ..quant import dequantize
@@ -117,7 +127,7 @@ from .loader import triton_kernels
 from .paged import gather_slots
 from .policy import KernelPolicy
 from .reference import (apply_rope, apply_rope_half, mla_attention_masked, mla_attention_reference, rms_norm_torch,
-                        route_torch, topk_logprobs_torch)
+                        route_torch, topk_logprobs_torch, w8a16_linear_reference)
 
 # kinds already warned about (a forced torch path on CUDA with batch invariance on): logging only
 _WARNED: set[str] = set()
@@ -400,6 +410,56 @@ def fused_moe_w4a16(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.
     chose "triton" (model/moe.py)."""
     return triton_kernels().moe_w4a16.fused_moe_w4a16(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids,
                                                       topk_weights, group_size, add=add)
+
+
+def quantized_forced(policy: KernelPolicy) -> str | None:
+    """The forced backend of the quantized-weight kernels (KDTREE_INT4_BACKEND: torch / triton; "frag" names
+    an INT4 family only)."""
+    return policy.int4 if policy.int4 in ("torch", "triton") else None
+
+
+def w8a16_backend(policy: KernelPolicy, x: torch.Tensor) -> str:
+    """FP8 block-quantized linears: the Triton W8A16 kernel on CUDA for bf16 / fp16 activations (fp32 ones run
+    the torch reference there, logged), torch on the CPU."""
+    backend = _backend("W8A16 (FP8 weights)", quantized_forced(policy), x.device)
+    if backend == "triton" and x.dtype == torch.float32 and not interpreting():
+        log_once(f"w8a16:fp32:{x.device.type}", "W8A16 with float32 activations: torch reference (the kernel "
+                 "takes bf16 / fp16)")
+        return "torch"
+    return backend
+
+
+def w8a16_matmul(policy: KernelPolicy, x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
+                 block: Fp8Block) -> torch.Tensor:
+    """x [M, K] @ the FP8 weight [N, K] with its block scales -> [M, N] in x's dtype."""
+    if w8a16_backend(policy, x) == "triton" and not training(x):
+        return triton_kernels().w8a16.w8a16_linear(x, weight, scale_inv, block)
+    return w8a16_linear_reference(x, weight, scale_inv, block)
+
+
+def grouped_moe_backend(policy: KernelPolicy, x: torch.Tensor, block: Fp8Block | None) -> str:
+    """BF16 / FP16 (block None) or FP8 routed experts: "triton" (the fused grouped kernels, kernels/moe_grouped.py)
+    or "torch" (model/moe.py's per-expert loop, or every expert in device-resident steps)."""
+    if block is None:
+        backend = _backend("grouped MoE (dense experts)", policy.dense, x.device)
+    else:
+        backend = _backend("grouped MoE (FP8 experts)", quantized_forced(policy), x.device)
+    if backend == "triton" and x.dtype == torch.float32 and not interpreting():
+        log_once(f"grouped-moe:fp32:{x.device.type}", "MoE with float32 activations: torch (the grouped kernel "
+                 "takes bf16 / fp16 on the GPU)")
+        return "torch"
+    return "torch" if backend == "triton" and training(x) else backend
+
+
+def fused_moe_grouped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
+                      topk_weights: torch.Tensor, *, add: torch.Tensor | None = None,
+                      w13_scale_inv: torch.Tensor | None = None, w2_scale_inv: torch.Tensor | None = None,
+                      block: Fp8Block | None = None) -> torch.Tensor:
+    """BF16 / FP16 or FP8 routed experts on the fused grouped kernels (kernels/moe_grouped.py), where
+    :func:`grouped_moe_backend` chose "triton" (model/moe.py)."""
+    return triton_kernels().moe_grouped.fused_moe_grouped(x, w13, w2, topk_ids, topk_weights, add=add,
+                                                          w13_scale_inv=w13_scale_inv, w2_scale_inv=w2_scale_inv,
+                                                          block=block)
 
 
 def attn_backend(policy: KernelPolicy, device: torch.device) -> str:

@@ -33,6 +33,7 @@ class TritonKernels:
     head_norm_rope: ModuleType
     mla_attention: ModuleType
     moe_frag: ModuleType
+    moe_grouped: ModuleType
     moe_w4a16: ModuleType
     pdl: ModuleType
     rmsnorm: ModuleType
@@ -45,6 +46,7 @@ class TritonKernels:
     tree_ops: ModuleType
     w4_frag: ModuleType
     w4a16: ModuleType
+    w8a16: ModuleType
 
 
 @functools.cache
@@ -59,13 +61,14 @@ def triton_kernels() -> TritonKernels:
             raise
         raise TritonMissing("triton is not installed, and the Triton kernels chosen for this run need it (CUDA, or "
                             f"a KDTREE_*_BACKEND=triton): {INSTALL_HINT}") from e
-    from . import (accept_walk, draft_attention, gemm, head_norm_rope, mla_attention, moe_frag, moe_w4a16, pdl,
-                   rmsnorm, rope, router, router_gemm, row_select, split_sum, swiglu, tree_ops, w4_frag, w4a16)
+    from . import (accept_walk, draft_attention, gemm, head_norm_rope, mla_attention, moe_frag, moe_grouped, moe_w4a16,
+                   pdl, rmsnorm, rope, router, router_gemm, row_select, split_sum, swiglu, tree_ops, w4_frag, w4a16,
+                   w8a16)
     return TritonKernels(accept_walk=accept_walk, draft_attention=draft_attention, gemm=gemm,
-                         head_norm_rope=head_norm_rope, mla_attention=mla_attention, moe_frag=moe_frag,
+                         head_norm_rope=head_norm_rope, mla_attention=mla_attention, moe_frag=moe_frag, moe_grouped=moe_grouped,
                          moe_w4a16=moe_w4a16, pdl=pdl, rmsnorm=rmsnorm, rope=rope, router=router,
                          router_gemm=router_gemm, row_select=row_select, split_sum=split_sum, swiglu=swiglu,
-                         tree_ops=tree_ops, w4_frag=w4_frag, w4a16=w4a16)
+                         tree_ops=tree_ops, w4_frag=w4_frag, w4a16=w4a16, w8a16=w8a16)
 
 
 __all__ = ["INSTALL_HINT", "TritonKernels", "TritonMissing", "triton_kernels"]

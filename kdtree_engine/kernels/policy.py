@@ -10,6 +10,7 @@ from ..env import BACKENDS, INT4_BACKENDS, read_env
 from ..logs import log_once
 
 SHARED_PLACEMENTS = ("before", "after", "side", "router-side")
+TP_SUMS = ("gather", "all_reduce")
 
 
 @dataclass(frozen=True)
@@ -18,7 +19,9 @@ class KernelPolicy:
     (True, the default) or the fastest ones (False: cuBLAS matmuls, torch norm and attention).
     int4 / dense / attn / tree: a forced backend (None: the automatic choice; see kernels/dispatch.py).
     shared_placement: a forced CUDA placement of the MoE's shared expert, for tests that compare the
-    placements (None, the product's only value: by its weight bytes and the tokens)."""
+    placements (None, the product's only value: by its weight bytes and the tokens).
+    tp_sum: the cross-rank sum of a tensor-parallel model (parallel/comm.py tp_sum): "gather" (all-gather, then
+    a rank-order sum: batch-invariant) or "all_reduce"; None: gather with batch invariance on, else all_reduce."""
 
     batch_invariant: bool = True
     int4: str | None = None
@@ -26,12 +29,14 @@ class KernelPolicy:
     attn: str | None = None
     tree: str | None = None
     shared_placement: str | None = None
+    tp_sum: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.batch_invariant, bool):
             raise TypeError(f"KernelPolicy.batch_invariant must be a bool, got {self.batch_invariant!r}")
         for name, allowed in (("int4", INT4_BACKENDS), ("dense", BACKENDS), ("attn", BACKENDS),
-                              ("tree", BACKENDS), ("shared_placement", SHARED_PLACEMENTS)):
+                              ("tree", BACKENDS), ("shared_placement", SHARED_PLACEMENTS),
+                              ("tp_sum", TP_SUMS)):
             value = getattr(self, name)
             if value is not None and value not in allowed:
                 raise ValueError(f"KernelPolicy.{name} must be one of {', '.join(allowed)} or None, got {value!r}")

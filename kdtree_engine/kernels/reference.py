@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..config import ModelConfig
+from ..fp8 import Fp8Block, dequantize_fp8
 
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -118,3 +119,10 @@ def topk_logprobs_torch(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, tor
     vals, ids = torch.topk(x, k, dim=-1)  # [L, k]
     lp = vals - torch.logsumexp(x, dim=-1, keepdim=True)
     return lp, ids
+
+
+def w8a16_linear_reference(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
+                           block: Fp8Block) -> torch.Tensor:
+    """FP8 block-quantized linear in torch (the CPU path and the oracle of kernels/w8a16.py): dequantize to
+    float32 (fp8.py), x.float() @ w.T, rounded to x's dtype. x [M, K] -> [M, N]."""
+    return (x.float() @ dequantize_fp8(weight, scale_inv, block).T).to(x.dtype)

@@ -13,8 +13,9 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig, yarn_mscale
+from ..fp8 import FP8_DTYPE, SCALE_DTYPE, Fp8Block, dequantize_fp8
 from ..kernels.common import take_rows
-from ..kernels.dispatch import add_rms_norm, dense_matmul, int4_prepare, rms_norm, silu_mul, w4a16_matmul
+from ..kernels.dispatch import add_rms_norm, dense_matmul, int4_prepare, rms_norm, silu_mul, w4a16_matmul, w8a16_matmul
 from ..kernels.policy import KernelPolicy, policy_or_env
 from ..kernels.layouts import frag_unsupported
 from ..logs import log_once
@@ -22,7 +23,8 @@ from ..quant import dequantize
 from .int4_order import checkpoint_int4
 
 Parallel = Literal["column", "row", "replicated"]
-GroupOf = Callable[[str], "int | None"]  # leaf module name -> INT4 group size, or None for dense
+# leaf module name -> INT4 group size, the FP8 block (fp8.py), or None for dense
+GroupOf = Callable[[str], "int | Fp8Block | None"]
 
 
 def dense_only(_: str) -> None:
@@ -50,23 +52,30 @@ class RMSNorm(nn.Module):
 
 
 class Linear(nn.Module):
-    """A weight of shape [out, in]: dense ``weight`` or INT4 ``weight_packed`` + ``weight_scale``.
+    """A weight of shape [out, in]: dense ``weight``, INT4 ``weight_packed`` + ``weight_scale``, or FP8
+    ``weight`` (float8_e4m3fn) + ``weight_scale_inv`` (float32 per block; ``group_size`` an :class:`Fp8Block`).
 
-    ``parallel`` records how the weight would be split under tensor parallelism (column: by output,
-    row: by input) so the seams are in place; this engine runs it unsplit. ``policy``: the model's kernel
-    policy (None: the environment's).
+    ``parallel`` records how the weight is split under tensor parallelism (column: by output, row: by input);
+    a tensor-parallel model builds each rank's Linear at its local size (parallel/shard.py cuts the checkpoint
+    to it). ``policy``: the model's kernel policy (None: the environment's).
     """
 
     def __init__(self, in_features: int, out_features: int, *, parallel: Parallel = "replicated",
-                 group_size: int | None = None, dtype: torch.dtype = torch.float32,
+                 group_size: int | Fp8Block | None = None, dtype: torch.dtype = torch.float32,
                  policy: KernelPolicy | None = None) -> None:
         super().__init__()
         self.policy = policy_or_env(policy)
         self.in_features = in_features
         self.out_features = out_features
         self.parallel = parallel
-        self.group_size = group_size
-        if group_size is None:
+        self.fp8_block = group_size if isinstance(group_size, Fp8Block) else None
+        self.group_size = None if self.fp8_block is not None else group_size
+        if self.fp8_block is not None:
+            self.dense_dtype = dtype   # of the dequantized weight (dense_weight)
+            self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8_DTYPE), requires_grad=False)
+            self.register_buffer("weight_scale_inv", torch.ones(
+                self.fp8_block.scale_shape(out_features, in_features), dtype=SCALE_DTYPE))
+        elif group_size is None:
             self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
         else:
             if in_features % group_size or in_features % 8:
@@ -76,10 +85,17 @@ class Linear(nn.Module):
 
     @property
     def quantized(self) -> bool:
-        return self.group_size is not None
+        return self.group_size is not None or self.fp8_block is not None
+
+    @property
+    def device(self) -> torch.device:
+        """Where the weight lives (without dequantizing it)."""
+        return (self.weight if self.group_size is None else self.weight_packed).device
 
     def dense_weight(self) -> torch.Tensor:
-        """The weight as a dense [out, in] tensor (dequantized if INT4)."""
+        """The weight as a dense [out, in] tensor (dequantized if INT4 or FP8; FP8 to the model dtype)."""
+        if self.fp8_block is not None:
+            return dequantize_fp8(self.weight, self.weight_scale_inv, self.fp8_block, self.dense_dtype)
         if self.group_size is None:
             return self.weight
         return dequantize(*checkpoint_int4(self, "weight_packed"), self.group_size)
@@ -93,7 +109,8 @@ class Linear(nn.Module):
         return linear(x, self)
 
     def extra_repr(self) -> str:
-        fmt = "dense" if self.group_size is None else f"w4a16 g{self.group_size}"
+        fmt = (str(self.fp8_block) if self.fp8_block is not None else "dense" if self.group_size is None
+               else f"w4a16 g{self.group_size}")
         return f"{self.in_features} -> {self.out_features}, {fmt}, {self.parallel}"
 
 
@@ -101,7 +118,9 @@ def linear(x: torch.Tensor, layer: Linear) -> torch.Tensor:
     """The single dispatch point for weight matmuls. x: [..., in] -> [..., out]."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
-    if layer.group_size is None:
+    if layer.fp8_block is not None:
+        out = w8a16_matmul(layer.policy, x2, layer.weight, layer.weight_scale_inv, layer.fp8_block)
+    elif layer.group_size is None:
         out = dense_matmul(layer.policy, x2, layer.weight)
     else:
         out = w4a16_matmul(layer.policy, x2, layer)
@@ -160,12 +179,14 @@ def _aliases(lin: Linear, parts: tuple[Linear, ...]) -> bool:
 
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)). Used by dense layers and the shared expert; dense gate and up
-    run as one GEMM (:func:`stacked_linear`)."""
+    run as one GEMM (:func:`stacked_linear`). ``parts`` > 1: this rank's share of a tensor-parallel MLP (inter /
+    parts of the intermediate width; the output is a partial sum over the ranks)."""
 
     def __init__(self, hidden: int, inter: int, *, dtype: torch.dtype, group_of: GroupOf = dense_only,
-                 policy: KernelPolicy | None = None) -> None:
+                 policy: KernelPolicy | None = None, parts: int = 1) -> None:
         super().__init__()
         self.policy = policy = policy_or_env(policy)
+        inter //= parts
         self.gate_proj = Linear(hidden, inter, parallel="column", group_size=group_of("gate_proj"), dtype=dtype,
                                 policy=policy)
         self.up_proj = Linear(hidden, inter, parallel="column", group_size=group_of("up_proj"), dtype=dtype,

@@ -25,11 +25,12 @@ from .layers import GroupOf, Linear, RMSNorm, dense_only, stacked_linear, stacke
 
 class MLA(nn.Module):
     def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype, group_of: GroupOf = dense_only,
-                 policy: KernelPolicy | None = None) -> None:
+                 policy: KernelPolicy | None = None, parts: int = 1) -> None:
         super().__init__()
         self.cfg = cfg
         self.policy = policy = policy_or_env(policy)
-        self.n_heads = cfg.num_attention_heads  # per rank under TP (one place to split)
+        # parts > 1: this rank's heads of a tensor-parallel model; the output (o_proj) is a partial sum over ranks
+        self.n_heads = cfg.num_attention_heads // parts
         N, P, R, V, C = self.n_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
         H = cfg.hidden_size
         lin = dict(dtype=dtype, policy=policy)
@@ -49,7 +50,7 @@ class MLA(nn.Module):
 
     def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """W_UK [N, P, C] and W_UV [N, V, C] split from kv_b_proj (built once after loading)."""
-        if self._absorbed is None or self._absorbed[0].device != self.kv_b_proj.dense_weight().device:
+        if self._absorbed is None or self._absorbed[0].device != self.kv_b_proj.device:
             cfg = self.cfg
             w = self.kv_b_proj.dense_weight().view(self.n_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
             self._absorbed = (w[:, : cfg.qk_nope_head_dim].contiguous(), w[:, cfg.qk_nope_head_dim:].contiguous())

@@ -3,7 +3,9 @@ and the shared expert.
 
 Routed experts are stacked per layer: w13 [E, 2I, H] (rows 0..I-1 gate_proj, I..2I-1 up_proj) and
 w2 [E, H, I]; INT4 experts keep the checkpoint layout stacked the same way (``*_packed`` int32
-[E, N, K/8], ``*_scale`` [E, N, K/g]).
+[E, N, K/8], ``*_scale`` [E, N, K/g]); FP8 experts (fp8.py) keep w13 / w2 in float8_e4m3fn with their block
+scales ``w13_scale_inv`` [E, 2 ceil(I/bn), ceil(H/bk)] (gate's row blocks, then up's) and ``w2_scale_inv``
+[E, ceil(H/bn), ceil(I/bk)].
 """
 
 from __future__ import annotations
@@ -13,14 +15,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from ..fp8 import FP8_DTYPE, SCALE_DTYPE, Fp8Block, dequantize_fp8
 from ..kernels.bf16x3 import split_bf16x3
-from ..kernels.dispatch import (dense_matmul, fused_moe_frag, fused_moe_w4a16, int4_prepare, route, router_matmul,
-                                shared_placement)
+from ..kernels.dispatch import (dense_matmul, fused_moe_frag, fused_moe_grouped, fused_moe_w4a16, grouped_moe_backend,
+                                int4_prepare, route, router_matmul, shared_placement)
 from ..kernels.layouts import ENGINE_ORDER, frag_moe_unsupported
 from ..kernels.policy import KernelPolicy, policy_or_env
 from ..kernels.streams import side_by_side
 from ..logs import log_once
 from ..quant import dequantize
+from ..parallel.experts import owned_routes
 from .int4_order import checkpoint_int4
 from .layers import MLP, GroupOf, dense_only
 
@@ -66,14 +70,28 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype, group_size: int | None,
-                 policy: KernelPolicy | None = None) -> None:
+    """The routed experts of a layer. ``group_size``: the INT4 group, the FP8 block (:class:`Fp8Block`) or None (dense
+    experts); ``owned`` (expert parallel): the global ids of the experts this rank holds (None: all of them, no
+    remapping)."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype, group_size: int | Fp8Block | None,
+                 policy: KernelPolicy | None = None, owned: range | None = None) -> None:
         super().__init__()
         self.policy = policy_or_env(policy)
-        E, H, I = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        E, H, I = cfg.n_routed_experts if owned is None else len(owned), cfg.hidden_size, cfg.moe_intermediate_size
+        self.owned = owned
         self.num_experts, self.hidden, self.inter = E, H, I
-        self.group_size = group_size
-        if group_size is None:
+        self.fp8_block = group_size if isinstance(group_size, Fp8Block) else None
+        self.group_size = None if self.fp8_block is not None else group_size
+        if self.fp8_block is not None:
+            b = self.fp8_block
+            self.dense_dtype = dtype   # the torch path's dequantized weights
+            gate_rows, hk = b.scale_shape(I, H)
+            self.w13 = nn.Parameter(torch.empty(E, 2 * I, H, dtype=FP8_DTYPE), requires_grad=False)
+            self.w2 = nn.Parameter(torch.empty(E, H, I, dtype=FP8_DTYPE), requires_grad=False)
+            self.register_buffer("w13_scale_inv", torch.ones(E, 2 * gate_rows, hk, dtype=SCALE_DTYPE))
+            self.register_buffer("w2_scale_inv", torch.ones(E, *b.scale_shape(H, I), dtype=SCALE_DTYPE))
+        elif group_size is None:
             self.w13 = nn.Parameter(torch.zeros(E, 2 * I, H, dtype=dtype), requires_grad=False)
             self.w2 = nn.Parameter(torch.zeros(E, H, I, dtype=dtype), requires_grad=False)
         else:
@@ -85,6 +103,8 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                 add: torch.Tensor | None = None, host_reads: bool = True) -> torch.Tensor:
+        if self.owned is not None:
+            ids, weights = owned_routes(ids, weights, self.owned)
         return moe(x, ids, weights, self, add, host_reads)
 
     def reset_dense(self) -> None:
@@ -103,6 +123,10 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Expe
     (x's dtype: the shared expert's output) where given: the bits of `moe(...) + add` on every path (the GPU
     kernels add it in their top-k sum, saving a launch). host_reads False (a device-resident step): the torch
     path runs every expert instead of reading which ones are hit."""
+    if experts.group_size is None and grouped_moe_backend(experts.policy, x, experts.fp8_block) == "triton":
+        return fused_moe_grouped(x, experts.w13, experts.w2, ids, weights, add=add,
+                                 w13_scale_inv=scale_inv(experts, "w13"), w2_scale_inv=scale_inv(experts, "w2"),
+                                 block=experts.fp8_block)
     if experts.group_size is not None:
         kind = experts.int4_prepare(x.dtype)
         if kind == "frag":
@@ -121,7 +145,34 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Expe
     return out if add is None else out + add
 
 
+def scale_inv(experts: Experts, name: str) -> torch.Tensor | None:
+    """The FP8 block scales of ``name`` (w13 / w2), None for other experts."""
+    return getattr(experts, f"{name}_scale_inv") if experts.fp8_block is not None else None
+
+
+def fp8_dense_experts(experts: Experts, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert e's w13 / w2 dequantized to the model dtype (FP8 experts): gate's and up's scale rows are their
+    own row blocks, so each half is dequantized with its own grid."""
+    b, I, dt = experts.fp8_block, experts.inter, experts.dense_dtype
+    half = experts.w13_scale_inv.shape[1] // 2
+    w13, s13 = experts.w13[e], experts.w13_scale_inv[e]
+    gate = dequantize_fp8(w13[:I], s13[:half], b, dt)
+    up = dequantize_fp8(w13[I:], s13[half:], b, dt)
+    return torch.cat([gate, up]), dequantize_fp8(experts.w2[e], experts.w2_scale_inv[e], b, dt)
+
+
 def _expert_weights(experts: Experts, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if experts.fp8_block is not None:
+        # The torch path multiplies dense weights: on the CPU dequantize once (same values every call) and keep them.
+        if experts.w13.device.type != "cpu":
+            return fp8_dense_experts(experts, e)
+        dense = experts.__dict__.get("_dense_cpu")
+        if dense is None:
+            pairs = [fp8_dense_experts(experts, i) for i in range(experts.num_experts)]
+            dense = (torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs]))
+            experts.__dict__["_dense_cpu"] = dense
+            log_once("moe:cpu-dequant-fp8", "MoE on cpu: FP8 experts dequantized once and kept for the torch path")
+        return dense[0][e], dense[1][e]
     if experts.group_size is None:
         return experts.w13[e], experts.w2[e]
     if experts.w13_packed.device.type == "cpu":
@@ -140,11 +191,13 @@ def _expert_weights(experts: Experts, e: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 def moe_reference(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Experts) -> torch.Tensor:
-    """Loop over the experts that are hit; float32 accumulation of the weighted sum."""
+    """Loop over the experts that are hit (ids outside [0, E) are not); float32 accumulation of the weighted sum."""
     T, k = ids.shape
     out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
     flat = ids.reshape(-1)
     for e in torch.unique(flat).tolist():
+        if e < 0:   # a route served by another rank (parallel/experts.py)
+            continue
         pos = (flat == e).nonzero().squeeze(1)  # [n] indices into T*k
         tok = pos // k
         w13, w2 = _expert_weights(experts, e)
@@ -170,14 +223,19 @@ def moe_static(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, expert
 
 
 class MoE(nn.Module):
+    """``owned`` / ``parts`` (a tensor-parallel rank): the routed experts it holds and the share of the shared
+    expert's width; every rank routes all tokens, the output is then a partial sum over the ranks."""
+
     def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype, group_size: int | None,
-                 shared_group_of: GroupOf = dense_only, policy: KernelPolicy | None = None) -> None:
+                 shared_group_of: GroupOf = dense_only, policy: KernelPolicy | None = None,
+                 owned: range | None = None, parts: int = 1) -> None:
         super().__init__()
         self.policy = policy = policy_or_env(policy)
         self.gate = Router(cfg, policy=policy)
-        self.experts = Experts(cfg, dtype=dtype, group_size=group_size, policy=policy)
+        self.experts = Experts(cfg, dtype=dtype, group_size=group_size, policy=policy, owned=owned)
         self.shared_experts = (MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, dtype=dtype,
-                                   group_of=shared_group_of, policy=policy) if cfg.n_shared_experts > 0 else None)
+                                   group_of=shared_group_of, policy=policy, parts=parts)
+                               if cfg.n_shared_experts > 0 else None)
         self._shared_bytes: int | None = None   # the shared expert's weight bytes (its CUDA placement)
 
     def forward(self, x: torch.Tensor, host_reads: bool = True) -> torch.Tensor:

@@ -21,6 +21,9 @@ from ..kernels.common import take_rows
 from ..kernels.dispatch import attention_gather_index
 from .context import StepContext, static_visibility
 from ..kernels.policy import KernelPolicy, policy_or_env
+from ..parallel.comm import SINGLE, Communicator, tp_sum
+from ..parallel.shard import WHOLE, check_divisible, expert_of, expert_range, index_for, owned_slices
+from ..parallel.vocab import VocabShard, vocab_embed
 from ..quant import quantize
 from ..reference import random_weights
 from .int4_order import CHECKPOINT, set_order
@@ -30,7 +33,7 @@ from .moe import MoE
 from .prefill import (KEY_BLOCK, ChunkStep, PrefillOutput, choose_form, plan_chunks, resolve_chunk,
                       transient_bytes)
 
-_EXPERT = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.(weight|weight_packed|weight_scale)$")
+_EXPERT = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.(weight|weight_packed|weight_scale|weight_scale_inv)$")
 
 
 class QuantPolicy(Protocol):
@@ -40,6 +43,20 @@ class QuantPolicy(Protocol):
 
     def is_quantized(self, module_name: str) -> bool: ...
 
+
+
+def row_parallel_groups(cfg: ModelConfig, quant: QuantPolicy | None) -> dict[str, int | None]:
+    """INT4 group size (None: dense) of every row-parallel linear, by canonical module name."""
+    out: dict[str, int | None] = {}
+    for i in range(cfg.num_hidden_layers):
+        mods = [f"layers.{i}.self_attn.o_proj"]
+        if cfg.is_moe_layer(i):
+            mods += [f"layers.{i}.mlp.shared_experts.down_proj"] if cfg.n_shared_experts else []
+        else:
+            mods.append(f"layers.{i}.mlp.down_proj")
+        for m in mods:
+            out[m] = quant.group_size if quant is not None and quant.is_quantized(m) else None
+    return out
 
 
 @dataclass
@@ -57,13 +74,18 @@ def group_of(quant: QuantPolicy | None, prefix: str) -> GroupOf:
 
 
 class DecoderLayer(nn.Module):
+    """``comm``: the tensor-parallel group (world size 1: the whole layer on one device, no collective)."""
+
     def __init__(self, cfg: ModelConfig, idx: int, *, dtype: torch.dtype, quant: QuantPolicy | None,
-                 policy: KernelPolicy | None = None) -> None:
+                 policy: KernelPolicy | None = None, comm: Communicator = SINGLE) -> None:
         super().__init__()
         self.policy = policy = policy_or_env(policy)
+        self.comm = comm
+        N = comm.world_size
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, policy=policy)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, policy=policy)
-        self.self_attn = MLA(cfg, dtype=dtype, group_of=group_of(quant, f"layers.{idx}.self_attn"), policy=policy)
+        self.self_attn = MLA(cfg, dtype=dtype, group_of=group_of(quant, f"layers.{idx}.self_attn"), policy=policy,
+                             parts=N)
         if cfg.is_moe_layer(idx):
             experts = group_of(quant, f"layers.{idx}.mlp.experts.0")
             sizes = {experts(p) for p in ("gate_proj", "up_proj", "down_proj")}
@@ -72,31 +94,43 @@ class DecoderLayer(nn.Module):
             self.routed = True
             self.mlp: nn.Module = MoE(cfg, dtype=dtype, group_size=sizes.pop(),
                                       shared_group_of=group_of(quant, f"layers.{idx}.mlp.shared_experts"),
-                                      policy=policy)
+                                      policy=policy, parts=N,
+                                      owned=None if N == 1 else expert_range(cfg.n_routed_experts, comm.rank, N))
         else:
             self.routed = False
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype,
-                           group_of=group_of(quant, f"layers.{idx}.mlp"), policy=policy)
+                           group_of=group_of(quant, f"layers.{idx}.mlp"), policy=policy, parts=N)
 
     # The residual stream is carried as (h, pending): the MLP output of a layer is added by the next
     # layer's input norm (or the final norm), so every "add then norm" is one dispatch (one launch on CUDA).
+    # Tensor parallel: attention and the MLP / MoE (routed + shared) each give a partial sum over the ranks, summed
+    # before the norm that follows it (two sums a layer: a norm needs the whole stream, so they cannot merge).
     def forward(self, h: torch.Tensor, pending: torch.Tensor | None, ctx: StepContext, kv: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """h [T, H] + pending [T, H] (None: nothing pending) -> (h_in, h, mlp_out): h_in = h + pending is the
         stream entering this layer (the previous layer's output), h = h_in + attention, mlp_out pending.
         kv: this layer's latent cache [S_cap, C+R]."""
         h_in, x = self.input_layernorm.residual(h, pending)
-        h, x = self.post_attention_layernorm.residual(h_in, self.self_attn(x, ctx, kv))
-        return h_in, h, (self.mlp(x, host_reads=not ctx.device_resident) if self.routed else self.mlp(x))
+        h, x = self.post_attention_layernorm.residual(h_in, tp_sum(self.policy, self.comm, self.self_attn(x, ctx, kv)))
+        out = self.mlp(x, host_reads=not ctx.device_resident) if self.routed else self.mlp(x)
+        return h_in, h, tp_sum(self.policy, self.comm, out)
 
 
 class Target(nn.Module):
-    """``policy``: the kernel policy every layer runs with (None: the environment's, KernelPolicy.from_env)."""
+    """``policy``: the kernel policy every layer runs with (None: the environment's, KernelPolicy.from_env).
+    ``comm``: the tensor-parallel group this model is one rank of (parallel/; world size 1: the whole model, and
+    ``vocab_shard`` None); at world size N the logits are this rank's vocabulary slice (``vocab_shard``)."""
 
     def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                  quant: QuantPolicy | None = None, quantize_on_load: bool = False,
-                 policy: KernelPolicy | None = None) -> None:
+                 policy: KernelPolicy | None = None, comm: Communicator = SINGLE) -> None:
         super().__init__()
+        N = comm.world_size
+        if N > 1:
+            check_divisible(cfg, N, row_parallel_groups(cfg, quant))
+        self.comm = comm
+        V = cfg.vocab_size // N
+        self.vocab_shard = None if N == 1 else VocabShard(comm, comm.rank * V, V, cfg.vocab_size)
         self.cfg = cfg
         self.policy = policy = policy_or_env(policy)
         self.dtype = dtype
@@ -104,12 +138,12 @@ class Target(nn.Module):
         self.quant = quant
         self.quantize_on_load = quantize_on_load
         with self.device:
-            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+            self.embed_tokens = nn.Embedding(V, cfg.hidden_size, dtype=dtype)
             self.embed_tokens.weight.requires_grad_(False)
-            self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype=dtype, quant=quant, policy=policy)
+            self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype=dtype, quant=quant, policy=policy, comm=comm)
                                         for i in range(cfg.num_hidden_layers))
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, policy=policy)
-            self.lm_head_proj = Linear(cfg.hidden_size, cfg.vocab_size, parallel="column", dtype=dtype,
+            self.lm_head_proj = Linear(cfg.hidden_size, V, parallel="column", dtype=dtype,
                                        group_size=group_of(quant, "")("lm_head"), policy=policy)
             self.rope = Rope(cfg)
         # Norm weights follow the model dtype (HF multiplies in the activation dtype).
@@ -146,12 +180,30 @@ class Target(nn.Module):
                 names.add(n)
         for i, layer in enumerate(self.layers):
             if isinstance(layer.mlp, MoE):
-                suffixes = ("weight",) if layer.mlp.experts.group_size is None else ("weight_packed", "weight_scale")
-                for e in range(self.cfg.n_routed_experts):
+                ex = layer.mlp.experts
+                suffixes = (("weight", "weight_scale_inv") if ex.fp8_block is not None else
+                            ("weight",) if ex.group_size is None else ("weight_packed", "weight_scale"))
+                for e in self.owned_experts():
                     for p in ("gate", "up", "down"):
                         for s in suffixes:
                             names.add(f"layers.{i}.mlp.experts.{e}.{p}_proj.{s}")
         return names
+
+    def owned_experts(self) -> range:
+        """The global ids of the routed experts this rank holds (all of them at world size 1)."""
+        return expert_range(self.cfg.n_routed_experts, self.comm.rank, self.comm.world_size)
+
+    def shard_index(self, name: str, full: tuple[int, ...]) -> tuple[slice, ...] | None:
+        """The index of this rank's part of the checkpoint tensor ``name`` of shape ``full`` (parallel/shard.py),
+        None when another rank holds it (a routed expert)."""
+        if self.comm.world_size == 1:
+            return WHOLE
+        e = expert_of(name)
+        if e is not None:
+            return WHOLE if e in self.owned_experts() else None
+        if name.endswith(".weight_shape"):
+            return WHOLE
+        return index_for(name, tuple(self._slot(name).shape), full, self.comm.rank)
 
     @torch.no_grad()
     def load_tensor(self, name: str, tensor: torch.Tensor) -> None:
@@ -170,13 +222,25 @@ class Target(nn.Module):
         if layer >= len(self.layers) or not isinstance(self.layers[layer].mlp, MoE):
             raise LoadError(f"tensor '{name}': layer {layer} has no routed experts")
         ex = self.layers[layer].mlp.experts
-        if e >= ex.num_experts:
-            raise LoadError(f"tensor '{name}': expert {e} >= n_routed_experts {ex.num_experts}")
+        if e >= self.cfg.n_routed_experts:
+            raise LoadError(f"tensor '{name}': expert {e} >= n_routed_experts {self.cfg.n_routed_experts}")
+        if ex.owned is not None:
+            if e not in ex.owned:
+                raise LoadError(f"tensor '{name}': expert {e} belongs to another rank ({self.comm.describe()} "
+                                f"holds experts {ex.owned.start}..{ex.owned.stop - 1})")
+            e -= ex.owned.start
         if ex.group_size is not None:
             set_order(ex, CHECKPOINT)   # words land in checkpoint order
         I = ex.inter
         rows = slice(0, I) if proj == "gate" else slice(I, 2 * I) if proj == "up" else slice(None)
         base = "w2" if proj == "down" else "w13"
+        if kind == "weight_scale_inv":   # FP8 block scales: gate's row blocks, then up's (moe.py)
+            if ex.fp8_block is None:
+                raise LoadError(f"tensor '{name}': experts of layer {layer} are not FP8, found a block scale")
+            half = ex.w13_scale_inv.shape[1] // 2
+            blocks = slice(0, half) if proj == "gate" else slice(half, 2 * half) if proj == "up" else slice(None)
+            self._copy(name, getattr(ex, f"{base}_scale_inv")[e, blocks], tensor)
+            return
         if ex.group_size is None:
             if kind != "weight":
                 raise LoadError(f"tensor '{name}': experts of layer {layer} are dense, found an INT4 tensor")
@@ -199,8 +263,8 @@ class Target(nn.Module):
     def _copy(name: str, dst: torch.Tensor, src: torch.Tensor) -> None:
         if tuple(dst.shape) != tuple(src.shape):
             raise LoadError(f"tensor '{name}': expected shape {tuple(dst.shape)}, found {tuple(src.shape)}")
-        if dst.dtype == torch.int32 and src.dtype != torch.int32:
-            raise LoadError(f"tensor '{name}': expected dtype int32, found {src.dtype}")
+        if dst.dtype in (torch.int32, torch.float8_e4m3fn) and src.dtype != dst.dtype:
+            raise LoadError(f"tensor '{name}': expected dtype {dst.dtype}, found {src.dtype}")
         dst.copy_(src)
 
     def finish_loading(self) -> None:
@@ -220,6 +284,9 @@ class Target(nn.Module):
                 layer.mlp.gate.reset_parts()
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> "Target":
+        """Full (unsharded) tensors; a tensor-parallel rank keeps its parts (:meth:`shard_index`)."""
+        if self.comm.world_size > 1:
+            tensors = owned_slices(tensors, self.shard_index)
         for name, t in tensors:
             self.load_tensor(name, t)
         self.finish_loading()
@@ -227,9 +294,11 @@ class Target(nn.Module):
 
     @classmethod
     def random(cls, cfg: ModelConfig, seed: int = 0, *, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu", policy: KernelPolicy | None = None) -> "Target":
-        """A target with the well-conditioned random weights of the numpy reference generator."""
-        model = cls(cfg, dtype=dtype, device=device, policy=policy)
+               device: str | torch.device = "cpu", policy: KernelPolicy | None = None,
+               comm: Communicator = SINGLE) -> "Target":
+        """A target with the well-conditioned random weights of the numpy reference generator (``comm``: this
+        rank's part of them)."""
+        model = cls(cfg, dtype=dtype, device=device, policy=policy, comm=comm)
         return model.load_weights((k, torch.from_numpy(v)) for k, v in random_weights(cfg, seed).items())
 
     # ---- compute -----------------------------------------------------------------------------
@@ -239,9 +308,13 @@ class Target(nn.Module):
         or ``fraction`` of the free device memory (see cache.pool_tokens); logged with the maximum context."""
         if self.cache_pool is not None:
             raise ValueError("this target's latent cache pool is already made")
+        agree = None if self.comm.world_size == 1 else self._least_over_ranks
         self.cache_pool = CachePool.sized(self.cfg, dtype=self.dtype, device=self.device, tokens=tokens,
-                                          fraction=fraction, first_use=first_use)
+                                          fraction=fraction, first_use=first_use, agree=agree)
         return self.cache_pool
+
+    def _least_over_ranks(self, n: int) -> int:
+        return int(self.comm.all_gather(torch.tensor([n], device=self.device)).min())
 
     def pool(self) -> CachePool:
         """The cache pool (made on first use with the defaults for a target used without an LLM)."""
@@ -253,11 +326,13 @@ class Target(nn.Module):
         return LatentCache(self.pool(), max_tokens)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.vocab_shard is not None:  # each rank looks up its vocabulary slice, summed over the ranks
+            return vocab_embed(self.policy, self.vocab_shard, self.embed_tokens.weight, ids)  # [T, H]
         # take_rows, not the module's index_select: a drafter block is up to 16 ids (kernels/common.py)
         return take_rows(self.embed_tokens.weight, ids)  # [T, H]
 
     def lm_head(self, h: torch.Tensor) -> torch.Tensor:
-        return self.lm_head_proj(h).float()  # [T, V]
+        return self.lm_head_proj(h).float()  # [T, V] (tensor parallel: [T, V / N], this rank's vocab slice)
 
     def context(self, cache: LatentCache, T: int, positions: torch.Tensor | None = None,
                 tree_mask: torch.Tensor | None = None, start: torch.Tensor | None = None) -> StepContext:

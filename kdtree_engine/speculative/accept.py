@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels.policy import KernelPolicy
+from ..parallel.vocab import VocabShard
 from ..sampling import SamplingParams, sample
 from .tree import DraftTree
 
@@ -32,9 +33,10 @@ class AcceptResult:
 
 
 def target_picks(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None, *,
-                 policy: KernelPolicy) -> torch.Tensor:
-    """One target token per node: logits [N1, V] -> [N1] (argmax for greedy, else a sample)."""
-    return sample(logits, params, generator, policy=policy)
+                 policy: KernelPolicy, vocab: VocabShard | None = None) -> torch.Tensor:
+    """One target token per node: logits [N1, V] -> [N1] (argmax for greedy, else a sample); ``vocab``: the
+    target's vocabulary slice when tensor parallel (sampling.py)."""
+    return sample(logits, params, generator, policy=policy, vocab=vocab)
 
 
 def accept_path_mask(tree: DraftTree, picks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

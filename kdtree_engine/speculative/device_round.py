@@ -41,7 +41,7 @@ import torch
 from ..kernels.common import take_rows
 from ..kernels.dispatch import accept_backend, accept_walk, build_draft_tree
 from ..model.target import Target
-from ..sampling import SamplingParams, greedy, race, rule_probs, sample, topk_logprobs
+from ..sampling import SamplingParams, greedy, race_rule, sample, topk_logprobs
 from .accept import accept_path_mask
 from .config import RoundShape
 from .tree import DraftTree, chain_tree
@@ -95,6 +95,7 @@ class DeviceRound:
         self.capacity = capacity
         self.aux_layers = tuple(self.drafter.target_layer_ids) if self.drafter is not None else ()
         self.cache = target.new_cache(capacity)
+        self.vocab = getattr(target, "vocab_shard", None)  # tensor parallel: the target's vocabulary slice
         self.dcache = self.drafter.new_cache(capacity) if self.drafter is not None else None
         # rope tables sized once for good: a captured graph reads them in place
         target.rope.ensure(max(capacity + self.n1, target.cfg.max_position_embeddings + self.B))
@@ -159,9 +160,9 @@ class DeviceRound:
             self.temperature.fill_(float(params.temperature))
             if self.top_p is not None:
                 self.top_p.fill_(float(params.top_p))
-            first = sample(out.logits[-1], params, generator, policy=target.policy)
+            first = sample(out.logits[-1], params, generator, policy=target.policy, vocab=self.vocab)
         else:
-            first = greedy(out.logits[-1], policy=target.policy)
+            first = greedy(out.logits[-1], policy=target.policy, vocab=self.vocab)
         self.start.fill_(S)
         self.bonus.copy_(first)
         if self.drafter is not None:
@@ -188,10 +189,11 @@ class DeviceRound:
         if self.method == "dflash":
             chain = self.chain
             chain.tokens[:1].copy_(self.bonus.reshape(1))
-            chain.tokens[1:].copy_(greedy(draft_logits[: self.budget], policy=self.target.policy))
+            chain.tokens[1:].copy_(greedy(draft_logits[: self.budget], policy=self.target.policy,
+                                                 vocab=self.vocab))
             torch.add(chain.depths, self.start, out=chain.positions)
             return chain
-        lp, ids = topk_logprobs(draft_logits, self.budget, policy=self.target.policy)  # [B-1, K]
+        lp, ids = topk_logprobs(draft_logits, self.budget, policy=self.target.policy, vocab=self.vocab)  # [B-1, K]
         return build_draft_tree(self.target.policy, lp, ids, self.budget, self.bonus, self.start)
 
     @torch.no_grad()
@@ -199,8 +201,8 @@ class DeviceRound:
         """One round, in place. Host-read free; capturable."""
         tree = self.make_tree()
         vout = self.target(tree.tokens, self.cache, tree.positions, tree.mask, self.aux_layers, start=self.start)
-        picks = (race(rule_probs(vout.logits, self.temperature, self.top_k, self.top_p), self.noise)
-                 if self.sampling else greedy(vout.logits, policy=self.target.policy))  # [N1]
+        picks = (race_rule(vout.logits, self.temperature, self.top_k, self.top_p, self.noise, self.vocab)
+                 if self.sampling else greedy(vout.logits, policy=self.target.policy, vocab=self.vocab))  # [N1]
         acc, count = self.accept(tree, picks)  # [M], [] = A; result and bonus written
         if self.n1 > 1:  # a lone root keeps its slot
             self.cache.compact_static(self.start, acc)

@@ -58,6 +58,10 @@ class HostRounds:
         self.drafter = drafter if shape.drafts else None
         self.impl = pick_tree_impl(tree_impl, target.device) if shape.method == "ddtree" else "vectorized"
         self.limit, self.prompt_len = limit, prompt_len
+        self.vocab = getattr(target, "vocab_shard", None)  # tensor parallel: the target's vocabulary slice
+        if self.vocab is not None and shape.auto:
+            raise SpecError("budget 'auto' times each round on the host, which differs between tensor-parallel "
+                            "ranks: give a fixed budget")
         self.gen = make_generator(params.seed, target.device)
         self.timer = Timer(target.device)
         self.stats = RoundStats(shape.block_size)
@@ -75,7 +79,8 @@ class HostRounds:
         ids = torch.tensor(prompt_ids, dtype=torch.long, device=target.device)
         out = target.prefill(ids, self.cache, self.aux_layers, chunk=self.prefill_chunk)
         self.prefill_stats = out.stats()
-        self.bonus = sample(out.logits[-1], self.params, self.gen, policy=target.policy)  # [] the newest token, not yet fed to the target
+        # [] the newest token, not yet fed to the target
+        self.bonus = sample(out.logits[-1], self.params, self.gen, policy=target.policy, vocab=self.vocab)
         if self.drafter is not None:
             S = len(prompt_ids)
             self.dcache = self.drafter.new_cache(S + self.limit + 1)
@@ -97,7 +102,7 @@ class HostRounds:
         timer = self.timer
         timer.start()
         logits = self.target(self.bonus.reshape(1), self.cache).logits[-1]
-        self.bonus = sample(logits, self.params, self.gen, policy=self.target.policy)
+        self.bonus = sample(logits, self.params, self.gen, policy=self.target.policy, vocab=self.vocab)
         self._out = [int(self.bonus)]
         timer.lap("verify_s")
         self.stats.record(1, 0)
@@ -116,7 +121,7 @@ class HostRounds:
         timer.lap("tree_s")
         vout = target(tree.tokens, self.cache, positions=tree.positions, tree_mask=tree.mask,
                       aux_layers=self.aux_layers)
-        picks = target_picks(vout.logits, self.params, self.gen, policy=target.policy)  # [N1]
+        picks = target_picks(vout.logits, self.params, self.gen, policy=target.policy, vocab=self.vocab)  # [N1]
         res = accept(tree, picks)
         timer.lap("verify_s")
         self.cache.commit(res.accepted)
@@ -130,7 +135,7 @@ class HostRounds:
             chooser.observe(A - 1, dt["draft_s"], dt["tree_s"] + dt["commit_s"], dt["verify_s"])
         self.start += A
         self.stats.record(A, tree.num_nodes - 1)
-        if depth > 0:
+        if depth > 0 and self.vocab is None:  # the display reads the draft logits of the whole vocabulary
             self.last = (tree, res, draft_logits)
 
     def _tree(self, draft_logits: torch.Tensor | None, start: int) -> DraftTree:
@@ -138,14 +143,15 @@ class HostRounds:
         if draft_logits is None:  # no room for drafts: the root alone (a plain step)
             return chain_tree(bonus, torch.empty(0, dtype=torch.long, device=bonus.device), start)
         if shape.method == "dflash":
-            return chain_tree(bonus, greedy(draft_logits, policy=self.target.policy), start)
+            return chain_tree(bonus, greedy(draft_logits, policy=self.target.policy, vocab=self.vocab), start)
         builder = build_tree_heap if self.impl == "heap" else build_tree
         if self.chooser is not None:
             # one top-K for the largest budget; the budget-b tree only ever uses ranks < b
-            lp, ids = topk_logprobs(draft_logits, self.chooser.max_budget, policy=self.target.policy)  # [depth, K]
+            lp, ids = topk_logprobs(draft_logits, self.chooser.max_budget, policy=self.target.policy,
+                                    vocab=self.vocab)  # [depth, K]
             budget = self.chooser.choose(lp)
             return builder(lp[:, :budget], ids[:, :budget], budget, bonus, start)
-        lp, ids = topk_logprobs(draft_logits, shape.budget, policy=self.target.policy)  # [depth, K]
+        lp, ids = topk_logprobs(draft_logits, shape.budget, policy=self.target.policy, vocab=self.vocab)  # [depth, K]
         return builder(lp, ids, shape.budget, bonus, start)
 
     def release(self) -> None:

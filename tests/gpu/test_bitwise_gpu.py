@@ -2,10 +2,10 @@
 
 1. a token's logits computed alone (T = 1 at its position) equal its row inside causal blocks and
    tree-masked verify blocks of T = 1..129 rows, and stay equal after the accepted path is committed
-   (K2-tiny, bf16, dense and INT4 experts; prompts that keep the keys in one attention chunk and
+   (K2-tiny, bf16, dense (BF16), INT4 and FP8 block-quantized targets; prompts that keep the keys in one attention chunk and
    that cross a chunk boundary);
 2. greedy ``dflash`` and ``ddtree`` (budgets 4, 16, 64, 128) emit exactly the tokens of ``none``:
-   random K2-tiny targets (dense, INT4) with a drafter that ranks the true continuation first or
+   random K2-tiny targets (BF16, INT4, FP8) with a drafter that ranks the true continuation first or
    second (deep acceptance every round: verify rows and KV compaction are exercised), a random K2-tiny
    target with a random DFlash drafter (the real drafter path), and the embedded demo pair.
 
@@ -38,6 +38,7 @@ from kdtree_engine.sampling import SamplingParams
 from kdtree_engine.speculative.decode import generate
 
 from bitwise_checks import check_target
+from helpers_ckpt import fp8_checkpoint, fp8_config
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -61,6 +62,13 @@ def batch_invariance_on():
         f"a KDTREE_*_BACKEND variable forces a torch path: {used}"
 
 
+def fp8_target(seed: int):
+    """K2-tiny with every linear but lm_head FP8 (32 x 32 blocks, partial ones on the 48-wide projections)."""
+    cfg = preset("k2-tiny")
+    tensors, _ = fp8_checkpoint(cfg, reference.random_weights(cfg, seed), (32, 32))
+    return target_from_weights(fp8_config(cfg, (32, 32)), tensors, device="cuda", dtype=DTYPE)
+
+
 def tiny_target(quant: bool, seed: int):
     cfg = preset("k2-tiny")
     if quant:
@@ -79,14 +87,14 @@ def seed() -> int:
 
 @pytest.fixture(scope="module")
 def tiny_targets(seed):
-    return {"dense": tiny_target(False, seed), "w4a16": tiny_target(True, seed + 1)}
+    return {"dense": tiny_target(False, seed), "w4a16": tiny_target(True, seed + 1), "fp8": fp8_target(seed + 2)}
 
 
 # ------------------------------------------------------------------------------- 1. logits
 
 
 @pytest.mark.parametrize("prompt_len", [19, 500])
-@pytest.mark.parametrize("quant", ["dense", "w4a16"])
+@pytest.mark.parametrize("quant", ["dense", "w4a16", "fp8"])
 def test_logits_alone_equal_rows_in_verify_blocks(tiny_targets, seed, quant, prompt_len):
     """500 + up to 129 new keys cross the attention kernel's 512-key chunk boundary."""
     target = tiny_targets[quant]
@@ -174,7 +182,7 @@ def _random_prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
     return [torch.randint(2, vocab, (int(torch.randint(3, 41, ())),), generator=g).tolist() for _ in range(n)]
 
 
-@pytest.mark.parametrize("quant", ["dense", "w4a16"])
+@pytest.mark.parametrize("quant", ["dense", "w4a16", "fp8"])
 def test_greedy_spec_equals_plain_random_targets(tiny_targets, seed, quant):
     target = tiny_targets[quant]
     vocab = target.cfg.vocab_size

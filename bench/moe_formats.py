@@ -1,0 +1,289 @@
+"""The BF16 and FP8 weight formats' kernels at K2 shapes, against copy bandwidth and cuBLAS.
+
+    python bench/moe_formats.py --out bench/results            # H200: K2 shapes
+    python bench/moe_formats.py --tiny --device cpu --out DIR  # CPU smoke run (the torch paths)
+
+1. Routed experts (384 experts top-8, hidden 7168, moe inter 2048; T = 1, 4, 16, 64 tokens, each token's experts
+   drawn at random without repeats): the engine's ``moe()`` on BF16 experts and on FP8 block-quantized experts
+   (kernels/moe_grouped.py on CUDA). x copy = (bytes of the touched experts / copy bandwidth measured in the same
+   run) / time: 1.0 would be a copy of exactly those bytes. The FP8 bytes include the block scales.
+2. Dense linears of K2 (q_a, q_b, kv_a, kv_b, o, the dense MLP's gate and down) at M = 1, 2, 4, 8, 16 tokens: the
+   engine's FP8 linear (kernels/w8a16.py on CUDA), BF16 ``F.linear`` (cuBLAS) and the engine's batch-invariant
+   BF16 GEMM (kernels/gemm.py), with speedup = F.linear time / W8A16 time, x copy of the FP8 weight bytes, and the
+   W8A16 result's relative error against BF16 math on the dequantized weights.
+
+Timing (CUDA): bench/common.time_calls, CUDA-graph replays over rotating inputs (several routings, several
+weight copies for the small linears) so the weights come from HBM, not L2. CPU: host clock, a few repetitions.
+Writes ``<out>/moe_formats-<device>.json`` and ``.md`` with the run's metadata.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench import common  # noqa: E402
+from kdtree_engine.bench_spec import device_tag  # noqa: E402
+from kdtree_engine.config import ModelConfig, preset  # noqa: E402
+from kdtree_engine.fp8 import Fp8Block, dequantize_fp8  # noqa: E402
+from kdtree_engine.kernels.dispatch import dense_matmul, grouped_moe_backend, w8a16_backend  # noqa: E402
+from kdtree_engine.kernels.policy import KernelPolicy  # noqa: E402
+from kdtree_engine.model.layers import Linear  # noqa: E402
+from kdtree_engine.model.moe import Experts  # noqa: E402
+
+BLOCK = Fp8Block(128, 128)
+TINY_BLOCK = Fp8Block(16, 16)
+TOKENS = (1, 4, 16, 64)
+ROWS = (1, 2, 4, 8, 16)
+
+
+def k2_linears(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """K2's dense linears that the FP8 release quantizes: name -> (N, K)."""
+    nh, h = cfg.num_attention_heads, cfg.hidden_size
+    return {
+        "q_a_proj": (cfg.q_lora_rank, h), "q_b_proj": (nh * cfg.qk_head_dim, cfg.q_lora_rank),
+        "kv_a_proj_with_mqa": (cfg.kv_cache_dim, h), "kv_b_proj": (nh * (cfg.qk_nope_head_dim + cfg.v_head_dim),
+                                                                  cfg.kv_lora_rank),
+        "o_proj": (h, nh * cfg.v_head_dim), "mlp.gate_proj": (cfg.intermediate_size, h),
+        "mlp.down_proj": (h, cfg.intermediate_size),
+    }
+
+
+def tiny_config() -> ModelConfig:
+    return preset("k2-tiny").replace(n_group=1, topk_group=1, n_routed_experts=16, num_experts_per_tok=4)
+
+
+# ---- timing and bandwidth (shared with bench/moonlight.py) ------------------------------------------
+
+def time_us(calls: Sequence[Callable[[], object]], device: torch.device, reps: int) -> float:
+    """Median microseconds per call: CUDA graph replays (common.time_calls), or the host clock on the CPU."""
+    if device.type == "cuda":
+        return common.time_calls(list(calls), reps=reps)["us"]
+    for c in calls:
+        c()
+    times = []
+    for _ in range(max(3, reps)):
+        t0 = time.perf_counter()
+        for c in calls:
+            c()
+        times.append((time.perf_counter() - t0) * 1e6 / len(calls))
+    return statistics.median(times)
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Bytes read + written per second of a device-to-device copy, measured now."""
+    if device.type == "cuda":
+        return common.copy_bandwidth()
+    a = torch.randint(0, 255, (64 << 20,), dtype=torch.uint8)
+    b = torch.empty_like(a)
+    best = math.inf
+    for _ in range(5):
+        t0 = time.perf_counter()
+        b.copy_(a)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * a.numel() / best
+
+
+def env_info(device: torch.device) -> dict:
+    if device.type == "cuda":
+        return common.device_info()
+    return {"gpu": None, "cpu": common.cpu_model(), "torch": torch.__version__}
+
+
+def write(out: str, name: str, rep: dict, markdown: Callable[[dict, str], list[str]], device: torch.device) -> dict:
+    """<out>/<name>-<device tag>.json and .md with the run's metadata; returns rep."""
+    tag = device_tag(device)
+    label = rep["device"].get("gpu") or rep["device"].get("cpu") or tag
+    jp, mp = common.write_results(out, f"{name}-{tag}", rep, markdown(rep, label), command=rep["command"],
+                                  device=device)
+    print(f"wrote {jp} and {mp}")
+    return rep
+
+
+# ---- random weights on the device -------------------------------------------------------------------
+
+@torch.no_grad()
+def random_fp8_(weight: torch.Tensor, scale_inv: torch.Tensor, gen: torch.Generator) -> None:
+    """FP8 values spread over the e4m3 range and block scales giving a weight rms of about 1/sqrt(K)."""
+    k = weight.shape[-1]
+    for i in range(weight.shape[0] if weight.dim() == 3 else 1):   # one expert at a time: no float32 copy of all
+        w = weight[i] if weight.dim() == 3 else weight
+        w.copy_((torch.randn(w.shape, device=w.device, generator=gen, dtype=torch.bfloat16) * 64).clamp(-448, 448))
+    scale_inv.uniform_(0.5 / (64 * math.sqrt(k)), 1.5 / (64 * math.sqrt(k)), generator=gen)
+
+
+@torch.no_grad()
+def random_dense_(w: torch.Tensor, gen: torch.Generator) -> None:
+    for i in range(w.shape[0] if w.dim() == 3 else 1):
+        t = w[i] if w.dim() == 3 else w
+        t.normal_(0.0, 1.0 / math.sqrt(t.shape[-1]), generator=gen)
+
+
+def experts_of(cfg: ModelConfig, block: Fp8Block | None, dtype: torch.dtype, device: torch.device,
+               policy: KernelPolicy, gen: torch.Generator) -> Experts:
+    with device:
+        ex = Experts(cfg, dtype=dtype, group_size=block, policy=policy)
+    if block is None:
+        random_dense_(ex.w13, gen)
+        random_dense_(ex.w2, gen)
+    else:
+        random_fp8_(ex.w13, ex.w13_scale_inv, gen)
+        random_fp8_(ex.w2, ex.w2_scale_inv, gen)
+    return ex
+
+
+def expert_bytes(ex: Experts) -> int:
+    """Bytes of one routed expert (w13 + w2, plus the FP8 block scales)."""
+    ts = [ex.w13[0], ex.w2[0]] + ([ex.w13_scale_inv[0], ex.w2_scale_inv[0]] if ex.fp8_block is not None else [])
+    return sum(t.numel() * t.element_size() for t in ts)
+
+
+# ---- the two measurements ---------------------------------------------------------------------------
+
+def bench_moe(cfg: ModelConfig, block: Fp8Block, dtype: torch.dtype, device: torch.device, policy: KernelPolicy,
+              tokens: Sequence[int], reps: int, rotations: int, copy_bw: float, wgen: torch.Generator,
+              gen: torch.Generator, log: Callable[[str], None]) -> list[dict]:
+    """wgen: the weights' generator (on the device); gen: the inputs' (host)."""
+    rows = []
+    E, k, H = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.hidden_size
+    for fmt, blk in ((str(dtype).removeprefix("torch."), None), ("fp8", block)):
+        ex = experts_of(cfg, blk, dtype, device, policy, wgen)
+        per_expert = expert_bytes(ex)
+        for T in tokens:
+            sets = []
+            for _ in range(rotations):
+                ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)]).to(device)
+                w = torch.rand(T, k, generator=gen).to(device)
+                x = torch.randn(T, H, generator=gen).to(device, dtype)
+                sets.append((x, ids, w))
+            touched = statistics.mean(len(torch.unique(ids)) for _, ids, _ in sets)
+            calls = [lambda s=s: ex(s[0], s[1], s[2], None, False) for s in sets]
+            us = time_us(calls, device, reps)
+            nbytes = touched * per_expert
+            row = {"format": fmt, "T": T, "us": us, "touched_experts": touched, "bytes": nbytes,
+                   "x_copy": nbytes / copy_bw * 1e6 / us, "TBps": nbytes / (us * 1e-6) / 1e12,
+                   "backend": grouped_moe_backend(policy, sets[0][0], blk)}
+            rows.append(row)
+            log(f"MoE {fmt} T={T}: {us:.1f} us, {touched:.0f} experts, x copy {row['x_copy']:.2f}")
+        del ex
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def bench_dense(shapes: dict[str, tuple[int, int]], block: Fp8Block, dtype: torch.dtype, device: torch.device,
+                policy: KernelPolicy, rows_m: Sequence[int], reps: int, copies_bytes: int, copy_bw: float,
+                wgen: torch.Generator, gen: torch.Generator, log: Callable[[str], None]) -> list[dict]:
+    out = []
+    for name, (n, k) in shapes.items():
+        copies = max(1, min(16, -(-copies_bytes // (n * k))))   # rotating copies: together past L2
+        lins, dense = [], []
+        for _ in range(copies):
+            with device:
+                lin = Linear(k, n, group_size=block, dtype=dtype, policy=policy)
+            random_fp8_(lin.weight, lin.weight_scale_inv, wgen)
+            lins.append(lin)
+            d = torch.empty(n, k, device=device, dtype=dtype)
+            random_dense_(d, wgen)
+            dense.append(d)
+        fp8_bytes = n * k + lins[0].weight_scale_inv.numel() * 4
+        for M in rows_m:
+            xs = [torch.randn(M, k, generator=gen).to(device, dtype) for _ in range(copies)]
+            t_fp8 = time_us([lambda x=x, l=l: l(x) for x, l in zip(xs, lins)], device, reps)
+            t_cublas = time_us([lambda x=x, d=d: F.linear(x, d) for x, d in zip(xs, dense)], device, reps)
+            t_bi = time_us([lambda x=x, d=d: dense_matmul(policy, x, d) for x, d in zip(xs, dense)], device, reps)
+            # the W8A16 result against BF16 math on the same (dequantized) weights: the arithmetic's own error
+            deq = dequantize_fp8(lins[0].weight, lins[0].weight_scale_inv, block, dtype)
+            want = F.linear(xs[0], deq).double()
+            err = float((lins[0](xs[0]).double() - want).norm() / want.norm())
+            row = {"linear": name, "N": n, "K": k, "M": M, "w8a16_us": t_fp8, "f_linear_us": t_cublas,
+                   "bi_gemm_us": t_bi, "speedup_vs_f_linear": t_cublas / t_fp8,
+                   "x_copy": fp8_bytes / copy_bw * 1e6 / t_fp8, "rel_err_vs_bf16": err,
+                   "backend": w8a16_backend(policy, xs[0])}
+            out.append(row)
+            log(f"{name} [{n} x {k}] M={M}: W8A16 {t_fp8:.1f} us, F.linear {t_cublas:.1f} us "
+                f"({row['speedup_vs_f_linear']:.2f}x), x copy {row['x_copy']:.2f}")
+        del lins, dense
+    return out
+
+
+def markdown(rep: dict, label: str) -> list[str]:
+    lines = [f"# Weight formats at {'tiny' if rep['tiny'] else 'K2'} shapes: fused BF16 / FP8 MoE and W8A16", "",
+             f"Device: {label}. Copy bandwidth (read + write) {rep['copy_Bps'] / 1e12:.2f} TB/s, measured in this run. "
+             f"MoE: {rep['moe_shape']}. x copy = (bytes touched / copy bandwidth) / time.", "", "## Routed experts", ""]
+    lines += common.md_table(["format", "T", "us", "touched experts", "MB", "x copy", "TB/s", "backend"],
+                             [[r["format"], r["T"], r["us"], r["touched_experts"], r["bytes"] / 1e6, r["x_copy"],
+                               r["TBps"], r["backend"]] for r in rep["moe"]])
+    lines += ["", "## Dense linears: FP8 W8A16 vs BF16", ""]
+    lines += common.md_table(["linear", "N x K", "M", "W8A16 us", "F.linear us", "BI GEMM us", "speedup vs F.linear",
+                              "x copy", "rel. error vs BF16", "backend"],
+                             [[r["linear"], f"{r['N']} x {r['K']}", r["M"], r["w8a16_us"], r["f_linear_us"],
+                               r["bi_gemm_us"], r["speedup_vs_f_linear"], r["x_copy"], r["rel_err_vs_bf16"],
+                               r["backend"]] for r in rep["dense"]])
+    lines += ["", "rel. error vs BF16: ||W8A16(x) - F.linear(x, dequantized W in the activation dtype)|| / ||F.linear||."]
+    return lines
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--tiny", action="store_true", help="k2-tiny shapes (CPU smoke run)")
+    ap.add_argument("--device", default=None, help="cuda | cpu (default: cuda when available)")
+    ap.add_argument("--tokens", type=lambda s: [int(x) for x in s.split(",") if x], default=None,
+                    help="MoE token counts (default 1,4,16,64)")
+    ap.add_argument("--rows", type=lambda s: [int(x) for x in s.split(",") if x], default=None,
+                    help="dense rows M (default 1,2,4,8,16)")
+    ap.add_argument("--reps", type=int, default=None, help="timed replays (default 20; --tiny 3)")
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+    a.tokens = a.tokens or ([1, 4] if a.tiny else list(TOKENS))
+    a.rows = a.rows or ([1, 4] if a.tiny else list(ROWS))
+    a.reps = a.reps or (3 if a.tiny else 20)
+    if any(t < 1 for t in a.tokens + a.rows) or a.reps < 1:
+        ap.error("--tokens, --rows and --reps must be positive")
+    return a
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    args = parse_args(argv)
+    command = common.command_line(argv, "python3 bench/moe_formats.py")
+    dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    cfg = tiny_config() if args.tiny else preset("k2")
+    block = TINY_BLOCK if args.tiny else BLOCK
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    policy = KernelPolicy.from_env()
+    wgen = torch.Generator(device=dev).manual_seed(args.seed)
+    gen = torch.Generator().manual_seed(args.seed)
+    copy_bw = copy_bandwidth(dev)
+    l2 = common.l2_bytes() if dev.type == "cuda" else 1 << 20
+    rotations = 1 if args.tiny else 4
+    moe_rows = bench_moe(cfg, block, dtype, dev, policy, args.tokens, args.reps, rotations, copy_bw, wgen, gen, log)
+    dense_rows = bench_dense(k2_linears(cfg), block, dtype, dev, policy, args.rows, args.reps, 2 * l2, copy_bw,
+                             wgen, gen, log)
+    rep = {"command": command, "tiny": args.tiny, "device": env_info(dev), "dtype": str(dtype).removeprefix("torch."),
+           "copy_Bps": copy_bw, "block": [block.n, block.k],
+           "moe_shape": f"{cfg.n_routed_experts} experts top-{cfg.num_experts_per_tok}, hidden {cfg.hidden_size}, "
+                        f"moe inter {cfg.moe_intermediate_size}",
+           "moe": moe_rows, "dense": dense_rows}
+    return write(args.out, "moe_formats", rep, markdown, dev)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""Fused grouped MoE (BF16 / FP16 / FP8 experts): the Triton kernels under the interpreter (child process,
+_interp.py) against the model's torch reference (model/moe.py moe_reference on the same weights), with
+repeats, unowned (-1) pairs, several blocks per expert and the shared expert's addend; batch invariance
+(a token alone gives the bits it has among all T tokens)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+HERE = Path(__file__).resolve()
+sys.path.insert(0, str(HERE.parent))
+
+from kdtree_engine.config import preset  # noqa: E402
+from kdtree_engine.fp8 import Fp8Block, quantize_fp8  # noqa: E402
+from kdtree_engine.kernels.moe_grouped import fused_moe_grouped  # noqa: E402
+from kdtree_engine.kernels.policy import KernelPolicy  # noqa: E402
+
+DT = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+TOL = {"fp32": 2e-5, "fp16": 5e-3, "bf16": 2e-2}
+
+
+def make_experts(H: int, I: int, E: int, dtype: torch.dtype, block: Fp8Block | None, gen: torch.Generator):
+    """The model's Experts module (model/moe.py) with random weights: dense in dtype, or FP8."""
+    from kdtree_engine.model.moe import Experts
+
+    cfg = preset("k2-tiny").replace(hidden_size=H, moe_intermediate_size=I, n_routed_experts=E,
+                                    n_group=1, topk_group=1)
+    ex = Experts(cfg, dtype=dtype, group_size=block, policy=KernelPolicy(dense="torch", int4="torch"))
+    w13 = torch.randn(E, 2 * I, H, generator=gen) / H ** 0.5
+    w2 = torch.randn(E, H, I, generator=gen) / I ** 0.5
+    with torch.no_grad():
+        if block is None:
+            ex.w13.copy_(w13.to(dtype))
+            ex.w2.copy_(w2.to(dtype))
+        else:
+            g, gs = quantize_fp8(w13[:, :I], block)
+            u, us = quantize_fp8(w13[:, I:], block)
+            ex.w13.copy_(torch.cat([g, u], 1))
+            ex.w13_scale_inv.copy_(torch.cat([gs, us], 1))
+            w, s = quantize_fp8(w2, block)
+            ex.w2.copy_(w)
+            ex.w2_scale_inv.copy_(s)
+    return ex
+
+
+CASES = {
+    # name: (T, H, I, E, k, dtype, block or None, ids mode, add)
+    "t1_fp32_dense": (1, 96, 64, 5, 2, "fp32", None, "distinct", False),
+    "t5_bf16_dense_mixed_add": (5, 160, 64, 6, 3, "bf16", None, "mixed", True),
+    "t20_fp16_dense_multiblock": (20, 64, 48, 3, 2, "fp16", None, "distinct", False),
+    "t3_fp32_fp8_b32": (3, 96, 64, 5, 2, "fp32", (32, 32), "distinct", False),
+    "t6_bf16_fp8_partial_blocks_add": (6, 80, 48, 4, 2, "bf16", (32, 32), "mixed", True),
+    "t18_fp32_fp8_b16x64_multiblock": (18, 128, 32, 3, 2, "fp32", (16, 64), "distinct", False),
+}
+
+
+def _run_one(name, spec):
+    from kdtree_engine.model.moe import moe_reference
+
+    T, H, I, E, k, dt, blk, mode, with_add = spec
+    seed = int.from_bytes(os.urandom(4), "little")
+    gen = torch.Generator().manual_seed(seed)
+    dtype = DT[dt]
+    block = Fp8Block(*blk) if blk else None
+    ex = make_experts(H, I, E, dtype, block, gen)
+    x = torch.randn(T, H, generator=gen).to(dtype)
+    if mode == "distinct":
+        ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
+    else:
+        ids = torch.randint(-1, E, (T, k), generator=gen)
+    tw = torch.rand(T, k, generator=gen)
+    add = torch.randn(T, H + 3, generator=gen).to(dtype)[:, 1:H + 1] if with_add else None
+    kw = dict(w13_scale_inv=ex.w13_scale_inv, w2_scale_inv=ex.w2_scale_inv, block=block) if block else {}
+    y = fused_moe_grouped(x, ex.w13, ex.w2, ids, tw, add=add, **kw)
+    valid = ids >= 0   # the reference has no unowned pairs: give them weight 0 on expert 0
+    ref = moe_reference(x, torch.where(valid, ids, 0), torch.where(valid, tw, 0.0), ex)
+    if add is not None:
+        ref = (ref.float() + add.float()).to(dtype)
+    rec = _interp.output_record(y, ref, y.dtype == dtype and tuple(y.shape) == (T, H)) | {"seed": seed}
+    rec["row_bits"] = all(
+        torch.equal(fused_moe_grouped(x[i:i + 1], ex.w13, ex.w2, ids[i:i + 1], tw[i:i + 1],
+                                      add=None if add is None else add[i:i + 1], **kw), y[i:i + 1])
+        for i in (0, T - 1))
+    return rec
+
+
+import _interp  # noqa: E402
+
+interp_results = _interp.results_fixture(HERE, list(CASES))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_grouped_moe_interpreted(interp_results, name):
+    rec = interp_results[name]
+    _interp.assert_close(rec, TOL[CASES[name][5]])
+    assert rec["row_bits"], f"a token alone differs from the same token among {CASES[name][0]} (seed {rec['seed']})"
+
+
+if __name__ == "__main__" and "--interp-cases" in sys.argv:
+    from _interp import child_main
+
+    child_main(CASES, _run_one, sys.argv[sys.argv.index("--interp-cases") + 1:])
+
+
+def test_refuses_bad_operands():
+    gen = torch.Generator().manual_seed(1)
+    ex = make_experts(64, 32, 4, torch.float32, Fp8Block(32, 32), gen)
+    x = torch.randn(2, 64)
+    ids = torch.tensor([[0, 1], [2, 3]])
+    tw = torch.rand(2, 2)
+    with pytest.raises(ValueError, match="w13_scale_inv"):
+        fused_moe_grouped(x, ex.w13, ex.w2, ids, tw, block=Fp8Block(32, 32))
+    with pytest.raises(ValueError, match="must both be"):
+        fused_moe_grouped(x, ex.w13, ex.w2, ids[:, :1], tw, w13_scale_inv=ex.w13_scale_inv,
+                          w2_scale_inv=ex.w2_scale_inv, block=Fp8Block(32, 32))
+    dense = make_experts(64, 32, 4, torch.float32, None, gen)
+    with pytest.raises(TypeError, match="x's dtype"):
+        fused_moe_grouped(x.to(torch.bfloat16), dense.w13, dense.w2, ids, tw)
