@@ -69,7 +69,8 @@ def pool_tokens(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, toke
         return contexts * BLOCK, f"made on first use: {CONTEXTS} x max_position_embeddings"
     if n < 1:
         raise PoolFullError(f"{frac:g} of the free device memory ({free / 2**20:.0f} MiB) holds no cache block")
-    return n * BLOCK, f"{frac:g} of {free / 2**30:.2f} GiB free after the weights" + (" (default)" if fraction is None else "")
+    default = " (default)" if fraction is None else ""
+    return n * BLOCK, f"{frac:g} of {free / 2**30:.2f} GiB free after the weights{default}"
 
 
 class CachePool:

@@ -40,7 +40,8 @@
                  zero weight for tokens not routed to it (model/moe.py, ``host_reads=False``).
 
   MLA tails      rope of the query heads, and the new latent cache rows (RMSNorm of c_kv | rope of k_pe,
-                 written at their pool rows, the slots mapped through the block table). CUDA: one Triton launch each (kernels/rope.py; no FMA, the same
+                 written at their pool rows, the slots mapped through the block table). CUDA: one Triton
+                 launch each (kernels/rope.py; no FMA, the same
                  bits as torch's separate products and sums; the norm one row per program). CPU: torch
                  (kernels/reference.py apply_rope, the RMSNorm dispatch, index_copy_).
 

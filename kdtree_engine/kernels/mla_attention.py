@@ -83,7 +83,8 @@ import triton
 import triton.language as tl
 
 from .common import DTYPES, bucket, interpreting
-from .mla_decode_wg import BLOCK_N as WG_KEYS, launch as decode_wg, rows_per_program as wg_rows, unsupported as wg_unsupported
+from .mla_decode_wg import BLOCK_N as WG_KEYS, launch as decode_wg, rows_per_program as wg_rows
+from .mla_decode_wg import unsupported as wg_unsupported
 from .mla_verify_wg import ROWS as VWG_ROWS, launch as verify_wg, unsupported as vwg_unsupported
 from .paged import contiguous_table
 from .pdl import pdl_launch, pdl_supported, pdl_wait

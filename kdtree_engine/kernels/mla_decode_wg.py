@@ -283,4 +283,5 @@ def launch(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, table: tor
         **pdl)
 
 
-__all__ = ["BLOCK_N", "HAVE_GLUON", "key_ring", "tile_row", "kv_descriptors", "launch", "load_q_rows", "rows_per_program", "unsupported"]
+__all__ = ["BLOCK_N", "HAVE_GLUON", "key_ring", "kv_descriptors", "launch", "load_q_rows", "rows_per_program",
+           "tile_row", "unsupported"]

@@ -106,7 +106,8 @@ if HAVE_GLUON:
         cta_barrier()
 
     @gluon.jit
-    def _mla_verify_wg_kernel(ql_ptr, qp_ptr, lat_desc, pe_desc, kv_ptr, tbl_ptr, idx_ptr, nvis_ptr, po_ptr, pl_ptr, s_ptr,
+    def _mla_verify_wg_kernel(ql_ptr, qp_ptr, lat_desc, pe_desc, kv_ptr, tbl_ptr, idx_ptr, nvis_ptr, po_ptr, pl_ptr,
+                              s_ptr,
                               S, T, N, stride_qlt, stride_qln, stride_qpt, stride_qpn, stride_kv, stride_idx,
                               stride_pom, stride_poc, stride_plm, qk_scale,
                               C: gl.constexpr, R: gl.constexpr, CHUNK: gl.constexpr, BN: gl.constexpr,
@@ -178,8 +179,8 @@ if HAVE_GLUON:
         if tail:
             for j in range(n_blk):
                 pos = p0 + j * BN + offs_n
-                _gather_block(kv_ptr, tbl_ptr, stride_kv, idx_ptr, t_q, stride_idx, pos, S, p_end, kl.index(0), kp.index(0),
-                              C, R, BN, GL)
+                _gather_block(kv_ptr, tbl_ptr, stride_kv, idx_ptr, t_q, stride_idx, pos, S, p_end, kl.index(0),
+                              kp.index(0), C, R, BN, GL)
                 acc, m_i, l_i = _step(kl.index(0), kp.index(0), ql_s, qp_s, p_s, ones_t, zs, zl, acc, m_i, l_i, pos,
                                       L, qk_scale, ROW_S, ROW_O)
                 cta_barrier()   # every warp is done with the slot and with P before they are rewritten
