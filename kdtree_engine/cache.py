@@ -85,6 +85,7 @@ class CachePool:
         # must be finite, and the pool only ever holds written keys or zeros
         self.kv = torch.zeros(cfg.num_hidden_layers, num_blocks, BLOCK, cfg.kv_cache_dim, dtype=dtype, device=device)
         self._free = list(range(num_blocks - 1, -1, -1))  # popped from the end: low ids first
+        self.sizing = f"{num_blocks} blocks asked"  # how the size was chosen (the log line's reason)
 
     @classmethod
     def sized(cls, cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device, tokens: int | None = None,
@@ -99,8 +100,9 @@ class CachePool:
         if n > most:
             n, why = most, f"{why}, cut to the {most} tokens a layer's 32-bit key offsets address"
         pool = cls(cfg, n // BLOCK, dtype=dtype, device=device)
-        log.info("latent cache pool: %d blocks of %d tokens = %d tokens, %.1f MiB (%s); maximum context %d tokens",
-                 pool.num_blocks, BLOCK, n, n * bytes_per_token(cfg, dtype) / 2**20, why, n)
+        pool.sizing = why
+        log.debug("latent cache pool: %d blocks of %d tokens = %d tokens, %.1f MiB (%s); maximum context %d tokens",
+                  pool.num_blocks, BLOCK, n, n * bytes_per_token(cfg, dtype) / 2**20, why, pool.max_context)
         return pool
 
     @property
@@ -110,6 +112,11 @@ class CachePool:
     @property
     def free_tokens(self) -> int:
         return len(self._free) * BLOCK
+
+    @property
+    def max_context(self) -> int:
+        """The longest request the pool admits: its tokens, at most the model's max_position_embeddings."""
+        return min(self.total_tokens, self.cfg.max_position_embeddings)
 
     def free_ids(self) -> list[int]:
         """The free block ids (a copy; the next taken last)."""

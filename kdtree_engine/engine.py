@@ -238,7 +238,7 @@ class LLM:
         self.target = load_target(model, device=self.device, dtype=self.dtype, quantize=quantize, progress=progress,
                                   policy=self.policy, comm=self.comm)
         self.drafter = None if draft is None else load_drafter(draft, self.target)
-        self.target.init_cache_pool(tokens=cache_tokens, fraction=memory_fraction)  # after the drafter's weights
+        pool = self.target.init_cache_pool(tokens=cache_tokens, fraction=memory_fraction)  # after the drafter's weights
         self.spec = resolve_spec(spec_config, self.drafter, None)
         if self.drafter is not None and self.spec.method != "none":
             self.spec.resolve(self.drafter.block_size, self.target.cfg.vocab_size)  # the budget's bound, now
@@ -253,10 +253,13 @@ class LLM:
         spec_text = self.spec.method + (f" budget {self.spec.budget}" if self.spec.budget is not None else "")
         why_threads = chosen[1] if chosen is not None else "torch's setting"
         thread_text = f"torch threads {self.threads} ({why_threads})"
-        log.info("loaded %s: %.1fM parameters, %s %s, spec %s%s%s", what, n_params / 1e6, self.device.type,
+        # the plain run's one INFO line for the load, with the cache pool and the maximum context it gives
+        log.info("loaded %s: %.1fM parameters, %s %s, spec %s%s%s, latent cache pool %d tokens (%s), maximum context "
+                 "%d tokens", what, n_params / 1e6, self.device.type,
                  str(self.dtype).replace("torch.", ""), spec_text,
                  "" if self.drafter is None else f" (drafter {draft})",
-                 f", {thread_text}" if self.device.type == "cpu" else "")
+                 f", {thread_text}" if self.device.type == "cpu" else "", pool.total_tokens, pool.sizing,
+                 pool.max_context)
 
     def _join(self, tp: int, comm: Communicator | None, spec: SpecConfig, model: Path, args: dict) -> None:
         """Become a rank of a ``tp``-rank engine (rank 0: spawn or join the others; a worker: ``comm``). What the
