@@ -17,6 +17,8 @@ from kdtree_engine.cli import main
 from kdtree_engine.config import preset
 from kdtree_engine.errors import BadInput, PoolFullError, PromptError
 from kdtree_engine.kernels.dispatch import mla_attention, mla_attention_static
+from kdtree_engine.kernels.mla_attention import mla_attention as kernel_attention
+from kdtree_engine.kernels.mla_attention import mla_attention_device as kernel_attention_device
 from kdtree_engine.kernels.paged import gather_slots, page_rows
 from kdtree_engine.kernels.policy import KernelPolicy
 from kdtree_engine.model.context import static_visibility
@@ -237,3 +239,16 @@ def test_cli_prompt_past_the_pool_exits_2_with_one_line(capsys) -> None:
         main(["generate", "--prompt-ids", "1,2", "--gpu-memory-fraction", "1.5"])
     assert exited.value.code == 2
     assert "--gpu-memory-fraction must be a number in (0, 1]" in capsys.readouterr().err
+
+
+def test_the_kernel_entry_refuses_bad_tables() -> None:
+    # the Triton entry's checks run before any launch
+    q_lat, q_pe = torch.zeros(2, 3, C), torch.zeros(2, 3, R)
+    pool = torch.zeros(4, BLOCK, C + R)
+    with pytest.raises(ValueError, match="covers 1 x 64 slots, fewer than 100"):
+        kernel_attention(q_lat, q_pe, pool, 98, None, 0.1, C, table=torch.tensor([2], dtype=torch.int32))
+    with pytest.raises(ValueError, match="int32 table"):
+        kernel_attention(q_lat, q_pe, pool, 10, None, 0.1, C, table=torch.tensor([2, 1]))
+    with pytest.raises(ValueError, match="capacity"):
+        kernel_attention_device(q_lat, q_pe, pool, torch.tensor(10), torch.ones(2, 2, dtype=torch.bool), 0.1, C,
+                                    table=torch.tensor([2, 1], dtype=torch.int32))
