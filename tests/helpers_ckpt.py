@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
 from kdtree_engine.config import ModelConfig
 from kdtree_engine.quant import k2_quantization_config, parse_quantization_config
@@ -85,6 +84,9 @@ def random_checkpoint_tensors(cfg: ModelConfig, seed: int, quantized: bool = Fal
             continue
         if scheme is not None and scheme.is_quantized(name):
             gs = scheme.group_size
+            # compressed-tensors packs (the independent packer); imported here: the GPU image lacks it, and the GPU
+            # tests that import this file never build an INT4 checkpoint
+            from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
             q = torch.randint(-8, 8, (n, k), generator=g, dtype=torch.int8)  # [N, K]
             t[name + ".weight_packed"] = pack_to_int32(q, 4)  # [N, K/8]
             t[name + ".weight_scale"] = (0.01 + 0.02 * torch.rand(n, k // gs, generator=g)).to(dtype)  # [N, K/g]

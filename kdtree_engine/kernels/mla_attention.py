@@ -74,7 +74,6 @@ row's position in the tile (numpy's matmul does depend on it; an MMA does not).
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, replace
 from typing import Callable, NamedTuple
 
@@ -82,6 +81,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..logs import log_once
 from .common import DTYPES, bucket, interpreting
 from .mla_decode_wg import BLOCK_N as WG_KEYS, launch as decode_wg, rows_per_program as wg_rows
 from .mla_decode_wg import unsupported as wg_unsupported
@@ -90,8 +90,6 @@ from .paged import contiguous_table
 from .pdl import pdl_launch, pdl_supported, pdl_wait
 from .streams import side_by_side
 
-log = logging.getLogger(__name__)
-_LOGGED: set[str] = set()
 
 LOG2E = 1.4426950408889634
 
@@ -699,13 +697,6 @@ def _merge(po, pl, nvis, out, s_ptr, S: int, N: int, n_ch: int, strides: tuple[i
         **pdl_launch(pdl_supported(out.device)))
 
 
-def _log_once(msg: str) -> None:
-    """An automatic choice, logged the first time it is made."""
-    if msg not in _LOGGED:
-        _LOGGED.add(msg)
-        log.info("%s", msg)
-
-
 def _tma_misaligned(kv: torch.Tensor, C: int) -> str | None:
     """Why TMA descriptors of kv's latent [rows, C] / rope parts cannot be made (16-byte alignment), or None."""
     item = kv.element_size()
@@ -740,7 +731,8 @@ def _decode_wg(cfg: MLAConfig, dec: bool, q_lat: torch.Tensor, kv: torch.Tensor,
     why = (wg_unsupported(T * N, C, R, q_lat.dtype, cfg.BLOCK_N, VS, cfg.DECODE_WG, cfg.DECODE_WG_ROWS)
            or _wg_device(q_lat, kv, C) or _wg_page(page))
     if why is not None:
-        _log_once(f"MLA attention: decode launches on the chunk kernel, not the warpgroup kernel: {why}")
+        log_once(f"mla-decode-chunk:{why}",
+                 f"MLA attention: decode launches on the chunk kernel, not the warpgroup kernel: {why}")
         return False
     return True
 
@@ -754,7 +746,8 @@ def _verify_wg(cfg: MLAConfig, dec: bool, q_lat: torch.Tensor, kv: torch.Tensor,
     C = q_lat.shape[2]
     why = vwg_unsupported(C, R, q_lat.dtype, cfg.BLOCK_N, cfg.VERIFY_WG) or _wg_device(q_lat, kv, C) or _wg_page(page)
     if why is not None:
-        _log_once(f"MLA attention: tree prefix launches on the chunk kernel, not the warpgroup kernel: {why}")
+        log_once(f"mla-tree-chunk:{why}",
+                 f"MLA attention: tree prefix launches on the chunk kernel, not the warpgroup kernel: {why}")
         return False
     return True
 

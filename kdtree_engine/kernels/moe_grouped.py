@@ -51,10 +51,13 @@ GROUPED_CONFIG = GroupedConfig()
 
 @triton.jit
 def _weight_tile(w_rows, offs_k, n_mask, k0, k_hi, DTYPE: tl.constexpr, FP8: tl.constexpr):
+    # one return: an early one inside the constexpr branch makes the compiler type both (bf16 vs fp8)
     if FP8:
-        return fp8_tile(w_rows, offs_k, n_mask, k0, k_hi, DTYPE)
-    kk = k0 + offs_k
-    return tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & (kk[None, :] < k_hi), other=0.0)
+        w = fp8_tile(w_rows, offs_k, n_mask, k0, k_hi, DTYPE)
+    else:
+        kk = k0 + offs_k
+        w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & (kk[None, :] < k_hi), other=0.0)
+    return w
 
 
 @triton.jit

@@ -43,7 +43,7 @@ def pdl_wait():
 def _capable(device: torch.device) -> bool:
     major, minor = torch.cuda.get_device_capability(device)
     ok = major >= 9
-    log.info("programmatic dependent launches on %s (sm_%d%d): %s", device, major, minor, "on" if ok else "off")
+    log.debug("programmatic dependent launches on %s (sm_%d%d): %s", device, major, minor, "on" if ok else "off")
     return ok
 
 
