@@ -18,6 +18,7 @@ sys.path.insert(0, str(HERE.parent))
 
 from kdtree_engine.kernels.mla_attention import (MLAConfig, mla_attention, mla_attention_device,  # noqa: E402
                                                  tree_gather_index)
+from kdtree_engine import logs  # noqa: E402
 from kdtree_engine.kernels.reference import mla_attention_reference  # noqa: E402
 
 C, R = 32, 16
@@ -466,11 +467,10 @@ def test_decode_wg_rows_field():
 def test_decode_wg_config_and_fit(caplog, monkeypatch):
     """DECODE_WG needs the chunk kernel arithmetic it reproduces; a launch it cannot take says why (logged once) and
     runs on the chunk kernel."""
-    from kdtree_engine.kernels import mla_attention as M
     from kdtree_engine.kernels import mla_decode_wg as W
     from kdtree_engine.kernels.mla_attention import _decode_wg
 
-    monkeypatch.setattr(M, "_LOGGED", set())   # nothing logged yet in this test's eyes
+    monkeypatch.setattr(logs, "_LOGGED", set())   # nothing logged yet in this test's eyes
 
     ok = MLAConfig(BLOCK_N=64, L_BY_DOT=True, DECODE_WG=2)
     for bad in (dict(L_BY_DOT=False), dict(DECODE_WG=4)):
@@ -491,7 +491,7 @@ def test_decode_wg_config_and_fit(caplog, monkeypatch):
     q = torch.zeros(1, 8, 512, dtype=torch.bfloat16)
     kv = torch.zeros(10, 576, dtype=torch.bfloat16)
     assert not _decode_wg(MLAConfig(BLOCK_N=64, L_BY_DOT=True), True, q, kv, 64, 1)   # not asked for
-    with caplog.at_level("INFO", logger="kdtree_engine.kernels.mla_attention"):
+    with caplog.at_level("DEBUG", logger="kdtree_engine"):
         assert not _decode_wg(ok, True, q, kv, 64, 1)    # asked for, but on the CPU
         assert not _decode_wg(ok, True, q, kv, 64, 1)
     said = [r.getMessage() for r in caplog.records if "warpgroup kernel" in r.getMessage()]
@@ -503,11 +503,10 @@ def test_verify_wg_config_and_fit(caplog, monkeypatch):
     """VERIFY_WG needs the chunk kernel arithmetic it reproduces; a launch it cannot take says why
     (logged once) and runs on the chunk kernel; decode launches never take it; a tail chunk needs whole 64-row tiles
     per query."""
-    from kdtree_engine.kernels import mla_attention as M
     from kdtree_engine.kernels import mla_verify_wg as V
     from kdtree_engine.kernels.mla_attention import _verify_wg, default_config
 
-    monkeypatch.setattr(M, "_LOGGED", set())
+    monkeypatch.setattr(logs, "_LOGGED", set())
     ok = MLAConfig(BLOCK_N=64, L_BY_DOT=True, VERIFY_WG=2)
     for bad in (dict(L_BY_DOT=False), dict(VERIFY_WG=3)):
         with pytest.raises(ValueError, match="VERIFY_WG"):
@@ -526,7 +525,7 @@ def test_verify_wg_config_and_fit(caplog, monkeypatch):
     kv = torch.zeros(40, 576, dtype=torch.bfloat16)
     assert not _verify_wg(MLAConfig(BLOCK_N=64, L_BY_DOT=True), False, q, kv, 64)   # not asked for
     assert not _verify_wg(ok, True, q, kv, 64)                                       # a decode launch
-    with caplog.at_level("INFO", logger="kdtree_engine.kernels.mla_attention"):
+    with caplog.at_level("DEBUG", logger="kdtree_engine"):
         assert not _verify_wg(ok, False, q, kv, 64)      # asked for, but not here
         assert not _verify_wg(ok, False, q, kv, 64)
     said = [r.getMessage() for r in caplog.records if "tree prefix launches" in r.getMessage()]
