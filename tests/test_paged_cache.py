@@ -24,7 +24,8 @@ from kdtree_engine.kernels.policy import KernelPolicy
 from kdtree_engine.model.context import static_visibility
 from kdtree_engine.model.target import Target
 from kdtree_engine.sampling import SamplingParams
-from kdtree_engine.speculative.decode import generate
+from kdtree_engine.speculative.decode import generate, generate_device
+from kdtree_engine.speculative.graph import ROUNDS
 
 C, R = 16, 8
 POLICY = KernelPolicy.from_env()
@@ -202,6 +203,24 @@ def test_generate_returns_the_blocks_at_the_end_and_on_error(target: Target) -> 
         generate(target, prompt, params, on_tokens=fail)
     assert pool.free_blocks == free
     assert generate(target, prompt, params).token_ids == ref.token_ids  # blocks reused, the same tokens
+    cancelled = generate(target, prompt, params, on_tokens=lambda tokens: True)  # the client ends it
+    assert cancelled.finish_reason == "abort" and pool.free_blocks == free
+
+
+def test_a_cached_device_round_takes_fresh_blocks_per_request(target: Target) -> None:
+    """Device-resident rounds keep their block table tensor between requests and take blocks into it again."""
+    gen = torch.Generator().manual_seed(seeded())
+    pool = shuffled_target(target, gen).cache_pool
+    free = pool.free_blocks
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    for n in (90, 20, 130):
+        prompt = torch.randint(0, target.cfg.vocab_size, (n,), generator=gen).tolist()
+        got = generate_device(target, prompt, params, method="none", graph=False)
+        assert got.token_ids == generate(target, prompt, params).token_ids
+        assert pool.free_blocks == free
+        pool.take(1)  # the next request's blocks differ from this one's
+        free -= 1
+    ROUNDS.clear(target)
 
 
 def test_a_prompt_past_the_pool_is_refused_before_any_forward(target: Target, monkeypatch) -> None:
