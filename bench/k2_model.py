@@ -192,9 +192,9 @@ def build(cfg: ModelConfig, dcfg: DraftConfig, comm: CountingCommunicator, polic
 def fill_caches(rnd: DeviceRound, S: int, gen: torch.Generator) -> None:
     """Random committed state at length S: latents, the drafter's context K/V, one context row, a bonus token."""
     with torch.no_grad():
-        kv = rnd.cache.kv
-        for layer in range(kv.shape[0]):
-            kv[layer, :S].normal_(generator=gen)
+        cache = rnd.cache   # paged: slots [0, S) written through its block table
+        cache.load_slots(torch.randn(cache.cfg.num_hidden_layers, S, cache.cfg.kv_cache_dim, generator=gen,
+                                     device=gen.device))
         if rnd.dcache is not None:
             for t in (rnd.dcache.k, rnd.dcache.v):
                 for layer in range(t.shape[0]):
@@ -294,7 +294,7 @@ def bench_one(target: Target, drafter: DFlashDrafter, comm: CountingCommunicator
     rnd.restore(saved)
     timing = time_round(rnd, cuda, args.reps, args.replays)
     cfg = target.cfg
-    esz = rnd.cache.kv.element_size()
+    esz = rnd.cache.pool.kv.element_size()
     cache_b = cfg.num_hidden_layers * (S + shape.full_nodes) * cfg.kv_cache_dim * esz
     parts = {k: static[k] for k in ("attention", "router", "shared_experts", "dense_mlp", "lm_head", "final_norm")}
     parts["routed_experts"] = sum(counts) * exp_b

@@ -59,8 +59,10 @@ if str(ROOT) not in sys.path:
 
 from bench import common  # noqa: E402
 from kdtree_engine.bench_spec import device_tag  # noqa: E402
+from kdtree_engine.cache import BLOCK  # noqa: E402
 from kdtree_engine.config import ModelConfig, preset  # noqa: E402
 from kdtree_engine.kernels.dispatch import attention_gather_index  # noqa: E402
+from kdtree_engine.kernels.paged import page_rows  # noqa: E402
 from kdtree_engine.kernels.policy import KernelPolicy  # noqa: E402
 from kdtree_engine.model.layers import MLP, RMSNorm, Rope  # noqa: E402
 from kdtree_engine.model.mla import MLA  # noqa: E402
@@ -345,7 +347,9 @@ def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
     # Per-layer latent caches: context + the largest block.
     nodes = sorted(set(args.nodes) | {1})
     S = args.context
-    kv = [torch.randn(S + max(nodes), cfg.kv_cache_dim, generator=gen, device=dev).to(dtype) for _ in layers]
+    # each layer's cache as one request's pages in order (the engine's pool layout, a one-request block table)
+    pages = -(-(S + max(nodes)) // BLOCK)
+    kv = [torch.randn(pages, BLOCK, cfg.kv_cache_dim, generator=gen, device=dev).to(dtype) for _ in layers]
     rope = Rope(cfg, max_positions=S + max(nodes) + 1)
 
     attn_w = attention_weight_bytes(layers[0].self_attn)
@@ -481,15 +485,19 @@ class StepInputs:
         from kdtree_engine.model.context import StepContext, static_visibility
         self.S, self.path = S, path
         positions = positions.to(dev)
+        table = torch.arange(-(-kv_capacity // BLOCK), dtype=torch.int32, device=dev)  # pages in order
         if path == "host":
-            self.ctx = StepContext(positions, cos, sin, torch.arange(S, S + T, device=dev), S, mask)
+            slots = torch.arange(S, S + T, device=dev)
+            self.ctx = StepContext(positions, cos, sin, slots, S, mask, table, page_rows(table, slots, BLOCK))
             return
         mask = mask if mask is not None else torch.ones(T, T, dtype=torch.bool, device=dev).tril()
         start = torch.tensor(S, device=dev)
         self.index = lambda: attention_gather_index(_POLICY, mask)
         gather = self.index()
         visible = static_visibility(start, mask, kv_capacity) if gather is None else None
-        self.ctx = StepContext(positions, cos, sin, start + torch.arange(T, device=dev), start, mask, visible, gather)
+        slots = start + torch.arange(T, device=dev)
+        self.ctx = StepContext(positions, cos, sin, slots, start, mask, table, page_rows(table, slots, BLOCK), visible,
+                               gather, capacity=kv_capacity)
 
     def attn(self, attn: MLA, x: torch.Tensor, kv: torch.Tensor):
         return attn(x, self.ctx, kv)
@@ -512,7 +520,7 @@ def bench_step(T, S, cfg, layers, kv, rope, rank_attn, shared_r, dense_r, head_r
     cos, sin = rope.tables(positions)
     cos, sin = cos.to(dev), sin.to(dev)
     xs = [torch.randn(T, H, generator=gen, device=dev).to(dtype) for _ in range(L)]
-    step = StepInputs(T, S, mask, kv[0].shape[0], path, positions, cos, sin, dev)
+    step = StepInputs(T, S, mask, kv[0].shape[0] * BLOCK, path, positions, cos, sin, dev)
 
     def attn_call(l):
         layer = layers[l]

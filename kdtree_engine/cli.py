@@ -61,6 +61,17 @@ def _positive(flag: str, auto: bool = False) -> Callable[[str], int | str]:
     return parse
 
 
+def _fraction(text: str) -> float:
+    """argparse type of --gpu-memory-fraction: a number in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"--gpu-memory-fraction must be a number in (0, 1], got {text!r}")
+    return value
+
+
 class Parser(argparse.ArgumentParser):
     """argparse with the CLI's error convention: one line ``kdtree: error: ...`` pointing to ``--help``, exit 2."""
 
@@ -70,13 +81,16 @@ class Parser(argparse.ArgumentParser):
 
 # API messages name arguments as ``name=value`` (kdtree_engine.engine, speculative.config); the CLI shows them
 # as its flags, ``--name value``.
-ARG_FLAGS = ("spec", "draft", "budget", "device", "dtype", "quantize", "threads", "tp")
+ARG_FLAGS = ("spec", "draft", "budget", "device", "dtype", "quantize", "threads", "tp", "cache_tokens",
+             "memory_fraction")
+FLAG_OF_ARG = {"cache_tokens": "cache-tokens", "memory_fraction": "gpu-memory-fraction"}  # where the names differ
 ARG_IN_MESSAGE = re.compile(r"\b(" + "|".join(ARG_FLAGS) + r")=(?:'([^']*)'|([^\s,;:()]+))")
 
 
 def as_flags(message: str) -> str:
     """An API error message with its ``name=value`` arguments written as the CLI's ``--name value``."""
-    return ARG_IN_MESSAGE.sub(lambda m: f"--{m[1]} {m[2] if m[2] is not None else m[3]}", message)
+    return ARG_IN_MESSAGE.sub(lambda m: f"--{FLAG_OF_ARG.get(m[1], m[1])} {m[2] if m[2] is not None else m[3]}",
+                              message)
 
 
 def error_line(e: BaseException) -> str:
@@ -106,6 +120,13 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eager", action="store_true",
                    help="run each decoding round from the host (stage timers, --show-tree, sampling) instead of "
                         "replaying it from a CUDA graph (the default on CUDA with a fixed budget)")
+    p.add_argument("--cache-tokens", type=_positive("--cache-tokens"), default=None,
+                   help="latent cache pool size in tokens, shared by the requests (default: --gpu-memory-fraction "
+                        "on CUDA, 2 x the model's max_position_embeddings on the CPU); logged with the maximum "
+                        "context")
+    p.add_argument("--gpu-memory-fraction", type=_fraction, default=None,
+                   help="size the latent cache pool as this fraction of the free device memory after the weights "
+                        "(CUDA; default 0.9)")
     p.add_argument("--threads", type=_positive("--threads"), default=None,
                    help="torch CPU threads (default: chosen by the model's size on the CPU, logged; one for the "
                         "demo)")
@@ -120,7 +141,7 @@ def llm_kwargs(args: argparse.Namespace, eager: bool) -> dict:
     return dict(model=args.model, draft=args.draft, spec=args.spec, budget=args.budget, device=args.device,
                 dtype=args.dtype, quantize=args.quantize, batch_invariant=args.batch_invariant == "on",
                 eager=True if eager else None, threads=args.threads if args.threads is not None else "auto",
-                tp=args.tp)
+                tp=args.tp, cache_tokens=args.cache_tokens, memory_fraction=args.gpu_memory_fraction)
 
 
 def load_llm(args: argparse.Namespace, eager: bool) -> LLM:

@@ -201,7 +201,8 @@ class LLM:
                  spec: str | SpecConfig | None = None, budget: int | str | None = None, device: str | None = None,
                  dtype: str | torch.dtype | None = None, quantize: str | None = None, batch_invariant: bool = True,
                  progress: bool = True, eager: bool | None = None, threads: int | str | None = None, tp: int = 1,
-                 comm: Communicator | None = None) -> None:
+                 comm: Communicator | None = None, cache_tokens: int | None = None,
+                 memory_fraction: float | None = None) -> None:
         """``model``: a checkpoint directory, or None / ``"demo"`` for the embedded demo (its drafter and budget
         16 unless ``draft`` / ``budget`` say otherwise). ``spec``: none | dflash | ddtree; None = ddtree with a
         drafter, else none. ``eager``: True = rounds driven from the host; False = each round replayed from a CUDA
@@ -210,9 +211,13 @@ class LLM:
         ``threads``: torch's CPU threads (process-wide): an int, ``"auto"`` (by the model's size on the CPU, as
         the CLI does) or None (torch's setting is left alone); see :func:`resolve_threads`. ``tp``: ranks of tensor +
         expert parallelism (docs/parallel.md): this process is rank 0 and spawns ranks 1..tp-1 (or joins the group
-        torchrun started); ``comm``: the group of a rank > 0 (parallel/launch.py passes it)."""
+        torchrun started); ``comm``: the group of a rank > 0 (parallel/launch.py passes it). ``cache_tokens`` /
+        ``memory_fraction``: the size of the target's latent cache pool, made once after the weights, in tokens or
+        as a fraction of the free device memory (default: 0.9 of it on CUDA, 2 x max_position_embeddings on the
+        CPU; the least over the ranks under tp; logged with the maximum context; see kdtree_engine/cache.py)."""
         args = dict(model=model, draft=draft, spec=spec, budget=budget, device=device, dtype=dtype, quantize=quantize,
-                    batch_invariant=batch_invariant, progress=False, eager=eager, threads=threads, tp=tp)
+                    batch_invariant=batch_invariant, progress=False, eager=eager, threads=threads, tp=tp,
+                    cache_tokens=cache_tokens, memory_fraction=memory_fraction)
         demo = model is None or str(model) == DEMO
         if demo:
             if not (DEMO_DIR / "config.json").exists():
@@ -234,6 +239,7 @@ class LLM:
         self.target = load_target(model, device=self.device, dtype=self.dtype, quantize=quantize, progress=progress,
                                   policy=self.policy, comm=self.comm)
         self.drafter = None if draft is None else load_drafter(draft, self.target)
+        pool = self.target.init_cache_pool(tokens=cache_tokens, fraction=memory_fraction)  # after the drafter's weights
         self.spec = resolve_spec(spec_config, self.drafter, None)
         if self.drafter is not None and self.spec.method != "none":
             self.spec.resolve(self.drafter.block_size, self.target.cfg.vocab_size)  # the budget's bound, now
@@ -248,10 +254,13 @@ class LLM:
         spec_text = self.spec.method + (f" budget {self.spec.budget}" if self.spec.budget is not None else "")
         why_threads = chosen[1] if chosen is not None else "torch's setting"
         thread_text = f"torch threads {self.threads} ({why_threads})"
-        log.info("loaded %s: %.1fM parameters, %s %s, spec %s%s%s", what, n_params / 1e6, self.device.type,
+        # the plain run's one INFO line for the load, with the cache pool and the maximum context it gives
+        log.info("loaded %s: %.1fM parameters, %s %s, spec %s%s%s, latent cache pool %d tokens (%s), maximum context "
+                 "%d tokens", what, n_params / 1e6, self.device.type,
                  str(self.dtype).replace("torch.", ""), spec_text,
                  "" if self.drafter is None else f" (drafter {draft})",
-                 f", {thread_text}" if self.device.type == "cpu" else "")
+                 f", {thread_text}" if self.device.type == "cpu" else "", pool.total_tokens, pool.sizing,
+                 pool.max_context)
 
     def _join(self, tp: int, comm: Communicator | None, spec: SpecConfig, model: Path, args: dict) -> None:
         """Become a rank of a ``tp``-rank engine (rank 0: spawn or join the others; a worker: ``comm``). What the

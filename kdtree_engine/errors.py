@@ -67,3 +67,7 @@ class TokenizerError(BadInput):
 class ChatTemplateError(BadInput):
     """The chat template cannot render these messages (no template, no messages, a bad message, or the template
     raised); the message is one line naming the problem."""
+
+
+class PoolFullError(PromptError):
+    """A request needs more latent cache blocks than the pool has free; the message names both counts."""

@@ -33,14 +33,15 @@
 
   static step     (a device-resident step, model/context.py StepContext with the length on the device: a
                  round captured in a CUDA graph, or run eagerly with device-side bookkeeping):
-                 MLA attention over the whole cache buffer with the length on the device
+                 MLA attention over all the request's cache slots with the length on the device
                  (:func:`mla_attention_static`: the Triton kernel's device-length launch, or the torch
                  reference with a visibility mask, by the same backend choice); a MoE that would take the torch
                  per-expert loop (which reads the hit experts on the host) runs every expert with a
                  zero weight for tokens not routed to it (model/moe.py, ``host_reads=False``).
 
   MLA tails      rope of the query heads, and the new latent cache rows (RMSNorm of c_kv | rope of k_pe,
-                 written at their slots). CUDA: one Triton launch each (kernels/rope.py; no FMA, the same
+                 written at their pool rows, the slots mapped through the block table). CUDA: one Triton
+                 launch each (kernels/rope.py; no FMA, the same
                  bits as torch's separate products and sums; the norm one row per program). CPU: torch
                  (kernels/reference.py apply_rope, the RMSNorm dispatch, index_copy_).
 
@@ -124,6 +125,7 @@ from ..speculative.tree import DraftTree, build_tree
 from .common import DTYPES, interpreting
 from .layouts import ENGINE_ORDER
 from .loader import triton_kernels
+from .paged import gather_slots
 from .policy import KernelPolicy
 from .reference import (apply_rope, apply_rope_half, mla_attention_masked, mla_attention_reference, rms_norm_torch,
                         route_torch, topk_logprobs_torch, w8a16_linear_reference, ordered_sum_torch)
@@ -476,29 +478,36 @@ def attn_backend(policy: KernelPolicy, device: torch.device) -> str:
     return _invariant_backend(policy, "MLA attention", policy.attn, device)
 
 
-def mla_attention(policy: KernelPolicy, q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, start: int,
-                  tree_mask: torch.Tensor | None, scale: float, kv_lora_rank: int) -> torch.Tensor:
-    """Absorbed MLA attention over the latent cache + the new block; see reference.mla_attention_reference."""
+def mla_attention(policy: KernelPolicy, q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor,
+                  table: torch.Tensor, start: int, tree_mask: torch.Tensor | None, scale: float,
+                  kv_lora_rank: int) -> torch.Tensor:
+    """Absorbed MLA attention over the latent cache + the new block: slots [0, start + T) of the request whose
+    block table is ``table``, in the pool layer kv [num_blocks, BLOCK, C+R]; see
+    reference.mla_attention_reference (the torch path runs it on those slots gathered contiguous)."""
     if attn_backend(policy, kv.device) == "triton":
-        return triton_kernels().mla_attention.mla_attention(q_lat, q_pe, kv, start, tree_mask, scale, kv_lora_rank)
-    return mla_attention_reference(q_lat, q_pe, kv, start, tree_mask, scale, kv_lora_rank)
+        return triton_kernels().mla_attention.mla_attention(q_lat, q_pe, kv, start, tree_mask, scale, kv_lora_rank,
+                                                            table=table)
+    return mla_attention_reference(q_lat, q_pe, gather_slots(kv, table, start + q_lat.shape[0]), start, tree_mask,
+                                   scale, kv_lora_rank)
 
 
 def mla_attention_static(policy: KernelPolicy, q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor,
-                         start: torch.Tensor, tree_mask: torch.Tensor, visible: torch.Tensor | None, scale: float,
-                         kv_lora_rank: int, gather_index: tuple[torch.Tensor, torch.Tensor] | None = None
-                         ) -> torch.Tensor:
-    """Absorbed MLA attention over the whole cache buffer kv [S_cap, C+R] with the committed length
+                         table: torch.Tensor, capacity: int, start: torch.Tensor, tree_mask: torch.Tensor,
+                         visible: torch.Tensor | None, scale: float, kv_lora_rank: int,
+                         gather_index: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Absorbed MLA attention over all ``capacity`` slots of a request (block table ``table`` into the pool layer
+    kv [num_blocks, BLOCK, C+R]) with the committed length
     ``start`` on the device: the Triton kernel's device-length launch (same reduction as the host-length
     one), or the torch reference with the visibility mask ``visible`` [T, S_cap] (None: the Triton path).
     ``gather_index``: the Triton kernel's :func:`attention_gather_index` of ``tree_mask``, computed once for all
     layers (else per call)."""
     if attn_backend(policy, kv.device) == "triton":
         return triton_kernels().mla_attention.mla_attention_device(q_lat, q_pe, kv, start, tree_mask, scale,
-                                                                   kv_lora_rank, gather_index=gather_index)
+                                                                   kv_lora_rank, gather_index=gather_index,
+                                                                   table=table, capacity=capacity)
     if visible is None:
         raise ValueError("the torch MLA attention of a static step needs the visibility mask")
-    return mla_attention_masked(q_lat, q_pe, kv, visible, scale, kv_lora_rank)
+    return mla_attention_masked(q_lat, q_pe, gather_slots(kv, table, capacity), visible, scale, kv_lora_rank)
 
 
 def attention_gather_index(policy: KernelPolicy, tree_mask: torch.Tensor

@@ -83,8 +83,10 @@ import triton.language as tl
 
 from ..logs import log_once
 from .common import DTYPES, bucket, interpreting
-from .mla_decode_wg import launch as decode_wg, rows_per_program as wg_rows, unsupported as wg_unsupported
+from .mla_decode_wg import BLOCK_N as WG_KEYS, launch as decode_wg, rows_per_program as wg_rows
+from .mla_decode_wg import unsupported as wg_unsupported
 from .mla_verify_wg import ROWS as VWG_ROWS, launch as verify_wg, unsupported as vwg_unsupported
+from .paged import contiguous_table
 from .pdl import pdl_launch, pdl_supported, pdl_wait
 from .streams import side_by_side
 
@@ -333,14 +335,14 @@ _DTYPES = DTYPES
 
 @triton.jit
 def _mla_chunk_kernel(
-    ql_ptr, qp_ptr, kv_ptr, idx_ptr, nvis_ptr, po_ptr, pl_ptr, out_ptr, s_ptr,
+    ql_ptr, qp_ptr, kv_ptr, tbl_ptr, idx_ptr, nvis_ptr, po_ptr, pl_ptr, out_ptr, s_ptr,
     T, S, N, c_first,
     stride_qlt, stride_qln, stride_qpt, stride_qpn, stride_kv, stride_idx,
     stride_pom, stride_poc, stride_plm, stride_ot, stride_on,
     qk_scale,
     C: tl.constexpr, R: tl.constexpr, CP: tl.constexpr, RP: tl.constexpr, DV: tl.constexpr,
     CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    GATHER: tl.constexpr, CAUSAL: tl.constexpr, DIRECT: tl.constexpr,
+    GATHER: tl.constexpr, CAUSAL: tl.constexpr, DIRECT: tl.constexpr, PAGE: tl.constexpr,
     UPCAST: tl.constexpr, PREC: tl.constexpr, S_DEV: tl.constexpr = False, L_BY_DOT: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
@@ -422,7 +424,9 @@ def _mla_chunk_kernel(
             slot = tl.where(p < S, p, S + j)
         else:
             slot = tl.minimum(p, p_end - 1)
-        krow = kv_ptr + (slot * stride_kv)[:, None]
+        # paged cache: slot s is row table[s // PAGE] * PAGE + s % PAGE of the pool (every slot read is valid)
+        page = tl.load(tbl_ptr + slot // PAGE)
+        krow = kv_ptr + ((page * PAGE + slot % PAGE) * stride_kv)[:, None]
         if CP == C:
             k_lat = tl.load(krow + offs_c[None, :])
         else:
@@ -611,8 +615,6 @@ def _check(q_lat, q_pe, kv, start, tree_mask, kv_lora_rank):
         raise ValueError(f"kv width {kv.shape[1]} != C + R = {C} + {R}")
     if not isinstance(start, int) or start < 0:
         raise ValueError(f"start must be a non-negative int, got {start!r}")
-    if kv.shape[0] != start + T:
-        raise ValueError(f"kv has {kv.shape[0]} rows, expected start + T = {start} + {T}")
     _check_offsets(kv)
     for name, x in (("q_lat", q_lat), ("q_pe", q_pe), ("kv", kv)):
         if x.dtype not in _DTYPES:
@@ -628,6 +630,27 @@ def _check(q_lat, q_pe, kv, start, tree_mask, kv_lora_rank):
             raise ValueError(f"tree_mask must be bool [T, T] = [{T}, {T}], got {tree_mask.dtype} "
                              f"{tuple(tree_mask.shape)}")
     return T, N, C, R
+
+
+CONTIGUOUS_PAGE = WG_KEYS  # the page of a contiguous buffer's table: a warpgroup key tile
+
+
+def _pages(kv: torch.Tensor, table: torch.Tensor | None, n_slots: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(key rows [rows, C+R], block table int32, page) of a launch over ``n_slots`` slots: kv contiguous
+    [n_slots, C+R] (table None: page i is rows i*PAGE.., :data:`CONTIGUOUS_PAGE`), or a paged pool layer
+    [num_blocks, PAGE, C+R] whose slot s is row (table[s // PAGE], s % PAGE)."""
+    if table is None:
+        if kv.dim() == 2 and kv.shape[0] != n_slots:
+            raise ValueError(f"kv has {kv.shape[0]} rows, expected {n_slots} slots")
+        return kv, contiguous_table(kv.shape[0], CONTIGUOUS_PAGE, kv.device), CONTIGUOUS_PAGE
+    if kv.dim() != 3 or table.dim() != 1 or table.dtype != torch.int32:
+        raise ValueError(f"a paged kv is [num_blocks, PAGE, C+R] with an int32 table [W]; got kv "
+                         f"{tuple(kv.shape)}, table {table.dtype} {tuple(table.shape)}")
+    if table.numel() * kv.shape[1] < n_slots:
+        raise ValueError(f"the block table covers {table.numel()} x {kv.shape[1]} slots, fewer than {n_slots}")
+    if table.device != kv.device:
+        raise ValueError(f"the block table is on {table.device}, kv on {kv.device}")
+    return kv.flatten(0, 1), table, kv.shape[1]
 
 
 def tree_gather_index(tree_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -692,7 +715,13 @@ def _wg_device(q_lat: torch.Tensor, kv: torch.Tensor, C: int) -> str | None:
     return why
 
 
-def _decode_wg(cfg: MLAConfig, dec: bool, q_lat: torch.Tensor, kv: torch.Tensor, R: int, VS: int) -> bool:
+def _wg_page(page: int) -> str | None:
+    """Why the cache's page size does not suit the warpgroup kernels (a TMA key tile is one page), or None."""
+    return None if page == WG_KEYS else f"cache pages of {page} keys (the warpgroup key tile is {WG_KEYS})"
+
+
+def _decode_wg(cfg: MLAConfig, dec: bool, q_lat: torch.Tensor, kv: torch.Tensor, R: int, VS: int,
+               page: int = CONTIGUOUS_PAGE) -> bool:
     """Whether a decode launch (dec: T = 1, or the prefix launch of a small tree) runs on the warpgroup kernel:
     the config asks for it (DECODE_WG) and the launch fits it (otherwise the chunk kernel, the reason logged
     once)."""
@@ -700,7 +729,7 @@ def _decode_wg(cfg: MLAConfig, dec: bool, q_lat: torch.Tensor, kv: torch.Tensor,
         return False
     T, N, C = q_lat.shape
     why = (wg_unsupported(T * N, C, R, q_lat.dtype, cfg.BLOCK_N, VS, cfg.DECODE_WG, cfg.DECODE_WG_ROWS)
-           or _wg_device(q_lat, kv, C))
+           or _wg_device(q_lat, kv, C) or _wg_page(page))
     if why is not None:
         log_once(f"mla-decode-chunk:{why}",
                  f"MLA attention: decode launches on the chunk kernel, not the warpgroup kernel: {why}")
@@ -708,13 +737,14 @@ def _decode_wg(cfg: MLAConfig, dec: bool, q_lat: torch.Tensor, kv: torch.Tensor,
     return True
 
 
-def _verify_wg(cfg: MLAConfig, dec: bool, q_lat: torch.Tensor, kv: torch.Tensor, R: int) -> bool:
+def _verify_wg(cfg: MLAConfig, dec: bool, q_lat: torch.Tensor, kv: torch.Tensor, R: int,
+               page: int = CONTIGUOUS_PAGE) -> bool:
     """Whether a tree's prefix launch on the verify tiles (not dec) runs on the queries-on-M warpgroup kernel: the
     config asks for it (VERIFY_WG) and the launch fits it (otherwise the chunk kernel, the reason logged once)."""
     if not cfg.VERIFY_WG or dec:
         return False
     C = q_lat.shape[2]
-    why = vwg_unsupported(C, R, q_lat.dtype, cfg.BLOCK_N, cfg.VERIFY_WG) or _wg_device(q_lat, kv, C)
+    why = vwg_unsupported(C, R, q_lat.dtype, cfg.BLOCK_N, cfg.VERIFY_WG) or _wg_device(q_lat, kv, C) or _wg_page(page)
     if why is not None:
         log_once(f"mla-tree-chunk:{why}",
                  f"MLA attention: tree prefix launches on the chunk kernel, not the warpgroup kernel: {why}")
@@ -747,13 +777,17 @@ def _partials(out: torch.Tensor, n_ch: int) -> tuple[torch.Tensor, torch.Tensor,
 
 def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, start: int,
                   tree_mask: torch.Tensor | None, scale: float, kv_lora_rank: int | None = None,
-                  config: MLAConfig | None = None) -> torch.Tensor:
+                  config: MLAConfig | None = None, table: torch.Tensor | None = None) -> torch.Tensor:
     """Absorbed MLA attention (Triton). q_lat [T, N, C], q_pe [T, N, R], kv [start+T, C+R] -> [T, N, C].
 
     Query i sees slots [0, start) and start + j where tree_mask[i, j] (causal when None). `config`
-    overrides the per-N default (benchmarks; a different config changes the rounding)."""
+    overrides the per-N default (benchmarks; a different config changes the rounding). ``table``: kv is a
+    paged pool layer [num_blocks, PAGE, C+R] read through this block table (see :func:`_pages`); the keys are
+    cut into the same chunks and blocks by slot whatever the pages, so the result is the contiguous one's."""
     if kv_lora_rank is None:
         kv_lora_rank = q_lat.shape[-1]
+    if isinstance(start, int) and start >= 0:
+        kv, tbl, page = _pages(kv, table, start + q_lat.shape[0])
     T, N, C, R = _check(q_lat, q_pe, kv, start, tree_mask, kv_lora_rank)
     S = start
     out = torch.empty((T, N, C), device=q_lat.device, dtype=q_lat.dtype)
@@ -776,43 +810,43 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, sta
     po, pl, spom, spoc, splm = _partials(out, n_ch)
 
     common = dict(C=C, R=R, CP=CP, RP=RP, DV=DV, CHUNK=cfg.CHUNK, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
-                  CAUSAL=causal, DIRECT=direct, UPCAST=upcast, PREC=prec,
+                  CAUSAL=causal, DIRECT=direct, UPCAST=upcast, PREC=prec, PAGE=page,
                   L_BY_DOT=cfg.L_BY_DOT, **pdl,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     args_tail = (q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), kv.stride(0), stride_idx,
                  spom, spoc, splm, out.stride(0), out.stride(1), qk_scale)
     n_tiles = triton.cdiv(T * N, rows)
-    wg = _decode_wg(cfg, dec and (T == 1 or not causal), q_lat, kv, R, VS)
-    vwg = not causal and _verify_wg(cfg, dec, q_lat, kv, R)
+    wg = _decode_wg(cfg, dec and (T == 1 or not causal), q_lat, kv, R, VS, page)
+    vwg = not causal and _verify_wg(cfg, dec, q_lat, kv, R, page)
     if causal and wg:
-        decode_wg(q_lat, q_pe, kv, S + 1, po, pl, out, nvis, S, (spom, spoc, splm), qk_scale, cfg.CHUNK, n_ch,
+        decode_wg(q_lat, q_pe, kv, tbl, page, po, pl, out, nvis, S, (spom, spoc, splm), qk_scale, cfg.CHUNK, n_ch,
                   _wg_slices(cfg, N, n_ch, C, VS), cfg.DECODE_WG, True, direct, False, pdl, **_wg_opts(cfg))
     elif causal:
         grid = (n_tiles * VS, n_ch)
-        _mla_chunk_kernel[grid](q_lat, q_pe, kv, idx, nvis, po, pl, out, nvis, T, S, N, 0, *args_tail,
+        _mla_chunk_kernel[grid](q_lat, q_pe, kv, tbl, idx, nvis, po, pl, out, nvis, T, S, N, 0, *args_tail,
                                 GATHER=False, **common)
     else:
         c_split = S // cfg.CHUNK  # chunks [0, c_split) lie wholly in the committed prefix
 
         def verify(tail: tuple | None) -> None:   # the verify warpgroup launch (its prefix chunks; tail: its own too)
-            verify_wg(q_lat, q_pe, kv, S + T, po, pl, nvis, S, (spom, spoc, splm), qk_scale, cfg.CHUNK, c_split,
+            verify_wg(q_lat, q_pe, kv, tbl, page, po, pl, nvis, S, (spom, spoc, splm), qk_scale, cfg.CHUNK, c_split,
                       cfg.VERIFY_WG, False, pdl, tail=tail)
 
         def prefix() -> None:
             if wg:   # the whole prefix chunks of a small tree: no mask in them
-                decode_wg(q_lat, q_pe, kv, S + T, po, pl, out, nvis, S, (spom, spoc, splm), qk_scale, cfg.CHUNK,
+                decode_wg(q_lat, q_pe, kv, tbl, page, po, pl, out, nvis, S, (spom, spoc, splm), qk_scale, cfg.CHUNK,
                           c_split, _wg_slices(cfg, T * N, c_split, C, VS), cfg.DECODE_WG, False, False, False, pdl,
                           **_wg_opts(cfg))
                 return
             if vwg:  # the whole prefix chunks of a larger tree: 64 rows per program, queries on the M side
                 verify(None)
                 return
-            _mla_chunk_kernel[(n_tiles * VS, c_split)](q_lat, q_pe, kv, idx, nvis, po, pl, out, nvis, T, S, N, 0,
+            _mla_chunk_kernel[(n_tiles * VS, c_split)](q_lat, q_pe, kv, tbl, idx, nvis, po, pl, out, nvis, T, S, N, 0,
                                                        *args_tail, GATHER=False, **common)
 
         def tail() -> None:
             _mla_chunk_kernel[(T * triton.cdiv(N, rows) * VS, n_ch - c_split)](
-                q_lat, q_pe, kv, idx, nvis, po, pl, out, nvis, T, S, N, c_split, *args_tail, GATHER=True, **common)
+                q_lat, q_pe, kv, tbl, idx, nvis, po, pl, out, nvis, T, S, N, c_split, *args_tail, GATHER=True, **common)
 
         if vwg and N % VWG_ROWS == 0 and not direct:   # one launch: the tree's own chunks first, then the prefix's
             verify((idx, nvis, n_ch - c_split))
@@ -828,7 +862,8 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, sta
 def mla_attention_device(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, start: torch.Tensor,
                          tree_mask: torch.Tensor, scale: float, kv_lora_rank: int | None = None,
                          config: MLAConfig | None = None,
-                         gather_index: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                         gather_index: tuple[torch.Tensor, torch.Tensor] | None = None,
+                         table: torch.Tensor | None = None, capacity: int | None = None) -> torch.Tensor:
     """:func:`mla_attention` with the committed length on the device (no host read; fixed grid).
 
     kv [S_cap, C+R] is the whole cache buffer, the T new entries at slots start..start+T-1 (start
@@ -837,14 +872,18 @@ def mla_attention_device(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tens
     once, so every row is reduced exactly as :func:`mla_attention` reduces it for the same start
     (bit for bit: same chunks, same blocks, same merge order). T = 1 (the root alone: tree_mask [[True]])
     runs the causal decode launch. ``gather_index``: tree_gather_index(tree_mask)
-    when the caller already has it (one per step for all layers).
+    when the caller already has it (one per step for all layers). ``table``: kv is a paged pool layer read
+    through this block table (see :func:`_pages`), the request's ``capacity`` slots in it (S_cap).
     """
     if kv_lora_rank is None:
         kv_lora_rank = q_lat.shape[-1]
     T, N, C = q_lat.shape
     if tree_mask is None or tree_mask.dtype != torch.bool or tuple(tree_mask.shape) != (T, T):
         raise ValueError(f"tree_mask must be bool [T, T] = [{T}, {T}]")
-    cap = kv.shape[0]
+    if table is not None and capacity is None:
+        raise ValueError("a paged device-length launch needs the request's capacity")
+    cap = kv.shape[0] if table is None else capacity
+    kv, tbl, page = _pages(kv, table, cap)
     if cap < T:
         raise ValueError(f"kv holds {cap} slots, fewer than the {T} new entries")
     _check(q_lat, q_pe, kv[:T] if cap >= T else kv, 0, tree_mask, kv_lora_rank)
@@ -865,47 +904,47 @@ def mla_attention_device(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tens
     direct = n_ch == 1
     po, pl, spom, spoc, splm = _partials(out, n_ch)
     common = dict(C=C, R=R, CP=CP, RP=RP, DV=DV, CHUNK=cfg.CHUNK, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
-                  CAUSAL=False, DIRECT=direct, UPCAST=upcast, PREC=prec, S_DEV=True,
+                  CAUSAL=False, DIRECT=direct, UPCAST=upcast, PREC=prec, S_DEV=True, PAGE=page,
                   L_BY_DOT=cfg.L_BY_DOT, **pdl,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     args_tail = (q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), kv.stride(0), idx.stride(0),
                  spom, spoc, splm, out.stride(0), out.stride(1), float(scale) * LOG2E)
     n_tiles = triton.cdiv(T * N, rows)
-    wg = _decode_wg(cfg, dec, q_lat, kv, R, VS)
-    vwg = T > 1 and _verify_wg(cfg, dec, q_lat, kv, R)
+    wg = _decode_wg(cfg, dec, q_lat, kv, R, VS, page)
+    vwg = T > 1 and _verify_wg(cfg, dec, q_lat, kv, R, page)
     if T == 1:
         # one query (a tree of its root alone, the plain decoding step of a device round) sees the prefix and
         # itself, the causal case: one packed launch with the per-row length (chunks past it exit at once),
         # the host-length decode launch's reduction, instead of a prefix launch beside a gather launch
         if wg:
-            decode_wg(q_lat, q_pe, kv, cap, po, pl, out, s_dev, 0, (spom, spoc, splm), args_tail[-1], cfg.CHUNK,
+            decode_wg(q_lat, q_pe, kv, tbl, page, po, pl, out, s_dev, 0, (spom, spoc, splm), args_tail[-1], cfg.CHUNK,
                       n_ch, _wg_slices(cfg, N, n_ch, C, VS), cfg.DECODE_WG, True, direct, True, pdl, **_wg_opts(cfg))
         else:
-            _mla_chunk_kernel[(n_tiles * VS, n_ch)](q_lat, q_pe, kv, idx, nvis, po, pl, out, s_dev, T, 0, N, 0,
+            _mla_chunk_kernel[(n_tiles * VS, n_ch)](q_lat, q_pe, kv, tbl, idx, nvis, po, pl, out, s_dev, T, 0, N, 0,
                                                     *args_tail, GATHER=False, **{**common, "CAUSAL": True})
         if not direct:
             _merge(po, pl, nvis, out, s_dev, 0, N, n_ch, (spom, spoc, splm), C, cfg.CHUNK, True, True)
         return out
 
     def verify(tail: tuple | None) -> None:   # the verify warpgroup launch (its prefix chunks; tail: its own too)
-        verify_wg(q_lat, q_pe, kv, cap, po, pl, s_dev, 0, (spom, spoc, splm), args_tail[-1], cfg.CHUNK, n_ch,
+        verify_wg(q_lat, q_pe, kv, tbl, page, po, pl, s_dev, 0, (spom, spoc, splm), args_tail[-1], cfg.CHUNK, n_ch,
                   cfg.VERIFY_WG, True, pdl, tail=tail)
 
     def prefix() -> None:   # the two launches keep to disjoint chunks (S_DEV): side by side
         if wg:   # the whole prefix chunks of a small tree (no mask in them); the others exit at once
-            decode_wg(q_lat, q_pe, kv, cap, po, pl, out, s_dev, 0, (spom, spoc, splm), args_tail[-1], cfg.CHUNK,
+            decode_wg(q_lat, q_pe, kv, tbl, page, po, pl, out, s_dev, 0, (spom, spoc, splm), args_tail[-1], cfg.CHUNK,
                       n_ch, _wg_slices(cfg, T * N, n_ch, C, VS), cfg.DECODE_WG, False, False, True, pdl,
                       **_wg_opts(cfg))
             return
         if vwg:  # the whole prefix chunks of a larger tree (the others exit at once)
             verify(None)
             return
-        _mla_chunk_kernel[(n_tiles * VS, n_ch)](q_lat, q_pe, kv, idx, nvis, po, pl, out, s_dev, T, 0, N, 0,
+        _mla_chunk_kernel[(n_tiles * VS, n_ch)](q_lat, q_pe, kv, tbl, idx, nvis, po, pl, out, s_dev, T, 0, N, 0,
                                                 *args_tail, GATHER=False, **common)
 
     def tail() -> None:
         _mla_chunk_kernel[(T * triton.cdiv(N, rows) * VS, n_ch)](
-            q_lat, q_pe, kv, idx, nvis, po, pl, out, s_dev, T, 0, N, 0, *args_tail, GATHER=True, **common)
+            q_lat, q_pe, kv, tbl, idx, nvis, po, pl, out, s_dev, T, 0, N, 0, *args_tail, GATHER=True, **common)
 
     if vwg and N % VWG_ROWS == 0 and not direct:   # one launch, the tree's own chunks first (1 + cdiv(T - 1, CHUNK))
         verify((idx, nvis, 1 + triton.cdiv(T - 1, cfg.CHUNK)))

@@ -18,8 +18,9 @@ rows carried as a tile, one taken at the end), the rescaled accumulator as the P
 partials (o = acc / l, lse = m + log2 l) for the same merge. The GPU tests hold it to the Triton decode launch bit for bit (tests/gpu/test_mla_attention_gpu.py).
 
 Keys past the row's end inside a block are real cache slots (or the TMA's zero fill past the tensor)
-weighted exactly 0, so they must be finite: the engine's latent cache is zero-initialised and only ever
-holds written keys.
+weighted exactly 0, so they must be finite: the engine's latent cache pool is zero-initialised and only ever
+holds written keys. The cache is paged (cache.py): a key tile is one page of PAGE = BLOCK_N slots, the tile
+of slots p.. at pool row table[p // PAGE] * PAGE.
 """
 
 from __future__ import annotations
@@ -139,15 +140,22 @@ if HAVE_GLUON:
         return tok
 
     @gluon.jit
-    def _refill(lat_desc, pe_desc, kl, kp, bars, st, p0, nxt, n_blk, BN: gl.constexpr, NBYTES: gl.constexpr):
-        """Key block nxt (if there is one) into slot st."""
-        if nxt < n_blk:
-            mbarrier.expect(bars.index(st), NBYTES)
-            tma_load(lat_desc, [p0 + nxt * BN, 0], bars.index(st), kl.index(st))
-            tma_load(pe_desc, [p0 + nxt * BN, 0], bars.index(st), kp.index(st))
+    def tile_row(tbl_ptr, p, BN: gl.constexpr):
+        """Pool row of the key tile of slots p .. p + BN - 1 (p a multiple of BN, one page)."""
+        return gl.load(tbl_ptr + p // BN) * BN
 
     @gluon.jit
-    def _mla_decode_wg_kernel(ql_ptr, qp_ptr, lat_desc, pe_desc, po_ptr, pl_ptr, out_ptr, s_ptr,
+    def _refill(lat_desc, pe_desc, tbl_ptr, kl, kp, bars, st, p0, nxt, n_blk, BN: gl.constexpr,
+                NBYTES: gl.constexpr):
+        """Key block nxt (if there is one) into slot st."""
+        if nxt < n_blk:
+            row = tile_row(tbl_ptr, p0 + nxt * BN, BN)
+            mbarrier.expect(bars.index(st), NBYTES)
+            tma_load(lat_desc, [row, 0], bars.index(st), kl.index(st))
+            tma_load(pe_desc, [row, 0], bars.index(st), kp.index(st))
+
+    @gluon.jit
+    def _mla_decode_wg_kernel(ql_ptr, qp_ptr, lat_desc, pe_desc, tbl_ptr, po_ptr, pl_ptr, out_ptr, s_ptr,
                               S, T, N, stride_qlt, stride_qln, stride_qpt, stride_qpn, stride_pom, stride_poc,
                               stride_plm, stride_ot, stride_on, qk_scale,
                               C: gl.constexpr, R: gl.constexpr, NP: gl.constexpr, DV: gl.constexpr,
@@ -187,9 +195,10 @@ if HAVE_GLUON:
         NBYTES: gl.constexpr = BN * (C + R) * 2
         for i in gl.static_range(STAGES):
             ok = i < n_blk
+            row = tile_row(tbl_ptr, gl.minimum(p0 + i * BN, p0 + (n_blk - 1) * BN), BN)  # a page of the request
             mbarrier.expect(bars.index(i), NBYTES, pred=ok)
-            tma_load(lat_desc, [p0 + i * BN, 0], bars.index(i), kl.index(i), pred=ok)
-            tma_load(pe_desc, [p0 + i * BN, 0], bars.index(i), kp.index(i), pred=ok)
+            tma_load(lat_desc, [row, 0], bars.index(i), kl.index(i), pred=ok)
+            tma_load(pe_desc, [row, 0], bars.index(i), kp.index(i), pred=ok)
 
         # this group's NP (query, head) rows of q [NP, C] / [NP, R] (rows past T * N zero) into shared memory:
         # the MMAs' B operand (K-major, transposed)
@@ -223,7 +232,7 @@ if HAVE_GLUON:
             l_t = l_t * alpha[None, :] + lsum
             m_i = m_new
             cta_barrier()           # every warp is done with this slot and with P before they are rewritten
-            _refill(lat_desc, pe_desc, kl, kp, bars, st, p0, j + STAGES, n_blk, BN, NBYTES)
+            _refill(lat_desc, pe_desc, tbl_ptr, kl, kp, bars, st, p0, j + STAGES, n_blk, BN, NBYTES)
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(i))
 
@@ -242,32 +251,37 @@ if HAVE_GLUON:
                 gl.store(pl_ptr + r64 * stride_plm + c, m_i + gl.log2(l_i), mask=r < T * N)
 
 
-def kv_descriptors(kv: torch.Tensor, rows: int, C: int, R: int) -> tuple:
-    """TMA descriptors of the latent [rows, C] and rope [rows, R] parts of kv [>= rows, C + R] (keys past
-    `rows` read as zeros), in BLOCK_N-key tiles."""
+def kv_descriptors(kv: torch.Tensor, C: int, R: int) -> tuple:
+    """TMA descriptors of the latent [rows, C] and rope [rows, R] parts of the key rows kv [rows, C + R] (a
+    contiguous buffer or a pool layer's pages; keys past its rows read as zeros), in BLOCK_N-key tiles."""
     layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    stride = kv.stride(0)
+    rows, stride = kv.shape[0], kv.stride(0)
     lat = TensorDescriptor(kv, [rows, C], [stride, 1], [BLOCK_N, C], layout)
     pe = TensorDescriptor(kv[:, C:], [rows, R], [stride, 1], [BLOCK_N, R], layout)
     return lat, pe
 
 
-def launch(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, rows: int, po, pl, out, s_ptr, S: int,
+def launch(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, table: torch.Tensor, page: int, po, pl, out,
+           s_ptr, S: int,
            strides: tuple[int, int, int], qk_scale: float, chunk: int, n_ch: int, v_split: int, stages: int,
            causal: bool, direct: bool, s_dev: bool, pdl: dict, most_rows: int = 32) -> None:
-    """One launch over chunks [0, n_ch) of the first `rows` slots of kv: q_lat [T, N, C], q_pe [T, N, R] (causal:
+    """One launch over chunks [0, n_ch) of the request's slots, kv the key rows [rows, C + R] read through the block
+    table (slot s at row table[s // page] * page + s % page; page == BLOCK_N): q_lat [T, N, C], q_pe [T, N, R] (causal:
     T = 1 over [0, S]; else a tree's T queries over the whole chunks of [0, S)); partials (po, pl with
     `strides` = (row, chunk, lse row)) or, direct, out [T, N, C]. Programs of up to `most_rows` (query, head)
     rows."""
     T, N, C = q_lat.shape
     R = q_pe.shape[2]
+    if page != BLOCK_N:
+        raise ValueError(f"mla_decode_wg: a key tile is one page of {BLOCK_N} slots, got pages of {page}")
     np_ = rows_per_program(T * N, most_rows)
-    lat, pe = kv_descriptors(kv, rows, C, R)
+    lat, pe = kv_descriptors(kv, C, R)
     _mla_decode_wg_kernel[(triton.cdiv(T * N, np_) * v_split, n_ch)](
-        q_lat, q_pe, lat, pe, po, pl, out, s_ptr, S, T, N, q_lat.stride(0), q_lat.stride(1), q_pe.stride(0),
+        q_lat, q_pe, lat, pe, table, po, pl, out, s_ptr, S, T, N, q_lat.stride(0), q_lat.stride(1), q_pe.stride(0),
         q_pe.stride(1), *strides, out.stride(0), out.stride(1), qk_scale, C=C, R=R, NP=np_, DV=C // v_split,
         VS=v_split, CHUNK=chunk, BN=BLOCK_N, STAGES=stages, CAUSAL=causal, DIRECT=direct, S_DEV=s_dev, num_warps=4,
         **pdl)
 
 
-__all__ = ["BLOCK_N", "HAVE_GLUON", "key_ring", "kv_descriptors", "launch", "load_q_rows", "rows_per_program", "unsupported"]
+__all__ = ["BLOCK_N", "HAVE_GLUON", "key_ring", "kv_descriptors", "launch", "load_q_rows", "rows_per_program",
+           "tile_row", "unsupported"]

@@ -32,7 +32,7 @@ from kdtree_engine.kernels.mla_decode_wg import BLOCK_N, HAVE_GLUON, kv_descript
 from kdtree_engine.kernels.pdl import PDL_ASM
 
 if HAVE_GLUON:   # optional: the Gluon kernels exist only on a triton with gluon (mla_decode_wg.HAVE_GLUON)
-    from kdtree_engine.kernels.mla_decode_wg import key_ring, load_q_rows
+    from kdtree_engine.kernels.mla_decode_wg import key_ring, load_q_rows, tile_row
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
@@ -88,7 +88,7 @@ if HAVE_GLUON:
         return acc, m_new, l_i
 
     @gluon.jit
-    def _gather_block(kv_ptr, stride_kv, idx_ptr, t_q, stride_idx, pos, S, p_end, kl_st, kp_st,
+    def _gather_block(kv_ptr, tbl_ptr, stride_kv, idx_ptr, t_q, stride_idx, pos, S, p_end, kl_st, kp_st,
                       C: gl.constexpr, R: gl.constexpr, BN: gl.constexpr, GL: gl.constexpr):
         """The keys at virtual positions pos [BN] of query t_q into one slot (cp.async row gathers: position p < S
         is slot p, S + k the k-th visible new slot idx[t_q, k]; past p_end slot S, weighted 0 by the mask); every
@@ -96,7 +96,8 @@ if HAVE_GLUON:
         pg = gl.convert_layout(pos, gl.SliceLayout(1, GL))
         j = gl.load(idx_ptr + t_q.to(gl.int64) * stride_idx + (pg - S), mask=(pg < p_end) & (pg >= S), other=0)
         slot = gl.where(pg < S, pg, S + j)
-        row = kv_ptr + (slot.to(gl.int64) * stride_kv)[:, None]
+        page = gl.load(tbl_ptr + slot // BN)   # paged cache: a page is BN slots
+        row = kv_ptr + ((page.to(gl.int64) * BN + slot % BN) * stride_kv)[:, None]
         async_copy.async_copy_global_to_shared(kl_st, row + gl.arange(0, C, layout=gl.SliceLayout(0, GL))[None, :])
         async_copy.async_copy_global_to_shared(kp_st, row + C + gl.arange(0, R, layout=gl.SliceLayout(0, GL))[None, :])
         async_copy.commit_group()
@@ -105,7 +106,8 @@ if HAVE_GLUON:
         cta_barrier()
 
     @gluon.jit
-    def _mla_verify_wg_kernel(ql_ptr, qp_ptr, lat_desc, pe_desc, kv_ptr, idx_ptr, nvis_ptr, po_ptr, pl_ptr, s_ptr,
+    def _mla_verify_wg_kernel(ql_ptr, qp_ptr, lat_desc, pe_desc, kv_ptr, tbl_ptr, idx_ptr, nvis_ptr, po_ptr, pl_ptr,
+                              s_ptr,
                               S, T, N, stride_qlt, stride_qln, stride_qpt, stride_qpn, stride_kv, stride_idx,
                               stride_pom, stride_poc, stride_plm, qk_scale,
                               C: gl.constexpr, R: gl.constexpr, CHUNK: gl.constexpr, BN: gl.constexpr,
@@ -153,9 +155,10 @@ if HAVE_GLUON:
         if not tail:   # the first key tiles in flight before q is read (its load latency overlaps theirs)
             for i in gl.static_range(STAGES):
                 if i < CHUNK // BN:
+                    row = tile_row(tbl_ptr, p0 + i * BN, BN)
                     mbarrier.expect(bars.index(i), NBYTES)
-                    tma_load(lat_desc, [p0 + i * BN, 0], bars.index(i), kl.index(i))
-                    tma_load(pe_desc, [p0 + i * BN, 0], bars.index(i), kp.index(i))
+                    tma_load(lat_desc, [row, 0], bars.index(i), kl.index(i))
+                    tma_load(pe_desc, [row, 0], bars.index(i), kp.index(i))
 
         # this tile's 64 (query, head) rows of q (rows past T * N zero) into shared memory: the A operand
         q_lat, q_pe = load_q_rows(ql_ptr, qp_ptr, pid_m * M, T, N, stride_qlt, stride_qln, stride_qpt, stride_qpn,
@@ -176,8 +179,8 @@ if HAVE_GLUON:
         if tail:
             for j in range(n_blk):
                 pos = p0 + j * BN + offs_n
-                _gather_block(kv_ptr, stride_kv, idx_ptr, t_q, stride_idx, pos, S, p_end, kl.index(0), kp.index(0),
-                              C, R, BN, GL)
+                _gather_block(kv_ptr, tbl_ptr, stride_kv, idx_ptr, t_q, stride_idx, pos, S, p_end, kl.index(0),
+                              kp.index(0), C, R, BN, GL)
                 acc, m_i, l_i = _step(kl.index(0), kp.index(0), ql_s, qp_s, p_s, ones_t, zs, zl, acc, m_i, l_i, pos,
                                       L, qk_scale, ROW_S, ROW_O)
                 cta_barrier()   # every warp is done with the slot and with P before they are rewritten
@@ -189,9 +192,10 @@ if HAVE_GLUON:
                                       p0 + j * BN + offs_n, L, qk_scale, ROW_S, ROW_O)
                 cta_barrier()   # every warp is done with this slot and with P before they are rewritten
                 if j + STAGES < CHUNK // BN:
+                    row = tile_row(tbl_ptr, p0 + (j + STAGES) * BN, BN)
                     mbarrier.expect(bars.index(st), NBYTES)
-                    tma_load(lat_desc, [p0 + (j + STAGES) * BN, 0], bars.index(st), kl.index(st))
-                    tma_load(pe_desc, [p0 + (j + STAGES) * BN, 0], bars.index(st), kp.index(st))
+                    tma_load(lat_desc, [row, 0], bars.index(st), kl.index(st))
+                    tma_load(pe_desc, [row, 0], bars.index(st), kp.index(st))
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(i))
 
@@ -204,11 +208,12 @@ if HAVE_GLUON:
         gl.store(pl_ptr + rl.to(gl.int64) * stride_plm + c, m_i + gl.log2(l_i), mask=rl < T * N)
 
 
-def launch(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, rows: int, po: torch.Tensor, pl: torch.Tensor,
-           s_ptr: torch.Tensor, S: int, strides: tuple[int, int, int], qk_scale: float, chunk: int, n_ch: int,
+def launch(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, table: torch.Tensor, page: int,
+           po: torch.Tensor, pl: torch.Tensor, s_ptr: torch.Tensor, S: int, strides: tuple[int, int, int], qk_scale: float, chunk: int, n_ch: int,
            stages: int, s_dev: bool, pdl: dict, tail: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> None:
     """One launch over the whole prefix chunks [0, n_ch) of a tree's T queries (q_lat [T, N, C], q_pe [T, N, R])
-    against the first `rows` slots of kv; only whole chunks of [0, S) are computed (S from s_ptr when s_dev), their
+    against the request's slots, kv the key rows [rows, C + R] read through the block table (slot s at row
+    table[s // page] * page + s % page; page == BLOCK_N); only whole chunks of [0, S) are computed (S from s_ptr when s_dev), their
     partials written to po / pl (strides = (row, chunk, lse row)). tail = (idx, nvis, n_tail): also the tree's own
     chunks S // CHUNK .. + n_tail (keys gathered through tree_gather_index's idx / nvis; N a multiple of 64)."""
     T, N, C = q_lat.shape
@@ -216,9 +221,11 @@ def launch(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, rows: int,
     idx, nvis, n_tail = tail if tail is not None else (s_ptr, s_ptr, 0)
     if n_tail and N % ROWS:
         raise ValueError(f"mla_verify_wg: a tail chunk needs whole {ROWS}-row tiles per query, N = {N}")
-    lat, pe = kv_descriptors(kv, rows, C, R)
+    if page != BLOCK_N:
+        raise ValueError(f"mla_verify_wg: a key tile is one page of {BLOCK_N} slots, got pages of {page}")
+    lat, pe = kv_descriptors(kv, C, R)
     _mla_verify_wg_kernel[(triton.cdiv(T * N, ROWS), n_tail + n_ch)](
-        q_lat, q_pe, lat, pe, kv, idx, nvis, po, pl, s_ptr, S, T, N, q_lat.stride(0), q_lat.stride(1), q_pe.stride(0),
+        q_lat, q_pe, lat, pe, kv, table, idx, nvis, po, pl, s_ptr, S, T, N, q_lat.stride(0), q_lat.stride(1), q_pe.stride(0),
         q_pe.stride(1), kv.stride(0), idx.stride(0) if n_tail else 0, *strides, qk_scale, C=C, R=R, CHUNK=chunk,
         BN=BLOCK_N, STAGES=stages, S_DEV=s_dev, N_TAIL=n_tail, num_warps=WARPS, **pdl)
 

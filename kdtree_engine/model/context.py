@@ -26,6 +26,9 @@ class StepContext:
     causal step. A device-resident step also carries what its attention derives from (start, tree_mask)
     in every layer: ``visible`` [T, S_cap] for the torch attention or ``gather_index`` for the Triton one.
     ``chunk``: set on the chunks of a prompt longer than one chunk (:mod:`.prefill`): how MLA attends.
+    table [W] int32: the request's block table (cache.py); rows [T] long: the pool rows of ``slots`` (every
+    layer's pool viewed as [num_blocks * BLOCK, D]), where the new latents are written; capacity: the request's
+    slots (a device-resident step attends over all of them).
     """
 
     positions: torch.Tensor
@@ -34,9 +37,12 @@ class StepContext:
     slots: torch.Tensor
     start: int | torch.Tensor
     tree_mask: torch.Tensor | None
+    table: torch.Tensor
+    rows: torch.Tensor
     visible: torch.Tensor | None = None
     gather_index: tuple[torch.Tensor, torch.Tensor] | None = None
     chunk: ChunkStep | None = None
+    capacity: int = 0
 
     @property
     def device_resident(self) -> bool:

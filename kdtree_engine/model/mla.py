@@ -16,6 +16,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..kernels.dispatch import head_matmul, latent_write, mla_attention, mla_attention_static, rope_heads
+from ..kernels.paged import gather_slots
 from .context import StepContext
 from .prefill import absorbed_chunk, naive_chunk
 from ..kernels.policy import KernelPolicy, policy_or_env
@@ -65,7 +66,8 @@ class MLA(nn.Module):
         self.__dict__.pop("_down", None)
 
     def forward(self, x: torch.Tensor, ctx: StepContext, kv_cache: torch.Tensor) -> torch.Tensor:
-        """x [T, H]; kv_cache [S_cap, C+R] of this layer. Writes the T new latents to ctx.slots; a prompt step
+        """x [T, H]; kv_cache [num_blocks, BLOCK, C+R]: this layer's pool, the request's slots read through ctx.table.
+        Writes the T new latents to ctx.slots (pool rows ctx.rows); a prompt step
         attends in the naive form, every other step in the absorbed form over the committed prefix and the
         block (ctx.tree_mask: ancestor-or-self, None for causal); a chunk of a long prompt (ctx.chunk) attends
         over its prefix and itself in key blocks, in the form the chunk plan chose (prefill.py). Returns [T, H]."""
@@ -73,9 +75,9 @@ class MLA(nn.Module):
         C = self.cfg.kv_lora_rank
         q_nope, q_pe = self._project(x, ctx, kv_cache)
         if ctx.chunk is not None:
-            o = self._chunk(q_nope, q_pe, kv_cache[: ctx.start + T], ctx)
+            o = self._chunk(q_nope, q_pe, kv_cache, ctx)
         elif ctx.prompt:
-            new = kv_cache[:T]
+            new = gather_slots(kv_cache, ctx.table, T)
             o = self._naive(q_nope, q_pe, new[:, :C], new[:, C:])
         else:
             w_uk, w_uv = self.absorbed_weights()
@@ -84,10 +86,14 @@ class MLA(nn.Module):
             o = head_matmul(self.policy, o_lat, w_uv)  # [T, N, C] x [N, V, C] -> [T, N, V]
         return self.o_proj(o.reshape(T, -1))
 
-    def _chunk(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latents: torch.Tensor, ctx: StepContext
+    def _chunk(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, ctx: StepContext
                ) -> torch.Tensor:
-        """A prefill chunk over latents [start+T, C+R] (prefix + itself) -> [T, N, V]."""
+        """A prefill chunk over its prefix and itself (slots [0, start+T), read a key block at a time through the
+        block table) -> [T, N, V]."""
         C, step = self.cfg.kv_lora_rank, ctx.chunk
+
+        def latents(s0: int, s1: int) -> torch.Tensor:
+            return gather_slots(kv_cache, ctx.table, s1, s0)  # [s1-s0, C+R]
         if step.form == "naive":
             return naive_chunk(q_nope, q_pe, latents, ctx.start, self.scale, C, self.kv_b_proj, step.key_block)
         w_uk, w_uv = self.absorbed_weights()
@@ -101,14 +107,13 @@ class MLA(nn.Module):
         device-resident one reads the length on the device over the whole buffer."""
         C = self.cfg.kv_lora_rank
         if ctx.device_resident:
-            return mla_attention_static(self.policy, q_lat, q_pe, kv_cache, ctx.start, ctx.tree_mask, ctx.visible, self.scale,
-                                        C, ctx.gather_index)
-        return mla_attention(self.policy, q_lat, q_pe, kv_cache[: ctx.start + ctx.num_tokens], ctx.start, ctx.tree_mask,
-                             self.scale, C)
+            return mla_attention_static(self.policy, q_lat, q_pe, kv_cache, ctx.table, ctx.capacity, ctx.start,
+                                        ctx.tree_mask, ctx.visible, self.scale, C, ctx.gather_index)
+        return mla_attention(self.policy, q_lat, q_pe, kv_cache, ctx.table, ctx.start, ctx.tree_mask, self.scale, C)
 
     def _project(self, x: torch.Tensor, ctx: StepContext, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> q_nope [T, N, P] (a view), q_pe [T, N, R] (rotated); writes the T new latents
-        (normed c_kv | rotated k_pe) to kv_cache[ctx.slots]. The two down-projections of x (q_a or q, and
+        (normed c_kv | rotated k_pe) to the pool rows ctx.rows of kv_cache. The two down-projections of x (q_a or q, and
         kv_a) run as one GEMM when both are dense."""
         cfg = self.cfg
         T = x.shape[0]
@@ -122,7 +127,7 @@ class MLA(nn.Module):
         q = qa if cfg.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(qa))
         q = q.view(T, N, P + R)
         norm = self.kv_a_layernorm
-        latent_write(self.policy, kva, norm.weight, norm.eps, ctx.cos, ctx.sin, kv_cache, ctx.slots)
+        latent_write(self.policy, kva, norm.weight, norm.eps, ctx.cos, ctx.sin, kv_cache.flatten(0, 1), ctx.rows)
         return q[..., :P], rope_heads(self.policy, q, P, ctx.cos, ctx.sin)
 
     def _naive(self, q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:

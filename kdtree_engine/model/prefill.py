@@ -132,6 +132,8 @@ def transient_bytes(cfg: ModelConfig, n_heads: int, T: int, keys: int, form: str
 
 
 ScoresAndValues = Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
+# slots [s0, s1) of the request's latent cache -> [s1 - s0, C+R] (read through its block table: cache.py)
+Latents = Callable[[int, int], torch.Tensor]
 
 
 def blocked_causal_attention(block: ScoresAndValues, T: int, start: int, key_block: int,
@@ -162,34 +164,35 @@ def blocked_causal_attention(block: ScoresAndValues, T: int, start: int, key_blo
     return acc / l
 
 
-def naive_chunk(q_nope: torch.Tensor, q_pe: torch.Tensor, latents: torch.Tensor, start: int, scale: float,
+def naive_chunk(q_nope: torch.Tensor, q_pe: torch.Tensor, latents: Latents, start: int, scale: float,
                 kv_lora_rank: int, expand: Callable[[torch.Tensor], torch.Tensor], key_block: int) -> torch.Tensor:
-    """Naive form of a chunk: q_nope [T, N, P], q_pe [T, N, R] over latents [start+T, C+R]; each key block's
+    """Naive form of a chunk: q_nope [T, N, P], q_pe [T, N, R] over the latents of slots [0, start+T); each key block's
     latents expanded through ``expand`` (kv_b_proj) to per-head K / V [Bk, N, P+V]. Returns [T, N, V]."""
     T, N, P = q_nope.shape
     C = kv_lora_rank
     qn, qr = q_nope.float(), q_pe.float()
 
     def block(s0: int, s1: int) -> tuple[torch.Tensor, torch.Tensor]:
-        kv = expand(latents[s0:s1, :C]).view(s1 - s0, N, -1)  # [Bk, N, P+V]
+        lat = latents(s0, s1)
+        kv = expand(lat[:, :C]).view(s1 - s0, N, -1)  # [Bk, N, P+V]
         s = (torch.einsum("tnp,snp->nts", qn, kv[..., :P].float())
-             + torch.einsum("tnr,sr->nts", qr, latents[s0:s1, C:].float())) * scale
+             + torch.einsum("tnr,sr->nts", qr, lat[:, C:].float())) * scale
         return s, kv[..., P:]
 
     o = blocked_causal_attention(block, T, start, key_block, q_nope.device)  # [N, T, V]
     return o.transpose(0, 1).to(q_nope.dtype)
 
 
-def absorbed_chunk(q_lat: torch.Tensor, q_pe: torch.Tensor, latents: torch.Tensor, start: int, scale: float,
+def absorbed_chunk(q_lat: torch.Tensor, q_pe: torch.Tensor, latents: Latents, start: int, scale: float,
                    kv_lora_rank: int, key_block: int) -> torch.Tensor:
-    """Absorbed form of a chunk: q_lat [T, N, C], q_pe [T, N, R] over latents [start+T, C+R] read as keys
+    """Absorbed form of a chunk: q_lat [T, N, C], q_pe [T, N, R] over the latents of slots [0, start+T) read as keys
     (all C+R) and values (the first C). Returns [T, N, C]."""
     T = q_lat.shape[0]
     C = kv_lora_rank
     ql, qr = q_lat.float(), q_pe.float()
 
     def block(s0: int, s1: int) -> tuple[torch.Tensor, torch.Tensor]:
-        lat = latents[s0:s1].float()
+        lat = latents(s0, s1).float()
         s = (torch.einsum("tnc,sc->nts", ql, lat[:, :C]) + torch.einsum("tnr,sr->nts", qr, lat[:, C:])) * scale
         return s, lat[:, :C]
 

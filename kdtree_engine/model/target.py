@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ..errors import LoadError
-from ..cache import LatentCache
+from ..cache import CachePool, LatentCache
 from ..config import ModelConfig
 from ..kernels.common import take_rows
 from ..kernels.dispatch import attention_gather_index
@@ -152,6 +152,7 @@ class Target(nn.Module):
                 m.weight.data = m.weight.data.to(dtype)
                 m.weight.requires_grad_(False)
         self._loaded: set[str] = set()
+        self.cache_pool: CachePool | None = None  # made by init_cache_pool, or on the first new_cache
 
     # ---- weights ---------------------------------------------------------------------------
     def _slot(self, name: str) -> torch.Tensor:
@@ -301,8 +302,28 @@ class Target(nn.Module):
         return model.load_weights((k, torch.from_numpy(v)) for k, v in random_weights(cfg, seed).items())
 
     # ---- compute -----------------------------------------------------------------------------
+    def init_cache_pool(self, tokens: int | None = None, fraction: float | None = None,
+                        first_use: bool = False) -> CachePool:
+        """The latent cache pool of every request on this target, made once after the weights: ``tokens`` slots,
+        or ``fraction`` of the free device memory (see cache.pool_tokens); logged with the maximum context."""
+        if self.cache_pool is not None:
+            raise ValueError("this target's latent cache pool is already made")
+        agree = None if self.comm.world_size == 1 else self._least_over_ranks
+        self.cache_pool = CachePool.sized(self.cfg, dtype=self.dtype, device=self.device, tokens=tokens,
+                                          fraction=fraction, first_use=first_use, agree=agree)
+        return self.cache_pool
+
+    def _least_over_ranks(self, n: int) -> int:
+        return int(self.comm.all_gather(torch.tensor([n], device=self.device)).min())
+
+    def pool(self) -> CachePool:
+        """The cache pool (made on first use with the defaults for a target used without an LLM)."""
+        return self.cache_pool if self.cache_pool is not None else self.init_cache_pool(first_use=True)
+
     def new_cache(self, max_tokens: int) -> LatentCache:
-        return LatentCache(self.cfg, max_tokens, dtype=self.dtype, device=self.device)
+        """A request's cache of ``max_tokens`` slots from the pool (made with the defaults on first use); a
+        PoolFullError when the pool has too few free blocks."""
+        return LatentCache(self.pool(), max_tokens)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         if self.vocab_shard is not None:  # each rank looks up its vocabulary slice, summed over the ranks
@@ -330,15 +351,16 @@ class Target(nn.Module):
             slots = torch.arange(first, first + T, device=dev)  # [T]
             positions = slots if positions is None else positions
             cos, sin = self.rope.tables(positions)
-            return StepContext(positions, cos, sin, slots, first, tree_mask)
+            return StepContext(positions, cos, sin, slots, first, tree_mask, cache.table, cache.rows(slots))
         if positions is None or tree_mask is None:
             raise ValueError("a device-resident step needs its positions and tree mask")
         cos, sin = self.rope.gather(positions)
         # what attention derives from (start, tree_mask) is the same in every layer: built once here
         gather_index = attention_gather_index(self.policy, tree_mask)
         visible = static_visibility(start, tree_mask, cache.capacity) if gather_index is None else None
-        return StepContext(positions, cos, sin, start + torch.arange(T, device=dev), start, tree_mask,
-                           visible, gather_index)
+        slots = start + torch.arange(T, device=dev)
+        return StepContext(positions, cos, sin, slots, start, tree_mask, cache.table, cache.rows(slots), visible,
+                           gather_index, capacity=cache.capacity)
 
     @torch.no_grad()
     def forward(self, ids: torch.Tensor, cache: LatentCache, positions: torch.Tensor | None = None,

@@ -214,8 +214,25 @@ class VerifyCostModel:
         context = max(1, min(int(context), cfg.max_position_embeddings - top - 1))
         g = torch.Generator().manual_seed(seed)
         cache = target.new_cache(context + top)
+        try:
+            best = cls._time_grid(target, cache, grid, context, warmup, repeats, g)
+        finally:
+            if hasattr(cache, "release"):
+                cache.release()  # the blocks go back to the target's cache pool
+        pts: dict[int, float] = {}
+        floor = math.inf
+        for n in reversed(grid):
+            floor = min(floor, best[n])
+            pts[n] = floor
+        return cls(pts, source="measured", context=context)
+
+    @staticmethod
+    def _time_grid(target: Any, cache: Any, grid: list[int], context: int, warmup: int, repeats: int,
+                   g: torch.Generator) -> dict[int, float]:
+        """The fastest time of each n in ``grid`` (see :meth:`measure`)."""
+        cfg, dev = target.cfg, target.device
         if hasattr(cache, "reserve") and hasattr(cache, "commit_all"):
-            cache.reserve(context)  # a dummy (zero) prefix: only its length matters for the cost
+            cache.reserve(context)  # a dummy prefix (whatever its blocks hold): only its length matters for the cost
             cache.commit_all()
         else:
             target(torch.randint(0, cfg.vocab_size, (context,), generator=g).to(dev), cache)
@@ -236,12 +253,7 @@ class VerifyCostModel:
                 if p >= warmup:
                     best[n] = min(best[n], time.perf_counter() - t0)
                 cache.crop(context)  # drop the pending tree entries
-        pts: dict[int, float] = {}
-        floor = math.inf
-        for n in reversed(grid):
-            floor = min(floor, best[n])
-            pts[n] = floor
-        return cls(pts, source="measured", context=context)
+        return best
 
 
 def _sync(device: torch.device) -> None:

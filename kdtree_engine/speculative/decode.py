@@ -14,9 +14,9 @@ limit is cut to it, with a warning). Nothing after the stop
 point is emitted. ``on_tokens`` receives each round's emitted tokens; when it returns True the request ends
 after that round with finish_reason "abort" unless the rule above ended it there too (the server stops a
 request this way: a stop string in the text, a client gone).
-The context limit is the model's ``max_position_embeddings`` and, on CUDA, the latent-cache
-tokens the free device memory holds (:func:`cache_token_capacity`); a prompt past either is refused
-(PromptError) before any work.
+The context limit is the model's ``max_position_embeddings`` and the latent-cache tokens free in the target's
+cache pool (:func:`cache_token_capacity`); a prompt past either is refused (PromptError) before any work. The
+request's cache blocks go back to the pool when it ends, whatever way it ends.
 
 Prefill: :meth:`Target.prefill` in chunks of ``prefill_chunk`` tokens (None: the default, model/prefill.py);
 stats carry ``prefill_chunks``, ``prefill_chunk`` and ``prefill_peak_bytes``.
@@ -84,18 +84,13 @@ class Rounds(Protocol):
 
     def finish(self, stats: dict[str, Any], decode_s: float) -> None: ...
 
+    def release(self) -> None: ...
+
 
 def cache_token_capacity(target: Target) -> int | None:
-    """Tokens of target latent cache that the free CUDA memory holds now (the drafter's smaller cache and the
-    prefill's transients are not counted); None off CUDA (host memory is not accounted). The cache of a
-    request is contiguous, sized per request."""
-    if target.device.type != "cuda":
-        return None
-    per_token = target.cfg.num_hidden_layers * target.cfg.kv_cache_dim * target.dtype.itemsize
-    dev = target.device
-    # memory the caching allocator holds but no tensor uses is free for the cache too
-    free = torch.cuda.mem_get_info(dev)[0] + torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
-    return free // per_token
+    """Tokens of latent cache free in the target's cache pool (made with its defaults on first use: cache.py);
+    None for a target without a pool (test doubles)."""
+    return target.pool().free_tokens if hasattr(target, "pool") else None
 
 
 def context_limit(prompt_len: int, max_tokens: int, max_positions: int, cache_tokens: int | None,
@@ -107,7 +102,7 @@ def context_limit(prompt_len: int, max_tokens: int, max_positions: int, cache_to
         raise PromptError(f"prompt has {prompt_len} tokens; max_position_embeddings is {max_positions}")
     if cache_tokens is not None and prompt_len + reserve >= cache_tokens:
         raise PromptError(f"prompt has {prompt_len} tokens; the free device memory holds a latent cache of "
-                          f"{cache_tokens} tokens ({reserve} kept for a round)")
+                          f"{cache_tokens} tokens (free in the cache pool; {reserve} kept for a round)")
     limit = min(max_tokens, max_positions - prompt_len)
     return limit if cache_tokens is None else min(limit, cache_tokens - reserve - prompt_len)
 
@@ -215,7 +210,7 @@ def run_rounds(target: Target, prompt_ids: list[int], params: SamplingParams, sh
     limit = context_limit(S, params.max_tokens, max_pos, cache_tokens, shape.max_nodes)
     if limit < params.max_tokens:
         by_cache = limit < min(params.max_tokens, max_pos - S)  # the free memory, not the positions, binds
-        held = f", latent cache {cache_tokens} tokens in free device memory" if by_cache else ""
+        held = f", {cache_tokens} tokens free in the latent cache pool" if by_cache else ""
         warn_once(f"length-cap:{params.max_tokens}:{S}:{max_pos}:{by_cache}",
                   f"max_tokens={params.max_tokens} is cut to {limit}: the {S}-token prompt leaves {limit} positions "
                   f"of the model's context (max_position_embeddings {max_pos}{held})")
@@ -230,6 +225,15 @@ def run_rounds(target: Target, prompt_ids: list[int], params: SamplingParams, sh
         stats.update(dict.fromkeys(STAGES, 0.0))
         return GenerationResult([], "length", stats)
     rounds = make_rounds(limit)
+    try:
+        return _run(rounds, prompt_ids, emit, stats, dev)
+    finally:
+        rounds.release()  # the cache blocks go back to the pool: at the end, on an error, on a cancel
+
+
+def _run(rounds: Rounds, prompt_ids: list[int], emit: Emitter, stats: dict[str, Any],
+         dev: torch.device) -> GenerationResult:
+    """Prefill and the rounds of one request (see :func:`run_rounds`)."""
     sync(dev)
     t0 = time.perf_counter()
     first = rounds.prefill(prompt_ids)

@@ -72,6 +72,7 @@ class DeviceRounds:
         B = shape.block_size
         self.rnd, runner = ROUNDS.get(target, drafter, shape, prompt_len + limit + (AHEAD_SLACK * B if self.ahead else 0),
                                       graph, params)
+        self.rnd.cache.acquire()  # a cached round's blocks went back to the pool when its last request ended
         self.params = params
         self.gen = make_generator(params.seed, target.device) if not params.greedy else None
         self.run = runner.step if runner is not None else self.rnd.step
@@ -93,6 +94,11 @@ class DeviceRounds:
         self.run()
         self.reader.queue(self.launched)
         self.launched += 1
+
+    def release(self) -> None:
+        """Return the request's latent cache blocks to the target's pool (the round stays cached: the next
+        request takes blocks into the same block table, which its graph reads)."""
+        self.rnd.cache.release()
 
     def collect(self) -> list[int]:
         vals = self.reader.read(self.collected)  # the one host read of a round

@@ -154,6 +154,11 @@ class HostRounds:
         lp, ids = topk_logprobs(draft_logits, shape.budget, policy=self.target.policy, vocab=self.vocab)  # [depth, K]
         return builder(lp, ids, shape.budget, bonus, start)
 
+    def release(self) -> None:
+        """Return the request's latent cache blocks to the target's pool (a test double's cache has no pool)."""
+        if hasattr(self.cache, "release"):
+            self.cache.release()
+
     def finish(self, stats: dict[str, Any], decode_s: float) -> None:
         if self.drafter is not None:
             self.dcache.crop(min(self.dcache.length, self.start))

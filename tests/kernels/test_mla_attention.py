@@ -18,6 +18,7 @@ sys.path.insert(0, str(HERE.parent))
 
 from kdtree_engine.kernels.mla_attention import (MLAConfig, mla_attention, mla_attention_device,  # noqa: E402
                                                  tree_gather_index)
+from kdtree_engine import logs  # noqa: E402
 from kdtree_engine.kernels.reference import mla_attention_reference  # noqa: E402
 
 C, R = 32, 16
@@ -137,6 +138,13 @@ CASES["dev_N3_S37_T1_tree_c32"] = ("dev", 3, 37, 1, "tree", "c32", "")
 CASES["dev_N20_S70_T1_tree_decmaxt"] = ("dev", 20, 70, 1, "tree", "decmaxt", "")
 CASES["dev_N4_S20_T1_tree_c64"] = ("dev", 4, 20, 1, "tree", "c64", "")   # one chunk: the direct write
 
+# paged cache: the same launches reading a pool of shuffled, non-contiguous pages through a block table (junk in
+# the pages the table does not name) == the contiguous launch bit for bit, host and device length; variant = page
+CASES["paged_N3_S37_T5_tree_c32_p16"] = ("paged", 3, 37, 5, "tree", "c32", "16")
+CASES["paged_N4_S100_T9_causal_c64_p16"] = ("paged", 4, 100, 9, "causal", "c64", "16")
+CASES["paged_N3_S20_T1_causal_c32_p8"] = ("paged", 3, 20, 1, "causal", "c32", "8")
+CASES["paged_N20_S45_T4_tree_decmaxt_p16"] = ("paged", 20, 45, 4, "tree", "decmaxt", "16")
+
 # merge tiles are bit-neutral (merge_tiles): per row, random chunk partials; trees of 8..64 chunks and
 # 8..32 columns give the same bits for rows whose chunks fit the smaller tree, and the column tile never
 # matters; also checked against the float64 merge formula
@@ -192,6 +200,27 @@ def _run_dev(N, S, T, mask_kind, cfg_name, variant, gen):
             "nonfinite": int((~torch.isfinite(dev)).sum())}
 
 
+def _run_paged(N, S, T, mask_kind, cfg_name, variant, gen):
+    cfg, page = CONFIGS[cfg_name], int(variant)
+    q_lat, q_pe, kv = make_inputs(T, N, S, gen)
+    tree = torch.ones(T, T, dtype=torch.bool).tril() if mask_kind == "causal" else random_tree_mask(T, gen)
+    mask = None if mask_kind == "causal" else tree
+    pages = -(-(S + T) // page)
+    pool = 1e3 * torch.randn(pages + 3, page, C + R, generator=gen)  # junk in the pages the table skips
+    table = torch.randperm(pages + 3, generator=gen)[:pages].to(torch.int32)
+    flat = pool[table.long()].reshape(pages * page, C + R)
+    flat[: S + T] = kv
+    pool[table.long()] = flat.view(pages, page, C + R)
+    host = mla_attention(q_lat, q_pe, kv, S, mask, 0.3, C, config=cfg)
+    host_p = mla_attention(q_lat, q_pe, pool, S, mask, 0.3, C, config=cfg, table=table)
+    dev = mla_attention_device(q_lat, q_pe, flat, torch.tensor(S), tree, 0.3, C, config=cfg)
+    dev_p = mla_attention_device(q_lat, q_pe, pool, torch.tensor(S), tree, 0.3, C, config=cfg, table=table,
+                                 capacity=pages * page)
+    ref = mla_attention_reference(q_lat.double(), q_pe.double(), kv.double(), S, mask, 0.3, C)
+    return {"host_equal": bool(torch.equal(host, host_p)), "dev_equal": bool(torch.equal(dev, dev_p)),
+            "rel": rel(host_p, ref), "nonfinite": int((~torch.isfinite(host_p)).sum() + (~torch.isfinite(dev_p)).sum())}
+
+
 def _run_ref(N, S, T, mask_kind, cfg_name, variant, gen):
     dtype = torch.bfloat16 if variant == "bf16" else torch.float32
     q_lat, q_pe, kv = make_inputs(T, N, S, gen, dtype)
@@ -235,7 +264,7 @@ def _run_one(name, spec):
     seed = int.from_bytes(os.urandom(4), "little")  # fresh inputs every run; reported on failure
     gen = torch.Generator().manual_seed(seed)
     t0 = time.perf_counter()
-    rec = {"ref": _run_ref, "inv": _run_inv, "dev": _run_dev, "merge": _run_merge}[kind](
+    rec = {"ref": _run_ref, "inv": _run_inv, "dev": _run_dev, "merge": _run_merge, "paged": _run_paged}[kind](
         N, S, T, mask_kind, cfg_name, variant, gen)
     rec["seed"] = seed
     rec["secs"] = round(time.perf_counter() - t0, 2)
@@ -254,6 +283,15 @@ def test_kernel_interpreted(interp_results, name):
     assert rec["dtype_ok"]
     tol = TOL["bf16" if "bfloat16" in rec["dtype"] else "fp32"]
     assert rec["rel"] < tol, f"relative error {rec['rel']:.3g} >= {tol} (seed {rec['seed']})"
+
+
+@pytest.mark.parametrize("name", [n for n in CASES if CASES[n][0] == "paged"])
+def test_paged_equals_contiguous_interpreted(interp_results, name):
+    r = interp_results[name]
+    assert "error" not in r, r
+    print(f"{name}: seed {r['seed']}")
+    assert r["host_equal"] and r["dev_equal"] and r["nonfinite"] == 0, r
+    assert r["rel"] < TOL["fp32"], r
 
 
 @pytest.mark.parametrize("name", [n for n in CASES if CASES[n][0] == "inv"])
@@ -429,11 +467,10 @@ def test_decode_wg_rows_field():
 def test_decode_wg_config_and_fit(caplog, monkeypatch):
     """DECODE_WG needs the chunk kernel arithmetic it reproduces; a launch it cannot take says why (logged once) and
     runs on the chunk kernel."""
-    from kdtree_engine.kernels import mla_attention as M
     from kdtree_engine.kernels import mla_decode_wg as W
     from kdtree_engine.kernels.mla_attention import _decode_wg
 
-    monkeypatch.setattr(M, "_LOGGED", set())   # nothing logged yet in this test's eyes
+    monkeypatch.setattr(logs, "_LOGGED", set())   # nothing logged yet in this test's eyes
 
     ok = MLAConfig(BLOCK_N=64, L_BY_DOT=True, DECODE_WG=2)
     for bad in (dict(L_BY_DOT=False), dict(DECODE_WG=4)):
@@ -454,7 +491,7 @@ def test_decode_wg_config_and_fit(caplog, monkeypatch):
     q = torch.zeros(1, 8, 512, dtype=torch.bfloat16)
     kv = torch.zeros(10, 576, dtype=torch.bfloat16)
     assert not _decode_wg(MLAConfig(BLOCK_N=64, L_BY_DOT=True), True, q, kv, 64, 1)   # not asked for
-    with caplog.at_level("INFO", logger="kdtree_engine.kernels.mla_attention"):
+    with caplog.at_level("DEBUG", logger="kdtree_engine"):
         assert not _decode_wg(ok, True, q, kv, 64, 1)    # asked for, but on the CPU
         assert not _decode_wg(ok, True, q, kv, 64, 1)
     said = [r.getMessage() for r in caplog.records if "warpgroup kernel" in r.getMessage()]
@@ -466,11 +503,10 @@ def test_verify_wg_config_and_fit(caplog, monkeypatch):
     """VERIFY_WG needs the chunk kernel arithmetic it reproduces; a launch it cannot take says why
     (logged once) and runs on the chunk kernel; decode launches never take it; a tail chunk needs whole 64-row tiles
     per query."""
-    from kdtree_engine.kernels import mla_attention as M
     from kdtree_engine.kernels import mla_verify_wg as V
     from kdtree_engine.kernels.mla_attention import _verify_wg, default_config
 
-    monkeypatch.setattr(M, "_LOGGED", set())
+    monkeypatch.setattr(logs, "_LOGGED", set())
     ok = MLAConfig(BLOCK_N=64, L_BY_DOT=True, VERIFY_WG=2)
     for bad in (dict(L_BY_DOT=False), dict(VERIFY_WG=3)):
         with pytest.raises(ValueError, match="VERIFY_WG"):
@@ -489,13 +525,13 @@ def test_verify_wg_config_and_fit(caplog, monkeypatch):
     kv = torch.zeros(40, 576, dtype=torch.bfloat16)
     assert not _verify_wg(MLAConfig(BLOCK_N=64, L_BY_DOT=True), False, q, kv, 64)   # not asked for
     assert not _verify_wg(ok, True, q, kv, 64)                                       # a decode launch
-    with caplog.at_level("INFO", logger="kdtree_engine.kernels.mla_attention"):
+    with caplog.at_level("DEBUG", logger="kdtree_engine"):
         assert not _verify_wg(ok, False, q, kv, 64)      # asked for, but not here
         assert not _verify_wg(ok, False, q, kv, 64)
     said = [r.getMessage() for r in caplog.records if "tree prefix launches" in r.getMessage()]
     assert len(said) == 1 and ("CUDA" in said[0] or "Gluon" in said[0]), said
     with pytest.raises(ValueError, match="64-row tiles"):
-        V.launch(q, q[..., :64], kv, 40, kv, kv, kv, 8, (0, 0, 0), 1.0, 512, 1, 2, False, {},
+        V.launch(q, q[..., :64], kv, kv, 64, kv, kv, kv, 8, (0, 0, 0), 1.0, 512, 1, 2, False, {},
                  tail=(kv, kv, 1))
 
 

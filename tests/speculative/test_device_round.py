@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kdtree_engine.cache import LatentCache
+from kdtree_engine.cache import CachePool, LatentCache
 from kdtree_engine.config import preset
 from kdtree_engine.draft_config import DraftConfig
 from kdtree_engine.model.dflash import DFlashDrafter
@@ -72,10 +72,11 @@ def test_vectorized_accept_equals_reference_walk(depth, vocab, budget):
 def test_compact_static_equals_commit():
     cfg = preset("k2-tiny")
     g = torch.Generator().manual_seed(0)
-    a = LatentCache(cfg, 40, dtype=torch.float32, device="cpu")
-    a.kv.copy_(torch.randn(a.kv.shape, generator=g))
-    b = LatentCache(cfg, 40, dtype=torch.float32, device="cpu")
-    b.kv.copy_(a.kv)
+    pool = CachePool(cfg, 4, dtype=torch.float32, device="cpu")
+    a = LatentCache(pool, 40)
+    a.load_slots(torch.randn(a.kv.shape, generator=g))  # kv: the slots gathered through the block table (a copy)
+    b = LatentCache(pool, 40)
+    b.load_slots(a.kv)
     a.length = 11
     a.reserve(9)
     keep = torch.tensor([0, 2, 5, 8])
