@@ -62,7 +62,7 @@ tests_bitwise() {  # spec == plain bit for bit (random targets, the demo, its lo
 }
 tests_rounds() {  # device-resident and graph rounds, the speculative GPU tests, the round's own kernels
   pytest_step pytest-rounds 420 tests/gpu/test_graph_round_gpu.py tests/speculative/test_spec_gpu.py \
-    tests/gpu/test_long_context_gpu.py
+    tests/gpu/test_long_context_gpu.py tests/gpu/test_paged_gpu.py
   pytest_step pytest-round-kernels 150 tests/gpu/test_accept_walk_gpu.py tests/gpu/test_row_select_gpu.py \
     tests/gpu/test_draft_attention_gpu.py
 }

@@ -26,7 +26,7 @@ class FailingModel:
     def decode(self, ids):
         return "".join(chr(97 + t % 26) for t in ids)
 
-    def generate(self, ids, params, on_tokens=None):
+    def generate(self, ids, params, on_tokens=None, stoppable=False):
         if ids[0] == 13:
             raise RuntimeError("an engine bug")
         toks = [1, 2, 3][:params.max_tokens]
