@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as std_mp
 import os
+import signal
 import sys
 import threading
 import time
@@ -103,6 +104,10 @@ def quiet() -> None:
 
 def worker_entry(index: int, rdv: Rendezvous, device: str, body: Callable[..., Any], args: tuple) -> None:
     """Spawned rank index + 1: silent (warnings and errors only), joins the group, runs ``body(comm, *args)``."""
+    # a SIGTERM or Ctrl-C sent to the whole process group is rank 0's to act on (it finishes or cancels its work,
+    # then stops the workers); a worker whose rank 0 is gone leaves by itself (watch_parent)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     watch_parent()
     quiet()
     rank = index + 1

@@ -25,7 +25,7 @@ class Server:
         env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
         self.proc = subprocess.Popen([sys.executable, "-m", "kdtree_engine", "serve", "--port", "0", *flags],
                                      cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL)
+                                     stdin=subprocess.DEVNULL, start_new_session=True)   # its own group: --tp ranks
         self.url = ""
         try:
             self.wait_ready()
@@ -52,14 +52,26 @@ class Server:
             time.sleep(0.2)
         raise TimeoutError(f"the server was not ready in {READY_TIMEOUT_S} s:\n{self.output()}")
 
-    def terminate(self, timeout: float = 60) -> int:
-        """SIGTERM, then wait for the exit; its return code."""
-        self.proc.send_signal(signal.SIGTERM)
+    def terminate(self, timeout: float = 60, group: bool = False) -> int:
+        """SIGTERM (to the server, or to its whole process group as a service manager or Ctrl-C would), then wait
+        for the exit; its return code."""
+        if group:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        else:
+            self.proc.send_signal(signal.SIGTERM)
         return self.proc.wait(timeout=timeout)
 
+    def group_alive(self) -> bool:
+        """Whether any process of the server's group (its --tp ranks) is still there."""
+        try:
+            os.killpg(self.proc.pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
+        if self.group_alive():
+            os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait(timeout=30)
         print(f"--- server log (exit {self.proc.returncode}), last lines ---\n" + self.output()[-4000:])
         self.log.close()
