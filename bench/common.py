@@ -87,6 +87,32 @@ def time_calls(calls: Sequence[Callable[[], object]], reps: int = 20, warmup: in
     return {"us": t / len(calls), "graph": False}
 
 
+def host_time_us(calls: Sequence[Callable[[], object]], reps: int) -> float:
+    """Median microseconds per call by the host clock (the CPU runs of the benches): one untimed pass, then at least
+    3 timed passes over ``calls``."""
+    for c in calls:
+        c()
+    times = []
+    for _ in range(max(3, reps)):
+        t0 = time.perf_counter()
+        for c in calls:
+            c()
+        times.append((time.perf_counter() - t0) * 1e6 / len(calls))
+    return statistics.median(times)
+
+
+def cpu_copy_bandwidth(n: int = 64 * 2**20, reps: int = 5) -> float:
+    """Bytes read + written per second of a host memory copy (the fastest of ``reps``)."""
+    a = torch.randint(0, 255, (n,), dtype=torch.uint8)
+    b = torch.empty_like(a)
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        b.copy_(a)
+        ts.append(time.perf_counter() - t0)
+    return 2 * n / min(ts)
+
+
 def capture_graph(fn: Callable[[], object]) -> "torch.cuda.CUDAGraph":
     """fn run once on a side stream (warm-up), then captured into a CUDA graph, replayed once and synchronized."""
     s = torch.cuda.Stream()

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import statistics
 import sys
 import time
@@ -59,7 +58,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench import common  # noqa: E402
-from bench.k2_step import attention_weight_bytes, cpu_copy_bandwidth, expert_bytes, nbytes, randomize_  # noqa: E402
+from bench.k2_step import attention_weight_bytes, expert_bytes, nbytes, randomize_  # noqa: E402
 from kdtree_engine.bench_spec import device_tag  # noqa: E402
 from kdtree_engine.config import ModelConfig, preset  # noqa: E402
 from kdtree_engine.draft_config import DraftConfig  # noqa: E402
@@ -367,7 +366,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
     links = Links(args.world, args.link_latency_us, args.link_GBps)
     gen = torch.Generator(device=dev).manual_seed(args.seed)
     torch.manual_seed(args.seed)
-    copy_bw = common.copy_bandwidth() if cuda else cpu_copy_bandwidth()
+    copy_bw = common.copy_bandwidth() if cuda else common.cpu_copy_bandwidth()
     log(f"copy {copy_bw / 1e12:.3f} TB/s ({clock():.1f} s)")
     target, drafter = build(cfg, dcfg, comm, policy, dev, dtype, gen, args.routing == "uniform")
     static = static_bytes(target, drafter)

@@ -43,7 +43,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import statistics
 import sys
 import time
 import traceback
@@ -152,26 +151,7 @@ def time_us(calls: Sequence[Callable[[], object]], reps: int) -> dict:
     times), CPU: host clock."""
     if _DEVICE.type == "cuda":
         return common.time_calls(list(calls) * _GRAPH_ROUNDS, reps=reps)
-    for c in calls:
-        c()
-    times = []
-    for _ in range(max(3, reps)):
-        t0 = time.perf_counter()
-        for c in calls:
-            c()
-        times.append((time.perf_counter() - t0) * 1e6 / len(calls))
-    return {"us": statistics.median(times), "graph": False}
-
-
-def cpu_copy_bandwidth(n: int = 64 * 2**20, reps: int = 5) -> float:
-    a = torch.randint(0, 255, (n,), dtype=torch.uint8)
-    b = torch.empty_like(a)
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        b.copy_(a)
-        ts.append(time.perf_counter() - t0)
-    return 2 * n / min(ts)
+    return {"us": common.host_time_us(calls, reps), "graph": False}
 
 
 def cpu_matmul_rate(n: int = 512, reps: int = 3) -> float:
@@ -285,7 +265,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
         copy_bw, mm_rate = common.copy_bandwidth(), common.bf16_matmul_rate()
         env = common.device_info()
     else:
-        copy_bw, mm_rate = cpu_copy_bandwidth(), cpu_matmul_rate()
+        copy_bw, mm_rate = common.cpu_copy_bandwidth(), cpu_matmul_rate()
         env = {"gpu": None, "cpu": common.cpu_model(), "torch": torch.__version__}
     log(f"copy {copy_bw / 1e12:.3f} TB/s, matmul {mm_rate / 1e12:.1f} TFLOP/s ({clock():.1f} s)")
 

@@ -23,7 +23,6 @@ import argparse
 import math
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -71,29 +70,12 @@ def time_us(calls: Sequence[Callable[[], object]], device: torch.device, reps: i
     """Median microseconds per call: CUDA graph replays (common.time_calls), or the host clock on the CPU."""
     if device.type == "cuda":
         return common.time_calls(list(calls), reps=reps)["us"]
-    for c in calls:
-        c()
-    times = []
-    for _ in range(max(3, reps)):
-        t0 = time.perf_counter()
-        for c in calls:
-            c()
-        times.append((time.perf_counter() - t0) * 1e6 / len(calls))
-    return statistics.median(times)
+    return common.host_time_us(calls, reps)
 
 
 def copy_bandwidth(device: torch.device) -> float:
     """Bytes read + written per second of a device-to-device copy, measured now."""
-    if device.type == "cuda":
-        return common.copy_bandwidth()
-    a = torch.randint(0, 255, (64 << 20,), dtype=torch.uint8)
-    b = torch.empty_like(a)
-    best = math.inf
-    for _ in range(5):
-        t0 = time.perf_counter()
-        b.copy_(a)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * a.numel() / best
+    return common.copy_bandwidth() if device.type == "cuda" else common.cpu_copy_bandwidth()
 
 
 def env_info(device: torch.device) -> dict:

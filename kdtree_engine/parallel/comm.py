@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from ..kernels.dispatch import ordered_sum
 from ..kernels.policy import KernelPolicy
+from ..kernels.reference import ordered_sum_torch
 from ..logs import log_once
 
 class Communicator:
@@ -124,14 +125,6 @@ def tp_sum(policy: KernelPolicy, comm: Communicator, x: torch.Tensor) -> torch.T
 
 
 def rank_order_sum(comm: Communicator, x: torch.Tensor) -> torch.Tensor:
-    """The sum over ranks of ``x``, added in rank order on every rank (the same bits everywhere, and a row's sum
-    does not depend on the other rows of the message)."""
-    return sum_in_order(comm.all_gather(x))
-
-
-def sum_in_order(parts: torch.Tensor) -> torch.Tensor:
-    """parts [N, ...] added in index order."""
-    out = parts[0]
-    for r in range(1, parts.shape[0]):
-        out = out + parts[r]
-    return out
+    """The sum over ranks of ``x`` (float32: the vocabulary reductions' small tensors), added in rank order on every
+    rank (the same bits everywhere, and a row's sum does not depend on the other rows of the message)."""
+    return ordered_sum_torch(comm.all_gather(x))

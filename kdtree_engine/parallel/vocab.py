@@ -15,7 +15,8 @@ import torch
 
 from ..kernels.dispatch import row_argmax
 from ..kernels.policy import KernelPolicy
-from .comm import Communicator, rank_order_sum, sum_in_order, tp_sum
+from ..kernels.reference import ordered_sum_torch
+from .comm import Communicator, rank_order_sum, tp_sum
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,7 @@ def log_normalizer(vocab: VocabShard, x: torch.Tensor) -> torch.Tensor:
     s = torch.exp(x - m).sum(dim=-1, keepdim=True)
     ms, ss = vocab.comm.all_gather(m), vocab.comm.all_gather(s)  # [N, ..., 1]
     top = ms.max(dim=0).values
-    return top + torch.log(sum_in_order(ss * torch.exp(ms - top)))
+    return top + torch.log(ordered_sum_torch(ss * torch.exp(ms - top)))
 
 
 def merge_top(vocab: VocabShard, vals: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
