@@ -9,6 +9,7 @@ reads this object.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 
@@ -57,6 +58,39 @@ class StepContext:
     @property
     def num_tokens(self) -> int:
         return self.positions.shape[0]
+
+
+@dataclass(frozen=True)
+class BatchContext:
+    """The steps of several requests in one forward (continuous batching, kdtree_engine/batch/): their rows
+    concatenated in ``parts`` order. Row-wise work (norms, linears, MoE, the latent write through the
+    concatenated pool ``rows``) runs once over all rows; attention runs per part over that request's own
+    cache and mask, exactly as its solo step would. ``bounds`` [len(parts) + 1]: each part's first row."""
+
+    parts: tuple[StepContext, ...]
+    bounds: tuple[int, ...]
+    positions: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    rows: torch.Tensor
+
+    device_resident = False
+
+    @classmethod
+    def of(cls, parts: tuple[StepContext, ...]) -> "BatchContext":
+        bounds = [0]
+        for p in parts:
+            bounds.append(bounds[-1] + p.num_tokens)
+        cat = lambda name: torch.cat([getattr(p, name) for p in parts])  # noqa: E731
+        return cls(parts, tuple(bounds), cat("positions"), cat("cos"), cat("sin"), cat("rows"))
+
+    @property
+    def num_tokens(self) -> int:
+        return self.bounds[-1]
+
+    def spans(self) -> Iterator[tuple[StepContext, int, int]]:
+        """(part, first row, end row) of each part."""
+        return ((p, a, b) for p, a, b in zip(self.parts, self.bounds, self.bounds[1:]))
 
 
 def static_visibility(start: torch.Tensor, tree_mask: torch.Tensor, capacity: int) -> torch.Tensor:

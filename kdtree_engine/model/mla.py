@@ -17,7 +17,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..kernels.dispatch import head_matmul, latent_write, mla_attention, mla_attention_static, rope_heads
 from ..kernels.paged import gather_slots
-from .context import StepContext
+from .context import BatchContext, StepContext
 from .prefill import absorbed_chunk, naive_chunk
 from ..kernels.policy import KernelPolicy, policy_or_env
 from .layers import GroupOf, Linear, RMSNorm, dense_only, stacked_linear, stacked_weights
@@ -65,26 +65,34 @@ class MLA(nn.Module):
         self._absorbed = None
         self.__dict__.pop("_down", None)
 
-    def forward(self, x: torch.Tensor, ctx: StepContext, kv_cache: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: StepContext | BatchContext, kv_cache: torch.Tensor) -> torch.Tensor:
         """x [T, H]; kv_cache [num_blocks, BLOCK, C+R]: this layer's pool, the request's slots read through ctx.table.
         Writes the T new latents to ctx.slots (pool rows ctx.rows); a prompt step
         attends in the naive form, every other step in the absorbed form over the committed prefix and the
         block (ctx.tree_mask: ancestor-or-self, None for causal); a chunk of a long prompt (ctx.chunk) attends
-        over its prefix and itself in key blocks, in the form the chunk plan chose (prefill.py). Returns [T, H]."""
+        over its prefix and itself in key blocks, in the form the chunk plan chose (prefill.py). A batch of
+        requests (BatchContext) projects all rows at once and attends per request. Returns [T, H]."""
         T = x.shape[0]
-        C = self.cfg.kv_lora_rank
         q_nope, q_pe = self._project(x, ctx, kv_cache)
-        if ctx.chunk is not None:
-            o = self._chunk(q_nope, q_pe, kv_cache, ctx)
-        elif ctx.prompt:
-            new = gather_slots(kv_cache, ctx.table, T)
-            o = self._naive(q_nope, q_pe, new[:, :C], new[:, C:])
+        if isinstance(ctx, BatchContext):
+            o = torch.cat([self._attention(q_nope[a:b], q_pe[a:b], kv_cache, part) for part, a, b in ctx.spans()])
         else:
-            w_uk, w_uv = self.absorbed_weights()
-            q_lat = head_matmul(self.policy, q_nope, w_uk.transpose(1, 2))  # [T, N, P] x [N, C, P] -> [T, N, C]
-            o_lat = self._attend(q_lat, q_pe, kv_cache, ctx)  # [T, N, C]
-            o = head_matmul(self.policy, o_lat, w_uv)  # [T, N, C] x [N, V, C] -> [T, N, V]
+            o = self._attention(q_nope, q_pe, kv_cache, ctx)
         return self.o_proj(o.reshape(T, -1))
+
+    def _attention(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
+                   ctx: StepContext) -> torch.Tensor:
+        """One request's attention over its cache -> [T, N, V] (the form chosen as :meth:`forward` says)."""
+        C = self.cfg.kv_lora_rank
+        if ctx.chunk is not None:
+            return self._chunk(q_nope, q_pe, kv_cache, ctx)
+        if ctx.prompt:
+            new = gather_slots(kv_cache, ctx.table, q_nope.shape[0])
+            return self._naive(q_nope, q_pe, new[:, :C], new[:, C:])
+        w_uk, w_uv = self.absorbed_weights()
+        q_lat = head_matmul(self.policy, q_nope, w_uk.transpose(1, 2))  # [T, N, P] x [N, C, P] -> [T, N, C]
+        o_lat = self._attend(q_lat, q_pe, kv_cache, ctx)  # [T, N, C]
+        return head_matmul(self.policy, o_lat, w_uv)  # [T, N, C] x [N, V, C] -> [T, N, V]
 
     def _chunk(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, ctx: StepContext
                ) -> torch.Tensor:
@@ -111,7 +119,7 @@ class MLA(nn.Module):
                                         ctx.tree_mask, ctx.visible, self.scale, C, ctx.gather_index)
         return mla_attention(self.policy, q_lat, q_pe, kv_cache, ctx.table, ctx.start, ctx.tree_mask, self.scale, C)
 
-    def _project(self, x: torch.Tensor, ctx: StepContext, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _project(self, x: torch.Tensor, ctx: StepContext | BatchContext, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> q_nope [T, N, P] (a view), q_pe [T, N, R] (rotated); writes the T new latents
         (normed c_kv | rotated k_pe) to the pool rows ctx.rows of kv_cache. The two down-projections of x (q_a or q, and
         kv_a) run as one GEMM when both are dense."""

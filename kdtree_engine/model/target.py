@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, replace
-from typing import Iterable, Protocol
+from typing import Iterable, Protocol, Sequence
 
 import torch
 from torch import nn
@@ -19,7 +19,7 @@ from ..cache import CachePool, LatentCache
 from ..config import ModelConfig
 from ..kernels.common import take_rows
 from ..kernels.dispatch import attention_gather_index
-from .context import StepContext, static_visibility
+from .context import BatchContext, StepContext, static_visibility
 from ..kernels.policy import KernelPolicy, policy_or_env
 from ..parallel.comm import SINGLE, Communicator, tp_sum
 from ..parallel.shard import WHOLE, check_divisible, expert_of, expert_range, index_for, owned_slices
@@ -57,6 +57,25 @@ def row_parallel_groups(cfg: ModelConfig, quant: QuantPolicy | None) -> dict[str
         for m in mods:
             out[m] = quant.group_size if quant is not None and quant.is_quantized(m) else None
     return out
+
+
+@dataclass(frozen=True)
+class BatchPart:
+    """One request's rows in a batched forward (:meth:`Target.forward_batch`): ``ids`` [T] after its cache's committed
+    length, at ``positions`` (None: the slots), causal (``tree_mask`` None: committed by the forward) or a tree
+    (pending until ``cache.commit``); ``chunk``: how a chunk of a long prompt attends (model/prefill.py);
+    ``logits``: the rows whose logits are computed ("all", "last" or "none")."""
+
+    ids: torch.Tensor
+    cache: LatentCache
+    positions: torch.Tensor | None = None
+    tree_mask: torch.Tensor | None = None
+    chunk: ChunkStep | None = None
+    logits: str = "all"
+
+    def __post_init__(self) -> None:
+        if self.logits not in ("all", "last", "none"):
+            raise ValueError(f"BatchPart.logits must be 'all', 'last' or 'none', got {self.logits!r}")
 
 
 @dataclass
@@ -383,6 +402,36 @@ class Target(nn.Module):
             cache.commit_all()
         return out
 
+    @torch.no_grad()
+    def forward_batch(self, parts: Sequence[BatchPart], aux_layers: tuple[int, ...] = ()) -> list[TargetOutput]:
+        """Several requests' steps as one forward (continuous batching): row-wise work over all their rows at once,
+        attention per request (:class:`BatchContext`). Each part's logits (the rows it asks for) and aux rows are
+        what its own :meth:`forward` (or prefill chunk) would give, bit for bit where the kernels are batch-invariant."""
+        if not parts:
+            raise ValueError("forward_batch needs at least one part")
+        self._check_aux(aux_layers)
+        ctxs = []
+        for p in parts:
+            c = self.context(p.cache, p.ids.shape[0], None if p.positions is None else p.positions.to(self.device),
+                             p.tree_mask)
+            ctxs.append(c if p.chunk is None else replace(c, chunk=p.chunk))
+        ctx = BatchContext.of(tuple(ctxs))
+        ids = torch.cat([p.ids.to(self.device) for p in parts])
+        x, aux = self._layers(self.embed(ids), ctx, self.pool(), aux_layers)
+        wanted = [torch.arange(a, b) if p.logits == "all" else torch.tensor([b - 1]) if p.logits == "last"
+                  else torch.empty(0, dtype=torch.long) for p, (_, a, b) in zip(parts, ctx.spans())]
+        index = torch.cat(wanted).to(self.device)
+        logits = self.lm_head(take_rows(x, index)) if index.numel() else None
+        outs, row = [], 0
+        for p, w, (_, a, b) in zip(parts, wanted, ctx.spans()):
+            n = w.numel()
+            part_logits = logits[row:row + n] if logits is not None else x.new_empty(0, 0, dtype=torch.float32)
+            outs.append(TargetOutput(logits=part_logits, aux=None if aux is None else aux[a:b]))
+            row += n
+            if p.tree_mask is None:
+                p.cache.commit_all()
+        return outs
+
     def _check_aux(self, aux_layers: tuple[int, ...]) -> None:
         wanted = set(aux_layers)
         if len(wanted) != len(aux_layers) or any(not 0 <= l < len(self.layers) for l in wanted):
@@ -436,7 +485,7 @@ class Target(nn.Module):
         x, aux = self._layers(h, ctx, cache, aux_layers)
         return TargetOutput(logits=self.lm_head(x), aux=aux)
 
-    def _layers(self, h: torch.Tensor, ctx: StepContext, cache: LatentCache, aux_layers: tuple[int, ...]
+    def _layers(self, h: torch.Tensor, ctx: StepContext | BatchContext, cache: LatentCache | CachePool, aux_layers: tuple[int, ...]
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The decoder layers and the final norm (which adds the last MLP output) -> (normed x [T, H],
         aux = the requested layers' outputs, concatenated)."""

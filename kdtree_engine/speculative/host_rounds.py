@@ -16,12 +16,13 @@ drafter's calibrated acceptance; stats then carry ``budget_chosen`` ({budget: ro
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..logs import log, log_once
-from ..model.target import Target
+from ..model.target import BatchPart, Target, TargetOutput
 from ..sampling import SamplingParams, greedy, make_generator, sample, topk_logprobs
 from ..errors import SpecError
 from .accept import accept, target_picks
@@ -42,6 +43,16 @@ def pick_tree_impl(impl: str, device: torch.device) -> str:
     chosen = "heap" if impl == "auto" else impl
     log_once(f"tree:{device.type}:{chosen}", f"DDTree builder on {device.type}: {chosen}")
     return chosen
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    """A round up to the target's forward: the rows to verify, the draft tree (None: a plain step) and the draft
+    logits it was built from (None without drafts)."""
+
+    part: BatchPart
+    tree: DraftTree | None
+    draft_logits: torch.Tensor | None
 
 
 class HostRounds:
@@ -72,6 +83,8 @@ class HostRounds:
         self.cache = target.new_cache(prompt_len + limit + shape.max_nodes)
         self.aux_layers = tuple(self.drafter.target_layer_ids) if self.drafter is not None else ()
         self.last: tuple | None = None  # (tree, accept result, draft logits) of the last round that drafted
+        self.emitted_logits: list[torch.Tensor] | None = None  # a list: keep_logits collects (tests compare runs)
+        self.before: dict[str, float] | None = None
         self._out: list[int] = []
 
     def prefill(self, prompt_ids: list[int]) -> int:
@@ -79,64 +92,83 @@ class HostRounds:
         ids = torch.tensor(prompt_ids, dtype=torch.long, device=target.device)
         out = target.prefill(ids, self.cache, self.aux_layers, chunk=self.prefill_chunk)
         self.prefill_stats = out.stats()
+        return self.start_decoding(out.logits[-1], out.aux, len(prompt_ids))
+
+    def start_decoding(self, logits: torch.Tensor, aux: torch.Tensor | None, prompt_len: int) -> int:
+        """After the prompt's forward: the first token from the last prompt token's logits [V], the drafter's context
+        (the prompt's aux features [S, K*D]). Returns the first token."""
+        self.keep_logits(logits.reshape(1, -1))
         # [] the newest token, not yet fed to the target
-        self.bonus = sample(out.logits[-1], self.params, self.gen, policy=target.policy, vocab=self.vocab)
+        self.bonus = sample(logits, self.params, self.gen, policy=self.target.policy, vocab=self.vocab)
         if self.drafter is not None:
-            S = len(prompt_ids)
-            self.dcache = self.drafter.new_cache(S + self.limit + 1)
-            self.ctx = out.aux  # [S, K*D] features of the prompt, positions 0..S-1
-            self.start = S  # position of the bonus token = committed length
+            self.dcache = self.drafter.new_cache(prompt_len + self.limit + 1)
+            self.ctx = aux  # [S, K*D] features of the prompt, positions 0..S-1
+            self.start = prompt_len  # position of the bonus token = committed length
         return int(self.bonus)
+
+    def keep_logits(self, rows: torch.Tensor) -> None:
+        """With ``emitted_logits`` set (a list): keep the target logits [n, V] of the tokens emitted, in order."""
+        if self.emitted_logits is not None:
+            self.emitted_logits.append(rows)
 
     def launch(self, remaining: int) -> None:
         """Run one round; ``remaining`` tokens may still be emitted (drafts past them are never used)."""
-        if self.drafter is None:
-            self._plain()
-        else:
-            self._spec(remaining)
+        plan = self.plan(remaining)
+        if plan.tree is not None:
+            self.timer.lap("tree_s")
+        out = self.target(plan.part.ids, self.cache, positions=plan.part.positions, tree_mask=plan.part.tree_mask,
+                          aux_layers=self.aux_layers if plan.tree is not None else ())
+        self.absorb(plan, out)
 
     def collect(self) -> list[int]:
         return self._out
 
-    def _plain(self) -> None:
-        timer = self.timer
-        timer.start()
-        logits = self.target(self.bonus.reshape(1), self.cache).logits[-1]
-        self.bonus = sample(logits, self.params, self.gen, policy=self.target.policy, vocab=self.vocab)
-        self._out = [int(self.bonus)]
-        timer.lap("verify_s")
-        self.stats.record(1, 0)
-
-    def _spec(self, remaining: int) -> None:
-        target, shape, timer, chooser = self.target, self.shape, self.timer, self.chooser
-        before = dict(timer.totals) if chooser is not None else None
-        timer.start()
+    def plan(self, remaining: int) -> RoundPlan:
+        """The round up to the target's forward: the drafter's pass and the tree (timed as draft_s and, by the caller's
+        lap, tree_s); ``part``: the rows the target verifies."""
+        self.before = dict(self.timer.totals) if self.chooser is not None else None
+        self.timer.start()
+        if self.drafter is None:  # plain decoding: the newest token alone
+            return RoundPlan(BatchPart(self.bonus.reshape(1), self.cache), None, None)
+        target, shape = self.target, self.shape
         start = self.start
         depth = min(shape.chain, remaining - 1, target.cfg.max_position_embeddings - 1 - start)
         draft_logits = None
         if depth > 0:
             draft_logits = self.drafter.propose(target, self.ctx, self.bonus, self.dcache, start)[:depth]  # [depth, V]
-        timer.lap("draft_s")
+        self.timer.lap("draft_s")
         tree = self._tree(draft_logits, start)
-        timer.lap("tree_s")
-        vout = target(tree.tokens, self.cache, positions=tree.positions, tree_mask=tree.mask,
-                      aux_layers=self.aux_layers)
+        return RoundPlan(BatchPart(tree.tokens, self.cache, tree.positions, tree.mask), tree, draft_logits)
+
+    def absorb(self, plan: RoundPlan, vout: TargetOutput) -> None:
+        """The round after the target's forward ``vout`` over ``plan.part``: picks, accept walk, commit, emitted tokens."""
+        target, timer = self.target, self.timer
+        if plan.tree is None:
+            logits = vout.logits[-1]
+            self.keep_logits(vout.logits[-1:])
+            self.bonus = sample(logits, self.params, self.gen, policy=target.policy, vocab=self.vocab)
+            self._out = [int(self.bonus)]
+            timer.lap("verify_s")
+            self.stats.record(1, 0)
+            return
+        tree = plan.tree
         picks = target_picks(vout.logits, self.params, self.gen, policy=target.policy, vocab=self.vocab)  # [N1]
         res = accept(tree, picks)
         timer.lap("verify_s")
         self.cache.commit(res.accepted)
+        self.keep_logits(vout.logits.index_select(0, res.accepted))
         self.ctx = vout.aux.index_select(0, res.accepted)  # [A, K*D] positions start .. start+A-1
         self._out = torch.cat([tree.tokens.index_select(0, res.accepted[1:]), res.bonus.reshape(1)]).tolist()
         self.bonus = res.bonus
         timer.lap("commit_s")
         A = res.num_accepted
-        if chooser is not None:
-            dt = {k: timer.totals[k] - before[k] for k in timer.totals}
-            chooser.observe(A - 1, dt["draft_s"], dt["tree_s"] + dt["commit_s"], dt["verify_s"])
+        if self.chooser is not None:
+            dt = {k: timer.totals[k] - self.before[k] for k in timer.totals}
+            self.chooser.observe(A - 1, dt["draft_s"], dt["tree_s"] + dt["commit_s"], dt["verify_s"])
         self.start += A
         self.stats.record(A, tree.num_nodes - 1)
-        if depth > 0 and self.vocab is None:  # the display reads the draft logits of the whole vocabulary
-            self.last = (tree, res, draft_logits)
+        if plan.draft_logits is not None and self.vocab is None:  # the display reads the whole vocabulary's logits
+            self.last = (tree, res, plan.draft_logits)
 
     def _tree(self, draft_logits: torch.Tensor | None, start: int) -> DraftTree:
         bonus, shape = self.bonus, self.shape

@@ -16,10 +16,11 @@ def sync(device: torch.device) -> None:
 
 
 class Timer:
-    """Stage timers that synchronize the device around each stage."""
+    """Stage timers that synchronize the device around each stage (``synced`` False: host time only, for rounds
+    that share a forward with other requests, where a stage of one request is not a unit of device work)."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
+    def __init__(self, device: torch.device, synced: bool = True) -> None:
+        self.device = device if synced else torch.device("cpu")
         self.totals: dict[str, float] = {k: 0.0 for k in STAGES}
         self._t = 0.0
 
