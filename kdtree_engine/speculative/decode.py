@@ -169,7 +169,7 @@ def generate(target: Target, prompt_ids: list[int], params: SamplingParams, *,
     sc = resolve_spec(spec, drafter, budget)
     if tree_impl not in TREE_IMPLS:
         raise SpecError(f"tree builder must be one of {', '.join(TREE_IMPLS)}; got {tree_impl!r}")
-    shape = _shape(sc, target, drafter, prompt_ids)
+    shape = round_shape(sc, target, drafter, prompt_ids)
     mode = pick_round_mode(sc, params, drafter, target, eager, tree_impl)
     if mode == "graph":
         return run_rounds(target, prompt_ids, params, shape, on_tokens, lambda limit: DeviceRounds(
@@ -185,14 +185,14 @@ def generate_device(target: Target, prompt_ids: list[int], params: SamplingParam
     """:func:`generate` over device-resident rounds, replayed from a CUDA graph (``graph=True``) or run
     eagerly on any device; ``ahead``: None = the device's default order (tests set it to check both)."""
     sc = resolve_spec(method, drafter, budget)
-    shape = _shape(sc, target, drafter, prompt_ids)
+    shape = round_shape(sc, target, drafter, prompt_ids)
     mode = "graph" if graph else "device-eager"
     return run_rounds(target, prompt_ids, params, shape, on_tokens, lambda limit: DeviceRounds(
         target, drafter, shape, params, limit, len(prompt_ids), graph=graph, ahead=ahead,
         prefill_chunk=prefill_chunk), mode)
 
 
-def _shape(sc: SpecConfig, target: Target, drafter: Any, prompt_ids: list[int]) -> RoundShape:
+def round_shape(sc: SpecConfig, target: Target, drafter: Any, prompt_ids: list[int]) -> RoundShape:
     check_prompt(target, prompt_ids)
     if drafter is not None and sc.method != "none" and hasattr(drafter, "check_target"):
         drafter.check_target(target.cfg)

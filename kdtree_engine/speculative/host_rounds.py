@@ -126,19 +126,36 @@ class HostRounds:
     def plan(self, remaining: int) -> RoundPlan:
         """The round up to the target's forward: the drafter's pass and the tree (timed as draft_s and, by the caller's
         lap, tree_s); ``part``: the rows the target verifies."""
-        self.before = dict(self.timer.totals) if self.chooser is not None else None
-        self.timer.start()
+        found = self.draft(remaining)
         if self.drafter is None:  # plain decoding: the newest token alone
             return RoundPlan(BatchPart(self.bonus.reshape(1), self.cache), None, None)
-        target, shape = self.target, self.shape
+        return self.plan_tree(found, self._tree(found, self.start))
+
+    def draft(self, remaining: int) -> torch.Tensor | None:
+        """Start a round: the drafter's logits [depth, V] for the drafts this round may use (None: plain decoding, or
+        no room left for a draft)."""
+        self.before = dict(self.timer.totals) if self.chooser is not None else None
+        self.timer.start()
+        if self.drafter is None:
+            return None
         start = self.start
-        depth = min(shape.chain, remaining - 1, target.cfg.max_position_embeddings - 1 - start)
+        depth = min(self.shape.chain, remaining - 1, self.target.cfg.max_position_embeddings - 1 - start)
         draft_logits = None
         if depth > 0:
-            draft_logits = self.drafter.propose(target, self.ctx, self.bonus, self.dcache, start)[:depth]  # [depth, V]
+            draft_logits = self.drafter.propose(self.target, self.ctx, self.bonus, self.dcache, start)[:depth]
         self.timer.lap("draft_s")
-        tree = self._tree(draft_logits, start)
+        return draft_logits
+
+    def plan_tree(self, draft_logits: torch.Tensor | None, tree: DraftTree) -> RoundPlan:
+        """The round of ``tree`` (built from ``draft_logits``): its rows for the target."""
         return RoundPlan(BatchPart(tree.tokens, self.cache, tree.positions, tree.mask), tree, draft_logits)
+
+    def tree_of_budget(self, lp: torch.Tensor, ids: torch.Tensor, budget: int) -> DraftTree:
+        """The DDTree of ``budget`` nodes from top-K log-probs / ids [depth, >= budget] (0: the root alone)."""
+        if budget == 0:
+            return chain_tree(self.bonus, torch.empty(0, dtype=torch.long, device=self.bonus.device), self.start)
+        builder = build_tree_heap if self.impl == "heap" else build_tree
+        return builder(lp[:, :budget], ids[:, :budget], budget, self.bonus, self.start)
 
     def absorb(self, plan: RoundPlan, vout: TargetOutput) -> None:
         """The round after the target's forward ``vout`` over ``plan.part``: picks, accept walk, commit, emitted tokens."""
@@ -176,15 +193,13 @@ class HostRounds:
             return chain_tree(bonus, torch.empty(0, dtype=torch.long, device=bonus.device), start)
         if shape.method == "dflash":
             return chain_tree(bonus, greedy(draft_logits, policy=self.target.policy, vocab=self.vocab), start)
-        builder = build_tree_heap if self.impl == "heap" else build_tree
         if self.chooser is not None:
             # one top-K for the largest budget; the budget-b tree only ever uses ranks < b
             lp, ids = topk_logprobs(draft_logits, self.chooser.max_budget, policy=self.target.policy,
                                     vocab=self.vocab)  # [depth, K]
-            budget = self.chooser.choose(lp)
-            return builder(lp[:, :budget], ids[:, :budget], budget, bonus, start)
+            return self.tree_of_budget(lp, ids, self.chooser.choose(lp))
         lp, ids = topk_logprobs(draft_logits, shape.budget, policy=self.target.policy, vocab=self.vocab)  # [depth, K]
-        return builder(lp, ids, shape.budget, bonus, start)
+        return self.tree_of_budget(lp, ids, shape.budget)
 
     def release(self) -> None:
         """Return the request's latent cache blocks to the target's pool (a test double's cache has no pool)."""

@@ -1,0 +1,272 @@
+"""Continuous batching: many requests share each target forward, each one's tokens those of its solo run.
+
+Every :meth:`Scheduler.step` is one round boundary and one batched forward (:meth:`Target.forward_batch`):
+
+1. requests cancelled since the last step end ("abort") and give their cache blocks back;
+2. waiting requests are admitted in arrival order while the pool has the blocks of their whole context (prompt,
+   generation limit and the widest verify); the first that does not fit waits, and those behind it wait too (no
+   request is overtaken, so none starves). A request that could never fit, even in an empty pool, is refused at
+   submit with a PromptError;
+3. the forward's rows: every running request's round (its newest token, or its draft tree, root first), then the
+   next prompt chunk of requests still in prefill, in arrival order, while the rows stay within ``token_budget``
+   (a chunk always runs when nothing else does, so a prompt longer than the budget still advances);
+4. after the forward each request takes its own rows: picks, accept walk, commit, stop rule; a request that ends
+   gives its blocks back before the next step.
+
+Why each request's output equals its solo run: its rows enter the same row-wise kernels (batch-invariant on the GPU:
+a row's result does not depend on the rows beside it), its attention runs over its own cache and mask with the
+same shapes as alone (:class:`~kdtree_engine.model.context.BatchContext`), its prompt is cut into the chunks its solo
+prefill would run, and its sampling draws from its own generator (its seed). The drafter runs per request.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Any
+
+import torch
+
+from ..cache import blocks_for
+from ..errors import PromptError, SpecError
+from ..logs import log_once
+from ..model.prefill import ChunkStep, choose_form, plan_chunks, resolve_chunk
+from ..model.target import BatchPart, Target, TargetOutput
+from ..sampling import SamplingParams, topk_logprobs
+from ..speculative.budget import AcceptanceCalibration, expected_accepted_by_budget, verify_cost_for
+from ..speculative.config import resolve_spec
+from ..speculative.decode import Emitter, GenerationResult, OnTokens, cache_token_capacity, context_limit, round_shape
+from ..speculative.host_rounds import HostRounds, RoundPlan
+from ..speculative.stats import Timer
+from .load_budget import allocate_budgets
+from .sequence import DONE, PREFILL, RUNNING, WAITING, Sequence
+
+DEFAULT_TOKEN_BUDGET = 2048  # rows of one batched forward (decode / verify rows first, then prompt chunks)
+
+
+class Scheduler:
+    """The continuous batch of one target (and its drafter, shared by the requests that draft).
+
+    ``token_budget``: the most rows of one forward; ``prefill_chunk``: the prompt chunk size (None: the target's
+    default; the same for every request, so each prompt is cut as its solo prefill cuts it); ``tree_impl``: the
+    DDTree builder of host-driven rounds; ``keep_logits``: keep the target logits of every emitted token
+    (``Sequence.rounds.emitted_logits``, for comparing runs)."""
+
+    def __init__(self, target: Target, drafter: Any = None, *, token_budget: int = DEFAULT_TOKEN_BUDGET,
+                 prefill_chunk: int | None = None, tree_impl: str = "auto", keep_logits: bool = False) -> None:
+        if isinstance(token_budget, bool) or not isinstance(token_budget, int) or token_budget < 1:
+            raise SpecError(f"token_budget={token_budget!r} must be a positive number of rows per forward")
+        self.target, self.drafter = target, drafter
+        self.token_budget = token_budget
+        self.chunk = resolve_chunk(prefill_chunk)
+        self.prefill_chunk = prefill_chunk
+        self.tree_impl = tree_impl
+        self.keep_logits = keep_logits
+        self.pool = target.pool()
+        self.waiting: deque[Sequence] = deque()
+        self.active: list[Sequence] = []   # prefill and running, in admission order
+        self._ids = 0
+        self.forwards = 0
+        self.rows_run = 0
+        self._cost = None  # the verify cost curve of load-aware budgets, measured on first use
+        log_once(f"batch:{token_budget}", f"continuous batching: up to {token_budget} rows per forward, prompts in "
+                 f"chunks of {self.chunk} tokens")
+
+    # ---- requests ------------------------------------------------------------------------------
+    def submit(self, prompt_ids: list[int], params: SamplingParams | None = None, *, spec: str = "none",
+               budget: int | str | None = None, on_tokens: OnTokens | None = None) -> Sequence:
+        """Queue a request (checked now: a bad prompt or spec raises before it is queued). ``spec`` none | dflash |
+        ddtree with ``budget`` as for :func:`~kdtree_engine.speculative.decode.generate`; ``budget="auto"``: the
+        load-aware budget, chosen per round over the whole batch (:mod:`.load_budget`)."""
+        params = params or SamplingParams()
+        sc = resolve_spec(spec, self.drafter, budget)
+        prompt_ids = [int(t) for t in prompt_ids]
+        shape = round_shape(sc, self.target, self.drafter, prompt_ids)
+        S, cfg = len(prompt_ids), self.target.cfg
+        # the limit its solo run would have in an empty pool: the same stop rule, the same tokens
+        limit = context_limit(S, params.max_tokens, cfg.max_position_embeddings, self.pool.total_tokens,
+                              shape.max_nodes)
+        self._ids += 1
+        seq = Sequence(self._ids, prompt_ids, params, shape, limit, Emitter(self.target, params, limit, on_tokens))
+        if limit == 0:
+            self._end(seq, "length")
+            return seq
+        self.waiting.append(seq)
+        return seq
+
+    def cancel(self, seq: Sequence) -> None:
+        seq.cancel()
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.active
+
+    def run(self) -> None:
+        """Step until every submitted request has ended."""
+        while not self.idle:
+            self.step()
+
+    # ---- one round boundary and one forward ----------------------------------------------------
+    def step(self) -> list[Sequence]:
+        """One batched forward; returns the requests that ended at this step (cancelled ones included)."""
+        ended = self._drop_cancelled()
+        self._admit()
+        running = [s for s in self.active if s.state == RUNNING]
+        plans = self._plan_rounds(running)
+        parts: list[BatchPart] = [p.part for p in plans]
+        rows = sum(p.ids.shape[0] for p in parts)
+        prefilling: list[Sequence] = []
+        for seq in (s for s in self.active if s.state == PREFILL):
+            a, b, step = seq.chunks[0]
+            if rows and rows + (b - a) > self.token_budget:
+                break
+            last = len(seq.chunks) == 1
+            ids = torch.tensor(seq.prompt_ids[a:b], dtype=torch.long)
+            parts.append(BatchPart(ids, seq.rounds.cache, chunk=step, logits="last" if last else "none"))
+            prefilling.append(seq)
+            rows += b - a
+        if not parts:
+            return ended
+        aux = self._aux_layers(running, prefilling)
+        outs = self.target.forward_batch(parts, aux)
+        self.forwards += 1
+        self.rows_run += rows
+        for seq, plan, out in zip(running, plans, outs):
+            seq.rounds.absorb(plan, out)
+            if seq.calibration is not None and plan.tree is not None:
+                seq.calibration.update(seq.rounds.stats.accepted_lens[-1] - 1, seq.predicted)
+            if seq.emit.push(seq.rounds.collect()):
+                ended.append(self._end(seq))
+        for seq, out in zip(prefilling, outs[len(running):]):
+            self._prefilled(seq, out, aux)
+            if seq.done:
+                ended.append(seq)
+        return ended
+
+    def _aux_layers(self, running: list[Sequence], prefilling: list[Sequence]) -> tuple[int, ...]:
+        """The drafter's target layers when a request in this forward drafts (aux rows are per row: computing them
+        for every row changes no request's logits)."""
+        drafts = any(s.rounds.drafter is not None for s in running + prefilling)
+        return tuple(self.drafter.target_layer_ids) if drafts else ()
+
+    def _plan_rounds(self, running: list[Sequence]) -> list[RoundPlan]:
+        """Each running request's round up to the forward; requests with the load-aware budget get their trees
+        after every draft is known (the budgets are chosen together)."""
+        plans: dict[int, RoundPlan] = {}
+        auto: list[tuple[Sequence, torch.Tensor | None]] = []
+        for seq in running:
+            r = seq.rounds
+            if seq.shape.auto:
+                auto.append((seq, r.draft(seq.emit.remaining)))
+            else:
+                plans[seq.id] = r.plan(seq.emit.remaining)
+        if auto:
+            fixed_rows = sum(p.part.ids.shape[0] for p in plans.values())
+            plans.update(self._plan_auto(auto, fixed_rows))
+        return [plans[s.id] for s in running]
+
+    def _plan_auto(self, auto: list[tuple[Sequence, torch.Tensor | None]], fixed_rows: int) -> dict[int, RoundPlan]:
+        """Trees for the load-aware requests: budgets from their expected acceptance and the batch's verify cost."""
+        target = self.target
+        tops, expected = [], []
+        for seq, draft_logits in auto:
+            mb = seq.shape.budget
+            if draft_logits is None:
+                tops.append(None)
+                expected.append(torch.zeros(0, dtype=torch.float64))
+                continue
+            lp, ids = topk_logprobs(draft_logits, mb, policy=target.policy, vocab=seq.rounds.vocab)
+            tops.append((lp, ids))
+            expected.append(expected_accepted_by_budget(lp, mb) * seq.calibration.factor)
+        budgets = allocate_budgets(expected, fixed_rows, self._verify_cost())
+        out = {}
+        for (seq, draft_logits), top, b, e in zip(auto, tops, budgets, expected):
+            r = seq.rounds
+            if top is None:
+                tree = r.tree_of_budget(torch.empty(0, 0), torch.empty(0, 0, dtype=torch.long), 0)
+            else:
+                tree = r.tree_of_budget(top[0], top[1], b)
+            seq.predicted = float(e[b - 1]) / max(seq.calibration.factor, 1e-9) if b > 0 else 0.0
+            seq.stats.setdefault("budget_chosen", {}).setdefault(b, 0)
+            seq.stats["budget_chosen"][b] += 1
+            out[seq.id] = r.plan_tree(draft_logits, tree)
+        return out
+
+    def _verify_cost(self):
+        if self._cost is None:
+            self._cost = verify_cost_for(self.target, context=min(self.pool.max_context // 2, 2048),
+                                         max_nodes=self.token_budget)
+        return self._cost
+
+    # ---- admission, prefill, the end ------------------------------------------------------------
+    def _admit(self) -> None:
+        while self.waiting:
+            seq = self.waiting[0]
+            need = blocks_for(len(seq.prompt_ids) + seq.limit + seq.shape.max_nodes)
+            if need > self.pool.free_blocks:
+                return
+            self.waiting.popleft()
+            self._start(seq)
+
+    def _start(self, seq: Sequence) -> None:
+        """Take the request's cache blocks and plan its prompt chunks as its solo prefill does."""
+        target = self.target
+        r = HostRounds(target, self.drafter, seq.shape, seq.params, seq.limit, len(seq.prompt_ids), self.tree_impl,
+                       self.prefill_chunk)
+        r.timer = Timer(target.device, synced=False)
+        if self.keep_logits:
+            r.emitted_logits = []
+        seq.rounds = r
+        if seq.shape.auto:
+            r.chooser = None   # the batch chooses its budgets (load_budget.py), not the request alone
+            seq.calibration = AcceptanceCalibration()
+        S, N = len(seq.prompt_ids), target.layers[0].self_attn.n_heads
+        if S <= self.chunk:
+            seq.chunks = [(0, S, None)]
+        else:
+            seq.chunks = [(a, b, ChunkStep(choose_form(target.cfg, N, b - a, a, target.dtype.itemsize, target.device)))
+                          for a, b in plan_chunks(S, self.chunk)]
+        seq.stats.update(prefill_chunks=len(seq.chunks), prefill_chunk=self.chunk)
+        seq.state = PREFILL
+        seq.admitted = time.perf_counter()
+        self.active.append(seq)
+
+    def _prefilled(self, seq: Sequence, out: TargetOutput, aux: tuple[int, ...]) -> None:
+        """One prompt chunk has run; after the last, the first token."""
+        seq.chunks.pop(0)
+        if out.aux is not None and seq.rounds.drafter is not None:
+            seq.prompt_aux.append(out.aux)
+        if seq.chunks:
+            return
+        prompt_aux = torch.cat(seq.prompt_aux) if seq.prompt_aux else None
+        seq.prompt_aux = []
+        first = seq.rounds.start_decoding(out.logits[-1], prompt_aux, len(seq.prompt_ids))
+        seq.first_token = time.perf_counter()
+        seq.state = RUNNING
+        if seq.emit.push([first]):
+            self._end(seq)
+
+    def _drop_cancelled(self) -> list[Sequence]:
+        ended = [self._end(s, "abort") for s in list(self.active) if s.cancelled]
+        for s in [s for s in self.waiting if s.cancelled]:
+            self.waiting.remove(s)
+            ended.append(self._end(s, "abort"))
+        return ended
+
+    def _end(self, seq: Sequence, reason: str | None = None) -> Sequence:
+        """The request's result; its cache blocks go back to the pool."""
+        now = time.perf_counter()
+        if seq.rounds is not None:
+            seq.rounds.release()
+        if seq in self.active:
+            self.active.remove(seq)
+        first = seq.first_token or now
+        stats: dict[str, Any] = {"prompt_tokens": len(seq.prompt_ids), "spec": seq.shape.method, **seq.shape.stats()}
+        generated = len(seq.emit.tokens)
+        if seq.rounds is not None:
+            stats.update(seq.rounds.stats.summary(generated, first - (seq.admitted or now), now - first))
+        stats.update(seq.stats, queued_s=(seq.admitted or now) - seq.submitted, latency_s=now - seq.submitted,
+                     ttft_s=first - seq.submitted)
+        seq.result = GenerationResult(list(seq.emit.tokens), reason or seq.emit.finish_reason or "length", stats)
+        seq.state = DONE
+        return seq
