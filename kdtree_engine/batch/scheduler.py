@@ -220,10 +220,11 @@ class Scheduler:
         if seq.shape.auto:
             r.chooser = None   # the batch chooses its budgets (load_budget.py), not the request alone
             seq.calibration = AcceptanceCalibration()
-        S, N = len(seq.prompt_ids), target.layers[0].self_attn.n_heads
+        S = len(seq.prompt_ids)
         if S <= self.chunk:
             seq.chunks = [(0, S, None)]
         else:
+            N = target.layers[0].self_attn.n_heads
             seq.chunks = [(a, b, ChunkStep(choose_form(target.cfg, N, b - a, a, target.dtype.itemsize, target.device)))
                           for a, b in plan_chunks(S, self.chunk)]
         seq.stats.update(prefill_chunks=len(seq.chunks), prefill_chunk=self.chunk)

@@ -49,6 +49,13 @@ class PrefixCache:
         self.pending = []
 
 
+class ToyPool:
+    """What the continuous-batch scheduler reads of a target's cache pool: room enough for every request."""
+
+    total_tokens = max_context = free_tokens = 1 << 20
+    free_blocks = num_blocks = 1 << 14
+
+
 class PrefixTarget:
     def __init__(self, vocab: int, seed: int = 0, scale: float = 1.5, eos: int = 0, hidden: int = 4) -> None:
         self.cfg = preset("k2-tiny").replace(vocab_size=vocab, eos_token_ids=(eos,), hidden_size=64)
@@ -104,6 +111,18 @@ class PrefixTarget:
             cache.pending = toks
         return TargetOutput(logits=torch.stack(rows), aux=torch.stack(aux) if aux_layers else None)
 
+    def pool(self) -> ToyPool:
+        return ToyPool()
+
+    def forward_batch(self, parts, aux_layers=()) -> list[TargetOutput]:
+        """Each part through :meth:`forward`, its logits rows as the part asks (Target.forward_batch's contract)."""
+        outs = []
+        for p in parts:
+            out = self.forward(p.ids, p.cache, p.positions, p.tree_mask, aux_layers)
+            rows = {"all": out.logits, "last": out.logits[-1:], "none": out.logits[:0]}[p.logits]
+            outs.append(TargetOutput(logits=rows, aux=out.aux))
+        return outs
+
     def prefill(self, ids, cache, aux_layers=(), chunk=None) -> PrefillOutput:
         out = self.forward(ids, cache, aux_layers=aux_layers)
         return PrefillOutput(out.logits[-1:], out.aux, chunks=1, chunk=len(ids), peak_bytes=0)
@@ -125,6 +144,7 @@ class PrefixTarget:
 class SimpleDraftCache:
     def __init__(self) -> None:
         self.length = 0
+        self.history: list[int] = []  # ToyDrafter with decode_ctx: the tokens fed so far (one request's)
 
     def crop(self, n: int) -> None:
         self.length = n
@@ -145,11 +165,9 @@ class ToyDrafter:
         self.fn = fn
         self.decode_ctx = decode_ctx
         self.check_ctx = check_ctx
-        self.history: list[int] = []
         self.calls = 0
 
     def new_cache(self, max_tokens: int) -> SimpleDraftCache:
-        self.history = []
         return SimpleDraftCache()
 
     def propose(self, target, ctx, bonus, cache, start) -> torch.Tensor:
@@ -160,9 +178,9 @@ class ToyDrafter:
         hist = None
         if self.decode_ctx:
             assert ctx[:, 0].tolist() == list(range(cache.length, start)), (ctx[:, 0], cache.length, start)
-            assert len(self.history) == cache.length
-            self.history += [int(t) for t in ctx[:, 1].tolist()]
-            hist = self.history + [int(bonus)]
+            assert len(cache.history) == cache.length
+            cache.history += [int(t) for t in ctx[:, 1].tolist()]
+            hist = cache.history + [int(bonus)]
         cache.length = start
         return self.fn(start, int(bonus), self.block_size, hist)
 
