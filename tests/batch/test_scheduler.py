@@ -1,0 +1,148 @@
+"""The scheduler's bookkeeping: cache blocks, cancellation, the row budget, admission and refusal."""
+
+import random
+
+import pytest
+import torch
+
+from kdtree_engine.batch import Scheduler
+from kdtree_engine.cache import BLOCK
+from kdtree_engine.config import preset
+from kdtree_engine.draft_config import DraftConfig
+from kdtree_engine.errors import PromptError, SpecError
+from kdtree_engine.model.dflash import DFlashDrafter
+from kdtree_engine.model.target import Target
+from kdtree_engine.sampling import SamplingParams
+from kdtree_engine.speculative.decode import generate
+
+
+def _pair(seed: int, layers: int = 2, pool_tokens: int | None = None):
+    cfg = preset("k2-tiny").replace(num_hidden_layers=layers, vocab_size=96)
+    target = Target.random(cfg, seed=seed)
+    if pool_tokens is not None:
+        target.init_cache_pool(tokens=pool_tokens)
+    ids = tuple(sorted({0, layers - 1}))
+    dcfg = DraftConfig(hidden_size=cfg.hidden_size, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, block_size=4, mask_token_id=cfg.vocab_size - 1,
+                       target_layer_ids=ids, num_target_layers=layers, vocab_size=cfg.vocab_size)
+    return target, DFlashDrafter.random(dcfg, seed=seed)
+
+
+def _prompt(rng: random.Random, lo: int, hi: int) -> list[int]:
+    return [rng.randrange(2, 95) for _ in range(rng.randint(lo, hi))]
+
+
+def test_thousand_requests_leave_the_pool_as_it_started():
+    seed = random.randrange(1 << 30)
+    print(f"seed {seed}")
+    rng = random.Random(seed)
+    target, drafter = _pair(seed, layers=1, pool_tokens=40 * BLOCK)
+    pool = target.pool()
+    free = sorted(pool.free_ids())
+    sched = Scheduler(target, drafter, token_budget=48, prefill_chunk=16)
+    methods = [("none", None), ("dflash", None), ("ddtree", 3), ("ddtree", 8)]
+    seqs, cancelled = [], 0
+    for i in range(1000):
+        m, b = methods[i % 4]
+        seqs.append(sched.submit(_prompt(rng, 1, 40), SamplingParams(max_tokens=rng.randint(1, 6), ignore_eos=True,
+                                                                     temperature=rng.choice([0.0, 1.0]), seed=i),
+                                 spec=m, budget=b))
+        if rng.random() < 0.3:
+            sched.step()
+        if rng.random() < 0.05:  # a request cancelled wherever it is: waiting, in prefill or mid-decode
+            rng.choice(seqs).cancel()
+            cancelled += 1
+        assert pool.free_blocks + sum(len(s.rounds.cache.blocks) for s in sched.active) == pool.num_blocks
+    sched.run()
+    assert all(s.done for s in seqs)
+    assert sum(s.result.finish_reason == "abort" for s in seqs) <= cancelled
+    assert sorted(pool.free_ids()) == free
+
+
+def test_cancel_mid_round_frees_its_blocks():
+    target, drafter = _pair(3)
+    pool = target.pool()
+    before = pool.free_blocks
+    sched = Scheduler(target, drafter)
+    a = sched.submit(list(range(2, 40)), SamplingParams(max_tokens=200, ignore_eos=True), spec="ddtree", budget=4)
+    b = sched.submit(list(range(5, 30)), SamplingParams(max_tokens=20, ignore_eos=True))
+    for _ in range(4):
+        sched.step()
+    held = len(a.rounds.cache.blocks)
+    assert held > 0 and not a.done
+    a.cancel()
+    ended = sched.step()
+    assert a in ended and a.result.finish_reason == "abort" and 0 < len(a.result.token_ids) < 200
+    assert not a.rounds.cache.blocks and pool.free_blocks == before - len(b.rounds.cache.blocks)
+    sched.run()
+    assert pool.free_blocks == before
+    # the other request never noticed
+    assert b.result.token_ids == generate(target, list(range(5, 30)), SamplingParams(max_tokens=20,
+                                                                                     ignore_eos=True)).token_ids
+
+
+def test_rows_per_forward_stay_within_the_budget(monkeypatch):
+    seed = random.randrange(1 << 30)
+    print(f"seed {seed}")
+    rng = random.Random(seed)
+    target, drafter = _pair(seed)
+    rows: list[tuple[int, int]] = []
+    real = target.forward_batch
+
+    def counted(parts, aux_layers=()):
+        rows.append((sum(p.ids.shape[0] for p in parts), len(parts)))
+        return real(parts, aux_layers)
+    monkeypatch.setattr(target, "forward_batch", counted)
+    budget, chunk = 24, 16
+    sched = Scheduler(target, drafter, token_budget=budget, prefill_chunk=chunk)
+    for i in range(12):
+        sched.submit(_prompt(rng, 1, 60), SamplingParams(max_tokens=8, ignore_eos=True),
+                     spec=["none", "ddtree"][i % 2], budget=None if i % 2 == 0 else 4)
+    sched.run()
+    # a forward over the budget is one prompt chunk alone (a chunk runs when nothing else does)
+    assert all(r <= budget or (n == 1 and r <= chunk) for r, n in rows), rows
+    assert max(n for _, n in rows) > 1
+
+
+def test_a_request_waits_for_blocks_and_matches_its_solo_run():
+    target, drafter = _pair(5, pool_tokens=4 * BLOCK)
+    params = SamplingParams(max_tokens=70, ignore_eos=True)
+    prompts = [list(range(2, 60)), list(range(3, 50)), list(range(7, 20))]
+    sched = Scheduler(target, drafter)
+    seqs = [sched.submit(p, params, spec="ddtree", budget=4) for p in prompts]
+    sched.step()
+    assert seqs[0].state != "waiting" and seqs[1].state == "waiting" and seqs[2].state == "waiting"
+    sched.run()
+    for p, s in zip(prompts, seqs):
+        assert s.result.token_ids == generate(target, p, params, spec="ddtree", drafter=drafter, budget=4,
+                                              eager=True).token_ids
+        assert s.result.stats["queued_s"] >= 0
+
+
+def test_requests_that_can_never_fit_are_refused_at_submit():
+    target, drafter = _pair(6, pool_tokens=2 * BLOCK)
+    sched = Scheduler(target, drafter)
+    with pytest.raises(PromptError, match="prompt has 130 tokens"):
+        sched.submit([5] * 130, SamplingParams(max_tokens=4))
+    with pytest.raises(PromptError, match="empty"):
+        sched.submit([], SamplingParams(max_tokens=4))
+    with pytest.raises(SpecError, match="token_budget"):
+        Scheduler(target, drafter, token_budget=0)
+    with pytest.raises(SpecError, match="needs a drafter"):
+        Scheduler(target).submit([3, 4], spec="ddtree")
+    assert sched.idle and target.pool().free_blocks == 2
+
+
+def test_load_aware_budget_is_lossless_greedy():
+    seed = random.randrange(1 << 30)
+    print(f"seed {seed}")
+    rng = random.Random(seed)
+    target, drafter = _pair(seed)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    prompts = [_prompt(rng, 3, 30) for _ in range(6)]
+    sched = Scheduler(target, drafter, token_budget=64)
+    seqs = [sched.submit(p, params, spec="ddtree", budget="auto") for p in prompts]
+    sched.run()
+    for p, s in zip(prompts, seqs):
+        assert s.result.token_ids == generate(target, p, params).token_ids
+        assert sum(s.result.stats["budget_chosen"].values()) == s.result.stats["rounds"]
