@@ -8,8 +8,9 @@ of the load-aware requests are chosen together to maximize the batch's expected 
 
 where E_i(b) is request i's expected accepted drafts with a budget-b tree (the DDTree surrogate, calibrated by its
 observed acceptance: speculative/budget.py) and t(rows) the measured cost of a forward of that many rows.
-Greedy: every budget starts at 0 (plain decoding, the root alone) and the single step up a candidate ladder that
-raises the objective most is taken, until none raises it. Starting from plain and taking only improving steps,
+Each request given a tree also pays its draft pass (``draft_s``) in the denominator. Greedy: every budget starts at 0
+(plain decoding, the root alone) and the step that raises the objective most is taken (from 0 to any tree size,
+from a tree to the next size up a candidate ladder), until none raises it. Starting from plain and taking only improving steps,
 the chosen budgets never predict fewer tokens per second than plain batched decoding; as the batch grows a node
 costs more of the shared forward and the trees shrink.
 """
@@ -24,36 +25,38 @@ from ..speculative.budget import default_candidates
 
 
 def allocate_budgets(expected: Sequence[torch.Tensor], fixed_rows: int, cost: Callable[[float], float],
-                     fixed_tokens: float = 0.0) -> list[int]:
+                     fixed_tokens: float = 0.0, draft_s: float = 0.0) -> list[int]:
     """Budgets (0 = plain) for requests with expected accepted drafts ``expected[i]`` [max_budget_i] (entry b-1:
     budget b; empty: no draft this round), beside ``fixed_rows`` rows (and ``fixed_tokens`` expected tokens) of
-    the other requests in the forward; ``cost(rows)`` the seconds of a forward of that many rows."""
+    the other requests in the forward; ``cost(rows)`` the seconds of a forward of that many rows; ``draft_s``: the
+    seconds of one request's draft pass, charged to every request given a tree (a request left at 0 need not
+    draft next time, see the scheduler)."""
     ladders = [(0,) + default_candidates(len(e)) if len(e) else (0,) for e in expected]
     steps = [0] * len(expected)
     values = [[0.0] + [float(e[b - 1]) for b in ladder[1:]] for e, ladder in zip(expected, ladders)]
 
-    def objective(rows: int, tokens: float) -> float:
-        return tokens / max(float(cost(rows)), 1e-12)
+    def objective(rows: int, tokens: float, drafting: int) -> float:
+        return tokens / max(float(cost(rows)) + drafting * draft_s, 1e-12)
 
-    rows = fixed_rows + len(expected)
+    rows, drafting = fixed_rows + len(expected), 0
     tokens = fixed_tokens + len(expected)
-    best = objective(rows, tokens)
+    best = objective(rows, tokens, drafting)
     while True:
-        pick, pick_value = -1, best
+        pick, pick_to, pick_value = -1, 0, best
         for i, ladder in enumerate(ladders):
             k = steps[i]
-            if k + 1 >= len(ladder):
-                continue
-            r = rows + ladder[k + 1] - ladder[k]
-            t = tokens + values[i][k + 1] - values[i][k]
-            v = objective(r, t)
-            if v > pick_value:
-                pick, pick_value = i, v
+            # from plain any tree size (the draft pass is paid once, whatever the tree); from a tree the next size
+            for to in (range(k + 1, len(ladder)) if k == 0 else range(k + 1, min(k + 2, len(ladder)))):
+                v = objective(rows + ladder[to] - ladder[k], tokens + values[i][to] - values[i][k],
+                              drafting + (k == 0))
+                if v > pick_value:
+                    pick, pick_to, pick_value = i, to, v
         if pick < 0:
             break
         k = steps[pick]
-        rows += ladders[pick][k + 1] - ladders[pick][k]
-        tokens += values[pick][k + 1] - values[pick][k]
-        steps[pick] = k + 1
+        rows += ladders[pick][pick_to] - ladders[pick][k]
+        tokens += values[pick][pick_to] - values[pick][k]
+        drafting += k == 0
+        steps[pick] = pick_to
         best = pick_value
     return [ladder[k] for ladder, k in zip(ladders, steps)]

@@ -33,7 +33,7 @@ from ..logs import log_once
 from ..model.prefill import ChunkStep, choose_form, plan_chunks, resolve_chunk
 from ..model.target import BatchPart, Target, TargetOutput
 from ..sampling import SamplingParams, topk_logprobs
-from ..speculative.budget import AcceptanceCalibration, expected_accepted_by_budget, verify_cost_for
+from ..speculative.budget import AcceptanceCalibration, RunningMean, expected_accepted_by_budget, verify_cost_for
 from ..speculative.config import resolve_spec
 from ..speculative.decode import Emitter, GenerationResult, OnTokens, cache_token_capacity, context_limit, round_shape
 from ..speculative.host_rounds import HostRounds, RoundPlan
@@ -42,6 +42,7 @@ from .load_budget import allocate_budgets
 from .sequence import DONE, PREFILL, RUNNING, WAITING, Sequence
 
 DEFAULT_TOKEN_BUDGET = 2048  # rows of one batched forward (decode / verify rows first, then prompt chunks)
+MAX_SKIP = 16  # load-aware budgets: the most plain rounds before a request drafts again
 
 
 class Scheduler:
@@ -69,6 +70,7 @@ class Scheduler:
         self.forwards = 0
         self.rows_run = 0
         self._cost = None  # the verify cost curve of load-aware budgets, measured on first use
+        self.draft_s = RunningMean(0.1)  # seconds of one request's draft pass, measured each step that drafts
         log_once(f"batch:{token_budget}", f"continuous batching: up to {token_budget} rows per forward, prompts in "
                  f"chunks of {self.chunk} tokens")
 
@@ -133,7 +135,7 @@ class Scheduler:
         self.rows_run += rows
         for seq, plan, out in zip(running, plans, outs):
             seq.rounds.absorb(plan, out)
-            if seq.calibration is not None and plan.tree is not None:
+            if seq.calibration is not None and plan.tree is not None and plan.tree.num_nodes > 1:
                 seq.calibration.update(seq.rounds.stats.accepted_lens[-1] - 1, seq.predicted)
             if seq.emit.push(seq.rounds.collect()):
                 ended.append(self._end(seq))
@@ -154,12 +156,28 @@ class Scheduler:
         after every draft is known (the budgets are chosen together)."""
         plans: dict[int, RoundPlan] = {}
         auto: list[tuple[Sequence, torch.Tensor | None]] = []
+        drafts, sync = 0, self.target.device.type == "cuda"
+        t0 = 0.0
         for seq in running:
             r = seq.rounds
-            if seq.shape.auto:
-                auto.append((seq, r.draft(seq.emit.remaining)))
-            else:
+            if not seq.shape.auto:
                 plans[seq.id] = r.plan(seq.emit.remaining)
+            elif seq.skip > 0:   # speculation did not pay last time: plain rounds, then try again
+                seq.skip -= 1
+                plans[seq.id] = r.plan_tree(None, r.root_only())
+                seq.stats.setdefault("budget_chosen", {}).setdefault(0, 0)
+                seq.stats["budget_chosen"][0] += 1
+            else:
+                if not drafts and sync:
+                    torch.cuda.synchronize()
+                if not drafts:
+                    t0 = time.perf_counter()
+                auto.append((seq, r.draft(seq.emit.remaining)))
+                drafts += 1
+        if drafts:   # the draft pass's seconds per request, which a tree must pay for
+            if sync:
+                torch.cuda.synchronize()
+            self.draft_s.update((time.perf_counter() - t0) / drafts)
         if auto:
             fixed_rows = sum(p.part.ids.shape[0] for p in plans.values())
             plans.update(self._plan_auto(auto, fixed_rows))
@@ -178,14 +196,15 @@ class Scheduler:
             lp, ids = topk_logprobs(draft_logits, mb, policy=target.policy, vocab=seq.rounds.vocab)
             tops.append((lp, ids))
             expected.append(expected_accepted_by_budget(lp, mb) * seq.calibration.factor)
-        budgets = allocate_budgets(expected, fixed_rows, self._verify_cost())
+        budgets = allocate_budgets(expected, fixed_rows, self._verify_cost(), fixed_tokens=fixed_rows,
+                                   draft_s=self.draft_s.value)
         out = {}
         for (seq, draft_logits), top, b, e in zip(auto, tops, budgets, expected):
             r = seq.rounds
-            if top is None:
-                tree = r.tree_of_budget(torch.empty(0, 0), torch.empty(0, 0, dtype=torch.long), 0)
-            else:
-                tree = r.tree_of_budget(top[0], top[1], b)
+            tree = r.root_only() if top is None else r.tree_of_budget(top[0], top[1], b)
+            # a tree not worth its draft pass: skip the drafter for a while (doubling while it stays so)
+            seq.backoff = 0 if b > 0 else min(max(2 * seq.backoff, 1), MAX_SKIP)
+            seq.skip = seq.backoff
             seq.predicted = float(e[b - 1]) / max(seq.calibration.factor, 1e-9) if b > 0 else 0.0
             seq.stats.setdefault("budget_chosen", {}).setdefault(b, 0)
             seq.stats["budget_chosen"][b] += 1

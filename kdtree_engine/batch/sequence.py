@@ -37,6 +37,8 @@ class Sequence:
     prompt_aux: list[torch.Tensor] = field(default_factory=list)
     calibration: AcceptanceCalibration | None = None   # load-aware budgets: observed / predicted accepted drafts
     predicted: float = 0.0
+    skip: int = 0       # load-aware budgets: plain rounds left before the next draft pass
+    backoff: int = 0    # the length of the last skip
     cancelled: bool = False
     result: GenerationResult | None = None
     stats: dict[str, Any] = field(default_factory=dict)

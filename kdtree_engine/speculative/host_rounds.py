@@ -143,6 +143,7 @@ class HostRounds:
         draft_logits = None
         if depth > 0:
             draft_logits = self.drafter.propose(self.target, self.ctx, self.bonus, self.dcache, start)[:depth]
+            self.ctx = None  # fed to the drafter: the next round's context starts after it
         self.timer.lap("draft_s")
         return draft_logits
 
@@ -150,10 +151,14 @@ class HostRounds:
         """The round of ``tree`` (built from ``draft_logits``): its rows for the target."""
         return RoundPlan(BatchPart(tree.tokens, self.cache, tree.positions, tree.mask), tree, draft_logits)
 
+    def root_only(self) -> DraftTree:
+        """A round without drafts: the newest token alone (its aux row still feeds the drafter later)."""
+        return chain_tree(self.bonus, torch.empty(0, dtype=torch.long, device=self.bonus.device), self.start)
+
     def tree_of_budget(self, lp: torch.Tensor, ids: torch.Tensor, budget: int) -> DraftTree:
         """The DDTree of ``budget`` nodes from top-K log-probs / ids [depth, >= budget] (0: the root alone)."""
         if budget == 0:
-            return chain_tree(self.bonus, torch.empty(0, dtype=torch.long, device=self.bonus.device), self.start)
+            return self.root_only()
         builder = build_tree_heap if self.impl == "heap" else build_tree
         return builder(lp[:, :budget], ids[:, :budget], budget, self.bonus, self.start)
 
@@ -174,7 +179,9 @@ class HostRounds:
         timer.lap("verify_s")
         self.cache.commit(res.accepted)
         self.keep_logits(vout.logits.index_select(0, res.accepted))
-        self.ctx = vout.aux.index_select(0, res.accepted)  # [A, K*D] positions start .. start+A-1
+        new_ctx = vout.aux.index_select(0, res.accepted)  # [A, K*D] positions start .. start+A-1
+        # a round without a draft pass (no room, or skipped under load) leaves its context for the next one
+        self.ctx = new_ctx if self.ctx is None else torch.cat([self.ctx, new_ctx])
         self._out = torch.cat([tree.tokens.index_select(0, res.accepted[1:]), res.bonus.reshape(1)]).tolist()
         self.bonus = res.bonus
         timer.lap("commit_s")
@@ -190,7 +197,7 @@ class HostRounds:
     def _tree(self, draft_logits: torch.Tensor | None, start: int) -> DraftTree:
         bonus, shape = self.bonus, self.shape
         if draft_logits is None:  # no room for drafts: the root alone (a plain step)
-            return chain_tree(bonus, torch.empty(0, dtype=torch.long, device=bonus.device), start)
+            return self.root_only()
         if shape.method == "dflash":
             return chain_tree(bonus, greedy(draft_logits, policy=self.target.policy, vocab=self.vocab), start)
         if self.chooser is not None:
