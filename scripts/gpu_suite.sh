@@ -16,6 +16,8 @@
 #                  shapes (bench/moe_formats.py), Moonlight-16B's decoding and verify steps (bench/moonlight.py)
 #   k2             all 61 K2 layers as one rank of TP8 / EP8 holds them: whole rounds from one CUDA graph at 4K and
 #                  64K context, their byte roofline and a round's kernels (bench/k2_model.py)
+#   batch          continuous batching: the bitwise batch-vs-solo GPU test, then throughput at 1 / 4 / 16 / 64
+#                  concurrent requests, plain vs DDTree with the load-aware budget, demo and K2 one rank (bench/batch.py)
 #
 # Every step runs under a cap (seconds); the caps of one suite (one part of `tests`) sum to at most 570 s, so a
 # suite fits one 10-minute device call. A capped pytest run gets SIGINT first, so it still writes its summary and
@@ -29,7 +31,7 @@ DRY=0
 if [[ ${1:-} == --dry-run ]]; then DRY=1; shift; fi
 SUITE=${1:-}
 ARG=${2:-}
-SUITES="tests [bitwise|rounds|kernels], bench, kernel {w4a16|moe|mla|gemm|router|tails}, quick, formats, k2"
+SUITES="tests [bitwise|rounds|kernels], bench, kernel {w4a16|moe|mla|gemm|router|tails}, quick, formats, k2, batch"
 die() { echo "gpu_suite.sh: $*" >&2; exit 2; }
 
 PYT=(python3 -m pytest -m gpu -p no:cacheprovider -v -rf --durations=15)
@@ -62,7 +64,7 @@ tests_bitwise() {  # spec == plain bit for bit (random targets, the demo, its lo
 }
 tests_rounds() {  # device-resident and graph rounds, the speculative GPU tests, the round's own kernels
   pytest_step pytest-rounds 420 tests/gpu/test_graph_round_gpu.py tests/speculative/test_spec_gpu.py \
-    tests/gpu/test_long_context_gpu.py tests/gpu/test_paged_gpu.py
+    tests/gpu/test_long_context_gpu.py tests/gpu/test_paged_gpu.py tests/gpu/test_batch_gpu.py
   pytest_step pytest-round-kernels 150 tests/gpu/test_accept_walk_gpu.py tests/gpu/test_row_select_gpu.py \
     tests/gpu/test_draft_attention_gpu.py
 }
@@ -128,6 +130,12 @@ k2() {  # the whole K2 model at one rank's size (the parallelism issue's table)
   step bench-k2-model 400 python3 bench/k2_model.py --profile --out "$RES"
 }
 
+batch() {  # continuous batching (the batching issue): bit for bit against solo runs, then throughput
+  pytest_step pytest-batch 150 tests/gpu/test_batch_gpu.py
+  step bench-batch-demo 120 python3 bench/batch.py --model demo --out "$RES"
+  step bench-batch-k2 290 python3 bench/batch.py --model k2 --max-tokens 32 --out "$RES"
+}
+
 tests_all() {  # the files of every part in one run; timings are never asserted, so workers may share the GPU
   local files
   files=$(DRY=1; PYT=(python3 -m pytest); { tests_bitwise; tests_rounds; tests_kernels; } | sed -n 's/^== [^:]*: //p' \
@@ -144,7 +152,7 @@ run_suite() {
         bitwise | rounds | kernels) "tests_$ARG" ;;
         *) die "unknown tests part '$ARG' (parts: bitwise, rounds, kernels)" ;;
       esac ;;
-    bench | quick | formats | k2)
+    bench | quick | formats | k2 | batch)
       [[ -z $ARG ]] || die "suite '$SUITE' takes no argument (got '$ARG')"
       "$SUITE" ;;
     kernel)

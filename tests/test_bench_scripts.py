@@ -248,3 +248,19 @@ def test_moonlight_preset_is_the_published_config(tmp_path):
     }
     (tmp_path / "config.json").write_text(json.dumps(published))
     assert ModelConfig.from_pretrained(tmp_path) == preset("moonlight-16b")
+
+
+def test_batch_bench_runs_on_the_cpu(tmp_path):
+    """bench/batch.py at its smallest: the K2 one-rank build at k2-tiny dims, two concurrencies, both methods."""
+    from bench import batch as batch_bench
+    args = ["--model", "k2", "--tiny", "--device", "cpu", "--concurrency", "1,3", "--max-tokens", "4",
+            "--prompt-tokens", "8", "--out", str(tmp_path)]
+    rep = batch_bench.main(args)
+    data = json.loads((tmp_path / "batch-k2-tiny-cpu.json").read_text())
+    assert [(r["concurrency"], r["method"]) for r in data["rows"]] == [(1, "plain"), (1, "ddtree-auto"),
+                                                                     (3, "plain"), (3, "ddtree-auto")]
+    for r in rep["rows"]:
+        assert r["tokens"] == 4 * r["concurrency"] and finite(r["tokens_per_s"]) and r["forwards"] >= 4
+        assert r["method"] == "plain" or sum(r["budget_chosen"].values()) > 0
+    check_run_metadata(data["meta"], shlex.join(["python3", "bench/batch.py", *args]),
+                       (tmp_path / "batch-k2-tiny-cpu.md").read_text())

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -43,6 +44,7 @@ from .sequence import DONE, PREFILL, RUNNING, WAITING, Sequence
 
 DEFAULT_TOKEN_BUDGET = 2048  # rows of one batched forward (decode / verify rows first, then prompt chunks)
 MAX_SKIP = 16  # load-aware budgets: the most plain rounds before a request drafts again
+COST_ROWS = 1024  # the verify cost curve is measured up to this many rows, extended linearly past it
 
 
 class Scheduler:
@@ -214,7 +216,7 @@ class Scheduler:
     def _verify_cost(self):
         if self._cost is None:
             self._cost = verify_cost_for(self.target, context=min(self.pool.max_context // 2, 2048),
-                                         max_nodes=self.token_budget)
+                                         max_nodes=min(self.token_budget, COST_ROWS))
         return self._cost
 
     # ---- admission, prefill, the end ------------------------------------------------------------
@@ -230,14 +232,15 @@ class Scheduler:
     def _start(self, seq: Sequence) -> None:
         """Take the request's cache blocks and plan its prompt chunks as its solo prefill does."""
         target = self.target
-        r = HostRounds(target, self.drafter, seq.shape, seq.params, seq.limit, len(seq.prompt_ids), self.tree_impl,
+        # a load-aware request's rounds get their budgets from the batch (load_budget.py), not a chooser of their own
+        shape = replace(seq.shape, auto=False)
+        r = HostRounds(target, self.drafter, shape, seq.params, seq.limit, len(seq.prompt_ids), self.tree_impl,
                        self.prefill_chunk)
         r.timer = Timer(target.device, synced=False)
         if self.keep_logits:
             r.emitted_logits = []
         seq.rounds = r
         if seq.shape.auto:
-            r.chooser = None   # the batch chooses its budgets (load_budget.py), not the request alone
             seq.calibration = AcceptanceCalibration()
         S = len(seq.prompt_ids)
         if S <= self.chunk:

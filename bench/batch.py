@@ -1,0 +1,181 @@
+"""Continuous batching throughput: many concurrent requests, plain batched decoding against DDTree with the
+load-aware budget, on the demo pair and on the K2 one-rank model (bench/k2_model.py's build).
+
+    python bench/batch.py --model demo --out bench/results
+    python bench/batch.py --model k2 --out bench/results            # one H200: about 90 GB of weights
+    python bench/batch.py --model demo --device cpu --concurrency 1,2 --max-tokens 8 --out DIR   # smoke run
+
+For each method and concurrency C, C requests arrive together and run to their end through one
+:class:`~kdtree_engine.batch.Scheduler` (host-driven rounds, one batched target forward per step); measured:
+generated tokens / wall seconds (prefill included), per-request latency and time to first token, forwards and rows
+per forward, and for DDTree the mean tree budget chosen (the load-aware curve). The baseline of the throughput goal
+is the engine's fastest batch-1 plain decoding: one request, its rounds replayed from a CUDA graph (CUDA).
+
+Demo prompts: held-out Python files (bench_spec's default prompts). K2: random weights and random prompt ids (its
+drafter accepts nothing, so DDTree's budgets fall to plain decoding and its draft passes are the cost measured).
+
+Writes ``<out>/batch-<model>-<gpu>.json`` and ``.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench import common  # noqa: E402
+from kdtree_engine.batch import Scheduler  # noqa: E402
+from kdtree_engine.sampling import SamplingParams  # noqa: E402
+from kdtree_engine.bench_spec import device_tag  # noqa: E402
+from kdtree_engine.speculative.decode import generate  # noqa: E402
+from kdtree_engine.speculative.stats import sync  # noqa: E402
+
+METHODS = {"plain": ("none", None), "ddtree-auto": ("ddtree", "auto")}
+
+
+def load_demo(dev: torch.device, dtype: torch.dtype, prompt_tokens: int, n: int):
+    from kdtree_engine.bench_spec import default_prompts
+    from kdtree_engine.engine import DEMO_DIR, load_drafter, load_target, load_tokenizer
+    target = load_target(DEMO_DIR, device=dev, dtype=dtype, progress=False)
+    drafter = load_drafter(DEMO_DIR / "draft", target)
+    prompts = [p.ids for p in default_prompts(load_tokenizer(DEMO_DIR), n, prompt_tokens)]
+    return target, drafter, (prompts * (n // max(len(prompts), 1) + 1))[:n]
+
+
+def load_k2(dev: torch.device, dtype: torch.dtype, prompt_tokens: int, n: int, tiny: bool):
+    from bench import k2_model
+    from kdtree_engine.kernels.policy import KernelPolicy
+    cfg = k2_model.tiny_config() if tiny else k2_model.k2_config()
+    gen = torch.Generator(device=dev).manual_seed(0)
+    comm = k2_model.CountingCommunicator(0, 8)
+    target, drafter = k2_model.build(cfg, k2_model.draft_config(cfg, tiny), comm,
+                                     KernelPolicy.from_env(batch_invariant=True), dev, dtype, gen, True)
+    g = torch.Generator().manual_seed(1)
+    V = cfg.vocab_size // 8   # rank 0's vocabulary shard: ids it embeds
+    prompts = [torch.randint(0, V, (prompt_tokens,), generator=g).tolist() for _ in range(n)]
+    return target, drafter, prompts
+
+
+def run_batch(target, drafter, prompts: list[list[int]], method: str, max_tokens: int, token_budget: int
+              ) -> dict[str, Any]:
+    spec, budget = METHODS[method]
+    sched = Scheduler(target, drafter, token_budget=token_budget)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    sync(target.device)
+    t0 = time.perf_counter()
+    seqs = [sched.submit(p, params, spec=spec, budget=budget) for p in prompts]
+    sched.run()
+    sync(target.device)
+    wall = time.perf_counter() - t0
+    res = [s.result for s in seqs]
+    tokens = sum(len(r.token_ids) for r in res)
+    lat = [r.stats["latency_s"] for r in res]
+    chosen: dict[int, int] = {}
+    for r in res:
+        for b, k in r.stats.get("budget_chosen", {}).items():
+            chosen[int(b)] = chosen.get(int(b), 0) + k
+    rounds = sum(chosen.values())
+    return {"method": method, "concurrency": len(prompts), "tokens": tokens, "wall_s": wall,
+            "tokens_per_s": tokens / wall, "latency_s_mean": statistics.mean(lat), "latency_s_max": max(lat),
+            "ttft_s_mean": statistics.mean(r.stats["ttft_s"] for r in res),
+            "tau": statistics.mean(r.stats["tau"] for r in res), "forwards": sched.forwards,
+            "rows_per_forward": sched.rows_run / max(sched.forwards, 1),
+            "budget_mean": sum(b * k for b, k in chosen.items()) / rounds if rounds else None,
+            "budget_chosen": dict(sorted(chosen.items()))}
+
+
+def batch1_plain(target, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+    """The engine's fastest single-request plain decoding (graph rounds on CUDA): decode tokens/s."""
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    generate(target, prompt, params)   # warm: capture and compile
+    r = generate(target, prompt, params)
+    return {"tokens_per_s": r.stats["tokens_per_s"], "mode": r.stats.get("rounds_mode", "eager")}
+
+
+def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
+    clock = common.Clock()
+    dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    top = max(args.concurrency)
+    if args.model == "demo":
+        target, drafter, prompts = load_demo(dev, dtype, args.prompt_tokens, top)
+    else:
+        target, drafter, prompts = load_k2(dev, dtype, args.prompt_tokens, top, args.tiny)
+    target.init_cache_pool(tokens=top * (args.prompt_tokens + args.max_tokens + 300) + 4096)
+    log(f"loaded {args.model} ({clock():.0f} s)")
+    base = batch1_plain(target, prompts[0], args.max_tokens)
+    log(f"batch-1 plain ({base['mode']}): {base['tokens_per_s']:.1f} tok/s ({clock():.0f} s)")
+    run_batch(target, drafter, prompts[:2], "ddtree-auto", 4, args.token_budget)   # warm: compiles, cost curve
+    rows = []
+    for c in args.concurrency:
+        for m in args.methods:
+            row = run_batch(target, drafter, prompts[:c], m, args.max_tokens, args.token_budget)
+            row["x_batch1_plain"] = row["tokens_per_s"] / base["tokens_per_s"]
+            rows.append(row)
+            log(f"C={c} {m}: {row['tokens_per_s']:.1f} tok/s ({row['x_batch1_plain']:.2f}x batch-1 plain), "
+                f"latency {row['latency_s_mean']:.2f} s, budget {row['budget_mean']} ({clock():.0f} s)")
+    return {"model": args.model, "tiny": bool(args.tiny), "dtype": str(dtype).replace("torch.", ""),
+            "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "token_budget": args.token_budget,
+            "batch1_plain": base, "rows": rows, "elapsed_s": clock()}
+
+
+def markdown(rep: dict, label: str) -> list[str]:
+    out = [f"# Continuous batching, {rep['model']} ({label})", "",
+           f"{rep['prompt_tokens']}-token prompts, {rep['max_tokens']} tokens each, all arriving together; up to "
+           f"{rep['token_budget']} rows per forward; {rep['dtype']}. Batch-1 plain decoding "
+           f"({rep['batch1_plain']['mode']} rounds): {rep['batch1_plain']['tokens_per_s']:.1f} tok/s.", ""]
+    out += common.md_table(
+        ["concurrent", "method", "tok/s", "x batch-1 plain", "latency mean s", "latency max s", "TTFT mean s",
+         "tau", "forwards", "rows/forward", "mean budget"],
+        [[r["concurrency"], r["method"], r["tokens_per_s"], r["x_batch1_plain"], r["latency_s_mean"],
+          r["latency_s_max"], r["ttft_s_mean"], r["tau"], r["forwards"], r["rows_per_forward"], r["budget_mean"]]
+         for r in rep["rows"]])
+    return out
+
+
+def ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", choices=("demo", "k2"), default="demo")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--tiny", action="store_true", help="k2: the k2-tiny dims (CPU smoke run)")
+    ap.add_argument("--concurrency", type=ints, default=[1, 4, 16, 64])
+    ap.add_argument("--methods", type=lambda s: s.split(","), default=list(METHODS))
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--token-budget", type=int, default=4096)
+    args = ap.parse_args(argv)
+    bad = [m for m in args.methods if m not in METHODS]
+    if bad:
+        ap.error(f"--methods: unknown {bad[0]!r} (known: {', '.join(METHODS)})")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    args = parse_args(argv)
+    command = common.command_line(argv, "python3 bench/batch.py")
+    dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    rep = run(args, lambda m: print(m, file=sys.stderr, flush=True))
+    tag = device_tag(dev)
+    stem = f"batch-{args.model}{'-tiny' if args.tiny else ''}-{tag}"
+    jp, mp = common.write_results(args.out, stem, rep, markdown(rep, tag), command=command, device=dev)
+    print(f"wrote {jp} and {mp}")
+    print("\n".join(markdown(rep, tag)[4:]))
+    return rep
+
+
+if __name__ == "__main__":
+    main()
