@@ -38,7 +38,7 @@ from ..speculative.budget import AcceptanceCalibration, RunningMean, expected_ac
 from ..speculative.config import resolve_spec
 from ..speculative.decode import Emitter, GenerationResult, OnTokens, cache_token_capacity, context_limit, round_shape
 from ..speculative.host_rounds import HostRounds, RoundPlan
-from ..speculative.stats import Timer
+from ..speculative.stats import Timer, sync
 from .load_budget import allocate_budgets
 from .sequence import DONE, PREFILL, RUNNING, WAITING, Sequence
 
@@ -154,36 +154,52 @@ class Scheduler:
         return tuple(self.drafter.target_layer_ids) if drafts else ()
 
     def _plan_rounds(self, running: list[Sequence]) -> list[RoundPlan]:
-        """Each running request's round up to the forward; requests with the load-aware budget get their trees
-        after every draft is known (the budgets are chosen together)."""
+        """Each running request's round up to the forward: one batched draft pass for every request that drafts
+        this round, then the trees (requests with the load-aware budget get theirs together, :meth:`_plan_auto`)."""
         plans: dict[int, RoundPlan] = {}
+        asks: list[tuple[Sequence, tuple]] = []
         auto: list[tuple[Sequence, torch.Tensor | None]] = []
-        drafts, sync = 0, self.target.device.type == "cuda"
-        t0 = 0.0
         for seq in running:
             r = seq.rounds
-            if not seq.shape.auto:
+            if r.drafter is None:
                 plans[seq.id] = r.plan(seq.emit.remaining)
-            elif seq.skip > 0:   # speculation did not pay last time: plain rounds, then try again
+            elif seq.shape.auto and seq.skip > 0:   # speculation did not pay last time: plain rounds, then try again
                 seq.skip -= 1
                 plans[seq.id] = r.plan_tree(None, r.root_only())
                 seq.stats.setdefault("budget_chosen", {}).setdefault(0, 0)
                 seq.stats["budget_chosen"][0] += 1
+            elif (ask := r.draft_request(seq.emit.remaining)) is not None:
+                asks.append((seq, ask))
+            elif seq.shape.auto:
+                auto.append((seq, None))
             else:
-                if not drafts and sync:
-                    torch.cuda.synchronize()
-                if not drafts:
-                    t0 = time.perf_counter()
-                auto.append((seq, r.draft(seq.emit.remaining)))
-                drafts += 1
-        if drafts:   # the draft pass's seconds per request, which a tree must pay for
-            if sync:
-                torch.cuda.synchronize()
-            self.draft_s.update((time.perf_counter() - t0) / drafts)
+                plans[seq.id] = r.plan_tree(None, r.root_only())
+        for seq, logits in zip([s for s, _ in asks], self._draft([ask for _, ask in asks])):
+            draft_logits = seq.rounds.drafted(logits)
+            if seq.shape.auto:
+                auto.append((seq, draft_logits))
+            else:
+                r = seq.rounds
+                plans[seq.id] = r.plan_tree(draft_logits, r._tree(draft_logits, r.start))
         if auto:
             fixed_rows = sum(p.part.ids.shape[0] for p in plans.values())
             plans.update(self._plan_auto(auto, fixed_rows))
         return [plans[s.id] for s in running]
+
+    def _draft(self, asks: list[tuple]) -> list[torch.Tensor]:
+        """The draft passes of this step as one batched pass (a drafter without one: each alone); their seconds per
+        request feed the load-aware budgets."""
+        if not asks:
+            return []
+        sync(self.target.device)
+        t0 = time.perf_counter()
+        if hasattr(self.drafter, "propose_batch"):
+            out = self.drafter.propose_batch(self.target, asks)
+        else:
+            out = [self.drafter.propose(self.target, *ask) for ask in asks]
+        sync(self.target.device)
+        self.draft_s.update((time.perf_counter() - t0) / len(asks))
+        return out
 
     def _plan_auto(self, auto: list[tuple[Sequence, torch.Tensor | None]], fixed_rows: int) -> dict[int, RoundPlan]:
         """Trees for the load-aware requests: budgets from their expected acceptance and the batch's verify cost."""

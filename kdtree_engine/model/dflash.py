@@ -24,7 +24,7 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Protocol
+from typing import Iterable, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -154,13 +154,26 @@ class DraftAttention(nn.Module):
         whole cache buffer and hide the slots past the committed length). start [] long, optional: the
         committed length (the slots a query sees), for the one-launch kernel (kernels/draft_attention.py),
         which the dispatch takes on CUDA; without it, or on the CPU, the torch path below."""
+        q, kb, vb = self.project(x, cos, sin)
+        return self.o_proj(self.attend(q, kb, vb, k_ctx, v_ctx, q_pos, k_pos, visible, start))
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, D] -> q [B, H, d], k [B, Hkv, d] (normed, rotated), v [B, Hkv, d]: per row, so the blocks of several
+        requests project in one pass (:meth:`DFlashDrafter.forward_batch`)."""
         B = x.shape[0]
         q = self._norm_rope(self.q_norm, self.q_proj(x).view(B, self.heads, self.head_dim), cos, sin)
         kb, vb = self._kv(x)
-        kb = self._norm_rope(self.k_norm, kb, cos, sin)
+        return q, self._norm_rope(self.k_norm, kb, cos, sin), vb
+
+    def attend(self, q: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor,
+               q_pos: torch.Tensor, k_pos: torch.Tensor | None, visible: torch.Tensor | None = None,
+               start: torch.Tensor | None = None) -> torch.Tensor:
+        """One block's attention over its cached context and itself -> [B, H * d] (before o_proj)."""
+        B = q.shape[0]
         if start is not None and draft_attention_backend(self.policy, q, k_ctx) == "triton":
             o = draft_attention(q, k_ctx, v_ctx, kb, vb, start, self.window)  # [B, H, d]
-            return self.o_proj(o.reshape(B, self.heads * self.head_dim))
+            return o.reshape(B, self.heads * self.head_dim)
         k = torch.cat([k_ctx, kb.transpose(0, 1)], dim=1)  # [Hkv, S+B, d]
         v = torch.cat([v_ctx, vb.transpose(0, 1)], dim=1)  # [Hkv, S+B, d]
         rep = self.heads // self.kv_heads
@@ -175,7 +188,7 @@ class DraftAttention(nn.Module):
             mask = visible if mask is None else mask & visible
         o = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask,
                                            scale=1.0 / math.sqrt(self.head_dim))  # [H, B, d]
-        return self.o_proj(o.transpose(0, 1).reshape(B, self.heads * self.head_dim))
+        return o.transpose(0, 1).reshape(B, self.heads * self.head_dim)
 
 
 class DraftLayer(nn.Module):
@@ -306,6 +319,57 @@ class DFlashDrafter(nn.Module):
         if step.host_length is not None:
             cache.length = step.host_length
         return self.norm.residual(h, pending)[1]
+
+    @torch.no_grad()
+    def forward_batch(self, items: Sequence[tuple[torch.Tensor | None, DraftCache, int]],
+                      block_embeds: torch.Tensor) -> torch.Tensor:
+        """Eager draft passes of several requests as one: items (ctx_rows [R_i, K*D] or None, cache, start) and their
+        blocks' embeddings concatenated [n * B, D] -> the final-normed hidden states [n * B, D]. Row-wise work runs
+        over all rows; attention runs per request over its own cache, with the shapes of its own pass (each
+        request's rows are those of :meth:`forward` bit for bit where the kernels are batch-invariant)."""
+        B, dev, dt = self.cfg.block_size, self.device, self.dtype
+        steps = [self.context(cache, 0 if c is None else c.shape[0], start) for c, cache, start in items]
+        fed = [(c, cache, st) for (c, cache, _), st in zip(items, steps) if c is not None and c.shape[0]]
+        ctx = None
+        if fed:
+            ctx = self.hidden_norm(self.fc(torch.cat([c for c, _, _ in fed]).to(device=dev, dtype=dt)))  # [sum R, D]
+            cos_c = torch.cat([st.cos_c for _, _, st in fed])
+            sin_c = torch.cat([st.sin_c for _, _, st in fed])
+            sizes = [c.shape[0] for c, _, _ in fed]
+        cos_b = torch.cat([st.cos_b for st in steps])
+        sin_b = torch.cat([st.sin_b for st in steps])
+        h = block_embeds.to(device=dev, dtype=dt)  # [n * B, D]
+        pending: torch.Tensor | None = None
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            if ctx is not None:
+                k_c, v_c = attn.context_kv(ctx, cos_c, sin_c)  # [Hkv, sum R, d]
+                for (_, cache, st), kc, vc in zip(fed, k_c.split(sizes, dim=1), v_c.split(sizes, dim=1)):
+                    cache.k[i].index_copy_(1, st.c_pos, kc)
+                    cache.v[i].index_copy_(1, st.c_pos, vc)
+            h, x = layer.input_layernorm.residual(h, pending)
+            q, kb, vb = attn.project(x, cos_b, sin_b)
+            o = torch.cat([attn.attend(q[j * B:(j + 1) * B], kb[j * B:(j + 1) * B], vb[j * B:(j + 1) * B],
+                                       cache.k[i, :, :st.kv_len], cache.v[i, :, :st.kv_len], st.q_pos, st.k_pos,
+                                       st.visible, st.start)
+                           for j, ((_, cache, _), st) in enumerate(zip(items, steps))])
+            h, x = layer.post_attention_layernorm.residual(h, attn.o_proj(o))
+            pending = layer.mlp(x)
+        for (_, cache, _), st in zip(items, steps):
+            cache.length = st.host_length
+        return self.norm.residual(h, pending)[1]
+
+    @torch.no_grad()
+    def propose_batch(self, target: TargetLike, items: Sequence[tuple[torch.Tensor | None, torch.Tensor, DraftCache,
+                                                                       int]]) -> list[torch.Tensor]:
+        """:meth:`propose` for several requests in one pass: items (ctx_features, bonus, cache, start) -> each one's
+        draft logits [B-1, V]."""
+        B = self.cfg.block_size
+        blocks = torch.full((len(items), B), self.cfg.mask_token_id, dtype=torch.long, device=self.device)
+        blocks[:, 0] = torch.stack([bonus.reshape(()) for _, bonus, _, _ in items]).to(self.device)
+        h = self.forward_batch([(c, cache, start) for c, _, cache, start in items], target.embed(blocks.flatten()))
+        keep = torch.arange(len(items) * B, device=self.device).view(len(items), B)[:, 1:].flatten()
+        return list(target.lm_head(take_rows(h, keep)).split(B - 1))
 
     @torch.no_grad()
     def append_context(self, ctx_features: torch.Tensor, cache: DraftCache) -> None:

@@ -134,18 +134,30 @@ class HostRounds:
     def draft(self, remaining: int) -> torch.Tensor | None:
         """Start a round: the drafter's logits [depth, V] for the drafts this round may use (None: plain decoding, or
         no room left for a draft)."""
+        ask = self.draft_request(remaining)
+        return None if ask is None else self.drafted(self.drafter.propose(self.target, *ask))
+
+    def draft_request(self, remaining: int) -> tuple[torch.Tensor | None, torch.Tensor, Any, int] | None:
+        """Start a round: what the drafter's pass takes (context rows, the newest token, the draft cache, its position),
+        or None when the round drafts nothing (plain decoding, or no room left for a draft); the caller runs the pass
+        (alone or beside other requests' passes) and hands its logits to :meth:`drafted`."""
         self.before = dict(self.timer.totals) if self.chooser is not None else None
         self.timer.start()
+        self._depth = 0
         if self.drafter is None:
             return None
         start = self.start
-        depth = min(self.shape.chain, remaining - 1, self.target.cfg.max_position_embeddings - 1 - start)
-        draft_logits = None
-        if depth > 0:
-            draft_logits = self.drafter.propose(self.target, self.ctx, self.bonus, self.dcache, start)[:depth]
-            self.ctx = None  # fed to the drafter: the next round's context starts after it
+        self._depth = min(self.shape.chain, remaining - 1, self.target.cfg.max_position_embeddings - 1 - start)
+        if self._depth <= 0:
+            self.timer.lap("draft_s")
+            return None
+        return self.ctx, self.bonus, self.dcache, start
+
+    def drafted(self, draft_logits: torch.Tensor) -> torch.Tensor:
+        """The drafter's logits [B-1, V] of this round's pass -> those of the drafts the round may use [depth, V]."""
+        self.ctx = None  # fed to the drafter: the next round's context starts after it
         self.timer.lap("draft_s")
-        return draft_logits
+        return draft_logits[:self._depth]
 
     def plan_tree(self, draft_logits: torch.Tensor | None, tree: DraftTree) -> RoundPlan:
         """The round of ``tree`` (built from ``draft_logits``): its rows for the target."""
