@@ -1,4 +1,5 @@
-"""The server's edges: --api-key, a full queue, SIGTERM, a port in use, bad flags."""
+"""The server's edges: --api-key, a full queue, SIGTERM, a port in use, bad flags (one request at a time:
+--no-batching; test_serve_batching.py has the batch's queue bound)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,9 @@ def auth(key: str = KEY) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def server():
-    s = Server("--api-key", KEY, "--max-queue", "1", "--served-model-name", "tiny", "--shutdown-timeout", "2")
+    # one request at a time: the queue's bound is the requests behind the running one
+    s = Server("--api-key", KEY, "--max-queue", "1", "--served-model-name", "tiny", "--shutdown-timeout", "2",
+               "--no-batching")
     yield s
     s.kill()
 
