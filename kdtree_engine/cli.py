@@ -333,8 +333,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # the HTTP stack (fastapi, uvicorn, pydantic) is imported by this command alone: the others start without it
     from .serve.app import ServeSettings
     from .serve.server import bind, serve
-    batching = serve_batching(args)
     sock = bind(args.host, args.port)   # before loading: a port in use fails at once
+    batching = serve_batching(args)
     llm = load_llm(args, args.eager)
     serve(llm, ServeSettings(served_model_name=name, max_queue=args.max_queue, api_key=args.api_key,
                              shutdown_timeout_s=float(args.shutdown_timeout), batching=batching,

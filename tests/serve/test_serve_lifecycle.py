@@ -72,7 +72,9 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 
 def test_port_in_use_and_bad_flags_are_one_line_exit_2(server):
     port = server.url.rsplit(":", 1)[1]
-    for args, flag in ((["--port", port], "--port"), (["--max-queue", "0"], "--max-queue")):
+    for args, flag in ((["--port", port], "--port"), (["--max-queue", "0"], "--max-queue"),
+                       (["--max-batch-tokens", "0"], "--max-batch-tokens"),
+                       (["--no-batching", "--max-batch-tokens", "64"], "--max-batch-tokens")):
         done = run_cli("serve", *args)
         assert done.returncode == 2, (args, done.stderr)
         lines = done.stderr.strip().splitlines()
