@@ -40,10 +40,14 @@ def client(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=TIMEOUT_S, max_retries=0)
 
 
-def gauges(server) -> dict[str, float]:
+def metrics(server) -> dict[str, float]:
     text = httpx.get(server.url + "/metrics", timeout=TIMEOUT_S).text
-    return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples
-            if s.name in ("kdtree:num_requests_running", "kdtree:num_requests_waiting", "kdtree:kv_cache_usage_perc")}
+    return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def gauges(server) -> dict[str, float]:
+    return {k: v for k, v in metrics(server).items()
+            if k in ("kdtree:num_requests_running", "kdtree:num_requests_waiting", "kdtree:kv_cache_usage_perc")}
 
 
 def wait_for(server, want: dict[str, float], timeout: float = 30) -> dict[str, float]:
@@ -139,5 +143,7 @@ def test_no_batching_runs_one_at_a_time_with_the_same_text(llm):
                 got = list(pool.map(lambda _: stream_text(c, prompt=PROMPTS[1], max_tokens=12, temperature=0),
                                     range(2)))
         assert got == [(want, ["length"])] * 2
+        # a request alone has its own verify time (not so in the batch)
+        assert metrics(s)["kdtree:spec_decode_verify_time_per_round_seconds_count"] == 2
     finally:
         s.kill()
