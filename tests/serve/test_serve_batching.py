@@ -110,7 +110,8 @@ def test_concurrent_streams_equal_their_solo_runs_and_a_client_gone_frees_its_re
 
 def test_the_queue_bound_counts_requests_without_cache(llm):
     """A pool of one long request and a block: a second request waits in the batch for cache (it counts against
-    --max-queue 1), a third is refused with 503; the waiting one runs once the first is gone."""
+    --max-queue 1), a third is refused with 503; the waiting one runs once the first is gone. Then SIGTERM during a
+    batched request."""
     s = Server("--cache-tokens", "4096", "--max-queue", "1", "--shutdown-timeout", "2")
     try:
         with httpx.Client(base_url=s.url, timeout=TIMEOUT_S) as http:
@@ -128,7 +129,11 @@ def test_the_queue_bound_counts_requests_without_cache(llm):
                     text = "".join(second.iter_lines())
                     assert '"finish_reason":"length"' in text.replace(" ", "") and "[DONE]" in text
             assert wait_for(s, {"kdtree:num_requests_running": 0})["kdtree:num_requests_running"] == 0
-        assert s.terminate(timeout=60) == 0
+            # SIGTERM while the batch runs a long request: --shutdown-timeout 2 cancels it, the server exits 0
+            with http.stream("POST", "/v1/completions", json=body) as running:
+                lines = running.iter_lines()
+                next(lines)
+                assert s.terminate(timeout=60) == 0, s.output()[-2000:]
     finally:
         s.kill()
 
