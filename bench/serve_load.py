@@ -4,8 +4,9 @@ overhead).
 
 Phases: start the real server (a subprocess, 127.0.0.1, a free port) and warm it up; ``--requests`` requests from
 ``--concurrency`` clients (a mix: ``--stream-fraction`` streamed, ``--disconnect-fraction`` of those closed after
-their first chunks); check that every request completed or got a clean error and nothing hung, and the server's
-memory (RSS) before and after; ``--sequential`` of the completed requests again, one at a time, through the server;
+their first chunks), run concurrently by the server's continuous batch (``--no-batching``: one at a time);
+check that every request completed or got a clean error and nothing hung, and the server's memory (RSS) before
+and after; ``--sequential`` of the completed requests again, one at a time, through the server;
 SIGTERM (exit status recorded); the same sequential requests through ``LLM.generate`` in this process.
 
 Times: time to first token (TTFT) from sending the request to the first text chunk (under load it includes the
@@ -140,11 +141,11 @@ async def run_clients(url: str, specs: list[Spec], concurrency: int) -> list[Out
     return [o for o in out if o is not None]
 
 
-def start_server(max_queue: int) -> tuple[subprocess.Popen, str, Path]:
+def start_server(max_queue: int, *flags: str) -> tuple[subprocess.Popen, str, Path]:
     log = Path(tempfile.mkstemp(prefix="kdtree-serve-load-", suffix=".log")[1])
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.Popen([sys.executable, "-m", "kdtree_engine", "serve", "--port", "0", "--max-queue",
-                             str(max_queue)], cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+                             str(max_queue), *flags], cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -204,18 +205,19 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--disconnect-fraction", type=float, default=0.1, help="of all requests")
     ap.add_argument("--sequential", type=int, default=24, help="requests repeated one at a time (overhead)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-batching", action="store_true", help="the server runs one request at a time")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--stem", default="serve-load-cpu")
     args = ap.parse_args(argv)
     rng = random.Random(args.seed)
     specs = make_specs(args.requests, args.max_tokens, args.stream_fraction, args.disconnect_fraction, rng)
     settings = {k: getattr(args, k) for k in ("requests", "concurrency", "max_tokens", "stream_fraction",
-                                              "disconnect_fraction", "sequential", "seed")}
+                                              "disconnect_fraction", "sequential", "seed", "no_batching")}
     settings.update(model="demo (its drafter, DDTree budget 16)", temperature=0, ignore_eos=True,
                     max_queue=args.concurrency * 2)
 
     load_before = os.getloadavg()   # the host's load: other work on its cores slows every phase
-    proc, url, log = start_server(max_queue=args.concurrency * 2)
+    proc, url, log = start_server(args.concurrency * 2, *(["--no-batching"] if args.no_batching else []))
     try:
         asyncio.run(run_clients(url, make_specs(8, args.max_tokens, 0.5, 0.0, random.Random(1)), 4))  # warm-up
         rss_before = rss_mb(proc.pid)
@@ -296,8 +298,9 @@ def main(argv: list[str] | None = None) -> dict:
           f"(1/5/15 min) {load_before[0]:.1f}/{load_before[1]:.1f}/{load_before[2]:.1f} before, "
           f"{load_after[0]:.1f}/{load_after[1]:.1f}/{load_after[2]:.1f} after (other work on the host slows "
           "every phase; the server and the client share its cores).", "",
-          "TTFT from sending the request to the first text chunk (under load it includes the wait in the queue: "
-          "one request runs at a time); ITL per request = (last chunk - first chunk) / (tokens - 1), in ms:", ""]
+          "TTFT from sending the request to the first text chunk (under load it includes the wait in the queue; "
+          + ("one request runs at a time" if args.no_batching else "requests run concurrently in the continuous "
+             "batch") + "); ITL per request = (last chunk - first chunk) / (tokens - 1), in ms:", ""]
     md += md_table(["path", "requests", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99"], rows)
     md += ["", f"Sequential texts equal between server and Python API: {same_text}."]
     write_results(args.out, args.stem, payload, md, device="cpu")

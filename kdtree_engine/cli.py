@@ -21,6 +21,7 @@ from typing import Callable, NoReturn, Sequence
 
 import torch
 
+from .batch import DEFAULT_TOKEN_BUDGET
 from .bench_spec import add_bench_spec_parser
 from .convert import quantize_checkpoint
 from .engine import DEMO_DIR, LLM
@@ -307,7 +308,13 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (0: a free one, printed at start)")
     p.add_argument("--max-queue", type=_positive("--max-queue"), default=64,
-                   help="requests that may wait while one runs; past it: 503 with Retry-After")
+                   help="requests that may wait (in the queue, or in the batch until it has cache for them); past "
+                        "it: 503 with Retry-After")
+    p.add_argument("--max-batch-tokens", type=_positive("--max-batch-tokens"), default=None,
+                   help="continuous batching: the most rows of one batched forward (every running request's round, "
+                        f"then prompt chunks; default {DEFAULT_TOKEN_BUDGET})")
+    p.add_argument("--no-batching", action="store_true",
+                   help="run one request at a time instead of the continuous batch (the only way at --tp > 1)")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: no key)")
     p.add_argument("--served-model-name", default=None,
@@ -327,10 +334,28 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .serve.app import ServeSettings
     from .serve.server import bind, serve
     sock = bind(args.host, args.port)   # before loading: a port in use fails at once
+    batching = serve_batching(args)
     llm = load_llm(args, args.eager)
     serve(llm, ServeSettings(served_model_name=name, max_queue=args.max_queue, api_key=args.api_key,
-                             shutdown_timeout_s=float(args.shutdown_timeout)), sock)
+                             shutdown_timeout_s=float(args.shutdown_timeout), batching=batching,
+                             max_batch_tokens=args.max_batch_tokens), sock)
     return 0
+
+
+def serve_batching(args: argparse.Namespace) -> bool:
+    """Whether ``kdtree serve`` batches requests (logged once): yes at --tp 1 unless --no-batching."""
+    if args.max_batch_tokens is not None and (args.no_batching or args.tp > 1):
+        why = "--no-batching" if args.no_batching else f"--tp {args.tp} (continuous batching needs tp 1)"
+        raise BadInput(f"--max-batch-tokens applies to continuous batching, which {why} turns off; drop it")
+    if args.no_batching:
+        log.info("requests run one at a time (--no-batching)")
+    elif args.tp > 1:
+        log.info("requests run one at a time: continuous batching needs tp 1 (--tp %d)", args.tp)
+    else:
+        budget = args.max_batch_tokens or DEFAULT_TOKEN_BUDGET
+        log.info("requests run concurrently: continuous batching, up to %d rows per forward (--max-batch-tokens; "
+                 "--no-batching: one at a time)", budget)
+    return not args.no_batching and args.tp == 1
 
 
 def add_selfcheck_parser(sub: argparse._SubParsersAction) -> None:

@@ -4,6 +4,7 @@
     llm = LLM()                       # the embedded demo, with its drafter and DDTree budget 16 (as the CLI)
     out = llm.generate("def quicksort(items):", SamplingParams(max_tokens=64))[0]
     print("def quicksort(items):" + out.text, out.stats["tokens_per_s"])
+    outs = llm.generate_batch(["def f(x):", "class Stack:"], SamplingParams(max_tokens=32))  # concurrently
 
 ``out.text`` is the generated text only, without the prompt (the CLI prints the prompt before it).
 Errors name the call's arguments (``spec``, ``draft``, ``budget``, ``device``, ...) in the form
@@ -21,6 +22,8 @@ from typing import Mapping, Sequence
 
 import torch
 
+from .batch import DEFAULT_TOKEN_BUDGET, Scheduler
+from .batch import Sequence as BatchSequence
 from .config import ModelConfig
 from .errors import BadInput, PromptError, RankFailure
 from .exit_codes import BAD_INPUT_ERRORS
@@ -47,6 +50,7 @@ from .weights import checkpoint_scheme, iter_checkpoint
 
 log = logging.getLogger("kdtree_engine")
 
+Prompt = str | Sequence[int]   # text, or token ids
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -354,17 +358,65 @@ class LLM:
     def decode(self, ids: Sequence[int]) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode(list(ids), skip_special=True)
 
-    def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
-                 params: SamplingParams | None = None, *,
+    def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | None = None, *,
                  on_tokens: OnTokens | None = None, stoppable: bool = False) -> list[GenerationResult]:
         """Generate for one prompt or a list of prompts (text or token ids), one after another. ``on_tokens``:
-        called with each round's tokens; ``stoppable``: its True ends the request after that round (see :meth:`run`)."""
+        called with each round's tokens; ``stoppable``: its True ends the request after that round (see :meth:`run`).
+        :meth:`generate_batch` runs a list of prompts concurrently instead."""
         params = params or SamplingParams()
-        single = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], int))
-        batch = [prompts] if single else list(prompts)
         results = []
-        for p in batch:
+        for p in prompt_list(prompts):
             res = self.run(self.encode(p), params, on_tokens=on_tokens, stoppable=stoppable)
             res.text = self.decode(res.token_ids)
             results.append(res)
         return results
+
+    # ---- continuous batching -----------------------------------------------------------------------
+    def scheduler(self, token_budget: int | None = None, prefill_chunk: int | None = None) -> Scheduler:
+        """A continuous batch (:class:`kdtree_engine.batch.Scheduler`) over this engine's target and drafter:
+        ``token_budget`` rows per forward (None: ``DEFAULT_TOKEN_BUDGET``), ``prefill_chunk`` the prompt chunk
+        (None: the target's default, as :meth:`generate`). Feed it with :meth:`submit`. Tensor parallel is
+        refused (a BadInput naming ``tp``): the batch runs on one rank only."""
+        if self.comm.world_size > 1:
+            raise BadInput(f"continuous batching needs tp=1 (this engine runs tp={self.comm.world_size}); "
+                           "generate one request at a time")
+        budget = DEFAULT_TOKEN_BUDGET if token_budget is None else token_budget
+        return Scheduler(self.target, self.drafter, token_budget=budget, prefill_chunk=prefill_chunk)
+
+    def submit(self, scheduler: Scheduler, prompt: Prompt, params: SamplingParams | None = None, *,
+               plain: bool = False, on_tokens: OnTokens | None = None) -> BatchSequence:
+        """Queue one request (text or token ids) on ``scheduler`` with this engine's spec (method and budget;
+        ``plain``: plain decoding). ``on_tokens`` gets each round's tokens; its True ends the request ("abort")
+        unless it ended there anyway. It runs as the scheduler steps; ``Sequence.result`` is set at its end (its
+        ``text`` is not: :meth:`decode` it)."""
+        spec = SpecConfig() if plain else self.spec
+        return scheduler.submit(self.encode(prompt), params, spec=spec.method, budget=spec.budget,
+                                on_tokens=on_tokens)
+
+    def generate_batch(self, prompts: Prompt | Sequence[Prompt],
+                       params: SamplingParams | Sequence[SamplingParams] | None = None, *, plain: bool = False,
+                       token_budget: int | None = None, prefill_chunk: int | None = None) -> list[GenerationResult]:
+        """Generate for a list of prompts concurrently, through one continuous batch (:meth:`scheduler`): their
+        rounds share each target forward. ``params``: one for every prompt or one per prompt. Each result equals
+        that prompt's :meth:`generate` run alone (the same tokens; a sampled request draws from its own seed),
+        except with ``budget='auto'``, whose budgets the batch chooses by its load (greedy tokens still equal).
+        Results in the order of the prompts, ``text`` decoded. Tensor parallel: refused (see :meth:`scheduler`)."""
+        batch = prompt_list(prompts)
+        each = [params or SamplingParams()] * len(batch) if not isinstance(params, (list, tuple)) else list(params)
+        if len(each) != len(batch):
+            raise BadInput(f"params has {len(each)} entries for {len(batch)} prompts: give one, or one per prompt")
+        sched = self.scheduler(token_budget, prefill_chunk)
+        seqs = [self.submit(sched, p, sp, plain=plain) for p, sp in zip(batch, each)]
+        sched.run()
+        results = []
+        for seq in seqs:
+            res = seq.result
+            res.text = self.decode(res.token_ids)
+            results.append(res)
+        return results
+
+
+def prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    """One prompt (a string, or token ids) as a list of one; a list of prompts as it is."""
+    single = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], int))
+    return [prompts] if single else list(prompts)

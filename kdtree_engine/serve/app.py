@@ -25,7 +25,7 @@ from ..speculative.decode import check_prompt
 from .metrics import CONTENT_TYPE_LATEST, ServeMetrics
 from .protocol import ApiError, Chat, Completion, parse_body, sampling_for
 from .responses import DONE, Shape, sse
-from .worker import Delta, Done, Failed, Job, QueueFull, Worker
+from .worker import BatchWorker, Delta, Done, Failed, Job, QueueFull, SerialWorker, Worker
 
 log = logging.getLogger("kdtree_engine.serve")
 
@@ -34,10 +34,14 @@ RETRY_AFTER_S = 1
 
 @dataclass(frozen=True)
 class ServeSettings:
-    """What the app needs besides the model (flags of ``kdtree serve``)."""
+    """What the app needs besides the model (flags of ``kdtree serve``). ``batching``: requests run concurrently
+    through one continuous batch of at most ``max_batch_tokens`` rows per forward (None: the scheduler's default);
+    off: one at a time through ``llm.generate`` (``kdtree serve`` turns it on at tp 1 unless ``--no-batching``)."""
 
     served_model_name: str
     max_queue: int = 64
+    batching: bool = False
+    max_batch_tokens: int | None = None
     api_key: str | None = None
     max_body_bytes: int = 4 * 2**20
     shutdown_timeout_s: float = 10.0
@@ -48,10 +52,7 @@ def build_app(llm: Any, settings: ServeSettings) -> FastAPI:
     name = settings.served_model_name
     metrics = ServeMetrics(name)
     context = llm.target.cfg.max_position_embeddings
-    # stoppable: a stop string or a client gone ends the request after the round (on every rank at --tp > 1)
-    worker = Worker(lambda ids, params, on_tokens: llm.generate(ids, params, on_tokens=on_tokens,
-                                                                stoppable=True)[0],
-                    llm.decode, metrics, settings.max_queue)
+    worker = make_worker(llm, settings, metrics)
     created = int(time.time())
 
     @asynccontextmanager
@@ -186,6 +187,18 @@ def build_app(llm: Any, settings: ServeSettings) -> FastAPI:
         return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def make_worker(llm: Any, settings: ServeSettings, metrics: ServeMetrics) -> Worker:
+    """The worker of ``settings.batching``: the engine's continuous batch, or one request at a time."""
+    if settings.batching:
+        return BatchWorker(lambda: llm.scheduler(settings.max_batch_tokens),
+                           lambda sched, ids, params, on_tokens: llm.submit(sched, ids, params, on_tokens=on_tokens),
+                           llm.decode, metrics, settings.max_queue)
+    # stoppable: a stop string or a client gone ends the request after the round (on every rank at --tp > 1)
+    return SerialWorker(lambda ids, params, on_tokens: llm.generate(ids, params, on_tokens=on_tokens,
+                                                                    stoppable=True)[0],
+                        llm.decode, metrics, settings.max_queue)
 
 
 def internal(e: Exception) -> ApiError:

@@ -48,10 +48,15 @@ class ServeMetrics:
         self.itl = histogram("inter_token_latency_seconds", "Time between generated tokens: each round's time "
                              "after the previous one, divided over the tokens it emitted", LATENCY_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "From a request's arrival to its end", REQUEST_BUCKETS)
-        self.queue_time = histogram("request_queue_time_seconds", "Time a request waited in the queue",
+        self.queue_time = histogram("request_queue_time_seconds", "Time a request waited in the queue (before it "
+                                    "joined the batch or started)",
                                     REQUEST_BUCKETS)
-        self.waiting = gauge("num_requests_waiting", "Requests waiting in the queue")
-        self.running = gauge("num_requests_running", "Requests generating (at most one until batching lands)")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting: in the queue, or in the batch without "
+                             "cache blocks yet")
+        self.running = gauge("num_requests_running", "Requests generating (in the batch with their cache blocks; "
+                             "at most one without batching)")
+        self.cache_usage = gauge("kv_cache_usage_perc", "Fraction of the latent cache pool's blocks held by "
+                                 "requests (updated by the continuous batch after each step; 0 without batching)")
         self.rounds = counter("spec_decode_num_rounds", "Decoding rounds after the prefill (one token each "
                               "without a drafter)")
         self.drafted = counter("spec_decode_num_draft_tokens", "Draft tokens proposed (tree nodes below the root)")
@@ -66,6 +71,7 @@ class ServeMetrics:
                                 "its rounds, observed once per request (host-driven rounds only)", LATENCY_BUCKETS)
         self.waiting.labels(model_name).set(0)
         self.running.labels(model_name).set(0)
+        self.cache_usage.labels(model_name).set(0)
 
     def label(self, metric: Any, **labels: str) -> Any:
         return metric.labels(model_name=self.model_name, **labels)

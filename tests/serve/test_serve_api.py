@@ -266,6 +266,6 @@ def test_metrics_count_the_requests_sent(server, client):
         - sum(v for (name, _), v in before.items()
               if name == "kdtree:spec_decode_num_accepted_tokens_per_pos_total")
     assert per_pos == accepted
-    with_rounds = sum(1 for n in (5, 7, b.usage.completion_tokens) if n > 1)   # the first token is the prefill's
-    assert delta(before, after, "kdtree:spec_decode_verify_time_per_round_seconds_count") == with_rounds
+    # requests share each batched forward: no request has a verify time of its own (docs/serve.md)
+    assert delta(before, after, "kdtree:spec_decode_verify_time_per_round_seconds_count") == 0
     assert after[("kdtree:num_requests_waiting", ())] == 0 and after[("kdtree:num_requests_running", ())] == 0

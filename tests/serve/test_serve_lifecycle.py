@@ -1,4 +1,5 @@
-"""The server's edges: --api-key, a full queue, SIGTERM, a port in use, bad flags."""
+"""The server's edges: --api-key, a full queue, SIGTERM, a port in use, bad flags (one request at a time:
+--no-batching; test_serve_batching.py has the batch's queue bound)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,9 @@ def auth(key: str = KEY) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def server():
-    s = Server("--api-key", KEY, "--max-queue", "1", "--served-model-name", "tiny", "--shutdown-timeout", "2")
+    # one request at a time: the queue's bound is the requests behind the running one
+    s = Server("--api-key", KEY, "--max-queue", "1", "--served-model-name", "tiny", "--shutdown-timeout", "2",
+               "--no-batching")
     yield s
     s.kill()
 
@@ -69,7 +72,9 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 
 def test_port_in_use_and_bad_flags_are_one_line_exit_2(server):
     port = server.url.rsplit(":", 1)[1]
-    for args, flag in ((["--port", port], "--port"), (["--max-queue", "0"], "--max-queue")):
+    for args, flag in ((["--port", port], "--port"), (["--max-queue", "0"], "--max-queue"),
+                       (["--max-batch-tokens", "0"], "--max-batch-tokens"),
+                       (["--no-batching", "--max-batch-tokens", "64"], "--max-batch-tokens")):
         done = run_cli("serve", *args)
         assert done.returncode == 2, (args, done.stderr)
         lines = done.stderr.strip().splitlines()
