@@ -33,7 +33,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench import common  # noqa: E402
-from kdtree_engine.batch import Scheduler  # noqa: E402
+from kdtree_engine.batch.scheduler import Scheduler  # noqa: E402
 from kdtree_engine.sampling import SamplingParams  # noqa: E402
 from kdtree_engine.bench_spec import device_tag  # noqa: E402
 from kdtree_engine.speculative.decode import generate  # noqa: E402
@@ -101,7 +101,8 @@ def batch1_plain(target, prompt: list[int], max_tokens: int) -> dict[str, Any]:
     return {"tokens_per_s": r.stats["tokens_per_s"], "mode": r.stats.get("rounds_mode", "eager")}
 
 
-def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
+def run(args: argparse.Namespace, log: Callable[[str], None],
+        save: Callable[[dict[str, Any]], None] = lambda rep: None) -> dict[str, Any]:
     clock = common.Clock()
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -115,17 +116,19 @@ def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
     base = batch1_plain(target, prompts[0], args.max_tokens)
     log(f"batch-1 plain ({base['mode']}): {base['tokens_per_s']:.1f} tok/s ({clock():.0f} s)")
     run_batch(target, drafter, prompts[:2], "ddtree-auto", 4, args.token_budget)   # warm: compiles, cost curve
-    rows = []
+    rep = {"model": args.model, "tiny": bool(args.tiny), "dtype": str(dtype).replace("torch.", ""),
+           "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "token_budget": args.token_budget,
+           "batch1_plain": base, "rows": [], "elapsed_s": clock()}
     for c in args.concurrency:
         for m in args.methods:
             row = run_batch(target, drafter, prompts[:c], m, args.max_tokens, args.token_budget)
             row["x_batch1_plain"] = row["tokens_per_s"] / base["tokens_per_s"]
-            rows.append(row)
+            rep["rows"].append(row)
+            rep["elapsed_s"] = clock()
+            save(rep)   # a run cut by a time limit keeps the rows it finished
             log(f"C={c} {m}: {row['tokens_per_s']:.1f} tok/s ({row['x_batch1_plain']:.2f}x batch-1 plain), "
                 f"latency {row['latency_s_mean']:.2f} s, budget {row['budget_mean']} ({clock():.0f} s)")
-    return {"model": args.model, "tiny": bool(args.tiny), "dtype": str(dtype).replace("torch.", ""),
-            "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "token_budget": args.token_budget,
-            "batch1_plain": base, "rows": rows, "elapsed_s": clock()}
+    return rep
 
 
 def markdown(rep: dict, label: str) -> list[str]:
@@ -168,10 +171,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
     args = parse_args(argv)
     command = common.command_line(argv, "python3 bench/batch.py")
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    rep = run(args, lambda m: print(m, file=sys.stderr, flush=True))
     tag = device_tag(dev)
     stem = f"batch-{args.model}{'-tiny' if args.tiny else ''}-{tag}"
-    jp, mp = common.write_results(args.out, stem, rep, markdown(rep, tag), command=command, device=dev)
+
+    def save(rep: dict[str, Any]) -> tuple[Path, Path]:
+        return common.write_results(args.out, stem, rep, markdown(rep, tag), command=command, device=dev)
+    rep = run(args, lambda m: print(m, file=sys.stderr, flush=True), save)
+    jp, mp = save(rep)
     print(f"wrote {jp} and {mp}")
     print("\n".join(markdown(rep, tag)[4:]))
     return rep

@@ -21,7 +21,7 @@ from typing import Callable, NoReturn, Sequence
 
 import torch
 
-from .batch import DEFAULT_TOKEN_BUDGET
+from .batch.scheduler import DEFAULT_TOKEN_BUDGET
 from .bench_spec import add_bench_spec_parser
 from .convert import quantize_checkpoint
 from .engine import DEMO_DIR, LLM

@@ -22,8 +22,8 @@ from typing import Mapping, Sequence
 
 import torch
 
-from .batch import DEFAULT_TOKEN_BUDGET, Scheduler
-from .batch import Sequence as BatchSequence
+from .batch.scheduler import DEFAULT_TOKEN_BUDGET, Scheduler
+from .batch.sequence import Sequence as BatchSequence
 from .config import ModelConfig
 from .errors import BadInput, PromptError, RankFailure
 from .exit_codes import BAD_INPUT_ERRORS

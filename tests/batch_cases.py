@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from kdtree_engine.batch import Scheduler
+from kdtree_engine.batch.scheduler import Scheduler
 from kdtree_engine.sampling import SamplingParams
 from kdtree_engine.speculative.config import resolve_spec
 from kdtree_engine.speculative.decode import GenerationResult, round_shape, run_rounds

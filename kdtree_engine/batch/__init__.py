@@ -1,6 +1,3 @@
-"""Continuous batching: many requests in each target forward, each request's output that of its solo run."""
-
-from .scheduler import DEFAULT_TOKEN_BUDGET, Scheduler
-from .sequence import Sequence
-
-__all__ = ["DEFAULT_TOKEN_BUDGET", "Scheduler", "Sequence"]
+"""Continuous batching (docs/batching.md): many requests in each target forward, each request's output that of its
+solo run. The scheduler (scheduler.py: admission, the rows of a step, the end of a request), a request's state
+(sequence.py) and the tree budgets under load (load_budget.py)."""

@@ -8,9 +8,9 @@ of the load-aware requests are chosen together to maximize the batch's expected 
 
 where E_i(b) is request i's expected accepted drafts with a budget-b tree (the DDTree surrogate, calibrated by its
 observed acceptance: speculative/budget.py) and t(rows) the measured cost of a forward of that many rows.
-Each request given a tree also pays its draft pass (``draft_s``) in the denominator. Greedy: every budget starts at 0
-(plain decoding, the root alone) and the step that raises the objective most is taken (from 0 to any tree size,
-from a tree to the next size up a candidate ladder), until none raises it. Starting from plain and taking only improving steps,
+Each request given a tree also pays its draft pass (``draft_s``) in the denominator. Coordinate ascent: from the better of plain
+decoding for all (every budget 0, the root alone) and the best budget shared by all, the one change of one request's budget (to any size on its
+candidate ladder, up or down) that raises the objective most is taken, until none raises it. Starting from plain and taking only improving steps,
 the chosen budgets never predict fewer tokens per second than plain batched decoding; as the batch grows a node
 costs more of the shared forward and the trees shrink.
 """
@@ -38,25 +38,35 @@ def allocate_budgets(expected: Sequence[torch.Tensor], fixed_rows: int, cost: Ca
     def objective(rows: int, tokens: float, drafting: int) -> float:
         return tokens / max(float(cost(rows)) + drafting * draft_s, 1e-12)
 
-    rows, drafting = fixed_rows + len(expected), 0
-    tokens = fixed_tokens + len(expected)
-    best = objective(rows, tokens, drafting)
-    while True:
+    def state(levels: list[int]) -> tuple[int, float, int, float]:
+        r = fixed_rows + sum(1 + ladder[k] for ladder, k in zip(ladders, levels))
+        t = fixed_tokens + sum(1 + v[k] for v, k in zip(values, levels))
+        d = sum(k > 0 for k in levels)
+        return r, t, d, objective(r, t, d)
+
+    # the start: plain, or the best budget shared by every request (the requests often look alike)
+    for b in sorted({b for ladder in ladders for b in ladder}):
+        levels = [max(k for k, x in enumerate(ladder) if x <= b) for ladder in ladders]
+        if state(levels)[3] > state(steps)[3]:
+            steps = levels
+    rows, tokens, drafting, best = state(steps)
+    for _ in range(4 * sum(len(ladder) for ladder in ladders)):   # each pass strictly improves: a bound, not a cut
         pick, pick_to, pick_value = -1, 0, best
         for i, ladder in enumerate(ladders):
             k = steps[i]
-            # from plain any tree size (the draft pass is paid once, whatever the tree); from a tree the next size
-            for to in (range(k + 1, len(ladder)) if k == 0 else range(k + 1, min(k + 2, len(ladder)))):
+            for to in range(len(ladder)):
+                if to == k:
+                    continue
                 v = objective(rows + ladder[to] - ladder[k], tokens + values[i][to] - values[i][k],
-                              drafting + (k == 0))
-                if v > pick_value:
+                              drafting + (to > 0) - (k > 0))
+                if v > pick_value * (1 + 1e-12):
                     pick, pick_to, pick_value = i, to, v
         if pick < 0:
             break
         k = steps[pick]
         rows += ladders[pick][pick_to] - ladders[pick][k]
         tokens += values[pick][pick_to] - values[pick][k]
-        drafting += k == 0
+        drafting += (pick_to > 0) - (k > 0)
         steps[pick] = pick_to
         best = pick_value
     return [ladder[k] for ladder, k in zip(ladders, steps)]

@@ -34,7 +34,8 @@ from ..logs import log_once
 from ..model.prefill import ChunkStep, choose_form, plan_chunks, resolve_chunk
 from ..model.target import BatchPart, Target, TargetOutput
 from ..sampling import SamplingParams, topk_logprobs
-from ..speculative.budget import AcceptanceCalibration, RunningMean, expected_accepted_by_budget, verify_cost_for
+from ..speculative.budget import (SCALE_MAX, SCALE_MIN, AcceptanceCalibration, RunningMean,
+                                  expected_accepted_by_budget, verify_cost_for)
 from ..speculative.config import resolve_spec
 from ..speculative.decode import Emitter, GenerationResult, OnTokens, cache_token_capacity, context_limit, round_shape
 from ..speculative.host_rounds import HostRounds, RoundPlan
@@ -73,6 +74,8 @@ class Scheduler:
         self.rows_run = 0
         self._cost = None  # the verify cost curve of load-aware budgets, measured on first use
         self.draft_s = RunningMean(0.1)  # seconds of one request's draft pass, measured each step that drafts
+        # observed / curve seconds of the batch's forwards: the curve is one request's, a batch launches more
+        self.forward_scale = RunningMean(0.1, prior=1.0, prior_weight=1)
         log_once(f"batch:{token_budget}", f"continuous batching: up to {token_budget} rows per forward, prompts in "
                  f"chunks of {self.chunk} tokens")
 
@@ -132,7 +135,15 @@ class Scheduler:
         if not parts:
             return ended
         aux = self._aux_layers(running, prefilling)
+        timed = self._cost is not None   # the load-aware budgets learn what a forward of the batch really costs
+        if timed:
+            sync(self.target.device)
+            t0 = time.perf_counter()
         outs = self.target.forward_batch(parts, aux)
+        if timed:
+            sync(self.target.device)
+            self.forward_scale.update(min(max((time.perf_counter() - t0) / max(self._cost(rows), 1e-12),
+                                              SCALE_MIN), SCALE_MAX))
         self.forwards += 1
         self.rows_run += rows
         for seq, plan, out in zip(running, plans, outs):
@@ -180,7 +191,7 @@ class Scheduler:
                 auto.append((seq, draft_logits))
             else:
                 r = seq.rounds
-                plans[seq.id] = r.plan_tree(draft_logits, r._tree(draft_logits, r.start))
+                plans[seq.id] = r.plan_tree(draft_logits, r.tree_for(draft_logits))
         if auto:
             fixed_rows = sum(p.part.ids.shape[0] for p in plans.values())
             plans.update(self._plan_auto(auto, fixed_rows))
@@ -214,7 +225,8 @@ class Scheduler:
             lp, ids = topk_logprobs(draft_logits, mb, policy=target.policy, vocab=seq.rounds.vocab)
             tops.append((lp, ids))
             expected.append(expected_accepted_by_budget(lp, mb) * seq.calibration.factor)
-        budgets = allocate_budgets(expected, fixed_rows, self._verify_cost(), fixed_tokens=fixed_rows,
+        cost, scale = self._verify_cost(), self.forward_scale.value
+        budgets = allocate_budgets(expected, fixed_rows, lambda rows: scale * cost(rows), fixed_tokens=fixed_rows,
                                    draft_s=self.draft_s.value)
         out = {}
         for (seq, draft_logits), top, b, e in zip(auto, tops, budgets, expected):

@@ -129,7 +129,7 @@ class HostRounds:
         found = self.draft(remaining)
         if self.drafter is None:  # plain decoding: the newest token alone
             return RoundPlan(BatchPart(self.bonus.reshape(1), self.cache), None, None)
-        return self.plan_tree(found, self._tree(found, self.start))
+        return self.plan_tree(found, self.tree_for(found))
 
     def draft(self, remaining: int) -> torch.Tensor | None:
         """Start a round: the drafter's logits [depth, V] for the drafts this round may use (None: plain decoding, or
@@ -206,12 +206,14 @@ class HostRounds:
         if plan.draft_logits is not None and self.vocab is None:  # the display reads the whole vocabulary's logits
             self.last = (tree, res, plan.draft_logits)
 
-    def _tree(self, draft_logits: torch.Tensor | None, start: int) -> DraftTree:
+    def tree_for(self, draft_logits: torch.Tensor | None) -> DraftTree:
+        """This round's tree from the drafter's logits [depth, V] (None: the root alone): the chain, or the DDTree of
+        the fixed budget (or the request's own chooser's)."""
         bonus, shape = self.bonus, self.shape
         if draft_logits is None:  # no room for drafts: the root alone (a plain step)
             return self.root_only()
         if shape.method == "dflash":
-            return chain_tree(bonus, greedy(draft_logits, policy=self.target.policy, vocab=self.vocab), start)
+            return chain_tree(bonus, greedy(draft_logits, policy=self.target.policy, vocab=self.vocab), self.start)
         if self.chooser is not None:
             # one top-K for the largest budget; the budget-b tree only ever uses ranks < b
             lp, ids = topk_logprobs(draft_logits, self.chooser.max_budget, policy=self.target.policy,

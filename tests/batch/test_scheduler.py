@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from kdtree_engine.batch import Scheduler
+from kdtree_engine.batch.scheduler import Scheduler
 from kdtree_engine.cache import BLOCK
 from kdtree_engine.config import preset
 from kdtree_engine.draft_config import DraftConfig

@@ -6,7 +6,7 @@ others (plain, chain and tree requests mixed in one forward) instead of alone.""
 from collections import Counter
 from dataclasses import replace
 
-from kdtree_engine.batch import Scheduler
+from kdtree_engine.batch.scheduler import Scheduler
 from kdtree_engine.sampling import SamplingParams
 from kdtree_engine.speculative.decode import generate
 
