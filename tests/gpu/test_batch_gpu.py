@@ -46,3 +46,14 @@ def test_demo_batch_bitwise_equals_solo(token_budget):
             bad.append(f"request {i} ({case.method} {case.budget}): logits of {len(rows)} emitted tokens differ, "
                        f"first {rows[0]}, max |diff| {(lg - ref_logits).abs().max():.3g}")
     assert not bad, "\n".join(bad)
+
+
+def test_llm_generate_batch_equals_generate():
+    """The Python API on CUDA: a batch (host-driven batched rounds) against each prompt alone (graph rounds)."""
+    from kdtree_engine import LLM, SamplingParams
+    llm = LLM(device="cuda")
+    prompts = ["def f(x):", "class Stack:", "import os\n", "for i in range(10):"]
+    params = SamplingParams(max_tokens=64)
+    solo = llm.generate(prompts, params)
+    batch = llm.generate_batch(prompts, params)
+    assert [r.token_ids for r in batch] == [r.token_ids for r in solo]
