@@ -133,6 +133,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=_positive("--tp"), default=1,
                    help="ranks of tensor + expert parallelism, one process per device (docs/parallel.md); this "
                         "process is rank 0, the others are started and stopped with it")
+    p.add_argument("--no-warm-up", action="store_true",
+                   help="skip the start-up warm-up on CUDA (every prompt-length bucket and the budget's verify width "
+                        "compiled before the first request, logged with its time; docs/long_context.md)")
 
 
 def llm_kwargs(args: argparse.Namespace, eager: bool) -> dict:
@@ -141,7 +144,8 @@ def llm_kwargs(args: argparse.Namespace, eager: bool) -> dict:
     return dict(model=args.model, draft=args.draft, spec=args.spec, budget=args.budget, device=args.device,
                 dtype=args.dtype, quantize=args.quantize, batch_invariant=args.batch_invariant == "on",
                 eager=True if eager else None, threads=args.threads if args.threads is not None else "auto",
-                tp=args.tp, cache_tokens=args.cache_tokens, memory_fraction=args.gpu_memory_fraction)
+                tp=args.tp, cache_tokens=args.cache_tokens, memory_fraction=args.gpu_memory_fraction,
+                warm_up=False if args.no_warm_up else None)
 
 
 def load_llm(args: argparse.Namespace, eager: bool) -> LLM:
