@@ -16,6 +16,9 @@
 #                  shapes (bench/moe_formats.py), Moonlight-16B's decoding and verify steps (bench/moonlight.py)
 #   k2             all 61 K2 layers as one rank of TP8 / EP8 holds them: whole rounds from one CUDA graph at 4K and
 #                  64K context, their byte roofline and a round's kernels (bench/k2_model.py)
+#   long           long context (bench/long_context.py): K2 one-rank decode / verify steps at 4K-256K against the
+#                  byte roofline, prefill tokens/s and TFLOP/s at 1K-32K (K2 and the demo), a 128K prompt's time to
+#                  first token (K2, all 61 layers), the demo's TTFT after its start-up warm-up
 #
 # Every step runs under a cap (seconds); the caps of one suite (one part of `tests`) sum to at most 570 s, so a
 # suite fits one 10-minute device call. A capped pytest run gets SIGINT first, so it still writes its summary and
@@ -29,7 +32,7 @@ DRY=0
 if [[ ${1:-} == --dry-run ]]; then DRY=1; shift; fi
 SUITE=${1:-}
 ARG=${2:-}
-SUITES="tests [bitwise|rounds|kernels], bench, kernel {w4a16|moe|mla|gemm|router|tails}, quick, formats, k2"
+SUITES="tests [bitwise|rounds|kernels], bench, kernel {w4a16|moe|mla|gemm|router|tails}, quick, formats, k2, long"
 die() { echo "gpu_suite.sh: $*" >&2; exit 2; }
 
 PYT=(python3 -m pytest -m gpu -p no:cacheprovider -v -rf --durations=15)
@@ -128,6 +131,15 @@ k2() {  # the whole K2 model at one rank's size (the parallelism issue's table)
   step bench-k2-model 400 python3 bench/k2_model.py --profile --out "$RES"
 }
 
+long() {  # the long-context issue's measurements, one record per step (each written after every measured row)
+  step bench-long-steps 130 python3 bench/long_context.py --parts steps --label steps --out "$RES"
+  step bench-long-prefill 170 python3 bench/long_context.py --parts prefill --prompts 1024,8192,32768 \
+    --demo-prompt-sizes 1024,8192,32768,131072 --label prefill --out "$RES"
+  step bench-long-ttft 190 python3 bench/long_context.py --parts prefill --prompts 131072 --no-demo-prefill \
+    --label ttft-128k --out "$RES"
+  step bench-long-demo 80 python3 bench/long_context.py --parts demo --label demo --out "$RES"
+}
+
 tests_all() {  # the files of every part in one run; timings are never asserted, so workers may share the GPU
   local files
   files=$(DRY=1; PYT=(python3 -m pytest); { tests_bitwise; tests_rounds; tests_kernels; } | sed -n 's/^== [^:]*: //p' \
@@ -144,7 +156,7 @@ run_suite() {
         bitwise | rounds | kernels) "tests_$ARG" ;;
         *) die "unknown tests part '$ARG' (parts: bitwise, rounds, kernels)" ;;
       esac ;;
-    bench | quick | formats | k2)
+    bench | quick | formats | k2 | long)
       [[ -z $ARG ]] || die "suite '$SUITE' takes no argument (got '$ARG')"
       "$SUITE" ;;
     kernel)
