@@ -10,7 +10,9 @@ to :data:`DENSE`, then around each power of two and its quarter points the lengt
 a+16); longer prompts run as chunks of those lengths. One request of each length runs through the engine's own
 request path (prefill, the drafter's context, the first token; with CUDA-graph rounds the round's graph is
 captured for its capacity bucket), then one request decodes a few rounds (the verify width of the budget) and
-one decodes plainly. Nothing is kept: every request returns its cache blocks to the pool.
+one decodes plainly. Nothing is kept: every request returns its cache blocks to the pool. Last, the objects alive
+after start-up are frozen out of Python's garbage collector (``gc.freeze``): a full collection walking the whole
+engine took longer than a request's prefill.
 
 What it does not cover: a sampled request (temperature > 0) captures its own round graph on first use, and a
 prompt past the largest warmed capacity bucket captures a round graph for its bucket (a capture, no compile).
@@ -18,6 +20,7 @@ prompt past the largest warmed capacity bucket captures a round graph for its bu
 
 from __future__ import annotations
 
+import gc
 import sys
 import time
 from dataclasses import dataclass
@@ -118,6 +121,10 @@ def warm_up(run: RunRequest, *, vocab_size: int, max_position_embeddings: int, f
         run(ids[:DENSE], rounds, True)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    # what start-up made lives as long as the engine: frozen, a full collection does not walk it (one that did
+    # took longer than a short prompt's prefill: docs/long_context.md)
+    gc.collect()
+    gc.freeze()
     after = compiled_kernels()
     report = WarmUpReport(lengths=tuple(lengths), decode_requests=2 if drafting else 1,
                           compiled=None if before is None or after is None else after - before,
