@@ -4,6 +4,7 @@ from the configuration (independent of the bench's own counting). No timing is a
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import shlex
@@ -30,6 +31,7 @@ STEP_ARGS = ["--tiny", "--device", "cpu", "--parts", "steps", "--layers", "3", "
 @pytest.fixture(autouse=True)
 def _one_thread(single_thread):
     yield
+    gc.unfreeze()   # the warm-up freezes what start-up made; the other tests' objects stay collectable
 
 
 @pytest.fixture(scope="module")
