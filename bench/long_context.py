@@ -76,6 +76,11 @@ TIMED_REPS_UP_TO = 8192  # prompts up to this many tokens are timed --reps times
 GOAL_TTFT_MS, GOAL_OUTLIER = 5.0, 2.0  # the demo's TTFT goal: under 5 ms, no prompt above 2x the median
 
 
+def log(msg: str) -> None:
+    """Progress on stderr (the record and its table go to stdout)."""
+    print(msg, file=sys.stderr, flush=True)
+
+
 # ---- FLOPs -----------------------------------------------------------------------------------
 
 def attention_flops(cfg: ModelConfig, n_heads: int, T: int, S: int, form: str) -> float:
@@ -425,6 +430,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if a.tiny:
         a.warmup_chunk = a.warmup_chunk or 40
         a.chunk = a.chunk or 64
+    check_args(ap, a)
+    return a
+
+
+def check_args(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """One argparse error line (exit 2) for the first bad value."""
     bad = [p for p in a.parts if p not in PARTS]
     if bad or not a.parts:
         ap.error(f"--parts takes {', '.join(PARTS)}, got {','.join(a.parts)}")
@@ -435,7 +446,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         ap.error("sizes, --reps, --ttft-reps, --demo-prompts, --ttft-prompt and --world must be positive")
     if a.layers is not None and a.layers < 2:
         ap.error(f"--layers must be at least 2 (the dense first layer and a MoE layer), got {a.layers}")
-    return a
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
@@ -444,9 +454,6 @@ def main(argv: Sequence[str] | None = None) -> dict:
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     tag = device_tag(dev)
     stem = f"long_context-{args.label}-{tag}" if args.label else f"long_context-{tag}"
-
-    def log(msg: str) -> None:
-        print(msg, file=sys.stderr, flush=True)
 
     def save(rep: dict) -> tuple[Path, Path]:
         return common.write_results(args.out, stem, rep, markdown(rep, tag), command=command, device=dev)
