@@ -142,7 +142,9 @@ def llm_kwargs(args: argparse.Namespace, eager: bool) -> dict:
     return dict(model=args.model, draft=args.draft, spec=args.spec, budget=args.budget, device=args.device,
                 dtype=args.dtype, quantize=args.quantize, batch_invariant=args.batch_invariant == "on",
                 eager=True if eager else None, threads=args.threads if args.threads is not None else "auto",
-                tp=args.tp, cache_tokens=args.cache_tokens, memory_fraction=args.gpu_memory_fraction)
+                tp=args.tp, cache_tokens=args.cache_tokens, memory_fraction=args.gpu_memory_fraction,
+                # a server warms up before its first request (on CUDA); a one-shot command starts at once
+                warm_up=None if getattr(args, "warm_up", False) else False)
 
 
 def load_llm(args: argparse.Namespace, eager: bool) -> LLM:
@@ -313,6 +315,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-batch-tokens", type=_positive("--max-batch-tokens"), default=None,
                    help="continuous batching: the most rows of one batched forward (every running request's round, "
                         f"then prompt chunks; default {DEFAULT_TOKEN_BUDGET})")
+    p.add_argument("--no-warm-up", dest="warm_up", action="store_false",
+                   help="skip the start-up warm-up on CUDA (every prompt-length bucket and the budget's verify width "
+                        "compiled before the first request, logged with its time; docs/long_context.md)")
     p.add_argument("--no-batching", action="store_true",
                    help="run one request at a time instead of the continuous batch (the only way at --tp > 1)")
     p.add_argument("--api-key", default=None,

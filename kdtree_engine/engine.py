@@ -46,6 +46,8 @@ from .speculative.config import SpecConfig
 from .speculative.decode import GenerationResult, OnTokens, check_prompt, generate, resolve_spec
 from .tokenizer import TextTokenizer
 from .tokenizer import load_tokenizer as load_text_tokenizer
+from .warmup import WarmUpReport
+from .warmup import warm_up as run_warm_up
 from .weights import checkpoint_scheme, iter_checkpoint
 
 log = logging.getLogger("kdtree_engine")
@@ -206,7 +208,7 @@ class LLM:
                  dtype: str | torch.dtype | None = None, quantize: str | None = None, batch_invariant: bool = True,
                  progress: bool = True, eager: bool | None = None, threads: int | str | None = None, tp: int = 1,
                  comm: Communicator | None = None, cache_tokens: int | None = None,
-                 memory_fraction: float | None = None) -> None:
+                 memory_fraction: float | None = None, warm_up: bool | None = False) -> None:
         """``model``: a checkpoint directory, or None / ``"demo"`` for the embedded demo (its drafter and budget
         16 unless ``draft`` / ``budget`` say otherwise). ``spec``: none | dflash | ddtree; None = ddtree with a
         drafter, else none. ``eager``: True = rounds driven from the host; False = each round replayed from a CUDA
@@ -218,7 +220,10 @@ class LLM:
         torchrun started); ``comm``: the group of a rank > 0 (parallel/launch.py passes it). ``cache_tokens`` /
         ``memory_fraction``: the size of the target's latent cache pool, made once after the weights, in tokens or
         as a fraction of the free device memory (default: 0.9 of it on CUDA, 2 x max_position_embeddings on the
-        CPU; the least over the ranks under tp; logged with the maximum context; see kdtree_engine/cache.py)."""
+        CPU; the least over the ranks under tp; logged with the maximum context; see kdtree_engine/cache.py).
+        ``warm_up``: run the start-up warm-up (kdtree_engine/warmup.py: every prompt-length bucket and the budget's
+        verify width compiled before the first request, logged with its count and seconds); None = on CUDA only (what
+        `kdtree serve` asks); False (the default) = not at start-up."""
         args = dict(model=model, draft=draft, spec=spec, budget=budget, device=device, dtype=dtype, quantize=quantize,
                     batch_invariant=batch_invariant, progress=False, eager=eager, threads=threads, tp=tp,
                     cache_tokens=cache_tokens, memory_fraction=memory_fraction)
@@ -265,6 +270,20 @@ class LLM:
                  "" if self.drafter is None else f" (drafter {draft})",
                  f", {thread_text}" if self.device.type == "cpu" else "", pool.total_tokens, pool.sizing,
                  pool.max_context)
+        self.warm_up_report: WarmUpReport | None = None
+        if (self.device.type == "cuda" if warm_up is None else warm_up) and self.comm.rank == 0:
+            self.warm_up_report = self.warm_up()   # ranks > 0 follow its requests in serve()
+
+    def warm_up(self, chunk: int | None = None) -> WarmUpReport:
+        """Compile, before any request, what requests will launch (kdtree_engine/warmup.py); rank 0 of a
+        tensor-parallel engine sends the warm-up requests to the other ranks like any request."""
+        drafting = self.drafter is not None and self.spec.method != "none"
+        shape = self.spec.resolve(self.drafter.block_size if drafting else 1, self.target.cfg.vocab_size)
+        return run_warm_up(lambda ids, params, plain: self.run(ids, params, plain=plain),
+                       vocab_size=self.target.cfg.vocab_size,
+                       max_position_embeddings=self.target.cfg.max_position_embeddings,
+                       free_tokens=self.target.pool().free_tokens, round_nodes=shape.max_nodes, device=self.device,
+                       chunk=chunk, drafting=drafting)
 
     def _join(self, tp: int, comm: Communicator | None, spec: SpecConfig, model: Path, args: dict) -> None:
         """Become a rank of a ``tp``-rank engine (rank 0: spawn or join the others; a worker: ``comm``). What the

@@ -18,6 +18,9 @@
 #                  64K context, their byte roofline and a round's kernels (bench/k2_model.py)
 #   batch          continuous batching: the bitwise batch-vs-solo GPU test, then throughput at 1 / 4 / 16 / 64
 #                  concurrent requests, plain vs DDTree with the load-aware budget, demo and K2 one rank (bench/batch.py)
+#   long           long context (bench/long_context.py): K2 one-rank decode / verify steps at 4K-256K against the
+#                  byte roofline, prefill tokens/s and TFLOP/s at 1K-32K (K2 and the demo), a 128K prompt's time to
+#                  first token (K2, 30 layers projected to 61), the demo's TTFT after its start-up warm-up
 #
 # Every step runs under a cap (seconds); the caps of one suite (one part of `tests`) sum to at most 570 s, so a
 # suite fits one 10-minute device call. A capped pytest run gets SIGINT first, so it still writes its summary and
@@ -31,7 +34,7 @@ DRY=0
 if [[ ${1:-} == --dry-run ]]; then DRY=1; shift; fi
 SUITE=${1:-}
 ARG=${2:-}
-SUITES="tests [bitwise|rounds|kernels], bench, kernel {w4a16|moe|mla|gemm|router|tails}, quick, formats, k2, batch"
+SUITES="tests [bitwise|rounds|kernels], bench, kernel {w4a16|moe|mla|gemm|router|tails}, quick, formats, k2, batch, long"
 die() { echo "gpu_suite.sh: $*" >&2; exit 2; }
 
 PYT=(python3 -m pytest -m gpu -p no:cacheprovider -v -rf --durations=15)
@@ -136,6 +139,17 @@ batch() {  # continuous batching (the batching issue): bit for bit against solo 
   step bench-batch-k2 290 python3 bench/batch.py --model k2 --max-tokens 32 --out "$RES"
 }
 
+long() {  # the long-context issue's measurements, one record per step (each written after every measured row)
+  step bench-long-steps 130 python3 bench/long_context.py --parts steps --label steps --out "$RES"
+  step bench-long-prefill 170 python3 bench/long_context.py --parts prefill --prompts 1024,8192,32768 \
+    --demo-prompt-sizes 1024,8192,32768,131072 --label prefill --out "$RES"
+  # part of the layers, projected to all of them in the record: the torch key-block attention of the longest
+  # prompt over every layer would pass the cap (docs/long_context.md)
+  step bench-long-ttft 190 python3 bench/long_context.py --parts prefill --prompts 131072 --no-demo-prefill \
+    --layers 30 --label ttft-128k --out "$RES"
+  step bench-long-demo 80 python3 bench/long_context.py --parts demo --label demo --out "$RES"
+}
+
 tests_all() {  # the files of every part in one run; timings are never asserted, so workers may share the GPU
   local files
   files=$(DRY=1; PYT=(python3 -m pytest); { tests_bitwise; tests_rounds; tests_kernels; } | sed -n 's/^== [^:]*: //p' \
@@ -152,7 +166,7 @@ run_suite() {
         bitwise | rounds | kernels) "tests_$ARG" ;;
         *) die "unknown tests part '$ARG' (parts: bitwise, rounds, kernels)" ;;
       esac ;;
-    bench | quick | formats | k2 | batch)
+    bench | quick | formats | k2 | batch | long)
       [[ -z $ARG ]] || die "suite '$SUITE' takes no argument (got '$ARG')"
       "$SUITE" ;;
     kernel)

@@ -179,7 +179,9 @@ def _bucket(table: list[tuple[int, Tile]], M: int) -> Tile | None:
 # kernels
 
 
-@triton.jit
+# M (the row count) only bounds masks: not specializing on its value (1, a multiple of 16) keeps one compiled
+# variant per tile for every prompt length (start-up warm-up, kdtree_engine/warmup.py); the bits do not change.
+@triton.jit(do_not_specialize=["M"])
 def _bi_gemm_kernel(x_ptr, w_ptr, out_ptr,
                     M, N, K, k_per_split, n_split,
                     stride_xb, stride_xm, stride_xk, stride_wb, stride_wn, stride_wk,

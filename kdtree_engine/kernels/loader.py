@@ -10,6 +10,7 @@ in files that do not import triton (layouts.py, bf16x3.py, common.py, reference.
 from __future__ import annotations
 
 import functools
+import sys
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -71,4 +72,21 @@ def triton_kernels() -> TritonKernels:
                          tree_ops=tree_ops, w4_frag=w4_frag, w4a16=w4a16, w8a16=w8a16)
 
 
-__all__ = ["INSTALL_HINT", "TritonKernels", "TritonMissing", "triton_kernels"]
+def compiled_variants() -> int | None:
+    """Kernel variants compiled so far in this process (the entries of the Triton caches of the engine's kernels), or
+    None where the kernels were never loaded (the CPU path) or this triton's caches are not readable."""
+    jit = sys.modules.get("triton.runtime.jit")
+    if jit is None or triton_kernels.cache_info().currsize == 0:
+        return None
+    try:
+        n = 0
+        for module in vars(triton_kernels()).values():
+            for obj in vars(module).values():
+                if isinstance(obj, jit.JITFunction):
+                    n += sum(len(caches[0]) for caches in obj.device_caches.values())
+        return n
+    except (AttributeError, IndexError, TypeError):   # another triton's internals: not counted
+        return None
+
+
+__all__ = ["INSTALL_HINT", "TritonKernels", "TritonMissing", "compiled_variants", "triton_kernels"]

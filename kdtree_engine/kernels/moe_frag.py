@@ -188,7 +188,7 @@ if HAVE_GLUON:
             _topk_sum_tile(y_ptr, ids_ptr, fin_ptr, add_ptr, tile * BN, n_tok, n_experts, stride_ot, stride_ft,
                            stride_at, TOPK, BN, num_warps, ADD)
 
-    @gluon.jit
+    @gluon.jit(do_not_specialize=["n_tok"])  # the token count bounds masks: one variant per length bucket
     def _moe_frag_kernel(x_ptr, w_ptr, s_ptr, out_ptr, tw_ptr, sorted_ptr, blk_expert_ptr, blk_rows_ptr,
                          UP_ROW, TOPK, stride_xt, stride_we, stride_wn, stride_se, stride_sn,
                          stride_os, stride_ot, iters, work, programs,

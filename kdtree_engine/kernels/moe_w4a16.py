@@ -111,7 +111,7 @@ def moe_config(num_pairs: int, num_experts: int) -> MoEConfig:
 # kernels
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P", "max_blocks"])  # counts: one variant per length bucket
 def _moe_align_kernel(ids_ptr, P, E, sorted_ptr, blk_expert_ptr, blk_rows_ptr, max_blocks,
                       BM: tl.constexpr, E_P2: tl.constexpr, CH: tl.constexpr, BCH: tl.constexpr,
                       PDL: tl.constexpr = False):
@@ -155,7 +155,7 @@ def _moe_align_kernel(ids_ptr, P, E, sorted_ptr, blk_expert_ptr, blk_rows_ptr, m
             tl.store(blk_rows_ptr + b, tl.zeros_like(b), mask=b < max_blocks)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P", "max_blocks"])  # counts: one variant per length bucket
 def _moe_align_one_kernel(ids_ptr, P, E, sorted_ptr, blk_expert_ptr, blk_rows_ptr, max_blocks,
                           BM: tl.constexpr, PP: tl.constexpr, MBP: tl.constexpr, PDL: tl.constexpr = False):
     """One program, P <= PP pairs: the same outputs as _moe_align_kernel in one launch of one program
