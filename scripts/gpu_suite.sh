@@ -18,6 +18,9 @@
 #                  64K context, their byte roofline and a round's kernels (bench/k2_model.py)
 #   batch          continuous batching: the bitwise batch-vs-solo GPU test, then throughput at 1 / 4 / 16 / 64
 #                  concurrent requests, plain vs DDTree with the load-aware budget, demo and K2 one rank (bench/batch.py)
+#   serving        the serving stage in one call: bit for bit (spec == plain, batch == solo, batch invariance) over
+#                  worker processes, the demo's TTFT after the warm-up, K2 decode / verify steps by context, the demo's
+#                  batching throughput
 #   long           long context (bench/long_context.py): K2 one-rank decode / verify steps at 4K-256K against the
 #                  byte roofline, prefill tokens/s and TFLOP/s at 1K-32K (K2 and the demo), a 128K prompt's time to
 #                  first token (K2, 30 layers projected to 61), the demo's TTFT after its start-up warm-up
@@ -34,7 +37,7 @@ DRY=0
 if [[ ${1:-} == --dry-run ]]; then DRY=1; shift; fi
 SUITE=${1:-}
 ARG=${2:-}
-SUITES="tests [bitwise|rounds|kernels], bench, kernel {w4a16|moe|mla|gemm|router|tails}, quick, formats, k2, batch, long"
+SUITES="tests [bitwise|rounds|kernels], bench, kernel {w4a16|moe|mla|gemm|router|tails}, quick, formats, k2, batch, long, serving"
 die() { echo "gpu_suite.sh: $*" >&2; exit 2; }
 
 PYT=(python3 -m pytest -m gpu -p no:cacheprovider -v -rf --durations=15)
@@ -150,6 +153,14 @@ long() {  # the long-context issue's measurements, one record per step (each wri
   step bench-long-demo 80 python3 bench/long_context.py --parts demo --label demo --out "$RES"
 }
 
+serving() {  # the serving stage's GPU checks and the records its docs cite, one device call
+  pytest_step pytest-serving 250 -n "${GPU_TEST_WORKERS:-8}" tests/gpu/test_bitwise_gpu.py tests/gpu/test_batch_gpu.py \
+    tests/gpu/test_batch_invariance_gpu.py -k "not demo_logits_alone"
+  step bench-long-demo 80 python3 bench/long_context.py --parts demo --label demo --out "$RES"
+  step bench-long-steps 130 python3 bench/long_context.py --parts steps --label steps --out "$RES"
+  step bench-batch-demo 100 python3 bench/batch.py --model demo --out "$RES"
+}
+
 tests_all() {  # the files of every part in one run; timings are never asserted, so workers may share the GPU
   local files
   files=$(DRY=1; PYT=(python3 -m pytest); { tests_bitwise; tests_rounds; tests_kernels; } | sed -n 's/^== [^:]*: //p' \
@@ -166,7 +177,7 @@ run_suite() {
         bitwise | rounds | kernels) "tests_$ARG" ;;
         *) die "unknown tests part '$ARG' (parts: bitwise, rounds, kernels)" ;;
       esac ;;
-    bench | quick | formats | k2 | batch | long)
+    bench | quick | formats | k2 | batch | long | serving)
       [[ -z $ARG ]] || die "suite '$SUITE' takes no argument (got '$ARG')"
       "$SUITE" ;;
     kernel)
