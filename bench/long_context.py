@@ -204,7 +204,7 @@ def step_rows(target: Target, contexts: Sequence[int], nodes: Sequence[int], rep
                 target.rope.ensure(S + T + 1)
                 mask, depth = random_tree(T, S + T) if T > 1 else (torch.ones(1, 1, dtype=torch.bool),
                                                                    torch.zeros(1, dtype=torch.long))
-                ids = torch.randint(0, cfg.vocab_size, (T,), generator=gen).to(dev)
+                ids = torch.randint(0, cfg.vocab_size, (T,), generator=gen, device=gen.device).to(dev)
                 pos, mask, start = (S + depth).to(dev), mask.to(dev), torch.tensor(S, device=dev)
                 cache.length = S
 
