@@ -172,10 +172,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     command = common.command_line(argv, "python3 bench/batch.py")
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     tag = device_tag(dev)
-    stem = f"batch-{args.model}{'-tiny' if args.tiny else ''}-{tag}"
-
-    def save(rep: dict[str, Any]) -> tuple[Path, Path]:
-        return common.write_results(args.out, stem, rep, markdown(rep, tag), command=command, device=dev)
+    save = common.results_saver(args.out, f"batch-{args.model}{'-tiny' if args.tiny else ''}-{tag}",
+                                lambda rep: markdown(rep, tag), command=command, device=dev)
     rep = run(args, lambda m: print(m, file=sys.stderr, flush=True), save)
     jp, mp = save(rep)
     print(f"wrote {jp} and {mp}")

@@ -247,6 +247,15 @@ def write_results(out_dir: str | Path, stem: str, payload: dict, md_lines: list[
     return jp, mp
 
 
+def results_saver(out_dir: str | Path, stem: str, markdown: Callable[[dict], list[str]], *, command: str,
+                  device: object) -> Callable[[dict], tuple[Path, Path]]:
+    """A function that (re)writes the record ``stem`` from a report (:func:`write_results`): a bench calls it after
+    every measured row, so a run cut by a time limit keeps what it measured."""
+    def save(rep: dict) -> tuple[Path, Path]:
+        return write_results(out_dir, stem, rep, markdown(rep), command=command, device=device)
+    return save
+
+
 def md_table(headers: list[str], rows: list[list]) -> list[str]:
     def f(v):
         if v is None:

@@ -454,10 +454,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     tag = device_tag(dev)
     stem = f"long_context-{args.label}-{tag}" if args.label else f"long_context-{tag}"
-
-    def save(rep: dict) -> tuple[Path, Path]:
-        return common.write_results(args.out, stem, rep, markdown(rep, tag), command=command, device=dev)
-
+    save = common.results_saver(args.out, stem, lambda rep: markdown(rep, tag), command=command, device=dev)
     rep = run(args, dev, save, log)
     jp, mp = save(rep)
     print(f"wrote {jp} and {mp}")
