@@ -104,6 +104,14 @@ class Scheduler:
     def cancel(self, seq: Sequence) -> None:
         seq.cancel()
 
+    def drop_all(self) -> list[Sequence]:
+        """End every request now (finish reason "abort") and give their cache blocks back: after a failed step,
+        whose requests' state is not to be trusted. Returns them."""
+        ended = [self._end(s, "abort") for s in list(self.active)]
+        ended += [self._end(s, "abort") for s in self.waiting]
+        self.waiting.clear()
+        return ended
+
     @property
     def idle(self) -> bool:
         return not self.waiting and not self.active

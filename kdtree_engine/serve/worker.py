@@ -341,9 +341,7 @@ class BatchWorker(Worker):
     def fail_batch(self, e: Exception) -> None:
         """Fail every request inside the batch and give their cache blocks back; a new scheduler takes over."""
         log.error("a batched forward failed (%d requests inside)", len(self.inside), exc_info=e)
-        for seq in self.inside:
-            if seq.rounds is not None:
-                seq.rounds.release()
+        self.scheduler.drop_all()
         self.scheduler = self.make_scheduler()
         inside, self.inside = self.inside, {}
         with self.cond:

@@ -146,3 +146,18 @@ def test_load_aware_budget_is_lossless_greedy():
     for p, s in zip(prompts, seqs):
         assert s.result.token_ids == generate(target, p, params).token_ids
         assert sum(s.result.stats["budget_chosen"].values()) == s.result.stats["rounds"]
+
+
+def test_drop_all_ends_every_request_and_frees_the_pool():
+    target, drafter = _pair(8)
+    pool = target.pool()
+    free = sorted(pool.free_ids())
+    sched = Scheduler(target, drafter, token_budget=8, prefill_chunk=8)
+    seqs = [sched.submit(list(range(2, 2 + n)), SamplingParams(max_tokens=30, ignore_eos=True), spec="ddtree",
+                         budget=3) for n in (5, 20, 9)]
+    sched.step()
+    sched.step()
+    ended = sched.drop_all()
+    assert sorted(s.id for s in ended) == [s.id for s in seqs] and sched.idle
+    assert all(s.done and s.result.finish_reason == "abort" for s in seqs)
+    assert sorted(pool.free_ids()) == free
