@@ -31,7 +31,7 @@ from .kernels.dispatch import log_choices, prepare_int4
 from .kernels.policy import KernelPolicy
 from .logs import log_once
 from .model.dflash import DFlashDrafter
-from .model.target import Target, row_parallel_groups
+from .model.target import Target, split_groups
 from .parallel.broadcast import (Request, recv_request, recv_round_verdict, send_request, send_round_verdict,
                                  send_stop)
 from .parallel.comm import SINGLE, Communicator
@@ -127,9 +127,6 @@ def load_target(path: str | Path, *, device: torch.device, dtype: torch.dtype,
     if quantize not in (None, "none", "w4a16"):
         raise BadInput(f"quantize={quantize!r} must be 'none' or 'w4a16'")
     tp = comm.world_size > 1
-    if tp and isinstance(checkpoint, Fp8Scheme):
-        raise BadInput(f"{path}: FP8 block-quantized checkpoints are not sharded yet (tp={comm.world_size}); "
-                       "run them with tp=1")
     if quantize == "w4a16":
         if isinstance(checkpoint, Fp8Scheme):
             log.info("dequantizing the FP8 checkpoint while loading (linears other than the routed experts "
@@ -296,7 +293,7 @@ class LLM:
         if not model.is_dir():
             raise FileNotFoundError(f"model directory {str(model)!r} does not exist")
         cfg = ModelConfig.from_pretrained(model)
-        check_divisible(cfg, tp, row_parallel_groups(cfg, parse_quantization_config(cfg.quantization)))
+        check_divisible(cfg, tp, split_groups(cfg, parse_quantization_config(cfg.quantization)))
         if comm is None:
             self.comm, self.workers, self.device = start_ranks(tp, self.device, serve_rank, (args,))
             atexit.register(self.close)

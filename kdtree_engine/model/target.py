@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ..errors import LoadError
+from ..fp8 import Fp8Block
 from ..cache import CachePool, LatentCache
 from ..config import ModelConfig
 from ..kernels.common import take_rows
@@ -22,7 +23,8 @@ from ..kernels.dispatch import attention_gather_index
 from .context import BatchContext, StepContext, static_visibility
 from ..kernels.policy import KernelPolicy, policy_or_env
 from ..parallel.comm import SINGLE, Communicator, tp_sum
-from ..parallel.shard import WHOLE, check_divisible, expert_of, expert_range, index_for, owned_slices
+from ..parallel.shard import (WHOLE, check_divisible, expert_of, expert_range, index_for, owned_slices,
+                              split_widths)
 from ..parallel.vocab import VocabShard, vocab_embed
 from ..quant import quantize
 from ..reference import random_weights
@@ -45,18 +47,10 @@ class QuantPolicy(Protocol):
 
 
 
-def row_parallel_groups(cfg: ModelConfig, quant: QuantPolicy | None) -> dict[str, int | None]:
-    """INT4 group size (None: dense) of every row-parallel linear, by canonical module name."""
-    out: dict[str, int | None] = {}
-    for i in range(cfg.num_hidden_layers):
-        mods = [f"layers.{i}.self_attn.o_proj"]
-        if cfg.is_moe_layer(i):
-            mods += [f"layers.{i}.mlp.shared_experts.down_proj"] if cfg.n_shared_experts else []
-        else:
-            mods.append(f"layers.{i}.mlp.down_proj")
-        for m in mods:
-            out[m] = quant.group_size if quant is not None and quant.is_quantized(m) else None
-    return out
+def split_groups(cfg: ModelConfig, quant: QuantPolicy | None) -> dict[str, int | Fp8Block | None]:
+    """The quantization (INT4 group size, FP8 block, None: dense) of every linear split over tensor-parallel ranks,
+    by canonical module name (parallel/shard.py ``split_widths``)."""
+    return {m: quant.group_size if quant is not None and quant.is_quantized(m) else None for m in split_widths(cfg)}
 
 
 @dataclass(frozen=True)
@@ -146,7 +140,7 @@ class Target(nn.Module):
         super().__init__()
         N = comm.world_size
         if N > 1:
-            check_divisible(cfg, N, row_parallel_groups(cfg, quant))
+            check_divisible(cfg, N, split_groups(cfg, quant))
         self.comm = comm
         V = cfg.vocab_size // N
         self.vocab_shard = None if N == 1 else VocabShard(comm, comm.rank * V, V, cfg.vocab_size)

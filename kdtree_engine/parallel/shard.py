@@ -19,6 +19,7 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import LoadError
+from ..fp8 import Fp8Block
 
 EXPERT = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.")
 WHOLE: tuple[slice, ...] = ()
@@ -33,10 +34,13 @@ def part(n: int, world: int, what: str, tensor: str) -> int:
     return n // world
 
 
-def check_divisible(cfg: ModelConfig, world: int, group_size_of: "dict[str, int | None] | None" = None) -> None:
+def check_divisible(cfg: ModelConfig, world: int, group_size_of: "dict[str, int | Fp8Block | None] | None" = None
+                    ) -> None:
     """Refuse, before anything is read, a model whose split sizes do not divide by ``world``; the message names
-    the first tensor that cannot be cut. ``group_size_of``: INT4 group size of the row-parallel linears by
-    canonical module name (their local input width must be a whole number of groups and of 8-value words)."""
+    the first tensor that cannot be cut. ``group_size_of``: the quantization of the split linears by canonical module
+    name (:func:`split_widths`): an INT4 group size (a row-parallel slice must be a whole number of groups and of
+    8-value words), an FP8 block (a slice must be a whole number of blocks in the dimension cut, so each rank's
+    block scales are whole rows or columns of the checkpoint's) or None (dense)."""
     if world == 1:
         return
     part(cfg.vocab_size, world, "vocab_size", "embed_tokens.weight")
@@ -51,24 +55,45 @@ def check_divisible(cfg: ModelConfig, world: int, group_size_of: "dict[str, int 
                  "moe_intermediate_size * n_shared_experts", f"layers.{moe[0]}.mlp.shared_experts.gate_proj.weight")
     if dense:
         part(cfg.intermediate_size, world, "intermediate_size", f"layers.{dense[0]}.mlp.gate_proj.weight")
+    widths = split_widths(cfg)
     for name, g in (group_size_of or {}).items():
         if g is None:
             continue
-        width = row_input_width(cfg, name)
-        local = part(width, world, "input width", name + ".weight_packed")
-        if local % g or local % 8:
-            raise LoadError(f"tensor '{name}.weight_packed': its {local}-wide slice per rank (input width {width} / "
-                            f"tp={world}) is not a whole number of INT4 groups of {g} (row-parallel INT4 is cut "
-                            "on group boundaries)")
+        kind, width = widths[name]
+        if isinstance(g, Fp8Block):
+            local, block = width // world, g.k if kind == "row" else g.n
+            if local % block:
+                cut = "input width" if kind == "row" else "output rows"
+                raise LoadError(f"tensor '{name}.weight_scale_inv': its {local}-wide slice per rank ({cut} {width} / "
+                                f"tp={world}) is not a whole number of FP8 blocks of {block}")
+        elif kind == "row":
+            local = part(width, world, "input width", name + ".weight_packed")
+            if local % g or local % 8:
+                raise LoadError(f"tensor '{name}.weight_packed': its {local}-wide slice per rank (input width {width} "
+                                f"/ tp={world}) is not a whole number of INT4 groups of {g} (row-parallel INT4 is cut "
+                                "on group boundaries)")
 
 
-def row_input_width(cfg: ModelConfig, module: str) -> int:
-    """The full input width of a row-parallel linear (o_proj or an MLP's down_proj)."""
-    if module.endswith("o_proj"):
-        return cfg.num_attention_heads * cfg.v_head_dim
-    if ".shared_experts." in module:
-        return cfg.moe_intermediate_size * cfg.n_shared_experts
-    return cfg.intermediate_size
+def split_widths(cfg: ModelConfig) -> dict[str, tuple[str, int]]:
+    """Every linear split over the ranks (the routed experts aside: they are divided whole), by canonical module
+    name: ("row", its full input width) or ("column", its full output rows)."""
+    heads = cfg.num_attention_heads
+    out: dict[str, tuple[str, int]] = {}
+    for i in range(cfg.num_hidden_layers):
+        a = f"layers.{i}.self_attn"
+        q = "q_proj" if cfg.q_lora_rank is None else "q_b_proj"
+        out[f"{a}.{q}"] = ("column", heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim))
+        out[f"{a}.kv_b_proj"] = ("column", heads * (cfg.qk_nope_head_dim + cfg.v_head_dim))
+        out[f"{a}.o_proj"] = ("row", heads * cfg.v_head_dim)
+        if cfg.is_moe_layer(i):
+            if not cfg.n_shared_experts:
+                continue
+            mlp, inter = f"layers.{i}.mlp.shared_experts", cfg.moe_intermediate_size * cfg.n_shared_experts
+        else:
+            mlp, inter = f"layers.{i}.mlp", cfg.intermediate_size
+        out[f"{mlp}.gate_proj"] = out[f"{mlp}.up_proj"] = ("column", inter)
+        out[f"{mlp}.down_proj"] = ("row", inter)
+    return out
 
 
 def expert_range(n_experts: int, rank: int, world: int) -> range:
