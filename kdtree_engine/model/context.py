@@ -73,16 +73,18 @@ class BatchContext:
     cos: torch.Tensor
     sin: torch.Tensor
     rows: torch.Tensor
-
-    device_resident = False
+    device_resident: bool = False  # every part's committed length on the device (a capturable batch), or none's
 
     @classmethod
     def of(cls, parts: tuple[StepContext, ...]) -> "BatchContext":
+        kinds = {p.device_resident for p in parts}
+        if len(kinds) != 1:
+            raise ValueError("a batch's steps are all device-resident or all eager")
         bounds = [0]
         for p in parts:
             bounds.append(bounds[-1] + p.num_tokens)
         cat = lambda name: torch.cat([getattr(p, name) for p in parts])  # noqa: E731
-        return cls(parts, tuple(bounds), cat("positions"), cat("cos"), cat("sin"), cat("rows"))
+        return cls(parts, tuple(bounds), cat("positions"), cat("cos"), cat("sin"), cat("rows"), kinds.pop())
 
     @property
     def num_tokens(self) -> int:

@@ -58,7 +58,8 @@ class BatchPart:
     """One request's rows in a batched forward (:meth:`Target.forward_batch`): ``ids`` [T] after its cache's committed
     length, at ``positions`` (None: the slots), causal (``tree_mask`` None: committed by the forward) or a tree
     (pending until ``cache.commit``); ``chunk``: how a chunk of a long prompt attends (model/prefill.py);
-    ``logits``: the rows whose logits are computed ("all", "last" or "none")."""
+    ``logits``: the rows whose logits are computed ("all", "last" or "none"); ``start``: a device-resident step's
+    committed length ([] long on the device; positions and tree_mask required, as for :meth:`Target.forward`)."""
 
     ids: torch.Tensor
     cache: LatentCache
@@ -66,6 +67,7 @@ class BatchPart:
     tree_mask: torch.Tensor | None = None
     chunk: ChunkStep | None = None
     logits: str = "all"
+    start: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.logits not in ("all", "last", "none"):
@@ -407,14 +409,15 @@ class Target(nn.Module):
         ctxs = []
         for p in parts:
             c = self.context(p.cache, p.ids.shape[0], None if p.positions is None else p.positions.to(self.device),
-                             p.tree_mask)
+                             p.tree_mask, p.start)
             ctxs.append(c if p.chunk is None else replace(c, chunk=p.chunk))
         ctx = BatchContext.of(tuple(ctxs))
         ids = torch.cat([p.ids.to(self.device) for p in parts])
         x, aux = self._layers(self.embed(ids), ctx, self.pool(), aux_layers)
-        wanted = [torch.arange(a, b) if p.logits == "all" else torch.tensor([b - 1]) if p.logits == "last"
-                  else torch.empty(0, dtype=torch.long) for p, (_, a, b) in zip(parts, ctx.spans())]
-        index = torch.cat(wanted).to(self.device)
+        dev = self.device   # the row index made on the device: no host-to-device copy (a captured batch stays valid)
+        wanted = [torch.arange(a, b, device=dev) if p.logits == "all" else torch.arange(b - 1, b, device=dev)
+                  if p.logits == "last" else torch.arange(0, device=dev) for p, (_, a, b) in zip(parts, ctx.spans())]
+        index = torch.cat(wanted)
         logits = self.lm_head(take_rows(x, index)) if index.numel() else None
         outs, row = [], 0
         for p, w, (_, a, b) in zip(parts, wanted, ctx.spans()):
@@ -422,7 +425,7 @@ class Target(nn.Module):
             part_logits = logits[row:row + n] if logits is not None else x.new_empty(0, 0, dtype=torch.float32)
             outs.append(TargetOutput(logits=part_logits, aux=None if aux is None else aux[a:b]))
             row += n
-            if p.tree_mask is None:
+            if p.tree_mask is None and p.start is None:
                 p.cache.commit_all()
         return outs
 
