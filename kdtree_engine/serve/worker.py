@@ -341,7 +341,10 @@ class BatchWorker(Worker):
     def fail_batch(self, e: Exception) -> None:
         """Fail every request inside the batch and give their cache blocks back; a new scheduler takes over."""
         log.error("a batched forward failed (%d requests inside)", len(self.inside), exc_info=e)
-        self.scheduler.drop_all()
+        try:
+            self.scheduler.drop_all()
+        except Exception:   # the requests still fail below (never left waiting); the blocks may be lost
+            log.exception("the failed batch's requests could not be ended cleanly")
         self.scheduler = self.make_scheduler()
         inside, self.inside = self.inside, {}
         with self.cond:

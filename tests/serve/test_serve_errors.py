@@ -94,6 +94,14 @@ class FakeBatch:
         return ended
 
 
+    def drop_all(self) -> list[FakeSequence]:
+        """After a failed step (Scheduler.drop_all): every request ends, its blocks back."""
+        ended, self.waiting = self.waiting, []
+        for s in ended:
+            s.done, s.result = True, GenerationResult([], "abort", {"spec": "none"})
+        return ended
+
+
 class BatchingModel(FailingModel):
     def scheduler(self, token_budget=None):
         return FakeBatch()
