@@ -177,15 +177,21 @@ def test_fp8_checkpoint_matches_hf_and_reference(tmp_path, block, layout, ignore
     moe = model.layers[1].mlp
     assert isinstance(moe, MoE) and moe.experts.w13.dtype == FP8_DTYPE
     assert model.lm_head_proj.weight.dtype == torch.float32
+    check_against_hf_and_reference(model, dense, seed)
+
+
+def check_against_hf_and_reference(model, weights, seed: int) -> None:
+    """Logits within 1e-4 of HF transformers' on ``weights`` (float32), and greedy tokens equal to the numpy
+    reference's, on random ids of ``seed``."""
     ids = torch.from_numpy(np.random.default_rng(seed).integers(0, CFG.vocab_size, 12))
-    hf = hf_model(CFG, dense)
+    hf = hf_model(CFG, weights)
     with torch.no_grad():
         want = hf(ids[None]).logits[0].float()
     got = model(ids, model.new_cache(16)).logits
     assert rel(got, want) < 1e-4, f"seed={seed}"
     prompt = ids[:5].tolist()
     tokens = generate(model, prompt, SamplingParams(max_tokens=20, ignore_eos=True)).token_ids
-    assert tokens == reference.greedy(CFG, dense, prompt, 20), f"seed={seed}"
+    assert tokens == reference.greedy(CFG, weights, prompt, 20), f"seed={seed}"
 
 
 def test_bf16_checkpoint_matches_hf_and_reference(tmp_path) -> None:
@@ -198,15 +204,7 @@ def test_bf16_checkpoint_matches_hf_and_reference(tmp_path) -> None:
     # activations differ from HF's float32 ones by more than any tolerance that would still test something)
     model = load_target(tmp_path / "bf16", device=torch.device("cpu"), dtype=torch.float32, progress=False)
     assert model.layers[1].mlp.experts.w13.dtype == torch.float32
-    ids = torch.from_numpy(np.random.default_rng(seed).integers(0, CFG.vocab_size, 12))
-    hf = hf_model(CFG, rounded)
-    with torch.no_grad():
-        want = hf(ids[None]).logits[0].float()
-    got = model(ids, model.new_cache(16)).logits
-    assert rel(got, want) < 1e-4, f"seed={seed}"
-    prompt = ids[:5].tolist()
-    tokens = generate(model, prompt, SamplingParams(max_tokens=20, ignore_eos=True)).token_ids
-    assert tokens == reference.greedy(CFG, rounded, prompt, 20), f"seed={seed}"
+    check_against_hf_and_reference(model, rounded, seed)
 
 
 # ---- golden bundles ----------------------------------------------------------------------------------

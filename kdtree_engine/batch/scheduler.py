@@ -185,8 +185,7 @@ class Scheduler:
             elif seq.shape.auto and seq.skip > 0:   # speculation did not pay last time: plain rounds, then try again
                 seq.skip -= 1
                 plans[seq.id] = r.plan_tree(None, r.root_only())
-                seq.stats.setdefault("budget_chosen", {}).setdefault(0, 0)
-                seq.stats["budget_chosen"][0] += 1
+                chose(seq, 0)
             elif (ask := r.draft_request(seq.emit.remaining)) is not None:
                 asks.append((seq, ask))
             elif seq.shape.auto:
@@ -232,9 +231,10 @@ class Scheduler:
                 continue
             lp, ids = topk_logprobs(draft_logits, mb, policy=target.policy, vocab=seq.rounds.vocab)
             tops.append((lp, ids))
-            expected.append(expected_accepted_by_budget(lp, mb) * seq.calibration.factor)
+            expected.append(expected_accepted_by_budget(lp, mb))
+        calibrated = [e * seq.calibration.factor for (seq, _), e in zip(auto, expected)]
         cost, scale = self._verify_cost(), self.forward_scale.value
-        budgets = allocate_budgets(expected, fixed_rows, lambda rows: scale * cost(rows), fixed_tokens=fixed_rows,
+        budgets = allocate_budgets(calibrated, fixed_rows, lambda rows: scale * cost(rows), fixed_tokens=fixed_rows,
                                    draft_s=self.draft_s.value)
         out = {}
         for (seq, draft_logits), top, b, e in zip(auto, tops, budgets, expected):
@@ -243,9 +243,8 @@ class Scheduler:
             # a tree not worth its draft pass: skip the drafter for a while (doubling while it stays so)
             seq.backoff = 0 if b > 0 else min(max(2 * seq.backoff, 1), MAX_SKIP)
             seq.skip = seq.backoff
-            seq.predicted = float(e[b - 1]) / max(seq.calibration.factor, 1e-9) if b > 0 else 0.0
-            seq.stats.setdefault("budget_chosen", {}).setdefault(b, 0)
-            seq.stats["budget_chosen"][b] += 1
+            seq.predicted = float(e[b - 1]) if b > 0 else 0.0   # the drafter's own estimate: what calibration learns
+            chose(seq, b)
             out[seq.id] = r.plan_tree(draft_logits, tree)
         return out
 
@@ -329,3 +328,9 @@ class Scheduler:
         seq.result = GenerationResult(list(seq.emit.tokens), reason or seq.emit.finish_reason or "length", stats)
         seq.state = DONE
         return seq
+
+
+def chose(seq: Sequence, budget: int) -> None:
+    """Count a round's budget in the request's stats (``budget_chosen``: {budget: rounds})."""
+    counts = seq.stats.setdefault("budget_chosen", {})
+    counts[budget] = counts.get(budget, 0) + 1

@@ -15,7 +15,7 @@ import torch
 from ..sampling import SamplingParams
 from ..speculative.budget import AcceptanceCalibration
 from ..speculative.config import RoundShape
-from ..speculative.decode import Emitter, GenerationResult, OnTokens
+from ..speculative.decode import Emitter, GenerationResult
 from ..speculative.host_rounds import HostRounds
 
 WAITING, PREFILL, RUNNING, DONE = "waiting", "prefill", "running", "done"
@@ -49,10 +49,6 @@ class Sequence:
     @property
     def done(self) -> bool:
         return self.state == DONE
-
-    @property
-    def on_tokens(self) -> OnTokens | None:
-        return self.emit.on_tokens
 
     def cancel(self) -> None:
         """End the request at the next round boundary (finish_reason "abort"); its blocks go back then."""
