@@ -143,7 +143,7 @@ def timed_prefill(target: Target, ids: torch.Tensor, chunk: int) -> tuple[float,
 
 def prefill_rows(name: str, target: Target, prompts: Sequence[int], chunk: int, reps: int, peak: float | None,
                  routes: float, gen: torch.Generator, layers_scale: float, emit: Callable[[dict], None],
-                 log: Callable[[str], None]) -> None:
+                 log: Callable[[str], None], profile: bool = False) -> None:
     """Prefill rows of one model (see the module docstring); each row handed to ``emit`` as it is measured. ``peak``:
     the bf16 matmul rate (None on the CPU: no ratio)."""
     vocab = target.cfg.vocab_size
@@ -164,6 +164,8 @@ def prefill_rows(name: str, target: Target, prompts: Sequence[int], chunk: int, 
                "x_matmul_peak": None if peak is None else total / pre / peak, **runs[0][2]}
         if layers_scale != 1.0:
             row.update(projected_61_layers_prefill_s=pre * layers_scale, projected_61_layers_ttft_s=ttft * layers_scale)
+        if profile and target.device.type == "cuda":
+            row["profile"] = common.kernel_profile(lambda: timed_prefill(target, ids, chunk), reps=1, top=25)
         emit(row)
         ratio = "" if peak is None else f" ({total / pre / peak:.2f} of the matmul peak)"
         log(f"{name} prefill {T}: {pre * 1e3:.1f} ms, {T / pre:.0f} tok/s, {total / pre / 1e12:.1f} TFLOP/s{ratio}, "
@@ -330,7 +332,7 @@ def run(args: argparse.Namespace, dev: torch.device, save: Callable[[dict], None
         log(f"K2 one rank: {info['layers']} layers, {info['weight_bytes'] / 1e9:.1f} GB")
         if "prefill" in args.parts:
             prefill_rows("k2-rank", target, args.prompts, rep["chunk"], args.reps, peak, info["routes_per_token"], cpu_gen, scale,
-                         emit("prefill"), log)
+                         emit("prefill"), log, profile=args.profile)
         if "steps" in args.parts:
             step_rows(target, args.contexts, args.nodes, args.reps, rep["copy_Bps"], gen, scale, emit("steps"), log)
         del target
@@ -340,7 +342,7 @@ def run(args: argparse.Namespace, dev: torch.device, save: Callable[[dict], None
         llm = LLM(device=dev.type, progress=False, warm_up=False, threads=1 if not cuda else None)
         prompts = [T for T in args.demo_prompt_sizes if T + 64 <= llm.target.pool().free_tokens]
         prefill_rows("demo", llm.target, prompts, rep["chunk"], args.reps, peak, llm.target.cfg.num_experts_per_tok, cpu_gen, 1.0,
-                     emit("prefill"), log)
+                     emit("prefill"), log, profile=args.profile)
         del llm
     if "demo" in args.parts:
         demo_ttft(args, dev, lambda key, value: (rep.__setitem__(key, value), save(rep)), log)
@@ -368,6 +370,11 @@ def markdown(rep: dict, label: str) -> list[str]:
                                [[r["model"], r["prompt_tokens"], r["prefill_chunks"], r["prefill_s"] * 1e3,
                                  r["tokens_per_s"], r["tflops"], r["x_matmul_peak"], r["ttft_s"] * 1e3,
                                  r.get("projected_61_layers_ttft_s")] for r in rep["prefill"]])
+    for r in rep["prefill"]:
+        if r.get("profile"):
+            out += ["", f"Kernels of one prefill, {r['model']}, {r['prompt_tokens']} tokens (device us, torch.profiler):", ""]
+            out += common.md_table(["kernel", "calls", "us"], [[k["name"][:90], k["calls"], k["us"]]
+                                                              for k in r["profile"]["kernels"]])
     if rep["steps"]:
         out += ["", "Steps over a cache of random latents (committed length set directly), each replayed from a CUDA "
                     "graph on CUDA:", ""]
@@ -416,6 +423,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--demo-lengths", type=ints, default=None, help="their length range lo,hi (default 16,512)")
     ap.add_argument("--warmup-chunk", type=int, default=None, help="the demo warm-up's chunk (default the engine's)")
     ap.add_argument("--chunk", type=int, default=None, help="prefill chunk (default the engine's; --tiny 64)")
+    ap.add_argument("--profile", action="store_true", help="prefill: also list the kernels of one prefill per prompt (CUDA)")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
     small = a.tiny or a.quick
