@@ -76,7 +76,8 @@ tests_rounds() {  # device-resident and graph rounds, the speculative GPU tests,
 }
 tests_kernels() {  # the layer kernels: W4A16 / MoE (Triton and fragment), attention, GEMM, router, tails
   pytest_step pytest-kernels-w4 300 tests/gpu/test_kernels_gpu.py tests/gpu/test_w4_frag_gpu.py
-  pytest_step pytest-kernels-layers 270 tests/gpu/test_mla_attention_gpu.py tests/gpu/test_batch_invariance_gpu.py \
+  pytest_step pytest-kernels-layers 270 tests/gpu/test_mla_attention_gpu.py tests/gpu/test_prefill_attention_gpu.py \
+    tests/gpu/test_batch_invariance_gpu.py \
     tests/gpu/test_router_gemm_gpu.py tests/gpu/test_fused_tails_gpu.py tests/gpu/test_formats_gpu.py \
     tests/gpu/test_ordered_sum_gpu.py
 }
@@ -94,7 +95,8 @@ kernel_moe() {
   step bench-w4-frag-moe 180 python3 bench/w4_frag.py --no-dense --out "$RES"
 }
 kernel_mla() {
-  pytest_step pytest-mla 330 tests/gpu/test_mla_attention_gpu.py tests/gpu/test_draft_attention_gpu.py
+  pytest_step pytest-mla 330 tests/gpu/test_mla_attention_gpu.py tests/gpu/test_prefill_attention_gpu.py \
+    tests/gpu/test_draft_attention_gpu.py
   step bench-mla-attention 150 python3 bench/mla_attention.py --out "$RES"
   step bench-mla-merge 60 python3 bench/mla_merge.py --out "$RES"
 }

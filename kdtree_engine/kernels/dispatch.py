@@ -478,6 +478,27 @@ def attn_backend(policy: KernelPolicy, device: torch.device) -> str:
     return _invariant_backend(policy, "MLA attention", policy.attn, device)
 
 
+def prefill_attention_backend(policy: KernelPolicy, q: torch.Tensor) -> str:
+    """The naive-form prefill attention of queries q: Triton on CUDA whatever the batch invariance (the kernel is both
+    invariant and the fastest), torch on the CPU, when forced (KDTREE_ATTN_BACKEND) or under autograd (no backward)."""
+    backend = _backend("MLA prefill attention", policy.attn, q.device)
+    return "torch" if backend == "triton" and training(q) else backend
+
+
+def naive_prefill_attention(policy: KernelPolicy, q_nope: torch.Tensor, q_pe: torch.Tensor,
+                            latents: Callable[[int, int], torch.Tensor], expand: Callable[[torch.Tensor], torch.Tensor],
+                            start: int, scale: float, kv_lora_rank: int, v_head_dim: int,
+                            key_block: int) -> torch.Tensor:
+    """Causal naive-form attention of a prompt chunk (queries at start..start+T-1) over keys 0..start+T-1 ->
+    [T, N, V]: kernels/prefill_attention.py, or model/prefill.py's key-blocked torch path (``key_block`` keys a
+    step)."""
+    if prefill_attention_backend(policy, q_nope) == "triton":
+        return triton_kernels().prefill_attention.naive_prefill(q_nope, q_pe, latents, expand, start, scale,
+                                                                kv_lora_rank, v_head_dim)
+    from ..model.prefill import naive_chunk   # the torch path lives beside the chunk plan
+    return naive_chunk(q_nope, q_pe, latents, start, scale, kv_lora_rank, expand, key_block)
+
+
 def mla_attention(policy: KernelPolicy, q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor,
                   table: torch.Tensor, start: int, tree_mask: torch.Tensor | None, scale: float,
                   kv_lora_rank: int) -> torch.Tensor:

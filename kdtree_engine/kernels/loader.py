@@ -37,6 +37,7 @@ class TritonKernels:
     moe_grouped: ModuleType
     moe_w4a16: ModuleType
     pdl: ModuleType
+    prefill_attention: ModuleType
     rmsnorm: ModuleType
     rope: ModuleType
     router: ModuleType
@@ -63,11 +64,11 @@ def triton_kernels() -> TritonKernels:
         raise TritonMissing("triton is not installed, and the Triton kernels chosen for this run need it (CUDA, or "
                             f"a KDTREE_*_BACKEND=triton): {INSTALL_HINT}") from e
     from . import (accept_walk, draft_attention, gemm, head_norm_rope, mla_attention, moe_frag, moe_grouped, moe_w4a16,
-                   pdl, rmsnorm, rope, router, router_gemm, row_select, split_sum, swiglu, tree_ops, w4_frag, w4a16,
+                   pdl, prefill_attention, rmsnorm, rope, router, router_gemm, row_select, split_sum, swiglu, tree_ops, w4_frag, w4a16,
                    w8a16)
     return TritonKernels(accept_walk=accept_walk, draft_attention=draft_attention, gemm=gemm,
                          head_norm_rope=head_norm_rope, mla_attention=mla_attention, moe_frag=moe_frag, moe_grouped=moe_grouped,
-                         moe_w4a16=moe_w4a16, pdl=pdl, rmsnorm=rmsnorm, rope=rope, router=router,
+                         moe_w4a16=moe_w4a16, pdl=pdl, prefill_attention=prefill_attention, rmsnorm=rmsnorm, rope=rope, router=router,
                          router_gemm=router_gemm, row_select=row_select, split_sum=split_sum, swiglu=swiglu,
                          tree_ops=tree_ops, w4_frag=w4_frag, w4a16=w4a16, w8a16=w8a16)
 

@@ -15,10 +15,11 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from ..kernels.dispatch import head_matmul, latent_write, mla_attention, mla_attention_static, rope_heads
+from ..kernels.dispatch import (head_matmul, latent_write, mla_attention, mla_attention_static, naive_prefill_attention,
+                                prefill_attention_backend, rope_heads)
 from ..kernels.paged import gather_slots
 from .context import BatchContext, StepContext
-from .prefill import absorbed_chunk, naive_chunk
+from .prefill import KEY_BLOCK, absorbed_chunk
 from ..kernels.policy import KernelPolicy, policy_or_env
 from .layers import GroupOf, Linear, RMSNorm, dense_only, stacked_linear, stacked_weights
 
@@ -88,7 +89,7 @@ class MLA(nn.Module):
             return self._chunk(q_nope, q_pe, kv_cache, ctx)
         if ctx.prompt:
             new = gather_slots(kv_cache, ctx.table, q_nope.shape[0])
-            return self._naive(q_nope, q_pe, new[:, :C], new[:, C:])
+            return self._naive(q_nope, q_pe, new)
         w_uk, w_uv = self.absorbed_weights()
         q_lat = head_matmul(self.policy, q_nope, w_uk.transpose(1, 2))  # [T, N, P] x [N, C, P] -> [T, N, C]
         o_lat = self._attend(q_lat, q_pe, kv_cache, ctx)  # [T, N, C]
@@ -103,7 +104,8 @@ class MLA(nn.Module):
         def latents(s0: int, s1: int) -> torch.Tensor:
             return gather_slots(kv_cache, ctx.table, s1, s0)  # [s1-s0, C+R]
         if step.form == "naive":
-            return naive_chunk(q_nope, q_pe, latents, ctx.start, self.scale, C, self.kv_b_proj, step.key_block)
+            return naive_prefill_attention(self.policy, q_nope, q_pe, latents, self.kv_b_proj, ctx.start, self.scale, C,
+                                           self.cfg.v_head_dim, step.key_block)
         w_uk, w_uv = self.absorbed_weights()
         q_lat = head_matmul(self.policy, q_nope, w_uk.transpose(1, 2))  # [T, N, C]
         o_lat = absorbed_chunk(q_lat, q_pe, latents, ctx.start, self.scale, C, step.key_block)
@@ -138,8 +140,14 @@ class MLA(nn.Module):
         latent_write(self.policy, kva, norm.weight, norm.eps, ctx.cos, ctx.sin, kv_cache.flatten(0, 1), ctx.rows)
         return q[..., :P], rope_heads(self.policy, q, P, ctx.cos, ctx.sin)
 
-    def _naive(self, q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
+    def _naive(self, q_nope: torch.Tensor, q_pe: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        """A whole prompt at once (positions 0..T-1; new [T, C+R] its latents): the Triton prefill kernel on CUDA,
+        else the one-shot [N, T, T] form."""
         cfg = self.cfg
+        if prefill_attention_backend(self.policy, q_nope) == "triton":
+            return naive_prefill_attention(self.policy, q_nope, q_pe, lambda s0, s1: new[s0:s1], self.kv_b_proj, 0,
+                                           self.scale, cfg.kv_lora_rank, cfg.v_head_dim, KEY_BLOCK)
+        c_kv, k_pe = new[:, :cfg.kv_lora_rank], new[:, cfg.kv_lora_rank:]
         T, N, P = q_nope.shape
         kv = self.kv_b_proj(c_kv).view(T, N, P + cfg.v_head_dim)
         k_nope, v = kv[..., :P], kv[..., P:]  # [T, N, P], [T, N, V]
