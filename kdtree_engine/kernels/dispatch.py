@@ -119,6 +119,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..fp8 import Fp8Block
 from ..logs import log, log_once
+from ..model.prefill import naive_chunk
 from ..model.int4_order import CHECKPOINT, FRAG, checkpoint_int4, int4_words, order_of, set_order
 from ..quant import dequantize
 from ..speculative.tree import DraftTree, build_tree
@@ -495,7 +496,6 @@ def naive_prefill_attention(policy: KernelPolicy, q_nope: torch.Tensor, q_pe: to
     if prefill_attention_backend(policy, q_nope) == "triton":
         return triton_kernels().prefill_attention.naive_prefill(q_nope, q_pe, latents, expand, start, scale,
                                                                 kv_lora_rank, v_head_dim)
-    from ..model.prefill import naive_chunk   # the torch path lives beside the chunk plan
     return naive_chunk(q_nope, q_pe, latents, start, scale, kv_lora_rank, expand, key_block)
 
 
