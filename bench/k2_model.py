@@ -113,6 +113,10 @@ class CountingCommunicator(LocalCommunicator):
         self.calls.append(("all_reduce", x.numel() * x.element_size()))
         return super().all_reduce(x)
 
+    def all_to_all(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.append(("all_to_all", x.numel() * x.element_size()))
+        return super().all_to_all(x)
+
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         self.calls.append(("broadcast", x.numel() * x.element_size()))
         return super().broadcast(x, src)
@@ -129,7 +133,7 @@ class Links:
     def us(self, kind: str, nbytes_: int) -> float:
         W = self.world
         wire = {"all_gather": (W - 1) * nbytes_, "all_reduce": 2 * (W - 1) / W * nbytes_,
-                "broadcast": nbytes_}[kind]
+                "all_to_all": (W - 1) / W * nbytes_, "broadcast": nbytes_}[kind]
         return self.latency_us + wire / (self.GBps * 1e9) * 1e6
 
     def round_us(self, calls: Sequence[tuple[str, int]]) -> float:

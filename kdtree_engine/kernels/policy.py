@@ -10,7 +10,7 @@ from ..env import BACKENDS, INT4_BACKENDS, read_env
 from ..logs import log_once
 
 SHARED_PLACEMENTS = ("before", "after", "side", "router-side")
-TP_SUMS = ("gather", "all_reduce")
+TP_SUMS = ("gather", "scatter", "all_reduce")
 
 
 @dataclass(frozen=True)
@@ -21,7 +21,9 @@ class KernelPolicy:
     shared_placement: a forced CUDA placement of the MoE's shared expert, for tests that compare the
     placements (None, the product's only value: by its weight bytes and the tokens).
     tp_sum: the cross-rank sum of a tensor-parallel model (parallel/comm.py tp_sum): "gather" (all-gather, then
-    a rank-order sum: batch-invariant) or "all_reduce"; None: gather with batch invariance on, else all_reduce."""
+    a rank-order sum: batch-invariant; large messages in the scattered form), "scatter" (always all-to-all, rank-order
+    sum of a slice, all-gather: the same bits) or "all_reduce"; None: gather with batch invariance on, else
+    all_reduce."""
 
     batch_invariant: bool = True
     int4: str | None = None

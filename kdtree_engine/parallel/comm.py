@@ -36,6 +36,10 @@ class Communicator:
         """The sum of every rank's ``x`` (the backend's order)."""
         raise NotImplementedError
 
+    def all_to_all(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, ...]: slice j goes to rank j; returns [N, ...] whose slice j is rank j's slice ``rank``."""
+        raise NotImplementedError
+
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Rank ``src``'s ``x`` on every rank (in place on the others)."""
         raise NotImplementedError
@@ -59,6 +63,9 @@ class LocalCommunicator(Communicator):
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         return x
+
+    def all_to_all(self, x: torch.Tensor) -> torch.Tensor:
+        return x[self.rank].unsqueeze(0).expand(self.world_size, *x.shape[1:]).contiguous()
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         return x
@@ -91,6 +98,12 @@ class DistCommunicator(Communicator):
         dist.all_reduce(x, group=self.group)
         return x
 
+    def all_to_all(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        dist.all_to_all_single(out, x, group=self.group)
+        return out
+
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         dist.broadcast(x, src=src, group=self.group)
         return x
@@ -112,16 +125,49 @@ def tp_sum_kind(policy: KernelPolicy) -> str:
     return "gather" if policy.batch_invariant else "all_reduce"
 
 
+# What a link moves in one collective's latency (about 8 us at 350 GB/s: published NVLink figures). The scattered
+# rank-order sum costs one collective more than the gathered one and saves (N-1)(1-2/N) of the message per rank.
+LATENCY_BYTES = 2_800_000
+
+
+def scatter_pays(world: int, nbytes: int) -> bool:
+    """Whether the scattered rank-order sum moves enough fewer bytes than the gathered one to pay its extra
+    collective (never at 2 ranks: both move one message)."""
+    return world > 2 and nbytes * (world - 1) * (1 - 2 / world) > LATENCY_BYTES
+
+
 def tp_sum(policy: KernelPolicy, comm: Communicator, x: torch.Tensor) -> torch.Tensor:
-    """The sum over ranks of the partials ``x`` [..., H] (x itself at world size 1: no collective)."""
+    """The sum over ranks of the partials ``x`` [..., H] (x itself at world size 1: no collective). "gather" and
+    "scatter" give the same bits (each element added in rank order in float32, rounded once); "gather" takes the
+    scattered form where it moves fewer bytes (:func:`scatter_pays`)."""
     if comm.world_size == 1:
         return x
     kind = tp_sum_kind(policy)
-    log_once(f"tp-sum:{kind}:{comm.world_size}", f"cross-rank sums over {comm.world_size} ranks: {kind}")
+    if kind == "gather" and scatter_pays(comm.world_size, x.numel() * x.element_size()):
+        kind = "scatter"
+    log_once(f"tp-sum:{kind}:{comm.world_size}", f"cross-rank sums over {comm.world_size} ranks: {kind}"
+             + (" (large messages; the same bits as gather)" if kind == "scatter" and policy.tp_sum is None else ""))
     if kind == "all_reduce":
         return comm.all_reduce(x)
+    if kind == "scatter":
+        return scattered_rank_order_sum(policy, comm, x)
     # gathered in x's dtype (half the bytes of float32 for bf16) and added in float32: exact either way
     return ordered_sum(policy, comm.all_gather(x), x.dtype)
+
+
+def scattered_rank_order_sum(policy: KernelPolicy, comm: Communicator, x: torch.Tensor) -> torch.Tensor:
+    """The rank-order sum of ``x`` [..., H] as reduce-scatter + all-gather: the rows cut into N slices (padded),
+    slice r of every rank sent to rank r (all-to-all), summed there in rank order, and the sums gathered. Each
+    element is the same float32 rank-order sum as the gathered form's; a rank moves 2(N-1)/N of the message
+    instead of N-1 times it."""
+    N, H = comm.world_size, x.shape[-1]
+    rows = x.reshape(-1, H)
+    T = rows.shape[0]
+    per = -(-T // N)
+    if per * N != T:
+        rows = torch.cat([rows, rows.new_zeros(per * N - T, H)])
+    mine = ordered_sum(policy, comm.all_to_all(rows.view(N, per, H)), x.dtype)   # [per, H]: slice `rank`, summed
+    return comm.all_gather(mine).reshape(N * per, H)[:T].reshape(x.shape)
 
 
 def rank_order_sum(comm: Communicator, x: torch.Tensor) -> torch.Tensor:

@@ -68,9 +68,10 @@ def test_tp2_sampling_draws_tp1_tokens_and_the_rule_distribution(one, two) -> No
     assert two[0]["draws"] == two[1]["draws"]
 
 
-def test_tp4_greedy_equals_tp1_with_all_reduce_sums() -> None:
+@pytest.mark.parametrize("kind", ["all_reduce", "scatter"])
+def test_tp4_greedy_equals_tp1_with_other_sums(kind: str) -> None:
     want = run(SINGLE, Case(SEED + 1, full=False))["dense"]
-    case = Case(SEED + 1, full=False, tp_sum="all_reduce")
+    case = Case(SEED + 1, full=False, tp_sum=kind)
     assert [r["dense"] for r in run_ranks(4, run, case)] == [want] * 4, f"seed={SEED + 1}"
 
 
@@ -92,3 +93,30 @@ def test_tp2_ties_go_to_the_lowest_id_on_every_rank(one, two) -> None:
     assert ids == [[5, 130, 200, 0], [128, 255, 0, 1]]
     want = torch.log_softmax(torch.tensor([[3.0, 3.0, 3.0, 0.0] + [0.0] * 252, [1.0, 1.0] + [0.0] * 254]), -1)
     torch.testing.assert_close(torch.tensor(lp), want[:, :4], rtol=1e-6, atol=1e-6)
+
+
+def _sums(comm, seed: int, rows: int) -> dict:
+    g = torch.Generator().manual_seed(seed * 10 + comm.rank)
+    x = (torch.randn(rows, 24, generator=g) * 3).to(torch.bfloat16)
+    return {kind: tp_sum(KernelPolicy(tp_sum=kind), comm, x) for kind in ("gather", "scatter")}
+
+
+@pytest.mark.parametrize("world,rows", [(2, 7), (3, 10), (4, 1)])
+def test_scattered_rank_order_sum_has_the_gathered_sums_bits(world: int, rows: int) -> None:
+    """The scattered form (all-to-all, rank-order sum of a slice, all-gather; rows not divisible by the ranks padded)
+    gives bit for bit the gathered form's sums on every rank, and they are the rank-order float32 sums."""
+    out = run_ranks(world, _sums, SEED, rows)
+    want = torch.zeros(rows, 24)
+    for r in range(world):
+        want += (torch.randn(rows, 24, generator=torch.Generator().manual_seed(SEED * 10 + r)) * 3).to(torch.bfloat16).float()
+    for o in out:
+        assert torch.equal(o["scatter"], o["gather"]), f"seed={SEED}"
+        assert torch.equal(o["gather"], want.to(torch.bfloat16)), f"seed={SEED}"
+
+
+def test_scatter_pays_only_for_large_messages_beyond_two_ranks() -> None:
+    from kdtree_engine.parallel.comm import scatter_pays
+    row = 7168 * 2
+    assert not scatter_pays(2, 4096 * row)   # two ranks: both forms move one message
+    assert not scatter_pays(8, 1 * row) and not scatter_pays(8, 16 * row)
+    assert scatter_pays(8, 4096 * row)
