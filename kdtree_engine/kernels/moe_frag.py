@@ -91,14 +91,12 @@ def moe_plan(rows: int, K: int, gpb: int, sms: int, top_k: int, per_sm: int | No
 
 # (max pairs per expert = cdiv(T * top_k, E), config); first match wins; all share the reduction (partitions,
 # GPB): only BLOCK_M differs (a re-tiling). 8-row blocks up to 8 pairs per expert, 16-row blocks up to 16 (one
-# block per expert either way; a 32-column wgmma doubles the MMA work), 32-row wgmma blocks up to 32 (measured on
-# the K2 layer: docs/performance_history.md), 64-row ones beyond (prefill chunks: each weight tile read once for
-# twice the tokens).
+# block per expert either way; a 32-column wgmma doubles the MMA work), 32-row wgmma blocks beyond (measured on
+# the K2 layer; 64-row blocks for prefill chunks measured 2.4x slower: docs/performance_history.md).
 FRAG_MOE_CONFIGS: list[tuple[int, FragMoEConfig]] = [
     (8, FragMoEConfig(BLOCK_M=8)),
     (16, FragMoEConfig(BLOCK_M=16)),
-    (32, FragMoEConfig(BLOCK_M=32)),
-    (1 << 62, FragMoEConfig(BLOCK_M=64)),
+    (1 << 62, FragMoEConfig(BLOCK_M=32)),
 ]
 # Launches of up to this many (token, expert) pairs do the SwiGLU and the top-k sum in the GEMMs' last programs
 # (_moe_frag_kernel FUSE) instead of their own launches: it saves two launches for one token, but in launches of
