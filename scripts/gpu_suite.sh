@@ -147,11 +147,9 @@ batch() {  # continuous batching (the batching issue): bit for bit against solo 
 long() {  # the long-context issue's measurements, one record per step (each written after every measured row)
   step bench-long-steps 130 python3 bench/long_context.py --parts steps --label steps --out "$RES"
   step bench-long-prefill 170 python3 bench/long_context.py --parts prefill --prompts 1024,8192,32768 \
-    --demo-prompt-sizes 1024,8192,32768,131072 --label prefill --out "$RES"
-  # part of the layers, projected to all of them in the record: the torch key-block attention of the longest
-  # prompt over every layer would pass the cap (docs/long_context.md)
+    --demo-prompt-sizes 1024,8192,32768,131072 --profile --label prefill --out "$RES"
   step bench-long-ttft 190 python3 bench/long_context.py --parts prefill --prompts 131072 --no-demo-prefill \
-    --layers 30 --label ttft-128k --out "$RES"
+    --label ttft-128k --out "$RES"
   step bench-long-demo 80 python3 bench/long_context.py --parts demo --label demo --out "$RES"
 }
 
