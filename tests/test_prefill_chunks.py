@@ -154,3 +154,17 @@ def test_prompt_past_the_context_is_refused_before_any_forward(monkeypatch, caps
     assert main(["generate", "--model", str(tmp_path / "m"), "--prompt-ids", ",".join(["3"] * 40)]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line and not line.startswith("loading weights")]
     assert err == ["kdtree: error: prompt has 40 tokens; max_position_embeddings is 32"], err
+
+
+def test_cost_model_with_the_prefill_kernel_prefers_the_naive_form() -> None:
+    """With the naive form on the prefill kernel (no scores in memory, tensor cores) and the absorbed form on float32
+    torch products, a chunk takes the naive form down to a handful of tokens; one token over a long prefix still
+    takes the absorbed one (the expansion of every key costs more than its float32 scores)."""
+    k2, cuda = preset("k2"), torch.device("cuda")
+    N = k2.num_attention_heads // 8
+    assert choose_form(k2, N, 16, 60000, 2, cuda) == "absorbed"
+    assert choose_form(k2, N, 16, 60000, 2, cuda, kernel=True) == "naive"
+    assert choose_form(k2, N, 1, 60000, 2, cuda, kernel=True) == "absorbed"
+    plain, fused = form_costs(k2, N, 4096, 28672, 2), form_costs(k2, N, 4096, 28672, 2, kernel=True)
+    assert fused["naive"].bytes == plain["naive"].bytes - 2 * 4 * N * 4096 * (28672 + 4096)
+    assert fused["absorbed"].flops == 15.0 * plain["absorbed"].flops

@@ -30,6 +30,7 @@ import torch
 
 from ..cache import blocks_for
 from ..errors import PromptError, SpecError
+from ..kernels.dispatch import prefill_kernel_on
 from ..logs import log_once
 from ..model.prefill import ChunkStep, choose_form, plan_chunks, resolve_chunk
 from ..model.target import BatchPart, Target, TargetOutput
@@ -282,7 +283,9 @@ class Scheduler:
             seq.chunks = [(0, S, None)]
         else:
             N = target.layers[0].self_attn.n_heads
-            seq.chunks = [(a, b, ChunkStep(choose_form(target.cfg, N, b - a, a, target.dtype.itemsize, target.device)))
+            kernel = prefill_kernel_on(target.policy, target.device)
+            seq.chunks = [(a, b, ChunkStep(choose_form(target.cfg, N, b - a, a, target.dtype.itemsize, target.device,
+                                                       kernel=kernel)))
                           for a, b in plan_chunks(S, self.chunk)]
         seq.stats.update(prefill_chunks=len(seq.chunks), prefill_chunk=self.chunk)
         seq.state = PREFILL

@@ -479,11 +479,15 @@ def attn_backend(policy: KernelPolicy, device: torch.device) -> str:
     return _invariant_backend(policy, "MLA attention", policy.attn, device)
 
 
+def prefill_kernel_on(policy: KernelPolicy, device: torch.device) -> bool:
+    """Whether the naive-form prefill attention runs on its Triton kernel there: on CUDA whatever the batch invariance
+    (the kernel is both invariant and the fastest); torch on the CPU or when forced (KDTREE_ATTN_BACKEND)."""
+    return _backend("MLA prefill attention", policy.attn, device) == "triton"
+
+
 def prefill_attention_backend(policy: KernelPolicy, q: torch.Tensor) -> str:
-    """The naive-form prefill attention of queries q: Triton on CUDA whatever the batch invariance (the kernel is both
-    invariant and the fastest), torch on the CPU, when forced (KDTREE_ATTN_BACKEND) or under autograd (no backward)."""
-    backend = _backend("MLA prefill attention", policy.attn, q.device)
-    return "torch" if backend == "triton" and training(q) else backend
+    """The naive-form prefill attention of queries q: :func:`prefill_kernel_on`, torch under autograd (no backward)."""
+    return "triton" if prefill_kernel_on(policy, q.device) and not training(q) else "torch"
 
 
 def naive_prefill_attention(policy: KernelPolicy, q_nope: torch.Tensor, q_pe: torch.Tensor,

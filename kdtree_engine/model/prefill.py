@@ -27,6 +27,10 @@ FORMS = ("auto", "naive", "absorbed")
 # Machine balance (FLOPs per byte moved) that weighs the two terms of the cost: the bf16 tensor-core rate
 # over the HBM bandwidth of a datacenter GPU, and a vector-FMA rate over DRAM bandwidth of a server CPU.
 FLOPS_PER_BYTE = {"cuda": 200.0, "cpu": 20.0}
+# With the naive form on the prefill kernel (kernels/prefill_attention.py: tensor cores, scores in registers), the
+# absorbed form is the only one left on float32 torch products: on CUDA cores each of its FLOPs costs about the
+# bf16 tensor-core rate over the float32 CUDA-core rate of a datacenter GPU.
+FP32_FLOP_COST = 15.0
 
 
 @dataclass(frozen=True)
@@ -78,7 +82,8 @@ def plan_chunks(T: int, chunk: int) -> list[tuple[int, int]]:
     return [(a, min(a + chunk, T)) for a in range(0, T, chunk)]
 
 
-def form_costs(cfg: ModelConfig, n_heads: int, T: int, S: int, dtype_bytes: int) -> dict[str, FormCost]:
+def form_costs(cfg: ModelConfig, n_heads: int, T: int, S: int, dtype_bytes: int,
+               kernel: bool = False) -> dict[str, FormCost]:
     """Estimated FLOPs and bytes of one chunk's attention in each form (K = S + T keys, b = dtype bytes;
     scores are float32 and written then read once):
 
@@ -88,29 +93,32 @@ def form_costs(cfg: ModelConfig, n_heads: int, T: int, S: int, dtype_bytes: int)
                 bytes K*(C+R)*b + 2*4*N*T*K + 4*T*N*(2C+R) [latent queries and outputs]
 
     The expansion is linear in K and the absorbed score width is C+R instead of P+R: the naive form wins for
-    long chunks, the absorbed one for a few tokens over a long prefix."""
+    long chunks, the absorbed one for a few tokens over a long prefix. ``kernel``: the naive form runs on the prefill
+    kernel (no scores in memory) and the absorbed form's FLOPs are float32 ones (x FP32_FLOP_COST)."""
     N, P, R, V, C = n_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
     K = S + T
     scores = 2 * 4 * N * T * K
     latents = K * (C + R) * dtype_bytes
     naive = FormCost(flops=2 * K * C * N * (P + V) + 2 * T * K * N * (P + R) + 2 * T * K * N * V,
-                     bytes=latents + 2 * K * N * (P + V) * dtype_bytes + scores)
-    absorbed = FormCost(flops=2 * T * N * P * C + 2 * T * K * N * (C + R) + 2 * T * K * N * C + 2 * T * N * C * V,
+                     bytes=latents + 2 * K * N * (P + V) * dtype_bytes + (0 if kernel else scores))
+    absorbed = FormCost(flops=(2 * T * N * P * C + 2 * T * K * N * (C + R) + 2 * T * K * N * C + 2 * T * N * C * V)
+                        * (FP32_FLOP_COST if kernel else 1.0),
                         bytes=latents + scores + 4 * T * N * (2 * C + R))
     return {"naive": naive, "absorbed": absorbed}
 
 
 def choose_form(cfg: ModelConfig, n_heads: int, T: int, S: int, dtype_bytes: int, device: torch.device,
-                form: str = "auto") -> str:
+                form: str = "auto", kernel: bool = False) -> str:
     """The form of a chunk of T tokens over S committed ones: ``form`` when forced, else the cheaper by
-    :func:`form_costs` at the device's machine balance. Each distinct (form, T) decision is logged once."""
+    :func:`form_costs` at the device's machine balance (``kernel``: the naive form on the prefill kernel). Each
+    distinct (form, T) decision is logged once."""
     if form not in FORMS:
         raise ValueError(f"prefill form must be one of {', '.join(FORMS)}; got {form!r}")
     if form != "auto":
         log_once(f"prefill-form:forced:{form}", f"prefill chunks: {form} form (forced)")
         return form
     balance = FLOPS_PER_BYTE["cuda" if device.type == "cuda" else "cpu"]  # the message below names it
-    costs = form_costs(cfg, n_heads, T, S, dtype_bytes)
+    costs = form_costs(cfg, n_heads, T, S, dtype_bytes, kernel)
     chosen = min(costs, key=lambda f: (costs[f].time_units(balance), f))
     log_once(f"prefill-form:{chosen}:{T}", f"prefill chunk of {T} tokens over {S}: {chosen} form (cost in FLOP "
              + ", ".join(f"{f} {c.time_units(balance):.3g}" for f, c in costs.items()) + f"; {balance:g} FLOP/byte)")

@@ -19,7 +19,7 @@ from ..fp8 import Fp8Block
 from ..cache import CachePool, LatentCache
 from ..config import ModelConfig
 from ..kernels.common import take_rows
-from ..kernels.dispatch import attention_gather_index
+from ..kernels.dispatch import attention_gather_index, prefill_kernel_on
 from .context import BatchContext, StepContext, static_visibility
 from ..kernels.policy import KernelPolicy, policy_or_env
 from ..parallel.comm import SINGLE, Communicator, tp_sum
@@ -463,7 +463,7 @@ class Target(nn.Module):
             parts, auxes, estimate = [], [], 0
             plan = plan_chunks(T, size)
             for a, b in plan:
-                chosen = choose_form(cfg, N, b - a, cache.length, db, dev, form)
+                chosen = choose_form(cfg, N, b - a, cache.length, db, dev, form, prefill_kernel_on(self.policy, dev))
                 at = None if positions is None else positions[a:b].to(dev)
                 ctx = replace(self.context(cache, b - a, at), chunk=ChunkStep(chosen))
                 x, part_aux = self._layers(self.embed(ids[a:b]), ctx, cache, aux_layers)
