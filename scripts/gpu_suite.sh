@@ -18,9 +18,9 @@
 #                  64K context, their byte roofline and a round's kernels (bench/k2_model.py)
 #   batch          continuous batching: the bitwise batch-vs-solo GPU test, then throughput at 1 / 4 / 16 / 64
 #                  concurrent requests, plain vs DDTree with the load-aware budget, demo and K2 one rank (bench/batch.py)
-#   serving        the serving stage in one call: bit for bit (spec == plain, batch == solo, batch invariance) over
-#                  worker processes, the demo's TTFT after the warm-up, K2 decode / verify steps by context, the demo's
-#                  batching throughput
+#   serving        the serving stage in one call: bit for bit (spec == plain, batch == solo, batch invariance, the
+#                  prefill kernel and chunked prefill) over worker processes, the demo's TTFT after the warm-up, the
+#                  demo's batching throughput
 #   long           long context (bench/long_context.py): K2 one-rank decode / verify steps at 4K-256K against the
 #                  byte roofline, prefill tokens/s and TFLOP/s at 1K-32K (K2 and the demo), a 128K prompt's time to
 #                  first token (K2, 30 layers projected to 61), the demo's TTFT after its start-up warm-up
@@ -154,10 +154,10 @@ long() {  # the long-context issue's measurements, one record per step (each wri
 }
 
 serving() {  # the serving stage's GPU checks and the records its docs cite, one device call
-  pytest_step pytest-serving 250 -n "${GPU_TEST_WORKERS:-8}" tests/gpu/test_bitwise_gpu.py tests/gpu/test_batch_gpu.py \
-    tests/gpu/test_batch_invariance_gpu.py -k "not demo_logits_alone"
+  pytest_step pytest-serving 300 -n "${GPU_TEST_WORKERS:-8}" tests/gpu/test_bitwise_gpu.py tests/gpu/test_batch_gpu.py \
+    tests/gpu/test_batch_invariance_gpu.py tests/gpu/test_prefill_attention_gpu.py tests/gpu/test_long_context_gpu.py \
+    -k "not demo_logits_alone"
   step bench-long-demo 80 python3 bench/long_context.py --parts demo --label demo --out "$RES"
-  step bench-long-steps 130 python3 bench/long_context.py --parts steps --label steps --out "$RES"
   step bench-batch-demo 100 python3 bench/batch.py --model demo --out "$RES"
 }
 
