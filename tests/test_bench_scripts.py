@@ -264,3 +264,18 @@ def test_batch_bench_runs_on_the_cpu(tmp_path):
         assert r["method"] == "plain" or sum(r["budget_chosen"].values()) > 0
     check_run_metadata(data["meta"], shlex.join(["python3", "bench/batch.py", *args]),
                        (tmp_path / "batch-k2-tiny-cpu.md").read_text())
+
+
+def test_batch_graph_bench_runs_on_the_cpu(tmp_path):
+    """bench/batch_graph.py at its smallest: the k2-tiny one-rank build, two concurrencies, eager on the CPU."""
+    from bench import batch_graph
+    args = ["--model", "k2", "--tiny", "--device", "cpu", "--concurrency", "1,2", "--context", "16", "--reps", "1",
+            "--out", str(tmp_path)]
+    rep = batch_graph.main(args)
+    data = json.loads((tmp_path / "batch_graph-k2-tiny-cpu.json").read_text())
+    assert [(r["concurrency"], r["rows"]) for r in data["rows"]] == [(1, 1), (2, 2)]
+    for r in rep["rows"]:
+        assert finite(r["ms"]) and finite(r["tokens_per_s"]) and r["graph"] is False
+    assert finite(rep["rows"][1]["x_one_request"])
+    check_run_metadata(data["meta"], shlex.join(["python3", "bench/batch_graph.py", *args]),
+                       (tmp_path / "batch_graph-k2-tiny-cpu.md").read_text())
