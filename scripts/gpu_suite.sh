@@ -24,7 +24,8 @@
 #                  demo's batching throughput
 #   long           long context (bench/long_context.py): K2 one-rank decode / verify steps at 4K-256K against the
 #                  byte roofline, prefill tokens/s and TFLOP/s at 1K-32K (K2 and the demo), a 128K prompt's time to
-#                  first token (K2, 30 layers projected to 61), the demo's TTFT after its start-up warm-up
+#                  first token (K2, 61 layers), the demo's prompt forward from a graph per bucket (bench/prefill_graph.py),
+#                  the demo's TTFT after its start-up warm-up
 #
 # Every step runs under a cap (seconds); the caps of one suite (one part of `tests`) sum to at most 570 s, so a
 # suite fits one 10-minute device call. A capped pytest run gets SIGINT first, so it still writes its summary and
@@ -150,8 +151,9 @@ long() {  # the long-context issue's measurements, one record per step (each wri
   step bench-long-steps 130 python3 bench/long_context.py --parts steps --label steps --out "$RES"
   step bench-long-prefill 170 python3 bench/long_context.py --parts prefill --prompts 1024,8192,32768 \
     --demo-prompt-sizes 1024,8192,32768,131072 --profile --label prefill --out "$RES"
-  step bench-long-ttft 190 python3 bench/long_context.py --parts prefill --prompts 131072 --no-demo-prefill \
+  step bench-long-ttft 120 python3 bench/long_context.py --parts prefill --prompts 131072 --no-demo-prefill \
     --label ttft-128k --out "$RES"
+  step bench-prefill-graph 70 python3 bench/prefill_graph.py --out "$RES"
   step bench-long-demo 80 python3 bench/long_context.py --parts demo --label demo --out "$RES"
 }
 
