@@ -150,7 +150,7 @@ batch() {  # continuous batching (the batching issue): bit for bit against solo 
 long() {  # the long-context issue's measurements, one record per step (each written after every measured row)
   step bench-long-steps 130 python3 bench/long_context.py --parts steps --label steps --out "$RES"
   step bench-long-prefill 170 python3 bench/long_context.py --parts prefill --prompts 1024,8192,32768 \
-    --demo-prompt-sizes 1024,8192,32768,131072 --profile --label prefill --out "$RES"
+    --demo-prompt-sizes 1024,8192,32768 --profile --label prefill --out "$RES"
   step bench-long-ttft 120 python3 bench/long_context.py --parts prefill --prompts 131072 --no-demo-prefill \
     --label ttft-128k --out "$RES"
   step bench-prefill-graph 70 python3 bench/prefill_graph.py --out "$RES"
