@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..logs import log_once
+
 BLOCK_M = 128          # queries per program
 BLOCK_N = 64           # keys per step: the alignment of the key blocks (part of the reduction)
 NUM_WARPS = 8
@@ -135,6 +137,8 @@ def naive_prefill(q_nope: torch.Tensor, q_pe: torch.Tensor, latents: Callable[[i
     dev, end = q_nope.device, start + T
     out = torch.empty(T, N, V, device=dev, dtype=q_nope.dtype)
     step = key_range(N, P + V, q_nope.dtype)
+    log_once(f"prefill-key-range:{N}:{P + V}:{q_nope.dtype}", f"prefill attention: keys expanded {step} at a time "
+             f"({N} heads x {P + V} values; at most {EXPANDED_BYTES >> 20} MB of per-head K / V)")
     ranges = [(s0, min(s0 + step, end)) for s0 in range(0, end, step)]
     state = (torch.empty(0, device=dev),) * 3
     if len(ranges) > 1:
