@@ -74,7 +74,11 @@ class Scheduler:
         self.forwards = 0
         self.rows_run = 0
         self._cost = None  # the verify cost curve of load-aware budgets, measured on first use
+        self._plan_s: tuple[float, int] | None = None  # this step's tree planning: (host seconds, requests planned)
         self.draft_s = RunningMean(0.1)  # seconds of one request's draft pass, measured each step that drafts
+        # host seconds a load-aware request's tree adds to a step: its top-k, expected gains and tree, and the walk
+        # of its verified tree (host-driven rounds: on a slow host these outgrow the draft pass)
+        self.tree_host_s = RunningMean(0.1)
         # observed / curve seconds of the batch's forwards: the curve is one request's, a batch launches more
         self.forward_scale = RunningMean(0.1, prior=1.0, prior_weight=1)
         log_once(f"batch:{token_budget}", f"continuous batching: up to {token_budget} rows per forward, prompts in "
@@ -155,8 +159,13 @@ class Scheduler:
                                               SCALE_MIN), SCALE_MAX))
         self.forwards += 1
         self.rows_run += rows
+        walk_s, walks = 0.0, 0
         for seq, plan, out in zip(running, plans, outs):
+            tree_walk = seq.shape.auto and plan.tree is not None and plan.tree.num_nodes > 1
+            t_walk = time.perf_counter()
             seq.rounds.absorb(plan, out)
+            if tree_walk:
+                walk_s, walks = walk_s + time.perf_counter() - t_walk, walks + 1
             if seq.calibration is not None and plan.tree is not None and plan.tree.num_nodes > 1:
                 seq.calibration.update(seq.rounds.stats.accepted_lens[-1] - 1, seq.predicted)
             if seq.emit.push(seq.rounds.collect()):
@@ -165,6 +174,10 @@ class Scheduler:
             self._prefilled(seq, out, aux)
             if seq.done:
                 ended.append(seq)
+        if self._plan_s is not None:
+            plan_s, planned = self._plan_s
+            self.tree_host_s.update(plan_s / planned + (walk_s / walks if walks else 0.0))
+            self._plan_s = None
         return ended
 
     def _aux_layers(self, running: list[Sequence], prefilling: list[Sequence]) -> tuple[int, ...]:
@@ -221,8 +234,10 @@ class Scheduler:
         return out
 
     def _plan_auto(self, auto: list[tuple[Sequence, torch.Tensor | None]], fixed_rows: int) -> dict[int, RoundPlan]:
-        """Trees for the load-aware requests: budgets from their expected acceptance and the batch's verify cost."""
+        """Trees for the load-aware requests: budgets from their expected acceptance and the batch's verify cost; each
+        request given a tree is charged its draft pass and the host time a tree adds (:attr:`tree_host_s`)."""
         target = self.target
+        t0 = time.perf_counter()
         tops, expected = [], []
         for seq, draft_logits in auto:
             mb = seq.shape.budget
@@ -234,9 +249,11 @@ class Scheduler:
             tops.append((lp, ids))
             expected.append(expected_accepted_by_budget(lp, mb))
         calibrated = [e * seq.calibration.factor for (seq, _), e in zip(auto, expected)]
+        t_curve = time.perf_counter()
         cost, scale = self._verify_cost(), self.forward_scale.value
+        t0 += time.perf_counter() - t_curve   # measuring the curve (first use) is not a tree's host time
         budgets = allocate_budgets(calibrated, fixed_rows, lambda rows: scale * cost(rows), fixed_tokens=fixed_rows,
-                                   draft_s=self.draft_s.value)
+                                   draft_s=self.draft_s.value + self.tree_host_s.value)
         out = {}
         for (seq, draft_logits), top, b, e in zip(auto, tops, budgets, expected):
             r = seq.rounds
@@ -247,6 +264,9 @@ class Scheduler:
             seq.predicted = float(e[b - 1]) if b > 0 else 0.0   # the drafter's own estimate: what calibration learns
             chose(seq, b)
             out[seq.id] = r.plan_tree(draft_logits, tree)
+        planned = sum(top is not None for top in tops)
+        if planned:
+            self._plan_s = (time.perf_counter() - t0, planned)
         return out
 
     def _verify_cost(self):

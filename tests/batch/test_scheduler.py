@@ -146,6 +146,26 @@ def test_load_aware_budget_is_lossless_greedy():
     for p, s in zip(prompts, seqs):
         assert s.result.token_ids == generate(target, p, params).token_ids
         assert sum(s.result.stats["budget_chosen"].values()) == s.result.stats["rounds"]
+    assert sched.tree_host_s.n > 0 and sched.tree_host_s.value > 0   # the host time a tree adds was measured
+
+
+def test_load_aware_budget_charges_the_host_time_of_trees():
+    """A tree's host time (its top-k, expected gains, tree and walk) is charged like its draft pass: when it dwarfs a
+    forward, every load-aware request decodes plainly, and the output is still its solo run's."""
+    seed = random.randrange(1 << 30)
+    print(f"seed {seed}")
+    rng = random.Random(seed)
+    target, drafter = _pair(seed)
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    prompts = [_prompt(rng, 3, 30) for _ in range(4)]
+    sched = Scheduler(target, drafter, token_budget=64)
+    sched.tree_host_s.update(1e6)
+    sched.tree_host_s.update = lambda x: sched.tree_host_s.value   # held there: what this test steers by
+    seqs = [sched.submit(p, params, spec="ddtree", budget="auto") for p in prompts]
+    sched.run()
+    for p, s in zip(prompts, seqs):
+        assert s.result.token_ids == generate(target, p, params).token_ids
+        assert set(s.result.stats["budget_chosen"]) == {0}, s.result.stats["budget_chosen"]
 
 
 def test_drop_all_ends_every_request_and_frees_the_pool():
