@@ -31,7 +31,6 @@ if str(ROOT) not in sys.path:
 
 from bench import common  # noqa: E402
 from bench.batch import load_demo, load_k2  # noqa: E402
-from kdtree_engine.bench_spec import device_tag  # noqa: E402
 from kdtree_engine.model.target import BatchPart, Target  # noqa: E402
 
 
@@ -136,15 +135,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    tag = device_tag(dev)
     name = f"{args.model}-tiny" if args.tiny else args.model
-    save = common.results_saver(args.out, f"batch_graph-{name}-{tag}", lambda rep: markdown(rep, tag),
-                                command=common.command_line(argv, "python3 bench/batch_graph.py"), device=dev)
-    rep = run(args, lambda m: print(m, flush=True), save)
-    jp, mp = save(rep)
-    print(f"wrote {jp} and {mp}")
-    return rep
+    return common.bench_main(argv, "bench/batch_graph.py", args.out, args.device,
+                             lambda tag: f"batch_graph-{name}-{tag}", markdown, lambda log, save: run(args, log, save))
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from typing import Callable, Sequence
 import torch
 
 from kdtree_engine.records import command_line, cpu_model, run_metadata, with_metadata  # noqa: F401 (for the scripts)
+from kdtree_engine.bench_spec import device_tag
 from kdtree_engine.records import package_version
 
 
@@ -254,6 +255,22 @@ def results_saver(out_dir: str | Path, stem: str, markdown: Callable[[dict], lis
     def save(rep: dict) -> tuple[Path, Path]:
         return write_results(out_dir, stem, rep, markdown(rep), command=command, device=device)
     return save
+
+
+def bench_main(argv: Sequence[str] | None, script: str, out_dir: str | Path, device: str | None,
+               stem: Callable[[str], str], markdown: Callable[[dict, str], list[str]],
+               run: Callable[[Callable[[str], None], Callable[[dict], object]], dict]) -> dict:
+    """The main of a bench whose ``run(log, save)`` saves its report after every row: the device (``device``, else cuda
+    when available), the record ``stem(device tag)`` under ``out_dir`` with the command line of ``script``, the
+    report written once more at the end."""
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    tag = device_tag(dev)
+    save = results_saver(out_dir, stem(tag), lambda rep: markdown(rep, tag),
+                         command=command_line(argv, f"python3 {script}"), device=dev)
+    rep = run(lambda m: print(m, flush=True), save)
+    jp, mp = save(rep)
+    print(f"wrote {jp} and {mp}")
+    return rep
 
 
 def md_table(headers: list[str], rows: list[list]) -> list[str]:

@@ -32,7 +32,6 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench import common  # noqa: E402
-from kdtree_engine.bench_spec import device_tag  # noqa: E402
 from kdtree_engine.cache import LatentCache  # noqa: E402
 from kdtree_engine.kernels.common import take_rows  # noqa: E402
 from kdtree_engine.model.context import StepContext  # noqa: E402
@@ -167,14 +166,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    tag = device_tag(dev)
-    save = common.results_saver(args.out, f"prefill_graph-{tag}", lambda rep: markdown(rep, tag),
-                                command=common.command_line(argv, "python3 bench/prefill_graph.py"), device=dev)
-    rep = run(args, lambda m: print(m, flush=True), save)
-    jp, mp = save(rep)
-    print(f"wrote {jp} and {mp}")
-    return rep
+    return common.bench_main(argv, "bench/prefill_graph.py", args.out, args.device, lambda tag: f"prefill_graph-{tag}",
+                             markdown, lambda log, save: run(args, log, save))
 
 
 if __name__ == "__main__":

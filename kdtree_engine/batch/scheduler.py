@@ -237,6 +237,7 @@ class Scheduler:
         """Trees for the load-aware requests: budgets from their expected acceptance and the batch's verify cost; each
         request given a tree is charged its draft pass and the host time a tree adds (:attr:`tree_host_s`)."""
         target = self.target
+        cost, scale = self._verify_cost(), self.forward_scale.value   # the curve is measured on first use: untimed
         t0 = time.perf_counter()
         tops, expected = [], []
         for seq, draft_logits in auto:
@@ -249,9 +250,6 @@ class Scheduler:
             tops.append((lp, ids))
             expected.append(expected_accepted_by_budget(lp, mb))
         calibrated = [e * seq.calibration.factor for (seq, _), e in zip(auto, expected)]
-        t_curve = time.perf_counter()
-        cost, scale = self._verify_cost(), self.forward_scale.value
-        t0 += time.perf_counter() - t_curve   # measuring the curve (first use) is not a tree's host time
         budgets = allocate_budgets(calibrated, fixed_rows, lambda rows: scale * cost(rows), fixed_tokens=fixed_rows,
                                    draft_s=self.draft_s.value + self.tree_host_s.value)
         out = {}

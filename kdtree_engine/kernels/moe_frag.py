@@ -92,7 +92,7 @@ def moe_plan(rows: int, K: int, gpb: int, sms: int, top_k: int, per_sm: int | No
 # (max pairs per expert = cdiv(T * top_k, E), config); first match wins; all share the reduction (partitions,
 # GPB): only BLOCK_M differs (a re-tiling). 8-row blocks up to 8 pairs per expert, 16-row blocks up to 16 (one
 # block per expert either way; a 32-column wgmma doubles the MMA work), 32-row wgmma blocks beyond (measured on
-# the K2 layer; 64-row blocks for prefill chunks measured 2.4x slower: docs/performance_history.md).
+# the K2 layer; 64-row blocks measured slower on prefill chunks: docs/performance_history.md).
 FRAG_MOE_CONFIGS: list[tuple[int, FragMoEConfig]] = [
     (8, FragMoEConfig(BLOCK_M=8)),
     (16, FragMoEConfig(BLOCK_M=16)),

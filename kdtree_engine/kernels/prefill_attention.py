@@ -108,7 +108,7 @@ def _prefill_attn_kernel(qn_ptr, qr_ptr, kn_ptr, kr_ptr, v_ptr, m_ptr, l_ptr, ac
 def key_range(n_heads: int, width: int, dtype: torch.dtype) -> int:
     """Keys per range: as many whole key blocks as keep the range's per-head K / V (``width`` = P + V values a key
     a head) within EXPANDED_BYTES (at least one block)."""
-    per_key = n_heads * width * torch.tensor([], dtype=dtype).element_size()
+    per_key = n_heads * width * dtype.itemsize
     return max(1, EXPANDED_BYTES // (per_key * BLOCK_N)) * BLOCK_N
 
 
@@ -156,6 +156,6 @@ def naive_prefill(q_nope: torch.Tensor, q_pe: torch.Tensor, latents: Callable[[i
             T, start, s0, s1, s0, scale * LOG2E,
             q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), kn.stride(0), kn.stride(1),
             kr.stride(0), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-            P=P, R=R, V=V, PP=_pad(P), RP=_pad(R), VP=_pad(V), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, FIRST=i == 0, LAST=i == len(ranges) - 1, PREC=prec,
-            num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+            P=P, R=R, V=V, PP=_pad(P), RP=_pad(R), VP=_pad(V), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+            FIRST=i == 0, LAST=i == len(ranges) - 1, PREC=prec, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     return out

@@ -125,7 +125,7 @@ def tp_sum_kind(policy: KernelPolicy) -> str:
     return "gather" if policy.batch_invariant else "all_reduce"
 
 
-# What a link moves in one collective's latency (about 8 us at 350 GB/s: published NVLink figures). The scattered
+# What a link moves in one collective's latency (published NVLink latency x bandwidth: docs/parallel.md). The scattered
 # rank-order sum costs one collective more than the gathered one and saves (N-1)(1-2/N) of the message per rank.
 LATENCY_BYTES = 2_800_000
 

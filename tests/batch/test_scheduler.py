@@ -133,39 +133,39 @@ def test_requests_that_can_never_fit_are_refused_at_submit():
     assert sched.idle and target.pool().free_blocks == 2
 
 
-def test_load_aware_budget_is_lossless_greedy():
+def _auto_batch(requests: int, max_tokens: int, host_s: float | None = None):
+    """``requests`` random prompts with the load-aware budget through one scheduler (``host_s``: the tree host time
+    held at that value); returns the scheduler and each request's result beside its solo plain decoding."""
     seed = random.randrange(1 << 30)
     print(f"seed {seed}")
     rng = random.Random(seed)
     target, drafter = _pair(seed)
-    params = SamplingParams(max_tokens=12, ignore_eos=True)
-    prompts = [_prompt(rng, 3, 30) for _ in range(6)]
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    prompts = [_prompt(rng, 3, 30) for _ in range(requests)]
     sched = Scheduler(target, drafter, token_budget=64)
+    if host_s is not None:
+        sched.tree_host_s.update(host_s)
+        sched.tree_host_s.update = lambda x: sched.tree_host_s.value   # held there: what the test steers by
     seqs = [sched.submit(p, params, spec="ddtree", budget="auto") for p in prompts]
     sched.run()
-    for p, s in zip(prompts, seqs):
-        assert s.result.token_ids == generate(target, p, params).token_ids
-        assert sum(s.result.stats["budget_chosen"].values()) == s.result.stats["rounds"]
+    return sched, [(s.result, generate(target, p, params)) for p, s in zip(prompts, seqs)]
+
+
+def test_load_aware_budget_is_lossless_greedy():
+    sched, results = _auto_batch(6, 12)
+    for got, solo in results:
+        assert got.token_ids == solo.token_ids
+        assert sum(got.stats["budget_chosen"].values()) == got.stats["rounds"]
     assert sched.tree_host_s.n > 0 and sched.tree_host_s.value > 0   # the host time a tree adds was measured
 
 
 def test_load_aware_budget_charges_the_host_time_of_trees():
     """A tree's host time (its top-k, expected gains, tree and walk) is charged like its draft pass: when it dwarfs a
     forward, every load-aware request decodes plainly, and the output is still its solo run's."""
-    seed = random.randrange(1 << 30)
-    print(f"seed {seed}")
-    rng = random.Random(seed)
-    target, drafter = _pair(seed)
-    params = SamplingParams(max_tokens=10, ignore_eos=True)
-    prompts = [_prompt(rng, 3, 30) for _ in range(4)]
-    sched = Scheduler(target, drafter, token_budget=64)
-    sched.tree_host_s.update(1e6)
-    sched.tree_host_s.update = lambda x: sched.tree_host_s.value   # held there: what this test steers by
-    seqs = [sched.submit(p, params, spec="ddtree", budget="auto") for p in prompts]
-    sched.run()
-    for p, s in zip(prompts, seqs):
-        assert s.result.token_ids == generate(target, p, params).token_ids
-        assert set(s.result.stats["budget_chosen"]) == {0}, s.result.stats["budget_chosen"]
+    _, results = _auto_batch(4, 10, host_s=1e6)
+    for got, solo in results:
+        assert got.token_ids == solo.token_ids
+        assert set(got.stats["budget_chosen"]) == {0}, got.stats["budget_chosen"]
 
 
 def test_drop_all_ends_every_request_and_frees_the_pool():
