@@ -5,8 +5,11 @@ load-aware budget, on the demo pair and on the K2 one-rank model (bench/k2_model
     python bench/batch.py --model k2 --out bench/results            # one H200: about 90 GB of weights
     python bench/batch.py --model demo --device cpu --concurrency 1,2 --max-tokens 8 --out DIR   # smoke run
 
-For each method and concurrency C, C requests arrive together and run to their end through one
-:class:`~kdtree_engine.batch.Scheduler` (host-driven rounds, one batched target forward per step); measured:
+For each method and concurrency C, C requests arrive together and run to their end through the method's
+:class:`~kdtree_engine.batch.Scheduler` (one per method for the whole run, as a server keeps one: its graphs and
+what its load-aware budget learned carry over; host-driven rounds, one batched target forward per step, the running
+requests' rows replayed from CUDA graphs per slot bucket unless ``--step-mode eager``). Each (C, method) runs twice
+and the second run is measured (the first captures the graphs of its buckets); measured:
 generated tokens / wall seconds (prefill included), per-request latency and time to first token, forwards and rows
 per forward, and for DDTree the mean tree budget chosen (the load-aware curve). The baseline of the throughput goal
 is the engine's fastest batch-1 plain decoding: one request, its rounds replayed from a CUDA graph (CUDA).
@@ -65,10 +68,11 @@ def load_k2(dev: torch.device, dtype: torch.dtype, prompt_tokens: int, n: int, t
     return target, drafter, prompts
 
 
-def run_batch(target, drafter, prompts: list[list[int]], method: str, max_tokens: int, token_budget: int
-              ) -> dict[str, Any]:
+def run_batch(sched: Scheduler, prompts: list[list[int]], method: str, max_tokens: int) -> dict[str, Any]:
     spec, budget = METHODS[method]
-    sched = Scheduler(target, drafter, token_budget=token_budget)
+    target = sched.target
+    captures = sched.steps.captures if sched.steps is not None else 0
+    forwards, rows_run = sched.forwards, sched.rows_run   # the scheduler's counts run on over its runs
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     sync(target.device)
     t0 = time.perf_counter()
@@ -87,10 +91,11 @@ def run_batch(target, drafter, prompts: list[list[int]], method: str, max_tokens
     return {"method": method, "concurrency": len(prompts), "tokens": tokens, "wall_s": wall,
             "tokens_per_s": tokens / wall, "latency_s_mean": statistics.mean(lat), "latency_s_max": max(lat),
             "ttft_s_mean": statistics.mean(r.stats["ttft_s"] for r in res),
-            "tau": statistics.mean(r.stats["tau"] for r in res), "forwards": sched.forwards,
-            "rows_per_forward": sched.rows_run / max(sched.forwards, 1),
+            "tau": statistics.mean(r.stats["tau"] for r in res), "forwards": sched.forwards - forwards,
+            "rows_per_forward": (sched.rows_run - rows_run) / max(sched.forwards - forwards, 1),
             "budget_mean": sum(b * k for b, k in chosen.items()) / rounds if rounds else None,
-            "budget_chosen": dict(sorted(chosen.items()))}
+            "budget_chosen": dict(sorted(chosen.items())),
+            "graph_captures": (sched.steps.captures if sched.steps is not None else 0) - captures}
 
 
 def batch1_plain(target, prompt: list[int], max_tokens: int) -> dict[str, Any]:
@@ -115,13 +120,18 @@ def run(args: argparse.Namespace, log: Callable[[str], None],
     log(f"loaded {args.model} ({clock():.0f} s)")
     base = batch1_plain(target, prompts[0], args.max_tokens)
     log(f"batch-1 plain ({base['mode']}): {base['tokens_per_s']:.1f} tok/s ({clock():.0f} s)")
-    run_batch(target, drafter, prompts[:2], "ddtree-auto", 4, args.token_budget)   # warm: compiles, cost curve
+    scheds = {m: Scheduler(target, drafter, token_budget=args.token_budget, step_mode=args.step_mode)
+              for m in args.methods}
+    mode = next(iter(scheds.values())).steps
     rep = {"model": args.model, "tiny": bool(args.tiny), "dtype": str(dtype).replace("torch.", ""),
            "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "token_budget": args.token_budget,
-           "batch1_plain": base, "rows": [], "elapsed_s": clock()}
+           "step_mode": "eager" if mode is None else mode.mode, "batch1_plain": base, "rows": [],
+           "elapsed_s": clock()}
     for c in args.concurrency:
         for m in args.methods:
-            row = run_batch(target, drafter, prompts[:c], m, args.max_tokens, args.token_budget)
+            warm = run_batch(scheds[m], prompts[:c], m, args.max_tokens)   # captures its buckets' graphs
+            row = run_batch(scheds[m], prompts[:c], m, args.max_tokens)
+            row["warm_run_s"] = warm["wall_s"]
             row["x_batch1_plain"] = row["tokens_per_s"] / base["tokens_per_s"]
             rep["rows"].append(row)
             rep["elapsed_s"] = clock()
@@ -134,7 +144,8 @@ def run(args: argparse.Namespace, log: Callable[[str], None],
 def markdown(rep: dict, label: str) -> list[str]:
     out = [f"# Continuous batching, {rep['model']} ({label})", "",
            f"{rep['prompt_tokens']}-token prompts, {rep['max_tokens']} tokens each, all arriving together; up to "
-           f"{rep['token_budget']} rows per forward; {rep['dtype']}. Batch-1 plain decoding "
+           f"{rep['token_budget']} rows per forward; {rep['dtype']}; batched steps {rep.get('step_mode', 'eager')}. "
+           f"Batch-1 plain decoding "
            f"({rep['batch1_plain']['mode']} rounds): {rep['batch1_plain']['tokens_per_s']:.1f} tok/s.", ""]
     out += common.md_table(
         ["concurrent", "method", "tok/s", "x batch-1 plain", "latency mean s", "latency max s", "TTFT mean s",
@@ -160,6 +171,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--token-budget", type=int, default=4096)
+    ap.add_argument("--step-mode", choices=("eager", "static", "graph"), default=None,
+                    help="how the running requests' rows run (default: graph on CUDA, eager elsewhere)")
     args = ap.parse_args(argv)
     bad = [m for m in args.methods if m not in METHODS]
     if bad:

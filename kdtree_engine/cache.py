@@ -166,6 +166,7 @@ class LatentCache:
         self.blocks: list[int] = []
         self.length = 0
         self.pending = 0
+        self.generation = 0  # counts the times blocks were taken: a copy of the table is current while it holds
         self._finalizer = weakref.finalize(self, give_back, pool, self.blocks)
         self.acquire()
 
@@ -178,6 +179,7 @@ class LatentCache:
         if not self.blocks:
             self.blocks.extend(self.pool.take(self.capacity))
             self.table.copy_(torch.tensor(self.blocks, dtype=torch.int32))
+            self.generation += 1
         self.length = self.pending = 0
 
     def release(self) -> None:

@@ -16,8 +16,9 @@
 #                  shapes (bench/moe_formats.py), Moonlight-16B's decoding and verify steps (bench/moonlight.py)
 #   k2             all 61 K2 layers as one rank of TP8 / EP8 holds them: whole rounds from one CUDA graph at 4K and
 #                  64K context, their byte roofline and a round's kernels (bench/k2_model.py)
-#   batch          continuous batching: the bitwise batch-vs-solo GPU test, then throughput at 1 / 4 / 16 / 64
-#                  concurrent requests, plain vs DDTree with the load-aware budget, demo and K2 one rank (bench/batch.py),
+#   batch          continuous batching: the bitwise batch-vs-solo GPU test (graph and eager batched steps), then
+#                  throughput at 1 / 4 / 16 / 64 concurrent requests, plain vs DDTree with the load-aware budget, demo
+#                  and K2 one rank (bench/batch.py),
 #                  and the K2 rank's batched plain step replayed from one graph (bench/batch_graph.py)
 #   serving        the serving stage in one call: bit for bit (spec == plain, batch == solo, batch invariance, the
 #                  prefill kernel and chunked prefill) over worker processes, the demo's TTFT after the warm-up, the
@@ -141,10 +142,10 @@ k2() {  # the whole K2 model at one rank's size (the parallelism issue's table)
 }
 
 batch() {  # continuous batching (the batching issue): bit for bit against solo runs, then throughput
-  pytest_step pytest-batch 150 tests/gpu/test_batch_gpu.py
-  step bench-batch-demo 120 python3 bench/batch.py --model demo --out "$RES"
-  step bench-batch-k2 200 python3 bench/batch.py --model k2 --max-tokens 32 --out "$RES"
-  step bench-batch-graph-k2 90 python3 bench/batch_graph.py --model k2 --out "$RES"
+  pytest_step pytest-batch 160 tests/gpu/test_batch_gpu.py
+  step bench-batch-demo 110 python3 bench/batch.py --model demo --out "$RES"
+  step bench-batch-k2 210 python3 bench/batch.py --model k2 --max-tokens 32 --out "$RES"
+  step bench-batch-graph-k2 80 python3 bench/batch_graph.py --model k2 --out "$RES"
 }
 
 long() {  # the long-context issue's measurements, one record per step (each written after every measured row)

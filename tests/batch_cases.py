@@ -73,10 +73,12 @@ def solo(target, drafter, case: Case, chunk: int) -> tuple[GenerationResult, tor
     return res, torch.cat(made[0].emitted_logits)[:len(res.token_ids)]
 
 
-def batched(target, drafter, cases: list[Case], chunk: int, token_budget: int
+def batched(target, drafter, cases: list[Case], chunk: int, token_budget: int, step_mode: str | None = None
             ) -> tuple[list[GenerationResult], list[torch.Tensor], Scheduler]:
-    """Every case through one scheduler, each submitted at its arrival step; results and emitted-token logits."""
-    sched = Scheduler(target, drafter, token_budget=token_budget, prefill_chunk=chunk, keep_logits=True)
+    """Every case through one scheduler, each submitted at its arrival step; results and emitted-token logits. The
+    scheduler is closed at the end (its static steps' scratch block back in the pool)."""
+    sched = Scheduler(target, drafter, token_budget=token_budget, prefill_chunk=chunk, keep_logits=True,
+                      step_mode=step_mode)
     seqs: list = [None] * len(cases)
     step = 0
     while step <= max(c.arrives for c in cases) or not sched.idle:
@@ -86,6 +88,7 @@ def batched(target, drafter, cases: list[Case], chunk: int, token_budget: int
         sched.step()
         step += 1
     logits = [torch.cat(s.rounds.emitted_logits)[:len(s.result.token_ids)] for s in seqs]
+    sched.close()
     return [s.result for s in seqs], logits, sched
 
 

@@ -24,13 +24,21 @@ import torch
 from ..speculative.budget import default_candidates
 
 
+Padded = tuple[int, int, Callable[[int, int], int]]
+
+
 def allocate_budgets(expected: Sequence[torch.Tensor], fixed_rows: int, cost: Callable[[float], float],
-                     fixed_tokens: float = 0.0, draft_s: float = 0.0) -> list[int]:
+                     fixed_tokens: float = 0.0, draft_s: float = 0.0, padded: Padded | None = None) -> list[int]:
     """Budgets (0 = plain) for requests with expected accepted drafts ``expected[i]`` [max_budget_i] (entry b-1:
     budget b; empty: no draft this round), beside ``fixed_rows`` rows (and ``fixed_tokens`` expected tokens) of
     the other requests in the forward; ``cost(rows)`` the seconds of a forward of that many rows; ``draft_s``: the
     seconds of one request's draft pass, charged to every request given a tree (a request left at 0 need not
-    draft next time, see the scheduler)."""
+    draft next time, see the scheduler). ``padded`` (others, widest, rows_of): the forward pads every request's rows
+    to the widest round (static batched steps, graph_step.py): ``others`` fixed requests whose widest round has
+    ``widest`` rows, and ``rows_of(requests, widest)`` the rows it runs; then one budget is shared (a smaller tree
+    beside a bigger one saves no rows) and only shared budgets are weighed."""
+    if padded is not None:
+        return shared_budget(expected, fixed_tokens, cost, draft_s, padded)
     ladders = [(0,) + default_candidates(len(e)) if len(e) else (0,) for e in expected]
     steps = [0] * len(expected)
     values = [[0.0] + [float(e[b - 1]) for b in ladder[1:]] for e, ladder in zip(expected, ladders)]
@@ -70,3 +78,20 @@ def allocate_budgets(expected: Sequence[torch.Tensor], fixed_rows: int, cost: Ca
         steps[pick] = pick_to
         best = pick_value
     return [ladder[k] for ladder, k in zip(ladders, steps)]
+
+
+def shared_budget(expected: Sequence[torch.Tensor], fixed_tokens: float, cost: Callable[[float], float],
+                  draft_s: float, padded: Padded) -> list[int]:
+    """One budget for every request that drafts (each capped by its own largest), chosen over the union of their
+    ladders against plain (0) with the forward's padded rows."""
+    others, widest, rows_of = padded
+    n = others + len(expected)
+    best_b, best = 0, -1.0
+    for b in sorted({0} | {b for e in expected if len(e) for b in default_candidates(len(e))}):
+        got = [min(b, len(e)) for e in expected]
+        tokens = fixed_tokens + sum(1 + (float(e[g - 1]) if g else 0.0) for e, g in zip(expected, got))
+        rows = rows_of(n, max([widest] + [1 + g for g in got]))
+        value = tokens / max(float(cost(rows)) + sum(g > 0 for g in got) * draft_s, 1e-12)
+        if value > best * (1 + 1e-12):
+            best_b, best = b, value
+    return [min(best_b, len(e)) for e in expected]

@@ -1,6 +1,7 @@
 """Continuous batching: many requests share each target forward, each one's tokens those of its solo run.
 
-Every :meth:`Scheduler.step` is one round boundary and one batched forward (:meth:`Target.forward_batch`):
+Every :meth:`Scheduler.step` is one round boundary and one batched forward (:meth:`Target.forward_batch`; on CUDA
+the running requests' rows replay from a CUDA graph per slot bucket, the prompt chunks beside them: .graph_step):
 
 1. requests cancelled since the last step end ("abort") and give their cache blocks back;
 2. waiting requests are admitted in arrival order while the pool has the blocks of their whole context (prompt,
@@ -41,6 +42,7 @@ from ..speculative.config import resolve_spec
 from ..speculative.decode import Emitter, GenerationResult, OnTokens, cache_token_capacity, context_limit, round_shape
 from ..speculative.host_rounds import HostRounds, RoundPlan
 from ..speculative.stats import Timer, sync
+from .graph_step import BatchedSteps, padded_rows, resolve_step_mode
 from .load_budget import allocate_budgets
 from .sequence import DONE, PREFILL, RUNNING, WAITING, Sequence
 
@@ -55,10 +57,13 @@ class Scheduler:
     ``token_budget``: the most rows of one forward; ``prefill_chunk``: the prompt chunk size (None: the target's
     default; the same for every request, so each prompt is cut as its solo prefill cuts it); ``tree_impl``: the
     DDTree builder of host-driven rounds; ``keep_logits``: keep the target logits of every emitted token
-    (``Sequence.rounds.emitted_logits``, for comparing runs)."""
+    (``Sequence.rounds.emitted_logits``, for comparing runs); ``step_mode``: how the running requests' rows run
+    (:mod:`.graph_step`: "graph" replays them from CUDA graphs per slot bucket, the CUDA default; "eager" beside
+    the prompt chunks in one host-driven forward, the default elsewhere; "static": the graph's slots run eagerly)."""
 
     def __init__(self, target: Target, drafter: Any = None, *, token_budget: int = DEFAULT_TOKEN_BUDGET,
-                 prefill_chunk: int | None = None, tree_impl: str = "auto", keep_logits: bool = False) -> None:
+                 prefill_chunk: int | None = None, tree_impl: str = "auto", keep_logits: bool = False,
+                 step_mode: str | None = None) -> None:
         if isinstance(token_budget, bool) or not isinstance(token_budget, int) or token_budget < 1:
             raise SpecError(f"token_budget={token_budget!r} must be a positive number of rows per forward")
         self.target, self.drafter = target, drafter
@@ -68,6 +73,8 @@ class Scheduler:
         self.tree_impl = tree_impl
         self.keep_logits = keep_logits
         self.pool = target.pool()
+        mode = resolve_step_mode(step_mode, target.device)
+        self.steps = None if mode == "eager" else BatchedSteps(target, mode)
         self.waiting: deque[Sequence] = deque()
         self.active: list[Sequence] = []   # prefill and running, in admission order
         self._ids = 0
@@ -117,6 +124,14 @@ class Scheduler:
         self.waiting.clear()
         return ended
 
+    def close(self) -> None:
+        """End every request ("abort") and drop the static steps (their graphs and scratch block): the pool holds
+        nothing of this scheduler afterwards."""
+        self.drop_all()
+        if self.steps is not None:
+            self.steps.release()
+            self.steps = None
+
     @property
     def idle(self) -> bool:
         return not self.waiting and not self.active
@@ -152,7 +167,7 @@ class Scheduler:
         if timed:
             sync(self.target.device)
             t0 = time.perf_counter()
-        outs = self.target.forward_batch(parts, aux)
+        outs = self._forward(parts, len(running), aux)
         if timed:
             sync(self.target.device)
             self.forward_scale.update(min(max((time.perf_counter() - t0) / max(self._cost(rows), 1e-12),
@@ -179,6 +194,16 @@ class Scheduler:
             self.tree_host_s.update(plan_s / planned + (walk_s / walks if walks else 0.0))
             self._plan_s = None
         return ended
+
+    def _forward(self, parts: list[BatchPart], n_running: int, aux: tuple[int, ...]) -> list[TargetOutput]:
+        """The step's forward: with static steps, the running requests' rows through :class:`BatchedSteps` and the
+        prompt chunks beside them in a host-driven forward (the kernels are batch-invariant: the same bits as one
+        forward); else one host-driven forward of every part."""
+        running, chunks = parts[:n_running], parts[n_running:]
+        if self.steps is None or not self.steps.fits(running):
+            return self.target.forward_batch(parts, aux)
+        outs = self.steps.forward(running, aux)
+        return outs + (self.target.forward_batch(chunks, aux) if chunks else [])
 
     def _aux_layers(self, running: list[Sequence], prefilling: list[Sequence]) -> tuple[int, ...]:
         """The drafter's target layers when a request in this forward drafts (aux rows are per row: computing them
@@ -214,8 +239,8 @@ class Scheduler:
                 r = seq.rounds
                 plans[seq.id] = r.plan_tree(draft_logits, r.tree_for(draft_logits))
         if auto:
-            fixed_rows = sum(p.part.ids.shape[0] for p in plans.values())
-            plans.update(self._plan_auto(auto, fixed_rows))
+            fixed = [p.part.ids.shape[0] for p in plans.values()]
+            plans.update(self._plan_auto(auto, fixed))
         return [plans[s.id] for s in running]
 
     def _draft(self, asks: list[tuple]) -> list[torch.Tensor]:
@@ -233,9 +258,11 @@ class Scheduler:
         self.draft_s.update((time.perf_counter() - t0) / len(asks))
         return out
 
-    def _plan_auto(self, auto: list[tuple[Sequence, torch.Tensor | None]], fixed_rows: int) -> dict[int, RoundPlan]:
+    def _plan_auto(self, auto: list[tuple[Sequence, torch.Tensor | None]], fixed: list[int]) -> dict[int, RoundPlan]:
         """Trees for the load-aware requests: budgets from their expected acceptance and the batch's verify cost; each
-        request given a tree is charged its draft pass and the host time a tree adds (:attr:`tree_host_s`)."""
+        request given a tree is charged its draft pass and the host time a tree adds (:attr:`tree_host_s`). ``fixed``:
+        the rows of the other running requests' rounds. With static steps every request's rows are padded to the
+        widest round, so the load-aware requests share one budget."""
         target = self.target
         cost, scale = self._verify_cost(), self.forward_scale.value   # the curve is measured on first use: untimed
         t0 = time.perf_counter()
@@ -250,8 +277,10 @@ class Scheduler:
             tops.append((lp, ids))
             expected.append(expected_accepted_by_budget(lp, mb))
         calibrated = [e * seq.calibration.factor for (seq, _), e in zip(auto, expected)]
+        fixed_rows = sum(fixed)
+        padded = None if self.steps is None else (len(fixed), max(fixed, default=1), padded_rows)
         budgets = allocate_budgets(calibrated, fixed_rows, lambda rows: scale * cost(rows), fixed_tokens=fixed_rows,
-                                   draft_s=self.draft_s.value + self.tree_host_s.value)
+                                   draft_s=self.draft_s.value + self.tree_host_s.value, padded=padded)
         out = {}
         for (seq, draft_logits), top, b, e in zip(auto, tops, budgets, expected):
             r = seq.rounds

@@ -16,9 +16,10 @@ from torch import nn
 
 from ..errors import LoadError
 from ..fp8 import Fp8Block
-from ..cache import CachePool, LatentCache
+from ..cache import BLOCK, CachePool, LatentCache
 from ..config import ModelConfig
 from ..kernels.common import take_rows
+from ..kernels.paged import page_rows
 from ..kernels.dispatch import attention_gather_index, prefill_kernel_on
 from .context import BatchContext, StepContext, static_visibility
 from ..kernels.policy import KernelPolicy, policy_or_env
@@ -369,13 +370,20 @@ class Target(nn.Module):
             return StepContext(positions, cos, sin, slots, first, tree_mask, cache.table, cache.rows(slots))
         if positions is None or tree_mask is None:
             raise ValueError("a device-resident step needs its positions and tree mask")
+        return self.static_context(cache.table, cache.capacity, positions, tree_mask, start)
+
+    def static_context(self, table: torch.Tensor, capacity: int, positions: torch.Tensor, tree_mask: torch.Tensor,
+                       start: torch.Tensor) -> StepContext:
+        """A device-resident step of T = len(positions) rows over the ``capacity`` slots of block table ``table``
+        (a request's, or a static slot table that requests are copied into: kdtree_engine/batch/graph_step.py)."""
+        T = positions.shape[0]
         cos, sin = self.rope.gather(positions)
         # what attention derives from (start, tree_mask) is the same in every layer: built once here
         gather_index = attention_gather_index(self.policy, tree_mask)
-        visible = static_visibility(start, tree_mask, cache.capacity) if gather_index is None else None
-        slots = start + torch.arange(T, device=dev)
-        return StepContext(positions, cos, sin, slots, start, tree_mask, cache.table, cache.rows(slots), visible,
-                           gather_index, capacity=cache.capacity)
+        visible = static_visibility(start, tree_mask, capacity) if gather_index is None else None
+        slots = start + torch.arange(T, device=self.device)
+        return StepContext(positions, cos, sin, slots, start, tree_mask, table, page_rows(table, slots, BLOCK),
+                           visible, gather_index, capacity=capacity)
 
     @torch.no_grad()
     def forward(self, ids: torch.Tensor, cache: LatentCache, positions: torch.Tensor | None = None,

@@ -17,7 +17,7 @@ to a power of two (at least :data:`MIN_CAPACITY`) so requests of similar length 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -39,6 +39,41 @@ def capacity_bucket(tokens: int) -> int:
     return cap
 
 
+def capture_graph(step: Callable[[], None], device: torch.device, restore: Callable[[], None] = lambda: None,
+                  pool: Any = None) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """``step`` captured into a CUDA graph (in ``pool``, or a new private pool): WARMUP_ROUNDS runs on a side stream
+    first (lazy initialisation, Triton compilation, the allocator), then ``restore()`` undoes what they changed, then
+    the capture (which runs nothing). Returns (graph, pool)."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(WARMUP_ROUNDS):
+            step()
+    torch.cuda.current_stream(device).wait_stream(side)
+    restore()
+    torch.cuda.synchronize(device)
+    pool = torch.cuda.graph_pool_handle() if pool is None else pool
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        step()
+    return graph, pool
+
+
+def derived_owners(models: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """The modules that cache tensors derived from their weights (found once: walking every module costs time)."""
+    return [m for model in models for m in model.modules() if hasattr(m, "derived_weights")]
+
+
+def watched(target: Target, owners: list[torch.nn.Module]) -> tuple:
+    """Addresses of tensors a captured step reads that live outside it and may be replaced (rope tables grown by an
+    eager step; absorbed attention weights, the routers' bf16 parts and stacked linears rebuilt after a reload): a
+    graph whose addresses changed is captured again."""
+    ptrs = [target.rope.cos.data_ptr(), target.rope.sin.data_ptr()]
+    for m in owners:
+        ptrs += [w.data_ptr() for w in m.derived_weights()] + [None]   # None: where one owner's list ends
+    return tuple(ptrs)
+
+
 class GraphRunner:
     """Replays one captured round of a :class:`DeviceRound` (CUDA only)."""
 
@@ -53,39 +88,15 @@ class GraphRunner:
 
     def capture(self) -> None:
         rnd = self.rnd
-        dev = rnd.target.device
         saved = rnd.snapshot()
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            for _ in range(WARMUP_ROUNDS):
-                rnd.step()
-        torch.cuda.current_stream(dev).wait_stream(side)
-        rnd.restore(saved)
-        torch.cuda.synchronize(dev)
-        self.pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            rnd.step()
-        self.graph = graph
+        self.graph, self.pool = capture_graph(rnd.step, rnd.target.device, lambda: rnd.restore(saved))
         # the modules caching derived weights, found once (walking every module costs time each round)
-        models = [rnd.target] if rnd.drafter is None else [rnd.target, rnd.drafter]
-        self._owners = [m for model in models for m in model.modules() if hasattr(m, "derived_weights")]
-        self._inputs = self._watched()
+        self._owners = derived_owners([rnd.target] if rnd.drafter is None else [rnd.target, rnd.drafter])
+        self._inputs = watched(rnd.target, self._owners)
         log.debug("captured a %s round (budget %s, capacity %d)", rnd.method, rnd.budget, rnd.capacity)
 
-    def _watched(self) -> tuple:
-        """Addresses of tensors the graph reads that live outside the round and may be replaced
-        (rope tables grown by an eager step; absorbed attention weights, the routers' bf16 parts and stacked
-        linears rebuilt after a reload)."""
-        t = self.rnd.target
-        ptrs = [t.rope.cos.data_ptr(), t.rope.sin.data_ptr()]
-        for m in self._owners:
-            ptrs += [w.data_ptr() for w in m.derived_weights()] + [None]   # None: where one owner's list ends
-        return tuple(ptrs)
-
     def step(self) -> None:
-        if self.graph is not None and self._watched() != self._inputs:
+        if self.graph is not None and watched(self.rnd.target, self._owners) != self._inputs:
             log.info("decoding round graph: a tensor it reads was replaced; capturing again")
             self.graph = None
         if self.graph is None:

@@ -22,16 +22,18 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 CHUNK = 64
 
 
-@pytest.mark.parametrize("token_budget", [128, 4096])
-def test_demo_batch_bitwise_equals_solo(token_budget):
+@pytest.mark.parametrize("token_budget,step_mode", [(128, "graph"), (4096, "graph"), (128, "eager")])
+def test_demo_batch_bitwise_equals_solo(token_budget, step_mode):
+    """step_mode graph (the CUDA default): the running requests' rows replayed from CUDA graphs per slot bucket;
+    eager: every part in one host-driven forward."""
     seed = random.randrange(1 << 30)
-    print(f"seed {seed}, token budget {token_budget}")
+    print(f"seed {seed}, token budget {token_budget}, batched steps {step_mode}")
     dev = torch.device("cuda")
     target = load_target(DEMO_DIR, device=dev, dtype=torch.bfloat16, progress=False)
     drafter = load_drafter(DEMO_DIR / "draft", target)
     cases = make_cases(load_tokenizer(DEMO_DIR), 24, seed, max_prompt=200, max_tokens=48)
     free = sorted(target.pool().free_ids())
-    results, logits, sched = batched(target, drafter, cases, CHUNK, token_budget)
+    results, logits, sched = batched(target, drafter, cases, CHUNK, token_budget, step_mode)
     print(f"{sched.forwards} batched forwards, {sched.rows_run} rows, "
           f"{sum(len(r.token_ids) for r in results)} tokens")
     assert sorted(target.pool().free_ids()) == free
