@@ -10,8 +10,9 @@ random values and the committed length set directly, as bench/long_context.py's 
 ``--nodes`` rows each (1: a plain decoding step; more: a chain verified at once) as ONE ``Target.forward_batch`` of
 device-resident parts (each part's committed length on the device, its own block table and mask), captured in a CUDA
 graph and replayed (eager on the CPU). Measured: ms per step, and for plain steps tokens/s = S / step time against one
-request's step from a graph (the issue's goal: 16 requests at least 8x one). On CUDA, every part's logits are checked
-bit for bit against that request's own device-resident forward (the batch-invariance promise, graph against eager).
+request's step from a graph (the issue's goal: 16 requests at least 8x one). On CUDA with the demo, every part's
+logits are checked bit for bit against that request's own device-resident forward (the batch-invariance promise,
+graph against eager); the K2 rank draws its routes at random each forward (bench/k2_model.py), so it has no such check.
 
 Writes ``<out>/batch_graph-<model>[-tiny]-<device>.json`` and ``.md``.
 """
@@ -68,7 +69,7 @@ def measure(target: Target, S: int, args: argparse.Namespace, gen: torch.Generat
                "rows": S * args.nodes}
         if args.nodes == 1:
             row["tokens_per_s"] = S / (us / 1e6)
-        if target.device.type == "cuda":
+        if target.device.type == "cuda" and args.model == "demo":   # the K2 rank's routes are redrawn each forward
             outs = step()
             row["bitwise_equal_solo"] = all(torch.equal(o.logits, solo_logits(target, p)) for o, p in zip(outs, parts))
         return row

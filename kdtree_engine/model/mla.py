@@ -11,6 +11,8 @@ Notation: N heads, P qk_nope, R qk_rope, V v_head, C kv_lora_rank, S cached toke
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import nn
 
@@ -18,6 +20,7 @@ from ..config import ModelConfig
 from ..kernels.dispatch import (head_matmul, latent_write, mla_attention, mla_attention_static, naive_prefill_attention,
                                 prefill_attention_backend, rope_heads)
 from ..kernels.paged import gather_slots
+from ..kernels.streams import fan_out
 from .context import BatchContext, StepContext
 from .prefill import KEY_BLOCK, absorbed_chunk
 from ..kernels.policy import KernelPolicy, policy_or_env
@@ -75,7 +78,15 @@ class MLA(nn.Module):
         requests (BatchContext) projects all rows at once and attends per request. Returns [T, H]."""
         T = x.shape[0]
         q_nope, q_pe = self._project(x, ctx, kv_cache)
-        if isinstance(ctx, BatchContext):
+        if isinstance(ctx, BatchContext) and all(p.chunk is None and not p.prompt for p in ctx.parts):
+            # every request in the absorbed form: the head products over all rows at once (row-wise: a row's
+            # result as alone), each request's attention over its own cache, side by side on streams
+            w_uk, w_uv = self.absorbed_weights()
+            q_lat = head_matmul(self.policy, q_nope, w_uk.transpose(1, 2))  # [T, N, C]
+            o_lat = torch.cat(fan_out(x.device, [partial(self._attend, q_lat[a:b], q_pe[a:b], kv_cache, part)
+                                                 for part, a, b in ctx.spans()]))
+            o = head_matmul(self.policy, o_lat, w_uv)  # [T, N, V]
+        elif isinstance(ctx, BatchContext):
             o = torch.cat([self._attention(q_nope[a:b], q_pe[a:b], kv_cache, part) for part, a, b in ctx.spans()])
         else:
             o = self._attention(q_nope, q_pe, kv_cache, ctx)
