@@ -35,7 +35,7 @@ from ..kernels.dispatch import prefill_kernel_on
 from ..logs import log_once
 from ..model.prefill import ChunkStep, choose_form, plan_chunks, resolve_chunk
 from ..model.target import BatchPart, Target, TargetOutput
-from ..sampling import SamplingParams, topk_logprobs
+from ..sampling import SamplingParams, greedy, topk_logprobs
 from ..speculative.budget import (SCALE_MAX, SCALE_MIN, AcceptanceCalibration, RunningMean,
                                   expected_accepted_by_budget, verify_cost_for)
 from ..speculative.config import resolve_spec
@@ -175,10 +175,11 @@ class Scheduler:
         self.forwards += 1
         self.rows_run += rows
         walk_s, walks = 0.0, 0
+        picked = self._greedy_picks(running, plans, outs)
         for seq, plan, out in zip(running, plans, outs):
             tree_walk = seq.shape.auto and plan.tree is not None and plan.tree.num_nodes > 1
             t_walk = time.perf_counter()
-            seq.rounds.absorb(plan, out)
+            seq.rounds.absorb(plan, out, picked.get(seq.id))
             if tree_walk:
                 walk_s, walks = walk_s + time.perf_counter() - t_walk, walks + 1
             if seq.calibration is not None and plan.tree is not None and plan.tree.num_nodes > 1:
@@ -205,6 +206,16 @@ class Scheduler:
         outs = self.steps.forward(running, aux)
         return outs + (self.target.forward_batch(chunks, aux) if chunks else [])
 
+    def _greedy_picks(self, running: list[Sequence], plans: list[RoundPlan], outs: list[TargetOutput]
+                      ) -> dict[int, tuple[torch.Tensor, int]]:
+        """The tokens of this step's plain greedy rounds, picked in one launch and read in one copy (each request
+        alone would pick and read its own): {request id: (device token, token)}."""
+        ids = [(s.id, o.logits[-1]) for s, p, o in zip(running, plans, outs) if p.tree is None and s.params.greedy]
+        if len(ids) < 2 or getattr(self.target, "vocab_shard", None) is not None:
+            return {}
+        picks = greedy(torch.stack([row for _, row in ids]), policy=self.target.policy)
+        return {i: (picks[k], t) for k, ((i, _), t) in enumerate(zip(ids, picks.tolist()))}
+
     def _aux_layers(self, running: list[Sequence], prefilling: list[Sequence]) -> tuple[int, ...]:
         """The drafter's target layers when a request in this forward drafts (aux rows are per row: computing them
         for every row changes no request's logits)."""
@@ -223,7 +234,7 @@ class Scheduler:
                 plans[seq.id] = r.plan(seq.emit.remaining)
             elif seq.shape.auto and seq.skip > 0:   # speculation did not pay last time: plain rounds, then try again
                 seq.skip -= 1
-                plans[seq.id] = r.plan_tree(None, r.root_only())
+                plans[seq.id] = r.plan_plain()
                 chose(seq, 0)
             elif (ask := r.draft_request(seq.emit.remaining)) is not None:
                 asks.append((seq, ask))
@@ -284,13 +295,13 @@ class Scheduler:
         out = {}
         for (seq, draft_logits), top, b, e in zip(auto, tops, budgets, expected):
             r = seq.rounds
-            tree = r.root_only() if top is None else r.tree_of_budget(top[0], top[1], b)
             # a tree not worth its draft pass: skip the drafter for a while (doubling while it stays so)
             seq.backoff = 0 if b > 0 else min(max(2 * seq.backoff, 1), MAX_SKIP)
             seq.skip = seq.backoff
             seq.predicted = float(e[b - 1]) if b > 0 else 0.0   # the drafter's own estimate: what calibration learns
             chose(seq, b)
-            out[seq.id] = r.plan_tree(draft_logits, tree)
+            # budget 0: a plain step (its aux row still feeds the drafter), as cheap as plain decoding's
+            out[seq.id] = r.plan_tree(draft_logits, r.tree_of_budget(top[0], top[1], b)) if b else r.plan_plain()
         planned = sum(top is not None for top in tops)
         if planned:
             self._plan_s = (time.perf_counter() - t0, planned)

@@ -128,8 +128,13 @@ class HostRounds:
         lap, tree_s); ``part``: the rows the target verifies."""
         found = self.draft(remaining)
         if self.drafter is None:  # plain decoding: the newest token alone
-            return RoundPlan(BatchPart(self.bonus.reshape(1), self.cache), None, None)
+            return self.plan_plain()
         return self.plan_tree(found, self.tree_for(found))
+
+    def plan_plain(self) -> RoundPlan:
+        """A plain step: the newest token alone, committed by the forward (with a drafter, its aux row extends the
+        drafter's context, as a tree of the root alone would, at a plain step's cost)."""
+        return RoundPlan(BatchPart(self.bonus.reshape(1), self.cache), None, None)
 
     def draft(self, remaining: int) -> torch.Tensor | None:
         """Start a round: the drafter's logits [depth, V] for the drafts this round may use (None: plain decoding, or
@@ -174,15 +179,23 @@ class HostRounds:
         builder = build_tree_heap if self.impl == "heap" else build_tree
         return builder(lp[:, :budget], ids[:, :budget], budget, self.bonus, self.start)
 
-    def absorb(self, plan: RoundPlan, vout: TargetOutput) -> None:
-        """The round after the target's forward ``vout`` over ``plan.part``: picks, accept walk, commit, emitted tokens."""
+    def absorb(self, plan: RoundPlan, vout: TargetOutput, picked: tuple[torch.Tensor, int] | None = None) -> None:
+        """The round after the target's forward ``vout`` over ``plan.part``: picks, accept walk, commit, emitted tokens.
+        ``picked``: a plain greedy step's token already picked from its logits (device [], host int), as
+        :func:`~kdtree_engine.sampling.greedy` picks it (a batch picks all its plain steps in one launch)."""
         target, timer = self.target, self.timer
         if plan.tree is None:
             logits = vout.logits[-1]
             self.keep_logits(vout.logits[-1:])
-            self.bonus = sample(logits, self.params, self.gen, policy=target.policy, vocab=self.vocab)
-            self._out = [int(self.bonus)]
+            if picked is None:
+                self.bonus = sample(logits, self.params, self.gen, policy=target.policy, vocab=self.vocab)
+                self._out = [int(self.bonus)]
+            else:
+                self.bonus, self._out = picked[0], [picked[1]]
             timer.lap("verify_s")
+            if self.drafter is not None:   # the committed token's features for the next draft pass
+                self.ctx = vout.aux if self.ctx is None else torch.cat([self.ctx, vout.aux])
+                self.start += 1
             self.stats.record(1, 0)
             return
         tree = plan.tree
