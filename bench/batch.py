@@ -95,7 +95,10 @@ def run_batch(sched: Scheduler, prompts: list[list[int]], method: str, max_token
             "rows_per_forward": (sched.rows_run - rows_run) / max(sched.forwards - forwards, 1),
             "budget_mean": sum(b * k for b, k in chosen.items()) / rounds if rounds else None,
             "budget_chosen": dict(sorted(chosen.items())),
-            "graph_captures": (sched.steps.captures if sched.steps is not None else 0) - captures}
+            "graph_captures": (sched.steps.captures if sched.steps is not None else 0) - captures,
+            # what the load-aware budget steers by, as learned by the end of the run
+            "draft_s": sched.draft_s.value, "tree_host_s": sched.tree_host_s.value,
+            "forward_scale": sched.forward_scale.value}
 
 
 def batch1_plain(target, prompt: list[int], max_tokens: int) -> dict[str, Any]:

@@ -144,7 +144,7 @@ k2() {  # the whole K2 model at one rank's size (the parallelism issue's table)
 batch() {  # continuous batching (the batching issue): bit for bit against solo runs, then throughput
   pytest_step pytest-batch 160 tests/gpu/test_batch_gpu.py
   step bench-batch-demo 110 python3 bench/batch.py --model demo --out "$RES"
-  step bench-batch-k2 210 python3 bench/batch.py --model k2 --max-tokens 32 --out "$RES"
+  step bench-batch-k2 210 python3 bench/batch.py --model k2 --max-tokens 64 --out "$RES"
   step bench-batch-graph-k2 80 python3 bench/batch_graph.py --model k2 --out "$RES"
 }
 
