@@ -20,6 +20,9 @@
 #                  throughput at 1 / 4 / 16 / 64 concurrent requests, plain vs DDTree with the load-aware budget, demo
 #                  and K2 one rank (bench/batch.py),
 #                  and the K2 rank's batched plain step replayed from one graph (bench/batch_graph.py)
+#   ttft           time to first token: the prompt's GPU tests (chunked == one forward, the prefill kernel, the
+#                  prefill's peak memory), the demo's prompt step from a graph per bucket (bench/prefill_graph.py),
+#                  the demo's TTFT after its start-up warm-up
 #   serving        the serving stage in one call: bit for bit (spec == plain, batch == solo, batch invariance, the
 #                  prefill kernel and chunked prefill) over worker processes, the demo's TTFT after the warm-up, the
 #                  demo's batching throughput
@@ -40,7 +43,7 @@ DRY=0
 if [[ ${1:-} == --dry-run ]]; then DRY=1; shift; fi
 SUITE=${1:-}
 ARG=${2:-}
-SUITES="tests [bitwise|rounds|kernels], bench, kernel {w4a16|moe|mla|gemm|router|tails}, quick, formats, k2, batch, long, serving"
+SUITES="tests [bitwise|rounds|kernels], bench, kernel {w4a16|moe|mla|gemm|router|tails}, quick, formats, k2, batch, long, ttft, serving"
 die() { echo "gpu_suite.sh: $*" >&2; exit 2; }
 
 PYT=(python3 -m pytest -m gpu -p no:cacheprovider -v -rf --durations=15)
@@ -158,6 +161,13 @@ long() {  # the long-context issue's measurements, one record per step (each wri
   step bench-long-demo 80 python3 bench/long_context.py --parts demo --label demo --out "$RES"
 }
 
+ttft() {  # time to first token (the long-context issue): the prompt's GPU tests, then the demo's prompt step from a
+           # graph per length bucket against the eager one, and the demo's TTFT after its start-up warm-up
+  pytest_step pytest-ttft 200 tests/gpu/test_long_context_gpu.py tests/gpu/test_prefill_attention_gpu.py
+  step bench-prefill-graph 70 python3 bench/prefill_graph.py --out "$RES"
+  step bench-long-demo 80 python3 bench/long_context.py --parts demo --label demo --out "$RES"
+}
+
 serving() {  # the serving stage's GPU checks and the records its docs cite, one device call
   pytest_step pytest-serving 300 -n "${GPU_TEST_WORKERS:-8}" tests/gpu/test_bitwise_gpu.py tests/gpu/test_batch_gpu.py \
     tests/gpu/test_batch_invariance_gpu.py tests/gpu/test_prefill_attention_gpu.py tests/gpu/test_long_context_gpu.py \
@@ -182,7 +192,7 @@ run_suite() {
         bitwise | rounds | kernels) "tests_$ARG" ;;
         *) die "unknown tests part '$ARG' (parts: bitwise, rounds, kernels)" ;;
       esac ;;
-    bench | quick | formats | k2 | batch | long | serving)
+    bench | quick | formats | k2 | batch | long | ttft | serving)
       [[ -z $ARG ]] || die "suite '$SUITE' takes no argument (got '$ARG')"
       "$SUITE" ;;
     kernel)

@@ -22,6 +22,7 @@ prefill would run, and its sampling draws from its own generator (its seed). The
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from dataclasses import replace
@@ -36,7 +37,7 @@ from ..logs import log_once
 from ..model.prefill import ChunkStep, choose_form, plan_chunks, resolve_chunk
 from ..model.target import BatchPart, Target, TargetOutput
 from ..sampling import SamplingParams, greedy, topk_logprobs
-from ..speculative.budget import (SCALE_MAX, SCALE_MIN, AcceptanceCalibration, RunningMean,
+from ..speculative.budget import (SCALE_MAX, AcceptanceCalibration, RunningMean,
                                   expected_accepted_by_budget, verify_cost_for)
 from ..speculative.config import resolve_spec
 from ..speculative.decode import Emitter, GenerationResult, OnTokens, cache_token_capacity, context_limit, round_shape
@@ -47,7 +48,10 @@ from .load_budget import allocate_budgets
 from .sequence import DONE, PREFILL, RUNNING, WAITING, Sequence
 
 DEFAULT_TOKEN_BUDGET = 2048  # rows of one batched forward (decode / verify rows first, then prompt chunks)
-MAX_SKIP = 16  # load-aware budgets: the most plain rounds before a request drafts again
+MAX_SKIP = 16  # load-aware budgets: plain rounds between draft passes that did not pay (doubling up to this)...
+PROBE_SHARE = 0.05  # ...or more, so that such a pass costs at most this share of the plain rounds it is spread over
+MAX_PROBE_GAP = 1024  # the most plain rounds before a request drafts again
+FORWARD_SCALE_MIN = 0.01  # observed / curve seconds of a forward: replayed batched steps reach a few percent
 COST_ROWS = 1024  # the verify cost curve is measured up to this many rows, extended linearly past it
 
 
@@ -88,6 +92,7 @@ class Scheduler:
         self.tree_host_s = RunningMean(0.1)
         # observed / curve seconds of the batch's forwards: the curve is one request's, a batch launches more
         self.forward_scale = RunningMean(0.1, prior=1.0, prior_weight=1)
+        self.step_s = RunningMean(0.1)  # a request's share of a forward's seconds (what a plain round costs it)
         log_once(f"batch:{token_budget}", f"continuous batching: up to {token_budget} rows per forward, prompts in "
                  f"chunks of {self.chunk} tokens")
 
@@ -170,8 +175,10 @@ class Scheduler:
         outs = self._forward(parts, len(running), aux)
         if timed:
             sync(self.target.device)
-            self.forward_scale.update(min(max((time.perf_counter() - t0) / max(self._cost(rows), 1e-12),
-                                              SCALE_MIN), SCALE_MAX))
+            took = time.perf_counter() - t0
+            # the curve is an eager forward's; replayed steps run far below it
+            self.forward_scale.update(min(max(took / max(self._cost(rows), 1e-12), FORWARD_SCALE_MIN), SCALE_MAX))
+            self.step_s.update(took / len(parts))
         self.forwards += 1
         self.rows_run += rows
         walk_s, walks = 0.0, 0
@@ -296,7 +303,7 @@ class Scheduler:
         for (seq, draft_logits), top, b, e in zip(auto, tops, budgets, expected):
             r = seq.rounds
             # a tree not worth its draft pass: skip the drafter for a while (doubling while it stays so)
-            seq.backoff = 0 if b > 0 else min(max(2 * seq.backoff, 1), MAX_SKIP)
+            seq.backoff = 0 if b > 0 else self._probe_gap(seq.backoff)
             seq.skip = seq.backoff
             seq.predicted = float(e[b - 1]) if b > 0 else 0.0   # the drafter's own estimate: what calibration learns
             chose(seq, b)
@@ -306,6 +313,14 @@ class Scheduler:
         if planned:
             self._plan_s = (time.perf_counter() - t0, planned)
         return out
+
+    def _probe_gap(self, last: int) -> int:
+        """Plain rounds before a request whose draft pass did not pay drafts again: doubling from 1 up to MAX_SKIP,
+        and at least as many as make that pass (its draft and tree host time) PROBE_SHARE of their cost."""
+        doubling = min(max(2 * last, 1), MAX_SKIP)
+        share = self.step_s.value
+        floor = math.ceil((self.draft_s.value + self.tree_host_s.value) / (PROBE_SHARE * share)) if share > 0 else 1
+        return min(max(doubling, floor), MAX_PROBE_GAP)
 
     def _verify_cost(self):
         if self._cost is None:

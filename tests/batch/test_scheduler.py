@@ -181,3 +181,25 @@ def test_drop_all_ends_every_request_and_frees_the_pool():
     assert sorted(s.id for s in ended) == [s.id for s in seqs] and sched.idle
     assert all(s.done and s.result.finish_reason == "abort" for s in seqs)
     assert sorted(pool.free_ids()) == free
+
+
+def test_a_draft_pass_that_does_not_pay_is_spread_over_enough_plain_rounds():
+    """The gap before the next draft pass doubles up to MAX_SKIP while passes are cheap, and is at least what keeps an
+    unpaid pass at PROBE_SHARE of the plain rounds between passes (fresh random costs, printed seed)."""
+    from kdtree_engine.batch.scheduler import MAX_PROBE_GAP, MAX_SKIP, PROBE_SHARE
+    seed = random.randrange(1 << 30)
+    print(f"seed {seed}")
+    rng = random.Random(seed)
+    target, drafter = _pair(seed, layers=1)
+    sched = Scheduler(target, drafter)
+    for _ in range(100):
+        step, draft, host = rng.uniform(1e-5, 1e-2), rng.uniform(1e-5, 1e-1), rng.uniform(0, 1e-3)
+        sched.step_s.value, sched.draft_s.value, sched.tree_host_s.value = step, draft, host
+        gaps, last = [], 0
+        for _ in range(8):
+            last = sched._probe_gap(last)
+            gaps.append(last)
+        assert gaps == sorted(gaps) and MAX_SKIP <= gaps[-1] <= MAX_PROBE_GAP
+        for g in gaps:
+            assert g == MAX_PROBE_GAP or (draft + host) <= PROBE_SHARE * step * g * (1 + 1e-9)
+            assert g == 1 or g <= MAX_SKIP or (draft + host) > PROBE_SHARE * step * (g - 1)   # no longer than needed
