@@ -81,9 +81,13 @@ class CachePool:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.cfg = cfg
         self.num_blocks = num_blocks
+        # one block past the requests' (never free): where the padded rows of a step replayed from a CUDA graph
+        # write the latents that fall outside their request's blocks (nothing reads them as keys of a real row)
+        self.trash = num_blocks
         # zero-initialised: a kernel reading a whole block past a request's length weighs those keys 0, so they
         # must be finite, and the pool only ever holds written keys or zeros
-        self.kv = torch.zeros(cfg.num_hidden_layers, num_blocks, BLOCK, cfg.kv_cache_dim, dtype=dtype, device=device)
+        self.kv = torch.zeros(cfg.num_hidden_layers, num_blocks + 1, BLOCK, cfg.kv_cache_dim, dtype=dtype,
+                              device=device)
         self._free = list(range(num_blocks - 1, -1, -1))  # popped from the end: low ids first
         self.sizing = f"{num_blocks} blocks asked"  # how the size was chosen (the log line's reason)
 
@@ -96,7 +100,7 @@ class CachePool:
         n, why = pool_tokens(cfg, dtype, device, tokens, fraction, first_use)
         if agree is not None:
             n, why = agree(n), f"{why}, the least over the ranks"
-        most = (ADDRESSABLE - 1) // cfg.kv_cache_dim // BLOCK * BLOCK
+        most = (ADDRESSABLE - 1) // cfg.kv_cache_dim // BLOCK * BLOCK - BLOCK   # and the trash block
         if n > most:
             n, why = most, f"{why}, cut to the {most} tokens a layer's 32-bit key offsets address"
         pool = cls(cfg, n // BLOCK, dtype=dtype, device=device)

@@ -31,6 +31,7 @@ from .kernels.dispatch import log_choices, prepare_int4
 from .kernels.policy import KernelPolicy
 from .logs import log_once
 from .model.dflash import DFlashDrafter
+from .model.prompt_graph import MAX_BUCKET, PromptGraphs
 from .model.target import Target, split_groups
 from .parallel.broadcast import (Request, recv_request, recv_round_verdict, send_request, send_round_verdict,
                                  send_stop)
@@ -208,8 +209,10 @@ class LLM:
                  memory_fraction: float | None = None, warm_up: bool | None = False) -> None:
         """``model``: a checkpoint directory, or None / ``"demo"`` for the embedded demo (its drafter and budget
         16 unless ``draft`` / ``budget`` say otherwise). ``spec``: none | dflash | ddtree; None = ddtree with a
-        drafter, else none. ``eager``: True = rounds driven from the host; False = each round replayed from a CUDA
-        graph (CUDA, a fixed budget); None = graphs where they apply (see ``speculative.decode.pick_round_mode``).
+        drafter, else none. ``eager``: True = rounds driven from the host and every prompt forward eager; False = each
+        round replayed from a CUDA graph (CUDA, a fixed budget); None = graphs where they apply (see
+        ``speculative.decode.pick_round_mode``); unless True, short prompts' forwards replay from a CUDA graph per
+        length bucket on one CUDA device (model/prompt_graph.py).
         ``batch_invariant`` and the ``KDTREE_*_BACKEND`` variables make the kernel policy of target and drafter.
         ``threads``: torch's CPU threads (process-wide): an int, ``"auto"`` (by the model's size on the CPU, as
         the CLI does) or None (torch's setting is left alone); see :func:`resolve_threads`. ``tp``: ranks of tensor +
@@ -246,6 +249,10 @@ class LLM:
                                   policy=self.policy, comm=self.comm)
         self.drafter = None if draft is None else load_drafter(draft, self.target)
         pool = self.target.init_cache_pool(tokens=cache_tokens, fraction=memory_fraction)  # after the drafter's weights
+        if self.device.type == "cuda" and eager is not True and self.comm.world_size == 1:
+            self.target.prompt_graphs = PromptGraphs(self.target, capture=True)
+            log_once("prompt-graphs", f"prompt forwards of up to {MAX_BUCKET} tokens: replayed from a CUDA graph per "
+                     f"length bucket (eager=True / --eager runs them eagerly)")
         self.spec = resolve_spec(spec_config, self.drafter, None)
         if self.drafter is not None and self.spec.method != "none":
             self.spec.resolve(self.drafter.block_size, self.target.cfg.vocab_size)  # the budget's bound, now

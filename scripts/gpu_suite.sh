@@ -20,8 +20,9 @@
 #                  throughput at 1 / 4 / 16 / 64 concurrent requests, plain vs DDTree with the load-aware budget, demo
 #                  and K2 one rank (bench/batch.py),
 #                  and the K2 rank's batched plain step replayed from one graph (bench/batch_graph.py)
-#   ttft           time to first token: the prompt's GPU tests (chunked == one forward, the prefill kernel, the
-#                  prefill's peak memory), the demo's prompt step from a graph per bucket (bench/prefill_graph.py),
+#   ttft           time to first token: the prompt's GPU tests (prompt graphs == the eager forward, chunked == one
+#                  forward, the prefill kernel, the prefill's peak memory), the demo's prompt step from a graph per
+#                  bucket (bench/prefill_graph.py),
 #                  the demo's TTFT after its start-up warm-up
 #   serving        the serving stage in one call: bit for bit (spec == plain, batch == solo, batch invariance, the
 #                  prefill kernel and chunked prefill) over worker processes, the demo's TTFT after the warm-up, the
@@ -76,7 +77,8 @@ tests_bitwise() {  # spec == plain bit for bit (random targets, the demo, its lo
 }
 tests_rounds() {  # device-resident and graph rounds, the speculative GPU tests, the round's own kernels
   pytest_step pytest-rounds 420 tests/gpu/test_graph_round_gpu.py tests/speculative/test_spec_gpu.py \
-    tests/gpu/test_long_context_gpu.py tests/gpu/test_paged_gpu.py tests/gpu/test_batch_gpu.py
+    tests/gpu/test_long_context_gpu.py tests/gpu/test_paged_gpu.py tests/gpu/test_batch_gpu.py \
+    tests/gpu/test_prompt_graph_gpu.py
   pytest_step pytest-round-kernels 150 tests/gpu/test_accept_walk_gpu.py tests/gpu/test_row_select_gpu.py \
     tests/gpu/test_draft_attention_gpu.py
 }
@@ -163,7 +165,8 @@ long() {  # the long-context issue's measurements, one record per step (each wri
 
 ttft() {  # time to first token (the long-context issue): the prompt's GPU tests, then the demo's prompt step from a
            # graph per length bucket against the eager one, and the demo's TTFT after its start-up warm-up
-  pytest_step pytest-ttft 200 tests/gpu/test_long_context_gpu.py tests/gpu/test_prefill_attention_gpu.py
+  pytest_step pytest-ttft 200 tests/gpu/test_prompt_graph_gpu.py tests/gpu/test_long_context_gpu.py \
+    tests/gpu/test_prefill_attention_gpu.py
   step bench-prefill-graph 70 python3 bench/prefill_graph.py --out "$RES"
   step bench-long-demo 80 python3 bench/long_context.py --parts demo --label demo --out "$RES"
 }

@@ -76,7 +76,7 @@ def solo(target, drafter, case: Case, chunk: int) -> tuple[GenerationResult, tor
 def batched(target, drafter, cases: list[Case], chunk: int, token_budget: int, step_mode: str | None = None
             ) -> tuple[list[GenerationResult], list[torch.Tensor], Scheduler]:
     """Every case through one scheduler, each submitted at its arrival step; results and emitted-token logits. The
-    scheduler is closed at the end (its static steps' scratch block back in the pool)."""
+    scheduler is closed at the end (its static steps' graphs and buffers dropped)."""
     sched = Scheduler(target, drafter, token_budget=token_budget, prefill_chunk=chunk, keep_logits=True,
                       step_mode=step_mode)
     seqs: list = [None] * len(cases)

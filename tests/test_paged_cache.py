@@ -241,7 +241,9 @@ def test_pool_sizing() -> None:
     with pytest.raises(BadInput, match="cache_tokens=3"):
         t.init_cache_pool(tokens=3)
     pool = t.init_cache_pool(tokens=1000)
-    assert pool.total_tokens == 16 * BLOCK and pool.kv.shape == (cfg.num_hidden_layers, 16, BLOCK, cfg.kv_cache_dim)
+    # 16 blocks for requests, and the trash block past them (padded rows of replayed steps write there)
+    assert pool.total_tokens == 16 * BLOCK and pool.kv.shape == (cfg.num_hidden_layers, 17, BLOCK, cfg.kv_cache_dim)
+    assert pool.trash == 16 and pool.trash not in pool.free_ids()
     with pytest.raises(ValueError, match="already made"):
         t.init_cache_pool(tokens=1000)
     default = Target(cfg).new_cache(10).pool  # made on first use: 2 x max_position_embeddings on the CPU

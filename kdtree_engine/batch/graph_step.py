@@ -12,7 +12,7 @@ Why a request's rows are those of its solo step, bit for bit: every kernel is ba
 not depend on the rows beside it or on the launch's width), each slot's attention runs over its own cache and mask,
 and the padded rows (a slot's rows past its round, every row of an empty slot) see only themselves: no request's
 row sees them, their logits are never read, and their latents land past the request's committed length (rewritten
-before anything commits them) or in a scratch block the steps hold.
+before anything commits them) or in the pool's trash block.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from ..cache import BLOCK, LatentCache, blocks_for
 from ..logs import log, log_once
 from ..model.context import BatchContext
 from ..model.target import BatchPart, Target, TargetOutput
-from ..speculative.graph import capacity_bucket, capture_graph, derived_owners, watched
+from ..model.capture import capture_graph, derived_owners, watched
+from ..speculative.graph import capacity_bucket
 
 STEP_MODES = ("eager", "static", "graph")
 MAX_SLOTS = 128  # more running requests than this: the step runs eagerly
@@ -72,15 +73,15 @@ class SlotKey:
 class Slots:
     """The static inputs and outputs of one (B, W, table width, aux) step, and its graph."""
 
-    def __init__(self, target: Target, key: SlotKey, scratch: int) -> None:
+    def __init__(self, target: Target, key: SlotKey, trash: int) -> None:
         dev = target.device
         B, W = key.slots, key.width
-        self.target, self.key, self.scratch = target, key, scratch
+        self.target, self.key, self.trash = target, key, trash
         self.ids = torch.zeros(B * W, dtype=torch.long, device=dev)
         self.positions = torch.zeros(B * W, dtype=torch.long, device=dev)
         self.masks = torch.eye(W, dtype=torch.bool, device=dev).repeat(B, 1, 1)   # padded rows: themselves only
         self.starts = torch.zeros(B, dtype=torch.long, device=dev)
-        self.tables = torch.full((B, key.blocks), scratch, dtype=torch.int32, device=dev)
+        self.tables = torch.full((B, key.blocks), trash, dtype=torch.int32, device=dev)
         self.occupant: list[tuple[LatentCache, int] | None] = [None] * B   # (cache, generation) whose table a slot holds
         self.treed = [False] * B                                 # slots whose mask holds a tree now
         self.logits: torch.Tensor | None = None
@@ -110,7 +111,7 @@ class Slots:
             cache = None if p is None else p.cache
             held = None if cache is None else (cache, cache.generation)
             if self.occupant[i] != held:   # LatentCache compares by identity
-                self.tables[i].fill_(self.scratch)
+                self.tables[i].fill_(self.trash)
                 if cache is not None:
                     n = min(cache.table.numel(), key.blocks)
                     self.tables[i, :n].copy_(cache.table[:n])
@@ -150,7 +151,6 @@ class BatchedSteps:
 
     def __init__(self, target: Target, mode: str) -> None:
         self.target, self.mode = target, mode
-        self.scratch = target.new_cache(BLOCK)   # one block: where padded rows past a request's blocks write
         self.slots: dict[SlotKey, Slots] = {}
         self.pool: Any = None                     # one graph memory pool for every bucket (replayed one at a time)
         self.owners = derived_owners([target])
@@ -175,7 +175,7 @@ class BatchedSteps:
         key = self.key(parts, aux_layers)
         slots = self.slots.get(key)
         if slots is None:
-            slots = self.slots[key] = Slots(target, key, self.scratch.blocks[0])
+            slots = self.slots[key] = Slots(target, key, target.pool().trash)
             log.debug("batched steps: slots for %s", key)
         target.rope.ensure(key.blocks * BLOCK + 1)
         spans = slots.fill(parts)
@@ -208,6 +208,5 @@ class BatchedSteps:
         slots.graph.replay()
 
     def release(self) -> None:
-        """Drop the graphs and give the scratch block back."""
+        """Drop the graphs and their buffers."""
         self.slots.clear()
-        self.scratch.release()

@@ -130,8 +130,7 @@ class Scheduler:
         return ended
 
     def close(self) -> None:
-        """End every request ("abort") and drop the static steps (their graphs and scratch block): the pool holds
-        nothing of this scheduler afterwards."""
+        """End every request ("abort") and drop the static steps (their graphs and buffers)."""
         self.drop_all()
         if self.steps is not None:
             self.steps.release()

@@ -33,6 +33,7 @@ from .int4_order import CHECKPOINT, set_order
 from .layers import MLP, GroupOf, Linear, RMSNorm, Rope
 from .mla import MLA
 from .moe import MoE
+from .prompt_graph import PromptGraphs
 from .prefill import (KEY_BLOCK, ChunkStep, PrefillOutput, choose_form, plan_chunks, resolve_chunk,
                       transient_bytes)
 
@@ -169,6 +170,8 @@ class Target(nn.Module):
                 m.weight.requires_grad_(False)
         self._loaded: set[str] = set()
         self.cache_pool: CachePool | None = None  # made by init_cache_pool, or on the first new_cache
+        # short prompts' forwards replayed per length bucket (model/prompt_graph.py; the engine sets it on CUDA)
+        self.prompt_graphs: PromptGraphs | None = None
 
     # ---- weights ---------------------------------------------------------------------------
     def _slot(self, name: str) -> torch.Tensor:
@@ -464,8 +467,13 @@ class Target(nn.Module):
             torch.cuda.reset_peak_memory_stats(dev)
             base = torch.cuda.memory_allocated(dev)
         if T <= size:
-            out = self(ids, cache, positions, aux_layers=aux_layers)
-            logits, aux, chunks = (out.logits if all_logits else out.logits[-1:]), out.aux, 1
+            graphs = self.prompt_graphs
+            if graphs is not None and positions is None and not all_logits and graphs.takes(T, cache):
+                logits, aux = graphs.run(ids, cache, aux_layers)
+            else:
+                out = self(ids, cache, positions, aux_layers=aux_layers)
+                logits, aux = (out.logits if all_logits else out.logits[-1:]), out.aux
+            chunks = 1
             estimate = transient_bytes(cfg, N, T, T, "naive", db)
         else:
             parts, auxes, estimate = [], [], 0

@@ -111,7 +111,7 @@ def test_scheduler_with_static_steps_keeps_solo_tokens():
     cases = make_cases(tok, 8, seed, max_prompt=90, max_tokens=16)
     free = sorted(target.pool().free_ids())
     results, logits, sched = batched(target, drafter, cases, 48, token_budget=96, step_mode="static")
-    assert sorted(target.pool().free_ids()) == free   # closed: its scratch block is back too
+    assert sorted(target.pool().free_ids()) == free
     for i, (case, res, lg) in enumerate(zip(cases, results, logits)):
         ref, ref_logits = solo(target, drafter, case, 48)
         assert res.token_ids == ref.token_ids, (i, case.method, first_difference(res.token_ids, ref.token_ids))
