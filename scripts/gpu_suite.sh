@@ -18,19 +18,16 @@
 #                  64K context, their byte roofline and a round's kernels (bench/k2_model.py)
 #   batch          continuous batching: the bitwise batch-vs-solo GPU test (graph and eager batched steps), then
 #                  throughput at 1 / 4 / 16 / 64 concurrent requests, plain vs DDTree with the load-aware budget, demo
-#                  and K2 one rank (bench/batch.py),
-#                  and the K2 rank's batched plain step replayed from one graph (bench/batch_graph.py)
+#                  and K2 one rank (bench/batch.py), and the K2 rank's batched plain step replayed from one graph
+#                  (bench/batch_graph.py)
 #   ttft           time to first token: the prompt's GPU tests (prompt graphs == the eager forward, chunked == one
-#                  forward, the prefill kernel, the prefill's peak memory), the demo's prompt step from a graph per
-#                  bucket (bench/prefill_graph.py),
-#                  the demo's TTFT after its start-up warm-up
+#                  forward, the prefill kernel, the prefill's peak memory), the demo's TTFT after its start-up warm-up
 #   serving        the serving stage in one call: bit for bit (spec == plain, batch == solo, batch invariance, the
 #                  prefill kernel and chunked prefill) over worker processes, the demo's TTFT after the warm-up, the
 #                  demo's batching throughput
 #   long           long context (bench/long_context.py): K2 one-rank decode / verify steps at 4K-256K against the
 #                  byte roofline, prefill tokens/s and TFLOP/s at 1K-32K (K2 and the demo), a 128K prompt's time to
-#                  first token (K2, 61 layers), the demo's prompt forward from a graph per bucket (bench/prefill_graph.py),
-#                  the demo's TTFT after its start-up warm-up
+#                  first token (K2, 61 layers), the demo's TTFT after its start-up warm-up
 #
 # Every step runs under a cap (seconds); the caps of one suite (one part of `tests`) sum to at most 570 s, so a
 # suite fits one 10-minute device call. A capped pytest run gets SIGINT first, so it still writes its summary and
@@ -159,15 +156,13 @@ long() {  # the long-context issue's measurements, one record per step (each wri
     --demo-prompt-sizes 1024,8192,32768 --profile --label prefill --out "$RES"
   step bench-long-ttft 120 python3 bench/long_context.py --parts prefill --prompts 131072 --no-demo-prefill \
     --label ttft-128k --out "$RES"
-  step bench-prefill-graph 70 python3 bench/prefill_graph.py --out "$RES"
   step bench-long-demo 80 python3 bench/long_context.py --parts demo --label demo --out "$RES"
 }
 
-ttft() {  # time to first token (the long-context issue): the prompt's GPU tests, then the demo's prompt step from a
-           # graph per length bucket against the eager one, and the demo's TTFT after its start-up warm-up
+ttft() {  # time to first token (the long-context issue): the prompt's GPU tests, then the demo's TTFT after its
+           # start-up warm-up (its prompts replayed from a graph per length bucket)
   pytest_step pytest-ttft 200 tests/gpu/test_prompt_graph_gpu.py tests/gpu/test_long_context_gpu.py \
     tests/gpu/test_prefill_attention_gpu.py
-  step bench-prefill-graph 70 python3 bench/prefill_graph.py --out "$RES"
   step bench-long-demo 80 python3 bench/long_context.py --parts demo --label demo --out "$RES"
 }
 
