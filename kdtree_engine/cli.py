@@ -120,7 +120,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                         "off: the fastest kernels (cuBLAS), equal up to floating point only")
     p.add_argument("--eager", action="store_true",
                    help="run each decoding round from the host (stage timers, --show-tree, sampling) instead of "
-                        "replaying it from a CUDA graph (the default on CUDA with a fixed budget)")
+                        "replaying it from a CUDA graph (the default on CUDA with a fixed budget), and every prompt "
+                        "forward eagerly (on CUDA, prompts of up to 512 tokens replay from a graph per length bucket)")
     p.add_argument("--cache-tokens", type=_positive("--cache-tokens"), default=None,
                    help="latent cache pool size in tokens, shared by the requests (default: --gpu-memory-fraction "
                         "on CUDA, 2 x the model's max_position_embeddings on the CPU); logged with the maximum "

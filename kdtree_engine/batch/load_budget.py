@@ -12,7 +12,8 @@ Each request given a tree also pays its draft pass (``draft_s``) in the denomina
 decoding for all (every budget 0, the root alone) and the best budget shared by all, the one change of one request's budget (to any size on its
 candidate ladder, up or down) that raises the objective most is taken, until none raises it. Starting from plain and taking only improving steps,
 the chosen budgets never predict fewer tokens per second than plain batched decoding; as the batch grows a node
-costs more of the shared forward and the trees shrink.
+costs more of the shared forward and the trees shrink. When the forward pads every request's rows to the widest
+round (batched steps from CUDA graphs, graph_step.py), the requests share one budget instead (:func:`shared_budget`).
 """
 
 from __future__ import annotations

@@ -93,6 +93,9 @@ class Scheduler:
         # observed / curve seconds of the batch's forwards: the curve is one request's, a batch launches more
         self.forward_scale = RunningMean(0.1, prior=1.0, prior_weight=1)
         self.step_s = RunningMean(0.1)  # a request's share of a forward's seconds (what a plain round costs it)
+        # the gap the last draft pass that did not pay was given (0 after one that paid): a new load-aware request
+        # starts with it, so it does not pay a pass of its own to learn what the batch already knows
+        self.verdict_gap = 0
         log_once(f"batch:{token_budget}", f"continuous batching: up to {token_budget} rows per forward, prompts in "
                  f"chunks of {self.chunk} tokens")
 
@@ -304,6 +307,8 @@ class Scheduler:
             # a tree not worth its draft pass: skip the drafter for a while (doubling while it stays so)
             seq.backoff = 0 if b > 0 else self._probe_gap(seq.backoff)
             seq.skip = seq.backoff
+            if top is not None:
+                self.verdict_gap = seq.backoff
             seq.predicted = float(e[b - 1]) if b > 0 else 0.0   # the drafter's own estimate: what calibration learns
             chose(seq, b)
             # budget 0: a plain step (its aux row still feeds the drafter), as cheap as plain decoding's
@@ -350,6 +355,7 @@ class Scheduler:
         seq.rounds = r
         if seq.shape.auto:
             seq.calibration = AcceptanceCalibration()
+            seq.skip = seq.backoff = self.verdict_gap
         S = len(seq.prompt_ids)
         if S <= self.chunk:
             seq.chunks = [(0, S, None)]

@@ -203,3 +203,36 @@ def test_a_draft_pass_that_does_not_pay_is_spread_over_enough_plain_rounds():
         for g in gaps:
             assert g == MAX_PROBE_GAP or (draft + host) <= PROBE_SHARE * step * g * (1 + 1e-9)
             assert g == 1 or g <= MAX_SKIP or (draft + host) > PROBE_SHARE * step * (g - 1)   # no longer than needed
+
+
+def test_a_new_request_starts_from_the_batch_verdict(monkeypatch):
+    """After a draft pass that did not pay, a new load-aware request starts with the gap that pass was given: its first
+    rounds are plain, with no draft pass of its own (and still its solo run's tokens); after a pass that paid, a new
+    request drafts at once."""
+    from kdtree_engine.batch import scheduler as sched_mod
+    sched, _ = _auto_batch(2, 8, host_s=1e6)   # trees never pay: every pass ends at budget 0
+    gap = sched.verdict_gap
+    assert gap > 0
+    asked = []
+    real = sched._draft
+    monkeypatch.setattr(sched, "_draft", lambda asks: (asked.extend(id(a[2]) for a in asks), real(asks))[1])
+    rng = random.Random(gap)
+    prompt, params = _prompt(rng, 3, 20), SamplingParams(max_tokens=min(gap, 12), ignore_eos=True)
+    seq = sched.submit(prompt, params, spec="ddtree", budget="auto")
+    sched.run()
+    assert id(seq.rounds.dcache) not in asked and set(seq.result.stats["budget_chosen"]) == {0}
+    assert seq.result.token_ids == generate(sched.target, prompt, params).token_ids
+    # a pass that paid clears the verdict, and the next request drafts in its first round
+    monkeypatch.setattr(sched_mod, "allocate_budgets", lambda expected, *a, **k: [min(1, len(e)) for e in expected])
+    sched.verdict_gap = 3
+    late = sched.submit(_prompt(rng, 3, 20), SamplingParams(max_tokens=8, ignore_eos=True), spec="ddtree",
+                        budget="auto")
+    sched.run()   # three plain rounds, then a pass that pays
+    assert sched.verdict_gap == 0 and late.result.stats["budget_chosen"].get(0, 0) >= 3
+    asked.clear()
+    fresh = sched.submit(_prompt(rng, 3, 20), SamplingParams(max_tokens=3, ignore_eos=True), spec="ddtree",
+                         budget="auto")
+    sched.step()   # its prompt
+    sched.step()   # its first round
+    assert asked == [id(fresh.rounds.dcache)]
+    sched.run()
