@@ -17,6 +17,7 @@ before anything commits them) or in the pool's trash block.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -31,6 +32,7 @@ from ..speculative.graph import capacity_bucket
 
 STEP_MODES = ("eager", "static", "graph")
 MAX_SLOTS = 128  # more running requests than this: the step runs eagerly
+MAX_BUCKETS = 32  # slot buckets kept (graphs and buffers; each holds its output rows): the least recently used goes
 
 
 def slot_bucket(n: int) -> int:
@@ -151,7 +153,7 @@ class BatchedSteps:
 
     def __init__(self, target: Target, mode: str) -> None:
         self.target, self.mode = target, mode
-        self.slots: dict[SlotKey, Slots] = {}
+        self.slots: OrderedDict[SlotKey, Slots] = OrderedDict()   # least recently used first
         self.pool: Any = None                     # one graph memory pool for every bucket (replayed one at a time)
         self.owners = derived_owners([target])
         self.captures = 0
@@ -175,8 +177,12 @@ class BatchedSteps:
         key = self.key(parts, aux_layers)
         slots = self.slots.get(key)
         if slots is None:
+            if len(self.slots) >= MAX_BUCKETS:
+                old, _ = self.slots.popitem(last=False)
+                log.debug("batched steps: dropped the least recently used bucket %s", old)
             slots = self.slots[key] = Slots(target, key, target.pool().trash)
             log.debug("batched steps: slots for %s", key)
+        self.slots.move_to_end(key)
         target.rope.ensure(key.blocks * BLOCK + 1)
         spans = slots.fill(parts)
         with torch.no_grad():

@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 
+from kdtree_engine.batch import graph_step
 from kdtree_engine.batch.graph_step import (BatchedSteps, padded_rows, resolve_step_mode, slot_bucket,
                                             width_bucket)
 from kdtree_engine.batch.load_budget import allocate_budgets
@@ -63,13 +64,14 @@ def _parts(target: Target, rng: random.Random, prompts: list[list[int]], caches:
     return parts
 
 
-def test_static_steps_equal_the_host_driven_forward():
+def test_static_steps_equal_the_host_driven_forward(monkeypatch):
     seed = random.randrange(1 << 30)
     print(f"seed {seed}")
     rng = random.Random(seed)
     cfg = preset("k2-tiny").replace(num_hidden_layers=2, vocab_size=96)
     target = Target.random(cfg, seed=seed)
     free = target.pool().free_blocks
+    monkeypatch.setattr(graph_step, "MAX_BUCKETS", 2)   # the third step's bucket drops the least recently used
     steps = BatchedSteps(target, "static")
     prompts = [[rng.randrange(96) for _ in range(rng.randint(3, 90))] for _ in range(6)]
     pairs = []   # (eager cache, static cache) per request: the same prompt in both
@@ -79,12 +81,14 @@ def test_static_steps_equal_the_host_driven_forward():
             target.prefill(torch.tensor(p), c)
         pairs.append((a, b))
     # three steps; requests leave and join between them, so slots change hands and some stay empty
+    used = set()
     for members in ([0, 1, 2, 3, 4], [0, 2, 4], [5, 1, 3]):
         shapes = [rng.choice([0, 0, 1, 3, 7, 17]) for _ in members]
         state = rng.getstate()
         eager = target.forward_batch(_parts(target, rng, prompts, [pairs[i][0] for i in members], shapes), (0, 1))
         rng.setstate(state)
         parts = _parts(target, rng, prompts, [pairs[i][1] for i in members], shapes)
+        used.add(steps.key(parts, (0, 1)))
         static = steps.forward(parts, (0, 1))
         for i, n, e, s in zip(members, shapes, eager, static):
             torch.testing.assert_close(s.logits, e.logits, rtol=1e-5, atol=1e-5, msg=f"request {i}, {n} nodes")
@@ -96,6 +100,7 @@ def test_static_steps_equal_the_host_driven_forward():
                 b.commit(keep)
             assert a.length == b.length
             torch.testing.assert_close(b.kv[:, :b.length], a.kv[:, :a.length], rtol=1e-5, atol=1e-5)
+    assert len(steps.slots) == min(len(used), 2) and set(steps.slots) <= used
     steps.release()
     for a, b in pairs:
         a.release()
