@@ -27,7 +27,7 @@ from ..cache import BLOCK, LatentCache, blocks_for
 from ..logs import log, log_once
 from ..model.context import BatchContext
 from ..model.target import BatchPart, Target, TargetOutput
-from ..model.capture import capture_graph, derived_owners, watched
+from ..model.capture import capture_graph, derived_owners, replaced, watched
 from ..speculative.graph import capacity_bucket
 
 STEP_MODES = ("eager", "static", "graph")
@@ -202,7 +202,7 @@ class BatchedSteps:
         if self.mode != "graph":
             slots.run()
             return
-        if slots.graph is not None and watched(self.target, self.owners) != slots.inputs:
+        if slots.graph is not None and replaced(slots.inputs, watched(self.target, self.owners)):
             log.info("batched step graph: a tensor it reads was replaced; capturing again")
             slots.graph = None
         if slots.graph is None:

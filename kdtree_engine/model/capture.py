@@ -35,12 +35,21 @@ def derived_owners(models: list[torch.nn.Module]) -> list[torch.nn.Module]:
     return [m for model in models for m in model.modules() if hasattr(m, "derived_weights")]
 
 
-def watched(target: Any, owners: list[torch.nn.Module]) -> tuple:
-    """Addresses of tensors a captured step reads that live outside it and may be replaced (rope tables grown by an
-    eager step; absorbed attention weights, the routers' bf16 parts and stacked linears rebuilt after a reload): a
-    graph whose addresses changed is captured again."""
-    ptrs = [target.rope.cos.data_ptr(), target.rope.sin.data_ptr()]
-    for m in owners:
-        ptrs += [w.data_ptr() for w in m.derived_weights()] + [None]   # None: where one owner's list ends
-    return tuple(ptrs)
+Addresses = tuple[tuple[int, ...], ...]
 
+
+def watched(target: Any, owners: list[torch.nn.Module]) -> Addresses:
+    """Addresses of tensors a captured step may read that live outside it and may be replaced: the rope tables
+    (grown by an eager step), then each owner's derived weights (absorbed attention weights, the routers' bf16 parts,
+    stacked linears: rebuilt after a reload, and made on first use)."""
+    return ((target.rope.cos.data_ptr(), target.rope.sin.data_ptr()),) + tuple(
+        tuple(w.data_ptr() for w in m.derived_weights()) for m in owners)
+
+
+def replaced(captured: Addresses, now: Addresses) -> bool:
+    """Whether a tensor a graph read was replaced since its capture (then it is captured again): the rope tables
+    moved, or a weight derived at capture is no longer among its owner's. A weight derived after the capture was
+    never read by the graph (the capture's own runs made whatever it reads), so it changes nothing."""
+    if len(captured) != len(now) or captured[0] != now[0]:
+        return True
+    return any(not set(c) <= set(n) for c, n in zip(captured[1:], now[1:]))

@@ -21,7 +21,7 @@ from ..cache import BLOCK, LatentCache, blocks_for
 from ..kernels.common import take_rows
 from ..kernels.paged import page_rows
 from ..logs import log
-from .capture import capture_graph, derived_owners, watched
+from .capture import capture_graph, derived_owners, replaced, watched
 from .context import StepContext
 
 MIN_BUCKET = 16
@@ -103,7 +103,7 @@ class PromptGraphs:
         else:
             if self.owners is None:
                 self.owners = derived_owners([t])
-            if step.graph is not None and watched(t, self.owners) != step.inputs:
+            if step.graph is not None and replaced(step.inputs, watched(t, self.owners)):
                 log.info("prompt graph: a tensor it reads was replaced; capturing again")
                 step.graph = None
             if step.graph is None:

@@ -25,7 +25,7 @@ from ..logs import log
 from ..model.target import Target
 from ..sampling import SamplingParams
 from .config import RoundShape
-from ..model.capture import capture_graph, derived_owners, watched
+from ..model.capture import capture_graph, derived_owners, replaced, watched
 from .device_round import DeviceRound
 
 MIN_CAPACITY = 512
@@ -61,7 +61,7 @@ class GraphRunner:
         log.debug("captured a %s round (budget %s, capacity %d)", rnd.method, rnd.budget, rnd.capacity)
 
     def step(self) -> None:
-        if self.graph is not None and watched(self.rnd.target, self._owners) != self._inputs:
+        if self.graph is not None and replaced(self._inputs, watched(self.rnd.target, self._owners)):
             log.info("decoding round graph: a tensor it reads was replaced; capturing again")
             self.graph = None
         if self.graph is None:
