@@ -41,6 +41,7 @@ def test_prompt_steps_equal_the_eager_prompt_forward():
         torch.testing.assert_close(b.kv[:, :T], a.kv[:, :T], rtol=1e-5, atol=1e-5)
         a.release()
         b.release()
+        target.rope.ensure(2 * target.rope.cos.shape[0])   # a longer round moves the rope tables: buckets unaffected
     assert sorted(target.pool().free_ids()) == free
 
 

@@ -38,12 +38,13 @@ def derived_owners(models: list[torch.nn.Module]) -> list[torch.nn.Module]:
 Addresses = tuple[tuple[int, ...], ...]
 
 
-def watched(target: Any, owners: list[torch.nn.Module]) -> Addresses:
+def watched(target: Any, owners: list[torch.nn.Module], rope: bool = True) -> Addresses:
     """Addresses of tensors a captured step may read that live outside it and may be replaced: the rope tables
-    (grown by an eager step), then each owner's derived weights (absorbed attention weights, the routers' bf16 parts,
-    stacked linears: rebuilt after a reload, and made on first use)."""
-    return ((target.rope.cos.data_ptr(), target.rope.sin.data_ptr()),) + tuple(
-        tuple(w.data_ptr() for w in m.derived_weights()) for m in owners)
+    (grown by an eager step or a longer round; ``rope=False`` for a step that reads none of them), then each owner's
+    derived weights (absorbed attention weights, the routers' bf16 parts, stacked linears: rebuilt after a reload, and
+    made on first use)."""
+    tables = (target.rope.cos.data_ptr(), target.rope.sin.data_ptr()) if rope else ()
+    return (tables,) + tuple(tuple(w.data_ptr() for w in m.derived_weights()) for m in owners)
 
 
 def replaced(captured: Addresses, now: Addresses) -> bool:

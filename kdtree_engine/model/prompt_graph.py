@@ -42,6 +42,9 @@ class PromptBucket:
         self.ids = torch.zeros(B, dtype=torch.long, device=dev)
         self.last = torch.zeros(1, dtype=torch.long, device=dev)   # the last real row
         self.positions = torch.arange(B, device=dev)
+        # a prompt's positions are 0..B-1 whatever it holds: their rope rows copied once, so the graph reads no rope
+        # table (a longer round grows and moves the tables; a row's bits do not change with the table's size)
+        self.cos, self.sin = target.rope.tables(self.positions)
         self.table = torch.full((blocks_for(B),), target.pool().trash, dtype=torch.int32, device=dev)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.inputs: tuple = ()
@@ -50,8 +53,7 @@ class PromptBucket:
 
     def body(self) -> None:
         t, pos = self.target, self.positions
-        cos, sin = t.rope.gather(pos)
-        ctx = StepContext(pos, cos, sin, pos, 0, None, self.table, page_rows(self.table, pos, BLOCK))
+        ctx = StepContext(pos, self.cos, self.sin, pos, 0, None, self.table, page_rows(self.table, pos, BLOCK))
         x, self.aux = t._layers(t.embed(self.ids), ctx, t.pool(), self.aux_layers)
         self.logits = t.lm_head(take_rows(x, self.last))
 
@@ -94,7 +96,6 @@ class PromptGraphs:
         B = bucket_of(T)
         step = self.buckets.get((B, aux_layers))
         if step is None:
-            t.rope.ensure(B + 1)
             step = self.buckets[(B, aux_layers)] = PromptBucket(t, B, aux_layers)
         cache.reserve(T)
         step.fill(ids.to(t.device), cache)
@@ -103,12 +104,12 @@ class PromptGraphs:
         else:
             if self.owners is None:
                 self.owners = derived_owners([t])
-            if step.graph is not None and replaced(step.inputs, watched(t, self.owners)):
+            if step.graph is not None and replaced(step.inputs, watched(t, self.owners, rope=False)):
                 log.info("prompt graph: a tensor it reads was replaced; capturing again")
                 step.graph = None
             if step.graph is None:
                 step.graph, self.pool = capture_graph(step.body, t.device, pool=self.pool)
-                step.inputs = watched(t, self.owners)
+                step.inputs = watched(t, self.owners, rope=False)
                 log.debug("captured the prompt step of bucket %d", B)
             step.graph.replay()
         cache.commit_all()
