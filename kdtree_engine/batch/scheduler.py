@@ -52,6 +52,7 @@ MAX_SKIP = 16  # load-aware budgets: plain rounds between draft passes that did 
 PROBE_SHARE = 0.05  # ...or more, so that such a pass costs at most this share of the plain rounds it is spread over
 MAX_PROBE_GAP = 1024  # the most plain rounds before a request drafts again
 FORWARD_SCALE_MIN = 0.01  # observed / curve seconds of a forward: replayed batched steps reach a few percent
+PROMPT_GRAPHS_PER_STEP = 8  # whole short prompts of one step replayed one by one; more run as one forward
 COST_ROWS = 1024  # the verify cost curve is measured up to this many rows, extended linearly past it
 
 
@@ -207,13 +208,25 @@ class Scheduler:
 
     def _forward(self, parts: list[BatchPart], n_running: int, aux: tuple[int, ...]) -> list[TargetOutput]:
         """The step's forward: with static steps, the running requests' rows through :class:`BatchedSteps` and the
-        prompt chunks beside them in a host-driven forward (the kernels are batch-invariant: the same bits as one
-        forward); else one host-driven forward of every part."""
+        prompt chunks beside them (:meth:`_prompts`; the kernels are batch-invariant: the same bits as one forward);
+        else one host-driven forward of every part."""
         running, chunks = parts[:n_running], parts[n_running:]
-        if self.steps is None or not self.steps.fits(running):
+        if self.steps is None or (running and not self.steps.fits(running)):
             return self.target.forward_batch(parts, aux)
-        outs = self.steps.forward(running, aux)
-        return outs + (self.target.forward_batch(chunks, aux) if chunks else [])
+        return (self.steps.forward(running, aux) if running else []) + self._prompts(chunks, aux)
+
+    def _prompts(self, chunks: list[BatchPart], aux: tuple[int, ...]) -> list[TargetOutput]:
+        """The step's prompt chunks: a few whole short prompts each from the target's prompt graphs (one replay
+        a prompt, model/prompt_graph.py), else all of them in one host-driven forward (one forward beats many
+        replays when many prompts arrive together)."""
+        graphs = self.target.prompt_graphs
+        whole = graphs is not None and 0 < len(chunks) <= PROMPT_GRAPHS_PER_STEP and all(
+            p.chunk is None and p.logits == "last" and graphs.takes(p.ids.shape[0], p.cache) for p in chunks)
+        if not whole:
+            return self.target.forward_batch(chunks, aux) if chunks else []
+        log_once("batch:prompt-graphs", f"batched prompts: up to {PROMPT_GRAPHS_PER_STEP} whole prompts a step "
+                 "from the prompt graphs, more in one host-driven forward")
+        return [TargetOutput(*graphs.run(p.ids, p.cache, aux)) for p in chunks]
 
     def _greedy_picks(self, running: list[Sequence], plans: list[RoundPlan], outs: list[TargetOutput]
                       ) -> dict[int, tuple[torch.Tensor, int]]:

@@ -146,3 +146,23 @@ def test_padded_budgets_share_the_best_budget():
         assert value(got) >= value([0] * n) * (1 - 1e-12)   # never below plain
         assert value(got) >= best * (1 - 1e-12)             # the best budget shared on the ladders
         assert len({k for k, e in zip(got, expected) if k < len(e)}) <= 1   # one budget (or a request's largest)
+
+
+def test_whole_short_prompts_of_a_step_take_the_prompt_graphs(monkeypatch):
+    """With the target's prompt graphs set (the engine does on CUDA), a step's few whole short prompts run from them
+    (one replay a prompt); each request still gives its solo run's tokens (float32 on the CPU, without capture)."""
+    from kdtree_engine.model.prompt_graph import PromptGraphs
+    seed = random.randrange(1 << 30)
+    print(f"seed {seed}")
+    target = load_target(DEMO_DIR, device=torch.device("cpu"), dtype=torch.float32, progress=False)
+    drafter, tok = load_drafter(DEMO_DIR / "draft", target), load_tokenizer(DEMO_DIR)
+    cases = make_cases(tok, 6, seed, max_prompt=40, max_tokens=8)
+    refs = [solo(target, drafter, c, 48) for c in cases]   # eager prompts
+    target.prompt_graphs = PromptGraphs(target, capture=False)
+    runs = []
+    real = target.prompt_graphs.run
+    monkeypatch.setattr(target.prompt_graphs, "run", lambda *a: (runs.append(a[0].shape[0]), real(*a))[1])
+    results, _, _ = batched(target, drafter, cases, 48, token_budget=96, step_mode="static")
+    assert sorted(runs) == sorted(len(c.prompt) for c in cases)   # every prompt from its bucket, once
+    for i, (case, res, (ref, _)) in enumerate(zip(cases, results, refs)):
+        assert res.token_ids == ref.token_ids, (i, case.method, first_difference(res.token_ids, ref.token_ids))
