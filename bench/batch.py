@@ -8,7 +8,8 @@ load-aware budget, on the demo pair and on the K2 one-rank model (bench/k2_model
 For each method and concurrency C, C requests arrive together and run to their end through the method's
 :class:`~kdtree_engine.batch.Scheduler` (one per method for the whole run, as a server keeps one: its graphs and
 what its load-aware budget learned carry over; host-driven rounds, one batched target forward per step, the running
-requests' rows replayed from CUDA graphs per slot bucket unless ``--step-mode eager``). Each (C, method) runs twice
+requests' rows replayed from CUDA graphs per slot bucket unless ``--step-mode eager``; on CUDA, short prompts from the
+target's prompt graphs as the engine runs them, unless ``--no-prompt-graphs``). Each (C, method) runs twice
 and the second run is measured (the first captures the graphs of its buckets); measured:
 generated tokens / wall seconds (prefill included), per-request latency and time to first token, forwards and rows
 per forward, and for DDTree the mean tree budget chosen (the load-aware curve). The baseline of the throughput goal
@@ -37,6 +38,7 @@ if str(ROOT) not in sys.path:
 
 from bench import common  # noqa: E402
 from kdtree_engine.batch.scheduler import Scheduler  # noqa: E402
+from kdtree_engine.model.prompt_graph import PromptGraphs  # noqa: E402
 from kdtree_engine.sampling import SamplingParams  # noqa: E402
 from kdtree_engine.bench_spec import device_tag  # noqa: E402
 from kdtree_engine.speculative.decode import generate  # noqa: E402
@@ -120,6 +122,8 @@ def run(args: argparse.Namespace, log: Callable[[str], None],
     else:
         target, drafter, prompts = load_k2(dev, dtype, args.prompt_tokens, top, args.tiny)
     target.init_cache_pool(tokens=top * (args.prompt_tokens + args.max_tokens + 300) + 4096)
+    if dev.type == "cuda" and not args.no_prompt_graphs:   # as the engine sets them (engine.py)
+        target.prompt_graphs = PromptGraphs(target, capture=True)
     log(f"loaded {args.model} ({clock():.0f} s)")
     base = batch1_plain(target, prompts[0], args.max_tokens)
     log(f"batch-1 plain ({base['mode']}): {base['tokens_per_s']:.1f} tok/s ({clock():.0f} s)")
@@ -128,7 +132,8 @@ def run(args: argparse.Namespace, log: Callable[[str], None],
     mode = next(iter(scheds.values())).steps
     rep = {"model": args.model, "tiny": bool(args.tiny), "dtype": str(dtype).replace("torch.", ""),
            "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "token_budget": args.token_budget,
-           "step_mode": "eager" if mode is None else mode.mode, "batch1_plain": base, "rows": [],
+           "step_mode": "eager" if mode is None else mode.mode, "prompt_graphs": target.prompt_graphs is not None,
+           "batch1_plain": base, "rows": [],
            "elapsed_s": clock()}
     for c in args.concurrency:
         for m in args.methods:
@@ -147,7 +152,8 @@ def run(args: argparse.Namespace, log: Callable[[str], None],
 def markdown(rep: dict, label: str) -> list[str]:
     out = [f"# Continuous batching, {rep['model']} ({label})", "",
            f"{rep['prompt_tokens']}-token prompts, {rep['max_tokens']} tokens each, all arriving together; up to "
-           f"{rep['token_budget']} rows per forward; {rep['dtype']}; batched steps {rep.get('step_mode', 'eager')}. "
+           f"{rep['token_budget']} rows per forward; {rep['dtype']}; batched steps {rep.get('step_mode', 'eager')}"
+           f"{', prompts from graphs' if rep.get('prompt_graphs') else ''}. "
            f"Batch-1 plain decoding "
            f"({rep['batch1_plain']['mode']} rounds): {rep['batch1_plain']['tokens_per_s']:.1f} tok/s.", ""]
     out += common.md_table(
@@ -176,6 +182,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--token-budget", type=int, default=4096)
     ap.add_argument("--step-mode", choices=("eager", "static", "graph"), default=None,
                     help="how the running requests' rows run (default: graph on CUDA, eager elsewhere)")
+    ap.add_argument("--no-prompt-graphs", action="store_true",
+                    help="CUDA: prompts through the host-driven forward only (default: short prompts from the "
+                         "target's prompt graphs, as the engine runs them)")
     args = ap.parse_args(argv)
     bad = [m for m in args.methods if m not in METHODS]
     if bad:
