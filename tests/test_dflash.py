@@ -3,6 +3,7 @@ transformers' Qwen3 pieces, the context cache, the released checkpoint format, t
 target-layer convention (id L = output of decoder layer L)."""
 
 import json
+import random
 
 import pytest
 import torch
@@ -200,3 +201,34 @@ def test_target_layer_convention_against_transformers():
     torch.testing.assert_close(aux, want, rtol=1e-4, atol=1e-4)
     wrong = torch.cat([hs[L][0] for L in ids_order], dim=-1)  # the +1-shifted convention of other engines
     assert not torch.allclose(aux, wrong, rtol=1e-2, atol=1e-2)
+
+
+def test_passes_built_together_hold_what_each_pass_builds_alone():
+    """DFlashDrafter.contexts_together (the batched passes' data for the one-launch attention kernel) against
+    context() of each pass alone: the same positions, cache slots, lengths; rope rows equal to rounding (the CPU's
+    vectorised tails; on the GPU bit for bit); a pass whose rows do not end at its block refused as alone."""
+    seed = random.randrange(1 << 30)
+    print(f"seed {seed}")
+    rng = random.Random(seed)
+    drafter = DFlashDrafter.random(_cfg(), seed=seed)
+    items = []
+    for _ in range(5):
+        cache = drafter.new_cache(300)
+        cache.length = rng.randint(0, 200)
+        rows = rng.choice([0, 1, rng.randint(2, 40)])
+        items.append((rows, cache, cache.length + rows))
+    together = drafter.contexts_together(items)
+    for (rows, cache, start), t in zip(items, together):
+        a = drafter.context(cache, rows, start)
+        assert torch.equal(t.q_pos, a.q_pos) and t.kv_len == a.kv_len == start and t.host_length == a.host_length
+        assert (t.c_pos is None) == (a.c_pos is None) == (rows == 0)
+        if rows:
+            assert torch.equal(t.c_pos, a.c_pos)
+            torch.testing.assert_close(t.cos_c, a.cos_c, rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(t.sin_c, a.sin_c, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(t.cos_b, a.cos_b, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(t.sin_b, a.sin_b, rtol=1e-6, atol=1e-6)
+        assert int(t.start) == start and t.k_pos is None and t.visible is None
+    rows, cache, start = items[0]
+    with pytest.raises(ValueError, match=f"block starts at {start + 1}"):
+        drafter.contexts_together([(rows, cache, start + 1)])

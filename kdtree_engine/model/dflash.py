@@ -62,6 +62,15 @@ def rope_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype: tor
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
+def check_eager_pass(cache: "DraftCache", rows: int, start: int) -> None:
+    """An eager pass's context rows must end where its block starts, within the cache."""
+    if cache.length + rows != start:
+        raise ValueError(f"draft context ends at {cache.length + rows} (cache {cache.length} + {rows} new), block "
+                         f"starts at {start}")
+    if start > cache.capacity:
+        raise ValueError(f"draft cache holds {cache.capacity} tokens; {start} needed")
+
+
 # ---- context cache -------------------------------------------------------------------------------
 
 class DraftCache:
@@ -261,10 +270,7 @@ class DFlashDrafter(nn.Module):
         B, dev, dt, cfg = self.cfg.block_size, self.device, self.dtype, self.cfg
         if not isinstance(start, torch.Tensor):
             L0 = cache.length
-            if L0 + rows != start:
-                raise ValueError(f"draft context ends at {L0 + rows} (cache {L0} + {rows} new), block starts at {start}")
-            if start > cache.capacity:
-                raise ValueError(f"draft cache holds {cache.capacity} tokens; {start} needed")
+            check_eager_pass(cache, rows, start)
             q_pos = torch.arange(start, start + B, device=dev)  # [B]
             c_pos = torch.arange(L0, start, device=dev) if rows else None  # [rows] cache slots = positions
             cos_b, sin_b = rope_tables(q_pos, cfg.head_dim, cfg.rope_theta, dt)
@@ -286,6 +292,40 @@ class DFlashDrafter(nn.Module):
         cos_t, sin_t = self._rope_table(cache, cache.capacity + B)
         return DraftStep(q_pos, take_rows(cos_t, q_pos), take_rows(sin_t, q_pos), c_pos, take_rows(cos_t, c_pos),
                          take_rows(sin_t, c_pos), cache.capacity, k_pos, visible, start, None)
+
+    def contexts(self, items: Sequence[tuple[int, DraftCache, int]]) -> list[DraftStep]:
+        """:meth:`context` of several eager passes (rows, cache, start each). With the one-launch attention kernel
+        (CUDA) their positions go to the device in one copy and their rope rows are made in one pass
+        (:meth:`contexts_together`); the torch path builds each pass's alone."""
+        if not items or draft_attention_backend(self.policy, items[0][1].k, items[0][1].k) != "triton":
+            return [self.context(cache, rows, start) for rows, cache, start in items]
+        return self.contexts_together(items)
+
+    def contexts_together(self, items: Sequence[tuple[int, DraftCache, int]]) -> list[DraftStep]:
+        """Eager passes' data for the one-launch attention kernel (which reads the committed length from ``start`` and
+        needs no key positions or mask), built together: one host-to-device copy of every pass's positions and
+        lengths, one rope_tables call for all block rows and one for all context rows. rope_tables is elementwise in
+        the position, so a row holds the bits its own pass would compute on the GPU (on the CPU vectorised tails
+        may round differently: the torch path builds each pass alone)."""
+        B, dev, dt, cfg = self.cfg.block_size, self.device, self.dtype, self.cfg
+        q_host, c_host = [], []
+        for rows, cache, start in items:
+            check_eager_pass(cache, rows, start)
+            q_host.append(torch.arange(start, start + B))
+            c_host.append(torch.arange(cache.length, start))
+        nq, nc = len(items) * B, sum(rows for rows, _, _ in items)
+        flat = torch.cat(q_host + c_host + [torch.tensor([start for _, _, start in items])]).to(dev)
+        q_all, c_all, s_all = flat[:nq], flat[nq:nq + nc], flat[nq + nc:]
+        cos_q, sin_q = rope_tables(q_all, cfg.head_dim, cfg.rope_theta, dt)
+        cos_c, sin_c = rope_tables(c_all, cfg.head_dim, cfg.rope_theta, dt) if nc else (None, None)
+        steps, a = [], 0
+        for i, (rows, _, start) in enumerate(items):
+            q, c = slice(i * B, (i + 1) * B), slice(a, a + rows)
+            a += rows
+            steps.append(DraftStep(q_all[q], cos_q[q], sin_q[q], c_all[c] if rows else None,
+                                   cos_c[c] if rows else None, sin_c[c] if rows else None, start, None, None,
+                                   s_all[i], start))
+        return steps
 
     @torch.no_grad()
     def forward(self, ctx_rows: torch.Tensor | None, block_embeds: torch.Tensor, cache: DraftCache,
@@ -328,7 +368,7 @@ class DFlashDrafter(nn.Module):
         over all rows; attention runs per request over its own cache, with the shapes of its own pass (each
         request's rows are those of :meth:`forward` bit for bit where the kernels are batch-invariant)."""
         B, dev, dt = self.cfg.block_size, self.device, self.dtype
-        steps = [self.context(cache, 0 if c is None else c.shape[0], start) for c, cache, start in items]
+        steps = self.contexts([(0 if c is None else c.shape[0], cache, start) for c, cache, start in items])
         fed = [(c, cache, st) for (c, cache, _), st in zip(items, steps) if c is not None and c.shape[0]]
         ctx = None
         if fed:
