@@ -27,7 +27,7 @@ from ..cache import BLOCK, LatentCache, blocks_for
 from ..logs import log, log_once
 from ..model.context import BatchContext
 from ..model.target import BatchPart, Target, TargetOutput
-from ..model.capture import capture_graph, derived_owners, replaced, watched
+from ..model.capture import CapturedStep, derived_owners, watched
 from ..speculative.graph import capacity_bucket
 
 STEP_MODES = ("eager", "static", "graph")
@@ -88,8 +88,7 @@ class Slots:
         self.treed = [False] * B                                 # slots whose mask holds a tree now
         self.logits: torch.Tensor | None = None
         self.aux: torch.Tensor | None = None
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.inputs: tuple = ()
+        self.captured: CapturedStep | None = None   # made by BatchedSteps when it captures
 
     def run(self) -> None:
         """The forward over every slot's rows (the captured body)."""
@@ -128,20 +127,14 @@ class Slots:
             starts[i] = start
             positions[i] += start
             if p.tree_mask is not None:
-                self.positions[i * W:i * W + T].copy_(p.positions)
                 self.masks[i, :T, :T].copy_(p.tree_mask)
                 self.treed[i] = True
             spans.append((i * W, T))
             dest.extend(range(i * W, i * W + T))
-        trees = [i for i, p in enumerate(parts) if p.tree_mask is not None]
-        host_pos = positions.reshape(-1)
-        if trees:   # the trees' own positions were copied above: keep them
-            keep = torch.ones(B * W, dtype=torch.bool)
-            for i in trees:
-                keep[i * W:i * W + parts[i].ids.shape[0]] = False
-            self.positions.masked_scatter_(keep.to(dev), host_pos[keep].to(dev))
-        else:
-            self.positions.copy_(host_pos.to(dev))
+        self.positions.copy_(positions.reshape(-1).to(dev))
+        for (row, T), p in zip(spans, parts):   # a tree's nodes sit at their depths, not at start + j
+            if p.tree_mask is not None:
+                self.positions[row:row + T].copy_(p.positions)
         self.starts.copy_(torch.tensor(starts, dtype=torch.long).to(dev))
         self.ids.index_copy_(0, torch.tensor(dest, dtype=torch.long).to(dev), torch.cat([p.ids.to(dev) for p in parts]))
         return spans
@@ -202,16 +195,14 @@ class BatchedSteps:
         if self.mode != "graph":
             slots.run()
             return
-        if slots.graph is not None and replaced(slots.inputs, watched(self.target, self.owners)):
-            log.info("batched step graph: a tensor it reads was replaced; capturing again")
-            slots.graph = None
-        if slots.graph is None:
-            slots.graph, self.pool = capture_graph(slots.run, self.target.device, pool=self.pool)
-            slots.inputs = watched(self.target, self.owners)
+        if slots.captured is None:
+            target, owners = self.target, self.owners
+            slots.captured = CapturedStep(slots.run, target.device, lambda: watched(target, owners), "batched step")
+        self.pool, captured = slots.captured.replay(self.pool)
+        if captured:
             self.captures += 1
             log.info("batched steps: captured %d slots x %d rows (table %d blocks)", slots.key.slots,
                      slots.key.width, slots.key.blocks)
-        slots.graph.replay()
 
     def release(self) -> None:
         """Drop the graphs and their buffers."""

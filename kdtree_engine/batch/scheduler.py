@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from ..cache import blocks_for
-from ..errors import PromptError, SpecError
+from ..errors import SpecError
 from ..kernels.dispatch import prefill_kernel_on
 from ..logs import log_once
 from ..model.prefill import ChunkStep, choose_form, plan_chunks, resolve_chunk
@@ -40,12 +40,12 @@ from ..sampling import SamplingParams, greedy, topk_logprobs
 from ..speculative.budget import (SCALE_MAX, AcceptanceCalibration, RunningMean,
                                   expected_accepted_by_budget, verify_cost_for)
 from ..speculative.config import resolve_spec
-from ..speculative.decode import Emitter, GenerationResult, OnTokens, cache_token_capacity, context_limit, round_shape
+from ..speculative.decode import Emitter, GenerationResult, OnTokens, context_limit, round_shape
 from ..speculative.host_rounds import HostRounds, RoundPlan
 from ..speculative.stats import Timer, sync
 from .graph_step import BatchedSteps, padded_rows, resolve_step_mode
 from .load_budget import allocate_budgets
-from .sequence import DONE, PREFILL, RUNNING, WAITING, Sequence
+from .sequence import DONE, PREFILL, RUNNING, Sequence
 
 DEFAULT_TOKEN_BUDGET = 2048  # rows of one batched forward (decode / verify rows first, then prompt chunks)
 MAX_SKIP = 16  # load-aware budgets: plain rounds between draft passes that did not pay (doubling up to this)...

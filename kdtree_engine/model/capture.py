@@ -7,6 +7,8 @@ from typing import Any, Callable
 
 import torch
 
+from ..logs import log
+
 WARMUP_ROUNDS = 2
 
 
@@ -54,3 +56,28 @@ def replaced(captured: Addresses, now: Addresses) -> bool:
     if len(captured) != len(now) or captured[0] != now[0]:
         return True
     return any(not set(c) <= set(n) for c, n in zip(captured[1:], now[1:]))
+
+
+class CapturedStep:
+    """A step replayed from a CUDA graph: captured on its first replay, and again when a tensor it read was replaced.
+    ``addresses()``: what it may read now (:func:`watched`); ``save()`` before a capture returns what undoes its
+    warm-up runs (a round's state); ``name`` names it in the log line of a capture again."""
+
+    def __init__(self, body: Callable[[], None], device: torch.device, addresses: Callable[[], Addresses], name: str,
+                 save: Callable[[], Callable[[], None]] = lambda: (lambda: None)) -> None:
+        self.body, self.device, self.addresses, self.name, self.save = body, device, addresses, name, save
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.inputs: Addresses = ()
+
+    def replay(self, pool: Any = None) -> tuple[Any, bool]:
+        """Replay, capturing first (into ``pool``: None for a private one) when needed; returns (the graph's memory
+        pool, whether it captured now)."""
+        if self.graph is not None and replaced(self.inputs, self.addresses()):
+            log.info("%s graph: a tensor it reads was replaced; capturing again", self.name)
+            self.graph = None
+        captured = self.graph is None
+        if captured:
+            self.graph, pool = capture_graph(self.body, self.device, self.save(), pool)
+            self.inputs = self.addresses()
+        self.graph.replay()
+        return pool, captured

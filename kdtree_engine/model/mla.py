@@ -79,13 +79,7 @@ class MLA(nn.Module):
         T = x.shape[0]
         q_nope, q_pe = self._project(x, ctx, kv_cache)
         if isinstance(ctx, BatchContext) and all(p.chunk is None and not p.prompt for p in ctx.parts):
-            # every request in the absorbed form: the head products over all rows at once (row-wise: a row's
-            # result as alone), each request's attention over its own cache, side by side on streams
-            w_uk, w_uv = self.absorbed_weights()
-            q_lat = head_matmul(self.policy, q_nope, w_uk.transpose(1, 2))  # [T, N, C]
-            o_lat = torch.cat(fan_out(x.device, [partial(self._attend, q_lat[a:b], q_pe[a:b], kv_cache, part)
-                                                 for part, a, b in ctx.spans()]))
-            o = head_matmul(self.policy, o_lat, w_uv)  # [T, N, V]
+            o = self._absorbed_form(q_nope, q_pe, kv_cache, list(ctx.spans()))
         elif isinstance(ctx, BatchContext):
             o = torch.cat([self._attention(q_nope[a:b], q_pe[a:b], kv_cache, part) for part, a, b in ctx.spans()])
         else:
@@ -95,15 +89,23 @@ class MLA(nn.Module):
     def _attention(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
                    ctx: StepContext) -> torch.Tensor:
         """One request's attention over its cache -> [T, N, V] (the form chosen as :meth:`forward` says)."""
-        C = self.cfg.kv_lora_rank
         if ctx.chunk is not None:
             return self._chunk(q_nope, q_pe, kv_cache, ctx)
         if ctx.prompt:
             new = gather_slots(kv_cache, ctx.table, q_nope.shape[0])
             return self._naive(q_nope, q_pe, new)
+        return self._absorbed_form(q_nope, q_pe, kv_cache, [(ctx, 0, q_nope.shape[0])])
+
+    def _absorbed_form(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
+                       spans: list[tuple[StepContext, int, int]]) -> torch.Tensor:
+        """The absorbed form of one or more requests' rows (spans: each request's step, first row, end row) -> [T, N, V]:
+        the head products over all rows at once (row-wise: a row's result as alone), each request's attention over
+        its own cache, side by side on streams."""
         w_uk, w_uv = self.absorbed_weights()
         q_lat = head_matmul(self.policy, q_nope, w_uk.transpose(1, 2))  # [T, N, P] x [N, C, P] -> [T, N, C]
-        o_lat = self._attend(q_lat, q_pe, kv_cache, ctx)  # [T, N, C]
+        outs = fan_out(q_nope.device, [partial(self._attend, q_lat[a:b], q_pe[a:b], kv_cache, step)
+                                       for step, a, b in spans])
+        o_lat = outs[0] if len(outs) == 1 else torch.cat(outs)  # [T, N, C]
         return head_matmul(self.policy, o_lat, w_uv)  # [T, N, C] x [N, V, C] -> [T, N, V]
 
     def _chunk(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, ctx: StepContext

@@ -21,7 +21,7 @@ from ..cache import BLOCK, LatentCache, blocks_for
 from ..kernels.common import take_rows
 from ..kernels.paged import page_rows
 from ..logs import log
-from .capture import capture_graph, derived_owners, replaced, watched
+from .capture import CapturedStep, derived_owners, watched
 from .context import StepContext
 
 MIN_BUCKET = 16
@@ -46,8 +46,7 @@ class PromptBucket:
         # table (a longer round grows and moves the tables; a row's bits do not change with the table's size)
         self.cos, self.sin = target.rope.tables(self.positions)
         self.table = torch.full((blocks_for(B),), target.pool().trash, dtype=torch.int32, device=dev)
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.inputs: tuple = ()
+        self.captured: CapturedStep | None = None   # made by PromptGraphs when it captures
         self.logits: torch.Tensor | None = None
         self.aux: torch.Tensor | None = None
 
@@ -77,7 +76,7 @@ class PromptGraphs:
         self.target, self.capture = target, capture
         self.buckets: dict[tuple[int, tuple[int, ...]], PromptBucket] = {}
         self.pool: Any = None   # one graph memory pool for every bucket (replayed one at a time)
-        self.owners: list[torch.nn.Module] | None = None
+        self.owners = derived_owners([target]) if capture else []
 
     def takes(self, tokens: int, cache: LatentCache) -> bool:
         """A prompt this path runs: 1..MAX_BUCKET tokens into an empty cache."""
@@ -102,16 +101,12 @@ class PromptGraphs:
         if not self.capture:
             step.body()
         else:
-            if self.owners is None:
-                self.owners = derived_owners([t])
-            if step.graph is not None and replaced(step.inputs, watched(t, self.owners, rope=False)):
-                log.info("prompt graph: a tensor it reads was replaced; capturing again")
-                step.graph = None
-            if step.graph is None:
-                step.graph, self.pool = capture_graph(step.body, t.device, pool=self.pool)
-                step.inputs = watched(t, self.owners, rope=False)
+            if step.captured is None:
+                owners = self.owners
+                step.captured = CapturedStep(step.body, t.device, lambda: watched(t, owners, rope=False), "prompt")
+            self.pool, captured = step.captured.replay(self.pool)
+            if captured:
                 log.debug("captured the prompt step of bucket %d", B)
-            step.graph.replay()
         cache.commit_all()
         # copies: the next replay rewrites the bucket's outputs
         return step.logits.clone(), None if step.aux is None else step.aux[:T].clone()

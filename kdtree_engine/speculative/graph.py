@@ -17,15 +17,13 @@ to a power of two (at least :data:`MIN_CAPACITY`) so requests of similar length 
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
+from typing import Any, Callable
 
 from ..logs import log
 from ..model.target import Target
 from ..sampling import SamplingParams
 from .config import RoundShape
-from ..model.capture import capture_graph, derived_owners, replaced, watched
+from ..model.capture import CapturedStep, derived_owners, watched
 from .device_round import DeviceRound
 
 MIN_CAPACITY = 512
@@ -46,27 +44,21 @@ class GraphRunner:
         if rnd.target.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device; the target is on {rnd.target.device}")
         self.rnd = rnd
-        self.graph: torch.cuda.CUDAGraph | None = None
         self.pool = None
-        self._inputs: tuple = ()
-        self._owners: list[torch.nn.Module] = []   # modules that cache tensors derived from their weights
-
-    def capture(self) -> None:
-        rnd = self.rnd
-        saved = rnd.snapshot()
-        self.graph, self.pool = capture_graph(rnd.step, rnd.target.device, lambda: rnd.restore(saved))
         # the modules caching derived weights, found once (walking every module costs time each round)
-        self._owners = derived_owners([rnd.target] if rnd.drafter is None else [rnd.target, rnd.drafter])
-        self._inputs = watched(rnd.target, self._owners)
-        log.debug("captured a %s round (budget %s, capacity %d)", rnd.method, rnd.budget, rnd.capacity)
+        owners = derived_owners([rnd.target] if rnd.drafter is None else [rnd.target, rnd.drafter])
+
+        def save() -> Callable[[], None]:   # the round's state before the warm-up rounds, restored after them
+            saved = rnd.snapshot()
+            return lambda: rnd.restore(saved)
+        self.captured = CapturedStep(rnd.step, rnd.target.device, lambda: watched(rnd.target, owners),
+                                     "decoding round", save)
 
     def step(self) -> None:
-        if self.graph is not None and replaced(self._inputs, watched(self.rnd.target, self._owners)):
-            log.info("decoding round graph: a tensor it reads was replaced; capturing again")
-            self.graph = None
-        if self.graph is None:
-            self.capture()
-        self.graph.replay()
+        self.pool, captured = self.captured.replay(self.pool)
+        if captured:
+            rnd = self.rnd
+            log.debug("captured a %s round (budget %s, capacity %d)", rnd.method, rnd.budget, rnd.capacity)
 
 
 class _Registry:

@@ -3,7 +3,6 @@
 import random
 
 import pytest
-import torch
 
 from kdtree_engine.batch.scheduler import Scheduler
 from kdtree_engine.cache import BLOCK

@@ -40,5 +40,5 @@ def test_prompt_graphs_equal_the_eager_prompt_forward_bit_for_bit():
             bad.append(f"{T} tokens: logits max |diff| {(out.logits - ref.logits).abs().max():.3g}")
         a.release()
         b.release()
-    assert len(graphs.buckets) >= 2 and all(s.graph is not None for s in graphs.buckets.values())
+    assert len(graphs.buckets) >= 2 and all(s.captured.graph is not None for s in graphs.buckets.values())
     assert not bad, "\n".join(bad)
