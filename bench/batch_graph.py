@@ -72,10 +72,27 @@ def measure(target: Target, S: int, args: argparse.Namespace, gen: torch.Generat
         if target.device.type == "cuda" and args.model == "demo":   # the K2 rank's routes are redrawn each forward
             outs = step()
             row["bitwise_equal_solo"] = all(torch.equal(o.logits, solo_logits(target, p)) for o, p in zip(outs, parts))
+        if target.device.type == "cuda" and S in args.profile:
+            row["profile"] = kernel_families(common.graph_timeline(step, reps=3))
         return row
     finally:
         for p in parts:
             p.cache.release()
+
+
+def kernel_families(timeline: dict[str, Any], top: int = 14) -> dict[str, Any]:
+    """A replayed step's kernels summed by name: where the step's device time goes, and how much of its span is idle."""
+    acc: dict[str, list[float]] = {}
+    for k in timeline.get("kernels", []):
+        slot = acc.setdefault(k["name"], [0, 0.0])
+        slot[0] += 1
+        slot[1] += k["us"]
+    rows = sorted(({"name": n, "calls": c, "us": us} for n, (c, us) in acc.items()), key=lambda r: -r["us"])
+    rest = rows[top:]
+    rows = rows[:top] + ([{"name": f"({len(rest)} others)", "calls": sum(r["calls"] for r in rest),
+                           "us": sum(r["us"] for r in rest)}] if rest else [])
+    return {"span_us": timeline.get("span_us"), "busy_us": timeline.get("busy_us"),
+            "launches": len(timeline.get("kernels", [])), "kernels": rows, "error": timeline.get("error")}
 
 
 def run(args: argparse.Namespace, log: Callable[[str], None],
@@ -113,6 +130,14 @@ def markdown(rep: dict[str, Any], label: str) -> list[str]:
     out += common.md_table(["concurrent", "rows", "ms a step", "graph", "tok/s", "x one request", "bitwise == solo"],
                            [[r["concurrency"], r["rows"], r["ms"], r["graph"], r.get("tokens_per_s"),
                              r.get("x_one_request"), r.get("bitwise_equal_solo")] for r in rep["rows"]])
+    for r in rep["rows"]:
+        p = r.get("profile")
+        if not p:
+            continue
+        out += ["", f"Kernels of one replayed step at {r['concurrency']} request(s): {p['launches']} launches, span "
+                    f"{(p['span_us'] or 0) / 1e3:.2f} ms, device busy {(p['busy_us'] or 0) / 1e3:.2f} ms"
+                    + (f" ({p['error']})" if p.get("error") else "") + ":", ""]
+        out += common.md_table(["kernel", "calls", "us"], [[k["name"][:90], k["calls"], k["us"]] for k in p["kernels"]])
     return out
 
 
@@ -126,6 +151,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--context", type=int, default=4096, help="committed tokens of every request")
     ap.add_argument("--nodes", type=int, default=1, help="rows a request a step (1: plain decoding)")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--profile", type=ints, default=[],
+                    help="CUDA: the replayed step's kernels at these concurrencies (e.g. 1,16), summed by kernel name")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     a = ap.parse_args(argv)

@@ -147,7 +147,7 @@ batch() {  # continuous batching (the batching issue): bit for bit against solo 
   pytest_step pytest-batch 160 tests/gpu/test_batch_gpu.py
   step bench-batch-demo 110 python3 bench/batch.py --model demo --out "$RES"
   step bench-batch-k2 210 python3 bench/batch.py --model k2 --max-tokens 64 --out "$RES"
-  step bench-batch-graph-k2 80 python3 bench/batch_graph.py --model k2 --out "$RES"
+  step bench-batch-graph-k2 80 python3 bench/batch_graph.py --model k2 --profile 1,16 --out "$RES"
 }
 
 long() {  # the long-context issue's measurements, one record per step (each written after every measured row)
