@@ -61,7 +61,7 @@ def run_shape(T: int, N: int, S: int, reps: int) -> list[dict]:
 
         def launch(out=out, bd=bd, warps=warps, pre=pre, early=early) -> None:
             _mla_merge_kernel[(rows, triton.cdiv(C, bd))](
-                po, pl, nvis, out, nvis, S, N, n_ch, po.stride(0), po.stride(1), pl.stride(0),
+                po, pl, nvis, out, nvis, S, N, n_ch, T, po.stride(0), po.stride(1), pl.stride(0),
                 out.stride(0), out.stride(1), C=C, BLOCK_D=bd, BLOCK_C=block_c, CHUNK=CHUNK, CAUSAL=True,
                 S_DEV=False, LSE_BLOCK=lse_block, PREFETCH=pre, EARLY=early, num_warps=warps)
 

@@ -82,6 +82,7 @@ tests_rounds() {  # device-resident and graph rounds, the speculative GPU tests,
 tests_kernels() {  # the layer kernels: W4A16 / MoE (Triton and fragment), attention, GEMM, router, tails
   pytest_step pytest-kernels-w4 300 tests/gpu/test_kernels_gpu.py tests/gpu/test_w4_frag_gpu.py
   pytest_step pytest-kernels-layers 270 tests/gpu/test_mla_attention_gpu.py tests/gpu/test_prefill_attention_gpu.py \
+    tests/gpu/test_mla_slots_gpu.py \
     tests/gpu/test_batch_invariance_gpu.py \
     tests/gpu/test_router_gemm_gpu.py tests/gpu/test_fused_tails_gpu.py tests/gpu/test_formats_gpu.py \
     tests/gpu/test_ordered_sum_gpu.py
@@ -144,8 +145,8 @@ k2() {  # the whole K2 model at one rank's size (the parallelism issue's table)
 }
 
 batch() {  # continuous batching (the batching issue): bit for bit against solo runs, then throughput
-  pytest_step pytest-batch 160 tests/gpu/test_batch_gpu.py
-  step bench-batch-demo 110 python3 bench/batch.py --model demo --out "$RES"
+  pytest_step pytest-batch 170 tests/gpu/test_batch_gpu.py tests/gpu/test_mla_slots_gpu.py
+  step bench-batch-demo 100 python3 bench/batch.py --model demo --out "$RES"
   step bench-batch-k2 210 python3 bench/batch.py --model k2 --max-tokens 64 --out "$RES"
   step bench-batch-graph-k2 80 python3 bench/batch_graph.py --model k2 --profile 1,16 --out "$RES"
 }

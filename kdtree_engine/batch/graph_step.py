@@ -25,7 +25,7 @@ import torch
 
 from ..cache import BLOCK, LatentCache, blocks_for
 from ..logs import log, log_once
-from ..model.context import BatchContext
+from ..model.context import BatchContext, SlotTensors
 from ..model.target import BatchPart, Target, TargetOutput
 from ..model.capture import CapturedStep, derived_owners, watched
 from ..speculative.graph import capacity_bucket
@@ -96,7 +96,8 @@ class Slots:
         W, cap = key.width, key.blocks * BLOCK
         ctxs = tuple(t.static_context(self.tables[i], cap, self.positions[i * W:(i + 1) * W], self.masks[i],
                                       self.starts[i]) for i in range(key.slots))
-        x, self.aux = t._layers(t.embed(self.ids), BatchContext.of(ctxs), t.pool(), key.aux_layers)
+        whole = SlotTensors(self.tables, self.starts, cap, W)
+        x, self.aux = t._layers(t.embed(self.ids), BatchContext.of(ctxs, whole), t.pool(), key.aux_layers)
         self.logits = t.lm_head(x)
 
     def fill(self, parts: Sequence[BatchPart]) -> list[tuple[int, int]]:

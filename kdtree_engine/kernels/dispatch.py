@@ -535,6 +535,29 @@ def mla_attention_static(policy: KernelPolicy, q_lat: torch.Tensor, q_pe: torch.
     return mla_attention_masked(q_lat, q_pe, gather_slots(kv, table, capacity), visible, scale, kv_lora_rank)
 
 
+def slot_attention_one_launch(policy: KernelPolicy, q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor) -> bool:
+    """Whether the one-query steps of a batch's static slots attend in one launch for all slots
+    (:func:`mla_attention_slots`) rather than a launch per request (logged once either way)."""
+    if attn_backend(policy, kv.device) != "triton":
+        why: str | None = "the torch attention"
+    else:
+        why = triton_kernels().mla_attention.slots_unsupported(q_lat, q_pe, kv)
+    how = "one launch for all slots" if why is None else f"a launch per request ({why})"
+    log_once(f"mla-slots:{kv.device.type}:{how}", f"batched one-query steps: MLA attention in {how}")
+    return why is None
+
+
+def mla_attention_slots(policy: KernelPolicy, q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor,
+                        tables: torch.Tensor, capacity: int, starts: torch.Tensor, scale: float,
+                        kv_lora_rank: int) -> torch.Tensor:
+    """One query per slot, slot b over ``capacity`` slots of the pool layer kv through tables[b] with its committed
+    length starts[b] on the device, in one launch (where :func:`slot_attention_one_launch` holds): each slot's rows
+    those of :func:`mla_attention_static` on its query alone."""
+    del policy   # the caller checked slot_attention_one_launch
+    return triton_kernels().mla_attention.mla_attention_slots(q_lat, q_pe, kv, tables, capacity, starts, scale,
+                                                              kv_lora_rank)
+
+
 def attention_gather_index(policy: KernelPolicy, tree_mask: torch.Tensor
                            ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """What every layer's static attention derives from the step's tree mask (the Triton kernel's per-query

@@ -517,7 +517,7 @@ def _merge_add(acc, den, lse, o, m_all, BLOCK_C: tl.constexpr, BLOCK_D: tl.const
 
 
 @triton.jit
-def _mla_merge_kernel(po_ptr, pl_ptr, nvis_ptr, out_ptr, s_ptr, S, N, NC,
+def _mla_merge_kernel(po_ptr, pl_ptr, nvis_ptr, out_ptr, s_ptr, S, N, NC, TS,
                       stride_pom, stride_poc, stride_plm, stride_ot, stride_on,
                       C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, CHUNK: tl.constexpr,
                       CAUSAL: tl.constexpr, S_DEV: tl.constexpr = False, LSE_BLOCK: tl.constexpr = 256,
@@ -547,12 +547,12 @@ def _mla_merge_kernel(po_ptr, pl_ptr, nvis_ptr, out_ptr, s_ptr, S, N, NC,
     if EARLY:
         lse_e = tl.load(pl_row + offs_l, mask=offs_l < NC, other=float("-inf"))
         lse_b, o_b = _merge_block(pl_row, po_row, offs_c, NC, d_ok, stride_poc)
-    if S_DEV:
-        S = tl.load(s_ptr).to(tl.int32)
     t = r // N
     h = r % N
+    if S_DEV:   # TS queries a slot, each slot its own device length (one slot: TS = the launch's queries)
+        S = tl.load(s_ptr + t // TS).to(tl.int32)
     if CAUSAL:
-        L = S + t + 1
+        L = S + t % TS + 1
     else:
         L = S + tl.load(nvis_ptr + t)
     n_ch = tl.minimum(tl.cdiv(L, CHUNK), NC)
@@ -655,7 +655,6 @@ def _pages(kv: torch.Tensor, table: torch.Tensor | None, n_slots: int) -> tuple[
 
 def tree_gather_index(tree_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Visible new slots per query, ascending: idx int32 [T, T] (first nvis[t] valid), nvis int32 [T]."""
-    T = tree_mask.shape[0]
     nvis = tree_mask.sum(1, dtype=torch.int32)
     # stable sort of (not visible) puts the visible columns first, in ascending order
     idx = torch.sort((~tree_mask).to(torch.uint8), dim=1, stable=True).indices.to(torch.int32)
@@ -686,12 +685,13 @@ def _plan(C: int, R: int, N: int, T: int, dtype: torch.dtype, config: MLAConfig 
 
 
 def _merge(po, pl, nvis, out, s_ptr, S: int, N: int, n_ch: int, strides: tuple[int, int, int], C: int,
-           chunk: int, causal: bool, s_dev: bool) -> None:
-    """The merge launch of a row's chunk partials into `out` (tiles from merge_tiles)."""
+           chunk: int, causal: bool, s_dev: bool, slots: int = 1) -> None:
+    """The merge launch of a row's chunk partials into `out` (tiles from merge_tiles); ``slots``: out's queries are
+    that many requests' in equal numbers, each with its own device length in s_ptr."""
     T = out.shape[0]
     mt = merge_tiles(T * N, n_ch, C)
     _mla_merge_kernel[(T * N, triton.cdiv(C, mt.block_d))](
-        po, pl, nvis, out, s_ptr, S, N, n_ch, *strides, out.stride(0), out.stride(1),
+        po, pl, nvis, out, s_ptr, S, N, n_ch, max(T // slots, 1), *strides, out.stride(0), out.stride(1),
         C=C, BLOCK_D=mt.block_d, BLOCK_C=mt.block_c, CHUNK=chunk, CAUSAL=causal, S_DEV=s_dev,
         LSE_BLOCK=mt.lse_block, PREFETCH=mt.prefetch, EARLY=mt.early, num_warps=mt.warps,
         **pdl_launch(pdl_supported(out.device)))
@@ -752,10 +752,10 @@ def _verify_wg(cfg: MLAConfig, dec: bool, q_lat: torch.Tensor, kv: torch.Tensor,
     return True
 
 
-def _wg_slices(cfg: MLAConfig, rows: int, n_ch: int, C: int, VS: int) -> int:
-    """Column slices of a warpgroup launch of `rows` (query, head) rows over n_ch chunks
-    (MLAConfig.DECODE_WG_MIN_PROGRAMS)."""
-    programs = triton.cdiv(rows, wg_rows(rows, cfg.DECODE_WG_ROWS)) * n_ch
+def _wg_slices(cfg: MLAConfig, rows: int, n_ch: int, C: int, VS: int, slots: int = 1) -> int:
+    """Column slices of a warpgroup launch of `rows` (query, head) rows over n_ch chunks, for each of `slots`
+    requests (MLAConfig.DECODE_WG_MIN_PROGRAMS)."""
+    programs = triton.cdiv(rows, wg_rows(rows, cfg.DECODE_WG_ROWS)) * n_ch * slots
     return _double_slices(VS, programs, cfg.DECODE_WG_MIN_PROGRAMS, lambda v: (C // v) % 64 == 0)
 
 
@@ -957,5 +957,64 @@ def mla_attention_device(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tens
     return out
 
 
+def slots_unsupported(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, config: MLAConfig | None = None
+                      ) -> str | None:
+    """Why one decode query per slot over the paged pool layer kv cannot run as one launch for all slots
+    (:func:`mla_attention_slots`), or None: it runs where a slot's own decode launch runs on the warpgroup kernel."""
+    B, N, C = q_lat.shape
+    R = q_pe.shape[2]
+    if kv.dim() != 3:
+        return f"a key buffer of {kv.dim()} dimensions (the slots read a paged pool layer)"
+    cfg = (config or default_config(N)).for_launch(1)
+    if not cfg.DECODE_WG:
+        return f"the {N}-head config runs decode launches on the chunk kernel"
+    return (wg_unsupported(N, C, R, q_lat.dtype, cfg.BLOCK_N, 1, cfg.DECODE_WG, cfg.DECODE_WG_ROWS)
+            or _wg_device(q_lat, kv.flatten(0, 1), C) or _wg_page(kv.shape[1]))
+
+
+def mla_attention_slots(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, tables: torch.Tensor,
+                        capacity: int, starts: torch.Tensor, scale: float, kv_lora_rank: int | None = None,
+                        config: MLAConfig | None = None) -> torch.Tensor:
+    """One decode query for each of B requests in one launch: q_lat [B, N, C], q_pe [B, N, R]; request b reads the
+    paged pool layer kv [num_blocks, PAGE, C+R] through tables[b] (int32 [B, W], W * PAGE >= capacity) with its
+    committed length starts[b] on the device (its query at slot starts[b]). -> [B, N, C].
+
+    Request b's rows are :func:`mla_attention_device` of its query alone (T = 1, the same capacity) bit for bit: the
+    programs of its own launch (the same chunks, key blocks and merge order; the column slices a re-tiling), one
+    more grid axis. Warpgroup kernel only (:func:`slots_unsupported` says where it runs)."""
+    if kv_lora_rank is None:
+        kv_lora_rank = q_lat.shape[-1]
+    B, N, C = q_lat.shape
+    why = slots_unsupported(q_lat, q_pe, kv, config)
+    if why is not None:
+        raise ValueError(f"mla_attention_slots: {why}")
+    if tables.dim() != 2 or tables.shape[0] != B or tables.dtype != torch.int32 or tables.stride(1) != 1:
+        raise ValueError(f"tables must be int32 [B, W] = [{B}, W] with unit column stride; got {tables.dtype} "
+                         f"{tuple(tables.shape)}")
+    if tables.shape[1] * kv.shape[1] < capacity:
+        raise ValueError(f"the block tables cover {tables.shape[1]} x {kv.shape[1]} slots, fewer than {capacity}")
+    if starts.shape != (B,) or starts.dtype not in (torch.int32, torch.int64) or starts.device != kv.device:
+        raise ValueError(f"starts must be an integer [B] = [{B}] tensor on {kv.device}; got {starts.dtype} "
+                         f"{tuple(starts.shape)} on {starts.device}")
+    page = kv.shape[1]
+    kv = kv.flatten(0, 1)
+    _check(q_lat, q_pe, kv, 0, None, kv_lora_rank)
+    R = q_pe.shape[2]
+    out = torch.empty((B, N, C), device=q_lat.device, dtype=q_lat.dtype)
+    if B == 0 or N == 0:
+        return out
+    cfg, _, _, _, VS, _, _, _, _ = _plan(C, R, N, 1, q_lat.dtype, config, capacity)
+    n_ch = triton.cdiv(capacity, cfg.CHUNK)
+    direct = n_ch == 1
+    po, pl, spom, spoc, splm = _partials(out, n_ch)
+    pdl = pdl_launch(pdl_supported(kv.device))
+    decode_wg(q_lat, q_pe, kv, tables, page, po, pl, out, starts, 0, (spom, spoc, splm), float(scale) * LOG2E,
+              cfg.CHUNK, n_ch, _wg_slices(cfg, N, n_ch, C, VS, B), cfg.DECODE_WG, True, direct, True, pdl,
+              slots=B, **_wg_opts(cfg))
+    if not direct:
+        _merge(po, pl, starts, out, starts, 0, N, n_ch, (spom, spoc, splm), C, cfg.CHUNK, True, True, slots=B)
+    return out
+
+
 __all__ = ["MLAConfig", "DEFAULT_CONFIGS", "default_config", "mla_attention", "mla_attention_device",
-           "tree_gather_index", "interpreting", "LOG2E"]
+           "mla_attention_slots", "slots_unsupported", "tree_gather_index", "interpreting", "LOG2E"]

@@ -157,7 +157,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _mla_decode_wg_kernel(ql_ptr, qp_ptr, lat_desc, pe_desc, tbl_ptr, po_ptr, pl_ptr, out_ptr, s_ptr,
                               S, T, N, stride_qlt, stride_qln, stride_qpt, stride_qpn, stride_pom, stride_poc,
-                              stride_plm, stride_ot, stride_on, qk_scale,
+                              stride_plm, stride_ot, stride_on, stride_tb, qk_scale,
                               C: gl.constexpr, R: gl.constexpr, NP: gl.constexpr, DV: gl.constexpr,
                               VS: gl.constexpr, CHUNK: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
                               CAUSAL: gl.constexpr, DIRECT: gl.constexpr, S_DEV: gl.constexpr,
@@ -165,8 +165,18 @@ if HAVE_GLUON:
         # grid (row groups x V_SPLIT, chunks): the slices of one group adjacent (their key tiles hit L2).
         # CAUSAL: one query (T = 1) over [0, S] (itself included); else the whole prefix chunks of a tree's
         # T queries over [0, S) (the tree's own keys are the chunk kernel's gather launch)
+        # grid axis 2: the slot of a launch over several requests' slots (one each: its T queries, table row,
+        # device length, partial and output rows), the programs of each the ones its own launch would run
         if PDL:
             gl.inline_asm_elementwise(WAIT_ASM, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+        b = gl.program_id(2).to(gl.int64)
+        ql_ptr += b * T * stride_qlt
+        qp_ptr += b * T * stride_qpt
+        tbl_ptr += b * stride_tb
+        s_ptr += b
+        po_ptr += b * T * N * stride_pom
+        pl_ptr += b * T * N * stride_plm
+        out_ptr += b * T * stride_ot
         pid_g = gl.program_id(0) // VS
         pid_v = gl.program_id(0) % VS
         c = gl.program_id(1)
@@ -264,21 +274,26 @@ def kv_descriptors(kv: torch.Tensor, C: int, R: int) -> tuple:
 def launch(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, table: torch.Tensor, page: int, po, pl, out,
            s_ptr, S: int,
            strides: tuple[int, int, int], qk_scale: float, chunk: int, n_ch: int, v_split: int, stages: int,
-           causal: bool, direct: bool, s_dev: bool, pdl: dict, most_rows: int = 32) -> None:
+           causal: bool, direct: bool, s_dev: bool, pdl: dict, most_rows: int = 32, slots: int = 1) -> None:
     """One launch over chunks [0, n_ch) of the request's slots, kv the key rows [rows, C + R] read through the block
     table (slot s at row table[s // page] * page + s % page; page == BLOCK_N): q_lat [T, N, C], q_pe [T, N, R] (causal:
     T = 1 over [0, S]; else a tree's T queries over the whole chunks of [0, S)); partials (po, pl with
     `strides` = (row, chunk, lse row)) or, direct, out [T, N, C]. Programs of up to `most_rows` (query, head)
-    rows."""
+    rows. ``slots`` > 1: that many requests side by side (q_lat / out rows and partial rows in slot order, table
+    [slots, W] a row each, s_ptr a device length each), each request's programs those of its own launch."""
     T, N, C = q_lat.shape
     R = q_pe.shape[2]
     if page != BLOCK_N:
         raise ValueError(f"mla_decode_wg: a key tile is one page of {BLOCK_N} slots, got pages of {page}")
+    if T % slots or (slots > 1 and (table.dim() != 2 or table.shape[0] != slots)):
+        raise ValueError(f"mla_decode_wg: {T} query rows and a table of {tuple(table.shape)} do not make {slots} slots")
+    T //= slots
     np_ = rows_per_program(T * N, most_rows)
     lat, pe = kv_descriptors(kv, C, R)
-    _mla_decode_wg_kernel[(triton.cdiv(T * N, np_) * v_split, n_ch)](
+    _mla_decode_wg_kernel[(triton.cdiv(T * N, np_) * v_split, n_ch, slots)](
         q_lat, q_pe, lat, pe, table, po, pl, out, s_ptr, S, T, N, q_lat.stride(0), q_lat.stride(1), q_pe.stride(0),
-        q_pe.stride(1), *strides, out.stride(0), out.stride(1), qk_scale, C=C, R=R, NP=np_, DV=C // v_split,
+        q_pe.stride(1), *strides, out.stride(0), out.stride(1), table.stride(0) if slots > 1 else 0, qk_scale,
+        C=C, R=R, NP=np_, DV=C // v_split,
         VS=v_split, CHUNK=chunk, BN=BLOCK_N, STAGES=stages, CAUSAL=causal, DIRECT=direct, S_DEV=s_dev, num_warps=4,
         **pdl)
 

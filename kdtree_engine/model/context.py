@@ -61,6 +61,18 @@ class StepContext:
 
 
 @dataclass(frozen=True)
+class SlotTensors:
+    """The static slots of a batched step (kdtree_engine/batch/graph_step.py) as whole tensors: tables [B, W_t]
+    int32 (slot i's block table, the parts' ``table`` rows), starts [B] long (their committed lengths), every slot
+    ``capacity`` slots of cache and ``width`` rows a step. Attention may run over all slots in one launch."""
+
+    tables: torch.Tensor
+    starts: torch.Tensor
+    capacity: int
+    width: int
+
+
+@dataclass(frozen=True)
 class BatchContext:
     """The steps of several requests in one forward (continuous batching, kdtree_engine/batch/): their rows
     concatenated in ``parts`` order. Row-wise work (norms, linears, MoE, the latent write through the
@@ -74,9 +86,10 @@ class BatchContext:
     sin: torch.Tensor
     rows: torch.Tensor
     device_resident: bool = False  # every part's committed length on the device (a capturable batch), or none's
+    slots: SlotTensors | None = None   # the parts are static slots, one each, these tensors' rows
 
     @classmethod
-    def of(cls, parts: tuple[StepContext, ...]) -> "BatchContext":
+    def of(cls, parts: tuple[StepContext, ...], slots: SlotTensors | None = None) -> "BatchContext":
         kinds = {p.device_resident for p in parts}
         if len(kinds) != 1:
             raise ValueError("a batch's steps are all device-resident or all eager")
@@ -84,7 +97,10 @@ class BatchContext:
         for p in parts:
             bounds.append(bounds[-1] + p.num_tokens)
         cat = lambda name: torch.cat([getattr(p, name) for p in parts])  # noqa: E731
-        return cls(parts, tuple(bounds), cat("positions"), cat("cos"), cat("sin"), cat("rows"), kinds.pop())
+        if slots is not None and (len(parts) != slots.tables.shape[0] or bounds[-1] != len(parts) * slots.width):
+            raise ValueError(f"{len(parts)} parts of {bounds[-1]} rows are not {slots.tables.shape[0]} slots of "
+                             f"{slots.width} rows")
+        return cls(parts, tuple(bounds), cat("positions"), cat("cos"), cat("sin"), cat("rows"), kinds.pop(), slots)
 
     @property
     def num_tokens(self) -> int:

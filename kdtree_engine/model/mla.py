@@ -17,11 +17,12 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from ..kernels.dispatch import (head_matmul, latent_write, mla_attention, mla_attention_static, naive_prefill_attention,
-                                prefill_attention_backend, rope_heads)
+from ..kernels.dispatch import (head_matmul, latent_write, mla_attention, mla_attention_slots, mla_attention_static,
+                                naive_prefill_attention, prefill_attention_backend, rope_heads,
+                                slot_attention_one_launch)
 from ..kernels.paged import gather_slots
 from ..kernels.streams import fan_out
-from .context import BatchContext, StepContext
+from .context import BatchContext, SlotTensors, StepContext
 from .prefill import KEY_BLOCK, absorbed_chunk
 from ..kernels.policy import KernelPolicy, policy_or_env
 from .layers import GroupOf, Linear, RMSNorm, dense_only, stacked_linear, stacked_weights
@@ -79,7 +80,7 @@ class MLA(nn.Module):
         T = x.shape[0]
         q_nope, q_pe = self._project(x, ctx, kv_cache)
         if isinstance(ctx, BatchContext) and all(p.chunk is None and not p.prompt for p in ctx.parts):
-            o = self._absorbed_form(q_nope, q_pe, kv_cache, list(ctx.spans()))
+            o = self._absorbed_form(q_nope, q_pe, kv_cache, list(ctx.spans()), ctx.slots)
         elif isinstance(ctx, BatchContext):
             o = torch.cat([self._attention(q_nope[a:b], q_pe[a:b], kv_cache, part) for part, a, b in ctx.spans()])
         else:
@@ -97,12 +98,17 @@ class MLA(nn.Module):
         return self._absorbed_form(q_nope, q_pe, kv_cache, [(ctx, 0, q_nope.shape[0])])
 
     def _absorbed_form(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
-                       spans: list[tuple[StepContext, int, int]]) -> torch.Tensor:
+                       spans: list[tuple[StepContext, int, int]], slots: SlotTensors | None = None) -> torch.Tensor:
         """The absorbed form of one or more requests' rows (spans: each request's step, first row, end row) -> [T, N, V]:
         the head products over all rows at once (row-wise: a row's result as alone), each request's attention over
-        its own cache, side by side on streams."""
+        its own cache, side by side on streams; static slots of one query each (``slots``), where the kernels allow,
+        in one launch for all of them."""
         w_uk, w_uv = self.absorbed_weights()
         q_lat = head_matmul(self.policy, q_nope, w_uk.transpose(1, 2))  # [T, N, P] x [N, C, P] -> [T, N, C]
+        if slots is not None and slots.width == 1 and slot_attention_one_launch(self.policy, q_lat, q_pe, kv_cache):
+            o_lat = mla_attention_slots(self.policy, q_lat, q_pe, kv_cache, slots.tables, slots.capacity, slots.starts,
+                                        self.scale, self.cfg.kv_lora_rank)
+            return head_matmul(self.policy, o_lat, w_uv)
         outs = fan_out(q_nope.device, [partial(self._attend, q_lat[a:b], q_pe[a:b], kv_cache, step)
                                        for step, a, b in spans])
         o_lat = outs[0] if len(outs) == 1 else torch.cat(outs)  # [T, N, C]

@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 
+from kdtree_engine import logs
 from kdtree_engine.batch import graph_step
 from kdtree_engine.batch.graph_step import (BatchedSteps, padded_rows, resolve_step_mode, slot_bucket,
                                             width_bucket)
@@ -166,3 +167,32 @@ def test_whole_short_prompts_of_a_step_take_the_prompt_graphs(monkeypatch):
     assert sorted(runs) == sorted(len(c.prompt) for c in cases)   # every prompt from its bucket, once
     for i, (case, res, (ref, _)) in enumerate(zip(cases, results, refs)):
         assert res.token_ids == ref.token_ids, (i, case.method, first_difference(res.token_ids, ref.token_ids))
+
+
+def test_slot_tensors_must_match_the_parts(caplog, monkeypatch):
+    """A batch context's slot tensors name one slot per part of ``width`` rows each; on the CPU the slots' one-query
+    steps attend per request (the torch attention), a choice logged once."""
+    from kdtree_engine.kernels.dispatch import slot_attention_one_launch
+    from kdtree_engine.kernels.policy import KernelPolicy
+    from kdtree_engine.model.context import BatchContext, SlotTensors
+
+    target = load_target(DEMO_DIR, device="cpu", dtype=torch.float32)
+    target.init_cache_pool(tokens=512)
+    caches = [target.new_cache(128) for _ in range(2)]
+    ctxs = tuple(target.static_context(c.table, c.capacity, torch.tensor([0]), torch.ones(1, 1, dtype=torch.bool),
+                                       torch.tensor(0)) for c in caches)
+    tables = torch.stack([c.table for c in caches])
+    ok = BatchContext.of(ctxs, SlotTensors(tables, torch.zeros(2, dtype=torch.long), 128, 1))
+    assert ok.slots is not None and ok.slots.width == 1
+    with pytest.raises(ValueError, match="are not 2 slots of 2 rows"):
+        BatchContext.of(ctxs, SlotTensors(tables, torch.zeros(2, dtype=torch.long), 128, 2))
+    pool = target.pool().kv[0]
+    q = torch.zeros(2, 1, pool.shape[-1] - 1)
+    monkeypatch.setattr(logs, "_LOGGED", set())   # nothing logged yet in this test's eyes
+    with caplog.at_level("DEBUG", logger="kdtree_engine"):
+        assert not slot_attention_one_launch(KernelPolicy(), q, q[..., :1], pool)
+        assert not slot_attention_one_launch(KernelPolicy(), q, q[..., :1], pool)
+    said = [r.getMessage() for r in caplog.records if "batched one-query steps" in r.getMessage()]
+    assert len(said) == 1 and "a launch per request (the torch attention)" in said[0], said
+    for c in caches:
+        c.release()

@@ -150,6 +150,10 @@ CASES["paged_N20_S45_T4_tree_decmaxt_p16"] = ("paged", 20, 45, 4, "tree", "decma
 # matters; also checked against the float64 merge formula
 CASES["merge_tiles"] = ("merge", 0, 0, 0, "", "", "")
 
+# the merge of several requests' slots in one launch (TS queries a slot, each slot its own device length) == each
+# slot's own merge launch, bit for bit
+CASES["merge_slots"] = ("merge_slots", 2, 0, 2, "", "", "")
+
 TOL = {"fp32": 2e-5, "bf16": 2e-2}
 
 
@@ -174,7 +178,7 @@ def _run_merge(N, S, T, mask_kind, cfg_name, variant, gen):
                         continue
                     out = torch.empty(rows, 1, CC)
                     _mla_merge_kernel[(rows, triton.cdiv(CC, bd))](
-                        po, pl, nvis, out, nvis, S_, 1, n_ch, po.stride(0), po.stride(1), pl.stride(0),
+                        po, pl, nvis, out, nvis, S_, 1, n_ch, rows, po.stride(0), po.stride(1), pl.stride(0),
                         out.stride(0), out.stride(1), C=CC, BLOCK_D=bd, BLOCK_C=bc, CHUNK=chunk, CAUSAL=True,
                         LSE_BLOCK=16, PREFETCH=pre, EARLY=early, num_warps=1)
                     outs[(S_, bc, bd, pre, early)] = out[:, 0]
@@ -187,6 +191,26 @@ def _run_merge(N, S, T, mask_kind, cfg_name, variant, gen):
             ref = (w[:, None] * po[r, :k].double()).sum(0) / w.sum()
             worst = max(worst, float((outs[(S_, 64, 32, False, False)][r].double() - ref).abs().max()))
     return {"equal": equal, "worst": worst, "nonfinite": sum(int((~torch.isfinite(v)).sum()) for v in outs.values())}
+
+
+def _run_merge_slots(N, S, T, mask_kind, cfg_name, variant, gen):
+    from kdtree_engine.kernels.mla_attention import _merge
+    B, n_ch, chunk, CC = 3, 12, 4, 24
+    rows = B * T * N
+    po = torch.randn(rows, n_ch, CC, generator=gen)
+    pl = 3 * torch.randn(rows, n_ch, generator=gen)
+    starts = torch.randint(0, n_ch * chunk - T, (B,), generator=gen)
+    strides = (po.stride(0), po.stride(1), pl.stride(0))
+    whole = torch.empty(B * T, N, CC)
+    _merge(po, pl, starts, whole, starts, 0, N, n_ch, strides, CC, chunk, True, True, slots=B)
+    equal = True
+    for b in range(B):
+        r0, r1 = b * T * N, (b + 1) * T * N
+        one = torch.empty(T, N, CC)
+        _merge(po[r0:r1], pl[r0:r1], starts[b:b + 1], one, starts[b:b + 1], 0, N, n_ch, strides, CC, chunk, True,
+               True)
+        equal &= torch.equal(one, whole[b * T:(b + 1) * T])
+    return {"equal": bool(equal), "nonfinite": int((~torch.isfinite(whole)).sum())}
 
 
 def _run_dev(N, S, T, mask_kind, cfg_name, variant, gen):
@@ -264,7 +288,8 @@ def _run_one(name, spec):
     seed = int.from_bytes(os.urandom(4), "little")  # fresh inputs every run; reported on failure
     gen = torch.Generator().manual_seed(seed)
     t0 = time.perf_counter()
-    rec = {"ref": _run_ref, "inv": _run_inv, "dev": _run_dev, "merge": _run_merge, "paged": _run_paged}[kind](
+    rec = {"ref": _run_ref, "inv": _run_inv, "dev": _run_dev, "merge": _run_merge, "paged": _run_paged,
+           "merge_slots": _run_merge_slots}[kind](
         N, S, T, mask_kind, cfg_name, variant, gen)
     rec["seed"] = seed
     rec["secs"] = round(time.perf_counter() - t0, 2)
@@ -317,6 +342,14 @@ def test_merge_tiles_are_bit_neutral_interpreted(interp_results):
     assert rec["nonfinite"] == 0
     assert rec["equal"], f"merge tiles changed a row's bits (seed {rec['seed']})"
     assert rec["worst"] < 1e-5, f"merge differs from the float64 formula by {rec['worst']:.3g} (seed {rec['seed']})"
+
+
+def test_merge_of_slots_equals_their_own_merges_interpreted(interp_results):
+    rec = interp_results["merge_slots"]
+    _interp.check_ran(rec)
+    print(f"merge_slots: seed {rec['seed']}")
+    assert rec["nonfinite"] == 0
+    assert rec["equal"], f"a slot's merged rows differ from its own merge launch (seed {rec['seed']})"
 
 
 if __name__ == "__main__" and "--interp-cases" in sys.argv:
@@ -437,6 +470,8 @@ def test_decode_wg_column_slices():
     assert [_wg_slices(cfg, 64, n, 512, 1) for n in (9, 33, 64)] == [8, 2, 1]   # 2 groups of 32 rows
     assert _wg_slices(cfg, 8, 9, 128, 1) == 2        # slices stay a multiple of 64 columns
     assert _wg_slices(cfg, 8, 65, 512, 4) == 4       # never fewer than the launch's own
+    # one launch for several requests' slots counts every slot's programs: 16 slots x 9 chunks -> 1 slice
+    assert [_wg_slices(cfg, 8, 9, 512, 1, s) for s in (1, 4, 16)] == [8, 4, 1]
     assert _wg_slices(replace(cfg, DECODE_WG_MIN_PROGRAMS=0), 8, 9, 512, 1) == 1
     # inert without the warpgroup kernel: the default with DECODE_WG off stays a valid config
     assert replace(default_config(8), DECODE_WG=0).DECODE_WG_MIN_PROGRAMS == 128
@@ -497,6 +532,14 @@ def test_decode_wg_config_and_fit(caplog, monkeypatch):
     said = [r.getMessage() for r in caplog.records if "warpgroup kernel" in r.getMessage()]
     assert len(said) == 1 and "not on a CUDA device" in said[0], said
     assert not _decode_wg(ok, False, q, kv, 64, 1)  # not a decode launch
+    # one launch for many slots runs where the slots' own decode launches run on the warpgroup kernel
+    from kdtree_engine.kernels.mla_attention import mla_attention_slots, slots_unsupported
+    pool = torch.zeros(3, 64, 576, dtype=torch.bfloat16)
+    assert "not on a CUDA device" in slots_unsupported(q, q[..., :64], pool)
+    assert "dimensions" in slots_unsupported(q, q[..., :64], kv)
+    assert "chunk kernel" in slots_unsupported(q, q[..., :64], pool, MLAConfig(BLOCK_N=64))
+    with pytest.raises(ValueError, match="mla_attention_slots: not on a CUDA device"):
+        mla_attention_slots(q, q[..., :64], pool, torch.zeros(1, 3, dtype=torch.int32), 192, torch.zeros(1), 0.1)
 
 
 def test_verify_wg_config_and_fit(caplog, monkeypatch):
