@@ -1,5 +1,5 @@
-"""Batched steps replayed from one CUDA graph: the ceiling of captured batched rounds (an experiment for the batching
-issue's CUDA-graph point; the scheduler's rounds are host-driven today, bench/batch.py).
+"""The scheduler's batched step alone, replayed from one CUDA graph: what a step of S requests costs without the
+host work between steps and the prompts' prefill (bench/batch.py measures the whole scheduler).
 
     python3 bench/batch_graph.py --model k2 --out bench/results                  # one H200: the K2 one-rank model
     python3 bench/batch_graph.py --model demo --out bench/results
@@ -7,9 +7,9 @@ issue's CUDA-graph point; the scheduler's rounds are host-driven today, bench/ba
 
 For each concurrency S: S requests, each with ``--context`` committed tokens of random latents (the pool filled with
 random values and the committed length set directly, as bench/long_context.py's steps do), take one step of
-``--nodes`` rows each (1: a plain decoding step; more: a chain verified at once) as ONE ``Target.forward_batch`` of
-device-resident parts (each part's committed length on the device, its own block table and mask), captured in a CUDA
-graph and replayed (eager on the CPU). Measured: ms per step, and for plain steps tokens/s = S / step time against one
+``--nodes`` rows each (1: a plain decoding step; more: a chain verified at once) laid into the static slots the
+scheduler's batched steps run (kdtree_engine/batch/graph_step.py: each slot its request's block table, committed
+length and mask), their forward captured in a CUDA graph and replayed (eager on the CPU). Measured: ms per step, and for plain steps tokens/s = S / step time against one
 request's step from a graph (the issue's goal: 16 requests at least 8x one). On CUDA with the demo, every part's
 logits are checked bit for bit against that request's own device-resident forward (the batch-invariance promise,
 graph against eager); the K2 rank draws its routes at random each forward (bench/k2_model.py), so it has no such check.
@@ -32,11 +32,12 @@ if str(ROOT) not in sys.path:
 
 from bench import common  # noqa: E402
 from bench.batch import load_demo, load_k2  # noqa: E402
+from kdtree_engine.batch.graph_step import BatchedSteps, Slots  # noqa: E402
 from kdtree_engine.model.target import BatchPart, Target  # noqa: E402
 
 
 def parts_for(target: Target, S: int, context: int, nodes: int, gen: torch.Generator) -> list[BatchPart]:
-    """S requests at ``context`` committed tokens, each a causal step of ``nodes`` rows (device-resident)."""
+    """S requests at ``context`` committed tokens, each a step of ``nodes`` rows (1: plain; more: a causal chain)."""
     dev, V = target.device, target.cfg.vocab_size
     target.rope.ensure(context + nodes + 1)
     mask = torch.ones(nodes, nodes, dtype=torch.bool, device=dev).tril()
@@ -45,20 +46,31 @@ def parts_for(target: Target, S: int, context: int, nodes: int, gen: torch.Gener
         cache = target.new_cache(context + nodes + 64)
         cache.length = context
         ids = torch.randint(0, V, (nodes,), generator=gen, device=gen.device).to(dev)
-        pos = torch.arange(context, context + nodes, device=dev)
-        parts.append(BatchPart(ids, cache, pos, mask, logits="all", start=torch.tensor(context, device=dev)))
+        if nodes == 1:
+            parts.append(BatchPart(ids, cache))
+        else:
+            parts.append(BatchPart(ids, cache, torch.arange(context, context + nodes, device=dev), mask))
     return parts
 
 
 def solo_logits(target: Target, p: BatchPart) -> torch.Tensor:
-    return target(p.ids, p.cache, positions=p.positions, tree_mask=p.tree_mask, start=p.start).logits
+    T = p.ids.shape[0]
+    mask = torch.ones(T, T, dtype=torch.bool, device=target.device).tril()
+    pos = torch.arange(p.cache.length, p.cache.length + T, device=target.device)
+    return target(p.ids, p.cache, positions=pos, tree_mask=mask,
+                  start=torch.tensor(p.cache.length, device=target.device)).logits
 
 
 def measure(target: Target, S: int, args: argparse.Namespace, gen: torch.Generator) -> dict[str, Any]:
     parts = parts_for(target, S, args.context, args.nodes, gen)
+    key = BatchedSteps(target, "static").key(parts, ())
+    slots = Slots(target, key, target.pool().trash)
     try:
-        def step() -> list:
-            return target.forward_batch(parts)
+        spans = slots.fill(parts)
+
+        def step() -> None:
+            with torch.no_grad():
+                slots.run()
 
         if target.device.type == "cuda":
             timing = common.time_calls([step], reps=args.reps)
@@ -66,12 +78,14 @@ def measure(target: Target, S: int, args: argparse.Namespace, gen: torch.Generat
         else:
             us, graph = common.host_time_us([step], args.reps), False
         row = {"concurrency": S, "nodes": args.nodes, "context": args.context, "ms": us / 1e3, "graph": graph,
-               "rows": S * args.nodes}
+               "rows": S * args.nodes, "slots": key.slots, "width": key.width}
         if args.nodes == 1:
             row["tokens_per_s"] = S / (us / 1e6)
         if target.device.type == "cuda" and args.model == "demo":   # the K2 rank's routes are redrawn each forward
-            outs = step()
-            row["bitwise_equal_solo"] = all(torch.equal(o.logits, solo_logits(target, p)) for o, p in zip(outs, parts))
+            step()
+            with torch.no_grad():
+                row["bitwise_equal_solo"] = all(torch.equal(slots.logits[a:a + n], solo_logits(target, p))
+                                                for (a, n), p in zip(spans, parts))
         if target.device.type == "cuda" and S in args.profile:
             row["profile"] = kernel_families(common.graph_timeline(step, reps=3))
         return row
@@ -125,8 +139,8 @@ def run(args: argparse.Namespace, log: Callable[[str], None],
 
 def markdown(rep: dict[str, Any], label: str) -> list[str]:
     out = [f"# Batched steps from one CUDA graph, {rep['model']} ({label})", "",
-           f"Each request: {rep['context']} committed tokens (random latents), a step of {rep['nodes']} row(s); one "
-           f"Target.forward_batch of device-resident parts a step; {rep['dtype']}.", ""]
+           f"Each request: {rep['context']} committed tokens (random latents), a step of {rep['nodes']} row(s); the "
+           f"batched step's static slots (graph_step.Slots) a step; {rep['dtype']}.", ""]
     out += common.md_table(["concurrent", "rows", "ms a step", "graph", "tok/s", "x one request", "bitwise == solo"],
                            [[r["concurrency"], r["rows"], r["ms"], r["graph"], r.get("tokens_per_s"),
                              r.get("x_one_request"), r.get("bitwise_equal_solo")] for r in rep["rows"]])
