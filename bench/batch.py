@@ -103,6 +103,19 @@ def run_batch(sched: Scheduler, prompts: list[list[int]], method: str, max_token
             "forward_scale": sched.forward_scale.value}
 
 
+def host_profile(fn: Callable[[], object], top: int = 25) -> list[dict[str, Any]]:
+    """The functions of one call of fn by their own host seconds (cProfile): calls, own s, cumulative s."""
+    import cProfile
+    import pstats
+    prof = cProfile.Profile()
+    prof.enable()
+    fn()
+    prof.disable()
+    rows = [{"function": f"{Path(f).name}:{line}({name})", "calls": v[1], "own_s": v[2], "cum_s": v[3]}
+            for (f, line, name), v in pstats.Stats(prof).stats.items()]
+    return sorted(rows, key=lambda r: -r["own_s"])[:top]
+
+
 def batch1_plain(target, prompt: list[int], max_tokens: int) -> dict[str, Any]:
     """The engine's fastest single-request plain decoding (graph rounds on CUDA): decode tokens/s."""
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
@@ -140,6 +153,8 @@ def run(args: argparse.Namespace, log: Callable[[str], None],
             warm = run_batch(scheds[m], prompts[:c], m, args.max_tokens)   # captures its buckets' graphs
             row = run_batch(scheds[m], prompts[:c], m, args.max_tokens)
             row["warm_run_s"] = warm["wall_s"]
+            if c in args.host_profile:   # a third run under cProfile: where the host's time goes (not the measured run)
+                row["host_profile"] = host_profile(lambda: run_batch(scheds[m], prompts[:c], m, args.max_tokens))
             row["x_batch1_plain"] = row["tokens_per_s"] / base["tokens_per_s"]
             rep["rows"].append(row)
             rep["elapsed_s"] = clock()
@@ -162,6 +177,12 @@ def markdown(rep: dict, label: str) -> list[str]:
         [[r["concurrency"], r["method"], r["tokens_per_s"], r["x_batch1_plain"], r["latency_s_mean"],
           r["latency_s_max"], r["ttft_s_mean"], r["tau"], r["forwards"], r["rows_per_forward"], r["budget_mean"]]
          for r in rep["rows"]])
+    for r in rep["rows"]:
+        if r.get("host_profile"):
+            out += ["", f"Host time of one more run at {r['concurrency']} requests, {r['method']} (cProfile, its own "
+                        "overhead included):", ""]
+            out += common.md_table(["function", "calls", "own s", "cumulative s"],
+                                   [[f["function"][:80], f["calls"], f["own_s"], f["cum_s"]] for f in r["host_profile"]])
     return out
 
 
@@ -182,6 +203,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--token-budget", type=int, default=4096)
     ap.add_argument("--step-mode", choices=("eager", "static", "graph"), default=None,
                     help="how the running requests' rows run (default: graph on CUDA, eager elsewhere)")
+    ap.add_argument("--host-profile", type=ints, default=[],
+                    help="after the measured run at these concurrencies, one more under cProfile (its top functions "
+                         "in the record)")
     ap.add_argument("--no-prompt-graphs", action="store_true",
                     help="CUDA: prompts through the host-driven forward only (default: short prompts from the "
                          "target's prompt graphs, as the engine runs them)")

@@ -102,7 +102,9 @@ class HostRounds:
         self.bonus = sample(logits, self.params, self.gen, policy=self.target.policy, vocab=self.vocab)
         if self.drafter is not None:
             self.dcache = self.drafter.new_cache(prompt_len + self.limit + 1)
-            self.ctx = aux  # [S, K*D] features of the prompt, positions 0..S-1
+            # the committed tokens' features [n, K*D] not yet fed to the drafter, in pieces (joined once a draft pass,
+            # not once a round); first the prompt's, positions 0..S-1
+            self.ctx: list[torch.Tensor] = [] if aux is None else [aux]
             self.start = prompt_len  # position of the bonus token = committed length
         return int(self.bonus)
 
@@ -156,11 +158,12 @@ class HostRounds:
         if self._depth <= 0:
             self.timer.lap("draft_s")
             return None
-        return self.ctx, self.bonus, self.dcache, start
+        ctx = None if not self.ctx else self.ctx[0] if len(self.ctx) == 1 else torch.cat(self.ctx)
+        return ctx, self.bonus, self.dcache, start
 
     def drafted(self, draft_logits: torch.Tensor) -> torch.Tensor:
         """The drafter's logits [B-1, V] of this round's pass -> those of the drafts the round may use [depth, V]."""
-        self.ctx = None  # fed to the drafter: the next round's context starts after it
+        self.ctx = []  # fed to the drafter: the next round's context starts after it
         self.timer.lap("draft_s")
         return draft_logits[:self._depth]
 
@@ -194,7 +197,7 @@ class HostRounds:
                 self.bonus, self._out = picked[0], [picked[1]]
             timer.lap("verify_s")
             if self.drafter is not None:   # the committed token's features for the next draft pass
-                self.ctx = vout.aux if self.ctx is None else torch.cat([self.ctx, vout.aux])
+                self.ctx.append(vout.aux)
                 self.start += 1
             self.stats.record(1, 0)
             return
@@ -206,7 +209,7 @@ class HostRounds:
         self.keep_logits(vout.logits.index_select(0, res.accepted))
         new_ctx = vout.aux.index_select(0, res.accepted)  # [A, K*D] positions start .. start+A-1
         # a round without a draft pass (no room, or skipped under load) leaves its context for the next one
-        self.ctx = new_ctx if self.ctx is None else torch.cat([self.ctx, new_ctx])
+        self.ctx.append(new_ctx)
         self._out = torch.cat([tree.tokens.index_select(0, res.accepted[1:]), res.bonus.reshape(1)]).tolist()
         self.bonus = res.bonus
         timer.lap("commit_s")
