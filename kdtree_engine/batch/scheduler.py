@@ -233,9 +233,11 @@ class Scheduler:
         """The tokens of this step's plain greedy rounds, picked in one launch and read in one copy (each request
         alone would pick and read its own): {request id: (device token, token)}."""
         ids = [(s.id, o.logits[-1]) for s, p, o in zip(running, plans, outs) if p.tree is None and s.params.greedy]
-        if len(ids) < 2 or getattr(self.target, "vocab_shard", None) is not None:
+        if len(ids) < 2:
             return {}
-        picks = greedy(torch.stack([row for _, row in ids]), policy=self.target.policy)
+        # a vocabulary split over ranks: one max / index reduction for all the rows (row-wise, as each alone)
+        picks = greedy(torch.stack([row for _, row in ids]), policy=self.target.policy,
+                       vocab=getattr(self.target, "vocab_shard", None))
         return {i: (picks[k], t) for k, ((i, _), t) in enumerate(zip(ids, picks.tolist()))}
 
     def _aux_layers(self, running: list[Sequence], prefilling: list[Sequence]) -> tuple[int, ...]:

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from kdtree_engine import reference
+from kdtree_engine.batch.scheduler import Scheduler
 from kdtree_engine.config import ModelConfig, preset
 from kdtree_engine.draft_config import DraftConfig
 from kdtree_engine.engine import target_from_weights
@@ -147,6 +148,15 @@ def run(comm: Communicator, case: Case) -> dict[str, Any]:
     finally:
         host_rounds.build_tree_heap = saved
     out["sampled"] = generate(target, prompt, SAMPLED).token_ids
+    # a batch of plain greedy requests: their picks in one reduction over the vocabulary shards
+    prompts = [prompt_of(case.seed + k) for k in range(1, 4)]
+    batch_params = SamplingParams(max_tokens=8, ignore_eos=True)
+    sched = Scheduler(target, None)
+    seqs = [sched.submit(p, batch_params) for p in prompts]
+    sched.run()
+    sched.close()
+    out["batch"] = [s.result.token_ids for s in seqs]
+    out["batch-solo"] = [generate(target, p, batch_params).token_ids for p in prompts]
     tie = torch.zeros(2, CFG.vocab_size)  # ties across the two halves of the vocabulary
     tie[0, [200, 5, 130]] = 3.0
     tie[1, [255, 128]] = 1.0

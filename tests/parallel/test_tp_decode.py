@@ -52,6 +52,13 @@ def test_tp2_spec_equals_plain_with_the_same_trees_on_every_rank(one, two) -> No
     assert sum(two[0]["oracle-ddtree-8"][1]) > 4  # drafts accepted: multi-node paths were walked
 
 
+def test_tp2_batched_greedy_requests_keep_their_solo_tokens(one, two) -> None:
+    """Several plain greedy requests in one scheduler pick their tokens in one reduction across the vocabulary
+    shards: each request's tokens are its solo run's, on every rank."""
+    assert one["batch"] == one["batch-solo"], f"seed={SEED}"
+    assert two[0]["batch"] == two[1]["batch"] == one["batch-solo"], f"seed={SEED}"
+
+
 def test_tp2_sampling_draws_tp1_tokens_and_the_rule_distribution(one, two) -> None:
     assert two[0]["sampled"] == two[1]["sampled"] == one["sampled"], f"seed={SEED}"
     assert two[0]["sampled-ddtree"] == two[1]["sampled-ddtree"] == one["sampled-ddtree"], f"seed={SEED}"
