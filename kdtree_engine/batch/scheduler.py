@@ -54,6 +54,7 @@ MAX_PROBE_GAP = 1024  # the most plain rounds before a request drafts again
 FORWARD_SCALE_MIN = 0.01  # observed / curve seconds of a forward: replayed batched steps reach a few percent
 PROMPT_GRAPHS_PER_STEP = 8  # whole short prompts of one step replayed one by one; more run as one forward
 COST_ROWS = 1024  # the verify cost curve is measured up to this many rows, extended linearly past it
+TIME_EVERY = 16  # load-aware budgets: one forward in this many is timed (each timing stalls the host on the device)
 
 
 class Scheduler:
@@ -87,10 +88,11 @@ class Scheduler:
         self.rows_run = 0
         self._cost = None  # the verify cost curve of load-aware budgets, measured on first use
         self._plan_s: tuple[float, int] | None = None  # this step's tree planning: (host seconds, requests planned)
-        self.draft_s = RunningMean(0.1)  # seconds of one request's draft pass, measured each step that drafts
+        # seconds of one request's draft pass, measured each step that drafts (not the first: it compiles kernels)
+        self.draft_s = RunningMean(0.1, warmup=1)
         # host seconds a load-aware request's tree adds to a step: its top-k, expected gains and tree, and the walk
-        # of its verified tree (host-driven rounds: on a slow host these outgrow the draft pass)
-        self.tree_host_s = RunningMean(0.1)
+        # of its verified tree (host-driven rounds: on a slow host these outgrow the draft pass); not the first step's
+        self.tree_host_s = RunningMean(0.1, warmup=1)
         # observed / curve seconds of the batch's forwards: the curve is one request's, a batch launches more
         self.forward_scale = RunningMean(0.1, prior=1.0, prior_weight=1)
         self.step_s = RunningMean(0.1)  # a request's share of a forward's seconds (what a plain round costs it)
@@ -171,7 +173,8 @@ class Scheduler:
         if not parts:
             return ended
         aux = self._aux_layers(running, prefilling)
-        timed = self._cost is not None   # the load-aware budgets learn what a forward of the batch really costs
+        # the load-aware budgets learn what a forward of the batch really costs, from a sample of the forwards
+        timed = self._cost is not None and (self.forwards % TIME_EVERY == 0 or self.step_s.n == 0)
         if timed:
             sync(self.target.device)
             t0 = time.perf_counter()

@@ -107,17 +107,22 @@ def expected_accepted_by_budget(logprobs_topk: torch.Tensor, max_budget: int) ->
 class RunningMean:
     """Exponential moving average whose first updates are plain means (weight max(alpha, 1/n)).
 
-    ``prior`` (with ``prior_weight`` pseudo-observations) is the value before any update.
+    ``prior`` (with ``prior_weight`` pseudo-observations) is the value before any update. The first ``warmup``
+    updates are not observations (a timing whose first calls compile kernels).
     """
 
-    def __init__(self, alpha: float = 0.1, prior: float = 0.0, prior_weight: int = 0) -> None:
+    def __init__(self, alpha: float = 0.1, prior: float = 0.0, prior_weight: int = 0, warmup: int = 0) -> None:
         if not 0.0 < alpha <= 1.0:
             raise ValueError(f"alpha must be in (0, 1], got {alpha}")
         self.alpha = alpha
         self.value = float(prior)
         self.n = int(prior_weight)
+        self.warmup = int(warmup)
 
     def update(self, x: float) -> float:
+        if self.warmup > 0:
+            self.warmup -= 1
+            return self.value
         self.n += 1
         w = max(self.alpha, 1.0 / self.n)
         self.value += w * (float(x) - self.value)
@@ -206,7 +211,7 @@ class VerifyCostModel:
         above), since more nodes never cost less and a point above a larger one carries noise. (A
         running maximum from the left would spread one slow small-n point over the whole curve, which
         then reads as flat and sends the chooser to the largest tree.)"""
-        cfg, dev = target.cfg, target.device
+        cfg = target.cfg
         grid = sorted(set(int(n) for n in (grid or default_grid(max_nodes))))
         if warmup < 0 or repeats < 1:
             raise ValueError(f"verify cost measure: warmup must be >= 0 and repeats >= 1, got {warmup}, {repeats}")

@@ -143,7 +143,7 @@ def _auto_batch(requests: int, max_tokens: int, host_s: float | None = None):
     prompts = [_prompt(rng, 3, 30) for _ in range(requests)]
     sched = Scheduler(target, drafter, token_budget=64)
     if host_s is not None:
-        sched.tree_host_s.update(host_s)
+        sched.tree_host_s.value = host_s
         sched.tree_host_s.update = lambda x: sched.tree_host_s.value   # held there: what the test steers by
     seqs = [sched.submit(p, params, spec="ddtree", budget="auto") for p in prompts]
     sched.run()
@@ -156,6 +156,9 @@ def test_load_aware_budget_is_lossless_greedy():
         assert got.token_ids == solo.token_ids
         assert sum(got.stats["budget_chosen"].values()) == got.stats["rounds"]
     assert sched.tree_host_s.n > 0 and sched.tree_host_s.value > 0   # the host time a tree adds was measured
+    # the forwards are timed for the budgets one in TIME_EVERY (each timing stalls the host on the device)
+    from kdtree_engine.batch.scheduler import TIME_EVERY
+    assert 1 <= sched.step_s.n <= sched.forwards // TIME_EVERY + 1, (sched.step_s.n, sched.forwards)
 
 
 def test_load_aware_budget_charges_the_host_time_of_trees():

@@ -2,6 +2,7 @@
 
 import itertools
 import math
+import random
 from collections import Counter
 from dataclasses import replace
 
@@ -368,3 +369,23 @@ def test_auto_sampled_distribution_equals_target():
     stat, p = chi_square_pvalue(counts, exact, n)
     print(f"auto chi2={stat:.1f} p={p:.3g} chosen={dict(chosen)}")
     assert p > 1e-4, (stat, p, chosen)
+
+
+def test_running_mean_skips_its_warmup_updates():
+    """A timing's first calls compile kernels: the warm-up updates are not observations, the rest average as usual
+    (plain means first, then the moving average)."""
+    from kdtree_engine.speculative.budget import RunningMean
+    seed = random.randrange(1 << 30)
+    print(f"seed {seed}")
+    rng = random.Random(seed)
+    xs = [rng.uniform(0.5, 2.0) for _ in range(30)]
+    m = RunningMean(0.1, warmup=2)
+    m.update(100.0)
+    m.update(50.0)
+    assert m.value == 0.0 and m.n == 0
+    plain = RunningMean(0.1)
+    for x in xs:
+        m.update(x)
+        plain.update(x)
+    assert m.value == plain.value and m.n == plain.n == 30
+    assert abs(RunningMean(1.0).update(3.0) - 3.0) < 1e-12
