@@ -96,6 +96,10 @@ class Scheduler:
         # observed / curve seconds of the batch's forwards: the curve is one request's, a batch launches more
         self.forward_scale = RunningMean(0.1, prior=1.0, prior_weight=1)
         self.step_s = RunningMean(0.1)  # a request's share of a forward's seconds (what a plain round costs it)
+        # seconds of a forward of the running requests alone, by the rows it runs (padded rows with static steps): what
+        # a step of that shape really costs, where the curve (an eager forward's) scaled by one factor would misjudge
+        # a replayed plain step against a replayed tree; a shape's first forward (its capture) is not a sample
+        self.observed: dict[int, RunningMean] = {}
         # the gap the last draft pass that did not pay was given (0 after one that paid): a new load-aware request
         # starts with it, so it does not pay a pass of its own to learn what the batch already knows
         self.verdict_gap = 0
@@ -173,8 +177,11 @@ class Scheduler:
         if not parts:
             return ended
         aux = self._aux_layers(running, prefilling)
-        # the load-aware budgets learn what a forward of the batch really costs, from a sample of the forwards
-        timed = self._cost is not None and (self.forwards % TIME_EVERY == 0 or self.step_s.n == 0)
+        shape = None if prefilling or not running else self._shape_rows(parts[:len(running)])
+        # the load-aware budgets learn what a forward of the batch really costs, from a sample of the forwards (and
+        # every forward of a shape not yet measured)
+        timed = self._cost is not None and (self.forwards % TIME_EVERY == 0 or self.step_s.n == 0 or (
+            shape is not None and (shape not in self.observed or self.observed[shape].n == 0)))
         if timed:
             sync(self.target.device)
             t0 = time.perf_counter()
@@ -182,9 +189,12 @@ class Scheduler:
         if timed:
             sync(self.target.device)
             took = time.perf_counter() - t0
-            # the curve is an eager forward's; replayed steps run far below it
-            self.forward_scale.update(min(max(took / max(self._cost(rows), 1e-12), FORWARD_SCALE_MIN), SCALE_MAX))
-            self.step_s.update(took / len(parts))
+            first = shape is not None and shape not in self.observed   # a shape's first forward captures its graph
+            if shape is not None:
+                self.observed.setdefault(shape, RunningMean(0.1, warmup=1)).update(took)
+            if not first:   # the curve is an eager forward's; replayed steps run far below it
+                self.forward_scale.update(min(max(took / max(self._cost(rows), 1e-12), FORWARD_SCALE_MIN), SCALE_MAX))
+                self.step_s.update(took / len(parts))
         self.forwards += 1
         self.rows_run += rows
         walk_s, walks = 0.0, 0
@@ -302,7 +312,7 @@ class Scheduler:
         the rows of the other running requests' rounds. With static steps every request's rows are padded to the
         widest round, so the load-aware requests share one budget."""
         target = self.target
-        cost, scale = self._verify_cost(), self.forward_scale.value   # the curve is measured on first use: untimed
+        self._verify_cost()   # the curve is measured on first use: untimed
         t0 = time.perf_counter()
         tops, expected = [], []
         for seq, draft_logits in auto:
@@ -317,7 +327,7 @@ class Scheduler:
         calibrated = [e * seq.calibration.factor for (seq, _), e in zip(auto, expected)]
         fixed_rows = sum(fixed)
         padded = None if self.steps is None else (len(fixed), max(fixed, default=1), padded_rows)
-        budgets = allocate_budgets(calibrated, fixed_rows, lambda rows: scale * cost(rows), fixed_tokens=fixed_rows,
+        budgets = allocate_budgets(calibrated, fixed_rows, self._forward_cost, fixed_tokens=fixed_rows,
                                    draft_s=self.draft_s.value + self.tree_host_s.value, padded=padded)
         out = {}
         for (seq, draft_logits), top, b, e in zip(auto, tops, budgets, expected):
@@ -343,6 +353,20 @@ class Scheduler:
         share = self.step_s.value
         floor = math.ceil((self.draft_s.value + self.tree_host_s.value) / (PROBE_SHARE * share)) if share > 0 else 1
         return min(max(doubling, floor), MAX_PROBE_GAP)
+
+    def _shape_rows(self, running: list[BatchPart]) -> int:
+        """The rows a forward of these running requests' parts runs: padded to the slots with static steps."""
+        if self.steps is not None and self.steps.fits(running):
+            return padded_rows(len(running), max(p.ids.shape[0] for p in running))
+        return sum(p.ids.shape[0] for p in running)
+
+    def _forward_cost(self, rows: int) -> float:
+        """Seconds of a forward of ``rows`` rows (padded rows with static steps): as measured for that shape, else the
+        verify cost curve scaled by what the forwards so far took against it."""
+        seen = self.observed.get(rows)
+        if seen is not None and seen.n > 0:
+            return seen.value
+        return self.forward_scale.value * self._verify_cost()(rows)
 
     def _verify_cost(self):
         if self._cost is None:

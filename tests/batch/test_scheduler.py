@@ -156,9 +156,11 @@ def test_load_aware_budget_is_lossless_greedy():
         assert got.token_ids == solo.token_ids
         assert sum(got.stats["budget_chosen"].values()) == got.stats["rounds"]
     assert sched.tree_host_s.n > 0 and sched.tree_host_s.value > 0   # the host time a tree adds was measured
-    # the forwards are timed for the budgets one in TIME_EVERY (each timing stalls the host on the device)
+    # the forwards are timed for the budgets one in TIME_EVERY (each timing stalls the host on the device), and a
+    # shape of forward twice before it counts as measured (its first forward is its capture)
     from kdtree_engine.batch.scheduler import TIME_EVERY
-    assert 1 <= sched.step_s.n <= sched.forwards // TIME_EVERY + 1, (sched.step_s.n, sched.forwards)
+    shapes = len(sched.observed)
+    assert 1 <= sched.step_s.n <= sched.forwards // TIME_EVERY + 2 * shapes + 1, (sched.step_s.n, sched.forwards)
 
 
 def test_load_aware_budget_charges_the_host_time_of_trees():
@@ -238,3 +240,23 @@ def test_a_new_request_starts_from_the_batch_verdict(monkeypatch):
     sched.step()   # its first round
     assert asked == [id(fresh.rounds.dcache)]
     sched.run()
+
+
+def test_a_forward_shape_measured_twice_prices_itself():
+    """The budgets price a forward by what that shape (its padded rows) took, its first forward (the capture) not
+    counted; an unmeasured shape by the verify cost curve scaled by the forwards so far (fresh random costs)."""
+    from kdtree_engine.speculative.budget import RunningMean, VerifyCostModel
+    seed = random.randrange(1 << 30)
+    print(f"seed {seed}")
+    rng = random.Random(seed)
+    target, drafter = _pair(seed, layers=1)
+    sched = Scheduler(target, drafter)
+    a, b, scale, took = (rng.uniform(1e-4, 1e-2) for _ in range(4))
+    sched._cost = VerifyCostModel({1: a, 512: a + b})
+    sched.forward_scale.value = scale
+    sched.observed[4] = RunningMean(0.1, warmup=1)
+    sched.observed[4].update(100.0)                      # the capture: not a sample
+    assert sched._forward_cost(4) == scale * sched._cost(4)
+    sched.observed[4].update(took)
+    assert sched._forward_cost(4) == took
+    assert sched._forward_cost(9) == scale * sched._cost(9)
