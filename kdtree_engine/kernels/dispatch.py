@@ -503,6 +503,30 @@ def naive_prefill_attention(policy: KernelPolicy, q_nope: torch.Tensor, q_pe: to
     return naive_chunk(q_nope, q_pe, latents, start, scale, kv_lora_rank, expand, key_block)
 
 
+def prompts_one_launch(policy: KernelPolicy, q_nope: torch.Tensor, n_heads: int, width: int, longest: int) -> bool:
+    """Whether a batch's whole prompts attend in one launch (:func:`naive_prefill_prompts`) rather than a launch a
+    prompt (logged once either way): the prefill kernel runs and each prompt takes one key range."""
+    if prefill_attention_backend(policy, q_nope) != "triton":
+        why: str | None = "the torch prefill attention"
+    elif not triton_kernels().prefill_attention.prompts_fit(n_heads, width, q_nope.dtype, longest):
+        why = "a prompt past one key range"
+    else:
+        why = None
+    how = "one launch for all of them" if why is None else f"a launch a prompt ({why})"
+    log_once(f"prefill-prompts:{q_nope.device.type}:{how}", f"a batch's whole prompts: naive-form attention in {how}")
+    return why is None
+
+
+def naive_prefill_prompts(policy: KernelPolicy, q_nope: torch.Tensor, q_pe: torch.Tensor, lat: torch.Tensor,
+                          expand: Callable[[torch.Tensor], torch.Tensor], lengths: list[int], scale: float,
+                          kv_lora_rank: int, v_head_dim: int) -> torch.Tensor:
+    """Whole prompts (rows concatenated, latents ``lat`` row for row) in one launch of the prefill kernel, where
+    :func:`prompts_one_launch` holds: each prompt's rows those of its own launch."""
+    del policy   # the caller checked prompts_one_launch
+    return triton_kernels().prefill_attention.naive_prefill_prompts(q_nope, q_pe, lat, expand, lengths, scale,
+                                                                    kv_lora_rank, v_head_dim)
+
+
 def mla_attention(policy: KernelPolicy, q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor,
                   table: torch.Tensor, start: int, tree_mask: torch.Tensor | None, scale: float,
                   kv_lora_rank: int) -> torch.Tensor:

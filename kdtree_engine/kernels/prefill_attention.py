@@ -39,16 +39,29 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit(do_not_specialize=["T", "start", "k0", "k1", "kv_base"])
-def _prefill_attn_kernel(qn_ptr, qr_ptr, kn_ptr, kr_ptr, v_ptr, m_ptr, l_ptr, acc_ptr, o_ptr,
+def _prefill_attn_kernel(qn_ptr, qr_ptr, kn_ptr, kr_ptr, v_ptr, m_ptr, l_ptr, acc_ptr, o_ptr, tiles_ptr,
                          T, start, k0, k1, kv_base, scale_log2,
                          s_qn_t, s_qn_h, s_qr_t, s_qr_h, s_kn_t, s_kn_h, s_kr_t, s_v_t, s_v_h, s_o_t, s_o_h,
                          P: tl.constexpr, R: tl.constexpr, V: tl.constexpr,
                          PP: tl.constexpr, RP: tl.constexpr, VP: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr,
-                         PREC: tl.constexpr):
+                         PREC: tl.constexpr, PROMPTS: tl.constexpr = False):
     # grid (query tiles, heads). Keys [k0, k1) of this call sit at rows key - kv_base of kn / kr / v.
+    # PROMPTS: several whole prompts of one key range each, their rows concatenated; tile i of the grid is
+    # tiles[i] = (the prompt's first row, its length, the tile within it): the program its own launch would run
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
+    if PROMPTS:
+        row0 = tl.load(tiles_ptr + 3 * pid_m).to(tl.int64)
+        T = tl.load(tiles_ptr + 3 * pid_m + 1)
+        pid_m = tl.load(tiles_ptr + 3 * pid_m + 2)
+        k1 = T
+        qn_ptr += row0 * s_qn_t
+        qr_ptr += row0 * s_qr_t
+        kn_ptr += row0 * s_kn_t
+        kr_ptr += row0 * s_kr_t
+        v_ptr += row0 * s_v_t
+        o_ptr += row0 * s_o_t
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = offs_m < T
     q_pos = start + offs_m
@@ -152,10 +165,51 @@ def naive_prefill(q_nope: torch.Tensor, q_pe: torch.Tensor, latents: Callable[[i
         kv = expand(lat[:, :C]).view(s1 - s0, N, P + V)
         kn, v, kr = kv[..., :P], kv[..., P:], lat[:, C:]
         _prefill_attn_kernel[grid](
-            q_nope, q_pe, kn, kr, v, state[0], state[1], state[2], out,
+            q_nope, q_pe, kn, kr, v, state[0], state[1], state[2], out, out,
             T, start, s0, s1, s0, scale * LOG2E,
             q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), kn.stride(0), kn.stride(1),
             kr.stride(0), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
             P=P, R=R, V=V, PP=_pad(P), RP=_pad(R), VP=_pad(V), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
             FIRST=i == 0, LAST=i == len(ranges) - 1, PREC=prec, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    return out
+
+
+def prompts_fit(n_heads: int, width: int, dtype: torch.dtype, longest: int) -> bool:
+    """Whether whole prompts of up to ``longest`` tokens each take one key range (:func:`naive_prefill_prompts`)."""
+    return longest <= key_range(n_heads, width, dtype)
+
+
+def naive_prefill_prompts(q_nope: torch.Tensor, q_pe: torch.Tensor, lat: torch.Tensor,
+                          expand: Callable[[torch.Tensor], torch.Tensor], lengths: list[int], scale: float,
+                          kv_lora_rank: int, v_head_dim: int) -> torch.Tensor:
+    """Several whole prompts (positions 0..) in one launch: their rows concatenated in q_nope [T, N, P], q_pe [T, N, R]
+    and their latents lat [T, C+R] (row for row), ``lengths`` the prompts' rows in order (each within one key range:
+    :func:`prompts_fit`). Returns [T, N, V]: each prompt's rows those of :func:`naive_prefill` on it alone (its
+    programs, one grid for all; the keys' expansion one product over every row, a row-wise one)."""
+    _check(q_nope, q_pe)
+    T, N, P = q_nope.shape
+    R, V, C = q_pe.shape[2], v_head_dim, kv_lora_rank
+    if sum(lengths) != T or lat.shape[0] != T or min(lengths, default=1) < 1:
+        raise ValueError(f"prompts of {lengths} rows do not make the {T} query rows and {lat.shape[0]} latents")
+    if not prompts_fit(N, P + V, q_nope.dtype, max(lengths)):
+        raise ValueError(f"a prompt of {max(lengths)} tokens takes more than one key range")
+    q_nope, q_pe, lat = (t if t.stride(-1) == 1 else t.contiguous() for t in (q_nope, q_pe, lat))
+    dev = q_nope.device
+    tiles, row0 = [], 0
+    for n in lengths:
+        tiles += [(row0, n, m) for m in range(triton.cdiv(n, BLOCK_M))]
+        row0 += n
+    tiles_t = torch.tensor(tiles, dtype=torch.int32).to(dev)
+    out = torch.empty(T, N, V, device=dev, dtype=q_nope.dtype)
+    kv = expand(lat[:, :C]).view(T, N, P + V)
+    kn, v, kr = kv[..., :P], kv[..., P:], lat[:, C:]
+    none = torch.empty(0, device=dev)
+    _prefill_attn_kernel[(len(tiles), N)](
+        q_nope, q_pe, kn, kr, v, none, none, none, out, tiles_t,
+        0, 0, 0, 0, 0, scale * LOG2E,
+        q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), kn.stride(0), kn.stride(1),
+        kr.stride(0), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+        P=P, R=R, V=V, PP=_pad(P), RP=_pad(R), VP=_pad(V), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        FIRST=True, LAST=True, PREC="ieee" if q_nope.dtype == torch.float32 else "tf32", PROMPTS=True,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     return out

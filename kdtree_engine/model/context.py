@@ -9,6 +9,7 @@ reads this object.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Iterator
 
 import torch
@@ -109,6 +110,30 @@ class BatchContext:
     def spans(self) -> Iterator[tuple[StepContext, int, int]]:
         """(part, first row, end row) of each part."""
         return ((p, a, b) for p, a, b in zip(self.parts, self.bounds, self.bounds[1:]))
+
+    @cached_property
+    def prompts(self) -> "PromptRows | None":
+        """The whole prompts among the parts (two or more), for one attention launch over all of them in every
+        layer (built once a forward); None with fewer."""
+        spans = [(a, b) for p, a, b in self.spans() if p.prompt and p.chunk is None]
+        if len(spans) < 2:
+            return None
+        dev = self.rows.device
+        index = torch.cat([torch.arange(a, b) for a, b in spans]).to(dev)
+        return PromptRows(index, torch.cat([p.rows for p in self.parts if p.prompt and p.chunk is None]),
+                          [b - a for a, b in spans],
+                          [a for a, _ in spans])
+
+
+@dataclass(frozen=True)
+class PromptRows:
+    """The whole prompts of a batch: index [n] their rows in the batch, rows [n] their latents' pool rows (slots 0..),
+    lengths and first rows in the batch, in part order."""
+
+    index: torch.Tensor
+    rows: torch.Tensor
+    lengths: list[int]
+    firsts: list[int]
 
 
 def static_visibility(start: torch.Tensor, tree_mask: torch.Tensor, capacity: int) -> torch.Tensor:

@@ -18,8 +18,8 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..kernels.dispatch import (head_matmul, latent_write, mla_attention, mla_attention_slots, mla_attention_static,
-                                naive_prefill_attention, prefill_attention_backend, rope_heads,
-                                slot_attention_one_launch)
+                                naive_prefill_attention, naive_prefill_prompts, prefill_attention_backend,
+                                prompts_one_launch, rope_heads, slot_attention_one_launch)
 from ..kernels.paged import gather_slots
 from ..kernels.streams import fan_out
 from .context import BatchContext, SlotTensors, StepContext
@@ -82,10 +82,26 @@ class MLA(nn.Module):
         if isinstance(ctx, BatchContext) and all(p.chunk is None and not p.prompt for p in ctx.parts):
             o = self._absorbed_form(q_nope, q_pe, kv_cache, list(ctx.spans()), ctx.slots)
         elif isinstance(ctx, BatchContext):
-            o = torch.cat([self._attention(q_nope[a:b], q_pe[a:b], kv_cache, part) for part, a, b in ctx.spans()])
+            o = self._parts(q_nope, q_pe, kv_cache, ctx)
         else:
             o = self._attention(q_nope, q_pe, kv_cache, ctx)
         return self.o_proj(o.reshape(T, -1))
+
+    def _parts(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, ctx: BatchContext
+               ) -> torch.Tensor:
+        """Each part's attention as its solo step's, in row order -> [T, N, V]; the batch's whole prompts (two or
+        more) in one launch where the prefill kernel takes them all (each prompt's rows those of its own launch)."""
+        cfg, prompts = self.cfg, ctx.prompts
+        P, V = cfg.qk_nope_head_dim, cfg.v_head_dim
+        together: dict[int, torch.Tensor] = {}
+        if prompts is not None and prompts_one_launch(self.policy, q_nope, self.n_heads, P + V, max(prompts.lengths)):
+            lat = kv_cache.flatten(0, 1).index_select(0, prompts.rows)
+            o = naive_prefill_prompts(self.policy, q_nope.index_select(0, prompts.index),
+                                      q_pe.index_select(0, prompts.index), lat, self.kv_b_proj, prompts.lengths,
+                                      self.scale, cfg.kv_lora_rank, V)
+            together = dict(zip(prompts.firsts, o.split(prompts.lengths)))
+        return torch.cat([together[a] if a in together else self._attention(q_nope[a:b], q_pe[a:b], kv_cache, part)
+                          for part, a, b in ctx.spans()])
 
     def _attention(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
                    ctx: StepContext) -> torch.Tensor:

@@ -78,3 +78,22 @@ def test_prefill_attention_rows_do_not_depend_on_the_launch(monkeypatch) -> None
     got = torch.cat(parts)
     bad = (got != whole).any(-1).any(-1).nonzero().flatten().tolist()
     assert not bad, f"rows {bad[:10]} differ (cuts {cuts}, seed {seed})"
+
+
+def test_whole_prompts_in_one_launch_equal_their_own_launches() -> None:
+    """Several whole prompts in one launch (naive_prefill_prompts): each prompt's rows bit for bit those of its own
+    launch (both read the same expanded keys: the kernel alone is compared)."""
+    from kdtree_engine.kernels.prefill_attention import naive_prefill, naive_prefill_prompts
+    seed = int(torch.randint(1 << 30, (1,)))
+    print(f"seed {seed}")
+    gen = torch.Generator().manual_seed(seed)
+    lengths = [int(n) for n in torch.randint(1, 600, (6,), generator=gen)] + [1, 128, 129]
+    lat, w_kv, q_nope, q_pe = _inputs(sum(lengths), 0, seed)
+    whole = lat[:, :C] @ w_kv.T     # the keys of every row; a prompt's own launch takes its rows of them
+    out = naive_prefill_prompts(q_nope, q_pe, lat, lambda c: whole, lengths, (P + R) ** -0.5, C, V)
+    a = 0
+    for n in lengths:
+        one = naive_prefill(q_nope[a:a + n], q_pe[a:a + n], lambda s0, s1, a=a: lat[a + s0:a + s1],
+                            lambda c, a=a, n=n: whole[a:a + n], 0, (P + R) ** -0.5, C, V)
+        assert torch.equal(one, out[a:a + n]), f"prompt at row {a} ({n} tokens) differs (seed {seed})"
+        a += n

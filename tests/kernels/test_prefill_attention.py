@@ -26,6 +26,8 @@ CASES = {
     "split_queries": (130, 30, 2, 32, 16, 16, 24, 128),
     "odd_head_dims": (33, 20, 2, 24, 8, 40, 24, 64),
 }
+# several whole prompts in one launch (naive_prefill_prompts) == each prompt's own launch, bit for bit
+PROMPTS = {"prompts_in_one_launch": ((70, 1, 130, 33, 128), 2, 32, 16, 32, 24)}
 
 
 def oracle(q_nope, q_pe, lat, w_kv, start, scale, C, V):
@@ -40,8 +42,41 @@ def oracle(q_nope, q_pe, lat, w_kv, start, scale, C, V):
     return torch.einsum("ntk,knv->tnv", p, kv[..., P:])
 
 
+def _rowwise_expand(w_kv):
+    """kv_b_proj as a per-row float64 sum (a row's values whatever rows share the call), rounded to float32."""
+    return lambda c: (c.double()[:, None, :] * w_kv.double()[None]).sum(-1).float()
+
+
+def _run_prompts(spec):
+    import kdtree_engine.kernels.prefill_attention as pa
+
+    lengths, N, P, R, V, C = spec
+    pa.EXPANDED_BYTES = 256 << 20   # the engine's bound (the other cases set smaller ones)
+    seed = int.from_bytes(os.urandom(4), "little")
+    g = torch.Generator().manual_seed(seed)
+    T = sum(lengths)
+    lat = torch.randn(T, C + R, generator=g)
+    w_kv = torch.randn(N * (P + V), C, generator=g) / C ** 0.5
+    q_nope, q_pe = torch.randn(T, N, P, generator=g), torch.randn(T, N, R, generator=g)
+    scale = (P + R) ** -0.5
+    expand = _rowwise_expand(w_kv)
+    y = pa.naive_prefill_prompts(q_nope, q_pe, lat, expand, list(lengths), scale, C, V)
+    equal, rel, a = True, 0.0, 0
+    for n in lengths:
+        one = pa.naive_prefill(q_nope[a:a + n], q_pe[a:a + n], lambda s0, s1, a=a: lat[a + s0:a + s1], expand, 0,
+                               scale, C, V)
+        equal &= torch.equal(one, y[a:a + n])
+        ref = oracle(q_nope[a:a + n], q_pe[a:a + n], lat[a:a + n], w_kv, 0, scale, C, V)
+        rel = max(rel, float((y[a:a + n].double() - ref).norm() / ref.norm()))
+        a += n
+    return {"seed": seed, "equal": bool(equal), "rel": rel, "nonfinite": int((~y.isfinite()).sum())}
+
+
 def _run_one(name, spec):
     import kdtree_engine.kernels.prefill_attention as pa
+
+    if name in PROMPTS:
+        return _run_prompts(spec)
 
     T, start, N, P, R, V, C, step = spec
     seed = int.from_bytes(os.urandom(4), "little")
@@ -73,7 +108,7 @@ def _run_one(name, spec):
     return rec
 
 
-interp_results = results_fixture(HERE, list(CASES))
+interp_results = results_fixture(HERE, list(CASES) + list(PROMPTS))
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -88,6 +123,25 @@ def test_prefill_attention_interp(interp_results, name) -> None:
         assert rec["split_rel"] < 1e-6, f"split launches differ from one launch by {rec['split_rel']:.3g} (seed {rec['seed']})"
 
 
+def test_prompts_in_one_launch_equal_their_own_launches_interp(interp_results) -> None:
+    rec = interp_results["prompts_in_one_launch"]
+    print(f"seed {rec.get('seed')}")
+    assert "error" not in rec, rec
+    assert rec["nonfinite"] == 0
+    assert rec["equal"], f"a prompt's rows differ from its own launch (seed {rec['seed']})"
+    assert rec["rel"] < 1e-5, f"relative error {rec['rel']:.3g} against float64 (seed {rec['seed']})"
+
+
+def test_prompts_launch_rejects_what_it_cannot_run() -> None:
+    from kdtree_engine.kernels.prefill_attention import naive_prefill_prompts
+    q, r, lat = torch.randn(5, 2, 32), torch.randn(5, 2, 16), torch.randn(5, 40)
+    with pytest.raises(ValueError, match="do not make"):
+        naive_prefill_prompts(q, r, lat, lambda c: c, [2, 2], 1.0, 24, 32)
+    with pytest.raises(ValueError, match="more than one key range"):
+        naive_prefill_prompts(torch.randn(1 << 17, 2, 32), torch.randn(1 << 17, 2, 16), torch.randn(1 << 17, 40),
+                              lambda c: c, [1 << 17], 1.0, 24, 1 << 14)
+
+
 def test_rejects_bad_shapes() -> None:
     from kdtree_engine.kernels.prefill_attention import naive_prefill
     with pytest.raises(ValueError, match="q_nope"):
@@ -96,4 +150,4 @@ def test_rejects_bad_shapes() -> None:
 
 if __name__ == "__main__" and "--interp-cases" in sys.argv:
     from _interp import child_main
-    child_main(CASES, _run_one, sys.argv[sys.argv.index("--interp-cases") + 1:])
+    child_main({**CASES, **PROMPTS}, _run_one, sys.argv[sys.argv.index("--interp-cases") + 1:])
