@@ -519,12 +519,17 @@ def prompts_one_launch(policy: KernelPolicy, q_nope: torch.Tensor, n_heads: int,
 
 def naive_prefill_prompts(policy: KernelPolicy, q_nope: torch.Tensor, q_pe: torch.Tensor, lat: torch.Tensor,
                           expand: Callable[[torch.Tensor], torch.Tensor], lengths: list[int], scale: float,
-                          kv_lora_rank: int, v_head_dim: int) -> torch.Tensor:
+                          kv_lora_rank: int, v_head_dim: int, tiles: torch.Tensor) -> torch.Tensor:
     """Whole prompts (rows concatenated, latents ``lat`` row for row) in one launch of the prefill kernel, where
-    :func:`prompts_one_launch` holds: each prompt's rows those of its own launch."""
+    :func:`prompts_one_launch` holds: each prompt's rows those of its own launch. ``tiles``: :func:`prompt_tiles`."""
     del policy   # the caller checked prompts_one_launch
     return triton_kernels().prefill_attention.naive_prefill_prompts(q_nope, q_pe, lat, expand, lengths, scale,
-                                                                    kv_lora_rank, v_head_dim)
+                                                                    kv_lora_rank, v_head_dim, tiles)
+
+
+def prompt_tiles(lengths: list[int], device: torch.device) -> torch.Tensor:
+    """The programs of :func:`naive_prefill_prompts` over prompts of these lengths (made once a forward)."""
+    return triton_kernels().prefill_attention.prompt_tiles(lengths, device)
 
 
 def mla_attention(policy: KernelPolicy, q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor,

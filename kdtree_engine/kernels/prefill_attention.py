@@ -179,13 +179,24 @@ def prompts_fit(n_heads: int, width: int, dtype: torch.dtype, longest: int) -> b
     return longest <= key_range(n_heads, width, dtype)
 
 
+def prompt_tiles(lengths: list[int], device: torch.device) -> torch.Tensor:
+    """The programs of :func:`naive_prefill_prompts` over prompts of ``lengths`` rows: int32 [tiles, 3] of (the
+    prompt's first row, its length, the query tile within it)."""
+    tiles, row0 = [], 0
+    for n in lengths:
+        tiles += [(row0, n, m) for m in range(triton.cdiv(n, BLOCK_M))]
+        row0 += n
+    return torch.tensor(tiles, dtype=torch.int32).to(device)
+
+
 def naive_prefill_prompts(q_nope: torch.Tensor, q_pe: torch.Tensor, lat: torch.Tensor,
                           expand: Callable[[torch.Tensor], torch.Tensor], lengths: list[int], scale: float,
-                          kv_lora_rank: int, v_head_dim: int) -> torch.Tensor:
+                          kv_lora_rank: int, v_head_dim: int, tiles: torch.Tensor | None = None) -> torch.Tensor:
     """Several whole prompts (positions 0..) in one launch: their rows concatenated in q_nope [T, N, P], q_pe [T, N, R]
     and their latents lat [T, C+R] (row for row), ``lengths`` the prompts' rows in order (each within one key range:
     :func:`prompts_fit`). Returns [T, N, V]: each prompt's rows those of :func:`naive_prefill` on it alone (its
-    programs, one grid for all; the keys' expansion one product over every row, a row-wise one)."""
+    programs, one grid for all; the keys' expansion one product over every row, a row-wise one). ``tiles``:
+    :func:`prompt_tiles` of ``lengths`` where the caller made it once for many calls."""
     _check(q_nope, q_pe)
     T, N, P = q_nope.shape
     R, V, C = q_pe.shape[2], v_head_dim, kv_lora_rank
@@ -195,16 +206,12 @@ def naive_prefill_prompts(q_nope: torch.Tensor, q_pe: torch.Tensor, lat: torch.T
         raise ValueError(f"a prompt of {max(lengths)} tokens takes more than one key range")
     q_nope, q_pe, lat = (t if t.stride(-1) == 1 else t.contiguous() for t in (q_nope, q_pe, lat))
     dev = q_nope.device
-    tiles, row0 = [], 0
-    for n in lengths:
-        tiles += [(row0, n, m) for m in range(triton.cdiv(n, BLOCK_M))]
-        row0 += n
-    tiles_t = torch.tensor(tiles, dtype=torch.int32).to(dev)
+    tiles_t = prompt_tiles(lengths, dev) if tiles is None else tiles
     out = torch.empty(T, N, V, device=dev, dtype=q_nope.dtype)
     kv = expand(lat[:, :C]).view(T, N, P + V)
     kn, v, kr = kv[..., :P], kv[..., P:], lat[:, C:]
     none = torch.empty(0, device=dev)
-    _prefill_attn_kernel[(len(tiles), N)](
+    _prefill_attn_kernel[(tiles_t.shape[0], N)](
         q_nope, q_pe, kn, kr, v, none, none, none, out, tiles_t,
         0, 0, 0, 0, 0, scale * LOG2E,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), kn.stride(0), kn.stride(1),

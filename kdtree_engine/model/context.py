@@ -14,6 +14,7 @@ from typing import Iterator
 
 import torch
 
+from ..kernels.dispatch import prompt_tiles
 from .prefill import ChunkStep
 
 
@@ -134,6 +135,11 @@ class PromptRows:
     rows: torch.Tensor
     lengths: list[int]
     firsts: list[int]
+
+    @cached_property
+    def tiles(self) -> torch.Tensor:
+        """The prefill kernel's programs over these prompts, made once a forward for every layer."""
+        return prompt_tiles(self.lengths, self.index.device)
 
 
 def static_visibility(start: torch.Tensor, tree_mask: torch.Tensor, capacity: int) -> torch.Tensor:

@@ -98,7 +98,7 @@ class MLA(nn.Module):
             lat = kv_cache.flatten(0, 1).index_select(0, prompts.rows)
             o = naive_prefill_prompts(self.policy, q_nope.index_select(0, prompts.index),
                                       q_pe.index_select(0, prompts.index), lat, self.kv_b_proj, prompts.lengths,
-                                      self.scale, cfg.kv_lora_rank, V)
+                                      self.scale, cfg.kv_lora_rank, V, prompts.tiles)
             together = dict(zip(prompts.firsts, o.split(prompts.lengths)))
         return torch.cat([together[a] if a in together else self._attention(q_nope[a:b], q_pe[a:b], kv_cache, part)
                           for part, a, b in ctx.spans()])
