@@ -37,7 +37,7 @@ from ..logs import log_once
 from ..model.prefill import ChunkStep, choose_form, plan_chunks, resolve_chunk
 from ..model.target import BatchPart, Target, TargetOutput
 from ..sampling import SamplingParams, greedy, topk_logprobs
-from ..speculative.budget import (SCALE_MAX, AcceptanceCalibration, RunningMean,
+from ..speculative.budget import (SCALE_MAX, AcceptanceCalibration, RecentMedian, RunningMean,
                                   expected_accepted_by_budget, verify_cost_for)
 from ..speculative.config import resolve_spec
 from ..speculative.decode import Emitter, GenerationResult, OnTokens, context_limit, round_shape
@@ -88,11 +88,13 @@ class Scheduler:
         self.rows_run = 0
         self._cost = None  # the verify cost curve of load-aware budgets, measured on first use
         self._plan_s: tuple[float, int] | None = None  # this step's tree planning: (host seconds, requests planned)
-        # seconds of one request's draft pass, measured each step that drafts (not the first: it compiles kernels)
-        self.draft_s = RunningMean(0.1, warmup=1)
+        # seconds of one request's draft pass, measured each step that drafts (not the first: it compiles kernels); a
+        # recent median: a slow pass (a new shape's compile) must not price drafting out for good, since a request
+        # that stops drafting stops measuring
+        self.draft_s = RecentMedian(warmup=1)
         # host seconds a load-aware request's tree adds to a step: its top-k, expected gains and tree, and the walk
         # of its verified tree (host-driven rounds: on a slow host these outgrow the draft pass); not the first step's
-        self.tree_host_s = RunningMean(0.1, warmup=1)
+        self.tree_host_s = RecentMedian(warmup=1)
         # observed / curve seconds of the batch's forwards: the curve is one request's, a batch launches more
         self.forward_scale = RunningMean(0.1, prior=1.0, prior_weight=1)
         self.step_s = RunningMean(0.1)  # a request's share of a forward's seconds (what a plain round costs it)
@@ -103,6 +105,7 @@ class Scheduler:
         # the gap the last draft pass that did not pay was given (0 after one that paid): a new load-aware request
         # starts with it, so it does not pay a pass of its own to learn what the batch already knows
         self.verdict_gap = 0
+        self.verdict_at = 0   # the forward that verdict was given at: the batch's next probe is due gap forwards on
         log_once(f"batch:{token_budget}", f"continuous batching: up to {token_budget} rows per forward, prompts in "
                  f"chunks of {self.chunk} tokens")
 
@@ -336,7 +339,7 @@ class Scheduler:
             seq.backoff = 0 if b > 0 else self._probe_gap(seq.backoff)
             seq.skip = seq.backoff
             if top is not None:
-                self.verdict_gap = seq.backoff
+                self.verdict_gap, self.verdict_at = seq.backoff, self.forwards
             seq.predicted = float(e[b - 1]) if b > 0 else 0.0   # the drafter's own estimate: what calibration learns
             chose(seq, b)
             # budget 0: a plain step (its aux row still feeds the drafter), as cheap as plain decoding's
@@ -397,7 +400,10 @@ class Scheduler:
         seq.rounds = r
         if seq.shape.auto:
             seq.calibration = AcceptanceCalibration()
-            seq.skip = seq.backoff = self.verdict_gap
+            # the batch's probe schedule runs on across requests: a new one waits out what is left of the gap (short
+            # requests arriving one after another would otherwise each restart it and none ever draft again)
+            seq.backoff = self.verdict_gap
+            seq.skip = max(self.verdict_gap - (self.forwards - self.verdict_at), 0)
         S = len(seq.prompt_ids)
         if S <= self.chunk:
             seq.chunks = [(0, S, None)]

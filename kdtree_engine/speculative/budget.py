@@ -129,6 +129,31 @@ class RunningMean:
         return self.value
 
 
+class RecentMedian:
+    """Lower median of the last ``window`` samples: the cost of a host-side stage whose samples are only ever
+    inflated (a first call that compiles, a collection pause), so one slow sample neither sets nor lingers in the
+    estimate the way it would in a moving average. ``value`` is ``prior`` before any sample; the first ``warmup``
+    updates are not samples."""
+
+    def __init__(self, window: int = 8, prior: float = 0.0, warmup: int = 0) -> None:
+        if window < 1:
+            raise ValueError(f"window must be at least 1, got {window}")
+        self.window = int(window)
+        self.value = float(prior)
+        self.n = 0
+        self.warmup = int(warmup)
+        self._recent: list[float] = []
+
+    def update(self, x: float) -> float:
+        if self.warmup > 0:
+            self.warmup -= 1
+            return self.value
+        self.n += 1
+        self._recent = (self._recent + [float(x)])[-self.window:]
+        self.value = sorted(self._recent)[(len(self._recent) - 1) // 2]
+        return self.value
+
+
 class AcceptanceCalibration:
     """Running factor c = observed / predicted accepted drafts (ratio of two moving averages).
 

@@ -228,7 +228,7 @@ def test_a_new_request_starts_from_the_batch_verdict(monkeypatch):
     assert seq.result.token_ids == generate(sched.target, prompt, params).token_ids
     # a pass that paid clears the verdict, and the next request drafts in its first round
     monkeypatch.setattr(sched_mod, "allocate_budgets", lambda expected, *a, **k: [min(1, len(e)) for e in expected])
-    sched.verdict_gap = 3
+    sched.verdict_gap, sched.verdict_at = 3, sched.forwards
     late = sched.submit(_prompt(rng, 3, 20), SamplingParams(max_tokens=8, ignore_eos=True), spec="ddtree",
                         budget="auto")
     sched.run()   # three plain rounds, then a pass that pays
@@ -240,6 +240,14 @@ def test_a_new_request_starts_from_the_batch_verdict(monkeypatch):
     sched.step()   # its first round
     assert asked == [id(fresh.rounds.dcache)]
     sched.run()
+    # the batch's probe schedule runs on across requests: one arriving after part of the gap waits out the rest only
+    for given, elapsed in ((7, 3), (4, 9)):
+        sched.verdict_gap, sched.verdict_at = given, sched.forwards - elapsed
+        late = sched.submit(_prompt(rng, 3, 20), SamplingParams(max_tokens=2, ignore_eos=True), spec="ddtree",
+                            budget="auto")
+        sched.step()   # its admission (and prompt)
+        assert late.backoff == given and late.skip == max(given - elapsed, 0), (late.skip, given, elapsed)
+        sched.run()
 
 
 def test_a_forward_shape_measured_twice_prices_itself():

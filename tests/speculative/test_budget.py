@@ -389,3 +389,28 @@ def test_running_mean_skips_its_warmup_updates():
         plain.update(x)
     assert m.value == plain.value and m.n == plain.n == 30
     assert abs(RunningMean(1.0).update(3.0) - 3.0) < 1e-12
+
+
+def test_recent_median_is_the_lower_median_of_the_last_samples():
+    """The host stages' cost: the lower median of the last ``window`` samples after the warm-up (oracle: statistics'
+    median_low over the same window), so one slow sample among fast ones never becomes the estimate."""
+    import statistics
+    from kdtree_engine.speculative.budget import RecentMedian
+    seed = random.randrange(1 << 30)
+    print(f"seed {seed}")
+    rng = random.Random(seed)
+    window = rng.randint(1, 9)
+    m = RecentMedian(window, prior=0.25, warmup=1)
+    assert m.update(1e3) == 0.25 and m.n == 0   # the warm-up: not a sample
+    xs = []
+    for _ in range(40):
+        xs.append(rng.uniform(1e-4, 1e-2) if rng.random() > 0.2 else rng.uniform(1.0, 10.0))
+        got = m.update(xs[-1])
+        assert got == m.value == statistics.median_low(xs[-window:]) and m.n == len(xs)
+    heal = RecentMedian(8)
+    heal.update(5.0)                      # one slow pass...
+    for x in (1e-3, 2e-3, 1.5e-3):        # ...and the next fast ones outvote it
+        heal.update(x)
+    assert heal.value == 1.5e-3
+    with pytest.raises(ValueError, match="window"):
+        RecentMedian(0)
