@@ -96,7 +96,7 @@ kernel_w4a16() {
 }
 kernel_moe() {
   pytest_step pytest-moe 300 tests/gpu/test_kernels_gpu.py tests/gpu/test_w4_frag_gpu.py tests/test_moe_placement.py \
-    -k moe
+    tests/gpu/test_fused_tails_gpu.py -k moe
   step bench-kernels 90 python3 bench/kernels.py --no-sweep --out "$RES"
   step bench-w4-frag-moe 180 python3 bench/w4_frag.py --no-dense --out "$RES"
 }

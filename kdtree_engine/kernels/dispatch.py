@@ -120,6 +120,7 @@ from ..config import ModelConfig
 from ..fp8 import Fp8Block
 from ..logs import log, log_once
 from ..model.prefill import naive_chunk
+from ..parallel.experts import owned_routes as owned_routes_torch
 from ..model.int4_order import CHECKPOINT, FRAG, checkpoint_int4, int4_words, order_of, set_order
 from ..quant import dequantize
 from ..speculative.tree import DraftTree, build_tree
@@ -335,6 +336,15 @@ def route(policy: KernelPolicy, logits: torch.Tensor, bias: torch.Tensor,
     return route_torch(logits, bias, cfg)
 
 
+def owned_routes(policy: KernelPolicy, ids: torch.Tensor, weights: torch.Tensor,
+                 owned: range) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert parallel: the global routes -> this rank's (local ids, -1 with weight 0 for another rank's experts);
+    one launch on CUDA (kernels/router.py), else the torch form (parallel/experts.py), the same values."""
+    if _elementwise_backend(policy, "expert-parallel routes (the rank's own experts)", ids.device, weights):
+        return triton_kernels().router.own_routes_triton(ids, weights, owned.start, len(owned))
+    return owned_routes_torch(ids, weights, owned)
+
+
 def silu_mul(policy: KernelPolicy, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up, elementwise (SwiGLU)."""
     if _elementwise_backend(policy, "SwiGLU (silu(gate) * up)", gate.device, gate, up):
@@ -408,11 +418,12 @@ def w4a16_matmul(policy: KernelPolicy, x: torch.Tensor, layer: nn.Module) -> tor
 
 def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor, w2_q: torch.Tensor,
                    w2_scale: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, group_size: int,
-                   *, add: torch.Tensor | None = None, tile: int = 0, stile: int = 0) -> torch.Tensor:
+                   *, add: torch.Tensor | None = None, tile: int = 0, stile: int = 0,
+                   plan_topk: int | None = None) -> torch.Tensor:
     """The routed experts on the fragment-ordered Gluon kernels (kernels/moe_frag.py), where the experts'
-    int4_prepare chose "frag" (model/moe.py)."""
+    int4_prepare chose "frag" (model/moe.py); plan_topk: an expert-parallel rank's share of a token's routes."""
     return triton_kernels().moe_frag.fused_moe_frag(x, w13_q, w13_scale, w2_q, w2_scale, topk_ids, topk_weights,
-                                                    group_size, add=add, tile=tile, stile=stile)
+                                                    group_size, add=add, tile=tile, stile=stile, plan_topk=plan_topk)
 
 
 def fused_moe_w4a16(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.Tensor, w2_packed: torch.Tensor,

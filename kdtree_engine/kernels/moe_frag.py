@@ -314,12 +314,14 @@ if HAVE_GLUON:
 def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor, w2_q: torch.Tensor,
                    w2_scale: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                    group_size: int, config: FragMoEConfig | None = None, tile: int = 0,
-                   add: torch.Tensor | None = None, stile: int = 0) -> torch.Tensor:
+                   add: torch.Tensor | None = None, stile: int = 0, plan_topk: int | None = None) -> torch.Tensor:
     """x [T, H] bf16 -> [T, H] bf16: routed experts only; w13_q / w2_q in fragment order (frag_repack with
     frag_gpb of each matrix's input width, or config.GPB), row-major (tile 0) or each matrix in frag_tile's
     order of `tile` rows (the same bits); the scales row-major (stile 0) or in scale_tile's order of `stile` rows
     (the same bits). add [T, H] bf16 (e.g. the shared expert's output): added in the top-k
-    sum, the bits of `fused_moe_frag(...) + add`."""
+    sum, the bits of `fused_moe_frag(...) + add`. plan_topk: the expert blocks a token is planned to fill the
+    device with (default topk_ids' width; an expert-parallel rank serves about top_k / ranks of a token's routes,
+    the rest are -1): like the partition it plans, fixed by the model and the device, never by T."""
     if not HAVE_GLUON:
         raise RuntimeError("fused_moe_frag needs triton.experimental.gluon (triton >= 3.5)")
     if x.dtype != torch.bfloat16 or x.dim() != 2:
@@ -349,8 +351,11 @@ def fused_moe_frag(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor
     if H % (32 * g13) or I % (32 * g2):
         raise ValueError(f"fused_moe_frag: H={H} / I={I} are not whole K blocks of {32 * g13} / {32 * g2}")
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-    part13 = moe_plan(I, H, g13, sms, topk, MOE_GATE_UP_PER_SM)
-    part2 = moe_plan(H, I, g2, sms, topk, MOE_DOWN_PER_SM)
+    planned = topk if plan_topk is None else plan_topk
+    if not 1 <= planned <= topk:
+        raise ValueError(f"fused_moe_frag: plan_topk={plan_topk} must be in 1..{topk} (the routes of a token)")
+    part13 = moe_plan(I, H, g13, sms, planned, MOE_GATE_UP_PER_SM)
+    part2 = moe_plan(H, I, g2, sms, planned, MOE_DOWN_PER_SM)
     if cfg.P13:
         part13 = replace(part13, programs=min(cfg.P13, part13.work))
     if cfg.P2:

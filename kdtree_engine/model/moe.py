@@ -18,13 +18,12 @@ from ..config import ModelConfig
 from ..fp8 import FP8_DTYPE, SCALE_DTYPE, Fp8Block, dequantize_fp8
 from ..kernels.bf16x3 import split_bf16x3
 from ..kernels.dispatch import (dense_matmul, fused_moe_frag, fused_moe_grouped, fused_moe_w4a16, grouped_moe_backend,
-                                int4_prepare, route, router_matmul, shared_placement)
+                                int4_prepare, owned_routes, route, router_matmul, shared_placement)
 from ..kernels.layouts import ENGINE_ORDER, frag_moe_unsupported
 from ..kernels.policy import KernelPolicy, policy_or_env
 from ..kernels.streams import side_by_side
 from ..logs import log_once
 from ..quant import dequantize
-from ..parallel.experts import owned_routes
 from .int4_order import checkpoint_int4
 from .layers import MLP, GroupOf, dense_only
 
@@ -81,6 +80,10 @@ class Experts(nn.Module):
         E, H, I = cfg.n_routed_experts if owned is None else len(owned), cfg.hidden_size, cfg.moe_intermediate_size
         self.owned = owned
         self.num_experts, self.hidden, self.inter = E, H, I
+        # the routes of a token this rank serves on average (all of them without expert parallelism): what the fused
+        # kernels plan their programs for, so that one token's few local experts still fill the device
+        k = cfg.num_experts_per_tok
+        self.plan_topk = k if owned is None else max(1, min(k, -(-k * len(owned) // cfg.n_routed_experts)))
         self.fp8_block = group_size if isinstance(group_size, Fp8Block) else None
         self.group_size = None if self.fp8_block is not None else group_size
         if self.fp8_block is not None:
@@ -104,7 +107,7 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                 add: torch.Tensor | None = None, host_reads: bool = True) -> torch.Tensor:
         if self.owned is not None:
-            ids, weights = owned_routes(ids, weights, self.owned)
+            ids, weights = owned_routes(self.policy, ids, weights, self.owned)
         return moe(x, ids, weights, self, add, host_reads)
 
     def reset_dense(self) -> None:
@@ -131,7 +134,8 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Expe
         kind = experts.int4_prepare(x.dtype)
         if kind == "frag":
             return fused_moe_frag(x, experts.w13_packed, experts.w13_scale, experts.w2_packed,
-                                  experts.w2_scale, ids, weights, experts.group_size, add=add, **ENGINE_ORDER)
+                                  experts.w2_scale, ids, weights, experts.group_size, add=add,
+                                  plan_topk=experts.plan_topk, **ENGINE_ORDER)
         if kind == "triton":
             return fused_moe_w4a16(x, experts.w13_packed, experts.w13_scale, experts.w2_packed,
                                    experts.w2_scale, ids, weights, experts.group_size, add=add)

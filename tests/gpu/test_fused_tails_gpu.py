@@ -53,6 +53,22 @@ def test_router_matches_torch_path(E: int, k: int, G: int, tg: int) -> None:
     assert torch.equal(one[0][0], ids[3]) and torch.equal(one[1][0], w[3])
 
 
+@pytest.mark.parametrize("T,ranks", [(1, 8), (65, 8), (300, 3)])
+def test_moe_owned_routes_are_the_torch_form(T: int, ranks: int) -> None:
+    """Expert parallel: one launch makes the router's routes each rank's own (local ids, -1 and weight 0 for another
+    rank's experts), the bits of the torch form, for every rank of the group."""
+    from kdtree_engine.kernels.router import own_routes_triton
+    from kdtree_engine.parallel.experts import owned_routes
+    g = torch.Generator(device=DEV).manual_seed(T * ranks)
+    ids = torch.rand(T, 384, generator=g, device=DEV).topk(8, dim=1).indices
+    w = torch.rand(T, 8, generator=g, device=DEV)
+    per = -(-384 // ranks)
+    for r in range(ranks):
+        owned = range(r * per, min((r + 1) * per, 384))
+        got, want = own_routes_triton(ids, w, owned.start, len(owned)), owned_routes(ids, w, owned)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), f"rank {r} of {ranks}"
+
+
 def test_silu_mul_close_to_torch() -> None:
     g = torch.Generator(device=DEV).manual_seed(0)
     gate, up = (torch.randn(33, 2 * 2048, generator=g, device=DEV) * 3).bfloat16().chunk(2, dim=-1)

@@ -181,7 +181,8 @@ def test_int4_linear_module_takes_fragment_kernel(poisoned):
     assert not bad, f"rows differ from the M=130 forward at M = {bad}"
 
 
-def _moe_case(E, H, I, T, topk, gpb=None, seed=0, unowned=False):
+def _moe_case(E, H, I, T, topk, gpb=None, seed=0, unowned=False, share=None):
+    """share: the chance that a route is this rank's (expert parallel); the others are -1."""
     torch.manual_seed(seed)
     w13p, w13s = rand_w4(E, 2 * I, H)
     w2p, w2s = rand_w4(E, H, I)
@@ -189,6 +190,8 @@ def _moe_case(E, H, I, T, topk, gpb=None, seed=0, unowned=False):
     ids = torch.rand(T, E, device="cuda").topk(topk, dim=1).indices
     if unowned:   # pairs routed to experts of another rank
         ids[::2, 3] = -1
+    if share is not None:
+        ids[torch.rand(T, topk, device="cuda") >= share] = -1
     tw = torch.rand(T, topk, device="cuda")
     tw = tw / tw.sum(1, keepdim=True)
     ref = fused_moe_reference(x, w13p, w13s, w2p, w2s, ids, tw, G)
@@ -220,6 +223,21 @@ def test_moe_frag_k2_and_unowned_experts(poisoned):
     with some pairs routed to experts of another rank (-1)."""
     x, w, ids, tw, ref = _moe_case(E=48, H=7168, I=2048, T=9, topk=8, unowned=True)
     _check(fused_moe_frag(x, *w, ids, tw, G), ref, TOL, "moe frag K2 slice")
+
+
+@pytest.mark.parametrize("T", [1, 3, 16])
+def test_moe_frag_planned_for_one_local_route(poisoned, T):
+    """An expert-parallel rank plans its programs for its share of a token's routes (plan_topk 1 of 8 at EP8): right
+    values with most routes on other ranks, and a token's rows the same bits alone as in a launch of 16."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"seed {seed}")
+    x, w, ids, tw, ref = _moe_case(E=48, H=7168, I=2048, T=16, topk=8, seed=seed, share=1 / 8)
+    full = fused_moe_frag(x, *w, ids, tw, G, plan_topk=1)
+    _check(full, ref, TOL, "moe frag K2 slice, planned for one route a token")
+    part = fused_moe_frag(x[:T], *w, ids[:T], tw[:T], G, plan_topk=1)
+    assert torch.equal(part, full[:T]), f"T={T}: {int((part != full[:T]).sum())} elements differ from the T=16 launch"
+    with pytest.raises(ValueError, match="plan_topk"):
+        fused_moe_frag(x, *w, ids, tw, G, plan_topk=9)
 
 
 @pytest.mark.parametrize("T", [1, 5, 40])
