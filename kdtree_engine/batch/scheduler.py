@@ -106,6 +106,9 @@ class Scheduler:
         # starts with it, so it does not pay a pass of its own to learn what the batch already knows
         self.verdict_gap = 0
         self.verdict_at = 0   # the forward that verdict was given at: the batch's next probe is due gap forwards on
+        # observed / predicted accepted drafts over every load-aware request's trees: a new request starts from it
+        # (the drafter's own estimates may be far off on this batch's prompts; each request then learns its own)
+        self.calibration = AcceptanceCalibration()
         log_once(f"batch:{token_budget}", f"continuous batching: up to {token_budget} rows per forward, prompts in "
                  f"chunks of {self.chunk} tokens")
 
@@ -210,6 +213,7 @@ class Scheduler:
                 walk_s, walks = walk_s + time.perf_counter() - t_walk, walks + 1
             if seq.calibration is not None and plan.tree is not None and plan.tree.num_nodes > 1:
                 seq.calibration.update(seq.rounds.stats.accepted_lens[-1] - 1, seq.predicted)
+                self.calibration.update(seq.rounds.stats.accepted_lens[-1] - 1, seq.predicted)
             if seq.emit.push(seq.rounds.collect()):
                 ended.append(self._end(seq))
         for seq, out in zip(prefilling, outs[len(running):]):
@@ -369,7 +373,10 @@ class Scheduler:
         seen = self.observed.get(rows)
         if seen is not None and seen.n > 0:
             return seen.value
-        return self.forward_scale.value * self._verify_cost()(rows)
+        # a forward of more rows costs no less than one measured with fewer (the curve's scale is learned mostly
+        # from plain steps, replayed far below it: a wide tree never run must not look nearly free)
+        below = max((m.value for r, m in self.observed.items() if r < rows and m.n > 0), default=0.0)
+        return max(self.forward_scale.value * self._verify_cost()(rows), below)
 
     def _verify_cost(self):
         if self._cost is None:
@@ -399,7 +406,7 @@ class Scheduler:
             r.emitted_logits = []
         seq.rounds = r
         if seq.shape.auto:
-            seq.calibration = AcceptanceCalibration()
+            seq.calibration = AcceptanceCalibration(prior=self.calibration.factor)
             # the batch's probe schedule runs on across requests: a new one waits out what is left of the gap (short
             # requests arriving one after another would otherwise each restart it and none ever draft again)
             seq.backoff = self.verdict_gap

@@ -267,4 +267,25 @@ def test_a_forward_shape_measured_twice_prices_itself():
     assert sched._forward_cost(4) == scale * sched._cost(4)
     sched.observed[4].update(took)
     assert sched._forward_cost(4) == took
-    assert sched._forward_cost(9) == scale * sched._cost(9)
+    # an unmeasured shape costs no less than a measured one of fewer rows; below every measured shape, the curve's
+    assert sched._forward_cost(9) == max(scale * sched._cost(9), took)
+    assert sched._forward_cost(3) == scale * sched._cost(3)
+
+
+def test_a_new_request_starts_from_the_batch_calibration():
+    """The drafter's own estimates may be far off on a batch's prompts: every tree's observed / predicted accepted
+    drafts feed the batch's calibration too, and a new load-aware request starts from it (fresh random rounds)."""
+    seed = random.randrange(1 << 30)
+    print(f"seed {seed}")
+    rng = random.Random(seed)
+    target, drafter = _pair(seed, layers=1)
+    sched = Scheduler(target, drafter)
+    observed = [rng.uniform(0, 3) for _ in range(5)]
+    predicted = [rng.uniform(0.5, 6) for _ in range(5)]
+    for o, p in zip(observed, predicted):
+        sched.calibration.update(o, p)
+    seq = sched.submit(_prompt(rng, 3, 20), SamplingParams(max_tokens=2, ignore_eos=True), spec="ddtree",
+                       budget="auto")
+    sched.step()   # its admission
+    assert seq.calibration.factor == sched.calibration.factor != 1.0
+    sched.run()
