@@ -100,6 +100,7 @@ def run_batch(sched: Scheduler, prompts: list[list[int]], method: str, max_token
             "graph_captures": (sched.steps.captures if sched.steps is not None else 0) - captures,
             # what the load-aware budget steers by, as learned by the end of the run
             "draft_s": sched.draft_s.value, "tree_host_s": sched.tree_host_s.value, "draft_samples": sched.draft_s.n,
+            "probe_s": sched.probe_s.value,
             "forward_scale": sched.forward_scale.value}
 
 

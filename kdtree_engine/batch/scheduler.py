@@ -95,6 +95,8 @@ class Scheduler:
         # host seconds a load-aware request's tree adds to a step: its top-k, expected gains and tree, and the walk
         # of its verified tree (host-driven rounds: on a slow host these outgrow the draft pass); not the first step's
         self.tree_host_s = RecentMedian(warmup=1)
+        # seconds of one request's probe pass (its first after plain rounds): what spacing the probes weighs
+        self.probe_s = RecentMedian(warmup=1)
         # observed / curve seconds of the batch's forwards: the curve is one request's, a batch launches more
         self.forward_scale = RunningMean(0.1, prior=1.0, prior_weight=1)
         self.step_s = RunningMean(0.1)  # a request's share of a forward's seconds (what a plain round costs it)
@@ -286,7 +288,9 @@ class Scheduler:
                 auto.append((seq, None))
             else:
                 plans[seq.id] = r.plan_tree(None, r.root_only())
-        for seq, logits in zip([s for s, _ in asks], self._draft([ask for _, ask in asks])):
+        # a pass of requests back from plain rounds is a probe: it takes in every token since their last pass
+        probe = bool(asks) and all(s.shape.auto and s.backoff > 0 for s, _ in asks)
+        for seq, logits in zip([s for s, _ in asks], self._draft([ask for _, ask in asks], probe)):
             draft_logits = seq.rounds.drafted(logits)
             if seq.shape.auto:
                 auto.append((seq, draft_logits))
@@ -298,7 +302,7 @@ class Scheduler:
             plans.update(self._plan_auto(auto, fixed))
         return [plans[s.id] for s in running]
 
-    def _draft(self, asks: list[tuple]) -> list[torch.Tensor]:
+    def _draft(self, asks: list[tuple], probe: bool = False) -> list[torch.Tensor]:
         """The draft passes of this step as one batched pass (a drafter without one: each alone); their seconds per
         request feed the load-aware budgets."""
         if not asks:
@@ -310,7 +314,7 @@ class Scheduler:
         else:
             out = [self.drafter.propose(self.target, *ask) for ask in asks]
         sync(self.target.device)
-        self.draft_s.update((time.perf_counter() - t0) / len(asks))
+        (self.probe_s if probe else self.draft_s).update((time.perf_counter() - t0) / len(asks))
         return out
 
     def _plan_auto(self, auto: list[tuple[Sequence, torch.Tensor | None]], fixed: list[int]) -> dict[int, RoundPlan]:
@@ -334,16 +338,28 @@ class Scheduler:
         calibrated = [e * seq.calibration.factor for (seq, _), e in zip(auto, expected)]
         fixed_rows = sum(fixed)
         padded = None if self.steps is None else (len(fixed), max(fixed, default=1), padded_rows)
-        budgets = allocate_budgets(calibrated, fixed_rows, self._forward_cost, fixed_tokens=fixed_rows,
-                                   draft_s=self.draft_s.value + self.tree_host_s.value, padded=padded)
+        # plain decoding is what every tree is weighed against: until a plain forward of this batch's shape has been
+        # measured (its first one is its capture), the rounds stay plain, and no verdict is drawn from them
+        plain = (padded_rows(len(fixed) + len(auto), max(fixed, default=1)) if padded is not None
+                 else fixed_rows + len(auto))
+        measured = plain in self.observed and self.observed[plain].n > 0
+        budgets = (allocate_budgets(calibrated, fixed_rows, self._forward_cost, fixed_tokens=fixed_rows,
+                                    draft_s=self.draft_s.value + self.tree_host_s.value, padded=padded)
+                   if measured else [0] * len(auto))
+        drafted = [(seq, b) for (seq, _), top, b in zip(auto, tops, budgets) if top is not None]
+        if measured and drafted:
+            # the batch's verdict: a tree that paid clears it; else every request that drafted skips the same gap (the
+            # longest any of them is due), so the next probe is one batched pass, not one per request
+            paid = any(b > 0 for _, b in drafted)
+            gap = 0 if paid else max(self._probe_gap(seq.backoff) for seq, _ in drafted)
+            self.verdict_gap, self.verdict_at = gap, self.forwards
         out = {}
         for (seq, draft_logits), top, b, e in zip(auto, tops, budgets, expected):
             r = seq.rounds
             # a tree not worth its draft pass: skip the drafter for a while (doubling while it stays so)
-            seq.backoff = 0 if b > 0 else self._probe_gap(seq.backoff)
-            seq.skip = seq.backoff
-            if top is not None:
-                self.verdict_gap, self.verdict_at = seq.backoff, self.forwards
+            if measured:
+                seq.backoff = 0 if b > 0 else self.verdict_gap if top is not None else self._probe_gap(seq.backoff)
+                seq.skip = seq.backoff
             seq.predicted = float(e[b - 1]) if b > 0 else 0.0   # the drafter's own estimate: what calibration learns
             chose(seq, b)
             # budget 0: a plain step (its aux row still feeds the drafter), as cheap as plain decoding's
@@ -358,7 +374,8 @@ class Scheduler:
         and at least as many as make that pass (its draft and tree host time) PROBE_SHARE of their cost."""
         doubling = min(max(2 * last, 1), MAX_SKIP)
         share = self.step_s.value
-        floor = math.ceil((self.draft_s.value + self.tree_host_s.value) / (PROBE_SHARE * share)) if share > 0 else 1
+        probe = self.probe_s.value if self.probe_s.n else self.draft_s.value
+        floor = math.ceil((probe + self.tree_host_s.value) / (PROBE_SHARE * share)) if share > 0 else 1
         return min(max(doubling, floor), MAX_PROBE_GAP)
 
     def _shape_rows(self, running: list[BatchPart]) -> int:

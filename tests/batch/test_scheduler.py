@@ -219,7 +219,8 @@ def test_a_new_request_starts_from_the_batch_verdict(monkeypatch):
     assert gap > 0
     asked = []
     real = sched._draft
-    monkeypatch.setattr(sched, "_draft", lambda asks: (asked.extend(id(a[2]) for a in asks), real(asks))[1])
+    monkeypatch.setattr(sched, "_draft",
+                        lambda asks, probe=False: (asked.extend(id(a[2]) for a in asks), real(asks, probe))[1])
     rng = random.Random(gap)
     prompt, params = _prompt(rng, 3, 20), SamplingParams(max_tokens=min(gap, 12), ignore_eos=True)
     seq = sched.submit(prompt, params, spec="ddtree", budget="auto")
@@ -289,3 +290,24 @@ def test_a_new_request_starts_from_the_batch_calibration():
     sched.step()   # its admission
     assert seq.calibration.factor == sched.calibration.factor != 1.0
     sched.run()
+
+
+def test_trees_wait_for_a_measured_plain_step(monkeypatch):
+    """Every tree is weighed against plain decoding: until a plain forward of the batch's shape has been measured
+    (two of them: the first is its capture), a load-aware request's rounds stay plain, however good trees look; then
+    the budgets decide (here: always the largest), and the tokens are still the solo run's."""
+    from kdtree_engine.batch import scheduler as sched_mod
+    seed = random.randrange(1 << 30)
+    print(f"seed {seed}")
+    rng = random.Random(seed)
+    target, drafter = _pair(seed, layers=1)
+    sched = Scheduler(target, drafter)
+    monkeypatch.setattr(sched_mod, "allocate_budgets", lambda expected, *a, **k: [len(e) for e in expected])
+    prompt, params = _prompt(rng, 3, 20), SamplingParams(max_tokens=10, ignore_eos=True)
+    order = []
+    real_chose = sched_mod.chose
+    monkeypatch.setattr(sched_mod, "chose", lambda s, b: (order.append(b), real_chose(s, b)))
+    seq = sched.submit(prompt, params, spec="ddtree", budget="auto")
+    sched.run()
+    assert order[:2] == [0, 0] and order[2] > 0, order   # the plain shape measured, then the trees
+    assert seq.result.token_ids == generate(target, prompt, params).token_ids
