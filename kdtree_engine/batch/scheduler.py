@@ -48,9 +48,10 @@ from .load_budget import allocate_budgets
 from .sequence import DONE, PREFILL, RUNNING, Sequence
 
 DEFAULT_TOKEN_BUDGET = 2048  # rows of one batched forward (decode / verify rows first, then prompt chunks)
-MAX_SKIP = 16  # load-aware budgets: plain rounds between draft passes that did not pay (doubling up to this)...
-PROBE_SHARE = 0.05  # ...or more, so that such a pass costs at most this share of the plain rounds it is spread over
-MAX_PROBE_GAP = 1024  # the most plain rounds before a request drafts again
+PROBE_SHARE = 0.05  # load-aware budgets: a draft pass that did not pay is spread over enough plain rounds that it
+# costs at most this share of them, and each further one that does not pay doubles the gap (the probes' share of
+# the time halves each time: over a long run, speculation that never pays costs next to nothing)...
+MAX_PROBE_GAP = 1024  # ...up to this many plain rounds before the batch drafts again
 FORWARD_SCALE_MIN = 0.01  # observed / curve seconds of a forward: replayed batched steps reach a few percent
 PROMPT_GRAPHS_PER_STEP = 8  # whole short prompts of one step replayed one by one; more run as one forward
 COST_ROWS = 1024  # the verify cost curve is measured up to this many rows, extended linearly past it
@@ -370,13 +371,13 @@ class Scheduler:
         return out
 
     def _probe_gap(self, last: int) -> int:
-        """Plain rounds before a request whose draft pass did not pay drafts again: doubling from 1 up to MAX_SKIP,
-        and at least as many as make that pass (its draft and tree host time) PROBE_SHARE of their cost."""
-        doubling = min(max(2 * last, 1), MAX_SKIP)
+        """Plain rounds before a request whose draft pass did not pay drafts again (``last``: the gap it had): twice
+        the last gap, and at least as many as make that pass (its probe pass and tree host time) PROBE_SHARE of
+        their cost; at most MAX_PROBE_GAP."""
         share = self.step_s.value
         probe = self.probe_s.value if self.probe_s.n else self.draft_s.value
         floor = math.ceil((probe + self.tree_host_s.value) / (PROBE_SHARE * share)) if share > 0 else 1
-        return min(max(doubling, floor), MAX_PROBE_GAP)
+        return min(max(2 * last, floor, 1), MAX_PROBE_GAP)
 
     def _shape_rows(self, running: list[BatchPart]) -> int:
         """The rows a forward of these running requests' parts runs: padded to the slots with static steps."""

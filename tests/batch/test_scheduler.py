@@ -1,5 +1,6 @@
 """The scheduler's bookkeeping: cache blocks, cancellation, the row budget, admission and refusal."""
 
+import math
 import random
 
 import pytest
@@ -188,9 +189,9 @@ def test_drop_all_ends_every_request_and_frees_the_pool():
 
 
 def test_a_draft_pass_that_does_not_pay_is_spread_over_enough_plain_rounds():
-    """The gap before the next draft pass doubles up to MAX_SKIP while passes are cheap, and is at least what keeps an
-    unpaid pass at PROBE_SHARE of the plain rounds between passes (fresh random costs, printed seed)."""
-    from kdtree_engine.batch.scheduler import MAX_PROBE_GAP, MAX_SKIP, PROBE_SHARE
+    """The gap before the next draft pass is at least what keeps an unpaid pass at PROBE_SHARE of the plain rounds
+    between passes, and doubles with each further unpaid pass up to MAX_PROBE_GAP (fresh random costs, printed seed)."""
+    from kdtree_engine.batch.scheduler import MAX_PROBE_GAP, PROBE_SHARE
     seed = random.randrange(1 << 30)
     print(f"seed {seed}")
     rng = random.Random(seed)
@@ -199,14 +200,19 @@ def test_a_draft_pass_that_does_not_pay_is_spread_over_enough_plain_rounds():
     for _ in range(100):
         step, draft, host = rng.uniform(1e-5, 1e-2), rng.uniform(1e-5, 1e-1), rng.uniform(0, 1e-3)
         sched.step_s.value, sched.draft_s.value, sched.tree_host_s.value = step, draft, host
+        floor = math.ceil((draft + host) / (PROBE_SHARE * step))
         gaps, last = [], 0
-        for _ in range(8):
+        for _ in range(12):
             last = sched._probe_gap(last)
             gaps.append(last)
-        assert gaps == sorted(gaps) and MAX_SKIP <= gaps[-1] <= MAX_PROBE_GAP
-        for g in gaps:
-            assert g == MAX_PROBE_GAP or (draft + host) <= PROBE_SHARE * step * g * (1 + 1e-9)
-            assert g == 1 or g <= MAX_SKIP or (draft + host) > PROBE_SHARE * step * (g - 1)   # no longer than needed
+        assert gaps[0] == min(max(floor, 1), MAX_PROBE_GAP) and gaps[-1] == MAX_PROBE_GAP
+        for a, b in zip(gaps, gaps[1:]):
+            assert b == min(2 * a, MAX_PROBE_GAP)
+        assert (draft + host) <= PROBE_SHARE * step * gaps[0] * (1 + 1e-9) or gaps[0] == MAX_PROBE_GAP
+        # a probe pass measured (the first after plain rounds) prices the gap instead of the steady pass
+        sched.probe_s.n, sched.probe_s.value = 1, 2 * draft
+        assert sched._probe_gap(0) == min(max(math.ceil((2 * draft + host) / (PROBE_SHARE * step)), 1), MAX_PROBE_GAP)
+        sched.probe_s.n = 0
 
 
 def test_a_new_request_starts_from_the_batch_verdict(monkeypatch):
