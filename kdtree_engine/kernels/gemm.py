@@ -9,8 +9,10 @@ element y[m, n] is reduced over K in an order fixed by (N, K) alone:
 - the K axis is cut into SPLIT contiguous chunks of ``k_per_split`` (a multiple of BLOCK_K); inside a
   chunk the accumulator is one fp32 chain over BLOCK_K steps (each step a tensor-core dot over its
   k16 slices, in k order), so the order depends on BLOCK_K and SPLIT only;
-- SPLIT > 1 writes fp32 partials [SPLIT, M, N] and a second small kernel sums them in split order
-  (no atomics, deterministic);
+- SPLIT > 1 writes fp32 partials [SPLIT, M, N], summed in split order (deterministic): by the last program of
+  each output tile to finish (an arrival counter per tile; it reads every partial, its own included, in split
+  order), or, for launches of more tiles than the counters hold, by a second small kernel (split_sum): the
+  same additions either way, so the same bits;
 - BLOCK_K and SPLIT come from (N, K, dtype) only (``reduction_for``); M picks only the output tiling
   (BLOCK_M, BLOCK_N, warps, stages: ``tile_for``), which changes which program computes an element,
   not how it is summed. SWAP_AB is fixed (always on), so the weight rows are always the MMA's M side.
@@ -42,6 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..logs import log_once
 from .pdl import pdl_launch, pdl_supported, pdl_wait
 from .split_sum import split_sum
 from .common import DTYPES, interpreting
@@ -188,7 +191,8 @@ def _bi_gemm_kernel(x_ptr, w_ptr, out_ptr,
                     stride_ob, stride_om, stride_on, stride_os,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     UPCAST: tl.constexpr, INTERP_SUM: tl.constexpr, PREC: tl.constexpr,
-                    OUT_F32: tl.constexpr, PDL: tl.constexpr = False):
+                    OUT_F32: tl.constexpr, PDL: tl.constexpr = False, fin_ptr=None, cnt_ptr=None,
+                    SERIAL: tl.constexpr = False):
     # grid: (m tiles [fastest, so programs sharing a weight tile run together], n tiles,
     #        batches x splits [split fastest]); the batch (head) only moves the three base pointers.
     # PDL: launched dependent on the previous kernel (pdl.py), waiting for it first
@@ -248,6 +252,21 @@ def _bi_gemm_kernel(x_ptr, w_ptr, out_ptr,
         tl.store(o_ptrs, acc, mask=o_mask)
     else:
         tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
+    if SERIAL:
+        # the split partials of this output tile summed by the last of its n_split programs to arrive (the others'
+        # stores visible to it: a CTA barrier, then one acquire-release atomic at GPU scope), in split order from
+        # the partials in memory, its own included: split_sum's additions; it sets the counter back to 0
+        tile = (pid_b * tl.num_programs(0) + pid_m) * tl.num_programs(1) + pid_n
+        tl.debug_barrier()
+        if tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu") == n_split - 1:
+            p_ptrs = o_ptrs - pid_k.to(tl.int64) * stride_os
+            total = tl.load(p_ptrs, mask=o_mask, other=0.0, cache_modifier=".cg")
+            for s in range(1, n_split):
+                total += tl.load(p_ptrs + s * stride_os, mask=o_mask, other=0.0, cache_modifier=".cg")
+            f_ptrs = (fin_ptr + pid_b.to(tl.int64) * stride_ob + offs_m[:, None].to(tl.int64) * stride_om
+                      + offs_n[None, :].to(tl.int64) * stride_on)
+            tl.store(f_ptrs, total.to(fin_ptr.dtype.element_ty), mask=o_mask)
+            tl.store(cnt_ptr + tile, 0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -294,6 +313,28 @@ def bi_linear(x: torch.Tensor, w: torch.Tensor, *, tile: Tile | None = None,
                    (0, N, 1), t, red, interp_dot)
 
 
+SERIAL_TILES = 4096  # arrival counters per stream: a split launch of more output tiles sums in a second kernel
+
+
+_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def _arrival_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
+    """int32 zeros, SERIAL_TILES of them per (device, stream) (a launch's last program of a tile sets its counter
+    back to 0, so launches one after another on a stream share them; concurrent streams have their own); None for
+    a launch of more tiles."""
+    if tiles > SERIAL_TILES:
+        log_once("gemm:split-sum", f"batch-invariant GEMM: split-K launches of more than {SERIAL_TILES} output tiles "
+                 "sum their partials in a second launch (split_sum), the same additions")
+        return None
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, stream)
+    buf = _COUNTERS.get(key)
+    if buf is None:   # kept for good: a captured graph holds its address
+        buf = _COUNTERS[key] = torch.zeros(SERIAL_TILES, dtype=torch.int32, device=device)
+    return buf
+
+
 def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, M: int, N: int, K: int, heads: int,
             x_strides: tuple[int, int, int], w_strides: tuple[int, int, int], out_strides: tuple[int, int, int],
             t: Tile, red: Reduction, interp_dot: bool = False) -> torch.Tensor:
@@ -309,12 +350,14 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, M: int, N: int,
     pdl = pdl_supported(x.device)
     target = out if split == 1 else torch.empty((split,) + tuple(out.shape), device=x.device, dtype=torch.float32)
     grid = (triton.cdiv(M, t.BLOCK_M), triton.cdiv(N, t.BLOCK_N), heads * split)
+    counters = _arrival_counters(x.device, grid[0] * grid[1] * heads) if split > 1 else None
     _bi_gemm_kernel[grid](
         x, w, target, M, N, K, kps, split, *x_strides, *w_strides, *out_strides, out.numel(),
         BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N, BLOCK_K=red.BLOCK_K,
         UPCAST=interp, INTERP_SUM=interp and not interp_dot, PREC=prec, OUT_F32=split > 1,
-        num_warps=t.num_warps, num_stages=t.num_stages, **pdl_launch(pdl))
-    if split > 1:
+        num_warps=t.num_warps, num_stages=t.num_stages, fin_ptr=out, cnt_ptr=counters, SERIAL=counters is not None,
+        **pdl_launch(pdl))
+    if split > 1 and counters is None:
         split_sum(target, out, split, pdl=pdl)
     return out
 

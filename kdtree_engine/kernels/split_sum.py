@@ -1,5 +1,6 @@
-"""The fixed-order reduction of split-K partials shared by the GEMM kernels (no atomics), and of the stream
-partition's partials of the fragment W4A16 kernels (w4_frag.py, moe_frag.py)."""
+"""The fixed-order reduction of split-K partials (no atomics): of the GEMM launches too large for their arrival
+counters (gemm.py), of the cross-rank partials, and of the stream partition's partials of the fragment W4A16
+kernels (w4_frag.py, moe_frag.py)."""
 
 from __future__ import annotations
 

@@ -112,6 +112,9 @@ CASES.update({
     "inv_fp32_default": (129, 33, 130, "fp32", {"invariance": True}),
     "inv_fp32_split3_any_tile": (129, 50, 200, "fp32", {"invariance": True, "reduction": (32, 3), "tiles": True}),
     "inv_bf16_split2": (129, 33, 200, "bf16", {"invariance": True, "reduction": (32, 2)}),
+    # the split partials summed by each tile's last program (arrival counters) == the split_sum launch, bit for bit
+    "inv_bf16_split3_serial": (129, 50, 300, "bf16", {"invariance": True, "reduction": (32, 3), "serial": True}),
+    "inv_fp32_split5_serial": (129, 33, 200, "fp32", {"invariance": True, "reduction": (16, 5), "serial": True}),
 })
 
 # per-head GEMM (bi_head_linear, the MLA absorption): name: (M, N, K, dtype, options with "heads")
@@ -122,8 +125,33 @@ CASES.update({
     "head_acc_fp32_split3": (6, 9, 100, "fp32", {"heads": 2, "reduction": (16, 3)}),
     "head_inv_fp32": (129, 19, 33, "fp32", {"heads": 3, "invariance": True, "w_transposed": True,
                                             "x_slice": True}),
-    "head_inv_bf16_split2": (129, 12, 40, "bf16", {"heads": 2, "invariance": True, "reduction": (16, 2)}),
+    "head_inv_bf16_split2": (129, 12, 40, "bf16", {"heads": 2, "invariance": True, "reduction": (16, 2),
+                                                    "serial": True}),
 })
+
+
+def _split_sum_launch(fn):
+    """fn() with every split launch summing its partials in the second kernel (no arrival counters)."""
+    from kdtree_engine.kernels import gemm
+    keep = gemm.SERIAL_TILES
+    gemm.SERIAL_TILES = 0
+    try:
+        return fn()
+    finally:
+        gemm.SERIAL_TILES = keep
+
+
+def _serial_check(opt, y, fn) -> list[str]:
+    """The serial sum's output y against the split_sum launch's (opt "serial"), and the counters back at 0."""
+    from kdtree_engine.kernels import gemm
+    if not opt.get("serial"):
+        return []
+    bad = [] if torch.equal(_split_sum_launch(fn), y) else ["the last arrivals' sums differ from split_sum's"]
+    if any(int(c.abs().sum()) for c in gemm._COUNTERS.values()):
+        bad.append("arrival counters not back at 0")
+    if not gemm._COUNTERS:
+        bad.append("no arrival counters were used")
+    return bad
 
 _INV_M = (2, 3, 17, 33, 64, 65, 129)
 _INV_ROWS = (0, 1, 16, 31, 64, 128)
@@ -153,11 +181,12 @@ def _run_head(M, N, K, dt, opt, gen, red):
     B = opt["heads"]
     x, w = _head_inputs(M, B, N, K, dt, gen, opt.get("x_slice", False), opt.get("w_transposed", False))
     y = bi_head_linear(x, w, reduction=red)
+    serial = _serial_check(opt, y, lambda: bi_head_linear(x, w, reduction=red))
     ref = torch.einsum("mbk,bnk->mbn", x.double(), w.double())
     rec = {"ok_meta": y.dtype == x.dtype and tuple(y.shape) == (M, B, N) and y.is_contiguous(),
            "nonfinite": int((~torch.isfinite(y)).sum()),
            "rel": float((y.double() - ref).norm() / ref.norm())}
-    bad = []
+    bad = serial
     # each head equals the plain GEMM of that head with the same reduction, bit for bit
     red_b = red or head_reduction_for(N, K, x.dtype)
     for b in range(B):
@@ -232,7 +261,7 @@ def _run_one(name, spec):
     for i in _INV_ROWS:
         alone[i] = bi_linear(x[i:i + 1], w, reduction=red, tile=tiles[i % len(tiles)])
     big = bi_linear(x, w, reduction=red)
-    bad = []
+    bad = _serial_check(opt, big, lambda: bi_linear(x, w, reduction=red))
     for j, m in enumerate(_INV_M):
         y = bi_linear(x[:m], w, reduction=red, tile=tiles[j % len(tiles)])
         if not torch.equal(y, big[:m]):
