@@ -178,3 +178,40 @@ def test_bi_linear_dependent_launch_reads_fresh_input_in_graphs(name):
     w = _rand(N, K, dtype=torch.bfloat16, scale=0.02)
     for M in (1, 5):
         replays_match_eager(lambda x: bi_linear(x, w), M, K, 6, name)
+
+
+RANK_SHAPES = {  # one rank of TP8 / EP8 (the split launches a decode step runs): name: (N, K)
+    "q_a+kv_a": (2112, 7168),
+    "q_b rank": (1536, 1536),
+    "o_proj rank": (7168, 1024),
+    "shared_w13 rank": (512, 7168),
+}
+
+
+@pytest.mark.parametrize("name", list(RANK_SHAPES))
+def test_serial_split_sums_equal_the_split_sum_launch(name, monkeypatch):
+    """A split launch's partials summed by each tile's last program (arrival counters) give the bits of the
+    split_sum launch, call after call (the counters go back to 0), replayed from a CUDA graph, and with a second
+    split GEMM running at the same time on a side stream (each stream its own counters)."""
+    from kdtree_engine.kernels import gemm
+    from kdtree_engine.kernels.streams import side_by_side
+    N, K = RANK_SHAPES[name]
+    assert reduction_for(N, K, torch.bfloat16).n_splits(K) > 1, "a split shape"
+    g = torch.Generator(device="cuda").manual_seed(N * 7 + K)
+    w = (torch.randn(N, K, generator=g, device="cuda") * K ** -0.5).bfloat16()
+    w2 = (torch.randn(512, 7168, generator=g, device="cuda") * 7168 ** -0.5).bfloat16()
+    for M in (1, 4, 16):
+        x = torch.randn(M, K, generator=g, device="cuda").bfloat16()
+        x2 = torch.randn(M, 7168, generator=g, device="cuda").bfloat16()
+        with monkeypatch.context() as m:
+            m.setattr(gemm, "SERIAL_TILES", 0)
+            want, want2 = bi_linear(x, w), bi_linear(x2, w2)
+        for r in range(3):
+            assert torch.equal(bi_linear(x, w), want), f"{name} M={M} call {r}"
+        out = {}
+        side_by_side(x.device, lambda: out.__setitem__("side", bi_linear(x2, w2)),
+                     lambda: out.__setitem__("here", bi_linear(x, w)))
+        torch.cuda.synchronize()
+        assert torch.equal(out["here"], want) and torch.equal(out["side"], want2), f"{name} M={M} on two streams"
+        replays_match_eager(lambda xb: bi_linear(xb, w), M, K, 3, f"{name} serial sums")
+    assert all(int(c.abs().sum()) == 0 for c in gemm._COUNTERS.values()), "arrival counters not back at 0"
