@@ -36,6 +36,14 @@ SHAPES = [  # name, N (out), K (in)
     ("shared_w2", 7168, 2048),
     ("lm_head", 163840, 7168),
 ]
+# one rank of TP8 (8 heads, the shared expert's width / 8, a vocabulary shard; q_a+kv_a is replicated, above)
+RANK_SHAPES = [
+    ("q_b@tp8", 1536, 1536),
+    ("o_proj@tp8", 7168, 1024),
+    ("shared_w13@tp8", 512, 7168),
+    ("shared_w2@tp8", 7168, 256),
+    ("lm_head@tp8", 20480, 7168),
+]
 MS = [1, 4, 16, 64, 129, 256]
 
 
@@ -222,23 +230,25 @@ def bench_heads(ms, rep_ms: float) -> list[dict]:
     return out
 
 
-def sweep(shapes, ms) -> list[dict]:
-    """Graph-times candidate reductions (BLOCK_K, split) x tiles; prints the best per (shape, M)."""
+def sweep(shapes, ms, seconds: float = 260.0) -> list[dict]:
+    """Graph-times candidate reductions (BLOCK_K, split) x tiles for at most ``seconds``; prints the best per
+    (shape, M)."""
     from kdtree_engine.kernels.gemm import Reduction, Tile, bi_linear
 
-    tiles_small = [Tile(16, 64, 4, 4), Tile(16, 64, 4, 6), Tile(16, 64, 4, 8), Tile(16, 128, 8, 4)]
+    tiles_small = [Tile(16, 32, 2, 6), Tile(16, 64, 4, 4), Tile(16, 64, 4, 6), Tile(16, 64, 4, 8),
+                   Tile(16, 128, 8, 4)]
     tiles_mid = [Tile(64, 64, 4, 4), Tile(64, 128, 4, 4), Tile(32, 128, 4, 4)]
     tiles_big = [Tile(128, 128, 8, 4), Tile(128, 128, 8, 3), Tile(128, 64, 4, 4), Tile(64, 128, 4, 4),
                  Tile(64, 256, 8, 3), Tile(256, 128, 8, 3)]
     out = []
     g = torch.Generator(device="cuda").manual_seed(1)
-    t_end = time.time() + 260  # keep the whole sweep bounded
+    t_end = time.time() + seconds  # keep the whole sweep bounded
     for name, N, K in shapes:
         w = (torch.randn(N, K, device="cuda", generator=g) * K ** -0.5).to(torch.bfloat16)
         ws = _copies(N, K, w)
         xs = torch.randn(max(ms), K, device="cuda", generator=g).to(torch.bfloat16)
         reds = [Reduction(bk, s) for bk, s in ((64, 1), (128, 1), (64, 2), (128, 2), (64, 4), (128, 4), (64, 8),
-                                                (128, 8))
+                                                (128, 8), (64, 16))
                 if (K + bk - 1) // bk >= 4 * s]
         for M in ms:
             if time.time() > t_end:
@@ -351,7 +361,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(REPO / "bench" / "results"), help="folder for gemm-<gpu>.json/.md")
     ap.add_argument("--ms", default=",".join(map(str, MS)), help="comma-separated M values")
-    ap.add_argument("--shapes", default="", help="comma-separated shape names (default: all)")
+    ap.add_argument("--shapes", default="", help="comma-separated shape names (default: the K2 shapes; names "
+                    "ending @tp8 are one rank's of TP8, 'rank' all of those)")
+    ap.add_argument("--sweep-seconds", type=float, default=260.0, help="time budget of the sweep")
     ap.add_argument("--rep-ms", type=float, default=20.0, help="do_bench repetition time per point")
     ap.add_argument("--sweep", action="store_true", help="also time candidate tiles / reductions")
     ap.add_argument("--sweep-ms", default="1,16,64,129,256", help="M values of the sweep")
@@ -366,7 +378,12 @@ def main(argv: list[str] | None = None) -> dict:
     t0 = time.time()
     ms = [int(m) for m in args.ms.split(",") if m]
     names = [s for s in args.shapes.split(",") if s]
-    shapes = [s for s in SHAPES if not names or s[0] in names]
+    known = {n for n, _, _ in SHAPES + RANK_SHAPES} | {"rank"}
+    if [n for n in names if n not in known]:
+        ap.error(f"--shapes: unknown {[n for n in names if n not in known][0]!r} (known: {', '.join(sorted(known))})")
+    if "rank" in names:
+        names += [n for n, _, _ in RANK_SHAPES] + ["q_a+kv_a"]
+    shapes = [s for s in SHAPES + RANK_SHAPES if (not names and s in SHAPES) or s[0] in names]
     torch.backends.cuda.matmul.allow_tf32 = False
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
            "python": platform.python_version(), "ceilings": ceilings()}
@@ -377,7 +394,7 @@ def main(argv: list[str] | None = None) -> dict:
     if not args.no_heads:
         res["heads"] = bench_heads(ms, args.rep_ms)
     if args.sweep:
-        res["sweep"] = sweep(shapes, [int(m) for m in args.sweep_ms.split(",") if m])
+        res["sweep"] = sweep(shapes, [int(m) for m in args.sweep_ms.split(",") if m], args.sweep_seconds)
     if args.sweep_heads:
         res["sweep_heads"] = sweep_heads([m for m in ms if m <= 16] or [1])
     res["wall_s"] = time.time() - t0

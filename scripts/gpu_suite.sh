@@ -109,6 +109,9 @@ kernel_mla() {
 kernel_gemm() {
   pytest_step pytest-gemm 240 tests/gpu/test_batch_invariance_gpu.py
   step bench-gemm 150 python3 bench/gemm.py --out "$RES"
+  # one TP8 rank's split shapes (a decode step's), every candidate reduction and tile at 1 / 4 / 16 rows
+  step bench-gemm-rank 170 python3 bench/gemm.py --shapes rank --ms 1,4,16 --sweep --sweep-ms 1,4,16 \
+    --sweep-seconds 120 --no-rmsnorm --no-heads --out "$RES/rank"
 }
 kernel_router() {
   pytest_step pytest-router 240 tests/gpu/test_router_gemm_gpu.py tests/gpu/test_fused_tails_gpu.py -k router
