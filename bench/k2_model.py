@@ -62,7 +62,7 @@ from bench.k2_step import attention_weight_bytes, expert_bytes, nbytes, randomiz
 from kdtree_engine.bench_spec import device_tag  # noqa: E402
 from kdtree_engine.config import ModelConfig, preset  # noqa: E402
 from kdtree_engine.draft_config import DraftConfig  # noqa: E402
-from kdtree_engine.kernels.dispatch import prepare_int4  # noqa: E402
+from kdtree_engine.kernels.dispatch import owned_routes, prepare_int4  # noqa: E402
 from kdtree_engine.kernels.policy import KernelPolicy  # noqa: E402
 from kdtree_engine.model.dflash import DFlashDrafter  # noqa: E402
 from kdtree_engine.model.layers import RMSNorm  # noqa: E402
@@ -92,10 +92,12 @@ class UniformRoutes(torch.nn.Module):
         super().__init__()
         self.router = router
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, owned: range | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         ids, weights = self.router(x)
         # one launch: k independent draws per token (a repeat, chance k/E, only merges two routes of a token)
-        return torch.randint_like(ids, 0, self.router.weight.shape[0]), weights
+        ids = torch.randint_like(ids, 0, self.router.weight.shape[0])
+        # the rank's own routes of the drawn ones (one launch more than the engine's router, which makes them in its tail)
+        return (ids, weights) if owned is None else owned_routes(self.router.policy, ids, weights, owned)
 
 
 class CountingCommunicator(LocalCommunicator):

@@ -327,13 +327,15 @@ def ordered_sum(policy: KernelPolicy, parts: torch.Tensor, dtype: torch.dtype) -
 
 
 def route(policy: KernelPolicy, logits: torch.Tensor, bias: torch.Tensor,
-          cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+          cfg: ModelConfig, owned: range | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Router tail: logits [T, E] float32, or split-K partials [S, T, E] (router_matmul partials=True: summed in
-    split order, the bits of the logits) -> (expert ids int64 [T, k], weights float32 [T, k])."""
+    split order, the bits of the logits) -> (expert ids int64 [T, k], weights float32 [T, k]); owned (expert
+    parallel): the rank's own routes (:func:`owned_routes`), made in the same launch on CUDA."""
     if _elementwise_backend(policy, "router tail (sigmoid, group top-k, weights)", logits.device, logits):
         return triton_kernels().router.route_triton(logits, bias, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group,
-                            cfg.norm_topk_prob, cfg.routed_scaling_factor)
-    return route_torch(logits, bias, cfg)
+                            cfg.norm_topk_prob, cfg.routed_scaling_factor, owned)
+    ids, w = route_torch(logits, bias, cfg)
+    return (ids, w) if owned is None else owned_routes_torch(ids, w, owned)
 
 
 def owned_routes(policy: KernelPolicy, ids: torch.Tensor, weights: torch.Tensor,

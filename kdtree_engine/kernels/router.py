@@ -36,7 +36,7 @@ _MAX_E = 4096
 def _router_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, stride_l, stride_s, G, EG, scale,
                    K: tl.constexpr, TOPK_GROUP: tl.constexpr, GROUPED: tl.constexpr, NORM: tl.constexpr,
                    BLOCK_G: tl.constexpr, BLOCK_EG: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr = 1,
-                   PDL: tl.constexpr = False):
+                   PDL: tl.constexpr = False, own_start=0, own_count=0, OWNED: tl.constexpr = False):
     if PDL:  # a dependent launch (pdl.py): wait for the kernel writing the logits
         pdl_wait()
     row = tl.program_id(0).to(tl.int64)
@@ -83,15 +83,23 @@ def _router_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, stride_l, stride_s, G, 
     if NORM:
         w = tl.div_rn(w, total + 1e-20)
     w = w * scale
+    if OWNED:   # expert parallel: the rank's own routes, as _own_routes_kernel makes them
+        local = ids - own_start
+        mine = (local >= 0) & (local < own_count)
+        ids = tl.where(mine, local, -1)
+        w = tl.where(mine, w, 0.0)
     kmask = ko < K
     tl.store(ids_ptr + row * K + ko, ids, mask=kmask)
     tl.store(w_ptr + row * K + ko, w, mask=kmask)
 
 
 def route_triton(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,
-                 norm_topk_prob: bool, routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+                 norm_topk_prob: bool, routed_scaling_factor: float, owned: range | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [T, E] float32, or split-K partials [S, T, E] summed in split order first (the bits of
-    split_sum), bias [E] float32 -> (ids int64 [T, k], weights float32 [T, k])."""
+    split_sum), bias [E] float32 -> (ids int64 [T, k], weights float32 [T, k]). owned (expert parallel): the
+    experts this rank holds; the routes come out as own_routes_triton makes them (local ids, -1 with weight 0
+    for another rank's experts), in the same launch."""
     if logits.dtype != torch.float32 or bias.dtype != torch.float32:
         raise TypeError(f"route_triton: logits {logits.dtype} and bias {bias.dtype} must be float32")
     if logits.dim() not in (2, 3) or (logits.dim() == 3 and logits.shape[0] < 1):
@@ -116,7 +124,9 @@ def route_triton(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: 
                              float(routed_scaling_factor), K=top_k, TOPK_GROUP=topk_group, GROUPED=n_group > 1,
                              NORM=bool(norm_topk_prob), BLOCK_G=triton.next_power_of_2(n_group),
                              BLOCK_EG=triton.next_power_of_2(EG), BLOCK_K=triton.next_power_of_2(top_k), SPLITS=S,
-                             num_warps=1 if E <= 128 else 4, **pdl_launch(pdl_supported(logits.device)))
+                             num_warps=1 if E <= 128 else 4, **pdl_launch(pdl_supported(logits.device)),
+                             own_start=0 if owned is None else owned.start,
+                             own_count=0 if owned is None else len(owned), OWNED=owned is not None)
     return ids, w
 
 

@@ -18,7 +18,7 @@ from ..config import ModelConfig
 from ..fp8 import FP8_DTYPE, SCALE_DTYPE, Fp8Block, dequantize_fp8
 from ..kernels.bf16x3 import split_bf16x3
 from ..kernels.dispatch import (dense_matmul, fused_moe_frag, fused_moe_grouped, fused_moe_w4a16, grouped_moe_backend,
-                                int4_prepare, owned_routes, route, router_matmul, shared_placement)
+                                int4_prepare, route, router_matmul, shared_placement)
 from ..kernels.layouts import ENGINE_ORDER, frag_moe_unsupported
 from ..kernels.policy import KernelPolicy, policy_or_env
 from ..kernels.streams import side_by_side
@@ -40,11 +40,12 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.zeros(E, cfg.hidden_size, dtype=torch.float32), requires_grad=False)
         self.e_score_correction_bias = nn.Parameter(torch.zeros(E, dtype=torch.float32), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, H] -> (topk_ids int64 [T, k], topk_weights float32 [T, k])."""
+    def forward(self, x: torch.Tensor, owned: range | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (topk_ids int64 [T, k], topk_weights float32 [T, k]); owned (expert parallel): the rank's own
+        routes (local ids, -1 with weight 0 for another rank's experts)."""
         # [T, E] or [S, T, E] split partials, float32
         logits = router_matmul(self.policy, x, self.weight, partials=True, bf16x3=self.bf16x3_parts)
-        return route(self.policy, logits, self.e_score_correction_bias, self.cfg)
+        return route(self.policy, logits, self.e_score_correction_bias, self.cfg, owned)
 
     def bf16x3_parts(self) -> torch.Tensor:
         """The gate as three bf16 parts [3, E, H] (bf16x3.split_bf16x3) for the tensor-core router: built on
@@ -106,8 +107,8 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                 add: torch.Tensor | None = None, host_reads: bool = True) -> torch.Tensor:
-        if self.owned is not None:
-            ids, weights = owned_routes(self.policy, ids, weights, self.owned)
+        """ids / weights: the routes as the router gives them for this rank (``Router.forward(x, owned)``: an
+        expert-parallel rank's ids local, -1 for another rank's experts)."""
         return moe(x, ids, weights, self, add, host_reads)
 
     def reset_dense(self) -> None:
@@ -248,7 +249,7 @@ class MoE(nn.Module):
         part: dict[str, torch.Tensor] = {}
 
         def route() -> None:
-            part["ids"], part["w"] = self.gate(x)
+            part["ids"], part["w"] = self.gate(x, self.experts.owned)
 
         def experts(add: torch.Tensor | None = None) -> None:
             part["routed"] = self.experts(x, part["ids"], part["w"], add, host_reads)

@@ -90,6 +90,12 @@ def test_dispatch_cpu_owned_routes_is_the_torch_form() -> None:
     mine = (ids >= 8) & (ids < 16)
     assert torch.equal(lid, torch.where(mine, ids - 8, torch.full_like(ids, NOT_OWNED)))
     assert torch.equal(lw, torch.where(mine, w, torch.zeros_like(w)))
+    # the router tail with owned: its routes made the rank's own, the same values
+    cfg = _cfg(32, 4, 4, 2)
+    logits, bias = torch.randn(6, 32, generator=gen), torch.randn(32, generator=gen) * 0.1
+    a, b = dispatch.route(KernelPolicy(), logits, bias, cfg, owned), route_torch(logits, bias, cfg)
+    want = dispatch.owned_routes(KernelPolicy(), *b, owned)
+    assert torch.equal(a[0], want[0]) and torch.equal(a[1], want[1])
 
 
 def test_torch_path_sums_split_partials_in_order() -> None:
@@ -175,6 +181,10 @@ def _run_one(name, spec):
             got, want = own_routes_triton(ids, w, owned.start, len(owned)), owned_routes(ids, w, owned)
             if not (torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])):
                 rec["bad"].append(f"rank {r} of {ranks} (experts {owned.start}..{owned.stop - 1}): owned routes differ")
+            # the router tail making them in its own launch
+            tail = route_triton(logits, bias, k, G, tg, norm, cfg.routed_scaling_factor, owned)
+            if not (torch.equal(tail[0], want[0]) and torch.equal(tail[1], want[1])):
+                rec["bad"].append(f"rank {r} of {ranks}: the router tail's own routes differ")
     if kind == "invariance":
         for i in (0, 1, 31, 64):
             a = route_triton(logits[i:i + 1], bias, k, G, tg, norm, cfg.routed_scaling_factor)
