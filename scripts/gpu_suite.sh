@@ -25,6 +25,9 @@
 #   serving        the serving stage in one call: bit for bit (spec == plain, batch == solo, batch invariance, the
 #                  prefill kernel and chunked prefill) over worker processes, the demo's TTFT after the warm-up, the
 #                  demo's batching throughput
+#   multi          several GPUs of one host (a kind of 2, 4 or 8 GPUs): tensor + expert parallelism on NCCL, TP-N's
+#                  tokens against one GPU's (float32) and DDTree == plain at TP-N (bfloat16), eager and from CUDA
+#                  graphs holding the collectives, on the demo and a random K2-shaped model (tests/gpu/test_tp_gpu.py)
 #   long           long context (bench/long_context.py): K2 one-rank decode / verify steps at 4K-256K against the
 #                  byte roofline, prefill tokens/s and TFLOP/s at 1K-32K (K2 and the demo), a 128K prompt's time to
 #                  first token (K2, 61 layers), the demo's TTFT after its start-up warm-up
@@ -35,13 +38,15 @@
 # the code's, set KDTREE_RECORD_COMMIT to the code's commit: the records name it (docs/environment.md).
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+# NVLink multicast stays off (NCCL, PyTorch's symmetric memory, NVSHMEM), for every program a suite starts
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-out/gpu}
 RES=$OUT/results
 DRY=0
 if [[ ${1:-} == --dry-run ]]; then DRY=1; shift; fi
 SUITE=${1:-}
 ARG=${2:-}
-SUITES="tests [bitwise|rounds|kernels], bench, kernel {w4a16|moe|mla|gemm|router|tails}, quick, formats, k2, batch, long, ttft, serving"
+SUITES="tests [bitwise|rounds|kernels], bench, kernel {w4a16|moe|mla|gemm|router|tails}, quick, formats, k2, batch, multi, long, ttft, serving"
 die() { echo "gpu_suite.sh: $*" >&2; exit 2; }
 
 PYT=(python3 -m pytest -m gpu -p no:cacheprovider -v -rf --durations=15)
@@ -75,7 +80,7 @@ tests_bitwise() {  # spec == plain bit for bit (random targets, the demo, its lo
 tests_rounds() {  # device-resident and graph rounds, the speculative GPU tests, the round's own kernels
   pytest_step pytest-rounds 420 tests/gpu/test_graph_round_gpu.py tests/speculative/test_spec_gpu.py \
     tests/gpu/test_long_context_gpu.py tests/gpu/test_paged_gpu.py tests/gpu/test_batch_gpu.py \
-    tests/gpu/test_prompt_graph_gpu.py
+    tests/gpu/test_prompt_graph_gpu.py tests/gpu/test_tp_gpu.py
   pytest_step pytest-round-kernels 150 tests/gpu/test_accept_walk_gpu.py tests/gpu/test_row_select_gpu.py \
     tests/gpu/test_draft_attention_gpu.py
 }
@@ -155,6 +160,11 @@ batch() {  # continuous batching (the batching issue): bit for bit against solo 
   step bench-batch-graph-k2 80 python3 bench/batch_graph.py --model k2 --profile 1,16 --out "$RES"
 }
 
+multi() {  # several GPUs: tensor + expert parallelism on NCCL (the parallelism issue's multi-GPU point)
+  (( DRY )) || nvidia-smi topo -m > "$RES/nvidia-smi-topo.txt" 2>&1 || true
+  pytest_step pytest-tp 540 tests/gpu/test_tp_gpu.py
+}
+
 long() {  # the long-context issue's measurements, one record per step (each written after every measured row)
   step bench-long-steps 130 python3 bench/long_context.py --parts steps --label steps --out "$RES"
   step bench-long-prefill 170 python3 bench/long_context.py --parts prefill --prompts 1024,8192,32768 \
@@ -195,7 +205,7 @@ run_suite() {
         bitwise | rounds | kernels) "tests_$ARG" ;;
         *) die "unknown tests part '$ARG' (parts: bitwise, rounds, kernels)" ;;
       esac ;;
-    bench | quick | formats | k2 | batch | long | ttft | serving)
+    bench | quick | formats | k2 | batch | multi | long | ttft | serving)
       [[ -z $ARG ]] || die "suite '$SUITE' takes no argument (got '$ARG')"
       "$SUITE" ;;
     kernel)

@@ -1,4 +1,5 @@
-"""Running a function on N ranks of a gloo group in spawned processes (every process reaped)."""
+"""Running a function on N ranks of a process group in spawned processes (every process reaped): gloo on CPU
+ranks, or NCCL with rank r on cuda:r (``device_type="cuda"``, the multi-GPU tests)."""
 
 from __future__ import annotations
 
@@ -16,10 +17,11 @@ from kdtree_engine.parallel.group import Rendezvous, free_port, join, leave
 TIMEOUT_S = 60.0
 
 
-def _rank_main(rank: int, rdv: Rendezvous, fn: Callable[..., Any], args: tuple, out_dir: str) -> None:
+def _rank_main(rank: int, rdv: Rendezvous, fn: Callable[..., Any], args: tuple, out_dir: str,
+               device_type: str = "cpu") -> None:
     torch.set_num_threads(1)
     try:
-        comm = join(rdv, rank, torch.device("cpu"))
+        comm = join(rdv, rank, torch.device("cpu") if device_type == "cpu" else torch.device(device_type, rank))
         result = fn(comm, *args)
         leave()
     except BaseException:
@@ -29,11 +31,13 @@ def _rank_main(rank: int, rdv: Rendezvous, fn: Callable[..., Any], args: tuple, 
         pickle.dump(result, f)
 
 
-def run_ranks(world: int, fn: Callable[..., Any], *args: Any) -> list[Any]:
-    """fn(comm, *args) on ranks 0..world-1 (gloo, CPU, one thread each); their results in rank order."""
-    rdv = Rendezvous("127.0.0.1", free_port(), world, TIMEOUT_S)
+def run_ranks(world: int, fn: Callable[..., Any], *args: Any, device_type: str = "cpu",
+              timeout_s: float = TIMEOUT_S) -> list[Any]:
+    """fn(comm, *args) on ranks 0..world-1 (gloo on the CPU, one thread each; ``device_type="cuda"``: NCCL, rank r
+    on cuda:r); their results in rank order."""
+    rdv = Rendezvous("127.0.0.1", free_port(), world, timeout_s)
     with tempfile.TemporaryDirectory() as d:
-        ctx = mp.start_processes(_rank_main, args=(rdv, fn, args, d), nprocs=world, join=False,
+        ctx = mp.start_processes(_rank_main, args=(rdv, fn, args, d, device_type), nprocs=world, join=False,
                                  start_method="spawn")
         try:
             while not ctx.join(timeout=600):
