@@ -3,6 +3,7 @@
     python bench/k2_model.py --out bench/results                   # one H200: about 80 GB of weights
     python bench/k2_model.py --out DIR --contexts 4096 --nodes 1,16
     python bench/k2_model.py --out DIR --tiny --device cpu          # k2-tiny dims, CPU smoke run
+    python bench/k2_model.py --out DIR --ranks all --contexts 4096 --nodes 1,8,16   # 8 GPUs: one real rank each
 
 What is built (random weights drawn on the device, no checkpoint): all 61 layers of ``preset('k2')`` as rank 0
 of ``--world`` ranks holds them, i.e. the engine's own Target over a ``LocalCommunicator(0, W)``
@@ -20,7 +21,12 @@ replayed back to back (median of ``--reps`` batches of ``--replays`` replays; th
 tokens, at most a block per round, which is noise against 4K+). Plain decoding = method none (1 node, no
 drafter); DDTree = a tree of T nodes (budget T - 1) built from the drafter's block.
 
-Links: the LocalCommunicator does this rank's share of every collective (the all-gather's copy, the rank-order
+With ``--ranks N`` (``all``: every visible GPU) N processes run, one a device (NCCL; gloo on the CPU), each
+building and timing its own shard of an N-rank layout, every collective crossing between them inside the graphs:
+no link model, rank 0's times recorded (``k2_model-<gpu>-xN``). ``--layers L`` builds L layers only, for fewer
+ranks than K2's shards need (the drafter's target layers spread over them).
+
+Links (one process): the LocalCommunicator does this rank's share of every collective (the all-gather's copy, the rank-order
 sum) inside the measured time, but nothing crosses a link. What the links add is a model: every collective of a
 round (counted in one eager round: kind and bytes) costs ``--link-latency-us`` + bytes on the wire /
 ``--link-GBps`` (an all-gather of n bytes a rank puts (W-1) n bytes on each rank's link). The defaults are
@@ -68,7 +74,8 @@ from kdtree_engine.model.dflash import DFlashDrafter  # noqa: E402
 from kdtree_engine.model.layers import RMSNorm  # noqa: E402
 from kdtree_engine.model.moe import MoE  # noqa: E402
 from kdtree_engine.model.target import Target  # noqa: E402
-from kdtree_engine.parallel.comm import LocalCommunicator  # noqa: E402
+from kdtree_engine.parallel.comm import Communicator, DistCommunicator, LocalCommunicator  # noqa: E402
+from kdtree_engine.parallel.group import Rendezvous, free_port, join, leave  # noqa: E402
 from kdtree_engine.quant import k2_quantization_config, parse_quantization_config  # noqa: E402
 from kdtree_engine.speculative.config import SpecConfig  # noqa: E402
 from kdtree_engine.speculative.device_round import DeviceRound  # noqa: E402
@@ -100,28 +107,38 @@ class UniformRoutes(torch.nn.Module):
         return (ids, weights) if owned is None else owned_routes(self.router.policy, ids, weights, owned)
 
 
-class CountingCommunicator(LocalCommunicator):
-    """Rank 0 of a pretended group that also lists the collectives it is asked for (kind, bytes a rank puts in)."""
+class CountingCommunicator(Communicator):
+    """A rank's collectives (``inner``: a process group's; None: rank ``rank`` of a pretended group of ``world_size``,
+    a LocalCommunicator) that also lists the collectives it is asked for (kind, bytes a rank puts in)."""
 
-    def __init__(self, rank: int, world_size: int) -> None:
-        super().__init__(rank, world_size)
+    def __init__(self, rank: int, world_size: int, inner: Communicator | None = None) -> None:
+        self.inner = LocalCommunicator(rank, world_size) if inner is None else inner
+        self.rank, self.world_size = self.inner.rank, self.inner.world_size
         self.calls: list[tuple[str, int]] = []
+
+    @property
+    def real(self) -> bool:
+        """Whether the collectives cross to other processes (their cost is then in the measured time)."""
+        return isinstance(self.inner, DistCommunicator)
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         self.calls.append(("all_gather", x.numel() * x.element_size()))
-        return super().all_gather(x)
+        return self.inner.all_gather(x)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         self.calls.append(("all_reduce", x.numel() * x.element_size()))
-        return super().all_reduce(x)
+        return self.inner.all_reduce(x)
 
     def all_to_all(self, x: torch.Tensor) -> torch.Tensor:
         self.calls.append(("all_to_all", x.numel() * x.element_size()))
-        return super().all_to_all(x)
+        return self.inner.all_to_all(x)
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         self.calls.append(("broadcast", x.numel() * x.element_size()))
-        return super().broadcast(x, src)
+        return self.inner.broadcast(x, src)
+
+    def describe(self) -> str:
+        return self.inner.describe()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,8 +148,11 @@ class Links:
     world: int
     latency_us: float
     GBps: float
+    measured: bool = False   # the ranks are real processes: what crosses the links is in the measured time
 
     def us(self, kind: str, nbytes_: int) -> float:
+        if self.measured:
+            return 0.0
         W = self.world
         wire = {"all_gather": (W - 1) * nbytes_, "all_reduce": 2 * (W - 1) / W * nbytes_,
                 "all_to_all": (W - 1) / W * nbytes_, "broadcast": nbytes_}[kind]
@@ -160,7 +180,14 @@ def draft_config(cfg: ModelConfig, tiny: bool) -> DraftConfig:
                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, block_size=4,
                      target_layer_ids=(1, cfg.num_hidden_layers - 2), rope_theta=10000.0)
     else:
-        shape = K2_DRAFT
+        shape = dict(K2_DRAFT)
+    ids, L = shape["target_layer_ids"], cfg.num_hidden_layers
+    if max(ids) >= L or len(set(ids)) < len(ids):   # fewer layers built (--layers): as many target layers, spread
+        n = len(ids)
+        spread = tuple(sorted({1 + round(i * (L - 2) / max(n - 1, 1)) for i in range(n)} - {L}))
+        if len(spread) < n:
+            raise SystemExit(f"--layers {L}: too few for the drafter's {n} target layers")
+        shape = {**shape, "target_layer_ids": spread}
     return DraftConfig(**shape, mask_token_id=cfg.vocab_size - 2, num_target_layers=cfg.num_hidden_layers,
                        vocab_size=cfg.vocab_size, max_position_embeddings=cfg.max_position_embeddings)
 
@@ -360,16 +387,21 @@ def tokens_per_s(rows: list[dict]) -> list[dict]:
     return out
 
 
-def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
+def run(args: argparse.Namespace, log: Callable[[str], None], comm: CountingCommunicator | None = None,
+        dev: torch.device | None = None) -> dict:
+    """The benchmark on this process: rank 0 of a pretended group of ``--world`` (``comm`` None), or one rank of a
+    real group (``--ranks``: every rank runs the same rounds, their collectives inside the timed graphs)."""
     clock = common.Clock()
-    dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dev = dev or torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cuda = dev.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     policy = KernelPolicy.from_env(batch_invariant=True)
     cfg = tiny_config() if args.tiny else k2_config()
+    if args.layers:
+        cfg = dataclasses.replace(cfg, num_hidden_layers=args.layers)
     dcfg = draft_config(cfg, args.tiny)
-    comm = CountingCommunicator(0, args.world)
-    links = Links(args.world, args.link_latency_us, args.link_GBps)
+    comm = comm or CountingCommunicator(0, args.world)
+    links = Links(comm.world_size, args.link_latency_us, args.link_GBps, measured=comm.real)
     gen = torch.Generator(device=dev).manual_seed(args.seed)
     torch.manual_seed(args.seed)
     copy_bw = common.copy_bandwidth() if cuda else common.cpu_copy_bandwidth()
@@ -381,7 +413,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
     if cuda:
         free, total = torch.cuda.mem_get_info()
         mem.update(free_after_load=free, device_total=total)
-    log(f"built rank 0 of {args.world}: {weights / 1e9:.1f} GB target + {static['drafter'] / 1e9:.1f} GB drafter "
+    log(f"built {comm.describe()}: {weights / 1e9:.1f} GB target + {static['drafter'] / 1e9:.1f} GB drafter "
         f"({clock():.1f} s)")
     rows = []
     profiles = {}
@@ -404,13 +436,14 @@ def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
             else:
                 log(f"context {S}, T={T}: {row['error']}")
     return {
-        "tiny": bool(args.tiny), "world": args.world, "dtype": str(dtype).replace("torch.", ""),
+        "tiny": bool(args.tiny), "world": comm.world_size, "ranks_run": comm.world_size if comm.real else 1,
+        "layers": cfg.num_hidden_layers, "dtype": str(dtype).replace("torch.", ""),
         "copy_Bps": copy_bw, "links": dataclasses.asdict(links),
         "config": {k: getattr(cfg, k) for k in ("num_hidden_layers", "hidden_size", "num_attention_heads",
                                                  "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
                                                  "intermediate_size", "vocab_size")},
-        "rank_shard": {"heads": cfg.num_attention_heads // args.world,
-                       "experts": cfg.n_routed_experts // args.world, "vocab": cfg.vocab_size // args.world},
+        "rank_shard": {"heads": cfg.num_attention_heads // comm.world_size,
+                       "experts": cfg.n_routed_experts // comm.world_size, "vocab": cfg.vocab_size // comm.world_size},
         "drafter": {k: getattr(dcfg, k) for k in K2_DRAFT},
         "routing": args.routing, "memory": mem, "static_bytes": static, "profiles": profiles, "rounds": rows, "tokens_per_s": tokens_per_s(rows),
         "elapsed_s": clock(),
@@ -420,8 +453,12 @@ def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
 # ---- output ----------------------------------------------------------------------------------
 
 def markdown(rep: dict, label: str) -> list[str]:
-    L = rep["links"]
-    out = [f"# Kimi K2, all {rep['config']['num_hidden_layers']} layers, one rank of {rep['world']} ({label})", "",
+    L, W = rep["links"], rep["world"]
+    real = rep.get("ranks_run", 1) > 1
+    layers = rep["config"]["num_hidden_layers"]
+    title = (f"# Kimi K2, {layers} layers, {W} ranks on {W} devices ({label})" if real else
+             f"# Kimi K2, all {layers} layers, one rank of {W} ({label})")
+    out = [title, "",
            f"Rank shard: {rep['rank_shard']['heads']} heads, {rep['rank_shard']['experts']} of "
            f"{rep['config']['n_routed_experts']} experts a layer, {rep['rank_shard']['vocab']} vocabulary rows; "
            f"INT4 experts; routing {rep['routing']}; {rep['memory']['target_weight_bytes'] / 1e9:.1f} GB of target weights + "
@@ -432,15 +469,21 @@ def markdown(rep: dict, label: str) -> list[str]:
              r.get("touched_experts_per_layer"), r.get("links_ms"), r.get("round_8gpu_ms"), r.get("error", "")]
             for r in rep["rounds"]]
     out += common.md_table(["context", "nodes", "ms/round", "roofline ms", "x roofline", "local experts/layer",
-                            "+links ms (model)", "8-GPU ms", "note"], rows)
+                            "+links ms (model)" if not real else "+links ms (in ms/round)", f"{W}-GPU ms", "note"],
+                           rows)
     for T, p in rep.get("profiles", {}).items():
         out += ["", f"Kernels of one eager round, {T} node(s), context {p['context']}: {p['launches']:.0f} launches, "
                     f"{p['kernel_us'] / 1e3:.2f} ms of kernel time:", ""]
         out += common.md_table(["kernel", "calls", "us"], [[k["name"][:90], k["calls"], k["us"]]
                                                           for k in p["kernels"]])
-    out += ["", f"Links (a model, not measured): {L['latency_us']:g} us + wire bytes / {L['GBps']:g} GB/s per "
-                "collective (published small all-reduce latency on 8 x H100 NVLink; NVLink 4 bus bandwidth).", "",
-            "Tokens/s at batch 1 on 8 GPUs (projection: measured rank-0 round + link model; tau assumed):", ""]
+    if real:
+        out += ["", "Links: measured. Every rank ran the same rounds in its own graph, the NCCL collectives inside "
+                    "it; ms/round is rank 0's.", "",
+                f"Tokens/s at batch 1 on {W} GPUs (measured rounds; tau assumed):", ""]
+    else:
+        out += ["", f"Links (a model, not measured): {L['latency_us']:g} us + wire bytes / {L['GBps']:g} GB/s per "
+                    "collective (published small all-reduce latency on 8 x H100 NVLink; NVLink 4 bus bandwidth).", "",
+                f"Tokens/s at batch 1 on {W} GPUs (projection: measured rank-0 round + link model; tau assumed):", ""]
     out += common.md_table(["context", "nodes", "what", "tau", "tok/s"],
                            [[t["context"], t["T"], t["what"], t["tau"], t["tokens_per_s"]]
                             for t in rep["tokens_per_s"]])
@@ -448,7 +491,7 @@ def markdown(rep: dict, label: str) -> list[str]:
 
 
 def short_table(rep: dict) -> str:
-    lines = ["context  nodes  ms/round  x roofline  8-GPU ms"]
+    lines = [f"context  nodes  ms/round  x roofline  {rep['world']}-GPU ms"]
     for r in rep["rounds"]:
         if "ms" in r:
             lines.append(f"{r['context']:>7}  {r['T']:>5}  {r['ms']:8.3f}  {r['x_roofline']:10.2f}  "
@@ -479,7 +522,21 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--profile", action="store_true", help="also list the kernels of one round (CUDA; 4K context, "
                     "plain and the middle tree size)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--ranks", default="0", help="N: run N real ranks, one process per device (NCCL, rank r on "
+                    "cuda:r; gloo on the CPU), the collectives measured inside the graphs; 'all': every visible GPU; "
+                    "0 (default): this process is rank 0 of --world and the links are a model")
+    ap.add_argument("--layers", type=int, default=None, help="build only this many layers (a model whose shards "
+                    "would not fit fewer ranks' devices; default: all)")
     a = ap.parse_args(argv)
+    if a.ranks == "all":
+        a.ranks = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    elif not a.ranks.isdigit():
+        ap.error(f"--ranks {a.ranks!r}: a number of ranks or 'all'")
+    a.ranks = int(a.ranks)
+    if a.ranks:
+        a.world = a.ranks
+    if a.layers is not None and a.layers < 2:
+        ap.error("--layers must be at least 2 (the dense first layer and a MoE layer)")
     a.nodes = a.nodes or ([1, 4] if a.tiny else list(DEFAULT_NODES))
     a.contexts = a.contexts or ([64] if a.tiny else list(DEFAULT_CONTEXTS))
     a.reps = a.reps or (2 if a.tiny else 5)
@@ -487,6 +544,36 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if min(a.nodes + a.contexts) < 1 or a.world < 1 or a.reps < 1 or a.replays < 1:
         ap.error("--nodes, --contexts, --world, --reps and --replays must be positive")
     return a
+
+
+def _rank_main(rank: int, rdv: Rendezvous, args: argparse.Namespace, device_type: str, out: str) -> None:
+    dev = torch.device("cpu") if device_type == "cpu" else torch.device(device_type, rank)
+    comm = CountingCommunicator(rank, rdv.world_size, inner=join(rdv, rank, dev))
+
+    def log(msg: str) -> None:
+        if rank == 0:
+            print(msg, file=sys.stderr, flush=True)
+    try:
+        rep = run(args, log, comm, dev)
+    finally:
+        leave()
+    if rank == 0:
+        torch.save(rep, out)
+
+
+def run_ranks(args: argparse.Namespace, device_type: str) -> dict:
+    """``--ranks`` processes, one per device, each running :func:`run` as its rank; rank 0's report."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+    if device_type == "cuda" and args.ranks > torch.cuda.device_count():
+        raise SystemExit(f"--ranks {args.ranks}: only {torch.cuda.device_count()} GPUs are visible")
+    rdv = Rendezvous("127.0.0.1", free_port(), args.ranks, 600.0)
+    with tempfile.TemporaryDirectory() as d:
+        out = str(Path(d) / "rank0.pt")
+        mp.start_processes(_rank_main, args=(rdv, args, device_type, out), nprocs=args.ranks, join=True,
+                           start_method="spawn")
+        return torch.load(out, weights_only=False)
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
@@ -497,8 +584,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
         print(msg, file=sys.stderr, flush=True)
 
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    rep = run(args, log)
-    tag = device_tag(dev)
+    rep = run_ranks(args, dev.type) if args.ranks else run(args, log)
+    tag = device_tag(dev) + (f"-x{args.ranks}" if args.ranks else "")
     jp, mp = common.write_results(args.out, f"k2_model-{tag}", rep, markdown(rep, tag), command=command, device=dev)
     print(f"wrote {jp} and {mp}")
     print(short_table(rep))

@@ -27,7 +27,8 @@
 #                  demo's batching throughput
 #   multi          several GPUs of one host (a kind of 2, 4 or 8 GPUs): tensor + expert parallelism on NCCL, TP-N's
 #                  tokens against one GPU's (float32) and DDTree == plain at TP-N (bfloat16), eager and from CUDA
-#                  graphs holding the collectives, on the demo and a random K2-shaped model (tests/gpu/test_tp_gpu.py)
+#                  graphs holding the collectives, on the demo and a random K2-shaped model (tests/gpu/test_tp_gpu.py);
+#                  the K2 model with one real rank a GPU, plain and DDTree rounds from CUDA graphs (bench/k2_model.py)
 #   long           long context (bench/long_context.py): K2 one-rank decode / verify steps at 4K-256K against the
 #                  byte roofline, prefill tokens/s and TFLOP/s at 1K-32K (K2 and the demo), a 128K prompt's time to
 #                  first token (K2, 61 layers), the demo's TTFT after its start-up warm-up
@@ -162,7 +163,14 @@ batch() {  # continuous batching (the batching issue): bit for bit against solo 
 
 multi() {  # several GPUs: tensor + expert parallelism on NCCL (the parallelism issue's multi-GPU point)
   (( DRY )) || nvidia-smi topo -m > "$RES/nvidia-smi-topo.txt" 2>&1 || true
-  pytest_step pytest-tp 540 tests/gpu/test_tp_gpu.py
+  pytest_step pytest-tp 300 tests/gpu/test_tp_gpu.py
+  # the K2 model on every GPU, one rank each, the collectives in the graphs: all 61 layers at 8 ranks; fewer
+  # ranks hold bigger shards, so 12 layers there
+  local gpus layers=()
+  gpus=$( (( DRY )) && echo 8 || nvidia-smi -L 2>/dev/null | wc -l )
+  (( gpus == 8 )) || layers=(--layers 12)
+  step bench-k2-ranks 260 python3 bench/k2_model.py --ranks all ${layers[@]+"${layers[@]}"} --contexts 4096 \
+    --nodes 1,8,16 --out "$RES"
 }
 
 long() {  # the long-context issue's measurements, one record per step (each written after every measured row)

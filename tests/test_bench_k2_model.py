@@ -69,3 +69,17 @@ def test_links_model():
     links = k2_model.Links(world=8, latency_us=10.0, GBps=100.0)
     assert math.isclose(links.us("all_gather", 10**6), 10.0 + 7 * 10**6 / 100e9 * 1e6)
     assert math.isclose(links.us("all_reduce", 8 * 10**6), 10.0 + 2 * 7 / 8 * 8 * 10**6 / 100e9 * 1e6)
+
+
+def test_real_ranks_run_the_same_rounds(tmp_path):
+    """--ranks 2 on the CPU (gloo): two processes build their shards and run the same rounds, the collectives crossing
+    between them (no link model), fewer layers with the drafter's target layers spread over them; rank 0 records."""
+    args = [*ARGS, "--ranks", "2", "--layers", "3", "--out", str(tmp_path)]
+    rep = k2_model.main(args)
+    data = json.loads((tmp_path / "k2_model-cpu-x2.json").read_text())
+    assert data["world"] == 2 and data["ranks_run"] == 2 and data["layers"] == 3 and data["links"]["measured"]
+    assert data["rank_shard"]["heads"] == data["config"]["num_attention_heads"] // 2
+    for r in rep["rounds"]:
+        assert "error" not in r and r["ms"] > 0 and r["links_ms"] == 0 and r["round_8gpu_ms"] == r["ms"]
+        assert r["collectives"]["count"] >= 2 * 3
+    assert "2 ranks on 2 devices" in (tmp_path / "k2_model-cpu-x2.md").read_text()
