@@ -44,7 +44,10 @@ from kdtree_engine.bench_spec import device_tag  # noqa: E402
 from kdtree_engine.speculative.decode import generate  # noqa: E402
 from kdtree_engine.speculative.stats import sync  # noqa: E402
 
-METHODS = {"plain": ("none", None), "ddtree-auto": ("ddtree", "auto")}
+# plain and the load-aware budget by default; a fixed 16-node tree (--methods ...,ddtree-16) shows what a tree gains
+# or costs at each concurrency, the curve the load-aware budget chooses along
+METHODS = {"plain": ("none", None), "ddtree-auto": ("ddtree", "auto"), "ddtree-16": ("ddtree", 16)}
+DEFAULT_METHODS = ("plain", "ddtree-auto")
 
 
 def load_demo(dev: torch.device, dtype: torch.dtype, prompt_tokens: int, n: int):
@@ -198,7 +201,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--device", default=None)
     ap.add_argument("--tiny", action="store_true", help="k2: the k2-tiny dims (CPU smoke run)")
     ap.add_argument("--concurrency", type=ints, default=[1, 4, 16, 64])
-    ap.add_argument("--methods", type=lambda s: s.split(","), default=list(METHODS))
+    ap.add_argument("--methods", type=lambda s: s.split(","), default=list(DEFAULT_METHODS),
+                    help=f"comma-separated, of {', '.join(METHODS)} (default {','.join(DEFAULT_METHODS)})")
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--token-budget", type=int, default=4096)
