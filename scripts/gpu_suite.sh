@@ -16,6 +16,9 @@
 #                  shapes (bench/moe_formats.py), Moonlight-16B's decoding and verify steps (bench/moonlight.py)
 #   k2             all 61 K2 layers as one rank of TP8 / EP8 holds them: whole rounds from one CUDA graph at 4K and
 #                  64K context, their byte roofline and a round's kernels (bench/k2_model.py)
+#   k2step         the K2 rank's decode step in one call: the GPU tests of its launch-saving kernels (split-K sums by
+#                  each tile's last program, the router tail making a rank's routes, the MoE planned for them), the
+#                  batched step from one graph (bench/batch_graph.py) and whole rounds at 4K (bench/k2_model.py)
 #   batch          continuous batching: the bitwise batch-vs-solo GPU test (graph and eager batched steps), then
 #                  throughput at 1 / 4 / 16 / 64 concurrent requests, plain vs DDTree with the load-aware budget, demo
 #                  and K2 one rank (bench/batch.py), and the K2 rank's batched plain step replayed from one graph
@@ -47,7 +50,7 @@ DRY=0
 if [[ ${1:-} == --dry-run ]]; then DRY=1; shift; fi
 SUITE=${1:-}
 ARG=${2:-}
-SUITES="tests [bitwise|rounds|kernels], bench, kernel {w4a16|moe|mla|gemm|router|tails}, quick, formats, k2, batch, multi, long, ttft, serving"
+SUITES="tests [bitwise|rounds|kernels], bench, kernel {w4a16|moe|mla|gemm|router|tails}, quick, formats, k2, k2step, batch, multi, long, ttft, serving"
 die() { echo "gpu_suite.sh: $*" >&2; exit 2; }
 
 PYT=(python3 -m pytest -m gpu -p no:cacheprovider -v -rf --durations=15)
@@ -153,6 +156,13 @@ k2() {  # the whole K2 model at one rank's size (the parallelism issue's table)
   step bench-k2-model 400 python3 bench/k2_model.py --profile --out "$RES"
 }
 
+k2step() {  # the K2 rank's decode step: its kernels' GPU tests, then the step and whole rounds timed
+  pytest_step pytest-step 200 tests/gpu/test_batch_invariance_gpu.py tests/gpu/test_fused_tails_gpu.py \
+    tests/gpu/test_w4_frag_gpu.py -k "serial or moe_owned or planned_for_one"
+  step bench-batch-graph-k2 80 python3 bench/batch_graph.py --model k2 --profile 1,16 --out "$RES"
+  step bench-k2-model-4k 220 python3 bench/k2_model.py --contexts 4096 --nodes 1,8,16 --profile --out "$RES"
+}
+
 batch() {  # continuous batching (the batching issue): bit for bit against solo runs, then throughput
   pytest_step pytest-batch 170 tests/gpu/test_batch_gpu.py tests/gpu/test_mla_slots_gpu.py \
     tests/gpu/test_prefill_attention_gpu.py -k "batch or slots or whole_prompts"
@@ -215,7 +225,7 @@ run_suite() {
         bitwise | rounds | kernels) "tests_$ARG" ;;
         *) die "unknown tests part '$ARG' (parts: bitwise, rounds, kernels)" ;;
       esac ;;
-    bench | quick | formats | k2 | batch | multi | long | ttft | serving)
+    bench | quick | formats | k2 | k2step | batch | multi | long | ttft | serving)
       [[ -z $ARG ]] || die "suite '$SUITE' takes no argument (got '$ARG')"
       "$SUITE" ;;
     kernel)

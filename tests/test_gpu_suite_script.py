@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SUITE = ROOT / "scripts" / "gpu_suite.sh"
 DEVICE_CALL_S = 570  # a 600-s device call, less the start and the packing of the results
 ONE_CALL = [["tests"], ["tests", "bitwise"], ["tests", "rounds"], ["tests", "kernels"], ["bench"], ["quick"],
-            ["formats"], ["k2"], ["batch"], ["multi"], ["long"], ["serving"]] + [
+            ["formats"], ["k2"], ["k2step"], ["batch"], ["multi"], ["long"], ["serving"]] + [
     ["kernel", f] for f in ("w4a16", "moe", "mla", "gemm", "router", "tails")]
 STEP = re.compile(r"^== (\S+) \(cap (\d+)s\): (.*)$")
 
@@ -64,7 +64,7 @@ def test_each_suite_fits_one_device_call(tmp_path, args) -> None:
 
 
 @pytest.mark.parametrize("args", [["nope"], [], ["tests", "all"], ["kernel"], ["kernel", "fp8"], ["bench", "x"],
-                                  ["quick", "x"], ["formats", "x"], ["k2", "x"], ["batch", "x"], ["multi", "x"], ["long", "x"],
+                                  ["quick", "x"], ["formats", "x"], ["k2", "x"], ["k2step", "x"], ["batch", "x"], ["multi", "x"], ["long", "x"],
                                   ["serving", "x"]], ids=lambda a: " ".join(a) or "none")
 def test_a_wrong_name_fails_with_one_line(tmp_path, args) -> None:
     for dry in (True, False):
