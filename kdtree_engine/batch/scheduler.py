@@ -43,7 +43,8 @@ from ..speculative.config import resolve_spec
 from ..speculative.decode import Emitter, GenerationResult, OnTokens, context_limit, round_shape
 from ..speculative.host_rounds import HostRounds, RoundPlan
 from ..speculative.stats import Timer, sync
-from .graph_step import BatchedSteps, padded_rows, resolve_step_mode
+from .ahead import StepsAhead, plain_greedy
+from .graph_step import MAX_SLOTS, BatchedSteps, padded_rows, resolve_step_mode
 from .load_budget import allocate_budgets
 from .sequence import DONE, PREFILL, RUNNING, Sequence
 
@@ -82,6 +83,8 @@ class Scheduler:
         self.pool = target.pool()
         mode = resolve_step_mode(step_mode, target.device)
         self.steps = None if mode == "eager" else BatchedSteps(target, mode)
+        # plain greedy steps queued one ahead of the host's read of their tokens (static steps only: .ahead)
+        self.ahead = None if self.steps is None else StepsAhead(target.device, MAX_SLOTS)
         self.waiting: deque[Sequence] = deque()
         self.active: list[Sequence] = []   # prefill and running, in admission order
         self._ids = 0
@@ -143,6 +146,8 @@ class Scheduler:
     def drop_all(self) -> list[Sequence]:
         """End every request now (finish reason "abort") and give their cache blocks back: after a failed step,
         whose requests' state is not to be trusted. Returns them."""
+        if self.ahead is not None:
+            self.ahead.pending = None   # its tokens are not read: its requests end here
         ended = [self._end(s, "abort") for s in list(self.active)]
         ended += [self._end(s, "abort") for s in self.waiting]
         self.waiting.clear()
@@ -166,8 +171,18 @@ class Scheduler:
 
     # ---- one round boundary and one forward ----------------------------------------------------
     def step(self) -> list[Sequence]:
-        """One batched forward; returns the requests that ended at this step (cancelled ones included)."""
+        """One batched forward; returns the requests that ended at this step (cancelled ones included). While every
+        running request decodes plainly and greedily over static steps, the forward is queued before the host reads
+        the previous step's tokens (:mod:`.ahead`), so those requests end one call later than their last forward."""
         ended = self._drop_cancelled()
+        pend = None if self.ahead is None else self.ahead.pending
+        if pend is not None:
+            running = [s for s in pend.running if s.state == RUNNING]
+            others = [s for s in self.active if s not in running]
+            if running and not ended and not self.waiting and not others:
+                return self._step_ahead(running)
+            self.ahead.pending = None
+            ended += self.ahead.settle(pend, self._end)
         self._admit()
         running = [s for s in self.active if s.state == RUNNING]
         plans = self._plan_rounds(running)
@@ -206,6 +221,13 @@ class Scheduler:
                 self.step_s.update(took / len(parts))
         self.forwards += 1
         self.rows_run += rows
+        if (self.ahead is not None and running and not prefilling and not self.waiting and len(running) == len(self.active)
+                and all(p.tree is None for p in plans) and plain_greedy(running)):
+            # the next step goes ahead of this one's read (.ahead): its tokens are handed on at the next call
+            self.ahead.pending = self.ahead.pend(running, plans, outs, self.target.policy,
+                                                 getattr(self.target, "vocab_shard", None))
+            self.ahead.hand_on(self.ahead.pending)
+            return ended
         walk_s, walks = 0.0, 0
         picked = self._greedy_picks(running, plans, outs)
         for seq, plan, out in zip(running, plans, outs):
@@ -227,6 +249,21 @@ class Scheduler:
             plan_s, planned = self._plan_s
             self.tree_host_s.update(plan_s / planned + (walk_s / walks if walks else 0.0))
             self._plan_s = None
+        return ended
+
+    def _step_ahead(self, running: list[Sequence]) -> list[Sequence]:
+        """The next plain greedy step of ``running`` queued, then the pending step's tokens read and handed on; the
+        new step's picks become each still running request's next input."""
+        plans = [s.rounds.plan_plain() for s in running]
+        outs = self._forward([p.part for p in plans], len(running), ())
+        self.forwards += 1
+        self.rows_run += len(plans)
+        ahead = self.ahead
+        nxt = ahead.pend(running, plans, outs, self.target.policy, getattr(self.target, "vocab_shard", None))
+        ahead.steps += 1
+        ended = ahead.settle(ahead.pending, self._end)
+        ahead.hand_on(nxt)
+        ahead.pending = nxt if any(s.state == RUNNING for s in running) else None
         return ended
 
     def _forward(self, parts: list[BatchPart], n_running: int, aux: tuple[int, ...]) -> list[TargetOutput]:

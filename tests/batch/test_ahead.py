@@ -1,0 +1,89 @@
+"""Plain greedy steps queued one ahead of the host's read of their tokens (kdtree_engine/batch/ahead.py), on the
+static batched steps a CUDA graph replays, run eagerly on the CPU: every request keeps its solo run's tokens and
+emitted-token logits (float32, to rounding), requests that arrive, end at different lengths, stop on EOS or are
+cancelled mid-run are handled at the right step, and the cache pool ends as it started."""
+
+import random
+
+import pytest
+import torch
+
+from kdtree_engine.batch.scheduler import Scheduler
+from kdtree_engine.engine import DEMO_DIR, load_target
+from kdtree_engine.sampling import SamplingParams
+from kdtree_engine.tokenizer import load_tokenizer
+
+from batch_cases import Case, batched, first_difference, solo, source_text
+
+
+@pytest.fixture(scope="module")
+def demo():
+    target = load_target(DEMO_DIR, device=torch.device("cpu"), dtype=torch.float32, progress=False)
+    return target, load_tokenizer(DEMO_DIR)
+
+
+def _plain_cases(tok, n: int, seed: int, eos_every: int = 3) -> list[Case]:
+    """Plain greedy requests of different prompt lengths, lengths and arrival steps; every ``eos_every``-th one stops
+    at the end-of-sequence token if it emits it."""
+    rng = random.Random(seed)
+    ids = tok.encode(source_text())
+    cases = []
+    for i in range(n):
+        length = rng.randint(4, 60)
+        start = rng.randrange(0, len(ids) - length)
+        params = SamplingParams(max_tokens=rng.randint(3, 20), ignore_eos=i % eos_every != 0)
+        cases.append(Case(ids[start:start + length], params, "none", None, arrives=rng.choice([0, 0, 0, 2, 9, 15])))
+    return cases
+
+
+def test_steps_ahead_keep_solo_tokens(demo):
+    target, tok = demo
+    seed = random.randrange(1 << 30)
+    print(f"seed {seed}")
+    cases = _plain_cases(tok, 10, seed)
+    free = sorted(target.pool().free_ids())
+    results, logits, sched = batched(target, None, cases, 48, token_budget=96, step_mode="static")
+    assert sched.ahead.steps > 0, "no step went ahead of its read"
+    assert sorted(target.pool().free_ids()) == free
+    for i, (case, res, lg) in enumerate(zip(cases, results, logits)):
+        ref, ref_logits = solo(target, None, case, 48)
+        assert res.token_ids == ref.token_ids, (i, first_difference(res.token_ids, ref.token_ids))
+        assert res.finish_reason == ref.finish_reason, (i, res.finish_reason, ref.finish_reason)
+        torch.testing.assert_close(lg, ref_logits, rtol=1e-4, atol=1e-4)
+
+
+def test_a_cancel_or_a_new_request_settles_the_step_ahead(demo):
+    """A request cancelled while a step is ahead ends at the next call ("abort", its tokens so far its solo run's
+    prefix); a request that arrives meanwhile makes the scheduler read the pending step first, then admit it; drop_all
+    drops a pending step; the pool ends as it started."""
+    target, tok = demo
+    seed = random.randrange(1 << 30)
+    print(f"seed {seed}")
+    rng = random.Random(seed)
+    ids = tok.encode(source_text())
+    prompts = [ids[s:s + rng.randint(5, 40)] for s in (rng.randrange(0, len(ids) - 60) for _ in range(4))]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    free = sorted(target.pool().free_ids())
+    sched = Scheduler(target, None, step_mode="static")
+    a, b = sched.submit(prompts[0], params), sched.submit(prompts[1], params)
+    for _ in range(4):
+        sched.step()
+    assert sched.ahead.pending is not None
+    b.cancel()
+    c = sched.submit(prompts[2], params)   # arrives while a step is ahead
+    sched.step()
+    assert b.done and b.result.finish_reason == "abort" and sched.ahead.pending is None
+    sched.run()
+    for seq, p in ((a, prompts[0]), (c, prompts[2])):
+        want = solo(target, None, Case(p, params, "none", None, 0), 48)[0].token_ids
+        assert seq.result.token_ids == want
+    assert b.result.token_ids == solo(target, None, Case(prompts[1], params, "none", None, 0), 48)[0].token_ids[
+        :len(b.result.token_ids)]
+    d = sched.submit(prompts[3], params)
+    for _ in range(4):
+        sched.step()
+    assert sched.ahead.pending is not None
+    sched.drop_all()
+    assert d.done and d.result.finish_reason == "abort" and sched.ahead.pending is None and sched.idle
+    sched.close()
+    assert sorted(target.pool().free_ids()) == free
