@@ -66,7 +66,7 @@ def measure(target: Target, S: int, args: argparse.Namespace, gen: torch.Generat
     key = BatchedSteps(target, "static").key(parts, ())
     slots = Slots(target, key, target.pool().trash)
     try:
-        spans = slots.fill(parts)
+        spans, _ = slots.fill(parts)
 
         def step() -> None:
             with torch.no_grad():

@@ -89,6 +89,15 @@ class Slots:
         self.logits: torch.Tensor | None = None
         self.aux: torch.Tensor | None = None
         self.captured: CapturedStep | None = None   # made by BatchedSteps when it captures
+        # a step's host-made inputs (positions, starts, the parts' rows) go over in one copy from a pinned buffer, so
+        # laying out a step never waits for the stream (the next step is queued while this one runs: .ahead); two
+        # buffers in turn: a buffer is written again two steps later, when its copy has long run (each step's
+        # tokens are read, or its successor's, before then)
+        n = 2 * B * W + B
+        pinned = dev.type == "cuda"
+        self.stage_host = [torch.empty(n, dtype=torch.long, pin_memory=pinned) for _ in range(2)]
+        self.stage = torch.empty(n, dtype=torch.long, device=dev)
+        self.turn = 0
 
     def run(self) -> None:
         """The forward over every slot's rows (the captured body)."""
@@ -100,9 +109,9 @@ class Slots:
         x, self.aux = t._layers(t.embed(self.ids), BatchContext.of(ctxs, whole), t.pool(), key.aux_layers)
         self.logits = t.lm_head(x)
 
-    def fill(self, parts: Sequence[BatchPart]) -> list[tuple[int, int]]:
+    def fill(self, parts: Sequence[BatchPart]) -> tuple[list[tuple[int, int]], torch.Tensor]:
         """Lay the parts into the slots (reserving their rows in their caches); returns each part's (first row,
-        rows)."""
+        rows) and those rows on the device, in part order."""
         key, dev = self.key, self.target.device
         B, W = key.slots, key.width
         starts = [0] * B
@@ -132,13 +141,21 @@ class Slots:
                 self.treed[i] = True
             spans.append((i * W, T))
             dest.extend(range(i * W, i * W + T))
-        self.positions.copy_(positions.reshape(-1).to(dev))
+        BW, nd = B * W, len(dest)
+        host = self.stage_host[self.turn]
+        self.turn ^= 1
+        host[:BW].copy_(positions.reshape(-1))
+        host[BW:BW + B].copy_(torch.tensor(starts, dtype=torch.long))
+        host[BW + B:BW + B + nd].copy_(torch.tensor(dest, dtype=torch.long))
+        self.stage[:BW + B + nd].copy_(host[:BW + B + nd], non_blocking=True)
+        self.positions.copy_(self.stage[:BW])
         for (row, T), p in zip(spans, parts):   # a tree's nodes sit at their depths, not at start + j
             if p.tree_mask is not None:
                 self.positions[row:row + T].copy_(p.positions)
-        self.starts.copy_(torch.tensor(starts, dtype=torch.long).to(dev))
-        self.ids.index_copy_(0, torch.tensor(dest, dtype=torch.long).to(dev), torch.cat([p.ids.to(dev) for p in parts]))
-        return spans
+        self.starts.copy_(self.stage[BW:BW + B])
+        rows = self.stage[BW + B:BW + B + nd]
+        self.ids.index_copy_(0, rows, torch.cat([p.ids.to(dev) for p in parts]))
+        return spans, rows
 
 
 class BatchedSteps:
@@ -178,10 +195,9 @@ class BatchedSteps:
             log.debug("batched steps: slots for %s", key)
         self.slots.move_to_end(key)
         target.rope.ensure(key.blocks * BLOCK + 1)
-        spans = slots.fill(parts)
+        spans, index = slots.fill(parts)   # index: the parts' rows (read before the next step's inputs land)
         with torch.no_grad():
             self._run(slots)
-        index = torch.cat([torch.arange(a, a + n) for a, n in spans]).to(target.device)
         logits = slots.logits.index_select(0, index)   # copies: the next replay rewrites the slots' outputs
         aux = None if slots.aux is None else slots.aux.index_select(0, index)
         outs, row = [], 0
