@@ -77,6 +77,7 @@ def run_batch(sched: Scheduler, prompts: list[list[int]], method: str, max_token
     spec, budget = METHODS[method]
     target = sched.target
     captures = sched.steps.captures if sched.steps is not None else 0
+    ahead = sched.ahead.steps if sched.ahead is not None else 0
     forwards, rows_run = sched.forwards, sched.rows_run   # the scheduler's counts run on over its runs
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     sync(target.device)
@@ -101,6 +102,8 @@ def run_batch(sched: Scheduler, prompts: list[list[int]], method: str, max_token
             "budget_mean": sum(b * k for b, k in chosen.items()) / rounds if rounds else None,
             "budget_chosen": dict(sorted(chosen.items())),
             "graph_captures": (sched.steps.captures if sched.steps is not None else 0) - captures,
+            # steps queued ahead of the read of their predecessor's tokens (plain greedy over static steps)
+            "steps_ahead": (sched.ahead.steps if sched.ahead is not None else 0) - ahead,
             # what the load-aware budget steers by, as learned by the end of the run
             "draft_s": sched.draft_s.value, "tree_host_s": sched.tree_host_s.value, "draft_samples": sched.draft_s.n,
             "probe_s": sched.probe_s.value,

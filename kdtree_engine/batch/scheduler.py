@@ -222,7 +222,8 @@ class Scheduler:
         self.forwards += 1
         self.rows_run += rows
         if (self.ahead is not None and running and not prefilling and not self.waiting and len(running) == len(self.active)
-                and all(p.tree is None for p in plans) and plain_greedy(running)):
+                and all(p.tree is None for p in plans) and plain_greedy(running)
+                and any(s.emit.remaining > 1 for s in running)):
             # the next step goes ahead of this one's read (.ahead): its tokens are handed on at the next call
             self.ahead.pending = self.ahead.pend(running, plans, outs, self.target.policy,
                                                  getattr(self.target, "vocab_shard", None))
@@ -253,12 +254,17 @@ class Scheduler:
 
     def _step_ahead(self, running: list[Sequence]) -> list[Sequence]:
         """The next plain greedy step of ``running`` queued, then the pending step's tokens read and handed on; the
-        new step's picks become each still running request's next input."""
+        new step's picks become each still running request's next input. A request whose length the pending step
+        reaches takes no row of the next one."""
+        ahead = self.ahead
+        running = [s for s in running if s.emit.remaining > 1]
+        if not running:
+            pend, ahead.pending = ahead.pending, None
+            return ahead.settle(pend, self._end)
         plans = [s.rounds.plan_plain() for s in running]
         outs = self._forward([p.part for p in plans], len(running), ())
         self.forwards += 1
         self.rows_run += len(plans)
-        ahead = self.ahead
         nxt = ahead.pend(running, plans, outs, self.target.policy, getattr(self.target, "vocab_shard", None))
         ahead.steps += 1
         ended = ahead.settle(ahead.pending, self._end)

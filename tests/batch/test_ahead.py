@@ -87,3 +87,17 @@ def test_a_cancel_or_a_new_request_settles_the_step_ahead(demo):
     assert d.done and d.result.finish_reason == "abort" and sched.ahead.pending is None and sched.idle
     sched.close()
     assert sorted(target.pool().free_ids()) == free
+
+
+def test_no_row_past_a_known_length(demo):
+    """A request whose length the pending step reaches takes no row of the step queued ahead: requests that end by
+    length cost exactly the forwards of the step-by-step loop (one prompt forward, then one a token after the first)."""
+    target, tok = demo
+    ids = tok.encode(source_text())
+    sched = Scheduler(target, None, step_mode="static")
+    seqs = [sched.submit(ids[100:130], SamplingParams(max_tokens=6, ignore_eos=True)),
+            sched.submit(ids[300:317], SamplingParams(max_tokens=9, ignore_eos=True))]
+    sched.run()
+    assert [len(s.result.token_ids) for s in seqs] == [6, 9]
+    assert sched.forwards == 1 + 8 and sched.ahead.steps > 0, (sched.forwards, sched.ahead.steps)
+    sched.close()
