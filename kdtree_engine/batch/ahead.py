@@ -4,10 +4,11 @@ read, the stop rules, streaming, laying out the next step) overlaps the device i
 
 Step N+1 needs only step N's tokens as its inputs, and they stay on the device: each request's next input is its
 row of step N's batched pick. The host reads step N's picks from a copy queued right behind them (two host buffers
-in turn, pinned on CUDA, so step N+1's copy cannot overwrite step N's before it is read). A request that step N
-ends (its stop rule, its length) has had one more row computed by step N+1: that row is dropped with the request
-(its cache keeps room for it: admission reserves the widest round past the limit). The tokens are those of the
-step-by-step loop: the same forwards, the same row-wise picks, in the same order.
+in turn, pinned on CUDA, so step N+1's copy cannot overwrite step N's before it is read). A request whose length
+step N reaches takes no row of step N+1; one that a stop token ends at step N (seen only when the host reads it) has
+had one more row computed by step N+1, dropped with the request (its cache keeps room for it: admission reserves
+the widest round past the limit). The tokens are those of the step-by-step loop: the same forwards, the same
+row-wise picks, in the same order.
 """
 
 from __future__ import annotations
