@@ -1,5 +1,5 @@
 """Plain greedy steps one ahead: while every running request decodes plainly and greedily over the static batched
-steps, the scheduler queues step N+1 before the host reads step N's tokens, so the host's work between steps (the
+steps (load-aware requests skipping their draft passes included), the scheduler queues step N+1 before the host reads step N's tokens, so the host's work between steps (the
 read, the stop rules, streaming, laying out the next step) overlaps the device instead of leaving it idle.
 
 Step N+1 needs only step N's tokens as its inputs, and they stay on the device: each request's next input is its
@@ -36,9 +36,11 @@ class Pending:
     event: torch.cuda.Event | None      # recorded after that copy (CUDA)
 
 
-def plain_greedy(seqs: Seq[Sequence]) -> bool:
-    """Requests whose every step is one row picked greedily: no drafter, no sampling."""
-    return all(s.rounds is not None and s.rounds.drafter is None and s.params.greedy for s in seqs)
+def steady(seqs: Seq[Sequence]) -> bool:
+    """Requests whose next step is one row picked greedily: plain greedy decoding, or a greedy load-aware request
+    skipping its draft passes for at least that step (its aux row still feeds its drafter)."""
+    return all(s.rounds is not None and s.params.greedy and (s.rounds.drafter is None or (s.shape.auto and s.skip > 0))
+               for s in seqs)
 
 
 class StepsAhead:

@@ -43,7 +43,7 @@ from ..speculative.config import resolve_spec
 from ..speculative.decode import Emitter, GenerationResult, OnTokens, context_limit, round_shape
 from ..speculative.host_rounds import HostRounds, RoundPlan
 from ..speculative.stats import Timer, sync
-from .ahead import StepsAhead, plain_greedy
+from .ahead import StepsAhead, steady
 from .graph_step import MAX_SLOTS, BatchedSteps, padded_rows, resolve_step_mode
 from .load_budget import allocate_budgets
 from .sequence import DONE, PREFILL, RUNNING, Sequence
@@ -179,7 +179,7 @@ class Scheduler:
         if pend is not None:
             running = [s for s in pend.running if s.state == RUNNING]
             others = [s for s in self.active if s not in running]
-            if running and not ended and not self.waiting and not others:
+            if running and not ended and not self.waiting and not others and steady(running):
                 return self._step_ahead(running)
             self.ahead.pending = None
             ended += self.ahead.settle(pend, self._end)
@@ -222,7 +222,7 @@ class Scheduler:
         self.forwards += 1
         self.rows_run += rows
         if (self.ahead is not None and running and not prefilling and not self.waiting and len(running) == len(self.active)
-                and all(p.tree is None for p in plans) and plain_greedy(running)
+                and all(p.tree is None for p in plans) and steady(running)
                 and any(s.emit.remaining > 1 for s in running)):
             # the next step goes ahead of this one's read (.ahead): its tokens are handed on at the next call
             self.ahead.pending = self.ahead.pend(running, plans, outs, self.target.policy,
@@ -261,8 +261,12 @@ class Scheduler:
         if not running:
             pend, ahead.pending = ahead.pending, None
             return ahead.settle(pend, self._end)
+        for s in running:
+            if s.rounds.drafter is not None:   # a load-aware request's skipped draft pass, as _plan_rounds counts it
+                s.skip -= 1
+                chose(s, 0)
         plans = [s.rounds.plan_plain() for s in running]
-        outs = self._forward([p.part for p in plans], len(running), ())
+        outs = self._forward([p.part for p in plans], len(running), self._aux_layers(running, []))
         self.forwards += 1
         self.rows_run += len(plans)
         nxt = ahead.pend(running, plans, outs, self.target.policy, getattr(self.target, "vocab_shard", None))

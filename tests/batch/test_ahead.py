@@ -101,3 +101,35 @@ def test_no_row_past_a_known_length(demo):
     assert [len(s.result.token_ids) for s in seqs] == [6, 9]
     assert sched.forwards == 1 + 8 and sched.ahead.steps > 0, (sched.forwards, sched.ahead.steps)
     sched.close()
+
+
+def test_load_aware_requests_skipping_their_drafts_go_ahead(demo):
+    """Greedy load-aware requests whose trees do not pay (the tree host time held huge) skip their draft passes:
+    those plain steps go ahead too, their aux rows still feeding the drafter (the probes between them take those rows
+    in: a missing one fails the drafter's context check), the skipped rounds counted, the tokens their solo plain
+    runs'."""
+    from kdtree_engine.engine import load_drafter
+    target, tok = demo
+    drafter = load_drafter(DEMO_DIR / "draft", target)
+    seed = random.randrange(1 << 30)
+    print(f"seed {seed}")
+    rng = random.Random(seed)
+    ids = tok.encode(source_text())
+    prompts = [ids[s:s + rng.randint(5, 40)] for s in (rng.randrange(0, len(ids) - 60) for _ in range(3))]
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    sched = Scheduler(target, drafter, step_mode="static")
+    sched.tree_host_s.value = 1e6
+    sched.tree_host_s.update = lambda x: sched.tree_host_s.value
+    sched._probe_gap = lambda last: 3   # short gaps: every probe takes in the rows of the steps that went ahead
+    passes = []
+    real = sched._draft
+    sched._draft = lambda asks, probe=False: (passes.append(len(asks)), real(asks, probe))[1]
+    seqs = [sched.submit(p, params, spec="ddtree", budget="auto") for p in prompts]
+    sched.run()
+    assert sched.ahead.steps > 0 and len(passes) >= 3, (sched.ahead.steps, passes)
+    for seq, p in zip(seqs, prompts):
+        want = solo(target, None, Case(p, params, "none", None, 0), 48)[0].token_ids
+        assert seq.result.token_ids == want
+        assert set(seq.result.stats["budget_chosen"]) == {0}
+        assert sum(seq.result.stats["budget_chosen"].values()) == seq.result.stats["rounds"]
+    sched.close()
