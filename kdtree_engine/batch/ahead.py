@@ -47,9 +47,8 @@ class StepsAhead:
     """The host buffers of the picks' copies (two, used in turn) and the pending step."""
 
     def __init__(self, device: torch.device, slots: int) -> None:
-        pinned = device.type == "cuda"
         self.device = device
-        self.buffers = [torch.empty(slots, dtype=torch.long, pin_memory=pinned) for _ in range(2)]
+        self.buffers = self._buffers(slots)
         self.turn = 0
         self.pending: Pending | None = None
         self.steps = 0   # steps queued ahead of the host's read (a count for the benchmarks and tests)
@@ -58,6 +57,8 @@ class StepsAhead:
              vocab) -> Pending:
         """Step N's picks on the device and their copy to the host queued; nothing waits."""
         picks = greedy(torch.stack([o.logits[-1] for o in outs]), policy=policy, vocab=vocab)
+        if picks.numel() > self.buffers[0].numel():   # more requests than the static slots (an eager step)
+            self.buffers = self._buffers(picks.numel())   # a pending step keeps its own buffer
         host = self.buffers[self.turn]
         self.turn ^= 1
         cuda = self.device.type == "cuda"
@@ -67,6 +68,10 @@ class StepsAhead:
             event = torch.cuda.Event()
             event.record()
         return Pending(list(running), list(plans), list(outs), picks, host, event)
+
+    def _buffers(self, n: int) -> list[torch.Tensor]:
+        pinned = self.device.type == "cuda"
+        return [torch.empty(n, dtype=torch.long, pin_memory=pinned) for _ in range(2)]
 
     @staticmethod
     def hand_on(pend: Pending) -> None:
