@@ -36,6 +36,15 @@ def _plain_cases(tok, n: int, seed: int, eos_every: int = 3) -> list[Case]:
     return cases
 
 
+def _prompts(tok, n: int) -> list[list[int]]:
+    """n prompts of 5-40 tokens cut from Python source at random offsets (printed seed)."""
+    seed = random.randrange(1 << 30)
+    print(f"seed {seed}")
+    rng = random.Random(seed)
+    ids = tok.encode(source_text())
+    return [ids[s:s + rng.randint(5, 40)] for s in (rng.randrange(0, len(ids) - 60) for _ in range(n))]
+
+
 def test_steps_ahead_keep_solo_tokens(demo):
     target, tok = demo
     seed = random.randrange(1 << 30)
@@ -57,11 +66,7 @@ def test_a_cancel_or_a_new_request_settles_the_step_ahead(demo):
     prefix); a request that arrives meanwhile makes the scheduler read the pending step first, then admit it; drop_all
     drops a pending step; the pool ends as it started."""
     target, tok = demo
-    seed = random.randrange(1 << 30)
-    print(f"seed {seed}")
-    rng = random.Random(seed)
-    ids = tok.encode(source_text())
-    prompts = [ids[s:s + rng.randint(5, 40)] for s in (rng.randrange(0, len(ids) - 60) for _ in range(4))]
+    prompts = _prompts(tok, 4)
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     free = sorted(target.pool().free_ids())
     sched = Scheduler(target, None, step_mode="static")
@@ -111,11 +116,7 @@ def test_load_aware_requests_skipping_their_drafts_go_ahead(demo):
     from kdtree_engine.engine import load_drafter
     target, tok = demo
     drafter = load_drafter(DEMO_DIR / "draft", target)
-    seed = random.randrange(1 << 30)
-    print(f"seed {seed}")
-    rng = random.Random(seed)
-    ids = tok.encode(source_text())
-    prompts = [ids[s:s + rng.randint(5, 40)] for s in (rng.randrange(0, len(ids) - 60) for _ in range(3))]
+    prompts = _prompts(tok, 3)
     params = SamplingParams(max_tokens=20, ignore_eos=True)
     sched = Scheduler(target, drafter, step_mode="static")
     sched.tree_host_s.value = 1e6
