@@ -180,10 +180,13 @@ def markdown(rep: dict, label: str) -> list[str]:
            f"({rep['batch1_plain']['mode']} rounds): {rep['batch1_plain']['tokens_per_s']:.1f} tok/s.", ""]
     out += common.md_table(
         ["concurrent", "method", "tok/s", "x batch-1 plain", "latency mean s", "latency max s", "TTFT mean s",
-         "tau", "forwards", "rows/forward", "mean budget"],
+         "tau", "forwards", "steps ahead", "rows/forward", "mean budget"],
         [[r["concurrency"], r["method"], r["tokens_per_s"], r["x_batch1_plain"], r["latency_s_mean"],
-          r["latency_s_max"], r["ttft_s_mean"], r["tau"], r["forwards"], r["rows_per_forward"], r["budget_mean"]]
+          r["latency_s_max"], r["ttft_s_mean"], r["tau"], r["forwards"], r.get("steps_ahead", "n/a"),
+          r["rows_per_forward"], r["budget_mean"]]
          for r in rep["rows"]])
+    out += ["", "Steps ahead: forwards queued before the host read the previous step's tokens (plain greedy steps, "
+                "batch/ahead.py)."]
     for r in rep["rows"]:
         if r.get("host_profile"):
             out += ["", f"Host time of one more run at {r['concurrency']} requests, {r['method']} (cProfile, its own "
