@@ -68,7 +68,7 @@ from bench.k2_step import attention_weight_bytes, expert_bytes, nbytes, randomiz
 from kdtree_engine.bench_spec import device_tag  # noqa: E402
 from kdtree_engine.config import ModelConfig, preset  # noqa: E402
 from kdtree_engine.draft_config import DraftConfig  # noqa: E402
-from kdtree_engine.kernels.dispatch import owned_routes, prepare_int4  # noqa: E402
+from kdtree_engine.kernels.dispatch import prepare_int4, route, router_matmul  # noqa: E402
 from kdtree_engine.kernels.policy import KernelPolicy  # noqa: E402
 from kdtree_engine.model.dflash import DFlashDrafter  # noqa: E402
 from kdtree_engine.model.layers import RMSNorm  # noqa: E402
@@ -90,21 +90,23 @@ K2_DRAFT = dict(hidden_size=7168, intermediate_size=18432, num_hidden_layers=6, 
 
 
 class UniformRoutes(torch.nn.Module):
-    """The model's router (its matmul and top-k still run and cost what they cost), with the chosen experts replaced
-    by 8 experts drawn uniformly per token: random weights make every token's hidden state alike, so
-    their own router sends all tokens to the same few experts, far fewer than a trained, load-balanced router
-    touches. Drawn on the device (capturable: each replay draws afresh)."""
+    """The model's router (its matmul still runs and costs what it costs), with the chosen experts replaced by 8
+    distinct experts drawn uniformly per token: random weights make every token's hidden state alike, so their own
+    router sends all tokens to the same few experts, far fewer than a trained, load-balanced router touches. The
+    draw: the engine's router tail (no group limit) on uniform noise, so an expert-parallel rank's routes are made
+    its own in that launch as the engine's are. Drawn on the device (capturable: each replay draws afresh)."""
 
     def __init__(self, router: torch.nn.Module) -> None:
         super().__init__()
         self.router = router
+        self.ungrouped = dataclasses.replace(router.cfg, n_group=1, topk_group=1)
+        self.register_buffer("no_bias", torch.zeros_like(router.e_score_correction_bias), persistent=False)
 
     def forward(self, x: torch.Tensor, owned: range | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        ids, weights = self.router(x)
-        # one launch: k independent draws per token (a repeat, chance k/E, only merges two routes of a token)
-        ids = torch.randint_like(ids, 0, self.router.weight.shape[0])
-        # the rank's own routes of the drawn ones (one launch more than the engine's router, which makes them in its tail)
-        return (ids, weights) if owned is None else owned_routes(self.router.policy, ids, weights, owned)
+        r = self.router
+        router_matmul(r.policy, x, r.weight, partials=True, bf16x3=r.bf16x3_parts)
+        noise = torch.rand(x.shape[0], r.weight.shape[0], device=x.device)
+        return route(r.policy, noise, self.no_bias, self.ungrouped, owned)
 
 
 class CountingCommunicator(Communicator):
@@ -269,14 +271,11 @@ def touched_local_experts(target: Target, run: Callable[[], None]) -> tuple[int,
     for layer in target.layers:
         if not isinstance(layer.mlp, MoE):
             continue
-        owned = layer.mlp.experts.owned
         exp_b = expert_bytes(layer.mlp.experts)
 
-        def hook(_m: Any, _inp: Any, out: Any, owned: range | None = owned) -> None:
-            ids = out[0].reshape(-1)
-            if owned is not None:
-                ids = ids[(ids >= owned.start) & (ids < owned.stop)]
-            counts.append(int(torch.unique(ids).numel()))
+        def hook(_m: Any, _inp: Any, out: Any) -> None:
+            ids = out[0].reshape(-1)   # the rank's routes: local ids, -1 for another rank's experts
+            counts.append(int(torch.unique(ids[ids >= 0]).numel()))
         hooks.append(layer.mlp.gate.register_forward_hook(hook))
     try:
         run()

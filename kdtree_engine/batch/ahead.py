@@ -19,7 +19,6 @@ from typing import Sequence as Seq
 import torch
 
 from ..model.target import TargetOutput
-from ..sampling import greedy
 from ..speculative.host_rounds import RoundPlan
 from .sequence import RUNNING, Sequence
 
@@ -53,10 +52,9 @@ class StepsAhead:
         self.pending: Pending | None = None
         self.steps = 0   # steps queued ahead of the host's read (a count for the benchmarks and tests)
 
-    def pend(self, running: list[Sequence], plans: list[RoundPlan], outs: list[TargetOutput], policy,
-             vocab) -> Pending:
-        """Step N's picks on the device and their copy to the host queued; nothing waits."""
-        picks = greedy(torch.stack([o.logits[-1] for o in outs]), policy=policy, vocab=vocab)
+    def pend(self, running: list[Sequence], plans: list[RoundPlan], outs: list[TargetOutput],
+             picks: torch.Tensor) -> Pending:
+        """Step N with its picks [n] (device) and their copy to the host queued; nothing waits."""
         if picks.numel() > self.buffers[0].numel():   # more requests than the static slots (an eager step)
             self.buffers = self._buffers(picks.numel())   # a pending step keeps its own buffer
         host = self.buffers[self.turn]

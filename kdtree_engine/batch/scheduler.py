@@ -225,8 +225,7 @@ class Scheduler:
                 and all(p.tree is None for p in plans) and steady(running)
                 and any(s.emit.remaining > 1 for s in running)):
             # the next step goes ahead of this one's read (.ahead): its tokens are handed on at the next call
-            self.ahead.pending = self.ahead.pend(running, plans, outs, self.target.policy,
-                                                 getattr(self.target, "vocab_shard", None))
+            self.ahead.pending = self.ahead.pend(running, plans, outs, self._pick([o.logits[-1] for o in outs]))
             self.ahead.hand_on(self.ahead.pending)
             return ended
         walk_s, walks = 0.0, 0
@@ -261,15 +260,11 @@ class Scheduler:
         if not running:
             pend, ahead.pending = ahead.pending, None
             return ahead.settle(pend, self._end)
-        for s in running:
-            if s.rounds.drafter is not None:   # a load-aware request's skipped draft pass, as _plan_rounds counts it
-                s.skip -= 1
-                chose(s, 0)
-        plans = [s.rounds.plan_plain() for s in running]
+        plans = [s.rounds.plan_plain() if s.rounds.drafter is None else skipped_round(s) for s in running]
         outs = self._forward([p.part for p in plans], len(running), self._aux_layers(running, []))
         self.forwards += 1
         self.rows_run += len(plans)
-        nxt = ahead.pend(running, plans, outs, self.target.policy, getattr(self.target, "vocab_shard", None))
+        nxt = ahead.pend(running, plans, outs, self._pick([o.logits[-1] for o in outs]))
         ahead.steps += 1
         ended = ahead.settle(ahead.pending, self._end)
         ahead.hand_on(nxt)
@@ -305,10 +300,13 @@ class Scheduler:
         ids = [(s.id, o.logits[-1]) for s, p, o in zip(running, plans, outs) if p.tree is None and s.params.greedy]
         if len(ids) < 2:
             return {}
-        # a vocabulary split over ranks: one max / index reduction for all the rows (row-wise, as each alone)
-        picks = greedy(torch.stack([row for _, row in ids]), policy=self.target.policy,
-                       vocab=getattr(self.target, "vocab_shard", None))
+        picks = self._pick([row for _, row in ids])
         return {i: (picks[k], t) for k, ((i, _), t) in enumerate(zip(ids, picks.tolist()))}
+
+    def _pick(self, rows: list[torch.Tensor]) -> torch.Tensor:
+        """Greedy picks of logits rows [V] in one launch -> [n] device tokens; a vocabulary split over ranks: one max /
+        index reduction for all the rows (row-wise, as each alone)."""
+        return greedy(torch.stack(rows), policy=self.target.policy, vocab=getattr(self.target, "vocab_shard", None))
 
     def _aux_layers(self, running: list[Sequence], prefilling: list[Sequence]) -> tuple[int, ...]:
         """The drafter's target layers when a request in this forward drafts (aux rows are per row: computing them
@@ -327,9 +325,7 @@ class Scheduler:
             if r.drafter is None:
                 plans[seq.id] = r.plan(seq.emit.remaining)
             elif seq.shape.auto and seq.skip > 0:   # speculation did not pay last time: plain rounds, then try again
-                seq.skip -= 1
-                plans[seq.id] = r.plan_plain()
-                chose(seq, 0)
+                plans[seq.id] = skipped_round(seq)
             elif (ask := r.draft_request(seq.emit.remaining)) is not None:
                 asks.append((seq, ask))
             elif seq.shape.auto:
@@ -529,6 +525,13 @@ class Scheduler:
         seq.result = GenerationResult(list(seq.emit.tokens), reason or seq.emit.finish_reason or "length", stats)
         seq.state = DONE
         return seq
+
+
+def skipped_round(seq: Sequence) -> RoundPlan:
+    """A load-aware request's plain round in place of a draft pass (one of its skip), counted as budget 0."""
+    seq.skip -= 1
+    chose(seq, 0)
+    return seq.rounds.plan_plain()
 
 
 def chose(seq: Sequence, budget: int) -> None:

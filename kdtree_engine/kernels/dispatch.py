@@ -330,21 +330,12 @@ def route(policy: KernelPolicy, logits: torch.Tensor, bias: torch.Tensor,
           cfg: ModelConfig, owned: range | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Router tail: logits [T, E] float32, or split-K partials [S, T, E] (router_matmul partials=True: summed in
     split order, the bits of the logits) -> (expert ids int64 [T, k], weights float32 [T, k]); owned (expert
-    parallel): the rank's own routes (:func:`owned_routes`), made in the same launch on CUDA."""
+    parallel): the rank's own routes (parallel/experts.py owned_routes), made in the same launch on CUDA."""
     if _elementwise_backend(policy, "router tail (sigmoid, group top-k, weights)", logits.device, logits):
         return triton_kernels().router.route_triton(logits, bias, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group,
                             cfg.norm_topk_prob, cfg.routed_scaling_factor, owned)
     ids, w = route_torch(logits, bias, cfg)
     return (ids, w) if owned is None else owned_routes_torch(ids, w, owned)
-
-
-def owned_routes(policy: KernelPolicy, ids: torch.Tensor, weights: torch.Tensor,
-                 owned: range) -> tuple[torch.Tensor, torch.Tensor]:
-    """Expert parallel: the global routes -> this rank's (local ids, -1 with weight 0 for another rank's experts);
-    one launch on CUDA (kernels/router.py), else the torch form (parallel/experts.py), the same values."""
-    if _elementwise_backend(policy, "expert-parallel routes (the rank's own experts)", ids.device, weights):
-        return triton_kernels().router.own_routes_triton(ids, weights, owned.start, len(owned))
-    return owned_routes_torch(ids, weights, owned)
 
 
 def silu_mul(policy: KernelPolicy, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

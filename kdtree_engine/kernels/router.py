@@ -83,7 +83,7 @@ def _router_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, stride_l, stride_s, G, 
     if NORM:
         w = tl.div_rn(w, total + 1e-20)
     w = w * scale
-    if OWNED:   # expert parallel: the rank's own routes, as _own_routes_kernel makes them
+    if OWNED:   # expert parallel: the rank's own routes, as parallel/experts.py owned_routes makes them
         local = ids - own_start
         mine = (local >= 0) & (local < own_count)
         ids = tl.where(mine, local, -1)
@@ -98,8 +98,8 @@ def route_triton(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: 
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [T, E] float32, or split-K partials [S, T, E] summed in split order first (the bits of
     split_sum), bias [E] float32 -> (ids int64 [T, k], weights float32 [T, k]). owned (expert parallel): the
-    experts this rank holds; the routes come out as own_routes_triton makes them (local ids, -1 with weight 0
-    for another rank's experts), in the same launch."""
+    experts this rank holds; the routes come out as parallel/experts.py owned_routes makes them (local ids, -1
+    with weight 0 for another rank's experts), in the same launch."""
     if logits.dtype != torch.float32 or bias.dtype != torch.float32:
         raise TypeError(f"route_triton: logits {logits.dtype} and bias {bias.dtype} must be float32")
     if logits.dim() not in (2, 3) or (logits.dim() == 3 and logits.shape[0] < 1):
@@ -130,36 +130,4 @@ def route_triton(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: 
     return ids, w
 
 
-@triton.jit
-def _own_routes_kernel(ids_ptr, w_ptr, out_ids_ptr, out_w_ptr, n, start, count, BLOCK: tl.constexpr,
-                       PDL: tl.constexpr = False):
-    if PDL:  # a dependent launch (pdl.py): wait for the kernel writing the routes
-        pdl_wait()
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    m = i < n
-    local = tl.load(ids_ptr + i, mask=m, other=0) - start
-    mine = (local >= 0) & (local < count)
-    tl.store(out_ids_ptr + i, tl.where(mine, local, -1), mask=m)
-    tl.store(out_w_ptr + i, tl.where(mine, tl.load(w_ptr + i, mask=m, other=0.0), 0.0), mask=m)
-
-
-def own_routes_triton(ids: torch.Tensor, weights: torch.Tensor, start: int, count: int
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Global routes (ids int64 [T, k], weights float32 [T, k]) -> this rank's, in one launch: an owned expert's
-    id made local (id - start), a route to an expert outside [start, start + count) id -1 with weight 0 (the
-    torch form, parallel/experts.py owned_routes, takes eight launches)."""
-    if ids.dtype != torch.int64 or ids.shape != weights.shape:
-        raise ValueError(f"own_routes_triton: ids {ids.dtype} {tuple(ids.shape)} and weights "
-                         f"{tuple(weights.shape)} must be int64 routes and their weights of one shape")
-    ids, weights = ids.contiguous(), weights.contiguous()
-    out_ids, out_w = torch.empty_like(ids), torch.empty_like(weights)
-    n = ids.numel()
-    if n:
-        BLOCK = 256
-        _own_routes_kernel[(triton.cdiv(n, BLOCK),)](ids, weights, out_ids, out_w, n, int(start), int(count),
-                                                     BLOCK=BLOCK, num_warps=1,
-                                                     **pdl_launch(pdl_supported(ids.device)))
-    return out_ids, out_w
-
-
-__all__ = ["own_routes_triton", "route_triton"]
+__all__ = ["route_triton"]

@@ -77,25 +77,19 @@ def test_dispatch_cpu_is_torch_path() -> None:
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
-def test_dispatch_cpu_owned_routes_is_the_torch_form() -> None:
-    """Off CUDA the dispatch's expert-parallel routes are parallel/experts.py's: owned ids made local, the others -1
-    with weight 0 (fresh random routes)."""
+def test_dispatch_cpu_owned_routes_are_the_torch_form() -> None:
+    """Off CUDA the router tail's expert-parallel routes are parallel/experts.py's on its global routes: owned ids
+    made local, the others -1 with weight 0 (fresh random logits)."""
     from kdtree_engine.parallel.experts import NOT_OWNED
     seed = int.from_bytes(os.urandom(4), "little")
     print(f"seed {seed}")
     gen = torch.Generator().manual_seed(seed)
-    ids, w = torch.randint(0, 32, (6, 4), generator=gen), torch.rand(6, 4, generator=gen)
-    owned = range(8, 16)
-    lid, lw = dispatch.owned_routes(KernelPolicy(), ids, w, owned)
+    cfg, owned = _cfg(32, 4, 4, 2), range(8, 16)
+    logits, bias = torch.randn(6, 32, generator=gen), torch.randn(32, generator=gen) * 0.1
+    (lid, lw), (ids, w) = dispatch.route(KernelPolicy(), logits, bias, cfg, owned), route_torch(logits, bias, cfg)
     mine = (ids >= 8) & (ids < 16)
     assert torch.equal(lid, torch.where(mine, ids - 8, torch.full_like(ids, NOT_OWNED)))
     assert torch.equal(lw, torch.where(mine, w, torch.zeros_like(w)))
-    # the router tail with owned: its routes made the rank's own, the same values
-    cfg = _cfg(32, 4, 4, 2)
-    logits, bias = torch.randn(6, 32, generator=gen), torch.randn(32, generator=gen) * 0.1
-    a, b = dispatch.route(KernelPolicy(), logits, bias, cfg, owned), route_torch(logits, bias, cfg)
-    want = dispatch.owned_routes(KernelPolicy(), *b, owned)
-    assert torch.equal(a[0], want[0]) and torch.equal(a[1], want[1])
 
 
 def test_torch_path_sums_split_partials_in_order() -> None:
@@ -137,7 +131,7 @@ CASES = {
     "inv_t65_e40_k8_g5_tg2": (65, 40, 8, 5, 2, True, "invariance"),
     # split-K partials [3, T, E] (strided rows) summed in the kernel: the bits of the kernel on their in-order sum
     "splits_t9_e64_k6_g8_tg3": (9, 64, 6, 8, 3, True, "splits"),
-    # expert parallel: the routes made a random rank's own (own_routes_triton) equal the torch form bit for bit;
+    # expert parallel: the router tail making a random rank's routes its own == the torch form bit for bit;
     # 65 x 8 routes span three programs of the launch
     "owned_t9_e64_k6_g8_tg3": (9, 64, 6, 8, 3, True, "owned"),
     "owned_t65_e40_k8_g5_tg2": (65, 40, 8, 5, 2, True, "owned"),
@@ -172,16 +166,12 @@ def _run_one(name, spec):
         if not (torch.equal(a[0], ids) and torch.equal(a[1], w)):
             rec["bad"].append("the partials' launch differs from the launch on their in-order sum")
     if kind == "owned":
-        from kdtree_engine.kernels.router import own_routes_triton
         from kdtree_engine.parallel.experts import owned_routes
         ranks = int(torch.randint(2, 9, (1,), generator=gen))
         per = -(-E // ranks)
         for r in range(ranks):
             owned = range(r * per, min((r + 1) * per, E))
-            got, want = own_routes_triton(ids, w, owned.start, len(owned)), owned_routes(ids, w, owned)
-            if not (torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])):
-                rec["bad"].append(f"rank {r} of {ranks} (experts {owned.start}..{owned.stop - 1}): owned routes differ")
-            # the router tail making them in its own launch
+            want = owned_routes(ids, w, owned)
             tail = route_triton(logits, bias, k, G, tg, norm, cfg.routed_scaling_factor, owned)
             if not (torch.equal(tail[0], want[0]) and torch.equal(tail[1], want[1])):
                 rec["bad"].append(f"rank {r} of {ranks}: the router tail's own routes differ")
