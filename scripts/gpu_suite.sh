@@ -167,7 +167,7 @@ batch() {  # continuous batching (the batching issue): bit for bit against solo 
   pytest_step pytest-batch 170 tests/gpu/test_batch_gpu.py tests/gpu/test_mla_slots_gpu.py \
     tests/gpu/test_prefill_attention_gpu.py -k "batch or slots or whole_prompts"
   step bench-batch-demo 100 python3 bench/batch.py --model demo --methods plain,ddtree-auto,ddtree-16 \
-    --host-profile 16 --out "$RES"
+    --host-profile 1,16 --out "$RES"
   step bench-batch-k2 210 python3 bench/batch.py --model k2 --max-tokens 64 --host-profile 16 --out "$RES"
   step bench-batch-graph-k2 80 python3 bench/batch_graph.py --model k2 --profile 1,16 --out "$RES"
 }
@@ -206,7 +206,7 @@ serving() {  # the serving stage's GPU checks and the records its docs cite, one
     -k "not demo_logits_alone"
   step bench-long-demo 80 python3 bench/long_context.py --parts demo --label demo --out "$RES"
   step bench-batch-demo 100 python3 bench/batch.py --model demo --methods plain,ddtree-auto,ddtree-16 \
-    --host-profile 16 --out "$RES"
+    --host-profile 1,16 --out "$RES"
 }
 
 tests_all() {  # the files of every part in one run; timings are never asserted, so workers may share the GPU

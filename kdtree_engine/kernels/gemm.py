@@ -104,6 +104,8 @@ K2_CONFIGS: dict[tuple[int, int], tuple[Reduction, list[tuple[int, Tile]] | None
     (12288, 1536): (Reduction(64, 1), [(16, _S), (32, _M32), (64, _M64), (1 << 62, Tile(256, 128, 8, 3))]),
     # o_proj
     (7168, 8192): (Reduction(128, 1), [(16, _S), (32, _M32), (64, _M64), (1 << 62, Tile(128, 128, 8, 3))]),
+    # o_proj at one rank of TP8 (8 heads): 112 row tiles of 8 K steps; whole-K programs beat two splits and their sum
+    (7168, 1024): (Reduction(128, 1), [(16, _S), (32, _M32), (64, _M64), (1 << 62, Tile(128, 128, 8, 3))]),
     # shared expert gate+up
     (4096, 7168): (Reduction(128, 1), [(16, _S), (32, _M32), (64, _M64), (192, Tile(64, 128, 4, 4)),
                                        (1 << 62, Tile(128, 64, 4, 4))]),

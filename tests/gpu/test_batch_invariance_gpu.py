@@ -183,7 +183,6 @@ def test_bi_linear_dependent_launch_reads_fresh_input_in_graphs(name):
 RANK_SHAPES = {  # one rank of TP8 / EP8 (the split launches a decode step runs): name: (N, K)
     "q_a+kv_a": (2112, 7168),
     "q_b rank": (1536, 1536),
-    "o_proj rank": (7168, 1024),
     "shared_w13 rank": (512, 7168),
 }
 
