@@ -9,9 +9,9 @@ For each method and concurrency C, C requests arrive together and run to their e
 :class:`~kdtree_engine.batch.Scheduler` (one per method for the whole run, as a server keeps one: its graphs and
 what its load-aware budget learned carry over; host-driven rounds, one batched target forward per step, the running
 requests' rows replayed from CUDA graphs per slot bucket unless ``--step-mode eager``; on CUDA, short prompts from the
-target's prompt graphs as the engine runs them, unless ``--no-prompt-graphs``). Each (C, method) runs twice
-and the second run is measured (the first captures the graphs of its buckets); measured:
-generated tokens / wall seconds (prefill included), per-request latency and time to first token, forwards and rows
+target's prompt graphs as the engine runs them, unless ``--no-prompt-graphs``). At each C every method runs once
+unmeasured (it captures the graphs of its buckets), then ``--repeats`` measured runs, the methods in turn (the record
+keeps the run of median throughput and lists every run's tokens/s); measured: generated tokens / wall seconds (prefill included), per-request latency and time to first token, forwards and rows
 per forward, and for DDTree the mean tree budget chosen (the load-aware curve). The baseline of the throughput goal
 is the engine's fastest batch-1 plain decoding: one request, its rounds replayed from a CUDA graph (CUDA).
 
@@ -110,6 +110,13 @@ def run_batch(sched: Scheduler, prompts: list[list[int]], method: str, max_token
             "forward_scale": sched.forward_scale.value}
 
 
+def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run of median throughput (the lower middle of an even count), with every run's tokens/s beside it."""
+    row = dict(sorted(runs, key=lambda r: r["tokens_per_s"])[(len(runs) - 1) // 2])
+    row["tokens_per_s_runs"] = [r["tokens_per_s"] for r in runs]
+    return row
+
+
 def host_profile(fn: Callable[[], object], top: int = 25) -> list[dict[str, Any]]:
     """The functions of one call of fn by their own host seconds (cProfile): calls, own s, cumulative s."""
     import cProfile
@@ -153,21 +160,26 @@ def run(args: argparse.Namespace, log: Callable[[str], None],
     rep = {"model": args.model, "tiny": bool(args.tiny), "dtype": str(dtype).replace("torch.", ""),
            "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "token_budget": args.token_budget,
            "step_mode": "eager" if mode is None else mode.mode, "prompt_graphs": target.prompt_graphs is not None,
-           "batch1_plain": base, "rows": [],
+           "batch1_plain": base, "repeats": args.repeats, "rows": [],
            "elapsed_s": clock()}
     for c in args.concurrency:
+        warm = {m: run_batch(scheds[m], prompts[:c], m, args.max_tokens) for m in args.methods}   # captures graphs
+        runs: dict[str, list[dict[str, Any]]] = {m: [] for m in args.methods}
+        for _ in range(args.repeats):   # the methods in turn, so a drift of the host's speed reaches them alike
+            for m in args.methods:
+                runs[m].append(run_batch(scheds[m], prompts[:c], m, args.max_tokens))
         for m in args.methods:
-            warm = run_batch(scheds[m], prompts[:c], m, args.max_tokens)   # captures its buckets' graphs
-            row = run_batch(scheds[m], prompts[:c], m, args.max_tokens)
-            row["warm_run_s"] = warm["wall_s"]
-            if c in args.host_profile:   # a third run under cProfile: where the host's time goes (not the measured run)
+            row = median_run(runs[m])
+            row["warm_run_s"] = warm[m]["wall_s"]
+            if c in args.host_profile:   # one more run under cProfile: where the host's time goes (not measured)
                 row["host_profile"] = host_profile(lambda: run_batch(scheds[m], prompts[:c], m, args.max_tokens))
             row["x_batch1_plain"] = row["tokens_per_s"] / base["tokens_per_s"]
             rep["rows"].append(row)
             rep["elapsed_s"] = clock()
             save(rep)   # a run cut by a time limit keeps the rows it finished
-            log(f"C={c} {m}: {row['tokens_per_s']:.1f} tok/s ({row['x_batch1_plain']:.2f}x batch-1 plain), "
-                f"latency {row['latency_s_mean']:.2f} s, budget {row['budget_mean']} ({clock():.0f} s)")
+            log(f"C={c} {m}: {row['tokens_per_s']:.1f} tok/s ({row['x_batch1_plain']:.2f}x batch-1 plain; runs "
+                f"{', '.join(f'{t:.0f}' for t in row['tokens_per_s_runs'])}), latency {row['latency_s_mean']:.2f} s, "
+                f"budget {row['budget_mean']} ({clock():.0f} s)")
     return rep
 
 
@@ -179,13 +191,16 @@ def markdown(rep: dict, label: str) -> list[str]:
            f"Batch-1 plain decoding "
            f"({rep['batch1_plain']['mode']} rounds): {rep['batch1_plain']['tokens_per_s']:.1f} tok/s.", ""]
     out += common.md_table(
-        ["concurrent", "method", "tok/s", "x batch-1 plain", "latency mean s", "latency max s", "TTFT mean s",
+        ["concurrent", "method", "tok/s", "runs tok/s", "x batch-1 plain", "latency mean s", "latency max s", "TTFT mean s",
          "tau", "forwards", "steps ahead", "rows/forward", "mean budget"],
-        [[r["concurrency"], r["method"], r["tokens_per_s"], r["x_batch1_plain"], r["latency_s_mean"],
+        [[r["concurrency"], r["method"], r["tokens_per_s"],
+          " / ".join(f"{t:.0f}" for t in r.get("tokens_per_s_runs", [r["tokens_per_s"]])), r["x_batch1_plain"], r["latency_s_mean"],
           r["latency_s_max"], r["ttft_s_mean"], r["tau"], r["forwards"], r.get("steps_ahead", "n/a"),
           r["rows_per_forward"], r["budget_mean"]]
          for r in rep["rows"]])
-    out += ["", "Steps ahead: forwards queued before the host read the previous step's tokens (plain greedy steps, "
+    out += ["", f"tok/s: the run of median throughput of {rep.get('repeats', 1)} measured runs (the methods in turn), "
+                "all of them in `runs tok/s`; the other columns are the median run's.",
+            "", "Steps ahead: forwards queued before the host read the previous step's tokens (plain greedy steps, "
                 "batch/ahead.py)."]
     for r in rep["rows"]:
         if r.get("host_profile"):
@@ -214,6 +229,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--token-budget", type=int, default=4096)
     ap.add_argument("--step-mode", choices=("eager", "static", "graph"), default=None,
                     help="how the running requests' rows run (default: graph on CUDA, eager elsewhere)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="measured runs of each (concurrency, method), the methods in turn; the record keeps the run "
+                         "of median throughput and every run's tokens/s (host-bound runs vary from run to run)")
     ap.add_argument("--host-profile", type=ints, default=[],
                     help="after the measured run at these concurrencies, one more under cProfile (its top functions "
                          "in the record)")
@@ -221,6 +239,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                     help="CUDA: prompts through the host-driven forward only (default: short prompts from the "
                          "target's prompt graphs, as the engine runs them)")
     args = ap.parse_args(argv)
+    if args.repeats < 1:
+        ap.error(f"--repeats: must be at least 1, got {args.repeats}")
     bad = [m for m in args.methods if m not in METHODS]
     if bad:
         ap.error(f"--methods: unknown {bad[0]!r} (known: {', '.join(METHODS)})")

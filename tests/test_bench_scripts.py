@@ -254,7 +254,7 @@ def test_batch_bench_runs_on_the_cpu(tmp_path):
     """bench/batch.py at its smallest: the K2 one-rank build at k2-tiny dims, two concurrencies, both methods."""
     from bench import batch as batch_bench
     args = ["--model", "k2", "--tiny", "--device", "cpu", "--concurrency", "1,3", "--max-tokens", "4",
-            "--prompt-tokens", "8", "--out", str(tmp_path)]
+            "--prompt-tokens", "8", "--repeats", "2", "--out", str(tmp_path)]
     rep = batch_bench.main(args)
     data = json.loads((tmp_path / "batch-k2-tiny-cpu.json").read_text())
     assert [(r["concurrency"], r["method"]) for r in data["rows"]] == [(1, "plain"), (1, "ddtree-auto"),
@@ -262,6 +262,8 @@ def test_batch_bench_runs_on_the_cpu(tmp_path):
     for r in rep["rows"]:
         assert r["tokens"] == 4 * r["concurrency"] and finite(r["tokens_per_s"]) and r["forwards"] >= 4
         assert r["method"] == "plain" or sum(r["budget_chosen"].values()) > 0
+        runs = r["tokens_per_s_runs"]   # two measured runs; the row is the lower of them (the median of two)
+        assert len(runs) == 2 and r["tokens_per_s"] == min(runs)
     check_run_metadata(data["meta"], shlex.join(["python3", "bench/batch.py", *args]),
                        (tmp_path / "batch-k2-tiny-cpu.md").read_text())
 
