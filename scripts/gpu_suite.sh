@@ -158,7 +158,7 @@ k2() {  # the whole K2 model at one rank's size (the parallelism issue's table)
 
 k2step() {  # the K2 rank's decode step: its kernels' GPU tests, then the step and whole rounds timed
   pytest_step pytest-step 200 tests/gpu/test_batch_invariance_gpu.py tests/gpu/test_fused_tails_gpu.py \
-    tests/gpu/test_w4_frag_gpu.py -k "serial or moe_owned or planned_for_one"
+    tests/gpu/test_w4_frag_gpu.py -k "serial or moe_owned or planned_for_one or unowned"
   step bench-batch-graph-k2 80 python3 bench/batch_graph.py --model k2 --profile 1,16 --out "$RES"
   step bench-k2-model-4k 220 python3 bench/k2_model.py --contexts 4096 --nodes 1,8,16 --profile --out "$RES"
 }

@@ -261,30 +261,34 @@ def _swiglu(g, u):
 
 
 @triton.jit
-def _moe_swiglu_kernel(part_ptr, inter_ptr, ids_ptr, I, E, stride_ps, stride_pp, stride_it, rows, iters, work,
-                       programs, SPLIT: tl.constexpr, BLOCK: tl.constexpr, DEQ: tl.constexpr,
+def _moe_swiglu_kernel(part_ptr, inter_ptr, ids_ptr, P, I, E, stride_ps, stride_pp, stride_it, rows, iters, work,
+                       programs, SPLIT: tl.constexpr, BLOCK: tl.constexpr, DEQ: tl.constexpr, PAIRS: tl.constexpr = 1,
                        PDL: tl.constexpr = False):
-    """grid (pairs, I / BLOCK): sum a pair's gate / up partials in slot order (the slots column i's row tile
-    has in the gate/up GEMM's partition: split_sum.Partition, rows / iters / work / programs), SwiGLU, write
-    inter. Pairs routed outside [0, E) have no partials (no block computed them) and are skipped. PDL:
-    launched dependent on the gate/up GEMM (pdl.py)."""
+    """grid (pairs / PAIRS, I / BLOCK): for each of PAIRS pairs, sum its gate / up partials in slot order (the slots
+    column i's row tile has in the gate/up GEMM's partition: split_sum.Partition, rows / iters / work / programs),
+    SwiGLU, write inter. Pairs routed outside [0, E) have no partials (no block computed them) and are skipped: an
+    expert-parallel rank owns one route of a token's top_k on average, so a program takes several pairs rather than
+    the grid holding a program for every pair. Each element's arithmetic is the same for any PAIRS. PDL: launched
+    dependent on the gate/up GEMM (pdl.py)."""
     if PDL:
         pdl_wait()
-    p = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    eid = tl.load(ids_ptr + p + tl.zeros_like(offs))
-    mask = (offs < I) & (eid >= 0) & (eid < E)
     used = stream_slots(offs, rows, iters, work, programs)
-    row = part_ptr + p.to(tl.int64) * stride_pp + offs
-    g = tl.zeros((BLOCK,), dtype=tl.float32)
-    u = tl.zeros((BLOCK,), dtype=tl.float32)
-    for sp in tl.static_range(SPLIT):
-        more = mask & (sp < used)
-        g = tl.where(more, g + tl.load(row + sp * stride_ps, mask=more, other=0.0), g)
-        u = tl.where(more, u + tl.load(row + sp * stride_ps + I, mask=more, other=0.0), u)
-    h = _swiglu(g, u)
-    tl.store(inter_ptr + p.to(tl.int64) * stride_it + pair_pos(offs, DEQ), h.to(inter_ptr.dtype.element_ty),
-             mask=mask)
+    for j in tl.static_range(PAIRS):
+        p = tl.program_id(0) * PAIRS + j
+        pv = p + tl.zeros_like(offs)   # broadcast: a vector mask below
+        eid = tl.load(ids_ptr + pv, mask=pv < P, other=-1)
+        mask = (offs < I) & (eid >= 0) & (eid < E)
+        row = part_ptr + p.to(tl.int64) * stride_pp + offs
+        g = tl.zeros((BLOCK,), dtype=tl.float32)
+        u = tl.zeros((BLOCK,), dtype=tl.float32)
+        for sp in tl.static_range(SPLIT):
+            more = mask & (sp < used)
+            g = tl.where(more, g + tl.load(row + sp * stride_ps, mask=more, other=0.0), g)
+            u = tl.where(more, u + tl.load(row + sp * stride_ps + I, mask=more, other=0.0), u)
+        h = _swiglu(g, u)
+        tl.store(inter_ptr + p.to(tl.int64) * stride_it + pair_pos(offs, DEQ), h.to(inter_ptr.dtype.element_ty),
+                 mask=mask)
 
 
 @triton.jit
@@ -374,9 +378,9 @@ def moe_swiglu(part: torch.Tensor, inter: torch.Tensor, ids: torch.Tensor, num_e
     """inter [P, I] = SwiGLU of the gate / up partials part [slots, P, 2I] (float32) summed in slot order over
     the slots of each column's row tile in `partition`; pairs whose expert is outside [0, E) are skipped."""
     P, I = inter.shape
-    _moe_swiglu_kernel[(P, triton.cdiv(I, block))](
-        part, inter, ids, I, num_experts, part.stride(0), part.stride(1), inter.stride(0), *partition.args(),
-        SPLIT=slots, BLOCK=block, DEQ=deq, num_warps=4, **pdl_launch(pdl))
+    _moe_swiglu_kernel[(triton.cdiv(P, SWIGLU_PAIRS), triton.cdiv(I, block))](
+        part, inter, ids, P, I, num_experts, part.stride(0), part.stride(1), inter.stride(0), *partition.args(),
+        SPLIT=slots, BLOCK=block, DEQ=deq, PAIRS=SWIGLU_PAIRS, num_warps=4, **pdl_launch(pdl))
 
 
 def moe_topk_sum(y: torch.Tensor, out: torch.Tensor, ids: torch.Tensor, num_experts: int, topk: int, slots: int,
@@ -405,6 +409,9 @@ def check_add(add: torch.Tensor | None, x: torch.Tensor, who: str) -> None:
 # Python entry points
 
 
+# Pairs a SwiGLU program takes: with expert parallelism most of a launch's pairs are other ranks' routes, and a
+# program a pair spent the launch scheduling programs with nothing to do (any count gives the same bits).
+SWIGLU_PAIRS = 8
 # Up to this many pairs the align is one program (_moe_align_one_kernel: [P x P] and [blocks x P] masks)
 # instead of one per expert (hundreds of programs at K2 for a handful of pairs).
 ALIGN_ONE_PROGRAM = 64
