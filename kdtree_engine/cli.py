@@ -349,19 +349,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def serve_batching(args: argparse.Namespace) -> bool:
-    """Whether ``kdtree serve`` batches requests (logged once): yes at --tp 1 unless --no-batching."""
-    if args.max_batch_tokens is not None and (args.no_batching or args.tp > 1):
-        why = "--no-batching" if args.no_batching else f"--tp {args.tp} (continuous batching needs tp 1)"
-        raise BadInput(f"--max-batch-tokens applies to continuous batching, which {why} turns off; drop it")
+    """Whether ``kdtree serve`` batches requests (logged once): yes unless --no-batching (at --tp N every rank runs
+    the batch's steps)."""
+    if args.max_batch_tokens is not None and args.no_batching:
+        raise BadInput("--max-batch-tokens applies to continuous batching, which --no-batching turns off; drop it")
     if args.no_batching:
         log.info("requests run one at a time (--no-batching)")
-    elif args.tp > 1:
-        log.info("requests run one at a time: continuous batching needs tp 1 (--tp %d)", args.tp)
     else:
         budget = args.max_batch_tokens or DEFAULT_TOKEN_BUDGET
         log.info("requests run concurrently: continuous batching, up to %d rows per forward (--max-batch-tokens; "
-                 "--no-batching: one at a time)", budget)
-    return not args.no_batching and args.tp == 1
+                 "--no-batching: one at a time)%s", budget, f", every one of the {args.tp} ranks running its steps"
+                 if args.tp > 1 else "")
+    return not args.no_batching
 
 
 def add_selfcheck_parser(sub: argparse._SubParsersAction) -> None:

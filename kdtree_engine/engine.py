@@ -33,8 +33,9 @@ from .logs import log_once
 from .model.dflash import DFlashDrafter
 from .model.prompt_graph import MAX_BUCKET, PromptGraphs
 from .model.target import Target, split_groups
-from .parallel.broadcast import (Request, recv_request, recv_round_verdict, send_request, send_round_verdict,
-                                 send_stop)
+from .parallel.batch import RankedScheduler, follow_batch
+from .parallel.broadcast import (BatchOpen, Request, recv_message, recv_round_verdict, send_request,
+                                 send_round_verdict, send_stop)
 from .parallel.comm import SINGLE, Communicator
 from .parallel.group import leave, rank_device
 from .parallel.launch import collective_error, start_ranks
@@ -243,6 +244,7 @@ class LLM:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.comm, self.workers = SINGLE, None
+        self._batch: RankedScheduler | None = None   # tp > 1: the continuous batch the ranks follow, if open
         if tp != 1 or comm is not None:
             self._join(tp, comm, spec_config, Path(model), args)
         self.target = load_target(model, device=self.device, dtype=self.dtype, quantize=quantize, progress=progress,
@@ -317,6 +319,9 @@ class LLM:
         round (a small collective a round), so every rank leaves after the same one."""
         if self.comm.world_size == 1:
             return self._decode(ids, params, plain, on_tokens)
+        if self._batch is not None and self._batch.open:
+            raise BadInput("a continuous batch is open on this tensor-parallel engine (its ranks follow its steps): "
+                           "close it (Scheduler.close) before generating one request at a time")
         check_prompt(self.target, ids)   # a request the ranks would refuse is refused before it is sent
         try:
             params = send_request(self.comm, Request(ids, params, plain, stoppable), self.device).params
@@ -346,8 +351,11 @@ class LLM:
                         drafter=None if plain else self.drafter, on_tokens=on_tokens, eager=self.eager)
 
     def serve(self) -> None:
-        """A rank > 0: run rank 0's requests until it stops."""
-        while (req := recv_request(self.comm, self.device)) is not None:
+        """A rank > 0: run rank 0's requests (and its continuous batches, step for step) until it stops."""
+        while (req := recv_message(self.comm, self.device)) is not None:
+            if isinstance(req, BatchOpen):
+                follow_batch(self.target, self.drafter, self.comm, self.device, req)
+                continue
             verdict = (lambda _tokens: recv_round_verdict(self.comm, self.device)) if req.stoppable else None
             try:
                 self._decode(req.prompt_ids, req.params, req.plain, verdict)
@@ -358,6 +366,8 @@ class LLM:
         """Rank 0 of a tensor-parallel engine: stop the other ranks and leave the group (idempotent)."""
         if self.comm.world_size == 1 or self.comm.rank != 0:
             return
+        if self._batch is not None and self._batch.open:
+            self._batch.close()   # the ranks leave the batch before they are told to stop
         comm, self.comm = self.comm, SINGLE
         if self.workers is not None:
             self.workers.closing = True
@@ -398,13 +408,20 @@ class LLM:
     def scheduler(self, token_budget: int | None = None, prefill_chunk: int | None = None) -> Scheduler:
         """A continuous batch (:class:`kdtree_engine.batch.Scheduler`) over this engine's target and drafter:
         ``token_budget`` rows per forward (None: ``DEFAULT_TOKEN_BUDGET``), ``prefill_chunk`` the prompt chunk
-        (None: the target's default, as :meth:`generate`). Feed it with :meth:`submit`. Tensor parallel is
-        refused (a BadInput naming ``tp``): the batch runs on one rank only."""
-        if self.comm.world_size > 1:
-            raise BadInput(f"continuous batching needs tp=1 (this engine runs tp={self.comm.world_size}); "
-                           "generate one request at a time")
+        (None: the target's default, as :meth:`generate`). Feed it with :meth:`submit`. Tensor parallel: every rank
+        runs the batch's steps (:class:`~kdtree_engine.parallel.batch.RankedScheduler`); one batch at a time, open
+        until closed (a new one closes the last, its requests ending "abort")."""
         budget = DEFAULT_TOKEN_BUDGET if token_budget is None else token_budget
-        return Scheduler(self.target, self.drafter, token_budget=budget, prefill_chunk=prefill_chunk)
+        if self.comm.world_size == 1:
+            return Scheduler(self.target, self.drafter, token_budget=budget, prefill_chunk=prefill_chunk)
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+            raise BadInput(f"token_budget={token_budget!r} must be a positive number of rows per forward")
+        if self._batch is not None and self._batch.open:
+            self._batch.close()
+        self._batch = RankedScheduler(self.target, self.drafter, self.comm, self.device, token_budget=budget,
+                                      prefill_chunk=prefill_chunk,
+                                      on_failure=None if self.workers is None else self.workers.report_dead)
+        return self._batch
 
     def submit(self, scheduler: Scheduler, prompt: Prompt, params: SamplingParams | None = None, *,
                plain: bool = False, on_tokens: OnTokens | None = None) -> BatchSequence:
@@ -423,14 +440,18 @@ class LLM:
         rounds share each target forward. ``params``: one for every prompt or one per prompt. Each result equals
         that prompt's :meth:`generate` run alone (the same tokens; a sampled request draws from its own seed),
         except with ``budget='auto'``, whose budgets the batch chooses by its load (greedy tokens still equal).
-        Results in the order of the prompts, ``text`` decoded. Tensor parallel: refused (see :meth:`scheduler`)."""
+        Results in the order of the prompts, ``text`` decoded. Tensor parallel: every rank runs the batch."""
         batch = prompt_list(prompts)
         each = [params or SamplingParams()] * len(batch) if not isinstance(params, (list, tuple)) else list(params)
         if len(each) != len(batch):
             raise BadInput(f"params has {len(each)} entries for {len(batch)} prompts: give one, or one per prompt")
         sched = self.scheduler(token_budget, prefill_chunk)
-        seqs = [self.submit(sched, p, sp, plain=plain) for p, sp in zip(batch, each)]
-        sched.run()
+        try:
+            seqs = [self.submit(sched, p, sp, plain=plain) for p, sp in zip(batch, each)]
+            sched.run()
+        finally:
+            if self.comm.world_size > 1:
+                sched.close()   # the ranks leave the batch
         results = []
         for seq in seqs:
             res = seq.result

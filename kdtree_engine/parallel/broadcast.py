@@ -1,7 +1,11 @@
 """The ranks' request loop: rank 0 sends each request (a few small integer tensors: the prompt ids and the
 sampling parameters) before running it; every other rank receives it and runs the same generation, so all ranks
 take the same collectives in the same order. The emitted tokens are identical on every rank (the vocabulary
-reductions give every rank the same picks); only rank 0 returns them to the user."""
+reductions give every rank the same picks); only rank 0 returns them to the user.
+
+A continuous batch (parallel/batch.py) opens with one message (BATCH: its row budget and prompt chunk); then before
+each of its steps rank 0 sends what changed since the last (the requests submitted, with their method and budget,
+and the ids of those cancelled), and every rank applies it and runs the step; END closes it."""
 
 from __future__ import annotations
 
@@ -14,7 +18,9 @@ import torch
 from ..sampling import SamplingParams
 from .comm import Communicator
 
-STOP, GENERATE = 0, 1
+STOP, GENERATE, BATCH = 0, 1, 2
+STEP, END = 1, 0      # a batch step's message, or the batch's end
+METHODS = ("none", "dflash", "ddtree")   # a submitted request's method, sent as its index
 HEADER = 11  # op, prompt length, max_tokens, top_k, seed, ignore_eos, stop ids, plain, stoppable, temperature, top_p
 
 
@@ -58,11 +64,63 @@ def send_stop(comm: Communicator, device: torch.device) -> None:
     comm.broadcast(torch.tensor([STOP] + [0] * (HEADER - 1), dtype=torch.long, device=device))
 
 
-def recv_request(comm: Communicator, device: torch.device) -> Request | None:
-    """Ranks > 0: the next request from rank 0, or None when rank 0 stops."""
+@dataclass(frozen=True)
+class BatchOpen:
+    """Rank 0 opened a continuous batch: every rank makes the same scheduler."""
+    token_budget: int
+    prefill_chunk: int | None
+
+
+@dataclass(frozen=True)
+class Submitted:
+    """A request submitted to the batch, as every rank submits it."""
+    request: Request
+    method: str
+    budget: int | None
+
+
+def send_batch_open(comm: Communicator, token_budget: int, prefill_chunk: int | None, device: torch.device) -> None:
+    head = [BATCH, token_budget, -1 if prefill_chunk is None else prefill_chunk] + [0] * (HEADER - 3)
+    comm.broadcast(torch.tensor(head, dtype=torch.long, device=device))
+
+
+def send_step(comm: Communicator, submitted: list[Submitted], cancelled: list[int], device: torch.device,
+              end: bool = False) -> None:
+    """Rank 0, before a batch step (``end``: instead of one, the batch closes): the requests submitted since the last
+    step, then the ids of those cancelled."""
+    comm.broadcast(torch.tensor([END if end else STEP, len(submitted), len(cancelled)], dtype=torch.long,
+                                device=device))
+    if end:
+        return
+    for sub in submitted:
+        send_request(comm, sub.request, device)
+        comm.broadcast(torch.tensor([METHODS.index(sub.method), -1 if sub.budget is None else sub.budget],
+                                    dtype=torch.long, device=device))
+    if cancelled:
+        comm.broadcast(torch.tensor(cancelled, dtype=torch.long, device=device))
+
+
+def recv_step(comm: Communicator, device: torch.device) -> tuple[list[Submitted], list[int]] | None:
+    """Ranks > 0: the next batch step's submissions and cancelled ids, or None when the batch closes."""
+    op, n_sub, n_cancel = comm.broadcast(torch.zeros(3, dtype=torch.long, device=device)).tolist()
+    if op == END:
+        return None
+    submitted = []
+    for _ in range(n_sub):
+        req = recv_message(comm, device)
+        method, budget = comm.broadcast(torch.zeros(2, dtype=torch.long, device=device)).tolist()
+        submitted.append(Submitted(req, METHODS[method], None if budget < 0 else budget))
+    cancelled = comm.broadcast(torch.zeros(n_cancel, dtype=torch.long, device=device)).tolist() if n_cancel else []
+    return submitted, cancelled
+
+
+def recv_message(comm: Communicator, device: torch.device) -> Request | BatchOpen | None:
+    """Ranks > 0: rank 0's next message: a request, a continuous batch opening, or None when rank 0 stops."""
     head = comm.broadcast(torch.zeros(HEADER, dtype=torch.long, device=device)).tolist()
     if head[0] == STOP:
         return None
+    if head[0] == BATCH:
+        return BatchOpen(head[1], None if head[2] < 0 else head[2])
     _, n, max_tokens, top_k, seed, ignore_eos, n_stop, plain, stoppable, temp, top_p = head
     ids = comm.broadcast(torch.zeros(n + n_stop, dtype=torch.long, device=device)).tolist()
     params = SamplingParams(max_tokens=max_tokens, temperature=bits_float(temp), top_p=bits_float(top_p),
