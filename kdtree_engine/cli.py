@@ -320,7 +320,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="skip the start-up warm-up on CUDA (every prompt-length bucket and the budget's verify width "
                         "compiled before the first request, logged with its time; docs/long_context.md)")
     p.add_argument("--no-batching", action="store_true",
-                   help="run one request at a time instead of the continuous batch (the only way at --tp > 1)")
+                   help="run one request at a time instead of the continuous batch")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: no key)")
     p.add_argument("--served-model-name", default=None,
