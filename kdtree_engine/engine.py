@@ -18,7 +18,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import ContextManager, Mapping, Sequence
 
 import torch
 
@@ -34,8 +34,10 @@ from .model.dflash import DFlashDrafter
 from .model.prompt_graph import MAX_BUCKET, PromptGraphs
 from .model.target import Target, split_groups
 from .parallel.batch import RankedScheduler, follow_batch
-from .parallel.broadcast import (BatchOpen, Request, recv_message, recv_round_verdict, send_request,
+from .parallel.broadcast import (BatchOpen, Request, recv_message, recv_round_verdict, send_noop, send_request,
                                  send_round_verdict, send_stop)
+from .parallel.group import DEFAULT_TIMEOUT_S
+from .parallel.keepalive import KeepAlive, unguarded
 from .parallel.comm import SINGLE, Communicator
 from .parallel.group import leave, rank_device
 from .parallel.launch import collective_error, start_ranks
@@ -207,7 +209,8 @@ class LLM:
                  dtype: str | torch.dtype | None = None, quantize: str | None = None, batch_invariant: bool = True,
                  progress: bool = True, eager: bool | None = None, threads: int | str | None = None, tp: int = 1,
                  comm: Communicator | None = None, cache_tokens: int | None = None,
-                 memory_fraction: float | None = None, warm_up: bool | None = False) -> None:
+                 memory_fraction: float | None = None, warm_up: bool | None = False,
+                 tp_timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         """``model``: a checkpoint directory, or None / ``"demo"`` for the embedded demo (its drafter and budget
         16 unless ``draft`` / ``budget`` say otherwise). ``spec``: none | dflash | ddtree; None = ddtree with a
         drafter, else none. ``eager``: True = rounds driven from the host and every prompt forward eager; False = each
@@ -224,7 +227,9 @@ class LLM:
         CPU; the least over the ranks under tp; logged with the maximum context; see kdtree_engine/cache.py).
         ``warm_up``: run the start-up warm-up (kdtree_engine/warmup.py: every prompt-length bucket and the budget's
         verify width compiled before the first request, logged with its count and seconds); None = on CUDA only (what
-        `kdtree serve` asks); False (the default) = not at start-up."""
+        `kdtree serve` asks); False (the default) = not at start-up. ``tp_timeout_s``: at tp > 1, a collective that
+        waits longer fails (a rank died or hangs); rank 0 keeps idle ranks waiting with a no-op message every fifth of
+        it (parallel/keepalive.py)."""
         args = dict(model=model, draft=draft, spec=spec, budget=budget, device=device, dtype=dtype, quantize=quantize,
                     batch_invariant=batch_invariant, progress=False, eager=eager, threads=threads, tp=tp,
                     cache_tokens=cache_tokens, memory_fraction=memory_fraction)
@@ -245,8 +250,9 @@ class LLM:
         self.dtype = resolve_dtype(dtype, self.device)
         self.comm, self.workers = SINGLE, None
         self._batch: RankedScheduler | None = None   # tp > 1: the continuous batch the ranks follow, if open
+        self._keepalive: KeepAlive | None = None     # tp > 1, rank 0: the guard of its messages
         if tp != 1 or comm is not None:
-            self._join(tp, comm, spec_config, Path(model), args)
+            self._join(tp, comm, spec_config, Path(model), args, tp_timeout_s)
         self.target = load_target(model, device=self.device, dtype=self.dtype, quantize=quantize, progress=progress,
                                   policy=self.policy, comm=self.comm)
         self.drafter = None if draft is None else load_drafter(draft, self.target)
@@ -291,7 +297,8 @@ class LLM:
                        free_tokens=self.target.pool().free_tokens, round_nodes=shape.max_nodes, device=self.device,
                        chunk=chunk, drafting=drafting)
 
-    def _join(self, tp: int, comm: Communicator | None, spec: SpecConfig, model: Path, args: dict) -> None:
+    def _join(self, tp: int, comm: Communicator | None, spec: SpecConfig, model: Path, args: dict,
+              timeout_s: float) -> None:
         """Become a rank of a ``tp``-rank engine (rank 0: spawn or join the others; a worker: ``comm``). What the
         ranks would refuse is refused here first: the budget, the model directory, sizes that do not divide."""
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
@@ -303,8 +310,11 @@ class LLM:
             raise FileNotFoundError(f"model directory {str(model)!r} does not exist")
         cfg = ModelConfig.from_pretrained(model)
         check_divisible(cfg, tp, split_groups(cfg, parse_quantization_config(cfg.quantization)))
+        if not timeout_s > 0:
+            raise BadInput(f"tp_timeout_s={timeout_s!r} must be a positive number of seconds")
         if comm is None:
-            self.comm, self.workers, self.device = start_ranks(tp, self.device, serve_rank, (args,))
+            self.comm, self.workers, self.device = start_ranks(tp, self.device, serve_rank, (args,), timeout_s)
+            self._keepalive = KeepAlive(self._noop, timeout_s, self.device)
             atexit.register(self.close)
         else:
             self.comm = comm
@@ -324,14 +334,23 @@ class LLM:
                            "close it (Scheduler.close) before generating one request at a time")
         check_prompt(self.target, ids)   # a request the ranks would refuse is refused before it is sent
         try:
-            params = send_request(self.comm, Request(ids, params, plain, stoppable), self.device).params
-            return self._decode(ids, params, plain, self._rank0_rounds(on_tokens, stoppable))
+            with self._guard():   # the request's collectives follow its message with no keep-alive between
+                params = send_request(self.comm, Request(ids, params, plain, stoppable), self.device).params
+                return self._decode(ids, params, plain, self._rank0_rounds(on_tokens, stoppable))
         except RuntimeError as e:
             if self.workers is not None:
                 self.workers.report_dead()   # a worker died: its one line, and this process ends
             if not collective_error(e):
                 raise
             raise RankFailure(f"a tensor-parallel collective failed ({str(e).splitlines()[0]})") from None
+
+    def _guard(self) -> ContextManager[None]:
+        """Rank 0's guard of a message and the work after it (parallel/keepalive.py)."""
+        return unguarded() if self._keepalive is None else self._keepalive.guard()
+
+    def _noop(self) -> None:
+        """Rank 0, idle: the keep-alive message (inside an open batch, its form)."""
+        send_noop(self.comm, self.device, in_batch=self._batch is not None and self._batch.open)
 
     def _rank0_rounds(self, on_tokens: OnTokens | None, stoppable: bool) -> OnTokens | None:
         """Rank 0's per-round callback at tp > 1: the caller's, its verdict sent to the ranks when stoppable."""
@@ -368,6 +387,9 @@ class LLM:
             return
         if self._batch is not None and self._batch.open:
             self._batch.close()   # the ranks leave the batch before they are told to stop
+        if self._keepalive is not None:
+            self._keepalive.close()
+            self._keepalive = None
         comm, self.comm = self.comm, SINGLE
         if self.workers is not None:
             self.workers.closing = True
@@ -419,7 +441,7 @@ class LLM:
         if self._batch is not None and self._batch.open:
             self._batch.close()
         self._batch = RankedScheduler(self.target, self.drafter, self.comm, self.device, token_budget=budget,
-                                      prefill_chunk=prefill_chunk,
+                                      prefill_chunk=prefill_chunk, guard=self._guard,
                                       on_failure=None if self.workers is None else self.workers.report_dead)
         return self._batch
 

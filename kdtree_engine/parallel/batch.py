@@ -17,7 +17,7 @@ budget (``budget="auto"``) is refused: it chooses from timings, which differ bet
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ContextManager
 
 import torch
 
@@ -28,6 +28,7 @@ from ..sampling import SamplingParams
 from ..speculative.decode import OnTokens
 from .broadcast import (BatchOpen, Request, Submitted, recv_step, send_batch_open, send_step, with_seed)
 from .comm import Communicator
+from .keepalive import unguarded
 from .launch import collective_error
 
 
@@ -37,12 +38,14 @@ class RankedScheduler(Scheduler):
     batch on every rank."""
 
     def __init__(self, target: Any, drafter: Any, comm: Communicator, device: torch.device, *, token_budget: int,
-                 prefill_chunk: int | None = None, on_failure: Callable[[], None] | None = None) -> None:
+                 prefill_chunk: int | None = None, on_failure: Callable[[], None] | None = None,
+                 guard: Callable[[], ContextManager[None]] = unguarded) -> None:
         super().__init__(target, drafter, token_budget=token_budget, prefill_chunk=prefill_chunk)
-        self.comm, self.device, self.on_failure = comm, device, on_failure
+        self.comm, self.device, self.on_failure, self.guard = comm, device, on_failure, guard
         self.open = True
         self._submitted: list[Submitted] = []
-        send_batch_open(comm, token_budget, prefill_chunk, device)
+        with guard():
+            send_batch_open(comm, token_budget, prefill_chunk, device)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams | None = None, *, spec: str = "none",
                budget: int | str | None = None, on_tokens: OnTokens | None = None) -> Sequence:
@@ -72,8 +75,9 @@ class RankedScheduler(Scheduler):
         submitted, self._submitted = self._submitted, []
         cancelled = [s.id for s in [*self.waiting, *self.active] if s.cancelled]
         try:
-            send_step(self.comm, submitted, cancelled, self.device)
-            return super().step()
+            with self.guard():   # the step's collectives follow its message with no keep-alive between
+                send_step(self.comm, submitted, cancelled, self.device)
+                return super().step()
         except RuntimeError as e:
             if not collective_error(e):
                 raise
@@ -95,7 +99,8 @@ class RankedScheduler(Scheduler):
     def _end_batch(self) -> None:
         if self.open:
             self.open = False
-            send_step(self.comm, [], [], self.device, end=True)
+            with self.guard():
+                send_step(self.comm, [], [], self.device, end=True)
 
     def _check_open(self) -> None:
         if not self.open:

@@ -5,7 +5,8 @@ reductions give every rank the same picks); only rank 0 returns them to the user
 
 A continuous batch (parallel/batch.py) opens with one message (BATCH: its row budget and prompt chunk); then before
 each of its steps rank 0 sends what changed since the last (the requests submitted, with their method and budget,
-and the ids of those cancelled), and every rank applies it and runs the step; END closes it."""
+and the ids of those cancelled), and every rank applies it and runs the step; END closes it. A no-op (NOOP, or
+STEP_NOOP inside a batch) only restarts the ranks' wait (parallel/keepalive.py); the receivers skip it."""
 
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ import torch
 from ..sampling import SamplingParams
 from .comm import Communicator
 
-STOP, GENERATE, BATCH = 0, 1, 2
-STEP, END = 1, 0      # a batch step's message, or the batch's end
+STOP, GENERATE, BATCH, NOOP = 0, 1, 2, 3   # NOOP: rank 0 keeps the idle ranks in the group (keepalive.py)
+STEP, END, STEP_NOOP = 1, 0, 2      # a batch step's message, the batch's end, or the batch's keep-alive
 METHODS = ("none", "dflash", "ddtree")   # a submitted request's method, sent as its index
 HEADER = 11  # op, prompt length, max_tokens, top_k, seed, ignore_eos, stop ids, plain, stoppable, temperature, top_p
 
@@ -84,6 +85,14 @@ def send_batch_open(comm: Communicator, token_budget: int, prefill_chunk: int | 
     comm.broadcast(torch.tensor(head, dtype=torch.long, device=device))
 
 
+def send_noop(comm: Communicator, device: torch.device, in_batch: bool) -> None:
+    """Rank 0, idle: a message the ranks skip (inside an open batch: its step-message form)."""
+    if in_batch:
+        comm.broadcast(torch.tensor([STEP_NOOP, 0, 0], dtype=torch.long, device=device))
+    else:
+        comm.broadcast(torch.tensor([NOOP] + [0] * (HEADER - 1), dtype=torch.long, device=device))
+
+
 def send_step(comm: Communicator, submitted: list[Submitted], cancelled: list[int], device: torch.device,
               end: bool = False) -> None:
     """Rank 0, before a batch step (``end``: instead of one, the batch closes): the requests submitted since the last
@@ -102,7 +111,9 @@ def send_step(comm: Communicator, submitted: list[Submitted], cancelled: list[in
 
 def recv_step(comm: Communicator, device: torch.device) -> tuple[list[Submitted], list[int]] | None:
     """Ranks > 0: the next batch step's submissions and cancelled ids, or None when the batch closes."""
-    op, n_sub, n_cancel = comm.broadcast(torch.zeros(3, dtype=torch.long, device=device)).tolist()
+    op = STEP_NOOP
+    while op == STEP_NOOP:
+        op, n_sub, n_cancel = comm.broadcast(torch.zeros(3, dtype=torch.long, device=device)).tolist()
     if op == END:
         return None
     submitted = []
@@ -116,7 +127,9 @@ def recv_step(comm: Communicator, device: torch.device) -> tuple[list[Submitted]
 
 def recv_message(comm: Communicator, device: torch.device) -> Request | BatchOpen | None:
     """Ranks > 0: rank 0's next message: a request, a continuous batch opening, or None when rank 0 stops."""
-    head = comm.broadcast(torch.zeros(HEADER, dtype=torch.long, device=device)).tolist()
+    head = [NOOP]
+    while head[0] == NOOP:
+        head = comm.broadcast(torch.zeros(HEADER, dtype=torch.long, device=device)).tolist()
     if head[0] == STOP:
         return None
     if head[0] == BATCH:
