@@ -24,6 +24,7 @@ import torch
 from ..batch.scheduler import Scheduler
 from ..batch.sequence import Sequence
 from ..errors import BadInput, RankFailure
+from ..logs import log_once
 from ..sampling import SamplingParams
 from ..speculative.decode import OnTokens
 from .broadcast import (BatchOpen, Request, Submitted, recv_step, send_batch_open, send_step, with_seed)
@@ -46,6 +47,8 @@ class RankedScheduler(Scheduler):
         self._submitted: list[Submitted] = []
         with guard():
             send_batch_open(comm, token_budget, prefill_chunk, device)
+        log_once(f"tp-batch:{comm.world_size}", f"continuous batching over {comm.world_size} ranks: rank 0 sends each "
+                 "step's new requests and cancels, every rank runs the step")
 
     def submit(self, prompt_ids: list[int], params: SamplingParams | None = None, *, spec: str = "none",
                budget: int | str | None = None, on_tokens: OnTokens | None = None) -> Sequence:
