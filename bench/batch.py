@@ -4,6 +4,7 @@ load-aware budget, on the demo pair and on the K2 one-rank model (bench/k2_model
     python bench/batch.py --model demo --out bench/results
     python bench/batch.py --model k2 --out bench/results            # one H200: about 90 GB of weights
     python bench/batch.py --model demo --device cpu --concurrency 1,2 --max-tokens 8 --out DIR   # smoke run
+    python bench/batch.py --model k2 --ranks all --layers 12 --methods plain --out DIR   # K2 over every GPU
 
 For each method and concurrency C, C requests arrive together and run to their end through the method's
 :class:`~kdtree_engine.batch.Scheduler` (one per method for the whole run, as a server keeps one: its graphs and
@@ -18,7 +19,13 @@ is the engine's fastest batch-1 plain decoding: one request, its rounds replayed
 Demo prompts: held-out Python files (bench_spec's default prompts). K2: random weights and random prompt ids (its
 drafter accepts nothing, so DDTree's budgets fall to plain decoding and its draft passes are the cost measured).
 
-Writes ``<out>/batch-<model>-<gpu>.json`` and ``.md``.
+With ``--ranks N`` (``all``: every visible GPU; K2 only) N processes run, one a device (NCCL; gloo on the CPU), each
+one real rank of TP-N / EP-N holding its shards (``--layers L`` builds L of K2's layers, for fewer ranks than its
+shards need): rank 0 runs the batches (``parallel/batch.py``'s RankedScheduler), the others follow each step, the
+collectives inside the measured time. The load-aware budget is refused there (it chooses from timings, which differ
+between ranks); the prompts run host-driven (the prompt graphs are the engine's on one device).
+
+Writes ``<out>/batch-<model>-<gpu>.json`` and ``.md`` (``-xN`` after the device with ``--ranks N``).
 """
 
 from __future__ import annotations
@@ -38,6 +45,8 @@ if str(ROOT) not in sys.path:
 
 from bench import common  # noqa: E402
 from kdtree_engine.batch.scheduler import Scheduler  # noqa: E402
+from kdtree_engine.parallel.batch import RankedScheduler, follow_batch  # noqa: E402
+from kdtree_engine.parallel.broadcast import BatchOpen, Request, recv_message, send_request, send_stop  # noqa: E402
 from kdtree_engine.model.prompt_graph import PromptGraphs  # noqa: E402
 from kdtree_engine.sampling import SamplingParams  # noqa: E402
 from kdtree_engine.bench_spec import device_tag  # noqa: E402
@@ -46,7 +55,8 @@ from kdtree_engine.speculative.stats import sync  # noqa: E402
 
 # plain and the load-aware budget by default; a fixed 16-node tree (--methods ...,ddtree-16) shows what a tree gains
 # or costs at each concurrency, the curve the load-aware budget chooses along
-METHODS = {"plain": ("none", None), "ddtree-auto": ("ddtree", "auto"), "ddtree-16": ("ddtree", 16)}
+METHODS = {"plain": ("none", None), "ddtree-auto": ("ddtree", "auto"), "ddtree-8": ("ddtree", 8),
+           "ddtree-16": ("ddtree", 16)}
 DEFAULT_METHODS = ("plain", "ddtree-auto")
 
 
@@ -59,16 +69,23 @@ def load_demo(dev: torch.device, dtype: torch.dtype, prompt_tokens: int, n: int)
     return target, drafter, (prompts * (n // max(len(prompts), 1) + 1))[:n]
 
 
-def load_k2(dev: torch.device, dtype: torch.dtype, prompt_tokens: int, n: int, tiny: bool):
+def load_k2(dev: torch.device, dtype: torch.dtype, prompt_tokens: int, n: int, tiny: bool, comm: Any = None,
+            layers: int | None = None):
+    """The K2 one-rank build (rank 0 of a pretended eight), or with ``comm`` this process's rank of a real group."""
+    import dataclasses
+
     from bench import k2_model
     from kdtree_engine.kernels.policy import KernelPolicy
     cfg = k2_model.tiny_config() if tiny else k2_model.k2_config()
+    if layers:
+        cfg = dataclasses.replace(cfg, num_hidden_layers=layers)
     gen = torch.Generator(device=dev).manual_seed(0)
-    comm = k2_model.CountingCommunicator(0, 8)
+    comm = (k2_model.CountingCommunicator(0, 8) if comm is None else
+            k2_model.CountingCommunicator(comm.rank, comm.world_size, inner=comm))
     target, drafter = k2_model.build(cfg, k2_model.draft_config(cfg, tiny), comm,
                                      KernelPolicy.from_env(batch_invariant=True), dev, dtype, gen, True)
     g = torch.Generator().manual_seed(1)
-    V = cfg.vocab_size // 8   # rank 0's vocabulary shard: ids it embeds
+    V = cfg.vocab_size // comm.world_size   # rank 0's vocabulary shard: ids it embeds
     prompts = [torch.randint(0, V, (prompt_tokens,), generator=g).tolist() for _ in range(n)]
     return target, drafter, prompts
 
@@ -130,38 +147,77 @@ def host_profile(fn: Callable[[], object], top: int = 25) -> list[dict[str, Any]
     return sorted(rows, key=lambda r: -r["own_s"])[:top]
 
 
-def batch1_plain(target, prompt: list[int], max_tokens: int) -> dict[str, Any]:
-    """The engine's fastest single-request plain decoding (graph rounds on CUDA): decode tokens/s."""
+def batch1_plain(target, prompt: list[int], max_tokens: int, comm: Any = None) -> dict[str, Any]:
+    """The engine's fastest single-request plain decoding (graph rounds on CUDA): decode tokens/s. ``comm``: rank 0
+    of real ranks, which it tells each request first (they run it too)."""
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    generate(target, prompt, params)   # warm: capture and compile
-    r = generate(target, prompt, params)
+
+    def one():
+        if comm is not None:
+            send_request(comm, Request(list(prompt), params), target.device)
+        return generate(target, prompt, params)
+    one()   # warm: capture and compile
+    r = one()
     return {"tokens_per_s": r.stats["tokens_per_s"], "mode": r.stats.get("rounds_mode", "eager")}
 
 
-def run(args: argparse.Namespace, log: Callable[[str], None],
-        save: Callable[[dict[str, Any]], None] = lambda rep: None) -> dict[str, Any]:
-    clock = common.Clock()
-    dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+def load(args: argparse.Namespace, dev: torch.device, comm: Any = None):
+    """(target, drafter, prompts) with its cache pool, and on one CUDA device the prompt graphs the engine sets."""
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     top = max(args.concurrency)
     if args.model == "demo":
         target, drafter, prompts = load_demo(dev, dtype, args.prompt_tokens, top)
     else:
-        target, drafter, prompts = load_k2(dev, dtype, args.prompt_tokens, top, args.tiny)
+        target, drafter, prompts = load_k2(dev, dtype, args.prompt_tokens, top, args.tiny, comm, args.layers)
     target.init_cache_pool(tokens=top * (args.prompt_tokens + args.max_tokens + 300) + 4096)
-    if dev.type == "cuda" and not args.no_prompt_graphs:   # as the engine sets them (engine.py)
+    if dev.type == "cuda" and not args.no_prompt_graphs and comm is None:   # as the engine sets them (engine.py)
         target.prompt_graphs = PromptGraphs(target, capture=True)
+    return target, drafter, prompts
+
+
+def run(args: argparse.Namespace, log: Callable[[str], None],
+        save: Callable[[dict[str, Any]], None] = lambda rep: None, comm: Any = None,
+        dev: torch.device | None = None) -> dict[str, Any]:
+    """The measurements (``comm``: rank 0 of ``--ranks`` real ranks, the others in :func:`follow`)."""
+    clock = common.Clock()
+    dev = dev or torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    target, drafter, prompts = load(args, dev, comm)
     log(f"loaded {args.model} ({clock():.0f} s)")
-    base = batch1_plain(target, prompts[0], args.max_tokens)
+    base = batch1_plain(target, prompts[0], args.max_tokens, comm)
     log(f"batch-1 plain ({base['mode']}): {base['tokens_per_s']:.1f} tok/s ({clock():.0f} s)")
-    scheds = {m: Scheduler(target, drafter, token_budget=args.token_budget, step_mode=args.step_mode)
-              for m in args.methods}
+
+    def scheduler() -> Scheduler:
+        if comm is None:
+            return Scheduler(target, drafter, token_budget=args.token_budget, step_mode=args.step_mode)
+        return RankedScheduler(target, drafter, comm, dev, token_budget=args.token_budget)
+    # one scheduler a method for the whole run, as a server keeps one; real ranks follow one batch at a time, so
+    # there the methods share one (each request carries its own)
+    if comm is None:
+        scheds = {m: scheduler() for m in args.methods}
+    else:
+        shared = scheduler()
+        scheds = {m: shared for m in args.methods}
     mode = next(iter(scheds.values())).steps
     rep = {"model": args.model, "tiny": bool(args.tiny), "dtype": str(dtype).replace("torch.", ""),
            "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "token_budget": args.token_budget,
-           "step_mode": "eager" if mode is None else mode.mode, "prompt_graphs": target.prompt_graphs is not None,
-           "batch1_plain": base, "repeats": args.repeats, "rows": [],
+           "step_mode": "eager" if mode is None else mode.mode,
+           "prompt_graphs": target.prompt_graphs is not None, "ranks": 1 if comm is None else comm.world_size,
+           "layers": target.cfg.num_hidden_layers, "batch1_plain": base, "repeats": args.repeats, "rows": [],
            "elapsed_s": clock()}
+    try:
+        measure(args, rep, scheds, prompts, base, log, save, clock)
+    finally:
+        if comm is not None:   # the ranks leave the batch, then their loop
+            shared.close()
+            send_stop(comm, dev)
+    return rep
+
+
+def measure(args: argparse.Namespace, rep: dict[str, Any], scheds: dict[str, Scheduler], prompts: list[list[int]],
+            base: dict[str, Any], log: Callable[[str], None], save: Callable[[dict[str, Any]], None],
+            clock: Callable[[], float]) -> None:
+    """Each concurrency: a warm run of each method, then ``--repeats`` measured runs, the methods in turn."""
     for c in args.concurrency:
         warm = {m: run_batch(scheds[m], prompts[:c], m, args.max_tokens) for m in args.methods}   # captures graphs
         runs: dict[str, list[dict[str, Any]]] = {m: [] for m in args.methods}
@@ -180,11 +236,54 @@ def run(args: argparse.Namespace, log: Callable[[str], None],
             log(f"C={c} {m}: {row['tokens_per_s']:.1f} tok/s ({row['x_batch1_plain']:.2f}x batch-1 plain; runs "
                 f"{', '.join(f'{t:.0f}' for t in row['tokens_per_s_runs'])}), latency {row['latency_s_mean']:.2f} s, "
                 f"budget {row['budget_mean']} ({clock():.0f} s)")
-    return rep
+
+
+def follow(args: argparse.Namespace, comm: Any, dev: torch.device) -> None:
+    """A rank > 0 of ``--ranks``: the same build, then rank 0's requests (its batch-1 baseline) and batches, step for
+    step, until it stops."""
+    target, drafter, _ = load(args, dev, comm)
+    while (msg := recv_message(comm, dev)) is not None:
+        if isinstance(msg, BatchOpen):
+            follow_batch(target, drafter, comm, dev, msg)
+        else:
+            generate(target, msg.prompt_ids, msg.params)
+
+
+def _rank_main(rank: int, rdv: Any, args: argparse.Namespace, device_type: str, out: str) -> None:
+    from kdtree_engine.parallel.group import join, leave
+    dev = torch.device("cpu") if device_type == "cpu" else torch.device(device_type, rank)
+    comm = join(rdv, rank, dev)
+    try:
+        if rank == 0:
+            torch.save(run(args, lambda m: print(m, file=sys.stderr, flush=True), comm=comm, dev=dev), out)
+        else:
+            follow(args, comm, dev)
+    finally:
+        leave()
+
+
+def run_ranks(args: argparse.Namespace, device_type: str) -> dict[str, Any]:
+    """``--ranks`` processes, one a device, rank 0 measuring (:func:`run`), the others following; rank 0's report."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    from kdtree_engine.parallel.group import Rendezvous, free_port
+    if device_type == "cuda" and args.ranks > torch.cuda.device_count():
+        raise SystemExit(f"--ranks {args.ranks}: only {torch.cuda.device_count()} GPUs are visible")
+    rdv = Rendezvous("127.0.0.1", free_port(), args.ranks, 600.0)
+    with tempfile.TemporaryDirectory() as d:
+        out = str(Path(d) / "rank0.pt")
+        mp.start_processes(_rank_main, args=(rdv, args, device_type, out), nprocs=args.ranks, join=True,
+                           start_method="spawn")
+        return torch.load(out, weights_only=False)
 
 
 def markdown(rep: dict, label: str) -> list[str]:
-    out = [f"# Continuous batching, {rep['model']} ({label})", "",
+    ranks = rep.get("ranks", 1)
+    where = (f" over {ranks} ranks (TP-{ranks} / EP-{ranks}, {rep['layers']} layers; one process a device, rank 0's "
+             "batches followed by the others step for step)" if ranks > 1 else "")
+    out = [f"# Continuous batching, {rep['model']}{where} ({label})", "",
            f"{rep['prompt_tokens']}-token prompts, {rep['max_tokens']} tokens each, all arriving together; up to "
            f"{rep['token_budget']} rows per forward; {rep['dtype']}; batched steps {rep.get('step_mode', 'eager')}"
            f"{', prompts from graphs' if rep.get('prompt_graphs') else ''}. "
@@ -229,6 +328,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--token-budget", type=int, default=4096)
     ap.add_argument("--step-mode", choices=("eager", "static", "graph"), default=None,
                     help="how the running requests' rows run (default: graph on CUDA, eager elsewhere)")
+    ap.add_argument("--ranks", default="0",
+                    help="k2: N real ranks, one process a device (NCCL; gloo on the CPU), or 'all' (every visible "
+                         "GPU); 0 (default): one process holding rank 0 of eight")
+    ap.add_argument("--layers", type=int, default=None, help="k2: build this many of its layers (fewer ranks than "
+                    "its shards need)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="measured runs of each (concurrency, method), the methods in turn; the record keeps the run "
                          "of median throughput and every run's tokens/s (host-bound runs vary from run to run)")
@@ -241,6 +345,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.repeats < 1:
         ap.error(f"--repeats: must be at least 1, got {args.repeats}")
+    if args.ranks == "all":
+        args.ranks = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    elif not args.ranks.isdigit():
+        ap.error(f"--ranks {args.ranks!r}: a number of ranks or 'all'")
+    args.ranks = int(args.ranks)
+    if args.layers is not None and args.layers < 1:
+        ap.error(f"--layers: must be at least 1, got {args.layers}")
+    if args.ranks and (args.model != "k2" or "ddtree-auto" in args.methods or args.step_mode is not None):
+        ap.error("--ranks: the k2 model only, without ddtree-auto (its budgets follow each rank's own timings) and "
+                 "with the default step mode")
     bad = [m for m in args.methods if m not in METHODS]
     if bad:
         ap.error(f"--methods: unknown {bad[0]!r} (known: {', '.join(METHODS)})")
@@ -251,10 +365,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
     args = parse_args(argv)
     command = common.command_line(argv, "python3 bench/batch.py")
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    tag = device_tag(dev)
+    tag = device_tag(dev) + (f"-x{args.ranks}" if args.ranks else "")
     save = common.results_saver(args.out, f"batch-{args.model}{'-tiny' if args.tiny else ''}-{tag}",
                                 lambda rep: markdown(rep, tag), command=command, device=dev)
-    rep = run(args, lambda m: print(m, file=sys.stderr, flush=True), save)
+    log = lambda m: print(m, file=sys.stderr, flush=True)   # noqa: E731
+    rep = run_ranks(args, dev.type) if args.ranks else run(args, log, save)
     jp, mp = save(rep)
     print(f"wrote {jp} and {mp}")
     print("\n".join(markdown(rep, tag)[4:]))

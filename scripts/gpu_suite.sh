@@ -32,6 +32,8 @@
 #                  tokens against one GPU's (float32) and DDTree == plain at TP-N (bfloat16), eager and from CUDA
 #                  graphs holding the collectives, on the demo and a random K2-shaped model (tests/gpu/test_tp_gpu.py);
 #                  the K2 model with one real rank a GPU, plain and DDTree rounds from CUDA graphs (bench/k2_model.py)
+#   multibatch     several GPUs: the K2 continuous batch over every GPU, one real rank each (rank 0's batches
+#                  followed step for step): plain and 8-node trees at 1 / 4 / 16 / 64 requests (bench/batch.py --ranks)
 #   long           long context (bench/long_context.py): K2 one-rank decode / verify steps at 4K-256K against the
 #                  byte roofline, prefill tokens/s and TFLOP/s at 1K-32K (K2 and the demo), a 128K prompt's time to
 #                  first token (K2, 61 layers), the demo's TTFT after its start-up warm-up
@@ -50,7 +52,7 @@ DRY=0
 if [[ ${1:-} == --dry-run ]]; then DRY=1; shift; fi
 SUITE=${1:-}
 ARG=${2:-}
-SUITES="tests [bitwise|rounds|kernels], bench, kernel {w4a16|moe|mla|gemm|router|tails}, quick, formats, k2, k2step, batch, multi, long, ttft, serving"
+SUITES="tests [bitwise|rounds|kernels], bench, kernel {w4a16|moe|mla|gemm|router|tails}, quick, formats, k2, k2step, batch, multi, multibatch, long, ttft, serving"
 die() { echo "gpu_suite.sh: $*" >&2; exit 2; }
 
 PYT=(python3 -m pytest -m gpu -p no:cacheprovider -v -rf --durations=15)
@@ -184,6 +186,14 @@ multi() {  # several GPUs: tensor + expert parallelism on NCCL (the parallelism 
     --nodes 1,8,16 --out "$RES"
 }
 
+multibatch() {  # several GPUs: K2 served to many requests at TP-N / EP-N (all 61 layers at 8 GPUs, else 12)
+  local gpus layers=()
+  gpus=$( (( DRY )) && echo 8 || nvidia-smi -L 2>/dev/null | wc -l )
+  (( gpus == 8 )) || layers=(--layers 12)
+  step bench-batch-k2-ranks 540 python3 bench/batch.py --model k2 --ranks all ${layers[@]+"${layers[@]}"} \
+    --methods plain,ddtree-8 --max-tokens 64 --repeats 3 --out "$RES"
+}
+
 long() {  # the long-context issue's measurements, one record per step (each written after every measured row)
   step bench-long-steps 130 python3 bench/long_context.py --parts steps --label steps --out "$RES"
   step bench-long-prefill 170 python3 bench/long_context.py --parts prefill --prompts 1024,8192,32768 \
@@ -225,7 +235,7 @@ run_suite() {
         bitwise | rounds | kernels) "tests_$ARG" ;;
         *) die "unknown tests part '$ARG' (parts: bitwise, rounds, kernels)" ;;
       esac ;;
-    bench | quick | formats | k2 | k2step | batch | multi | long | ttft | serving)
+    bench | quick | formats | k2 | k2step | batch | multi | multibatch | long | ttft | serving)
       [[ -z $ARG ]] || die "suite '$SUITE' takes no argument (got '$ARG')"
       "$SUITE" ;;
     kernel)

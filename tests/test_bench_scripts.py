@@ -268,6 +268,24 @@ def test_batch_bench_runs_on_the_cpu(tmp_path):
                        (tmp_path / "batch-k2-tiny-cpu.md").read_text())
 
 
+def test_batch_bench_runs_over_two_ranks(tmp_path):
+    """bench/batch.py --ranks 2: two gloo processes each holding one rank of TP-2 / EP-2 (k2-tiny), rank 0's batches
+    followed by the other step for step; plain and fixed trees (the load-aware budget is refused there)."""
+    from bench import batch as batch_bench
+    args = ["--model", "k2", "--tiny", "--device", "cpu", "--ranks", "2", "--concurrency", "1,3", "--max-tokens", "4",
+            "--prompt-tokens", "8", "--methods", "plain,ddtree-16", "--out", str(tmp_path)]
+    rep = batch_bench.main(args)
+    data = json.loads((tmp_path / "batch-k2-tiny-cpu-x2.json").read_text())
+    assert data["ranks"] == 2 and [(r["concurrency"], r["method"]) for r in data["rows"]] == [
+        (1, "plain"), (1, "ddtree-16"), (3, "plain"), (3, "ddtree-16")]
+    for r in rep["rows"]:
+        assert r["tokens"] == 4 * r["concurrency"] and finite(r["tokens_per_s"]) and r["forwards"] >= 4
+    assert "over 2 ranks" in (tmp_path / "batch-k2-tiny-cpu-x2.md").read_text()
+    with pytest.raises(SystemExit):
+        batch_bench.main(["--model", "k2", "--tiny", "--device", "cpu", "--ranks", "2", "--methods", "ddtree-auto",
+                          "--out", str(tmp_path)])
+
+
 def test_batch_graph_bench_runs_on_the_cpu(tmp_path):
     """bench/batch_graph.py at its smallest: the k2-tiny one-rank build, two concurrencies, eager on the CPU."""
     from bench import batch_graph
