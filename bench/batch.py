@@ -249,34 +249,12 @@ def follow(args: argparse.Namespace, comm: Any, dev: torch.device) -> None:
             generate(target, msg.prompt_ids, msg.params)
 
 
-def _rank_main(rank: int, rdv: Any, args: argparse.Namespace, device_type: str, out: str) -> None:
-    from kdtree_engine.parallel.group import join, leave
-    dev = torch.device("cpu") if device_type == "cpu" else torch.device(device_type, rank)
-    comm = join(rdv, rank, dev)
-    try:
-        if rank == 0:
-            torch.save(run(args, lambda m: print(m, file=sys.stderr, flush=True), comm=comm, dev=dev), out)
-        else:
-            follow(args, comm, dev)
-    finally:
-        leave()
-
-
-def run_ranks(args: argparse.Namespace, device_type: str) -> dict[str, Any]:
-    """``--ranks`` processes, one a device, rank 0 measuring (:func:`run`), the others following; rank 0's report."""
-    import tempfile
-
-    import torch.multiprocessing as mp
-
-    from kdtree_engine.parallel.group import Rendezvous, free_port
-    if device_type == "cuda" and args.ranks > torch.cuda.device_count():
-        raise SystemExit(f"--ranks {args.ranks}: only {torch.cuda.device_count()} GPUs are visible")
-    rdv = Rendezvous("127.0.0.1", free_port(), args.ranks, 600.0)
-    with tempfile.TemporaryDirectory() as d:
-        out = str(Path(d) / "rank0.pt")
-        mp.start_processes(_rank_main, args=(rdv, args, device_type, out), nprocs=args.ranks, join=True,
-                           start_method="spawn")
-        return torch.load(out, weights_only=False)
+def rank_body(comm: Any, dev: torch.device, args: argparse.Namespace) -> dict[str, Any] | None:
+    """One rank of ``--ranks``: rank 0 measures (:func:`run`), the others follow it."""
+    if comm.rank == 0:
+        return run(args, lambda m: print(m, file=sys.stderr, flush=True), comm=comm, dev=dev)
+    follow(args, comm, dev)
+    return None
 
 
 def markdown(rep: dict, label: str) -> list[str]:
@@ -369,7 +347,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     save = common.results_saver(args.out, f"batch-{args.model}{'-tiny' if args.tiny else ''}-{tag}",
                                 lambda rep: markdown(rep, tag), command=command, device=dev)
     log = lambda m: print(m, file=sys.stderr, flush=True)   # noqa: E731
-    rep = run_ranks(args, dev.type) if args.ranks else run(args, log, save)
+    rep = common.run_ranks(args.ranks, rank_body, (args,), dev.type) if args.ranks else run(args, log, save)
     jp, mp = save(rep)
     print(f"wrote {jp} and {mp}")
     print("\n".join(markdown(rep, tag)[4:]))

@@ -292,3 +292,35 @@ class Clock:
 
     def __call__(self) -> float:
         return time.time() - self.t0
+
+
+def _rank_entry(rank: int, rdv: object, body: Callable[..., object], args: tuple, device_type: str,
+                out: str) -> None:
+    from kdtree_engine.parallel.group import join, leave
+    dev = torch.device("cpu") if device_type == "cpu" else torch.device(device_type, rank)
+    comm = join(rdv, rank, dev)  # type: ignore[arg-type]
+    try:
+        result = body(comm, dev, *args)
+    finally:
+        leave()
+    if rank == 0:
+        torch.save(result, out)
+
+
+def run_ranks(world: int, body: Callable[..., object], args: tuple, device_type: str,
+              timeout_s: float = 600.0) -> object:
+    """``world`` processes, one a device (NCCL, rank r on cuda:r; gloo on the CPU), each joining the group and running
+    ``body(comm, device, *args)`` (a module-level function: the processes are spawned); rank 0's return."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    from kdtree_engine.parallel.group import Rendezvous, free_port
+    if device_type == "cuda" and world > torch.cuda.device_count():
+        raise SystemExit(f"--ranks {world}: only {torch.cuda.device_count()} GPUs are visible")
+    rdv = Rendezvous("127.0.0.1", free_port(), world, timeout_s)
+    with tempfile.TemporaryDirectory() as d:
+        out = str(Path(d) / "rank0.pt")
+        mp.start_processes(_rank_entry, args=(rdv, body, args, device_type, out), nprocs=world, join=True,
+                           start_method="spawn")
+        return torch.load(out, weights_only=False)

@@ -75,7 +75,6 @@ from kdtree_engine.model.layers import RMSNorm  # noqa: E402
 from kdtree_engine.model.moe import MoE  # noqa: E402
 from kdtree_engine.model.target import Target  # noqa: E402
 from kdtree_engine.parallel.comm import Communicator, DistCommunicator, LocalCommunicator  # noqa: E402
-from kdtree_engine.parallel.group import Rendezvous, free_port, join, leave  # noqa: E402
 from kdtree_engine.quant import k2_quantization_config, parse_quantization_config  # noqa: E402
 from kdtree_engine.speculative.config import SpecConfig  # noqa: E402
 from kdtree_engine.speculative.device_round import DeviceRound  # noqa: E402
@@ -545,34 +544,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return a
 
 
-def _rank_main(rank: int, rdv: Rendezvous, args: argparse.Namespace, device_type: str, out: str) -> None:
-    dev = torch.device("cpu") if device_type == "cpu" else torch.device(device_type, rank)
-    comm = CountingCommunicator(rank, rdv.world_size, inner=join(rdv, rank, dev))
+def rank_body(comm: Any, dev: torch.device, args: argparse.Namespace) -> dict:
+    """One rank of ``--ranks``: every rank runs the same rounds (its collectives counted); rank 0 logs."""
+    counted = CountingCommunicator(comm.rank, comm.world_size, inner=comm)
 
     def log(msg: str) -> None:
-        if rank == 0:
+        if comm.rank == 0:
             print(msg, file=sys.stderr, flush=True)
-    try:
-        rep = run(args, log, comm, dev)
-    finally:
-        leave()
-    if rank == 0:
-        torch.save(rep, out)
-
-
-def run_ranks(args: argparse.Namespace, device_type: str) -> dict:
-    """``--ranks`` processes, one per device, each running :func:`run` as its rank; rank 0's report."""
-    import tempfile
-
-    import torch.multiprocessing as mp
-    if device_type == "cuda" and args.ranks > torch.cuda.device_count():
-        raise SystemExit(f"--ranks {args.ranks}: only {torch.cuda.device_count()} GPUs are visible")
-    rdv = Rendezvous("127.0.0.1", free_port(), args.ranks, 600.0)
-    with tempfile.TemporaryDirectory() as d:
-        out = str(Path(d) / "rank0.pt")
-        mp.start_processes(_rank_main, args=(rdv, args, device_type, out), nprocs=args.ranks, join=True,
-                           start_method="spawn")
-        return torch.load(out, weights_only=False)
+    return run(args, log, counted, dev)
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
@@ -583,7 +562,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         print(msg, file=sys.stderr, flush=True)
 
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    rep = run_ranks(args, dev.type) if args.ranks else run(args, log)
+    rep = common.run_ranks(args.ranks, rank_body, (args,), dev.type) if args.ranks else run(args, log)
     tag = device_tag(dev) + (f"-x{args.ranks}" if args.ranks else "")
     jp, mp = common.write_results(args.out, f"k2_model-{tag}", rep, markdown(rep, tag), command=command, device=dev)
     print(f"wrote {jp} and {mp}")
