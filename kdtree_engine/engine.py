@@ -36,10 +36,9 @@ from .model.target import Target, split_groups
 from .parallel.batch import RankedScheduler, follow_batch
 from .parallel.broadcast import (BatchOpen, Request, recv_message, recv_round_verdict, send_noop, send_request,
                                  send_round_verdict, send_stop)
-from .parallel.group import DEFAULT_TIMEOUT_S
-from .parallel.keepalive import KeepAlive, unguarded
 from .parallel.comm import SINGLE, Communicator
-from .parallel.group import leave, rank_device
+from .parallel.group import DEFAULT_TIMEOUT_S, leave, rank_device
+from .parallel.keepalive import KeepAlive, unguarded
 from .parallel.launch import collective_error, start_ranks
 from .parallel.memory import log_load
 from .parallel.shard import check_divisible
