@@ -115,19 +115,16 @@ def follow_batch(target: Any, drafter: Any, comm: Communicator, device: torch.de
     """Ranks > 0: rank 0's continuous batch, step for step, until it closes (each request comes with its method and
     budget)."""
     sched = Scheduler(target, drafter, token_budget=opened.token_budget, prefill_chunk=opened.prefill_chunk)
-    by_id: dict[int, Sequence] = {}
     try:
         while (msg := recv_step(comm, device)) is not None:
             submitted, cancelled = msg
             for sub in submitted:
-                req = sub.request
-                seq = sched.submit(req.prompt_ids, req.params, spec=sub.method, budget=sub.budget)
-                by_id[seq.id] = seq
-            for i in cancelled:
-                if i in by_id:   # rank 0 may cancel a request that has ended meanwhile
-                    by_id[i].cancel()
+                sched.submit(sub.request.prompt_ids, sub.request.params, spec=sub.method, budget=sub.budget)
+            if cancelled:   # rank 0 sends the ids of its live requests, live here too (the same steps)
+                live = {s.id: s for s in [*sched.waiting, *sched.active]}
+                for i in cancelled:
+                    live[i].cancel()
             sched.step()
-            by_id = {i: s for i, s in by_id.items() if not s.done}
     finally:
         sched.close()
 
