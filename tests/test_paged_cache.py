@@ -68,6 +68,8 @@ def paged_copy(kv: torch.Tensor, gen: torch.Generator, spare: int = 3) -> tuple[
     pages = -(-kv.shape[0] // BLOCK)
     pool = 1e3 * torch.randn(pages + spare, BLOCK, kv.shape[1], generator=gen)
     table = torch.randperm(pages + spare, generator=gen)[:pages].to(torch.int32)
+    if pages > 1 and bool((table[1:] > table[:-1]).all()):
+        table = table.flip(0)  # a draw in ascending order would not test the table's order
     flat = pool.view(-1, kv.shape[1])
     slots = torch.arange(kv.shape[0])
     flat[table.long()[slots // BLOCK] * BLOCK + slots % BLOCK] = kv
