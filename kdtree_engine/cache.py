@@ -228,17 +228,11 @@ class LatentCache:
 
     def commit(self, keep: torch.Tensor) -> None:
         """Keep pending entries ``keep`` (indices into the pending block, ascending) as the next slots."""
-        n = keep.numel()
-        if n > self.pending:
-            raise ValueError(f"commit keeps {n} of {self.pending} pending entries")
-        start = self.length
-        dev = self.table.device
-        src = self.rows(start + keep.to(dev))
-        dst = self.rows(torch.arange(start, start + n, device=dev))
-        flat = self._flat()
-        flat.index_copy_(1, dst, flat.index_select(1, src))  # [L, n, D]: a copy first, so overlaps are safe
-        self.length += n
-        self.pending = 0
+        commit_many([self], keep.to(self.table.device).reshape(1, -1), [keep.numel()])
+
+    def host_rows(self, first: int, n: int) -> list[int]:
+        """Pool rows of slots first .. first + n - 1, from the host's block list (no device read)."""
+        return [self.blocks[s // BLOCK] * BLOCK + s % BLOCK for s in range(first, first + n)]
 
     def crop(self, n: int) -> None:
         if not 0 <= n <= self.length:
@@ -258,3 +252,33 @@ class LatentCache:
         flat = self._flat()
         src = take_rows(flat, self.rows(start + keep), dim=1)  # [layers, M, D]
         flat.index_copy_(1, self.rows(start + torch.arange(M, device=flat.device)), src)
+
+
+def commit_many(caches: list[LatentCache], keep: torch.Tensor, counts: list[int]) -> None:
+    """Commit the tree steps of several requests' caches (of one pool) in one copy: cache r keeps its pending entries
+    ``keep[r, :counts[r]]`` (a device tensor [R, M], each row ascending) as its next slots. Where each kept entry
+    goes is known on the host (the block lists); which pending entry it is lies on the device, so one gather picks
+    the source rows and nothing is read back."""
+    pool = caches[0].pool
+    M = keep.shape[1]
+    pending_rows: list[int] = []
+    picked: list[int] = []   # flat positions in keep of the entries kept
+    offset: list[int] = []   # ...and where their cache's pending rows start in pending_rows
+    dst: list[int] = []
+    for r, (cache, n) in enumerate(zip(caches, counts)):
+        if cache.pool is not pool:
+            raise ValueError("commit_many takes caches of one pool")
+        if n > cache.pending:
+            raise ValueError(f"commit keeps {n} of {cache.pending} pending entries")
+        picked += range(r * M, r * M + n)
+        offset += [len(pending_rows)] * n
+        pending_rows += cache.host_rows(cache.length, cache.pending)
+        dst += cache.host_rows(cache.length, n)
+    P, S = len(pending_rows), len(picked)
+    host = torch.tensor(pending_rows + picked + offset + dst, dtype=torch.long).to(keep.device)   # one copy
+    src = host[:P].index_select(0, keep.reshape(-1).index_select(0, host[P:P + S]) + host[P + S:P + 2 * S])
+    flat = caches[0]._flat()
+    flat.index_copy_(1, host[P + 2 * S:], flat.index_select(1, src))  # [L, n, D]: a copy first, so overlaps are safe
+    for cache, n in zip(caches, counts):
+        cache.length += n
+        cache.pending = 0

@@ -42,6 +42,7 @@ from ..speculative.budget import (SCALE_MAX, AcceptanceCalibration, RecentMedian
 from ..speculative.config import resolve_spec
 from ..speculative.decode import Emitter, GenerationResult, OnTokens, context_limit, round_shape
 from ..speculative.host_rounds import HostRounds, RoundPlan
+from ..speculative.walks import TreeWalks, commit_walks, walk_trees
 from ..speculative.stats import Timer, sync
 from .ahead import StepsAhead, steady
 from .graph_step import MAX_SLOTS, BatchedSteps, padded_rows, resolve_step_mode
@@ -225,17 +226,21 @@ class Scheduler:
                 and all(p.tree is None for p in plans) and steady(running)
                 and any(s.emit.remaining > 1 for s in running)):
             # the next step goes ahead of this one's read (.ahead): its tokens are handed on at the next call
-            self.ahead.pending = self.ahead.pend(running, plans, outs, self._pick([o.logits[-1] for o in outs]))
+            self.ahead.pending = self.ahead.pend(running, plans, outs, self._pick([o.logits[-1:] for o in outs]))
             self.ahead.hand_on(self.ahead.pending)
             return ended
-        walk_s, walks = 0.0, 0
         picked = self._greedy_picks(running, plans, outs)
-        for seq, plan, out in zip(running, plans, outs):
-            tree_walk = seq.shape.auto and plan.tree is not None and plan.tree.num_nodes > 1
-            t_walk = time.perf_counter()
-            seq.rounds.absorb(plan, out, picked.get(seq.id))
-            if tree_walk:
-                walk_s, walks = walk_s + time.perf_counter() - t_walk, walks + 1
+        treed = [k for k, p in enumerate(plans) if p.tree is not None]
+        t_walk = time.perf_counter()
+        walks = self._walk([running[k] for k in treed], [plans[k] for k in treed], [outs[k] for k in treed])
+        walk_s = (time.perf_counter() - t_walk) / max(len(treed), 1)   # a tree's share of the batch's walk
+        auto_walks = sum(running[k].shape.auto and plans[k].tree.num_nodes > 1 for k in treed)
+        walk_of = {k: i for i, k in enumerate(treed)}
+        for k, (seq, plan, out) in enumerate(zip(running, plans, outs)):
+            if plan.tree is None:
+                seq.rounds.absorb(plan, out, picked.get(seq.id))
+            else:
+                seq.rounds.absorb_walk(plan, out, walks, walk_of[k])
             if seq.calibration is not None and plan.tree is not None and plan.tree.num_nodes > 1:
                 seq.calibration.update(seq.rounds.stats.accepted_lens[-1] - 1, seq.predicted)
                 self.calibration.update(seq.rounds.stats.accepted_lens[-1] - 1, seq.predicted)
@@ -247,7 +252,7 @@ class Scheduler:
                 ended.append(seq)
         if self._plan_s is not None:
             plan_s, planned = self._plan_s
-            self.tree_host_s.update(plan_s / planned + (walk_s / walks if walks else 0.0))
+            self.tree_host_s.update(plan_s / planned + (walk_s if auto_walks else 0.0))
             self._plan_s = None
         return ended
 
@@ -264,7 +269,7 @@ class Scheduler:
         outs = self._forward([p.part for p in plans], len(running), self._aux_layers(running, []))
         self.forwards += 1
         self.rows_run += len(plans)
-        nxt = ahead.pend(running, plans, outs, self._pick([o.logits[-1] for o in outs]))
+        nxt = ahead.pend(running, plans, outs, self._pick([o.logits[-1:] for o in outs]))
         ahead.steps += 1
         ended = ahead.settle(ahead.pending, self._end)
         ahead.hand_on(nxt)
@@ -297,16 +302,34 @@ class Scheduler:
                       ) -> dict[int, tuple[torch.Tensor, int]]:
         """The tokens of this step's plain greedy rounds, picked in one launch and read in one copy (each request
         alone would pick and read its own): {request id: (device token, token)}."""
-        ids = [(s.id, o.logits[-1]) for s, p, o in zip(running, plans, outs) if p.tree is None and s.params.greedy]
+        ids = [(s.id, o.logits[-1:]) for s, p, o in zip(running, plans, outs) if p.tree is None and s.params.greedy]
         if len(ids) < 2:
             return {}
         picks = self._pick([row for _, row in ids])
         return {i: (picks[k], t) for k, ((i, _), t) in enumerate(zip(ids, picks.tolist()))}
 
+    def _walk(self, seqs: list[Sequence], plans: list[RoundPlan], outs: list[TargetOutput]) -> TreeWalks | None:
+        """The accept walks of this step's trees, all in one pass (.walks): the greedy requests' picks in one launch,
+        a sampled request's from its own generator; then every accepted node committed in one copy."""
+        if not seqs:
+            return None
+        picks: list[torch.Tensor | None] = [None] * len(seqs)
+        greedy_at = [k for k, s in enumerate(seqs) if s.params.greedy]
+        if greedy_at:
+            together = self._pick([outs[k].logits for k in greedy_at])
+            for k, rows in zip(greedy_at, together.split([outs[k].logits.shape[0] for k in greedy_at])):
+                picks[k] = rows
+        for k, (seq, out) in enumerate(zip(seqs, outs)):
+            if picks[k] is None:
+                picks[k] = seq.rounds.tree_picks(out.logits)
+        walks = walk_trees([p.tree for p in plans], torch.cat(picks))
+        commit_walks([s.rounds.cache for s in seqs], walks)
+        return walks
+
     def _pick(self, rows: list[torch.Tensor]) -> torch.Tensor:
-        """Greedy picks of logits rows [V] in one launch -> [n] device tokens; a vocabulary split over ranks: one max /
-        index reduction for all the rows (row-wise, as each alone)."""
-        return greedy(torch.stack(rows), policy=self.target.policy, vocab=getattr(self.target, "vocab_shard", None))
+        """Greedy picks of blocks of logits rows [n_i, V] in one launch -> [sum n_i] device tokens; a vocabulary split
+        over ranks: one max / index reduction for all the rows (row-wise, as each alone)."""
+        return greedy(torch.cat(rows), policy=self.target.policy, vocab=getattr(self.target, "vocab_shard", None))
 
     def _aux_layers(self, running: list[Sequence], prefilling: list[Sequence]) -> tuple[int, ...]:
         """The drafter's target layers when a request in this forward drafts (aux rows are per row: computing them

@@ -25,11 +25,12 @@ from ..logs import log, log_once
 from ..model.target import BatchPart, Target, TargetOutput
 from ..sampling import SamplingParams, greedy, make_generator, sample, topk_logprobs
 from ..errors import SpecError
-from .accept import accept, target_picks
+from .accept import AcceptResult, target_picks
 from .budget import AutoBudget, auto_budget_for
 from .config import RoundShape
 from .stats import RoundStats, Timer
 from .tree import DraftTree, build_tree, build_tree_heap, chain_tree
+from .walks import TreeWalks, commit_walks, walk_trees
 
 TREE_IMPLS = ("auto", "vectorized", "heap")
 
@@ -201,26 +202,36 @@ class HostRounds:
                 self.start += 1
             self.stats.record(1, 0)
             return
-        tree = plan.tree
-        picks = target_picks(vout.logits, self.params, self.gen, policy=target.policy, vocab=self.vocab)  # [N1]
-        res = accept(tree, picks)
+        walks = walk_trees([plan.tree], self.tree_picks(vout.logits))
         timer.lap("verify_s")
-        self.cache.commit(res.accepted)
-        self.keep_logits(vout.logits.index_select(0, res.accepted))
-        new_ctx = vout.aux.index_select(0, res.accepted)  # [A, K*D] positions start .. start+A-1
-        # a round without a draft pass (no room, or skipped under load) leaves its context for the next one
-        self.ctx.append(new_ctx)
-        self._out = torch.cat([tree.tokens.index_select(0, res.accepted[1:]), res.bonus.reshape(1)]).tolist()
-        self.bonus = res.bonus
+        commit_walks([self.cache], walks)
+        self.absorb_walk(plan, vout, walks, 0)
+
+    def tree_picks(self, logits: torch.Tensor) -> torch.Tensor:
+        """The target's pick at every node of a verified tree: logits [N1, V] -> [N1] (the request's rule and
+        generator)."""
+        return target_picks(logits, self.params, self.gen, policy=self.target.policy, vocab=self.vocab)
+
+    def absorb_walk(self, plan: RoundPlan, vout: TargetOutput, walks: TreeWalks, r: int) -> None:
+        """A tree round after its walk (``walks``' tree ``r``, as :func:`~.walks.walk_trees` gives it for a batch of
+        requests) and the commit of its accepted nodes: the emitted tokens, the drafter's context, the stats."""
+        tree, timer = plan.tree, self.timer
+        accepted, bonus = walks.accepted(r), walks.bonus[r]
+        self.keep_logits(vout.logits.index_select(0, accepted))
+        # positions start .. start+A-1; a round without a draft pass (no room, or skipped under load) leaves its
+        # context for the next one
+        self.ctx.append(vout.aux.index_select(0, accepted))
+        self._out = walks.tokens[r]
+        self.bonus = bonus
         timer.lap("commit_s")
-        A = res.num_accepted
+        A = walks.counts[r]
         if self.chooser is not None:
             dt = {k: timer.totals[k] - self.before[k] for k in timer.totals}
             self.chooser.observe(A - 1, dt["draft_s"], dt["tree_s"] + dt["commit_s"], dt["verify_s"])
         self.start += A
         self.stats.record(A, tree.num_nodes - 1)
         if plan.draft_logits is not None and self.vocab is None:  # the display reads the whole vocabulary's logits
-            self.last = (tree, res, plan.draft_logits)
+            self.last = (tree, AcceptResult(accepted, bonus), plan.draft_logits)
 
     def tree_for(self, draft_logits: torch.Tensor | None) -> DraftTree:
         """This round's tree from the drafter's logits [depth, V] (None: the root alone): the chain, or the DDTree of

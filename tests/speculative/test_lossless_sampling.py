@@ -14,7 +14,7 @@ import torch
 
 from kdtree_engine.sampling import SamplingParams
 from kdtree_engine.speculative import host_rounds
-from kdtree_engine.speculative.accept import AcceptResult
+from kdtree_engine.speculative.walks import TreeWalks
 from kdtree_engine.speculative.decode import generate
 
 from spec_toys import PrefixTarget, ToyDrafter, chi_square_pvalue, random_proposals, target_chain_proposals
@@ -58,8 +58,9 @@ def test_sampled_distribution_equals_target(spec, budget, params, kind):
     assert p > P_MIN, (stat, p)
 
 
-def _biased_accept(tree, picks):
-    """Follows the first child whatever the target picked (a lossy rule)."""
+def _biased_walk(trees, picks):
+    """Follows the first child whatever the target picked (a lossy rule), in the form of walks.walk_trees."""
+    (tree,) = trees
     par = tree.parents.tolist()
     path, cur = [0], 0
     while True:
@@ -68,11 +69,15 @@ def _biased_accept(tree, picks):
             break
         cur = kids[0]
         path.append(cur)
-    return AcceptResult(accepted=torch.tensor(path), bonus=picks[cur])
+    nodes = torch.zeros(1, len(par), dtype=torch.long)
+    nodes[0, :len(path)] = torch.tensor(path)
+    bonus = picks[cur].reshape(1)
+    tokens = [int(tree.tokens[i]) for i in path[1:]] + [int(bonus)]
+    return TreeWalks(nodes=nodes, bonus=bonus, counts=[len(path)], tokens=[tokens])
 
 
 def test_biased_rule_is_detected(monkeypatch):
-    monkeypatch.setattr(host_rounds, "accept", _biased_accept)
+    monkeypatch.setattr(host_rounds, "walk_trees", _biased_walk)
     spec, budget, params, _ = CASES[0]
     target = PrefixTarget(V, seed=11, scale=1.2)
     drafter = ToyDrafter(4, target_chain_proposals(target), decode_ctx=True)
