@@ -41,7 +41,7 @@ from ..speculative.budget import (SCALE_MAX, AcceptanceCalibration, RecentMedian
                                   expected_accepted_by_budget, verify_cost_for)
 from ..speculative.config import resolve_spec
 from ..speculative.decode import Emitter, GenerationResult, OnTokens, context_limit, round_shape
-from ..speculative.host_rounds import HostRounds, RoundPlan
+from ..speculative.host_rounds import HostRounds, RoundPlan, trees_of
 from ..speculative.walks import TreeWalks, commit_walks, walk_trees
 from ..speculative.stats import Timer, sync
 from .ahead import StepsAhead, steady
@@ -357,13 +357,19 @@ class Scheduler:
                 plans[seq.id] = r.plan_tree(None, r.root_only())
         # a pass of requests back from plain rounds is a probe: it takes in every token since their last pass
         probe = bool(asks) and all(s.shape.auto and s.backoff > 0 for s, _ in asks)
+        ddtrees: list[tuple[Sequence, torch.Tensor, tuple]] = []   # fixed-budget DDTrees: built together below
         for seq, logits in zip([s for s, _ in asks], self._draft([ask for _, ask in asks], probe)):
             draft_logits = seq.rounds.drafted(logits)
+            r = seq.rounds
             if seq.shape.auto:
                 auto.append((seq, draft_logits))
+            elif seq.shape.method == "ddtree":
+                ddtrees.append((seq, draft_logits, r.top_of(draft_logits)))
             else:
-                r = seq.rounds
                 plans[seq.id] = r.plan_tree(draft_logits, r.tree_for(draft_logits))
+        trees = trees_of([s.rounds for s, _, _ in ddtrees], [top for _, _, top in ddtrees])
+        for (seq, draft_logits, _), tree in zip(ddtrees, trees):
+            plans[seq.id] = seq.rounds.plan_tree(draft_logits, tree)
         if auto:
             fixed = [p.part.ids.shape[0] for p in plans.values()]
             plans.update(self._plan_auto(auto, fixed))
@@ -421,6 +427,7 @@ class Scheduler:
             gap = 0 if paid else max(self._probe_gap(seq.backoff) for seq, _ in drafted)
             self.verdict_gap, self.verdict_at = gap, self.forwards
         out = {}
+        treed = []   # (request, its draft logits, its top-K and budget): the trees built together below
         for (seq, draft_logits), top, b, e in zip(auto, tops, budgets, expected):
             r = seq.rounds
             # a tree not worth its draft pass: skip the drafter for a while (doubling while it stays so)
@@ -430,7 +437,13 @@ class Scheduler:
             seq.predicted = float(e[b - 1]) if b > 0 else 0.0   # the drafter's own estimate: what calibration learns
             chose(seq, b)
             # budget 0: a plain step (its aux row still feeds the drafter), as cheap as plain decoding's
-            out[seq.id] = r.plan_tree(draft_logits, r.tree_of_budget(top[0], top[1], b)) if b else r.plan_plain()
+            if b:
+                treed.append((seq, draft_logits, (top[0], top[1], b)))
+            else:
+                out[seq.id] = r.plan_plain()
+        trees = trees_of([s.rounds for s, _, _ in treed], [top for _, _, top in treed])
+        for (seq, draft_logits, _), tree in zip(treed, trees):
+            out[seq.id] = seq.rounds.plan_tree(draft_logits, tree)
         planned = sum(top is not None for top in tops)
         if planned:
             self._plan_s = (time.perf_counter() - t0, planned)

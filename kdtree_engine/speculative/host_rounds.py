@@ -29,7 +29,7 @@ from .accept import AcceptResult, target_picks
 from .budget import AutoBudget, auto_budget_for
 from .config import RoundShape
 from .stats import RoundStats, Timer
-from .tree import DraftTree, build_tree, build_tree_heap, chain_tree
+from .tree import DraftTree, HeapAsk, build_tree, build_trees_heap, chain_tree
 from .walks import TreeWalks, commit_walks, walk_trees
 
 TREE_IMPLS = ("auto", "vectorized", "heap")
@@ -178,10 +178,7 @@ class HostRounds:
 
     def tree_of_budget(self, lp: torch.Tensor, ids: torch.Tensor, budget: int) -> DraftTree:
         """The DDTree of ``budget`` nodes from top-K log-probs / ids [depth, >= budget] (0: the root alone)."""
-        if budget == 0:
-            return self.root_only()
-        builder = build_tree_heap if self.impl == "heap" else build_tree
-        return builder(lp[:, :budget], ids[:, :budget], budget, self.bonus, self.start)
+        return trees_of([self], [(lp, ids, budget)])[0]
 
     def absorb(self, plan: RoundPlan, vout: TargetOutput, picked: tuple[torch.Tensor, int] | None = None) -> None:
         """The round after the target's forward ``vout`` over ``plan.part``: picks, accept walk, commit, emitted tokens.
@@ -241,13 +238,14 @@ class HostRounds:
             return self.root_only()
         if shape.method == "dflash":
             return chain_tree(bonus, greedy(draft_logits, policy=self.target.policy, vocab=self.vocab), self.start)
-        if self.chooser is not None:
-            # one top-K for the largest budget; the budget-b tree only ever uses ranks < b
-            lp, ids = topk_logprobs(draft_logits, self.chooser.max_budget, policy=self.target.policy,
-                                    vocab=self.vocab)  # [depth, K]
-            return self.tree_of_budget(lp, ids, self.chooser.choose(lp))
-        lp, ids = topk_logprobs(draft_logits, shape.budget, policy=self.target.policy, vocab=self.vocab)  # [depth, K]
-        return self.tree_of_budget(lp, ids, shape.budget)
+        return self.tree_of_budget(*self.top_of(draft_logits))
+
+    def top_of(self, draft_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """A DDTree round's top-K log-probs and ids [depth, K] and its budget: the fixed one, or the request's own
+        chooser's (one top-K for the largest budget: the budget-b tree only ever uses ranks < b)."""
+        k = self.chooser.max_budget if self.chooser is not None else self.shape.budget
+        lp, ids = topk_logprobs(draft_logits, k, policy=self.target.policy, vocab=self.vocab)  # [depth, K]
+        return lp, ids, self.chooser.choose(lp) if self.chooser is not None else self.shape.budget
 
     def release(self) -> None:
         """Return the request's latent cache blocks to the target's pool (a test double's cache has no pool)."""
@@ -261,3 +259,19 @@ class HostRounds:
         if self.chooser is not None:
             stats.update(self.chooser.stats())
             log.debug("budget auto: chosen budgets %s (rounds each)", stats["budget_chosen"])
+
+
+def trees_of(rounds: list[HostRounds], tops: list[tuple[torch.Tensor, torch.Tensor, int]]) -> list[DraftTree]:
+    """Each request's DDTree from its top-K log-probs, ids and budget (``tops[i]`` for ``rounds[i]``; budget 0: the
+    root alone): the host heap's trees all in one pass (:func:`~.tree.build_trees_heap`: one wait on the device for
+    the whole batch), the vectorized builder's each on the device."""
+    out: list[DraftTree | None] = [None] * len(rounds)
+    heap = [k for k, (r, (_, _, b)) in enumerate(zip(rounds, tops)) if b > 0 and r.impl == "heap"]
+    asks = [HeapAsk(tops[k][0][:, :tops[k][2]], tops[k][1][:, :tops[k][2]], tops[k][2], rounds[k].bonus,
+                    rounds[k].start) for k in heap]
+    for k, tree in zip(heap, build_trees_heap(asks)):
+        out[k] = tree
+    for k, (r, (lp, ids, b)) in enumerate(zip(rounds, tops)):
+        if out[k] is None:
+            out[k] = r.root_only() if b == 0 else build_tree(lp[:, :b], ids[:, :b], b, r.bonus, r.start)
+    return out

@@ -90,6 +90,86 @@ def clamped_logprobs(lp: torch.Tensor) -> np.ndarray:
     return lp.detach().float().clamp_min(LP_FLOOR).cpu().numpy()
 
 
+@dataclass(frozen=True)
+class HeapAsk:
+    """One tree for :func:`build_trees_heap`: top-k log-probs ``lp`` [L, K] (descending per row) and ids [L, K] on the
+    device, ``budget`` non-root nodes, the root (bonus) token and its position."""
+
+    lp: torch.Tensor
+    ids: torch.Tensor
+    budget: int
+    root_token: int | torch.Tensor
+    start: int | torch.Tensor
+
+
+def heap_tree(lpl: np.ndarray, idl: np.ndarray, budget: int, root: int) -> tuple[list[int], list[int], list[int]]:
+    """The best-first tree on the host: (tokens, parents, depths) in pop order from clamped float32 log-probs
+    ``lpl`` [L, K] and ids ``idl`` [L, K]."""
+    tokens, parents, depths = [root], [-1], [0]
+    if budget > 0:
+        for par, d, r, _ in heap_order(lpl):
+            tokens.append(int(idl[d - 1, r]))
+            parents.append(par)
+            depths.append(d)
+            if len(tokens) - 1 >= budget:
+                break
+    return tokens, parents, depths
+
+
+def host_ancestor_mask(parents: list[int]) -> np.ndarray:
+    """[N1, N1] bool: row i = row of its parent + itself."""
+    n1 = len(parents)
+    mask = np.zeros((n1, n1), dtype=bool)
+    for i in range(n1):
+        if parents[i] >= 0:
+            mask[i] = mask[parents[i]]
+        mask[i, i] = True
+    return mask
+
+
+def build_trees_heap(asks: list[HeapAsk]) -> list[DraftTree]:
+    """Reference builder, for many trees at once: a Python heap on the host (also the fast path on the CPU).
+
+    The inputs of every tree come over in one copy (float64 holds float32 log-probs, token ids and positions
+    exactly) and the trees go back in two (their long and bool tensors), whatever the number of trees: a batch of
+    requests waits on the device once, not once per request. Each tree's tensors are views of those copies."""
+    for a in asks:
+        if a.budget < 0:
+            raise ValueError(f"budget must be >= 0, got {a.budget}")
+    if not asks:
+        return []
+    device = asks[0].ids.device
+    parts = []
+    for a in asks:
+        parts += [a.lp.detach().float().clamp_min(LP_FLOOR).double().reshape(-1), a.ids.double().reshape(-1)]
+        parts += [torch.as_tensor(v, device=device).double().reshape(1) for v in (a.root_token, a.start)]
+    host = torch.cat(parts).cpu().numpy()
+    longs: list[np.ndarray] = []
+    masks: list[np.ndarray] = []
+    at = 0
+    for a in asks:
+        size = a.lp.numel()
+        lpl = host[at:at + size].astype(np.float32).reshape(a.lp.shape)
+        idl = host[at + size:at + 2 * size].astype(np.int64).reshape(a.ids.shape)
+        root, start = int(host[at + 2 * size]), int(host[at + 2 * size + 1])
+        at += 2 * size + 2
+        tokens, parents, depths = heap_tree(lpl, idl, a.budget, root)
+        dep = np.asarray(depths, dtype=np.int64)
+        longs.append(np.concatenate([np.asarray(tokens, dtype=np.int64), np.asarray(parents, dtype=np.int64), dep,
+                                     dep + start]))
+        masks.append(host_ancestor_mask(parents).reshape(-1))
+    long_dev = torch.from_numpy(np.concatenate(longs)).to(device)
+    mask_dev = torch.from_numpy(np.concatenate(masks)).to(device)
+    trees, lo, mo = [], 0, 0
+    for vals in longs:
+        n1 = vals.shape[0] // 4
+        block = long_dev[lo:lo + 4 * n1].view(4, n1)
+        trees.append(DraftTree(tokens=block[0], parents=block[1], depths=block[2], positions=block[3],
+                               mask=mask_dev[mo:mo + n1 * n1].view(n1, n1)))
+        lo, mo = lo + 4 * n1, mo + n1 * n1
+    return trees
+
+
 def build_tree_heap(lp: torch.Tensor, ids: torch.Tensor, budget: int, root_token: int | torch.Tensor,
                     start: int | torch.Tensor) -> DraftTree:
     """Reference builder: a Python heap on the host (also the fast path on the CPU).
@@ -97,32 +177,7 @@ def build_tree_heap(lp: torch.Tensor, ids: torch.Tensor, budget: int, root_token
     lp [L, K] float (descending per row), ids [L, K] long, budget = max non-root nodes (>= 0),
     root_token = the bonus token, start = its position.
     """
-    if budget < 0:
-        raise ValueError(f"budget must be >= 0, got {budget}")
-    device = ids.device
-    idl = ids.detach().cpu().tolist()
-    tokens, parents, depths = [int(root_token)], [-1], [0]
-    if budget > 0:
-        for par, d, r, _ in heap_order(clamped_logprobs(lp)):
-            tokens.append(int(idl[d - 1][r]))
-            parents.append(par)
-            depths.append(d)
-            if len(tokens) - 1 >= budget:
-                break
-    n1 = len(tokens)
-    mask = np.zeros((n1, n1), dtype=bool)  # row i = row of its parent + itself
-    for i in range(n1):
-        if parents[i] >= 0:
-            mask[i] = mask[parents[i]]
-        mask[i, i] = True
-    dep = torch.tensor(depths, dtype=torch.long, device=device)
-    return DraftTree(
-        tokens=torch.tensor(tokens, dtype=torch.long, device=device),
-        parents=torch.tensor(parents, dtype=torch.long, device=device),
-        depths=dep,
-        positions=dep + (int(start) if isinstance(start, torch.Tensor) else start),
-        mask=torch.from_numpy(mask).to(device),
-    )
+    return build_trees_heap([HeapAsk(lp, ids, budget, root_token, start)])[0]
 
 
 def build_tree(lp: torch.Tensor, ids: torch.Tensor, budget: int, root_token: torch.Tensor | int,

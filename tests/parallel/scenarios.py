@@ -101,11 +101,11 @@ class ShardedOracle:
 
 
 def recording_trees(fn: Any, trees: list) -> Any:
-    """A tree builder that records the trees it builds (tokens and parents)."""
+    """A builder of many trees that records the trees it builds (tokens and parents)."""
     def build(*a: Any, **k: Any) -> Any:
-        tree = fn(*a, **k)
-        trees.append((tree.tokens.tolist(), tree.parents.tolist()))
-        return tree
+        built = fn(*a, **k)
+        trees.extend((tree.tokens.tolist(), tree.parents.tolist()) for tree in built)
+        return built
     return build
 
 
@@ -127,8 +127,8 @@ def run(comm: Communicator, case: Case) -> dict[str, Any]:
     short = SamplingParams(max_tokens=SPEC_TOKENS, ignore_eos=True)
     out["none"] = generate(target, prompt, short).token_ids
     trees: list = []
-    saved = host_rounds.build_tree_heap
-    host_rounds.build_tree_heap = recording_trees(saved, trees)
+    saved = host_rounds.build_trees_heap
+    host_rounds.build_trees_heap = recording_trees(saved, trees)
     try:
         for spec, budget in (("dflash", None), ("ddtree", 4), ("ddtree", 16)):
             trees.clear()
@@ -146,7 +146,7 @@ def run(comm: Communicator, case: Case) -> dict[str, Any]:
         r = generate(target, prompt, SAMPLED, spec="ddtree", drafter=drafter, budget=8)
         out["sampled-ddtree"] = r.token_ids
     finally:
-        host_rounds.build_tree_heap = saved
+        host_rounds.build_trees_heap = saved
     out["sampled"] = generate(target, prompt, SAMPLED).token_ids
     # a batch of plain greedy requests: their picks in one reduction over the vocabulary shards
     prompts = [prompt_of(case.seed + k) for k in range(1, 4)]

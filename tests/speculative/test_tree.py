@@ -3,7 +3,7 @@ import itertools
 import pytest
 import torch
 
-from kdtree_engine.speculative.tree import build_tree, build_tree_heap, chain_tree, tree_size
+from kdtree_engine.speculative.tree import HeapAsk, build_tree, build_tree_heap, build_trees_heap, chain_tree, tree_size
 from kdtree_engine.sampling import topk_logprobs
 from kdtree_engine.kernels.policy import KernelPolicy  # noqa: E402
 
@@ -115,6 +115,26 @@ def test_vectorized_identical_to_heap(ties):
         for name in ("tokens", "parents", "depths", "positions", "mask"):
             assert torch.equal(getattr(ref, name), getattr(vec, name)), (case, name)
         _check_structure(vec, start, L)
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_many_heap_trees_in_one_pass_equal_the_vectorized_builder_tree_by_tree(ties):
+    seed = int(torch.randint(0, 2**31, (1,)))
+    print(f"seed {seed}")
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(10):
+        asks = []
+        for _ in range(int(torch.randint(1, 12, (1,), generator=gen))):
+            L = int(torch.randint(0, 8, (1,), generator=gen))
+            V = int(torch.randint(1, 40, (1,), generator=gen))
+            budget = int(torch.randint(0, 70, (1,), generator=gen))
+            lp, ids = topk_logprobs(_random_logits(L, V, gen, ties), max(budget, 1), policy=POLICY)
+            root = torch.randint(0, 50000, (), generator=gen)   # a device tensor, as a request's bonus token
+            asks.append(HeapAsk(lp, ids, budget, root, int(torch.randint(0, 300000, (1,), generator=gen))))
+        for ask, tree in zip(asks, build_trees_heap(asks)):
+            vec = build_tree(ask.lp, ask.ids, ask.budget, root_token=ask.root_token, start=torch.tensor(ask.start))
+            for name in ("tokens", "parents", "depths", "positions", "mask"):
+                assert torch.equal(getattr(tree, name), getattr(vec, name)), name
 
 
 def test_budget_one_and_zero():
