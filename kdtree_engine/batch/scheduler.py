@@ -45,6 +45,7 @@ from ..speculative.host_rounds import HostRounds, RoundPlan, trees_of
 from ..speculative.walks import TreeWalks, commit_walks, walk_trees
 from ..speculative.stats import Timer, sync
 from .ahead import StepsAhead, steady
+from .draft_slots import DraftSlots
 from .graph_step import MAX_SLOTS, BatchedSteps, padded_rows, resolve_step_mode
 from .load_budget import allocate_budgets
 from .sequence import DONE, PREFILL, RUNNING, Sequence
@@ -86,6 +87,9 @@ class Scheduler:
         self.steps = None if mode == "eager" else BatchedSteps(target, mode)
         # plain greedy steps queued one ahead of the host's read of their tokens (static steps only: .ahead)
         self.ahead = None if self.steps is None else StepsAhead(target.device, MAX_SLOTS)
+        # the drafting requests' passes over static slots (graphs with the static steps): a drafter that batches
+        self.draft_slots = (DraftSlots(target, drafter, mode) if self.steps is not None
+                            and hasattr(drafter, "forward_batch") else None)
         self.waiting: deque[Sequence] = deque()
         self.active: list[Sequence] = []   # prefill and running, in admission order
         self._ids = 0
@@ -160,6 +164,9 @@ class Scheduler:
         if self.steps is not None:
             self.steps.release()
             self.steps = None
+        if self.draft_slots is not None:
+            self.draft_slots.release()
+            self.draft_slots = None
 
     @property
     def idle(self) -> bool:
@@ -358,7 +365,7 @@ class Scheduler:
         # a pass of requests back from plain rounds is a probe: it takes in every token since their last pass
         probe = bool(asks) and all(s.shape.auto and s.backoff > 0 for s, _ in asks)
         ddtrees: list[tuple[Sequence, torch.Tensor, tuple]] = []   # fixed-budget DDTrees: built together below
-        for seq, logits in zip([s for s, _ in asks], self._draft([ask for _, ask in asks], probe)):
+        for seq, logits in zip([s for s, _ in asks], self._draft(asks, probe)):
             draft_logits = seq.rounds.drafted(logits)
             r = seq.rounds
             if seq.shape.auto:
@@ -375,17 +382,20 @@ class Scheduler:
             plans.update(self._plan_auto(auto, fixed))
         return [plans[s.id] for s in running]
 
-    def _draft(self, asks: list[tuple], probe: bool = False) -> list[torch.Tensor]:
-        """The draft passes of this step as one batched pass (a drafter without one: each alone); their seconds per
-        request feed the load-aware budgets."""
+    def _draft(self, asks: list[tuple[Sequence, tuple]], probe: bool = False) -> list[torch.Tensor]:
+        """The draft passes of this step (each request's ask: its context rows, newest token, draft cache, position) as
+        one batched pass: over the draft slots (.draft_slots), else host-driven (a drafter without one: each alone);
+        their seconds per request feed the load-aware budgets."""
         if not asks:
             return []
         sync(self.target.device)
         t0 = time.perf_counter()
-        if hasattr(self.drafter, "propose_batch"):
-            out = self.drafter.propose_batch(self.target, asks)
+        if self.draft_slots is not None:
+            out = self.draft_slots.propose([(s.draft_slot, ctx, bonus, start) for s, (ctx, bonus, _, start) in asks])
+        elif hasattr(self.drafter, "propose_batch"):
+            out = self.drafter.propose_batch(self.target, [ask for _, ask in asks])
         else:
-            out = [self.drafter.propose(self.target, *ask) for ask in asks]
+            out = [self.drafter.propose(self.target, *ask) for _, ask in asks]
         sync(self.target.device)
         (self.probe_s if probe else self.draft_s).update((time.perf_counter() - t0) / len(asks))
         return out
@@ -531,7 +541,11 @@ class Scheduler:
             return
         prompt_aux = torch.cat(seq.prompt_aux) if seq.prompt_aux else None
         seq.prompt_aux = []
-        first = seq.rounds.start_decoding(out.logits[-1], prompt_aux, len(seq.prompt_ids))
+        dcache = None
+        if self.draft_slots is not None and seq.rounds.drafter is not None:
+            seq.draft_slot = self.draft_slots.take(len(seq.prompt_ids) + seq.limit + 1)
+            dcache = self.draft_slots.cache(seq.draft_slot)
+        first = seq.rounds.start_decoding(out.logits[-1], prompt_aux, len(seq.prompt_ids), dcache)
         seq.first_token = time.perf_counter()
         seq.state = RUNNING
         if seq.emit.push([first]):
@@ -549,6 +563,9 @@ class Scheduler:
         now = time.perf_counter()
         if seq.rounds is not None:
             seq.rounds.release()
+        if seq.draft_slot is not None:
+            self.draft_slots.give(seq.draft_slot)
+            seq.draft_slot = None
         if seq in self.active:
             self.active.remove(seq)
         first = seq.first_token or now

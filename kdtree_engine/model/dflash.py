@@ -362,13 +362,19 @@ class DFlashDrafter(nn.Module):
 
     @torch.no_grad()
     def forward_batch(self, items: Sequence[tuple[torch.Tensor | None, DraftCache, int]],
-                      block_embeds: torch.Tensor) -> torch.Tensor:
-        """Eager draft passes of several requests as one: items (ctx_rows [R_i, K*D] or None, cache, start) and their
+                      block_embeds: torch.Tensor, n_ctx: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+        """Draft passes of several requests as one: items (ctx_rows [R_i, K*D] or None, cache, start) and their
         blocks' embeddings concatenated [n * B, D] -> the final-normed hidden states [n * B, D]. Row-wise work runs
         over all rows; attention runs per request over its own cache, with the shapes of its own pass (each
-        request's rows are those of :meth:`forward` bit for bit where the kernels are batch-invariant)."""
+        request's rows are those of :meth:`forward` bit for bit where the kernels are batch-invariant).
+
+        Eager passes (int starts) or, with ``n_ctx`` (one [] long device tensor a pass), device-resident ones (start a
+        [] long device tensor: the context of :meth:`context`; no host read, so the batch can be captured)."""
         B, dev, dt = self.cfg.block_size, self.device, self.dtype
-        steps = self.contexts([(0 if c is None else c.shape[0], cache, start) for c, cache, start in items])
+        if n_ctx is None:
+            steps = self.contexts([(0 if c is None else c.shape[0], cache, start) for c, cache, start in items])
+        else:
+            steps = [self.context(cache, c.shape[0], start, n) for (c, cache, start), n in zip(items, n_ctx)]
         fed = [(c, cache, st) for (c, cache, _), st in zip(items, steps) if c is not None and c.shape[0]]
         ctx = None
         if fed:
@@ -396,7 +402,8 @@ class DFlashDrafter(nn.Module):
             h, x = layer.post_attention_layernorm.residual(h, attn.o_proj(o))
             pending = layer.mlp(x)
         for (_, cache, _), st in zip(items, steps):
-            cache.length = st.host_length
+            if st.host_length is not None:
+                cache.length = st.host_length
         return self.norm.residual(h, pending)[1]
 
     @torch.no_grad()

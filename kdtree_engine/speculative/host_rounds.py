@@ -95,14 +95,17 @@ class HostRounds:
         self.prefill_stats = out.stats()
         return self.start_decoding(out.logits[-1], out.aux, len(prompt_ids))
 
-    def start_decoding(self, logits: torch.Tensor, aux: torch.Tensor | None, prompt_len: int) -> int:
+    def start_decoding(self, logits: torch.Tensor, aux: torch.Tensor | None, prompt_len: int,
+                       dcache: Any = None) -> int:
         """After the prompt's forward: the first token from the last prompt token's logits [V], the drafter's context
-        (the prompt's aux features [S, K*D]). Returns the first token."""
+        (the prompt's aux features [S, K*D]; ``dcache``: the draft cache to fill, None: a new one of the request's
+        size). Returns the first token."""
         self.keep_logits(logits.reshape(1, -1))
         # [] the newest token, not yet fed to the target
         self.bonus = sample(logits, self.params, self.gen, policy=self.target.policy, vocab=self.vocab)
         if self.drafter is not None:
-            self.dcache = self.drafter.new_cache(prompt_len + self.limit + 1)
+            self.dcache = self.drafter.new_cache(prompt_len + self.limit + 1) if dcache is None else dcache
+            self.dcache.length = 0
             # the committed tokens' features [n, K*D] not yet fed to the drafter, in pieces (joined once a draft pass,
             # not once a round); first the prompt's, positions 0..S-1
             self.ctx: list[torch.Tensor] = [] if aux is None else [aux]

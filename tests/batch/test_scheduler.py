@@ -226,7 +226,7 @@ def test_a_new_request_starts_from_the_batch_verdict(monkeypatch):
     asked = []
     real = sched._draft
     monkeypatch.setattr(sched, "_draft",
-                        lambda asks, probe=False: (asked.extend(id(a[2]) for a in asks), real(asks, probe))[1])
+                        lambda asks, probe=False: (asked.extend(id(a[2]) for _, a in asks), real(asks, probe))[1])
     rng = random.Random(gap)
     prompt, params = _prompt(rng, 3, 20), SamplingParams(max_tokens=min(gap, 12), ignore_eos=True)
     seq = sched.submit(prompt, params, spec="ddtree", budget="auto")

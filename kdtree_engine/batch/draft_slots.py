@@ -1,0 +1,154 @@
+"""The drafter's batched pass over static slots, replayed from a CUDA graph.
+
+An eager draft pass launches every kernel from Python (milliseconds for a small drafter, more than a replayed target
+step), so in a batch a tree round lost to plain decoding before its tree was built. Here each drafting request owns a
+slot for its life: a draft cache of the slots' capacity (the cache's address is the slot's, so a graph captured over
+the slots stays valid as requests come and go), and rows of the slots' static inputs: its context rows [B, K*D] and
+their count, its committed length and its block [bonus, MASK x (B-1)]. A pass is the device-resident draft pass
+(:meth:`DFlashDrafter.context` with a device start: no host read) of every slot at once, row-wise work over all their
+rows, and the drafter logits of every slot; it is captured once per slot count and capacity and replayed.
+
+A slot whose request does not draft this step runs too, on a scratch context: no context rows, its block at the end of
+its cache, past anything its request has committed (the capacity holds a block past the request's last token), where
+its next real pass writes before any query reads. A request's drafts can differ from its solo run's in the last bits
+(the pass reads the whole cache under a mask, not the committed rows alone); its tokens cannot: the target verifies
+every draft, so the emitted tokens are the target's picks either way.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..logs import log, log_once
+from ..model.capture import CapturedStep, derived_owners, watched
+from ..model.dflash import DraftCache
+from ..model.target import Target
+from ..speculative.graph import capacity_bucket
+
+MIN_SLOTS = 4   # slots made at first; doubled when a request finds none free
+
+
+class SlotSet:
+    """The slots of one capacity: their draft caches, static inputs, logits and graph."""
+
+    def __init__(self, target: Target, drafter: Any, capacity: int, slots: int, mode: str,
+                 caches: list[DraftCache]) -> None:
+        dev, B = target.device, drafter.cfg.block_size
+        self.target, self.drafter, self.capacity, self.mode = target, drafter, capacity, mode
+        self.caches = caches + [drafter.new_cache(capacity) for _ in range(slots - len(caches))]
+        feat = len(drafter.target_layer_ids) * target.cfg.hidden_size
+        self.ctx = torch.zeros(slots, B, feat, dtype=target.dtype, device=dev)
+        self.n_ctx = torch.zeros(slots, dtype=torch.long, device=dev)
+        self.starts = torch.full((slots,), capacity - B, dtype=torch.long, device=dev)
+        self.blocks = torch.full((slots, B), drafter.cfg.mask_token_id, dtype=torch.long, device=dev)
+        self.logits: torch.Tensor | None = None
+        self.free = list(range(slots))[::-1]   # the next taken last
+        self.captured: CapturedStep | None = None
+
+    @property
+    def slots(self) -> int:
+        return len(self.caches)
+
+    def run(self) -> None:
+        """Every slot's draft pass (the captured body): logits [slots * (B-1), V]."""
+        B, S = self.drafter.cfg.block_size, self.slots
+        items = [(self.ctx[i], self.caches[i], self.starts[i]) for i in range(S)]
+        h = self.drafter.forward_batch(items, self.target.embed(self.blocks.reshape(-1)),
+                                       n_ctx=[self.n_ctx[i] for i in range(S)])
+        self.logits = self.target.lm_head(h.view(S, B, -1)[:, 1:].reshape(S * (B - 1), -1))
+
+
+class DraftSlots:
+    """The slots of a :class:`~.scheduler.Scheduler`'s drafting requests (``mode`` "graph": the pass replayed from a
+    CUDA graph; "static": run eagerly, the graph's arithmetic on any device)."""
+
+    def __init__(self, target: Target, drafter: Any, mode: str) -> None:
+        self.target, self.drafter, self.mode = target, drafter, mode
+        self.sets: dict[int, SlotSet] = {}
+        self.pool: Any = None
+        self.owners = derived_owners([target, drafter])
+        self.captures = 0
+        log_once(f"draft-slots:{mode}", "batched draft passes over static slots"
+                 + (" replayed from CUDA graphs" if mode == "graph" else " (run eagerly)"))
+
+    def take(self, tokens: int) -> tuple[int, int]:
+        """A slot whose draft cache holds ``tokens`` positions and a block past them: (capacity, slot)."""
+        cap = capacity_bucket(tokens + self.drafter.cfg.block_size)
+        held = self.sets.get(cap)
+        if held is None or not held.free:
+            n = MIN_SLOTS if held is None else 2 * held.slots
+            held = self.sets[cap] = SlotSet(self.target, self.drafter, cap, n, self.mode,
+                                            [] if held is None else held.caches)
+            if n > MIN_SLOTS:   # the requests holding slots keep them (and their caches)
+                held.free = list(range(n // 2, n))[::-1]
+            log.debug("draft slots: %d of capacity %d", n, cap)
+        return cap, held.free.pop()
+
+    def cache(self, where: tuple[int, int]) -> DraftCache:
+        return self.sets[where[0]].caches[where[1]]
+
+    def give(self, where: tuple[int, int]) -> None:
+        """A request's slot back (its cache is kept for the next request)."""
+        self.sets[where[0]].free.append(where[1])
+
+    def propose(self, asks: list[tuple[tuple[int, int], torch.Tensor | None, torch.Tensor, int]]) -> list[torch.Tensor]:
+        """Draft logits [B-1, V] for each ask (slot, context rows [R, K*D] or None, bonus [], start): each capacity's
+        slots in one pass. Rows past a block's worth go into the cache eagerly first (a request's first pass holds
+        its prompt's)."""
+        B = self.drafter.cfg.block_size
+        out: list[torch.Tensor | None] = [None] * len(asks)
+        for cap, held in self.sets.items():
+            mine = [k for k, a in enumerate(asks) if a[0][0] == cap]
+            if not mine:
+                continue
+            n_ctx, starts = [0] * held.slots, [cap - B] * held.slots   # idle slots: the scratch block
+            rows, dest, bonus, at = [], [], [], []
+            for k in mine:
+                (_, i), ctx, b, start = asks[k]
+                r = 0 if ctx is None else ctx.shape[0]
+                if r > B:
+                    cache = held.caches[i]
+                    cache.length = start - r
+                    self.drafter.append_context(ctx[:r - B], cache)
+                    ctx, r = ctx[r - B:], B
+                if r:
+                    rows.append(ctx)
+                    dest.extend(range(i * B, i * B + r))
+                n_ctx[i], starts[i] = r, start
+                bonus.append(b.reshape(1))
+                at.append(i)
+            dev = held.ctx.device
+            host = torch.tensor(n_ctx + starts + at + dest, dtype=torch.long).to(dev)   # one copy
+            S, A = held.slots, len(at)
+            held.n_ctx.copy_(host[:S])
+            held.starts.copy_(host[S:2 * S])
+            slots = host[2 * S:2 * S + A]
+            if rows:
+                flat = held.ctx.view(S * B, -1)
+                flat.index_copy_(0, host[2 * S + A:], torch.cat(rows).to(dtype=flat.dtype))
+            held.blocks[:, 0].index_copy_(0, slots, torch.cat(bonus).to(dev))
+            self._run(held)
+            got = held.logits.view(S, B - 1, -1).index_select(0, slots)   # a copy: the next pass rewrites them
+            for k, logits in zip(mine, got):
+                out[k] = logits
+        return out
+
+    def _run(self, held: SlotSet) -> None:
+        if self.mode != "graph":
+            with torch.no_grad():
+                held.run()
+            return
+        if held.captured is None:
+            target, owners = self.target, self.owners
+            held.captured = CapturedStep(held.run, target.device, lambda: watched(target, owners, rope=False),
+                                         "draft pass")
+        with torch.no_grad():
+            self.pool, captured = held.captured.replay(self.pool)
+        if captured:
+            self.captures += 1
+            log.info("draft slots: captured %d slots of capacity %d", held.slots, held.capacity)
+
+    def release(self) -> None:
+        self.sets.clear()

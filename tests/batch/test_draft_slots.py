@@ -1,0 +1,90 @@
+"""The drafter's batched pass over static slots (kdtree_engine/batch/draft_slots.py), run eagerly on the CPU (the
+arithmetic a CUDA graph replays).
+
+Oracles: each request's eager draft passes alone (DFlashDrafter.propose over its own draft cache) for the logits;
+each request's solo run for the tokens of requests batched through a scheduler whose draft passes take the slots.
+Seeds printed."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from kdtree_engine.batch.draft_slots import MIN_SLOTS, DraftSlots
+from kdtree_engine.engine import DEMO_DIR, load_drafter, load_target
+from kdtree_engine.tokenizer import load_tokenizer
+
+from batch_cases import Case, batched, first_difference, make_cases, solo
+
+
+def demo():
+    target = load_target(DEMO_DIR, device=torch.device("cpu"), dtype=torch.float32, progress=False)
+    return target, load_drafter(DEMO_DIR / "draft", target)
+
+
+def test_slot_passes_equal_each_requests_eager_passes() -> None:
+    """Requests take slots (more than the first slots: the slots double), draft in changing subsets (an idle slot
+    runs on its scratch block), first passes carrying whole prompts (rows past a block go in eagerly), later passes a
+    round's accepted rows; a request that ends gives its slot to a new one. Every pass's logits == the request's
+    eager pass over its own cache."""
+    seed = random.randrange(1 << 30)
+    print(f"seed {seed}")
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    target, drafter = demo()
+    B, V = drafter.cfg.block_size, target.cfg.vocab_size
+    feat = len(drafter.target_layer_ids) * target.cfg.hidden_size
+    slots = DraftSlots(target, drafter, "static")
+
+    def new_request() -> dict:
+        prompt = rng.randint(1, 3 * B)
+        limit = rng.randint(8, 40)
+        where = slots.take(prompt + limit + 1)
+        slots.cache(where).length = 0
+        return {"where": where, "eager": drafter.new_cache(prompt + limit + 1), "start": prompt, "end": prompt + limit,
+                "ctx": torch.randn(prompt, feat, generator=gen)}
+
+    live = [new_request() for _ in range(MIN_SLOTS + 3)]
+    for step in range(12):
+        asked = [r for r in live if rng.random() < 0.7]
+        if not asked:
+            continue
+        asks = []
+        for r in asked:
+            r["bonus"] = torch.tensor(rng.randrange(V))
+            asks.append((r["where"], r["ctx"], r["bonus"], r["start"]))
+        got = slots.propose(asks)
+        for r, logits in zip(asked, got):
+            want = drafter.propose(target, r["ctx"], r["bonus"], r["eager"], r["start"])
+            torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
+            accepted = rng.randint(1, B)   # the next round's context: its accepted rows
+            r["start"] += accepted
+            r["ctx"] = torch.randn(accepted, feat, generator=gen)
+        for r in [r for r in live if r["start"] + B > r["end"]]:
+            slots.give(r["where"])
+            live.remove(r)
+            live.append(new_request())
+    assert len({r["where"] for r in live}) == len(live)
+    slots.release()
+
+
+def test_scheduler_over_draft_slots_keeps_solo_tokens(monkeypatch) -> None:
+    """More drafting requests than the first slots, arriving at different steps, through static steps and draft
+    slots: every request's tokens == its solo run's, every slot back once all have ended."""
+    seed = random.randrange(1 << 30)
+    print(f"seed {seed}")
+    target, drafter = demo()
+    tok = load_tokenizer(DEMO_DIR)
+    cases = [Case(c.prompt, c.params, "ddtree" if i % 2 else "dflash", 8 if i % 2 else None, c.arrives)
+             for i, c in enumerate(make_cases(tok, 2 * MIN_SLOTS + 1, seed, max_prompt=70, max_tokens=14))]
+    passes, at_close = [], []
+    real_propose, real_release = DraftSlots.propose, DraftSlots.release
+    monkeypatch.setattr(DraftSlots, "propose", lambda self, asks: (passes.append(len(asks)), real_propose(self, asks))[1])
+    monkeypatch.setattr(DraftSlots, "release", lambda self: (at_close.extend(
+        (len(h.free), h.slots) for h in self.sets.values()), real_release(self))[1])
+    results, _, sched = batched(target, drafter, cases, 48, token_budget=256, step_mode="static")
+    assert max(passes) > MIN_SLOTS and at_close and all(free == n for free, n in at_close)
+    for i, (case, res) in enumerate(zip(cases, results)):
+        ref, _ = solo(target, drafter, case, 48)
+        assert res.token_ids == ref.token_ids, (i, case.method, first_difference(res.token_ids, ref.token_ids))
