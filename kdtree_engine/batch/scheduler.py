@@ -371,10 +371,11 @@ class Scheduler:
             if seq.shape.auto:
                 auto.append((seq, draft_logits))
             elif seq.shape.method == "ddtree":
-                ddtrees.append((seq, draft_logits, r.top_of(draft_logits)))
+                ddtrees.append((seq, draft_logits, seq.shape.budget))
             else:
                 plans[seq.id] = r.plan_tree(draft_logits, r.tree_for(draft_logits))
-        trees = trees_of([s.rounds for s, _, _ in ddtrees], [top for _, _, top in ddtrees])
+        tops = self._tops([(d, b) for _, d, b in ddtrees])
+        trees = trees_of([s.rounds for s, _, _ in ddtrees], [(*top, b) for top, (_, _, b) in zip(tops, ddtrees)])
         for (seq, draft_logits, _), tree in zip(ddtrees, trees):
             plans[seq.id] = seq.rounds.plan_tree(draft_logits, tree)
         if auto:
@@ -400,24 +401,40 @@ class Scheduler:
         (self.probe_s if probe else self.draft_s).update((time.perf_counter() - t0) / len(asks))
         return out
 
+    def _tops(self, asks: list[tuple[torch.Tensor, int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Top-k log-probs and ids of several requests' draft logits [depth_i, V] (k_i each): one launch for the
+        requests of each k (the kernel is row-wise: each request's rows as alone)."""
+        out: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(asks)
+        vocab = getattr(self.target, "vocab_shard", None)
+        for k in sorted({k for _, k in asks}):
+            mine = [i for i, (_, kk) in enumerate(asks) if kk == k]
+            lp, ids = topk_logprobs(torch.cat([asks[i][0] for i in mine]), k, policy=self.target.policy, vocab=vocab)
+            sizes = [asks[i][0].shape[0] for i in mine]
+            for i, a, b in zip(mine, lp.split(sizes), ids.split(sizes)):
+                out[i] = (a, b)
+        return out
+
     def _plan_auto(self, auto: list[tuple[Sequence, torch.Tensor | None]], fixed: list[int]) -> dict[int, RoundPlan]:
         """Trees for the load-aware requests: budgets from their expected acceptance and the batch's verify cost; each
         request given a tree is charged its draft pass and the host time a tree adds (:attr:`tree_host_s`). ``fixed``:
         the rows of the other running requests' rounds. With static steps every request's rows are padded to the
         widest round, so the load-aware requests share one budget."""
-        target = self.target
         self._verify_cost()   # the curve is measured on first use: untimed
         t0 = time.perf_counter()
-        tops, expected = [], []
-        for seq, draft_logits in auto:
-            mb = seq.shape.budget
-            if draft_logits is None:
-                tops.append(None)
+        drafted_at = [k for k, (_, d) in enumerate(auto) if d is not None]
+        tops: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(auto)
+        for k, top in zip(drafted_at, self._tops([(auto[k][1], auto[k][0].shape.budget) for k in drafted_at])):
+            tops[k] = top
+        # the expected gains read the log-probs on the host: every request's in one copy
+        host = torch.cat([tops[k][0].reshape(-1) for k in drafted_at]).cpu() if drafted_at else None
+        expected, at = [], 0
+        for (seq, _), top in zip(auto, tops):
+            if top is None:
                 expected.append(torch.zeros(0, dtype=torch.float64))
                 continue
-            lp, ids = topk_logprobs(draft_logits, mb, policy=target.policy, vocab=seq.rounds.vocab)
-            tops.append((lp, ids))
-            expected.append(expected_accepted_by_budget(lp, mb))
+            lp = host[at:at + top[0].numel()].view(top[0].shape)
+            at += top[0].numel()
+            expected.append(expected_accepted_by_budget(lp, seq.shape.budget))
         calibrated = [e * seq.calibration.factor for (seq, _), e in zip(auto, expected)]
         fixed_rows = sum(fixed)
         padded = None if self.steps is None else (len(fixed), max(fixed, default=1), padded_rows)

@@ -80,7 +80,8 @@ def test_scheduler_over_draft_slots_keeps_solo_tokens(monkeypatch) -> None:
              for i, c in enumerate(make_cases(tok, 2 * MIN_SLOTS + 1, seed, max_prompt=70, max_tokens=14))]
     passes, at_close = [], []
     real_propose, real_release = DraftSlots.propose, DraftSlots.release
-    monkeypatch.setattr(DraftSlots, "propose", lambda self, asks: (passes.append(len(asks)), real_propose(self, asks))[1])
+    monkeypatch.setattr(DraftSlots, "propose",
+                        lambda self, asks: (passes.append(len(asks)), real_propose(self, asks))[1])
     monkeypatch.setattr(DraftSlots, "release", lambda self: (at_close.extend(
         (len(h.free), h.slots) for h in self.sets.values()), real_release(self))[1])
     results, _, sched = batched(target, drafter, cases, 48, token_budget=256, step_mode="static")
