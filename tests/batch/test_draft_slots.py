@@ -8,6 +8,7 @@ Seeds printed."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import torch
 
@@ -76,7 +77,9 @@ def test_scheduler_over_draft_slots_keeps_solo_tokens(monkeypatch) -> None:
     print(f"seed {seed}")
     target, drafter = demo()
     tok = load_tokenizer(DEMO_DIR)
-    cases = [Case(c.prompt, c.params, "ddtree" if i % 2 else "dflash", 8 if i % 2 else None, c.arrives)
+    # the first MIN_SLOTS + 2 together (their prompts in one step: more drafting requests than the first slots)
+    cases = [Case(c.prompt, replace(c.params, max_tokens=max(c.params.max_tokens, 8)), "ddtree" if i % 2 else "dflash",
+                  8 if i % 2 else None, 0 if i < MIN_SLOTS + 2 else c.arrives)
              for i, c in enumerate(make_cases(tok, 2 * MIN_SLOTS + 1, seed, max_prompt=70, max_tokens=14))]
     passes, at_close = [], []
     real_propose, real_release = DraftSlots.propose, DraftSlots.release
@@ -84,7 +87,7 @@ def test_scheduler_over_draft_slots_keeps_solo_tokens(monkeypatch) -> None:
                         lambda self, asks: (passes.append(len(asks)), real_propose(self, asks))[1])
     monkeypatch.setattr(DraftSlots, "release", lambda self: (at_close.extend(
         (len(h.free), h.slots) for h in self.sets.values()), real_release(self))[1])
-    results, _, sched = batched(target, drafter, cases, 48, token_budget=256, step_mode="static")
+    results, _, sched = batched(target, drafter, cases, 48, token_budget=1024, step_mode="static")
     assert max(passes) > MIN_SLOTS and at_close and all(free == n for free, n in at_close)
     for i, (case, res) in enumerate(zip(cases, results)):
         ref, _ = solo(target, drafter, case, 48)
