@@ -21,6 +21,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 from ..cache import BLOCK, LatentCache, blocks_for
@@ -93,7 +94,7 @@ class Slots:
         # laying out a step never waits for the stream (the next step is queued while this one runs: .ahead); two
         # buffers in turn: a buffer is written again two steps later, when its copy has long run (each step's
         # tokens are read, or its successor's, before then)
-        n = 2 * B * W + B
+        n = 3 * B * W + B + B * W * W   # positions, starts, the parts' rows, the trees' rows, the trees' mask entries
         pinned = dev.type == "cuda"
         self.stage_host = [torch.empty(n, dtype=torch.long, pin_memory=pinned) for _ in range(2)]
         self.stage = torch.empty(n, dtype=torch.long, device=dev)
@@ -117,6 +118,7 @@ class Slots:
         starts = [0] * B
         positions = torch.arange(W, dtype=torch.long).repeat(B, 1)   # [B, W] host: start + j for untouched rows
         spans, dest = [], []
+        trees, tree_rows, mask_at = [], [], []   # the tree parts, their rows, their mask entries
         for i in range(B):
             p = parts[i] if i < len(parts) else None
             cache = None if p is None else p.cache
@@ -137,25 +139,38 @@ class Slots:
             starts[i] = start
             positions[i] += start
             if p.tree_mask is not None:
-                self.masks[i, :T, :T].copy_(p.tree_mask)
+                trees.append(p)
+                tree_rows.extend(range(i * W, i * W + T))
+                mask_at.append(i * W * W + self.block_entries(T))
                 self.treed[i] = True
             spans.append((i * W, T))
             dest.extend(range(i * W, i * W + T))
-        BW, nd = B * W, len(dest)
+        BW, nd, nt = B * W, len(dest), len(tree_rows)
+        entries = torch.from_numpy(np.concatenate(mask_at)) if trees else torch.zeros(0, dtype=torch.long)
+        ne = entries.numel()
         host = self.stage_host[self.turn]
         self.turn ^= 1
         host[:BW].copy_(positions.reshape(-1))
         host[BW:BW + B].copy_(torch.tensor(starts, dtype=torch.long))
         host[BW + B:BW + B + nd].copy_(torch.tensor(dest, dtype=torch.long))
-        self.stage[:BW + B + nd].copy_(host[:BW + B + nd], non_blocking=True)
+        at = BW + B + nd
+        host[at:at + nt].copy_(torch.tensor(tree_rows, dtype=torch.long))
+        host[at + nt:at + nt + ne].copy_(entries)
+        self.stage[:at + nt + ne].copy_(host[:at + nt + ne], non_blocking=True)
         self.positions.copy_(self.stage[:BW])
-        for (row, T), p in zip(spans, parts):   # a tree's nodes sit at their depths, not at start + j
-            if p.tree_mask is not None:
-                self.positions[row:row + T].copy_(p.positions)
+        if trees:   # a tree's nodes sit at their depths, not at start + j; its mask fills its slot's top-left block
+            self.positions.index_copy_(0, self.stage[at:at + nt], torch.cat([p.positions for p in trees]))
+            self.masks.view(-1).index_copy_(0, self.stage[at + nt:at + nt + ne],
+                                            torch.cat([p.tree_mask.reshape(-1) for p in trees]))
         self.starts.copy_(self.stage[BW:BW + B])
         rows = self.stage[BW + B:BW + B + nd]
         self.ids.index_copy_(0, rows, torch.cat([p.ids.to(dev) for p in parts]))
         return spans, rows
+
+    def block_entries(self, T: int) -> np.ndarray:
+        """Flat entries of a slot's [W, W] mask holding a T-node tree: its top-left T x T block, row-major."""
+        W = self.key.width
+        return (np.arange(T)[:, None] * W + np.arange(T)[None, :]).reshape(-1)
 
 
 class BatchedSteps:

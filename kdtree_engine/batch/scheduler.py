@@ -240,6 +240,8 @@ class Scheduler:
         treed = [k for k, p in enumerate(plans) if p.tree is not None]
         t_walk = time.perf_counter()
         walks = self._walk([running[k] for k in treed], [plans[k] for k in treed], [outs[k] for k in treed])
+        # the accepted nodes' aux rows (the drafter's next context) for every tree in one gather
+        aux = walks.take([outs[k].aux for k in treed]) if walks is not None else []
         walk_s = (time.perf_counter() - t_walk) / max(len(treed), 1)   # a tree's share of the batch's walk
         auto_walks = sum(running[k].shape.auto and plans[k].tree.num_nodes > 1 for k in treed)
         walk_of = {k: i for i, k in enumerate(treed)}
@@ -247,7 +249,7 @@ class Scheduler:
             if plan.tree is None:
                 seq.rounds.absorb(plan, out, picked.get(seq.id))
             else:
-                seq.rounds.absorb_walk(plan, out, walks, walk_of[k])
+                seq.rounds.absorb_walk(plan, out, walks, walk_of[k], aux[walk_of[k]])
             if seq.calibration is not None and plan.tree is not None and plan.tree.num_nodes > 1:
                 seq.calibration.update(seq.rounds.stats.accepted_lens[-1] - 1, seq.predicted)
                 self.calibration.update(seq.rounds.stats.accepted_lens[-1] - 1, seq.predicted)

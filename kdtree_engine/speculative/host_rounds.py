@@ -212,15 +212,17 @@ class HostRounds:
         generator)."""
         return target_picks(logits, self.params, self.gen, policy=self.target.policy, vocab=self.vocab)
 
-    def absorb_walk(self, plan: RoundPlan, vout: TargetOutput, walks: TreeWalks, r: int) -> None:
+    def absorb_walk(self, plan: RoundPlan, vout: TargetOutput, walks: TreeWalks, r: int,
+                    aux: torch.Tensor | None = None) -> None:
         """A tree round after its walk (``walks``' tree ``r``, as :func:`~.walks.walk_trees` gives it for a batch of
-        requests) and the commit of its accepted nodes: the emitted tokens, the drafter's context, the stats."""
+        requests) and the commit of its accepted nodes: the emitted tokens, the drafter's context (``aux``: the
+        accepted nodes' aux rows, where the batch took them together), the stats."""
         tree, timer = plan.tree, self.timer
         accepted, bonus = walks.accepted(r), walks.bonus[r]
         self.keep_logits(vout.logits.index_select(0, accepted))
         # positions start .. start+A-1; a round without a draft pass (no room, or skipped under load) leaves its
         # context for the next one
-        self.ctx.append(vout.aux.index_select(0, accepted))
+        self.ctx.append(vout.aux.index_select(0, accepted) if aux is None else aux)
         self._out = walks.tokens[r]
         self.bonus = bonus
         timer.lap("commit_s")

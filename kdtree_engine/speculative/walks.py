@@ -36,6 +36,17 @@ class TreeWalks:
         """[A] device long: tree r's accepted nodes, root first (ascending)."""
         return self.nodes[r, :self.counts[r]]
 
+    def take(self, blocks: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Each tree's accepted rows of its block ``blocks[r]`` [N1_r, ...] (rows in node order), for every tree in one
+        gather: a list of [A_r, ...]."""
+        R, M = self.nodes.shape
+        dev = self.nodes.device
+        starts = [0, *accumulate(b.shape[0] for b in blocks)][:R]
+        picked = [r * M + j for r, a in enumerate(self.counts) for j in range(a)]
+        host = torch.tensor(starts + picked, dtype=torch.long).to(dev)   # one copy
+        flat = (host[:R].unsqueeze(1) + self.nodes).reshape(-1).index_select(0, host[R:])
+        return list(torch.cat(list(blocks)).index_select(0, flat).split(self.counts))
+
 
 def walk_trees(trees: Sequence[DraftTree], picks: torch.Tensor) -> TreeWalks:
     """The walks of ``trees`` given the target's pick at every node, ``picks`` [sum of the trees' nodes] long (the

@@ -65,6 +65,9 @@ def test_walks_of_many_trees_equal_each_tree_walked_alone(R: int) -> None:
             assert walks.accepted(r).tolist() == path
             assert int(walks.bonus[r]) == bonus
             assert walks.tokens[r] == [tree.tokens.tolist()[i] for i in path[1:]] + [bonus]
+        rows = [torch.randn(t.num_nodes, 3, generator=gen) for t in trees]   # a block of rows per tree, node order
+        for r, (got, block) in enumerate(zip(walks.take(rows), rows)):
+            assert torch.equal(got, block[accept_reference(trees[r], picks[r])[0]])
 
 
 def test_walks_refuse_picks_of_another_size() -> None:
