@@ -139,20 +139,23 @@ def build_trees_heap(asks: list[HeapAsk]) -> list[DraftTree]:
     if not asks:
         return []
     device = asks[0].ids.device
-    parts = []
-    for a in asks:
-        parts += [a.lp.detach().float().clamp_min(LP_FLOOR).double().reshape(-1), a.ids.double().reshape(-1)]
-        parts += [torch.as_tensor(v, device=device).double().reshape(1) for v in (a.root_token, a.start)]
+    # what lives on the device (the log-probs, the ids, roots and starts given as tensors) in one copy; a handful of
+    # launches whatever the number of trees
+    scalars = [v for a in asks for v in (a.root_token, a.start) if isinstance(v, torch.Tensor)]
+    lp = torch.cat([a.lp.detach().reshape(-1).float() for a in asks]).clamp_min(LP_FLOOR).double()
+    ids = torch.cat([a.ids.reshape(-1) for a in asks]).double()
+    parts = [lp, ids] + ([torch.stack([v.reshape(()) for v in scalars]).to(device).double()] if scalars else [])
     host = torch.cat(parts).cpu().numpy()
+    n = lp.numel()
+    lps, idss, held = host[:n].astype(np.float32), host[n:2 * n].astype(np.int64), iter(host[2 * n:].tolist())
     longs: list[np.ndarray] = []
     masks: list[np.ndarray] = []
     at = 0
     for a in asks:
         size = a.lp.numel()
-        lpl = host[at:at + size].astype(np.float32).reshape(a.lp.shape)
-        idl = host[at + size:at + 2 * size].astype(np.int64).reshape(a.ids.shape)
-        root, start = int(host[at + 2 * size]), int(host[at + 2 * size + 1])
-        at += 2 * size + 2
+        lpl, idl = lps[at:at + size].reshape(a.lp.shape), idss[at:at + size].reshape(a.ids.shape)
+        at += size
+        root, start = (int(next(held)) if isinstance(v, torch.Tensor) else int(v) for v in (a.root_token, a.start))
         tokens, parents, depths = heap_tree(lpl, idl, a.budget, root)
         dep = np.asarray(depths, dtype=np.int64)
         longs.append(np.concatenate([np.asarray(tokens, dtype=np.int64), np.asarray(parents, dtype=np.int64), dep,

@@ -130,9 +130,13 @@ def test_many_heap_trees_in_one_pass_equal_the_vectorized_builder_tree_by_tree(t
             budget = int(torch.randint(0, 70, (1,), generator=gen))
             lp, ids = topk_logprobs(_random_logits(L, V, gen, ties), max(budget, 1), policy=POLICY)
             root = torch.randint(0, 50000, (), generator=gen)   # a device tensor, as a request's bonus token
-            asks.append(HeapAsk(lp, ids, budget, root, int(torch.randint(0, 300000, (1,), generator=gen))))
+            start = int(torch.randint(0, 300000, (1,), generator=gen))
+            if len(asks) % 3 == 1:   # an int root and a tensor start, as other callers give them
+                root, start = int(root), torch.tensor(start)
+            asks.append(HeapAsk(lp, ids, budget, root, start))
         for ask, tree in zip(asks, build_trees_heap(asks)):
-            vec = build_tree(ask.lp, ask.ids, ask.budget, root_token=ask.root_token, start=torch.tensor(ask.start))
+            vec = build_tree(ask.lp, ask.ids, ask.budget, root_token=torch.as_tensor(ask.root_token),
+                             start=torch.as_tensor(ask.start))
             for name in ("tokens", "parents", "depths", "positions", "mask"):
                 assert torch.equal(getattr(tree, name), getattr(vec, name)), name
 
