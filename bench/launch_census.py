@@ -6,6 +6,12 @@
 
 One device-resident round (:class:`DeviceRound.step`, what a CUDA graph replays) per method (none, dflash,
 ddtree at ``--budget``) of the embedded demo model and its drafter, after a prompt and one warm-up round.
+
+``--batch N[,N...]``: instead, one step of the continuous batch (``Scheduler.step`` with static steps, the
+arithmetic CUDA replays from graphs) with N greedy DDTree requests at ``--budget``, after their prompts and two
+warm-up steps: the ops the HOST launches in that step. The bodies CUDA replays from a graph (the static slots'
+forward, the draft slots' pass where the code has them) are not counted; everything else is (the draft pass where
+it is host-driven, top-k, trees, the slots' inputs, picks, walks, commits).
 Every op that would be a device kernel is counted and attributed to a part of the model:
 
   * aten ops, seen through a TorchDispatchMode; views (``OpOverload.is_view``) and bare allocations
@@ -86,6 +92,11 @@ PARTS: dict[tuple[str, str], str] = {
     ("cache.py", "*"): "commit",
     ("device_round.py", "*"): "round",
     ("sampling.py", "*"): "round",
+    ("walks.py", "*"): "accept",
+    ("host_rounds.py", "*"): "round",
+    ("graph_step.py", "*"): "slots",
+    ("draft_slots.py", "*"): "drafter",
+    ("scheduler.py", "*"): "batch",
 }
 
 
@@ -213,6 +224,49 @@ def census_round(rnd: DeviceRound, prompt: list[int], triton: bool) -> Counter:
     return census.counts
 
 
+def census_batch(target: Any, drafter: Any, n: int, budget: int, triton: bool) -> Counter:
+    """The host's ops in one step of ``n`` DDTree requests through the scheduler's static steps (graph bodies
+    paused: CUDA replays them)."""
+    from kdtree_engine.batch import graph_step
+    from kdtree_engine.batch.scheduler import Scheduler
+    from kdtree_engine.sampling import SamplingParams
+    census = Census()
+    bodies = [(graph_step.Slots, "run")]
+    try:
+        from kdtree_engine.batch import draft_slots
+        bodies.append((draft_slots.SlotSet, "run"))
+    except ImportError:   # code without draft slots: the draft pass is host-driven, and counted
+        pass
+
+    def paused(fn: Any) -> Any:
+        def run(self: Any) -> Any:
+            census.paused += 1
+            try:
+                return fn(self)
+            finally:
+                census.paused -= 1
+        return run
+    saved = [(cls, name, getattr(cls, name)) for cls, name in bodies]
+    for cls, name, fn in saved:
+        setattr(cls, name, paused(fn))
+    try:
+        sched = Scheduler(target, drafter, token_budget=4096, step_mode="static")
+        for i in range(n):
+            sched.submit(list(range(2 + i, 26 + i)), SamplingParams(max_tokens=64, ignore_eos=True), spec="ddtree",
+                         budget=budget)
+        for _ in range(3):   # the prompts, then two tree steps (lazy weight preparation, the slots)
+            sched.step()
+        if triton:
+            hook_triton(census)
+        with census:
+            sched.step()
+        sched.close()
+    finally:
+        for cls, name, fn in saved:
+            setattr(cls, name, fn)
+    return census.counts
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=str(DEMO))
@@ -224,6 +278,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--triton", action="store_true", help="CUDA kernel choices in the Triton interpreter")
     ap.add_argument("--top", type=int, default=15, help="ops listed per method")
     ap.add_argument("--json", default=None, help="write the summaries here")
+    ap.add_argument("--batch", default=None, help="requests a batched step, comma-separated: the host's ops of one "
+                    "scheduler step of that many DDTree requests at --budget (instead of device rounds)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     dev = torch.device("cpu")
@@ -233,7 +289,15 @@ def main(argv: list[str] | None = None) -> dict:
     kinds = layer_types(target)
     prompt = list(range(2, 26))
     report = {"mode": "triton-interpreter" if args.triton else "torch (cpu backends)", "methods": {}}
-    for method in args.methods.split(","):
+    if args.batch:
+        report["batch"] = {}
+        for n in (int(x) for x in args.batch.split(",")):
+            s = summarize(census_batch(target, drafter, n, args.budget, args.triton), kinds)
+            report["batch"][n] = s
+            print(f"== {n} requests, ddtree-{args.budget}: {s['total']} host ops a step [{report['mode']}]")
+            print("   parts: " + ", ".join(f"{p} {c}" for p, c in s["parts"].items()))
+            print("   top ops: " + ", ".join(f"{o} {c}" for o, c in s["top_ops"][: args.top]))
+    for method in ([] if args.batch else args.methods.split(",")):
         shape = SpecConfig(method, args.budget if method == "ddtree" else None).resolve(drafter.block_size,
                                                                                        target.cfg.vocab_size)
         rnd = DeviceRound(target, drafter, shape, args.capacity)

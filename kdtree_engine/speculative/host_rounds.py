@@ -219,7 +219,8 @@ class HostRounds:
         accepted nodes' aux rows, where the batch took them together), the stats."""
         tree, timer = plan.tree, self.timer
         accepted, bonus = walks.accepted(r), walks.bonus[r]
-        self.keep_logits(vout.logits.index_select(0, accepted))
+        if self.emitted_logits is not None:
+            self.keep_logits(vout.logits.index_select(0, accepted))
         # positions start .. start+A-1; a round without a draft pass (no room, or skipped under load) leaves its
         # context for the next one
         self.ctx.append(vout.aux.index_select(0, accepted) if aux is None else aux)
