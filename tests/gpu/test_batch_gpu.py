@@ -59,3 +59,49 @@ def test_llm_generate_batch_equals_generate():
     solo = llm.generate(prompts, params)
     batch = llm.generate_batch(prompts, params)
     assert [r.token_ids for r in batch] == [r.token_ids for r in solo]
+
+
+def test_draft_slots_graph_equals_eager():
+    """The batched draft pass over static slots (kdtree_engine/batch/draft_slots.py) replayed from CUDA graphs gives
+    the logits of the same pass run eagerly, bit for bit, as requests take slots (past the first slots: a second
+    capture), draft in changing subsets, carry whole prompts into their first pass and give their slots back."""
+    from kdtree_engine.batch.draft_slots import MIN_SLOTS, DraftSlots
+    seed = random.randrange(1 << 30)
+    print(f"seed {seed}")
+    rng = random.Random(seed)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    dev = torch.device("cuda")
+    target = load_target(DEMO_DIR, device=dev, dtype=torch.bfloat16, progress=False)
+    drafter = load_drafter(DEMO_DIR / "draft", target)
+    B, V = drafter.cfg.block_size, target.cfg.vocab_size
+    feat = len(drafter.target_layer_ids) * target.cfg.hidden_size
+    graph, eager = DraftSlots(target, drafter, "graph"), DraftSlots(target, drafter, "static")
+
+    def new_request() -> dict:
+        prompt, limit = rng.randint(1, 3 * B), rng.randint(8, 40)
+        where = [s.take(prompt + limit + 1) for s in (graph, eager)]
+        for s, w in zip((graph, eager), where):
+            s.cache(w).length = 0
+        return {"where": where, "start": prompt, "end": prompt + limit,
+                "ctx": torch.randn(prompt, feat, generator=gen, device=dev).to(target.dtype)}
+
+    live = [new_request() for _ in range(MIN_SLOTS + 3)]
+    bad = []
+    for step in range(16):
+        asked = [r for r in live if rng.random() < 0.7] or live[:1]
+        for r in asked:
+            r["bonus"] = torch.tensor(rng.randrange(V), device=dev)
+        got = [s.propose([(r["where"][k], r["ctx"], r["bonus"], r["start"]) for r in asked])
+               for k, s in enumerate((graph, eager))]
+        bad += [f"step {step} request {i}" for i, (a, b) in enumerate(zip(*got)) if not torch.equal(a, b)]
+        for r in asked:
+            accepted = rng.randint(1, B)
+            r["start"] += accepted
+            r["ctx"] = torch.randn(accepted, feat, generator=gen, device=dev).to(target.dtype)
+        for r in [r for r in live if r["start"] + B > r["end"]]:
+            for s, w in zip((graph, eager), r["where"]):
+                s.give(w)
+            live.remove(r)
+            live.append(new_request())
+    print(f"{graph.captures} captures")
+    assert graph.captures >= 2 and not bad, "\n".join(bad)
