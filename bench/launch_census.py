@@ -172,7 +172,8 @@ def hook_triton(census: Census) -> None:
     orig = interpreter.GridExecutor.__call__
 
     def call(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
-        census.record("triton:" + self.fn.__name__)
+        if not census.paused:   # a launch inside a paused body (a graph's) is not the host's
+            census.record("triton:" + self.fn.__name__)
         census.paused += 1
         try:
             return orig(self, *args, **kwargs)
