@@ -173,6 +173,28 @@ def test_launch_census_counts_every_part(tmp_path):
     assert tree["parts"]["drafter"] > 0
 
 
+@pytest.mark.skipif(not (DEMO / "config.json").exists(), reason="embedded demo missing")
+def test_launch_census_of_a_batched_step_leaves_out_the_graph_bodies(tmp_path):
+    """The census of a batched step (torch paths): every op lands in a part; none of the target's layers or lm_head
+    (the slots' forward, replayed from a graph on CUDA) nor of the drafter's layers (the draft slots' pass) is
+    counted; the walks and trees are."""
+    from bench import launch_census
+
+    out = tmp_path / "census.json"
+    args = ["--batch", "1,3", "--budget", "4", "--top", "3", "--json", str(out)]
+    rep = launch_census.main(args)
+    written = json.loads(out.read_text())
+    check_run_metadata(written.pop("meta"), shlex.join(["python3", "bench/launch_census.py", *args]))
+    assert written == json.loads(json.dumps(rep))
+    for n in (1, 3):
+        s = rep["batch"][n]
+        assert s["total"] > 0 and sum(s["parts"].values()) == s["total"]
+        assert not {"target layers", "lm_head", "mla", "norm"} & set(s["parts"])
+        assert s["parts"]["accept"] > 0 and s["parts"]["tree"] > 0
+        assert not any(op.startswith("drafter:") and op.split(":")[1] in ("mm", "bmm", "addmm")
+                       for op, _ in s["top_ops"])
+
+
 def test_attention_bench_candidates_are_valid_configs():
     """bench/mla_attention.py builds its sweep candidates at import (from the defaults): each one a config that
     MLAConfig accepts, so a change of the defaults cannot break the bench before it runs."""
