@@ -388,10 +388,13 @@ class Scheduler:
     def _draft(self, asks: list[tuple[Sequence, tuple]], probe: bool = False) -> list[torch.Tensor]:
         """The draft passes of this step (each request's ask: its context rows, newest token, draft cache, position) as
         one batched pass: over the draft slots (.draft_slots), else host-driven (a drafter without one: each alone);
-        their seconds per request feed the load-aware budgets."""
+        with a load-aware request among them, their seconds per request feed the load-aware budgets (a timing waits
+        for the device)."""
         if not asks:
             return []
-        sync(self.target.device)
+        timed = any(s.shape.auto for s, _ in asks)   # only the load-aware budgets read the pass's seconds
+        if timed:
+            sync(self.target.device)
         t0 = time.perf_counter()
         if self.draft_slots is not None:
             out = self.draft_slots.propose([(s.draft_slot, ctx, bonus, start) for s, (ctx, bonus, _, start) in asks])
@@ -399,8 +402,9 @@ class Scheduler:
             out = self.drafter.propose_batch(self.target, [ask for _, ask in asks])
         else:
             out = [self.drafter.propose(self.target, *ask) for _, ask in asks]
-        sync(self.target.device)
-        (self.probe_s if probe else self.draft_s).update((time.perf_counter() - t0) / len(asks))
+        if timed:
+            sync(self.target.device)
+            (self.probe_s if probe else self.draft_s).update((time.perf_counter() - t0) / len(asks))
         return out
 
     def _tops(self, asks: list[tuple[torch.Tensor, int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
