@@ -57,34 +57,43 @@ def walk_trees(trees: Sequence[DraftTree], picks: torch.Tensor) -> TreeWalks:
     R, N, M = len(trees), sum(sizes), max(sizes)
     if picks.shape != (N,):
         raise ValueError(f"picks has shape {tuple(picks.shape)}; the trees have {N} nodes")
-    dev = picks.device
     starts = [0, *accumulate(sizes)][:R]
-    layout = torch.tensor(starts + [r for r, n in enumerate(sizes) for _ in range(n)], dtype=torch.long).to(dev)
-    base, tree_of = layout[:R], layout[R:]
+    layout = torch.tensor(starts + [r for r, n in enumerate(sizes) for _ in range(n)], dtype=torch.long)
+    layout = layout.to(picks.device)
+    tokens, parents = torch.cat([t.tokens for t in trees]), torch.cat([t.parents for t in trees])
+    nodes, count, bonus, emitted = walk_flat(tokens, parents, torch.cat([t.depths for t in trees]), picks,
+                                             layout[:R], layout[R:], M)
+    host = torch.cat([count, emitted.reshape(-1)]).tolist()   # the walk's one read
+    counts = host[:R]
+    return TreeWalks(nodes, bonus, counts, [host[R + r * M:R + r * M + a] for r, a in enumerate(counts)])
+
+
+def walk_flat(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, picks: torch.Tensor,
+              base: torch.Tensor, tree_of: torch.Tensor, M: int
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The walks on the device (no host read: capturable): the trees' nodes laid end to end (``tokens``, ``parents``
+    local to each tree, ``depths``, ``picks`` [N]), tree r's first node at ``base[r]``, node i in tree
+    ``tree_of[i]``, at most ``M`` nodes a tree. Returns (nodes [R, M]: the accepted nodes root first, then 0s;
+    count [R]; bonus [R]; emitted [R, M]: the accepted drafts then the bonus, past the count unspecified)."""
+    R, N, dev = base.shape[0], tokens.shape[0], tokens.device
     node = torch.arange(N, device=dev)
-    tokens = torch.cat([t.tokens for t in trees])
-    parents = torch.cat([t.parents for t in trees])
-    depths = torch.cat([t.depths for t in trees])
+    mine = base.index_select(0, tree_of)
     root = parents < 0
-    up = torch.where(root, node, parents + base.index_select(0, tree_of))   # a root is its own parent
+    up = torch.where(root, node, parents + mine)   # a root is its own parent
     ok = (tokens == picks.index_select(0, up)) | root
     for _ in range((M - 1).bit_length()):   # ok[i]: the AND of match over i and its 2^k - 1 nearest ancestors
         ok = ok & ok.index_select(0, up)
         up = up.index_select(0, up)
     count = torch.zeros(R, dtype=torch.long, device=dev).scatter_add_(0, tree_of, ok.long())
     dst = torch.where(ok, tree_of * M + depths, R * M + node)   # distinct: one path node per (tree, depth)
-    nodes = torch.zeros(R * M + N, dtype=torch.long, device=dev).scatter_(0, dst, node - base.index_select(0, tree_of))
-    nodes = nodes[:R * M].view(R, M)
+    nodes = torch.zeros(R * M + N, dtype=torch.long, device=dev).scatter_(0, dst, node - mine)[:R * M].view(R, M)
     flat = base.unsqueeze(1) + nodes   # [R, M] flat indices of the path nodes
-    deepest = flat.gather(1, (count - 1).unsqueeze(1)).squeeze(1)
-    bonus = picks.index_select(0, deepest)
+    bonus = picks.index_select(0, flat.gather(1, (count - 1).unsqueeze(1)).squeeze(1))
     path = tokens.index_select(0, flat.reshape(-1)).view(R, M)
     j = torch.arange(M, device=dev)
     nxt = path.index_select(1, (j + 1).clamp(max=M - 1))
-    emitted = torch.where(j.unsqueeze(0) == (count - 1).unsqueeze(1), bonus.unsqueeze(1), nxt)   # [R, M]
-    host = torch.cat([count, emitted.reshape(-1)]).tolist()   # the walk's one read
-    counts = host[:R]
-    return TreeWalks(nodes, bonus, counts, [host[R + r * M:R + r * M + a] for r, a in enumerate(counts)])
+    emitted = torch.where(j.unsqueeze(0) == (count - 1).unsqueeze(1), bonus.unsqueeze(1), nxt)
+    return nodes, count, bonus, emitted
 
 
 def commit_walks(caches: Sequence, walks: TreeWalks) -> None:
