@@ -40,12 +40,14 @@ from ..sampling import SamplingParams, greedy, topk_logprobs
 from ..speculative.budget import (SCALE_MAX, AcceptanceCalibration, RecentMedian, RunningMean,
                                   expected_accepted_by_budget, verify_cost_for)
 from ..speculative.config import resolve_spec
+from ..speculative.graph import capacity_bucket
 from ..speculative.decode import Emitter, GenerationResult, OnTokens, context_limit, round_shape
 from ..speculative.host_rounds import HostRounds, RoundPlan, trees_of
 from ..speculative.walks import TreeWalks, commit_walks, walk_trees
 from ..speculative.stats import Timer, sync
 from .ahead import StepsAhead, steady
 from .draft_slots import DraftSlots
+from .tree_slots import TreeSlots
 from .graph_step import MAX_SLOTS, BatchedSteps, padded_rows, resolve_step_mode
 from .load_budget import allocate_budgets
 from .sequence import DONE, PREFILL, RUNNING, Sequence
@@ -87,9 +89,12 @@ class Scheduler:
         self.steps = None if mode == "eager" else BatchedSteps(target, mode)
         # plain greedy steps queued one ahead of the host's read of their tokens (static steps only: .ahead)
         self.ahead = None if self.steps is None else StepsAhead(target.device, MAX_SLOTS)
-        # the drafting requests' passes over static slots (graphs with the static steps): a drafter that batches
-        self.draft_slots = (DraftSlots(target, drafter, mode) if self.steps is not None
-                            and hasattr(drafter, "forward_batch") else None)
+        # the drafting requests' passes over static slots (graphs with the static steps): a drafter that batches;
+        # greedy fixed-budget trees then run whole rounds on the device, a group of slots per round shape (.tree_slots)
+        slots = self.steps is not None and hasattr(drafter, "forward_batch")
+        self.draft_slots = DraftSlots(target, drafter, mode) if slots else None
+        self.tree_slots: dict[tuple, TreeSlots] | None = {} if slots else None
+        self.slot_mode = mode
         self.waiting: deque[Sequence] = deque()
         self.active: list[Sequence] = []   # prefill and running, in admission order
         self._ids = 0
@@ -167,6 +172,7 @@ class Scheduler:
         if self.draft_slots is not None:
             self.draft_slots.release()
             self.draft_slots = None
+            self.tree_slots = None
 
     @property
     def idle(self) -> bool:
@@ -192,7 +198,8 @@ class Scheduler:
             self.ahead.pending = None
             ended += self.ahead.settle(pend, self._end)
         self._admit()
-        running = [s for s in self.active if s.state == RUNNING]
+        ended += self._step_tree_slots([s for s in self.active if s.state == RUNNING and s.tree_slot is not None])
+        running = [s for s in self.active if s.state == RUNNING and s.tree_slot is None]
         plans = self._plan_rounds(running)
         parts: list[BatchPart] = [p.part for p in plans]
         rows = sum(p.ids.shape[0] for p in parts)
@@ -316,6 +323,27 @@ class Scheduler:
             return {}
         picks = self._pick([row for _, row in ids])
         return {i: (picks[k], t) for k, ((i, _), t) in enumerate(zip(ids, picks.tolist()))}
+
+    def _step_tree_slots(self, slotted: list[Sequence]) -> list[Sequence]:
+        """The device-resident rounds of the requests in tree slots: one step of each group that holds one (one
+        replay, one read); returns those that ended."""
+        ended: list[Sequence] = []
+        groups: dict[tuple, list[Sequence]] = {}
+        for seq in slotted:
+            groups.setdefault(seq.tree_slot[0], []).append(seq)
+        for key, members in groups.items():
+            group = self.tree_slots[key]
+            tokens, kept = group.step()
+            self.forwards += 1
+            self.rows_run += group.slots * group.n1
+            for seq in members:
+                i = seq.tree_slot[1]
+                if kept is not None:
+                    seq.rounds.keep_logits(kept[i])
+                seq.rounds.stats.record(len(tokens[i]), group.n1 - 1)
+                if seq.emit.push(tokens[i]):
+                    ended.append(self._end(seq))
+        return ended
 
     def _walk(self, seqs: list[Sequence], plans: list[RoundPlan], outs: list[TargetOutput]) -> TreeWalks | None:
         """The accept walks of this step's trees, all in one pass (.walks): the greedy requests' picks in one launch,
@@ -564,11 +592,21 @@ class Scheduler:
             return
         prompt_aux = torch.cat(seq.prompt_aux) if seq.prompt_aux else None
         seq.prompt_aux = []
-        dcache = None
-        if self.draft_slots is not None and seq.rounds.drafter is not None:
+        dcache, group = None, None
+        if self.tree_slots is not None and slotted(seq):
+            key = (seq.shape, capacity_bucket(seq.rounds.cache.capacity))
+            group = self.tree_slots.get(key)
+            if group is None:
+                group = self.tree_slots[key] = TreeSlots(self.target, self.drafter, seq.shape, key[1], self.slot_mode,
+                                                         self.keep_logits)
+            seq.tree_slot = (key, group.take())
+            dcache = group.dcaches[seq.tree_slot[1]]
+        elif self.draft_slots is not None and seq.rounds.drafter is not None:
             seq.draft_slot = self.draft_slots.take(len(seq.prompt_ids) + seq.limit + 1)
             dcache = self.draft_slots.cache(seq.draft_slot)
         first = seq.rounds.start_decoding(out.logits[-1], prompt_aux, len(seq.prompt_ids), dcache)
+        if group is not None:
+            group.attach(seq.tree_slot[1], seq.rounds.cache, seq.rounds.bonus, prompt_aux, len(seq.prompt_ids))
         seq.first_token = time.perf_counter()
         seq.state = RUNNING
         if seq.emit.push([first]):
@@ -584,6 +622,11 @@ class Scheduler:
     def _end(self, seq: Sequence, reason: str | None = None) -> Sequence:
         """The request's result; its cache blocks go back to the pool."""
         now = time.perf_counter()
+        if seq.tree_slot is not None:   # its slot's table to the trash block before its blocks go back
+            key, i = seq.tree_slot
+            if self.tree_slots is not None:
+                self.tree_slots[key].detach(i)
+            seq.tree_slot = None
         if seq.rounds is not None:
             seq.rounds.release()
         if seq.draft_slot is not None:
@@ -614,3 +657,10 @@ def chose(seq: Sequence, budget: int) -> None:
     """Count a round's budget in the request's stats (``budget_chosen``: {budget: rounds})."""
     counts = seq.stats.setdefault("budget_chosen", {})
     counts[budget] = counts.get(budget, 0) + 1
+
+
+def slotted(seq: Sequence) -> bool:
+    """Whether a request runs device-resident tree rounds in a tree slot (.tree_slots): greedy, a drafting method
+    with a fixed budget (sampled and load-aware requests take host-driven rounds)."""
+    return (seq.rounds.drafter is not None and seq.shape.method in ("dflash", "ddtree") and not seq.shape.auto
+            and seq.params.greedy)

@@ -40,6 +40,7 @@ class Sequence:
     skip: int = 0       # load-aware budgets: plain rounds left before the next draft pass
     backoff: int = 0    # the length of the last skip
     draft_slot: tuple[int, int] | None = None   # its slot of the batched draft passes (.draft_slots), while held
+    tree_slot: tuple[tuple, int] | None = None  # its device-resident rounds' (group, slot) (.tree_slots), while held
     cancelled: bool = False
     result: GenerationResult | None = None
     stats: dict[str, Any] = field(default_factory=dict)

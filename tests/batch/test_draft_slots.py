@@ -72,14 +72,15 @@ def test_slot_passes_equal_each_requests_eager_passes() -> None:
 
 def test_scheduler_over_draft_slots_keeps_solo_tokens(monkeypatch) -> None:
     """More drafting requests than the first slots, arriving at different steps, through static steps and draft
-    slots: every request's tokens == its solo run's, every slot back once all have ended."""
+    slots (sampled requests: the greedy fixed-budget ones take tree slots, tests/batch/test_tree_slots.py): every
+    request's tokens == its solo run's, every slot back once all have ended."""
     seed = random.randrange(1 << 30)
     print(f"seed {seed}")
     target, drafter = demo()
     tok = load_tokenizer(DEMO_DIR)
     # the first MIN_SLOTS + 2 together (their prompts in one step: more drafting requests than the first slots)
-    cases = [Case(c.prompt, replace(c.params, max_tokens=max(c.params.max_tokens, 8)), "ddtree" if i % 2 else "dflash",
-                  8 if i % 2 else None, 0 if i < MIN_SLOTS + 2 else c.arrives)
+    cases = [Case(c.prompt, replace(c.params, max_tokens=max(c.params.max_tokens, 8), temperature=0.8),
+                  "ddtree" if i % 2 else "dflash", 8 if i % 2 else None, 0 if i < MIN_SLOTS + 2 else c.arrives)
              for i, c in enumerate(make_cases(tok, 2 * MIN_SLOTS + 1, seed, max_prompt=70, max_tokens=14))]
     passes, at_close = [], []
     real_propose, real_release = DraftSlots.propose, DraftSlots.release

@@ -1,0 +1,94 @@
+"""Device-resident tree rounds in a batch (kdtree_engine/batch/tree_slots.py), run eagerly on the CPU (the arithmetic
+a CUDA graph replays): greedy fixed-budget DDTree and DFlash requests through the scheduler's tree slots.
+
+Oracle: each request alone (the host-driven loop over one request, tests/batch_cases.solo): identical tokens, target
+logits of every emitted token within float32 rounding. Seeds printed."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import torch
+
+from kdtree_engine.batch.scheduler import Scheduler
+from kdtree_engine.batch.tree_slots import MIN_SLOTS, TreeSlots
+from kdtree_engine.engine import DEMO_DIR, load_drafter, load_target
+from kdtree_engine.sampling import SamplingParams
+from kdtree_engine.tokenizer import load_tokenizer
+
+from batch_cases import Case, batched, first_difference, make_cases, solo
+
+SHAPES = [("ddtree", 4), ("ddtree", 16), ("dflash", None), ("ddtree", 8), ("dflash", 3)]
+
+
+def demo():
+    target = load_target(DEMO_DIR, device=torch.device("cpu"), dtype=torch.float32, progress=False)
+    return target, load_drafter(DEMO_DIR / "draft", target)
+
+
+def test_tree_slots_keep_each_requests_solo_tokens(monkeypatch) -> None:
+    """More greedy requests of one shape than the first slots (the slots double), other shapes beside them (a group
+    each), arriving at different steps and ending at different lengths (a freed slot taken by a later request): each
+    request's tokens == its solo run's, its emitted tokens' logits within 1e-4; every slot and block back."""
+    seed = random.randrange(1 << 30)
+    print(f"seed {seed}")
+    target, drafter = demo()
+    tok = load_tokenizer(DEMO_DIR)
+    base = make_cases(tok, 3 * MIN_SLOTS, seed, max_prompt=80, max_tokens=24, sampled_every=10**6)
+    cases = [Case(c.prompt, replace(c.params, max_tokens=max(c.params.max_tokens, 6)),
+                  *(SHAPES[0] if i < MIN_SLOTS + 2 else SHAPES[i % len(SHAPES)]), 0 if i < MIN_SLOTS + 2 else c.arrives)
+             for i, c in enumerate(base)]
+    steps, at_close = [], []
+    real_step = TreeSlots.step
+    monkeypatch.setattr(TreeSlots, "step", lambda self: (steps.append(
+        (self.shape.method, self.shape.budget, int(self.active.sum()), self.slots)), real_step(self))[1])
+    free = sorted(target.pool().free_ids())
+    real_close = Scheduler.close
+    monkeypatch.setattr(Scheduler, "close", lambda self: (at_close.extend(
+        (len(g.free), g.slots) for g in (self.tree_slots or {}).values()), real_close(self))[1])
+    results, logits, _ = batched(target, drafter, cases, 48, token_budget=2048, step_mode="static")
+    assert sorted(target.pool().free_ids()) == free
+    assert any(active > MIN_SLOTS for m, b, active, _ in steps if (m, b) == SHAPES[0])   # the slots doubled
+    assert len({(m, b) for m, b, _, _ in steps}) > 1 and all(f == n for f, n in at_close)
+    for i, (case, res, lg) in enumerate(zip(cases, results, logits)):
+        ref, ref_logits = solo(target, drafter, case, 48)
+        assert res.token_ids == ref.token_ids, (i, case.method, case.budget,
+                                                first_difference(res.token_ids, ref.token_ids))
+        torch.testing.assert_close(lg, ref_logits, rtol=1e-4, atol=1e-4)
+        assert res.stats["rounds"] >= 1
+
+
+def test_a_cancelled_slotted_request_frees_its_slot_and_blocks() -> None:
+    """A request in a tree slot cancelled mid-run ends at the next step, its slot free and its blocks back in the
+    pool. Its slot stays empty while its group steps on (the request beside it) and a request of another shape takes
+    its blocks (the pool hands them out again first): both keep their solo tokens (the empty slot writes only to the
+    trash block), and a later request of the first shape takes the freed slot."""
+    seed = random.randrange(1 << 30)
+    print(f"seed {seed}")
+    rng = random.Random(seed)
+    target, drafter = demo()
+    free = sorted(target.pool().free_ids())
+    sched = Scheduler(target, drafter, step_mode="static")
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    prompts = [[rng.randrange(3, 500) for _ in range(rng.randint(5, 30))] for _ in range(4)]
+    a = sched.submit(prompts[0], params, spec="ddtree", budget=8)
+    b = sched.submit(prompts[1], replace(params, max_tokens=80), spec="ddtree", budget=8)
+    for _ in range(4):
+        sched.step()
+    sched.cancel(a)
+    sched.step()
+    assert a.done and a.result.finish_reason == "abort"
+    (group,) = sched.tree_slots.values()
+    assert int(group.active.sum()) == 1 and len(group.free) == group.slots - 1
+    c = sched.submit(a.prompt_ids, params, spec="dflash")   # another group; a's blocks
+    while not c.done:
+        sched.step()
+    d = sched.submit(prompts[3], params, spec="ddtree", budget=8)   # takes the freed slot
+    sched.run()
+    for seq, method, budget in ((b, "ddtree", 8), (c, "dflash", None), (d, "ddtree", 8)):
+        ref, _ = solo(target, drafter, Case(seq.prompt_ids, seq.params, method, budget, 0), None)
+        assert seq.result.token_ids == ref.token_ids, (method, first_difference(seq.result.token_ids, ref.token_ids))
+    assert len(group.free) == group.slots
+    sched.close()
+    assert sorted(target.pool().free_ids()) == free
