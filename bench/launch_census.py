@@ -8,10 +8,10 @@ One device-resident round (:class:`DeviceRound.step`, what a CUDA graph replays)
 ddtree at ``--budget``) of the embedded demo model and its drafter, after a prompt and one warm-up round.
 
 ``--batch N[,N...]``: instead, one step of the continuous batch (``Scheduler.step`` with static steps, the
-arithmetic CUDA replays from graphs) with N greedy DDTree requests at ``--budget``, after their prompts and two
-warm-up steps: the ops the HOST launches in that step. The bodies CUDA replays from a graph (the static slots'
-forward, the draft slots' pass where the code has them) are not counted; everything else is (the draft pass where
-it is host-driven, top-k, trees, the slots' inputs, picks, walks, commits).
+arithmetic CUDA replays from graphs) with N DDTree requests at ``--budget`` (greedy, or ``--sampled``), after their
+prompts and two warm-up steps: the ops the HOST launches in that step. The bodies CUDA replays from a graph (the
+static slots' forward, the draft slots' pass, the tree slots' whole round, where the code has them) are not counted;
+everything else is (the draft pass where it is host-driven, top-k, trees, the slots' inputs, picks, walks, commits).
 Every op that would be a device kernel is counted and attributed to a part of the model:
 
   * aten ops, seen through a TorchDispatchMode; views (``OpOverload.is_view``) and bare allocations
@@ -36,6 +36,7 @@ takes minutes.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
@@ -225,7 +226,7 @@ def census_round(rnd: DeviceRound, prompt: list[int], triton: bool) -> Counter:
     return census.counts
 
 
-def census_batch(target: Any, drafter: Any, n: int, budget: int, triton: bool) -> Counter:
+def census_batch(target: Any, drafter: Any, n: int, budget: int, triton: bool, sampled: bool = False) -> Counter:
     """The host's ops in one step of ``n`` DDTree requests through the scheduler's static steps (graph bodies
     paused: CUDA replays them)."""
     from kdtree_engine.batch import graph_step
@@ -233,11 +234,11 @@ def census_batch(target: Any, drafter: Any, n: int, budget: int, triton: bool) -
     from kdtree_engine.sampling import SamplingParams
     census = Census()
     bodies = [(graph_step.Slots, "run")]
-    try:
-        from kdtree_engine.batch import draft_slots
-        bodies.append((draft_slots.SlotSet, "run"))
-    except ImportError:   # code without draft slots: the draft pass is host-driven, and counted
-        pass
+    for module, cls in (("draft_slots", "SlotSet"), ("tree_slots", "TreeSlots")):
+        try:   # code without them: the draft pass (the round) is host-driven, and counted
+            bodies.append((getattr(importlib.import_module(f"kdtree_engine.batch.{module}"), cls), "run"))
+        except ImportError:
+            pass
 
     def paused(fn: Any) -> Any:
         def run(self: Any) -> Any:
@@ -253,8 +254,8 @@ def census_batch(target: Any, drafter: Any, n: int, budget: int, triton: bool) -
     try:
         sched = Scheduler(target, drafter, token_budget=4096, step_mode="static")
         for i in range(n):
-            sched.submit(list(range(2 + i, 26 + i)), SamplingParams(max_tokens=64, ignore_eos=True), spec="ddtree",
-                         budget=budget)
+            params = SamplingParams(max_tokens=64, ignore_eos=True, temperature=0.8 if sampled else 0.0, seed=i)
+            sched.submit(list(range(2 + i, 26 + i)), params, spec="ddtree", budget=budget)
         for _ in range(3):   # the prompts, then two tree steps (lazy weight preparation, the slots)
             sched.step()
         if triton:
@@ -281,6 +282,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--json", default=None, help="write the summaries here")
     ap.add_argument("--batch", default=None, help="requests a batched step, comma-separated: the host's ops of one "
                     "scheduler step of that many DDTree requests at --budget (instead of device rounds)")
+    ap.add_argument("--sampled", action="store_true", help="--batch: sampled requests (temperature 0.8)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     dev = torch.device("cpu")
@@ -293,9 +295,10 @@ def main(argv: list[str] | None = None) -> dict:
     if args.batch:
         report["batch"] = {}
         for n in (int(x) for x in args.batch.split(",")):
-            s = summarize(census_batch(target, drafter, n, args.budget, args.triton), kinds)
+            s = summarize(census_batch(target, drafter, n, args.budget, args.triton, args.sampled), kinds)
             report["batch"][n] = s
-            print(f"== {n} requests, ddtree-{args.budget}: {s['total']} host ops a step [{report['mode']}]")
+            kind = "sampled" if args.sampled else "greedy"
+            print(f"== {n} {kind} requests, ddtree-{args.budget}: {s['total']} host ops a step [{report['mode']}]")
             print("   parts: " + ", ".join(f"{p} {c}" for p, c in s["parts"].items()))
             print("   top ops: " + ", ".join(f"{o} {c}" for o, c in s["top_ops"][: args.top]))
     for method in ([] if args.batch else args.methods.split(",")):

@@ -177,11 +177,12 @@ def test_launch_census_counts_every_part(tmp_path):
 def test_launch_census_of_a_batched_step_leaves_out_the_graph_bodies(tmp_path):
     """The census of a batched step (torch paths): every op lands in a part; none of the target's layers or lm_head
     (the slots' forward, replayed from a graph on CUDA) nor of the drafter's layers (the draft slots' pass) is
-    counted; the walks and trees are."""
+    counted; sampled requests' walks and trees are (host-driven rounds); greedy ones run whole rounds in tree slots
+    (one replay, no op the host launches)."""
     from bench import launch_census
 
     out = tmp_path / "census.json"
-    args = ["--batch", "1,3", "--budget", "4", "--top", "3", "--json", str(out)]
+    args = ["--batch", "1,3", "--budget", "4", "--top", "3", "--json", str(out), "--sampled"]
     rep = launch_census.main(args)
     written = json.loads(out.read_text())
     check_run_metadata(written.pop("meta"), shlex.join(["python3", "bench/launch_census.py", *args]))
@@ -193,6 +194,8 @@ def test_launch_census_of_a_batched_step_leaves_out_the_graph_bodies(tmp_path):
         assert s["parts"]["accept"] > 0 and s["parts"]["tree"] > 0
         assert not any(op.startswith("drafter:") and op.split(":")[1] in ("mm", "bmm", "addmm")
                        for op, _ in s["top_ops"])
+    greedy = launch_census.main(["--batch", "3", "--budget", "4"])
+    assert greedy["batch"][3]["total"] == 0
 
 
 def test_attention_bench_candidates_are_valid_configs():
