@@ -193,6 +193,8 @@ class TreeSlots:
         # commit: slot start + j takes the entry of slot start + acc[j], every slot through its own table (one copy)
         j = torch.arange(m, device=acc.device)
         src, dst = self._rows(self.start.unsqueeze(1) + acc), self._rows(self.start.unsqueeze(1) + j)
+        # an empty slot copies its (trash) rows onto themselves: rows two of them share get the same value
+        dst = torch.where(self.active.repeat_interleave(m), dst, src)
         kv = target.pool().kv
         flat = kv.view(kv.shape[0], -1, kv.shape[-1])
         flat.index_copy_(1, dst, flat.index_select(1, src))
