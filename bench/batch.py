@@ -119,6 +119,8 @@ def run_batch(sched: Scheduler, prompts: list[list[int]], method: str, max_token
             "budget_mean": sum(b * k for b, k in chosen.items()) / rounds if rounds else None,
             "budget_chosen": dict(sorted(chosen.items())),
             "graph_captures": (sched.steps.captures if sched.steps is not None else 0) - captures,
+            # requests whose tree rounds ran whole on the device (tree slots: greedy, a fixed budget)
+            "device_round_requests": sum(bool(r.stats.get("device_rounds")) for r in res),
             # steps queued ahead of the read of their predecessor's tokens (plain greedy over static steps)
             "steps_ahead": (sched.ahead.steps if sched.ahead is not None else 0) - ahead,
             # what the load-aware budget steers by, as learned by the end of the run
@@ -269,16 +271,17 @@ def markdown(rep: dict, label: str) -> list[str]:
            f"({rep['batch1_plain']['mode']} rounds): {rep['batch1_plain']['tokens_per_s']:.1f} tok/s.", ""]
     out += common.md_table(
         ["concurrent", "method", "tok/s", "runs tok/s", "x batch-1 plain", "latency mean s", "latency max s", "TTFT mean s",
-         "tau", "forwards", "steps ahead", "rows/forward", "mean budget"],
+         "tau", "forwards", "steps ahead", "rows/forward", "mean budget", "device rounds"],
         [[r["concurrency"], r["method"], r["tokens_per_s"],
           " / ".join(f"{t:.0f}" for t in r.get("tokens_per_s_runs", [r["tokens_per_s"]])), r["x_batch1_plain"], r["latency_s_mean"],
           r["latency_s_max"], r["ttft_s_mean"], r["tau"], r["forwards"], r.get("steps_ahead", "n/a"),
-          r["rows_per_forward"], r["budget_mean"]]
+          r["rows_per_forward"], r["budget_mean"], r.get("device_round_requests", "n/a")]
          for r in rep["rows"]])
     out += ["", f"tok/s: the run of median throughput of {rep.get('repeats', 1)} measured runs (the methods in turn), "
                 "all of them in `runs tok/s`; the other columns are the median run's.",
             "", "Steps ahead: forwards queued before the host read the previous step's tokens (plain greedy steps, "
-                "batch/ahead.py)."]
+                "batch/ahead.py). Device rounds: requests whose tree rounds ran whole on the device (tree slots, "
+                "batch/tree_slots.py)."]
     for r in rep["rows"]:
         if r.get("host_profile"):
             out += ["", f"Host time of one more run at {r['concurrency']} requests, {r['method']} (cProfile, its own "

@@ -605,6 +605,7 @@ class Scheduler:
             seq.draft_slot = self.draft_slots.take(len(seq.prompt_ids) + seq.limit + 1)
             dcache = self.draft_slots.cache(seq.draft_slot)
         first = seq.rounds.start_decoding(out.logits[-1], prompt_aux, len(seq.prompt_ids), dcache)
+        seq.stats["device_rounds"] = group is not None   # whole rounds on the device (tree slots), or host-driven
         if group is not None:
             group.attach(seq.tree_slot[1], seq.rounds.cache, seq.rounds.bonus, prompt_aux, len(seq.prompt_ids))
         seq.first_token = time.perf_counter()
