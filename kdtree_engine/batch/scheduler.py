@@ -343,6 +343,10 @@ class Scheduler:
                 seq.rounds.stats.record(len(tokens[i]), group.n1 - 1)
                 if seq.emit.push(tokens[i]):
                     ended.append(self._end(seq))
+            moved = group.shrink()
+            for seq in members:
+                if seq.tree_slot is not None and moved:
+                    seq.tree_slot = (key, moved[seq.tree_slot[1]])
         return ended
 
     def _walk(self, seqs: list[Sequence], plans: list[RoundPlan], outs: list[TargetOutput]) -> TreeWalks | None:

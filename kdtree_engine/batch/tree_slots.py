@@ -65,7 +65,7 @@ class TreeSlots:
         self.captures = 0
         self.dcaches: list[Any] = []
         self.free: list[int] = []
-        self._grow(MIN_SLOTS)
+        self._resize(MIN_SLOTS, [])
         target.rope.ensure(self.capacity + self.n1 + 1)
         log_once(f"tree-slots:{mode}", "batched tree rounds of greedy fixed-budget requests: device-resident over "
                  "static slots" + (", replayed from CUDA graphs" if mode == "graph" else " (run eagerly)"))
@@ -75,31 +75,35 @@ class TreeSlots:
         return len(self.dcaches)
 
     # ---- slots ------------------------------------------------------------------------------------
-    def _grow(self, n: int) -> None:
-        """``n`` slots: the state of the slots held so far kept, new draft caches for the others (a new graph)."""
-        target, dev, old = self.target, self.target.device, self.slots
+    def _resize(self, n: int, keep: list[int]) -> None:
+        """``n`` slots, slot j < len(keep) taking slot keep[j]'s state and draft cache, the others free (draft caches
+        of slots not kept reused, new ones made for the rest); a new graph."""
+        target, dev = self.target, self.target.device
         B, n1 = self.B, self.n1
         feat = len(self.aux_layers) * target.cfg.hidden_size
+        idx = torch.tensor(keep, dtype=torch.long, device=dev)
 
-        def grown(t: torch.Tensor | None, fill: float | bool, shape: tuple[int, ...], dtype: torch.dtype
-                  ) -> torch.Tensor:
+        def moved(name: str, fill: float | bool, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
             new = torch.full((n, *shape), fill, dtype=dtype, device=dev)
-            if t is not None:
-                new[:old].copy_(t)
+            old = self.__dict__.get(name)
+            if old is not None and keep:
+                new[:len(keep)].copy_(old.index_select(0, idx))
             return new
-        held = self.__dict__
-        self.start = grown(held.get("start"), 0, (), torch.long)
-        self.bonus = grown(held.get("bonus"), 0, (), torch.long)
-        self.n_ctx = grown(held.get("n_ctx"), 0, (), torch.long)
-        self.active = grown(held.get("active"), False, (), torch.bool)
-        self.ctx = grown(held.get("ctx"), 0.0, (B, max(feat, 1)), target.dtype)
-        self.tables = grown(held.get("tables"), target.pool().trash, (self.blocks,), torch.int32)
+        self.start = moved("start", 0, (), torch.long)
+        self.bonus = moved("bonus", 0, (), torch.long)
+        self.n_ctx = moved("n_ctx", 0, (), torch.long)
+        self.active = moved("active", False, (), torch.bool)
+        self.ctx = moved("ctx", 0.0, (B, max(feat, 1)), target.dtype)
+        self.tables = moved("tables", target.pool().trash, (self.blocks,), torch.int32)
         self.block_ids = torch.full((n, B), self.drafter.cfg.mask_token_id, dtype=torch.long, device=dev)
         self.result = torch.zeros(n, self.m + 1, dtype=torch.long, device=dev)
         self.kept = (torch.zeros(n, self.m, target.cfg.vocab_size if self.vocab is None else self.vocab.size,
                                  dtype=torch.float32, device=dev) if self.keep_logits else None)
-        self.dcaches += [self.drafter.new_cache(self.draft_capacity) for _ in range(n - old)]
-        self.free = list(range(old, n))[::-1] + self.free
+        kept = set(keep)
+        spare = [c for i, c in enumerate(self.dcaches) if i not in kept]
+        caches = [self.dcaches[i] for i in keep] + spare[:n - len(keep)]
+        self.dcaches = caches + [self.drafter.new_cache(self.draft_capacity) for _ in range(n - len(caches))]
+        self.free = list(range(len(keep), n))[::-1]   # the lowest taken first
         # the trees laid end to end: slot i's nodes at i * n1 (the walks' layout)
         self.base = torch.arange(n, device=dev) * n1
         self.tree_of = torch.arange(n, device=dev).repeat_interleave(n1)
@@ -107,13 +111,26 @@ class TreeSlots:
         self.chain_parents, self.chain_depths = (depth - 1).repeat(n), depth.repeat(n)
         self.chain_mask = torch.ones(n1, n1, dtype=torch.bool, device=dev).tril()
         self.captured = None
-        log.debug("tree slots: %d of capacity %d (%s, budget %d)", n, self.capacity, self.shape.method,
-                  self.shape.budget)
+        log.debug("tree slots: %d of capacity %d (%s, budget %d), %d held", n, self.capacity, self.shape.method,
+                  self.shape.budget, len(keep))
+
+    def shrink(self) -> dict[int, int]:
+        """When at most a quarter of the slots hold requests: halve the slots (down to MIN_SLOTS) until more do, the
+        held ones moved to the first slots (a step runs every slot: after a burst, a few requests must not pay for
+        many empty ones). Returns {old slot: new slot} of the held ones ({}: nothing changed)."""
+        held = sorted(set(range(self.slots)) - set(self.free))
+        n = self.slots
+        while n > MIN_SLOTS and len(held) <= n // 4:
+            n //= 2
+        if n == self.slots:
+            return {}
+        self._resize(n, held)
+        return {old: new for new, old in enumerate(held)}
 
     def take(self) -> int:
         """A free slot (the slots double when none is)."""
         if not self.free:
-            self._grow(2 * self.slots)
+            self._resize(2 * self.slots, list(range(self.slots)))
         return self.free.pop()
 
     def attach(self, i: int, cache: LatentCache, first: torch.Tensor, prompt_aux: torch.Tensor,

@@ -92,3 +92,31 @@ def test_a_cancelled_slotted_request_frees_its_slot_and_blocks() -> None:
     assert len(group.free) == group.slots
     sched.close()
     assert sorted(target.pool().free_ids()) == free
+
+
+def test_slots_shrink_after_a_burst_and_keep_solo_tokens() -> None:
+    """A burst of requests of one shape grows the slots; as they end (at different lengths) the slots halve while at
+    most a quarter hold requests, the held ones moved to the first slots mid-run; a request arriving after the burst
+    runs on the small group. Every request keeps its solo tokens."""
+    seed = random.randrange(1 << 30)
+    print(f"seed {seed}")
+    rng = random.Random(seed)
+    target, drafter = demo()
+    sched = Scheduler(target, drafter, step_mode="static", token_budget=4096)
+    prompts = [[rng.randrange(3, 500) for _ in range(rng.randint(4, 24))] for _ in range(4 * MIN_SLOTS + 1)]
+    lengths = [4] * (4 * MIN_SLOTS - 2) + [40, 48]   # most end early, two run on
+    seqs = [sched.submit(p, SamplingParams(max_tokens=n, ignore_eos=True), spec="ddtree", budget=8)
+            for p, n in zip(prompts, lengths)]
+    sizes = []
+    while not sched.idle:
+        sched.step()
+        sizes += [g.slots for g in sched.tree_slots.values()]
+    assert max(sizes) >= 4 * MIN_SLOTS and sizes[-1] == MIN_SLOTS
+    late = sched.submit(prompts[-1], SamplingParams(max_tokens=12, ignore_eos=True), spec="ddtree", budget=8)
+    sched.run()
+    (group,) = sched.tree_slots.values()
+    assert group.slots == MIN_SLOTS
+    for seq in seqs + [late]:
+        ref, _ = solo(target, drafter, Case(seq.prompt_ids, seq.params, "ddtree", 8, 0), None)
+        assert seq.result.token_ids == ref.token_ids, first_difference(seq.result.token_ids, ref.token_ids)
+    sched.close()
