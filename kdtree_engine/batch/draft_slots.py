@@ -86,6 +86,26 @@ class DraftSlots:
             log.debug("draft slots: %d of capacity %d", n, cap)
         return cap, held.free.pop()
 
+    def shrink(self) -> dict[tuple[int, int], tuple[int, int]]:
+        """Capacities where at most a quarter of the slots hold requests: the slots halved (down to MIN_SLOTS) until
+        more do, the held ones (their caches) moved to the first slots (a pass runs every slot). Returns {old slot:
+        new slot} of the moved requests."""
+        moved: dict[tuple[int, int], tuple[int, int]] = {}
+        for cap, held in list(self.sets.items()):
+            taken = sorted(set(range(held.slots)) - set(held.free))
+            n = held.slots
+            while n > MIN_SLOTS and len(taken) <= n // 4:
+                n //= 2
+            if n == held.slots:
+                continue
+            spare = [c for i, c in enumerate(held.caches) if i not in set(taken)]
+            caches = [held.caches[i] for i in taken] + spare[:n - len(taken)]
+            new = self.sets[cap] = SlotSet(self.target, self.drafter, cap, n, self.mode, caches)
+            new.free = list(range(len(taken), n))[::-1]
+            moved.update({(cap, i): (cap, j) for j, i in enumerate(taken)})
+            log.debug("draft slots: %d of capacity %d, %d held", n, cap, len(taken))
+        return moved
+
     def cache(self, where: tuple[int, int]) -> DraftCache:
         return self.sets[where[0]].caches[where[1]]
 

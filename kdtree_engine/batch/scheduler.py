@@ -270,6 +270,9 @@ class Scheduler:
             plan_s, planned = self._plan_s
             self.tree_host_s.update(plan_s / planned + (walk_s if auto_walks else 0.0))
             self._plan_s = None
+        if self.draft_slots is not None and (moved := self.draft_slots.shrink()):
+            for seq in self.active:
+                seq.draft_slot = moved.get(seq.draft_slot, seq.draft_slot)
         return ended
 
     def _step_ahead(self, running: list[Sequence]) -> list[Sequence]:

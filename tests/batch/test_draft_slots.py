@@ -93,3 +93,42 @@ def test_scheduler_over_draft_slots_keeps_solo_tokens(monkeypatch) -> None:
     for i, (case, res) in enumerate(zip(cases, results)):
         ref, _ = solo(target, drafter, case, 48)
         assert res.token_ids == ref.token_ids, (i, case.method, first_difference(res.token_ids, ref.token_ids))
+
+
+def test_slots_shrink_and_keep_each_requests_passes() -> None:
+    """After most requests give their slots back the slots halve (at most a quarter held), the held requests' caches
+    moved to the first slots; their later passes still equal their eager passes."""
+    seed = random.randrange(1 << 30)
+    print(f"seed {seed}")
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    target, drafter = demo()
+    B, V = drafter.cfg.block_size, target.cfg.vocab_size
+    feat = len(drafter.target_layer_ids) * target.cfg.hidden_size
+    slots = DraftSlots(target, drafter, "static")
+    live = []
+    for _ in range(4 * MIN_SLOTS):
+        prompt = rng.randint(1, 2 * B)
+        where = slots.take(prompt + 40)
+        slots.cache(where).length = 0
+        live.append({"where": where, "eager": drafter.new_cache(prompt + 40), "start": prompt,
+                     "ctx": torch.randn(prompt, feat, generator=gen)})
+    for step in range(3):
+        if step == 1:   # all but the last two leave (those move to the first slots)
+            for r in live[:-2]:
+                slots.give(r["where"])
+            live = live[-2:]
+            moved = slots.shrink()
+            assert {slots.sets[c].slots for c in slots.sets} == {MIN_SLOTS}
+            for r in live:
+                r["where"] = moved.get(r["where"], r["where"])
+        asks = []
+        for r in live:
+            r["bonus"] = torch.tensor(rng.randrange(V))
+            asks.append((r["where"], r["ctx"], r["bonus"], r["start"]))
+        for r, logits in zip(live, slots.propose(asks)):
+            want = drafter.propose(target, r["ctx"], r["bonus"], r["eager"], r["start"])
+            torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
+            accepted = rng.randint(1, B)
+            r["start"] += accepted
+            r["ctx"] = torch.randn(accepted, feat, generator=gen)
