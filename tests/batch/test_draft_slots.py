@@ -24,19 +24,23 @@ def demo():
     return target, load_drafter(DEMO_DIR / "draft", target)
 
 
+def seeded_slots() -> tuple:
+    """(random source, torch generator, the demo target, its drafter, draft slots run eagerly), the seed printed."""
+    seed = random.randrange(1 << 30)
+    print(f"seed {seed}")
+    target, drafter = demo()
+    return random.Random(seed), torch.Generator().manual_seed(seed), target, drafter, DraftSlots(target, drafter,
+                                                                                                   "static")
+
+
 def test_slot_passes_equal_each_requests_eager_passes() -> None:
     """Requests take slots (more than the first slots: the slots double), draft in changing subsets (an idle slot
     runs on its scratch block), first passes carrying whole prompts (rows past a block go in eagerly), later passes a
     round's accepted rows; a request that ends gives its slot to a new one. Every pass's logits == the request's
     eager pass over its own cache."""
-    seed = random.randrange(1 << 30)
-    print(f"seed {seed}")
-    rng = random.Random(seed)
-    gen = torch.Generator().manual_seed(seed)
-    target, drafter = demo()
+    rng, gen, target, drafter, slots = seeded_slots()
     B, V = drafter.cfg.block_size, target.cfg.vocab_size
     feat = len(drafter.target_layer_ids) * target.cfg.hidden_size
-    slots = DraftSlots(target, drafter, "static")
 
     def new_request() -> dict:
         prompt = rng.randint(1, 3 * B)
@@ -98,14 +102,9 @@ def test_scheduler_over_draft_slots_keeps_solo_tokens(monkeypatch) -> None:
 def test_slots_shrink_and_keep_each_requests_passes() -> None:
     """After most requests give their slots back the slots halve (at most a quarter held), the held requests' caches
     moved to the first slots; their later passes still equal their eager passes."""
-    seed = random.randrange(1 << 30)
-    print(f"seed {seed}")
-    rng = random.Random(seed)
-    gen = torch.Generator().manual_seed(seed)
-    target, drafter = demo()
+    rng, gen, target, drafter, slots = seeded_slots()
     B, V = drafter.cfg.block_size, target.cfg.vocab_size
     feat = len(drafter.target_layer_ids) * target.cfg.hidden_size
-    slots = DraftSlots(target, drafter, "static")
     live = []
     for _ in range(4 * MIN_SLOTS):
         prompt = rng.randint(1, 2 * B)
