@@ -151,8 +151,11 @@ class TreeSlots:
         self.tables[i, :n].copy_(cache.table[:n])
 
     def detach(self, i: int) -> None:
-        """Slot ``i`` back: its table to the trash block, its state frozen."""
+        """Slot ``i`` back: its table to the trash block, its state at the start of the cache and frozen (a request's
+        last round may leave its length within a round of the capacity: an empty slot's rounds must stay inside)."""
         self.active[i] = False
+        self.start[i] = 0
+        self.n_ctx[i] = 0
         self.tables[i].fill_(self.target.pool().trash)
         self.free.append(i)
 

@@ -120,3 +120,28 @@ def test_slots_shrink_after_a_burst_and_keep_solo_tokens() -> None:
         ref, _ = solo(target, drafter, Case(seq.prompt_ids, seq.params, "ddtree", 8, 0), None)
         assert seq.result.token_ids == ref.token_ids, first_difference(seq.result.token_ids, ref.token_ids)
     sched.close()
+
+
+def test_an_empty_slot_runs_inside_the_capacity() -> None:
+    """A request whose last round left its length within a round of the slots' capacity gives its slot back; the
+    slot's later (empty) rounds run at the start of the cache, not past its end, and the request beside it keeps its
+    solo tokens."""
+    seed = random.randrange(1 << 30)
+    print(f"seed {seed}")
+    rng = random.Random(seed)
+    target, drafter = demo()
+    sched = Scheduler(target, drafter, step_mode="static")
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    prompts = [[rng.randrange(3, 500) for _ in range(rng.randint(5, 20))] for _ in range(2)]
+    a = sched.submit(prompts[0], params, spec="ddtree", budget=16)
+    b = sched.submit(prompts[1], params, spec="ddtree", budget=16)
+    sched.step()   # the prompts
+    (group,) = sched.tree_slots.values()
+    i = a.tree_slot[1]
+    group.start[i] = group.capacity - 1   # as a last round may leave it
+    sched.cancel(a)
+    sched.run()
+    assert int(group.start[i]) == 0
+    ref, _ = solo(target, drafter, Case(prompts[1], params, "ddtree", 16, 0), None)
+    assert b.result.token_ids == ref.token_ids
+    sched.close()
