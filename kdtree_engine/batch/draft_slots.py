@@ -30,6 +30,31 @@ from ..speculative.graph import capacity_bucket
 MIN_SLOTS = 4   # slots made at first; doubled when a request finds none free
 
 
+def shrunk(slots: int, held: int) -> int:
+    """The slot count after a burst: halved (down to MIN_SLOTS) while at most a quarter of the slots hold requests
+    (a pass runs every slot: a few requests must not pay for many empty ones)."""
+    while slots > MIN_SLOTS and held <= slots // 4:
+        slots //= 2
+    return slots
+
+
+def kept_first(caches: list[DraftCache], keep: list[int], n: int) -> list[DraftCache]:
+    """``n`` slots' draft caches: those of the slots ``keep``, in order, then the others' (reused), at most n."""
+    kept = set(keep)
+    return ([caches[i] for i in keep] + [c for i, c in enumerate(caches) if i not in kept])[:n]
+
+
+def draft_logits(target: Target, drafter: Any, ctx: torch.Tensor, n_ctx: torch.Tensor, caches: list[DraftCache],
+                 starts: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """The device-resident draft pass of every slot at once (row-wise work over all their rows, attention per slot
+    over its own cache): context rows ctx [S, B, K*D] of which n_ctx [S] are new, committed lengths starts [S],
+    blocks [S, B] -> draft logits [S * (B-1), V]."""
+    S, B = blocks.shape
+    h = drafter.forward_batch([(ctx[i], caches[i], starts[i]) for i in range(S)], target.embed(blocks.reshape(-1)),
+                              n_ctx=[n_ctx[i] for i in range(S)])
+    return target.lm_head(h.view(S, B, -1)[:, 1:].reshape(S * (B - 1), -1))
+
+
 class SlotSet:
     """The slots of one capacity: their draft caches, static inputs, logits and graph."""
 
@@ -53,11 +78,8 @@ class SlotSet:
 
     def run(self) -> None:
         """Every slot's draft pass (the captured body): logits [slots * (B-1), V]."""
-        B, S = self.drafter.cfg.block_size, self.slots
-        items = [(self.ctx[i], self.caches[i], self.starts[i]) for i in range(S)]
-        h = self.drafter.forward_batch(items, self.target.embed(self.blocks.reshape(-1)),
-                                       n_ctx=[self.n_ctx[i] for i in range(S)])
-        self.logits = self.target.lm_head(h.view(S, B, -1)[:, 1:].reshape(S * (B - 1), -1))
+        self.logits = draft_logits(self.target, self.drafter, self.ctx, self.n_ctx, self.caches, self.starts,
+                                   self.blocks)
 
 
 class DraftSlots:
@@ -93,14 +115,11 @@ class DraftSlots:
         moved: dict[tuple[int, int], tuple[int, int]] = {}
         for cap, held in list(self.sets.items()):
             taken = sorted(set(range(held.slots)) - set(held.free))
-            n = held.slots
-            while n > MIN_SLOTS and len(taken) <= n // 4:
-                n //= 2
+            n = shrunk(held.slots, len(taken))
             if n == held.slots:
                 continue
-            spare = [c for i, c in enumerate(held.caches) if i not in set(taken)]
-            caches = [held.caches[i] for i in taken] + spare[:n - len(taken)]
-            new = self.sets[cap] = SlotSet(self.target, self.drafter, cap, n, self.mode, caches)
+            new = self.sets[cap] = SlotSet(self.target, self.drafter, cap, n, self.mode,
+                                           kept_first(held.caches, taken, n))
             new.free = list(range(len(taken), n))[::-1]
             moved.update({(cap, i): (cap, j) for j, i in enumerate(taken)})
             log.debug("draft slots: %d of capacity %d, %d held", n, cap, len(taken))

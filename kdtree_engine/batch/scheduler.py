@@ -94,7 +94,6 @@ class Scheduler:
         slots = self.steps is not None and hasattr(drafter, "forward_batch")
         self.draft_slots = DraftSlots(target, drafter, mode) if slots else None
         self.tree_slots: dict[tuple, TreeSlots] | None = {} if slots else None
-        self.slot_mode = mode
         self.waiting: deque[Sequence] = deque()
         self.active: list[Sequence] = []   # prefill and running, in admission order
         self._ids = 0
@@ -604,8 +603,8 @@ class Scheduler:
             key = (seq.shape, capacity_bucket(seq.rounds.cache.capacity))
             group = self.tree_slots.get(key)
             if group is None:
-                group = self.tree_slots[key] = TreeSlots(self.target, self.drafter, seq.shape, key[1], self.slot_mode,
-                                                         self.keep_logits)
+                group = self.tree_slots[key] = TreeSlots(self.target, self.drafter, seq.shape, key[1],
+                                                         self.draft_slots.mode, self.keep_logits)
             seq.tree_slot = (key, group.take())
             dcache = group.dcaches[seq.tree_slot[1]]
         elif self.draft_slots is not None and seq.rounds.drafter is not None:

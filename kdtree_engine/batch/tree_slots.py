@@ -38,8 +38,8 @@ from ..model.target import Target
 from ..sampling import greedy, topk_logprobs
 from ..speculative.config import RoundShape
 from ..speculative.walks import walk_flat
+from .draft_slots import MIN_SLOTS, draft_logits, kept_first, shrunk
 
-MIN_SLOTS = 4   # slots made at first; doubled when a request finds none free
 
 
 class TreeSlots:
@@ -99,9 +99,7 @@ class TreeSlots:
         self.result = torch.zeros(n, self.m + 1, dtype=torch.long, device=dev)
         self.kept = (torch.zeros(n, self.m, target.cfg.vocab_size if self.vocab is None else self.vocab.size,
                                  dtype=torch.float32, device=dev) if self.keep_logits else None)
-        kept = set(keep)
-        spare = [c for i, c in enumerate(self.dcaches) if i not in kept]
-        caches = [self.dcaches[i] for i in keep] + spare[:n - len(keep)]
+        caches = kept_first(self.dcaches, keep, n)
         self.dcaches = caches + [self.drafter.new_cache(self.draft_capacity) for _ in range(n - len(caches))]
         self.free = list(range(len(keep), n))[::-1]   # the lowest taken first
         # the trees laid end to end: slot i's nodes at i * n1 (the walks' layout)
@@ -119,9 +117,7 @@ class TreeSlots:
         held ones moved to the first slots (a step runs every slot: after a burst, a few requests must not pay for
         many empty ones). Returns {old slot: new slot} of the held ones ({}: nothing changed)."""
         held = sorted(set(range(self.slots)) - set(self.free))
-        n = self.slots
-        while n > MIN_SLOTS and len(held) <= n // 4:
-            n //= 2
+        n = shrunk(self.slots, len(held))
         if n == self.slots:
             return {}
         self._resize(n, held)
@@ -181,18 +177,16 @@ class TreeSlots:
         d_start = torch.where(self.active, self.start, self.draft_capacity - B)
         d_rows = torch.where(self.active, self.n_ctx, 0)
         self.block_ids[:, 0].copy_(self.bonus)
-        h = drafter.forward_batch([(self.ctx[i], self.dcaches[i], d_start[i]) for i in range(S)],
-                                  target.embed(self.block_ids.reshape(-1)), n_ctx=[d_rows[i] for i in range(S)])
-        draft_logits = target.lm_head(h.view(S, B, -1)[:, 1:].reshape(S * (B - 1), -1))   # [S * (B-1), V]
+        drafted = draft_logits(target, drafter, self.ctx, d_rows, self.dcaches, d_start, self.block_ids)
         if self.shape.method == "ddtree":
-            lp, ids = topk_logprobs(draft_logits, budget, policy=policy, vocab=self.vocab)
+            lp, ids = topk_logprobs(drafted, budget, policy=policy, vocab=self.vocab)
             trees = [build_draft_tree(policy, lp[i * (B - 1):(i + 1) * (B - 1)], ids[i * (B - 1):(i + 1) * (B - 1)],
                                       budget, self.bonus[i], self.start[i]) for i in range(S)]
             tokens = torch.cat([t.tokens for t in trees])
             parents, depths = torch.cat([t.parents for t in trees]), torch.cat([t.depths for t in trees])
             positions, masks = torch.cat([t.positions for t in trees]), [t.mask for t in trees]
         else:
-            drafts = greedy(draft_logits.view(S, B - 1, -1)[:, :n1 - 1].reshape(S * (n1 - 1), -1), policy=policy,
+            drafts = greedy(drafted.view(S, B - 1, -1)[:, :n1 - 1].reshape(S * (n1 - 1), -1), policy=policy,
                             vocab=self.vocab).view(S, n1 - 1)
             tokens = torch.cat([self.bonus.unsqueeze(1), drafts], dim=1).reshape(-1)
             parents, depths = self.chain_parents, self.chain_depths
