@@ -9,9 +9,9 @@
 
 The walk starts at the root and moves to the child whose token is the target's pick at the current node,
 while one exists (siblings carry distinct tokens, so at most one matches); each step is a compare over
-the nodes in registers. It is the rule of speculative/accept.py: ``accept_path_mask`` + ``accepted_order`` +
-``emitted_tokens`` (the torch path of the CPU and the oracle: tests/kernels/test_accept_walk.py), which
-take ~25 launches on CUDA. ``M`` = min(block size, N1) bounds A.
+the nodes in registers. It is the rule of speculative/accept.py, as the torch walk of speculative/walks.py
+(``walk_flat``: the CPU path and the oracle with the literal walk, tests/kernels/test_accept_walk.py) computes it in
+~25 launches on CUDA. ``M`` = min(block size, N1) bounds A.
 """
 
 from __future__ import annotations

@@ -7,6 +7,10 @@ the last node reached is the bonus token. Every emitted token is therefore the t
 exactly the emitted prefix, so greedy output equals plain greedy decoding and sampled output has the
 target's distribution whatever the drafter proposed (picks at off-path nodes are never looked at).
 Siblings carry distinct tokens, so the accepted nodes form one root-to-node path.
+
+The walks the rounds run are elsewhere: many trees at once on the device (:mod:`.walks`, also the CPU path of a
+device-resident round) and one program on CUDA (kernels/accept_walk.py); :func:`accept_reference` is the rule
+written literally, their oracle.
 """
 
 from __future__ import annotations
@@ -37,26 +41,6 @@ def target_picks(logits: torch.Tensor, params: SamplingParams, generator: torch.
     """One target token per node: logits [N1, V] -> [N1] (argmax for greedy, else a sample); ``vocab``: the
     target's vocabulary slice when tensor parallel (sampling.py)."""
     return sample(logits, params, generator, policy=policy, vocab=vocab)
-
-
-def accept_path_mask(tree: DraftTree, picks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Vectorized walk without host sync: (on_path [N1] bool, bonus [] long).
-
-    A node is on the accepted path when every node on its root path (itself included, root
-    excluded) carries the token the target picked at its parent.
-    """
-    parent_pick = picks.index_select(0, tree.parents.clamp_min(0))  # [N1]
-    match = tree.tokens == parent_pick  # [N1]
-    match[:1].fill_(True)  # the root (fill_, not a host-to-device copy)
-    on_path = ~(tree.mask & ~match.unsqueeze(0)).any(dim=-1)  # [N1]
-    deepest = torch.argmax(torch.where(on_path, tree.depths, -1)).reshape(1)
-    return on_path, picks.index_select(0, deepest).reshape(())
-
-
-def accept(tree: DraftTree, picks: torch.Tensor) -> AcceptResult:
-    """The walk; reads the accepted path back once (its length decides what is emitted)."""
-    on_path, bonus = accept_path_mask(tree, picks)
-    return AcceptResult(accepted=torch.nonzero(on_path).squeeze(-1), bonus=bonus)
 
 
 def accept_reference(tree: DraftTree, picks: torch.Tensor) -> tuple[list[int], int]:

@@ -5,7 +5,7 @@
          on CUDA, the vectorized torch builder on the CPU; none: the root alone)
       -> verify (one target step over the tree, whole-cache attention with a device-side mask)
       -> accept (CUDA: the walk and its bookkeeping in one program, kernels/accept_walk.py; CPU: the
-         vectorized torch walk: on-path mask, accepted order, emitted tokens, bonus)
+         vectorized torch walk of speculative/walks.py: accepted nodes, emitted tokens, bonus)
       -> commit (KV compaction by device indices, none for a lone root; the drafter's context rows
          gathered by device indices) -> emitted tokens + count
 
@@ -42,35 +42,11 @@ from ..kernels.common import take_rows
 from ..kernels.dispatch import accept_backend, accept_walk, build_draft_tree
 from ..model.target import Target
 from ..sampling import SamplingParams, greedy, race_rule, sample, topk_logprobs
-from .accept import accept_path_mask
 from .config import RoundShape
 from .tree import DraftTree, chain_tree
+from .walks import walk_flat
 
 DEVICE_ROUND_METHODS = ("none", "dflash", "ddtree")
-
-
-def accepted_order(on_path: torch.Tensor, depths: torch.Tensor, m: int) -> torch.Tensor:
-    """[m] long: entry d < A = the accepted node at depth d (root first: the path order, which is
-    also ascending node order); entries past A are 0 (the root). on_path [N1] bool, depths [N1].
-
-    The accepted nodes have the distinct depths 0..A-1 (A <= m), so one scatter places them; the
-    other nodes go to distinct slots past m (unique indices: deterministic). No host read."""
-    n1 = on_path.shape[0]
-    nodes = torch.arange(n1, device=on_path.device)
-    dst = torch.where(on_path, depths, m + nodes)  # [N1]
-    out = torch.zeros(m + n1, dtype=torch.long, device=on_path.device)
-    return out.scatter_(0, dst, nodes)[:m]
-
-
-def emitted_tokens(tree_tokens: torch.Tensor, acc: torch.Tensor, count: torch.Tensor,
-                   bonus: torch.Tensor) -> torch.Tensor:
-    """[M] long: entry j < A-1 = token of accepted node j+1, entry A-1 = bonus (count = A); the
-    rest is unspecified. acc [M] from :func:`accepted_order`."""
-    m = acc.shape[0]
-    j = torch.arange(m, device=acc.device)
-    path = tree_tokens.index_select(0, acc)  # [M] root first
-    nxt = path.index_select(0, (j + 1).clamp(max=m - 1))
-    return torch.where(j == count - 1, bonus, nxt)
 
 
 class DeviceRound:
@@ -126,6 +102,9 @@ class DeviceRound:
                 self.chain = dataclasses.replace(self.chain, tokens=self.bonus.reshape(1),
                                                  positions=self.start.reshape(1))
         self.acc = torch.zeros((self.m,), dtype=torch.long, device=dev)  # accepted nodes, root first
+        # the torch walk's layout of its one tree (speculative/walks.walk_flat)
+        self.base = torch.zeros(1, dtype=torch.long, device=dev)
+        self.tree_of = torch.zeros(self.n1, dtype=torch.long, device=dev)
         self.prefill_stats: dict[str, int] = {}  # the last prefill's chunks and peak memory
 
     def draw(self, generator: torch.Generator | None) -> None:
@@ -217,10 +196,9 @@ class DeviceRound:
         if accept_backend(self.target.policy, picks.device) == "triton":
             accept_walk(tree.tokens, tree.parents, picks, self.m, self.B - 1, self.acc, self.result, self.bonus)
             return self.acc, self.result[self.m]
-        on_path, bonus = accept_path_mask(tree, picks)
-        count = on_path.sum()  # [] = A
-        acc = accepted_order(on_path, tree.depths, self.m)  # [M]
-        self.result[: self.m].copy_(emitted_tokens(tree.tokens, acc, count, bonus))
-        self.result[self.m:].copy_(count.reshape(1))
-        self.bonus.copy_(bonus)
-        return acc, count
+        nodes, count, bonus, emitted = walk_flat(tree.tokens, tree.parents, tree.depths, picks, self.base,
+                                                 self.tree_of, self.n1)   # one tree: [1, N1], [1], [1], [1, N1]
+        self.result[: self.m].copy_(emitted[0, : self.m])
+        self.result[self.m:].copy_(count)
+        self.bonus.copy_(bonus.reshape(()))
+        return nodes[0, : self.m], count.reshape(())

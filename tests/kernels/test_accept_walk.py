@@ -1,6 +1,5 @@
 """The one-program accept walk (kernels/accept_walk.py, under the interpreter in a child process) against the
-torch walk of device rounds (speculative/accept.py accept_path_mask, speculative/device_round.py accepted_order and
-emitted_tokens) and the literal host walk (accept_reference): random DDTrees and chains, the target's picks
+torch walk of device rounds (speculative/walks.py walk_flat) and the literal host walk (accept_reference): random DDTrees and chains, the target's picks
 drawn to follow a random root path to a random depth (then an off-tree token) or fully random, the root
 alone; accepted nodes, emitted tokens, count and bonus must be identical. Also device-resident rounds with
 this walk (none / dflash / ddtree, tiny random pair) emit exactly plain decoding's tokens."""
@@ -18,8 +17,8 @@ HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parent))
 
 from kdtree_engine.kernels.accept_walk import accept_walk  # noqa: E402
-from kdtree_engine.speculative.accept import accept_path_mask, accept_reference  # noqa: E402
-from kdtree_engine.speculative.device_round import accepted_order, emitted_tokens  # noqa: E402
+from kdtree_engine.speculative.accept import accept_reference  # noqa: E402
+from kdtree_engine.speculative.walks import walk_flat  # noqa: E402
 from kdtree_engine.speculative.tree import build_tree, chain_tree  # noqa: E402
 from kdtree_engine.sampling import topk_logprobs  # noqa: E402
 
@@ -83,10 +82,9 @@ def walk_mismatches(tree, picks: torch.Tensor, L: int, device: torch.device) -> 
     of the outputs that differ (count, accepted nodes, emitted tokens, bonus)."""
     n1 = tree.tokens.shape[0]
     m = min(L + 1, n1)
-    on_path, bonus = accept_path_mask(tree, picks)
-    count = int(on_path.sum())
-    acc = accepted_order(on_path, tree.depths, m)
-    emitted = emitted_tokens(tree.tokens, acc, on_path.sum(), bonus)
+    nodes, counts, bonuses, emitted = walk_flat(tree.tokens, tree.parents, tree.depths, picks,
+                                                torch.zeros(1, dtype=torch.long), torch.zeros(n1, dtype=torch.long), n1)
+    count, acc, emitted, bonus = int(counts[0]), nodes[0, :m], emitted[0, :m], bonuses[0]
     path, ref_bonus = accept_reference(tree, picks)
     a, r, b = (torch.empty(shape, dtype=torch.long, device=device) for shape in ((m,), (m + 1,), ()))
     accept_walk(tree.tokens.to(device), tree.parents.to(device), picks.to(device), m, L, a, r, b)

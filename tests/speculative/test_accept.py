@@ -1,7 +1,8 @@
 import torch
 
 from kdtree_engine.sampling import SamplingParams
-from kdtree_engine.speculative.accept import accept, accept_reference, target_picks
+from kdtree_engine.speculative.accept import accept_reference, target_picks
+from kdtree_engine.speculative.walks import walk_trees
 from kdtree_engine.speculative.tree import build_tree, chain_tree
 from kdtree_engine.sampling import topk_logprobs
 from kdtree_engine.kernels.policy import KernelPolicy  # noqa: E402
@@ -21,20 +22,20 @@ def test_accept_matches_reference_walk():
         rank = torch.randint(0, min(2, ids.shape[1]), (tree.num_nodes,), generator=gen)
         picks = torch.where(torch.rand(tree.num_nodes, generator=gen) < 0.8, ids[nxt, rank],
                             torch.randint(0, V, (tree.num_nodes,), generator=gen))
-        res = accept(tree, picks)
+        res = walk_trees([tree], picks)
         acc, bonus = accept_reference(tree, picks)
-        assert res.accepted.tolist() == acc and int(res.bonus) == bonus
+        assert res.accepted(0).tolist() == acc and int(res.bonus[0]) == bonus
 
 
 def test_chain_accept_prefix():
     tree = chain_tree(torch.tensor(9), torch.tensor([4, 5, 6]), 0)
     picks = torch.tensor([4, 5, 7, 1])  # agrees with 4, 5, then picks 7 at node 2
-    res = accept(tree, picks)
-    assert res.accepted.tolist() == [0, 1, 2] and int(res.bonus) == 7 and res.num_accepted == 3
-    res = accept(tree, torch.tensor([4, 5, 6, 3]))
-    assert res.accepted.tolist() == [0, 1, 2, 3] and int(res.bonus) == 3
-    res = accept(tree, torch.tensor([8, 5, 6, 3]))
-    assert res.accepted.tolist() == [0] and int(res.bonus) == 8
+    res = walk_trees([tree], picks)
+    assert res.accepted(0).tolist() == [0, 1, 2] and int(res.bonus[0]) == 7 and res.counts == [3]
+    res = walk_trees([tree], torch.tensor([4, 5, 6, 3]))
+    assert res.accepted(0).tolist() == [0, 1, 2, 3] and int(res.bonus[0]) == 3
+    res = walk_trees([tree], torch.tensor([8, 5, 6, 3]))
+    assert res.accepted(0).tolist() == [0] and int(res.bonus[0]) == 8
 
 
 def test_target_picks_greedy():

@@ -17,9 +17,9 @@ from kdtree_engine.kernels.reference import mla_attention_masked, mla_attention_
 from kdtree_engine.model.context import static_visibility
 from kdtree_engine.model.target import Target
 from kdtree_engine.sampling import SamplingParams, topk_logprobs
-from kdtree_engine.speculative.accept import accept_path_mask, accept_reference
+from kdtree_engine.speculative.accept import accept_reference
 from kdtree_engine.speculative.decode import SpecConfig, SpecError, generate, generate_device, pick_round_mode
-from kdtree_engine.speculative.device_round import accepted_order, emitted_tokens
+from kdtree_engine.speculative.walks import walk_flat
 from kdtree_engine.speculative.tree import build_tree
 
 POLICY = KernelPolicy()  # the default policy (batch invariance on, nothing forced)
@@ -56,17 +56,15 @@ def test_vectorized_accept_equals_reference_walk(depth, vocab, budget):
         tree = _random_tree(g, depth, vocab, budget)
         picks = _picks_following(tree, g, vocab, follow=0.8 if trial % 3 else 0.3)
         want_acc, want_bonus = accept_reference(tree, picks)
-        on_path, bonus = accept_path_mask(tree, picks)
         n1 = tree.num_nodes
-        m = min(depth + 1, n1)
-        count = on_path.sum()
-        acc = accepted_order(on_path, tree.depths, m)
-        assert int(count) == len(want_acc)
-        assert acc[: len(want_acc)].tolist() == want_acc
-        assert int(bonus) == want_bonus
-        em = emitted_tokens(tree.tokens, acc, count, bonus)
+        nodes, count, bonus, em = walk_flat(tree.tokens, tree.parents, tree.depths, picks,
+                                            torch.zeros(1, dtype=torch.long), torch.zeros(n1, dtype=torch.long), n1)
+        acc = nodes[0]
+        assert int(count[0]) == len(want_acc)
+        assert acc[: len(want_acc)].tolist() == want_acc and not acc[len(want_acc):].any()
+        assert int(bonus[0]) == want_bonus
         want_emit = [int(tree.tokens[i]) for i in want_acc[1:]] + [want_bonus]
-        assert em[: len(want_acc)].tolist() == want_emit
+        assert em[0, : len(want_acc)].tolist() == want_emit
 
 
 def test_compact_static_equals_commit():

@@ -6,7 +6,7 @@ import torch
 
 from kdtree_engine.kernels.policy import KernelPolicy
 from kdtree_engine.sampling import topk_logprobs
-from kdtree_engine.speculative.accept import accept_path_mask
+from kdtree_engine.speculative.walks import walk_flat
 from kdtree_engine.speculative.tree import DraftTree, build_tree, build_tree_heap
 
 POLICY = KernelPolicy()  # the default policy (batch invariance on, nothing forced)
@@ -44,13 +44,15 @@ def test_vectorized_tree_no_host_sync():
         logits = (torch.randn(L, V, generator=g) * 3).to(dev)
         bonus = torch.tensor(5, device=dev)
         start = torch.tensor(100, device=dev)
+        base, tree_of = torch.zeros(1, dtype=torch.long, device=dev), torch.zeros(budget + 1, dtype=torch.long,
+                                                                                   device=dev)
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
             lp, ids = topk_logprobs(logits, budget, policy=POLICY)
             tree = build_tree(lp, ids, budget, bonus, start)
             picks = ids[:, 0].repeat(budget + 1)[:tree.num_nodes]
-            on_path, nxt = accept_path_mask(tree, picks)
+            walk_flat(tree.tokens, tree.parents, tree.depths, picks, base, tree_of[:tree.num_nodes], tree.num_nodes)
         finally:
             torch.cuda.set_sync_debug_mode("default")
         ref = build_tree_heap(lp.cpu(), ids.cpu(), budget, 5, 100)
