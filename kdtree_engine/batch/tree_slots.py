@@ -38,7 +38,7 @@ from ..model.target import Target
 from ..sampling import greedy, topk_logprobs
 from ..speculative.config import RoundShape
 from ..speculative.walks import walk_flat
-from .draft_slots import MIN_SLOTS, draft_logits, kept_first, shrunk
+from .draft_slots import MIN_SLOTS, draft_logits, shrunk
 
 
 
@@ -60,11 +60,15 @@ class TreeSlots:
         self.vocab = getattr(target, "vocab_shard", None)
         self.keep_logits = keep_logits
         self.owners = derived_owners([target, drafter])
-        self.captured: CapturedStep | None = None
+        self.graphs: dict[int, CapturedStep] = {}   # by slot count, over the first slots of the buffers
         self.pool: Any = None
         self.captures = 0
+        self.room = 0                                 # slots the buffers hold
+        self.buf: dict[str, torch.Tensor] = {}
         self.dcaches: list[Any] = []
+        self.n = 0
         self.free: list[int] = []
+        self.kept: torch.Tensor | None = None   # a view of buf["kept"] with keep_logits
         self._resize(MIN_SLOTS, [])
         target.rope.ensure(self.capacity + self.n1 + 1)
         log_once(f"tree-slots:{mode}", "batched tree rounds of greedy fixed-budget requests: device-resident over "
@@ -72,43 +76,61 @@ class TreeSlots:
 
     @property
     def slots(self) -> int:
-        return len(self.dcaches)
+        return self.n
 
     # ---- slots ------------------------------------------------------------------------------------
-    def _resize(self, n: int, keep: list[int]) -> None:
-        """``n`` slots, slot j < len(keep) taking slot keep[j]'s state and draft cache, the others free (draft caches
-        of slots not kept reused, new ones made for the rest); a new graph."""
-        target, dev = self.target, self.target.device
-        B, n1 = self.B, self.n1
-        feat = len(self.aux_layers) * target.cfg.hidden_size
-        idx = torch.tensor(keep, dtype=torch.long, device=dev)
-
-        def moved(name: str, fill: float | bool, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-            new = torch.full((n, *shape), fill, dtype=dtype, device=dev)
-            old = self.__dict__.get(name)
-            if old is not None and keep:
-                new[:len(keep)].copy_(old.index_select(0, idx))
-            return new
-        self.start = moved("start", 0, (), torch.long)
-        self.bonus = moved("bonus", 0, (), torch.long)
-        self.n_ctx = moved("n_ctx", 0, (), torch.long)
-        self.active = moved("active", False, (), torch.bool)
-        self.ctx = moved("ctx", 0.0, (B, max(feat, 1)), target.dtype)
-        self.tables = moved("tables", target.pool().trash, (self.blocks,), torch.int32)
-        self.block_ids = torch.full((n, B), self.drafter.cfg.mask_token_id, dtype=torch.long, device=dev)
-        self.result = torch.zeros(n, self.m + 1, dtype=torch.long, device=dev)
-        self.kept = (torch.zeros(n, self.m, target.cfg.vocab_size if self.vocab is None else self.vocab.size,
-                                 dtype=torch.float32, device=dev) if self.keep_logits else None)
-        caches = kept_first(self.dcaches, keep, n)
-        self.dcaches = caches + [self.drafter.new_cache(self.draft_capacity) for _ in range(n - len(caches))]
-        self.free = list(range(len(keep), n))[::-1]   # the lowest taken first
+    def _grow(self, room: int) -> None:
+        """Buffers for ``room`` slots, every slot's state copied in at its index; the graphs over the old buffers are
+        dropped (a step over n slots is captured over the first n rows of the buffers: a slot count seen before and
+        after a shrink replays its graph, so a burst after a quiet spell captures nothing new)."""
+        target, dev, B, n1 = self.target, self.target.device, self.B, self.n1
+        feat = max(len(self.aux_layers) * target.cfg.hidden_size, 1)
+        vocab = target.cfg.vocab_size if self.vocab is None else self.vocab.size
+        specs = {"start": (0, (), torch.long), "bonus": (0, (), torch.long), "n_ctx": (0, (), torch.long),
+                 "active": (False, (), torch.bool), "ctx": (0.0, (B, feat), target.dtype),
+                 "tables": (target.pool().trash, (self.blocks,), torch.int32),
+                 "block_ids": (self.drafter.cfg.mask_token_id, (B,), torch.long),
+                 "result": (0, (self.m + 1,), torch.long)}
+        if self.keep_logits:
+            specs["kept"] = (0.0, (self.m, vocab), torch.float32)
+        old = self.buf
+        self.buf = {name: torch.full((room, *shape), fill, dtype=dtype, device=dev)
+                    for name, (fill, shape, dtype) in specs.items()}
+        for name in specs:
+            if name in old:
+                self.buf[name][:self.room].copy_(old[name])
         # the trees laid end to end: slot i's nodes at i * n1 (the walks' layout)
-        self.base = torch.arange(n, device=dev) * n1
-        self.tree_of = torch.arange(n, device=dev).repeat_interleave(n1)
         depth = torch.arange(n1, device=dev)
-        self.chain_parents, self.chain_depths = (depth - 1).repeat(n), depth.repeat(n)
+        self.buf.update(base=torch.arange(room, device=dev) * n1,
+                        tree_of=torch.arange(room, device=dev).repeat_interleave(n1),
+                        chain_parents=(depth - 1).repeat(room), chain_depths=depth.repeat(room))
         self.chain_mask = torch.ones(n1, n1, dtype=torch.bool, device=dev).tril()
-        self.captured = None
+        self.dcaches += [self.drafter.new_cache(self.draft_capacity) for _ in range(room - self.room)]
+        self.room = room
+        self.graphs.clear()
+
+    def _resize(self, n: int, keep: list[int]) -> None:
+        """``n`` slots, slot j < len(keep) taking slot keep[j]'s state and draft cache, the others free."""
+        if n > self.room:
+            self._grow(n)
+        if keep != list(range(len(keep))):   # keep is ascending: slot j's source is at j or later, not yet written
+            idx = torch.tensor(keep, dtype=torch.long, device=self.target.device)
+            for name in ("start", "bonus", "n_ctx", "active", "ctx", "tables"):
+                t = self.buf[name]
+                t[:len(keep)].copy_(t.index_select(0, idx))
+            for j, i in enumerate(keep):
+                if i != j:
+                    self.dcaches[j].k.copy_(self.dcaches[i].k)
+                    self.dcaches[j].v.copy_(self.dcaches[i].v)
+                    self.dcaches[j].length = self.dcaches[i].length
+        rest = slice(len(keep), n)
+        for name, fill in (("start", 0), ("n_ctx", 0), ("active", False), ("tables", self.target.pool().trash)):
+            self.buf[name][rest].fill_(fill)
+        self.n = n
+        n1 = self.n1
+        for name, t in self.buf.items():   # the step's views: the first n slots
+            setattr(self, name, t[:n * n1] if name in ("tree_of", "chain_parents", "chain_depths") else t[:n])
+        self.free = list(range(len(keep), n))[::-1]   # the lowest taken first
         log.debug("tree slots: %d of capacity %d (%s, budget %d), %d held", n, self.capacity, self.shape.method,
                   self.shape.budget, len(keep))
 
@@ -177,7 +199,7 @@ class TreeSlots:
         d_start = torch.where(self.active, self.start, self.draft_capacity - B)
         d_rows = torch.where(self.active, self.n_ctx, 0)
         self.block_ids[:, 0].copy_(self.bonus)
-        drafted = draft_logits(target, drafter, self.ctx, d_rows, self.dcaches, d_start, self.block_ids)
+        drafted = draft_logits(target, drafter, self.ctx, d_rows, self.dcaches[:S], d_start, self.block_ids)
         if self.shape.method == "ddtree":
             lp, ids = topk_logprobs(drafted, budget, policy=policy, vocab=self.vocab)
             trees = [build_draft_tree(policy, lp[i * (B - 1):(i + 1) * (B - 1)], ids[i * (B - 1):(i + 1) * (B - 1)],
@@ -226,11 +248,12 @@ class TreeSlots:
         return (self.tables.long().gather(1, slots // BLOCK) * BLOCK + slots % BLOCK).reshape(-1)
 
     def _replay(self) -> None:
-        if self.captured is None:
+        step = self.graphs.get(self.n)
+        if step is None:
             target, owners = self.target, self.owners
-            self.captured = CapturedStep(self.run, target.device, lambda: watched(target, owners), "tree slots",
-                                         save=self._save)
-        self.pool, captured = self.captured.replay(self.pool)
+            step = self.graphs[self.n] = CapturedStep(self.run, target.device, lambda: watched(target, owners),
+                                                      "tree slots", save=self._save)
+        self.pool, captured = step.replay(self.pool)
         if captured:
             self.captures += 1
             log.info("tree slots: captured %d slots of %d nodes (%s), capacity %d", self.slots, self.n1,

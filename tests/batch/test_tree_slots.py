@@ -97,13 +97,14 @@ def test_a_cancelled_slotted_request_frees_its_slot_and_blocks() -> None:
 def test_slots_shrink_after_a_burst_and_keep_solo_tokens() -> None:
     """A burst of requests of one shape grows the slots; as they end (at different lengths) the slots halve while at
     most a quarter hold requests, the held ones moved to the first slots mid-run; a request arriving after the burst
-    runs on the small group. Every request keeps its solo tokens."""
+    runs on the small group; a second burst grows the slots again inside the buffers the first one made (same
+    addresses: the graphs captured over them stay valid). Every request keeps its solo tokens."""
     seed = random.randrange(1 << 30)
     print(f"seed {seed}")
     rng = random.Random(seed)
     target, drafter = demo()
     sched = Scheduler(target, drafter, step_mode="static", token_budget=4096)
-    prompts = [[rng.randrange(3, 500) for _ in range(rng.randint(4, 24))] for _ in range(4 * MIN_SLOTS + 1)]
+    prompts = [[rng.randrange(3, 500) for _ in range(rng.randint(4, 24))] for _ in range(6 * MIN_SLOTS + 2)]
     lengths = [4] * (4 * MIN_SLOTS - 2) + [40, 48]   # most end early, two run on
     seqs = [sched.submit(p, SamplingParams(max_tokens=n, ignore_eos=True), spec="ddtree", budget=8)
             for p, n in zip(prompts, lengths)]
@@ -116,7 +117,16 @@ def test_slots_shrink_after_a_burst_and_keep_solo_tokens() -> None:
     sched.run()
     (group,) = sched.tree_slots.values()
     assert group.slots == MIN_SLOTS
-    for seq in seqs + [late]:
+    room, addresses = group.room, [t.data_ptr() for t in group.buf.values()]
+    again = [sched.submit(p, SamplingParams(max_tokens=rng.randint(2, 12), ignore_eos=True), spec="ddtree", budget=8)
+             for p in prompts[4 * MIN_SLOTS + 1:]]
+    sizes = []
+    while not sched.idle:
+        sched.step()
+        sizes += [group.slots]
+    assert max(sizes) > 2 * MIN_SLOTS and sched.tree_slots[next(iter(sched.tree_slots))] is group
+    assert group.room == room and [t.data_ptr() for t in group.buf.values()] == addresses
+    for seq in seqs + [late] + again:
         ref, _ = solo(target, drafter, Case(seq.prompt_ids, seq.params, "ddtree", 8, 0), None)
         assert seq.result.token_ids == ref.token_ids, first_difference(seq.result.token_ids, ref.token_ids)
     sched.close()

@@ -85,9 +85,11 @@ def test_draft_slots_graph_equals_eager():
         return {"where": where, "start": prompt, "end": prompt + limit,
                 "ctx": torch.randn(prompt, feat, generator=gen, device=dev).to(target.dtype)}
 
-    live = [new_request() for _ in range(MIN_SLOTS + 3)]
+    live = [new_request() for _ in range(MIN_SLOTS)]
     bad = []
     for step in range(16):
+        if step == 4:   # the first slots are full and captured: three more requests make them double
+            live += [new_request() for _ in range(3)]
         asked = [r for r in live if rng.random() < 0.7] or live[:1]
         for r in asked:
             r["bonus"] = torch.tensor(rng.randrange(V), device=dev)
