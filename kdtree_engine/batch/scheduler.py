@@ -337,12 +337,13 @@ class Scheduler:
             group = self.tree_slots[key]
             tokens, kept = group.step()
             self.forwards += 1
-            self.rows_run += group.slots * group.n1
+            n1 = group.n1_of[group.last_budget]
+            self.rows_run += group.slots * n1
             for seq in members:
                 i = seq.tree_slot[1]
                 if kept is not None:
                     seq.rounds.keep_logits(kept[i])
-                seq.rounds.stats.record(len(tokens[i]), group.n1 - 1)
+                seq.rounds.stats.record(len(tokens[i]), n1 - 1)
                 if seq.emit.push(tokens[i]):
                     ended.append(self._end(seq))
             moved = group.shrink()
@@ -668,6 +669,6 @@ def chose(seq: Sequence, budget: int) -> None:
 
 def slotted(seq: Sequence) -> bool:
     """Whether a request runs device-resident tree rounds in a tree slot (.tree_slots): greedy, a drafting method
-    with a fixed budget (sampled and load-aware requests take host-driven rounds)."""
-    return (seq.rounds.drafter is not None and seq.shape.method in ("dflash", "ddtree") and not seq.shape.auto
-            and seq.params.greedy)
+    (a fixed budget, or the load-aware one chosen a step for its group: .slot_budget); sampled requests take
+    host-driven rounds."""
+    return seq.rounds.drafter is not None and seq.shape.method in ("dflash", "ddtree") and seq.params.greedy

@@ -25,6 +25,8 @@ on the tokens before them (its drafts decide how many are accepted a round, not 
 
 from __future__ import annotations
 
+import time
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -37,8 +39,10 @@ from ..model.context import BatchContext, SlotTensors
 from ..model.target import Target
 from ..sampling import greedy, topk_logprobs
 from ..speculative.config import RoundShape
+from ..speculative.stats import sync
 from ..speculative.walks import walk_flat
 from .draft_slots import MIN_SLOTS, draft_logits, shrunk
+from .slot_budget import SlotBudget
 
 
 
@@ -48,11 +52,17 @@ class TreeSlots:
 
     def __init__(self, target: Target, drafter: Any, shape: RoundShape, capacity: int, mode: str,
                  keep_logits: bool = False) -> None:
-        if shape.method not in ("dflash", "ddtree") or shape.auto:
-            raise ValueError(f"tree slots take a fixed-budget dflash or ddtree round, not {shape}")
+        if shape.method not in ("dflash", "ddtree"):
+            raise ValueError(f"tree slots take a dflash or ddtree round, not {shape}")
         self.target, self.drafter, self.shape, self.mode = target, drafter, shape, mode
-        self.B, self.n1 = shape.block_size, shape.full_nodes
-        self.m = min(self.B, self.n1)
+        self.B = shape.block_size
+        # budget="auto": a budget a step for the whole group (.slot_budget), budget 0 a plain step
+        self.chooser = SlotBudget(shape.budget) if shape.auto else None
+        self.budgets = self.chooser.budgets if self.chooser else (shape.budget,)
+        self.n1_of = {b: replace(shape, budget=b, auto=False).full_nodes if b else 1 for b in self.budgets}
+        self.n1 = max(self.n1_of.values())             # the widest round's verify width
+        self.m = min(self.B, self.n1)                   # the most tokens a step emits for a slot
+        self.last_budget = self.budgets[-1]
         self.blocks = blocks_for(capacity)
         self.capacity = self.blocks * BLOCK             # slots a step's attention addresses (the tables' width)
         self.draft_capacity = self.capacity + self.B    # and a block past them: an empty slot's scratch
@@ -60,7 +70,7 @@ class TreeSlots:
         self.vocab = getattr(target, "vocab_shard", None)
         self.keep_logits = keep_logits
         self.owners = derived_owners([target, drafter])
-        self.graphs: dict[int, CapturedStep] = {}   # by slot count, over the first slots of the buffers
+        self.graphs: dict[tuple[int, int], CapturedStep] = {}   # by (slot count, budget), over the first slots
         self.pool: Any = None
         self.captures = 0
         self.room = 0                                 # slots the buffers hold
@@ -83,7 +93,7 @@ class TreeSlots:
         """Buffers for ``room`` slots, every slot's state copied in at its index; the graphs over the old buffers are
         dropped (a step over n slots is captured over the first n rows of the buffers: a slot count seen before and
         after a shrink replays its graph, so a burst after a quiet spell captures nothing new)."""
-        target, dev, B, n1 = self.target, self.target.device, self.B, self.n1
+        target, dev, B = self.target, self.target.device, self.B
         feat = max(len(self.aux_layers) * target.cfg.hidden_size, 1)
         vocab = target.cfg.vocab_size if self.vocab is None else self.vocab.size
         specs = {"start": (0, (), torch.long), "bonus": (0, (), torch.long), "n_ctx": (0, (), torch.long),
@@ -99,12 +109,6 @@ class TreeSlots:
         for name in specs:
             if name in old:
                 self.buf[name][:self.room].copy_(old[name])
-        # the trees laid end to end: slot i's nodes at i * n1 (the walks' layout)
-        depth = torch.arange(n1, device=dev)
-        self.buf.update(base=torch.arange(room, device=dev) * n1,
-                        tree_of=torch.arange(room, device=dev).repeat_interleave(n1),
-                        chain_parents=(depth - 1).repeat(room), chain_depths=depth.repeat(room))
-        self.chain_mask = torch.ones(n1, n1, dtype=torch.bool, device=dev).tril()
         self.dcaches += [self.drafter.new_cache(self.draft_capacity) for _ in range(room - self.room)]
         self.room = room
         self.graphs.clear()
@@ -127,9 +131,8 @@ class TreeSlots:
         for name, fill in (("start", 0), ("n_ctx", 0), ("active", False), ("tables", self.target.pool().trash)):
             self.buf[name][rest].fill_(fill)
         self.n = n
-        n1 = self.n1
         for name, t in self.buf.items():   # the step's views: the first n slots
-            setattr(self, name, t[:n * n1] if name in ("tree_of", "chain_parents", "chain_depths") else t[:n])
+            setattr(self, name, t[:n])
         self.free = list(range(len(keep), n))[::-1]   # the lowest taken first
         log.debug("tree slots: %d of capacity %d (%s, budget %d), %d held", n, self.capacity, self.shape.method,
                   self.shape.budget, len(keep))
@@ -179,22 +182,37 @@ class TreeSlots:
 
     # ---- the step ---------------------------------------------------------------------------------
     def step(self) -> tuple[list[list[int]], list[torch.Tensor] | None]:
-        """Every slot's round: each slot's emitted tokens (an empty slot's are meaningless) and, with
-        ``keep_logits``, their target logits [A, V]."""
+        """Every slot's round at this step's budget (:attr:`last_budget`): each slot's emitted tokens (an empty
+        slot's are meaningless) and, with ``keep_logits``, their target logits [A, V]."""
+        budget = self.chooser.choose(self.n) if self.chooser else self.budgets[0]
+        self.last_budget = budget
+        if self.chooser:   # the step's seconds are its own, not those of work queued before it
+            sync(self.target.device)
+        t0 = time.perf_counter()
+        captured = False
         with torch.no_grad():
             if self.mode == "graph":
-                self._replay()
+                captured = self._replay(budget)
             else:
-                self.run()
+                self.run(budget)
         vals = self.result.tolist()   # the step's one read
         tokens = [row[:row[self.m]] for row in vals]
+        if self.chooser:
+            held = [len(tokens[i]) for i in range(self.n) if i not in self.free]
+            self.chooser.record(budget, self.n, time.perf_counter() - t0, sum(held) / len(held) if held else None,
+                                captured)
         kept = None if self.kept is None else [self.kept[i, :len(t)].clone() for i, t in enumerate(tokens)]
         return tokens, kept
 
-    def run(self) -> None:
-        """The round of every slot, in place (the captured body)."""
-        target, drafter, S, B, n1, m = self.target, self.drafter, self.slots, self.B, self.n1, self.m
-        policy, budget = target.policy, self.shape.budget
+    def run(self, budget: int) -> None:
+        """The round of every slot at ``budget``, in place (the captured body)."""
+        if budget == 0:
+            self._run_plain()
+            return
+        target, drafter, S, B = self.target, self.drafter, self.slots, self.B
+        n1 = self.n1_of[budget]
+        m = min(B, n1)
+        policy, dev = target.policy, target.device
         # draft pass: an empty slot drafts on its scratch block, with no context rows
         d_start = torch.where(self.active, self.start, self.draft_capacity - B)
         d_rows = torch.where(self.active, self.n_ctx, 0)
@@ -211,23 +229,21 @@ class TreeSlots:
             drafts = greedy(drafted.view(S, B - 1, -1)[:, :n1 - 1].reshape(S * (n1 - 1), -1), policy=policy,
                             vocab=self.vocab).view(S, n1 - 1)
             tokens = torch.cat([self.bonus.unsqueeze(1), drafts], dim=1).reshape(-1)
-            parents, depths = self.chain_parents, self.chain_depths
+            depth = torch.arange(n1, device=dev)
+            parents, depths = (depth - 1).repeat(S), depth.repeat(S)
             positions = (self.start.unsqueeze(1) + depths.view(S, n1)).reshape(-1)
-            masks = [self.chain_mask] * S
+            masks = [torch.ones(n1, n1, dtype=torch.bool, device=dev).tril()] * S
         # verify: one forward over every slot's tree
-        cap = self.capacity
-        ctxs = tuple(target.static_context(self.tables[i], cap, positions[i * n1:(i + 1) * n1], masks[i],
-                                           self.start[i]) for i in range(S))
-        x, aux = target._layers(target.embed(tokens), BatchContext.of(ctxs, SlotTensors(self.tables, self.start, cap,
-                                                                                          n1)),
-                                target.pool(), self.aux_layers)
-        logits = target.lm_head(x)
+        logits, aux = self._verify(tokens, positions, masks, n1)
         picks = greedy(logits, policy=policy, vocab=self.vocab)
-        nodes, count, bonus, emitted = walk_flat(tokens, parents, depths, picks, self.base, self.tree_of, n1)
+        # the trees laid end to end: slot i's nodes at i * n1 (the walks' layout)
+        base = torch.arange(S, device=dev) * n1
+        nodes, count, bonus, emitted = walk_flat(tokens, parents, depths, picks, base,
+                                                 torch.arange(S, device=dev).repeat_interleave(n1), n1)
         acc = nodes[:, :m]   # [S, m]: the accepted nodes first (at most B of them), the rest past the new length
-        flat_acc = (self.base.unsqueeze(1) + acc).reshape(-1)
+        flat_acc = (base.unsqueeze(1) + acc).reshape(-1)
         # commit: slot start + j takes the entry of slot start + acc[j], every slot through its own table (one copy)
-        j = torch.arange(m, device=acc.device)
+        j = torch.arange(m, device=dev)
         src, dst = self._rows(self.start.unsqueeze(1) + acc), self._rows(self.start.unsqueeze(1) + j)
         # an empty slot copies its (trash) rows onto themselves: rows two of them share get the same value
         dst = torch.where(self.active.repeat_interleave(m), dst, src)
@@ -235,29 +251,64 @@ class TreeSlots:
         flat = kv.view(kv.shape[0], -1, kv.shape[-1])
         flat.index_copy_(1, dst, flat.index_select(1, src))
         if self.kept is not None:
-            self.kept.copy_(logits.index_select(0, flat_acc).view(S, m, -1))
-        self.ctx[:, :m].copy_(aux.index_select(0, flat_acc).view(S, m, -1).to(self.ctx.dtype))
+            self.kept[:, :m].copy_(logits.index_select(0, flat_acc).view(S, m, -1))
+        self._advance(aux.index_select(0, flat_acc).view(S, m, -1), count, bonus, emitted[:, :m])
+
+    def _run_plain(self) -> None:
+        """Budget 0: every slot's pending context rows into its draft cache (no draft pass), then a plain step: the
+        target's pick after the newest token, whose aux row is the next context."""
+        target, S, B = self.target, self.slots, self.B
+        d_start = torch.where(self.active, self.start, self.draft_capacity - B)
+        d_rows = torch.where(self.active, self.n_ctx, 0)
+        self.drafter.feed_batch([(self.ctx[i], self.dcaches[i], d_start[i]) for i in range(S)],
+                                [d_rows[i] for i in range(S)])
+        one = torch.ones(1, 1, dtype=torch.bool, device=target.device)
+        logits, aux = self._verify(self.bonus, self.start, [one] * S, 1)
+        picks = greedy(logits, policy=target.policy, vocab=self.vocab)
+        if self.kept is not None:
+            self.kept[:, :1].copy_(logits.unsqueeze(1))
+        self._advance(aux.unsqueeze(1), torch.ones_like(self.start), picks, picks.unsqueeze(1))
+
+    def _verify(self, tokens: torch.Tensor, positions: torch.Tensor, masks: list[torch.Tensor],
+                n1: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One target forward over every slot's n1 nodes (static contexts): logits and aux rows of every node."""
+        target, S, cap = self.target, self.slots, self.capacity
+        ctxs = tuple(target.static_context(self.tables[i], cap, positions[i * n1:(i + 1) * n1], masks[i],
+                                           self.start[i]) for i in range(S))
+        x, aux = target._layers(target.embed(tokens), BatchContext.of(ctxs, SlotTensors(self.tables, self.start, cap,
+                                                                                          n1)),
+                                target.pool(), self.aux_layers)
+        return target.lm_head(x), aux
+
+    def _advance(self, aux: torch.Tensor, count: torch.Tensor, bonus: torch.Tensor, emitted: torch.Tensor) -> None:
+        """A held slot's state after its round: the accepted nodes' aux rows [S, k] its next context, its length and
+        newest token advanced; the round's emitted tokens [S, k] and count for the host."""
+        k = aux.shape[1]
+        self.ctx[:, :k].copy_(aux.to(self.ctx.dtype))
         self.n_ctx.copy_(torch.where(self.active, count, self.n_ctx))
         self.start.add_(torch.where(self.active, count, 0))
         self.bonus.copy_(torch.where(self.active, bonus, self.bonus))
-        self.result[:, :m].copy_(emitted[:, :m])
-        self.result[:, m].copy_(count)
+        self.result[:, :k].copy_(emitted)
+        self.result[:, self.m].copy_(count)
 
     def _rows(self, slots: torch.Tensor) -> torch.Tensor:
         """Pool rows of each slot's cache slots ``slots`` [S, k] through its table row -> [S * k]."""
         return (self.tables.long().gather(1, slots // BLOCK) * BLOCK + slots % BLOCK).reshape(-1)
 
-    def _replay(self) -> None:
-        step = self.graphs.get(self.n)
+    def _replay(self, budget: int) -> bool:
+        """Replays the step of this slot count and budget (captured on first use); whether it captured."""
+        key = (self.n, budget)
+        step = self.graphs.get(key)
         if step is None:
             target, owners = self.target, self.owners
-            step = self.graphs[self.n] = CapturedStep(self.run, target.device, lambda: watched(target, owners),
-                                                      "tree slots", save=self._save)
+            step = self.graphs[key] = CapturedStep(lambda: self.run(budget), target.device,
+                                                   lambda: watched(target, owners), "tree slots", save=self._save)
         self.pool, captured = step.replay(self.pool)
         if captured:
             self.captures += 1
-            log.info("tree slots: captured %d slots of %d nodes (%s), capacity %d", self.slots, self.n1,
-                     self.shape.method, self.capacity)
+            log.info("tree slots: captured %d slots of %d nodes (%s, budget %d), capacity %d", self.n,
+                     self.n1_of[budget], self.shape.method, budget, self.capacity)
+        return captured
 
     def _save(self):
         """What a capture's warm-up runs change and undo: the slots' state (their cache writes land past the

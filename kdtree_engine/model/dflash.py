@@ -376,12 +376,7 @@ class DFlashDrafter(nn.Module):
         else:
             steps = [self.context(cache, c.shape[0], start, n) for (c, cache, start), n in zip(items, n_ctx)]
         fed = [(c, cache, st) for (c, cache, _), st in zip(items, steps) if c is not None and c.shape[0]]
-        ctx = None
-        if fed:
-            ctx = self.hidden_norm(self.fc(torch.cat([c for c, _, _ in fed]).to(device=dev, dtype=dt)))  # [sum R, D]
-            cos_c = torch.cat([st.cos_c for _, _, st in fed])
-            sin_c = torch.cat([st.sin_c for _, _, st in fed])
-            sizes = [c.shape[0] for c, _, _ in fed]
+        ctx = self._fed_rows(fed)
         cos_b = torch.cat([st.cos_b for st in steps])
         sin_b = torch.cat([st.sin_b for st in steps])
         h = block_embeds.to(device=dev, dtype=dt)  # [n * B, D]
@@ -389,10 +384,7 @@ class DFlashDrafter(nn.Module):
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             if ctx is not None:
-                k_c, v_c = attn.context_kv(ctx, cos_c, sin_c)  # [Hkv, sum R, d]
-                for (_, cache, st), kc, vc in zip(fed, k_c.split(sizes, dim=1), v_c.split(sizes, dim=1)):
-                    cache.k[i].index_copy_(1, st.c_pos, kc)
-                    cache.v[i].index_copy_(1, st.c_pos, vc)
+                self._cache_rows(i, fed, *ctx)
             h, x = layer.input_layernorm.residual(h, pending)
             q, kb, vb = attn.project(x, cos_b, sin_b)
             o = torch.cat([attn.attend(q[j * B:(j + 1) * B], kb[j * B:(j + 1) * B], vb[j * B:(j + 1) * B],
@@ -405,6 +397,33 @@ class DFlashDrafter(nn.Module):
             if st.host_length is not None:
                 cache.length = st.host_length
         return self.norm.residual(h, pending)[1]
+
+    def _fed_rows(self, fed: list[tuple[torch.Tensor, DraftCache, DraftStep]]
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The projected context rows of several passes [sum R, D] and their rope rows (None: no rows)."""
+        if not fed:
+            return None
+        ctx = self.hidden_norm(self.fc(torch.cat([c for c, _, _ in fed]).to(device=self.device, dtype=self.dtype)))
+        return ctx, torch.cat([st.cos_c for _, _, st in fed]), torch.cat([st.sin_c for _, _, st in fed])
+
+    def _cache_rows(self, layer: int, fed: list[tuple[torch.Tensor, DraftCache, DraftStep]], ctx: torch.Tensor,
+                    cos_c: torch.Tensor, sin_c: torch.Tensor) -> None:
+        """Layer ``layer``'s K/V of the projected context rows, each pass's into its cache at its slots."""
+        k_c, v_c = self.layers[layer].self_attn.context_kv(ctx, cos_c, sin_c)  # [Hkv, sum R, d]
+        sizes = [c.shape[0] for c, _, _ in fed]
+        for (_, cache, st), kc, vc in zip(fed, k_c.split(sizes, dim=1), v_c.split(sizes, dim=1)):
+            cache.k[layer].index_copy_(1, st.c_pos, kc)
+            cache.v[layer].index_copy_(1, st.c_pos, vc)
+
+    def feed_batch(self, items: Sequence[tuple[torch.Tensor, DraftCache, torch.Tensor]],
+                   n_ctx: Sequence[torch.Tensor]) -> None:
+        """The context rows of several device-resident passes into their caches, without a pass: items (rows
+        [R, K*D], cache, start [] long) of which the first n_ctx (one [] long a cache) are the tokens at start - n_ctx
+        .. start-1 (the others land past the committed length), the K/V :meth:`forward_batch` would write."""
+        fed = [(c, cache, self.context(cache, c.shape[0], start, n)) for (c, cache, start), n in zip(items, n_ctx)]
+        ctx = self._fed_rows(fed)
+        for i in range(len(self.layers)):
+            self._cache_rows(i, fed, *ctx)
 
     @torch.no_grad()
     def propose_batch(self, target: TargetLike, items: Sequence[tuple[torch.Tensor | None, torch.Tensor, DraftCache,

@@ -131,3 +131,25 @@ def test_slots_shrink_and_keep_each_requests_passes() -> None:
             accepted = rng.randint(1, B)
             r["start"] += accepted
             r["ctx"] = torch.randn(accepted, feat, generator=gen)
+
+
+def test_feeding_context_rows_writes_the_pass_s_cache_entries() -> None:
+    """DFlashDrafter.feed_batch (a plain step's context rows into the draft caches, no pass: tree slots at budget 0)
+    writes the K/V a device-resident draft pass over the same rows writes, at the committed positions."""
+    rng, gen, target, drafter, _ = seeded_slots()
+    B = drafter.cfg.block_size
+    feat = len(drafter.target_layer_ids) * target.cfg.hidden_size
+    n = 5
+    caps = [rng.randint(2 * B, 6 * B) for _ in range(n)]
+    starts = [rng.randint(B, c - B) for c in caps]
+    n_ctx = [rng.randint(0, B) for _ in range(n)]
+    rows = [torch.randn(B, feat, generator=gen) for _ in range(n)]
+    passed, fed = ([drafter.new_cache(c) for c in caps] for _ in range(2))
+    items = [(r, c, torch.tensor(s)) for r, c, s in zip(rows, passed, starts)]
+    blocks = torch.randint(0, target.cfg.vocab_size, (n * B,), generator=gen)
+    drafter.forward_batch(items, target.embed(blocks), n_ctx=[torch.tensor(k) for k in n_ctx])
+    drafter.feed_batch([(r, c, torch.tensor(s)) for r, c, s in zip(rows, fed, starts)],
+                       [torch.tensor(k) for k in n_ctx])
+    for a, b, s, k in zip(passed, fed, starts, n_ctx):
+        assert torch.equal(a.k[:, :, s - k:s], b.k[:, :, s - k:s]) and torch.equal(a.v[:, :, s - k:s], b.v[:, :, s - k:s])
+        assert k == 0 or b.k[:, :, s - k:s].abs().sum() > 0   # written, not the zeros of a new cache

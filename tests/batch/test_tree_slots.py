@@ -12,6 +12,7 @@ from dataclasses import replace
 import torch
 
 from kdtree_engine.batch.scheduler import Scheduler
+from kdtree_engine.batch.slot_budget import SlotBudget
 from kdtree_engine.batch.tree_slots import MIN_SLOTS, TreeSlots
 from kdtree_engine.engine import DEMO_DIR, load_drafter, load_target
 from kdtree_engine.sampling import SamplingParams
@@ -155,3 +156,27 @@ def test_an_empty_slot_runs_inside_the_capacity() -> None:
     ref, _ = solo(target, drafter, Case(prompts[1], params, "ddtree", 16, 0), None)
     assert b.result.token_ids == ref.token_ids
     sched.close()
+
+
+def test_load_aware_requests_switch_budgets_and_keep_solo_tokens(monkeypatch) -> None:
+    """Greedy requests with budget="auto" run in tree slots, one budget a step for the group (.slot_budget); here the
+    budget is drawn at random each step from the group's ladder (0: a plain step that feeds the drafter's cache), so
+    requests switch between plain steps and trees of every size mid-run. Each request's tokens == its solo run's,
+    its emitted tokens' logits within 1e-4."""
+    seed = random.randrange(1 << 30)
+    print(f"seed {seed}")
+    rng = random.Random(seed)
+    target, drafter = demo()
+    tok = load_tokenizer(DEMO_DIR)
+    base = make_cases(tok, MIN_SLOTS + 2, seed, max_prompt=60, max_tokens=28, sampled_every=10**6)
+    cases = [Case(c.prompt, replace(c.params, max_tokens=max(c.params.max_tokens, 8)), "ddtree", "auto", c.arrives)
+             for c in base]
+    ran = []
+    monkeypatch.setattr(SlotBudget, "choose", lambda self, slots: ran.append(rng.choice(self.budgets)) or ran[-1])
+    results, logits, _ = batched(target, drafter, cases, 48, token_budget=2048, step_mode="static")
+    assert 0 in ran and len(set(ran)) >= 3, ran
+    for i, (case, res, lg) in enumerate(zip(cases, results, logits)):
+        ref, ref_logits = solo(target, drafter, case, 48)
+        assert res.token_ids == ref.token_ids, (i, first_difference(res.token_ids, ref.token_ids))
+        torch.testing.assert_close(lg, ref_logits, rtol=1e-4, atol=1e-4)
+        assert res.stats["device_rounds"] is True

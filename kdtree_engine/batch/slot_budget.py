@@ -1,0 +1,78 @@
+"""The load-aware budget of tree slots (``budget="auto"`` for greedy requests in a batch): one tree budget a step for
+every slot of a group, chosen from what each budget has delivered.
+
+A step of a group costs what it costs as a whole (one replay and one read: every slot's draft pass, one verify
+forward over every slot's tree), so the choice is the group's: the budget whose measured tokens per second over the
+group's slots is the highest, where a budget's tokens per slot and step are the running mean of what its steps
+emitted (1 for budget 0: a plain step) and its seconds the recent median of its steps at this slot count (a step
+that captured a graph is not a sample). As the batch grows, a verify forward over many trees costs more than the
+tokens it adds, and budget 0 wins: speculation shrinks with the load and, measured, never costs throughput for long.
+
+Each budget not measured at the group's slot count is tried once; one that lost is tried again after a wait that
+doubles with each loss (up to ``BACKOFF_MAX`` steps; ``NEAR_MAX`` for one within ``NEAR`` of the best, whose loss
+may be its estimate's noise), so the price of looking is a step now and then. The choice
+never changes a request's tokens (every budget emits the target's greedy picks), only how many a step brings.
+"""
+
+from __future__ import annotations
+
+from ..speculative.budget import RecentMedian, RunningMean
+
+LADDER = (4, 8, 16, 32)   # the tree budgets a group weighs besides 0 (up to the request's cap)
+BACKOFF_MAX = 256         # steps at most between two tries of a budget that lost
+FIRST_WAIT = 2            # steps before a budget that lost is tried again the first time
+NEAR, NEAR_MAX = 0.9, 16  # a budget within this share of the best's rate waits at most this many steps
+
+
+def ladder(cap: int) -> tuple[int, ...]:
+    """Budget 0 (plain steps) and the tree budgets up to ``cap`` (``cap`` itself when no rung fits)."""
+    return (0,) + (tuple(b for b in LADDER if b <= cap) or (cap,))
+
+
+class SlotBudget:
+    """The per-step budget of one group of tree slots."""
+
+    def __init__(self, cap: int) -> None:
+        self.budgets = ladder(cap)
+        self.seconds: dict[tuple[int, int], RecentMedian] = {}     # (budget, slots) -> a step's seconds
+        self.tokens = {b: RunningMean(prior=1.0) for b in self.budgets if b}   # per slot and step
+        self.wait = {b: FIRST_WAIT for b in self.budgets}                     # its next try waits this many steps
+        self.due = {b: 0 for b in self.budgets}                      # ... until this step
+        self.step = 0
+
+    def rate(self, budget: int, slots: int) -> float | None:
+        """Tokens per second of a step at ``budget`` over ``slots`` slots (None: not measured there)."""
+        sec = self.seconds.get((budget, slots))
+        if sec is None or sec.n == 0:
+            return None
+        return (self.tokens[budget].value if budget else 1.0) / max(sec.value, 1e-9)
+
+    def best(self, slots: int) -> int:
+        rates = {b: r for b in self.budgets if (r := self.rate(b, slots)) is not None}
+        return max(rates, key=lambda b: (rates[b], -b)) if rates else self.budgets[0]
+
+    def choose(self, slots: int) -> int:
+        """This step's budget: a budget due for a try (never measured at this slot count, or its wait over), else
+        the best measured."""
+        self.step += 1
+        best = self.best(slots)
+        for b in self.budgets:
+            if b != best and (self.rate(b, slots) is None or self.due[b] <= self.step):
+                return b
+        return best
+
+    def record(self, budget: int, slots: int, seconds: float, tokens: float | None, captured: bool) -> None:
+        """A step's outcome: its seconds, the tokens a held slot emitted on average (None: no slot held a request),
+        whether it captured a graph (then its seconds are not a sample)."""
+        if tokens is not None and budget:
+            self.tokens[budget].update(tokens)
+        if not captured:
+            self.seconds.setdefault((budget, slots), RecentMedian()).update(seconds)
+        best = self.best(slots)
+        if best == budget:
+            self.wait[budget] = FIRST_WAIT
+        else:   # it lost: its next try waits twice as long (a near one not long: its estimate may be what lost)
+            mine, top = self.rate(budget, slots), self.rate(best, slots)
+            near = mine is not None and top is not None and mine >= NEAR * top
+            self.due[budget] = self.step + self.wait[budget]
+            self.wait[budget] = min(2 * self.wait[budget], NEAR_MAX if near else BACKOFF_MAX)

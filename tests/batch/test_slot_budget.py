@@ -1,0 +1,86 @@
+"""The load-aware budget of tree slots (kdtree_engine/batch/slot_budget.py) in simulated worlds: each budget's step
+costs a known number of seconds at each slot count (with noise) and emits a known mean of tokens a slot; the oracle
+is the budget of the highest true tokens per second. Seeds printed."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kdtree_engine.batch.slot_budget import BACKOFF_MAX, LADDER, SlotBudget, ladder
+
+
+def simulate(rng: random.Random, chooser: SlotBudget, seconds, tokens, slots: int, steps: int) -> list[int]:
+    """``steps`` steps at ``slots`` slots; seconds(b, n) and tokens(b) the world's truth. Returns the budgets run."""
+    ran = []
+    for _ in range(steps):
+        b = chooser.choose(slots)
+        noise = 1.0 + rng.uniform(-0.05, 0.05)
+        emitted = 1.0 if b == 0 else max(1.0, rng.gauss(tokens(b), 0.5))
+        chooser.record(b, slots, seconds(b, slots) * noise, emitted, captured=rng.random() < 0.01)
+        ran.append(b)
+    return ran
+
+
+@pytest.mark.parametrize("world", ["trees-pay", "plain-pays"])
+def test_the_chosen_budget_is_the_fastest_and_looking_costs_little(world: str) -> None:
+    seed = random.randrange(1 << 30)
+    print(f"seed {seed}")
+    rng = random.Random(seed)
+    plain = rng.uniform(1e-3, 20e-3)                    # a plain step's seconds at one slot
+    per_node = rng.uniform(0.002, 0.05) * plain         # what a verified node adds
+    draft = rng.uniform(0.1, 0.6) * plain               # a draft pass
+    tau = {b: 1.0 + rng.uniform(1.0, 4.0) * (1 - 0.5 ** (b / 4)) for b in LADDER}   # more nodes, more tokens
+    if world == "plain-pays":   # a verified node costs enough at this many slots that no tree can pay
+        per_node = max(per_node, 0.02 * plain)
+    slots = 2 if world == "trees-pay" else 512
+
+    def seconds(b: int, n: int) -> float:
+        return plain + n * per_node * (b + 1) + (draft if b else 0.0)
+
+    def rate(b: int) -> float:
+        return (tau[b] if b else 1.0) / seconds(b, slots)
+    truth = max(ladder(32), key=rate)
+    if world == "plain-pays":
+        assert truth == 0, "the world's trees should lose at this many slots"
+    chooser = SlotBudget(32)
+    ran = simulate(rng, chooser, seconds, lambda b: tau[b], slots, 4000)
+    late = ran[1000:]
+    assert rate(chooser.best(slots)) >= 0.9 * rate(truth)
+    # the steps at a budget clearly slower than the best (near-ties are a fair choice either way, within the noise):
+    # the tries of the others after their doubling waits
+    off = sum(rate(b) < 0.8 * rate(truth) for b in late) / len(late)
+    assert off < 0.05, f"{off:.3f} of the steps off the best budget"
+    got = sum(rate(b) for b in late) / len(late)
+    assert got >= 0.95 * rate(truth), (got, rate(truth))
+
+
+def test_a_new_slot_count_is_measured_and_the_choice_follows_the_load() -> None:
+    """Trees pay at 4 slots and lose at 64: the choice moves to budget 0 as the group grows, and back as it
+    shrinks."""
+    seed = random.randrange(1 << 30)
+    print(f"seed {seed}")
+    rng = random.Random(seed)
+
+    def seconds(b: int, n: int) -> float:
+        return 1e-3 * (1 + 0.02 * n * (b + 1)) + (0.3e-3 if b else 0.0)
+
+    tau = {b: 1 + 3 * (1 - 0.5 ** (b / 4)) for b in LADDER}
+    chooser = SlotBudget(32)
+    small = simulate(rng, chooser, seconds, lambda b: tau[b], 4, 600)
+    big = simulate(rng, chooser, seconds, lambda b: tau[b], 64, 600)
+    again = simulate(rng, chooser, seconds, lambda b: tau[b], 4, 600)
+    assert max(set(small[300:]), key=small[300:].count) > 0
+    assert max(set(big[300:]), key=big[300:].count) == 0
+    assert max(set(again[300:]), key=again[300:].count) > 0
+
+
+def test_the_ladder_and_the_wait_bound() -> None:
+    assert ladder(256) == (0,) + LADDER and ladder(8) == (0, 4, 8) and ladder(3) == (0, 3)
+    chooser = SlotBudget(16)
+    for _ in range(5000):   # a budget that always loses is still tried, at most BACKOFF_MAX steps apart
+        b = chooser.choose(8)
+        chooser.record(b, 8, 1.0 if b == 0 else 10.0, 1.0, captured=False)
+    assert max(chooser.wait.values()) <= BACKOFF_MAX
+    assert chooser.best(8) == 0
