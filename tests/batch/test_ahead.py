@@ -119,6 +119,7 @@ def test_load_aware_requests_skipping_their_drafts_go_ahead(demo):
     prompts = _prompts(tok, 3)
     params = SamplingParams(max_tokens=20, ignore_eos=True)
     sched = Scheduler(target, drafter, step_mode="static")
+    sched.tree_slots = None   # the host-driven load-aware rounds (greedy ones otherwise run in tree slots)
     sched.tree_host_s.value = 1e6
     sched.tree_host_s.update = lambda x: sched.tree_host_s.value
     sched._probe_gap = lambda last: 3   # short gaps: every probe takes in the rows of the steps that went ahead

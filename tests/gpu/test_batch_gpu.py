@@ -9,6 +9,7 @@ their own seeds, arriving at different steps; the demo pair (INT4 experts).
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -32,6 +33,8 @@ def test_demo_batch_bitwise_equals_solo(token_budget, step_mode):
     target = load_target(DEMO_DIR, device=dev, dtype=torch.bfloat16, progress=False)
     drafter = load_drafter(DEMO_DIR / "draft", target)
     cases = make_cases(load_tokenizer(DEMO_DIR), 24, seed, max_prompt=200, max_tokens=48)
+    # every fifth request load-aware: greedy ones run in tree slots at the budget their group picks each step
+    cases = [replace(c, method="ddtree", budget="auto") if i % 5 == 2 else c for i, c in enumerate(cases)]
     free = sorted(target.pool().free_ids())
     results, logits, sched = batched(target, drafter, cases, CHUNK, token_budget, step_mode)
     print(f"{sched.forwards} batched forwards, {sched.rows_run} rows, "
