@@ -241,10 +241,10 @@ def census_batch(target: Any, drafter: Any, n: int, budget: int, triton: bool, s
             pass
 
     def paused(fn: Any) -> Any:
-        def run(self: Any) -> Any:
+        def run(self: Any, *args: Any) -> Any:
             census.paused += 1
             try:
-                return fn(self)
+                return fn(self, *args)
             finally:
                 census.paused -= 1
         return run

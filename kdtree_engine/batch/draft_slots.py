@@ -38,12 +38,6 @@ def shrunk(slots: int, held: int) -> int:
     return slots
 
 
-def kept_first(caches: list[DraftCache], keep: list[int], n: int) -> list[DraftCache]:
-    """``n`` slots' draft caches: those of the slots ``keep``, in order, then the others' (reused), at most n."""
-    kept = set(keep)
-    return ([caches[i] for i in keep] + [c for i, c in enumerate(caches) if i not in kept])[:n]
-
-
 def draft_logits(target: Target, drafter: Any, ctx: torch.Tensor, n_ctx: torch.Tensor, caches: list[DraftCache],
                  starts: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     """The device-resident draft pass of every slot at once (row-wise work over all their rows, attention per slot
@@ -56,30 +50,54 @@ def draft_logits(target: Target, drafter: Any, ctx: torch.Tensor, n_ctx: torch.T
 
 
 class SlotSet:
-    """The slots of one capacity: their draft caches, static inputs, logits and graph."""
+    """The slots of one capacity: their draft caches, static inputs, logits and graphs. The buffers hold ``room``
+    slots; a pass over n slots reads their first n rows and is captured once per n, so a slot count seen before a
+    shrink replays its graph after it (the held requests' caches are copied to the first slots, not moved)."""
 
-    def __init__(self, target: Target, drafter: Any, capacity: int, slots: int, mode: str,
-                 caches: list[DraftCache]) -> None:
-        dev, B = target.device, drafter.cfg.block_size
+    def __init__(self, target: Target, drafter: Any, capacity: int, slots: int, mode: str) -> None:
         self.target, self.drafter, self.capacity, self.mode = target, drafter, capacity, mode
-        self.caches = caches + [drafter.new_cache(capacity) for _ in range(slots - len(caches))]
-        feat = len(drafter.target_layer_ids) * target.cfg.hidden_size
-        self.ctx = torch.zeros(slots, B, feat, dtype=target.dtype, device=dev)
-        self.n_ctx = torch.zeros(slots, dtype=torch.long, device=dev)
-        self.starts = torch.full((slots,), capacity - B, dtype=torch.long, device=dev)
-        self.blocks = torch.full((slots, B), drafter.cfg.mask_token_id, dtype=torch.long, device=dev)
-        self.logits: torch.Tensor | None = None
-        self.free = list(range(slots))[::-1]   # the next taken last
-        self.captured: CapturedStep | None = None
+        self.room, self.n = 0, 0
+        self.buf: dict[str, torch.Tensor] = {}
+        self.caches: list[DraftCache] = []
+        self.graphs: dict[int, CapturedStep] = {}
+        self.logits: dict[int, torch.Tensor] = {}   # by slot count: the pass's output (a graph's, replayed in place)
+        self.free: list[int] = []
+        self.resize(slots, [])
 
     @property
     def slots(self) -> int:
-        return len(self.caches)
+        return self.n
+
+    def _grow(self, room: int) -> None:
+        """Buffers and caches for ``room`` slots (the graphs over the old buffers dropped)."""
+        target, drafter, dev, B = self.target, self.drafter, self.target.device, self.drafter.cfg.block_size
+        feat = len(drafter.target_layer_ids) * target.cfg.hidden_size
+        self.buf = {"ctx": torch.zeros(room, B, feat, dtype=target.dtype, device=dev),
+                    "n_ctx": torch.zeros(room, dtype=torch.long, device=dev),
+                    "starts": torch.full((room,), self.capacity - B, dtype=torch.long, device=dev),
+                    "blocks": torch.full((room, B), drafter.cfg.mask_token_id, dtype=torch.long, device=dev)}
+        self.caches += [drafter.new_cache(self.capacity) for _ in range(room - self.room)]
+        self.room = room
+        self.graphs.clear()
+        self.logits.clear()
+
+    def resize(self, n: int, keep: list[int]) -> None:
+        """``n`` slots, slot j < len(keep) taking slot keep[j]'s draft cache (keep ascending), the others free."""
+        if n > self.room:
+            self._grow(n)
+        for j, i in enumerate(keep):   # slot j's source is at j or later, not yet written
+            if i != j:
+                self.caches[j].k.copy_(self.caches[i].k)
+                self.caches[j].v.copy_(self.caches[i].v)
+                self.caches[j].length = self.caches[i].length
+        self.n = n
+        self.ctx, self.n_ctx, self.starts, self.blocks = (self.buf[k][:n] for k in ("ctx", "n_ctx", "starts", "blocks"))
+        self.free = list(range(len(keep), n))[::-1]   # the lowest taken first
 
     def run(self) -> None:
         """Every slot's draft pass (the captured body): logits [slots * (B-1), V]."""
-        self.logits = draft_logits(self.target, self.drafter, self.ctx, self.n_ctx, self.caches, self.starts,
-                                   self.blocks)
+        self.logits[self.n] = draft_logits(self.target, self.drafter, self.ctx, self.n_ctx, self.caches[:self.n],
+                                           self.starts, self.blocks)
 
 
 class DraftSlots:
@@ -99,13 +117,11 @@ class DraftSlots:
         """A slot whose draft cache holds ``tokens`` positions and a block past them: (capacity, slot)."""
         cap = capacity_bucket(tokens + self.drafter.cfg.block_size)
         held = self.sets.get(cap)
-        if held is None or not held.free:
-            n = MIN_SLOTS if held is None else 2 * held.slots
-            held = self.sets[cap] = SlotSet(self.target, self.drafter, cap, n, self.mode,
-                                            [] if held is None else held.caches)
-            if n > MIN_SLOTS:   # the requests holding slots keep them (and their caches)
-                held.free = list(range(n // 2, n))[::-1]
-            log.debug("draft slots: %d of capacity %d", n, cap)
+        if held is None:
+            held = self.sets[cap] = SlotSet(self.target, self.drafter, cap, MIN_SLOTS, self.mode)
+        elif not held.free:   # the requests holding slots keep them (and their caches)
+            held.resize(2 * held.slots, list(range(held.slots)))
+            log.debug("draft slots: %d of capacity %d", held.slots, cap)
         return cap, held.free.pop()
 
     def shrink(self) -> dict[tuple[int, int], tuple[int, int]]:
@@ -118,9 +134,7 @@ class DraftSlots:
             n = shrunk(held.slots, len(taken))
             if n == held.slots:
                 continue
-            new = self.sets[cap] = SlotSet(self.target, self.drafter, cap, n, self.mode,
-                                           kept_first(held.caches, taken, n))
-            new.free = list(range(len(taken), n))[::-1]
+            held.resize(n, taken)
             moved.update({(cap, i): (cap, j) for j, i in enumerate(taken)})
             log.debug("draft slots: %d of capacity %d, %d held", n, cap, len(taken))
         return moved
@@ -169,7 +183,7 @@ class DraftSlots:
                 flat.index_copy_(0, host[2 * S + A:], torch.cat(rows).to(dtype=flat.dtype))
             held.blocks[:, 0].index_copy_(0, slots, torch.cat(bonus).to(dev))
             self._run(held)
-            got = held.logits.view(S, B - 1, -1).index_select(0, slots)   # a copy: the next pass rewrites them
+            got = held.logits[S].view(S, B - 1, -1).index_select(0, slots)   # a copy: the next pass rewrites them
             for k, logits in zip(mine, got):
                 out[k] = logits
         return out
@@ -179,12 +193,13 @@ class DraftSlots:
             with torch.no_grad():
                 held.run()
             return
-        if held.captured is None:
+        step = held.graphs.get(held.n)
+        if step is None:
             target, owners = self.target, self.owners
-            held.captured = CapturedStep(held.run, target.device, lambda: watched(target, owners, rope=False),
-                                         "draft pass")
+            step = held.graphs[held.n] = CapturedStep(held.run, target.device,
+                                                      lambda: watched(target, owners, rope=False), "draft pass")
         with torch.no_grad():
-            self.pool, captured = held.captured.replay(self.pool)
+            self.pool, captured = step.replay(self.pool)
         if captured:
             self.captures += 1
             log.info("draft slots: captured %d slots of capacity %d", held.slots, held.capacity)

@@ -270,8 +270,10 @@ class Scheduler:
             self.tree_host_s.update(plan_s / planned + (walk_s if auto_walks else 0.0))
             self._plan_s = None
         if self.draft_slots is not None and (moved := self.draft_slots.shrink()):
-            for seq in self.active:
-                seq.draft_slot = moved.get(seq.draft_slot, seq.draft_slot)
+            for seq in self.active:   # a moved request's cache was copied to its new slot's
+                if seq.draft_slot in moved:
+                    seq.draft_slot = moved[seq.draft_slot]
+                    seq.rounds.dcache = self.draft_slots.cache(seq.draft_slot)
         return ended
 
     def _step_ahead(self, running: list[Sequence]) -> list[Sequence]:
@@ -347,9 +349,10 @@ class Scheduler:
                 if seq.emit.push(tokens[i]):
                     ended.append(self._end(seq))
             moved = group.shrink()
-            for seq in members:
+            for seq in members:   # a moved request's state and draft cache were copied to its new slot's
                 if seq.tree_slot is not None and moved:
                     seq.tree_slot = (key, moved[seq.tree_slot[1]])
+                    seq.rounds.dcache = group.dcaches[seq.tree_slot[1]]
         return ended
 
     def _walk(self, seqs: list[Sequence], plans: list[RoundPlan], outs: list[TargetOutput]) -> TreeWalks | None:

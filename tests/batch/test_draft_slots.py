@@ -131,6 +131,13 @@ def test_slots_shrink_and_keep_each_requests_passes() -> None:
             accepted = rng.randint(1, B)
             r["start"] += accepted
             r["ctx"] = torch.randn(accepted, feat, generator=gen)
+    # a second burst grows the slots inside the buffers of the first (same addresses: their graphs stay valid)
+    (held,) = slots.sets.values()
+    room, addresses = held.room, [t.data_ptr() for t in held.buf.values()]
+    for _ in range(3 * MIN_SLOTS):
+        slots.take(40)
+    assert held.slots == 4 * MIN_SLOTS and held.room == room
+    assert [t.data_ptr() for t in held.buf.values()] == addresses
 
 
 def test_feeding_context_rows_writes_the_pass_s_cache_entries() -> None:
