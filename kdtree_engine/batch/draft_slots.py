@@ -80,6 +80,9 @@ class SlotSet:
         self.room = room
         self.graphs.clear()
         self.logits.clear()
+        # a new pool for the graphs over the new buffers: a pool whose graphs are all gone cannot take a capture
+        # while a tensor made in it lives on (PyTorch's caching allocator asserts)
+        self.pool: Any = None
 
     def resize(self, n: int, keep: list[int]) -> None:
         """``n`` slots, slot j < len(keep) taking slot keep[j]'s draft cache (keep ascending), the others free."""
@@ -107,7 +110,6 @@ class DraftSlots:
     def __init__(self, target: Target, drafter: Any, mode: str) -> None:
         self.target, self.drafter, self.mode = target, drafter, mode
         self.sets: dict[int, SlotSet] = {}
-        self.pool: Any = None
         self.owners = derived_owners([target, drafter])
         self.captures = 0
         log_once(f"draft-slots:{mode}", "batched draft passes over static slots"
@@ -199,7 +201,7 @@ class DraftSlots:
             step = held.graphs[held.n] = CapturedStep(held.run, target.device,
                                                       lambda: watched(target, owners, rope=False), "draft pass")
         with torch.no_grad():
-            self.pool, captured = step.replay(self.pool)
+            held.pool, captured = step.replay(held.pool)
         if captured:
             self.captures += 1
             log.info("draft slots: captured %d slots of capacity %d", held.slots, held.capacity)

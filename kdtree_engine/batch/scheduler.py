@@ -33,7 +33,7 @@ import torch
 from ..cache import blocks_for
 from ..errors import SpecError
 from ..kernels.dispatch import prefill_kernel_on
-from ..logs import log_once
+from ..logs import log, log_once
 from ..model.prefill import ChunkStep, choose_form, plan_chunks, resolve_chunk
 from ..model.target import BatchPart, Target, TargetOutput
 from ..sampling import SamplingParams, greedy, topk_logprobs
@@ -60,6 +60,9 @@ MAX_PROBE_GAP = 1024  # ...up to this many plain rounds before the batch drafts 
 FORWARD_SCALE_MIN = 0.01  # observed / curve seconds of a forward: replayed batched steps reach a few percent
 PROMPT_GRAPHS_PER_STEP = 8  # whole short prompts of one step replayed one by one; more run as one forward
 COST_ROWS = 1024  # the verify cost curve is measured up to this many rows, extended linearly past it
+# load-aware requests in tree slots go to host-driven rounds after this many steps in a row where plain steps were
+# the best of every budget measured at the group's slot count
+HAND_OVER_AFTER = 8
 TIME_EVERY = 16  # load-aware budgets: one forward in this many is timed (each timing stalls the host on the device)
 
 
@@ -348,12 +351,51 @@ class Scheduler:
                 seq.rounds.stats.record(len(tokens[i]), n1 - 1)
                 if seq.emit.push(tokens[i]):
                     ended.append(self._end(seq))
+            if group.chooser is not None:
+                group.plain_steps = group.plain_steps + 1 if group.chooser.prefers_plain(group.slots) else 0
+                if group.plain_steps >= HAND_OVER_AFTER:
+                    self._hand_over(group, [s for s in members if s.tree_slot is not None])
             moved = group.shrink()
             for seq in members:   # a moved request's state and draft cache were copied to its new slot's
                 if seq.tree_slot is not None and moved:
                     seq.tree_slot = (key, moved[seq.tree_slot[1]])
                     seq.rounds.dcache = group.dcaches[seq.tree_slot[1]]
         return ended
+
+    def _plain_pays(self, key: tuple) -> bool:
+        """Whether a load-aware request should stay out of its group's tree slots: the group has measured every budget
+        at the slot count it would run at with one more request, and plain steps were the best there (host-driven
+        plain steps run ahead of the host's reads; the slots' plain steps wait for theirs)."""
+        group = None if self.tree_slots is None or not key[0].auto else self.tree_slots.get(key)
+        if group is None:
+            return False
+        return group.chooser.prefers_plain(group.slots if group.free else 2 * group.slots)
+
+    def _hand_over(self, group: TreeSlots, seqs: list[Sequence]) -> None:
+        """A group of load-aware requests whose plain steps have been the best for a while: each request to
+        host-driven rounds (its length, newest token and pending context rows read in one copy; its draft cache
+        copied into a draft slot), its tree slot freed."""
+        if not seqs or self.draft_slots is None:
+            return
+        slots = [s.tree_slot[1] for s in seqs]
+        idx = torch.tensor(slots, device=group.start.device)
+        state = torch.stack([group.start, group.bonus, group.n_ctx], 1).index_select(0, idx).tolist()
+        for seq, i, (start, bonus, n_ctx) in zip(seqs, slots, state):
+            r = seq.rounds
+            seq.draft_slot = self.draft_slots.take(len(seq.prompt_ids) + seq.limit + 1)
+            dcache, src = self.draft_slots.cache(seq.draft_slot), group.dcaches[i]
+            fed = start - n_ctx   # the positions already in the draft cache
+            dcache.k[:, :, :fed].copy_(src.k[:, :, :fed])
+            dcache.v[:, :, :fed].copy_(src.v[:, :, :fed])
+            dcache.length = fed
+            r.dcache, r.start, r.cache.length = dcache, start, start
+            r.bonus = torch.tensor(bonus, dtype=torch.long, device=group.start.device)
+            r.ctx = [group.ctx[i, :n_ctx].clone()] if n_ctx else []
+            group.detach(i)
+            seq.tree_slot = None
+            seq.stats["handed_over"] = True
+        group.plain_steps = 0
+        log.debug("tree slots: %d load-aware requests to host-driven rounds (plain steps pay)", len(seqs))
 
     def _walk(self, seqs: list[Sequence], plans: list[RoundPlan], outs: list[TargetOutput]) -> TreeWalks | None:
         """The accept walks of this step's trees, all in one pass (.walks): the greedy requests' picks in one launch,
@@ -603,8 +645,8 @@ class Scheduler:
         prompt_aux = torch.cat(seq.prompt_aux) if seq.prompt_aux else None
         seq.prompt_aux = []
         dcache, group = None, None
-        if self.tree_slots is not None and slotted(seq):
-            key = (seq.shape, capacity_bucket(seq.rounds.cache.capacity))
+        key = (seq.shape, capacity_bucket(seq.rounds.cache.capacity))
+        if self.tree_slots is not None and slotted(seq) and not self._plain_pays(key):
             group = self.tree_slots.get(key)
             if group is None:
                 group = self.tree_slots[key] = TreeSlots(self.target, self.drafter, seq.shape, key[1],

@@ -51,6 +51,10 @@ class SlotBudget:
         rates = {b: r for b in self.budgets if (r := self.rate(b, slots)) is not None}
         return max(rates, key=lambda b: (rates[b], -b)) if rates else self.budgets[0]
 
+    def prefers_plain(self, slots: int) -> bool:
+        """Whether every budget is measured at ``slots`` slots and plain steps (budget 0) are the best there."""
+        return all(self.rate(b, slots) is not None for b in self.budgets) and self.best(slots) == 0
+
     def choose(self, slots: int) -> int:
         """This step's budget: a budget due for a try (never measured at this slot count, or its wait over), else
         the best measured."""

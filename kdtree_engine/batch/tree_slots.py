@@ -63,6 +63,10 @@ class TreeSlots:
         self.n1 = max(self.n1_of.values())             # the widest round's verify width
         self.m = min(self.B, self.n1)                   # the most tokens a step emits for a slot
         self.last_budget = self.budgets[-1]
+        self.plain_steps = 0   # steps in a row where plain steps were the best budget (the scheduler hands over)
+        dev = target.device
+        # a chain's (and a plain step's) mask, made once outside the captured bodies
+        self.chain_masks = {n1: torch.ones(n1, n1, dtype=torch.bool, device=dev).tril() for n1 in self.n1_of.values()}
         self.blocks = blocks_for(capacity)
         self.capacity = self.blocks * BLOCK             # slots a step's attention addresses (the tables' width)
         self.draft_capacity = self.capacity + self.B    # and a block past them: an empty slot's scratch
@@ -112,6 +116,9 @@ class TreeSlots:
         self.dcaches += [self.drafter.new_cache(self.draft_capacity) for _ in range(room - self.room)]
         self.room = room
         self.graphs.clear()
+        # a new pool for the graphs over the new buffers: a pool whose graphs are all gone cannot take a capture
+        # while a tensor made in it lives on (PyTorch's caching allocator asserts)
+        self.pool = None
 
     def _resize(self, n: int, keep: list[int]) -> None:
         """``n`` slots, slot j < len(keep) taking slot keep[j]'s state and draft cache, the others free."""
@@ -232,7 +239,7 @@ class TreeSlots:
             depth = torch.arange(n1, device=dev)
             parents, depths = (depth - 1).repeat(S), depth.repeat(S)
             positions = (self.start.unsqueeze(1) + depths.view(S, n1)).reshape(-1)
-            masks = [torch.ones(n1, n1, dtype=torch.bool, device=dev).tril()] * S
+            masks = [self.chain_masks[n1]] * S
         # verify: one forward over every slot's tree
         logits, aux = self._verify(tokens, positions, masks, n1)
         picks = greedy(logits, policy=policy, vocab=self.vocab)
@@ -262,8 +269,7 @@ class TreeSlots:
         d_rows = torch.where(self.active, self.n_ctx, 0)
         self.drafter.feed_batch([(self.ctx[i], self.dcaches[i], d_start[i]) for i in range(S)],
                                 [d_rows[i] for i in range(S)])
-        one = torch.ones(1, 1, dtype=torch.bool, device=target.device)
-        logits, aux = self._verify(self.bonus, self.start, [one] * S, 1)
+        logits, aux = self._verify(self.bonus, self.start, [self.chain_masks[1]] * S, 1)
         picks = greedy(logits, policy=target.policy, vocab=self.vocab)
         if self.kept is not None:
             self.kept[:, :1].copy_(logits.unsqueeze(1))

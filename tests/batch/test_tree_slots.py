@@ -180,3 +180,27 @@ def test_load_aware_requests_switch_budgets_and_keep_solo_tokens(monkeypatch) ->
         assert res.token_ids == ref.token_ids, (i, first_difference(res.token_ids, ref.token_ids))
         torch.testing.assert_close(lg, ref_logits, rtol=1e-4, atol=1e-4)
         assert res.stats["device_rounds"] is True
+
+
+def test_load_aware_requests_hand_over_to_host_rounds_when_plain_pays(monkeypatch) -> None:
+    """When plain steps are the group's best budget for a while, its load-aware requests go on in host-driven rounds
+    (state, pending context rows and draft cache carried over), and later ones stay out of the slots; the budgets
+    before are drawn at random (trees and plain steps). Each request's tokens == its solo run's."""
+    seed = random.randrange(1 << 30)
+    print(f"seed {seed}")
+    rng = random.Random(seed)
+    target, drafter = demo()
+    tok = load_tokenizer(DEMO_DIR)
+    base = make_cases(tok, MIN_SLOTS + 3, seed, max_prompt=60, max_tokens=40, sampled_every=10**6)
+    cases = [Case(c.prompt, replace(c.params, max_tokens=rng.randint(48, 80)), "ddtree", "auto",
+                  0 if i < MIN_SLOTS else 12 + i) for i, c in enumerate(base)]
+    steps = []
+    monkeypatch.setattr(SlotBudget, "choose", lambda self, slots: steps.append(rng.choice(self.budgets)) or steps[-1])
+    monkeypatch.setattr(SlotBudget, "prefers_plain", lambda self, slots: len(steps) >= 2)   # plain pays from step 2
+    results, logits, _ = batched(target, drafter, cases, 48, token_budget=2048, step_mode="static")
+    handed = [r.stats.get("handed_over", False) for r in results[:MIN_SLOTS]]
+    assert sum(handed) >= 2 and not any(r.stats["device_rounds"] for r in results[MIN_SLOTS:]), handed
+    for i, (case, res, lg) in enumerate(zip(cases, results, logits)):
+        ref, ref_logits = solo(target, drafter, case, 48)
+        assert res.token_ids == ref.token_ids, (i, first_difference(res.token_ids, ref.token_ids))
+        torch.testing.assert_close(lg, ref_logits, rtol=1e-4, atol=1e-4)
