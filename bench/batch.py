@@ -56,7 +56,8 @@ from kdtree_engine.speculative.stats import sync  # noqa: E402
 # plain and the load-aware budget by default; a fixed 16-node tree (--methods ...,ddtree-16) shows what a tree gains
 # or costs at each concurrency, the curve the load-aware budget chooses along
 METHODS = {"plain": ("none", None), "ddtree-auto": ("ddtree", "auto"), "ddtree-8": ("ddtree", 8),
-           "ddtree-16": ("ddtree", 16)}
+           "ddtree-16": ("ddtree", 16), "ddtree-auto-slots": ("ddtree", "auto")}
+SLOTTED = ("ddtree-auto-slots",)   # the load-aware budget in tree slots (Scheduler(auto_slots=True))
 DEFAULT_METHODS = ("plain", "ddtree-auto")
 
 
@@ -189,14 +190,15 @@ def run(args: argparse.Namespace, log: Callable[[str], None],
     base = batch1_plain(target, prompts[0], args.max_tokens, comm)
     log(f"batch-1 plain ({base['mode']}): {base['tokens_per_s']:.1f} tok/s ({clock():.0f} s)")
 
-    def scheduler() -> Scheduler:
+    def scheduler(auto_slots: bool = False) -> Scheduler:
         if comm is None:
-            return Scheduler(target, drafter, token_budget=args.token_budget, step_mode=args.step_mode)
+            return Scheduler(target, drafter, token_budget=args.token_budget, step_mode=args.step_mode,
+                             auto_slots=auto_slots)
         return RankedScheduler(target, drafter, comm, dev, token_budget=args.token_budget)
     # one scheduler a method for the whole run, as a server keeps one; real ranks follow one batch at a time, so
     # there the methods share one (each request carries its own)
     if comm is None:
-        scheds = {m: scheduler() for m in args.methods}
+        scheds = {m: scheduler(m in SLOTTED) for m in args.methods}
     else:
         shared = scheduler()
         scheds = {m: shared for m in args.methods}
@@ -333,7 +335,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.ranks = int(args.ranks)
     if args.layers is not None and args.layers < 1:
         ap.error(f"--layers: must be at least 1, got {args.layers}")
-    if args.ranks and (args.model != "k2" or "ddtree-auto" in args.methods or args.step_mode is not None):
+    auto = any(m.startswith("ddtree-auto") for m in args.methods)
+    if args.ranks and (args.model != "k2" or auto or args.step_mode is not None):
         ap.error("--ranks: the k2 model only, without ddtree-auto (its budgets follow each rank's own timings) and "
                  "with the default step mode")
     bad = [m for m in args.methods if m not in METHODS]

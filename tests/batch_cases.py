@@ -73,12 +73,12 @@ def solo(target, drafter, case: Case, chunk: int) -> tuple[GenerationResult, tor
     return res, torch.cat(made[0].emitted_logits)[:len(res.token_ids)]
 
 
-def batched(target, drafter, cases: list[Case], chunk: int, token_budget: int, step_mode: str | None = None
-            ) -> tuple[list[GenerationResult], list[torch.Tensor], Scheduler]:
+def batched(target, drafter, cases: list[Case], chunk: int, token_budget: int, step_mode: str | None = None,
+            auto_slots: bool = False) -> tuple[list[GenerationResult], list[torch.Tensor], Scheduler]:
     """Every case through one scheduler, each submitted at its arrival step; results and emitted-token logits. The
     scheduler is closed at the end (its static steps' graphs and buffers dropped)."""
     sched = Scheduler(target, drafter, token_budget=token_budget, prefill_chunk=chunk, keep_logits=True,
-                      step_mode=step_mode)
+                      step_mode=step_mode, auto_slots=auto_slots)
     seqs: list = [None] * len(cases)
     step = 0
     while step <= max(c.arrives for c in cases) or not sched.idle:

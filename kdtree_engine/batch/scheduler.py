@@ -74,11 +74,13 @@ class Scheduler:
     DDTree builder of host-driven rounds; ``keep_logits``: keep the target logits of every emitted token
     (``Sequence.rounds.emitted_logits``, for comparing runs); ``step_mode``: how the running requests' rows run
     (:mod:`.graph_step`: "graph" replays them from CUDA graphs per slot bucket, the CUDA default; "eager" beside
-    the prompt chunks in one host-driven forward, the default elsewhere; "static": the graph's slots run eagerly)."""
+    the prompt chunks in one host-driven forward, the default elsewhere; "static": the graph's slots run eagerly);
+    ``auto_slots``: greedy load-aware requests run in tree slots at their group's budget (.slot_budget) rather than
+    in host-driven rounds (an option while it is slower than the default on the demo's GPU records)."""
 
     def __init__(self, target: Target, drafter: Any = None, *, token_budget: int = DEFAULT_TOKEN_BUDGET,
                  prefill_chunk: int | None = None, tree_impl: str = "auto", keep_logits: bool = False,
-                 step_mode: str | None = None) -> None:
+                 step_mode: str | None = None, auto_slots: bool = False) -> None:
         if isinstance(token_budget, bool) or not isinstance(token_budget, int) or token_budget < 1:
             raise SpecError(f"token_budget={token_budget!r} must be a positive number of rows per forward")
         self.target, self.drafter = target, drafter
@@ -87,6 +89,7 @@ class Scheduler:
         self.prefill_chunk = prefill_chunk
         self.tree_impl = tree_impl
         self.keep_logits = keep_logits
+        self.auto_slots = auto_slots
         self.pool = target.pool()
         mode = resolve_step_mode(step_mode, target.device)
         self.steps = None if mode == "eager" else BatchedSteps(target, mode)
@@ -646,7 +649,8 @@ class Scheduler:
         seq.prompt_aux = []
         dcache, group = None, None
         key = (seq.shape, capacity_bucket(seq.rounds.cache.capacity))
-        if self.tree_slots is not None and slotted(seq) and not self._plain_pays(key):
+        if (self.tree_slots is not None and slotted(seq) and (self.auto_slots or not seq.shape.auto)
+                and not self._plain_pays(key)):
             group = self.tree_slots.get(key)
             if group is None:
                 group = self.tree_slots[key] = TreeSlots(self.target, self.drafter, seq.shape, key[1],

@@ -6,12 +6,14 @@ forward over every slot's tree), so the choice is the group's: the budget whose 
 group's slots is the highest, where a budget's tokens per slot and step are the running mean of what its steps
 emitted (1 for budget 0: a plain step) and its seconds the recent median of its steps at this slot count (a step
 that captured a graph is not a sample). As the batch grows, a verify forward over many trees costs more than the
-tokens it adds, and budget 0 wins: speculation shrinks with the load and, measured, never costs throughput for long.
+tokens it adds, and budget 0 wins: speculation shrinks with the load.
 
-Each budget not measured at the group's slot count is tried once; one that lost is tried again after a wait that
-doubles with each loss (up to ``BACKOFF_MAX`` steps; ``NEAR_MAX`` for one within ``NEAR`` of the best, whose loss
-may be its estimate's noise), so the price of looking is a step now and then. The choice
-never changes a request's tokens (every budget emits the target's greedy picks), only how many a step brings.
+Each budget not measured at the group's slot count is tried once, unless ruled out: no tree is tried where plain
+steps were the best at fewer slots (a tree's verify rows grow with the slots; each try at a new slot count also
+captures a graph). One that lost is tried again after a wait that doubles with each loss (up to ``BACKOFF_MAX``
+steps; ``NEAR_MAX`` for one within ``NEAR`` of the best, whose loss may be its estimate's noise), so the price of
+looking is a step now and then. The choice never changes a request's tokens (every budget emits the target's greedy
+picks), only how many a step brings.
 """
 
 from __future__ import annotations
@@ -47,21 +49,37 @@ class SlotBudget:
             return None
         return (self.tokens[budget].value if budget else 1.0) / max(sec.value, 1e-9)
 
+    def ruled_out(self, budget: int, slots: int) -> bool:
+        """A tree budget not worth trying at ``slots`` slots: plain steps were the best at fewer slots (a step's tree
+        rows grow with the slots and a plain step's cost less, so a tree that lost with fewer slots loses here too)."""
+        return budget != 0 and self.plain_below(slots)
+
+    def plain_below(self, slots: int) -> bool:
+        """Whether plain steps were the best at some smaller slot count (halving from ``slots``)."""
+        m = slots // 2
+        while m >= 1:
+            if (0, m) in self.seconds and self.prefers_plain(m):
+                return True
+            m //= 2
+        return False
+
     def best(self, slots: int) -> int:
-        rates = {b: r for b in self.budgets if (r := self.rate(b, slots)) is not None}
+        rates = {b: r for b in self.budgets if not self.ruled_out(b, slots) and (r := self.rate(b, slots)) is not None}
         return max(rates, key=lambda b: (rates[b], -b)) if rates else self.budgets[0]
 
     def prefers_plain(self, slots: int) -> bool:
-        """Whether every budget is measured at ``slots`` slots and plain steps (budget 0) are the best there."""
-        return all(self.rate(b, slots) is not None for b in self.budgets) and self.best(slots) == 0
+        """Whether plain steps are the best at ``slots`` slots: every budget measured there or ruled out, and budget
+        0 the best of those measured."""
+        return self.best(slots) == 0 and all(self.rate(b, slots) is not None or self.ruled_out(b, slots)
+                                             for b in self.budgets)
 
     def choose(self, slots: int) -> int:
-        """This step's budget: a budget due for a try (never measured at this slot count, or its wait over), else
-        the best measured."""
+        """This step's budget: a budget due for a try (never measured at this slot count, or its wait over; not ruled
+        out), else the best measured."""
         self.step += 1
         best = self.best(slots)
         for b in self.budgets:
-            if b != best and (self.rate(b, slots) is None or self.due[b] <= self.step):
+            if b != best and not self.ruled_out(b, slots) and (self.rate(b, slots) is None or self.due[b] <= self.step):
                 return b
         return best
 
@@ -73,10 +91,13 @@ class SlotBudget:
         if not captured:
             self.seconds.setdefault((budget, slots), RecentMedian()).update(seconds)
         best = self.best(slots)
-        if best == budget:
-            self.wait[budget] = FIRST_WAIT
+        top = self.rate(best, slots)
+        this = (self.tokens[budget].value if budget else 1.0) / max(seconds, 1e-9)   # this step alone
+        if best == budget or (not captured and top is not None and this > top):
+            self.wait[budget] = FIRST_WAIT   # the best, or a try that beat it: soon again (its median lags)
+            self.due[budget] = self.step + FIRST_WAIT
         else:   # it lost: its next try waits twice as long (a near one not long: its estimate may be what lost)
-            mine, top = self.rate(budget, slots), self.rate(best, slots)
+            mine = self.rate(budget, slots)
             near = mine is not None and top is not None and mine >= NEAR * top
             self.due[budget] = self.step + self.wait[budget]
             self.wait[budget] = min(2 * self.wait[budget], NEAR_MAX if near else BACKOFF_MAX)

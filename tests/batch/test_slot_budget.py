@@ -84,3 +84,23 @@ def test_the_ladder_and_the_wait_bound() -> None:
         chooser.record(b, 8, 1.0 if b == 0 else 10.0, 1.0, captured=False)
     assert max(chooser.wait.values()) <= BACKOFF_MAX
     assert chooser.best(8) == 0
+
+
+def test_no_tree_is_tried_where_plain_won_with_fewer_slots() -> None:
+    """Plain steps the best at 8 slots: at 16 and 32 slots the group runs plain steps without trying a tree (each try
+    would capture a graph) and prefers plain there; a tree that wins again at 8 lifts the rule."""
+    chooser = SlotBudget(32)
+    for _ in range(200):
+        b = chooser.choose(8)
+        chooser.record(b, 8, 1.0 if b == 0 else 4.0, 2.0, captured=False)
+    assert chooser.prefers_plain(8)
+    ran = []
+    for n in (16, 32):
+        for _ in range(50):
+            ran.append(chooser.choose(n))
+            chooser.record(ran[-1], n, 1.0, 1.0, captured=False)
+    assert set(ran) == {0} and chooser.prefers_plain(16) and chooser.prefers_plain(32)
+    for _ in range(2000):   # trees got cheap at 8: found on their next tries, and allowed at 16 again
+        b = chooser.choose(8)
+        chooser.record(b, 8, 1.0 if b == 0 else 0.5, 2.0, captured=False)
+    assert chooser.best(8) > 0 and not chooser.prefers_plain(16) and chooser.choose(16) > 0

@@ -163,44 +163,47 @@ def test_load_aware_requests_switch_budgets_and_keep_solo_tokens(monkeypatch) ->
     budget is drawn at random each step from the group's ladder (0: a plain step that feeds the drafter's cache), so
     requests switch between plain steps and trees of every size mid-run. Each request's tokens == its solo run's,
     its emitted tokens' logits within 1e-4."""
-    seed = random.randrange(1 << 30)
-    print(f"seed {seed}")
-    rng = random.Random(seed)
+    seed, rng, ran = drawn_budgets(monkeypatch)
     target, drafter = demo()
-    tok = load_tokenizer(DEMO_DIR)
-    base = make_cases(tok, MIN_SLOTS + 2, seed, max_prompt=60, max_tokens=28, sampled_every=10**6)
+    base = make_cases(load_tokenizer(DEMO_DIR), MIN_SLOTS + 2, seed, max_prompt=60, max_tokens=28,
+                      sampled_every=10**6)
     cases = [Case(c.prompt, replace(c.params, max_tokens=max(c.params.max_tokens, 8)), "ddtree", "auto", c.arrives)
              for c in base]
-    ran = []
-    monkeypatch.setattr(SlotBudget, "choose", lambda self, slots: ran.append(rng.choice(self.budgets)) or ran[-1])
-    results, logits, _ = batched(target, drafter, cases, 48, token_budget=2048, step_mode="static")
+    results, logits, _ = batched(target, drafter, cases, 48, token_budget=2048, step_mode="static", auto_slots=True)
     assert 0 in ran and len(set(ran)) >= 3, ran
+    assert all(res.stats["device_rounds"] for res in results)
+    assert_solo(target, drafter, cases, results, logits)
+
+
+def drawn_budgets(monkeypatch) -> tuple[int, random.Random, list[int]]:
+    """(seed, its random source, the budgets run): every group's budget drawn at random each step from its ladder."""
+    seed = random.randrange(1 << 30)
+    print(f"seed {seed}")
+    rng, ran = random.Random(seed), []
+    monkeypatch.setattr(SlotBudget, "choose", lambda self, slots: ran.append(rng.choice(self.budgets)) or ran[-1])
+    return seed, rng, ran
+
+
+def assert_solo(target, drafter, cases: list[Case], results: list, logits: list) -> None:
+    """Each request's tokens == its solo run's, its emitted tokens' logits within 1e-4."""
     for i, (case, res, lg) in enumerate(zip(cases, results, logits)):
         ref, ref_logits = solo(target, drafter, case, 48)
         assert res.token_ids == ref.token_ids, (i, first_difference(res.token_ids, ref.token_ids))
         torch.testing.assert_close(lg, ref_logits, rtol=1e-4, atol=1e-4)
-        assert res.stats["device_rounds"] is True
 
 
 def test_load_aware_requests_hand_over_to_host_rounds_when_plain_pays(monkeypatch) -> None:
     """When plain steps are the group's best budget for a while, its load-aware requests go on in host-driven rounds
     (state, pending context rows and draft cache carried over), and later ones stay out of the slots; the budgets
     before are drawn at random (trees and plain steps). Each request's tokens == its solo run's."""
-    seed = random.randrange(1 << 30)
-    print(f"seed {seed}")
-    rng = random.Random(seed)
+    seed, rng, steps = drawn_budgets(monkeypatch)
     target, drafter = demo()
-    tok = load_tokenizer(DEMO_DIR)
-    base = make_cases(tok, MIN_SLOTS + 3, seed, max_prompt=60, max_tokens=40, sampled_every=10**6)
+    base = make_cases(load_tokenizer(DEMO_DIR), MIN_SLOTS + 3, seed, max_prompt=60, max_tokens=40,
+                      sampled_every=10**6)
     cases = [Case(c.prompt, replace(c.params, max_tokens=rng.randint(48, 80)), "ddtree", "auto",
                   0 if i < MIN_SLOTS else 12 + i) for i, c in enumerate(base)]
-    steps = []
-    monkeypatch.setattr(SlotBudget, "choose", lambda self, slots: steps.append(rng.choice(self.budgets)) or steps[-1])
     monkeypatch.setattr(SlotBudget, "prefers_plain", lambda self, slots: len(steps) >= 2)   # plain pays from step 2
-    results, logits, _ = batched(target, drafter, cases, 48, token_budget=2048, step_mode="static")
+    results, logits, _ = batched(target, drafter, cases, 48, token_budget=2048, step_mode="static", auto_slots=True)
     handed = [r.stats.get("handed_over", False) for r in results[:MIN_SLOTS]]
     assert sum(handed) >= 2 and not any(r.stats["device_rounds"] for r in results[MIN_SLOTS:]), handed
-    for i, (case, res, lg) in enumerate(zip(cases, results, logits)):
-        ref, ref_logits = solo(target, drafter, case, 48)
-        assert res.token_ids == ref.token_ids, (i, first_difference(res.token_ids, ref.token_ids))
-        torch.testing.assert_close(lg, ref_logits, rtol=1e-4, atol=1e-4)
+    assert_solo(target, drafter, cases, results, logits)

@@ -23,22 +23,24 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 CHUNK = 64
 
 
-@pytest.mark.parametrize("token_budget,step_mode", [(128, "graph"), (4096, "graph"), (128, "eager")])
-def test_demo_batch_bitwise_equals_solo(token_budget, step_mode):
+@pytest.mark.parametrize("token_budget,step_mode,auto_slots", [(128, "graph", True), (4096, "graph", False),
+                                                                (128, "eager", False)])
+def test_demo_batch_bitwise_equals_solo(token_budget, step_mode, auto_slots):
     """step_mode graph (the CUDA default): the running requests' rows replayed from CUDA graphs per slot bucket;
-    eager: every part in one host-driven forward."""
+    eager: every part in one host-driven forward. auto_slots: the load-aware requests in tree slots."""
     seed = random.randrange(1 << 30)
     print(f"seed {seed}, token budget {token_budget}, batched steps {step_mode}")
     dev = torch.device("cuda")
     target = load_target(DEMO_DIR, device=dev, dtype=torch.bfloat16, progress=False)
     drafter = load_drafter(DEMO_DIR / "draft", target)
     cases = make_cases(load_tokenizer(DEMO_DIR), 24, seed, max_prompt=200, max_tokens=48)
-    # every fifth greedy request load-aware: in tree slots at the budget its group picks each step (a sampled one's
-    # draws follow its budgets, which follow the load: its tokens keep the distribution, not the solo run's values)
+    # every fifth greedy request load-aware (with auto_slots in tree slots at the budget its group picks each step; a
+    # sampled one's draws follow its budgets, which follow the load: its tokens keep the distribution, not the solo
+    # run's values)
     cases = [replace(c, method="ddtree", budget="auto") if i % 5 == 2 and c.params.greedy else c
              for i, c in enumerate(cases)]
     free = sorted(target.pool().free_ids())
-    results, logits, sched = batched(target, drafter, cases, CHUNK, token_budget, step_mode)
+    results, logits, sched = batched(target, drafter, cases, CHUNK, token_budget, step_mode, auto_slots)
     print(f"{sched.forwards} batched forwards, {sched.rows_run} rows, "
           f"{sum(len(r.token_ids) for r in results)} tokens")
     assert sorted(target.pool().free_ids()) == free
