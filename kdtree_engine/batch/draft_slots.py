@@ -38,6 +38,16 @@ def shrunk(slots: int, held: int) -> int:
     return slots
 
 
+def move_first(caches: list[DraftCache], keep: list[int]) -> None:
+    """Slot j < len(keep) takes the draft cache contents of slot keep[j] (keep ascending: slot j's source is at j or
+    later, not yet written); the cache objects stay where they are (graphs captured over them stay valid)."""
+    for j, i in enumerate(keep):
+        if i != j:
+            caches[j].k.copy_(caches[i].k)
+            caches[j].v.copy_(caches[i].v)
+            caches[j].length = caches[i].length
+
+
 def draft_logits(target: Target, drafter: Any, ctx: torch.Tensor, n_ctx: torch.Tensor, caches: list[DraftCache],
                  starts: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     """The device-resident draft pass of every slot at once (row-wise work over all their rows, attention per slot
@@ -62,6 +72,7 @@ class SlotSet:
         self.graphs: dict[int, CapturedStep] = {}
         self.logits: dict[int, torch.Tensor] = {}   # by slot count: the pass's output (a graph's, replayed in place)
         self.free: list[int] = []
+        self.pool: Any = None   # the graphs' memory pool (a new one each time the buffers grow)
         self.resize(slots, [])
 
     @property
@@ -82,17 +93,13 @@ class SlotSet:
         self.logits.clear()
         # a new pool for the graphs over the new buffers: a pool whose graphs are all gone cannot take a capture
         # while a tensor made in it lives on (PyTorch's caching allocator asserts)
-        self.pool: Any = None
+        self.pool = None
 
     def resize(self, n: int, keep: list[int]) -> None:
         """``n`` slots, slot j < len(keep) taking slot keep[j]'s draft cache (keep ascending), the others free."""
         if n > self.room:
             self._grow(n)
-        for j, i in enumerate(keep):   # slot j's source is at j or later, not yet written
-            if i != j:
-                self.caches[j].k.copy_(self.caches[i].k)
-                self.caches[j].v.copy_(self.caches[i].v)
-                self.caches[j].length = self.caches[i].length
+        move_first(self.caches, keep)
         self.n = n
         self.ctx, self.n_ctx, self.starts, self.blocks = (self.buf[k][:n] for k in ("ctx", "n_ctx", "starts", "blocks"))
         self.free = list(range(len(keep), n))[::-1]   # the lowest taken first

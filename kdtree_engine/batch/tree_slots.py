@@ -41,7 +41,7 @@ from ..sampling import greedy, topk_logprobs
 from ..speculative.config import RoundShape
 from ..speculative.stats import sync
 from ..speculative.walks import walk_flat
-from .draft_slots import MIN_SLOTS, draft_logits, shrunk
+from .draft_slots import MIN_SLOTS, draft_logits, move_first, shrunk
 from .slot_budget import SlotBudget
 
 
@@ -129,11 +129,7 @@ class TreeSlots:
             for name in ("start", "bonus", "n_ctx", "active", "ctx", "tables"):
                 t = self.buf[name]
                 t[:len(keep)].copy_(t.index_select(0, idx))
-            for j, i in enumerate(keep):
-                if i != j:
-                    self.dcaches[j].k.copy_(self.dcaches[i].k)
-                    self.dcaches[j].v.copy_(self.dcaches[i].v)
-                    self.dcaches[j].length = self.dcaches[i].length
+            move_first(self.dcaches, keep)
         rest = slice(len(keep), n)
         for name, fill in (("start", 0), ("n_ctx", 0), ("active", False), ("tables", self.target.pool().trash)):
             self.buf[name][rest].fill_(fill)
@@ -205,7 +201,8 @@ class TreeSlots:
         vals = self.result.tolist()   # the step's one read
         tokens = [row[:row[self.m]] for row in vals]
         if self.chooser:
-            held = [len(tokens[i]) for i in range(self.n) if i not in self.free]
+            free = set(self.free)
+            held = [len(tokens[i]) for i in range(self.n) if i not in free]
             self.chooser.record(budget, self.n, time.perf_counter() - t0, sum(held) / len(held) if held else None,
                                 captured)
         kept = None if self.kept is None else [self.kept[i, :len(t)].clone() for i, t in enumerate(tokens)]
@@ -220,9 +217,7 @@ class TreeSlots:
         n1 = self.n1_of[budget]
         m = min(B, n1)
         policy, dev = target.policy, target.device
-        # draft pass: an empty slot drafts on its scratch block, with no context rows
-        d_start = torch.where(self.active, self.start, self.draft_capacity - B)
-        d_rows = torch.where(self.active, self.n_ctx, 0)
+        d_start, d_rows = self._draft_at()
         self.block_ids[:, 0].copy_(self.bonus)
         drafted = draft_logits(target, drafter, self.ctx, d_rows, self.dcaches[:S], d_start, self.block_ids)
         if self.shape.method == "ddtree":
@@ -264,9 +259,8 @@ class TreeSlots:
     def _run_plain(self) -> None:
         """Budget 0: every slot's pending context rows into its draft cache (no draft pass), then a plain step: the
         target's pick after the newest token, whose aux row is the next context."""
-        target, S, B = self.target, self.slots, self.B
-        d_start = torch.where(self.active, self.start, self.draft_capacity - B)
-        d_rows = torch.where(self.active, self.n_ctx, 0)
+        target, S = self.target, self.slots
+        d_start, d_rows = self._draft_at()
         self.drafter.feed_batch([(self.ctx[i], self.dcaches[i], d_start[i]) for i in range(S)],
                                 [d_rows[i] for i in range(S)])
         logits, aux = self._verify(self.bonus, self.start, [self.chain_masks[1]] * S, 1)
@@ -274,6 +268,11 @@ class TreeSlots:
         if self.kept is not None:
             self.kept[:, :1].copy_(logits.unsqueeze(1))
         self._advance(aux.unsqueeze(1), torch.ones_like(self.start), picks, picks.unsqueeze(1))
+
+    def _draft_at(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each slot's draft position and new context rows; an empty slot's: its scratch block, no rows."""
+        return (torch.where(self.active, self.start, self.draft_capacity - self.B),
+                torch.where(self.active, self.n_ctx, 0))
 
     def _verify(self, tokens: torch.Tensor, positions: torch.Tensor, masks: list[torch.Tensor],
                 n1: int) -> tuple[torch.Tensor, torch.Tensor]:
