@@ -160,14 +160,14 @@ def test_an_empty_slot_runs_inside_the_capacity() -> None:
 
 def test_load_aware_requests_switch_budgets_and_keep_solo_tokens(monkeypatch) -> None:
     """Greedy requests with budget="auto" run in tree slots, one budget a step for the group (.slot_budget); here the
-    budget is drawn at random each step from the group's ladder (0: a plain step that feeds the drafter's cache), so
-    requests switch between plain steps and trees of every size mid-run. Each request's tokens == its solo run's,
+    budget alternates between 0 (a plain step that feeds the drafter's cache) and the group's tree budgets in a random
+    order, so requests switch between plain steps and trees of every size mid-run. Each request's tokens == its solo run's,
     its emitted tokens' logits within 1e-4."""
     seed, rng, ran = drawn_budgets(monkeypatch)
     target, drafter = demo()
     base = make_cases(load_tokenizer(DEMO_DIR), MIN_SLOTS + 2, seed, max_prompt=60, max_tokens=28,
                       sampled_every=10**6)
-    cases = [Case(c.prompt, replace(c.params, max_tokens=max(c.params.max_tokens, 8)), "ddtree", "auto", c.arrives)
+    cases = [Case(c.prompt, replace(c.params, max_tokens=max(c.params.max_tokens, 16)), "ddtree", "auto", c.arrives)
              for c in base]
     results, logits, _ = batched(target, drafter, cases, 48, token_budget=2048, step_mode="static", auto_slots=True)
     assert 0 in ran and len(set(ran)) >= 3, ran
@@ -176,11 +176,21 @@ def test_load_aware_requests_switch_budgets_and_keep_solo_tokens(monkeypatch) ->
 
 
 def drawn_budgets(monkeypatch) -> tuple[int, random.Random, list[int]]:
-    """(seed, its random source, the budgets run): every group's budget drawn at random each step from its ladder."""
+    """(seed, its random source, the budgets run): every other step plain (budget 0), the steps between them the
+    group's tree budgets in a random order, each once before any again."""
     seed = random.randrange(1 << 30)
     print(f"seed {seed}")
-    rng, ran = random.Random(seed), []
-    monkeypatch.setattr(SlotBudget, "choose", lambda self, slots: ran.append(rng.choice(self.budgets)) or ran[-1])
+    rng, ran, trees = random.Random(seed), [], []
+
+    def choose(self, slots: int) -> int:
+        if len(ran) % 2 == 0:
+            if not trees:
+                trees.extend(rng.sample([b for b in self.budgets if b], len(self.budgets) - 1))
+            ran.append(trees.pop())
+        else:
+            ran.append(0)
+        return ran[-1]
+    monkeypatch.setattr(SlotBudget, "choose", choose)
     return seed, rng, ran
 
 
@@ -195,7 +205,7 @@ def assert_solo(target, drafter, cases: list[Case], results: list, logits: list)
 def test_load_aware_requests_hand_over_to_host_rounds_when_plain_pays(monkeypatch) -> None:
     """When plain steps are the group's best budget for a while, its load-aware requests go on in host-driven rounds
     (state, pending context rows and draft cache carried over), and later ones stay out of the slots; the budgets
-    before are drawn at random (trees and plain steps). Each request's tokens == its solo run's."""
+    before alternate between plain steps and trees. Each request's tokens == its solo run's."""
     seed, rng, steps = drawn_budgets(monkeypatch)
     target, drafter = demo()
     base = make_cases(load_tokenizer(DEMO_DIR), MIN_SLOTS + 3, seed, max_prompt=60, max_tokens=40,
