@@ -38,6 +38,8 @@ from kdtree_engine.bench_spec import device_tag  # noqa: E402
 from kdtree_engine.config import ModelConfig, preset  # noqa: E402
 from kdtree_engine.fp8 import Fp8Block, dequantize_fp8  # noqa: E402
 from kdtree_engine.kernels.dispatch import dense_matmul, grouped_moe_backend, w8a16_backend  # noqa: E402
+from kdtree_engine.kernels.moe_grouped import GroupedConfig  # noqa: E402
+from kdtree_engine.kernels.w8a16 import W8Config  # noqa: E402
 from kdtree_engine.kernels.policy import KernelPolicy  # noqa: E402
 from kdtree_engine.model.layers import Linear  # noqa: E402
 from kdtree_engine.model.moe import Experts  # noqa: E402
@@ -201,6 +203,107 @@ def bench_dense(shapes: dict[str, tuple[int, int]], block: Fp8Block, dtype: torc
     return out
 
 
+# ---- --sweep: candidate kernel configs (speed only: each keeps a row's result independent of M / T) -------------
+
+def moe_candidates() -> list[GroupedConfig]:
+    out = [GroupedConfig(BLOCK_N=bn, num_warps=4, num_stages=st, direct_cvt=d)
+           for bn in (32, 64, 128) for st in (3, 5) for d in (False, True)]
+    out += [GroupedConfig(BLOCK_N=bn, num_warps=8, num_stages=st, direct_cvt=True) for bn in (64, 128) for st in (3, 4)]
+    return out
+
+
+def dense_candidates() -> list[W8Config]:
+    return [W8Config(BLOCK_N=bn, num_stages=st, target_programs=tp, direct_cvt=d)
+            for bn in (32, 64, 128) for st in (4, 6) for tp in (264, 1056, 4224) for d in (False, True)]
+
+
+def sweep_moe(cfg: ModelConfig, block: Fp8Block, dtype: torch.dtype, device: torch.device, policy: KernelPolicy,
+              tokens: Sequence[int], reps: int, copy_bw: float, wgen: torch.Generator, gen: torch.Generator,
+              log: Callable[[str], None]) -> list[dict]:
+    """The FP8 grouped MoE at every candidate config and T (one config serves every T: batch invariance)."""
+    from kdtree_engine.kernels.moe_grouped import fused_moe_grouped
+    E, k, H = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.hidden_size
+    ex = experts_of(cfg, block, dtype, device, policy, wgen)
+    per_expert = expert_bytes(ex)
+    inputs = {}
+    for T in tokens:
+        sets = []
+        for _ in range(4):
+            ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)]).to(device)
+            sets.append((torch.randn(T, H, generator=gen).to(device, dtype), ids, torch.rand(T, k, generator=gen).to(device)))
+        inputs[T] = (sets, statistics.mean(len(torch.unique(i)) for _, i, _ in sets))
+    rows = []
+    for c in moe_candidates():
+        for T, (sets, touched) in inputs.items():
+            calls = [lambda s=s: fused_moe_grouped(s[0], ex.w13, ex.w2, s[1], s[2], w13_scale_inv=ex.w13_scale_inv,
+                                                   w2_scale_inv=ex.w2_scale_inv, block=block, config=c)
+                     for s in sets]
+            us = time_us(calls, device, reps)
+            rows.append({"config": repr(c), "T": T, "us": us, "x_copy": touched * per_expert / copy_bw * 1e6 / us})
+            log(f"sweep MoE {c} T={T}: {us:.1f} us, x copy {rows[-1]['x_copy']:.3f}")
+    del ex
+    torch.cuda.empty_cache()
+    return rows
+
+
+def sweep_dense(shapes: dict[str, tuple[int, int]], block: Fp8Block, dtype: torch.dtype, device: torch.device,
+                policy: KernelPolicy, rows_m: Sequence[int], reps: int, copies_bytes: int,
+                wgen: torch.Generator, gen: torch.Generator, log: Callable[[str], None]) -> list[dict]:
+    """W8A16 at every candidate config per K2 shape and M, with BF16 F.linear's time beside it."""
+    from kdtree_engine.kernels.w8a16 import w8a16_linear
+    out = []
+    for name, (n, k) in shapes.items():
+        copies = max(1, min(16, -(-copies_bytes // (n * k))))
+        lins, dense = [], []
+        for _ in range(copies):
+            with device:
+                lin = Linear(k, n, group_size=block, dtype=dtype, policy=policy)
+            random_fp8_(lin.weight, lin.weight_scale_inv, wgen)
+            lins.append(lin)
+            d = torch.empty(n, k, device=device, dtype=dtype)
+            random_dense_(d, wgen)
+            dense.append(d)
+        for M in rows_m:
+            xs = [torch.randn(M, k, generator=gen).to(device, dtype) for _ in range(copies)]
+            t_ref = time_us([lambda x=x, d=d: F.linear(x, d) for x, d in zip(xs, dense)], device, reps)
+            for c in dense_candidates():
+                us = time_us([lambda x=x, l=l: w8a16_linear(x, l.weight, l.weight_scale_inv, block, config=c)
+                              for x, l in zip(xs, lins)], device, reps)
+                out.append({"linear": name, "N": n, "K": k, "M": M, "config": repr(c), "us": us,
+                            "f_linear_us": t_ref, "speedup_vs_f_linear": t_ref / us})
+            best = min((r for r in out if r["linear"] == name and r["M"] == M), key=lambda r: r["us"])
+            log(f"sweep {name} M={M}: F.linear {t_ref:.1f} us, best {best['us']:.1f} us {best['config']}")
+        del lins, dense
+    return out
+
+
+def sweep_markdown(rep: dict) -> list[str]:
+    """Per MoE config: us at each T and the sum; per dense shape: the 5 configs with the least summed time over M."""
+    lines = ["", "## Sweep: FP8 grouped MoE configs (one config for every T)", ""]
+    ts = sorted({r["T"] for r in rep["sweep_moe"]})
+    by: dict[str, dict[int, dict]] = {}
+    for r in rep["sweep_moe"]:
+        by.setdefault(r["config"], {})[r["T"]] = r
+    order = sorted(by, key=lambda c: sum(by[c][t]["us"] for t in ts))
+    lines += common.md_table(["config"] + [f"T={t} us (x copy)" for t in ts] + ["sum us"],
+                             [[c] + [f"{by[c][t]['us']:.1f} ({by[c][t]['x_copy']:.3f})" for t in ts]
+                              + [sum(by[c][t]["us"] for t in ts)] for c in order])
+    lines += ["", "## Sweep: W8A16 configs per K2 shape (the 5 with the least time summed over M)", ""]
+    body = []
+    for name in dict.fromkeys(r["linear"] for r in rep["sweep_dense"]):
+        rows = [r for r in rep["sweep_dense"] if r["linear"] == name]
+        ms = sorted({r["M"] for r in rows})
+        cfgs: dict[str, dict[int, dict]] = {}
+        for r in rows:
+            cfgs.setdefault(r["config"], {})[r["M"]] = r
+        for c in sorted(cfgs, key=lambda c: sum(cfgs[c][m]["us"] for m in ms))[:5]:
+            body.append([name, c] + [f"{cfgs[c][m]['us']:.1f} ({cfgs[c][m]['speedup_vs_f_linear']:.2f}x)"
+                                     for m in ms])
+    lines += common.md_table(["linear", "config", "us (x F.linear) at M = " + ", ".join(map(str, ms))]
+                             + [""] * (len(ms) - 1), body)
+    return lines
+
+
 def markdown(rep: dict, label: str) -> list[str]:
     lines = [f"# Weight formats at {'tiny' if rep['tiny'] else 'K2'} shapes: fused BF16 / FP8 MoE and W8A16", "",
              f"Device: {label}. Copy bandwidth (read + write) {rep['copy_Bps'] / 1e12:.2f} TB/s, measured in this run. "
@@ -215,6 +318,8 @@ def markdown(rep: dict, label: str) -> list[str]:
                                r["bi_gemm_us"], r["speedup_vs_f_linear"], r["x_copy"], r["rel_err_vs_bf16"],
                                r["backend"]] for r in rep["dense"]])
     lines += ["", "rel. error vs BF16: ||W8A16(x) - F.linear(x, dequantized W in the activation dtype)|| / ||F.linear||."]
+    if rep.get("sweep_moe") is not None:
+        lines += sweep_markdown(rep)
     return lines
 
 
@@ -230,6 +335,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                     help="dense rows M (default 1,2,4,8,16)")
     ap.add_argument("--reps", type=int, default=None, help="timed replays (default 20; --tiny 3)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--sweep", action="store_true",
+                    help="also time every candidate config of the FP8 MoE and W8A16 kernels (record moe_formats_sweep)")
     a = ap.parse_args(argv)
     a.tokens = a.tokens or ([1, 4] if a.tiny else list(TOKENS))
     a.rows = a.rows or ([1, 4] if a.tiny else list(ROWS))
@@ -264,7 +371,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
            "moe_shape": f"{cfg.n_routed_experts} experts top-{cfg.num_experts_per_tok}, hidden {cfg.hidden_size}, "
                         f"moe inter {cfg.moe_intermediate_size}",
            "moe": moe_rows, "dense": dense_rows}
-    return write(args.out, "moe_formats", rep, markdown, dev)
+    if args.sweep:
+        rep["sweep_moe"] = sweep_moe(cfg, block, dtype, dev, policy, args.tokens, args.reps, copy_bw, wgen, gen, log)
+        rep["sweep_dense"] = sweep_dense(k2_linears(cfg), block, dtype, dev, policy, sorted({1, 4, 16} & set(args.rows)),
+                                         args.reps, 2 * l2, wgen, gen, log)
+    return write(args.out, "moe_formats_sweep" if args.sweep else "moe_formats", rep, markdown, dev)
 
 
 if __name__ == "__main__":

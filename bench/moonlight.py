@@ -114,7 +114,7 @@ def touched_experts(target: Target, run: Callable[[], object]) -> float:
 
 def bench_format(cfg: ModelConfig, fmt: str, dtype: torch.dtype, device: torch.device, policy: KernelPolicy,
                  nodes: Sequence[int], S: int, reps: int, copy_bw: float, seed: int,
-                 log: Callable[[str], None]) -> list[dict]:
+                 log: Callable[[str], None], profile: bool = False) -> list[dict]:
     target = build(cfg, fmt, dtype, device, policy, seed)
     fixed, per_expert = static_bytes(target)
     moe_layers = sum(isinstance(m.mlp, MoE) for m in target.layers)
@@ -136,6 +136,12 @@ def bench_format(cfg: ModelConfig, fmt: str, dtype: torch.dtype, device: torch.d
         row = {"format": fmt, "T": T, "kind": "decode" if T == 1 else "verify", "us": us, "ms": us / 1e3,
                "touched_experts_per_layer": touched, "bytes": total, "roofline_us": roof_us,
                "x_roof": roof_us / us, "tokens_per_s_plain": 1e6 / us if T == 1 else None}
+        if profile and T == 1 and device.type == "cuda":
+            # where the plain step goes: kernels of an eager step, and the replayed graph's span against its busy time
+            line = common.graph_timeline(step, reps=3)
+            row["profile"] = {"kernels": common.kernel_profile(step, reps=3, top=25)["kernels"],
+                              "graph_span_us": line.get("span_us"), "graph_busy_us": line.get("busy_us"),
+                              "graph_launches": len(line.get("kernels", []))}
         rows.append(row)
         log(f"{fmt} T={T}: {us / 1e3:.3f} ms, {touched:.1f} experts per layer, roofline {roof_us / 1e3:.3f} ms "
             f"(x roof {row['x_roof']:.2f})")
@@ -157,6 +163,15 @@ def markdown(rep: dict, label: str) -> list[str]:
     plain = {r["format"]: r["ms"] for r in rep["steps"] if r["T"] == 1}
     if len(plain) == 2:
         lines += ["", f"Plain decoding: BF16 experts / INT4 experts = {plain['bf16'] / plain['int4']:.2f}x."]
+    for r in rep["steps"]:
+        prof = r.get("profile")
+        if not prof:
+            continue
+        lines += ["", f"Plain step, {r['format']} experts: replayed graph {prof['graph_launches']} launches, span "
+                  f"{prof['graph_span_us']:.0f} us, kernels busy {prof['graph_busy_us']:.0f} us; kernels of one eager "
+                  "step (device us):", ""]
+        lines += common.md_table(["kernel", "calls", "us"], [[k["name"][:90], k["calls"], k["us"]]
+                                                            for k in prof["kernels"]])
     return lines
 
 
@@ -173,6 +188,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--context", type=int, default=None, help="latent cache tokens (default 1024; --tiny 32)")
     ap.add_argument("--reps", type=int, default=None, help="timed replays (default 20; --tiny 3)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--profile", action="store_true",
+                    help="CUDA: the plain step's kernels (torch.profiler) and its replayed graph's busy time")
     a = ap.parse_args(argv)
     a.nodes = a.nodes or ([1, 4] if a.tiny else list(NODES))
     a.context = a.context or (32 if a.tiny else 1024)
@@ -201,7 +218,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     with torch.no_grad():
         for fmt in args.formats:
             steps += bench_format(cfg, fmt, dtype, dev, policy, args.nodes, args.context, args.reps, copy_bw,
-                                  args.seed, log)
+                                  args.seed, log, args.profile)
     rep = {"command": command, "tiny": args.tiny, "device": env_info(dev), "dtype": str(dtype).removeprefix("torch."),
            "context": args.context, "copy_Bps": copy_bw, "config": cfg.to_dict(), "steps": steps}
     return write(args.out, "moonlight", rep, markdown, dev)

@@ -44,9 +44,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..logs import log_once
 from .pdl import pdl_launch, pdl_supported, pdl_wait
-from .split_sum import split_sum
+from .split_sum import arrival_counters, last_program_sums, split_sum
 from .common import DTYPES, interpreting
 
 _DTYPES = DTYPES
@@ -255,20 +254,11 @@ def _bi_gemm_kernel(x_ptr, w_ptr, out_ptr,
     else:
         tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
     if SERIAL:
-        # the split partials of this output tile summed by the last of its n_split programs to arrive (the others'
-        # stores visible to it: a CTA barrier, then one acquire-release atomic at GPU scope), in split order from
-        # the partials in memory, its own included: split_sum's additions; it sets the counter back to 0
+        # the split partials of this output tile summed by the last of its n_split programs to arrive
         tile = (pid_b * tl.num_programs(0) + pid_m) * tl.num_programs(1) + pid_n
-        tl.debug_barrier()
-        if tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu") == n_split - 1:
-            p_ptrs = o_ptrs - pid_k.to(tl.int64) * stride_os
-            total = tl.load(p_ptrs, mask=o_mask, other=0.0, cache_modifier=".cg")
-            for s in range(1, n_split):
-                total += tl.load(p_ptrs + s * stride_os, mask=o_mask, other=0.0, cache_modifier=".cg")
-            f_ptrs = (fin_ptr + pid_b.to(tl.int64) * stride_ob + offs_m[:, None].to(tl.int64) * stride_om
-                      + offs_n[None, :].to(tl.int64) * stride_on)
-            tl.store(f_ptrs, total.to(fin_ptr.dtype.element_ty), mask=o_mask)
-            tl.store(cnt_ptr + tile, 0)
+        f_ptrs = (fin_ptr + pid_b.to(tl.int64) * stride_ob + offs_m[:, None].to(tl.int64) * stride_om
+                  + offs_n[None, :].to(tl.int64) * stride_on)
+        last_program_sums(o_ptrs - pid_k.to(tl.int64) * stride_os, o_mask, stride_os, n_split, f_ptrs, cnt_ptr, tile)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -315,28 +305,6 @@ def bi_linear(x: torch.Tensor, w: torch.Tensor, *, tile: Tile | None = None,
                    (0, N, 1), t, red, interp_dot)
 
 
-SERIAL_TILES = 4096  # arrival counters per stream: a split launch of more output tiles sums in a second kernel
-
-
-_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
-
-
-def _arrival_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
-    """int32 zeros, SERIAL_TILES of them per (device, stream) (a launch's last program of a tile sets its counter
-    back to 0, so launches one after another on a stream share them; concurrent streams have their own); None for
-    a launch of more tiles."""
-    if tiles > SERIAL_TILES:
-        log_once("gemm:split-sum", f"batch-invariant GEMM: split-K launches of more than {SERIAL_TILES} output tiles "
-                 "sum their partials in a second launch (split_sum), the same additions")
-        return None
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device, stream)
-    buf = _COUNTERS.get(key)
-    if buf is None:   # kept for good: a captured graph holds its address
-        buf = _COUNTERS[key] = torch.zeros(SERIAL_TILES, dtype=torch.int32, device=device)
-    return buf
-
-
 def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, M: int, N: int, K: int, heads: int,
             x_strides: tuple[int, int, int], w_strides: tuple[int, int, int], out_strides: tuple[int, int, int],
             t: Tile, red: Reduction, interp_dot: bool = False) -> torch.Tensor:
@@ -352,7 +320,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, M: int, N: int,
     pdl = pdl_supported(x.device)
     target = out if split == 1 else torch.empty((split,) + tuple(out.shape), device=x.device, dtype=torch.float32)
     grid = (triton.cdiv(M, t.BLOCK_M), triton.cdiv(N, t.BLOCK_N), heads * split)
-    counters = _arrival_counters(x.device, grid[0] * grid[1] * heads) if split > 1 else None
+    counters = arrival_counters(x.device, grid[0] * grid[1] * heads) if split > 1 else None
     _bi_gemm_kernel[grid](
         x, w, target, M, N, K, kps, split, *x_strides, *w_strides, *out_strides, out.numel(),
         BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N, BLOCK_K=red.BLOCK_K,

@@ -10,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..logs import log_once
 from .pdl import pdl_launch, pdl_wait
 
 
@@ -26,6 +27,42 @@ def _split_sum_kernel(part_ptr, out_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.cons
     for s in tl.static_range(1, SPLIT):
         acc += tl.load(part_ptr + s * MN + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def last_program_sums(p_ptrs, o_mask, stride_s, n_split, f_ptrs, cnt_ptr, tile):
+    """The split partials of one output tile summed by the last of its n_split programs to arrive, in split order
+    from the partials in memory (its own included): split_sum's additions, so the same bits. p_ptrs: split 0's
+    partials of the tile (float32), stride_s apart; f_ptrs: the tile's outputs. The others' stores are visible to
+    the last one (a CTA barrier, then one acquire-release atomic at GPU scope); it sets the counter back to 0."""
+    tl.debug_barrier()
+    if tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu") == n_split - 1:
+        total = tl.load(p_ptrs, mask=o_mask, other=0.0, cache_modifier=".cg")
+        for s in range(1, n_split):
+            total += tl.load(p_ptrs + s * stride_s, mask=o_mask, other=0.0, cache_modifier=".cg")
+        tl.store(f_ptrs, total.to(f_ptrs.dtype.element_ty), mask=o_mask)
+        tl.store(cnt_ptr + tile, 0)
+
+
+SERIAL_TILES = 4096  # arrival counters per stream: a split launch of more output tiles sums in a second kernel
+
+_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def arrival_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
+    """int32 zeros, SERIAL_TILES of them per (device, stream), for last_program_sums (a launch's last program of a
+    tile sets its counter back to 0, so launches one after another on a stream share them; concurrent streams have
+    their own); None for a launch of more tiles."""
+    if tiles > SERIAL_TILES:
+        log_once("gemm:split-sum", f"split-K launches of more than {SERIAL_TILES} output tiles sum their partials "
+                 "in a second launch (split_sum), the same additions")
+        return None
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, stream)
+    buf = _COUNTERS.get(key)
+    if buf is None:   # kept for good: a captured graph holds its address
+        buf = _COUNTERS[key] = torch.zeros(SERIAL_TILES, dtype=torch.int32, device=device)
+    return buf
 
 
 def split_sum(parts: torch.Tensor, out: torch.Tensor, split: int, pdl: bool = False) -> None:

@@ -29,26 +29,38 @@ import triton.language as tl
 
 from ..fp8 import FP8_DTYPE, Fp8Block
 from .common import DTYPES, interpreting
-from .split_sum import split_sum
+from .split_sum import arrival_counters, last_program_sums, split_sum
 from .w4a16 import fp32_stages, k_splits, mma_tile
 
 
 @dataclass(frozen=True)
 class W8Config:
+    """One weight shape's kernel config. Every field is a function of the weight's shape, never of M, so a row's
+    result does not depend on M (target_programs and BLOCK_N set the split along K)."""
     BLOCK_M: int = 16    # tokens per program (tl.dot minimum; the MMA's N side with SWAP_AB)
     BLOCK_N: int = 64    # weight rows per program
     BLOCK_K: int = 128   # at most; the largest power of two <= this dividing bk is used
     num_warps: int = 4
     num_stages: int = 4
+    target_programs: int = 1056   # programs wanted in flight before K is split (a constant, not the SM count)
+    direct_cvt: bool = False      # FP8 -> activation dtype in one conversion (else through float32): same values
 
 
 W8_CONFIG = W8Config()
 
-# Programs wanted in flight before K is split (a constant, not the device's SM count: the same reduction on
-# every device), and at least this many K tiles per split.
-TARGET_PROGRAMS = 1056
+# Per-shape configs (N, K) -> W8Config, measured on an H200 (bench/moe_formats.py --sweep); other shapes take
+# W8_CONFIG.
+W8_CONFIGS: dict[tuple[int, int], W8Config] = {}
+
+# At least this many K tiles per split, at most MAX_SPLIT splits.
+TARGET_PROGRAMS = W8_CONFIG.target_programs
 MIN_TILES_PER_SPLIT = 4
 MAX_SPLIT = 16
+
+
+def w8_config_for(N: int, K: int) -> W8Config:
+    """The kernel config of an [N, K] FP8 weight (a function of the shape only)."""
+    return W8_CONFIGS.get((N, K), W8_CONFIG)
 
 
 def tile_k(block: Fp8Block, want: int) -> int:
@@ -61,30 +73,37 @@ def tile_k(block: Fp8Block, want: int) -> int:
     return t
 
 
-def w8_split(N: int, K: int, block_k: int, block_n: int) -> int:
+def w8_split(N: int, K: int, block_k: int, block_n: int, target: int = TARGET_PROGRAMS) -> int:
     """Split along K from (N, K) only: enough programs for the GPU, at least MIN_TILES_PER_SPLIT tiles each."""
     n_tiles = triton.cdiv(N, block_n)
     k_tiles = triton.cdiv(K, block_k)
     split = 1
-    while (n_tiles * split < TARGET_PROGRAMS and split * 2 <= MAX_SPLIT
+    while (n_tiles * split < target and split * 2 <= MAX_SPLIT
            and k_tiles // (split * 2) >= MIN_TILES_PER_SPLIT):
         split *= 2
     return split
 
 
 @triton.jit
-def fp8_tile(w_rows, offs_k, n_mask, k0, k_hi, DTYPE: tl.constexpr):
-    """The [BLOCK_N, BLOCK_K] FP8 tile at k0 (columns past k_hi read as 0) in DTYPE (an exact conversion)."""
+def fp8_tile(w_rows, offs_k, n_mask, k0, k_hi, DTYPE: tl.constexpr, DIRECT: tl.constexpr = False):
+    """The [BLOCK_N, BLOCK_K] FP8 tile at k0 (columns past k_hi read as 0) in DTYPE (an exact conversion either
+    way: every e4m3 value is a bf16 / fp16 value; DIRECT: one conversion, else through float32)."""
     kk = k0 + offs_k
-    w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & (kk[None, :] < k_hi), other=0.0)
-    return w.to(tl.float32).to(DTYPE)
+    w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & (kk[None, :] < k_hi), other=0.0,
+                eviction_policy="evict_first")
+    if DIRECT:
+        w = w.to(DTYPE)
+    else:
+        w = w.to(tl.float32).to(DTYPE)
+    return w
 
 
 @triton.jit
 def _w8a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, k_per_split,
                   stride_xm, stride_wn, stride_sn, stride_om, stride_os,
                   BN_Q: tl.constexpr, BK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, OUT_F32: tl.constexpr):
+                  BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, OUT_F32: tl.constexpr,
+                  DIRECT: tl.constexpr = False, fin_ptr=None, cnt_ptr=None, n_split=1, SERIAL: tl.constexpr = False):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -101,7 +120,7 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, k_per_split,
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        wt = fp8_tile(w_rows, offs_k, n_mask, k0, k_hi, DTYPE)
+        wt = fp8_tile(w_rows, offs_k, n_mask, k0, k_hi, DTYPE, DIRECT)
         kk = k0 + offs_k
         xt = tl.load(x_rows + kk[None, :], mask=m_mask[:, None] & (kk[None, :] < k_hi), other=0.0)
         part = mma_tile(tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), wt, xt, True, UPCAST, PREC)
@@ -114,6 +133,11 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, k_per_split,
         tl.store(o_ptrs, acc, mask=o_mask)
     else:
         tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
+    if SERIAL:
+        # the split partials of this output tile summed by the last of its programs to arrive
+        tile = pid_m * tl.num_programs(1) + pid_n
+        f_ptrs = fin_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+        last_program_sums(o_ptrs - pid_k * stride_os, o_mask, stride_os, n_split, f_ptrs, cnt_ptr, tile)
 
 
 def check_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: Fp8Block, what: str = "weight") -> None:
@@ -148,22 +172,25 @@ def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
         return out
     if x.stride(-1) != 1:
         x = x.contiguous()
-    cfg = config or W8_CONFIG
+    cfg = config or w8_config_for(N, K)
     block_k = tile_k(block, cfg.BLOCK_K)
-    split, k_per_split = k_splits(K, block_k, w8_split(N, K, block_k, cfg.BLOCK_N))
+    split, k_per_split = k_splits(K, block_k, w8_split(N, K, block_k, cfg.BLOCK_N, cfg.target_programs))
     upcast = interpreting()
     prec = "ieee" if (x.dtype == torch.float32 or upcast) else "tf32"
     target = out if split == 1 else torch.empty((split, M, N), device=x.device, dtype=torch.float32)
     grid = (triton.cdiv(M, cfg.BLOCK_M), triton.cdiv(N, cfg.BLOCK_N), split)
+    counters = arrival_counters(x.device, grid[0] * grid[1]) if split > 1 else None
     _w8a16_kernel[grid](
         x, weight, scale_inv, target, M, N, K, k_per_split,
         x.stride(0), weight.stride(0), scale_inv.stride(0), N, M * N,
         BN_Q=block.n, BK_Q=block.k, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=block_k,
-        UPCAST=upcast, PREC=prec, OUT_F32=split > 1,
+        UPCAST=upcast, PREC=prec, OUT_F32=split > 1, DIRECT=cfg.direct_cvt,
+        fin_ptr=out, cnt_ptr=counters, n_split=split, SERIAL=counters is not None,
         num_warps=cfg.num_warps, num_stages=fp32_stages(cfg.num_stages, x.dtype))
-    if split > 1:
+    if split > 1 and counters is None:
         split_sum(target, out, split)
     return out
 
 
-__all__ = ["W8Config", "W8_CONFIG", "check_fp8", "fp8_tile", "tile_k", "w8_split", "w8a16_linear"]
+__all__ = ["W8Config", "W8_CONFIG", "W8_CONFIGS", "check_fp8", "fp8_tile", "tile_k", "w8_config_for", "w8_split",
+           "w8a16_linear"]

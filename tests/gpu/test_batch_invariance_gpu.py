@@ -192,7 +192,7 @@ def test_serial_split_sums_equal_the_split_sum_launch(name, monkeypatch):
     """A split launch's partials summed by each tile's last program (arrival counters) give the bits of the
     split_sum launch, call after call (the counters go back to 0), replayed from a CUDA graph, and with a second
     split GEMM running at the same time on a side stream (each stream its own counters)."""
-    from kdtree_engine.kernels import gemm
+    from kdtree_engine.kernels import split_sum as sums
     from kdtree_engine.kernels.streams import side_by_side
     N, K = RANK_SHAPES[name]
     assert reduction_for(N, K, torch.bfloat16).n_splits(K) > 1, "a split shape"
@@ -203,7 +203,7 @@ def test_serial_split_sums_equal_the_split_sum_launch(name, monkeypatch):
         x = torch.randn(M, K, generator=g, device="cuda").bfloat16()
         x2 = torch.randn(M, 7168, generator=g, device="cuda").bfloat16()
         with monkeypatch.context() as m:
-            m.setattr(gemm, "SERIAL_TILES", 0)
+            m.setattr(sums, "SERIAL_TILES", 0)
             want, want2 = bi_linear(x, w), bi_linear(x2, w2)
         for r in range(3):
             assert torch.equal(bi_linear(x, w), want), f"{name} M={M} call {r}"
@@ -213,4 +213,4 @@ def test_serial_split_sums_equal_the_split_sum_launch(name, monkeypatch):
         torch.cuda.synchronize()
         assert torch.equal(out["here"], want) and torch.equal(out["side"], want2), f"{name} M={M} on two streams"
         replays_match_eager(lambda xb: bi_linear(xb, w), M, K, 3, f"{name} serial sums")
-    assert all(int(c.abs().sum()) == 0 for c in gemm._COUNTERS.values()), "arrival counters not back at 0"
+    assert all(int(c.abs().sum()) == 0 for c in sums._COUNTERS.values()), "arrival counters not back at 0"

@@ -132,24 +132,24 @@ CASES.update({
 
 def _split_sum_launch(fn):
     """fn() with every split launch summing its partials in the second kernel (no arrival counters)."""
-    from kdtree_engine.kernels import gemm
-    keep = gemm.SERIAL_TILES
-    gemm.SERIAL_TILES = 0
+    from kdtree_engine.kernels import split_sum as sums
+    keep = sums.SERIAL_TILES
+    sums.SERIAL_TILES = 0
     try:
         return fn()
     finally:
-        gemm.SERIAL_TILES = keep
+        sums.SERIAL_TILES = keep
 
 
 def _serial_check(opt, y, fn) -> list[str]:
     """The serial sum's output y against the split_sum launch's (opt "serial"), and the counters back at 0."""
-    from kdtree_engine.kernels import gemm
+    from kdtree_engine.kernels import split_sum as sums
     if not opt.get("serial"):
         return []
     bad = [] if torch.equal(_split_sum_launch(fn), y) else ["the last arrivals' sums differ from split_sum's"]
-    if any(int(c.abs().sum()) for c in gemm._COUNTERS.values()):
+    if any(int(c.abs().sum()) for c in sums._COUNTERS.values()):
         bad.append("arrival counters not back at 0")
-    if not gemm._COUNTERS:
+    if not sums._COUNTERS:
         bad.append("no arrival counters were used")
     return bad
 
