@@ -62,6 +62,11 @@ def k2_linears(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     }
 
 
+def moe_shape(cfg: ModelConfig) -> str:
+    return (f"{cfg.n_routed_experts} experts top-{cfg.num_experts_per_tok}, hidden {cfg.hidden_size}, "
+            f"moe inter {cfg.moe_intermediate_size}")
+
+
 def tiny_config() -> ModelConfig:
     return preset("k2-tiny").replace(n_group=1, topk_group=1, n_routed_experts=16, num_experts_per_tok=4)
 
@@ -217,10 +222,11 @@ def dense_candidates() -> list[W8Config]:
             for bn in (32, 64, 128) for st in (4, 6) for tp in (264, 1056, 4224) for d in (False, True)]
 
 
-def sweep_moe(cfg: ModelConfig, block: Fp8Block, dtype: torch.dtype, device: torch.device, policy: KernelPolicy,
-              tokens: Sequence[int], reps: int, copy_bw: float, wgen: torch.Generator, gen: torch.Generator,
-              log: Callable[[str], None]) -> list[dict]:
-    """The FP8 grouped MoE at every candidate config and T (one config serves every T: batch invariance)."""
+def sweep_moe(label: str, cfg: ModelConfig, block: Fp8Block | None, dtype: torch.dtype, device: torch.device,
+              policy: KernelPolicy, tokens: Sequence[int], reps: int, copy_bw: float, wgen: torch.Generator,
+              gen: torch.Generator, log: Callable[[str], None]) -> list[dict]:
+    """The grouped MoE (FP8 experts with `block`, else dense ones) at every candidate config and T (one config
+    serves every T: batch invariance)."""
     from kdtree_engine.kernels.moe_grouped import fused_moe_grouped
     E, k, H = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.hidden_size
     ex = experts_of(cfg, block, dtype, device, policy, wgen)
@@ -235,12 +241,12 @@ def sweep_moe(cfg: ModelConfig, block: Fp8Block, dtype: torch.dtype, device: tor
     rows = []
     for c in moe_candidates():
         for T, (sets, touched) in inputs.items():
-            calls = [lambda s=s: fused_moe_grouped(s[0], ex.w13, ex.w2, s[1], s[2], w13_scale_inv=ex.w13_scale_inv,
-                                                   w2_scale_inv=ex.w2_scale_inv, block=block, config=c)
-                     for s in sets]
+            kw = dict(w13_scale_inv=ex.w13_scale_inv, w2_scale_inv=ex.w2_scale_inv, block=block) if block else {}
+            calls = [lambda s=s: fused_moe_grouped(s[0], ex.w13, ex.w2, s[1], s[2], config=c, **kw) for s in sets]
             us = time_us(calls, device, reps)
-            rows.append({"config": repr(c), "T": T, "us": us, "x_copy": touched * per_expert / copy_bw * 1e6 / us})
-            log(f"sweep MoE {c} T={T}: {us:.1f} us, x copy {rows[-1]['x_copy']:.3f}")
+            rows.append({"experts": label, "config": repr(c), "T": T, "us": us,
+                         "x_copy": touched * per_expert / copy_bw * 1e6 / us})
+            log(f"sweep MoE {label} {c} T={T}: {us:.1f} us, x copy {rows[-1]['x_copy']:.3f}")
     del ex
     torch.cuda.empty_cache()
     return rows
@@ -279,15 +285,18 @@ def sweep_dense(shapes: dict[str, tuple[int, int]], block: Fp8Block, dtype: torc
 
 def sweep_markdown(rep: dict) -> list[str]:
     """Per MoE config: us at each T and the sum; per dense shape: the 5 configs with the least summed time over M."""
-    lines = ["", "## Sweep: FP8 grouped MoE configs (one config for every T)", ""]
-    ts = sorted({r["T"] for r in rep["sweep_moe"]})
-    by: dict[str, dict[int, dict]] = {}
-    for r in rep["sweep_moe"]:
-        by.setdefault(r["config"], {})[r["T"]] = r
-    order = sorted(by, key=lambda c: sum(by[c][t]["us"] for t in ts))
-    lines += common.md_table(["config"] + [f"T={t} us (x copy)" for t in ts] + ["sum us"],
-                             [[c] + [f"{by[c][t]['us']:.1f} ({by[c][t]['x_copy']:.3f})" for t in ts]
-                              + [sum(by[c][t]["us"] for t in ts)] for c in order])
+    lines = []
+    for label in dict.fromkeys(r["experts"] for r in rep["sweep_moe"]):
+        lines += ["", f"## Sweep: grouped MoE configs, {label} (one config for every T)", ""]
+        mine = [r for r in rep["sweep_moe"] if r["experts"] == label]
+        ts = sorted({r["T"] for r in mine})
+        by: dict[str, dict[int, dict]] = {}
+        for r in mine:
+            by.setdefault(r["config"], {})[r["T"]] = r
+        order = sorted(by, key=lambda c: sum(by[c][t]["us"] for t in ts))
+        lines += common.md_table(["config"] + [f"T={t} us (x copy)" for t in ts] + ["sum us"],
+                                 [[c] + [f"{by[c][t]['us']:.1f} ({by[c][t]['x_copy']:.3f})" for t in ts]
+                                  + [sum(by[c][t]["us"] for t in ts)] for c in order])
     lines += ["", "## Sweep: W8A16 configs per K2 shape (the 5 with the least time summed over M)", ""]
     body = []
     for name in dict.fromkeys(r["linear"] for r in rep["sweep_dense"]):
@@ -368,11 +377,16 @@ def main(argv: Sequence[str] | None = None) -> dict:
                              wgen, gen, log)
     rep = {"command": command, "tiny": args.tiny, "device": env_info(dev), "dtype": str(dtype).removeprefix("torch."),
            "copy_Bps": copy_bw, "block": [block.n, block.k],
-           "moe_shape": f"{cfg.n_routed_experts} experts top-{cfg.num_experts_per_tok}, hidden {cfg.hidden_size}, "
-                        f"moe inter {cfg.moe_intermediate_size}",
+           "moe_shape": moe_shape(cfg),
            "moe": moe_rows, "dense": dense_rows}
     if args.sweep:
-        rep["sweep_moe"] = sweep_moe(cfg, block, dtype, dev, policy, args.tokens, args.reps, copy_bw, wgen, gen, log)
+        # FP8 experts at K2's shape; BF16 experts at Moonlight-16B's (64 experts top-6, hidden 2048, inter 1408)
+        small = tiny_config() if args.tiny else preset("moonlight-16b")
+        rep["sweep_moe"] = (
+            sweep_moe(f"fp8 {moe_shape(cfg)}", cfg, block, dtype, dev, policy, args.tokens, args.reps, copy_bw,
+                      wgen, gen, log)
+            + sweep_moe(f"{str(dtype).removeprefix('torch.')} {moe_shape(small)}", small, None, dtype, dev, policy,
+                        args.tokens, args.reps, copy_bw, wgen, gen, log))
         rep["sweep_dense"] = sweep_dense(k2_linears(cfg), block, dtype, dev, policy, sorted({1, 4, 16} & set(args.rows)),
                                          args.reps, 2 * l2, wgen, gen, log)
     return write(args.out, "moe_formats_sweep" if args.sweep else "moe_formats", rep, markdown, dev)
