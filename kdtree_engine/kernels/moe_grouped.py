@@ -49,6 +49,15 @@ class GroupedConfig:
 
 GROUPED_CONFIG = GroupedConfig()
 
+# Per-shape configs (hidden H, expert inter I, FP8 or not) -> GroupedConfig, measured on an H200
+# (bench/moe_formats.py --sweep); other shapes take GROUPED_CONFIG. A function of the model's shape: the same
+# config for every T.
+GROUPED_CONFIGS: dict[tuple[int, int, bool], GroupedConfig] = {}
+
+
+def grouped_config_for(H: int, I: int, fp8: bool) -> GroupedConfig:
+    return GROUPED_CONFIGS.get((H, I, fp8), GROUPED_CONFIG)
+
 
 @triton.jit
 def _weight_tile(w_rows, offs_k, n_mask, k0, k_hi, DTYPE: tl.constexpr, FP8: tl.constexpr,
@@ -193,7 +202,7 @@ def fused_moe_grouped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk
     if T == 0:
         return out
     x = x.contiguous()
-    cfg = config or GROUPED_CONFIG
+    cfg = config or grouped_config_for(H, I, fp8)
     block_k = tile_k(block, cfg.BLOCK_K) if fp8 else cfg.BLOCK_K
     upcast = interpreting()
     prec = "ieee" if (x.dtype == torch.float32 or upcast) else "tf32"
@@ -222,4 +231,4 @@ def fused_moe_grouped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk
     return out
 
 
-__all__ = ["GroupedConfig", "GROUPED_CONFIG", "fused_moe_grouped"]
+__all__ = ["GroupedConfig", "GROUPED_CONFIG", "GROUPED_CONFIGS", "fused_moe_grouped", "grouped_config_for"]

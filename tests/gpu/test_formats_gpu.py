@@ -181,14 +181,15 @@ def test_grouped_moe_fp8_conversion_keeps_the_bits(k2_experts, T):
     """FP8 tiles converted in one step or through float32 (exact either way): the same bits."""
     import dataclasses
 
-    from kdtree_engine.kernels.moe_grouped import GROUPED_CONFIG
+    from kdtree_engine.kernels.moe_grouped import grouped_config_for
     seed = new_seed()
     ex = k2_experts["fp8"]
     x = torch.randn(T, K2["hidden"], device=DEV).to(torch.bfloat16)
     ids, tw = routing(T, K2["experts"], K2["topk"])
     kw = dict(w13_scale_inv=ex.w13_scale_inv, w2_scale_inv=ex.w2_scale_inv, block=ex.fp8_block)
     want = fused_moe_grouped(x, ex.w13, ex.w2, ids, tw, **kw)
-    other = dataclasses.replace(GROUPED_CONFIG, direct_cvt=not GROUPED_CONFIG.direct_cvt)
+    cfg = grouped_config_for(K2["hidden"], K2["inter"], True)
+    other = dataclasses.replace(cfg, direct_cvt=not cfg.direct_cvt)
     got = fused_moe_grouped(x, ex.w13, ex.w2, ids, tw, config=other, **kw)
     assert torch.equal(got, want), f"{other} T={T} seed={seed}"
 
