@@ -18,7 +18,7 @@ SUITE = ROOT / "scripts" / "gpu_suite.sh"
 DEVICE_CALL_S = 570  # a 600-s device call, less the start and the packing of the results
 ONE_CALL = [["tests"], ["tests", "bitwise"], ["tests", "rounds"], ["tests", "kernels"], ["bench"], ["quick"],
             ["formats"], ["k2"], ["k2step"], ["batch"], ["multi"], ["long"], ["serving"]] + [
-    ["kernel", f] for f in ("w4a16", "moe", "mla", "gemm", "router", "tails")]
+    ["kernel", f] for f in ("w4a16", "moe", "mla", "gemm", "router", "tails", "fp8")]
 STEP = re.compile(r"^== (\S+) \(cap (\d+)s\): (.*)$")
 
 
@@ -63,7 +63,7 @@ def test_each_suite_fits_one_device_call(tmp_path, args) -> None:
     assert not (tmp_path / "out").exists()  # a dry run writes nothing
 
 
-@pytest.mark.parametrize("args", [["nope"], [], ["tests", "all"], ["kernel"], ["kernel", "fp8"], ["bench", "x"],
+@pytest.mark.parametrize("args", [["nope"], [], ["tests", "all"], ["kernel"], ["kernel", "fp4"], ["bench", "x"],
                                   ["quick", "x"], ["formats", "x"], ["k2", "x"], ["k2step", "x"], ["batch", "x"], ["multi", "x"], ["long", "x"],
                                   ["serving", "x"]], ids=lambda a: " ".join(a) or "none")
 def test_a_wrong_name_fails_with_one_line(tmp_path, args) -> None:
