@@ -172,21 +172,28 @@ def bench_moe(cfg: ModelConfig, block: Fp8Block, dtype: torch.dtype, device: tor
     return rows
 
 
+def weight_copies(n: int, k: int, copies: int, block: Fp8Block, dtype: torch.dtype, device: torch.device,
+                  policy: KernelPolicy, wgen: torch.Generator) -> tuple[list[Linear], list[torch.Tensor]]:
+    """`copies` random FP8 linears [n, k] and as many random dense weights of the activation dtype."""
+    lins, dense = [], []
+    for _ in range(copies):
+        with device:
+            lin = Linear(k, n, group_size=block, dtype=dtype, policy=policy)
+        random_fp8_(lin.weight, lin.weight_scale_inv, wgen)
+        lins.append(lin)
+        d = torch.empty(n, k, device=device, dtype=dtype)
+        random_dense_(d, wgen)
+        dense.append(d)
+    return lins, dense
+
+
 def bench_dense(shapes: dict[str, tuple[int, int]], block: Fp8Block, dtype: torch.dtype, device: torch.device,
                 policy: KernelPolicy, rows_m: Sequence[int], reps: int, copies_bytes: int, copy_bw: float,
                 wgen: torch.Generator, gen: torch.Generator, log: Callable[[str], None]) -> list[dict]:
     out = []
     for name, (n, k) in shapes.items():
         copies = max(1, min(16, -(-copies_bytes // (n * k))))   # rotating copies: together past L2
-        lins, dense = [], []
-        for _ in range(copies):
-            with device:
-                lin = Linear(k, n, group_size=block, dtype=dtype, policy=policy)
-            random_fp8_(lin.weight, lin.weight_scale_inv, wgen)
-            lins.append(lin)
-            d = torch.empty(n, k, device=device, dtype=dtype)
-            random_dense_(d, wgen)
-            dense.append(d)
+        lins, dense = weight_copies(n, k, copies, block, dtype, device, policy, wgen)
         fp8_bytes = n * k + lins[0].weight_scale_inv.numel() * 4
         for M in rows_m:
             xs = [torch.randn(M, k, generator=gen).to(device, dtype) for _ in range(copies)]
@@ -260,15 +267,7 @@ def sweep_dense(shapes: dict[str, tuple[int, int]], block: Fp8Block, dtype: torc
     out = []
     for name, (n, k) in shapes.items():
         copies = max(1, min(16, -(-copies_bytes // (n * k))))
-        lins, dense = [], []
-        for _ in range(copies):
-            with device:
-                lin = Linear(k, n, group_size=block, dtype=dtype, policy=policy)
-            random_fp8_(lin.weight, lin.weight_scale_inv, wgen)
-            lins.append(lin)
-            d = torch.empty(n, k, device=device, dtype=dtype)
-            random_dense_(d, wgen)
-            dense.append(d)
+        lins, dense = weight_copies(n, k, copies, block, dtype, device, policy, wgen)
         for M in rows_m:
             xs = [torch.randn(M, k, generator=gen).to(device, dtype) for _ in range(copies)]
             t_ref = time_us([lambda x=x, d=d: F.linear(x, d) for x, d in zip(xs, dense)], device, reps)
