@@ -27,7 +27,7 @@ from ..model.dflash import DraftCache
 from ..model.target import Target
 from ..speculative.graph import capacity_bucket
 
-MIN_SLOTS = 4   # slots made at first; doubled when a request finds none free
+MIN_SLOTS = 1   # slots made at first; doubled when a request finds none free (a lone request runs no empty slots)
 
 
 def shrunk(slots: int, held: int) -> int:

@@ -72,7 +72,7 @@ def test_draft_slots_graph_equals_eager():
     """The batched draft pass over static slots (kdtree_engine/batch/draft_slots.py) replayed from CUDA graphs gives
     the logits of the same pass run eagerly, bit for bit, as requests take slots (past the first slots: a second
     capture), draft in changing subsets, carry whole prompts into their first pass and give their slots back."""
-    from kdtree_engine.batch.draft_slots import MIN_SLOTS, DraftSlots
+    from kdtree_engine.batch.draft_slots import DraftSlots
     seed = random.randrange(1 << 30)
     print(f"seed {seed}")
     rng = random.Random(seed)
@@ -92,10 +92,10 @@ def test_draft_slots_graph_equals_eager():
         return {"where": where, "start": prompt, "end": prompt + limit,
                 "ctx": torch.randn(prompt, feat, generator=gen, device=dev).to(target.dtype)}
 
-    live = [new_request() for _ in range(MIN_SLOTS)]
+    live = [new_request() for _ in range(4)]
     bad = []
     for step in range(16):
-        if step == 4:   # the first slots are full and captured: three more requests make them double
+        if step == 4:   # 4 slots full and captured: three more requests make them double
             live += [new_request() for _ in range(3)]
         asked = [r for r in live if rng.random() < 0.7] or live[:1]
         for r in asked:
