@@ -44,6 +44,14 @@ RANK_SHAPES = [
     ("shared_w2@tp8", 7168, 256),
     ("lm_head@tp8", 20480, 7168),
 ]
+# Moonlight-16B-A3B's dense linears (hidden 2048, 16 heads, no query LoRA; the shared experts' 2 x 1408 width)
+MOONLIGHT_SHAPES = [
+    ("q+kv_a@moonlight", 3648, 2048),
+    ("o_proj@moonlight", 2048, 2048),
+    ("shared_w13@moonlight", 5632, 2048),
+    ("shared_w2@moonlight", 2048, 2816),
+    ("lm_head@moonlight", 163840, 2048),
+]
 MS = [1, 4, 16, 64, 129, 256]
 
 
@@ -362,7 +370,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", default=str(REPO / "bench" / "results"), help="folder for gemm-<gpu>.json/.md")
     ap.add_argument("--ms", default=",".join(map(str, MS)), help="comma-separated M values")
     ap.add_argument("--shapes", default="", help="comma-separated shape names (default: the K2 shapes; names "
-                    "ending @tp8 are one rank's of TP8, 'rank' all of those)")
+                    "ending @tp8 are one rank's of TP8, 'rank' all of those; 'moonlight' Moonlight-16B's)")
     ap.add_argument("--sweep-seconds", type=float, default=260.0, help="time budget of the sweep")
     ap.add_argument("--rep-ms", type=float, default=20.0, help="do_bench repetition time per point")
     ap.add_argument("--sweep", action="store_true", help="also time candidate tiles / reductions")
@@ -378,12 +386,14 @@ def main(argv: list[str] | None = None) -> dict:
     t0 = time.time()
     ms = [int(m) for m in args.ms.split(",") if m]
     names = [s for s in args.shapes.split(",") if s]
-    known = {n for n, _, _ in SHAPES + RANK_SHAPES} | {"rank"}
+    known = {n for n, _, _ in SHAPES + RANK_SHAPES + MOONLIGHT_SHAPES} | {"rank", "moonlight"}
     if [n for n in names if n not in known]:
         ap.error(f"--shapes: unknown {[n for n in names if n not in known][0]!r} (known: {', '.join(sorted(known))})")
     if "rank" in names:
         names += [n for n, _, _ in RANK_SHAPES] + ["q_a+kv_a"]
-    shapes = [s for s in SHAPES + RANK_SHAPES if (not names and s in SHAPES) or s[0] in names]
+    if "moonlight" in names:
+        names += [n for n, _, _ in MOONLIGHT_SHAPES]
+    shapes = [s for s in SHAPES + RANK_SHAPES + MOONLIGHT_SHAPES if (not names and s in SHAPES) or s[0] in names]
     torch.backends.cuda.matmul.allow_tf32 = False
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
            "python": platform.python_version(), "ceilings": ceilings()}

@@ -229,6 +229,16 @@ def dense_candidates() -> list[W8Config]:
             for bn in (32, 64, 128) for st in (4, 6) for tp in (264, 1056, 4224) for d in (False, True)]
 
 
+def fits(run: Callable[[], float], config: object, log: Callable[[str], None]) -> float | None:
+    """run()'s time, or None for a config whose kernel does not fit the device (shared memory, registers)."""
+    from triton.runtime.errors import OutOfResources
+    try:
+        return run()
+    except OutOfResources as exc:
+        log(f"sweep: {config} does not fit: {exc}")
+        return None
+
+
 def sweep_moe(label: str, cfg: ModelConfig, block: Fp8Block | None, dtype: torch.dtype, device: torch.device,
               policy: KernelPolicy, tokens: Sequence[int], reps: int, copy_bw: float, wgen: torch.Generator,
               gen: torch.Generator, log: Callable[[str], None]) -> list[dict]:
@@ -250,7 +260,9 @@ def sweep_moe(label: str, cfg: ModelConfig, block: Fp8Block | None, dtype: torch
         for T, (sets, touched) in inputs.items():
             kw = dict(w13_scale_inv=ex.w13_scale_inv, w2_scale_inv=ex.w2_scale_inv, block=block) if block else {}
             calls = [lambda s=s: fused_moe_grouped(s[0], ex.w13, ex.w2, s[1], s[2], config=c, **kw) for s in sets]
-            us = time_us(calls, device, reps)
+            us = fits(lambda: time_us(calls, device, reps), c, log)
+            if us is None:
+                break
             rows.append({"experts": label, "config": repr(c), "T": T, "us": us,
                          "x_copy": touched * per_expert / copy_bw * 1e6 / us})
             log(f"sweep MoE {label} {c} T={T}: {us:.1f} us, x copy {rows[-1]['x_copy']:.3f}")
@@ -272,8 +284,11 @@ def sweep_dense(shapes: dict[str, tuple[int, int]], block: Fp8Block, dtype: torc
             xs = [torch.randn(M, k, generator=gen).to(device, dtype) for _ in range(copies)]
             t_ref = time_us([lambda x=x, d=d: F.linear(x, d) for x, d in zip(xs, dense)], device, reps)
             for c in dense_candidates():
-                us = time_us([lambda x=x, l=l: w8a16_linear(x, l.weight, l.weight_scale_inv, block, config=c)
-                              for x, l in zip(xs, lins)], device, reps)
+                us = fits(lambda: time_us([lambda x=x, l=l: w8a16_linear(x, l.weight, l.weight_scale_inv, block,
+                                                                         config=c)
+                                           for x, l in zip(xs, lins)], device, reps), c, log)
+                if us is None:
+                    continue
                 out.append({"linear": name, "N": n, "K": k, "M": M, "config": repr(c), "us": us,
                             "f_linear_us": t_ref, "speedup_vs_f_linear": t_ref / us})
             best = min((r for r in out if r["linear"] == name and r["M"] == M), key=lambda r: r["us"])

@@ -11,8 +11,8 @@
 #                  plot; again on the selection before the near-copy rule), the K2 layer step, the decoding rounds,
 #                  the W4A16 / MoE kernels
 #   kernel FAMILY  one kernel family's GPU tests and bench: w4a16 | moe | mla | gemm | router | tails | fp8 (the FP8
-#                  kernels' tests, every candidate config of the FP8 MoE and W8A16 at K2 shapes, Moonlight's plain
-#                  step profiled)
+#                  kernels' tests, every candidate config of the FP8 MoE and W8A16 at K2 shapes and of the BF16 MoE
+#                  and dense GEMM at Moonlight-16B's)
 #   quick          a first look: the small kernels' and the speculative GPU tests, a short demo spec bench
 #   formats        the BF16 / FP8 weight formats: their kernels' GPU tests, the fused MoE and W8A16 bench at K2
 #                  shapes (bench/moe_formats.py), Moonlight-16B's decoding and verify steps (bench/moonlight.py)
@@ -131,9 +131,11 @@ kernel_router() {
   step bench-router 120 python3 bench/router.py --out "$RES"
 }
 kernel_fp8() {
-  pytest_step pytest-fp8 150 tests/gpu/test_formats_gpu.py -k "w8a16 or fp8 or graph_replay"
+  pytest_step pytest-fp8 100 tests/gpu/test_formats_gpu.py -k "w8a16 or fp8 or graph_replay"
   step bench-moe-formats-sweep 250 python3 bench/moe_formats.py --sweep --rows 1,4,16 --out "$RES"
-  step bench-moonlight-profile 160 python3 bench/moonlight.py --nodes 1,16 --profile --out "$RES/profile"
+  # Moonlight-16B's dense linears (its BF16 decode step's largest kernel time), every candidate reduction and tile
+  step bench-gemm-moonlight 200 python3 bench/gemm.py --shapes moonlight --ms 1,4,16 --sweep --sweep-ms 1,4,16 \
+    --sweep-seconds 140 --no-rmsnorm --no-heads --out "$RES/moonlight"
 }
 kernel_tails() {  # RMSNorm, SwiGLU, head norm + rope, the router tail: tests only (the K2 layer step times them)
   pytest_step pytest-tails 240 tests/gpu/test_fused_tails_gpu.py tests/gpu/test_row_select_gpu.py
