@@ -113,6 +113,12 @@ K2_CONFIGS: dict[tuple[int, int], tuple[Reduction, list[tuple[int, Tile]] | None
     # lm_head
     (163840, 7168): (Reduction(64, 1), [(16, _S), (32, _M32), (64, Tile(64, 128, 4, 4)),
                                         (1 << 62, Tile(256, 128, 8, 3))]),
+    # Moonlight-16B (hidden 2048): q_proj + kv_a_proj_with_mqa, whole-K programs beat the generic two splits
+    (3648, 2048): (Reduction(128, 1), [(16, Tile(16, 64, 4, 8)), (32, _M32), (64, _M64),
+                                       (1 << 62, Tile(128, 128, 8, 3))]),
+    # Moonlight-16B shared experts' gate+up, likewise
+    (5632, 2048): (Reduction(64, 1), [(16, Tile(16, 64, 4, 8)), (32, _M32), (64, _M64),
+                                      (1 << 62, Tile(128, 128, 8, 3))]),
 }
 
 # Per-shape M-bucket tiles of float32 weights (the FMA dot: a tile never changes the bits): the K2 router

@@ -21,7 +21,7 @@ TRITON_INTERPRET=1 the dot operands are upcast to fp32 (the interpreter's bf16 d
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -50,7 +50,16 @@ W8_CONFIG = W8Config()
 
 # Per-shape configs (N, K) -> W8Config, measured on an H200 (bench/moe_formats.py --sweep); other shapes take
 # W8_CONFIG.
-W8_CONFIGS: dict[tuple[int, int], W8Config] = {}
+_N32 = W8Config(BLOCK_N=32)
+W8_CONFIGS: dict[tuple[int, int], W8Config] = {
+    (1536, 7168): replace(_N32, target_programs=264),    # q_a_proj
+    (12288, 1536): replace(_N32, target_programs=264),   # q_b_proj
+    (576, 7168): replace(_N32, target_programs=4224),    # kv_a_proj_with_mqa
+    (16384, 512): W8Config(target_programs=4224),        # kv_b_proj
+    (7168, 8192): W8Config(target_programs=264),         # o_proj
+    (18432, 7168): _N32,                                 # dense MLP gate / up
+    (7168, 18432): _N32,                                 # dense MLP down
+}
 
 # At least this many K tiles per split, at most MAX_SPLIT splits.
 TARGET_PROGRAMS = W8_CONFIG.target_programs
