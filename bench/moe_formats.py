@@ -218,15 +218,14 @@ def bench_dense(shapes: dict[str, tuple[int, int]], block: Fp8Block, dtype: torc
 # ---- --sweep: candidate kernel configs (speed only: each keeps a row's result independent of M / T) -------------
 
 def moe_candidates() -> list[GroupedConfig]:
-    out = [GroupedConfig(BLOCK_N=bn, num_warps=4, num_stages=st, direct_cvt=d)
-           for bn in (32, 64, 128) for st in (3, 5) for d in (False, True)]
-    out += [GroupedConfig(BLOCK_N=bn, num_warps=8, num_stages=st, direct_cvt=True) for bn in (64, 128) for st in (3, 4)]
+    out = [GroupedConfig(BLOCK_N=bn, num_warps=4, num_stages=st) for bn in (32, 64, 128) for st in (3, 4, 5)]
+    out += [GroupedConfig(BLOCK_N=bn, num_warps=8, num_stages=st) for bn in (64, 128) for st in (3, 4)]
     return out
 
 
 def dense_candidates() -> list[W8Config]:
-    return [W8Config(BLOCK_N=bn, num_stages=st, target_programs=tp, direct_cvt=d)
-            for bn in (32, 64, 128) for st in (4, 6) for tp in (264, 1056, 4224) for d in (False, True)]
+    return [W8Config(BLOCK_N=bn, num_stages=st, target_programs=tp)
+            for bn in (32, 64, 128) for st in (4, 6) for tp in (264, 1056, 4224)]
 
 
 def fits(run: Callable[[], float], config: object, log: Callable[[str], None]) -> float | None:

@@ -44,7 +44,6 @@ class GroupedConfig:
     BLOCK_K: int = 128   # at most (FP8: the largest power of two dividing bk)
     num_warps: int = 4
     num_stages: int = 3
-    direct_cvt: bool = False  # FP8 tiles to the activation dtype in one conversion (else through float32): same values
 
 
 GROUPED_CONFIG = GroupedConfig()
@@ -60,11 +59,10 @@ def grouped_config_for(H: int, I: int, fp8: bool) -> GroupedConfig:
 
 
 @triton.jit
-def _weight_tile(w_rows, offs_k, n_mask, k0, k_hi, DTYPE: tl.constexpr, FP8: tl.constexpr,
-                 DIRECT: tl.constexpr = False):
+def _weight_tile(w_rows, offs_k, n_mask, k0, k_hi, DTYPE: tl.constexpr, FP8: tl.constexpr):
     # one return: an early one inside the constexpr branch makes the compiler type both (bf16 vs fp8)
     if FP8:
-        w = fp8_tile(w_rows, offs_k, n_mask, k0, k_hi, DTYPE, DIRECT)
+        w = fp8_tile(w_rows, offs_k, n_mask, k0, k_hi, DTYPE)
     else:
         kk = k0 + offs_k
         w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & (kk[None, :] < k_hi), other=0.0)
@@ -99,7 +97,7 @@ def _grouped_w13_kernel(x_ptr, w_ptr, s_ptr, inter_ptr, sorted_ptr, blk_expert_p
                         up_blocks, stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_it,
                         FP8: tl.constexpr, BN_Q: tl.constexpr, BK_Q: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        UPCAST: tl.constexpr, PREC: tl.constexpr, DIRECT: tl.constexpr = False):
+                        UPCAST: tl.constexpr, PREC: tl.constexpr):
     pid_b = tl.program_id(0)
     rows = tl.load(blk_rows_ptr + pid_b)
     if rows == 0:
@@ -118,8 +116,8 @@ def _grouped_w13_kernel(x_ptr, w_ptr, s_ptr, inter_ptr, sorted_ptr, blk_expert_p
     for k0 in range(0, H, BLOCK_K):
         kk = k0 + offs_k
         xt = tl.load(x_rows + kk[None, :], mask=r_mask[:, None] & (kk[None, :] < H), other=0.0)
-        wg = _weight_tile(wg_rows, offs_k, n_mask, k0, H, DTYPE, FP8, DIRECT)
-        wu = _weight_tile(wu_rows, offs_k, n_mask, k0, H, DTYPE, FP8, DIRECT)
+        wg = _weight_tile(wg_rows, offs_k, n_mask, k0, H, DTYPE, FP8)
+        wu = _weight_tile(wu_rows, offs_k, n_mask, k0, H, DTYPE, FP8)
         acc_g = _accumulate(acc_g, wg, xt, sg_rows, n_mask, k0, BK_Q, FP8, UPCAST, PREC)
         acc_u = _accumulate(acc_u, wu, xt, su_rows, n_mask, k0, BK_Q, FP8, UPCAST, PREC)
     g = tl.trans(acc_g)
@@ -134,7 +132,7 @@ def _grouped_w2_kernel(a_ptr, w_ptr, s_ptr, y_ptr, tw_ptr, sorted_ptr, blk_exper
                        stride_at, stride_we, stride_wn, stride_se, stride_sn, stride_yt,
                        FP8: tl.constexpr, BN_Q: tl.constexpr, BK_Q: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       UPCAST: tl.constexpr, PREC: tl.constexpr, DIRECT: tl.constexpr = False):
+                       UPCAST: tl.constexpr, PREC: tl.constexpr):
     pid_b = tl.program_id(0)
     rows = tl.load(blk_rows_ptr + pid_b)
     if rows == 0:
@@ -149,7 +147,7 @@ def _grouped_w2_kernel(a_ptr, w_ptr, s_ptr, y_ptr, tw_ptr, sorted_ptr, blk_exper
     for k0 in range(0, I, BLOCK_K):
         kk = k0 + offs_k
         at = tl.load(a_rows + kk[None, :], mask=r_mask[:, None] & (kk[None, :] < I), other=0.0)
-        wt = _weight_tile(w_rows, offs_k, n_mask, k0, I, DTYPE, FP8, DIRECT)
+        wt = _weight_tile(w_rows, offs_k, n_mask, k0, I, DTYPE, FP8)
         acc = _accumulate(acc, wt, at, s_rows, n_mask, k0, BK_Q, FP8, UPCAST, PREC)
     acc = tl.trans(acc)
     tw = tl.load(tw_ptr + pair, mask=r_mask, other=0.0).to(tl.float32)
@@ -221,12 +219,12 @@ def fused_moe_grouped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk
         x, w13, s13, inter, sorted_pairs, blk_expert, blk_rows, H, I, topk, gate_rows,
         x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), inter.stride(0),
         FP8=fp8, BN_Q=bn_q, BK_Q=bk_q, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=block_k,
-        UPCAST=upcast, PREC=prec, DIRECT=cfg.direct_cvt, num_warps=cfg.num_warps, num_stages=stages)
+        UPCAST=upcast, PREC=prec, num_warps=cfg.num_warps, num_stages=stages)
     _grouped_w2_kernel[(max_blocks, triton.cdiv(H, cfg.BLOCK_N))](
         inter, w2, s2, y, tw, sorted_pairs, blk_expert, blk_rows, H, I,
         inter.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), y.stride(1),
         FP8=fp8, BN_Q=bn_q, BK_Q=bk_q, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=block_k,
-        UPCAST=upcast, PREC=prec, DIRECT=cfg.direct_cvt, num_warps=cfg.num_warps, num_stages=stages)
+        UPCAST=upcast, PREC=prec, num_warps=cfg.num_warps, num_stages=stages)
     moe_topk_sum(y, out, ids, E, topk, 1, Partition.split(H, 1), 1024, add=add)
     return out
 

@@ -43,7 +43,6 @@ class W8Config:
     num_warps: int = 4
     num_stages: int = 4
     target_programs: int = 1056   # programs wanted in flight before K is split (a constant, not the SM count)
-    direct_cvt: bool = False      # FP8 -> activation dtype in one conversion (else through float32): same values
 
 
 W8_CONFIG = W8Config()
@@ -94,17 +93,13 @@ def w8_split(N: int, K: int, block_k: int, block_n: int, target: int = TARGET_PR
 
 
 @triton.jit
-def fp8_tile(w_rows, offs_k, n_mask, k0, k_hi, DTYPE: tl.constexpr, DIRECT: tl.constexpr = False):
-    """The [BLOCK_N, BLOCK_K] FP8 tile at k0 (columns past k_hi read as 0) in DTYPE (an exact conversion either
-    way: every e4m3 value is a bf16 / fp16 value; DIRECT: one conversion, else through float32)."""
+def fp8_tile(w_rows, offs_k, n_mask, k0, k_hi, DTYPE: tl.constexpr):
+    """The [BLOCK_N, BLOCK_K] FP8 tile at k0 (columns past k_hi read as 0) in DTYPE (an exact conversion: every
+    e4m3 value is a bf16 / fp16 value; through float32, measured no slower than one conversion step)."""
     kk = k0 + offs_k
     w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & (kk[None, :] < k_hi), other=0.0,
                 eviction_policy="evict_first")
-    if DIRECT:
-        w = w.to(DTYPE)
-    else:
-        w = w.to(tl.float32).to(DTYPE)
-    return w
+    return w.to(tl.float32).to(DTYPE)
 
 
 @triton.jit
@@ -112,7 +107,7 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, k_per_split,
                   stride_xm, stride_wn, stride_sn, stride_om, stride_os,
                   BN_Q: tl.constexpr, BK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, OUT_F32: tl.constexpr,
-                  DIRECT: tl.constexpr = False, fin_ptr=None, cnt_ptr=None, n_split=1, SERIAL: tl.constexpr = False):
+                  fin_ptr=None, cnt_ptr=None, n_split=1, SERIAL: tl.constexpr = False):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -129,7 +124,7 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, k_per_split,
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        wt = fp8_tile(w_rows, offs_k, n_mask, k0, k_hi, DTYPE, DIRECT)
+        wt = fp8_tile(w_rows, offs_k, n_mask, k0, k_hi, DTYPE)
         kk = k0 + offs_k
         xt = tl.load(x_rows + kk[None, :], mask=m_mask[:, None] & (kk[None, :] < k_hi), other=0.0)
         part = mma_tile(tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), wt, xt, True, UPCAST, PREC)
@@ -193,7 +188,7 @@ def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
         x, weight, scale_inv, target, M, N, K, k_per_split,
         x.stride(0), weight.stride(0), scale_inv.stride(0), N, M * N,
         BN_Q=block.n, BK_Q=block.k, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=block_k,
-        UPCAST=upcast, PREC=prec, OUT_F32=split > 1, DIRECT=cfg.direct_cvt,
+        UPCAST=upcast, PREC=prec, OUT_F32=split > 1,
         fin_ptr=out, cnt_ptr=counters, n_split=split, SERIAL=counters is not None,
         num_warps=cfg.num_warps, num_stages=fp32_stages(cfg.num_stages, x.dtype))
     if split > 1 and counters is None:
