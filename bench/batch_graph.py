@@ -151,7 +151,7 @@ def markdown(rep: dict[str, Any], label: str) -> list[str]:
         out += ["", f"Kernels of one replayed step at {r['concurrency']} request(s): {p['launches']} launches, span "
                     f"{(p['span_us'] or 0) / 1e3:.2f} ms, device busy {(p['busy_us'] or 0) / 1e3:.2f} ms"
                     + (f" ({p['error']})" if p.get("error") else "") + ":", ""]
-        out += common.md_table(["kernel", "calls", "us"], [[k["name"][:90], k["calls"], k["us"]] for k in p["kernels"]])
+        out += common.kernel_lines(p["kernels"])
     return out
 
 

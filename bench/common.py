@@ -181,6 +181,11 @@ def kernel_profile(fn: Callable[[], object], reps: int = 5, top: int = 20) -> di
     return {"kernels": table(acc), "ops": table(ops)}
 
 
+def kernel_lines(kernels: Sequence[dict]) -> list[str]:
+    """A Markdown table of a profile's kernels (kernel_profile / graph_timeline rows: name, calls, us)."""
+    return md_table(["kernel", "calls", "us"], [[k["name"][:90], k["calls"], k["us"]] for k in kernels])
+
+
 def graph_timeline(fn: Callable[[], object], reps: int = 5) -> dict:
     """Where one call of fn goes inside a CUDA graph: fn captured once, its replays under torch.profiler; per kernel
     in launch order its start (from the first kernel's start), duration and the idle gap before it on the device

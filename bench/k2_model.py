@@ -472,8 +472,7 @@ def markdown(rep: dict, label: str) -> list[str]:
     for T, p in rep.get("profiles", {}).items():
         out += ["", f"Kernels of one eager round, {T} node(s), context {p['context']}: {p['launches']:.0f} launches, "
                     f"{p['kernel_us'] / 1e3:.2f} ms of kernel time:", ""]
-        out += common.md_table(["kernel", "calls", "us"], [[k["name"][:90], k["calls"], k["us"]]
-                                                          for k in p["kernels"]])
+        out += common.kernel_lines(p["kernels"])
     if real:
         out += ["", "Links: measured. Every rank ran the same rounds in its own graph, the NCCL collectives inside "
                     "it; ms/round is rank 0's.", "",

@@ -373,8 +373,7 @@ def markdown(rep: dict, label: str) -> list[str]:
     for r in rep["prefill"]:
         if r.get("profile"):
             out += ["", f"Kernels of one prefill, {r['model']}, {r['prompt_tokens']} tokens (device us, torch.profiler):", ""]
-            out += common.md_table(["kernel", "calls", "us"], [[k["name"][:90], k["calls"], k["us"]]
-                                                              for k in r["profile"]["kernels"]])
+            out += common.kernel_lines(r["profile"]["kernels"])
     if rep["steps"]:
         out += ["", "Steps over a cache of random latents (committed length set directly), each replayed from a CUDA "
                     "graph on CUDA:", ""]

@@ -170,8 +170,7 @@ def markdown(rep: dict, label: str) -> list[str]:
         lines += ["", f"Plain step, {r['format']} experts: replayed graph {prof['graph_launches']} launches, span "
                   f"{prof['graph_span_us']:.0f} us, kernels busy {prof['graph_busy_us']:.0f} us; kernels of one eager "
                   "step (device us):", ""]
-        lines += common.md_table(["kernel", "calls", "us"], [[k["name"][:90], k["calls"], k["us"]]
-                                                            for k in prof["kernels"]])
+        lines += common.kernel_lines(prof["kernels"])
     return lines
 
 
