@@ -1,5 +1,6 @@
 """The best kernel config per shape from a `bench/moe_formats.py --sweep` record, printed as the table entries of
-kernels/w8a16.py (W8_CONFIGS) and kernels/moe_grouped.py (GROUPED_CONFIGS).
+kernels/w8a16.py (W8_CONFIGS) and, per expert shape, the grouped MoE's config (kernels/moe_grouped.py GROUPED_CONFIG:
+one for every shape while the sweep finds the same best).
 
     python bench/pick_configs.py bench/results/moe_formats_sweep-h200.json
 
@@ -40,7 +41,7 @@ def main(argv: list[str] | None = None) -> None:
         times = ", ".join(f"M={m}: {t:.1f} us (default {dense_default.get((n, k, m), float('nan')):.1f}, "
                           f"F.linear {f_lin[m]:.1f})" for m, t in sorted(us.items()))
         print(f"    ({n}, {k}): {cfg},   # {name}: {times}")
-    print("# GROUPED_CONFIGS")
+    print("# grouped MoE (GROUPED_CONFIG)")
     for (label,), (cfg, us) in best(rep["sweep_moe"], ("experts",), "T").items():
         times = ", ".join(f"T={t}: {v:.1f} us" for t, v in sorted(us.items()))
         print(f"    {label}: {cfg},   # {times}")

@@ -89,7 +89,7 @@ _SPLIT_REF_BLOCK_N = 64
 _MIN_STEPS_PER_SPLIT = 4
 _MAX_SPLIT = 16
 
-# Per-shape configs for the K2 dense linears (16-bit dtypes), measured on an H200 with
+# Per-shape configs for the K2 dense linears (and two of Moonlight-16B's; 16-bit dtypes), measured on an H200 with
 # `bench/gemm.py --sweep` (CUDA-graph timing): (N, K) -> (reduction, M-bucket tiles or None for the
 # default buckets). The reduction trades small-M streaming (wants more programs: splits) against large-M
 # compute (partials cost traffic and a second launch); the tiles only change speed, never bits.

@@ -46,16 +46,8 @@ class GroupedConfig:
     num_stages: int = 3
 
 
+# One config for every shape and T: the best of bench/moe_formats.py --sweep at K2's FP8 shape and Moonlight's BF16 one
 GROUPED_CONFIG = GroupedConfig()
-
-# Per-shape configs (hidden H, expert inter I, FP8 or not) -> GroupedConfig, measured on an H200
-# (bench/moe_formats.py --sweep); other shapes take GROUPED_CONFIG. A function of the model's shape: the same
-# config for every T.
-GROUPED_CONFIGS: dict[tuple[int, int, bool], GroupedConfig] = {}
-
-
-def grouped_config_for(H: int, I: int, fp8: bool) -> GroupedConfig:
-    return GROUPED_CONFIGS.get((H, I, fp8), GROUPED_CONFIG)
 
 
 @triton.jit
@@ -200,7 +192,7 @@ def fused_moe_grouped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk
     if T == 0:
         return out
     x = x.contiguous()
-    cfg = config or grouped_config_for(H, I, fp8)
+    cfg = config or GROUPED_CONFIG
     block_k = tile_k(block, cfg.BLOCK_K) if fp8 else cfg.BLOCK_K
     upcast = interpreting()
     prec = "ieee" if (x.dtype == torch.float32 or upcast) else "tf32"
@@ -229,4 +221,4 @@ def fused_moe_grouped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk
     return out
 
 
-__all__ = ["GroupedConfig", "GROUPED_CONFIG", "GROUPED_CONFIGS", "fused_moe_grouped", "grouped_config_for"]
+__all__ = ["GroupedConfig", "GROUPED_CONFIG", "fused_moe_grouped"]

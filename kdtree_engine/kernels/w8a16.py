@@ -61,7 +61,6 @@ W8_CONFIGS: dict[tuple[int, int], W8Config] = {
 }
 
 # At least this many K tiles per split, at most MAX_SPLIT splits.
-TARGET_PROGRAMS = W8_CONFIG.target_programs
 MIN_TILES_PER_SPLIT = 4
 MAX_SPLIT = 16
 
@@ -81,7 +80,7 @@ def tile_k(block: Fp8Block, want: int) -> int:
     return t
 
 
-def w8_split(N: int, K: int, block_k: int, block_n: int, target: int = TARGET_PROGRAMS) -> int:
+def w8_split(N: int, K: int, block_k: int, block_n: int, target: int = W8_CONFIG.target_programs) -> int:
     """Split along K from (N, K) only: enough programs for the GPU, at least MIN_TILES_PER_SPLIT tiles each."""
     n_tiles = triton.cdiv(N, block_n)
     k_tiles = triton.cdiv(K, block_k)
