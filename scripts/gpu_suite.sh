@@ -177,9 +177,10 @@ k2step() {  # the K2 rank's decode step: its kernels' GPU tests, then the step a
 batch() {  # continuous batching (the batching issue): bit for bit against solo runs, then throughput
   pytest_step pytest-batch 160 tests/gpu/test_batch_gpu.py tests/gpu/test_mla_slots_gpu.py \
     tests/gpu/test_prefill_attention_gpu.py -k "batch or slots or whole_prompts"
-  step bench-batch-demo 170 python3 bench/batch.py --model demo --methods plain,ddtree-auto,ddtree-auto-slots,ddtree-16 --repeats 3 \
+  step bench-batch-demo 170 python3 bench/batch.py --model demo --methods plain,ddtree-auto,ddtree-auto-slots,ddtree-16 --repeats 5 \
     --host-profile 16 --out "$RES"
-  step bench-batch-k2 180 python3 bench/batch.py --model k2 --max-tokens 64 --repeats 3 --host-profile 16 --out "$RES"
+  step bench-batch-k2 180 python3 bench/batch.py --model k2 --methods plain,ddtree-auto,ddtree-auto-slots --max-tokens 64 \
+    --repeats 2 --host-profile 16 --out "$RES"
   step bench-batch-graph-k2 60 python3 bench/batch_graph.py --model k2 --profile 16 --out "$RES"
 }
 

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from ..cache import blocks_for
+from ..cache import BLOCK, blocks_for
 from ..errors import SpecError
 from ..kernels.dispatch import prefill_kernel_on
 from ..logs import log, log_once
@@ -48,7 +48,7 @@ from ..speculative.stats import Timer, sync
 from .ahead import StepsAhead, steady
 from .draft_slots import DraftSlots
 from .tree_slots import TreeSlots
-from .graph_step import MAX_SLOTS, BatchedSteps, padded_rows, resolve_step_mode
+from .graph_step import MAX_SLOTS, BatchedSteps, padded_rows, resolve_step_mode, slot_bucket
 from .load_budget import allocate_budgets
 from .sequence import DONE, PREFILL, RUNNING, Sequence
 
@@ -366,13 +366,17 @@ class Scheduler:
         return ended
 
     def _plain_pays(self, key: tuple) -> bool:
-        """Whether a load-aware request should stay out of its group's tree slots: the group has measured every budget
-        at the slot count it would run at with one more request, and plain steps were the best there (host-driven
-        plain steps run ahead of the host's reads; the slots' plain steps wait for theirs)."""
+        """Whether a load-aware request should stay out of its group's tree slots: plain steps were the best at the
+        slot count the group would run at with every running request of its key in it (host-driven plain steps run
+        ahead of the host's reads; the slots' plain steps wait for theirs). Judged at the whole load, not the group's
+        present count: a burst admitted one request at a time would otherwise fill the slots to where plain pays and
+        split the batch into two forwards a step."""
         group = None if self.tree_slots is None or not key[0].auto else self.tree_slots.get(key)
         if group is None:
             return False
-        return group.chooser.prefers_plain(group.slots if group.free else 2 * group.slots)
+        load = sum(1 for s in self.active if (s.tree_slot[0] == key if s.tree_slot is not None else (
+            s.rounds is not None and slotted(s) and (s.shape, capacity_bucket(s.rounds.cache.capacity)) == key)))
+        return group.chooser.prefers_plain(max(slot_bucket(load), group.slots if group.free else 2 * group.slots))
 
     def _hand_over(self, group: TreeSlots, seqs: list[Sequence]) -> None:
         """A group of load-aware requests whose plain steps have been the best for a while: each request to
@@ -508,7 +512,7 @@ class Scheduler:
         request given a tree is charged its draft pass and the host time a tree adds (:attr:`tree_host_s`). ``fixed``:
         the rows of the other running requests' rounds. With static steps every request's rows are padded to the
         widest round, so the load-aware requests share one budget."""
-        self._verify_cost()   # the curve is measured on first use: untimed
+        curve = self._verify_cost()   # the curve is measured on first use: untimed
         t0 = time.perf_counter()
         drafted_at = [k for k, (_, d) in enumerate(auto) if d is not None]
         tops: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(auto)
@@ -531,7 +535,7 @@ class Scheduler:
         # measured (its first one is its capture), the rounds stay plain, and no verdict is drawn from them
         plain = (padded_rows(len(fixed) + len(auto), max(fixed, default=1)) if padded is not None
                  else fixed_rows + len(auto))
-        measured = plain in self.observed and self.observed[plain].n > 0
+        measured = curve is not None and plain in self.observed and self.observed[plain].n > 0
         budgets = (allocate_budgets(calibrated, fixed_rows, self._forward_cost, fixed_tokens=fixed_rows,
                                     draft_s=self.draft_s.value + self.tree_host_s.value, padded=padded)
                    if measured else [0] * len(auto))
@@ -592,9 +596,16 @@ class Scheduler:
         return max(self.forward_scale.value * self._verify_cost()(rows), below)
 
     def _verify_cost(self):
+        """The verify cost curve (measured on first use over a cache from the pool); None while the running requests
+        hold too much of the pool to measure it (the load-aware rounds stay plain until it has room)."""
         if self._cost is None:
-            self._cost = verify_cost_for(self.target, context=min(self.pool.max_context // 2, 2048),
-                                         max_nodes=min(self.token_budget, COST_ROWS))
+            top = min(self.token_budget, COST_ROWS)
+            context = min(self.pool.max_context // 2, 2048, self.pool.free_tokens - top - BLOCK)
+            if context < BLOCK:
+                log_once(f"verify-cost-wait:{id(self)}", "budget auto: no room in the cache pool to measure the verify "
+                         "cost yet; load-aware rounds stay plain until there is")
+                return None
+            self._cost = verify_cost_for(self.target, context=context, max_nodes=top)
         return self._cost
 
     # ---- admission, prefill, the end ------------------------------------------------------------

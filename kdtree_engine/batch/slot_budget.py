@@ -8,12 +8,17 @@ emitted (1 for budget 0: a plain step) and its seconds the recent median of its 
 that captured a graph is not a sample). As the batch grows, a verify forward over many trees costs more than the
 tokens it adds, and budget 0 wins: speculation shrinks with the load.
 
-Each budget not measured at the group's slot count is tried once, unless ruled out: no tree is tried where plain
-steps were the best at fewer slots (a tree's verify rows grow with the slots; each try at a new slot count also
-captures a graph). One that lost is tried again after a wait that doubles with each loss (up to ``BACKOFF_MAX``
-steps; ``NEAR_MAX`` for one within ``NEAR`` of the best, whose loss may be its estimate's noise), so the price of
-looking is a step now and then. The choice never changes a request's tokens (every budget emits the target's greedy
-picks), only how many a step brings.
+A group looks near its best, not everywhere: at each slot count it tries the best budget (at a count not measured
+yet, the best of the nearest count measured: the rates move smoothly with the load), the rungs next to it on the
+ladder, and budget 0 (a plain step: the draft pass makes trees a step apart from it, so it is always weighed); a
+neighbour that wins becomes the best and its own neighbours are tried next. Until a group has run ``BACKOFF_MAX``
+steps at a slot count, at most four budgets are measured there (each try at a new (slot count, budget) captures a
+graph), so a burst that passes through many slot counts captures few; after that the far rungs are tried too, now
+and then, so a rate that is not single-peaked along the ladder is still found in a long run. No tree is tried where plain steps were the best at fewer slots (a tree's verify rows grow
+with the slots; a plain step's cost less), and such a slot count prefers plain steps outright. One that lost is
+tried again after a wait that doubles with each loss (up to ``BACKOFF_MAX`` steps; ``NEAR_MAX`` for one within
+``NEAR`` of the best, whose loss may be its estimate's noise), so the price of looking is a step now and then. The
+choice never changes a request's tokens (every budget emits the target's greedy picks), only how many a step brings.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 from ..speculative.budget import RecentMedian, RunningMean
 
 LADDER = (4, 8, 16, 32)   # the tree budgets a group weighs besides 0 (up to the request's cap)
+START = 16                # the first budget tried where nothing is measured (the largest rung up to it)
 BACKOFF_MAX = 256         # steps at most between two tries of a budget that lost
 FIRST_WAIT = 2            # steps before a budget that lost is tried again the first time
 NEAR, NEAR_MAX = 0.9, 16  # a budget within this share of the best's rate waits at most this many steps
@@ -41,6 +47,7 @@ class SlotBudget:
         self.wait = {b: FIRST_WAIT for b in self.budgets}                     # its next try waits this many steps
         self.due = {b: 0 for b in self.budgets}                      # ... until this step
         self.step = 0
+        self.since: dict[int, int] = {}   # slot count -> the step a group first ran at it
 
     def rate(self, budget: int, slots: int) -> float | None:
         """Tokens per second of a step at ``budget`` over ``slots`` slots (None: not measured there)."""
@@ -55,31 +62,72 @@ class SlotBudget:
         return budget != 0 and self.plain_below(slots)
 
     def plain_below(self, slots: int) -> bool:
-        """Whether plain steps were the best at some smaller slot count (halving from ``slots``)."""
-        m = slots // 2
+        """Whether plain steps were the best at some smaller slot count (halving from ``slots``): the counts from the
+        smallest up, each judged with no tree ruled out (a count where one would be is past the first that answers)."""
+        m, chain = slots // 2, []
         while m >= 1:
-            if (0, m) in self.seconds and self.prefers_plain(m):
-                return True
+            chain.append(m)
             m //= 2
-        return False
+        return any((0, m) in self.seconds and self._prefers_plain(m, False) for m in reversed(chain))
+
+    def _measured_best(self, slots: int, below: bool) -> int | None:
+        rates = {b: r for b in self.budgets if not (below and b) and (r := self.rate(b, slots)) is not None}
+        return max(rates, key=lambda b: (rates[b], -b)) if rates else None
+
+    def _best(self, slots: int, below: bool) -> int:
+        got = self._measured_best(slots, below)
+        if got is not None:
+            return got
+        if below:
+            return 0
+        counts = sorted({n for (_, n) in self.seconds}, key=lambda n: (abs(n.bit_length() - slots.bit_length()), n))
+        for n in counts:
+            near = self._measured_best(n, self.plain_below(n))
+            if near is not None:
+                return near
+        return max((b for b in self.budgets if b <= START), default=self.budgets[-1])
+
+    def _candidates(self, slots: int, below: bool) -> tuple[int, ...]:
+        i = self.budgets.index(self._best(slots, below))
+        near = {0, *self.budgets[max(i - 1, 0):i + 2]}
+        return tuple(b for b in self.budgets if b in near and not (below and b))
+
+    def _prefers_plain(self, slots: int, below: bool) -> bool:
+        return below or (self._measured_best(slots, below) == 0
+                         and all(self.rate(b, slots) is not None for b in self._candidates(slots, below)))
+
+    def measured_best(self, slots: int) -> int | None:
+        """The budget of the highest measured rate at ``slots`` slots (not ruled out; None: none measured)."""
+        return self._measured_best(slots, self.plain_below(slots))
 
     def best(self, slots: int) -> int:
-        rates = {b: r for b in self.budgets if not self.ruled_out(b, slots) and (r := self.rate(b, slots)) is not None}
-        return max(rates, key=lambda b: (rates[b], -b)) if rates else self.budgets[0]
+        """The best measured at ``slots`` slots; where none is: the best of the nearest slot count measured (the
+        smaller of two as near), else the start."""
+        return self._best(slots, self.plain_below(slots))
+
+    def candidates(self, slots: int) -> tuple[int, ...]:
+        """The budgets weighed at ``slots`` slots: the best, its neighbours on the ladder and 0 (none ruled out)."""
+        return self._candidates(slots, self.plain_below(slots))
 
     def prefers_plain(self, slots: int) -> bool:
-        """Whether plain steps are the best at ``slots`` slots: every budget measured there or ruled out, and budget
-        0 the best of those measured."""
-        return self.best(slots) == 0 and all(self.rate(b, slots) is not None or self.ruled_out(b, slots)
-                                             for b in self.budgets)
+        """Whether plain steps are the best at ``slots`` slots: they were at fewer slots, or budget 0 is the best
+        measured here and every budget weighed here has been measured."""
+        return self._prefers_plain(slots, self.plain_below(slots))
 
     def choose(self, slots: int) -> int:
-        """This step's budget: a budget due for a try (never measured at this slot count, or its wait over; not ruled
-        out), else the best measured."""
+        """This step's budget: the best if not measured here yet, else a weighed budget due for a try (never measured
+        at this slot count, or its wait over), else the best."""
         self.step += 1
-        best = self.best(slots)
-        for b in self.budgets:
-            if b != best and not self.ruled_out(b, slots) and (self.rate(b, slots) is None or self.due[b] <= self.step):
+        self.since.setdefault(slots, self.step)
+        below = self.plain_below(slots)
+        best = self._best(slots, below)
+        if self.rate(best, slots) is None:
+            return best
+        weighed = self._candidates(slots, below)
+        if self.step - self.since[slots] >= BACKOFF_MAX:   # long at this count: the far rungs too
+            weighed = tuple(b for b in self.budgets if not (below and b))
+        for b in weighed:
+            if b != best and (self.rate(b, slots) is None or self.due[b] <= self.step):
                 return b
         return best
 

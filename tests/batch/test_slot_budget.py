@@ -104,3 +104,45 @@ def test_no_tree_is_tried_where_plain_won_with_fewer_slots() -> None:
         b = chooser.choose(8)
         chooser.record(b, 8, 1.0 if b == 0 else 0.5, 2.0, captured=False)
     assert chooser.best(8) > 0 and not chooser.prefers_plain(16) and chooser.choose(16) > 0
+
+
+def test_a_burst_through_many_slot_counts_measures_few_budgets_and_finds_the_best() -> None:
+    """A group growing 1 -> 64 slots (a step every slot count on the way, then many at 64): at most four budgets
+    measured at each count in its first BACKOFF_MAX steps there (each a captured graph on CUDA), and at every count where it settles the chosen budget's
+    true rate is within 10% of the best budget's (the oracle: every budget's true rate, brute force). The world's
+    rate along the ladder may dip at budget 4 (a draft pass's price) and still be best at 0 or a bigger tree."""
+    seed = random.randrange(1 << 30)
+    print(f"seed {seed}")
+    rng = random.Random(seed)
+    plain = rng.uniform(1e-3, 10e-3)
+    per_node = rng.uniform(0.0005, 0.01) * plain
+    draft = rng.uniform(0.1, 0.8) * plain
+    tau = {b: 1.0 + rng.uniform(0.5, 4.0) * (1 - 0.5 ** (b / 4)) for b in LADDER}
+
+    def seconds(b: int, n: int) -> float:
+        return plain * (1 + 0.01 * n) + n * per_node * (b + 1) + (draft if b else 0.0)
+
+    def rate(b: int, n: int) -> float:
+        return (tau[b] if b else 1.0) / seconds(b, n)
+    chooser = SlotBudget(32)
+    for n in (1, 2, 4, 8, 16, 32, 64):
+        simulate(rng, chooser, seconds, lambda b: tau[b], n, 3 if n < 64 else BACKOFF_MAX - 1)
+        measured = {b for (b, m) in chooser.seconds if m == n}
+        assert len(measured) <= 4, (n, sorted(measured))
+    n = 64
+    simulate(rng, chooser, seconds, lambda b: tau[b], n, 600)   # past BACKOFF_MAX: the far rungs looked at too
+    truth = max(ladder(32), key=lambda b: rate(b, n))
+    got = chooser.best(n)
+    assert rate(got, n) >= 0.9 * rate(truth, n), (got, truth, {b: rate(b, n) for b in ladder(32)})
+
+
+def test_plain_is_weighed_beside_a_tree_that_looks_best_among_trees() -> None:
+    """Trees of 8 beat trees of 4 and 16 but plain steps beat them all (a dear draft pass): the group finds plain
+    though the trees' ladder alone has its top at 8."""
+    chooser = SlotBudget(32)
+    cost = {0: 1.0, 4: 3.0, 8: 2.2, 16: 2.6, 32: 3.5}
+    for _ in range(BACKOFF_MAX - 1):
+        b = chooser.choose(2)
+        chooser.record(b, 2, cost[b], 2.0, captured=False)
+    assert chooser.best(2) == 0 and chooser.prefers_plain(2)
+    assert (32, 2) not in chooser.seconds   # not next to the best tree: not measured before BACKOFF_MAX steps

@@ -167,6 +167,7 @@ def test_load_aware_requests_switch_budgets_and_keep_solo_tokens(monkeypatch) ->
     order, so requests switch between plain steps and trees of every size mid-run. Each request's tokens == its solo run's,
     its emitted tokens' logits within 1e-4."""
     seed, rng, ran = drawn_budgets(monkeypatch)
+    monkeypatch.setattr(SlotBudget, "prefers_plain", lambda self, slots: False)   # every request stays in the slots
     target, drafter = demo()
     base = make_cases(load_tokenizer(DEMO_DIR), N + 2, seed, max_prompt=60, max_tokens=28,
                       sampled_every=10**6)
