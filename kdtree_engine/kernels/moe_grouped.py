@@ -10,15 +10,26 @@ Stacked expert tensors (model/moe.py):
 Four launches, no host synchronisation (CUDA-graph capturable), the INT4 path's pipeline (moe_w4a16.py):
   1. moe_align: pairs (t, j) sorted by expert into blocks of BLOCK_M rows (moe_w4a16.moe_align);
   2. gate/up GEMM with the SwiGLU epilogue: each program streams BLOCK_N gate rows and the matching up rows
-     of its expert over all of H, writes silu(g) * u in x's dtype to inter[P, I];
+     of its expert over all of H (or over its K range of a fixed split, GroupedConfig.SPLIT_K), writes
+     silu(g) * u in x's dtype to inter[P, I];
   3. down GEMM: inter rows @ w2[e].T times the routing weight, fp32 to y[P, H];
   4. the top-k sum in slot order (moe_w4a16.moe_topk_sum), plus the optional addend.
 FP8 tiles are converted in registers (exact) and each tile's partial dot is scaled by its block scale
 (BLOCK_K divides bk: one scale column per tile), as in w8a16.py.
 
+Split K (gate/up only, SPLIT_K = S > 1: more programs streaming the weights at one token): program s of an
+output tile covers the K range [s KS, min((s+1) KS, H)), KS = cdiv(cdiv(H, S), BLOCK_K) BLOCK_K (whole tiles, so
+an FP8 tile keeps one scale column), and writes its float32 gate and up partials to a workspace parts[S, P, 2I];
+the last program of the tile to arrive (split_sum.last_program_sums' arrival counters) sums them in split order
+and applies the SwiGLU. A launch of more tiles than split_sum.SERIAL_TILES sums them in a second kernel, the
+same additions. The workspace is S * P * 2I float32 (at large T, many times inter's bytes).
+
 Batch invariance: every pair keeps its own row of inter / y, a block's rows never mix, and the tiles
-(BLOCK_M, BLOCK_N, BLOCK_K, warps) are the same for every T: no split along K, so a token's result does not
-depend on how many tokens share its expert. Pairs routed outside [0, E) contribute 0.
+(BLOCK_M, BLOCK_N, BLOCK_K, warps) are the same for every T. The split along K of the gate/up launch is a fixed
+one: its count and K ranges depend on H, BLOCK_K and the config only (never on T), and its partials are summed
+in split order (s = 0, 1, ...) by the tile's last program or the second kernel, the same additions; the down
+launch has no split. So a token's result does not depend on how many tokens share its expert. Pairs routed
+outside [0, E) contribute 0.
 """
 
 from __future__ import annotations
@@ -32,7 +43,7 @@ import triton.language as tl
 from ..fp8 import Fp8Block
 from .common import DTYPES, interpreting
 from .moe_w4a16 import check_add, moe_align, moe_topk_sum
-from .split_sum import Partition
+from .split_sum import Partition, arrival_counters
 from .w4a16 import fp32_stages, mma_tile
 from .w8a16 import check_fp8, fp8_tile, tile_k
 
@@ -44,6 +55,7 @@ class GroupedConfig:
     BLOCK_K: int = 128   # at most (FP8: the largest power of two dividing bk)
     num_warps: int = 4
     num_stages: int = 3
+    SPLIT_K: int = 1     # fixed split of the gate/up launch along H (1: none; gate_up_split)
 
 
 # One config for every shape and T: the best of bench/moe_formats.py --sweep at K2's FP8 shape and Moonlight's BF16 one
@@ -85,11 +97,51 @@ def _block(sorted_ptr, blk_expert_ptr, pid_b, rows, N, BLOCK_M: tl.constexpr, BL
 
 
 @triton.jit
+def _gate_up(x_rows, r_mask, wg_rows, wu_rows, sg_rows, su_rows, n_mask, k_lo, k_hi, DTYPE: tl.constexpr,
+             FP8: tl.constexpr, BK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+             BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
+    """The pairs' gate and up [BM, BN] (float32) over the K range [k_lo, k_hi) (k_lo a multiple of BLOCK_K)."""
+    offs_k = tl.arange(0, BLOCK_K)
+    acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        kk = k0 + offs_k
+        xt = tl.load(x_rows + kk[None, :], mask=r_mask[:, None] & (kk[None, :] < k_hi), other=0.0)
+        wg = _weight_tile(wg_rows, offs_k, n_mask, k0, k_hi, DTYPE, FP8)
+        wu = _weight_tile(wu_rows, offs_k, n_mask, k0, k_hi, DTYPE, FP8)
+        acc_g = _accumulate(acc_g, wg, xt, sg_rows, n_mask, k0, BK_Q, FP8, UPCAST, PREC)
+        acc_u = _accumulate(acc_u, wu, xt, su_rows, n_mask, k0, BK_Q, FP8, UPCAST, PREC)
+    return tl.trans(acc_g), tl.trans(acc_u)
+
+
+@triton.jit
+def _swiglu_store(g, u, o_ptrs, o_mask):
+    h = g / (1.0 + tl.exp(-g)) * u
+    tl.store(o_ptrs, h.to(o_ptrs.dtype.element_ty), mask=o_mask)
+
+
+@triton.jit
+def _split_sums_swiglu(p_ptrs, o_mask, stride_ps, I, o_ptrs, SPLIT: tl.constexpr):
+    """The SwiGLU of one tile's split partials (p_ptrs: split 0's gate partials, up's I columns on, the splits
+    stride_ps apart), each summed in split order from split 0's, stored at o_ptrs."""
+    g = tl.load(p_ptrs, mask=o_mask, other=0.0, cache_modifier=".cg")
+    u = tl.load(p_ptrs + I, mask=o_mask, other=0.0, cache_modifier=".cg")
+    for s in tl.static_range(1, SPLIT):
+        q_ptrs = p_ptrs + s * stride_ps.to(tl.int64)
+        g += tl.load(q_ptrs, mask=o_mask, other=0.0, cache_modifier=".cg")
+        u += tl.load(q_ptrs + I, mask=o_mask, other=0.0, cache_modifier=".cg")
+    _swiglu_store(g, u, o_ptrs, o_mask)
+
+
+@triton.jit
 def _grouped_w13_kernel(x_ptr, w_ptr, s_ptr, inter_ptr, sorted_ptr, blk_expert_ptr, blk_rows_ptr, H, I, TOPK,
                         up_blocks, stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_it,
                         FP8: tl.constexpr, BN_Q: tl.constexpr, BK_Q: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        UPCAST: tl.constexpr, PREC: tl.constexpr):
+                        UPCAST: tl.constexpr, PREC: tl.constexpr, part_ptr=None, cnt_ptr=None, k_split=0,
+                        stride_ps=0, stride_pp=0, SPLIT: tl.constexpr = 1, SERIAL: tl.constexpr = False):
+    """grid (blocks, cdiv(I, BLOCK_N), SPLIT). SPLIT > 1: program s writes its K range's float32 partials to
+    part[s] (rows: pairs; gate columns, then up's I on); SERIAL: the tile's last program sums them into inter."""
     pid_b = tl.program_id(0)
     rows = tl.load(blk_rows_ptr + pid_b)
     if rows == 0:
@@ -97,26 +149,49 @@ def _grouped_w13_kernel(x_ptr, w_ptr, s_ptr, inter_ptr, sorted_ptr, blk_expert_p
     DTYPE: tl.constexpr = x_ptr.dtype.element_ty
     e, r_mask, pair, offs_n, n_mask = _block(sorted_ptr, blk_expert_ptr, pid_b, rows, I, BLOCK_M, BLOCK_N)
     tok = pair // TOPK
-    offs_k = tl.arange(0, BLOCK_K)
     wg_rows = w_ptr + e * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
     wu_rows = wg_rows + I * stride_wn
     sg_rows = s_ptr + e * stride_se + (offs_n // BN_Q) * stride_sn
     su_rows = sg_rows + up_blocks * stride_sn
     x_rows = x_ptr + tok[:, None].to(tl.int64) * stride_xt
-    acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        kk = k0 + offs_k
-        xt = tl.load(x_rows + kk[None, :], mask=r_mask[:, None] & (kk[None, :] < H), other=0.0)
-        wg = _weight_tile(wg_rows, offs_k, n_mask, k0, H, DTYPE, FP8)
-        wu = _weight_tile(wu_rows, offs_k, n_mask, k0, H, DTYPE, FP8)
-        acc_g = _accumulate(acc_g, wg, xt, sg_rows, n_mask, k0, BK_Q, FP8, UPCAST, PREC)
-        acc_u = _accumulate(acc_u, wu, xt, su_rows, n_mask, k0, BK_Q, FP8, UPCAST, PREC)
-    g = tl.trans(acc_g)
-    u = tl.trans(acc_u)
-    h = g / (1.0 + tl.exp(-g)) * u
+    o_mask = r_mask[:, None] & n_mask[None, :]
     o_ptrs = inter_ptr + pair[:, None].to(tl.int64) * stride_it + offs_n[None, :]
-    tl.store(o_ptrs, h.to(inter_ptr.dtype.element_ty), mask=r_mask[:, None] & n_mask[None, :])
+    if SPLIT == 1:
+        g, u = _gate_up(x_rows, r_mask, wg_rows, wu_rows, sg_rows, su_rows, n_mask, 0, H, DTYPE, FP8, BK_Q,
+                        BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PREC)
+        _swiglu_store(g, u, o_ptrs, o_mask)
+    else:
+        pid_s = tl.program_id(2)
+        k_lo = pid_s * k_split
+        g, u = _gate_up(x_rows, r_mask, wg_rows, wu_rows, sg_rows, su_rows, n_mask, k_lo,
+                        tl.minimum(H, k_lo + k_split), DTYPE, FP8, BK_Q, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PREC)
+        p_ptrs = part_ptr + pair[:, None].to(tl.int64) * stride_pp + offs_n[None, :]
+        q_ptrs = p_ptrs + pid_s.to(tl.int64) * stride_ps
+        tl.store(q_ptrs, g, mask=o_mask)
+        tl.store(q_ptrs + I, u, mask=o_mask)
+        if SERIAL:
+            # split_sum.last_program_sums' arrival: the others' partials are visible to the tile's last program
+            tile = pid_b * tl.num_programs(1) + tl.program_id(1)
+            tl.debug_barrier()
+            if tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
+                _split_sums_swiglu(p_ptrs, o_mask, stride_ps, I, o_ptrs, SPLIT)
+                tl.store(cnt_ptr + tile, 0)
+
+
+@triton.jit
+def _grouped_w13_sum_kernel(part_ptr, inter_ptr, sorted_ptr, blk_expert_ptr, blk_rows_ptr, I, stride_ps,
+                            stride_pp, stride_it, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr):
+    """_grouped_w13_kernel's split partials summed into inter without arrival counters (grid (blocks,
+    cdiv(I, BLOCK_N))): the last program's additions, the same bits."""
+    pid_b = tl.program_id(0)
+    rows = tl.load(blk_rows_ptr + pid_b)
+    if rows == 0:
+        return
+    _, r_mask, pair, offs_n, n_mask = _block(sorted_ptr, blk_expert_ptr, pid_b, rows, I, BLOCK_M, BLOCK_N)
+    p_ptrs = part_ptr + pair[:, None].to(tl.int64) * stride_pp + offs_n[None, :]
+    o_ptrs = inter_ptr + pair[:, None].to(tl.int64) * stride_it + offs_n[None, :]
+    _split_sums_swiglu(p_ptrs, r_mask[:, None] & n_mask[None, :], stride_ps, I, o_ptrs, SPLIT)
 
 
 @triton.jit
@@ -153,6 +228,16 @@ def _check_dense(w: torch.Tensor, x: torch.Tensor, what: str) -> None:
         raise TypeError(f"{what}: dense experts must have x's dtype {x.dtype}, got {w.dtype}")
     if w.stride(-1) != 1:
         raise ValueError(f"{what}: must be contiguous along K")
+
+
+def gate_up_split(H: int, block_k: int, split_k: int) -> tuple[int, int]:
+    """(S, KS) of the gate/up launch's split along H (GroupedConfig.SPLIT_K = split_k): program s covers
+    [s KS, min((s+1) KS, H)), KS = cdiv(cdiv(H, split_k), block_k) block_k whole tiles; S = cdiv(H, KS) (below
+    split_k only where H has too few tiles: no program with an empty range). From (H, block_k, split_k) only."""
+    if split_k < 1:
+        raise ValueError(f"SPLIT_K must be >= 1, got {split_k}")
+    ks = triton.cdiv(triton.cdiv(H, split_k), block_k) * block_k
+    return triton.cdiv(H, ks), ks
 
 
 def fused_moe_grouped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
@@ -207,11 +292,23 @@ def fused_moe_grouped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk
     s13 = w13_scale_inv if fp8 else w13
     s2 = w2_scale_inv if fp8 else w2
     bn_q, bk_q = (block.n, block.k) if fp8 else (1, 1)
-    _grouped_w13_kernel[(max_blocks, triton.cdiv(I, cfg.BLOCK_N))](
+    split, k_split = gate_up_split(H, block_k, cfg.SPLIT_K)
+    grid = (max_blocks, triton.cdiv(I, cfg.BLOCK_N), split)
+    split_kw, counters = {}, None
+    if split > 1:
+        parts = torch.empty((split, P, 2 * I), device=x.device, dtype=torch.float32)
+        counters = arrival_counters(x.device, grid[0] * grid[1])
+        split_kw = dict(part_ptr=parts, cnt_ptr=counters, k_split=k_split, stride_ps=parts.stride(0),
+                        stride_pp=parts.stride(1), SPLIT=split, SERIAL=counters is not None)
+    _grouped_w13_kernel[grid](
         x, w13, s13, inter, sorted_pairs, blk_expert, blk_rows, H, I, topk, gate_rows,
         x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), inter.stride(0),
         FP8=fp8, BN_Q=bn_q, BK_Q=bk_q, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=block_k,
-        UPCAST=upcast, PREC=prec, num_warps=cfg.num_warps, num_stages=stages)
+        UPCAST=upcast, PREC=prec, num_warps=cfg.num_warps, num_stages=stages, **split_kw)
+    if split > 1 and counters is None:
+        _grouped_w13_sum_kernel[grid[:2]](
+            parts, inter, sorted_pairs, blk_expert, blk_rows, I, parts.stride(0), parts.stride(1), inter.stride(0),
+            SPLIT=split, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, num_warps=cfg.num_warps)
     _grouped_w2_kernel[(max_blocks, triton.cdiv(H, cfg.BLOCK_N))](
         inter, w2, s2, y, tw, sorted_pairs, blk_expert, blk_rows, H, I,
         inter.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), y.stride(1),
@@ -221,4 +318,4 @@ def fused_moe_grouped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk
     return out
 
 
-__all__ = ["GroupedConfig", "GROUPED_CONFIG", "fused_moe_grouped"]
+__all__ = ["GroupedConfig", "GROUPED_CONFIG", "fused_moe_grouped", "gate_up_split"]
