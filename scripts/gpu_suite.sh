@@ -10,9 +10,9 @@
 #   bench          the benchmarks the README cites: the demo's spec bench (held-out prompts, budgets 4..64, a
 #                  plot; again on the selection before the near-copy rule), the K2 layer step, the decoding rounds,
 #                  the W4A16 / MoE kernels
-#   kernel FAMILY  one kernel family's GPU tests and bench: w4a16 | moe | mla | gemm | router | tails | fp8 (the FP8
-#                  kernels' tests, every candidate config of the FP8 MoE and W8A16 at K2 shapes and of the BF16 MoE
-#                  and dense GEMM at Moonlight-16B's)
+#   kernel FAMILY  one kernel family's GPU tests and bench: w4a16 | moe | mla | gemm | gemm_moonlight | router |
+#                  tails | fp8 (the FP8 kernels' tests, every candidate config of the FP8 MoE and W8A16 at K2 shapes
+#                  and of the BF16 MoE at Moonlight-16B's) | gemm_moonlight (Moonlight-16B's dense GEMMs, every tile)
 #   quick          a first look: the small kernels' and the speculative GPU tests, a short demo spec bench
 #   formats        the BF16 / FP8 weight formats: their kernels' GPU tests, the fused MoE and W8A16 bench at K2
 #                  shapes (bench/moe_formats.py), Moonlight-16B's decoding and verify steps (bench/moonlight.py)
@@ -54,7 +54,7 @@ DRY=0
 if [[ ${1:-} == --dry-run ]]; then DRY=1; shift; fi
 SUITE=${1:-}
 ARG=${2:-}
-SUITES="tests [bitwise|rounds|kernels], bench, kernel {w4a16|moe|mla|gemm|router|tails|fp8}, quick, formats, k2, k2step, batch, multi, multibatch, long, ttft, serving"
+SUITES="tests [bitwise|rounds|kernels], bench, kernel {w4a16|moe|mla|gemm|gemm_moonlight|router|tails|fp8}, quick, formats, k2, k2step, batch, multi, multibatch, long, ttft, serving"
 die() { echo "gpu_suite.sh: $*" >&2; exit 2; }
 
 PYT=(python3 -m pytest -m gpu -p no:cacheprovider -v -rf --durations=15)
@@ -126,16 +126,17 @@ kernel_gemm() {
   step bench-gemm-rank 170 python3 bench/gemm.py --shapes rank --ms 1,4,16 --sweep --sweep-ms 1,4,16 \
     --sweep-seconds 120 --no-rmsnorm --no-heads --out "$RES/rank"
 }
+kernel_gemm_moonlight() {  # Moonlight-16B's dense linears (its BF16 decode step's largest kernel time), every tile
+  step bench-gemm-moonlight 200 python3 bench/gemm.py --shapes moonlight --ms 1,4,16 --sweep --sweep-ms 1,4,16 \
+    --sweep-seconds 140 --no-rmsnorm --no-heads --out "$RES/moonlight"
+}
 kernel_router() {
   pytest_step pytest-router 240 tests/gpu/test_router_gemm_gpu.py tests/gpu/test_fused_tails_gpu.py -k router
   step bench-router 120 python3 bench/router.py --out "$RES"
 }
 kernel_fp8() {
   pytest_step pytest-fp8 100 tests/gpu/test_formats_gpu.py -k "w8a16 or fp8 or graph_replay"
-  step bench-moe-formats-sweep 250 python3 bench/moe_formats.py --sweep --rows 1,4,16 --out "$RES"
-  # Moonlight-16B's dense linears (its BF16 decode step's largest kernel time), every candidate reduction and tile
-  step bench-gemm-moonlight 200 python3 bench/gemm.py --shapes moonlight --ms 1,4,16 --sweep --sweep-ms 1,4,16 \
-    --sweep-seconds 140 --no-rmsnorm --no-heads --out "$RES/moonlight"
+  step bench-moe-formats-sweep 300 python3 bench/moe_formats.py --sweep --rows 1,4,16 --out "$RES"
 }
 kernel_tails() {  # RMSNorm, SwiGLU, head norm + rope, the router tail: tests only (the K2 layer step times them)
   pytest_step pytest-tails 240 tests/gpu/test_fused_tails_gpu.py tests/gpu/test_row_select_gpu.py
@@ -250,9 +251,9 @@ run_suite() {
       "$SUITE" ;;
     kernel)
       case $ARG in
-        w4a16 | moe | mla | gemm | router | tails | fp8) "kernel_$ARG" ;;
+        w4a16 | moe | mla | gemm | gemm_moonlight | router | tails | fp8) "kernel_$ARG" ;;
         "") die "kernel needs a family (w4a16, moe, mla, gemm, router, tails, fp8)" ;;
-        *) die "unknown kernel family '$ARG' (families: w4a16, moe, mla, gemm, router, tails, fp8)" ;;
+        *) die "unknown kernel family '$ARG' (families: w4a16, moe, mla, gemm, gemm_moonlight, router, tails, fp8)" ;;
       esac ;;
     "") die "no suite given (suites: $SUITES)" ;;
     *) die "unknown suite '$SUITE' (suites: $SUITES)" ;;
