@@ -135,7 +135,7 @@ kernel_router() {
   step bench-router 120 python3 bench/router.py --out "$RES"
 }
 kernel_fp8() {
-  pytest_step pytest-fp8 100 tests/gpu/test_formats_gpu.py -k "w8a16 or fp8 or graph_replay"
+  pytest_step pytest-fp8 100 tests/gpu/test_formats_gpu.py -k "w8a16 or fp8 or graph_replay or split_k"
   step bench-moe-formats-sweep 300 python3 bench/moe_formats.py --sweep --rows 1,4,16 --out "$RES"
 }
 kernel_tails() {  # RMSNorm, SwiGLU, head norm + rope, the router tail: tests only (the K2 layer step times them)
