@@ -220,9 +220,9 @@ def bench_dense(shapes: dict[str, tuple[int, int]], block: Fp8Block, dtype: torc
 def moe_candidates() -> list[GroupedConfig]:
     out = [GroupedConfig(BLOCK_N=bn, num_warps=4, num_stages=st) for bn in (32, 64, 128) for st in (3, 4, 5)]
     out += [GroupedConfig(BLOCK_N=bn, num_warps=8, num_stages=st) for bn in (64, 128) for st in (3, 4)]
-    # the gate/up launch split along K (more programs at one token): the default and the last sweep's next best
-    out += [GroupedConfig(BLOCK_N=bn, num_warps=4, num_stages=st, SPLIT_K=sk)
-            for bn, st in ((64, 3), (64, 5), (32, 3)) for sk in (2, 4)]
+    # the gate/up launch split along H and the down launch's along I (more programs at one token), on the default
+    out += [GroupedConfig(BLOCK_N=64, num_warps=4, num_stages=3, SPLIT_K=sk, SPLIT_K2=sk2)
+            for sk, sk2 in ((2, 1), (4, 1), (8, 1), (1, 2), (2, 2), (4, 2), (8, 2), (4, 4))]
     return out
 
 

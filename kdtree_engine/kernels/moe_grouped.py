@@ -12,8 +12,10 @@ Four launches, no host synchronisation (CUDA-graph capturable), the INT4 path's 
   2. gate/up GEMM with the SwiGLU epilogue: each program streams BLOCK_N gate rows and the matching up rows
      of its expert over all of H (or over its K range of a fixed split, GroupedConfig.SPLIT_K), writes
      silu(g) * u in x's dtype to inter[P, I];
-  3. down GEMM: inter rows @ w2[e].T times the routing weight, fp32 to y[P, H];
-  4. the top-k sum in slot order (moe_w4a16.moe_topk_sum), plus the optional addend.
+  3. down GEMM: inter rows @ w2[e].T times the routing weight, fp32 to y[S2, P, H] (S2 > 1: a fixed split of I,
+     GroupedConfig.SPLIT_K2, partial s to y[s]);
+  4. the top-k sum in slot order, then over the down split's partials in split order (moe_w4a16.moe_topk_sum),
+     plus the optional addend.
 FP8 tiles are converted in registers (exact) and each tile's partial dot is scaled by its block scale
 (BLOCK_K divides bk: one scale column per tile), as in w8a16.py.
 
@@ -28,7 +30,7 @@ Batch invariance: every pair keeps its own row of inter / y, a block's rows neve
 (BLOCK_M, BLOCK_N, BLOCK_K, warps) are the same for every T. The split along K of the gate/up launch is a fixed
 one: its count and K ranges depend on H, BLOCK_K and the config only (never on T), and its partials are summed
 in split order (s = 0, 1, ...) by the tile's last program or the second kernel, the same additions; the down
-launch has no split. So a token's result does not depend on how many tokens share its expert. Pairs routed
+launch's split (SPLIT_K2) likewise depends on I and the config only, its partials summed by the top-k sum. So a token's result does not depend on how many tokens share its expert. Pairs routed
 outside [0, E) contribute 0.
 """
 
@@ -55,7 +57,8 @@ class GroupedConfig:
     BLOCK_K: int = 128   # at most (FP8: the largest power of two dividing bk)
     num_warps: int = 4
     num_stages: int = 3
-    SPLIT_K: int = 1     # fixed split of the gate/up launch along H (1: none; gate_up_split)
+    SPLIT_K: int = 1     # fixed split of the gate/up launch along H (1: none; fixed_split)
+    SPLIT_K2: int = 1    # fixed split of the down launch along I, its partials summed by the top-k sum
 
 
 # One config for every shape and T: the best of bench/moe_formats.py --sweep at K2's FP8 shape and Moonlight's BF16 one
@@ -195,8 +198,8 @@ def _grouped_w13_sum_kernel(part_ptr, inter_ptr, sorted_ptr, blk_expert_ptr, blk
 
 
 @triton.jit
-def _grouped_w2_kernel(a_ptr, w_ptr, s_ptr, y_ptr, tw_ptr, sorted_ptr, blk_expert_ptr, blk_rows_ptr, H, I,
-                       stride_at, stride_we, stride_wn, stride_se, stride_sn, stride_yt,
+def _grouped_w2_kernel(a_ptr, w_ptr, s_ptr, y_ptr, tw_ptr, sorted_ptr, blk_expert_ptr, blk_rows_ptr, H, I, k_split,
+                       stride_at, stride_we, stride_wn, stride_se, stride_sn, stride_yt, stride_ys,
                        FP8: tl.constexpr, BN_Q: tl.constexpr, BK_Q: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        UPCAST: tl.constexpr, PREC: tl.constexpr):
@@ -210,16 +213,20 @@ def _grouped_w2_kernel(a_ptr, w_ptr, s_ptr, y_ptr, tw_ptr, sorted_ptr, blk_exper
     w_rows = w_ptr + e * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
     s_rows = s_ptr + e * stride_se + (offs_n // BN_Q) * stride_sn
     a_rows = a_ptr + pair[:, None].to(tl.int64) * stride_at
+    # grid axis 2: the fixed split of I (GroupedConfig.SPLIT_K2), partial s to y[s]; the top-k sum adds them
+    pid_s = tl.program_id(2)
+    k_lo = pid_s * k_split
+    k_hi = tl.minimum(I, k_lo + k_split)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for k0 in range(0, I, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         kk = k0 + offs_k
-        at = tl.load(a_rows + kk[None, :], mask=r_mask[:, None] & (kk[None, :] < I), other=0.0)
-        wt = _weight_tile(w_rows, offs_k, n_mask, k0, I, DTYPE, FP8)
+        at = tl.load(a_rows + kk[None, :], mask=r_mask[:, None] & (kk[None, :] < k_hi), other=0.0)
+        wt = _weight_tile(w_rows, offs_k, n_mask, k0, k_hi, DTYPE, FP8)
         acc = _accumulate(acc, wt, at, s_rows, n_mask, k0, BK_Q, FP8, UPCAST, PREC)
     acc = tl.trans(acc)
     tw = tl.load(tw_ptr + pair, mask=r_mask, other=0.0).to(tl.float32)
     acc = acc * tw[:, None]
-    o_ptrs = y_ptr + pair[:, None].to(tl.int64) * stride_yt + offs_n[None, :]
+    o_ptrs = y_ptr + pid_s.to(tl.int64) * stride_ys + pair[:, None].to(tl.int64) * stride_yt + offs_n[None, :]
     tl.store(o_ptrs, acc, mask=r_mask[:, None] & n_mask[None, :])
 
 
@@ -230,14 +237,14 @@ def _check_dense(w: torch.Tensor, x: torch.Tensor, what: str) -> None:
         raise ValueError(f"{what}: must be contiguous along K")
 
 
-def gate_up_split(H: int, block_k: int, split_k: int) -> tuple[int, int]:
-    """(S, KS) of the gate/up launch's split along H (GroupedConfig.SPLIT_K = split_k): program s covers
-    [s KS, min((s+1) KS, H)), KS = cdiv(cdiv(H, split_k), block_k) block_k whole tiles; S = cdiv(H, KS) (below
-    split_k only where H has too few tiles: no program with an empty range). From (H, block_k, split_k) only."""
+def fixed_split(K: int, block_k: int, split_k: int) -> tuple[int, int]:
+    """(S, KS) of a launch's split along K (GroupedConfig.SPLIT_K / SPLIT_K2 = split_k): program s covers
+    [s KS, min((s+1) KS, K)), KS = cdiv(cdiv(K, split_k), block_k) block_k whole tiles; S = cdiv(K, KS) (below
+    split_k only where K has too few tiles: no program with an empty range). From (K, block_k, split_k) only."""
     if split_k < 1:
         raise ValueError(f"SPLIT_K must be >= 1, got {split_k}")
-    ks = triton.cdiv(triton.cdiv(H, split_k), block_k) * block_k
-    return triton.cdiv(H, ks), ks
+    ks = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k
+    return triton.cdiv(K, ks), ks
 
 
 def fused_moe_grouped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
@@ -288,11 +295,12 @@ def fused_moe_grouped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk
     sorted_pairs, blk_expert, blk_rows = moe_align(ids, E, cfg.BLOCK_M)
     max_blocks = blk_rows.numel()
     inter = torch.empty((P, I), device=x.device, dtype=x.dtype)
-    y = torch.empty((1, P, H), device=x.device, dtype=torch.float32)
+    split2, k_split2 = fixed_split(I, block_k, cfg.SPLIT_K2)
+    y = torch.empty((split2, P, H), device=x.device, dtype=torch.float32)
     s13 = w13_scale_inv if fp8 else w13
     s2 = w2_scale_inv if fp8 else w2
     bn_q, bk_q = (block.n, block.k) if fp8 else (1, 1)
-    split, k_split = gate_up_split(H, block_k, cfg.SPLIT_K)
+    split, k_split = fixed_split(H, block_k, cfg.SPLIT_K)
     grid = (max_blocks, triton.cdiv(I, cfg.BLOCK_N), split)
     split_kw, counters = {}, None
     if split > 1:
@@ -309,13 +317,13 @@ def fused_moe_grouped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk
         _grouped_w13_sum_kernel[grid[:2]](
             parts, inter, sorted_pairs, blk_expert, blk_rows, I, parts.stride(0), parts.stride(1), inter.stride(0),
             SPLIT=split, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, num_warps=cfg.num_warps)
-    _grouped_w2_kernel[(max_blocks, triton.cdiv(H, cfg.BLOCK_N))](
-        inter, w2, s2, y, tw, sorted_pairs, blk_expert, blk_rows, H, I,
-        inter.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), y.stride(1),
+    _grouped_w2_kernel[(max_blocks, triton.cdiv(H, cfg.BLOCK_N), split2)](
+        inter, w2, s2, y, tw, sorted_pairs, blk_expert, blk_rows, H, I, k_split2,
+        inter.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), y.stride(1), y.stride(0),
         FP8=fp8, BN_Q=bn_q, BK_Q=bk_q, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=block_k,
         UPCAST=upcast, PREC=prec, num_warps=cfg.num_warps, num_stages=stages)
-    moe_topk_sum(y, out, ids, E, topk, 1, Partition.split(H, 1), 1024, add=add)
+    moe_topk_sum(y, out, ids, E, topk, split2, Partition.split(H, split2), 1024, add=add)
     return out
 
 
-__all__ = ["GroupedConfig", "GROUPED_CONFIG", "fused_moe_grouped", "gate_up_split"]
+__all__ = ["GroupedConfig", "GROUPED_CONFIG", "fused_moe_grouped", "fixed_split"]

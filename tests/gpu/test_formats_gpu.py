@@ -207,14 +207,15 @@ def test_grouped_moe_graph_replay_equals_eager(k2_experts, fmt):
 @pytest.mark.parametrize("split", [2, 4])
 @pytest.mark.parametrize("serial", [True, False])
 def test_grouped_moe_split_k_keeps_invariance(k2_experts, fmt, split, serial, monkeypatch):
-    """The gate/up launch split along K (GroupedConfig.SPLIT_K): close to the reference, a token alone gives the
+    """The gate/up launch split along H and the down launch's along I (GroupedConfig.SPLIT_K / SPLIT_K2): close to
+    the reference, a token alone gives the
     bits it has among 64 (the split is fixed by H and the config), the arrival-counter sums and the second-kernel
     sums give the same bits, and the counters are back at 0."""
     from dataclasses import replace as dc_replace
     from kdtree_engine.kernels import moe_grouped, split_sum
     seed = new_seed()
     ex = k2_experts[fmt]
-    cfg = dc_replace(moe_grouped.GROUPED_CONFIG, SPLIT_K=split)
+    cfg = dc_replace(moe_grouped.GROUPED_CONFIG, SPLIT_K=split, SPLIT_K2=split // 2)
     if not serial:
         monkeypatch.setattr(split_sum, "SERIAL_TILES", 0)
 
@@ -236,4 +237,5 @@ def test_grouped_moe_split_k_keeps_invariance(k2_experts, fmt, split, serial, mo
     other = run(x[:1], ids[:1], tw[:1])   # the other way of summing the partials
     assert torch.equal(other, full[:1]), f"{fmt} seed={seed}"
     torch.cuda.synchronize()
+    monkeypatch.undo()
     assert int(split_sum.arrival_counters(x.device, 1).abs().sum()) == 0

@@ -1,7 +1,8 @@
 """Fused grouped MoE (BF16 / FP16 / FP8 experts): the Triton kernels under the interpreter (child process,
 _interp.py) against the model's torch reference (model/moe.py moe_reference on the same weights), with
 repeats, unowned (-1) pairs, several blocks per expert and the shared expert's addend; batch invariance
-(a token alone gives the bits it has among all T tokens). The gate/up launch's split along K (SPLIT_K): close to
+(a token alone gives the bits it has among all T tokens). The gate/up and down launches split along K (SPLIT_K,
+SPLIT_K2): close to
 the unsplit result and the reference, batch-invariant, the same bits whether the tile's last program or a second
 kernel sums the partials, and the arrival counters back at 0."""
 
@@ -20,7 +21,7 @@ sys.path.insert(0, str(HERE.parent))
 from kdtree_engine.config import preset  # noqa: E402
 from kdtree_engine.fp8 import Fp8Block, quantize_fp8  # noqa: E402
 from kdtree_engine.kernels import split_sum  # noqa: E402
-from kdtree_engine.kernels.moe_grouped import GroupedConfig, fused_moe_grouped, gate_up_split  # noqa: E402
+from kdtree_engine.kernels.moe_grouped import GroupedConfig, fused_moe_grouped, fixed_split  # noqa: E402
 from kdtree_engine.kernels.policy import KernelPolicy  # noqa: E402
 
 DT = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -63,13 +64,14 @@ CASES = {
 
 
 SPLIT_CASES = {
-    # name: (T, H, I, E, k, dtype, block or None, ids mode, SPLIT_K); 32-wide tiles (BLOCK_N, BLOCK_K): several
-    # n tiles and K tiles, the last split shorter where H is not a multiple of the split's range
-    "split2_t1_fp32_fp8_b32": (1, 96, 64, 5, 2, "fp32", (32, 32), "distinct", 2),
-    "split3_t5_bf16_fp8_b32_mixed": (5, 160, 48, 6, 3, "bf16", (32, 32), "mixed", 3),
-    "split3_t1_fp16_fp8_b16x32": (1, 96, 64, 4, 3, "fp16", (16, 32), "distinct", 3),
-    "split2_t5_fp16_dense": (5, 160, 64, 4, 2, "fp16", None, "distinct", 2),
-    "split3_t5_bf16_dense_mixed": (5, 96, 48, 5, 3, "bf16", None, "mixed", 3),
+    # name: (T, H, I, E, k, dtype, block or None, ids mode, SPLIT_K, SPLIT_K2); 32-wide tiles (BLOCK_N, BLOCK_K):
+    # several n tiles and K tiles, the last split shorter where H (I) is not a multiple of the split's range
+    "split2_t1_fp32_fp8_b32": (1, 96, 64, 5, 2, "fp32", (32, 32), "distinct", 2, 1),
+    "split3_t5_bf16_fp8_b32_mixed": (5, 160, 48, 6, 3, "bf16", (32, 32), "mixed", 3, 2),
+    "split3_t1_fp16_fp8_b16x32": (1, 96, 64, 4, 3, "fp16", (16, 32), "distinct", 3, 2),
+    "split2_t5_fp16_dense": (5, 160, 64, 4, 2, "fp16", None, "distinct", 2, 2),
+    "split3_t5_bf16_dense_mixed": (5, 96, 48, 5, 3, "bf16", None, "mixed", 3, 1),
+    "down3_t5_bf16_fp8_b32": (5, 96, 96, 4, 2, "bf16", (32, 32), "mixed", 1, 3),
 }
 
 
@@ -114,7 +116,7 @@ def _run_one(name, spec):
 
 
 def _run_split(spec):
-    T, H, I, E, k, dt, blk, mode, split = spec
+    T, H, I, E, k, dt, blk, mode, split, split2 = spec
     seed = int.from_bytes(os.urandom(4), "little")
     gen = torch.Generator().manual_seed(seed)
     dtype = DT[dt]
@@ -123,14 +125,14 @@ def _run_split(spec):
     x = torch.randn(T, H, generator=gen).to(dtype)
     ids, tw = _routing(T, E, k, mode, gen)
     kw = dict(w13_scale_inv=ex.w13_scale_inv, w2_scale_inv=ex.w2_scale_inv, block=block) if block else {}
-    cfg = GroupedConfig(BLOCK_N=32, BLOCK_K=32, SPLIT_K=split)
+    cfg = GroupedConfig(BLOCK_N=32, BLOCK_K=32, SPLIT_K=split, SPLIT_K2=split2)
 
     def run(xs, ids_, tw_, c=cfg):
         return fused_moe_grouped(xs, ex.w13, ex.w2, ids_, tw_, config=c, **kw)
 
     y = run(x, ids, tw)   # a few tiles: the arrival counters' path
     rec = _interp.output_record(y, _reference(x, ids, tw, ex), y.dtype == dtype and tuple(y.shape) == (T, H))
-    rec |= {"seed": seed, "splits": gate_up_split(H, 32, split)[0]}
+    rec |= {"seed": seed, "splits": (fixed_split(H, 32, split)[0], fixed_split(I, 32, split2)[0])}
     rec["counters_zero"] = all(int(c.abs().sum()) == 0 for c in split_sum._COUNTERS.values())
     y1 = run(x, ids, tw, GroupedConfig(BLOCK_N=32, BLOCK_K=32))
     rec["rel_unsplit"] = _interp.output_record(y, y1, True)["rel"]
@@ -159,9 +161,9 @@ def test_grouped_moe_interpreted(interp_results, name):
 @pytest.mark.parametrize("name", list(SPLIT_CASES))
 def test_grouped_moe_split_k_interpreted(interp_results, name):
     rec = interp_results[name]
-    T, dt, split = SPLIT_CASES[name][0], SPLIT_CASES[name][5], SPLIT_CASES[name][8]
+    T, dt, split = SPLIT_CASES[name][0], SPLIT_CASES[name][5], tuple(SPLIT_CASES[name][8:10])
     _interp.assert_close(rec, TOL[dt])
-    assert rec["splits"] == split, f"the case meant {split} splits, H gives {rec['splits']}"
+    assert tuple(rec["splits"]) == split, f"the case meant {split} splits, H and I give {rec['splits']}"
     assert rec["rel_unsplit"] < TOL[dt], f"relative error {rec['rel_unsplit']:.3g} from SPLIT_K=1 (seed {rec['seed']})"
     assert rec["row_bits"], f"a token alone differs from the same token among {T} (seed {rec['seed']})"
     assert rec["launch_sum_bits"], f"the second kernel's sums differ from the last programs' (seed {rec['seed']})"
@@ -174,21 +176,21 @@ if __name__ == "__main__" and "--interp-cases" in sys.argv:
     child_main(CASES | SPLIT_CASES, _run_one, sys.argv[sys.argv.index("--interp-cases") + 1:])
 
 
-def test_gate_up_split_from_h_and_tile_only():
+def test_fixed_split_from_h_and_tile_only():
     # K2's gate/up (H = 7168, 56 tiles of 128): whole-tile ranges, the last one shorter where S does not divide
-    assert gate_up_split(7168, 128, 1) == (1, 7168)
-    assert gate_up_split(7168, 128, 2) == (2, 3584)
-    assert gate_up_split(7168, 128, 3) == (3, 2432)
-    assert gate_up_split(7168, 128, 4) == (4, 1792)
-    assert gate_up_split(160, 32, 3) == (3, 64)
+    assert fixed_split(7168, 128, 1) == (1, 7168)
+    assert fixed_split(7168, 128, 2) == (2, 3584)
+    assert fixed_split(7168, 128, 3) == (3, 2432)
+    assert fixed_split(7168, 128, 4) == (4, 1792)
+    assert fixed_split(160, 32, 3) == (3, 64)
     # fewer tiles than splits: no program with an empty range
-    assert gate_up_split(128, 128, 3) == (1, 128)
-    assert gate_up_split(96, 32, 4) == (3, 32)
+    assert fixed_split(128, 128, 3) == (1, 128)
+    assert fixed_split(96, 32, 4) == (3, 32)
     for H, bk, want in [(7168, 128, 3), (160, 32, 3), (96, 32, 4), (1000, 64, 5)]:
-        s, ks = gate_up_split(H, bk, want)
+        s, ks = fixed_split(H, bk, want)
         assert ks % bk == 0 and (s - 1) * ks < H <= s * ks
     with pytest.raises(ValueError, match="SPLIT_K"):
-        gate_up_split(7168, 128, 0)
+        fixed_split(7168, 128, 0)
 
 
 def test_refuses_bad_operands():
