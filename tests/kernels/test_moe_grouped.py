@@ -2,9 +2,8 @@
 _interp.py) against the model's torch reference (model/moe.py moe_reference on the same weights), with
 repeats, unowned (-1) pairs, several blocks per expert and the shared expert's addend; batch invariance
 (a token alone gives the bits it has among all T tokens). The gate/up and down launches split along K (SPLIT_K,
-SPLIT_K2): close to
-the unsplit result and the reference, batch-invariant, the same bits whether the tile's last program or a second
-kernel sums the partials, and the arrival counters back at 0."""
+SPLIT_K2): close to the unsplit result and the reference, batch-invariant, the same bits whether the tile's last
+program or a second kernel sums the partials, and the arrival counters back at 0."""
 
 from __future__ import annotations
 
