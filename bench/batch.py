@@ -97,6 +97,7 @@ def run_batch(sched: Scheduler, prompts: list[list[int]], method: str, max_token
     captures = sched.steps.captures if sched.steps is not None else 0
     ahead = sched.ahead.steps if sched.ahead is not None else 0
     forwards, rows_run = sched.forwards, sched.rows_run   # the scheduler's counts run on over its runs
+    slots_before = slot_counts(sched)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     sync(target.device)
     t0 = time.perf_counter()
@@ -112,6 +113,7 @@ def run_batch(sched: Scheduler, prompts: list[list[int]], method: str, max_token
         for b, k in r.stats.get("budget_chosen", {}).items():
             chosen[int(b)] = chosen.get(int(b), 0) + k
     rounds = sum(chosen.values())
+    slots_after = slot_counts(sched)
     return {"method": method, "concurrency": len(prompts), "tokens": tokens, "wall_s": wall,
             "tokens_per_s": tokens / wall, "latency_s_mean": statistics.mean(lat), "latency_s_max": max(lat),
             "ttft_s_mean": statistics.mean(r.stats["ttft_s"] for r in res),
@@ -120,6 +122,10 @@ def run_batch(sched: Scheduler, prompts: list[list[int]], method: str, max_token
             "budget_mean": sum(b * k for b, k in chosen.items()) / rounds if rounds else None,
             "budget_chosen": dict(sorted(chosen.items())),
             "graph_captures": (sched.steps.captures if sched.steps is not None else 0) - captures,
+            # tree slots: their graph captures and steps by budget in this run (a load-aware group's choices)
+            "slot_captures": slots_after["captures"] - slots_before["captures"],
+            "slot_steps": {b: k - slots_before["steps"].get(b, 0) for b, k in sorted(slots_after["steps"].items())
+                           if k > slots_before["steps"].get(b, 0)},
             # requests whose tree rounds ran whole on the device (tree slots: greedy, a fixed budget)
             "device_round_requests": sum(bool(r.stats.get("device_rounds")) for r in res),
             # steps queued ahead of the read of their predecessor's tokens (plain greedy over static steps)
@@ -128,6 +134,16 @@ def run_batch(sched: Scheduler, prompts: list[list[int]], method: str, max_token
             "draft_s": sched.draft_s.value, "tree_host_s": sched.tree_host_s.value, "draft_samples": sched.draft_s.n,
             "probe_s": sched.probe_s.value,
             "forward_scale": sched.forward_scale.value}
+
+
+def slot_counts(sched: Scheduler) -> dict[str, Any]:
+    """The tree slots' graph captures and steps by budget so far, over every group."""
+    groups = list((sched.tree_slots or {}).values())
+    steps: dict[int, int] = {}
+    for g in groups:
+        for b, k in g.steps_at.items():
+            steps[b] = steps.get(b, 0) + k
+    return {"captures": sum(g.captures for g in groups), "steps": steps}
 
 
 def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -273,11 +289,13 @@ def markdown(rep: dict, label: str) -> list[str]:
            f"({rep['batch1_plain']['mode']} rounds): {rep['batch1_plain']['tokens_per_s']:.1f} tok/s.", ""]
     out += common.md_table(
         ["concurrent", "method", "tok/s", "runs tok/s", "x batch-1 plain", "latency mean s", "latency max s", "TTFT mean s",
-         "tau", "forwards", "steps ahead", "rows/forward", "mean budget", "device rounds"],
+         "tau", "forwards", "steps ahead", "rows/forward", "mean budget", "device rounds", "slot steps by budget",
+         "slot captures"],
         [[r["concurrency"], r["method"], r["tokens_per_s"],
           " / ".join(f"{t:.0f}" for t in r.get("tokens_per_s_runs", [r["tokens_per_s"]])), r["x_batch1_plain"], r["latency_s_mean"],
           r["latency_s_max"], r["ttft_s_mean"], r["tau"], r["forwards"], r.get("steps_ahead", "n/a"),
-          r["rows_per_forward"], r["budget_mean"], r.get("device_round_requests", "n/a")]
+          r["rows_per_forward"], r["budget_mean"], r.get("device_round_requests", "n/a"),
+          " ".join(f"{b}:{k}" for b, k in r.get("slot_steps", {}).items()) or "n/a", r.get("slot_captures", "n/a")]
          for r in rep["rows"]])
     out += ["", f"tok/s: the run of median throughput of {rep.get('repeats', 1)} measured runs (the methods in turn), "
                 "all of them in `runs tok/s`; the other columns are the median run's.",

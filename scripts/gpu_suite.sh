@@ -14,8 +14,9 @@
 #                  tails | fp8 (the FP8 kernels' tests, every candidate config of the FP8 MoE and W8A16 at K2 shapes
 #                  and of the BF16 MoE at Moonlight-16B's) | gemm_moonlight (Moonlight-16B's dense GEMMs, every tile)
 #   quick          a first look: the small kernels' and the speculative GPU tests, a short demo spec bench
-#   formats        the BF16 / FP8 weight formats: their kernels' GPU tests, the fused MoE and W8A16 bench at K2
-#                  shapes (bench/moe_formats.py), Moonlight-16B's decoding and verify steps (bench/moonlight.py)
+#   formats        the BF16 / FP8 weight formats: their kernels' GPU tests, spec == plain on BF16 and FP8 targets,
+#                  the fused MoE and W8A16 bench at K2 shapes (bench/moe_formats.py)
+#   moonlight      Moonlight-16B's decoding and verify steps, BF16 and INT4 (bench/moonlight.py)
 #   k2             all 61 K2 layers as one rank of TP8 / EP8 holds them: whole rounds from one CUDA graph at 4K and
 #                  64K context, their byte roofline and a round's kernels (bench/k2_model.py)
 #   k2step         the K2 rank's decode step in one call: the GPU tests of its launch-saving kernels (split-K sums by
@@ -54,7 +55,7 @@ DRY=0
 if [[ ${1:-} == --dry-run ]]; then DRY=1; shift; fi
 SUITE=${1:-}
 ARG=${2:-}
-SUITES="tests [bitwise|rounds|kernels], bench, kernel {w4a16|moe|mla|gemm|gemm_moonlight|router|tails|fp8}, quick, formats, k2, k2step, batch, multi, multibatch, long, ttft, serving"
+SUITES="tests [bitwise|rounds|kernels], bench, kernel {w4a16|moe|mla|gemm|gemm_moonlight|router|tails|fp8}, quick, formats, moonlight, k2, k2step, batch, multi, multibatch, long, ttft, serving"
 die() { echo "gpu_suite.sh: $*" >&2; exit 2; }
 
 PYT=(python3 -m pytest -m gpu -p no:cacheprovider -v -rf --durations=15)
@@ -158,9 +159,13 @@ quick() {
   spec_bench bench-spec-quick 150 "$RES/quick" --num-prompts 2 --max-tokens 64 --budgets 8,auto
 }
 
-formats() {  # the BF16 / FP8 formats (docs/formats.md): kernel tests, then the two benches the doc cites
+formats() {  # the BF16 / FP8 formats (docs/formats.md): kernel tests, spec == plain on BF16 and FP8 targets, the bench
   pytest_step pytest-formats 220 tests/gpu/test_formats_gpu.py
+  pytest_step pytest-formats-bitwise 150 tests/gpu/test_bitwise_gpu.py -k "dense or fp8"
   step bench-moe-formats 150 python3 bench/moe_formats.py --out "$RES"
+}
+
+moonlight() {  # Moonlight-16B's shape, random weights: decoding and verify steps, BF16 and INT4 (docs/formats.md)
   step bench-moonlight 200 python3 bench/moonlight.py --out "$RES"
 }
 
@@ -246,7 +251,7 @@ run_suite() {
         bitwise | rounds | kernels) "tests_$ARG" ;;
         *) die "unknown tests part '$ARG' (parts: bitwise, rounds, kernels)" ;;
       esac ;;
-    bench | quick | formats | k2 | k2step | batch | multi | multibatch | long | ttft | serving)
+    bench | quick | formats | moonlight | k2 | k2step | batch | multi | multibatch | long | ttft | serving)
       [[ -z $ARG ]] || die "suite '$SUITE' takes no argument (got '$ARG')"
       "$SUITE" ;;
     kernel)

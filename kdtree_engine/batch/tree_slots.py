@@ -77,6 +77,7 @@ class TreeSlots:
         self.graphs: dict[tuple[int, int], CapturedStep] = {}   # by (slot count, budget), over the first slots
         self.pool: Any = None
         self.captures = 0
+        self.steps_at: dict[int, int] = {}   # steps run at each budget (what a load-aware group chose)
         self.room = 0                                 # slots the buffers hold
         self.buf: dict[str, torch.Tensor] = {}
         self.dcaches: list[Any] = []
@@ -189,6 +190,7 @@ class TreeSlots:
         slot's are meaningless) and, with ``keep_logits``, their target logits [A, V]."""
         budget = self.chooser.choose(self.n) if self.chooser else self.budgets[0]
         self.last_budget = budget
+        self.steps_at[budget] = self.steps_at.get(budget, 0) + 1
         if self.chooser:   # the step's seconds are its own, not those of work queued before it
             sync(self.target.device)
         t0 = time.perf_counter()

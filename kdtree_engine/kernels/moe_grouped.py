@@ -61,8 +61,12 @@ class GroupedConfig:
     SPLIT_K2: int = 1    # fixed split of the down launch along I, its partials summed by the top-k sum
 
 
-# One config for every shape and T: the best of bench/moe_formats.py --sweep at K2's FP8 shape and Moonlight's BF16 one
+# One config a weight format, for every shape and T (so batch-invariant): the best of bench/moe_formats.py --sweep
+# (bench/results/moe_formats_sweep-h200.md) at Moonlight's BF16 shape and at K2's FP8 one, where the gate/up split
+# in two is faster at one token and no slower above. Its workspace is 2 x P x 2I float32 (a 4096-token chunk at
+# K2's shape: 1 GiB, for the length of the launch).
 GROUPED_CONFIG = GroupedConfig()
+FP8_GROUPED_CONFIG = GroupedConfig(SPLIT_K=2)
 
 
 @triton.jit
@@ -284,7 +288,7 @@ def fused_moe_grouped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk
     if T == 0:
         return out
     x = x.contiguous()
-    cfg = config or GROUPED_CONFIG
+    cfg = config or (FP8_GROUPED_CONFIG if fp8 else GROUPED_CONFIG)
     block_k = tile_k(block, cfg.BLOCK_K) if fp8 else cfg.BLOCK_K
     upcast = interpreting()
     prec = "ieee" if (x.dtype == torch.float32 or upcast) else "tf32"
@@ -326,4 +330,4 @@ def fused_moe_grouped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk
     return out
 
 
-__all__ = ["GroupedConfig", "GROUPED_CONFIG", "fused_moe_grouped", "fixed_split"]
+__all__ = ["GroupedConfig", "GROUPED_CONFIG", "FP8_GROUPED_CONFIG", "fused_moe_grouped", "fixed_split"]
