@@ -89,10 +89,8 @@ def _reference(x, ids, tw, ex):
     return moe_reference(x, torch.where(valid, ids, 0), torch.where(valid, tw, 0.0), ex)
 
 
-def _run_one(name, spec):
-    if name in SPLIT_CASES:
-        return _run_split(spec)
-    T, H, I, E, k, dt, blk, mode, with_add = spec
+def _draw(T, H, I, E, k, dt, blk, mode):
+    """(seed, its generator, dtype, experts, x, ids, weights, the FP8 kwargs) of a fresh random case."""
     seed = int.from_bytes(os.urandom(4), "little")
     gen = torch.Generator().manual_seed(seed)
     dtype = DT[dt]
@@ -100,8 +98,16 @@ def _run_one(name, spec):
     ex = make_experts(H, I, E, dtype, block, gen)
     x = torch.randn(T, H, generator=gen).to(dtype)
     ids, tw = _routing(T, E, k, mode, gen)
-    add = torch.randn(T, H + 3, generator=gen).to(dtype)[:, 1:H + 1] if with_add else None
     kw = dict(w13_scale_inv=ex.w13_scale_inv, w2_scale_inv=ex.w2_scale_inv, block=block) if block else {}
+    return seed, gen, dtype, ex, x, ids, tw, kw
+
+
+def _run_one(name, spec):
+    if name in SPLIT_CASES:
+        return _run_split(spec)
+    T, H, I, E, k, dt, blk, mode, with_add = spec
+    seed, gen, dtype, ex, x, ids, tw, kw = _draw(T, H, I, E, k, dt, blk, mode)
+    add = torch.randn(T, H + 3, generator=gen).to(dtype)[:, 1:H + 1] if with_add else None
     y = fused_moe_grouped(x, ex.w13, ex.w2, ids, tw, add=add, **kw)
     ref = _reference(x, ids, tw, ex)
     if add is not None:
@@ -116,14 +122,7 @@ def _run_one(name, spec):
 
 def _run_split(spec):
     T, H, I, E, k, dt, blk, mode, split, split2 = spec
-    seed = int.from_bytes(os.urandom(4), "little")
-    gen = torch.Generator().manual_seed(seed)
-    dtype = DT[dt]
-    block = Fp8Block(*blk) if blk else None
-    ex = make_experts(H, I, E, dtype, block, gen)
-    x = torch.randn(T, H, generator=gen).to(dtype)
-    ids, tw = _routing(T, E, k, mode, gen)
-    kw = dict(w13_scale_inv=ex.w13_scale_inv, w2_scale_inv=ex.w2_scale_inv, block=block) if block else {}
+    seed, _, dtype, ex, x, ids, tw, kw = _draw(T, H, I, E, k, dt, blk, mode)
     cfg = GroupedConfig(BLOCK_N=32, BLOCK_K=32, SPLIT_K=split, SPLIT_K2=split2)
 
     def run(xs, ids_, tw_, c=cfg):
