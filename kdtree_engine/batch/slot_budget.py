@@ -12,13 +12,16 @@ A group looks near its best, not everywhere: at each slot count it tries the bes
 yet, the best of the nearest count measured: the rates move smoothly with the load), the rungs next to it on the
 ladder, and budget 0 (a plain step: the draft pass makes trees a step apart from it, so it is always weighed); a
 neighbour that wins becomes the best and its own neighbours are tried next. Until a group has run ``BACKOFF_MAX``
-steps at a slot count, at most four budgets are measured there (each try at a new (slot count, budget) captures a
-graph), so a burst that passes through many slot counts captures few; after that the far rungs are tried too, now
-and then, so a rate that is not single-peaked along the ladder is still found in a long run. No tree is tried where plain steps were the best at fewer slots (a tree's verify rows grow
-with the slots; a plain step's cost less), and such a slot count prefers plain steps outright. One that lost is
-tried again after a wait that doubles with each loss (up to ``BACKOFF_MAX`` steps; ``NEAR_MAX`` for one within
-``NEAR`` of the best, whose loss may be its estimate's noise), so the price of looking is a step now and then. The
-choice never changes a request's tokens (every budget emits the target's greedy picks), only how many a step brings.
+steps at a slot count, only the budgets along that climb are measured there (each try at a new (slot count, budget)
+captures a graph); after that the far rungs are tried too, now and then, so a rate that is not single-peaked along
+the ladder is still found in a long run. Nothing but the best
+is tried until the group has run ``SETTLE`` steps in a row at a slot count: the counts a burst's tail passes through
+as its requests end (the slots halve) would each capture graphs for tries that a few steps cannot repay. No tree
+is tried where plain steps were the best at fewer slots (a tree's verify rows grow with the slots; a plain step's
+cost less), and such a slot count prefers plain steps outright. One that lost is tried again after a wait that
+doubles with each loss (up to ``BACKOFF_MAX`` steps; ``NEAR_MAX`` for one within ``NEAR`` of the best, whose loss
+may be its estimate's noise), so the price of looking is a step now and then. The choice never changes a request's
+tokens (every budget emits the target's greedy picks), only how many a step brings.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ START = 16                # the first budget tried where nothing is measured (th
 BACKOFF_MAX = 256         # steps at most between two tries of a budget that lost
 FIRST_WAIT = 2            # steps before a budget that lost is tried again the first time
 NEAR, NEAR_MAX = 0.9, 16  # a budget within this share of the best's rate waits at most this many steps
+SETTLE = 8                # steps in a row at a slot count before other budgets are tried there
 
 
 def ladder(cap: int) -> tuple[int, ...]:
@@ -48,6 +52,7 @@ class SlotBudget:
         self.due = {b: 0 for b in self.budgets}                      # ... until this step
         self.step = 0
         self.since: dict[int, int] = {}   # slot count -> the step a group first ran at it
+        self.count, self.stay = 0, 0      # the slot count of the last step, and the steps in a row at it
 
     def rate(self, budget: int, slots: int) -> float | None:
         """Tokens per second of a step at ``budget`` over ``slots`` slots (None: not measured there)."""
@@ -115,13 +120,15 @@ class SlotBudget:
         return self._prefers_plain(slots, self.plain_below(slots))
 
     def choose(self, slots: int) -> int:
-        """This step's budget: the best if not measured here yet, else a weighed budget due for a try (never measured
-        at this slot count, or its wait over), else the best."""
+        """This step's budget: the best if not measured here yet or the group has not settled at this slot count, else a
+        weighed budget due for a try (never measured at this slot count, or its wait over), else the best."""
         self.step += 1
         self.since.setdefault(slots, self.step)
+        self.stay = self.stay + 1 if slots == self.count else 1
+        self.count = slots
         below = self.plain_below(slots)
         best = self._best(slots, below)
-        if self.rate(best, slots) is None:
+        if self.rate(best, slots) is None or self.stay <= SETTLE:
             return best
         weighed = self._candidates(slots, below)
         if self.step - self.since[slots] >= BACKOFF_MAX:   # long at this count: the far rungs too
