@@ -375,7 +375,7 @@ class Scheduler:
         if group is None:
             return False
         load = sum(1 for s in self.active if (s.tree_slot[0] == key if s.tree_slot is not None else (
-            s.rounds is not None and slotted(s) and (s.shape, capacity_bucket(s.rounds.cache.capacity)) == key)))
+            s.rounds is not None and slotted(s) and slot_key(s) == key)))
         return group.chooser.prefers_plain(max(slot_bucket(load), group.slots if group.free else 2 * group.slots))
 
     def _hand_over(self, group: TreeSlots, seqs: list[Sequence]) -> None:
@@ -659,7 +659,7 @@ class Scheduler:
         prompt_aux = torch.cat(seq.prompt_aux) if seq.prompt_aux else None
         seq.prompt_aux = []
         dcache, group = None, None
-        key = (seq.shape, capacity_bucket(seq.rounds.cache.capacity))
+        key = slot_key(seq)
         if (self.tree_slots is not None and slotted(seq) and (self.auto_slots or not seq.shape.auto)
                 and not self._plain_pays(key)):
             group = self.tree_slots.get(key)
@@ -725,6 +725,11 @@ def chose(seq: Sequence, budget: int) -> None:
     """Count a round's budget in the request's stats (``budget_chosen``: {budget: rounds})."""
     counts = seq.stats.setdefault("budget_chosen", {})
     counts[budget] = counts.get(budget, 0) + 1
+
+
+def slot_key(seq: Sequence) -> tuple:
+    """The tree-slot group a request belongs to: its round shape and its cache's capacity bucket."""
+    return seq.shape, capacity_bucket(seq.rounds.cache.capacity)
 
 
 def slotted(seq: Sequence) -> bool:

@@ -61,14 +61,11 @@ class SlotBudget:
             return None
         return (self.tokens[budget].value if budget else 1.0) / max(sec.value, 1e-9)
 
-    def ruled_out(self, budget: int, slots: int) -> bool:
-        """A tree budget not worth trying at ``slots`` slots: plain steps were the best at fewer slots (a step's tree
-        rows grow with the slots and a plain step's cost less, so a tree that lost with fewer slots loses here too)."""
-        return budget != 0 and self.plain_below(slots)
-
     def plain_below(self, slots: int) -> bool:
-        """Whether plain steps were the best at some smaller slot count (halving from ``slots``): the counts from the
-        smallest up, each judged with no tree ruled out (a count where one would be is past the first that answers)."""
+        """Whether plain steps were the best at some smaller slot count (halving from ``slots``): then no tree is tried
+        at ``slots`` (a step's tree rows grow with the slots and a plain step's cost less, so a tree that lost with
+        fewer slots loses here too). The counts from the smallest up, each judged with no tree ruled out (a count
+        where one would be is past the first that answers); ``below`` in the helpers is this answer."""
         m, chain = slots // 2, []
         while m >= 1:
             chain.append(m)
@@ -101,18 +98,10 @@ class SlotBudget:
         return below or (self._measured_best(slots, below) == 0
                          and all(self.rate(b, slots) is not None for b in self._candidates(slots, below)))
 
-    def measured_best(self, slots: int) -> int | None:
-        """The budget of the highest measured rate at ``slots`` slots (not ruled out; None: none measured)."""
-        return self._measured_best(slots, self.plain_below(slots))
-
     def best(self, slots: int) -> int:
         """The best measured at ``slots`` slots; where none is: the best of the nearest slot count measured (the
         smaller of two as near), else the start."""
         return self._best(slots, self.plain_below(slots))
-
-    def candidates(self, slots: int) -> tuple[int, ...]:
-        """The budgets weighed at ``slots`` slots: the best, its neighbours on the ladder and 0 (none ruled out)."""
-        return self._candidates(slots, self.plain_below(slots))
 
     def prefers_plain(self, slots: int) -> bool:
         """Whether plain steps are the best at ``slots`` slots: they were at fewer slots, or budget 0 is the best

@@ -22,7 +22,7 @@ FP8 tiles are converted in registers (exact) and each tile's partial dot is scal
 Split K (gate/up only, SPLIT_K = S > 1: more programs streaming the weights at one token): program s of an
 output tile covers the K range [s KS, min((s+1) KS, H)), KS = cdiv(cdiv(H, S), BLOCK_K) BLOCK_K (whole tiles, so
 an FP8 tile keeps one scale column), and writes its float32 gate and up partials to a workspace parts[S, P, 2I];
-the last program of the tile to arrive (split_sum.last_program_sums' arrival counters) sums them in split order
+the last program of the tile to arrive (split_sum.last_to_arrive's arrival counters) sums them in split order
 and applies the SwiGLU. A launch of more tiles than split_sum.SERIAL_TILES sums them in a second kernel, the
 same additions. The workspace is S * P * 2I float32 (at large T, many times inter's bytes).
 
@@ -45,7 +45,7 @@ import triton.language as tl
 from ..fp8 import Fp8Block
 from .common import DTYPES, interpreting
 from .moe_w4a16 import check_add, moe_align, moe_topk_sum
-from .split_sum import Partition, arrival_counters
+from .split_sum import Partition, arrival_counters, last_to_arrive
 from .w4a16 import fp32_stages, mma_tile
 from .w8a16 import check_fp8, fp8_tile, tile_k
 
@@ -177,10 +177,8 @@ def _grouped_w13_kernel(x_ptr, w_ptr, s_ptr, inter_ptr, sorted_ptr, blk_expert_p
         tl.store(q_ptrs, g, mask=o_mask)
         tl.store(q_ptrs + I, u, mask=o_mask)
         if SERIAL:
-            # split_sum.last_program_sums' arrival: the others' partials are visible to the tile's last program
             tile = pid_b * tl.num_programs(1) + tl.program_id(1)
-            tl.debug_barrier()
-            if tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
+            if last_to_arrive(cnt_ptr, tile, SPLIT):
                 _split_sums_swiglu(p_ptrs, o_mask, stride_ps, I, o_ptrs, SPLIT)
                 tl.store(cnt_ptr + tile, 0)
 

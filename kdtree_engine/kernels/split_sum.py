@@ -30,13 +30,20 @@ def _split_sum_kernel(part_ptr, out_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.cons
 
 
 @triton.jit
-def last_program_sums(p_ptrs, o_mask, stride_s, n_split, f_ptrs, cnt_ptr, tile):
-    """The split partials of one output tile summed by the last of its n_split programs to arrive, in split order
-    from the partials in memory (its own included): split_sum's additions, so the same bits. p_ptrs: split 0's
-    partials of the tile (float32), stride_s apart; f_ptrs: the tile's outputs. The others' stores are visible to
-    the last one (a CTA barrier, then one acquire-release atomic at GPU scope); it sets the counter back to 0."""
+def last_to_arrive(cnt_ptr, tile, n_split):
+    """Whether this program is the last of the tile's n_split programs to arrive at its arrival counter (a CTA
+    barrier, then one acquire-release atomic at GPU scope: the others' stores are visible to the last one, which
+    must set the counter back to 0)."""
     tl.debug_barrier()
-    if tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu") == n_split - 1:
+    return tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu") == n_split - 1
+
+
+@triton.jit
+def last_program_sums(p_ptrs, o_mask, stride_s, n_split, f_ptrs, cnt_ptr, tile):
+    """The split partials of one output tile summed by the last of its n_split programs to arrive (last_to_arrive),
+    in split order from the partials in memory (its own included): split_sum's additions, so the same bits. p_ptrs:
+    split 0's partials of the tile (float32), stride_s apart; f_ptrs: the tile's outputs."""
+    if last_to_arrive(cnt_ptr, tile, n_split):
         total = tl.load(p_ptrs, mask=o_mask, other=0.0, cache_modifier=".cg")
         for s in range(1, n_split):
             total += tl.load(p_ptrs + s * stride_s, mask=o_mask, other=0.0, cache_modifier=".cg")
@@ -50,7 +57,7 @@ _COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
 def arrival_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
-    """int32 zeros, SERIAL_TILES of them per (device, stream), for last_program_sums (a launch's last program of a
+    """int32 zeros, SERIAL_TILES of them per (device, stream), for last_to_arrive (a launch's last program of a
     tile sets its counter back to 0, so launches one after another on a stream share them; concurrent streams have
     their own); None for a launch of more tiles."""
     if tiles > SERIAL_TILES:
