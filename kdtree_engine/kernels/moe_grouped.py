@@ -63,8 +63,8 @@ class GroupedConfig:
 
 # One config a weight format, for every shape and T (so batch-invariant): the best of bench/moe_formats.py --sweep
 # (bench/results/moe_formats_sweep-h200.md) at Moonlight's BF16 shape and at K2's FP8 one, where the gate/up split
-# in two is faster at one token and no slower above. Its workspace is 2 x P x 2I float32 (a 4096-token chunk at
-# K2's shape: 1 GiB, for the length of the launch).
+# in two is faster at one token and the best by the sum over T. Its workspace is 2 x P x 2I float32 (at prefill chunk sizes
+# several times inter's bytes, held for the length of the launch).
 GROUPED_CONFIG = GroupedConfig()
 FP8_GROUPED_CONFIG = GroupedConfig(SPLIT_K=2)
 
