@@ -30,8 +30,8 @@ Batch invariance: every pair keeps its own row of inter / y, a block's rows neve
 (BLOCK_M, BLOCK_N, BLOCK_K, warps) are the same for every T. The split along K of the gate/up launch is a fixed
 one: its count and K ranges depend on H, BLOCK_K and the config only (never on T), and its partials are summed
 in split order (s = 0, 1, ...) by the tile's last program or the second kernel, the same additions; the down
-launch's split (SPLIT_K2) likewise depends on I and the config only, its partials summed by the top-k sum. So a token's result does not depend on how many tokens share its expert. Pairs routed
-outside [0, E) contribute 0.
+launch's split (SPLIT_K2) likewise depends on I and the config only, its partials summed by the top-k sum. So a
+token's result does not depend on how many tokens share its expert. Pairs routed outside [0, E) contribute 0.
 """
 
 from __future__ import annotations
@@ -63,8 +63,8 @@ class GroupedConfig:
 
 # One config a weight format, for every shape and T (so batch-invariant): the best of bench/moe_formats.py --sweep
 # (bench/results/moe_formats_sweep-h200.md) at Moonlight's BF16 shape and at K2's FP8 one, where the gate/up split
-# in two is faster at one token and the best by the sum over T. Its workspace is 2 x P x 2I float32 (at prefill chunk sizes
-# several times inter's bytes, held for the length of the launch).
+# in two is faster at one token and the best by the sum over T. Its workspace is 2 x P x 2I float32 (at prefill
+# chunk sizes several times inter's bytes, held for the length of the launch).
 GROUPED_CONFIG = GroupedConfig()
 FP8_GROUPED_CONFIG = GroupedConfig(SPLIT_K=2)
 
