@@ -527,7 +527,9 @@ class Scheduler:
                 continue
             lp = host[at:at + top[0].numel()].view(top[0].shape)
             at += top[0].numel()
-            expected.append(expected_accepted_by_budget(lp, seq.shape.budget))
+            # no budget past the room the request's cache has left (its tree's nodes go there: _round_nodes)
+            cap = min(seq.shape.budget, seq.rounds.cache.capacity - seq.rounds.cache.length - 1)
+            expected.append(expected_accepted_by_budget(lp, cap) if cap > 0 else torch.zeros(0, dtype=torch.float64))
         calibrated = [e * seq.calibration.factor for (seq, _), e in zip(auto, expected)]
         fixed_rows = sum(fixed)
         padded = None if self.steps is None else (len(fixed), max(fixed, default=1), padded_rows)
@@ -612,11 +614,20 @@ class Scheduler:
     def _admit(self) -> None:
         while self.waiting:
             seq = self.waiting[0]
-            need = blocks_for(len(seq.prompt_ids) + seq.limit + seq.shape.max_nodes)
+            need = blocks_for(len(seq.prompt_ids) + seq.limit + self._round_nodes(seq))
             if need > self.pool.free_blocks:
                 return
             self.waiting.popleft()
             self._start(seq)
+
+    def _round_nodes(self, seq: Sequence) -> int:
+        """The verify rows a request's cache keeps room for past its limit: its widest round, but for host-driven
+        load-aware requests what the blocks of a plain round hold: their trees fit that room (:meth:`_plan_auto`), so
+        speculation under load never takes blocks (and concurrency) that plain decoding would have."""
+        if seq.shape.auto and not self.auto_slots:
+            n = len(seq.prompt_ids) + seq.limit
+            return blocks_for(n + 1) * BLOCK - n
+        return seq.shape.max_nodes
 
     def _start(self, seq: Sequence) -> None:
         """Take the request's cache blocks and plan its prompt chunks as its solo prefill does."""
@@ -624,7 +635,7 @@ class Scheduler:
         # a load-aware request's rounds get their budgets from the batch (load_budget.py), not a chooser of their own
         shape = replace(seq.shape, auto=False)
         r = HostRounds(target, self.drafter, shape, seq.params, seq.limit, len(seq.prompt_ids), self.tree_impl,
-                       self.prefill_chunk)
+                       self.prefill_chunk, round_nodes=self._round_nodes(seq))
         r.timer = Timer(target.device, synced=False)
         if self.keep_logits:
             r.emitted_logits = []

@@ -63,7 +63,10 @@ class HostRounds:
     ahead = False
 
     def __init__(self, target: Target, drafter: Any, shape: RoundShape, params: SamplingParams, limit: int,
-                 prompt_len: int, tree_impl: str = "auto", prefill_chunk: int | None = None) -> None:
+                 prompt_len: int, tree_impl: str = "auto", prefill_chunk: int | None = None,
+                 round_nodes: int | None = None) -> None:
+        """``round_nodes``: the widest verify the cache keeps room for past the request (default the shape's
+        widest; a batch's load-aware requests keep less and fit their trees to the room left)."""
         self.target, self.shape, self.params = target, shape, params
         self.prefill_chunk = prefill_chunk  # None: the target's default chunk (model/prefill.py)
         self.prefill_stats: dict[str, int] = {}
@@ -81,7 +84,7 @@ class HostRounds:
         if shape.auto:  # the verify cost curve is measured on first use (once per model, device, dtype)
             self.chooser = auto_budget_for(target, block_size=shape.block_size, context=prompt_len + limit // 2,
                                            max_budget=shape.budget)
-        self.cache = target.new_cache(prompt_len + limit + shape.max_nodes)
+        self.cache = target.new_cache(prompt_len + limit + (shape.max_nodes if round_nodes is None else round_nodes))
         self.aux_layers = tuple(self.drafter.target_layer_ids) if self.drafter is not None else ()
         self.last: tuple | None = None  # (tree, accept result, draft logits) of the last round that drafted
         self.emitted_logits: list[torch.Tensor] | None = None  # a list: keep_logits collects (tests compare runs)

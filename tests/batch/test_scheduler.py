@@ -317,3 +317,40 @@ def test_trees_wait_for_a_measured_plain_step(monkeypatch):
     sched.run()
     assert order[:2] == [0, 0] and order[2] > 0, order   # the plain shape measured, then the trees
     assert seq.result.token_ids == generate(target, prompt, params).token_ids
+
+
+def test_load_aware_requests_take_a_plain_requests_blocks_and_fit_their_trees_to_them(monkeypatch):
+    """Host-driven load-aware requests reserve the blocks of plain decoding (so speculation never admits fewer
+    requests than plain decoding would), and every tree they verify fits the room those blocks leave, even when the
+    budget chooser takes the largest tree it is offered; the tokens stay their solo plain run's."""
+    from kdtree_engine.batch import scheduler as sched_mod
+    seed = random.randrange(1 << 30)
+    print(f"seed {seed}")
+    rng = random.Random(seed)
+    target, drafter = _pair(seed, pool_tokens=64 * BLOCK)
+    pool = target.pool()
+    max_tokens = rng.randint(20, 40)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    # prompt + limit + 1 a whole number of blocks: the room left shrinks to nothing at the end
+    prompts = [_prompt(rng, 3, 60) for _ in range(3)] + [[7] * (2 * BLOCK - 1 - max_tokens)]
+    monkeypatch.setattr(sched_mod, "allocate_budgets", lambda expected, *a, **k: [len(e) for e in expected])
+    sched = Scheduler(target, drafter, token_budget=1024)
+    seqs = [sched.submit(p, params, spec="ddtree", budget="auto") for p in prompts]
+    plain = [sched.submit(p, params) for p in prompts]
+    widest = []
+    forward = target.forward_batch
+
+    def watch(parts, aux=()):
+        for part in parts:   # a tree's nodes go to its cache's next slots: they must be inside its capacity
+            assert part.cache.length + part.ids.shape[0] <= part.cache.capacity
+            widest.append(part.ids.shape[0])
+        return forward(parts, aux)
+    monkeypatch.setattr(target, "forward_batch", watch)
+    sched.step()
+    for s, p in zip(seqs, plain):   # admitted together: the same blocks as the plain request of the same prompt
+        assert len(s.rounds.cache.blocks) == len(p.rounds.cache.blocks)
+    sched.run()
+    assert max(widest) > BLOCK   # wide trees were verified
+    for p, s in zip(prompts, seqs):
+        assert s.result.token_ids == generate(target, p, params).token_ids
+    assert pool.free_blocks == pool.num_blocks
