@@ -50,6 +50,7 @@ from .draft_slots import DraftSlots
 from .tree_slots import TreeSlots
 from .graph_step import MAX_SLOTS, BatchedSteps, padded_rows, resolve_step_mode, slot_bucket
 from .load_budget import allocate_budgets
+from .slot_budget import LADDER
 from .sequence import DONE, PREFILL, RUNNING, Sequence
 
 DEFAULT_TOKEN_BUDGET = 2048  # rows of one batched forward (decode / verify rows first, then prompt chunks)
@@ -130,6 +131,11 @@ class Scheduler:
         # observed / predicted accepted drafts over every load-aware request's trees: a new request starts from it
         # (the drafter's own estimates may be far off on this batch's prompts; each request then learns its own)
         self.calibration = AcceptanceCalibration()
+        # seconds between the reads of two plain greedy steps run ahead in a row, by slot bucket: what plain batched
+        # decoding delivers at that load, the rate a group of tree slots must beat (.slot_budget)
+        self.ahead_s: dict[int, RecentMedian] = {}
+        self._ahead_read: tuple[int, float] | None = None   # (slot bucket, time) of the last such read
+        self.plain_tried: set[int] = set()   # slot counts at which a group of tree slots went to plain steps
         log_once(f"batch:{token_budget}", f"continuous batching: up to {token_budget} rows per forward, prompts in "
                  f"chunks of {self.chunk} tokens")
 
@@ -202,6 +208,7 @@ class Scheduler:
                 return self._step_ahead(running)
             self.ahead.pending = None
             ended += self.ahead.settle(pend, self._end)
+        self._ahead_read = None
         self._admit()
         ended += self._step_tree_slots([s for s in self.active if s.state == RUNNING and s.tree_slot is not None])
         running = [s for s in self.active if s.state == RUNNING and s.tree_slot is None]
@@ -298,6 +305,10 @@ class Scheduler:
         nxt = ahead.pend(running, plans, outs, self._pick([o.logits[-1:] for o in outs]))
         ahead.steps += 1
         ended = ahead.settle(ahead.pending, self._end)
+        now, bucket = time.perf_counter(), slot_bucket(len(running))
+        if self._ahead_read is not None and self._ahead_read[0] == bucket:
+            self.ahead_s.setdefault(bucket, RecentMedian()).update(now - self._ahead_read[1])
+        self._ahead_read = (bucket, now)
         ahead.hand_on(nxt)
         ahead.pending = nxt if any(s.state == RUNNING for s in running) else None
         return ended
@@ -355,8 +366,13 @@ class Scheduler:
                 if seq.emit.push(tokens[i]):
                     ended.append(self._end(seq))
             if group.chooser is not None:
-                group.plain_steps = group.plain_steps + 1 if group.chooser.prefers_plain(group.slots) else 0
-                if group.plain_steps >= HAND_OVER_AFTER:
+                n = group.slots
+                group.plain_steps = group.plain_steps + 1 if group.chooser.prefers_plain(n) else 0
+                # a load at which plain batched steps have not run: the group goes to them once, settled, so their
+                # rate is measured and the requests that come later at this load take the better of the two
+                learn = self.plain_rate(n) is None and group.chooser.settled(n) and n not in self.plain_tried
+                if group.plain_steps >= HAND_OVER_AFTER or learn:
+                    self.plain_tried.add(n)
                     self._hand_over(group, [s for s in members if s.tree_slot is not None])
             moved = group.shrink()
             for seq in members:   # a moved request's state and draft cache were copied to its new slot's
@@ -364,6 +380,12 @@ class Scheduler:
                     seq.tree_slot = (key, moved[seq.tree_slot[1]])
                     seq.rounds.dcache = group.dcaches[seq.tree_slot[1]]
         return ended
+
+    def plain_rate(self, slots: int) -> float | None:
+        """Tokens per second a request gets from plain greedy steps run ahead at ``slots`` requests (their slot
+        bucket), as measured; None where none has run."""
+        seen = self.ahead_s.get(slot_bucket(slots))
+        return None if seen is None or seen.n == 0 else 1.0 / max(seen.value, 1e-9)
 
     def _plain_pays(self, key: tuple) -> bool:
         """Whether a load-aware request should stay out of its group's tree slots: plain steps were the best at the
@@ -622,11 +644,13 @@ class Scheduler:
 
     def _round_nodes(self, seq: Sequence) -> int:
         """The verify rows a request's cache keeps room for past its limit: its widest round, but for host-driven
-        load-aware requests what the blocks of a plain round hold: their trees fit that room (:meth:`_plan_auto`), so
-        speculation under load never takes blocks (and concurrency) that plain decoding would have."""
-        if seq.shape.auto and not self.auto_slots:
+        load-aware requests what the blocks of a plain round hold (with ``auto_slots``, of the tree slots' widest
+        round): their host-driven trees fit that room (:meth:`_plan_auto`), so speculation under load never takes
+        blocks (and concurrency) that plain decoding would have."""
+        if seq.shape.auto:
             n = len(seq.prompt_ids) + seq.limit
-            return blocks_for(n + 1) * BLOCK - n
+            widest = 1 + min(seq.shape.budget, LADDER[-1]) if self.auto_slots else 1
+            return blocks_for(n + widest) * BLOCK - n
         return seq.shape.max_nodes
 
     def _start(self, seq: Sequence) -> None:
@@ -676,7 +700,7 @@ class Scheduler:
             group = self.tree_slots.get(key)
             if group is None:
                 group = self.tree_slots[key] = TreeSlots(self.target, self.drafter, seq.shape, key[1],
-                                                         self.draft_slots.mode, self.keep_logits)
+                                                         self.draft_slots.mode, self.keep_logits, self.plain_rate)
             seq.tree_slot = (key, group.take())
             dcache = group.dcaches[seq.tree_slot[1]]
         elif self.draft_slots is not None and seq.rounds.drafter is not None:

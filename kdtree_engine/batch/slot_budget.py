@@ -26,6 +26,8 @@ tokens (every budget emits the target's greedy picks), only how many a step brin
 
 from __future__ import annotations
 
+from typing import Callable
+
 from ..speculative.budget import RecentMedian, RunningMean
 
 LADDER = (4, 8, 16, 32)   # the tree budgets a group weighs besides 0 (up to the request's cap)
@@ -44,8 +46,9 @@ def ladder(cap: int) -> tuple[int, ...]:
 class SlotBudget:
     """The per-step budget of one group of tree slots."""
 
-    def __init__(self, cap: int) -> None:
+    def __init__(self, cap: int, plain_rate: Callable[[int], float | None] | None = None) -> None:
         self.budgets = ladder(cap)
+        self.plain_rate = plain_rate   # plain batched steps outside the slots: tokens per second at a slot count
         self.seconds: dict[tuple[int, int], RecentMedian] = {}     # (budget, slots) -> a step's seconds
         self.tokens = {b: RunningMean(prior=1.0) for b in self.budgets if b}   # per slot and step
         self.wait = {b: FIRST_WAIT for b in self.budgets}                     # its next try waits this many steps
@@ -55,11 +58,14 @@ class SlotBudget:
         self.count, self.stay = 0, 0      # the slot count of the last step, and the steps in a row at it
 
     def rate(self, budget: int, slots: int) -> float | None:
-        """Tokens per second of a step at ``budget`` over ``slots`` slots (None: not measured there)."""
+        """Tokens per second of a step at ``budget`` over ``slots`` slots (None: not measured there); for budget 0
+        the better of the slots' own plain steps and the plain batched steps outside them (which run ahead of
+        their reads, where the slots' plain steps wait for theirs), as the group would run once handed over."""
         sec = self.seconds.get((budget, slots))
-        if sec is None or sec.n == 0:
-            return None
-        return (self.tokens[budget].value if budget else 1.0) / max(sec.value, 1e-9)
+        own = None if sec is None or sec.n == 0 else (self.tokens[budget].value if budget else 1.0) / max(sec.value,
+                                                                                                        1e-9)
+        outside = self.plain_rate(slots) if budget == 0 and self.plain_rate is not None else None
+        return own if outside is None else outside if own is None else max(own, outside)
 
     def plain_below(self, slots: int) -> bool:
         """Whether plain steps were the best at some smaller slot count (halving from ``slots``): then no tree is tried
@@ -70,7 +76,7 @@ class SlotBudget:
         while m >= 1:
             chain.append(m)
             m //= 2
-        return any((0, m) in self.seconds and self._prefers_plain(m, False) for m in reversed(chain))
+        return any(self.rate(0, m) is not None and self._prefers_plain(m, False) for m in reversed(chain))
 
     def _measured_best(self, slots: int, below: bool) -> int | None:
         rates = {b: r for b in self.budgets if not (below and b) and (r := self.rate(b, slots)) is not None}
@@ -107,6 +113,10 @@ class SlotBudget:
         """Whether plain steps are the best at ``slots`` slots: they were at fewer slots, or budget 0 is the best
         measured here and every budget weighed here has been measured."""
         return self._prefers_plain(slots, self.plain_below(slots))
+
+    def settled(self, slots: int) -> bool:
+        """Whether the group has run more than ``SETTLE`` steps in a row at ``slots`` slots, the last at the best."""
+        return self.count == slots and self.stay > SETTLE and self.rate(self.best(slots), slots) is not None
 
     def choose(self, slots: int) -> int:
         """This step's budget: the best if not measured here yet or the group has not settled at this slot count, else a

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -48,16 +48,18 @@ from .slot_budget import SlotBudget
 
 class TreeSlots:
     """The device-resident tree rounds of one round shape and capacity (``mode`` "graph" or "static");
-    ``keep_logits``: keep the target logits of every emitted token (tests compare them with solo runs)."""
+    ``keep_logits``: keep the target logits of every emitted token (tests compare them with solo runs);
+    ``plain_rate(slots)``: a request's tokens per second from plain batched steps outside the slots at that load
+    (None: not measured), what a load-aware group's trees must beat (.slot_budget)."""
 
     def __init__(self, target: Target, drafter: Any, shape: RoundShape, capacity: int, mode: str,
-                 keep_logits: bool = False) -> None:
+                 keep_logits: bool = False, plain_rate: Callable[[int], float | None] | None = None) -> None:
         if shape.method not in ("dflash", "ddtree"):
             raise ValueError(f"tree slots take a dflash or ddtree round, not {shape}")
         self.target, self.drafter, self.shape, self.mode = target, drafter, shape, mode
         self.B = shape.block_size
         # budget="auto": a budget a step for the whole group (.slot_budget), budget 0 a plain step
-        self.chooser = SlotBudget(shape.budget) if shape.auto else None
+        self.chooser = SlotBudget(shape.budget, plain_rate) if shape.auto else None
         self.budgets = self.chooser.budgets if self.chooser else (shape.budget,)
         self.n1_of = {b: replace(shape, budget=b, auto=False).full_nodes if b else 1 for b in self.budgets}
         self.n1 = max(self.n1_of.values())             # the widest round's verify width

@@ -172,3 +172,32 @@ def test_plain_is_weighed_beside_a_tree_that_looks_best_among_trees() -> None:
         chooser.record(b, 2, cost[b], 2.0, captured=False)
     assert chooser.best(2) == 0 and chooser.prefers_plain(2)
     assert (32, 2) not in chooser.seconds   # not next to the best tree: not measured before BACKOFF_MAX steps
+
+
+def test_plain_steps_outside_the_slots_set_what_a_tree_must_beat() -> None:
+    """The slots' own plain steps wait for their reads and look slow; the plain batched steps outside the slots (run
+    ahead of their reads) are what budget 0 stands for once they are measured: a group whose trees beat the slots'
+    plain steps but not the outside ones prefers plain, and one whose trees beat both keeps its best tree."""
+    seed = random.randrange(1 << 30)
+    print(f"seed {seed}")
+    rng = random.Random(seed)
+    slots = rng.choice([4, 16, 64])
+    plain = rng.uniform(1e-3, 20e-3)
+    tau = {b: 1.0 + 0.4 * b ** 0.5 for b in LADDER}
+
+    def seconds(b: int, n: int) -> float:   # a tree step a little dearer than a plain one, and a better rate
+        return plain * (1.0 + 0.01 * b)
+
+    outside: dict[int, float] = {}
+    chooser = SlotBudget(32, lambda n: outside.get(n))
+    simulate(rng, chooser, seconds, lambda b: tau[b], slots, 200)
+    best = chooser.best(slots)
+    assert best != 0 and not chooser.prefers_plain(slots) and chooser.settled(slots)
+    tree_rate = tau[best] / seconds(best, slots)
+    outside[slots] = 1.2 * tree_rate             # plain batched steps outside run faster than the best tree
+    assert chooser.best(slots) == 0
+    simulate(rng, chooser, seconds, lambda b: tau[b], slots, 50)   # the budgets next to plain are weighed too
+    assert chooser.best(slots) == 0 and chooser.prefers_plain(slots)
+    outside[slots] = 0.8 * tree_rate             # ... or slower: the tree stays
+    assert chooser.best(slots) == best and not chooser.prefers_plain(slots)
+    assert not chooser.settled(2 * slots)        # another count: not run there

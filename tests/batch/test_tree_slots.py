@@ -221,3 +221,22 @@ def test_load_aware_requests_hand_over_to_host_rounds_when_plain_pays(monkeypatc
     handed = [r.stats.get("handed_over", False) for r in results[:N]]
     assert sum(handed) >= 2 and not any(r.stats["device_rounds"] for r in results[N:]), handed
     assert_solo(target, drafter, cases, results, logits)
+
+
+def test_a_group_goes_to_plain_steps_once_to_learn_their_rate_at_its_load() -> None:
+    """With the plain batched steps' rate unknown at its load, a settled group of load-aware requests goes on in
+    host-driven rounds once (their plain steps, run ahead of their reads, are then timed at that load); a later
+    burst at the same load is placed by the measured rates, with no second try. Each request's tokens == its solo
+    run's."""
+    seed = random.randrange(1 << 30)
+    print(f"seed {seed}")
+    rng = random.Random(seed)
+    target, drafter = demo()
+    base = make_cases(load_tokenizer(DEMO_DIR), 2 * N, seed, max_prompt=60, max_tokens=40, sampled_every=10**6)
+    cases = [Case(c.prompt, replace(c.params, max_tokens=rng.randint(60, 90)), "ddtree", "auto", 0 if i < N else 200)
+             for i, c in enumerate(base)]
+    results, logits, sched = batched(target, drafter, cases, 48, token_budget=2048, step_mode="static", auto_slots=True)
+    handed = [bool(r.stats.get("handed_over")) for r in results]
+    assert sched.plain_tried == {N} and all(handed[:N]), (sched.plain_tried, handed)
+    assert sched.plain_rate(N) is not None
+    assert_solo(target, drafter, cases, results, logits)
