@@ -423,6 +423,9 @@ class Scheduler:
             group.detach(i)
             seq.tree_slot = None
             seq.stats["handed_over"] = True
+            # plain steps were the better (or are to be timed): a probe gap of plain rounds before a draft pass, so
+            # they run ahead of their reads at once
+            seq.backoff = seq.skip = self._probe_gap(max(seq.backoff, HAND_OVER_AFTER))
         group.plain_steps = 0
         log.debug("tree slots: %d load-aware requests to host-driven rounds (plain steps pay)", len(seqs))
 
