@@ -370,7 +370,7 @@ class Scheduler:
                 group.plain_steps = group.plain_steps + 1 if group.chooser.prefers_plain(n) else 0
                 # a load at which plain batched steps have not run: the group goes to them once, settled, so their
                 # rate is measured and the requests that come later at this load take the better of the two
-                learn = self.plain_rate(n) is None and group.chooser.settled(n) and n not in self.plain_tried
+                learn = not self.plain_timed(n) and group.chooser.settled(n) and n not in self.plain_tried
                 if group.plain_steps >= HAND_OVER_AFTER or learn:
                     self.plain_tried.add(n)
                     self._hand_over(group, [s for s in members if s.tree_slot is not None])
@@ -383,9 +383,21 @@ class Scheduler:
 
     def plain_rate(self, slots: int) -> float | None:
         """Tokens per second a request gets from plain greedy steps run ahead at ``slots`` requests (their slot
-        bucket), as measured; None where none has run."""
+        bucket): as measured there, else a lower bound from the loads measured (None where none is). A step of more
+        rows takes no less time, so a request's rate at a higher load bounds it from below; and no more than
+        proportionally more, so the batch's total at a lower load does too (rate(m) x m / n). A bound never
+        overstates plain steps: a group keeps its trees unless even the bound beats them."""
+        n = slot_bucket(slots)
+        rates = {m: 1.0 / max(seen.value, 1e-9) for m, seen in self.ahead_s.items() if seen.n > 0}
+        if n in rates:
+            return rates[n]
+        bounds = [r if m > n else r * m / n for m, r in rates.items()]
+        return max(bounds) if bounds else None
+
+    def plain_timed(self, slots: int) -> bool:
+        """Whether plain steps run ahead have been timed at ``slots`` requests' slot bucket itself."""
         seen = self.ahead_s.get(slot_bucket(slots))
-        return None if seen is None or seen.n == 0 else 1.0 / max(seen.value, 1e-9)
+        return seen is not None and seen.n > 0
 
     def _plain_pays(self, key: tuple) -> bool:
         """Whether a load-aware request should stay out of its group's tree slots: plain steps were the best at the

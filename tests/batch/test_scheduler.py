@@ -354,3 +354,33 @@ def test_load_aware_requests_take_a_plain_requests_blocks_and_fit_their_trees_to
     for p, s in zip(prompts, seqs):
         assert s.result.token_ids == generate(target, p, params).token_ids
     assert pool.free_blocks == pool.num_blocks
+
+
+def test_the_plain_rate_at_an_untimed_load_is_a_lower_bound_from_the_timed_ones():
+    """Plain steps run ahead, timed at a few loads of a random world whose step time grows with the rows (no faster
+    per row, never more than proportionally): at a timed load the rate is the one measured, at another a bound from
+    the timed ones that never exceeds the world's true rate there, and None before anything is timed."""
+    from kdtree_engine.batch.graph_step import slot_bucket
+    from kdtree_engine.speculative.budget import RecentMedian
+    seed = random.randrange(1 << 30)
+    print(f"seed {seed}")
+    rng = random.Random(seed)
+    target, drafter = _pair(seed)
+    sched = Scheduler(target, drafter)
+    assert sched.plain_rate(8) is None and not sched.plain_timed(8)
+    fixed, per_row = rng.uniform(1e-4, 1e-2), rng.uniform(1e-6, 1e-3)   # a step's seconds: fixed + per_row x rows
+
+    def period(n: int) -> float:
+        return fixed + per_row * n
+    buckets = sorted({slot_bucket(2 ** k) for k in range(8)})
+    timed = rng.sample(buckets, rng.randint(1, 3))
+    for m in timed:
+        sched.ahead_s[m] = RecentMedian()
+        sched.ahead_s[m].update(period(m))
+    for n in buckets:
+        got = sched.plain_rate(n)
+        assert sched.plain_timed(n) == (n in timed)
+        if n in timed:
+            assert got == pytest.approx(1.0 / period(n))
+        else:
+            assert 0 < got <= 1.0 / period(n) * (1 + 1e-12), (n, got, 1.0 / period(n))
