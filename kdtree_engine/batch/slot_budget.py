@@ -62,8 +62,9 @@ class SlotBudget:
         the better of the slots' own plain steps and the plain batched steps outside them (which run ahead of
         their reads, where the slots' plain steps wait for theirs), as the group would run once handed over."""
         sec = self.seconds.get((budget, slots))
-        own = None if sec is None or sec.n == 0 else (self.tokens[budget].value if budget else 1.0) / max(sec.value,
-                                                                                                        1e-9)
+        own = None
+        if sec is not None and sec.n > 0:
+            own = (self.tokens[budget].value if budget else 1.0) / max(sec.value, 1e-9)
         outside = self.plain_rate(slots) if budget == 0 and self.plain_rate is not None else None
         return own if outside is None else outside if own is None else max(own, outside)
 

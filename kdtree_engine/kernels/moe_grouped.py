@@ -46,7 +46,7 @@ from ..fp8 import Fp8Block
 from .common import DTYPES, interpreting
 from .moe_w4a16 import check_add, moe_align, moe_topk_sum
 from .split_sum import Partition, arrival_counters, last_to_arrive
-from .w4a16 import fp32_stages, mma_tile
+from .w4a16 import fp32_stages, k_splits, mma_tile
 from .w8a16 import check_fp8, fp8_tile, tile_k
 
 
@@ -245,8 +245,7 @@ def fixed_split(K: int, block_k: int, split_k: int) -> tuple[int, int]:
     split_k only where K has too few tiles: no program with an empty range). From (K, block_k, split_k) only."""
     if split_k < 1:
         raise ValueError(f"SPLIT_K must be >= 1, got {split_k}")
-    ks = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k
-    return triton.cdiv(K, ks), ks
+    return k_splits(K, block_k, split_k)   # the INT4 kernels' split of a K loop into whole tiles
 
 
 def fused_moe_grouped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
